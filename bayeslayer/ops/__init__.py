@@ -1,0 +1,27 @@
+"""Pure tensor functions: the Bayesian Layer and its design-model family (no ``nn.Module`` here).
+
+Public contract (sequence-first, like flash-linear-attention)::
+
+    o, state = bl_recurrent(q, k, v, r2, ell2, alpha=None, theta=None, p0=1.0,
+                            initial_state=None, output_final_state=False, return_variance=False)
+    o, state = bl_chunk(q, k, v, r2, ell2, ..., chunk_size=64)
+    o, state = bl_step(q, k, v, r2, ell2, alpha=None, theta=None, state=(M, P))
+"""
+
+from .checks import set_value_checks, value_checks
+from .chunk import bl_chunk, filter_chunk
+from .prepare import WRITE_MODELS, FilterOutput
+from .recurrent import bl_recurrent, bl_step, filter_recurrent, initial_bl_state
+
+__all__ = [
+    "WRITE_MODELS",
+    "FilterOutput",
+    "bl_chunk",
+    "bl_recurrent",
+    "bl_step",
+    "filter_chunk",
+    "filter_recurrent",
+    "initial_bl_state",
+    "set_value_checks",
+    "value_checks",
+]

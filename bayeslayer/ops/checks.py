@@ -1,0 +1,294 @@
+"""Input validation shared by every public op.
+
+Every public op funnels its arguments through these helpers so that a bad
+shape, dtype, device or value raises a ``ValueError``/``TypeError`` that names
+the argument and the shapes seen, instead of broadcasting into a silently wrong
+answer.  Value checks (finiteness, ranges) need one pass over each tensor and,
+on a GPU, a host sync; :func:`set_value_checks` turns them off for production
+training once a pipeline is known to be sound.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import numbers
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+_VALUE_CHECKS = True
+
+
+def set_value_checks(enabled: bool) -> bool:
+    """Enable or disable value checks (finite, range); returns the previous setting.
+
+    Shape, dtype and device checks are always on: they cost nothing.
+    """
+    global _VALUE_CHECKS
+    previous = _VALUE_CHECKS
+    _VALUE_CHECKS = bool(enabled)
+    return previous
+
+
+@contextlib.contextmanager
+def value_checks(enabled: bool) -> Iterator[None]:
+    """Context manager form of :func:`set_value_checks`."""
+    previous = set_value_checks(enabled)
+    try:
+        yield
+    finally:
+        set_value_checks(previous)
+
+
+def value_checks_enabled() -> bool:
+    return _VALUE_CHECKS
+
+
+def _shape(x: torch.Tensor) -> str:
+    return str(tuple(x.shape))
+
+
+def check_tensor(name: str, x, *, device: torch.device | None = None) -> torch.Tensor:
+    """A floating-point tensor, on ``device`` when given, with only finite values."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
+    if device is not None and x.device != device:
+        raise ValueError(f"{name} is on {x.device} but q is on {device}; all inputs must share one device")
+    if _VALUE_CHECKS and not bool(torch.isfinite(x).all()):
+        raise ValueError(f"{name} contains NaN or Inf values (shape {_shape(x)})")
+    return x
+
+
+def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """Filter arithmetic runs in fp64 when any input is fp64, else fp32."""
+    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+@dataclass(frozen=True)
+class Dims:
+    """Sizes of a sequence-first call: batch, time, heads, key dim, value dim."""
+
+    B: int
+    T: int
+    H: int
+    D: int
+    m: int
+    device: torch.device
+    dtype: torch.dtype  # the callers' dtype (outputs are cast back to it)
+    cdtype: torch.dtype  # the filter's arithmetic dtype
+
+
+def check_qkv(q, k, v, *, single_step: bool = False) -> Dims:
+    """Check q, k: [B, T, H, D] and v: [B, T, H, m] (``single_step``: [B, H, D] / [B, H, m])."""
+    q = check_tensor("q", q)
+    dev = q.device
+    k = check_tensor("k", k, device=dev)
+    v = check_tensor("v", v, device=dev)
+    nd = 3 if single_step else 4
+    layout = "[B, H, D]" if single_step else "[B, T, H, D]"
+    vlayout = "[B, H, m]" if single_step else "[B, T, H, m]"
+    if q.dim() != nd:
+        raise ValueError(f"q must be {layout}, got shape {_shape(q)}")
+    if k.shape != q.shape:
+        raise ValueError(f"k must have the shape of q {layout}: q {_shape(q)}, k {_shape(k)}")
+    if v.dim() != nd or v.shape[:-1] != q.shape[:-1]:
+        raise ValueError(f"v must be {vlayout} matching q {_shape(q)} except the last dim, got {_shape(v)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if single_step:
+        B, H, D = q.shape
+        T = 1
+    else:
+        B, T, H, D = q.shape
+    m = v.shape[-1]
+    if D == 0 or m == 0 or H == 0:
+        raise ValueError(f"q/v have an empty head or feature dim: q {_shape(q)}, v {_shape(v)}")
+    return Dims(B, T, H, D, m, dev, v.dtype, compute_dtype(q, k, v))
+
+
+def check_positive(
+    name: str,
+    x,
+    dims: Dims,
+    *,
+    allow_groups: bool = False,
+    single_step: bool = False,
+    strict: bool = True,
+) -> torch.Tensor:
+    """A noise-like parameter: a Python number, or a tensor [B, T, H] (or [B, T, H, G]).
+
+    Returns a tensor of shape [B, T, H] or [B, T, H, G] in the compute dtype
+    (for ``single_step``: [B, H] or [B, H, G] inputs, returned with T = 1).
+    """
+    lead = (dims.B, dims.H) if single_step else (dims.B, dims.T, dims.H)
+    lead_s = "[B, H]" if single_step else "[B, T, H]"
+    if isinstance(x, numbers.Real) and not isinstance(x, bool):
+        val = float(x)
+        if not (val > 0 if strict else val >= 0) or val != val or val in (float("inf"), float("-inf")):
+            cond = "> 0" if strict else ">= 0"
+            raise ValueError(f"{name} must be finite and {cond}, got {val}")
+        t = torch.full(lead, val, dtype=dims.cdtype, device=dims.device)
+    else:
+        t = check_tensor(name, x, device=dims.device)
+        if t.dim() == 0:
+            t = t.expand(lead)
+        ok = tuple(t.shape) == lead or (allow_groups and t.dim() == len(lead) + 1 and tuple(t.shape[:-1]) == lead)
+        if not ok:
+            want = f"{lead_s} or {lead_s[:-1]}, G]" if allow_groups else lead_s
+            raise ValueError(f"{name} must have shape {want} = {lead}, got {_shape(t)}")
+        if _VALUE_CHECKS:
+            bad = (t <= 0) if strict else (t < 0)
+            if bool(bad.any()):
+                cond = "> 0" if strict else ">= 0"
+                raise ValueError(f"{name} must be {cond} everywhere; min value {t.min().item():.3g}")
+        t = t.to(dims.cdtype)
+    if allow_groups and t.dim() == len(lead) + 1:
+        G = t.shape[-1]
+        if G == 0 or dims.m % G != 0:
+            raise ValueError(f"{name} has G={G} noise groups but the value dim m={dims.m} is not divisible by G")
+    if single_step:
+        t = t.unsqueeze(1)
+    return t
+
+
+def check_p0(p0, dims: Dims) -> torch.Tensor:
+    """Initial prior variance: a positive number, or a positive tensor [H]. Returns [H]."""
+    if isinstance(p0, torch.Tensor):
+        p = check_tensor("p0", p0, device=dims.device)
+        if p.dim() == 0:
+            p = p.expand(dims.H)
+        if tuple(p.shape) != (dims.H,):
+            raise ValueError(f"p0 must be a number or a tensor of shape [H] = ({dims.H},), got {_shape(p)}")
+        if _VALUE_CHECKS and bool((p <= 0).any()):
+            raise ValueError(f"p0 must be > 0, got min {p.min().item():.3g}")
+        return p.to(dims.cdtype)
+    if not isinstance(p0, numbers.Real) or isinstance(p0, bool):
+        raise TypeError(f"p0 must be a positive number or a tensor of shape [H], got {type(p0).__name__}")
+    if not (float(p0) > 0) or float(p0) == float("inf"):
+        raise ValueError(f"p0 must be finite and > 0, got {p0}")
+    return torch.full((dims.H,), float(p0), dtype=dims.cdtype, device=dims.device)
+
+
+@dataclass(frozen=True)
+class Dynamics:
+    """Structured transition ``A_t`` (SPEC §1.2), canonicalised.
+
+    kind: ``identity`` | ``scalar`` (``α_t I``) | ``diagonal`` (``diag(α_t)``) |
+    ``rotation`` (pairs of channels ``(2c, 2c+1)`` rotate by ``θ_t`` and shrink
+    by ``α_t``; the even channel of a pair is its real part).
+
+    log_alpha: ``[B, T, H, Da]`` with ``Da`` = 1 (identity/scalar), D (diagonal)
+    or D/2 (rotation, one shrink per pair), or ``None`` for identity.
+    theta: ``[B, T, H, D/2]`` for rotations, else ``None``.
+    """
+
+    kind: str
+    log_alpha: torch.Tensor | None
+    theta: torch.Tensor | None
+
+    @property
+    def rotation(self) -> bool:
+        return self.kind == "rotation"
+
+
+def check_dynamics(alpha, theta, dims: Dims, *, single_step: bool = False) -> Dynamics:
+    """Validate ``alpha`` in (0, 1] and ``theta`` and return canonical :class:`Dynamics`.
+
+    Accepted: alpha None / [B, T, H] / [B, T, H, D]; with theta [B, T, H, D/2],
+    alpha None / [B, T, H] / [B, T, H, D/2] (a damped rotation shrinks both
+    channels of a pair alike).  ``single_step`` drops the T axis from every shape.
+    """
+    lead = (dims.B, dims.H) if single_step else (dims.B, dims.T, dims.H)
+    lead_s = "[B, H" if single_step else "[B, T, H"
+    D = dims.D
+
+    def _unsq(t):
+        return t.unsqueeze(1) if single_step else t
+
+    th = None
+    if theta is not None:
+        th = check_tensor("theta", theta, device=dims.device)
+        if D % 2 != 0:
+            raise ValueError(f"theta (rotations) needs an even key dim D, got D={D}")
+        if tuple(th.shape) != lead + (D // 2,):
+            raise ValueError(f"theta must have shape {lead_s}, D/2] = {lead + (D // 2,)}, got {_shape(th)}")
+        th = _unsq(th.to(dims.cdtype))
+    if alpha is None:
+        la = None
+        if th is not None:
+            la = torch.zeros(lead + (1,), dtype=dims.cdtype, device=dims.device)
+            la = _unsq(la)
+        return Dynamics("rotation" if th is not None else "identity", la, th)
+    a = check_tensor("alpha", alpha, device=dims.device)
+    if _VALUE_CHECKS and bool(((a <= 0) | (a > 1)).any()):
+        raise ValueError(
+            f"alpha must lie in (0, 1]; got values in [{a.min().item():.3g}, {a.max().item():.3g}]"
+        )
+    if tuple(a.shape) == lead:
+        kind, a = "scalar", a.unsqueeze(-1)
+    elif th is None and tuple(a.shape) == lead + (D,):
+        kind = "diagonal"
+    elif th is not None and tuple(a.shape) == lead + (D // 2,):
+        kind = "rotation"
+    else:
+        want = f"{lead_s}] or {lead_s}, D/2] with theta" if th is not None else f"{lead_s}] or {lead_s}, D]"
+        raise ValueError(f"alpha must have shape {want} (D={D}), got {_shape(a)}")
+    if th is not None:
+        kind = "rotation"
+    return Dynamics(kind, _unsq(torch.log(a.to(dims.cdtype))), th)
+
+
+def check_state(
+    initial_state,
+    dims: Dims,
+    G: int,
+    *,
+    need_cov: bool = True,
+    name: str = "initial_state",
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """Check ``(M [B, H, D, m], P [B, H, D, D] or [B, H, G, D, D])``; returns P as [B, H, G, D, D].
+
+    For mean-only designs (``need_cov=False``) a bare M tensor or ``(M, None)`` is accepted.
+    """
+    if initial_state is None:
+        return None
+    if isinstance(initial_state, torch.Tensor):
+        if need_cov:
+            raise TypeError(f"{name} must be a tuple (M, P) for a design with a covariance, got one tensor")
+        M, P = initial_state, None
+    elif isinstance(initial_state, (tuple, list)) and len(initial_state) == 2:
+        M, P = initial_state
+    else:
+        raise TypeError(f"{name} must be a tuple (M, P), got {type(initial_state).__name__}")
+    B, H, D, m = dims.B, dims.H, dims.D, dims.m
+    M = check_tensor(f"{name}[0] (M)", M, device=dims.device)
+    if tuple(M.shape) != (B, H, D, m):
+        raise ValueError(f"{name}[0] (M) must be [B, H, D, m] = {(B, H, D, m)}, got {_shape(M)}")
+    M = M.to(dims.cdtype)
+    if not need_cov:
+        return M, None
+    if P is None:
+        raise ValueError(f"{name}[1] (P) is required for a design with a covariance")
+    P = check_tensor(f"{name}[1] (P)", P, device=dims.device)
+    if tuple(P.shape) == (B, H, D, D) and G == 1:
+        P = P.unsqueeze(2)
+    if tuple(P.shape) != (B, H, G, D, D):
+        want = f"[B, H, D, D] = {(B, H, D, D)}" if G == 1 else f"[B, H, G, D, D] = {(B, H, G, D, D)}"
+        raise ValueError(f"{name}[1] (P) must be {want}, got {_shape(P)}")
+    if _VALUE_CHECKS:
+        asym = (P - P.transpose(-1, -2)).abs().max()
+        scale = P.abs().max().clamp_min(1.0)
+        if bool(asym > 1e-4 * scale):
+            raise ValueError(f"{name}[1] (P) must be symmetric; max |P - P^T| = {asym.item():.3g}")
+        if bool((torch.diagonal(P, dim1=-2, dim2=-1) < -1e-6 * scale).any()):
+            raise ValueError(f"{name}[1] (P) must be positive semi-definite; it has a negative diagonal entry")
+    return M, P.to(dims.cdtype)
+
+
+def check_chunk_size(chunk_size) -> int:
+    if not isinstance(chunk_size, numbers.Integral) or isinstance(chunk_size, bool) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
+    return int(chunk_size)

@@ -1,0 +1,117 @@
+"""Argument preparation shared by the oracle and the chunked paths.
+
+Validates every argument (see :mod:`bayeslayer.ops.checks`), casts to the
+filter's arithmetic dtype, folds observation-noise groups into heads and builds
+the prior state; :meth:`Prepared.finish` undoes the folding on the way out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from . import groups as grp
+from .checks import (
+    Dims,
+    Dynamics,
+    check_dynamics,
+    check_p0,
+    check_positive,
+    check_qkv,
+    check_state,
+)
+
+WRITE_MODELS = ("bayes", "diagonal", "reset", "latent")
+
+
+class FilterOutput(NamedTuple):
+    """What a filter reports. ``variance`` and ``gain`` are ``[B, T, H, G]`` (compute dtype)."""
+
+    o: torch.Tensor
+    variance: torch.Tensor | None
+    gain: torch.Tensor | None
+    state: tuple[torch.Tensor, torch.Tensor | None] | None
+
+
+@dataclass
+class Prepared:
+    """Folded inputs: H' = H·G heads, value dim m/G, all in the compute dtype."""
+
+    dims: Dims
+    G: int
+    q: torch.Tensor  # [B, T, H', D]
+    k: torch.Tensor
+    v: torch.Tensor  # [B, T, H', m/G]
+    r2: torch.Tensor  # [B, T, H']
+    ell2: torch.Tensor | None
+    lam: torch.Tensor | None
+    dyn: Dynamics  # tensors [B, T, H', ...]
+    M0: torch.Tensor  # [B, H', D, m/G]
+    P0: torch.Tensor | None  # [B, H', D, D]
+    single_step: bool
+
+    def finish(self, o, var, gain, M, P, output_final_state: bool) -> FilterOutput:
+        G = self.G
+        o = grp.unfold_values(o, G).to(self.dims.dtype)
+        var = grp.unfold_per_token(var, G) if var is not None else None
+        gain = grp.unfold_per_token(gain, G) if gain is not None else None
+        final = None
+        if output_final_state:
+            final = (grp.unfold_state_mean(M, G), grp.unfold_state_cov(P, G) if P is not None else None)
+        if self.single_step:
+            o = o[:, 0]
+            var = var[:, 0] if var is not None else None
+            gain = gain[:, 0] if gain is not None else None
+        return FilterOutput(o, var, gain, final)
+
+
+def prepare(
+    q, k, v, *, write: str, r2, ell2=None, lam=None, alpha=None, theta=None, p0=1.0,
+    initial_state=None, single_step: bool = False,
+) -> Prepared:
+    if write not in WRITE_MODELS:
+        raise ValueError(f"write must be one of {WRITE_MODELS}, got {write!r}")
+    dims = check_qkv(q, k, v, single_step=single_step)
+    r2_t = check_positive("r2", r2, dims, allow_groups=True, single_step=single_step)
+    r2_f, G = grp.fold_noise(r2_t)
+    has_cov = write in ("bayes", "diagonal")
+    ell2_t = lam_t = None
+    if has_cov:
+        if ell2 is None:
+            raise ValueError(f"ell2 (process noise variance) is required for write model {write!r}")
+        ell2_t = check_positive("ell2", ell2, dims, single_step=single_step)
+    else:
+        if lam is None:
+            raise ValueError(f"lam (prior/write variance) is required for write model {write!r}")
+        lam_t = check_positive("lam", lam, dims, single_step=single_step)
+    dyn = check_dynamics(alpha, theta, dims, single_step=single_step)
+    state = check_state(initial_state, dims, G, need_cov=has_cov)
+    cd = dims.cdtype
+    if single_step:
+        q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)
+    if state is None:
+        M0 = torch.zeros(dims.B, dims.H * G, dims.D, dims.m // G, dtype=cd, device=dims.device)
+        P0 = None
+        if has_cov:
+            p0_h = grp.fold_heads(check_p0(p0, dims), G, dim=0)
+            eye = torch.eye(dims.D, dtype=cd, device=dims.device)
+            P0 = (p0_h[None, :, None, None] * eye).expand(dims.B, -1, -1, -1)
+    else:
+        M0 = grp.fold_state_mean(state[0], G)
+        P0 = grp.fold_state_cov(state[1]) if has_cov else None
+    return Prepared(
+        dims=dims,
+        G=G,
+        q=grp.fold_heads(q.to(cd), G),
+        k=grp.fold_heads(k.to(cd), G),
+        v=grp.fold_values(v.to(cd), G),
+        r2=r2_f,
+        ell2=grp.fold_heads(ell2_t, G),
+        lam=grp.fold_heads(lam_t, G),
+        dyn=Dynamics(dyn.kind, grp.fold_heads(dyn.log_alpha, G), grp.fold_heads(dyn.theta, G)),
+        M0=M0,
+        P0=P0,
+        single_step=single_step,
+    )

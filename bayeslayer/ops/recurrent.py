@@ -1,0 +1,249 @@
+"""The recurrent oracle: exact filtering token by token (SPEC §3.1).
+
+One short loop covers every write model of the design-model family:
+
+``bayes``     dense covariance, the Bayesian Layer (SPEC §1.1)
+``diagonal``  diagonal-covariance ablation: only ``diag(P̄_t)`` and ``diag(P_t)`` are kept
+``reset``     covariance-reset family: ``P̄_t ← λ_t I`` every step (DeltaNet, GDN, KDA, ...)
+``latent``    latent-input (additive) family: ``M_t = A_t M_{t-1} + ω_t k_t v_tᵀ`` (LA, GLA, SSD, ...)
+
+Per token, with ``M̄ = A_t M_{t-1}``::
+
+    P̄ = A P Aᵀ + ℓ² Σ      (Σ = I, or the real-channel mask with rotations)
+    u = P̄ k ;  β = 1 / (r² + kᵀ u)
+    M = M̄ + β u (v − M̄ᵀ k)ᵀ
+    P = P̄ − β u uᵀ
+    o = Mᵀ q ;  variance = 1 + qᵀ P q ;  gain = kᵀ (β u)
+
+It is the reference that every chunked and fused path is tested against, and
+the decode step (:func:`bl_step`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .checks import Dynamics
+from .prepare import FilterOutput, prepare
+
+def apply_transition(X: torch.Tensor, kind: str, log_alpha_t, theta_t) -> torch.Tensor:
+    """``A_t X`` for ``X: [B, H, D, n]`` (acts on the key dimension, dim -2).
+
+    ``log_alpha_t``: [B, H, Da]; ``theta_t``: [B, H, D/2] (rotation only).
+    """
+    if kind == "identity":
+        return X
+    alpha = torch.exp(log_alpha_t)
+    if kind == "scalar":
+        return alpha[..., None] * X  # [B,H,1,1]
+    if kind == "diagonal":
+        return alpha[..., :, None] * X
+    # rotation: pair (2c, 2c+1) = (re, im) is multiplied by α e^{iθ}
+    re, im = X[..., 0::2, :], X[..., 1::2, :]
+    c = torch.cos(theta_t)[..., None]
+    s = torch.sin(theta_t)[..., None]
+    a = alpha[..., None]  # [B, H, Da, 1], Da = 1 or D/2
+    new_re = a * (c * re - s * im)
+    new_im = a * (s * re + c * im)
+    return torch.stack((new_re, new_im), dim=-2).reshape(X.shape)
+
+
+def noise_mask(dyn: Dynamics, D: int, dtype, device) -> torch.Tensor:
+    """Diagonal of Σ: all ones, or ones on the real (even) channels with rotations (SPEC §1.2)."""
+    sig = torch.ones(D, dtype=dtype, device=device)
+    if dyn.rotation:
+        sig[1::2] = 0
+    return sig
+
+
+def filter_scan(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    write: str,
+    r2: torch.Tensor,
+    ell2: torch.Tensor | None,
+    lam: torch.Tensor | None,
+    dyn: Dynamics,
+    M: torch.Tensor,
+    P: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The loop itself, on folded inputs in the compute dtype.
+
+    q, k: [B, T, H, D]; v: [B, T, H, m]; r2, ell2, lam: [B, T, H]; M: [B, H, D, m];
+    P: [B, H, D, D] (bayes/diagonal) or None.  Returns (o, variance, gain, M, P).
+    """
+    B, T, H, D = q.shape
+    sig = noise_mask(dyn, D, q.dtype, q.device)
+    eye = torch.eye(D, dtype=q.dtype, device=q.device)
+    outs, variances, gains = [], [], []
+    for t in range(T):
+        la_t = dyn.log_alpha[:, t] if dyn.log_alpha is not None else None
+        th_t = dyn.theta[:, t] if dyn.theta is not None else None
+        q_t, k_t, v_t, r2_t = q[:, t], k[:, t], v[:, t], r2[:, t, :, None]
+        M_bar = apply_transition(M, dyn.kind, la_t, th_t)
+        if write == "latent":
+            omega = lam[:, t, :, None] / (lam[:, t, :, None] + r2_t)  # [B,H,1]
+            M = M_bar + (omega * k_t)[..., :, None] * v_t[..., None, :]
+            o_t = torch.einsum("bhdm,bhd->bhm", M, q_t)
+            outs.append(o_t)
+            gains.append((omega * (k_t * k_t).sum(-1, keepdim=True))[..., 0])
+            variances.append(torch.ones_like(omega[..., 0]))
+            continue
+        if write == "reset":
+            P_bar = lam[:, t, :, None, None] * eye
+        else:
+            AP = apply_transition(P, dyn.kind, la_t, th_t)
+            P_bar = apply_transition(AP.transpose(-1, -2), dyn.kind, la_t, th_t)
+            P_bar = P_bar + ell2[:, t, :, None, None] * torch.diag(sig)
+            if write == "diagonal":
+                P_bar = torch.diag_embed(torch.diagonal(P_bar, dim1=-2, dim2=-1))
+        u = torch.einsum("bhij,bhj->bhi", P_bar, k_t)
+        beta = 1.0 / (r2_t + (k_t * u).sum(-1, keepdim=True))  # [B,H,1]
+        resid = v_t - torch.einsum("bhdm,bhd->bhm", M_bar, k_t)
+        M = M_bar + (beta * u)[..., :, None] * resid[..., None, :]
+        P = P_bar - beta[..., None] * u[..., :, None] * u[..., None, :]
+        if write == "diagonal":
+            P = torch.diag_embed(torch.diagonal(P, dim1=-2, dim2=-1))
+        P = 0.5 * (P + P.transpose(-1, -2))
+        outs.append(torch.einsum("bhdm,bhd->bhm", M, q_t))
+        variances.append(1.0 + torch.einsum("bhi,bhij,bhj->bh", q_t, P, q_t))
+        gains.append((beta * (k_t * u).sum(-1, keepdim=True))[..., 0])
+    o = torch.stack(outs, 1) if outs else v.new_zeros(B, 0, H, v.shape[-1])
+    var = torch.stack(variances, 1) if variances else v.new_zeros(B, 0, H)
+    gain = torch.stack(gains, 1) if gains else v.new_zeros(B, 0, H)
+    if write == "reset":
+        P = None
+    return o, var, gain, M, P
+
+
+def filter_recurrent(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    write: str = "bayes",
+    r2,
+    ell2=None,
+    lam=None,
+    alpha=None,
+    theta=None,
+    p0=1.0,
+    initial_state=None,
+    output_final_state: bool = False,
+    single_step: bool = False,
+) -> FilterOutput:
+    """Validate, fold groups, run :func:`filter_scan`, unfold. The general oracle.
+
+    ``write`` picks the write model (module docstring).  ``bayes``/``diagonal``
+    need ``ell2`` (process noise) and use ``p0``; ``reset``/``latent`` need
+    ``lam`` (the reset prior variance, or the latent write variance).
+    The state is ``(M, P)`` for ``bayes``/``diagonal`` and ``(M, None)`` otherwise.
+    """
+    pr = prepare(q, k, v, write=write, r2=r2, ell2=ell2, lam=lam, alpha=alpha, theta=theta, p0=p0,
+                 initial_state=initial_state, single_step=single_step)
+    o, var, gain, M, P = filter_scan(
+        pr.q, pr.k, pr.v, write=write, r2=pr.r2, ell2=pr.ell2, lam=pr.lam, dyn=pr.dyn, M=pr.M0, P=pr.P0,
+    )
+    return pr.finish(o, var, gain, M, P, output_final_state)
+
+
+def bl_recurrent(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    r2,
+    ell2,
+    alpha=None,
+    theta=None,
+    p0=1.0,
+    initial_state=None,
+    output_final_state: bool = False,
+    return_variance: bool = False,
+):
+    """The Bayesian Layer, token by token (exact Kalman filter, SPEC §1.1).
+
+    Args:
+        q, k: ``[B, T, H, D]`` queries and keys (used as given: no scaling, no normalisation).
+        v: ``[B, T, H, m]`` values (pseudo-observations).
+        r2: observation-noise variance ``r_t²``, ``[B, T, H]`` or ``[B, T, H, G]`` (``m % G == 0``), > 0.
+        ell2: process-noise variance ``ℓ_t²``, ``[B, T, H]``, > 0.
+        alpha: ``None`` (``A_t = I``), ``[B, T, H]`` (``α_t I``), ``[B, T, H, D]`` (``diag(α_t)``); in (0, 1].
+        theta: ``[B, T, H, D/2]`` rotation angles of channel pairs ``(2c, 2c+1)``; then alpha is
+            ``None``, ``[B, T, H]`` or ``[B, T, H, D/2]`` and process noise enters only the even
+            (real) channels.
+        p0: prior variance ``P_0 = p0·I`` when no state is given (number or ``[H]`` tensor).
+        initial_state: ``(M [B, H, D, m], P [B, H, D, D] or [B, H, G, D, D])``.
+
+    Returns:
+        ``(o, state)`` or, with ``return_variance``, ``(o, variance, state)``: ``o[b,t,h] = M_tᵀ q_t``
+        in the input dtype, ``variance[b,t,h,g] = 1 + q_tᵀ P_t q_t`` ([B, T, H, G], fp32/fp64),
+        ``state = (M, P)`` when ``output_final_state`` else ``None``.
+    """
+    out = filter_recurrent(
+        q, k, v, write="bayes", r2=r2, ell2=ell2, alpha=alpha, theta=theta, p0=p0,
+        initial_state=initial_state, output_final_state=output_final_state,
+    )
+    if return_variance:
+        return out.o, out.variance, out.state
+    return out.o, out.state
+
+
+def bl_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    r2,
+    ell2,
+    alpha=None,
+    theta=None,
+    state=None,
+    return_variance: bool = False,
+):
+    """One decoding step of the Bayesian Layer.
+
+    Shapes are those of :func:`bl_recurrent` without the time axis: q, k ``[B, H, D]``,
+    v ``[B, H, m]``, r2 ``[B, H]`` / ``[B, H, G]``, ell2 ``[B, H]``, alpha ``[B, H]`` /
+    ``[B, H, D]`` (``[B, H, D/2]`` with theta), theta ``[B, H, D/2]``.  ``state = (M, P)``
+    is required (start from :func:`initial_bl_state`).  Returns ``(o [B, H, m], new_state)``
+    or ``(o, variance [B, H, G], new_state)``.
+    """
+    if state is None:
+        raise ValueError("state is required for bl_step; start from bayeslayer.ops.initial_bl_state(...)")
+    out = filter_recurrent(
+        q, k, v, write="bayes", r2=r2, ell2=ell2, alpha=alpha, theta=theta,
+        initial_state=state, output_final_state=True, single_step=True,
+    )
+    if return_variance:
+        return out.o, out.variance, out.state
+    return out.o, out.state
+
+
+def initial_bl_state(
+    batch_size: int,
+    num_heads: int,
+    key_dim: int,
+    value_dim: int,
+    *,
+    p0: float = 1.0,
+    groups: int = 1,
+    dtype: torch.dtype = torch.float32,
+    device=None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prior state ``(M_0 = 0, P_0 = p0·I)`` in the layout the ops accept."""
+    for name, val in (("batch_size", batch_size), ("num_heads", num_heads), ("key_dim", key_dim),
+                      ("value_dim", value_dim), ("groups", groups)):
+        if not isinstance(val, int) or val < 1:
+            raise ValueError(f"{name} must be a positive integer, got {val!r}")
+    if value_dim % groups != 0:
+        raise ValueError(f"value_dim={value_dim} is not divisible by groups={groups}")
+    if not (float(p0) > 0):
+        raise ValueError(f"p0 must be > 0, got {p0}")
+    M = torch.zeros(batch_size, num_heads, key_dim, value_dim, dtype=dtype, device=device)
+    eye = torch.eye(key_dim, dtype=dtype, device=device) * float(p0)
+    if groups == 1:
+        P = eye.expand(batch_size, num_heads, key_dim, key_dim).clone()
+    else:
+        P = eye.expand(batch_size, num_heads, groups, key_dim, key_dim).clone()
+    return M, P
