@@ -266,32 +266,30 @@ def mean_chunk_step(
 
 
 def filter_chunk(
-    q, k, v, *, write: str, r2, ell2=None, lam=None, alpha=None, theta=None, p0=1.0,
+    q, k, v, *, write: str, r2=None, ell2=None, lam=None, gain=None, alpha=None, theta=None, p0=1.0,
     initial_state=None, output_final_state: bool = False, return_variance: bool = False,
     chunk_size: int = 64,
 ) -> FilterOutput:
     """Chunked counterpart of :func:`bayeslayer.ops.recurrent.filter_recurrent`.
 
     ``bayes``: matmul-form covariance pass + mean pass, one loop over chunks.
-    ``reset``: ``w = η k``, ``η = λ/(r² + λ‖k‖²)``; ``latent``: ``w = ω k``, ``ω = λ/(λ + r²)``, no erase.
+    ``reset``: ``w = η k``, ``η = λ/(r² + λ‖k‖²)``; ``latent``: ``w = ω k``, ``ω = λ/(λ + r²)``, no erase
+    (or ``η``/``ω`` given directly as ``gain``).
     ``diagonal``: the diagonal covariance is an O(D)-per-token scan (it is not
     matmul-shaped), then the chunked mean pass.
     ``gain`` is reported (``kᵀ w``) for every write model.
     """
     C = check_chunk_size(chunk_size)
-    pr = prepare(q, k, v, write=write, r2=r2, ell2=ell2, lam=lam, alpha=alpha, theta=theta, p0=p0,
-                 initial_state=initial_state)
+    pr = prepare(q, k, v, write=write, r2=r2, ell2=ell2, lam=lam, gain=gain, alpha=alpha, theta=theta,
+                 p0=p0, initial_state=initial_state)
     B, T, Hf = pr.q.shape[:3]
     if T == 0:
         empty = pr.q.new_zeros(B, 0, Hf)
         return pr.finish(pr.v.new_zeros(pr.v.shape), empty, empty, pr.M0, pr.P0, output_final_state)
     write_keys = None
     var_full = None
-    if write == "reset":
-        kk = (pr.k * pr.k).sum(-1)
-        write_keys = (pr.lam / (pr.r2 + pr.lam * kk))[..., None] * pr.k
-    elif write == "latent":
-        write_keys = (pr.lam / (pr.lam + pr.r2))[..., None] * pr.k
+    if write in ("reset", "latent"):
+        write_keys = pr.coef[..., None] * pr.k
     elif write == "diagonal":
         write_keys, var_full, P_diag = _diagonal_cov_scan(pr, return_variance)
     ch = _Chunked(pr, C, need_noise=write == "bayes")
@@ -319,17 +317,11 @@ def filter_chunk(
         var = _unchunk(torch.stack(variances), T)
     elif write == "diagonal":
         var, P = var_full, P_diag
-    elif return_variance:
-        var = _reset_variance(pr) if write == "reset" else torch.ones_like(gain)
+    elif return_variance and write == "reset" and pr.lam is not None:
+        # the reset family's posterior before its next reset: P_t = λ I − η λ k kᵀ
+        qk = (pr.q * pr.k).sum(-1)
+        var = 1.0 + pr.lam * (pr.q * pr.q).sum(-1) - pr.coef * pr.lam * qk * qk
     return pr.finish(o, var, gain, M, P, output_final_state)
-
-
-def _reset_variance(pr) -> torch.Tensor:
-    """``1 + qᵀ P_t q`` with ``P_t = λ I − η λ k kᵀ`` (the reset family's posterior before its next reset)."""
-    kk = (pr.k * pr.k).sum(-1)
-    eta = pr.lam / (pr.r2 + pr.lam * kk)
-    qk = (pr.q * pr.k).sum(-1)
-    return 1.0 + pr.lam * (pr.q * pr.q).sum(-1) - eta * pr.lam * qk * qk
 
 
 def _diagonal_cov_scan(pr, want_var: bool):

@@ -44,9 +44,10 @@ class Prepared:
     q: torch.Tensor  # [B, T, H', D]
     k: torch.Tensor
     v: torch.Tensor  # [B, T, H', m/G]
-    r2: torch.Tensor  # [B, T, H']
+    r2: torch.Tensor | None  # [B, T, H']
     ell2: torch.Tensor | None
     lam: torch.Tensor | None
+    coef: torch.Tensor | None  # reset/latent: the write coefficient η_t or ω_t, [B, T, H']
     dyn: Dynamics  # tensors [B, T, H', ...]
     M0: torch.Tensor  # [B, H', D, m/G]
     P0: torch.Tensor | None  # [B, H', D, D]
@@ -68,23 +69,38 @@ class Prepared:
 
 
 def prepare(
-    q, k, v, *, write: str, r2, ell2=None, lam=None, alpha=None, theta=None, p0=1.0,
+    q, k, v, *, write: str, r2=None, ell2=None, lam=None, gain=None, alpha=None, theta=None, p0=1.0,
     initial_state=None, single_step: bool = False,
 ) -> Prepared:
+    """Validate and fold.  ``bayes``/``diagonal`` need ``r2`` and ``ell2``; ``reset``/``latent``
+    need either ``lam`` and ``r2`` (the coefficient is derived: ``η = λ/(r² + λ‖k‖²)`` or
+    ``ω = λ/(λ + r²)``) or the coefficient itself as ``gain`` (> 0, like GDN's β or Mamba-2's Δ).
+    """
     if write not in WRITE_MODELS:
         raise ValueError(f"write must be one of {WRITE_MODELS}, got {write!r}")
     dims = check_qkv(q, k, v, single_step=single_step)
-    r2_t = check_positive("r2", r2, dims, allow_groups=True, single_step=single_step)
-    r2_f, G = grp.fold_noise(r2_t)
     has_cov = write in ("bayes", "diagonal")
-    ell2_t = lam_t = None
+    ell2_t = lam_t = gain_t = None
+    if has_cov or gain is None:
+        if r2 is None:
+            raise ValueError(f"r2 (observation noise variance) is required for write model {write!r}")
+        r2_t = check_positive("r2", r2, dims, allow_groups=True, single_step=single_step)
+        r2_f, G = grp.fold_noise(r2_t)
     if has_cov:
+        if gain is not None or lam is not None:
+            raise ValueError(f"write model {write!r} derives its gain from r2/ell2; do not pass gain or lam")
         if ell2 is None:
             raise ValueError(f"ell2 (process noise variance) is required for write model {write!r}")
         ell2_t = check_positive("ell2", ell2, dims, single_step=single_step)
+    elif gain is not None:
+        if lam is not None:
+            raise ValueError("pass either gain or lam (with r2), not both")
+        gain_t = check_positive("gain", gain, dims, allow_groups=True, single_step=single_step)
+        r2_f = None
+        gain_t, G = grp.fold_noise(gain_t)
     else:
         if lam is None:
-            raise ValueError(f"lam (prior/write variance) is required for write model {write!r}")
+            raise ValueError(f"lam (prior/write variance) or gain is required for write model {write!r}")
         lam_t = check_positive("lam", lam, dims, single_step=single_step)
     dyn = check_dynamics(alpha, theta, dims, single_step=single_step)
     state = check_state(initial_state, dims, G, need_cov=has_cov)
@@ -101,15 +117,23 @@ def prepare(
     else:
         M0 = grp.fold_state_mean(state[0], G)
         P0 = grp.fold_state_cov(state[1]) if has_cov else None
+    kf = grp.fold_heads(k.to(cd), G)
+    lam_f = grp.fold_heads(lam_t, G)
+    coef = gain_t
+    if lam_f is not None and write == "reset":
+        coef = lam_f / (r2_f + lam_f * (kf * kf).sum(-1))
+    elif lam_f is not None:
+        coef = lam_f / (lam_f + r2_f)
     return Prepared(
         dims=dims,
         G=G,
         q=grp.fold_heads(q.to(cd), G),
-        k=grp.fold_heads(k.to(cd), G),
+        k=kf,
         v=grp.fold_values(v.to(cd), G),
         r2=r2_f,
         ell2=grp.fold_heads(ell2_t, G),
-        lam=grp.fold_heads(lam_t, G),
+        lam=lam_f,
+        coef=coef,
         dyn=Dynamics(dyn.kind, grp.fold_heads(dyn.log_alpha, G), grp.fold_heads(dyn.theta, G)),
         M0=M0,
         P0=P0,

@@ -62,43 +62,47 @@ def filter_scan(
     v: torch.Tensor,
     *,
     write: str,
-    r2: torch.Tensor,
+    r2: torch.Tensor | None,
     ell2: torch.Tensor | None,
     lam: torch.Tensor | None,
+    coef: torch.Tensor | None,
     dyn: Dynamics,
     M: torch.Tensor,
     P: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The loop itself, on folded inputs in the compute dtype.
 
-    q, k: [B, T, H, D]; v: [B, T, H, m]; r2, ell2, lam: [B, T, H]; M: [B, H, D, m];
-    P: [B, H, D, D] (bayes/diagonal) or None.  Returns (o, variance, gain, M, P).
+    q, k: [B, T, H, D]; v: [B, T, H, m]; r2, ell2, lam, coef: [B, T, H]; M: [B, H, D, m];
+    P: [B, H, D, D] (bayes/diagonal) or None.  ``reset``/``latent`` use ``coef`` (η or ω) and,
+    for the variance, ``lam``.  Returns (o, variance, gain, M, P); the variance is None
+    where the design defines none (latent, or reset given only its gain).
     """
     B, T, H, D = q.shape
     sig = noise_mask(dyn, D, q.dtype, q.device)
-    eye = torch.eye(D, dtype=q.dtype, device=q.device)
     outs, variances, gains = [], [], []
     for t in range(T):
         la_t = dyn.log_alpha[:, t] if dyn.log_alpha is not None else None
         th_t = dyn.theta[:, t] if dyn.theta is not None else None
-        q_t, k_t, v_t, r2_t = q[:, t], k[:, t], v[:, t], r2[:, t, :, None]
+        q_t, k_t, v_t = q[:, t], k[:, t], v[:, t]
         M_bar = apply_transition(M, dyn.kind, la_t, th_t)
-        if write == "latent":
-            omega = lam[:, t, :, None] / (lam[:, t, :, None] + r2_t)  # [B,H,1]
-            M = M_bar + (omega * k_t)[..., :, None] * v_t[..., None, :]
-            o_t = torch.einsum("bhdm,bhd->bhm", M, q_t)
-            outs.append(o_t)
-            gains.append((omega * (k_t * k_t).sum(-1, keepdim=True))[..., 0])
-            variances.append(torch.ones_like(omega[..., 0]))
+        if write in ("latent", "reset"):
+            c = coef[:, t, :, None]  # [B,H,1]: ω_t (latent) or η_t = λ/(r² + λ‖k‖²) (reset)
+            resid = v_t if write == "latent" else v_t - torch.einsum("bhdm,bhd->bhm", M_bar, k_t)
+            M = M_bar + (c * k_t)[..., :, None] * resid[..., None, :]
+            outs.append(torch.einsum("bhdm,bhd->bhm", M, q_t))
+            gains.append((c * (k_t * k_t).sum(-1, keepdim=True))[..., 0])
+            if write == "reset" and lam is not None:
+                # the reset family's posterior before its next reset: P = λI − η λ k kᵀ
+                lam_t = lam[:, t]
+                qk = (q_t * k_t).sum(-1)
+                variances.append(1.0 + lam_t * (q_t * q_t).sum(-1) - c[..., 0] * lam_t * qk * qk)
             continue
-        if write == "reset":
-            P_bar = lam[:, t, :, None, None] * eye
-        else:
-            AP = apply_transition(P, dyn.kind, la_t, th_t)
-            P_bar = apply_transition(AP.transpose(-1, -2), dyn.kind, la_t, th_t)
-            P_bar = P_bar + ell2[:, t, :, None, None] * torch.diag(sig)
-            if write == "diagonal":
-                P_bar = torch.diag_embed(torch.diagonal(P_bar, dim1=-2, dim2=-1))
+        r2_t = r2[:, t, :, None]
+        AP = apply_transition(P, dyn.kind, la_t, th_t)
+        P_bar = apply_transition(AP.transpose(-1, -2), dyn.kind, la_t, th_t)
+        P_bar = P_bar + ell2[:, t, :, None, None] * torch.diag(sig)
+        if write == "diagonal":
+            P_bar = torch.diag_embed(torch.diagonal(P_bar, dim1=-2, dim2=-1))
         u = torch.einsum("bhij,bhj->bhi", P_bar, k_t)
         beta = 1.0 / (r2_t + (k_t * u).sum(-1, keepdim=True))  # [B,H,1]
         resid = v_t - torch.einsum("bhdm,bhd->bhm", M_bar, k_t)
@@ -111,10 +115,8 @@ def filter_scan(
         variances.append(1.0 + torch.einsum("bhi,bhij,bhj->bh", q_t, P, q_t))
         gains.append((beta * (k_t * u).sum(-1, keepdim=True))[..., 0])
     o = torch.stack(outs, 1) if outs else v.new_zeros(B, 0, H, v.shape[-1])
-    var = torch.stack(variances, 1) if variances else v.new_zeros(B, 0, H)
+    var = torch.stack(variances, 1) if len(variances) == T and T > 0 else None
     gain = torch.stack(gains, 1) if gains else v.new_zeros(B, 0, H)
-    if write == "reset":
-        P = None
     return o, var, gain, M, P
 
 
@@ -127,6 +129,7 @@ def filter_recurrent(
     r2,
     ell2=None,
     lam=None,
+    gain=None,
     alpha=None,
     theta=None,
     p0=1.0,
@@ -141,12 +144,13 @@ def filter_recurrent(
     ``lam`` (the reset prior variance, or the latent write variance).
     The state is ``(M, P)`` for ``bayes``/``diagonal`` and ``(M, None)`` otherwise.
     """
-    pr = prepare(q, k, v, write=write, r2=r2, ell2=ell2, lam=lam, alpha=alpha, theta=theta, p0=p0,
-                 initial_state=initial_state, single_step=single_step)
-    o, var, gain, M, P = filter_scan(
-        pr.q, pr.k, pr.v, write=write, r2=pr.r2, ell2=pr.ell2, lam=pr.lam, dyn=pr.dyn, M=pr.M0, P=pr.P0,
+    pr = prepare(q, k, v, write=write, r2=r2, ell2=ell2, lam=lam, gain=gain, alpha=alpha, theta=theta,
+                 p0=p0, initial_state=initial_state, single_step=single_step)
+    o, var, g, M, P = filter_scan(
+        pr.q, pr.k, pr.v, write=write, r2=pr.r2, ell2=pr.ell2, lam=pr.lam, coef=pr.coef, dyn=pr.dyn,
+        M=pr.M0, P=pr.P0,
     )
-    return pr.finish(o, var, gain, M, P, output_final_state)
+    return pr.finish(o, var, g, M, P, output_final_state)
 
 
 def bl_recurrent(

@@ -1,0 +1,1 @@
+"""Synthetic tasks and text data."""

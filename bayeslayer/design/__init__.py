@@ -1,0 +1,205 @@
+"""Design models: the layer is *derived* from an explicit probabilistic model of its memory.
+
+A :class:`DesignModel` names its three parts (SPEC §1):
+
+* **dynamics** — the latent memory's transition ``A_t``: ``identity``, ``scalar``
+  (``α_t I``), ``diagonal`` (``diag(α_t)``), ``rotation`` (damped 2×2 rotations),
+  or ``any`` (whatever ``alpha``/``theta`` the caller passes);
+* **write** — the observation model and what the filter keeps of the posterior:
+  ``bayes`` (exact Kalman filter, dense key covariance), ``diagonal`` (diagonal
+  covariance ablation), ``reset`` (covariance reset ``P̄_t ← λ_t I``: the delta
+  rule family), ``latent`` (latent-input write ``φ_t ~ N(0, λ_t I)``: the additive
+  family);
+* **readout** — ``y_t = E[Z_t] = M_tᵀ q_t`` with predictive variance ``1 + q_tᵀ P_t q_t``.
+
+Every design runs through the same two pieces of machinery in
+:mod:`bayeslayer.ops`: the recurrent oracle and the chunked path.  No design has
+a hand-written loop of its own.
+
+>>> from bayeslayer.design import GATED_DELTANET
+>>> GATED_DELTANET.write, GATED_DELTANET.dynamics
+('reset', 'scalar')
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..ops.chunk import filter_chunk
+from ..ops.prepare import FilterOutput
+from ..ops.recurrent import filter_recurrent, initial_bl_state
+
+DYNAMICS = ("identity", "scalar", "diagonal", "rotation", "any")
+
+
+@dataclass(frozen=True)
+class DesignModel:
+    """An explicit design model; :meth:`recurrent`, :meth:`chunk` and :meth:`step` are derived from it.
+
+    Attributes:
+        name: registry name.
+        write: ``bayes`` | ``diagonal`` | ``reset`` | ``latent``.
+        dynamics: the transition family the design requires (``any`` accepts all).
+        fixed_lam: a constant reset prior ``λ = c`` (the fixed-isotropic-prior ablation); when set,
+            callers pass only ``r2``.
+        per_column: a separate gain per value column (Longhorn-style): ``r2``/``gain`` carry one
+            entry per value column (``G = m``).
+
+    Noise arguments by write model (tensors ``[B, T, H]``, or ``[B, T, H, G]`` where grouped):
+
+    * ``bayes``, ``diagonal``: ``r2``, ``ell2`` (and ``p0``);
+    * ``reset``: ``lam`` and ``r2`` (``η = λ/(r² + λ‖k‖²)``), or ``gain = η`` directly;
+    * ``latent``: ``lam`` and ``r2`` (``ω = λ/(λ + r²)``), or ``gain = ω`` directly.
+    """
+
+    name: str
+    write: str
+    dynamics: str = "any"
+    fixed_lam: float | None = None
+    per_column: bool = False
+    description: str = ""
+
+    def __post_init__(self):
+        if self.write not in ("bayes", "diagonal", "reset", "latent"):
+            raise ValueError(f"write must be bayes/diagonal/reset/latent, got {self.write!r}")
+        if self.dynamics not in DYNAMICS:
+            raise ValueError(f"dynamics must be one of {DYNAMICS}, got {self.dynamics!r}")
+        if self.fixed_lam is not None and (self.write != "reset" or not self.fixed_lam > 0):
+            raise ValueError("fixed_lam needs write='reset' and a positive value")
+
+    @property
+    def has_covariance(self) -> bool:
+        """Whether the filter carries a key-space covariance between tokens (state ``(M, P)``)."""
+        return self.write in ("bayes", "diagonal")
+
+    def state_size(self, key_dim: int, value_dim: int, groups: int = 1) -> int:
+        """Recurrent state floats per head: ``D·m`` (+ ``G·D²`` dense or ``G·D`` diagonal covariance)."""
+        if self.write == "bayes":
+            return key_dim * value_dim + groups * key_dim * key_dim
+        if self.write == "diagonal":
+            return key_dim * value_dim + groups * key_dim
+        return key_dim * value_dim
+
+    # -- argument plumbing -------------------------------------------------------------------------
+    def _check_dynamics(self, alpha, theta):
+        kind = "identity"
+        if theta is not None:
+            kind = "rotation"
+        elif alpha is not None:
+            kind = "scalar" if alpha.dim() == 3 else "diagonal" if alpha.dim() == 4 else "?"
+        if self.dynamics != "any" and kind != self.dynamics:
+            raise ValueError(
+                f"design {self.name!r} has {self.dynamics} dynamics but got "
+                f"alpha {None if alpha is None else tuple(alpha.shape)}, theta "
+                f"{None if theta is None else tuple(theta.shape)} ({kind})"
+            )
+
+    def _noise(self, r2, ell2, lam, gain, T_shape):
+        if self.write in ("bayes", "diagonal"):
+            return dict(r2=r2, ell2=ell2)
+        if self.fixed_lam is not None:
+            if lam is not None or gain is not None:
+                raise ValueError(f"design {self.name!r} fixes lam={self.fixed_lam}; pass only r2")
+            lam = self.fixed_lam
+        if gain is not None:
+            return dict(gain=gain)
+        return dict(r2=r2, lam=lam)
+
+    def _kwargs(self, q, r2, ell2, lam, gain, alpha, theta):
+        self._check_dynamics(alpha, theta)
+        kw = self._noise(r2, ell2, lam, gain, q.shape[:3])
+        if self.per_column:
+            noise = kw.get("gain", kw.get("r2"))
+            if not isinstance(noise, torch.Tensor) or noise.dim() != 4:
+                raise ValueError(f"design {self.name!r} needs a per-value-column r2 or gain [B, T, H, m]")
+        return kw
+
+    # -- derived filters ---------------------------------------------------------------------------
+    def recurrent(
+        self, q, k, v, *, r2=None, ell2=None, lam=None, gain=None, alpha=None, theta=None, p0=1.0,
+        initial_state=None, output_final_state=False,
+    ) -> FilterOutput:
+        """Token-by-token oracle. Returns :class:`~bayeslayer.ops.FilterOutput` ``(o, variance, gain, state)``."""
+        kw = self._kwargs(q, r2, ell2, lam, gain, alpha, theta)
+        return filter_recurrent(q, k, v, write=self.write, alpha=alpha, theta=theta, p0=p0,
+                                initial_state=initial_state, output_final_state=output_final_state, **kw)
+
+    def chunk(
+        self, q, k, v, *, r2=None, ell2=None, lam=None, gain=None, alpha=None, theta=None, p0=1.0,
+        initial_state=None, output_final_state=False, return_variance=False, chunk_size=64,
+    ) -> FilterOutput:
+        """Chunked path (training/prefill); same results as :meth:`recurrent`."""
+        kw = self._kwargs(q, r2, ell2, lam, gain, alpha, theta)
+        return filter_chunk(q, k, v, write=self.write, alpha=alpha, theta=theta, p0=p0,
+                            initial_state=initial_state, output_final_state=output_final_state,
+                            return_variance=return_variance, chunk_size=chunk_size, **kw)
+
+    def step(self, q, k, v, *, state, r2=None, ell2=None, lam=None, gain=None, alpha=None, theta=None
+             ) -> FilterOutput:
+        """One decoding step (shapes without the time axis); ``state`` is required."""
+        if state is None:
+            raise ValueError("state is required for step(); start from initial_state(...)")
+        self._check_dynamics(
+            None if alpha is None else alpha.unsqueeze(1), None if theta is None else theta.unsqueeze(1)
+        )
+        kw = self._noise(r2, ell2, lam, gain, q.shape[:2])
+        return filter_recurrent(q, k, v, write=self.write, alpha=alpha, theta=theta, initial_state=state,
+                                output_final_state=True, single_step=True, **kw)
+
+    def initial_state(self, batch_size, num_heads, key_dim, value_dim, *, p0=1.0, groups=1,
+                      dtype=torch.float32, device=None):
+        """Prior state: ``(0, p0·I)`` with a covariance, ``(0, None)`` otherwise."""
+        M, P = initial_bl_state(batch_size, num_heads, key_dim, value_dim, p0=p0, groups=groups,
+                                dtype=dtype, device=device)
+        return (M, P) if self.has_covariance else (M, None)
+
+
+# -- the family (SPEC §1.3) ------------------------------------------------------------------------
+BAYESIAN = DesignModel("bayesian", "bayes", "any", description="Bayesian Layer: exact Kalman filter")
+DIAGONAL_COVARIANCE = DesignModel("diagonal_covariance", "diagonal", "any",
+                                  description="ablation: keep only diag of P̄_t and P_t")
+DELTANET = DesignModel("deltanet", "reset", "identity", description="covariance reset, A_t = I")
+GATED_DELTANET = DesignModel("gated_deltanet", "reset", "scalar", description="covariance reset, A_t = α_t I")
+KDA = DesignModel("kda", "reset", "diagonal", description="covariance reset, A_t = diag(α_t)")
+LONGHORN = DesignModel("longhorn", "reset", "identity", per_column=True,
+                       description="covariance reset with a separate gain per value column")
+LINEAR_ATTENTION = DesignModel("linear_attention", "latent", "identity", description="latent input, A_t = I")
+RETNET = DesignModel("retnet", "latent", "scalar", description="latent input, A_t = γ I (fixed γ)")
+GLA = DesignModel("gla", "latent", "diagonal", description="latent input, A_t = diag(α_t)")
+MAMBA2 = DesignModel("mamba2", "latent", "scalar",
+                     description="SSD core: latent input, A_t = a_t I, inputs scaled by the step size")
+
+
+def fixed_prior(c: float) -> DesignModel:
+    """Fixed isotropic prior ablation: ``P̄_t = c I`` every step (a reset with constant ``λ = c``)."""
+    if not (isinstance(c, (int, float)) and c > 0):
+        raise ValueError(f"fixed prior variance c must be a positive number, got {c!r}")
+    return DesignModel(f"fixed_prior_{c:g}", "reset", "any", fixed_lam=float(c),
+                       description=f"fixed isotropic prior P̄ = {c:g} I")
+
+
+DESIGNS: dict[str, DesignModel] = {
+    d.name: d
+    for d in (BAYESIAN, DIAGONAL_COVARIANCE, DELTANET, GATED_DELTANET, KDA, LONGHORN,
+              LINEAR_ATTENTION, RETNET, GLA, MAMBA2)
+}
+
+
+def get_design(name: str) -> DesignModel:
+    """Look a design up by name (``fixed_prior_<c>`` builds the ablation with ``λ = c``)."""
+    if name in DESIGNS:
+        return DESIGNS[name]
+    if name.startswith("fixed_prior_"):
+        try:
+            return fixed_prior(float(name[len("fixed_prior_"):]))
+        except ValueError:
+            pass
+    raise ValueError(f"unknown design {name!r}; known: {sorted(DESIGNS)} or fixed_prior_<c>")
+
+
+__all__ = [
+    "BAYESIAN", "DELTANET", "DESIGNS", "DIAGONAL_COVARIANCE", "DesignModel", "GATED_DELTANET", "GLA",
+    "KDA", "LINEAR_ATTENTION", "LONGHORN", "MAMBA2", "RETNET", "fixed_prior", "get_design",
+]

@@ -1,0 +1,1 @@
+"""One module per experiment of the paper (SPEC §4); each registers a CLI subcommand."""

@@ -1,0 +1,1 @@
+"""Token mixers (``nn.Module``): the Bayesian Layer and its baselines."""

@@ -1,0 +1,1 @@
+"""Language model, checkpoints and retrofit."""
