@@ -1,0 +1,12 @@
+"""Triton kernels for the chunked Bayesian Layer (SPEC §3.3).
+
+``bl_chunk_triton`` and ``bl_step_triton`` have the contracts of
+:func:`bayeslayer.ops.bl_chunk` and :func:`bayeslayer.ops.bl_step`.  Importing this
+package does not import Triton; the kernels are compiled on first call.  On a
+CPU set ``TRITON_INTERPRET=1`` before Triton is first imported to run them in
+Triton's interpreter (how the tests run them).
+"""
+
+from .chunk import bl_chunk_triton, triton_available
+
+__all__ = ["bl_chunk_triton", "triton_available"]

@@ -1,0 +1,361 @@
+"""Triton kernels of the chunked Bayesian Layer (SPEC §3.2, §3.3): one fused forward.
+
+One program owns one (sequence, head) pair and walks its chunks in order, so the
+state ``(M, P)`` never leaves that program between chunks (it lives in the output
+state buffers, which double as the working state).  Per chunk of ``C`` tokens,
+with ``g`` the cumulative log-decay inside the chunk (a ``[C]`` vector for scalar
+decay, a ``[C, D]`` tile for diagonal decay), ``γ = exp(g)``, ``ρ_ij = exp(g_i − g_j)``
+(``i ≥ j``) and ``b_j = Σ_{l≤j} ℓ_l² ρ_jl²`` the process noise accrued in the chunk::
+
+    Y   = (γ ⊙ K) P_0                                   D×D products, tiled BK×BK
+    S   = Y (γ ⊙ K)ᵀ + sym(N) + diag(r²),  N_ij = k_iᵀ ρ_ij b_j k_j   (i ≥ j)
+    S   = L diag(d) Lᵀ   (in-register elimination, β = 1/d, L⁻¹ built alongside)
+    U   = γ ⊙ (L⁻¹ Y) + (L⁻¹ ⊙ ρ ⊙ b) K                 write keys w = β ⊙ U
+    P_C = γ_C² P_0 + b_C I − Ueᵀ diag(β) Ue,  Ue_i = (γ_C/γ_i) u_i
+    E   = (I + T)⁻¹ (V − (γ ⊙ K) M_0),  T_ij = k_iᵀ ρ_ij w_j  (i > j)
+    O   = (γ ⊙ Q) M_0 + A E,              A_ti = q_tᵀ ρ_ti w_i  (i ≤ t)
+    M_C = γ_C M_0 + ((γ_C/γ) ⊙ W)ᵀ E
+
+For diagonal decay every ``ρ`` product is per channel; those C×C contractions
+are done as a loop over the ``C`` columns on register tiles (exact, no ``Γ⁻¹`` is
+ever formed, but not tensor-core shaped); scalar decay uses ``tl.dot`` throughout.
+All arithmetic runs in the dtype of the state buffers (fp32, or fp64 for fp64
+inputs); products use IEEE fp32 (no TF32: the covariance pass is a Kalman filter
+and TF32's 10-bit mantissa visibly perturbs ``β``).
+
+Padding (the tail of a sequence, or ``D``/``m`` up to a power of two) is an exact
+no-op by the choice of the masked-load fill values: ``k = q = v = 0``,
+``log α = 0``, ``ℓ² = 0``, ``r² = 1``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _row(x, rows, j):
+    """Row ``j`` of a register tile ``x [C, N]`` -> ``[N]``."""
+    return tl.sum(tl.where(rows[:, None] == j, x, 0.0), axis=0)
+
+
+@triton.jit
+def _col(x, cols, j):
+    """Column ``j`` of a register tile ``x [C, C]`` -> ``[C]``."""
+    return tl.sum(tl.where(cols[None, :] == j, x, 0.0), axis=1)
+
+
+@triton.jit
+def _decay_scores(a, x, g, rows, cols, C: tl.constexpr):
+    """``[i, j] = Σ_d a_id exp(g_id − g_jd) x_jd`` for ``i ≥ j``, else 0 (per-channel decay).
+
+    a, x, g: ``[C, BK]`` register tiles.  A loop over the C columns keeps every
+    exponent ≤ 0 where it is used, so nothing overflows however strong the decay.
+    """
+    out = tl.zeros([C, C], dtype=a.dtype)
+    for j in range(C):
+        xj = _row(x, rows, j)
+        gj = _row(g, rows, j)
+        colj = tl.sum(a * tl.exp(tl.minimum(g - gj[None, :], 0.0)) * xj[None, :], axis=1)
+        colj = tl.where(rows >= j, colj, 0.0)
+        out = tl.where(cols[None, :] == j, colj[:, None], out)
+    return out
+
+
+@triton.jit
+def _decay_mix(L, x, g, rows, cols, C: tl.constexpr):
+    """``out_i = Σ_{j≤i} L_ij exp(g_i − g_j) ⊙ x_j`` (per channel); L ``[C, C]``, x, g ``[C, BK]``."""
+    out = tl.zeros(x.shape, dtype=x.dtype)
+    for j in range(C):
+        xj = _row(x, rows, j)
+        gj = _row(g, rows, j)
+        lj = tl.where(rows >= j, _col(L, cols, j), 0.0)
+        out += lj[:, None] * tl.exp(tl.minimum(g - gj[None, :], 0.0)) * xj[None, :]
+    return out
+
+
+@triton.jit
+def _decay_noise(ell2, g, rows, C: tl.constexpr):
+    """``b_jd = Σ_{l≤j} ℓ_l² exp(2(g_jd − g_ld))`` -> ``[C, BK]`` (diagonal decay)."""
+    b = tl.zeros(g.shape, dtype=g.dtype)
+    for l in range(C):  # noqa: E741 - l is the SPEC's summation index
+        gl = _row(g, rows, l)
+        el = tl.sum(tl.where(rows == l, ell2, 0.0), axis=0)
+        b += tl.where(rows[:, None] >= l, el * tl.exp(2.0 * tl.minimum(g - gl[None, :], 0.0)), 0.0)
+    return b
+
+
+@triton.jit
+def _load_g(la, tok, valid, offs_d, i_h, H: tl.constexpr, D: tl.constexpr):
+    """Cumulative log-decay tile ``[C, BK]`` of the chunk (diagonal decay)."""
+    p = la + (tok[:, None] * H + i_h) * D + offs_d[None, :]
+    x = tl.load(p, mask=valid[:, None] & (offs_d[None, :] < D), other=0.0)
+    return tl.cumsum(x, axis=0)
+
+
+@triton.jit
+def bl_chunk_fwd_kernel(
+    q, k, v, r2, ell2, la, cu_seqlens,
+    P, M, Yscr, Uscr, O, VAR,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    MV: tl.constexpr,
+    C: tl.constexpr,
+    BD: tl.constexpr,
+    BK: tl.constexpr,
+    BMV: tl.constexpr,
+    BV: tl.constexpr,
+    DIAG: tl.constexpr,
+    HAS_ALPHA: tl.constexpr,
+    RETURN_VAR: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """Forward of the chunked Bayesian Layer for one (sequence ``i_n``, head ``i_h``).
+
+    Layouts (contiguous): q, k ``[NT, H, D]``; v, O ``[NT, H, MV]``; r2, ell2, VAR
+    ``[NT, H]``; la ``[NT, H, D]`` (DIAG) or ``[NT, H]``; P ``[N, H, D, D]`` and M
+    ``[N, H, D, MV]`` hold the initial state on entry and the final state on exit;
+    Yscr, Uscr ``[N, H, C, BD]`` are per-program scratch (``Y`` and ``U`` of the chunk).
+    """
+    i_n = tl.program_id(0).to(tl.int64)
+    i_h = tl.program_id(1).to(tl.int64)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    n_chunks = tl.cdiv(eos - bos, C)
+
+    rows = tl.arange(0, C)
+    cols = tl.arange(0, C)
+    low = rows[:, None] >= cols[None, :]
+    eye = rows[:, None] == cols[None, :]
+    offs_k = tl.arange(0, BK)
+    offs_v = tl.arange(0, BV)
+    dt = P.dtype.element_ty
+
+    P_base = P + (i_n * H + i_h) * D * D
+    M_base = M + (i_n * H + i_h) * D * MV
+    Y_base = Yscr + (i_n * H + i_h) * C * BD
+    U_base = Uscr + (i_n * H + i_h) * C * BD
+
+    for i_c in range(n_chunks):
+        tok = bos + i_c * C + rows
+        valid = tok < eos
+        r2c = tl.load(r2 + tok * H + i_h, mask=valid, other=1.0).to(dt)
+        l2c = tl.load(ell2 + tok * H + i_h, mask=valid, other=0.0).to(dt)
+        if not DIAG:
+            if HAS_ALPHA:
+                lac = tl.load(la + tok * H + i_h, mask=valid, other=0.0).to(dt)
+            else:
+                lac = tl.zeros([C], dtype=dt)
+            g = tl.cumsum(lac, axis=0)
+            g_end = tl.sum(lac, axis=0)
+            ratio = tl.where(low, tl.exp(tl.minimum(g[:, None] - g[None, :], 0.0)), 0.0)
+            gam = tl.exp(g)
+            endf = tl.exp(g_end - g)
+            b = tl.sum(ratio * ratio * l2c[None, :], axis=1)  # [C]
+            b_end = tl.sum(tl.exp(2.0 * (g_end - g)) * l2c, axis=0)
+
+        # ---- covariance pass: Y = K̃ P_0, S = Y K̃ᵀ + N, and q̃ᵀ P_0 q̃ for the variance ----
+        S = tl.zeros([C, C], dtype=dt)
+        KK = tl.zeros([C, C], dtype=dt)
+        qPq = tl.zeros([C], dtype=dt)
+        qnoise = tl.zeros([C], dtype=dt)
+        for kb in range(0, BD, BK):
+            od = kb + offs_k
+            md = od < D
+            k_o = tl.load(k + (tok[:, None] * H + i_h) * D + od[None, :], mask=valid[:, None] & md[None, :],
+                          other=0.0).to(dt)
+            if DIAG:
+                g_o = _load_g(la, tok, valid, od, i_h, H, D)
+                kt_o = tl.exp(g_o) * k_o
+            else:
+                kt_o = gam[:, None] * k_o
+            Yb = tl.zeros([C, BK], dtype=dt)
+            if RETURN_VAR:
+                q_o = tl.load(q + (tok[:, None] * H + i_h) * D + od[None, :], mask=valid[:, None] & md[None, :],
+                              other=0.0).to(dt)
+                Yq = tl.zeros([C, BK], dtype=dt)
+            for kb2 in range(0, BD, BK):
+                od2 = kb2 + offs_k
+                md2 = od2 < D
+                k_i = tl.load(k + (tok[:, None] * H + i_h) * D + od2[None, :], mask=valid[:, None] & md2[None, :],
+                              other=0.0).to(dt)
+                P_blk = tl.load(P_base + od2[:, None] * D + od[None, :], mask=md2[:, None] & md[None, :], other=0.0)
+                if DIAG:
+                    gam_i = tl.exp(_load_g(la, tok, valid, od2, i_h, H, D))
+                else:
+                    gam_i = gam[:, None]
+                Yb += tl.dot(gam_i * k_i, P_blk, input_precision=PREC)
+                if RETURN_VAR:
+                    q_i = tl.load(q + (tok[:, None] * H + i_h) * D + od2[None, :],
+                                  mask=valid[:, None] & md2[None, :], other=0.0).to(dt)
+                    Yq += tl.dot(gam_i * q_i, P_blk, input_precision=PREC)
+            S += tl.dot(Yb, tl.trans(kt_o), input_precision=PREC)
+            tl.store(Y_base + rows[:, None] * BD + od[None, :], Yb)
+            if DIAG:
+                b_o = _decay_noise(l2c, g_o, rows, C)
+                KK += _decay_scores(k_o, b_o * k_o, g_o, rows, cols, C)
+            else:
+                KK += tl.dot(k_o, tl.trans(k_o), input_precision=PREC)
+            if RETURN_VAR:
+                if DIAG:
+                    qPq += tl.sum(Yq * tl.exp(g_o) * q_o, axis=1)
+                    qnoise += tl.sum(b_o * q_o * q_o, axis=1)
+                else:
+                    qPq += tl.sum(Yq * gam[:, None] * q_o, axis=1)
+                    qnoise += b * tl.sum(q_o * q_o, axis=1)
+        if DIAG:
+            Nl = KK  # already ρ- and b-weighted, lower incl. diagonal
+        else:
+            Nl = tl.where(low, KK * ratio * b[None, :], 0.0)
+        S = S + Nl + tl.trans(Nl) - tl.where(eye, Nl, 0.0) + tl.where(eye, r2c[:, None], 0.0)
+        S = 0.5 * (S + tl.trans(S))
+
+        # ---- S = L diag(d) Lᵀ by symmetric elimination; L⁻¹ by the same row operations ----
+        Linv = tl.where(eye, 1.0, 0.0).to(dt)
+        beta = tl.zeros([C], dtype=dt)
+        for j in range(C):
+            colj = _col(S, cols, j)
+            djj = tl.sum(tl.where(rows == j, colj, 0.0), axis=0)
+            lj = tl.where(rows > j, colj / djj, 0.0)
+            S = S - lj[:, None] * _row(S, rows, j)[None, :]
+            Linv = Linv - lj[:, None] * _row(Linv, rows, j)[None, :]
+            beta = tl.where(rows == j, 1.0 / djj, beta)
+        tl.debug_barrier()
+
+        # ---- write keys U (and w = β U), and q_tᵀ ρ_ti u_i for the variance ----
+        if not DIAG:
+            Mix = Linv * ratio * b[None, :]
+        QU = tl.zeros([C, C], dtype=dt)
+        for kb in range(0, BD, BK):
+            od = kb + offs_k
+            md = od < D
+            k_o = tl.load(k + (tok[:, None] * H + i_h) * D + od[None, :], mask=valid[:, None] & md[None, :],
+                          other=0.0).to(dt)
+            Yb = tl.load(Y_base + rows[:, None] * BD + od[None, :])
+            if DIAG:
+                g_o = _load_g(la, tok, valid, od, i_h, H, D)
+                b_o = _decay_noise(l2c, g_o, rows, C)
+                Ub = tl.exp(g_o) * tl.dot(Linv, Yb, input_precision=PREC) + _decay_mix(Linv, b_o * k_o, g_o, rows,
+                                                                                     cols, C)
+            else:
+                Ub = gam[:, None] * tl.dot(Linv, Yb, input_precision=PREC) + tl.dot(Mix, k_o, input_precision=PREC)
+            tl.store(U_base + rows[:, None] * BD + od[None, :], Ub)
+            if RETURN_VAR:
+                q_o = tl.load(q + (tok[:, None] * H + i_h) * D + od[None, :], mask=valid[:, None] & md[None, :],
+                              other=0.0).to(dt)
+                if DIAG:
+                    QU += _decay_scores(q_o, Ub, g_o, rows, cols, C)
+                else:
+                    QU += tl.dot(q_o, tl.trans(Ub), input_precision=PREC)
+        if RETURN_VAR:
+            if not DIAG:
+                QU = tl.where(low, QU * ratio, 0.0)
+            var = 1.0 + qPq + qnoise - tl.sum(QU * QU * beta[None, :], axis=1)
+            tl.store(VAR + tok * H + i_h, var.to(VAR.dtype.element_ty), mask=valid)
+        tl.debug_barrier()
+
+        # ---- P_C = Φ_C P_0 Φ_Cᵀ + B_C − Ueᵀ diag(β) Ue (Y already holds everything P_0 was needed for) ----
+        for kb in range(0, BD, BK):
+            od = kb + offs_k
+            md = od < D
+            U1 = tl.load(U_base + rows[:, None] * BD + od[None, :])
+            if DIAG:
+                g1 = _load_g(la, tok, valid, od, i_h, H, D)
+                g1_end = _row(g1, rows, C - 1)
+                U1 = tl.exp(g1_end[None, :] - g1) * U1
+                b1_end = tl.sum(l2c[:, None] * tl.exp(2.0 * (g1_end[None, :] - g1)), axis=0)
+            else:
+                U1 = endf[:, None] * U1
+            U1 = beta[:, None] * U1
+            for kb2 in range(0, BD, BK):
+                od2 = kb2 + offs_k
+                md2 = od2 < D
+                U2 = tl.load(U_base + rows[:, None] * BD + od2[None, :])
+                p_P = P_base + od[:, None] * D + od2[None, :]
+                m_P = md[:, None] & md2[None, :]
+                P_blk = tl.load(p_P, mask=m_P, other=0.0)
+                diag = od[:, None] == od2[None, :]
+                if DIAG:
+                    g2 = _load_g(la, tok, valid, od2, i_h, H, D)
+                    g2_end = _row(g2, rows, C - 1)
+                    U2 = tl.exp(g2_end[None, :] - g2) * U2
+                    P_new = tl.exp(g1_end[:, None] + g2_end[None, :]) * P_blk + tl.where(diag, b1_end[:, None], 0.0)
+                else:
+                    U2 = endf[:, None] * U2
+                    P_new = tl.exp(2.0 * g_end) * P_blk + tl.where(diag, b_end, 0.0)
+                P_new -= tl.dot(tl.trans(U1), U2, input_precision=PREC)
+                tl.store(p_P, P_new, mask=m_P)
+
+        # ---- mean pass: generalised delta rule with erase key k and write key w ----
+        TW = tl.zeros([C, C], dtype=dt)
+        QW = tl.zeros([C, C], dtype=dt)
+        for kb in range(0, BD, BK):
+            od = kb + offs_k
+            md = od < D
+            m2 = valid[:, None] & md[None, :]
+            k_o = tl.load(k + (tok[:, None] * H + i_h) * D + od[None, :], mask=m2, other=0.0).to(dt)
+            q_o = tl.load(q + (tok[:, None] * H + i_h) * D + od[None, :], mask=m2, other=0.0).to(dt)
+            w_o = beta[:, None] * tl.load(U_base + rows[:, None] * BD + od[None, :])
+            if DIAG:
+                g_o = _load_g(la, tok, valid, od, i_h, H, D)
+                TW += _decay_scores(k_o, w_o, g_o, rows, cols, C)
+                QW += _decay_scores(q_o, w_o, g_o, rows, cols, C)
+            else:
+                TW += tl.dot(k_o, tl.trans(w_o), input_precision=PREC)
+                QW += tl.dot(q_o, tl.trans(w_o), input_precision=PREC)
+        if DIAG:
+            Tm = tl.where(rows[:, None] > cols[None, :], TW, 0.0)
+            Aq = QW
+        else:
+            Tm = tl.where(rows[:, None] > cols[None, :], TW * ratio, 0.0)
+            Aq = tl.where(low, QW * ratio, 0.0)
+        # (I + Tm)⁻¹: unit lower-triangular, inverted by forward elimination in registers
+        Ainv = tl.where(eye, 1.0, 0.0).to(dt)
+        for j in range(C):
+            lj = _col(Tm, cols, j)
+            Ainv = Ainv - lj[:, None] * _row(Ainv, rows, j)[None, :]
+
+        for vb in range(0, BMV, BV):
+            ov = vb + offs_v
+            mv = ov < MV
+            v_c = tl.load(v + (tok[:, None] * H + i_h) * MV + ov[None, :], mask=valid[:, None] & mv[None, :],
+                          other=0.0).to(dt)
+            KM = tl.zeros([C, BV], dtype=dt)
+            QM = tl.zeros([C, BV], dtype=dt)
+            for kb in range(0, BD, BK):
+                od = kb + offs_k
+                md = od < D
+                m2 = valid[:, None] & md[None, :]
+                k_o = tl.load(k + (tok[:, None] * H + i_h) * D + od[None, :], mask=m2, other=0.0).to(dt)
+                q_o = tl.load(q + (tok[:, None] * H + i_h) * D + od[None, :], mask=m2, other=0.0).to(dt)
+                M_blk = tl.load(M_base + od[:, None] * MV + ov[None, :], mask=md[:, None] & mv[None, :], other=0.0)
+                if DIAG:
+                    gam_o = tl.exp(_load_g(la, tok, valid, od, i_h, H, D))
+                else:
+                    gam_o = gam[:, None]
+                KM += tl.dot(gam_o * k_o, M_blk, input_precision=PREC)
+                QM += tl.dot(gam_o * q_o, M_blk, input_precision=PREC)
+            E = tl.dot(Ainv, v_c - KM, input_precision=PREC)
+            o = QM + tl.dot(Aq, E, input_precision=PREC)
+            tl.store(O + (tok[:, None] * H + i_h) * MV + ov[None, :], o.to(O.dtype.element_ty),
+                     mask=valid[:, None] & mv[None, :])
+            tl.debug_barrier()
+            for kb in range(0, BD, BK):
+                od = kb + offs_k
+                md = od < D
+                w_o = beta[:, None] * tl.load(U_base + rows[:, None] * BD + od[None, :])
+                p_M = M_base + od[:, None] * MV + ov[None, :]
+                m_M = md[:, None] & mv[None, :]
+                M_blk = tl.load(p_M, mask=m_M, other=0.0)
+                if DIAG:
+                    g_o = _load_g(la, tok, valid, od, i_h, H, D)
+                    g_end_o = _row(g_o, rows, C - 1)
+                    w_o = tl.exp(g_end_o[None, :] - g_o) * w_o
+                    M_new = tl.exp(g_end_o)[:, None] * M_blk
+                else:
+                    w_o = endf[:, None] * w_o
+                    M_new = tl.exp(g_end) * M_blk
+                M_new += tl.dot(tl.trans(w_o), E, input_precision=PREC)
+                tl.store(p_M, M_new, mask=m_M)
+        tl.debug_barrier()
