@@ -23,6 +23,7 @@ a hand-written loop of its own.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -84,6 +85,9 @@ class DesignModel:
 
     # -- argument plumbing -------------------------------------------------------------------------
     def _check_dynamics(self, alpha, theta):
+        for arg, val in (("alpha", alpha), ("theta", theta)):
+            if val is not None and not isinstance(val, torch.Tensor):
+                raise TypeError(f"{arg} must be a torch.Tensor or None, got {type(val).__name__}")
         kind = "identity"
         if theta is not None:
             kind = "rotation"
@@ -96,24 +100,27 @@ class DesignModel:
                 f"{None if theta is None else tuple(theta.shape)} ({kind})"
             )
 
-    def _noise(self, r2, ell2, lam, gain, T_shape):
-        if self.write in ("bayes", "diagonal"):
-            return dict(r2=r2, ell2=ell2)
+    def _noise(self, r2, ell2, lam, gain):
+        # Every argument is passed on, so that the ops refuse one the write model does not use
+        # (e.g. ell2 for a reset design) instead of it being dropped here silently.
         if self.fixed_lam is not None:
             if lam is not None or gain is not None:
                 raise ValueError(f"design {self.name!r} fixes lam={self.fixed_lam}; pass only r2")
             lam = self.fixed_lam
-        if gain is not None:
-            return dict(gain=gain)
-        return dict(r2=r2, lam=lam)
+        return dict(r2=r2, ell2=ell2, lam=lam, gain=gain)
 
-    def _kwargs(self, q, r2, ell2, lam, gain, alpha, theta):
+    def _kwargs(self, v, r2, ell2, lam, gain, alpha, theta):
         self._check_dynamics(alpha, theta)
-        kw = self._noise(r2, ell2, lam, gain, q.shape[:3])
+        kw = self._noise(r2, ell2, lam, gain)
         if self.per_column:
-            noise = kw.get("gain", kw.get("r2"))
-            if not isinstance(noise, torch.Tensor) or noise.dim() != 4:
-                raise ValueError(f"design {self.name!r} needs a per-value-column r2 or gain [B, T, H, m]")
+            noise = gain if gain is not None else r2
+            m = v.shape[-1] if isinstance(v, torch.Tensor) else None
+            if not isinstance(noise, torch.Tensor) or noise.dim() != 4 or noise.shape[-1] != m:
+                seen = tuple(noise.shape) if isinstance(noise, torch.Tensor) else type(noise).__name__
+                raise ValueError(
+                    f"design {self.name!r} needs a per-value-column r2 or gain [B, T, H, m] (m={m}), "
+                    f"got {seen}"
+                )
         return kw
 
     # -- derived filters ---------------------------------------------------------------------------
@@ -122,7 +129,7 @@ class DesignModel:
         initial_state=None, output_final_state=False,
     ) -> FilterOutput:
         """Token-by-token oracle. Returns :class:`~bayeslayer.ops.FilterOutput` ``(o, variance, gain, state)``."""
-        kw = self._kwargs(q, r2, ell2, lam, gain, alpha, theta)
+        kw = self._kwargs(v, r2, ell2, lam, gain, alpha, theta)
         return filter_recurrent(q, k, v, write=self.write, alpha=alpha, theta=theta, p0=p0,
                                 initial_state=initial_state, output_final_state=output_final_state, **kw)
 
@@ -131,7 +138,7 @@ class DesignModel:
         initial_state=None, output_final_state=False, return_variance=False, chunk_size=64,
     ) -> FilterOutput:
         """Chunked path (training/prefill); same results as :meth:`recurrent`."""
-        kw = self._kwargs(q, r2, ell2, lam, gain, alpha, theta)
+        kw = self._kwargs(v, r2, ell2, lam, gain, alpha, theta)
         return filter_chunk(q, k, v, write=self.write, alpha=alpha, theta=theta, p0=p0,
                             initial_state=initial_state, output_final_state=output_final_state,
                             return_variance=return_variance, chunk_size=chunk_size, **kw)
@@ -141,10 +148,11 @@ class DesignModel:
         """One decoding step (shapes without the time axis); ``state`` is required."""
         if state is None:
             raise ValueError("state is required for step(); start from initial_state(...)")
+        self._check_dynamics(alpha, theta)  # types
         self._check_dynamics(
             None if alpha is None else alpha.unsqueeze(1), None if theta is None else theta.unsqueeze(1)
         )
-        kw = self._noise(r2, ell2, lam, gain, q.shape[:2])
+        kw = self._noise(r2, ell2, lam, gain)
         return filter_recurrent(q, k, v, write=self.write, alpha=alpha, theta=theta, initial_state=state,
                                 output_final_state=True, single_step=True, **kw)
 
@@ -174,8 +182,8 @@ MAMBA2 = DesignModel("mamba2", "latent", "scalar",
 
 def fixed_prior(c: float) -> DesignModel:
     """Fixed isotropic prior ablation: ``P̄_t = c I`` every step (a reset with constant ``λ = c``)."""
-    if not (isinstance(c, (int, float)) and c > 0):
-        raise ValueError(f"fixed prior variance c must be a positive number, got {c!r}")
+    if not (isinstance(c, (int, float)) and not isinstance(c, bool) and math.isfinite(c) and c > 0):
+        raise ValueError(f"fixed prior variance c must be a finite positive number, got {c!r}")
     return DesignModel(f"fixed_prior_{c:g}", "reset", "any", fixed_lam=float(c),
                        description=f"fixed isotropic prior P̄ = {c:g} I")
 
@@ -189,6 +197,8 @@ DESIGNS: dict[str, DesignModel] = {
 
 def get_design(name: str) -> DesignModel:
     """Look a design up by name (``fixed_prior_<c>`` builds the ablation with ``λ = c``)."""
+    if not isinstance(name, str):
+        raise TypeError(f"design name must be a str, got {type(name).__name__}")
     if name in DESIGNS:
         return DESIGNS[name]
     if name.startswith("fixed_prior_"):

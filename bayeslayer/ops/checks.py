@@ -248,10 +248,13 @@ def check_state(
     *,
     need_cov: bool = True,
     name: str = "initial_state",
+    full_psd: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """Check ``(M [B, H, D, m], P [B, H, D, D] or [B, H, G, D, D])``; returns P as [B, H, G, D, D].
 
     For mean-only designs (``need_cov=False``) a bare M tensor or ``(M, None)`` is accepted.
+    ``full_psd`` adds an O(D³) Cholesky test of positive semi-definiteness (negligible for a
+    sequence; a decoding step, O(D²) itself, checks only symmetry and the diagonal).
     """
     if initial_state is None:
         return None
@@ -285,6 +288,16 @@ def check_state(
             raise ValueError(f"{name}[1] (P) must be symmetric; max |P - P^T| = {asym.item():.3g}")
         if bool((torch.diagonal(P, dim1=-2, dim2=-1) < -1e-6 * scale).any()):
             raise ValueError(f"{name}[1] (P) must be positive semi-definite; it has a negative diagonal entry")
+    if _VALUE_CHECKS and full_psd:
+        # A positive diagonal does not make P PSD (e.g. [[1, 2], [2, 1]]); the oracle would run on
+        # silently and the chunked path fail inside its Cholesky.  A Cholesky of P plus a small
+        # jitter (rounding in a filtered state can leave eigenvalues of order -eps·|P|) tells.
+        Pc = P.detach().to(compute_dtype(P))
+        scale = Pc.abs().max().clamp_min(1.0)
+        jitter = (1e-5 if Pc.dtype == torch.float32 else 1e-10) * scale
+        eye = torch.eye(D, dtype=Pc.dtype, device=Pc.device)
+        if bool((torch.linalg.cholesky_ex(Pc + jitter * eye).info != 0).any()):
+            raise ValueError(f"{name}[1] (P) must be positive semi-definite; it has a negative eigenvalue")
     return M, P.to(dims.cdtype)
 
 

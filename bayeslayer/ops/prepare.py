@@ -80,6 +80,11 @@ def prepare(
         raise ValueError(f"write must be one of {WRITE_MODELS}, got {write!r}")
     dims = check_qkv(q, k, v, single_step=single_step)
     has_cov = write in ("bayes", "diagonal")
+    # an argument the write model does not use would be silently ignored: refuse it instead
+    if not has_cov and ell2 is not None:
+        raise ValueError(f"write model {write!r} has no process noise; do not pass ell2")
+    if not has_cov and gain is not None and r2 is not None:
+        raise ValueError(f"write model {write!r}: pass either gain or r2 (with lam), not both")
     ell2_t = lam_t = gain_t = None
     if has_cov or gain is None:
         if r2 is None:
@@ -103,7 +108,7 @@ def prepare(
             raise ValueError(f"lam (prior/write variance) or gain is required for write model {write!r}")
         lam_t = check_positive("lam", lam, dims, single_step=single_step)
     dyn = check_dynamics(alpha, theta, dims, single_step=single_step)
-    state = check_state(initial_state, dims, G, need_cov=has_cov)
+    state = check_state(initial_state, dims, G, need_cov=has_cov, full_psd=not single_step)
     cd = dims.cdtype
     if single_step:
         q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)

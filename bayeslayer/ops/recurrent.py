@@ -21,10 +21,14 @@ the decode step (:func:`bl_step`).
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 
 from .checks import Dynamics
 from .prepare import FilterOutput, prepare
+
 
 def apply_transition(X: torch.Tensor, kind: str, log_alpha_t, theta_t) -> torch.Tensor:
     """``A_t X`` for ``X: [B, H, D, n]`` (acts on the key dimension, dim -2).
@@ -126,7 +130,7 @@ def filter_recurrent(
     v: torch.Tensor,
     *,
     write: str = "bayes",
-    r2,
+    r2=None,
     ell2=None,
     lam=None,
     gain=None,
@@ -238,12 +242,15 @@ def initial_bl_state(
     """The prior state ``(M_0 = 0, P_0 = p0·I)`` in the layout the ops accept."""
     for name, val in (("batch_size", batch_size), ("num_heads", num_heads), ("key_dim", key_dim),
                       ("value_dim", value_dim), ("groups", groups)):
-        if not isinstance(val, int) or val < 1:
+        if not isinstance(val, int) or isinstance(val, bool) or val < 1:
             raise ValueError(f"{name} must be a positive integer, got {val!r}")
     if value_dim % groups != 0:
         raise ValueError(f"value_dim={value_dim} is not divisible by groups={groups}")
-    if not (float(p0) > 0):
-        raise ValueError(f"p0 must be > 0, got {p0}")
+    # an infinite p0 would put inf on the diagonal and 0·inf = NaN off it
+    if not isinstance(p0, numbers.Real) or isinstance(p0, bool) or not math.isfinite(p0) or not p0 > 0:
+        raise ValueError(f"p0 must be a finite number > 0, got {p0!r}")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
     M = torch.zeros(batch_size, num_heads, key_dim, value_dim, dtype=dtype, device=device)
     eye = torch.eye(key_dim, dtype=dtype, device=device) * float(p0)
     if groups == 1:
