@@ -46,14 +46,20 @@ def check_cu_seqlens(cu_seqlens, batch: int, total: int, device: torch.device) -
     if cu_seqlens.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"cu_seqlens must have dtype int32 or int64, got {cu_seqlens.dtype}")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-        raise ValueError(f"cu_seqlens must be 1-D with at least 2 entries [0, ..., T], got shape {tuple(cu_seqlens.shape)}")
+        raise ValueError(
+            f"cu_seqlens must be 1-D with at least 2 entries [0, ..., T], got shape {tuple(cu_seqlens.shape)}"
+        )
     if cu_seqlens.device != device:
         raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but q is on {device}")
     if batch != 1:
-        raise ValueError(f"with cu_seqlens the sequences are packed along T, so the batch size must be 1, got B={batch}")
+        raise ValueError(
+            f"with cu_seqlens the sequences are packed along T, so the batch size must be 1, got B={batch}"
+        )
     cu = cu_seqlens.to(torch.int64)
     if int(cu[0]) != 0 or int(cu[-1]) != total:
-        raise ValueError(f"cu_seqlens must start at 0 and end at T={total}, got {int(cu[0])} .. {int(cu[-1])}")
+        raise ValueError(
+            f"cu_seqlens must start at 0 and end at T={total}, got {int(cu[0])} .. {int(cu[-1])}"
+        )
     if bool((cu[1:] < cu[:-1]).any()):
         raise ValueError("cu_seqlens must be non-decreasing")
     return cu
@@ -61,7 +67,9 @@ def check_cu_seqlens(cu_seqlens, batch: int, total: int, device: torch.device) -
 
 def _check_chunk_size(chunk_size) -> int:
     if isinstance(chunk_size, bool) or chunk_size not in SUPPORTED_CHUNK_SIZES:
-        raise ValueError(f"the Triton path supports chunk_size in {SUPPORTED_CHUNK_SIZES}, got {chunk_size!r}")
+        raise ValueError(
+            f"the Triton path supports chunk_size in {SUPPORTED_CHUNK_SIZES}, got {chunk_size!r}"
+        )
     return int(chunk_size)
 
 
@@ -86,8 +94,9 @@ def _torch_reference(q, k, v, r2, ell2, alpha, theta, p0, M0, P0, cu, chunk_size
         st = None if M0 is None else (M0[n:n + 1], P0[n:n + 1])
         out = filter_chunk(
             _slice_time(q, bos, eos), _slice_time(k, bos, eos), _slice_time(v, bos, eos), write="bayes",
-            r2=_slice_time(r2, bos, eos), ell2=_slice_time(ell2, bos, eos), alpha=_slice_time(alpha, bos, eos),
-            theta=_slice_time(theta, bos, eos), p0=p0, initial_state=st, output_final_state=True,
+            r2=_slice_time(r2, bos, eos), ell2=_slice_time(ell2, bos, eos),
+            alpha=_slice_time(alpha, bos, eos), theta=_slice_time(theta, bos, eos), p0=p0,
+            initial_state=st, output_final_state=True,
             return_variance=want_var, chunk_size=chunk_size,
         )
         os_.append(out.o)
@@ -99,7 +108,7 @@ def _torch_reference(q, k, v, r2, ell2, alpha, theta, p0, M0, P0, cu, chunk_size
 
 
 def _forward_triton(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, want_var):
-    """Validate, fold groups into heads, launch :func:`bl_chunk_fwd_kernel`, unfold. Returns (o, var, M, P)."""
+    """Validate, fold groups into heads, launch the fused kernel, unfold. Returns ``(o, var, M, P)``."""
     from .kernels import bl_chunk_fwd_kernel
 
     B, T = q.shape[:2]
@@ -164,8 +173,9 @@ class _BLChunkTriton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, want_var):
         o, var, M, P = _forward_triton(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, want_var)
-        ctx.save_for_backward(*[x if isinstance(x, torch.Tensor) else None for x in (q, k, v, r2, ell2, alpha, p0, M0, P0)])
-        ctx.plain = [None if isinstance(x, torch.Tensor) else x for x in (q, k, v, r2, ell2, alpha, p0, M0, P0)]
+        inputs = (q, k, v, r2, ell2, alpha, p0, M0, P0)
+        ctx.save_for_backward(*[x if isinstance(x, torch.Tensor) else None for x in inputs])
+        ctx.plain = [None if isinstance(x, torch.Tensor) else x for x in inputs]
         ctx.cu, ctx.chunk_size, ctx.want_var = cu, chunk_size, want_var
         if var is None:
             var = o.new_zeros(0)
@@ -175,7 +185,7 @@ class _BLChunkTriton(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_o, d_var, d_M, d_P):
         saved = ctx.saved_tensors
-        args = [s if s is not None else p for s, p in zip(saved, ctx.plain)]
+        args = [s if s is not None else p for s, p in zip(saved, ctx.plain, strict=True)]
         with torch.enable_grad():
             leaves = []
             for i, x in enumerate(args):
@@ -184,8 +194,9 @@ class _BLChunkTriton(torch.autograd.Function):
                     args[i] = x
                     leaves.append((i, x))
             q, k, v, r2, ell2, alpha, p0, M0, P0 = args
-            o, var, M, P = _torch_reference(q, k, v, r2, ell2, alpha, None, p0, M0, P0, ctx.cu, ctx.chunk_size,
-                                            ctx.want_var)
+            o, var, M, P = _torch_reference(
+                q, k, v, r2, ell2, alpha, None, p0, M0, P0, ctx.cu, ctx.chunk_size, ctx.want_var
+            )
             outs, grads = [], []
             for out, g in ((o, d_o), (var, d_var), (M, d_M), (P, d_P)):
                 if out is not None and g is not None and out.requires_grad:
@@ -194,7 +205,7 @@ class _BLChunkTriton(torch.autograd.Function):
             result = [None] * 12
             if leaves and outs:
                 gs = torch.autograd.grad(outs, [x for _, x in leaves], grads, allow_unused=True)
-                for (i, x), gx in zip(leaves, gs):
+                for (i, _), gx in zip(leaves, gs, strict=True):
                     result[i] = gx
         return tuple(result)
 

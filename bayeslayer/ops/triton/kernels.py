@@ -87,6 +87,13 @@ def _decay_noise(ell2, g, rows, C: tl.constexpr):
 
 
 @triton.jit
+def _tile(x, tok, valid, od, i_h, H: tl.constexpr, D: tl.constexpr):
+    """``x[tok, i_h, od]`` of a ``[NT, H, D]`` tensor as a ``[C, BK]`` tile, zero outside."""
+    mask = valid[:, None] & (od[None, :] < D)
+    return tl.load(x + (tok[:, None] * H + i_h) * D + od[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
 def _load_g(la, tok, valid, offs_d, i_h, H: tl.constexpr, D: tl.constexpr):
     """Cumulative log-decay tile ``[C, BK]`` of the chunk (diagonal decay)."""
     p = la + (tok[:, None] * H + i_h) * D + offs_d[None, :]
@@ -163,8 +170,7 @@ def bl_chunk_fwd_kernel(
         for kb in range(0, BD, BK):
             od = kb + offs_k
             md = od < D
-            k_o = tl.load(k + (tok[:, None] * H + i_h) * D + od[None, :], mask=valid[:, None] & md[None, :],
-                          other=0.0).to(dt)
+            k_o = _tile(k, tok, valid, od, i_h, H, D).to(dt)
             if DIAG:
                 g_o = _load_g(la, tok, valid, od, i_h, H, D)
                 kt_o = tl.exp(g_o) * k_o
@@ -172,23 +178,21 @@ def bl_chunk_fwd_kernel(
                 kt_o = gam[:, None] * k_o
             Yb = tl.zeros([C, BK], dtype=dt)
             if RETURN_VAR:
-                q_o = tl.load(q + (tok[:, None] * H + i_h) * D + od[None, :], mask=valid[:, None] & md[None, :],
-                              other=0.0).to(dt)
+                q_o = _tile(q, tok, valid, od, i_h, H, D).to(dt)
                 Yq = tl.zeros([C, BK], dtype=dt)
             for kb2 in range(0, BD, BK):
                 od2 = kb2 + offs_k
                 md2 = od2 < D
-                k_i = tl.load(k + (tok[:, None] * H + i_h) * D + od2[None, :], mask=valid[:, None] & md2[None, :],
-                              other=0.0).to(dt)
-                P_blk = tl.load(P_base + od2[:, None] * D + od[None, :], mask=md2[:, None] & md[None, :], other=0.0)
+                k_i = _tile(k, tok, valid, od2, i_h, H, D).to(dt)
+                P_blk = tl.load(P_base + od2[:, None] * D + od[None, :], mask=md2[:, None] & md[None, :],
+                                other=0.0)
                 if DIAG:
                     gam_i = tl.exp(_load_g(la, tok, valid, od2, i_h, H, D))
                 else:
                     gam_i = gam[:, None]
                 Yb += tl.dot(gam_i * k_i, P_blk, input_precision=PREC)
                 if RETURN_VAR:
-                    q_i = tl.load(q + (tok[:, None] * H + i_h) * D + od2[None, :],
-                                  mask=valid[:, None] & md2[None, :], other=0.0).to(dt)
+                    q_i = _tile(q, tok, valid, od2, i_h, H, D).to(dt)
                     Yq += tl.dot(gam_i * q_i, P_blk, input_precision=PREC)
             S += tl.dot(Yb, tl.trans(kt_o), input_precision=PREC)
             tl.store(Y_base + rows[:, None] * BD + od[None, :], Yb)
@@ -230,20 +234,19 @@ def bl_chunk_fwd_kernel(
         for kb in range(0, BD, BK):
             od = kb + offs_k
             md = od < D
-            k_o = tl.load(k + (tok[:, None] * H + i_h) * D + od[None, :], mask=valid[:, None] & md[None, :],
-                          other=0.0).to(dt)
+            k_o = _tile(k, tok, valid, od, i_h, H, D).to(dt)
             Yb = tl.load(Y_base + rows[:, None] * BD + od[None, :])
             if DIAG:
                 g_o = _load_g(la, tok, valid, od, i_h, H, D)
                 b_o = _decay_noise(l2c, g_o, rows, C)
-                Ub = tl.exp(g_o) * tl.dot(Linv, Yb, input_precision=PREC) + _decay_mix(Linv, b_o * k_o, g_o, rows,
-                                                                                     cols, C)
+                Ub = tl.exp(g_o) * tl.dot(Linv, Yb, input_precision=PREC)
+                Ub += _decay_mix(Linv, b_o * k_o, g_o, rows, cols, C)
             else:
-                Ub = gam[:, None] * tl.dot(Linv, Yb, input_precision=PREC) + tl.dot(Mix, k_o, input_precision=PREC)
+                Ub = gam[:, None] * tl.dot(Linv, Yb, input_precision=PREC)
+                Ub += tl.dot(Mix, k_o, input_precision=PREC)
             tl.store(U_base + rows[:, None] * BD + od[None, :], Ub)
             if RETURN_VAR:
-                q_o = tl.load(q + (tok[:, None] * H + i_h) * D + od[None, :], mask=valid[:, None] & md[None, :],
-                              other=0.0).to(dt)
+                q_o = _tile(q, tok, valid, od, i_h, H, D).to(dt)
                 if DIAG:
                     QU += _decay_scores(q_o, Ub, g_o, rows, cols, C)
                 else:
@@ -280,7 +283,8 @@ def bl_chunk_fwd_kernel(
                     g2 = _load_g(la, tok, valid, od2, i_h, H, D)
                     g2_end = _row(g2, rows, C - 1)
                     U2 = tl.exp(g2_end[None, :] - g2) * U2
-                    P_new = tl.exp(g1_end[:, None] + g2_end[None, :]) * P_blk + tl.where(diag, b1_end[:, None], 0.0)
+                    P_new = tl.exp(g1_end[:, None] + g2_end[None, :]) * P_blk
+                    P_new += tl.where(diag, b1_end[:, None], 0.0)
                 else:
                     U2 = endf[:, None] * U2
                     P_new = tl.exp(2.0 * g_end) * P_blk + tl.where(diag, b_end, 0.0)
@@ -292,10 +296,8 @@ def bl_chunk_fwd_kernel(
         QW = tl.zeros([C, C], dtype=dt)
         for kb in range(0, BD, BK):
             od = kb + offs_k
-            md = od < D
-            m2 = valid[:, None] & md[None, :]
-            k_o = tl.load(k + (tok[:, None] * H + i_h) * D + od[None, :], mask=m2, other=0.0).to(dt)
-            q_o = tl.load(q + (tok[:, None] * H + i_h) * D + od[None, :], mask=m2, other=0.0).to(dt)
+            k_o = _tile(k, tok, valid, od, i_h, H, D).to(dt)
+            q_o = _tile(q, tok, valid, od, i_h, H, D).to(dt)
             w_o = beta[:, None] * tl.load(U_base + rows[:, None] * BD + od[None, :])
             if DIAG:
                 g_o = _load_g(la, tok, valid, od, i_h, H, D)
@@ -326,10 +328,10 @@ def bl_chunk_fwd_kernel(
             for kb in range(0, BD, BK):
                 od = kb + offs_k
                 md = od < D
-                m2 = valid[:, None] & md[None, :]
-                k_o = tl.load(k + (tok[:, None] * H + i_h) * D + od[None, :], mask=m2, other=0.0).to(dt)
-                q_o = tl.load(q + (tok[:, None] * H + i_h) * D + od[None, :], mask=m2, other=0.0).to(dt)
-                M_blk = tl.load(M_base + od[:, None] * MV + ov[None, :], mask=md[:, None] & mv[None, :], other=0.0)
+                k_o = _tile(k, tok, valid, od, i_h, H, D).to(dt)
+                q_o = _tile(q, tok, valid, od, i_h, H, D).to(dt)
+                M_blk = tl.load(M_base + od[:, None] * MV + ov[None, :], mask=md[:, None] & mv[None, :],
+                                other=0.0)
                 if DIAG:
                     gam_o = tl.exp(_load_g(la, tok, valid, od, i_h, H, D))
                 else:
