@@ -1,1 +1,42 @@
-"""Language model, checkpoints and retrofit."""
+"""Language model, checkpoints and retrofit.
+
+* :class:`BayesLayerConfig`, :class:`BayesLayerModel`, :class:`BayesLayerForCausalLM`: a Hugging Face
+  model (``model_type = "bayeslayer"``, registered with ``AutoConfig``/``AutoModel``/``AutoModelForCausalLM``)
+  whose blocks use any mixer of :mod:`bayeslayer.layers`, per layer.
+* :func:`load_gdn_checkpoint`: a flash-linear-attention Gated DeltaNet checkpoint → our model (runs on CPU).
+* :func:`replace_layers`: swap chosen layers' mixers for Bayesian Layers, initialised from the GDN teacher.
+* :func:`count_parameters`: total and non-embedding parameter counts.
+"""
+
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+from .cache import BayesLayerCache
+from .checkpoint import gdn_config_to_bayeslayer, load_gdn_checkpoint
+from .configuration import BayesLayerConfig
+from .modeling import (
+    BayesLayerBlock,
+    BayesLayerForCausalLM,
+    BayesLayerModel,
+    BayesLayerPreTrainedModel,
+    ParameterCount,
+    count_parameters,
+)
+from .retrofit import replace_layers
+
+AutoConfig.register(BayesLayerConfig.model_type, BayesLayerConfig, exist_ok=True)
+AutoModel.register(BayesLayerConfig, BayesLayerModel, exist_ok=True)
+AutoModelForCausalLM.register(BayesLayerConfig, BayesLayerForCausalLM, exist_ok=True)
+
+__all__ = [
+    "BayesLayerBlock",
+    "BayesLayerCache",
+    "BayesLayerConfig",
+    "BayesLayerForCausalLM",
+    "BayesLayerModel",
+    "BayesLayerPreTrainedModel",
+    "ParameterCount",
+    "count_parameters",
+    "gdn_config_to_bayeslayer",
+    "load_gdn_checkpoint",
+    "replace_layers",
+]

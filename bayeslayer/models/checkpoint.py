@@ -1,0 +1,189 @@
+"""Load a flash-linear-attention Gated DeltaNet checkpoint (Hugging Face format) into our model.
+
+A checkpoint written by ``fla.models.GatedDeltaNetForCausalLM.save_pretrained`` is a
+``config.json`` (``model_type: gated_deltanet``) plus ``model.safetensors`` (or
+sharded safetensors, or ``pytorch_model.bin``).  Our :class:`BayesLayerForCausalLM`
+with ``gated_deltanet`` mixers uses the same parameter names and shapes, so the
+weights map one to one; the recurrence then runs through
+:data:`bayeslayer.design.GATED_DELTANET` in plain PyTorch, on any device.
+
+Every tensor must find its place: a checkpoint tensor the model has no slot for,
+a model parameter the checkpoint lacks, or a shape mismatch raises one error that
+lists them all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .configuration import BayesLayerConfig
+from .modeling import BayesLayerForCausalLM
+
+_WEIGHT_PATTERNS = ["config.json", "*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json"]
+
+
+def gdn_config_to_bayeslayer(gdn_config: dict[str, Any]) -> BayesLayerConfig:
+    """A flash-linear-attention ``GatedDeltaNetConfig`` (as a dict) as a :class:`BayesLayerConfig`.
+
+    Features our Gated DeltaNet mixer does not implement (hybrid attention layers,
+    grouped value heads, negative eigenvalues, a sigmoid or absent output gate,
+    attention residuals) raise a ValueError naming them, rather than loading into
+    a model that would compute something else.
+    """
+    if not isinstance(gdn_config, dict):
+        raise TypeError(f"gdn_config must be a dict (a parsed config.json), got {type(gdn_config).__name__}")
+    model_type = gdn_config.get("model_type")
+    if model_type != "gated_deltanet":
+        raise ValueError(f"expected a flash-linear-attention config with model_type 'gated_deltanet', "
+                         f"got {model_type!r}")
+    c = dict(gdn_config)
+    unsupported = []
+    if c.get("attn") is not None:
+        unsupported.append(f"attn={c['attn']!r} (hybrid softmax-attention layers)")
+    num_heads = c.get("num_heads", 6)
+    if c.get("num_v_heads") not in (None, num_heads):
+        unsupported.append(f"num_v_heads={c['num_v_heads']} != num_heads={num_heads} (grouped value heads)")
+    if c.get("allow_neg_eigval", False):
+        unsupported.append("allow_neg_eigval=True")
+    if not c.get("use_gate", True):
+        unsupported.append("use_gate=False")
+    if c.get("output_gate_activation", "swish") not in ("swish", "silu"):
+        unsupported.append(f"output_gate_activation={c['output_gate_activation']!r}")
+    if c.get("attnres_block_size") is not None:
+        unsupported.append(f"attnres_block_size={c['attnres_block_size']}")
+    if c.get("hidden_act", "swish") != "swish":
+        unsupported.append(f"hidden_act={c['hidden_act']!r}")
+    if unsupported:
+        raise ValueError("this Gated DeltaNet checkpoint uses features bayeslayer does not implement: "
+                         + "; ".join(unsupported))
+
+    norm_eps = c.get("norm_eps", 1e-6)
+    use_conv = c.get("use_short_conv", True)
+    mixer = "gated_deltanet" if use_conv else "gated_deltanet_noconv"
+    gdn_kwargs: dict[str, Any] = {"expand_v": c.get("expand_v", 2.0), "norm_eps": norm_eps}
+    if use_conv:
+        gdn_kwargs["conv_size"] = c.get("conv_size", 4)
+    return BayesLayerConfig(
+        vocab_size=c.get("vocab_size", 32000),
+        hidden_size=c.get("hidden_size", 2048),
+        num_hidden_layers=c.get("num_hidden_layers", 21),
+        num_heads=num_heads,
+        head_dim=c.get("head_dim", 256),
+        mixer=mixer,
+        mixer_kwargs={mixer: gdn_kwargs},
+        hidden_ratio=c.get("hidden_ratio", 4),
+        intermediate_size=c.get("intermediate_size"),
+        norm_eps=norm_eps,
+        initializer_range=c.get("initializer_range", 0.02),
+        tie_word_embeddings=c.get("tie_word_embeddings", False),
+        pad_token_id=c.get("pad_token_id"),
+        bos_token_id=c.get("bos_token_id", 1),
+        eos_token_id=c.get("eos_token_id", 2),
+    )
+
+
+def _resolve_directory(path_or_repo_id: str | os.PathLike, revision: str | None) -> Path:
+    path = Path(path_or_repo_id)
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise ValueError(f"{path} is a file; pass the checkpoint directory (config.json and weights)")
+    name = str(path_or_repo_id)
+    if name.startswith((".", "/", "~")) or name.count("/") != 1:
+        raise FileNotFoundError(f"no checkpoint directory at {name!r} (and it is not an 'owner/name' hub id)")
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(name, revision=revision, allow_patterns=_WEIGHT_PATTERNS))
+
+
+def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a HF checkpoint directory: (sharded) safetensors preferred, else (sharded) .bin."""
+    from safetensors.torch import load_file
+
+    def _shards(index_name: str) -> list[Path]:
+        index = json.loads((directory / index_name).read_text())
+        return [directory / f for f in sorted(set(index["weight_map"].values()))]
+
+    if (directory / "model.safetensors").is_file():
+        files, loader = [directory / "model.safetensors"], load_file
+    elif (directory / "model.safetensors.index.json").is_file():
+        files, loader = _shards("model.safetensors.index.json"), load_file
+    elif (directory / "pytorch_model.bin").is_file():
+        files = [directory / "pytorch_model.bin"]
+        loader = lambda f: torch.load(f, map_location="cpu", weights_only=True)  # noqa: E731
+    elif (directory / "pytorch_model.bin.index.json").is_file():
+        files = _shards("pytorch_model.bin.index.json")
+        loader = lambda f: torch.load(f, map_location="cpu", weights_only=True)  # noqa: E731
+    else:
+        found = sorted(p.name for p in directory.iterdir())
+        raise FileNotFoundError(
+            f"no model.safetensors / pytorch_model.bin (or sharded index) in {directory}; found {found}"
+        )
+    weights: dict[str, torch.Tensor] = {}
+    for f in files:
+        for key, tensor in loader(str(f)).items():
+            if key in weights:
+                raise ValueError(f"tensor {key!r} appears in more than one shard ({f.name})")
+            weights[key] = tensor
+    return weights
+
+
+def load_gdn_checkpoint(
+    path_or_repo_id: str | os.PathLike,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    revision: str | None = None,
+) -> BayesLayerForCausalLM:
+    """A flash-linear-attention Gated DeltaNet checkpoint as a :class:`BayesLayerForCausalLM`.
+
+    Args:
+        path_or_repo_id: a directory holding ``config.json`` (``model_type: gated_deltanet``) and
+            the weights, or a hub id ``owner/name`` (downloaded through ``huggingface_hub``).
+        dtype, device: where the model's parameters live (float32 on the CPU by default).
+        revision: hub revision, for hub ids.
+
+    Raises:
+        ValueError: listing every checkpoint tensor left unused, every model parameter the
+            checkpoint does not provide, and every shape mismatch.
+    """
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+    directory = _resolve_directory(path_or_repo_id, revision)
+    config_file = directory / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"no config.json in {directory}")
+    config = gdn_config_to_bayeslayer(json.loads(config_file.read_text()))
+    weights = _read_weights(directory)
+
+    model = BayesLayerForCausalLM(config)
+    expected = model.state_dict()
+    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    unexpected = sorted(set(weights) - set(expected))
+    missing = sorted(set(expected) - set(weights) - tied)
+    mismatched = sorted(
+        f"{k}: checkpoint {tuple(weights[k].shape)} vs model {tuple(expected[k].shape)}"
+        for k in set(weights) & set(expected)
+        if weights[k].shape != expected[k].shape
+    )
+    if unexpected or missing or mismatched:
+        parts = []
+        if unexpected:
+            parts.append(f"{len(unexpected)} checkpoint tensors have no place in the model: {unexpected}")
+        if missing:
+            parts.append(f"{len(missing)} model parameters are missing from the checkpoint: {missing}")
+        if mismatched:
+            parts.append(f"{len(mismatched)} shapes differ: {mismatched}")
+        raise ValueError(f"cannot load the Gated DeltaNet checkpoint at {directory}: " + "; ".join(parts))
+    if tied and "lm_head.weight" in weights and not torch.equal(weights["lm_head.weight"],
+                                                                weights["model.embeddings.weight"]):
+        raise ValueError("config ties the word embeddings but lm_head.weight differs from the embeddings")
+    state = {k: v for k, v in weights.items() if k not in tied}
+    model.load_state_dict(state, strict=not tied)
+    model.tie_weights()
+    return model.to(device=device, dtype=dtype).eval()

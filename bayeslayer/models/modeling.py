@@ -1,0 +1,371 @@
+"""A Hugging Face causal language model over any stack of ``bayeslayer`` token mixers.
+
+Module names mirror flash-linear-attention's ``GatedDeltaNetForCausalLM`` so its
+checkpoints load parameter-for-parameter::
+
+    model.embeddings                          nn.Embedding [V, hidden]
+    model.layers.{i}.attn_norm                RMSNorm
+    model.layers.{i}.attn                     the token mixer (bayeslayer.layers)
+    model.layers.{i}.mlp_norm                 RMSNorm
+    model.layers.{i}.mlp.{gate,up,down}_proj  SwiGLU MLP
+    model.norm                                RMSNorm
+    lm_head                                   nn.Linear [hidden → V] (tied or not)
+
+Each block is pre-norm:  ``h = h + drop(mixer(norm(h)))``, ``h = h + drop(mlp(norm(h)))``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import initialization as init
+from transformers.generation import GenerationMixin
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_utils import PreTrainedModel
+
+from .cache import BayesLayerCache
+from .configuration import BayesLayerConfig
+
+# Keyword arguments that ``generate()`` (or HF tooling) may pass and that a model
+# without positions or attention weights has no use for.
+_IGNORED_HF_KWARGS = frozenset({"position_ids", "cache_position", "output_attentions", "token_type_ids"})
+
+
+def build_layer_mixer(config: BayesLayerConfig, layer_idx: int) -> nn.Module:
+    """The token mixer of layer ``layer_idx``, built from the registry with the config's kwargs."""
+    from ..layers import build_mixer
+
+    name, kwargs = config.mixer_arguments(layer_idx)
+    return build_mixer(name, config.hidden_size, layer_idx=layer_idx, **kwargs)
+
+
+class SwiGLUMLP(nn.Module):
+    """``down_proj(drop(silu(gate_proj(x)) * up_proj(x)))``; ``3 · hidden · intermediate`` parameters."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_dropout: float = 0.0) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.hidden_dropout = nn.Dropout(hidden_dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.hidden_dropout(F.silu(self.gate_proj(x)) * self.up_proj(x)))
+
+
+class BayesLayerBlock(nn.Module):
+    """Pre-norm block: a token mixer then a SwiGLU MLP, each with a residual connection."""
+
+    def __init__(self, config: BayesLayerConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.mixer_name = config.layer_mixers[layer_idx]
+        self.attn_norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.attn = build_layer_mixer(config, layer_idx)
+        self.mlp_norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.mlp = SwiGLUMLP(config.hidden_size, config.mlp_intermediate_size, config.mlp_hidden_dropout)
+        self.mixer_dropout = nn.Dropout(config.mixer_dropout)
+        self.mlp_dropout = nn.Dropout(config.mlp_dropout)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        state: dict | None = None,
+        use_cache: bool = False,
+    ) -> tuple[torch.Tensor, dict | None]:
+        out = self.attn(self.attn_norm(hidden_states), attention_mask=attention_mask, state=state,
+                        use_cache=use_cache)
+        hidden_states = hidden_states + self.mixer_dropout(out.o)
+        hidden_states = hidden_states + self.mlp_dropout(self.mlp(self.mlp_norm(hidden_states)))
+        return hidden_states, out.state
+
+
+class BayesLayerPreTrainedModel(PreTrainedModel):
+    config_class = BayesLayerConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = False
+    _no_split_modules = ["BayesLayerBlock"]
+    # generate(): the state is recurrent, so no assisted decoding and no default DynamicCache.
+    _is_stateful = True
+    _input_embed_layer = "embeddings"
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False
+
+    def _init_weights(self, module: nn.Module) -> None:
+        """Normal(0, ``initializer_range``) for embeddings, MLPs and the head; ones for the block norms.
+
+        Token mixers are left alone: they initialise their own parameters in their
+        constructors (decay parametrisations, noise floors, short convs), and a
+        generic normal init would undo that.
+        """
+        if getattr(module, "_bayeslayer_mixer_part", False):
+            return
+        std = self.config.initializer_range
+        if isinstance(module, nn.Embedding):
+            init.normal_(module.weight, mean=0.0, std=std)
+            if module.padding_idx is not None and not getattr(module.weight, "_is_hf_initialized", False):
+                init.zeros_(module.weight[module.padding_idx])
+        elif isinstance(module, nn.Linear):
+            init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                init.zeros_(module.bias)
+        elif isinstance(module, nn.RMSNorm):
+            init.ones_(module.weight)
+
+
+def _check_ids_and_mask(input_ids, inputs_embeds, attention_mask, vocab_size: int, hidden_size: int):
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError("pass exactly one of input_ids [B, T] and inputs_embeds [B, T, hidden]")
+    if input_ids is not None:
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"input_ids must be an integer (int64/int32) tensor, got "
+                            f"{getattr(input_ids, 'dtype', type(input_ids).__name__)}")
+        if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+            raise ValueError(f"input_ids must be [B, T] with T >= 1, got shape {tuple(input_ids.shape)}")
+        lo, hi = int(input_ids.min()), int(input_ids.max())
+        if lo < 0 or hi >= vocab_size:
+            raise ValueError(f"input_ids must lie in [0, vocab_size={vocab_size}), got values in "
+                             f"[{lo}, {hi}]")
+        B, T = input_ids.shape
+    else:
+        if not isinstance(inputs_embeds, torch.Tensor) or not inputs_embeds.is_floating_point():
+            raise TypeError("inputs_embeds must be a floating-point tensor [B, T, hidden]")
+        if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != hidden_size or inputs_embeds.shape[1] == 0:
+            raise ValueError(
+                f"inputs_embeds must be [B, T, hidden={hidden_size}], got {tuple(inputs_embeds.shape)}"
+            )
+        B, T = inputs_embeds.shape[:2]
+    if attention_mask is not None:
+        if not isinstance(attention_mask, torch.Tensor):
+            raise TypeError(f"attention_mask must be a tensor [B, T], got {type(attention_mask).__name__}")
+        if attention_mask.dim() != 2:
+            raise ValueError("attention_mask must be a 0/1 tensor [B, T] (1 = token, 0 = left padding), "
+                             f"got shape {tuple(attention_mask.shape)}")
+        if attention_mask.shape[0] != B or attention_mask.shape[1] < T:
+            raise ValueError(
+                f"attention_mask must be [B, >= T] = [{B}, >= {T}] (generate() passes the whole history), "
+                f"got {tuple(attention_mask.shape)}"
+            )
+        if bool(((attention_mask != 0) & (attention_mask != 1)).any()):
+            raise ValueError("attention_mask must contain only 0 and 1")
+        # generate() keeps the mask of the whole history; a mixer sees the rows of this call.
+        attention_mask = attention_mask[:, -T:]
+        if bool(attention_mask.all()):
+            attention_mask = None  # nothing masked: let mixers take their fast path
+    return B, T, attention_mask
+
+
+def _check_extra_kwargs(kwargs: dict) -> None:
+    unknown = set(kwargs) - _IGNORED_HF_KWARGS
+    if unknown:
+        raise TypeError(f"unexpected keyword arguments {sorted(unknown)}")
+    if kwargs.get("output_attentions"):
+        raise ValueError("output_attentions is not supported: the mixers do not form attention matrices")
+
+
+class BayesLayerModel(BayesLayerPreTrainedModel):
+    """Embeddings → ``num_hidden_layers`` pre-norm (mixer, MLP) blocks → final RMSNorm."""
+
+    def __init__(self, config: BayesLayerConfig) -> None:
+        super().__init__(config)
+        self.padding_idx = config.pad_token_id
+        self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=self.padding_idx)
+        self.embedding_dropout = nn.Dropout(config.embedding_dropout)
+        self.layers = nn.ModuleList([BayesLayerBlock(config, i) for i in range(config.num_hidden_layers)])
+        for layer in self.layers:
+            for part in layer.attn.modules():
+                part._bayeslayer_mixer_part = True
+        self.norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embeddings
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embeddings = value
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        cache: BayesLayerCache | None = None,
+        use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        past_key_values: BayesLayerCache | None = None,
+        **kwargs,
+    ) -> BaseModelOutputWithPast | tuple:
+        """Hidden states ``[B, T, hidden]`` after the final norm; with ``use_cache`` also the updated cache.
+
+        ``attention_mask`` ``[B, T']`` (``T' >= T``; 1 = token, 0 = left padding): the last ``T``
+        columns go to every mixer, which keeps padded tokens out of its memory.
+        ``past_key_values`` is accepted as the pre-5.x name of ``cache``.
+        """
+        _check_extra_kwargs(kwargs)
+        if cache is not None and past_key_values is not None:
+            raise ValueError("pass the cache as cache or as past_key_values, not both")
+        cache = cache if cache is not None else past_key_values
+        output_hidden_states = (
+            output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
+        )
+        use_cache = use_cache if use_cache is not None else (self.config.use_cache and not self.training)
+        return_dict = return_dict if return_dict is not None else self.config.return_dict
+        _, T, mask = _check_ids_and_mask(input_ids, inputs_embeds, attention_mask, self.config.vocab_size,
+                                         self.config.hidden_size)
+        if cache is not None and not isinstance(cache, BayesLayerCache):
+            raise TypeError(f"cache must be a BayesLayerCache (or None), got {type(cache).__name__}")
+        if cache is not None and len(cache.layers) != len(self.layers):
+            raise ValueError(f"cache has {len(cache.layers)} layers but the model has {len(self.layers)}")
+        if use_cache and cache is None:
+            cache = BayesLayerCache(len(self.layers))
+
+        hidden_states = self.embeddings(input_ids) if inputs_embeds is None else inputs_embeds
+        hidden_states = self.embedding_dropout(hidden_states)
+        all_hidden = () if output_hidden_states else None
+        for idx, layer in enumerate(self.layers):
+            if output_hidden_states:
+                all_hidden += (hidden_states,)
+            state = cache[idx] if cache is not None else None
+            hidden_states, new_state = layer(hidden_states, attention_mask=mask, state=state,
+                                             use_cache=use_cache)
+            if use_cache:
+                cache.set_state(idx, new_state, T)
+        hidden_states = self.norm(hidden_states)
+        if output_hidden_states:
+            all_hidden += (hidden_states,)
+        cache = cache if use_cache else None
+        if not return_dict:
+            return tuple(x for x in (hidden_states, cache, all_hidden) if x is not None)
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache, hidden_states=all_hidden)
+
+
+class BayesLayerForCausalLM(BayesLayerPreTrainedModel, GenerationMixin):
+    """:class:`BayesLayerModel` plus a language-model head; ``labels`` gives the shifted next-token loss."""
+
+    _tied_weights_keys = {"lm_head.weight": "model.embeddings.weight"}
+
+    def __init__(self, config: BayesLayerConfig) -> None:
+        super().__init__(config)
+        self.model = BayesLayerModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embeddings
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.model.embeddings = value
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def set_output_embeddings(self, new_embeddings: nn.Linear) -> None:
+        self.lm_head = new_embeddings
+
+    def get_decoder(self) -> BayesLayerModel:
+        return self.model
+
+    def set_decoder(self, decoder: BayesLayerModel) -> None:
+        self.model = decoder
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        cache: BayesLayerCache | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        logits_to_keep: int = 0,
+        past_key_values: BayesLayerCache | None = None,
+        **kwargs,
+    ) -> CausalLMOutputWithPast | tuple:
+        """Logits ``[B, T, V]`` (the last ``logits_to_keep`` positions if > 0) and, with ``labels``
+        ``[B, T]``, the mean cross-entropy of predicting ``labels[:, t+1]`` from position ``t``
+        (label ``-100`` is ignored, as in transformers)."""
+        return_dict = return_dict if return_dict is not None else self.config.return_dict
+        if not isinstance(logits_to_keep, int) or isinstance(logits_to_keep, bool) or logits_to_keep < 0:
+            raise ValueError(f"logits_to_keep must be a non-negative int, got {logits_to_keep!r}")
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            inputs_embeds=inputs_embeds,
+            cache=cache,
+            use_cache=use_cache,
+            output_hidden_states=output_hidden_states,
+            return_dict=True,
+            past_key_values=past_key_values,
+            **kwargs,
+        )
+        hidden_states = outputs.last_hidden_state
+        loss = None
+        if labels is not None:
+            if not isinstance(labels, torch.Tensor) or labels.shape != hidden_states.shape[:2]:
+                raise ValueError(
+                    f"labels must be [B, T] = {tuple(hidden_states.shape[:2])}, got "
+                    f"{tuple(labels.shape) if isinstance(labels, torch.Tensor) else type(labels).__name__}"
+                )
+            logits = self.lm_head(hidden_states)
+            loss = F.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
+                labels[:, 1:].reshape(-1).to(logits.device),
+                ignore_index=-100,
+            )
+            if logits_to_keep:
+                logits = logits[:, -logits_to_keep:]
+        else:
+            kept = hidden_states[:, -logits_to_keep:] if logits_to_keep else hidden_states
+            logits = self.lm_head(kept)
+        if not return_dict:
+            rest = tuple(x for x in (outputs.cache, outputs.hidden_states) if x is not None)
+            return ((loss,) if loss is not None else ()) + (logits,) + rest
+        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=outputs.cache,
+                                      hidden_states=outputs.hidden_states)
+
+
+class ParameterCount(NamedTuple):
+    """``total`` unique parameters; ``embedding`` = input embeddings (+ an untied head); ``non_embedding``."""
+
+    total: int
+    embedding: int
+    non_embedding: int
+
+
+def count_parameters(model: nn.Module, *, trainable_only: bool = False) -> ParameterCount:
+    """Count unique parameters (a tied head is counted once).
+
+    ``non_embedding`` excludes the token embeddings and an untied output head, the
+    usual convention for sizing language models (e.g. the paper's 16–18M for width
+    512, 4 layers). Works on :class:`BayesLayerForCausalLM`, :class:`BayesLayerModel`
+    or any module (then embeddings are its ``nn.Embedding`` modules).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    seen: set[int] = set()
+
+    def _count(params) -> int:
+        n = 0
+        for p in params:
+            if id(p) in seen or (trainable_only and not p.requires_grad):
+                continue
+            seen.add(id(p))
+            n += p.numel()
+        return n
+
+    embedding_params = [m.weight for m in model.modules() if isinstance(m, nn.Embedding)]
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if isinstance(head, nn.Module):
+        embedding_params += list(head.parameters())
+    embedding = _count(embedding_params)
+    rest = _count(model.parameters())
+    return ParameterCount(total=embedding + rest, embedding=embedding, non_embedding=rest)
