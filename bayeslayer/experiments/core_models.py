@@ -1,0 +1,186 @@
+"""Recurrent-core-only models for the learned collision studies (SPEC §4.2–4.3).
+
+The task's *address* is fed directly as key **and** query of every layer and every
+head; there is no learned key or query projection, so a model cannot rotate a
+collision away: two addresses with overlap ρ reach the filter with overlap ρ.
+Everything else a token carries (WRITE/QUERY marker, value) reaches the filter
+only through learned maps from the residual stream:
+
+* value      ``v_t = W_v h_t``                                        ``[B, T, H, m]``
+* BL         ``r_t² = softplus(·) + 1e-4``, ``ℓ_t² = softplus(·) + 1e-6``,
+  ``A_t = α_t I`` with ``α_t = σ(·)`` (per head)
+* Delta      covariance-reset write ``M_t = M_{t-1} + β_t k_t (v_t − M_{t-1}ᵀ k_t)ᵀ``,
+  ``β_t = σ(·)``, ``A_t = I`` (the DeltaNet design)
+* LA         latent-input write ``M_t = M_{t-1} + ω_t k_t v_tᵀ``, ``ω_t = σ(·)``, ``A_t = I``
+* GLA        latent-input write with ``A_t = diag(α_t)``, ``log α_t = logσ(·)/16`` (GLA's gate)
+
+Each mixer runs its design model's chunked path from :mod:`bayeslayer.design`;
+the output is the readout ``y_t = M_tᵀ q_t`` with ``q_t = k_t = address_t``.
+
+Model (SPEC §4.2: 2 layers, width 64, 4 heads × 16 dims)::
+
+    h = W_in x                                    x: [B, T, input_dim]
+    h = h + W_o · mixer(LN(h), address)   ┐ per layer
+    h = h + MLP(LN(h))                    ┘ (MLP width 2·width, GELU)
+    logits = W_head LN(h)                         [B, T, num_classes]
+
+Parameters: about ``num_layers · (width·(H·m) + 2·width² + 4·width²) + …`` —
+≈ 60k for the paper's sizes; the memory state is ``H·D·m`` (+ ``H·D²`` for BL) per layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..design import BAYESIAN, DELTANET, GLA, LINEAR_ATTENTION
+
+CORE_KINDS = ("bayesian", "delta", "linear_attention", "gla")
+CORE_LABELS = {"bayesian": "BL", "delta": "Delta-style", "linear_attention": "LA-style", "gla": "GLA-style"}
+
+
+@dataclass(frozen=True)
+class CoreModelConfig:
+    """Sizes of a recurrent-core-only model.
+
+    ``address_start`` / ``address_dim``: where the address sits in the input features
+    (``x[..., address_start : address_start + address_dim]``); ``address_dim`` must equal
+    ``head_dim`` because the address *is* the key and query of every head.
+    """
+
+    kind: str
+    input_dim: int
+    num_classes: int
+    address_start: int
+    address_dim: int = 16
+    num_layers: int = 2
+    width: int = 64
+    num_heads: int = 4
+    head_dim: int = 16
+    p0: float = 1.0
+    chunk_size: int = 16  # measured fastest on CPU for these short heads (D = m = 16)
+
+    def __post_init__(self):
+        if self.kind not in CORE_KINDS:
+            raise ValueError(f"kind must be one of {CORE_KINDS}, got {self.kind!r}")
+        for name in ("input_dim", "num_classes", "address_dim", "num_layers", "width", "num_heads",
+                     "head_dim", "chunk_size"):
+            val = getattr(self, name)
+            if not isinstance(val, int) or val <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {val!r}")
+        if self.address_dim != self.head_dim:
+            raise ValueError(
+                f"address_dim ({self.address_dim}) must equal head_dim ({self.head_dim}): the address is "
+                "the key and query of every head, with no projection"
+            )
+        if not (0 <= self.address_start and self.address_start + self.address_dim <= self.input_dim):
+            raise ValueError(
+                f"address slice [{self.address_start}, {self.address_start + self.address_dim}) does not fit "
+                f"in input_dim={self.input_dim}"
+            )
+        if not (self.p0 > 0):
+            raise ValueError(f"p0 must be > 0, got {self.p0}")
+
+
+class CoreMixer(nn.Module):
+    """One recurrent core: keys = queries = the address; value and noise/decay maps are learned."""
+
+    def __init__(self, cfg: CoreModelConfig):
+        super().__init__()
+        self.kind = cfg.kind
+        self.H, self.D, self.m = cfg.num_heads, cfg.head_dim, cfg.head_dim
+        self.p0 = cfg.p0
+        self.chunk_size = cfg.chunk_size
+        W, H = cfg.width, cfg.num_heads
+        self.value = nn.Linear(W, H * self.m)
+        self.out = nn.Linear(H * self.m, W)
+        if self.kind == "bayesian":
+            self.r2 = nn.Linear(W, H)
+            self.ell2 = nn.Linear(W, H)
+            self.decay = nn.Linear(W, H)
+            # Start near the collision experiment's regime: r² ≈ ℓ²-scale noise, slow decay.
+            nn.init.constant_(self.r2.bias, -1.0)  # softplus(-1) ≈ 0.31
+            nn.init.constant_(self.ell2.bias, -4.0)  # softplus(-4) ≈ 0.018
+            nn.init.constant_(self.decay.bias, 4.0)  # σ(4) ≈ 0.98
+        elif self.kind == "gla":
+            self.coef = nn.Linear(W, H)
+            self.decay = nn.Linear(W, H * self.D)
+        else:
+            self.coef = nn.Linear(W, H)
+
+    def forward(self, h: torch.Tensor, address: torch.Tensor) -> torch.Tensor:
+        """``h``: ``[B, T, width]``, ``address``: ``[B, T, D]`` (unit rows) → ``[B, T, width]``."""
+        B, T, _ = h.shape
+        qk = address.unsqueeze(2).expand(B, T, self.H, self.D)
+        v = self.value(h).view(B, T, self.H, self.m)
+        if self.kind == "bayesian":
+            r2 = F.softplus(self.r2(h)) + 1e-4
+            ell2 = F.softplus(self.ell2(h)) + 1e-6
+            # alpha must stay inside (0, 1]; the clamp only bites far outside the learned range.
+            alpha = torch.sigmoid(self.decay(h)).clamp(min=1e-3)
+            out = BAYESIAN.chunk(qk, qk, v, r2=r2, ell2=ell2, alpha=alpha, p0=self.p0,
+                                 chunk_size=self.chunk_size)
+        elif self.kind == "delta":
+            beta = torch.sigmoid(self.coef(h)).clamp(min=1e-6)
+            out = DELTANET.chunk(qk, qk, v, gain=beta, chunk_size=self.chunk_size)
+        elif self.kind == "linear_attention":
+            omega = torch.sigmoid(self.coef(h)).clamp(min=1e-6)
+            out = LINEAR_ATTENTION.chunk(qk, qk, v, gain=omega, chunk_size=self.chunk_size)
+        else:
+            omega = torch.sigmoid(self.coef(h)).clamp(min=1e-6)
+            # GLA's gate: log α = logσ(z)/16 keeps decays near 1 at initialisation.
+            alpha = torch.exp(F.logsigmoid(self.decay(h)) / 16.0).view(B, T, self.H, self.D)
+            out = GLA.chunk(qk, qk, v, gain=omega, alpha=alpha, chunk_size=self.chunk_size)
+        return self.out(out.o.reshape(B, T, self.H * self.m))
+
+
+class CoreBlock(nn.Module):
+    def __init__(self, cfg: CoreModelConfig):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(cfg.width)
+        self.mixer = CoreMixer(cfg)
+        self.norm2 = nn.LayerNorm(cfg.width)
+        W = cfg.width
+        self.mlp = nn.Sequential(nn.Linear(W, 2 * W), nn.GELU(), nn.Linear(2 * W, W))
+
+    def forward(self, h: torch.Tensor, address: torch.Tensor) -> torch.Tensor:
+        h = h + self.mixer(self.norm1(h), address)
+        return h + self.mlp(self.norm2(h))
+
+
+class CoreModel(nn.Module):
+    """Input features ``[B, T, input_dim]`` → logits ``[B, T, num_classes]``; see the module docstring."""
+
+    def __init__(self, cfg: CoreModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Linear(cfg.input_dim, cfg.width)
+        self.blocks = nn.ModuleList(CoreBlock(cfg) for _ in range(cfg.num_layers))
+        self.norm = nn.LayerNorm(cfg.width)
+        self.head = nn.Linear(cfg.width, cfg.num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            raise TypeError(f"x must be a floating-point tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+        if x.dim() != 3 or x.shape[-1] != cfg.input_dim:
+            raise ValueError(f"x must be [B, T, input_dim={cfg.input_dim}], got {tuple(x.shape)}")
+        address = x[..., cfg.address_start : cfg.address_start + cfg.address_dim]
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h, address)
+        return self.head(self.norm(h))
+
+    def config_dict(self) -> dict:
+        return asdict(self.cfg)
+
+
+def build_core_model(
+    kind: str, *, input_dim: int, num_classes: int, address_start: int, **sizes
+) -> CoreModel:
+    """Build a :class:`CoreModel` (``sizes``: any other :class:`CoreModelConfig` field)."""
+    return CoreModel(CoreModelConfig(kind=kind, input_dim=input_dim, num_classes=num_classes,
+                                     address_start=address_start, **sizes))

@@ -1,0 +1,246 @@
+"""``bayeslayer crowding``: random-key crowding (SPEC §4.3).
+
+Unit addresses are a 64-dim standard Gaussian projected by one frozen, seeded,
+row-orthogonal 16×64 matrix (the same for every model and run) and renormalised;
+a sequence writes ``n`` (address, value) associations with 64 value labels, then
+queries 8 of them (:func:`bayeslayer.data.collision_tasks.crowding_batch`).
+Training draws ``n ∈ {16, 32, 48, 64}`` (``n/D ≤ 4``, one ``n`` per batch); tests run
+past capacity at ``n/D ∈ {6, 8, 12, 16}`` (and, for reference, at the training loads
+``n/D ∈ {1, 2, 3, 4}``).  Metrics: query cross-entropy (nats) and accuracy vs ``n/D``.
+
+Models: BL and the Delta-, LA- and GLA-style recurrent cores with the address as
+key and query (:mod:`bayeslayer.experiments.core_models`).  Writes
+``<out>/crowding.json`` and ``<out>/crowding.png`` drawn from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import asdict, dataclass, replace
+
+import torch
+import torch.nn as nn
+
+from ..data.collision_tasks import crowding_batch, crowding_projection
+from .core_models import CORE_KINDS, CORE_LABELS, build_core_model
+from .harness import (
+    TrainConfig,
+    masked_cross_entropy,
+    query_accuracy,
+    results_record,
+    summarize,
+    summarize_curves,
+    train_seeds,
+    write_json,
+)
+
+PAPER_BUDGET = "2,500 steps, batch 256, 3 seeds"
+
+
+@dataclass(frozen=True)
+class CrowdingPreset:
+    """Everything a crowding run depends on; ``paper`` is SPEC §4.3 with §4.2's optimiser budget."""
+
+    name: str
+    steps: int
+    batch_size: int
+    seeds: int
+    eval_sequences: int
+    lr: float = 3e-4
+    weight_decay: float = 1e-4
+    grad_clip: float = 1.0
+    warmup_fraction: float = 0.05
+    address_dim: int = 16
+    source_dim: int = 64
+    projection_seed: int = 0
+    num_values: int = 64
+    num_queries: int = 8
+    train_n: tuple[int, ...] = (16, 32, 48, 64)
+    test_load: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16)  # n/D; 6..16 are SPEC's test loads
+    eval_batch: int = 64
+    eval_seed: int = 4321
+
+    def train_config(self) -> TrainConfig:
+        return TrainConfig(steps=self.steps, batch_size=self.batch_size, lr=self.lr,
+                           weight_decay=self.weight_decay, grad_clip=self.grad_clip,
+                           warmup_steps=int(self.warmup_fraction * self.steps))
+
+
+PRESETS = {
+    "paper": CrowdingPreset("paper", steps=2500, batch_size=256, seeds=3, eval_sequences=512),
+    # Sized from measured step times on the 2-core CPU (docs/experiments.md): all four models,
+    # both seeds, training and evaluation in about 15 minutes when the machine is idle.
+    "default": CrowdingPreset("default", steps=800, batch_size=64, seeds=2, eval_sequences=128),
+    "tiny": CrowdingPreset("tiny", steps=20, batch_size=16, seeds=1, eval_sequences=16, test_load=(1, 6)),
+}
+
+
+def sampler(preset: CrowdingPreset, projection: torch.Tensor):
+    """Training batches: one ``n`` from ``train_n`` per batch."""
+
+    def sample_batch(step: int, batch_size: int, generator: torch.Generator):
+        idx = int(torch.randint(len(preset.train_n), (1,), generator=generator))
+        return crowding_batch(batch_size, n=preset.train_n[idx], projection=projection, generator=generator,
+                              num_queries=preset.num_queries, num_values=preset.num_values)
+
+    return sample_batch
+
+
+def final_evaluation(preset: CrowdingPreset, projection: torch.Tensor):
+    """Query CE and accuracy at every test load, on fixed sequences shared by all models and seeds."""
+
+    def evaluate(model: nn.Module) -> dict:
+        ce_curve, acc_curve = [], []
+        for i, load in enumerate(preset.test_load):
+            g = torch.Generator().manual_seed(preset.eval_seed * 7919 + i)
+            ce = acc = 0.0
+            count = 0
+            left = preset.eval_sequences
+            while left > 0:
+                b = min(left, preset.eval_batch)
+                left -= b
+                batch = crowding_batch(b, n=load * preset.address_dim, projection=projection, generator=g,
+                                       num_queries=preset.num_queries, num_values=preset.num_values)
+                logits = model(batch.inputs)
+                nq = int((batch.labels != -100).sum())
+                ce += float(masked_cross_entropy(logits, batch.labels)) * nq
+                acc += query_accuracy(logits, batch.labels) * nq
+                count += nq
+            ce_curve.append(ce / count)
+            acc_curve.append(acc / count)
+        return {"cross_entropy_vs_load": ce_curve, "accuracy_vs_load": acc_curve}
+
+    return evaluate
+
+
+def build_model(kind: str, preset: CrowdingPreset) -> nn.Module:
+    return build_core_model(kind, input_dim=1 + preset.address_dim + preset.num_values,
+                            num_classes=preset.num_values, address_start=1, address_dim=preset.address_dim,
+                            head_dim=preset.address_dim)
+
+
+CURVES = ("cross_entropy_vs_load", "accuracy_vs_load")
+
+
+def run_crowding(preset: CrowdingPreset, models=CORE_KINDS, *, out_dir: str | None = None,
+                 progress: bool = True) -> dict:
+    """Train and evaluate every model over ``preset.seeds`` seeds; returns (and writes) the results."""
+    unknown = [m for m in models if m not in CORE_KINDS]
+    if unknown or not models:
+        raise ValueError(f"models must be a non-empty subset of {CORE_KINDS}, got {list(models)}")
+    projection = crowding_projection(preset.address_dim, preset.source_dim, preset.projection_seed)
+    cfg = preset.train_config()
+    run_dir = os.path.join(out_dir, "runs") if out_dir else None
+    results = {}
+    for kind in models:
+        model_cfg = asdict(build_model(kind, preset).cfg)
+        records = train_seeds(
+            f"crowding_{preset.name}_{kind}", lambda seed, kind=kind: build_model(kind, preset),
+            sampler(preset, projection), cfg, list(range(preset.seeds)), final_evaluation(preset, projection),
+            run_dir=run_dir, progress=progress, fingerprint={"preset": asdict(preset), "model": model_cfg},
+        )
+        summary = {c: summarize_curves([r[c] for r in records]) for c in CURVES}
+        summary["final_train_loss"] = summarize([r["final_train_loss"] for r in records])
+        summary["train_seconds"] = summarize([r["train_seconds"] for r in records])
+        results[kind] = {"label": CORE_LABELS[kind], "model_config": model_cfg, "seeds": records,
+                         "summary": summary}
+    record = results_record("crowding", preset.name, {**asdict(preset), "train": asdict(cfg)}, results,
+                            paper_budget=PAPER_BUDGET)
+    if out_dir:
+        write_json(os.path.join(out_dir, "crowding.json"), record)
+        plot_crowding(record, os.path.join(out_dir, "crowding.png"))
+    return record
+
+
+def plot_crowding(record: dict, path: str) -> None:
+    """Query CE and accuracy vs load ``n/D`` (mean ± std over seeds), drawn from the JSON."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cfg = record["config"]
+    x = cfg["test_load"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    for res in record["models"].values():
+        s = res["summary"]
+        for ax, key in ((ax1, "cross_entropy_vs_load"), (ax2, "accuracy_vs_load")):
+            ax.errorbar(x, s[key]["mean"], yerr=s[key]["std"], marker="o", ms=3, capsize=2,
+                        label=res["label"])
+    top = max(cfg["train_n"]) / cfg["address_dim"]
+    for ax in (ax1, ax2):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("load n / D")
+        ax.axvspan(min(x), top, color="0.9", zorder=0)
+    ax1.set_ylabel("query cross-entropy (nats)")
+    ax2.set_ylabel("query accuracy")
+    ax2.axhline(1 / cfg["num_values"], color="k", lw=0.8, ls=":", label="chance")
+    ax2.legend(fontsize=8)
+    nseeds = cfg["seeds"]
+    fig.suptitle(f"Random-key crowding — preset '{record['preset']}' ({cfg['steps']} steps, batch "
+                 f"{cfg['batch_size']}, {nseeds} seed{'s' * (nseeds > 1)}; shaded: training loads)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def print_table(record: dict) -> None:
+    cfg = record["config"]
+    names = list(record["models"])
+    tables = (("cross_entropy_vs_load", "query cross-entropy"), ("accuracy_vs_load", "query accuracy"))
+    for key, title in tables:
+        print(f"\n{title} vs n/D (mean ± std over {cfg['seeds']} seeds)")
+        print("n/D    " + "".join(f"{record['models'][k]['label']:>16}" for k in names))
+        for i, load in enumerate(cfg["test_load"]):
+            row = "".join(f"{s['mean'][i]:>9.3f} ± {s['std'][i]:.3f}"
+                          for s in (record["models"][k]["summary"][key] for k in names))
+            print(f"{load:<7d}{row}")
+
+
+def preset_from_args(args) -> CrowdingPreset:
+    preset = PRESETS[args.preset]
+    over = {k: v for k, v in (("steps", args.steps), ("batch_size", args.batch_size), ("seeds", args.seeds))
+            if v is not None}
+    for k, v in over.items():
+        if v <= 0:
+            raise ValueError(f"--{k.replace('_', '-')} must be positive, got {v}")
+    return replace(preset, **over, name=preset.name if not over else f"{preset.name}-custom")
+
+
+def _main(args) -> int:
+    if args.plot_only:
+        with open(args.plot_only) as fh:
+            record = json.load(fh)
+        out = os.path.splitext(args.plot_only)[0] + ".png"
+        plot_crowding(record, out)
+        print_table(record)
+        print(f"\nredrew {out}")
+        return 0
+    preset = preset_from_args(args)
+    budget = f"{preset.steps} steps, batch {preset.batch_size}, {preset.seeds} seed(s)"
+    if preset.name == "paper":
+        print(f"crowding: paper budget ({PAPER_BUDGET})")
+    else:
+        print(f"crowding: preset '{preset.name}' = {budget}; a CPU-sized run of the same task, NOT the "
+              f"paper's budget ({PAPER_BUDGET}); use --preset paper for that")
+    record = run_crowding(preset, args.models, out_dir=args.out, progress=not args.no_progress)
+    print_table(record)
+    print(f"\nwrote {os.path.join(args.out, 'crowding.json')} and crowding.png")
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("crowding", help="random-key crowding past capacity (SPEC §4.3)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", choices=sorted(PRESETS), default="default",
+                   help=f"'paper' = {PAPER_BUDGET}; 'default' ≈ 15 min on a 2-core CPU; 'tiny' = smoke test")
+    p.add_argument("--models", nargs="+", choices=CORE_KINDS, default=list(CORE_KINDS))
+    p.add_argument("--steps", type=int, default=None, help="override the preset's training steps")
+    p.add_argument("--batch-size", type=int, default=None, help="override the preset's batch size")
+    p.add_argument("--seeds", type=int, default=None, help="override the preset's number of seeds")
+    p.add_argument("--out", default="results/crowding", help="output directory (JSON, PNG, per-seed cache)")
+    p.add_argument("--plot-only", metavar="JSON", default=None, help="redraw the plot and table from a JSON")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=_main)

@@ -1,0 +1,380 @@
+"""The one training loop and results format shared by every synthetic experiment.
+
+Nothing here knows a task.  A task supplies
+
+* a **model**: ``nn.Module`` mapping ``batch.inputs`` to logits ``[B, T, V]``;
+* a **batch sampler** ``sample_batch(step, batch_size, generator) -> batch`` where
+  ``batch`` has ``.inputs`` (any tensor the model takes) and ``.labels``
+  (``[B, T]`` long, ``-100`` where a token carries no loss).  The harness seeds
+  ``generator`` from ``(config.seed, step)`` so step ``s`` always sees the same
+  batch — that is what makes a resumed run identical to an uninterrupted one;
+* optionally an **evaluate** callback ``evaluate(model) -> {name: float}`` run
+  every ``eval_every`` steps and at the end (under ``torch.no_grad``, eval mode).
+
+Training: cross-entropy on labelled tokens; AdamW ``(lr, betas, weight_decay,
+eps)``; learning rate ``lr · s(step)`` with linear warmup then cosine decay,
+``s(t) = (t+1)/W`` for ``t < W`` and ``min_ratio + (1 − min_ratio)·½(1 + cos π·(t−W)/(N−W))``
+afterwards; global-norm gradient clipping.  Checkpoints are atomic (written to a
+temporary file, then ``os.replace``) and hold model, optimizer, scheduler, step,
+loss history and RNG states, so ``train(..., checkpoint_path=p)`` after an
+interruption continues exactly where it stopped.
+
+Results: :func:`summarize` gives ``{"mean", "std", "values"}`` over seeds and
+:func:`write_json` writes a results file atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Optimiser, schedule and bookkeeping of one training run (one seed)."""
+
+    steps: int = 2500
+    batch_size: int = 256
+    lr: float = 3e-4
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = 1e-4
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0
+    eval_every: int = 0  # 0: evaluate only at the end
+    checkpoint_every: int = 0  # 0: checkpoint only when stopping
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("steps", "batch_size"):
+            val = getattr(self, name)
+            if not isinstance(val, int) or isinstance(val, bool) or val <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {val!r}")
+        for name in ("warmup_steps", "eval_every", "checkpoint_every", "seed"):
+            val = getattr(self, name)
+            if not isinstance(val, int) or isinstance(val, bool) or val < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {val!r}")
+        if self.warmup_steps >= self.steps and self.steps > 1:
+            raise ValueError(f"warmup_steps ({self.warmup_steps}) must be < steps ({self.steps})")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"lr must be finite and > 0, got {self.lr}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas}")
+        if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
+            raise ValueError(f"weight_decay must be finite and >= 0, got {self.weight_decay}")
+        if not (self.eps > 0):
+            raise ValueError(f"eps must be > 0, got {self.eps}")
+        if not (self.grad_clip > 0):
+            raise ValueError(f"grad_clip must be > 0 (use math.inf for no clipping), got {self.grad_clip}")
+        if not (0 <= self.min_lr_ratio <= 1):
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+
+
+@dataclass
+class TrainResult:
+    """Per-step training losses, the periodic evaluations and the wall time of this call."""
+
+    losses: list[float] = field(default_factory=list)
+    evals: list[dict[str, float]] = field(default_factory=list)  # each has "step"
+    step: int = 0
+    seconds: float = 0.0
+    finished: bool = False
+
+
+def lr_lambda(config: TrainConfig) -> Callable[[int], float]:
+    """The schedule factor ``s(t)`` of the module docstring (multiplies ``config.lr``)."""
+    W, N, lo = config.warmup_steps, config.steps, config.min_lr_ratio
+
+    def factor(t: int) -> float:
+        if t < W:
+            return (t + 1) / W
+        progress = min(1.0, (t - W) / max(1, N - W))
+        return lo + (1 - lo) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch (call before building a model)."""
+    if not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def batch_generator(seed: int, step: int) -> torch.Generator:
+    """The generator that draws step ``step``'s batch: a pure function of ``(seed, step)``."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + step + 1)
+
+
+def masked_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over tokens whose label is not ``-100``; ``logits [B, T, V]``, ``labels [B, T]``."""
+    if logits.shape[:-1] != labels.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} disagree on [B, T]")
+    return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE_INDEX)
+
+
+def query_accuracy(logits: torch.Tensor, labels: torch.Tensor) -> float:
+    """Fraction of labelled tokens whose arg-max logit is the label."""
+    mask = labels != IGNORE_INDEX
+    n = int(mask.sum())
+    if n == 0:
+        raise ValueError("labels have no token with a loss (all -100)")
+    return float((logits.argmax(-1)[mask] == labels[mask]).float().mean())
+
+
+def _atomic_save(obj: Any, path: str) -> None:
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".pt")
+    os.close(fd)
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, path)  # a reader never sees a half-written checkpoint
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def _rng_states() -> dict:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+
+def _set_rng_states(states: dict) -> None:
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    torch.set_rng_state(states["torch"])
+
+
+def train(
+    model: nn.Module,
+    sample_batch: Callable[[int, int, torch.Generator], Any],
+    config: TrainConfig,
+    *,
+    evaluate: Callable[[nn.Module], dict[str, float]] | None = None,
+    checkpoint_path: str | None = None,
+    stop_after: int | None = None,
+    progress: bool = True,
+    desc: str = "train",
+) -> TrainResult:
+    """Train ``model`` for ``config.steps`` steps (see the module docstring).
+
+    ``checkpoint_path``: when the file exists the run resumes from it (its config must
+    match); it is rewritten every ``checkpoint_every`` steps, when stopping early and at
+    the end.  ``stop_after``: stop (and checkpoint) after that many total steps — an
+    interruption on purpose, used to test resuming.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not callable(sample_batch):
+        raise TypeError("sample_batch must be callable as sample_batch(step, batch_size, generator)")
+    if not isinstance(config, TrainConfig):
+        raise TypeError(f"config must be a TrainConfig, got {type(config).__name__}")
+    if stop_after is not None and (not isinstance(stop_after, int) or not 0 < stop_after <= config.steps):
+        raise ValueError(f"stop_after must be an integer in [1, steps={config.steps}], got {stop_after!r}")
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=config.lr, betas=config.betas, eps=config.eps,
+                                  weight_decay=config.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config))
+    result = TrainResult()
+    if checkpoint_path is not None and os.path.exists(checkpoint_path):
+        ckpt = torch.load(checkpoint_path, weights_only=False)
+        if ckpt["config"] != asdict(config):
+            raise ValueError(
+                f"checkpoint {checkpoint_path} was written with config {ckpt['config']}, "
+                f"not {asdict(config)}; remove it or use the same config"
+            )
+        model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        scheduler.load_state_dict(ckpt["scheduler"])
+        _set_rng_states(ckpt["rng"])
+        result.losses, result.evals, result.step = ckpt["losses"], ckpt["evals"], ckpt["step"]
+
+    def save() -> None:
+        if checkpoint_path is not None:
+            _atomic_save({"config": asdict(config), "model": model.state_dict(),
+                          "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                          "rng": _rng_states(), "losses": result.losses, "evals": result.evals,
+                          "step": result.step}, checkpoint_path)
+
+    def run_eval() -> None:
+        if evaluate is None:
+            return
+        was_training = model.training
+        model.eval()
+        with torch.no_grad():
+            metrics = evaluate(model)
+        model.train(was_training)
+        result.evals.append({"step": result.step, **{k: float(v) for k, v in metrics.items()}})
+
+    end = config.steps if stop_after is None else stop_after
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=config.steps, initial=result.step, desc=desc, leave=False, dynamic_ncols=True)
+    t0 = time.perf_counter()
+    model.train()
+    while result.step < end:
+        step = result.step
+        batch = sample_batch(step, config.batch_size, batch_generator(config.seed, step))
+        loss = masked_cross_entropy(model(batch.inputs), batch.labels)
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"{desc}: loss became {loss.item()} at step {step}")
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        result.losses.append(float(loss.detach()))
+        result.step = step + 1
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{result.losses[-1]:.3f}")
+        if config.eval_every and result.step % config.eval_every == 0 and result.step < config.steps:
+            run_eval()
+        if config.checkpoint_every and result.step % config.checkpoint_every == 0:
+            save()
+    if bar is not None:
+        bar.close()
+    result.finished = result.step >= config.steps
+    if result.finished:
+        run_eval()
+    save()
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def summarize(values: Sequence[float]) -> dict[str, Any]:
+    """Mean and sample standard deviation (``ddof = 1``; 0 for one seed) of per-seed numbers."""
+    vals = [float(v) for v in values]
+    if not vals:
+        raise ValueError("summarize needs at least one value")
+    arr = np.asarray(vals)
+    std = float(arr.std(ddof=1)) if len(vals) > 1 else 0.0
+    return {"mean": float(arr.mean()), "std": std, "values": vals}
+
+
+def summarize_curves(curves: Sequence[Sequence[float]]) -> dict[str, list]:
+    """Point-wise :func:`summarize` of per-seed curves of equal length: ``{"mean": [...], "std": [...]}``."""
+    if not curves or len({len(c) for c in curves}) != 1:
+        raise ValueError(f"curves must be a non-empty list of equal-length lists, got lengths "
+                         f"{[len(c) for c in curves]}")
+    cols = [summarize(col) for col in zip(*curves, strict=True)]
+    return {"mean": [c["mean"] for c in cols], "std": [c["std"] for c in cols]}
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, (np.floating, np.integer)):
+        return obj.item()
+    if isinstance(obj, torch.Tensor):
+        return obj.tolist()
+    return obj
+
+
+def write_json(path: str, obj: dict) -> None:
+    """Write ``obj`` as indented JSON atomically (temporary file, then ``os.replace``)."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".json")
+    with os.fdopen(fd, "w") as fh:
+        json.dump(_jsonable(obj), fh, indent=1)
+        fh.write("\n")
+    os.replace(tmp, path)
+
+
+def results_record(experiment: str, preset: str, config: dict, models: dict, **extra: Any) -> dict:
+    """The common results layout: ``{"experiment", "preset", "config", "models", ...extra}``.
+
+    ``models[name]`` holds ``"seeds"`` (one dict of raw metrics per seed) and
+    ``"summary"`` (mean ± std over seeds, from :func:`summarize` / :func:`summarize_curves`).
+    """
+    return {"experiment": experiment, "preset": preset, "config": config, "models": models, **extra}
+
+
+def train_seeds(
+    name: str,
+    build_model: Callable[[int], nn.Module],
+    sample_batch: Callable[[int, int, torch.Generator], Any],
+    config: TrainConfig,
+    seeds: Sequence[int],
+    final_eval: Callable[[nn.Module], dict[str, Any]],
+    *,
+    run_dir: str | None = None,
+    evaluate: Callable[[nn.Module], dict[str, float]] | None = None,
+    progress: bool = True,
+    loss_curve_points: int = 100,
+    fingerprint: dict[str, Any] | None = None,
+) -> list[dict[str, Any]]:
+    """Train one model per seed and evaluate it; one record per seed.
+
+    For seed ``s``: :func:`seed_everything(s)`, ``build_model(s)``, :func:`train` with
+    ``config`` (its ``seed`` replaced by ``s``), then ``final_eval(model)`` under
+    ``torch.no_grad`` in eval mode.  With ``run_dir`` each finished seed is cached as
+    ``run_dir/<name>_seed<s>.json`` (reused when its config matches, so an interrupted
+    sweep restarts where it stopped; ``fingerprint`` — e.g. the task and model settings — must
+    match too) and training checkpoints to ``run_dir/<name>_seed<s>.pt``
+    (removed once the seed is done).
+
+    Record: ``{"seed", "train_seconds", "final_train_loss" (mean of the last 10% of steps),
+    "loss_curve": {"step": [...], "loss": [...]} (≤ loss_curve_points points, each a window
+    mean), "evals", **final_eval(model)}``.
+    """
+    if not seeds:
+        raise ValueError("seeds must be a non-empty list of non-negative integers")
+    records = []
+    for seed in seeds:
+        cfg = TrainConfig(**{**asdict(config), "seed": int(seed)})
+        cache = ckpt = None
+        if run_dir is not None:
+            os.makedirs(run_dir, exist_ok=True)
+            cache = os.path.join(run_dir, f"{name}_seed{seed}.json")
+            ckpt = os.path.join(run_dir, f"{name}_seed{seed}.pt")
+            if os.path.exists(cache):
+                with open(cache) as fh:
+                    cached = json.load(fh)
+                if (cached.get("train_config") == _jsonable(asdict(cfg))
+                        and cached.get("fingerprint") == _jsonable(fingerprint)):
+                    records.append(cached["record"])
+                    continue
+        seed_everything(int(seed))
+        model = build_model(int(seed))
+        res = train(model, sample_batch, cfg, evaluate=evaluate, checkpoint_path=ckpt, progress=progress,
+                    desc=f"{name} seed {seed}")
+        model.eval()
+        with torch.no_grad():
+            final = final_eval(model)
+        n = len(res.losses)
+        width = max(1, math.ceil(n / loss_curve_points))
+        curve_steps = list(range(width, n + 1, width))
+        curve = [float(np.mean(res.losses[s - width : s])) for s in curve_steps]
+        tail = res.losses[-max(1, n // 10):]
+        record = {"seed": int(seed), "train_seconds": res.seconds, "final_train_loss": float(np.mean(tail)),
+                  "loss_curve": {"step": curve_steps, "loss": curve}, "evals": res.evals, **final}
+        if cache is not None:
+            write_json(cache, {"train_config": asdict(cfg), "fingerprint": fingerprint, "record": record})
+            if os.path.exists(ckpt):
+                os.remove(ckpt)
+        records.append(_jsonable(record))
+    return records

@@ -1,0 +1,276 @@
+"""``bayeslayer recall``: learned controlled collision recall (SPEC §4.2).
+
+Each sequence holds 8 target/distractor address pairs with overlap ρ; targets are
+written ``n_b = 4`` times, then their distractors ``n_f`` times, then the targets
+are queried (:func:`bayeslayer.data.collision_tasks.collision_recall_batch`).
+Models are recurrent-core only (:mod:`bayeslayer.experiments.core_models`): BL and
+the Delta-, LA- and GLA-style cores, addresses fed directly as key and query.
+
+Training: ``n_f ∈ {1, 2, 4, 8}`` (one per batch), ``ρ ~ U[0.60, 0.80]`` per sequence.
+Tests (fixed evaluation sets, identical for every model and seed):
+
+* accuracy (and CE) vs ``n_f ∈ {1, …, 256}`` at ρ = 0.80;
+* target-vs-distractor margin vs ρ ∈ {0.60, …, 0.95} at ``n_f = 64``: with logits ``z``
+  at a query, ``margin = 2σ(z_target − z_distractor) − 1`` (SPEC §4.1's ``2p^{AB} − 1``),
+  averaged over queries; positive means the target's value still beats its distractor's.
+
+Writes ``<out>/recall.json`` (config, per-seed metrics, mean ± std over seeds) and
+``<out>/recall.png`` drawn from that JSON (``--plot-only`` redraws it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import asdict, dataclass, replace
+
+import torch
+import torch.nn as nn
+
+from ..data.collision_tasks import collision_recall_batch
+from .core_models import CORE_KINDS, CORE_LABELS, build_core_model
+from .harness import (
+    TrainConfig,
+    masked_cross_entropy,
+    query_accuracy,
+    results_record,
+    summarize,
+    summarize_curves,
+    train_seeds,
+    write_json,
+)
+
+PAPER_BUDGET = "2,500 steps, batch 256, 3 seeds"
+
+
+@dataclass(frozen=True)
+class RecallPreset:
+    """Everything a recall run depends on; ``paper`` is SPEC §4.2's budget."""
+
+    name: str
+    steps: int
+    batch_size: int
+    seeds: int
+    eval_sequences: int  # sequences per evaluation point (8 queries each)
+    lr: float = 3e-4
+    weight_decay: float = 1e-4
+    grad_clip: float = 1.0
+    warmup_fraction: float = 0.05
+    n_b: int = 4
+    num_pairs: int = 8
+    address_dim: int = 16
+    train_n_f: tuple[int, ...] = (1, 2, 4, 8)
+    train_rho: tuple[float, float] = (0.60, 0.80)
+    test_n_f: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    test_rho_for_n_f: float = 0.80
+    test_rho: tuple[float, ...] = (0.60, 0.65, 0.70, 0.75, 0.80, 0.85, 0.90, 0.95)
+    test_n_f_for_rho: int = 64
+    eval_batch: int = 32  # sequences per forward pass at evaluation (memory)
+    eval_seed: int = 1234
+
+    def train_config(self) -> TrainConfig:
+        return TrainConfig(steps=self.steps, batch_size=self.batch_size, lr=self.lr,
+                           weight_decay=self.weight_decay, grad_clip=self.grad_clip,
+                           warmup_steps=int(self.warmup_fraction * self.steps))
+
+
+PRESETS = {
+    "paper": RecallPreset("paper", steps=2500, batch_size=256, seeds=3, eval_sequences=256),
+    # Sized from measured step times on the 2-core CPU (see docs/experiments.md): all four
+    # models, both seeds, training and evaluation in about 15 minutes when the machine is idle.
+    "default": RecallPreset("default", steps=800, batch_size=64, seeds=2, eval_sequences=64),
+    # Seconds-long smoke run (tests, trying the command out).
+    "tiny": RecallPreset("tiny", steps=20, batch_size=16, seeds=1, eval_sequences=8,
+                         test_n_f=(1, 8, 32), test_rho=(0.6, 0.95), test_n_f_for_rho=8),
+}
+
+
+def sampler(preset: RecallPreset):
+    """Training batches: one ``n_f`` from ``train_n_f`` per batch, ``ρ ~ U[train_rho]`` per sequence."""
+    lo, hi = preset.train_rho
+
+    def sample_batch(step: int, batch_size: int, generator: torch.Generator):
+        idx = int(torch.randint(len(preset.train_n_f), (1,), generator=generator))
+        rho = lo + (hi - lo) * torch.rand(batch_size, generator=generator)
+        return collision_recall_batch(batch_size, n_f=preset.train_n_f[idx], rho=rho, generator=generator,
+                                      n_b=preset.n_b, num_pairs=preset.num_pairs,
+                                      address_dim=preset.address_dim)
+
+    return sample_batch
+
+
+def evaluate_point(model: nn.Module, preset: RecallPreset, n_f: int, rho: float, point_seed: int) -> dict:
+    """Accuracy, CE and margin of ``model`` on ``eval_sequences`` fixed sequences at ``(n_f, ρ)``."""
+    g = torch.Generator().manual_seed(preset.eval_seed * 7919 + point_seed)
+    correct = margin = ce = 0.0
+    count = 0
+    left = preset.eval_sequences
+    while left > 0:
+        b = min(left, preset.eval_batch)
+        left -= b
+        batch = collision_recall_batch(b, n_f=n_f, rho=rho, generator=g, n_b=preset.n_b,
+                                       num_pairs=preset.num_pairs, address_dim=preset.address_dim)
+        logits = model(batch.inputs)
+        mask = batch.labels != -100
+        z = logits[mask]
+        zt = z.gather(-1, batch.labels[mask][:, None]).squeeze(-1)
+        zd = z.gather(-1, batch.distractor_labels[mask][:, None]).squeeze(-1)
+        nq = int(mask.sum())
+        correct += query_accuracy(logits, batch.labels) * nq
+        margin += float((2 * torch.sigmoid(zt - zd) - 1).sum())
+        ce += float(masked_cross_entropy(logits, batch.labels)) * nq
+        count += nq
+    return {"accuracy": correct / count, "margin": margin / count, "cross_entropy": ce / count}
+
+
+def final_evaluation(preset: RecallPreset):
+    def evaluate(model: nn.Module) -> dict:
+        by_nf = [evaluate_point(model, preset, n_f, preset.test_rho_for_n_f, i)
+                 for i, n_f in enumerate(preset.test_n_f)]
+        by_rho = [evaluate_point(model, preset, preset.test_n_f_for_rho, rho, 1000 + i)
+                  for i, rho in enumerate(preset.test_rho)]
+        return {
+            "accuracy_vs_n_f": [p["accuracy"] for p in by_nf],
+            "cross_entropy_vs_n_f": [p["cross_entropy"] for p in by_nf],
+            "margin_vs_n_f": [p["margin"] for p in by_nf],
+            "margin_vs_rho": [p["margin"] for p in by_rho],
+            "accuracy_vs_rho": [p["accuracy"] for p in by_rho],
+        }
+
+    return evaluate
+
+
+def build_model(kind: str, preset: RecallPreset) -> nn.Module:
+    return build_core_model(kind, input_dim=1 + preset.address_dim + 2 * preset.num_pairs,
+                            num_classes=2 * preset.num_pairs, address_start=1, address_dim=preset.address_dim,
+                            head_dim=preset.address_dim)
+
+
+CURVES = ("accuracy_vs_n_f", "cross_entropy_vs_n_f", "margin_vs_n_f", "margin_vs_rho", "accuracy_vs_rho")
+
+
+def run_recall(preset: RecallPreset, models=CORE_KINDS, *, out_dir: str | None = None,
+               progress: bool = True) -> dict:
+    """Train and evaluate every model over ``preset.seeds`` seeds; returns (and writes) the results."""
+    unknown = [m for m in models if m not in CORE_KINDS]
+    if unknown or not models:
+        raise ValueError(f"models must be a non-empty subset of {CORE_KINDS}, got {list(models)}")
+    cfg = preset.train_config()
+    run_dir = os.path.join(out_dir, "runs") if out_dir else None
+    results = {}
+    for kind in models:
+        model_cfg = asdict(build_model(kind, preset).cfg)
+        records = train_seeds(
+            f"recall_{preset.name}_{kind}", lambda seed, kind=kind: build_model(kind, preset),
+            sampler(preset), cfg, list(range(preset.seeds)), final_evaluation(preset), run_dir=run_dir,
+            progress=progress,
+            fingerprint={"preset": asdict(preset), "model": model_cfg},
+        )
+        summary = {c: summarize_curves([r[c] for r in records]) for c in CURVES}
+        summary["final_train_loss"] = summarize([r["final_train_loss"] for r in records])
+        summary["train_seconds"] = summarize([r["train_seconds"] for r in records])
+        results[kind] = {"label": CORE_LABELS[kind], "model_config": model_cfg, "seeds": records,
+                         "summary": summary}
+    record = results_record("recall", preset.name, {**asdict(preset), "train": asdict(cfg)}, results,
+                            paper_budget=PAPER_BUDGET)
+    if out_dir:
+        write_json(os.path.join(out_dir, "recall.json"), record)
+        plot_recall(record, os.path.join(out_dir, "recall.png"))
+    return record
+
+
+def plot_recall(record: dict, path: str) -> None:
+    """Accuracy vs ``n_f`` (ρ = 0.80) and margin vs ρ (``n_f = 64``), mean ± std over seeds, from the JSON."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cfg = record["config"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    panels = ((ax1, cfg["test_n_f"], "accuracy_vs_n_f"), (ax2, cfg["test_rho"], "margin_vs_rho"))
+    for res in record["models"].values():
+        s = res["summary"]
+        for ax, x, key in panels:
+            ax.errorbar(x, s[key]["mean"], yerr=s[key]["std"], marker="o", ms=3, capsize=2,
+                        label=res["label"])
+    ax1.set_xscale("log", base=2)
+    ax1.set_xlabel("distractor writes per pair $n_f$")
+    ax1.set_ylabel(f"query accuracy (ρ = {cfg['test_rho_for_n_f']:.2f})")
+    ax1.set_ylim(-0.02, 1.02)
+    ax1.axvspan(min(cfg["train_n_f"]), max(cfg["train_n_f"]), color="0.9", zorder=0, label="train range")
+    ax2.axhline(0, color="k", lw=0.8)
+    ax2.set_xlabel("overlap ρ")
+    ax2.set_ylabel(f"target-vs-distractor margin ($n_f$ = {cfg['test_n_f_for_rho']})")
+    nseeds = cfg["seeds"]
+    fig.suptitle(f"Learned collision recall — preset '{record['preset']}' ({cfg['steps']} steps, "
+                 f"batch {cfg['batch_size']}, {nseeds} seed{'s' * (nseeds > 1)}; mean ± std)")
+    ax1.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def print_table(record: dict) -> None:
+    cfg = record["config"]
+    names = list(record["models"])
+    print(f"\naccuracy vs n_f at ρ = {cfg['test_rho_for_n_f']:.2f} (mean ± std over {cfg['seeds']} seeds)")
+    print("n_f    " + "".join(f"{record['models'][k]['label']:>16}" for k in names))
+    for i, n_f in enumerate(cfg["test_n_f"]):
+        row = "".join(f"{s['mean'][i]:>9.3f} ± {s['std'][i]:.3f}"
+                      for s in (record["models"][k]["summary"]["accuracy_vs_n_f"] for k in names))
+        print(f"{n_f:<7d}{row}")
+    print(f"\nmargin vs ρ at n_f = {cfg['test_n_f_for_rho']}")
+    print("ρ      " + "".join(f"{record['models'][k]['label']:>16}" for k in names))
+    for i, rho in enumerate(cfg["test_rho"]):
+        row = "".join(f"{s['mean'][i]:>9.3f} ± {s['std'][i]:.3f}"
+                      for s in (record["models"][k]["summary"]["margin_vs_rho"] for k in names))
+        print(f"{rho:<7.2f}{row}")
+
+
+def preset_from_args(args) -> RecallPreset:
+    preset = PRESETS[args.preset]
+    over = {k: v for k, v in (("steps", args.steps), ("batch_size", args.batch_size), ("seeds", args.seeds))
+            if v is not None}
+    for k, v in over.items():
+        if v <= 0:
+            raise ValueError(f"--{k.replace('_', '-')} must be positive, got {v}")
+    return replace(preset, **over, name=preset.name if not over else f"{preset.name}-custom")
+
+
+def _main(args) -> int:
+    if args.plot_only:
+        with open(args.plot_only) as fh:
+            record = json.load(fh)
+        out = os.path.splitext(args.plot_only)[0] + ".png"
+        plot_recall(record, out)
+        print_table(record)
+        print(f"\nredrew {out}")
+        return 0
+    preset = preset_from_args(args)
+    budget = f"{preset.steps} steps, batch {preset.batch_size}, {preset.seeds} seed(s)"
+    if preset.name == "paper":
+        print(f"recall: paper budget ({PAPER_BUDGET})")
+    else:
+        print(f"recall: preset '{preset.name}' = {budget}; a CPU-sized run of the same task, NOT the paper's "
+              f"budget ({PAPER_BUDGET}); use --preset paper for that")
+    record = run_recall(preset, args.models, out_dir=args.out, progress=not args.no_progress)
+    print_table(record)
+    print(f"\nwrote {os.path.join(args.out, 'recall.json')} and recall.png")
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("recall", help="learned controlled collision recall (SPEC §4.2)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", choices=sorted(PRESETS), default="default",
+                   help=f"'paper' = {PAPER_BUDGET}; 'default' ≈ 15 min on a 2-core CPU; 'tiny' = smoke test")
+    p.add_argument("--models", nargs="+", choices=CORE_KINDS, default=list(CORE_KINDS))
+    p.add_argument("--steps", type=int, default=None, help="override the preset's training steps")
+    p.add_argument("--batch-size", type=int, default=None, help="override the preset's batch size")
+    p.add_argument("--seeds", type=int, default=None, help="override the preset's number of seeds")
+    p.add_argument("--out", default="results/recall", help="output directory (JSON, PNG, per-seed cache)")
+    p.add_argument("--plot-only", metavar="JSON", default=None, help="redraw the plot and table from a JSON")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=_main)
