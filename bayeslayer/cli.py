@@ -14,6 +14,7 @@ import sys
 # (subcommand module, import path). Add a line here when an experiment lands.
 _COMMAND_MODULES = [
     "bayeslayer.experiments.demo",
+    "bayeslayer.experiments.collision",
 ]
 
 

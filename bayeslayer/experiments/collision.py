@@ -1,0 +1,703 @@
+"""``bayeslayer collision``: the deterministic key-collision experiment (SPEC §4.1) and its closed forms.
+
+No training, no data: six identities A..F with unit keys in ``D = 16`` dims and
+one-hot values in ``m = 6`` dims are written into memory on a fixed schedule,
+
+* steps 1–12: two rounds of A, B, C, D, E, F;
+* steps 13–52: B forty times (B's value is confirmed);
+* steps 53–112: A sixty times (A's key overlaps B's: interference),
+
+with ``k_A = e_1``, ``k_B = ρ e_1 + √(1−ρ²) e_2``, C..F on ``e_3..e_6`` and
+``v_i`` the one-hot vector of identity ``i``'s value class.  After every step the
+memory is read at B's key, ``y = M_tᵀ k_B`` (``[m]``), and scored by the pairwise
+retrieval probability of B's class against A's class,
+
+    p^{AB}_t = e^{y_B} / (e^{y_A} + e^{y_B}) = sigmoid(y_B − y_A),   margin Δ_t = 2 p^{AB}_t − 1,
+
+so 0.5 is a tie and a one-hot margin of exactly 1 gives sigmoid(1) ≈ 0.731 (this is
+not a vocabulary accuracy).  The effective gain ``g_t = k_tᵀ K_t`` is recorded too.
+
+Every model is a :mod:`bayeslayer.design` design model run by the project's
+recurrent oracle (the chunked path is checked against it by
+:func:`chunk_agreement`), all in float64, one head, ``A_t = I``:
+
+=====================  ==========================================================
+``bayesian``           exact Kalman filter, ``p0 = 3``, ``r² = ℓ² = 0.05``
+``reset``              Delta rule: covariance reset ``P̄_t = λ I``, ``λ = 0.05``
+                       (gain ``λ/(r² + λ) = 0.5`` for unit keys)
+``linear_attention``   latent-input write ``ω = λ/(λ + r²) = 0.5`` (λ set from ω)
+``diagonal``           the Bayesian filter keeping only ``diag(P̄_t)``, ``diag(P_t)``
+=====================  ==========================================================
+
+plus the fixed-isotropic-prior ablation ``P̄_t = c I`` for
+``c ∈ {0.01, 0.05, 0.10, 0.50, 1, 3}`` and the overlap sweep (final ``p^{AB}`` vs ρ).
+
+Closed forms (SPEC §2) and how each is measured from the simulation
+----------------------------------------------------------------------
+``g_inf``           ``x_∞ = (ℓ² + √(ℓ⁴ + 4 r² ℓ²)) / 2``, ``g_∞ = x_∞ / (r² + x_∞)``.
+                    Measured: the Bayesian filter's reported gain at step 112, the 60th
+                    consecutive write of A.  (Conditioning on ``k_A`` changes ``k_Aᵀ P k_A``
+                    by exactly the scalar recursion ``x ↦ r² x/(r² + x) + ℓ²``, whatever
+                    the other directions hold, and that map contracts by
+                    ``(r²/(r² + x_∞))² ≈ 0.15`` per step, so 60 steps reach machine precision.)
+``delta_B_limit``   ``(1 − ρ²) ℓ²``: B's posterior variance change per write of A under long
+                    repetition of A.  Measured: ``k_Bᵀ P_112 k_B − k_Bᵀ P_111 k_B``, read from
+                    the filter's predictive variance ``1 + q_tᵀ P_t q_t`` at the query ``k_B``.
+``angle_limit``     ``arcsin ρ`` (degrees): after *infinitely long* reinforcement of B the
+                    next write of A points along the part of ``k_A`` orthogonal to ``k_B``.
+                    Measured: the angle between ``k_A`` and the direction actually written
+                    into memory at step 53 (the first A after B's 40 writes): the column
+                    space of the rank-one update ``M_53 − M_52 = β u (v − M̄ᵀ k)ᵀ`` of the
+                    filter's own states.  The limit needs ``σ̄²_B / σ̄²_⊥ → 0``; with process
+                    noise ``σ̄²_B → x_∞`` while the unobserved orthogonal variance grows by
+                    ``ℓ²`` per step, so the ratio falls only like ``1/n``: 40 writes of B do
+                    not reach the limit, and the JSON reports the angle at step 53 as it is.
+``reset_plateau``   Delta rule with gain ``γ``: ``b_n = b_0 − ρ (1 − (1 − γ)^n)(a_0 − v_A)``,
+                    ``b_∞ = b_0 − ρ (a_0 − v_A)``, with ``a_0 = M_52ᵀ k_A``, ``b_0 = M_52ᵀ k_B`` the
+                    reset filter's readouts before interference; reported as the
+                    ``p^{AB}`` that ``b_∞`` gives.  Measured: the reset filter's ``p^{AB}`` at
+                    step 112 (``(1 − γ)^60 ≈ 1e-18``: the plateau is reached).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import numbers
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from ..design import BAYESIAN, DELTANET, DIAGONAL_COVARIANCE, LINEAR_ATTENTION, DesignModel, fixed_prior
+from ..ops.prepare import FilterOutput
+from .plotting import RefLine, Series, line_plot, load_json, save_json
+
+# -- the paper's protocol (SPEC §4.1) -------------------------------------------------------------
+PAPER_CONFIG = {"D": 16, "m": 6, "rho": 0.92, "p0": 3.0, "r2": 0.05, "ell2": 0.05}
+RESET_LAM = 0.05  # reset prior λ: gain λ/(r² + λ) = 0.5 at r² = 0.05
+LA_OMEGA = 0.5  # linear attention's write coefficient ω
+FIXED_PRIORS = (0.01, 0.05, 0.10, 0.50, 1.0, 3.0)
+OVERLAP_RHOS = tuple(sorted({round(i / 100, 2) for i in range(100)} | {0.92}))
+ROUNDS, B_REPEATS, A_REPEATS = 2, 40, 60
+IDENTITIES = "ABCDEF"
+A, B = 0, 1  # identity indices; identity i has key slot i and value class i
+MODELS = ("bayesian", "reset", "linear_attention", "diagonal")
+MODEL_LABELS = {
+    "bayesian": "Bayesian (BL)",
+    "reset": "reset / Delta (γ = 0.5)",
+    "linear_attention": "linear attention (ω = 0.5)",
+    "diagonal": "diagonal covariance",
+}
+MODEL_STYLES = {
+    "bayesian": {"color": "C0", "linewidth": 2.0},
+    "reset": {"color": "C1"},
+    "linear_attention": {"color": "C2", "linestyle": "--"},
+    "diagonal": {"color": "C3", "linestyle": "-."},
+}
+FIGURES = ("collision_p_ab.png", "collision_gain.png", "collision_overlap.png", "collision_fixed_prior.png")
+
+
+# -- argument checks ------------------------------------------------------------------------------
+def _positive(name: str, x) -> float:
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {type(x).__name__}")
+    if not (math.isfinite(x) and x > 0):
+        raise ValueError(f"{name} must be finite and > 0, got {x}")
+    return float(x)
+
+
+def _overlap(name: str, x) -> float:
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {type(x).__name__}")
+    if not (math.isfinite(x) and 0.0 <= x < 1.0):
+        # ρ = 1 is a different problem: identical keys with conflicting values (SPEC §2).
+        raise ValueError(f"{name} must be a key overlap in [0, 1), got {x}")
+    return float(x)
+
+
+def _dim(name: str, x, least: int) -> int:
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(x).__name__}")
+    if x < least:
+        raise ValueError(f"{name} must be >= {least} (six identities need {least} slots), got {x}")
+    return int(x)
+
+
+def _repeats(name: str, x) -> int:
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < 1:
+        raise ValueError(f"{name} must be a positive int, got {x!r}")
+    return int(x)
+
+
+def prior_key(c: float) -> str:
+    """JSON key of a fixed prior ``c``: two decimals (``"0.10"``, ``"1.00"``), more only when needed."""
+    return f"{c:.2f}" if abs(c * 100 - round(c * 100)) < 1e-9 else f"{c:g}"
+
+
+# -- inputs ---------------------------------------------------------------------------------------
+def write_schedule(b_repeats: int = B_REPEATS, a_repeats: int = A_REPEATS) -> list[int]:
+    """Identity index written at each step: ``[A..F] × 2``, then ``B × b_repeats``, then ``A × a_repeats``.
+
+    >>> "".join(IDENTITIES[i] for i in write_schedule(2, 3))
+    'ABCDEFABCDEFBBAAA'
+    """
+    b_repeats, a_repeats = _repeats("b_repeats", b_repeats), _repeats("a_repeats", a_repeats)
+    return list(range(len(IDENTITIES))) * ROUNDS + [B] * b_repeats + [A] * a_repeats
+
+
+def identity_keys(rho: torch.Tensor, D: int) -> torch.Tensor:
+    """Unit keys ``[N, 6, D]`` for overlaps ``rho [N]``.
+
+    ``k_A = e_1``, ``k_B = ρ e_1 + √(1−ρ²) e_2``, C..F on ``e_3..e_6``.
+    """
+    keys = torch.zeros(rho.shape[0], len(IDENTITIES), D, dtype=rho.dtype)
+    for i in range(len(IDENTITIES)):
+        keys[:, i, i] = 1.0
+    keys[:, B, 0] = rho
+    keys[:, B, 1] = torch.sqrt(1.0 - rho * rho)
+    return keys
+
+
+def collision_inputs(
+    rhos: Sequence[float], *, D: int = 16, m: int = 6, b_repeats: int = B_REPEATS, a_repeats: int = A_REPEATS
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The written sequence, one batch row per overlap ρ, float64, one head.
+
+    Returns ``q [N, T, 1, D]`` (B's key at every step: the memory is read at B's key),
+    ``k [N, T, 1, D]`` (the key of the identity written at each step) and ``v [N, T, 1, m]``
+    (its one-hot value class).
+    """
+    rho = torch.tensor([_overlap("rho", r) for r in rhos], dtype=torch.float64)
+    D, m = _dim("D", D, len(IDENTITIES)), _dim("m", m, len(IDENTITIES))
+    schedule = torch.tensor(write_schedule(b_repeats, a_repeats))
+    keys = identity_keys(rho, D)
+    values = torch.eye(len(IDENTITIES), m, dtype=torch.float64)
+    k = keys[:, schedule, None, :]  # [N, T, 1, D]
+    q = keys[:, B, None, None, :].expand_as(k).contiguous()
+    v = values[schedule][None, :, None, :].expand(rho.shape[0], -1, -1, -1).contiguous()
+    return q, k, v
+
+
+# -- models ---------------------------------------------------------------------------------------
+def model_designs(r2: float, ell2: float, p0: float) -> dict[str, tuple[DesignModel, dict]]:
+    """The four models as (design model, noise keywords).  Linear attention's λ is set so ``ω = LA_OMEGA``."""
+    la_lam = LA_OMEGA * r2 / (1.0 - LA_OMEGA)  # ω = λ/(λ + r²)  ⇔  λ = ω r²/(1 − ω)
+    return {
+        "bayesian": (BAYESIAN, {"r2": r2, "ell2": ell2, "p0": p0}),
+        "reset": (DELTANET, {"r2": r2, "lam": RESET_LAM}),
+        "linear_attention": (LINEAR_ATTENTION, {"r2": r2, "lam": la_lam}),
+        "diagonal": (DIAGONAL_COVARIANCE, {"r2": r2, "ell2": ell2, "p0": p0}),
+    }
+
+
+def simulate(
+    design: DesignModel,
+    noise: dict,
+    inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    *,
+    steps: int | None = None,
+    path: str = "recurrent",
+    output_final_state: bool = False,
+) -> FilterOutput:
+    """Run ``design`` on the first ``steps`` tokens of ``inputs`` with the oracle or the chunked path."""
+    q, k, v = inputs
+    if steps is not None:
+        q, k, v = q[:, :steps], k[:, :steps], v[:, :steps]
+    if path == "recurrent":
+        return design.recurrent(q, k, v, output_final_state=output_final_state, **noise)
+    if path == "chunk":
+        # 32 does not divide 112: the chunk boundary falls mid-phase, as it would in training.
+        return design.chunk(
+            q, k, v, output_final_state=output_final_state, return_variance=True, chunk_size=32, **noise
+        )
+    raise ValueError(f"path must be 'recurrent' or 'chunk', got {path!r}")
+
+
+def retrieval(o: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``p^{AB} = sigmoid(y_B − y_A)`` and margin ``2 p^{AB} − 1``; ``o [N, T, 1, m]`` → ``[N, T]``."""
+    y = o[:, :, 0, :]
+    p_ab = torch.sigmoid(y[..., B] - y[..., A])
+    return p_ab, 2.0 * p_ab - 1.0
+
+
+def delta_rule_readout(
+    a0: torch.Tensor, b0: torch.Tensor, v_a: torch.Tensor, rho: float, gamma: float, n: float
+) -> torch.Tensor:
+    """SPEC §2 Delta-rule readout at B's key after ``n`` writes of A with fixed gain ``γ``.
+
+    ``n = inf`` gives the plateau.
+
+    ``b_n = b_0 − ρ (1 − (1 − γ)^n)(a_0 − v_A)``; ``a0, b0, v_a``: ``[m]``.
+    """
+    return b0 - rho * (1.0 - (1.0 - gamma) ** n) * (a0 - v_a)
+
+
+def _write_angle_deg(M_before: torch.Tensor, M_after: torch.Tensor, key: torch.Tensor) -> float:
+    """Angle (degrees) between ``key`` and the direction of the rank-one update ``M_after − M_before``."""
+    delta = M_after - M_before  # β u eᵀ: its column space is the write key u
+    u = torch.linalg.svd(delta, full_matrices=False).U[:, 0]
+    cos = (u @ key).abs() / (u.norm() * key.norm())
+    return math.degrees(math.acos(min(1.0, cos.item())))
+
+
+# -- the experiment -------------------------------------------------------------------------------
+def run_collision(
+    *,
+    rho: float = 0.92,
+    D: int = 16,
+    m: int = 6,
+    p0: float = 3.0,
+    r2: float = 0.05,
+    ell2: float = 0.05,
+    fixed_priors: Sequence[float] = FIXED_PRIORS,
+    overlap_rhos: Sequence[float] = OVERLAP_RHOS,
+) -> dict:
+    """Run the deterministic collision experiment and return its results (the ``collision.json`` dict).
+
+    Lists are indexed by step: entry ``t − 1`` is the value after step ``t``.  Keys:
+    ``config``; ``models[name] = {p_ab, margin, gain}`` for the four models; ``fixed_prior[c] =
+    {gain, final_p_ab, final_margin}`` (gain of a unit key, ``c/(r² + c)``, as the filter reports it);
+    ``overlap = {rho, <model>: final p_ab per ρ}``; ``closed_form`` (module docstring).
+    """
+    rho = _overlap("rho", rho)
+    D, m = _dim("D", D, len(IDENTITIES)), _dim("m", m, len(IDENTITIES))
+    p0, r2, ell2 = _positive("p0", p0), _positive("r2", r2), _positive("ell2", ell2)
+    priors = [_positive("fixed_priors entry", c) for c in _nonempty("fixed_priors", fixed_priors)]
+    if len({prior_key(c) for c in priors}) != len(priors):
+        raise ValueError(f"fixed_priors must be distinct, got {list(fixed_priors)}")
+    rhos = sorted({_overlap("overlap_rhos entry", r) for r in _nonempty("overlap_rhos", overlap_rhos)})
+
+    designs = model_designs(r2, ell2, p0)
+    inputs = collision_inputs([rho], D=D, m=m)
+    steps = inputs[0].shape[1]
+    results: dict = {
+        "config": {"D": D, "m": m, "rho": rho, "p0": p0, "r2": r2, "ell2": ell2, "steps": steps},
+        "models": {},
+        "fixed_prior": {},
+        "overlap": {"rho": rhos},
+        "closed_form": {},
+    }
+    outputs = {}
+    for name, (design, noise) in designs.items():
+        out = simulate(design, noise, inputs)
+        p_ab, margin = retrieval(out.o)
+        outputs[name] = out
+        results["models"][name] = {
+            "p_ab": p_ab[0].tolist(),
+            "margin": margin[0].tolist(),
+            "gain": out.gain[0, :, 0, 0].tolist(),
+        }
+
+    for c in priors:
+        out = simulate(fixed_prior(c), {"r2": r2}, inputs)
+        p_ab, margin = retrieval(out.o)
+        results["fixed_prior"][prior_key(c)] = {
+            # the last step writes A with a unit key, so its gain is c/(r² + c)
+            "gain": out.gain[0, -1, 0, 0].item(),
+            "final_p_ab": p_ab[0, -1].item(),
+            "final_margin": margin[0, -1].item(),
+        }
+
+    sweep = collision_inputs(rhos, D=D, m=m)
+    for name, (design, noise) in designs.items():
+        p_ab, _ = retrieval(simulate(design, noise, sweep).o)
+        results["overlap"][name] = p_ab[:, -1].tolist()
+
+    results["closed_form"] = _closed_form(results, designs, inputs, outputs["bayesian"])
+    return results
+
+
+def _nonempty(name: str, values) -> list:
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or len(values) == 0:
+        raise ValueError(f"{name} must be a non-empty sequence of numbers, got {values!r}")
+    return list(values)
+
+
+def _closed_form(results: dict, designs: dict, inputs, bayes_out: FilterOutput) -> dict:
+    """SPEC §2's predictions next to the same quantities measured from the simulation (module docstring)."""
+    cfg = results["config"]
+    rho, r2, ell2 = cfg["rho"], cfg["r2"], cfg["ell2"]
+    first_a = len(IDENTITIES) * ROUNDS + B_REPEATS + 1  # step 53: the first A after B's reinforcement
+    k_a = inputs[1][0, first_a - 1, 0]
+    v_a = inputs[2][0, first_a - 1, 0]
+    k_b = inputs[0][0, 0, 0]
+
+    x_inf = (ell2 + math.sqrt(ell2 * ell2 + 4.0 * r2 * ell2)) / 2.0
+    g_inf = x_inf / (r2 + x_inf)
+
+    # variance output = 1 + k_Bᵀ P_t k_B; the difference of the last two is B's per-write change
+    var_b = bayes_out.variance[0, :, 0, 0]
+    delta_b = (var_b[-1] - var_b[-2]).item()
+
+    bayes, bayes_noise = designs["bayesian"]
+    M_before = simulate(bayes, bayes_noise, inputs, steps=first_a - 1, output_final_state=True).state[0]
+    M_after = simulate(bayes, bayes_noise, inputs, steps=first_a, output_final_state=True).state[0]
+    angle = _write_angle_deg(M_before[0, 0], M_after[0, 0], k_a)
+
+    reset, reset_noise = designs["reset"]
+    M_reset = simulate(reset, reset_noise, inputs, steps=first_a - 1, output_final_state=True).state[0][0, 0]
+    a0, b0 = M_reset.T @ k_a, M_reset.T @ k_b
+    overlap = (k_a @ k_b).item()
+    gamma = RESET_LAM / (r2 + RESET_LAM)  # the reset gain of A's unit key
+    b_inf = delta_rule_readout(a0, b0, v_a, overlap, gamma, math.inf)
+    return {
+        "g_inf": g_inf,
+        "g_inf_simulated": results["models"]["bayesian"]["gain"][-1],
+        "delta_B_limit": (1.0 - rho * rho) * ell2,
+        "delta_B_simulated": delta_b,
+        "angle_limit": math.degrees(math.asin(rho)),
+        "angle_simulated": angle,
+        "reset_plateau": torch.sigmoid(b_inf[B] - b_inf[A]).item(),
+        "reset_plateau_simulated": results["models"]["reset"]["p_ab"][-1],
+    }
+
+
+def chunk_agreement(
+    *,
+    rho: float = 0.92,
+    D: int = 16,
+    m: int = 6,
+    p0: float = 3.0,
+    r2: float = 0.05,
+    ell2: float = 0.05,
+    overlap_rhos: Sequence[float] = OVERLAP_RHOS,
+) -> dict[str, float]:
+    """Max |oracle − chunked| over readouts and gains, per model, on the main run and the overlap sweep."""
+    rhos = sorted({_overlap("rho", rho)} | {_overlap("overlap_rhos entry", r) for r in overlap_rhos})
+    inputs = collision_inputs(rhos, D=D, m=m)
+    diffs = {}
+    for name, (design, noise) in model_designs(
+        _positive("r2", r2), _positive("ell2", ell2), _positive("p0", p0)
+    ).items():
+        ref = simulate(design, noise, inputs, path="recurrent")
+        fast = simulate(design, noise, inputs, path="chunk")
+        diffs[name] = max((ref.o - fast.o).abs().max().item(), (ref.gain - fast.gain).abs().max().item())
+    return diffs
+
+
+def write_angle(
+    rho: float,
+    b_repeats: int,
+    *,
+    D: int = 16,
+    m: int = 6,
+    p0: float = 3.0,
+    r2: float = 0.05,
+    ell2: float = 0.05,
+) -> float:
+    """Angle (degrees) between ``k_A`` and the Bayesian filter's write of A after ``b_repeats`` writes of B.
+
+    Shows how slowly the SPEC §2 limit ``arcsin ρ`` (``b_repeats → ∞``) is approached.
+    """
+    inputs = collision_inputs([rho], D=D, m=m, b_repeats=b_repeats, a_repeats=1)
+    design, noise = model_designs(_positive("r2", r2), _positive("ell2", ell2), _positive("p0", p0))[
+        "bayesian"
+    ]
+    T = inputs[0].shape[1]
+    M_before = simulate(design, noise, inputs, steps=T - 1, output_final_state=True).state[0]
+    M_after = simulate(design, noise, inputs, steps=T, output_final_state=True).state[0]
+    return _write_angle_deg(M_before[0, 0], M_after[0, 0], inputs[1][0, -1, 0])
+
+
+def rotated_keys(
+    rho: float = 0.92,
+    seeds: Sequence[int] = tuple(range(8)),
+    *,
+    D: int = 16,
+    m: int = 6,
+    p0: float = 3.0,
+    r2: float = 0.05,
+    ell2: float = 0.05,
+) -> dict:
+    """Final ``p^{AB}`` of each model when all keys are turned by a random orthogonal ``Q`` (one per seed).
+
+    The SPEC's geometry puts ``k_A`` on a coordinate axis, the best case for a *diagonal*
+    covariance: A's writes then stay on ``e_1``.  The dense Bayesian filter, the reset and the
+    latent-input writes have isotropic priors and are unchanged by ``Q``; the diagonal ablation
+    is not.  Returns ``{"rho", "seeds", <model>: [final p^AB per seed]}``.
+    """
+    seeds = [int(s) for s in _nonempty("seeds", seeds)]
+    q, k, v = collision_inputs([rho], D=D, m=m)
+    designs = model_designs(_positive("r2", r2), _positive("ell2", ell2), _positive("p0", p0))
+    out: dict = {"rho": float(rho), "seeds": seeds, **{n: [] for n in MODELS}}
+    for seed in seeds:
+        gen = torch.Generator().manual_seed(seed)
+        Q, _ = torch.linalg.qr(torch.randn(D, D, generator=gen, dtype=torch.float64))
+        turned = (q @ Q.T, k @ Q.T, v)
+        for name, (design, noise) in designs.items():
+            out[name].append(retrieval(simulate(design, noise, turned).o)[0][0, -1].item())
+    return out
+
+
+def run_extras(
+    *,
+    rho: float = 0.92,
+    p0: float = 3.0,
+    r2: float = 0.05,
+    ell2: float = 0.05,
+    b_repeats: Sequence[int] = (40, 400, 4000),
+) -> dict:
+    """Checks beyond ``collision.json``: the write angle vs the length of B's reinforcement, and
+    the models under randomly rotated keys.  Written to ``collision_extra.json``."""
+    kw = {"p0": p0, "r2": r2, "ell2": ell2}
+    return {
+        "angle_vs_reinforcement": {
+            "rho": float(rho),
+            "b_repeats": [int(n) for n in b_repeats],
+            "angle": [write_angle(rho, n, **kw) for n in b_repeats],
+            "angle_limit": math.degrees(math.asin(_overlap("rho", rho))),
+        },
+        "rotated_keys": rotated_keys(rho, **kw),
+    }
+
+
+# -- results: checks, figures, table --------------------------------------------------------------
+def check_results(results: dict) -> None:
+    """Raise ``ValueError`` naming what is missing when ``results`` is not a collision results dict."""
+    if not isinstance(results, dict):
+        raise ValueError(f"collision results must be a dict, got {type(results).__name__}")
+    for key in ("config", "models", "fixed_prior", "overlap", "closed_form"):
+        if key not in results:
+            raise ValueError(f"collision results lack {key!r}; keys seen: {sorted(results)}")
+    steps = results["config"].get("steps")
+    for name in MODELS:
+        entry = results["models"].get(name)
+        if not isinstance(entry, dict) or any(
+            len(entry.get(f, ())) != steps for f in ("p_ab", "margin", "gain")
+        ):
+            raise ValueError(
+                f"collision results: models[{name!r}] needs p_ab, margin and gain of {steps} steps"
+            )
+        if len(results["overlap"].get(name, ())) != len(results["overlap"].get("rho", ())):
+            raise ValueError(f"collision results: overlap[{name!r}] must have one entry per rho")
+
+
+def plot_collision(results: dict, out_dir: str | Path) -> list[Path]:
+    """Draw the four figures of the experiment from a results dict into ``out_dir`` (returns their paths)."""
+    check_results(results)
+    out_dir = Path(out_dir)
+    cfg, models, cf = results["config"], results["models"], results["closed_form"]
+    n_pre = len(IDENTITIES) * ROUNDS
+    n_b = cfg["steps"] - n_pre - A_REPEATS
+    steps = list(range(1, cfg["steps"] + 1))
+    phases = [
+        RefLine(n_pre + 0.5, f"B ×{n_b}"),
+        RefLine(n_pre + n_b + 0.5, f"A ×{cfg['steps'] - n_pre - n_b}"),
+    ]
+    one_hot = 1.0 / (1.0 + math.exp(-1.0))
+    tie = RefLine(0.5, "tie (0.5)", {"color": "0.6"})
+    title = f"ρ = {cfg['rho']:g}, p0 = {cfg['p0']:g}, r² = {cfg['r2']:g}, ℓ² = {cfg['ell2']:g}"
+    paths = [
+        line_plot(
+            out_dir / FIGURES[0],
+            [Series(MODEL_LABELS[n], steps, models[n]["p_ab"], style=MODEL_STYLES[n]) for n in MODELS],
+            xlabel="step t",
+            ylabel="p^AB at B's key (B's class vs A's)",
+            title=f"Retrieval of B while A is written ({title})",
+            vlines=phases,
+            hlines=[tie, RefLine(one_hot, "one-hot margin 1: sigmoid(1)", {"color": "0.75"})],
+            ylim=(0.0, 1.0),
+            legend_loc="lower left",
+        ),
+        line_plot(
+            out_dir / FIGURES[1],
+            [Series(MODEL_LABELS[n], steps, models[n]["gain"], style=MODEL_STYLES[n]) for n in MODELS],
+            xlabel="step t",
+            ylabel="gain g_t = k_tᵀ K_t",
+            title=f"Effective gain ({title})",
+            vlines=phases,
+            hlines=[RefLine(cf["g_inf"], f"closed-form floor g_∞ = {cf['g_inf']:.4f}")],
+            ylim=(0.0, 1.0),
+            legend_loc="lower left",
+        ),
+        line_plot(
+            out_dir / FIGURES[2],
+            [
+                Series(
+                    MODEL_LABELS[n], results["overlap"]["rho"], results["overlap"][n], style=MODEL_STYLES[n]
+                )
+                for n in MODELS
+            ],
+            xlabel="key overlap ρ = k_Aᵀ k_B",
+            ylabel="final p^AB (step 112)",
+            title="Final retrieval of B vs key overlap",
+            vlines=[RefLine(cfg["rho"], f"ρ = {cfg['rho']:g}")],
+            hlines=[tie],
+            ylim=(0.0, 1.0),
+            legend_loc="lower left",
+        ),
+    ]
+    cs = sorted(results["fixed_prior"], key=float)
+    xs = [float(c) for c in cs]
+    fixed = [
+        Series(
+            "fixed prior P̄ = cI: final p^AB",
+            xs,
+            [results["fixed_prior"][c]["final_p_ab"] for c in cs],
+            style={"marker": "o", "color": "C4"},
+        ),
+        Series(
+            "fixed prior: gain c/(r² + c)",
+            xs,
+            [results["fixed_prior"][c]["gain"] for c in cs],
+            style={"marker": "s", "linestyle": ":", "color": "C5"},
+        ),
+    ]
+    paths.append(
+        line_plot(
+            out_dir / FIGURES[3],
+            fixed,
+            xlabel="fixed prior variance c",
+            ylabel="final p^AB / gain",
+            xscale="log",
+            title="Fixed isotropic prior ablation (a reset with λ = c)",
+            hlines=[
+                RefLine(models["bayesian"]["p_ab"][-1], "Bayesian (BL) final p^AB", {"color": "C0"}),
+                tie,
+            ],
+            ylim=(0.0, 1.0),
+            legend_loc="upper left",
+        )
+    )
+    return paths
+
+
+def format_table(results: dict) -> str:
+    """The compact printed summary of a results dict."""
+    check_results(results)
+    cfg, models, cf = results["config"], results["models"], results["closed_form"]
+    n_pre = len(IDENTITIES) * ROUNDS
+    n_b = cfg["steps"] - n_pre - A_REPEATS
+    t1, t2, t3 = n_pre, n_pre + n_b, cfg["steps"]
+    lines = [
+        f"Deterministic collision (SPEC §4.1): D={cfg['D']}, m={cfg['m']}, ρ={cfg['rho']:g}, "
+        f"p0={cfg['p0']:g}, "
+        f"r²={cfg['r2']:g}, ℓ²={cfg['ell2']:g}, {cfg['steps']} steps",
+        f"{'model':<28}{'p^AB t=' + str(t1):>12}{'t=' + str(t2):>9}{'t=' + str(t3):>9}"
+        f"{'margin':>9}{'gain':>9}",
+    ]
+    for n in MODELS:
+        p = models[n]["p_ab"]
+        lines.append(
+            f"{MODEL_LABELS[n]:<28}{p[t1 - 1]:>12.4f}{p[t2 - 1]:>9.4f}{p[t3 - 1]:>9.4f}"
+            f"{models[n]['margin'][-1]:>9.4f}{models[n]['gain'][-1]:>9.4f}"
+        )
+    cs = sorted(results["fixed_prior"], key=float)
+    lines.append(f"{'fixed prior c':<28}" + "".join(f"{c:>8}" for c in cs))
+    lines.append(
+        f"{'  gain c/(r²+c)':<28}" + "".join(f"{results['fixed_prior'][c]['gain']:>8.4f}" for c in cs)
+    )
+    lines.append(
+        f"{'  final p^AB':<28}" + "".join(f"{results['fixed_prior'][c]['final_p_ab']:>8.4f}" for c in cs)
+    )
+    ov = results["overlap"]
+    show = [r for r in (0.0, 0.5, 0.8, 0.9, cfg["rho"], 0.99) if r in ov["rho"]]
+    show = sorted(set(show))
+    lines.append(f"{'final p^AB at ρ =':<28}" + "".join(f"{r:>8.2f}" for r in show))
+    for n in MODELS:
+        lines.append(f"{'  ' + n:<28}" + "".join(f"{ov[n][ov['rho'].index(r)]:>8.4f}" for r in show))
+    lines += [
+        f"{'closed form (SPEC §2)':<36}{'predicted':>12}{'simulated':>12}",
+        f"{'gain floor g_∞':<36}{cf['g_inf']:>12.6f}{cf['g_inf_simulated']:>12.6f}",
+        f"{'Δ_B limit (1−ρ²)ℓ²':<36}{cf['delta_B_limit']:>12.6f}{cf['delta_B_simulated']:>12.6f}",
+        f"{'write angle arcsin ρ (deg; t=53)':<36}{cf['angle_limit']:>12.2f}{cf['angle_simulated']:>12.2f}",
+        f"{'reset plateau p^AB (t=112)':<36}{cf['reset_plateau']:>12.6f}"
+        f"{cf['reset_plateau_simulated']:>12.6f}",
+    ]
+    return "\n".join(lines)
+
+
+MEANING = (
+    "How to read the table: p^AB = sigmoid(y_B − y_A) reads the memory at B's key and compares B's value\n"
+    "class with A's: above 0.5 B is still retrieved, 0.5 is a tie, below 0.5 A has overwritten B (a one-hot\n"
+    "margin of exactly 1 gives sigmoid(1) = 0.7311).  Columns: after two rounds of A..F (t=12), after B's\n"
+    "40 writes (t=52), after A's 60 writes (t=112); margin = 2 p^AB − 1 and gain = k_tᵀK_t at t=112.\n"
+    "The write-angle limit arcsin ρ needs infinitely long reinforcement of B; at t=53 (after 40 writes)\n"
+    "the measured angle is smaller (see docs/experiments.md)."
+)
+
+
+# -- command line ---------------------------------------------------------------------------------
+def _main(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except (ValueError, TypeError, FileNotFoundError) as err:
+        # bad arguments or a bad results file: one clear line, not a traceback
+        print(f"bayeslayer collision: error: {err}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.plot_only is not None:
+        out_dir = Path(args.plot_only)
+        results = load_json(out_dir / "collision.json")
+        paths = plot_collision(results, out_dir)
+        print(format_table(results))
+        print(
+            f"\nRedrew {len(paths)} figures from {out_dir / 'collision.json'}: "
+            + ", ".join(str(p) for p in paths)
+        )
+        return 0
+    kw = {"rho": args.rho, "p0": args.p0, "r2": args.r2, "ell2": args.ell2}
+    results = run_collision(**kw)
+    diffs = chunk_agreement(**kw)
+    print(format_table(results))
+    print(
+        "oracle vs chunked path, max |Δ| of readouts and gains: "
+        + ", ".join(f"{n} {d:.1e}" for n, d in diffs.items())
+    )
+    out_dir = Path(args.out)
+    json_path = save_json(results, out_dir / "collision.json")
+    paths = plot_collision(results, out_dir)
+    extras = run_extras(**kw)
+    save_json(extras, out_dir / "collision_extra.json")
+    av, rot = extras["angle_vs_reinforcement"], extras["rotated_keys"]
+    print(
+        "write angle after n writes of B (deg): "
+        + ", ".join(f"n={n}: {a:.2f}" for n, a in zip(av["b_repeats"], av["angle"], strict=True))
+        + f"; limit arcsin ρ = {av['angle_limit']:.2f}"
+    )
+    print(
+        f"keys turned by {len(rot['seeds'])} random rotations, final p^AB: "
+        + ", ".join(f"{n} {min(rot[n]):.4f}..{max(rot[n]):.4f}" for n in MODELS)
+    )
+    print(
+        f"\nWrote {json_path} (and collision_extra.json) and {len(paths)} figures: "
+        + ", ".join(p.name for p in paths)
+        + f" in {out_dir}."
+    )
+    print(MEANING)
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "collision",
+        help="deterministic key-collision experiment (SPEC §4.1): BL vs Delta, LA, diagonal; seconds",
+        description="Write A..F twice, reinforce B 40×, then write the overlapping A 60×; read at B's key "
+        "after every step.  Writes DIR/collision.json and PNG figures drawn from it.",
+    )
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--out",
+        default="results/collision",
+        metavar="DIR",
+        help="folder for collision.json and the figures (default: results/collision)",
+    )
+    mode.add_argument(
+        "--plot-only",
+        metavar="DIR",
+        default=None,
+        help="redraw the figures and table from an existing DIR/collision.json; runs nothing",
+    )
+    p.add_argument(
+        "--rho", type=float, default=PAPER_CONFIG["rho"], help="key overlap k_Aᵀk_B (default 0.92)"
+    )
+    p.add_argument(
+        "--p0", type=float, default=PAPER_CONFIG["p0"], help="prior variance P_0 = p0 I (default 3)"
+    )
+    p.add_argument("--r2", type=float, default=PAPER_CONFIG["r2"], help="observation noise r² (default 0.05)")
+    p.add_argument("--ell2", type=float, default=PAPER_CONFIG["ell2"], help="process noise ℓ² (default 0.05)")
+    p.set_defaults(func=_main)
