@@ -8,5 +8,6 @@ Triton's interpreter (how the tests run them).
 """
 
 from .chunk import bl_chunk_triton, triton_available
+from .step import bl_step_triton
 
-__all__ = ["bl_chunk_triton", "triton_available"]
+__all__ = ["bl_chunk_triton", "bl_step_triton", "triton_available"]

@@ -361,3 +361,110 @@ def bl_chunk_fwd_kernel(
                 M_new += tl.dot(tl.trans(w_o), E, input_precision=PREC)
                 tl.store(p_M, M_new, mask=m_M)
         tl.debug_barrier()
+
+
+@triton.jit
+def bl_step_kernel(
+    q, k, v, r2, ell2, la, P_in, M_in, P_out, M_out, Uscr, O, VAR,
+    H: tl.constexpr, D: tl.constexpr, MV: tl.constexpr,
+    BD: tl.constexpr, BK: tl.constexpr, BMV: tl.constexpr, BV: tl.constexpr,
+    DIAG: tl.constexpr, HAS_ALPHA: tl.constexpr,
+):
+    """q, k ``[B, H, D]``; v, O ``[B, H, MV]``; r2, ell2, VAR ``[B, H]``; la ``[B, H, D or 1]``;
+    P ``[B, H, D, D]``; M ``[B, H, D, MV]``; Uscr ``[B, H, BD]`` (scratch for u)."""
+    i_bh = tl.program_id(0).to(tl.int64)
+    dt = P_out.dtype.element_ty
+    offs = tl.arange(0, BK)
+    offs_v = tl.arange(0, BV)
+    Pi = P_in + i_bh * D * D
+    Po = P_out + i_bh * D * D
+    Mi = M_in + i_bh * D * MV
+    Mo = M_out + i_bh * D * MV
+    U = Uscr + i_bh * BD
+    r2b = tl.load(r2 + i_bh).to(dt)
+    l2b = tl.load(ell2 + i_bh).to(dt)
+    if HAS_ALPHA and not DIAG:
+        a_s = tl.exp(tl.load(la + i_bh).to(dt))
+
+    # u = P̄ k, one BK-row block at a time; kᵀ u accumulates alongside
+    ku = tl.sum(tl.zeros([BK], dtype=dt), axis=0)
+    for rb in range(0, BD, BK):
+        r_o = rb + offs
+        mr = r_o < D
+        if DIAG:
+            a_r = tl.exp(tl.load(la + i_bh * D + r_o, mask=mr, other=0.0).to(dt))
+        u_r = tl.zeros([BK], dtype=dt)
+        for cb in range(0, BD, BK):
+            c_o = cb + offs
+            mc = c_o < D
+            P_blk = tl.load(Pi + r_o[:, None] * D + c_o[None, :], mask=mr[:, None] & mc[None, :], other=0.0)
+            if DIAG:
+                a_c = tl.exp(tl.load(la + i_bh * D + c_o, mask=mc, other=0.0).to(dt))
+                P_blk = a_r[:, None] * P_blk * a_c[None, :]
+            elif HAS_ALPHA:
+                P_blk = a_s * a_s * P_blk
+            P_blk += tl.where(r_o[:, None] == c_o[None, :], l2b, 0.0)
+            k_c = tl.load(k + i_bh * D + c_o, mask=mc, other=0.0).to(dt)
+            u_r += tl.sum(P_blk * k_c[None, :], axis=1)
+        k_r = tl.load(k + i_bh * D + r_o, mask=mr, other=0.0).to(dt)
+        ku += tl.sum(k_r * u_r, axis=0)
+        tl.store(U + r_o, u_r)
+    beta = 1.0 / (r2b + ku)
+    tl.debug_barrier()
+
+    # P = P̄ − β u uᵀ, and qᵀ P q for the variance
+    qPq = tl.sum(tl.zeros([BK], dtype=dt), axis=0)
+    for rb in range(0, BD, BK):
+        r_o = rb + offs
+        mr = r_o < D
+        u_r = tl.load(U + r_o)
+        q_r = tl.load(q + i_bh * D + r_o, mask=mr, other=0.0).to(dt)
+        if DIAG:
+            a_r = tl.exp(tl.load(la + i_bh * D + r_o, mask=mr, other=0.0).to(dt))
+        for cb in range(0, BD, BK):
+            c_o = cb + offs
+            mc = c_o < D
+            m_P = mr[:, None] & mc[None, :]
+            P_blk = tl.load(Pi + r_o[:, None] * D + c_o[None, :], mask=m_P, other=0.0)
+            if DIAG:
+                a_c = tl.exp(tl.load(la + i_bh * D + c_o, mask=mc, other=0.0).to(dt))
+                P_blk = a_r[:, None] * P_blk * a_c[None, :]
+            elif HAS_ALPHA:
+                P_blk = a_s * a_s * P_blk
+            u_c = tl.load(U + c_o)
+            P_blk += tl.where(r_o[:, None] == c_o[None, :], l2b, 0.0) - beta * u_r[:, None] * u_c[None, :]
+            tl.store(Po + r_o[:, None] * D + c_o[None, :], P_blk, mask=m_P)
+            q_c = tl.load(q + i_bh * D + c_o, mask=mc, other=0.0).to(dt)
+            qPq += tl.sum(tl.sum(q_r[:, None] * P_blk * q_c[None, :], axis=1), axis=0)
+    tl.store(VAR + i_bh, (1.0 + qPq).to(VAR.dtype.element_ty))
+
+    # M = A M + β u eᵀ with e = v − (A M)ᵀ k; o = Mᵀ q
+    for vb in range(0, BMV, BV):
+        v_o = vb + offs_v
+        mv = v_o < MV
+        e = tl.load(v + i_bh * MV + v_o, mask=mv, other=0.0).to(dt)
+        for rb in range(0, BD, BK):
+            r_o = rb + offs
+            mr = r_o < D
+            M_blk = tl.load(Mi + r_o[:, None] * MV + v_o[None, :], mask=mr[:, None] & mv[None, :], other=0.0)
+            k_r = tl.load(k + i_bh * D + r_o, mask=mr, other=0.0).to(dt)
+            if DIAG:
+                k_r = k_r * tl.exp(tl.load(la + i_bh * D + r_o, mask=mr, other=0.0).to(dt))
+            elif HAS_ALPHA:
+                k_r = k_r * a_s
+            e -= tl.sum(M_blk * k_r[:, None], axis=0)
+        o = tl.zeros([BV], dtype=dt)
+        for rb in range(0, BD, BK):
+            r_o = rb + offs
+            mr = r_o < D
+            m_M = mr[:, None] & mv[None, :]
+            M_blk = tl.load(Mi + r_o[:, None] * MV + v_o[None, :], mask=m_M, other=0.0)
+            if DIAG:
+                M_blk = tl.exp(tl.load(la + i_bh * D + r_o, mask=mr, other=0.0).to(dt))[:, None] * M_blk
+            elif HAS_ALPHA:
+                M_blk = a_s * M_blk
+            M_blk += beta * tl.load(U + r_o)[:, None] * e[None, :]
+            tl.store(Mo + r_o[:, None] * MV + v_o[None, :], M_blk, mask=m_M)
+            q_r = tl.load(q + i_bh * D + r_o, mask=mr, other=0.0).to(dt)
+            o += tl.sum(M_blk * q_r[:, None], axis=0)
+        tl.store(O + i_bh * MV + v_o, o.to(O.dtype.element_ty), mask=mv)
