@@ -71,7 +71,7 @@ from pathlib import Path
 import torch
 
 from ..design import BAYESIAN, DELTANET, DIAGONAL_COVARIANCE, LINEAR_ATTENTION, DesignModel, fixed_prior
-from ..ops.prepare import FilterOutput
+from ..ops import FilterOutput
 from .plotting import RefLine, Series, line_plot, load_json, save_json
 
 # -- the paper's protocol (SPEC §4.1) -------------------------------------------------------------
@@ -86,7 +86,7 @@ A, B = 0, 1  # identity indices; identity i has key slot i and value class i
 MODELS = ("bayesian", "reset", "linear_attention", "diagonal")
 MODEL_LABELS = {
     "bayesian": "Bayesian (BL)",
-    "reset": "reset / Delta (γ = 0.5)",
+    "reset": "reset / Delta (λ = 0.05)",
     "linear_attention": "linear attention (ω = 0.5)",
     "diagonal": "diagonal covariance",
 }
