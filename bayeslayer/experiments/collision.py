@@ -25,7 +25,7 @@ recurrent oracle (the chunked path is checked against it by
 ``bayesian``           exact Kalman filter, ``p0 = 3``, ``r² = ℓ² = 0.05``
 ``reset``              Delta rule: covariance reset ``P̄_t = λ I``, ``λ = 0.05``
                        (gain ``λ/(r² + λ) = 0.5`` for unit keys)
-``linear_attention``   latent-input write ``ω = λ/(λ + r²) = 0.5`` (λ set from ω)
+``linear_attention``   latent-input write with coefficient ``ω = λ/(λ + r²) = 0.5``
 ``diagonal``           the Bayesian filter keeping only ``diag(P̄_t)``, ``diag(P_t)``
 =====================  ==========================================================
 
@@ -182,12 +182,15 @@ def collision_inputs(
 
 # -- models ---------------------------------------------------------------------------------------
 def model_designs(r2: float, ell2: float, p0: float) -> dict[str, tuple[DesignModel, dict]]:
-    """The four models as (design model, noise keywords).  Linear attention's λ is set so ``ω = LA_OMEGA``."""
-    la_lam = LA_OMEGA * r2 / (1.0 - LA_OMEGA)  # ω = λ/(λ + r²)  ⇔  λ = ω r²/(1 − ω)
+    """The four models as (design model, noise keywords).
+
+    The reset filter derives its gain from its design, ``λ/(r² + λ‖k‖²)``; linear attention is
+    given its write coefficient ``ω`` directly (``gain``), as the SPEC states it.
+    """
     return {
         "bayesian": (BAYESIAN, {"r2": r2, "ell2": ell2, "p0": p0}),
         "reset": (DELTANET, {"r2": r2, "lam": RESET_LAM}),
-        "linear_attention": (LINEAR_ATTENTION, {"r2": r2, "lam": la_lam}),
+        "linear_attention": (LINEAR_ATTENTION, {"gain": LA_OMEGA}),
         "diagonal": (DIAGONAL_COVARIANCE, {"r2": r2, "ell2": ell2, "p0": p0}),
     }
 

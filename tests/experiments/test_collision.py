@@ -116,14 +116,14 @@ def test_gain_floor_other_noise_levels():
 def test_reset_gain_is_lambda_over_r2_plus_lambda(results):
     lam, r2 = 0.05, 0.05
     expected = lam / (r2 + lam)
-    gains = results["models"]["reset"]["gain"]
     schedule = col.write_schedule()
-    for g, who in zip(gains, schedule, strict=True):
-        if who == col.B:  # ‖k_B‖² = ρ² + (1 − ρ²) is 1 only up to rounding
-            assert g == pytest.approx(expected, abs=1e-15)
-        else:
-            assert g == expected
-    assert all(g == 0.5 for g in results["models"]["linear_attention"]["gain"][:1])
+    # linear attention's ω = 0.5 gives the same gain ω‖k‖² for unit keys
+    for name in ("reset", "linear_attention"):
+        for g, who in zip(results["models"][name]["gain"], schedule, strict=True):
+            if who == col.B:  # ‖k_B‖² = ρ² + (1 − ρ²) is 1 only up to rounding
+                assert g == pytest.approx(expected, abs=1e-15)
+            else:
+                assert g == expected
     for c, entry in results["fixed_prior"].items():
         assert entry["gain"] == pytest.approx(float(c) / (r2 + float(c)), abs=1e-15)
     # the fixed prior with c = λ is the reset filter itself
