@@ -84,10 +84,14 @@ class DesignModel:
         return key_dim * value_dim
 
     # -- argument plumbing -------------------------------------------------------------------------
-    def _check_dynamics(self, alpha, theta):
+    @staticmethod
+    def _check_types(alpha, theta):
         for arg, val in (("alpha", alpha), ("theta", theta)):
             if val is not None and not isinstance(val, torch.Tensor):
                 raise TypeError(f"{arg} must be a torch.Tensor or None, got {type(val).__name__}")
+
+    def _check_dynamics(self, alpha, theta):
+        self._check_types(alpha, theta)
         kind = "identity"
         if theta is not None:
             kind = "rotation"
@@ -148,7 +152,7 @@ class DesignModel:
         """One decoding step (shapes without the time axis); ``state`` is required."""
         if state is None:
             raise ValueError("state is required for step(); start from initial_state(...)")
-        self._check_dynamics(alpha, theta)  # types
+        self._check_types(alpha, theta)
         self._check_dynamics(
             None if alpha is None else alpha.unsqueeze(1), None if theta is None else theta.unsqueeze(1)
         )

@@ -122,6 +122,10 @@ def prepare(
     else:
         M0 = grp.fold_state_mean(state[0], G)
         P0 = grp.fold_state_cov(state[1]) if has_cov else None
+        if write == "diagonal":
+            # The ablation keeps only diag(P); with rotations A P Aᵀ would otherwise mix an
+            # off-diagonal of a given P into the first step of the oracle but not of the chunked scan.
+            P0 = torch.diag_embed(torch.diagonal(P0, dim1=-2, dim2=-1))
     kf = grp.fold_heads(k.to(cd), G)
     lam_f = grp.fold_heads(lam_t, G)
     coef = gain_t
