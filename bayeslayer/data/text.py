@@ -1,7 +1,7 @@
 """Text corpora for language modelling: load, split, tokenize, cache, pack.
 
-A corpus becomes, per split, one flat stream of token ids (documents joined
-with an end-of-text token after each), cached on disk as a raw numpy array and
+A corpus becomes, per split, one flat stream of token ids (each non-empty
+document followed by an end-of-text token), cached on disk as a raw numpy array and
 opened as a read-only ``np.memmap``; packed windows are non-overlapping
 ``[N, seq_len]`` views of that stream (the tail shorter than one window is
 dropped)::
@@ -747,7 +747,7 @@ def tokenize_split(
     tmp = Path(tmp_name)
     try:
         n_tokens, checksum = _encode_documents(docs, tokenizer, eos_id, tmp, dtype)
-        if n_tokens == len(docs):  # only EOS tokens: every document was empty
+        if n_tokens == 0:  # empty documents are skipped, EOS included
             raise ValueError(f"split {split!r}: all {len(docs)} documents are empty")
         os.replace(tmp, bin_path)
     finally:
