@@ -237,9 +237,18 @@ def delta_rule_readout(
     return b0 - rho * (1.0 - (1.0 - gamma) ** n) * (a0 - v_a)
 
 
-def _write_angle_deg(M_before: torch.Tensor, M_after: torch.Tensor, key: torch.Tensor) -> float:
-    """Angle (degrees) between ``key`` and the direction of the rank-one update ``M_after − M_before``."""
-    delta = M_after - M_before  # β u eᵀ: its column space is the write key u
+def _write_angle_deg(design: DesignModel, noise: dict, inputs, step: int) -> float:
+    """Angle (degrees) between the key written at ``step`` (1-based) and the direction of that write.
+
+    The direction is read off the filter's own states: ``M_step − M_{step−1} = β u (v − M̄ᵀ k)ᵀ`` is
+    rank one and its column space is the write key ``u``.
+    """
+    M_before, P_before = simulate(design, noise, inputs, steps=step - 1, output_final_state=True).state
+    q, k, v = (x[:, step - 1] for x in inputs)
+    step_noise = {name: val for name, val in noise.items() if name != "p0"}  # p0 lives in the state
+    M_after = design.step(q, k, v, state=(M_before, P_before), **step_noise).state[0]
+    key = k[0, 0]
+    delta = (M_after - M_before)[0, 0]
     u = torch.linalg.svd(delta, full_matrices=False).U[:, 0]
     cos = (u @ key).abs() / (u.norm() * key.norm())
     return math.degrees(math.acos(min(1.0, cos.item())))
@@ -335,9 +344,7 @@ def _closed_form(results: dict, designs: dict, inputs, bayes_out: FilterOutput) 
     delta_b = (var_b[-1] - var_b[-2]).item()
 
     bayes, bayes_noise = designs["bayesian"]
-    M_before = simulate(bayes, bayes_noise, inputs, steps=first_a - 1, output_final_state=True).state[0]
-    M_after = simulate(bayes, bayes_noise, inputs, steps=first_a, output_final_state=True).state[0]
-    angle = _write_angle_deg(M_before[0, 0], M_after[0, 0], k_a)
+    angle = _write_angle_deg(bayes, bayes_noise, inputs, first_a)
 
     reset, reset_noise = designs["reset"]
     M_reset = simulate(reset, reset_noise, inputs, steps=first_a - 1, output_final_state=True).state[0][0, 0]
@@ -399,9 +406,7 @@ def write_angle(
         "bayesian"
     ]
     T = inputs[0].shape[1]
-    M_before = simulate(design, noise, inputs, steps=T - 1, output_final_state=True).state[0]
-    M_after = simulate(design, noise, inputs, steps=T, output_final_state=True).state[0]
-    return _write_angle_deg(M_before[0, 0], M_after[0, 0], inputs[1][0, -1, 0])
+    return _write_angle_deg(design, noise, inputs, T)
 
 
 def rotated_keys(

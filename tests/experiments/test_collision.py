@@ -210,13 +210,13 @@ def test_rotated_keys_change_only_the_diagonal_ablation(results):
     assert all(d < results["models"]["diagonal"]["p_ab"][-1] - 0.1 for d in rot["diagonal"])
 
 
-def test_cli_writes_json_and_figures_then_redraws_from_json(tmp_path, capsys):
+def test_cli_writes_json_and_figures_then_redraws_from_json(results, tmp_path, capsys):
     out = tmp_path / "collision"
     assert main(["collision", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "collision.json" in printed and "How to read the table" in printed
     saved = json.loads((out / "collision.json").read_text())
-    assert saved == col.run_collision()
+    assert saved == results
     assert set(json.loads((out / "collision_extra.json").read_text())) == {
         "angle_vs_reinforcement",
         "rotated_keys",
