@@ -1,0 +1,191 @@
+"""The shared training harness: schedule, learning, exact resume, seeds and results files."""
+
+import json
+import math
+import os
+from typing import NamedTuple
+
+import pytest
+import torch
+import torch.nn as nn
+
+from bayeslayer.experiments.harness import (
+    TrainConfig,
+    lr_lambda,
+    masked_cross_entropy,
+    query_accuracy,
+    summarize,
+    summarize_curves,
+    train,
+    train_seeds,
+    write_json,
+)
+
+
+class Batch(NamedTuple):
+    inputs: torch.Tensor
+    labels: torch.Tensor
+
+
+def sample_copy(step, batch_size, generator):
+    """Toy task: the last token's label is the class of the first (one-hot of 4); no loss elsewhere."""
+    cls = torch.randint(0, 4, (batch_size,), generator=generator)
+    x = torch.randn(batch_size, 3, 4, generator=generator) * 0.1
+    x[:, 0] += torch.nn.functional.one_hot(cls, 4).float()
+    labels = torch.full((batch_size, 3), -100)
+    labels[:, -1] = cls
+    return Batch(x, labels)
+
+
+class Toy(nn.Module):
+    """Mixes the sequence by a mean over time; dropout makes the run depend on the torch RNG."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(4, 16)
+        self.drop = nn.Dropout(0.2)
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.drop(torch.tanh(self.inp(x))).cumsum(1)
+        return self.out(h)
+
+
+def make_model(seed=0):
+    torch.manual_seed(seed)
+    return Toy()
+
+
+CFG = TrainConfig(steps=12, batch_size=8, lr=3e-2, warmup_steps=2, eval_every=4, checkpoint_every=3)
+
+
+def test_schedule_warmup_then_cosine():
+    f = lr_lambda(TrainConfig(steps=10, warmup_steps=4, min_lr_ratio=0.1))
+    assert [f(t) for t in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert f(4) == pytest.approx(1.0)
+    assert f(7) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 3 / 6)))
+    assert f(10) == pytest.approx(0.1)
+
+
+def test_training_lowers_the_loss_and_evaluates():
+    model = make_model()
+    evals = []
+
+    def evaluate(m):
+        assert not m.training and not torch.is_grad_enabled()
+        b = sample_copy(0, 64, torch.Generator().manual_seed(99))
+        evals.append(1)
+        return {"acc": query_accuracy(m(b.inputs), b.labels)}
+
+    cfg = TrainConfig(steps=60, batch_size=32, lr=3e-2, warmup_steps=5, eval_every=20)
+    res = train(model, sample_copy, cfg, evaluate=evaluate, progress=False)
+    assert res.finished and res.step == 60 and len(res.losses) == 60
+    assert sum(res.losses[-10:]) / 10 < 0.5 * sum(res.losses[:10]) / 10
+    assert [e["step"] for e in res.evals] == [20, 40, 60]
+    assert res.evals[-1]["acc"] > 0.9
+
+
+def test_checkpoint_resume_gives_the_same_trajectory(tmp_path):
+    full = train(make_model(), sample_copy, CFG, progress=False)
+    ckpt = str(tmp_path / "run.pt")
+    part = train(make_model(), sample_copy, CFG, checkpoint_path=ckpt, stop_after=7, progress=False)
+    assert part.step == 7 and not part.finished and os.path.exists(ckpt)
+    assert [p for p in os.listdir(tmp_path) if p.startswith(".tmp")] == []  # atomic: no temp files left
+    # a fresh process would rebuild the model with another init; the checkpoint must override it
+    resumed_model = make_model(seed=123)
+    torch.manual_seed(555)  # and scramble the global RNG: it must be restored from the checkpoint
+    resumed = train(resumed_model, sample_copy, CFG, checkpoint_path=ckpt, progress=False)
+    assert resumed.finished and resumed.step == CFG.steps
+    assert resumed.losses == full.losses
+    ref = make_model()
+    train(ref, sample_copy, CFG, progress=False)
+    for a, b in zip(ref.state_dict().values(), resumed_model.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_resume_refuses_a_different_config(tmp_path):
+    ckpt = str(tmp_path / "run.pt")
+    train(make_model(), sample_copy, CFG, checkpoint_path=ckpt, stop_after=3, progress=False)
+    other = TrainConfig(**{**CFG.__dict__, "lr": 1e-3})
+    with pytest.raises(ValueError, match="config"):
+        train(make_model(), sample_copy, other, checkpoint_path=ckpt, progress=False)
+
+
+def test_train_seeds_caches_finished_seeds(tmp_path):
+    built = []
+
+    def build(seed):
+        built.append(seed)
+        return Toy()
+
+    def final(m):
+        return {"curve": [1.0, float(len(built))]}
+
+    cfg = TrainConfig(steps=5, batch_size=4, lr=1e-2)
+    recs = train_seeds("toy", build, sample_copy, cfg, [0, 1], final, run_dir=str(tmp_path), progress=False,
+                       fingerprint={"task": "copy"})
+    assert [r["seed"] for r in recs] == [0, 1] and built == [0, 1]
+    assert recs[0]["loss_curve"]["step"][-1] == 5 and len(recs[0]["loss_curve"]["loss"]) == 5
+    assert not any(p.endswith(".pt") for p in os.listdir(tmp_path))  # checkpoints removed when done
+    again = train_seeds("toy", build, sample_copy, cfg, [0, 1], final, run_dir=str(tmp_path), progress=False,
+                        fingerprint={"task": "copy"})
+    assert built == [0, 1] and again == recs  # nothing retrained
+    train_seeds("toy", build, sample_copy, cfg, [0], final, run_dir=str(tmp_path), progress=False,
+                fingerprint={"task": "other"})
+    assert built == [0, 1, 0]  # a different task setting is not reused
+
+
+def test_summaries_and_json(tmp_path):
+    s = summarize([1.0, 2.0, 3.0])
+    assert s["mean"] == 2.0 and s["std"] == pytest.approx(1.0) and s["values"] == [1.0, 2.0, 3.0]
+    assert summarize([4.0])["std"] == 0.0
+    c = summarize_curves([[0.0, 1.0], [2.0, 3.0]])
+    assert c["mean"] == [1.0, 2.0] and c["std"] == pytest.approx([math.sqrt(2)] * 2)
+    path = tmp_path / "sub" / "r.json"
+    write_json(str(path), {"a": (1, 2), "t": torch.tensor([0.5])})
+    assert json.loads(path.read_text()) == {"a": [1, 2], "t": [0.5]}
+
+
+def test_masked_metrics():
+    logits = torch.tensor([[[0.0, 5.0], [5.0, 0.0], [0.0, 5.0]]])
+    labels = torch.tensor([[1, -100, 0]])
+    assert query_accuracy(logits, labels) == 0.5
+    expected = (torch.log1p(torch.exp(torch.tensor(-5.0))) + torch.log1p(torch.exp(torch.tensor(5.0)))) / 2
+    assert float(masked_cross_entropy(logits, labels)) == pytest.approx(float(expected))
+    with pytest.raises(ValueError, match="no token"):
+        query_accuracy(logits, torch.full((1, 3), -100))
+    with pytest.raises(ValueError, match="disagree"):
+        masked_cross_entropy(logits, labels[:, :2])
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(steps=0), "steps"),
+        (dict(batch_size=-1), "batch_size"),
+        (dict(lr=0.0), "lr"),
+        (dict(lr=float("nan")), "lr"),
+        (dict(betas=(0.9, 1.0)), "betas"),
+        (dict(weight_decay=-1.0), "weight_decay"),
+        (dict(grad_clip=0.0), "grad_clip"),
+        (dict(steps=10, warmup_steps=10), "warmup_steps"),
+        (dict(min_lr_ratio=2.0), "min_lr_ratio"),
+        (dict(seed=-1), "seed"),
+    ],
+)
+def test_bad_config(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        TrainConfig(**kwargs)
+
+
+def test_bad_train_arguments():
+    with pytest.raises(TypeError, match="model"):
+        train(lambda x: x, sample_copy, CFG, progress=False)
+    with pytest.raises(TypeError, match="sample_batch"):
+        train(Toy(), None, CFG, progress=False)
+    with pytest.raises(TypeError, match="TrainConfig"):
+        train(Toy(), sample_copy, {"steps": 3}, progress=False)
+    with pytest.raises(ValueError, match="stop_after"):
+        train(Toy(), sample_copy, CFG, stop_after=CFG.steps + 1, progress=False)
+    with pytest.raises(ValueError, match="seeds"):
+        train_seeds("x", lambda s: Toy(), sample_copy, CFG, [], lambda m: {})
