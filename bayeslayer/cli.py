@@ -15,6 +15,8 @@ import sys
 _COMMAND_MODULES = [
     "bayeslayer.experiments.demo",
     "bayeslayer.experiments.collision",
+    "bayeslayer.experiments.recall",
+    "bayeslayer.experiments.crowding",
 ]
 
 
