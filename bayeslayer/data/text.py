@@ -63,6 +63,8 @@ import numpy as np
 import torch
 import torch.utils.data
 
+from bayeslayer.data.arhit import ARHitAnnotation, BigramCounts, annotate_ar_hits
+
 SPLITS = ("train", "validation", "test")
 SPLIT_ALIASES = {
     "train": "train",
@@ -203,7 +205,7 @@ class DocumentSource:
 class CorpusFiles:
     """The documents of each split plus a fingerprint that changes whenever they may."""
 
-    splits: dict[str, list[DocumentSource]]
+    splits: dict[str, Sequence[DocumentSource]]
     fingerprint: dict
     description: str
 
@@ -274,19 +276,62 @@ def _read_html(path: Path) -> str:
     return html_to_text(path.read_text(encoding="utf-8", errors="replace"))
 
 
+# One parquet file's text column at a time: documents are read file by file, so a
+# single slot avoids both re-reading a file per row and holding every file in memory.
+_PARQUET_SLOT: dict = {}
+
+
+def _parquet_rows(path: Path, text_column: str) -> list:
+    import pyarrow.parquet as pq
+
+    if _PARQUET_SLOT.get("key") != (path, text_column):
+        _PARQUET_SLOT.clear()
+        rows = pq.read_table(path, columns=[text_column]).column(text_column).to_pylist()
+        _PARQUET_SLOT.update(key=(path, text_column), rows=rows)
+    return _PARQUET_SLOT["rows"]
+
+
 def _parquet_documents(path: Path, relative: str, text_column: str, rows_are_lines: bool) -> list:
+    """Rows as documents (read lazily), or, for line-per-row text, the articles they form."""
     try:
         import pyarrow.parquet as pq
     except ImportError as exc:
         raise ImportError(f"reading {path} needs pyarrow: pip install pyarrow (or datasets)") from exc
-    table = pq.read_table(path, columns=None)
-    if text_column not in table.column_names:
-        raise ValueError(f"{path} has no column {text_column!r}; columns are {table.column_names}")
-    rows = table.column(text_column).to_pylist()
+    meta = pq.ParquetFile(path)
+    names = meta.schema_arrow.names
+    if text_column not in names:
+        raise ValueError(f"{path} has no column {text_column!r}; columns are {names}")
     if rows_are_lines:
-        articles = list(split_wikitext_articles(r or "" for r in rows))
+        articles = list(split_wikitext_articles(r or "" for r in _parquet_rows(path, text_column)))
         return [DocumentSource(f"{relative}#{i}", lambda a=a: a) for i, a in enumerate(articles)]
-    return [DocumentSource(f"{relative}#{i}", lambda r=r: r or "") for i, r in enumerate(rows)]
+    return [
+        DocumentSource(f"{relative}#{i}", lambda i=i: _parquet_rows(path, text_column)[i] or "")
+        for i in range(meta.metadata.num_rows)
+    ]
+
+
+class _LazyDocuments(Sequence):
+    """A document list built on first use, so a cache hit never reads the dataset's text.
+
+    ``truthy`` answers ``bool()`` without building (whether the source has rows).
+    """
+
+    def __init__(self, build: Callable[[], list[DocumentSource]], truthy: bool) -> None:
+        self._build, self._truthy, self._docs = build, truthy, None
+
+    def _get(self) -> list[DocumentSource]:
+        if self._docs is None:
+            self._docs = self._build()
+        return self._docs
+
+    def __len__(self) -> int:
+        return len(self._get())
+
+    def __getitem__(self, index):
+        return self._get()[index]
+
+    def __bool__(self) -> bool:
+        return self._truthy if self._docs is None else bool(self._docs)
 
 
 def _corpus_file_list(root: Path, suffixes: tuple[str, ...]) -> list[Path]:
@@ -461,7 +506,7 @@ def hf_corpus_files(
         raise CorpusNotFoundError(f"Hugging Face dataset {name!r} ({config}) not found: {exc}") from exc
     if rows_are_lines is None:
         rows_are_lines = "wikitext" in name.lower()
-    splits: dict[str, list[DocumentSource]] = {s: [] for s in SPLITS}
+    splits: dict[str, Sequence[DocumentSource]] = {s: [] for s in SPLITS}
     fingerprint: dict = {"kind": "hf", "name": name, "config": config, "revision": revision, "splits": {}}
     for hf_split in loaded:
         split = SPLIT_ALIASES.get(hf_split)
@@ -471,15 +516,18 @@ def hf_corpus_files(
         if text_column not in ds.column_names:
             raise ValueError(f"{name} split {hf_split} has no column {text_column!r}: {ds.column_names}")
         fingerprint["splits"][split] = [hf_split, getattr(ds, "_fingerprint", None), len(ds)]
-        rows = ds[text_column]
-        if rows_are_lines:
-            docs = list(split_wikitext_articles(r or "" for r in rows))
-        else:
-            docs = [r or "" for r in rows]
-        splits[split] = [DocumentSource(f"{hf_split}#{i}", lambda d=d: d) for i, d in enumerate(docs)]
+        splits[split] = _LazyDocuments(
+            lambda ds=ds, name=hf_split: _hf_documents(ds, name, text_column, rows_are_lines), len(ds) > 0
+        )
     fingerprint["rows_are_lines"] = rows_are_lines
     fingerprint["text_column"] = text_column
     return CorpusFiles(splits, fingerprint, f"Hugging Face dataset {name} ({config})")
+
+
+def _hf_documents(ds, hf_split: str, text_column: str, rows_are_lines: bool) -> list[DocumentSource]:
+    rows = ds[text_column]
+    docs = split_wikitext_articles(r or "" for r in rows) if rows_are_lines else (r or "" for r in rows)
+    return [DocumentSource(f"{hf_split}#{i}", lambda d=d: d) for i, d in enumerate(docs)]
 
 
 def corpus_files(source: str | os.PathLike, **kwargs) -> CorpusFiles:
@@ -747,6 +795,7 @@ def tokenize_split(
     tmp = Path(tmp_name)
     try:
         n_tokens, checksum = _encode_documents(docs, tokenizer, eos_id, tmp, dtype)
+        _PARQUET_SLOT.clear()
         if n_tokens == 0:  # empty documents are skipped, EOS included
             raise ValueError(f"split {split!r}: all {len(docs)} documents are empty")
         os.replace(tmp, bin_path)
@@ -787,9 +836,37 @@ class TextCorpus:
         """Packed non-overlapping windows [N, seq_len] of ``split`` (a memmap view)."""
         return pack_windows(self.tokens(split), seq_len)
 
-    def dataset(self, split: str, seq_len: int):
+    def dataset(self, split: str, seq_len: int) -> PackedWindows:
         """A ``torch.utils.data.Dataset`` of packed windows (see :class:`PackedWindows`)."""
         return PackedWindows(self.windows(split, seq_len))
+
+    def bigram_counts(self) -> BigramCounts:
+        """Bigram counts of the train stream, computed once and cached beside its tokens.
+
+        The cache file is ``<train tokens>.bigrams.npz``; a damaged or stale one
+        is rebuilt with a warning.
+        """
+        stream = self.splits.get("train")
+        if stream is None:
+            raise KeyError("bigram counts need the train split; load it with splits including 'train'")
+        path = stream.path.with_name(stream.path.stem + ".bigrams.npz")
+        if path.exists():
+            try:
+                counts = BigramCounts.load(path)
+                if counts.n_tokens == stream.tokens.shape[0] and counts.vocab_size == self.vocab_size:
+                    return counts
+                problem = f"it counts {counts.n_tokens} tokens over vocab {counts.vocab_size}"
+            except ValueError as exc:
+                problem = str(exc)
+            message = f"bigram counts {path} do not match the train split ({problem}); rebuilding"
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
+        counts = BigramCounts.from_tokens(stream.tokens, self.vocab_size)
+        counts.save(path)
+        return counts
+
+    def annotate(self, split: str, seq_len: int) -> ARHitAnnotation:
+        """AR-hit annotation (SPEC §4.5) of ``split``'s packed windows [N, seq_len]."""
+        return annotate_ar_hits(self.windows(split, seq_len), self.bigram_counts())
 
 
 class PackedWindows(torch.utils.data.Dataset):

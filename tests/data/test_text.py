@@ -371,6 +371,20 @@ def test_parquet_rows_are_documents(tmp_path):
     pq.write_table(pa.table({"content": rows, "id": list(range(60))}), root / "shard.parquet")
     corpus = load(root, tmp_path / "cache", text_column="content")
     assert sum(s.n_documents for s in corpus.splits.values()) == 60
+    docs = text_mod.local_corpus_files(root, split_fractions=(0.6, 0.2, 0.2), text_column="content").splits
+    expected = sum(
+        (corpus.tokenizer.encode(rows[int(d.name.split("#")[1])]).ids + [0] for d in docs["test"]), []
+    )
+    np.testing.assert_array_equal(corpus.tokens("test"), expected)
+
+    def fail(*args):
+        raise AssertionError("parquet text read although the cache is complete")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(text_mod, "_parquet_rows", fail)
+        assert all(
+            s.from_cache for s in load(root, tmp_path / "cache", text_column="content").splits.values()
+        )
     with pytest.raises(ValueError, match="no column 'text'"):
         load(root, tmp_path / "cache")
 
@@ -402,9 +416,10 @@ def test_hf_source_through_datasets(tmp_path, monkeypatch):
 
         def __getitem__(self, column):
             assert column == "text"
+            reads.append(self._fingerprint)
             return self.rows
 
-    calls = []
+    calls, reads = [], []
 
     def load_dataset(name, config, revision=None):
         calls.append((name, config))
@@ -424,6 +439,12 @@ def test_hf_source_through_datasets(tmp_path, monkeypatch):
     assert calls == [("Salesforce/wikitext", "wikitext-103-raw-v1")]
     assert corpus.splits["train"].n_documents == 10 and corpus.splits["validation"].n_documents == 2
     assert "val body text" in corpus.tokenizer.decode(corpus.tokens("validation").tolist())
+    assert sorted(reads) == ["f1", "f2", "f3"]  # each split's text read once, train shared by BPE and ids
+    again = load_text_corpus(
+        "hf:Salesforce/wikitext:wikitext-103-raw-v1", cache_dir=tmp_path / "c", vocab_size=280
+    )
+    assert all(s.from_cache for s in again.splits.values()) and again.splits["train"].n_documents == 10
+    assert len(reads) == 3  # a cache hit reads no text
     with pytest.raises(ValueError, match="named_splits applies to local files"):
         load_text_corpus("hf:x", cache_dir=tmp_path / "c", named_splits=True)
     monkeypatch.setitem(sys.modules, "datasets", None)
@@ -495,3 +516,34 @@ def test_cache_dir_default_follows_environment(tmp_path, monkeypatch):
     assert text_mod.default_cache_dir() == tmp_path / "here"
     monkeypatch.delenv("BAYESLAYER_CACHE")
     assert text_mod.default_cache_dir() == text_mod.Path(os.path.expanduser("~")) / ".cache" / "bayeslayer"
+
+
+# --------------------------------------------------------------------------- AR-hit on a corpus
+
+
+def test_corpus_bigram_counts_are_cached_and_annotate_matches(corpus_dir, tmp_path, monkeypatch):
+    from bayeslayer.data.arhit import BigramCounts, annotate_ar_hits
+
+    corpus = load(corpus_dir, tmp_path / "cache")
+    counts = corpus.bigram_counts()
+    direct = BigramCounts.from_tokens(np.asarray(corpus.tokens("train")), corpus.vocab_size)
+    np.testing.assert_array_equal(counts.keys, direct.keys)
+    np.testing.assert_array_equal(counts.counts, direct.counts)
+    path = corpus.splits["train"].path.with_name(corpus.splits["train"].path.stem + ".bigrams.npz")
+    assert path.is_file()
+    ann = corpus.annotate("validation", 128)
+    ref = annotate_ar_hits(corpus.windows("validation", 128), direct)
+    np.testing.assert_array_equal(ann.is_hit, ref.is_hit)
+    assert ann.is_hit.any()
+
+    def fail(*args, **kwargs):
+        raise AssertionError("recounted although cached")
+
+    monkeypatch.setattr(BigramCounts, "from_tokens", fail)
+    np.testing.assert_array_equal(load(corpus_dir, tmp_path / "cache").bigram_counts().counts, direct.counts)
+    monkeypatch.undo()
+    path.write_bytes(b"garbage")
+    with pytest.warns(RuntimeWarning, match="rebuilding"):
+        np.testing.assert_array_equal(corpus.bigram_counts().counts, direct.counts)
+    with pytest.raises(KeyError, match="train split"):
+        load(corpus_dir, tmp_path / "cache", splits=["test"]).bigram_counts()
