@@ -16,6 +16,10 @@ if settings is not None:
     settings.register_profile(
         "bayeslayer", deadline=None, max_examples=25, suppress_health_check=[HealthCheck.too_slow]
     )
+    # On demand: `pytest --hypothesis-profile=bayeslayer-thorough tests/ops/test_properties.py`.
+    settings.register_profile(
+        "bayeslayer-thorough", parent=settings.get_profile("bayeslayer"), max_examples=500
+    )
     settings.load_profile("bayeslayer")
 
 
