@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as init
 from transformers.generation import GenerationMixin
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import PreTrainedModel
 
@@ -56,8 +57,12 @@ class SwiGLUMLP(nn.Module):
         return self.down_proj(self.hidden_dropout(F.silu(self.gate_proj(x)) * self.up_proj(x)))
 
 
-class BayesLayerBlock(nn.Module):
-    """Pre-norm block: a token mixer then a SwiGLU MLP, each with a residual connection."""
+class BayesLayerBlock(GradientCheckpointingLayer):
+    """Pre-norm block: a token mixer then a SwiGLU MLP, each with a residual connection.
+
+    With ``model.activation_checkpointing_enable()`` the block's activations are recomputed in
+    the backward pass (training only; a cached forward is never checkpointed).
+    """
 
     def __init__(self, config: BayesLayerConfig, layer_idx: int) -> None:
         super().__init__()
@@ -87,7 +92,7 @@ class BayesLayerBlock(nn.Module):
 class BayesLayerPreTrainedModel(PreTrainedModel):
     config_class = BayesLayerConfig
     base_model_prefix = "model"
-    supports_gradient_checkpointing = False
+    supports_gradient_checkpointing = True
     _no_split_modules = ["BayesLayerBlock"]
     # generate(): the state is recurrent, so no assisted decoding and no default DynamicCache.
     _is_stateful = True
@@ -288,11 +293,14 @@ class BayesLayerForCausalLM(BayesLayerPreTrainedModel, GenerationMixin):
         return_dict: bool | None = None,
         logits_to_keep: int = 0,
         past_key_values: BayesLayerCache | None = None,
+        num_items_in_batch: int | torch.Tensor | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast | tuple:
         """Logits ``[B, T, V]`` (the last ``logits_to_keep`` positions if > 0) and, with ``labels``
         ``[B, T]``, the mean cross-entropy of predicting ``labels[:, t+1]`` from position ``t``
-        (label ``-100`` is ignored, as in transformers)."""
+        (label ``-100`` is ignored, as in transformers).  With ``num_items_in_batch`` (the
+        ``Trainer``'s count of labelled tokens over gradient-accumulation steps) the loss is the
+        summed cross-entropy divided by it."""
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         if not isinstance(logits_to_keep, int) or isinstance(logits_to_keep, bool) or logits_to_keep < 0:
             raise ValueError(f"logits_to_keep must be a non-negative int, got {logits_to_keep!r}")
@@ -320,7 +328,10 @@ class BayesLayerForCausalLM(BayesLayerPreTrainedModel, GenerationMixin):
                 logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
                 labels[:, 1:].reshape(-1).to(logits.device),
                 ignore_index=-100,
+                reduction="mean" if num_items_in_batch is None else "sum",
             )
+            if num_items_in_batch is not None:
+                loss = loss / num_items_in_batch
             if logits_to_keep:
                 logits = logits[:, -logits_to_keep:]
         else:

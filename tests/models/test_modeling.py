@@ -19,6 +19,8 @@ from bayeslayer.models import (
 )
 
 HYBRID = ["bayesian", "gated_deltanet", "attention"]
+# every other registered mixer, stacked in one model
+OTHERS = sorted(set(MIXERS) - set(HYBRID))
 V, D_MODEL, HEADS, HEAD_DIM = 64, 32, 2, 8
 
 
@@ -89,8 +91,9 @@ def test_config_json_round_trip_keeps_per_layer_choices(tmp_path):
 
 
 # -- generation and the cache -------------------------------------------------------------------------
-def test_prefill_then_single_steps_equals_one_full_forward():
-    model = tiny_model()
+@pytest.mark.parametrize("mixers", [HYBRID, OTHERS], ids=["hybrid", "others"])
+def test_prefill_then_single_steps_equals_one_full_forward(mixers):
+    model = tiny_model(mixers=mixers)
     ids = random_ids(2, 12)
     with torch.no_grad():
         full = model(ids).logits
@@ -143,8 +146,10 @@ def test_generate_returns_a_reusable_cache_and_beam_search_runs():
     assert beams.shape == (1, 9)
 
 
-def test_left_padding_does_not_change_a_recurrent_model():
-    model = tiny_model(mixers=["bayesian", "gated_deltanet"]).to(torch.float64)
+@pytest.mark.parametrize("mixers", [HYBRID, OTHERS], ids=["hybrid", "others"])
+def test_left_padding_changes_nothing(mixers):
+    """A left-padded prompt in a batch gives the logits and greedy continuation it gives alone."""
+    model = tiny_model(mixers=mixers).to(torch.float64)
     short = random_ids(1, 5, seed=3)
     long = random_ids(1, 8, seed=4)
     padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), short], dim=1)
@@ -205,6 +210,28 @@ def test_gradients_reach_every_parameter():
     emb = model.model.embeddings.weight.grad
     used = ids[:, :-1].unique()  # the last position predicts nothing, so its token gets no gradient
     assert (emb[used].abs().sum(-1) > 0).all()
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    ids = random_ids(2, 9)
+    grads = []
+    for checkpointing in (False, True):
+        model = tiny_model().train()
+        if checkpointing:
+            model.activation_checkpointing_enable({"use_reentrant": False})
+            assert all(layer.gradient_checkpointing for layer in model.model.layers)
+        model(ids, labels=ids).loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_num_items_in_batch_sums_the_loss():
+    model = tiny_model()
+    ids = random_ids(2, 8)
+    mean = model(ids, labels=ids).loss
+    summed = model(ids, labels=ids, num_items_in_batch=7).loss
+    torch.testing.assert_close(summed, mean * (2 * 7) / 7)
 
 
 def test_dropout_is_active_in_training_and_off_in_eval():
