@@ -22,7 +22,7 @@ class GatedDeltaNet(QKVMixer):
 
         q, k, v = SiLU(conv(W_q x)), SiLU(conv(W_k x)), SiLU(conv(W_v x))     (SiLU alone without conv)
         q, k    = l2norm(q)·D^-1/2, l2norm(k)
-        β_t     = sigmoid(b_proj(x_t))                                       [B, T, H]
+        β_t     = sigmoid(b_proj(x_t))  (× 2 with allow_neg_eigval)          [B, T, H]
         g_t     = −exp(A_log)·softplus(a_proj(x_t) + dt_bias),  α_t = exp(g_t)  [B, T, H]
         o_t     = GATED_DELTANET filter (gain = β_t, alpha = α_t)             [B, T, H, m]
         y_t     = o_proj(o_norm(o_t, g_proj(x_t)))
@@ -39,11 +39,13 @@ class GatedDeltaNet(QKVMixer):
 
     def __init__(self, hidden_size: int, num_heads: int = 4, head_dim: int = 128, *, expand_v: float = 2.0,
                  use_short_conv: bool = True, conv_size: int = 4, conv_bias: bool = False,
-                 use_gate: bool = True, norm_eps: float = 1e-5, chunk_size: int = 64,
-                 layer_idx: int | None = None) -> None:
+                 use_gate: bool = True, allow_neg_eigval: bool = False, norm_eps: float = 1e-5,
+                 chunk_size: int = 64, layer_idx: int | None = None) -> None:
         super().__init__(hidden_size, num_heads, head_dim, expand_v=expand_v, use_short_conv=use_short_conv,
                          conv_size=conv_size, conv_bias=conv_bias, use_gate=use_gate, norm_eps=norm_eps,
                          qk_norm="l2", chunk_size=chunk_size, layer_idx=layer_idx)
+        # β ∈ (0, 2) lets the transition I − β k kᵀ have a negative eigenvalue (Grazzi et al. 2024)
+        self.allow_neg_eigval = bool(allow_neg_eigval)
         d, H = self.hidden_size, self.num_heads
         self.a_proj = nn.Linear(d, H, bias=False)
         self.b_proj = nn.Linear(d, H, bias=False)
@@ -53,6 +55,7 @@ class GatedDeltaNet(QKVMixer):
 
     def write_arguments(self, x: torch.Tensor) -> dict:
         beta = positive(torch.sigmoid(self.b_proj(x).to(gate_dtype(x))))
+        beta = 2 * beta if self.allow_neg_eigval else beta
         alpha = torch.exp(decay_log(self.a_proj(x), self.A_log, self.dt_bias)[..., 0])
         return {"gain": beta, "alpha": alpha}
 
@@ -78,7 +81,7 @@ class DeltaNet(QKVMixer):
     ::
 
         q, k, v = SiLU(conv(W_q x)), SiLU(conv(W_k x)), SiLU(conv(W_v x))
-        q, k    = l2norm(q)·D^-1/2, l2norm(k) ;   β_t = sigmoid(b_proj(x_t))
+        q, k    = l2norm(q)·D^-1/2, l2norm(k) ;   β_t = sigmoid(b_proj(x_t))  (× 2: allow_neg_eigval)
         o_t     = DELTANET filter (A_t = I, gain = β_t)
         y_t     = o_proj(o_norm(o_t [, g_proj(x_t)]))
 
@@ -91,15 +94,17 @@ class DeltaNet(QKVMixer):
 
     def __init__(self, hidden_size: int, num_heads: int = 4, head_dim: int = 128, *, expand_v: float = 1.0,
                  use_short_conv: bool = True, conv_size: int = 4, conv_bias: bool = False,
-                 use_gate: bool = False, norm_eps: float = 1e-5, chunk_size: int = 64,
-                 layer_idx: int | None = None) -> None:
+                 use_gate: bool = False, allow_neg_eigval: bool = False, norm_eps: float = 1e-5,
+                 chunk_size: int = 64, layer_idx: int | None = None) -> None:
         super().__init__(hidden_size, num_heads, head_dim, expand_v=expand_v, use_short_conv=use_short_conv,
                          conv_size=conv_size, conv_bias=conv_bias, use_gate=use_gate, norm_eps=norm_eps,
                          qk_norm="l2", chunk_size=chunk_size, layer_idx=layer_idx)
+        self.allow_neg_eigval = bool(allow_neg_eigval)
         self.b_proj = nn.Linear(self.hidden_size, check_positive_int("num_heads", num_heads), bias=False)
 
     def write_arguments(self, x: torch.Tensor) -> dict:
-        return {"gain": positive(torch.sigmoid(self.b_proj(x).to(gate_dtype(x))))}
+        beta = positive(torch.sigmoid(self.b_proj(x).to(gate_dtype(x))))
+        return {"gain": 2 * beta if self.allow_neg_eigval else beta}
 
     def num_parameters_formula(self) -> int:
         return self._body_parameters() + self.hidden_size * self.num_heads

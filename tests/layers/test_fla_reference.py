@@ -30,8 +30,12 @@ def fla_gdn(seed: int, **kwargs) -> FlaGatedDeltaNet:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         layer = FlaGatedDeltaNet(**kwargs)
-    with torch.no_grad():  # fla initialises the norm weight to ones: move it so the test sees it
+    with torch.no_grad():  # fla initialises the norm weight to ones (conv bias to 0): move them
         layer.o_norm.weight.add_(0.2 * torch.randn_like(layer.o_norm.weight))
+        for name in ("q", "k", "v"):
+            conv = getattr(layer, f"{name}_conv1d", None)
+            if conv is not None and conv.bias is not None:
+                conv.bias.add_(0.2 * torch.randn_like(conv.bias))
     return layer
 
 
@@ -53,7 +57,7 @@ def gdn_reference(layer: FlaGatedDeltaNet, x: torch.Tensor) -> torch.Tensor:
     v = short_conv("v", layer.v_proj(x)).reshape(B, T, H, m)
     q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6)  # fla's l2norm, eps = 1e-6
     k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
-    beta = torch.sigmoid(layer.b_proj(x))
+    beta = torch.sigmoid(layer.b_proj(x)) * (2.0 if layer.allow_neg_eigval else 1.0)
     g = -torch.exp(layer.A_log) * F.softplus(layer.a_proj(x) + layer.dt_bias)
     o, _ = naive_recurrent_gated_delta_rule(q, k, v, beta, g)  # scale defaults to D^-1/2
     o = o * torch.rsqrt(o.square().mean(-1, keepdim=True) + layer.o_norm.eps) * layer.o_norm.weight
@@ -62,14 +66,18 @@ def gdn_reference(layer: FlaGatedDeltaNet, x: torch.Tensor) -> torch.Tensor:
     return layer.o_proj(o.reshape(B, T, H * m))
 
 
-@pytest.mark.parametrize("use_short_conv", [True, False])
-@pytest.mark.parametrize("use_gate", [True, False])
-def test_gdn_matches_fla(use_short_conv, use_gate):
-    config = dict(hidden_size=32, num_heads=2, head_dim=16, expand_v=2, use_short_conv=use_short_conv,
-                  use_gate=use_gate)
-    theirs = fla_gdn(0, **config)
+@pytest.mark.parametrize("use_short_conv, use_gate, allow_neg_eigval, conv_bias", [
+    (True, True, False, False), (False, True, False, False), (True, False, False, False),
+    (False, False, False, False), (True, True, True, True),
+])
+def test_gdn_matches_fla(use_short_conv, use_gate, allow_neg_eigval, conv_bias):
+    options = dict(use_gate=use_gate, allow_neg_eigval=allow_neg_eigval)
+    if use_short_conv:
+        options["conv_bias"] = conv_bias
+    theirs = fla_gdn(0, hidden_size=32, num_heads=2, head_dim=16, expand_v=2, use_short_conv=use_short_conv,
+                     **options)
     cls = GatedDeltaNet if use_short_conv else GatedDeltaNetNoConv
-    ours = cls(32, num_heads=2, head_dim=16, expand_v=2, use_gate=use_gate)
+    ours = cls(32, num_heads=2, head_dim=16, expand_v=2, **options)
     ours.load_state_dict(theirs.state_dict(), strict=True)
     theirs.load_state_dict(ours.state_dict(), strict=True)  # and back: the same names and shapes
     x = torch.randn(2, 37, 32)
