@@ -126,14 +126,18 @@ class RecurrentMixer(Mixer):
 
     Subclasses provide :meth:`features` (``q, k [B, T, H, D]``, ``v [B, T, H, m]``, the design's
     per-token write arguments and the new conv cache) and :meth:`readout` (filter output →
-    ``[B, T, hidden]``); this class masks padded writes, chooses prefill (``design.chunk``) or
-    decode (``design.step``), and assembles the state dict.
+    ``[B, T, hidden]``); this class masks padded writes, runs the design's chunked path for a
+    sequence (training, prefill) or its recurrent oracle for a single token (decoding), and
+    assembles the state dict.
     """
 
     design: DesignModel
     chunk_size: int = 64
 
     def features(self, x: torch.Tensor, mask: torch.Tensor | None, conv_state: dict | None):
+        """``(q, k, v, write, new_conv_state, extra)``: filter inputs ``[B, T, H, ·]``, the design's
+        write arguments (``gain``/``alpha``/``theta``/``r2``/``ell2``), the conv cache to return and
+        whatever :meth:`readout` needs besides ``x``."""
         raise NotImplementedError
 
     def readout(self, o: torch.Tensor, x: torch.Tensor, extra) -> torch.Tensor:
@@ -145,6 +149,7 @@ class RecurrentMixer(Mixer):
                                          dtype=dtype, device=device)
 
     def filter_p0(self):
+        """``P_0 = p0·I`` for designs with a covariance (ignored by the others)."""
         return 1.0
 
     @staticmethod
@@ -180,9 +185,8 @@ class RecurrentMixer(Mixer):
             # Decoding: one token through the recurrent oracle (the code path of design.step / bl_step).
             # It is called as a length-1 sequence because DesignModel.step currently rejects the
             # [B, H] alpha of scalar-decay designs (its first _check_dynamics sees no time axis).
-            if rec is None:
-                rec = self.initial_state(B, x.dtype if x.dtype == torch.float64 else torch.float32, x.device)
-            out = self.design.recurrent(q, k, v, initial_state=rec, output_final_state=True, **write)
+            out = self.design.recurrent(q, k, v, p0=self.filter_p0(), initial_state=rec,
+                                        output_final_state=True, **write)
             o = out.o
             variance = out.variance if output_variance else None
         else:
