@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .checks import Dynamics, check_chunk_size
+from .checks import Dynamics, check_chunk_size, check_cu_seqlens
 from .prepare import FilterOutput, prepare
 
 
@@ -269,7 +269,6 @@ def covariance_pass(
     Cholesky.
     """
     D = k.shape[-1]
-    C = k.shape[-2]
     b = None if dyn.rot else dyn.noise_diag(ell2)
     kt = dyn.adj(k)  # k̃_j = Φ_jᵀ k_j
     NBk = dyn.noise_vec(ell2, k, b)  # B_j k_j
@@ -345,7 +344,7 @@ def mean_pass(
 def filter_chunk(
     q, k, v, *, write: str, r2=None, ell2=None, lam=None, gain=None, alpha=None, theta=None, p0=1.0,
     initial_state=None, output_final_state: bool = False, return_variance: bool = False,
-    chunk_size: int = 64,
+    chunk_size: int = 64, cu_seqlens: torch.Tensor | None = None,
 ) -> FilterOutput:
     """Chunked counterpart of :func:`bayeslayer.ops.recurrent.filter_recurrent`.
 
@@ -355,8 +354,16 @@ def filter_chunk(
     ``diagonal``: the diagonal covariance is an O(D)-per-token scan (it is not
     matmul-shaped), then the chunked mean pass.
     ``gain`` is reported (``kᵀ w``) for every write model.
+    ``cu_seqlens`` (``[N + 1]``, B = 1) runs N packed sequences, each from its own state
+    (``initial_state`` and the final state then have N in place of B).
     """
     C = check_chunk_size(chunk_size)
+    if cu_seqlens is not None:
+        return _filter_chunk_varlen(
+            q, k, v, cu_seqlens, write=write, r2=r2, ell2=ell2, lam=lam, gain=gain, alpha=alpha, theta=theta,
+            p0=p0, initial_state=initial_state, output_final_state=output_final_state,
+            return_variance=return_variance, chunk_size=C,
+        )
     pr = prepare(q, k, v, write=write, r2=r2, ell2=ell2, lam=lam, gain=gain, alpha=alpha, theta=theta,
                  p0=p0, initial_state=initial_state)
     B, T, Hf = pr.q.shape[:3]
@@ -396,6 +403,41 @@ def filter_chunk(
         qk = (pr.q * pr.k).sum(-1)
         var = 1.0 + pr.lam * (pr.q * pr.q).sum(-1) - pr.coef * pr.lam * qk * qk
     return pr.finish(o, var, gain, M, P, output_final_state)
+
+
+def _filter_chunk_varlen(q, k, v, cu_seqlens, *, initial_state, output_final_state, **kw) -> FilterOutput:
+    """Packed variable-length sequences: each segment of ``cu_seqlens`` is filtered on its own."""
+    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+        raise ValueError(f"q must be [B, T, H, D], got {getattr(q, 'shape', type(q).__name__)}")
+    cu = check_cu_seqlens(cu_seqlens, q.shape[0], q.shape[1], q.device).tolist()
+    n_seq = len(cu) - 1
+    if initial_state is not None:
+        if not isinstance(initial_state, (tuple, list)) or len(initial_state) != 2:
+            raise TypeError(f"initial_state must be a tuple (M, P), got {type(initial_state).__name__}")
+        if not isinstance(initial_state[0], torch.Tensor) or initial_state[0].shape[0] != n_seq:
+            raise ValueError(f"with cu_seqlens, initial_state holds one state per sequence (N={n_seq}) along dim 0")
+
+    def seg(x, a, b):  # per-token tensors are [1, T, ...]; numbers pass through
+        return x[:, a:b] if isinstance(x, torch.Tensor) and x.dim() >= 3 else x
+
+    outs = []
+    for n in range(n_seq):
+        a, b = cu[n], cu[n + 1]
+        st = None
+        if initial_state is not None:
+            M0, P0 = initial_state
+            st = (M0[n:n + 1], P0[n:n + 1] if P0 is not None else None)
+        seg_kw = {name: seg(val, a, b) for name, val in kw.items()}
+        outs.append(filter_chunk(seg(q, a, b), seg(k, a, b), seg(v, a, b), initial_state=st,
+                                 output_final_state=True, **seg_kw))
+    o = torch.cat([x.o for x in outs], 1)
+    var = torch.cat([x.variance for x in outs], 1) if outs[0].variance is not None else None
+    gain = torch.cat([x.gain for x in outs], 1)
+    state = None
+    if output_final_state:
+        Ps = [x.state[1] for x in outs]
+        state = (torch.cat([x.state[0] for x in outs], 0), torch.cat(Ps, 0) if Ps[0] is not None else None)
+    return FilterOutput(o, var, gain, state)
 
 
 def _diagonal_cov_scan(pr, want_var: bool):
@@ -447,18 +489,52 @@ def bl_chunk(
     output_final_state: bool = False,
     return_variance: bool = False,
     chunk_size: int = 64,
+    cu_seqlens: torch.Tensor | None = None,
+    backend: str | None = None,
 ):
     """The Bayesian Layer, chunked: same contract and results as :func:`bl_recurrent`.
 
     Cost per token ≈ 2D² (``K̃ P_0`` and the ``P_C`` update) + O(C(D + m)) + O(Dm)
     multiply-adds, all matmul-shaped, plus a C×C Cholesky per chunk.  Diagonal and
     rotation dynamics use ``[C, C, D]`` ratio tensors (O(C·D) per token).
+
+    ``cu_seqlens`` (``[N + 1]`` int, B = 1) packs N variable-length sequences along T like
+    flash-linear-attention; ``initial_state``/final state are then per sequence (N in place of B).
+    ``backend``: ``"torch"`` (this module), ``"triton"`` (fused kernels,
+    :mod:`bayeslayer.ops.triton`), or ``None`` = Triton for CUDA tensors when Triton is
+    installed, PyTorch otherwise.
     """
+    if _use_triton(backend, q):
+        from .triton import bl_chunk_triton
+
+        return bl_chunk_triton(
+            q, k, v, r2, ell2, alpha=alpha, theta=theta, p0=p0, initial_state=initial_state,
+            output_final_state=output_final_state, return_variance=return_variance,
+            chunk_size=chunk_size, cu_seqlens=cu_seqlens,
+        )
     out = filter_chunk(
         q, k, v, write="bayes", r2=r2, ell2=ell2, alpha=alpha, theta=theta, p0=p0,
         initial_state=initial_state, output_final_state=output_final_state,
-        return_variance=return_variance, chunk_size=chunk_size,
+        return_variance=return_variance, chunk_size=chunk_size, cu_seqlens=cu_seqlens,
     )
     if return_variance:
         return out.o, out.variance, out.state
     return out.o, out.state
+
+
+def _use_triton(backend: str | None, q) -> bool:
+    if backend not in (None, "torch", "triton"):
+        raise ValueError(f"backend must be None, 'torch' or 'triton', got {backend!r}")
+    if backend == "torch":
+        return False
+    if backend == "triton":
+        from .triton import triton_available
+
+        if not triton_available():
+            raise RuntimeError("backend='triton' was requested but Triton is not installed")
+        return True
+    if not (isinstance(q, torch.Tensor) and q.is_cuda):
+        return False
+    from .triton import triton_available
+
+    return triton_available()

@@ -119,7 +119,8 @@ def filter_scan(
         variances.append(1.0 + torch.einsum("bhi,bhij,bhj->bh", q_t, P, q_t))
         gains.append((beta * (k_t * u).sum(-1, keepdim=True))[..., 0])
     o = torch.stack(outs, 1) if outs else v.new_zeros(B, 0, H, v.shape[-1])
-    var = torch.stack(variances, 1) if len(variances) == T and T > 0 else None
+    has_var = write in ("bayes", "diagonal") or (write == "reset" and lam is not None)
+    var = (torch.stack(variances, 1) if T > 0 else v.new_zeros(B, 0, H)) if has_var else None
     gain = torch.stack(gains, 1) if gains else v.new_zeros(B, 0, H)
     return o, var, gain, M, P
 
