@@ -316,3 +316,29 @@ def check_chunk_size(chunk_size) -> int:
     if not isinstance(chunk_size, numbers.Integral) or isinstance(chunk_size, bool) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
     return int(chunk_size)
+
+
+def check_cu_seqlens(cu_seqlens, batch: int, total: int, device: torch.device) -> torch.Tensor | None:
+    """``cu_seqlens``: 1-D int32/int64 ``[N + 1]``, 0 first, ``T`` last, non-decreasing; needs B = 1.
+
+    Packs N variable-length sequences along T like flash-linear-attention: sequence n is
+    tokens ``cu_seqlens[n] .. cu_seqlens[n+1] - 1`` and starts from its own initial state.
+    """
+    if cu_seqlens is None:
+        return None
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"cu_seqlens must be a torch.Tensor of int32/int64, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"cu_seqlens must have dtype int32 or int64, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens must be 1-D [0, ..., T] with at least 2 entries, got shape {_shape(cu_seqlens)}")
+    if cu_seqlens.device != device:
+        raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but q is on {device}")
+    if batch != 1:
+        raise ValueError(f"with cu_seqlens the sequences are packed along T, so B must be 1, got B={batch}")
+    cu = cu_seqlens.to(torch.int64)
+    if int(cu[0]) != 0 or int(cu[-1]) != total:
+        raise ValueError(f"cu_seqlens must start at 0 and end at T={total}, got {int(cu[0])} .. {int(cu[-1])}")
+    if bool((cu[1:] < cu[:-1]).any()):
+        raise ValueError("cu_seqlens must be non-decreasing")
+    return cu
