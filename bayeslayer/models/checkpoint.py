@@ -30,10 +30,11 @@ _WEIGHT_PATTERNS = ["config.json", "*.safetensors", "*.safetensors.index.json", 
 def gdn_config_to_bayeslayer(gdn_config: dict[str, Any]) -> BayesLayerConfig:
     """A flash-linear-attention ``GatedDeltaNetConfig`` (as a dict) as a :class:`BayesLayerConfig`.
 
-    Features our Gated DeltaNet mixer does not implement (hybrid attention layers,
-    grouped value heads, negative eigenvalues, a sigmoid or absent output gate,
-    attention residuals) raise a ValueError naming them, rather than loading into
-    a model that would compute something else.
+    The mixer keeps the checkpoint's ``expand_v``, ``conv_size``, ``norm_eps``,
+    ``use_gate`` and ``allow_neg_eigval``.  Features our Gated DeltaNet mixer does not
+    implement (hybrid attention layers, grouped value heads, a sigmoid output gate,
+    attention residuals) raise a ValueError naming them, rather than loading into a
+    model that would compute something else.
     """
     if not isinstance(gdn_config, dict):
         raise TypeError(f"gdn_config must be a dict (a parsed config.json), got {type(gdn_config).__name__}")
@@ -48,11 +49,7 @@ def gdn_config_to_bayeslayer(gdn_config: dict[str, Any]) -> BayesLayerConfig:
     num_heads = c.get("num_heads", 6)
     if c.get("num_v_heads") not in (None, num_heads):
         unsupported.append(f"num_v_heads={c['num_v_heads']} != num_heads={num_heads} (grouped value heads)")
-    if c.get("allow_neg_eigval", False):
-        unsupported.append("allow_neg_eigval=True")
-    if not c.get("use_gate", True):
-        unsupported.append("use_gate=False")
-    if c.get("output_gate_activation", "swish") not in ("swish", "silu"):
+    if c.get("use_gate", True) and c.get("output_gate_activation", "swish") not in ("swish", "silu"):
         unsupported.append(f"output_gate_activation={c['output_gate_activation']!r}")
     if c.get("attnres_block_size") is not None:
         unsupported.append(f"attnres_block_size={c['attnres_block_size']}")
@@ -68,6 +65,11 @@ def gdn_config_to_bayeslayer(gdn_config: dict[str, Any]) -> BayesLayerConfig:
     gdn_kwargs: dict[str, Any] = {"expand_v": c.get("expand_v", 2.0), "norm_eps": norm_eps}
     if use_conv:
         gdn_kwargs["conv_size"] = c.get("conv_size", 4)
+    # only non-defaults, so that the config stays readable
+    if not c.get("use_gate", True):
+        gdn_kwargs["use_gate"] = False
+    if c.get("allow_neg_eigval", False):
+        gdn_kwargs["allow_neg_eigval"] = True
     return BayesLayerConfig(
         vocab_size=c.get("vocab_size", 32000),
         hidden_size=c.get("hidden_size", 2048),

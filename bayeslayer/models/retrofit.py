@@ -56,9 +56,9 @@ def replace_layers(
     """Swap the mixers of layers ``indices`` for new ``mixer`` layers (in place).
 
     The new mixer gets the model's ``num_heads``/``head_dim``, the replaced mixer's
-    configured kwargs where the new one is a Gated DeltaNet-compatible layer
-    (``expand_v``, ``conv_size``, ``norm_eps``; a ``gated_deltanet_noconv`` teacher
-    gives ``use_short_conv=False``), then ``mixer_kwargs``.  With
+    configured ``expand_v``, ``conv_size``, ``norm_eps`` and ``use_gate`` where the new
+    mixer takes them (a ``gated_deltanet_noconv`` teacher gives ``use_short_conv=False``),
+    ``config.mixer_kwargs[mixer]``, then ``mixer_kwargs``.  With
     ``init_from="teacher"`` every parameter whose name is in :data:`SHARED_PREFIXES`
     is copied from the replaced mixer (shapes must match); ``"scratch"`` keeps the
     new mixer's own initialisation.  The config is updated so that
@@ -96,7 +96,8 @@ def replace_layers(
         old_name, old_kwargs = config.mixer_arguments(i)
         kwargs = {"num_heads": config.num_heads, "head_dim": config.head_dim}
         if old_name in _GDN_MIXERS:
-            inherited = {k: old_kwargs[k] for k in ("expand_v", "conv_size", "norm_eps") if k in old_kwargs}
+            inherited = {k: old_kwargs[k] for k in ("expand_v", "conv_size", "norm_eps", "use_gate")
+                         if k in old_kwargs}
             if old_name == "gated_deltanet_noconv":
                 inherited["use_short_conv"] = False
             kwargs.update(_accepted(MIXERS[mixer], inherited))

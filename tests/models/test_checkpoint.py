@@ -58,16 +58,21 @@ def causal_silu_conv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def reference_gdn_layer(attn, x: torch.Tensor) -> torch.Tensor:
     """fla's GatedDeltaNet forward (chunk kernel replaced by the naive recurrence), from its weights."""
     B, T, _ = x.shape
-    q = causal_silu_conv(attn.q_proj(x), attn.q_conv1d.weight).view(B, T, HEADS, HEAD_DIM)
-    k = causal_silu_conv(attn.k_proj(x), attn.k_conv1d.weight).view(B, T, HEADS, HEAD_DIM)
-    v = causal_silu_conv(attn.v_proj(x), attn.v_conv1d.weight).view(B, T, HEADS, -1)
+    if attn.use_short_conv:
+        q = causal_silu_conv(attn.q_proj(x), attn.q_conv1d.weight)
+        k = causal_silu_conv(attn.k_proj(x), attn.k_conv1d.weight)
+        v = causal_silu_conv(attn.v_proj(x), attn.v_conv1d.weight)
+    else:
+        q, k, v = F.silu(attn.q_proj(x)), F.silu(attn.k_proj(x)), F.silu(attn.v_proj(x))
+    q, k, v = q.view(B, T, HEADS, HEAD_DIM), k.view(B, T, HEADS, HEAD_DIM), v.view(B, T, HEADS, -1)
     q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6)  # use_qk_l2norm_in_kernel
     k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
-    beta = torch.sigmoid(attn.b_proj(x))
+    beta = torch.sigmoid(attn.b_proj(x)) * (2 if attn.allow_neg_eigval else 1)
     g = -attn.A_log.float().exp() * F.softplus(attn.a_proj(x).float() + attn.dt_bias)
     o, _ = naive_recurrent_gated_delta_rule(q, k, v, beta, g, scale=HEAD_DIM ** -0.5)
-    gate = attn.g_proj(x).view(B, T, HEADS, -1)
-    o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + attn.o_norm.eps) * attn.o_norm.weight * F.silu(gate)
+    o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + attn.o_norm.eps) * attn.o_norm.weight
+    if attn.use_gate:
+        o = o * F.silu(attn.g_proj(x).view(B, T, HEADS, -1))
     return attn.o_proj(o.reshape(B, T, -1))
 
 
@@ -94,8 +99,16 @@ def test_every_checkpoint_tensor_is_consumed(checkpoint):
         assert torch.equal(state[name], tensor), name
 
 
-def test_one_layer_matches_a_naive_gated_delta_rule_forward(checkpoint):
+@pytest.mark.filterwarnings("ignore:ShortConvolution is crucial")
+@pytest.mark.parametrize("variant", ["default", "allow_neg_eigval", "no_gate", "no_conv"])
+def test_one_layer_matches_a_naive_gated_delta_rule_forward(checkpoint, tmp_path, variant):
     directory, fla = checkpoint
+    if variant != "default":
+        option = {"allow_neg_eigval": {"allow_neg_eigval": True}, "no_gate": {"use_gate": False},
+                  "no_conv": {"use_short_conv": False}}[variant]
+        fla = fla_model(seed=1, **option)
+        fla.save_pretrained(tmp_path)
+        directory = tmp_path
     ours = load_gdn_checkpoint(directory)
     x = torch.randn(2, 13, D_MODEL, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -170,8 +183,10 @@ def test_bad_checkpoints_and_configs_raise(checkpoint, tmp_path):
     config = json.loads((directory / "config.json").read_text())
     with pytest.raises(ValueError, match="model_type 'gated_deltanet'"):
         gdn_config_to_bayeslayer(dict(config, model_type="llama"))
-    with pytest.raises(ValueError, match="allow_neg_eigval"):
-        gdn_config_to_bayeslayer(dict(config, allow_neg_eigval=True))
+    with pytest.raises(ValueError, match="output_gate_activation"):
+        gdn_config_to_bayeslayer(dict(config, output_gate_activation="sigmoid"))
+    with pytest.raises(ValueError, match="attnres_block_size"):
+        gdn_config_to_bayeslayer(dict(config, attnres_block_size=2))
     with pytest.raises(ValueError, match="hybrid softmax-attention"):
         gdn_config_to_bayeslayer(dict(config, attn={"layers": [0], "num_heads": 2}))
     with pytest.raises(ValueError, match="num_v_heads"):
