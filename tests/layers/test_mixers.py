@@ -275,3 +275,16 @@ def test_mixer_specific_bad_configs():
         build_mixer("attention", HIDDEN, num_heads=2, head_dim=7)
     with pytest.raises(ValueError, match="no short convolution"):
         build_mixer("gated_deltanet_noconv", HIDDEN, num_heads=2, head_dim=8, use_short_conv=True)
+
+
+@pytest.mark.parametrize("case", sorted(CONFIGS))
+def test_bf16_prefill_and_decode(case):
+    """Mixed precision: bf16 weights and activations, the filter state stays in fp32."""
+    mixer = make(case, dtype=torch.bfloat16)
+    x = torch.randn(2, 9, HIDDEN).to(torch.bfloat16)
+    pieces, state = decode(mixer, x, (5,))
+    assert pieces.dtype == torch.bfloat16 and torch.isfinite(pieces.float()).all()
+    ref = make(case, dtype=torch.float64)(x.double()).o
+    assert (pieces.double() - ref).abs().max() <= 8e-2 * ref.abs().max()
+    if "recurrent" in state:
+        assert all(t.dtype == torch.float32 for t in _tensors(state["recurrent"]))
