@@ -70,8 +70,8 @@ class CrowdingPreset:
 
 PRESETS = {
     "paper": CrowdingPreset("paper", steps=2500, batch_size=256, seeds=3, eval_sequences=512),
-    # Sized from measured step times on the 2-core CPU (docs/experiments.md): all four models,
-    # both seeds, training and evaluation in about 15 minutes when the machine is idle.
+    # Sized from step times measured on the idle 2-core CPU (shorter sequences than recall): all four
+    # models, two seeds, training and evaluation in roughly 10-15 minutes when the machine is idle.
     "default": CrowdingPreset("default", steps=800, batch_size=64, seeds=2, eval_sequences=128),
     "tiny": CrowdingPreset("tiny", steps=20, batch_size=16, seeds=1, eval_sequences=16, test_load=(1, 6)),
 }

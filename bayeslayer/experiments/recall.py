@@ -77,9 +77,10 @@ class RecallPreset:
 
 PRESETS = {
     "paper": RecallPreset("paper", steps=2500, batch_size=256, seeds=3, eval_sequences=256),
-    # Sized from measured step times on the 2-core CPU (see docs/experiments.md): all four
-    # models, both seeds, training and evaluation in about 15 minutes when the machine is idle.
-    "default": RecallPreset("default", steps=800, batch_size=64, seeds=2, eval_sequences=64),
+    # Sized from step times measured on the idle 2-core CPU (batch 64, T ≈ 70, one thread: BL 0.13 s,
+    # Delta 0.07 s, LA 0.05 s, GLA 0.2 s): all four models, two seeds, training and the test sweeps
+    # in roughly 10-15 minutes when the machine is idle (BL fits the training range in ~200 steps).
+    "default": RecallPreset("default", steps=600, batch_size=64, seeds=2, eval_sequences=64),
     # Seconds-long smoke run (tests, trying the command out).
     "tiny": RecallPreset("tiny", steps=20, batch_size=16, seeds=1, eval_sequences=8,
                          test_n_f=(1, 8, 32), test_rho=(0.6, 0.95), test_n_f_for_rho=8),
