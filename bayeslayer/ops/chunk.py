@@ -207,7 +207,7 @@ def _chunks(x: torch.Tensor | None, C: int) -> torch.Tensor | None:
     B, T, H = x.shape[:3]
     rest = x.shape[3:]
     x = x.reshape(B, T // C, C, H, *rest).movedim(2, 3)  # [B,N,H,C,...]
-    return x.movedim(1, 0)
+    return x.movedim(1, 0).contiguous()  # strided views would make every matmul copy
 
 
 def _unchunk(x: torch.Tensor, T: int) -> torch.Tensor:
