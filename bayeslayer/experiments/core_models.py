@@ -24,8 +24,8 @@ Model (SPEC §4.2: 2 layers, width 64, 4 heads × 16 dims)::
     h = h + MLP(LN(h))                    ┘ (MLP width 2·width, GELU)
     logits = W_head LN(h)                         [B, T, num_classes]
 
-Parameters: about ``num_layers · (width·(H·m) + 2·width² + 4·width²) + …`` —
-≈ 60k for the paper's sizes; the memory state is ``H·D·m`` (+ ``H·D²`` for BL) per layer.
+Parameters (recall sizes: 33 inputs, 16 classes): 54.7k BL, 54.2k Delta/LA, 62.5k GLA
+(its decay map is per channel); the memory state is ``H·D·m`` (+ ``H·D²`` for BL) per layer.
 """
 
 from __future__ import annotations
