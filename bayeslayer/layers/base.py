@@ -127,8 +127,8 @@ class RecurrentMixer(Mixer):
     Subclasses provide :meth:`features` (``q, k [B, T, H, D]``, ``v [B, T, H, m]``, the design's
     per-token write arguments and the new conv cache) and :meth:`readout` (filter output →
     ``[B, T, hidden]``); this class masks padded writes, runs the design's chunked path for a
-    sequence (training, prefill) or its recurrent oracle for a single token (decoding), and
-    assembles the state dict.
+    sequence (training, prefill) or its ``step`` for a single token (decoding), and assembles the
+    state dict.
     """
 
     design: DesignModel
@@ -182,13 +182,14 @@ class RecurrentMixer(Mixer):
             k, write = self.mask_writes(k, write, mask)
         rec = state.get("recurrent")
         if T == 1:
-            # Decoding: one token through the recurrent oracle (the code path of design.step / bl_step).
-            # It is called as a length-1 sequence because DesignModel.step currently rejects the
-            # [B, H] alpha of scalar-decay designs (its first _check_dynamics sees no time axis).
-            out = self.design.recurrent(q, k, v, p0=self.filter_p0(), initial_state=rec,
-                                        output_final_state=True, **write)
-            o = out.o
-            variance = out.variance if output_variance else None
+            # decoding: one step of the recurrent oracle (design.step; bl_step for the Bayesian Layer)
+            if rec is None:
+                rec = self.initial_state(B, torch.float64 if x.dtype == torch.float64 else torch.float32,
+                                         x.device)
+            out = self.design.step(q[:, 0], k[:, 0], v[:, 0], state=rec,
+                                   **{name: val[:, 0] for name, val in write.items()})
+            o = out.o[:, None]
+            variance = out.variance[:, None] if output_variance and out.variance is not None else None
         else:
             out = self.design.chunk(q, k, v, p0=self.filter_p0(), initial_state=rec,
                                     output_final_state=use_cache, return_variance=output_variance,
