@@ -33,6 +33,11 @@ def triton_available() -> bool:
     return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def default_num_warps(chunk_size: int) -> int:
+    """Warps per program: a 64×64 fp32 tile needs 8 warps to stay (mostly) in registers."""
+    return 8 if chunk_size >= 64 else 4
+
+
 def _next_pow2(n: int) -> int:
     return 1 << (max(int(n), 1) - 1).bit_length()
 
@@ -158,7 +163,7 @@ def _forward_triton(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, want_v
         bl_chunk_fwd_kernel[(n_seq, Hf)](
             qf, kf, vf, r2f, l2f, laf, cu_k, P, M, Yscr, Uscr, o, var,
             H=Hf, D=D, MV=mg, C=C, BD=BD, BK=BK, BMV=BMV, BV=BV, DIAG=diag, HAS_ALPHA=has_alpha,
-            RETURN_VAR=want_var, PREC="ieee", num_warps=4,
+            RETURN_VAR=want_var, PREC="ieee", num_warps=default_num_warps(C),
         )
     o = grp.unfold_values(o.reshape(B, T, Hf, mg), G)
     var_out = grp.unfold_per_token(var.reshape(B, T, Hf), G) if want_var else None

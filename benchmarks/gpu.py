@@ -1,0 +1,237 @@
+"""GPU benchmark: the Bayesian Layer's Triton chunk path vs flash-linear-attention's Gated DeltaNet.
+
+One short command on a machine with a CUDA GPU::
+
+    python benchmarks/gpu.py                      # T ∈ {2k, 8k, 32k} × D ∈ {64, 128, 256}
+    python benchmarks/gpu.py --quick              # T = 2k only, a smoke run
+    python benchmarks/gpu.py --compile-only       # no GPU needed: AOT-compile the kernels for sm_90
+
+For each (T, D) at the same B, H (value dim m = D, bf16 inputs, scalar decay):
+forward time, forward+backward time, tokens/s and peak memory (above the inputs)
+of ``bl_chunk_triton`` and of ``fla.ops.gated_delta_rule.chunk_gated_delta_rule``,
+and the ratio BL/GDN per row.  Times are medians over ``--reps`` CUDA-event-timed
+runs after warm-up (the first call compiles).  Value checks (a host sync per
+input) are switched off while timing, as in production training.  Results also
+go to a JSON file (``--out``).  Asserts nothing.
+
+Without CUDA it prints a message and exits 0; ``--compile-only`` still works
+there (Triton compiles to PTX/cubin without a device) and reports registers,
+spills (``STACK``) and shared memory per kernel configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def _make_inputs(B, T, H, D, dtype, device, seed=0):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randn(B, T, H, D, device=device, generator=gen) / math.sqrt(D)
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, D, device=device, generator=gen), dim=-1)
+    v = torch.randn(B, T, H, D, device=device, generator=gen)
+    alpha = 0.9 + 0.1 * torch.rand(B, T, H, device=device, generator=gen)  # decay close to 1
+    r2 = 0.1 + torch.rand(B, T, H, device=device, generator=gen)
+    ell2 = 0.01 + 0.05 * torch.rand(B, T, H, device=device, generator=gen)
+    beta = torch.sigmoid(torch.randn(B, T, H, device=device, generator=gen))
+    return dict(q=q.to(dtype), k=k.to(dtype), v=v.to(dtype), alpha=alpha, r2=r2, ell2=ell2, beta=beta)
+
+
+def _time(fn, reps: int, warmup: int) -> float:
+    """Median seconds per call (CUDA events)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def _peak_bytes(fn) -> int:
+    """Peak allocated memory during ``fn`` above what was allocated before it."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+def _bl_fns(x, chunk_size):
+    from bayeslayer.ops.triton import bl_chunk_triton
+
+    def fwd():
+        with torch.no_grad():
+            bl_chunk_triton(x["q"], x["k"], x["v"], x["r2"], x["ell2"], x["alpha"], chunk_size=chunk_size)
+
+    def fwd_bwd():
+        leaves = [x[n].detach().requires_grad_(True) for n in ("q", "k", "v")]
+        o, _ = bl_chunk_triton(*leaves, x["r2"], x["ell2"], x["alpha"], chunk_size=chunk_size)
+        o.backward(torch.ones_like(o))
+
+    return fwd, fwd_bwd
+
+
+def _gdn_fns(x):
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    g = torch.log(x["alpha"])
+    beta = x["beta"].to(x["q"].dtype)
+
+    def fwd():
+        with torch.no_grad():
+            chunk_gated_delta_rule(x["q"], x["k"], x["v"], g, beta, scale=1.0)
+
+    def fwd_bwd():
+        leaves = [x[n].detach().requires_grad_(True) for n in ("q", "k", "v")]
+        o, _ = chunk_gated_delta_rule(*leaves, g, beta, scale=1.0)
+        o.backward(torch.ones_like(o))
+
+    return fwd, fwd_bwd
+
+
+def _measure(fns, tokens, reps, warmup, do_bwd):
+    fwd, fwd_bwd = fns
+    row = {"fwd_s": _time(fwd, reps, warmup), "fwd_mem": _peak_bytes(fwd)}
+    row["fwd_tok_s"] = tokens / row["fwd_s"]
+    if do_bwd:
+        row["fwdbwd_s"] = _time(fwd_bwd, reps, warmup)
+        row["fwdbwd_mem"] = _peak_bytes(fwd_bwd)
+        row["fwdbwd_tok_s"] = tokens / row["fwdbwd_s"]
+    return row
+
+
+def run_benchmark(args) -> list[dict]:
+    from bayeslayer.ops import set_value_checks
+
+    set_value_checks(False)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    rows = []
+    header = (f"{'T':>6} {'D':>4} | {'BL fwd ms':>9} {'GDN fwd ms':>10} {'ratio':>6} | {'BL f+b ms':>9} "
+              f"{'GDN f+b ms':>10} {'ratio':>6} | {'BL Mtok/s':>9} {'GDN Mtok/s':>10} | "
+              f"{'BL GiB':>7} {'GDN GiB':>7} {'ratio':>6}")
+    print(f"# {torch.cuda.get_device_name()} | B={args.B} H={args.H} m=D dtype={args.dtype} "
+          f"chunk={args.chunk_size} | {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    print(header)
+    print("-" * len(header))
+    for T in args.T:
+        for D in args.D:
+            rec = {"T": T, "D": D, "B": args.B, "H": args.H, "dtype": args.dtype}
+            try:
+                x = _make_inputs(args.B, T, args.H, D, dtype, "cuda")
+                tokens = args.B * T
+                rec["bl"] = _measure(_bl_fns(x, args.chunk_size), tokens, args.reps, args.warmup, not args.no_bwd)
+                rec["gdn"] = _measure(_gdn_fns(x), tokens, args.reps, args.warmup, not args.no_bwd)
+                bl, gdn = rec["bl"], rec["gdn"]
+                mem = "fwdbwd_mem" if not args.no_bwd else "fwd_mem"
+                fb = ("fwdbwd_s" in bl)
+                print(f"{T:>6} {D:>4} | {bl['fwd_s'] * 1e3:>9.2f} {gdn['fwd_s'] * 1e3:>10.2f} "
+                      f"{bl['fwd_s'] / gdn['fwd_s']:>6.2f} | "
+                      f"{bl['fwdbwd_s'] * 1e3 if fb else float('nan'):>9.2f} "
+                      f"{gdn['fwdbwd_s'] * 1e3 if fb else float('nan'):>10.2f} "
+                      f"{bl['fwdbwd_s'] / gdn['fwdbwd_s'] if fb else float('nan'):>6.2f} | "
+                      f"{bl['fwd_tok_s'] / 1e6:>9.2f} {gdn['fwd_tok_s'] / 1e6:>10.2f} | "
+                      f"{bl[mem] / 2**30:>7.2f} {gdn[mem] / 2**30:>7.2f} {bl[mem] / max(gdn[mem], 1):>6.2f}",
+                      flush=True)
+            except Exception as err:  # one failing row (OOM, compile error) must not hide the others
+                rec["error"] = f"{type(err).__name__}: {err}"
+                print(f"{T:>6} {D:>4} | failed: {rec['error'][:200]}", flush=True)
+            rows.append(rec)
+            torch.cuda.empty_cache()
+    return rows
+
+
+def compile_only(args) -> list[dict]:
+    """AOT-compile the kernels for ``--arch`` (no GPU needed); report registers, spills and shared memory."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from bayeslayer.ops.triton.chunk import _next_pow2, default_num_warps
+    from bayeslayer.ops.triton.kernels import bl_chunk_fwd_kernel, bl_step_kernel
+
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    out = []
+    for kernel, D, diag in [(k, D, diag) for k in ("chunk", "step") for D in args.D for diag in (False, True)]:
+        BD = max(16, _next_pow2(D))
+        common = dict(H=16, D=D, MV=D, BD=BD, BK=min(BD, 64), BMV=BD, BV=min(BD, 64), DIAG=diag, HAS_ALPHA=True)
+        if kernel == "chunk":
+            fn, nw = bl_chunk_fwd_kernel, default_num_warps(args.chunk_size)
+            names = ["q", "k", "v", "r2", "ell2", "la", "cu_seqlens", "P", "M", "Yscr", "Uscr", "O", "VAR"]
+            consts = dict(common, C=args.chunk_size, RETURN_VAR=False, PREC="ieee")
+        else:
+            fn, nw = bl_step_kernel, 4
+            names = ["q", "k", "v", "r2", "ell2", "la", "P_in", "M_in", "P_out", "M_out", "Uscr", "O", "VAR"]
+            consts = common
+        sig = {n: ("*i64" if n == "cu_seqlens" else "*fp32") for n in names}
+        sig.update({n: "constexpr" for n in consts})
+        t0 = time.time()
+        rec = {"kernel": kernel, "D": D, "diagonal": diag, "num_warps": nw}
+        try:
+            compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
+                                      target=GPUTarget("cuda", args.arch, 32), options={"num_warps": nw})
+            rec["shared_bytes"] = compiled.metadata.shared
+            cubin = Path("/tmp") / f"bl_{kernel}_{D}_{int(diag)}.cubin"
+            cubin.write_bytes(compiled.asm["cubin"])
+            usage = subprocess.run([str(cuobjdump), "-res-usage", str(cubin)], capture_output=True, text=True)
+            rec["resources"] = next((ln.strip() for ln in usage.stdout.splitlines() if "REG" in ln), "")
+        except Exception as err:
+            rec["error"] = f"{type(err).__name__}: {err}"
+        rec["compile_s"] = round(time.time() - t0, 1)
+        print(json.dumps(rec), flush=True)
+        out.append(rec)
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--T", type=int, nargs="+", default=[2048, 8192, 32768])
+    p.add_argument("--D", type=int, nargs="+", default=[64, 128, 256])
+    p.add_argument("--B", type=int, default=2)
+    p.add_argument("--H", type=int, default=16)
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    p.add_argument("--chunk-size", type=int, default=64)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--no-bwd", action="store_true", help="forward only")
+    p.add_argument("--quick", action="store_true", help="T = 2048 only")
+    p.add_argument("--compile-only", action="store_true", help="AOT-compile for --arch, no GPU needed")
+    p.add_argument("--arch", type=int, default=90, help="CUDA compute capability for --compile-only")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results/gpu.json"))
+    args = p.parse_args(argv)
+    if args.quick:
+        args.T = [2048]
+    if args.compile_only:
+        rows = compile_only(args)
+    elif not torch.cuda.is_available():
+        print("benchmarks/gpu.py: no CUDA device here; nothing measured. Run it on a machine with a GPU "
+              "(or use --compile-only to check that the kernels compile).")
+        return 0
+    else:
+        rows = run_benchmark(args)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    meta = {"argv": sys.argv[1:], "torch": torch.__version__, "date_utc": stamp}
+    if torch.cuda.is_available():
+        meta["device"] = torch.cuda.get_device_name()
+    args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
