@@ -108,7 +108,9 @@ def prepare(
             raise ValueError(f"lam (prior/write variance) or gain is required for write model {write!r}")
         lam_t = check_positive("lam", lam, dims, single_step=single_step)
     dyn = check_dynamics(alpha, theta, dims, single_step=single_step)
-    state = check_state(initial_state, dims, G, need_cov=has_cov, full_psd=not single_step)
+    # a decoding step takes its state as ``state=``: name that argument in errors
+    state = check_state(initial_state, dims, G, need_cov=has_cov, full_psd=not single_step,
+                        name="state" if single_step else "initial_state")
     cd = dims.cdtype
     if single_step:
         q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)
