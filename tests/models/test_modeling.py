@@ -307,10 +307,21 @@ def test_bad_configs_raise_clear_errors(kwargs, error, match):
         BayesLayerConfig(**base)
 
 
-def test_bad_mixer_arguments_fail_when_the_model_is_built():
-    # expand_v = 1.3 with head_dim 8 gives a non-integer value head dim
-    config = tiny_config(mixer_kwargs={"gated_deltanet": {"expand_v": 1.3}})
-    with pytest.raises(ValueError, match="expand_v"):
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        # expand_v = 1.3 with head_dim 8: a non-integer value head dim
+        (dict(mixer_kwargs={"gated_deltanet": {"expand_v": 1.3}}), "expand_v"),
+        # rotations pair up key channels: an odd head_dim cannot rotate
+        (dict(head_dim=7, mixers=["bayesian"], mixer_kwargs={"bayesian": {"dynamics": "rotation"}}), "even head_dim"),
+        # 3 noise groups cannot split m = 8 · 2 = 16 value columns
+        (dict(mixer_kwargs={"bayesian": {"groups": 3}}), "groups=3"),
+        (dict(layer_mixer_kwargs={0: {"no_such_option": 1}}), "no_such_option"),
+    ],
+)
+def test_bad_mixer_arguments_fail_when_the_model_is_built(overrides, match):
+    config = tiny_config(**overrides)
+    with pytest.raises((ValueError, TypeError), match=match):
         BayesLayerForCausalLM(config)
 
 
