@@ -106,6 +106,9 @@ class Attention(Mixer):
         """Floats per head **per cached token** (``2·D``); the cache grows with the sequence."""
         return 2 * self.head_dim
 
+    def extra_repr(self) -> str:
+        return f"num_heads={self.num_heads}, head_dim={self.head_dim}, rope_base={self.rope_base:g}"
+
     def num_parameters_formula(self) -> int:
         K = self.num_heads * self.head_dim
         return 4 * self.hidden_size * K + (3 * K if self.qkv_bias else 0)

@@ -306,3 +306,8 @@ class QKVMixer(RecurrentMixer):
 
     def state_size_per_head(self) -> int:
         return self.design.state_size(self.head_dim, self.head_v_dim)
+
+    def extra_repr(self) -> str:
+        return (f"design={self.design.name}, num_heads={self.num_heads}, head_dim={self.head_dim}, "
+                f"head_v_dim={self.head_v_dim}, use_short_conv={self.use_short_conv}, "
+                f"use_gate={self.use_gate}, chunk_size={self.chunk_size}")

@@ -143,6 +143,10 @@ class BayesianLayer(QKVMixer):
         scale = self.p0.to(dtype).reshape((1, -1) + (1,) * (P.dim() - 2))
         return M, P * scale
 
+    def extra_repr(self) -> str:
+        return (f"{super().extra_repr()}, dynamics={self.dynamics}, covariance={self.covariance}, "
+                f"groups={self.groups}")
+
     # -- sizes -------------------------------------------------------------------------------------
     def state_size_per_head(self) -> int:
         return self.design.state_size(self.head_dim, self.head_v_dim, self.groups)

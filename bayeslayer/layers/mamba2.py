@@ -104,6 +104,10 @@ class Mamba2(RecurrentMixer):
     def state_size_per_head(self) -> int:
         return self.design.state_size(self.state_size, self.head_dim)
 
+    def extra_repr(self) -> str:
+        return (f"num_heads={self.num_heads}, head_dim={self.head_dim}, state_size={self.state_size}, "
+                f"n_groups={self.n_groups}, chunk_size={self.chunk_size}")
+
     def num_parameters_formula(self) -> int:
         d, H, inner, W = self.hidden_size, self.num_heads, self.intermediate_size, self.conv_size
         return (d * (inner + self.conv_dim + H) + W * self.conv_dim + (self.conv_dim if self.conv_bias else 0)
