@@ -133,6 +133,7 @@ def run_crowding(preset: CrowdingPreset, models=CORE_KINDS, *, out_dir: str | No
     projection = crowding_projection(preset.address_dim, preset.source_dim, preset.projection_seed)
     cfg = preset.train_config()
     run_dir = os.path.join(out_dir, "runs") if out_dir else None
+    models = list(models)
     results = {}
     for kind in models:
         model_cfg = asdict(build_model(kind, preset).cfg)
@@ -146,8 +147,13 @@ def run_crowding(preset: CrowdingPreset, models=CORE_KINDS, *, out_dir: str | No
         summary["train_seconds"] = summarize([r["train_seconds"] for r in records])
         results[kind] = {"label": CORE_LABELS[kind], "model_config": model_cfg, "seeds": records,
                          "summary": summary}
+        if out_dir and kind != models[-1]:  # partial results after each model: a long sweep shows progress
+            partial = results_record("crowding", preset.name, {**asdict(preset), "train": asdict(cfg)}, results,
+                                     paper_budget=PAPER_BUDGET, complete=False)
+            write_json(os.path.join(out_dir, "crowding.json"), partial)
+            plot_crowding(partial, os.path.join(out_dir, "crowding.png"))
     record = results_record("crowding", preset.name, {**asdict(preset), "train": asdict(cfg)}, results,
-                            paper_budget=PAPER_BUDGET)
+                            paper_budget=PAPER_BUDGET, complete=True)
     if out_dir:
         write_json(os.path.join(out_dir, "crowding.json"), record)
         plot_crowding(record, os.path.join(out_dir, "crowding.png"))

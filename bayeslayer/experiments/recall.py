@@ -159,6 +159,7 @@ def run_recall(preset: RecallPreset, models=CORE_KINDS, *, out_dir: str | None =
         raise ValueError(f"models must be a non-empty subset of {CORE_KINDS}, got {list(models)}")
     cfg = preset.train_config()
     run_dir = os.path.join(out_dir, "runs") if out_dir else None
+    models = list(models)
     results = {}
     for kind in models:
         model_cfg = asdict(build_model(kind, preset).cfg)
@@ -173,8 +174,13 @@ def run_recall(preset: RecallPreset, models=CORE_KINDS, *, out_dir: str | None =
         summary["train_seconds"] = summarize([r["train_seconds"] for r in records])
         results[kind] = {"label": CORE_LABELS[kind], "model_config": model_cfg, "seeds": records,
                          "summary": summary}
+        if out_dir and kind != models[-1]:  # partial results after each model: a long sweep shows progress
+            partial = results_record("recall", preset.name, {**asdict(preset), "train": asdict(cfg)}, results,
+                                     paper_budget=PAPER_BUDGET, complete=False)
+            write_json(os.path.join(out_dir, "recall.json"), partial)
+            plot_recall(partial, os.path.join(out_dir, "recall.png"))
     record = results_record("recall", preset.name, {**asdict(preset), "train": asdict(cfg)}, results,
-                            paper_budget=PAPER_BUDGET)
+                            paper_budget=PAPER_BUDGET, complete=True)
     if out_dir:
         write_json(os.path.join(out_dir, "recall.json"), record)
         plot_recall(record, os.path.join(out_dir, "recall.png"))

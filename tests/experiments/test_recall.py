@@ -124,6 +124,7 @@ def test_run_recall_writes_json_and_plot(tmp_path):
     data = json.loads((tmp_path / "recall.json").read_text())
     assert (tmp_path / "recall.png").stat().st_size > 1000
     assert data["experiment"] == "recall" and set(data["models"]) == {"delta", "linear_attention"}
+    assert data["complete"] is True  # partial files (written after each model) say False
     s = data["models"]["delta"]["summary"]
     assert len(s["accuracy_vs_n_f"]["mean"]) == len(TINY.test_n_f)
     assert len(s["margin_vs_rho"]["std"]) == len(TINY.test_rho)
