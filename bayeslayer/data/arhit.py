@@ -167,13 +167,18 @@ class BigramCounts:
         cur = np.asarray(cur)
         if prev.shape != cur.shape:
             raise ValueError(f"prev and cur must have one shape, got {prev.shape} and {cur.shape}")
-        query = _bigram_keys(prev, cur, self.vocab_size)
+        return self.lookup_keys(_bigram_keys(prev, cur, self.vocab_size))
+
+    def lookup_keys(self, keys: np.ndarray) -> np.ndarray:
+        """Training count of each bigram key; int64, 0 when unseen.
+
+        Binary search; pass sorted keys when you can: the search then walks
+        ``self.keys`` in order and stays in cache.
+        """
         if self.keys.size == 0:
-            return np.zeros(query.shape, dtype=np.int64)
-        idx = np.searchsorted(self.keys, query)
-        idx_clipped = np.minimum(idx, self.keys.size - 1)
-        found = self.keys[idx_clipped] == query
-        return np.where(found, self.counts[idx_clipped], 0).astype(np.int64)
+            return np.zeros(keys.shape, dtype=np.int64)
+        idx = np.minimum(np.searchsorted(self.keys, keys), self.keys.size - 1)
+        return np.where(self.keys[idx] == keys, self.counts[idx], 0).astype(np.int64)
 
     def save(self, path: str | os.PathLike) -> None:
         """Write to ``path`` (``.npz``) atomically: a temp file, then a rename."""
@@ -327,8 +332,10 @@ def annotate_ar_hits(
     same_window = repeat & (prev_pos // length == sorted_pos // length)
     distance_flat = np.zeros(keys.size, dtype=np.int64)
     distance_flat[order] = np.where(same_window, sorted_pos - prev_pos, 0)
-
-    count_flat = train_counts.lookup(prev, cur)
+    # Look each distinct bigram up once, in key order (cache-friendly), then spread.
+    first = ~repeat
+    count_flat = np.zeros(keys.size, dtype=np.int64)
+    count_flat[order] = train_counts.lookup_keys(sorted_keys[first])[np.cumsum(first) - 1]
     hit_flat = (distance_flat >= 1) & (distance_flat <= max_distance) & (count_flat <= max_train_count)
     bucket_flat = np.full(keys.size, -1, dtype=np.int8)
     for i, (low, high) in enumerate(buckets):

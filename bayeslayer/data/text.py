@@ -895,7 +895,7 @@ class PackedWindows(torch.utils.data.Dataset):
 def load_text_corpus(
     source: str | os.PathLike = "python-docs",
     *,
-    tokenizer=None,
+    tokenizer: object | str | os.PathLike | None = None,
     vocab_size: int = 8192,
     splits: Sequence[str] = SPLITS,
     cache_dir: str | os.PathLike | None = None,
@@ -931,6 +931,8 @@ def load_text_corpus(
     Returns:
         :class:`TextCorpus`.
     """
+    if on_corrupt not in ("rebuild", "raise"):
+        raise ValueError(f"on_corrupt must be 'rebuild' or 'raise', got {on_corrupt!r}")
     bad = [s for s in splits if s not in SPLITS]
     if bad or not splits:
         raise ValueError(f"splits must be a non-empty subset of {SPLITS}, got {tuple(splits)}")
