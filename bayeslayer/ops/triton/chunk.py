@@ -113,8 +113,10 @@ def _torch_reference(q, k, v, r2, ell2, alpha, theta, p0, M0, P0, cu, chunk_size
 
 
 def _forward_triton(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, want_var):
-    """Validate, fold groups into heads, launch the fused kernel, unfold. Returns ``(o, var, M, P)``."""
-    from .kernels import bl_chunk_fwd_kernel
+    """Validate, fold groups into heads, launch the covariance then the mean kernel, unfold -> (o, var, M, P)."""
+    import triton
+
+    from .kernels import bl_chunk_cov_kernel, bl_chunk_mean_kernel
 
     B, T = q.shape[:2]
     pr = prepare(q, k, v, write="bayes", r2=r2, ell2=ell2, alpha=alpha, p0=p0)
@@ -153,17 +155,20 @@ def _forward_triton(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, want_v
     C = chunk_size
     BD = max(16, _next_pow2(D))
     BK = min(BD, 64)
-    BMV = max(16, _next_pow2(mg))
-    BV = min(BMV, 64)
+    BV = min(max(16, _next_pow2(mg)), 64)
     o = torch.empty(NT, Hf, mg, dtype=dims.dtype, device=dims.device)
     var = torch.empty(NT, Hf, dtype=cd, device=dims.device) if want_var else o.new_empty(1, dtype=cd)
+    w = torch.empty(NT, Hf, D, dtype=cd, device=dims.device)  # write keys β_t u_t
     Yscr = torch.empty(n_seq, Hf, C, BD, dtype=cd, device=dims.device)
     Uscr = torch.empty_like(Yscr)
     if NT > 0:
-        bl_chunk_fwd_kernel[(n_seq, Hf)](
-            qf, kf, vf, r2f, l2f, laf, cu_k, P, M, Yscr, Uscr, o, var,
-            H=Hf, D=D, MV=mg, C=C, BD=BD, BK=BK, BMV=BMV, BV=BV, DIAG=diag, HAS_ALPHA=has_alpha,
-            RETURN_VAR=want_var, PREC="ieee", num_warps=default_num_warps(C),
+        shape = dict(H=Hf, D=D, C=C, BD=BD, BK=BK, DIAG=diag, HAS_ALPHA=has_alpha, PREC="ieee")
+        bl_chunk_cov_kernel[(n_seq, Hf)](
+            qf, kf, r2f, l2f, laf, cu_k, P, w, Yscr, Uscr, var,
+            RETURN_VAR=want_var, num_warps=default_num_warps(C), **shape,
+        )
+        bl_chunk_mean_kernel[(triton.cdiv(mg, BV), n_seq, Hf)](
+            qf, kf, vf, w, laf, cu_k, M, o, MV=mg, BV=BV, num_warps=default_num_warps(C), **shape,
         )
     o = grp.unfold_values(o.reshape(B, T, Hf, mg), G)
     var_out = grp.unfold_per_token(var.reshape(B, T, Hf), G) if want_var else None

@@ -1,8 +1,12 @@
-"""Triton kernels of the chunked Bayesian Layer (SPEC §3.2, §3.3): one fused forward.
+"""Triton kernels of the chunked Bayesian Layer (SPEC §3.2, §3.3) and its decode step.
 
-One program owns one (sequence, head) pair and walks its chunks in order, so the
-state ``(M, P)`` never leaves that program between chunks (it lives in the output
-state buffers, which double as the working state).  Per chunk of ``C`` tokens,
+The chunked forward is two kernels, each chunk-sequential inside a program:
+:func:`bl_chunk_cov_kernel` (one program per (sequence, head); the covariance
+pass, writing the write keys ``w = β u`` and the final ``P``) and
+:func:`bl_chunk_mean_kernel` (one program per (value block, sequence, head); the
+WY/UT mean pass, writing the outputs and the final ``M``).  The state never
+leaves its program between chunks (it lives in the output state buffers, which
+double as the working state).  Per chunk of ``C`` tokens,
 with ``g`` the cumulative log-decay inside the chunk (a ``[C]`` vector for scalar
 decay, a ``[C, D]`` tile for diagonal decay), ``γ = exp(g)``, ``ρ_ij = exp(g_i − g_j)``
 (``i ≥ j``) and ``b_j = Σ_{l≤j} ℓ_l² ρ_jl²`` the process noise accrued in the chunk::
@@ -102,28 +106,24 @@ def _load_g(la, tok, valid, offs_d, i_h, H: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
-def bl_chunk_fwd_kernel(
-    q, k, v, r2, ell2, la, cu_seqlens,
-    P, M, Yscr, Uscr, O, VAR,
+def bl_chunk_cov_kernel(
+    q, k, r2, ell2, la, cu_seqlens, P, W, Yscr, Uscr, VAR,
     H: tl.constexpr,
     D: tl.constexpr,
-    MV: tl.constexpr,
     C: tl.constexpr,
     BD: tl.constexpr,
     BK: tl.constexpr,
-    BMV: tl.constexpr,
-    BV: tl.constexpr,
     DIAG: tl.constexpr,
     HAS_ALPHA: tl.constexpr,
     RETURN_VAR: tl.constexpr,
     PREC: tl.constexpr,
 ):
-    """Forward of the chunked Bayesian Layer for one (sequence ``i_n``, head ``i_h``).
+    """Covariance pass for one (sequence ``i_n``, head ``i_h``): write keys ``w_t = β_t u_t`` and ``P``.
 
-    Layouts (contiguous): q, k ``[NT, H, D]``; v, O ``[NT, H, MV]``; r2, ell2, VAR
-    ``[NT, H]``; la ``[NT, H, D]`` (DIAG) or ``[NT, H]``; P ``[N, H, D, D]`` and M
-    ``[N, H, D, MV]`` hold the initial state on entry and the final state on exit;
-    Yscr, Uscr ``[N, H, C, BD]`` are per-program scratch (``Y`` and ``U`` of the chunk).
+    Layouts (contiguous): q, k, W ``[NT, H, D]``; r2, ell2, VAR ``[NT, H]``; la
+    ``[NT, H, D]`` (DIAG) or ``[NT, H]``; P ``[N, H, D, D]`` holds ``P_0`` on entry and
+    the final covariance on exit; Yscr, Uscr ``[N, H, C, BD]`` are per-program
+    scratch (``Y`` and ``U`` of the current chunk).
     """
     i_n = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1).to(tl.int64)
@@ -136,11 +136,9 @@ def bl_chunk_fwd_kernel(
     low = rows[:, None] >= cols[None, :]
     eye = rows[:, None] == cols[None, :]
     offs_k = tl.arange(0, BK)
-    offs_v = tl.arange(0, BV)
     dt = P.dtype.element_ty
 
     P_base = P + (i_n * H + i_h) * D * D
-    M_base = M + (i_n * H + i_h) * D * MV
     Y_base = Yscr + (i_n * H + i_h) * C * BD
     U_base = Uscr + (i_n * H + i_h) * C * BD
 
@@ -245,6 +243,8 @@ def bl_chunk_fwd_kernel(
                 Ub = gam[:, None] * tl.dot(Linv, Yb, input_precision=PREC)
                 Ub += tl.dot(Mix, k_o, input_precision=PREC)
             tl.store(U_base + rows[:, None] * BD + od[None, :], Ub)
+            tl.store(W + (tok[:, None] * H + i_h) * D + od[None, :], (beta[:, None] * Ub).to(W.dtype.element_ty),
+                     mask=valid[:, None] & md[None, :])
             if RETURN_VAR:
                 q_o = _tile(q, tok, valid, od, i_h, H, D).to(dt)
                 if DIAG:
@@ -291,14 +291,67 @@ def bl_chunk_fwd_kernel(
                 P_new -= tl.dot(tl.trans(U1), U2, input_precision=PREC)
                 tl.store(p_P, P_new, mask=m_P)
 
-        # ---- mean pass: generalised delta rule with erase key k and write key w ----
+        tl.debug_barrier()
+
+
+@triton.jit
+def bl_chunk_mean_kernel(
+    q, k, v, W, la, cu_seqlens, M, O,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    MV: tl.constexpr,
+    C: tl.constexpr,
+    BD: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    DIAG: tl.constexpr,
+    HAS_ALPHA: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """Mean pass for value columns ``[i_v·BV, (i_v+1)·BV)`` of one (sequence, head): outputs and ``M``.
+
+    A generalised delta rule with erase key ``k`` and write key ``w`` (from
+    :func:`bl_chunk_cov_kernel`), in WY/UT form per chunk.  Value blocks are
+    independent, so they run as separate programs (the C×C work is repeated per
+    block, as in flash-linear-attention's state pass).  v, O ``[NT, H, MV]``;
+    M ``[N, H, D, MV]`` holds ``M_0`` on entry and the final mean on exit.
+    """
+    i_v = tl.program_id(0).to(tl.int64)
+    i_n = tl.program_id(1).to(tl.int64)
+    i_h = tl.program_id(2).to(tl.int64)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    n_chunks = tl.cdiv(eos - bos, C)
+    rows = tl.arange(0, C)
+    cols = tl.arange(0, C)
+    low = rows[:, None] >= cols[None, :]
+    eye = rows[:, None] == cols[None, :]
+    offs_k = tl.arange(0, BK)
+    ov = i_v * BV + tl.arange(0, BV)
+    mv = ov < MV
+    dt = M.dtype.element_ty
+    M_base = M + (i_n * H + i_h) * D * MV
+
+    for i_c in range(n_chunks):
+        tok = bos + i_c * C + rows
+        valid = tok < eos
+        if not DIAG:
+            if HAS_ALPHA:
+                lac = tl.load(la + tok * H + i_h, mask=valid, other=0.0).to(dt)
+            else:
+                lac = tl.zeros([C], dtype=dt)
+            g = tl.cumsum(lac, axis=0)
+            g_end = tl.sum(lac, axis=0)
+            ratio = tl.where(low, tl.exp(tl.minimum(g[:, None] - g[None, :], 0.0)), 0.0)
+            gam = tl.exp(g)
+            endf = tl.exp(g_end - g)
         TW = tl.zeros([C, C], dtype=dt)
         QW = tl.zeros([C, C], dtype=dt)
         for kb in range(0, BD, BK):
             od = kb + offs_k
             k_o = _tile(k, tok, valid, od, i_h, H, D).to(dt)
             q_o = _tile(q, tok, valid, od, i_h, H, D).to(dt)
-            w_o = beta[:, None] * tl.load(U_base + rows[:, None] * BD + od[None, :])
+            w_o = _tile(W, tok, valid, od, i_h, H, D).to(dt)
             if DIAG:
                 g_o = _load_g(la, tok, valid, od, i_h, H, D)
                 TW += _decay_scores(k_o, w_o, g_o, rows, cols, C)
@@ -318,48 +371,44 @@ def bl_chunk_fwd_kernel(
             lj = _col(Tm, cols, j)
             Ainv = Ainv - lj[:, None] * _row(Ainv, rows, j)[None, :]
 
-        for vb in range(0, BMV, BV):
-            ov = vb + offs_v
-            mv = ov < MV
-            v_c = tl.load(v + (tok[:, None] * H + i_h) * MV + ov[None, :], mask=valid[:, None] & mv[None, :],
-                          other=0.0).to(dt)
-            KM = tl.zeros([C, BV], dtype=dt)
-            QM = tl.zeros([C, BV], dtype=dt)
-            for kb in range(0, BD, BK):
-                od = kb + offs_k
-                md = od < D
-                k_o = _tile(k, tok, valid, od, i_h, H, D).to(dt)
-                q_o = _tile(q, tok, valid, od, i_h, H, D).to(dt)
-                M_blk = tl.load(M_base + od[:, None] * MV + ov[None, :], mask=md[:, None] & mv[None, :],
-                                other=0.0)
-                if DIAG:
-                    gam_o = tl.exp(_load_g(la, tok, valid, od, i_h, H, D))
-                else:
-                    gam_o = gam[:, None]
-                KM += tl.dot(gam_o * k_o, M_blk, input_precision=PREC)
-                QM += tl.dot(gam_o * q_o, M_blk, input_precision=PREC)
-            E = tl.dot(Ainv, v_c - KM, input_precision=PREC)
-            o = QM + tl.dot(Aq, E, input_precision=PREC)
-            tl.store(O + (tok[:, None] * H + i_h) * MV + ov[None, :], o.to(O.dtype.element_ty),
-                     mask=valid[:, None] & mv[None, :])
-            tl.debug_barrier()
-            for kb in range(0, BD, BK):
-                od = kb + offs_k
-                md = od < D
-                w_o = beta[:, None] * tl.load(U_base + rows[:, None] * BD + od[None, :])
-                p_M = M_base + od[:, None] * MV + ov[None, :]
-                m_M = md[:, None] & mv[None, :]
-                M_blk = tl.load(p_M, mask=m_M, other=0.0)
-                if DIAG:
-                    g_o = _load_g(la, tok, valid, od, i_h, H, D)
-                    g_end_o = _row(g_o, rows, C - 1)
-                    w_o = tl.exp(g_end_o[None, :] - g_o) * w_o
-                    M_new = tl.exp(g_end_o)[:, None] * M_blk
-                else:
-                    w_o = endf[:, None] * w_o
-                    M_new = tl.exp(g_end) * M_blk
-                M_new += tl.dot(tl.trans(w_o), E, input_precision=PREC)
-                tl.store(p_M, M_new, mask=m_M)
+        v_c = tl.load(v + (tok[:, None] * H + i_h) * MV + ov[None, :], mask=valid[:, None] & mv[None, :],
+                      other=0.0).to(dt)
+        KM = tl.zeros([C, BV], dtype=dt)
+        QM = tl.zeros([C, BV], dtype=dt)
+        for kb in range(0, BD, BK):
+            od = kb + offs_k
+            md = od < D
+            k_o = _tile(k, tok, valid, od, i_h, H, D).to(dt)
+            q_o = _tile(q, tok, valid, od, i_h, H, D).to(dt)
+            M_blk = tl.load(M_base + od[:, None] * MV + ov[None, :], mask=md[:, None] & mv[None, :], other=0.0)
+            if DIAG:
+                gam_o = tl.exp(_load_g(la, tok, valid, od, i_h, H, D))
+            else:
+                gam_o = gam[:, None]
+            KM += tl.dot(gam_o * k_o, M_blk, input_precision=PREC)
+            QM += tl.dot(gam_o * q_o, M_blk, input_precision=PREC)
+        E = tl.dot(Ainv, v_c - KM, input_precision=PREC)
+        o = QM + tl.dot(Aq, E, input_precision=PREC)
+        tl.store(O + (tok[:, None] * H + i_h) * MV + ov[None, :], o.to(O.dtype.element_ty),
+                 mask=valid[:, None] & mv[None, :])
+        tl.debug_barrier()
+        for kb in range(0, BD, BK):
+            od = kb + offs_k
+            md = od < D
+            w_o = _tile(W, tok, valid, od, i_h, H, D).to(dt)
+            p_M = M_base + od[:, None] * MV + ov[None, :]
+            m_M = md[:, None] & mv[None, :]
+            M_blk = tl.load(p_M, mask=m_M, other=0.0)
+            if DIAG:
+                g_o = _load_g(la, tok, valid, od, i_h, H, D)
+                g_end_o = _row(g_o, rows, C - 1)
+                w_o = tl.exp(g_end_o[None, :] - g_o) * w_o
+                M_new = tl.exp(g_end_o)[:, None] * M_blk
+            else:
+                w_o = endf[:, None] * w_o
+                M_new = tl.exp(g_end) * M_blk
+            M_new += tl.dot(tl.trans(w_o), E, input_precision=PREC)
+            tl.store(p_M, M_new, mask=m_M)
         tl.debug_barrier()
 
 
