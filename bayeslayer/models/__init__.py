@@ -15,8 +15,10 @@ from .checkpoint import gdn_config_to_bayeslayer, load_gdn_checkpoint
 from .configuration import BayesLayerConfig
 from .modeling import (
     BayesLayerBlock,
+    BayesLayerCausalLMOutput,
     BayesLayerForCausalLM,
     BayesLayerModel,
+    BayesLayerModelOutput,
     BayesLayerPreTrainedModel,
     ParameterCount,
     count_parameters,
@@ -30,9 +32,11 @@ AutoModelForCausalLM.register(BayesLayerConfig, BayesLayerForCausalLM, exist_ok=
 __all__ = [
     "BayesLayerBlock",
     "BayesLayerCache",
+    "BayesLayerCausalLMOutput",
     "BayesLayerConfig",
     "BayesLayerForCausalLM",
     "BayesLayerModel",
+    "BayesLayerModelOutput",
     "BayesLayerPreTrainedModel",
     "ParameterCount",
     "count_parameters",

@@ -16,6 +16,7 @@ Each block is pre-norm:  ``h = h + drop(mixer(norm(h)))``, ``h = h + drop(mlp(no
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -33,6 +34,22 @@ from .configuration import BayesLayerConfig
 # Keyword arguments that ``generate()`` (or HF tooling) may pass and that a model
 # without positions or attention weights has no use for.
 _IGNORED_HF_KWARGS = frozenset({"position_ids", "cache_position", "output_attentions", "token_type_ids"})
+
+
+@dataclass
+class BayesLayerModelOutput(BaseModelOutputWithPast):
+    """:class:`BaseModelOutputWithPast` plus ``variances``: with ``output_variance=True``, one entry
+    per layer, the mixer's predictive variance ``1 + q_tᵀ P_t q_t`` ``[B, T, H, G]`` (Bayesian
+    Layers) or ``None`` (mixers without a covariance)."""
+
+    variances: tuple[torch.Tensor | None, ...] | None = None
+
+
+@dataclass
+class BayesLayerCausalLMOutput(CausalLMOutputWithPast):
+    """:class:`CausalLMOutputWithPast` plus the per-layer ``variances`` (see :class:`BayesLayerModelOutput`)."""
+
+    variances: tuple[torch.Tensor | None, ...] | None = None
 
 
 def build_layer_mixer(config: BayesLayerConfig, layer_idx: int) -> nn.Module:
@@ -81,12 +98,14 @@ class BayesLayerBlock(GradientCheckpointingLayer):
         attention_mask: torch.Tensor | None = None,
         state: dict | None = None,
         use_cache: bool = False,
-    ) -> tuple[torch.Tensor, dict | None]:
+        output_variance: bool = False,
+    ) -> tuple[torch.Tensor, dict | None, torch.Tensor | None]:
+        """``(hidden_states, the mixer's new state or None, its predictive variance or None)``."""
         out = self.attn(self.attn_norm(hidden_states), attention_mask=attention_mask, state=state,
-                        use_cache=use_cache)
+                        use_cache=use_cache, output_variance=output_variance)
         hidden_states = hidden_states + self.mixer_dropout(out.o)
         hidden_states = hidden_states + self.mlp_dropout(self.mlp(self.mlp_norm(hidden_states)))
-        return hidden_states, out.state
+        return hidden_states, out.state, out.variance
 
 
 class BayesLayerPreTrainedModel(PreTrainedModel):
@@ -205,13 +224,15 @@ class BayesLayerModel(BayesLayerPreTrainedModel):
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
         past_key_values: BayesLayerCache | None = None,
+        output_variance: bool = False,
         **kwargs,
-    ) -> BaseModelOutputWithPast | tuple:
+    ) -> BayesLayerModelOutput | tuple:
         """Hidden states ``[B, T, hidden]`` after the final norm; with ``use_cache`` also the updated cache.
 
         ``attention_mask`` ``[B, T']`` (``T' >= T``; 1 = token, 0 = left padding): the last ``T``
         columns go to every mixer, which keeps padded tokens out of its memory.
-        ``past_key_values`` is accepted as the pre-5.x name of ``cache``.
+        ``past_key_values`` is accepted as the pre-5.x name of ``cache``.  ``output_variance``
+        adds each layer's predictive variance (``None`` for mixers without a covariance).
         """
         _check_extra_kwargs(kwargs)
         if cache is not None and past_key_values is not None:
@@ -234,21 +255,25 @@ class BayesLayerModel(BayesLayerPreTrainedModel):
         hidden_states = self.embeddings(input_ids) if inputs_embeds is None else inputs_embeds
         hidden_states = self.embedding_dropout(hidden_states)
         all_hidden = () if output_hidden_states else None
+        variances = () if output_variance else None
         for idx, layer in enumerate(self.layers):
             if output_hidden_states:
                 all_hidden += (hidden_states,)
             state = cache[idx] if cache is not None else None
-            hidden_states, new_state = layer(hidden_states, attention_mask=mask, state=state,
-                                             use_cache=use_cache)
+            hidden_states, new_state, variance = layer(hidden_states, attention_mask=mask, state=state,
+                                                       use_cache=use_cache, output_variance=output_variance)
             if use_cache:
                 cache.set_state(idx, new_state, T)
+            if output_variance:
+                variances += (variance,)
         hidden_states = self.norm(hidden_states)
         if output_hidden_states:
             all_hidden += (hidden_states,)
         cache = cache if use_cache else None
         if not return_dict:
-            return tuple(x for x in (hidden_states, cache, all_hidden) if x is not None)
-        return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache, hidden_states=all_hidden)
+            return tuple(x for x in (hidden_states, cache, all_hidden, variances) if x is not None)
+        return BayesLayerModelOutput(last_hidden_state=hidden_states, cache=cache, hidden_states=all_hidden,
+                                     variances=variances)
 
 
 class BayesLayerForCausalLM(BayesLayerPreTrainedModel, GenerationMixin):
@@ -294,13 +319,15 @@ class BayesLayerForCausalLM(BayesLayerPreTrainedModel, GenerationMixin):
         logits_to_keep: int = 0,
         past_key_values: BayesLayerCache | None = None,
         num_items_in_batch: int | torch.Tensor | None = None,
+        output_variance: bool = False,
         **kwargs,
-    ) -> CausalLMOutputWithPast | tuple:
+    ) -> BayesLayerCausalLMOutput | tuple:
         """Logits ``[B, T, V]`` (the last ``logits_to_keep`` positions if > 0) and, with ``labels``
         ``[B, T]``, the mean cross-entropy of predicting ``labels[:, t+1]`` from position ``t``
         (label ``-100`` is ignored, as in transformers).  With ``num_items_in_batch`` (the
         ``Trainer``'s count of labelled tokens over gradient-accumulation steps) the loss is the
-        summed cross-entropy divided by it."""
+        summed cross-entropy divided by it.  ``output_variance`` adds the per-layer predictive
+        variances (see :class:`BayesLayerModelOutput`)."""
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         if not isinstance(logits_to_keep, int) or isinstance(logits_to_keep, bool) or logits_to_keep < 0:
             raise ValueError(f"logits_to_keep must be a non-negative int, got {logits_to_keep!r}")
@@ -313,6 +340,7 @@ class BayesLayerForCausalLM(BayesLayerPreTrainedModel, GenerationMixin):
             output_hidden_states=output_hidden_states,
             return_dict=True,
             past_key_values=past_key_values,
+            output_variance=output_variance,
             **kwargs,
         )
         hidden_states = outputs.last_hidden_state
@@ -338,10 +366,10 @@ class BayesLayerForCausalLM(BayesLayerPreTrainedModel, GenerationMixin):
             kept = hidden_states[:, -logits_to_keep:] if logits_to_keep else hidden_states
             logits = self.lm_head(kept)
         if not return_dict:
-            rest = tuple(x for x in (outputs.cache, outputs.hidden_states) if x is not None)
+            rest = tuple(x for x in (outputs.cache, outputs.hidden_states, outputs.variances) if x is not None)
             return ((loss,) if loss is not None else ()) + (logits,) + rest
-        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=outputs.cache,
-                                      hidden_states=outputs.hidden_states)
+        return BayesLayerCausalLMOutput(loss=loss, logits=logits, cache=outputs.cache,
+                                        hidden_states=outputs.hidden_states, variances=outputs.variances)
 
 
 class ParameterCount(NamedTuple):
