@@ -162,25 +162,32 @@ def compile_only(args) -> list[dict]:
     from triton.compiler import ASTSource
 
     from bayeslayer.ops.triton.chunk import _next_pow2, default_num_warps
-    from bayeslayer.ops.triton.kernels import bl_chunk_fwd_kernel, bl_step_kernel
+    from bayeslayer.ops.triton.kernels import bl_chunk_cov_kernel, bl_chunk_mean_kernel, bl_step_kernel
 
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    C = args.chunk_size
     out = []
-    for kernel, D, diag in [(k, D, diag) for k in ("chunk", "step") for D in args.D for diag in (False, True)]:
+    for kernel, D, diag in [(k, D, g) for k in ("cov", "mean", "step") for D in args.D for g in (False, True)]:
         BD = max(16, _next_pow2(D))
-        common = dict(H=16, D=D, MV=D, BD=BD, BK=min(BD, 64), BMV=BD, BV=min(BD, 64), DIAG=diag, HAS_ALPHA=True)
-        if kernel == "chunk":
-            fn, nw = bl_chunk_fwd_kernel, default_num_warps(args.chunk_size)
-            names = ["q", "k", "v", "r2", "ell2", "la", "cu_seqlens", "P", "M", "Yscr", "Uscr", "O", "VAR"]
-            consts = dict(common, C=args.chunk_size, RETURN_VAR=False, PREC="ieee")
+        BK, BV = min(BD, 64), min(BD, 64)
+        common = dict(H=16, D=D, BD=BD, BK=BK, DIAG=diag, HAS_ALPHA=True)
+        nw = default_num_warps(C)
+        if kernel == "cov":
+            fn = bl_chunk_cov_kernel
+            names = ["q", "k", "r2", "ell2", "la", "cu_seqlens", "P", "W", "Yscr", "Uscr", "VAR"]
+            consts = dict(common, C=C, RETURN_VAR=False, PREC="ieee")
+        elif kernel == "mean":
+            fn = bl_chunk_mean_kernel
+            names = ["q", "k", "v", "W", "la", "cu_seqlens", "M", "O"]
+            consts = dict(common, MV=D, C=C, BV=BV, PREC="ieee")
         else:
             fn, nw = bl_step_kernel, 4
             names = ["q", "k", "v", "r2", "ell2", "la", "P_in", "M_in", "P_out", "M_out", "Uscr", "O", "VAR"]
-            consts = common
+            consts = dict(common, MV=D, BMV=BD, BV=BV)
         sig = {n: ("*i64" if n == "cu_seqlens" else "*fp32") for n in names}
         sig.update({n: "constexpr" for n in consts})
         t0 = time.time()
-        rec = {"kernel": kernel, "D": D, "diagonal": diag, "num_warps": nw}
+        rec = {"kernel": kernel, "D": D, "diagonal": diag, "chunk_size": C, "num_warps": nw}
         try:
             compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
                                       target=GPUTarget("cuda", args.arch, 32), options={"num_warps": nw})
