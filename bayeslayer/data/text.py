@@ -234,9 +234,7 @@ def _check_fractions(fractions) -> tuple[float, float, float]:
     except TypeError as exc:
         raise TypeError(f"split_fractions must be 3 numbers, got {fractions!r}") from exc
     if len(out) != 3 or any(not (0 < f < 1) for f in out) or abs(sum(out) - 1) > 1e-9:
-        raise ValueError(
-            f"split_fractions must be 3 numbers in (0, 1) summing to 1 (train/val/test), got {out}"
-        )
+        raise ValueError(f"split_fractions must be 3 numbers in (0, 1) summing to 1 (train/val/test), got {out}")
     return out  # type: ignore[return-value]
 
 
@@ -574,9 +572,7 @@ def load_tokenizer(tokenizer) -> object:
         if not path.is_file():
             raise FileNotFoundError(f"no tokenizer.json at {path}")
         return tk.Tokenizer.from_file(str(path))
-    raise TypeError(
-        f"tokenizer must be a tokenizers.Tokenizer, a path or a fast tokenizer, got {tokenizer!r}"
-    )
+    raise TypeError(f"tokenizer must be a tokenizers.Tokenizer, a path or a fast tokenizer, got {tokenizer!r}")
 
 
 def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, *, eos_token: str = DEFAULT_EOS) -> object:
@@ -838,7 +834,9 @@ class TextCorpus:
 
     def dataset(self, split: str, seq_len: int) -> PackedWindows:
         """A ``torch.utils.data.Dataset`` of packed windows (see :class:`PackedWindows`)."""
-        return PackedWindows(self.windows(split, seq_len))
+        if split not in self.splits:
+            raise KeyError(f"split {split!r} was not loaded; loaded: {sorted(self.splits)}")
+        return PackedWindows.from_stream(self.splits[split], seq_len)
 
     def bigram_counts(self) -> BigramCounts:
         """Bigram counts of the train stream, computed once and cached beside its tokens.
@@ -874,15 +872,37 @@ class PackedWindows(torch.utils.data.Dataset):
 
     Item ``i`` is ``{"input_ids": LongTensor[L], "labels": LongTensor[L]}``
     with ``labels = input_ids`` (the model shifts them, as Hugging Face
-    causal LMs do).  Works with ``DistributedSampler``.
+    causal LMs do).  Works with ``DistributedSampler``.  Built from a cached
+    stream (:meth:`from_stream`, what ``TextCorpus.dataset`` does), it pickles
+    as the cache file's path, so DataLoader workers started with ``spawn``
+    reopen the memmap instead of receiving a copy of the ids.
     """
 
     def __init__(self, windows: np.ndarray) -> None:
         if not isinstance(windows, np.ndarray) or windows.ndim != 2:
-            raise ValueError(
-                f"windows must be a 2-D numpy array [N, L], got {getattr(windows, 'shape', None)}"
-            )
+            raise ValueError(f"windows must be a 2-D numpy array [N, L], got {getattr(windows, 'shape', None)}")
         self.windows = windows
+        self._source: tuple[str, str, int, int] | None = None
+
+    @classmethod
+    def from_stream(cls, stream: TokenStream, seq_len: int) -> PackedWindows:
+        """Windows [N, seq_len] of a cached token stream."""
+        dataset = cls(stream.windows(seq_len))
+        dataset._source = (str(stream.path), stream.tokens.dtype.str, int(stream.tokens.shape[0]), int(seq_len))
+        return dataset
+
+    def __getstate__(self) -> dict:
+        if self._source is not None:
+            return {"source": self._source}
+        return {"source": None, "windows": self.windows}
+
+    def __setstate__(self, state: dict) -> None:
+        self._source = state["source"]
+        if self._source is None:
+            self.windows = state["windows"]
+        else:
+            path, dtype, n_tokens, seq_len = self._source
+            self.windows = pack_windows(np.memmap(path, dtype=np.dtype(dtype), mode="r", shape=(n_tokens,)), seq_len)
 
     def __len__(self) -> int:
         return self.windows.shape[0]

@@ -6,6 +6,7 @@ No network and no python3-doc: every test writes its own small files.
 from __future__ import annotations
 
 import os
+import pickle
 import sys
 import types
 import warnings
@@ -181,10 +182,7 @@ def test_second_run_reuses_the_cache_and_tokenizer(corpus_dir, tmp_path, monkeyp
     first = load(corpus_dir, cache)
     assert not any(s.from_cache for s in first.splits.values())
     mtimes = {p.name: p.stat().st_mtime_ns for p in cache.iterdir()}
-    assert (
-        sum(n.startswith("tokens-") for n in mtimes) == 6
-        and sum(n.startswith("tokenizer-") for n in mtimes) == 1
-    )
+    assert sum(n.startswith("tokens-") for n in mtimes) == 6 and sum(n.startswith("tokenizer-") for n in mtimes) == 1
 
     def fail(*args, **kwargs):
         raise AssertionError("re-tokenized or re-trained although a cache exists")
@@ -329,9 +327,7 @@ def test_long_documents_are_encoded_in_pieces_without_changing_ids(tmp_path, mon
     rng = np.random.default_rng(3)
     lines = []
     for i in range(300):
-        lines.append(
-            f" = Title {i} = \n" if i % 50 == 0 else " " + make_document(rng, 2).replace("\n\n", " ") + " \n"
-        )
+        lines.append(f" = Title {i} = \n" if i % 50 == 0 else " " + make_document(rng, 2).replace("\n\n", " ") + " \n")
     text = "".join(lines)
     pieces = list(text_mod._text_pieces(text, max_chars=500))
     assert len(pieces) > 10 and "".join(pieces) == text
@@ -372,9 +368,7 @@ def test_parquet_rows_are_documents(tmp_path):
     corpus = load(root, tmp_path / "cache", text_column="content")
     assert sum(s.n_documents for s in corpus.splits.values()) == 60
     docs = text_mod.local_corpus_files(root, split_fractions=(0.6, 0.2, 0.2), text_column="content").splits
-    expected = sum(
-        (corpus.tokenizer.encode(rows[int(d.name.split("#")[1])]).ids + [0] for d in docs["test"]), []
-    )
+    expected = sum((corpus.tokenizer.encode(rows[int(d.name.split("#")[1])]).ids + [0] for d in docs["test"]), [])
     np.testing.assert_array_equal(corpus.tokens("test"), expected)
 
     def fail(*args):
@@ -382,9 +376,7 @@ def test_parquet_rows_are_documents(tmp_path):
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(text_mod, "_parquet_rows", fail)
-        assert all(
-            s.from_cache for s in load(root, tmp_path / "cache", text_column="content").splits.values()
-        )
+        assert all(s.from_cache for s in load(root, tmp_path / "cache", text_column="content").splits.values())
     with pytest.raises(ValueError, match="no column 'text'"):
         load(root, tmp_path / "cache")
 
@@ -433,16 +425,12 @@ def test_hf_source_through_datasets(tmp_path, monkeypatch):
                 "test": FakeDataset(make("test"), "f3"), "extra": FakeDataset([], "f4")}  # fmt: skip
 
     monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
-    corpus = load_text_corpus(
-        "hf:Salesforce/wikitext:wikitext-103-raw-v1", cache_dir=tmp_path / "c", vocab_size=280
-    )
+    corpus = load_text_corpus("hf:Salesforce/wikitext:wikitext-103-raw-v1", cache_dir=tmp_path / "c", vocab_size=280)
     assert calls == [("Salesforce/wikitext", "wikitext-103-raw-v1")]
     assert corpus.splits["train"].n_documents == 10 and corpus.splits["validation"].n_documents == 2
     assert "val body text" in corpus.tokenizer.decode(corpus.tokens("validation").tolist())
     assert sorted(reads) == ["f1", "f2", "f3"]  # each split's text read once, train shared by BPE and ids
-    again = load_text_corpus(
-        "hf:Salesforce/wikitext:wikitext-103-raw-v1", cache_dir=tmp_path / "c", vocab_size=280
-    )
+    again = load_text_corpus("hf:Salesforce/wikitext:wikitext-103-raw-v1", cache_dir=tmp_path / "c", vocab_size=280)
     assert all(s.from_cache for s in again.splits.values()) and again.splits["train"].n_documents == 10
     assert len(reads) == 3  # a cache hit reads no text
     with pytest.raises(ValueError, match="named_splits applies to local files"):
@@ -481,7 +469,15 @@ def test_corpus_windows_and_dataset(corpus_dir, tmp_path):
     corpus = load(corpus_dir, tmp_path / "cache")
     windows = corpus.windows("train", 64)
     assert windows.shape == (len(corpus.tokens("train")) // 64, 64)
-    assert corpus.dataset("train", 64)[0]["input_ids"].tolist() == windows[0].tolist()
+    dataset = corpus.dataset("train", 64)
+    assert dataset[0]["input_ids"].tolist() == windows[0].tolist()
+    blob = pickle.dumps(dataset)
+    assert len(blob) < 1000  # the path, not the ids
+    again = pickle.loads(blob)
+    assert isinstance(again.windows, np.memmap) and len(again) == len(dataset)
+    np.testing.assert_array_equal(again.windows, windows)
+    plain = pickle.loads(pickle.dumps(PackedWindows(np.arange(12).reshape(3, 4))))
+    np.testing.assert_array_equal(plain.windows, np.arange(12).reshape(3, 4))
     with pytest.raises(KeyError, match="not loaded"):
         load(corpus_dir, tmp_path / "cache", splits=["train"]).windows("test", 64)
 
@@ -547,3 +543,30 @@ def test_corpus_bigram_counts_are_cached_and_annotate_matches(corpus_dir, tmp_pa
         np.testing.assert_array_equal(corpus.bigram_counts().counts, direct.counts)
     with pytest.raises(KeyError, match="train split"):
         load(corpus_dir, tmp_path / "cache", splits=["test"]).bigram_counts()
+
+
+def test_hf_source_with_a_real_datasets_dataset_dict(tmp_path, monkeypatch):
+    datasets = pytest.importorskip("datasets")
+    rng = np.random.default_rng(5)
+    parts = {s: datasets.Dataset.from_dict({"text": [make_document(rng, 3) for _ in range(n)]}) for s, n in
+             (("train", 30), ("validation", 4), ("test", 5))}  # fmt: skip
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: datasets.DatasetDict(parts))
+    corpus = load_text_corpus("hf:someone/corpus", cache_dir=tmp_path / "c", vocab_size=280)
+    assert [corpus.splits[s].n_documents for s in ("train", "validation", "test")] == [30, 4, 5]
+    expected = sum((corpus.tokenizer.encode(t).ids + [corpus.eos_id] for t in parts["test"]["text"]), [])
+    np.testing.assert_array_equal(corpus.tokens("test"), expected)
+
+
+@pytest.mark.slow
+def test_default_corpus_end_to_end(tmp_path):
+    """The real default corpus (about 75 s on 2 shared cores); needs `apt-get install -y python3-doc`."""
+    if text_mod.python_docs_dir() is None:
+        pytest.skip("python3-doc is not installed")
+    corpus = load_text_corpus(cache_dir=tmp_path)
+    sizes = {s: len(corpus.tokens(s)) for s in ("train", "validation", "test")}
+    assert corpus.vocab_size == 8192 and sizes["train"] > 1_000_000 and min(sizes.values()) > 20_000
+    assert "the" in corpus.tokenizer.decode(corpus.windows("validation", 2048)[0].tolist()).split()
+    again = load_text_corpus(cache_dir=tmp_path)
+    assert all(s.from_cache for s in again.splits.values())
+    masks = again.annotate("validation", 2048).masks()
+    assert 0 < masks["ar_hit"].sum() < masks["all"].sum()
