@@ -242,6 +242,11 @@ class BayesLayerModel(BayesLayerPreTrainedModel):
             output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
         )
         use_cache = use_cache if use_cache is not None else (self.config.use_cache and not self.training)
+        if use_cache and self.training and torch.is_grad_enabled() and any(
+            layer.gradient_checkpointing for layer in self.layers
+        ):
+            # a checkpointed block is replayed in the backward pass, so it cannot also write a cache
+            raise ValueError("use_cache=True cannot be combined with activation checkpointing in training")
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         _, T, mask = _check_ids_and_mask(input_ids, inputs_embeds, attention_mask, self.config.vocab_size,
                                          self.config.hidden_size)

@@ -227,6 +227,8 @@ def test_gradient_checkpointing_gives_the_same_gradients():
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
     for name, grad in grads[0].items():
         torch.testing.assert_close(grads[1][name], grad, rtol=1e-5, atol=1e-7, msg=name)
+    with pytest.raises(ValueError, match="checkpointing"):
+        model(ids, use_cache=True)
 
 
 def test_num_items_in_batch_sums_the_loss():
