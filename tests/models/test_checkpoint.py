@@ -151,6 +151,16 @@ def test_a_pytorch_bin_checkpoint_loads_with_weights_only(checkpoint, tmp_path):
     assert torch.equal(ours.lm_head.weight, fla.lm_head.weight)
 
 
+def test_a_sharded_safetensors_checkpoint_loads(checkpoint, tmp_path):
+    _, fla = checkpoint
+    fla.save_pretrained(tmp_path, max_shard_size="20KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    assert len(list(tmp_path.glob("model-*.safetensors"))) > 1
+    ours = load_gdn_checkpoint(tmp_path)
+    state = ours.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in fla.state_dict().items())
+
+
 def _copy_with_weights(directory, target, weights):
     (target / "config.json").write_text((directory / "config.json").read_text())
     save_file(weights, str(target / "model.safetensors"))
