@@ -148,3 +148,13 @@ def test_per_head_p0_and_no_state_output():
     for h in range(3):
         o_h, _ = bl_recurrent(**inp, p0=float(p0[h]))
         torch.testing.assert_close(o_r[:, :, h], o_h[:, :, h], atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("fn", [bl_recurrent, bl_chunk], ids=["recurrent", "chunk"])
+def test_empty_sequence_passes_the_state_through(fn):
+    """T = 0 (e.g. an empty prefill): empty outputs, and the final state is the initial state."""
+    inp = bl_inputs(T=0, G=2, dynamics="diagonal", initial_state=True)
+    o, var, (M, P) = fn(**inp, output_final_state=True, return_variance=True)
+    assert o.shape == (2, 0, 2, 4) and var.shape == (2, 0, 2, 2)
+    torch.testing.assert_close(M, inp["initial_state"][0], atol=0, rtol=0)
+    torch.testing.assert_close(P, inp["initial_state"][1], atol=0, rtol=0)
