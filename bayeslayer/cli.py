@@ -17,6 +17,8 @@ _COMMAND_MODULES = [
     "bayeslayer.experiments.collision",
     "bayeslayer.experiments.recall",
     "bayeslayer.experiments.crowding",
+    "bayeslayer.experiments.state_budget",
+    "bayeslayer.experiments.mqar",
 ]
 
 

@@ -20,7 +20,9 @@ loss history and RNG states, so ``train(..., checkpoint_path=p)`` after an
 interruption continues exactly where it stopped.
 
 Results: :func:`summarize` gives ``{"mean", "std", "values"}`` over seeds and
-:func:`write_json` writes a results file atomically.
+:func:`write_json` writes a results file atomically.  :func:`train_lr_grid` runs
+:func:`train_seeds` at each learning rate of a grid and keeps the one whose
+validation metric (e.g. query accuracy on a held-out split) is highest.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import random
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -378,3 +380,62 @@ def train_seeds(
                 os.remove(ckpt)
         records.append(_jsonable(record))
     return records
+
+
+def train_lr_grid(
+    name: str,
+    build_model: Callable[[int], nn.Module],
+    sample_batch: Callable[[int, int, torch.Generator], Any],
+    config: TrainConfig,
+    lrs: Sequence[float],
+    seeds: Sequence[int],
+    final_eval: Callable[[nn.Module], dict[str, Any]],
+    *,
+    select_key: str,
+    run_dir: str | None = None,
+    evaluate: Callable[[nn.Module], dict[str, float]] | None = None,
+    progress: bool = True,
+    fingerprint: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """:func:`train_seeds` at every learning rate of ``lrs``; select the lr by a validation metric.
+
+    For each ``lr`` the seeds run with ``config`` (its ``lr`` replaced) under the name
+    ``<name>_lr<lr>`` (so each grid point has its own cache and checkpoints and an interrupted grid
+    resumes).  The score of an lr is the mean over seeds of ``record[select_key]`` — a number that
+    ``final_eval`` computes on held-out *validation* data, never the test points; the highest score
+    wins (ties: the earlier lr in ``lrs``).  An lr whose training diverges (the harness raises
+    ``FloatingPointError``) gets the score NaN and a ``"diverged"`` message; when every lr diverges the
+    error is raised.
+
+    Returns ``{"select_key", "best_lr", "grid": [{"lr", "score"}, ...], "records": the best lr's
+    per-seed records, "all_records": {lr: records}}``.
+    """
+    lrs = [float(lr) for lr in lrs]
+    if not lrs or not all(math.isfinite(lr) and lr > 0 for lr in lrs):
+        raise ValueError(f"lrs must be a non-empty list of finite positive learning rates, got {lrs}")
+    if len(set(lrs)) != len(lrs):
+        raise ValueError(f"lrs has repeated values: {lrs}")
+    if not isinstance(select_key, str) or not select_key:
+        raise ValueError(f"select_key must name a number returned by final_eval, got {select_key!r}")
+    grid, all_records = [], {}
+    for lr in lrs:
+        try:
+            records = train_seeds(f"{name}_lr{lr:g}", build_model, sample_batch, replace(config, lr=lr), seeds,
+                                  final_eval, run_dir=run_dir, evaluate=evaluate, progress=progress,
+                                  fingerprint=fingerprint)
+        except FloatingPointError as err:  # a diverged lr is an outcome of the grid, not a crash of it
+            grid.append({"lr": lr, "score": float("nan"), "diverged": str(err)})
+            continue
+        missing = [r["seed"] for r in records if select_key not in r]
+        if missing:
+            raise KeyError(f"final_eval returned no {select_key!r} (seeds {missing}); it returned "
+                           f"{sorted(records[0])}")
+        score = float(np.mean([float(r[select_key]) for r in records]))
+        grid.append({"lr": lr, "score": score})
+        all_records[lr] = records
+    finite = [g for g in grid if math.isfinite(g["score"])]
+    if not finite:
+        raise FloatingPointError(f"{name}: every learning rate of the grid diverged: {grid}")
+    best = max(finite, key=lambda g: g["score"])  # max keeps the first of equal scores
+    return {"select_key": select_key, "best_lr": best["lr"], "grid": grid,
+            "records": all_records[best["lr"]], "all_records": all_records}

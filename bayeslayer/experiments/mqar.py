@@ -1,0 +1,605 @@
+"""``bayeslayer mqar {base,update,block}``: Zoology's multi-query associative recall (SPEC §4.4).
+
+Keys and values share one vocabulary (:mod:`bayeslayer.data.mqar`).  Three tasks:
+
+* **base** — ``k_1 v_1 … k_n v_n`` then every key queried; one model per *width*, the sweep
+  variable; train and test on the same length and number of pairs.
+* **update** — later writes of a key overwrite it (``A→4, B→5, A→4*`` answers ``A→4*, B→5``);
+  train on lengths 64/128 with 4/16 pairs and mixed update counts, test at length 128 with
+  16 pairs over the number of updates (to 16).
+* **block** — ``A B 4 5`` binds ``A→4, B→5`` (block size 2); train at length 128 with 2/4/6/8
+  pairs, test at length 128 over the number of pairs (to 16).
+
+Model (:class:`MQARModel`)::
+
+    h = Embedding(x)                                        x: [B, T] token ids
+    h = h + mixer_l(LayerNorm(h))          ┐ l = 1..num_layers (paper: 2)
+    h = h + MLP_l(LayerNorm(h))            ┘ only with mlp_mult > 0 (Zoology's default: none)
+    logits = W_head LayerNorm(h)                            [B, T, V]
+
+Each mixer comes from the registry (:func:`bayeslayer.layers.build_mixer`) with its head
+configuration from the state-budget solver (:func:`~bayeslayer.experiments.state_budget.solve_state_budget`):
+every mixer carries the same recurrent-state floats per layer — the Bayesian Layer counts
+``H·(D·m + D²)`` (mean and covariance), Gated DeltaNet widens its value dim to ``H·D·m``,
+Mamba-2 fills ``d_state``.  Mixers keep their layer defaults otherwise (BL: short convolution
+on, scalar decay; see :data:`MIXER_LABELS`).
+
+Training (the shared :func:`~bayeslayer.experiments.harness.train_lr_grid`): a fixed pool of
+sequences (:func:`~bayeslayer.data.mqar.make_pool`) split 90/10 into train and validation,
+``epochs`` passes over the training split in batches of one length, AdamW β = (0.9, 0.95),
+weight decay 0.1, linear warmup then cosine; the learning rate is chosen from the preset's grid
+by **validation** query accuracy.  Metrics: query accuracy on fresh test sets (own seeds) at
+every sweep point, per training slice on validation, and per number of writes the queried key
+received (Update).  Checkpoints and finished runs are cached under ``<out>/runs`` so an
+interrupted sweep resumes; ``<out>/mqar_<task>.json`` is rewritten after each mixer (keeping the
+mixers of an earlier run with the same settings, so mixers can be run one at a time) and
+``mqar_<task>.png`` (accuracy vs the swept variable, one line per mixer) is drawn from it
+(``--plot-only`` redraws it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..data.mqar import IGNORE_INDEX, MQARData, MQARDataset, MQARTask, make_pool
+from ..layers import MIXERS as MIXER_REGISTRY
+from ..layers import build_mixer
+from .harness import TrainConfig, _jsonable, results_record, summarize, train_lr_grid, write_json
+from .plotting import RefLine, Series, line_plot, load_json
+from .state_budget import STATE_FORMS, HeadConfig, solve_state_budget
+
+TASK_NAMES = ("base", "update", "block")
+MIXER_LABELS = {
+    "bayesian": "BL",
+    "gated_deltanet": "GDN (short conv)",
+    "gated_deltanet_noconv": "GDN (no conv)",
+    "mamba2": "Mamba-2",
+    "linear_attention": "linear attention",
+}
+DEFAULT_MIXERS = tuple(MIXER_LABELS)
+SWEEP_AXES = {"base": "model width", "update": "number of updates", "block": "number of pairs"}
+# Zoology's MQAR learning-rate sweep: np.logspace(-4, -2, 4).
+ZOOLOGY_LRS = (1e-4, 4.6415888e-4, 2.1544347e-3, 1e-2)
+
+# The paper's reported accuracies (SPEC §4.4, one run per curve), printed beside ours.
+PAPER_POINTS = {
+    "update": {"x": 16, "values": {"bayesian": 0.88, "gated_deltanet": 0.60, "mamba2": 0.60,
+                                   "gated_deltanet_noconv": 0.98}},
+    "block": {"x": 16, "values": {"gated_deltanet_noconv": 1.00, "bayesian": 0.75}},
+}
+
+
+# -- presets -----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MQARPreset:
+    """Everything an MQAR run depends on; ``paper`` is SPEC §4.4.
+
+    Pools (``pool_*``) are the total sequences generated for training + validation; the test sets
+    (``test_examples`` per sweep point) are generated separately from ``test_seed``.
+    """
+
+    name: str
+    vocab_size: int
+    pool_base: int
+    pool_update: int
+    pool_block: int
+    epochs: int
+    batch_size: int
+    lrs: tuple[float, ...]
+    seeds: int
+    budget: int
+    width: int  # update and block
+    base_widths: tuple[int, ...]
+    base_seq_len: int
+    base_num_pairs: int
+    test_examples: int
+    num_layers: int = 2
+    mlp_mult: int = 0
+    warmup_steps: int | None = None  # None: warmup_fraction of the steps
+    warmup_fraction: float = 0.05
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0
+    val_fraction: float = 0.1
+    update_train: tuple[tuple[int, int, tuple[int, ...]], ...] = (
+        (64, 4, (0, 1, 2, 4)), (128, 16, (0, 2, 4, 8, 16)))  # (seq_len, pairs, update counts)
+    update_test_seq_len: int = 128
+    update_test_pairs: int = 16
+    update_test_updates: tuple[int, ...] = (0, 1, 2, 4, 6, 8, 10, 12, 14, 16)
+    block_size: int = 2
+    block_seq_len: int = 128
+    block_train_pairs: tuple[int, ...] = (2, 4, 6, 8)
+    block_test_pairs: tuple[int, ...] = (2, 4, 6, 8, 10, 12, 14, 16)
+    chunk_size: int = 64
+    eval_batch: int = 128
+    data_seed: int = 0
+    test_seed: int = 10_000
+    checkpoint_every: int = 100
+
+    def pool_size(self, task: str) -> int:
+        return {"base": self.pool_base, "update": self.pool_update, "block": self.pool_block}[task]
+
+
+PRESETS: dict[str, MQARPreset] = {
+    # SPEC §4.4.  The paper names no widths for Base; these are Zoology's.
+    "paper": MQARPreset(
+        "paper", vocab_size=8192, pool_base=100_000, pool_update=160_000, pool_block=120_000, epochs=40,
+        batch_size=256, lrs=ZOOLOGY_LRS, seeds=1, budget=8192, width=128, base_widths=(64, 128, 256, 512),
+        base_seq_len=512, base_num_pairs=64, test_examples=3000, warmup_steps=1024, checkpoint_every=500,
+    ),
+    # Sized from step times measured on the 2-core CPU (docs/experiments.md): the five default mixers,
+    # one seed, one learning rate, about 20 minutes per task when the machine is idle.  Same task
+    # structure; smaller vocabulary, pools, widths, state budget; Base at length 128 with 16 pairs
+    # (the paper's 512/64 has the same 1:8 pairs-to-length ratio).
+    "default": MQARPreset(
+        "default", vocab_size=256, pool_base=4_000, pool_update=8_000, pool_block=8_000, epochs=5,
+        batch_size=32, lrs=(3e-3,), seeds=1, budget=4096, width=64, base_widths=(32, 64, 128),
+        base_seq_len=128, base_num_pairs=16, test_examples=256, chunk_size=32,
+    ),
+    # Seconds-long smoke run (tests, trying the command out).
+    "tiny": MQARPreset(
+        "tiny", vocab_size=32, pool_base=64, pool_update=80, pool_block=64, epochs=1, batch_size=16,
+        lrs=(3e-3,), seeds=1, budget=256, width=16, base_widths=(16, 32), base_seq_len=32, base_num_pairs=4,
+        test_examples=16, update_train=((32, 4, (0, 2)),), update_test_seq_len=32, update_test_pairs=4,
+        update_test_updates=(0, 2, 4), block_seq_len=32, block_train_pairs=(2, 4), block_test_pairs=(2, 4, 6),
+        chunk_size=16, eval_batch=16, checkpoint_every=0,
+    ),
+}
+
+
+# -- the model ---------------------------------------------------------------------------------------
+def mixer_kwargs(head: HeadConfig) -> dict[str, Any]:
+    """Constructor keywords of the registry mixer ``head.mixer`` for a solved head configuration."""
+    if head.form == "ssd":
+        return {"num_heads": head.num_heads, "head_dim": head.value_dim, "state_size": head.key_dim}
+    kwargs = {"num_heads": head.num_heads, "head_dim": head.key_dim, "expand_v": head.value_dim / head.key_dim}
+    if head.form in ("bayes", "diagonal") and head.groups != 1:
+        kwargs["groups"] = head.groups
+    return kwargs
+
+
+@dataclass(frozen=True)
+class MQARModelConfig:
+    """Sizes of an :class:`MQARModel`; ``mixer_kwargs`` go to :func:`~bayeslayer.layers.build_mixer`."""
+
+    mixer: str
+    vocab_size: int
+    width: int
+    num_layers: int = 2
+    mlp_mult: int = 0
+    mixer_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.mixer not in MIXER_REGISTRY:
+            raise ValueError(f"unknown mixer {self.mixer!r}; known: {sorted(MIXER_REGISTRY)}")
+        for name in ("vocab_size", "width", "num_layers"):
+            val = getattr(self, name)
+            if not isinstance(val, int) or isinstance(val, bool) or val < 1:
+                raise ValueError(f"{name} must be a positive integer, got {val!r}")
+        if not isinstance(self.mlp_mult, int) or isinstance(self.mlp_mult, bool) or self.mlp_mult < 0:
+            raise ValueError(f"mlp_mult must be a non-negative integer (0 = no MLP), got {self.mlp_mult!r}")
+
+
+class MQARModel(nn.Module):
+    """Token ids ``[B, T]`` → logits ``[B, T, V]``: embedding, ``num_layers`` pre-norm mixer blocks, head.
+
+    See the module docstring for the equations.  Parameters: ``2·V·d + V`` (embedding, head) plus
+    the mixers' (each mixer's docstring has its formula) plus ``2·mult·d² + (mult + 1)·d`` per MLP
+    and ``2d`` per LayerNorm.
+    """
+
+    def __init__(self, config: MQARModelConfig):
+        super().__init__()
+        if not isinstance(config, MQARModelConfig):
+            raise TypeError(f"config must be an MQARModelConfig, got {type(config).__name__}")
+        self.config = config
+        d, L = config.width, config.num_layers
+        self.embed = nn.Embedding(config.vocab_size, d)
+        self.mixer_norms = nn.ModuleList(nn.LayerNorm(d) for _ in range(L))
+        self.mixers = nn.ModuleList(
+            build_mixer(config.mixer, d, layer_idx=i, **config.mixer_kwargs) for i in range(L))
+        if config.mlp_mult:
+            hidden = config.mlp_mult * d
+            self.mlp_norms = nn.ModuleList(nn.LayerNorm(d) for _ in range(L))
+            self.mlps = nn.ModuleList(
+                nn.Sequential(nn.Linear(d, hidden), nn.GELU(), nn.Linear(hidden, d)) for _ in range(L))
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, config.vocab_size)
+
+    def state_size_per_layer(self) -> int:
+        """Recurrent-state floats of one mixer layer (all heads)."""
+        mixer = self.mixers[0]
+        return mixer.state_size_per_head() * mixer.num_heads
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dtype != torch.int64:
+            raise TypeError(f"input_ids must be an int64 tensor of token ids, got "
+                            f"{getattr(input_ids, 'dtype', type(input_ids).__name__)}")
+        if input_ids.dim() != 2 or 0 in input_ids.shape:
+            raise ValueError(f"input_ids must be a non-empty [B, T] tensor, got {tuple(input_ids.shape)}")
+        V = self.config.vocab_size
+        if bool((input_ids < 0).any()) or bool((input_ids >= V).any()):
+            raise ValueError(f"input_ids must lie in [0, vocab_size={V}), got values in "
+                             f"[{int(input_ids.min())}, {int(input_ids.max())}]")
+        h = self.embed(input_ids)
+        for i, mixer in enumerate(self.mixers):
+            h = h + mixer(self.mixer_norms[i](h)).o
+            if self.config.mlp_mult:
+                h = h + self.mlps[i](self.mlp_norms[i](h))
+        return self.head(self.norm(h))
+
+
+def model_config(mixer: str, preset: MQARPreset, width: int) -> tuple[MQARModelConfig, HeadConfig]:
+    """The model of ``mixer`` at ``width`` whose per-layer state fills ``preset.budget`` (solver's rule)."""
+    if mixer not in STATE_FORMS or mixer not in MIXER_REGISTRY:
+        raise ValueError(f"mixer {mixer!r} has no state-budget rule or no layer; use one of "
+                         f"{sorted(set(STATE_FORMS) & set(MIXER_REGISTRY))}")
+    head = solve_state_budget(preset.budget, width, mixer)
+    kwargs = {**mixer_kwargs(head), "chunk_size": preset.chunk_size}
+    cfg = MQARModelConfig(mixer, preset.vocab_size, width, preset.num_layers, preset.mlp_mult, kwargs)
+    return cfg, head
+
+
+def build_model(mixer: str, preset: MQARPreset, width: int) -> MQARModel:
+    """:func:`model_config` → :class:`MQARModel`, checking the built mixer carries the solved state."""
+    cfg, head = model_config(mixer, preset, width)
+    model = MQARModel(cfg)
+    if model.state_size_per_layer() != head.state_size:
+        raise RuntimeError(f"{mixer}: built layer carries {model.state_size_per_layer()} state floats but the "
+                           f"solver counted {head.state_size} ({head.summary()})")
+    return model
+
+
+# -- data --------------------------------------------------------------------------------------------
+def train_tasks(task: str, preset: MQARPreset) -> list[MQARTask]:
+    """The training mixture of ``task`` (each entry one pool segment of equal size)."""
+    if task == "base":
+        return [MQARTask("base", preset.base_seq_len, preset.base_num_pairs)]
+    if task == "update":
+        return [MQARTask("update", seq_len, pairs, u)
+                for seq_len, pairs, updates in preset.update_train for u in updates]
+    if task == "block":
+        return [MQARTask("block", preset.block_seq_len, n, block_size=preset.block_size)
+                for n in preset.block_train_pairs]
+    raise ValueError(f"task must be one of {TASK_NAMES}, got {task!r}")
+
+
+def sweep_points(task: str, preset: MQARPreset) -> list[tuple[int, MQARTask]]:
+    """``(x, test task)`` per sweep point (Base: one test task, x = each width)."""
+    if task == "base":
+        return [(w, train_tasks("base", preset)[0]) for w in preset.base_widths]
+    if task == "update":
+        return [(u, MQARTask("update", preset.update_test_seq_len, preset.update_test_pairs, u))
+                for u in preset.update_test_updates]
+    if task == "block":
+        return [(n, MQARTask("block", preset.block_seq_len, n, block_size=preset.block_size))
+                for n in preset.block_test_pairs]
+    raise ValueError(f"task must be one of {TASK_NAMES}, got {task!r}")
+
+
+def epoch_sampler(train: MQARDataset, batch_size: int, data_seed: int):
+    """``sample_batch(step, batch_size, generator)`` for the harness: step ``s`` is a pure function of ``s``.
+
+    Epoch ``e = s // n`` (``n`` full batches per epoch) shuffles the pool with seed ``(data_seed, e)``
+    and step ``s`` takes its ``s mod n``-th batch, so a resumed run sees exactly the batches it would
+    have seen (the harness's generator is not needed).
+    """
+    per_epoch = train.num_batches(batch_size, drop_last=True)
+    if per_epoch == 0:
+        raise ValueError(f"batch_size={batch_size} is larger than every training segment "
+                         f"({[len(s) for s in train.segments]} sequences)")
+    cache: dict[int, list] = {}
+
+    def sample_batch(step: int, size: int, generator: torch.Generator):
+        if size != batch_size:
+            raise ValueError(f"sampler built for batch_size={batch_size}, asked for {size}")
+        epoch = step // per_epoch
+        if epoch not in cache:
+            cache.clear()
+            cache[epoch] = list(train.batches(batch_size, shuffle=True, seed=data_seed * 100_003 + epoch,
+                                              drop_last=True))
+        return cache[epoch][step % per_epoch]
+
+    sample_batch.steps_per_epoch = per_epoch
+    return sample_batch
+
+
+def query_counts(model: nn.Module, data: MQARData, batch: int,
+                 slice_of: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
+    """Correct and total queries of ``model`` on ``data``, overall and per slice.
+
+    ``slice_of[name]``: ``[N]`` (per sequence) or ``[N, L]`` (per position) values; returns
+    ``{"correct", "queries", "accuracy", "slices": {name: {value: {"correct", "queries", "accuracy"}}}}``.
+    """
+    slice_of = slice_of or {}
+    correct = queries = 0
+    per: dict[str, dict[int, list[int]]] = {name: {} for name in slice_of}
+    for start in range(0, len(data), batch):
+        idx = slice(start, start + batch)
+        labels = data.labels[idx]
+        mask = labels != IGNORE_INDEX
+        hit = (model(data.inputs[idx]).argmax(-1) == labels) & mask
+        correct += int(hit.sum())
+        queries += int(mask.sum())
+        for name, values in slice_of.items():
+            vals = values[idx]
+            if vals.dim() == 1:
+                vals = vals[:, None].expand_as(labels)
+            for v in vals[mask].unique().tolist():
+                sel = vals == v
+                c = per[name].setdefault(int(v), [0, 0])
+                c[0] += int((hit & sel).sum())
+                c[1] += int((mask & sel).sum())
+
+    def acc(c: int, n: int) -> float:
+        return c / n if n else float("nan")
+
+    return {"correct": correct, "queries": queries, "accuracy": acc(correct, queries),
+            "slices": {name: {v: {"correct": c, "queries": n, "accuracy": acc(c, n)}
+                              for v, (c, n) in sorted(d.items())} for name, d in per.items()}}
+
+
+def _dataset_as_data(ds: MQARDataset) -> list[MQARData]:
+    return list(ds.segments)
+
+
+def final_evaluation(task: str, preset: MQARPreset, val: MQARDataset, tests: list[tuple[int, MQARData]]):
+    """``final_eval(model)``: validation accuracy (the lr-selection score) and every test point."""
+    val_slices = {"base": "num_pairs", "update": "num_updates", "block": "num_pairs"}[task]
+
+    def evaluate(model: nn.Module) -> dict[str, Any]:
+        correct = queries = 0
+        by_segment = []
+        for seg in _dataset_as_data(val):
+            r = query_counts(model, seg, preset.eval_batch)
+            correct, queries = correct + r["correct"], queries + r["queries"]
+            by_segment.append({"seq_len": seg.seq_len, val_slices: int(seg.slices[val_slices][0]),
+                               "accuracy": r["accuracy"], "queries": r["queries"]})
+        points = []
+        for x, data in tests:
+            r = query_counts(model, data, preset.eval_batch, {"writes_of_queried_key": data.query_writes})
+            points.append({"x": x, "accuracy": r["accuracy"], "queries": r["queries"],
+                           "by_writes_of_queried_key": r["slices"]["writes_of_queried_key"]})
+        return {"val_accuracy": correct / queries, "val_by_segment": by_segment, "test": points}
+
+    return evaluate
+
+
+# -- the sweep ---------------------------------------------------------------------------------------
+def train_config(preset: MQARPreset, steps: int) -> TrainConfig:
+    warmup = preset.warmup_steps if preset.warmup_steps is not None else int(preset.warmup_fraction * steps)
+    warmup = min(warmup, steps - 1) if steps > 1 else 0
+    return TrainConfig(steps=steps, batch_size=preset.batch_size, lr=preset.lrs[0], betas=preset.betas,
+                       weight_decay=preset.weight_decay, grad_clip=preset.grad_clip, warmup_steps=warmup,
+                       checkpoint_every=preset.checkpoint_every)
+
+
+def _check_mixers(mixers: Sequence[str]) -> list[str]:
+    mixers = list(mixers)
+    known = sorted(set(STATE_FORMS) & set(MIXER_REGISTRY))
+    bad = [m for m in mixers if m not in known]
+    if not mixers or bad or len(set(mixers)) != len(mixers):
+        raise ValueError(f"mixers must be distinct names from {known}; got {mixers}")
+    return mixers
+
+
+def run_mqar(task: str, preset: MQARPreset, mixers: Sequence[str] = DEFAULT_MIXERS, *,
+             out_dir: str | None = None, progress: bool = True, log=print) -> dict:
+    """Train and test every mixer on ``task``; returns (and, with ``out_dir``, writes) the results.
+
+    The JSON and plot are rewritten after every finished mixer, so a sweep stopped part-way leaves the
+    mixers that finished; rerunning resumes from ``<out_dir>/runs``.
+    """
+    if task not in TASK_NAMES:
+        raise ValueError(f"task must be one of {TASK_NAMES}, got {task!r}")
+    if not isinstance(preset, MQARPreset):
+        raise TypeError(f"preset must be an MQARPreset, got {type(preset).__name__}")
+    mixers = _check_mixers(mixers)
+    t0 = time.perf_counter()
+    train_ds, val_ds = make_pool(train_tasks(task, preset), num_examples=preset.pool_size(task),
+                                 vocab_size=preset.vocab_size, seed=preset.data_seed,
+                                 val_fraction=preset.val_fraction)
+    points = sweep_points(task, preset)
+    if task == "base":  # one test set, shared by every width
+        data = points[0][1].generate(preset.test_examples, vocab_size=preset.vocab_size, seed=preset.test_seed)
+        tests = [(x, data) for x, _ in points]
+    else:
+        tests = [(x, t.generate(preset.test_examples, vocab_size=preset.vocab_size, seed=preset.test_seed + i))
+                 for i, (x, t) in enumerate(points)]
+    sampler = epoch_sampler(train_ds, preset.batch_size, preset.data_seed)
+    steps = preset.epochs * sampler.steps_per_epoch
+    cfg = train_config(preset, steps)
+    log(f"mqar {task}: preset '{preset.name}', {len(train_ds)} train / {len(val_ds)} validation sequences, "
+        f"{steps} steps ({preset.epochs} epochs × {sampler.steps_per_epoch}), lr grid {list(preset.lrs)}")
+    widths = preset.base_widths if task == "base" else (preset.width,)
+    run_dir = os.path.join(out_dir, "runs") if out_dir else None
+    config = {**asdict(preset), "task": task, "train": asdict(cfg),
+              "train_tasks": [asdict(t) for t in train_tasks(task, preset)],
+              "test_tasks": [{"x": x, **asdict(t)} for x, t in sweep_points(task, preset)],
+              "sweep_axis": SWEEP_AXES[task]}
+    results: dict[str, Any] = {}
+    path = os.path.join(out_dir, f"mqar_{task}.json") if out_dir else None
+    if path and os.path.exists(path):
+        # keep the mixers of an earlier run of the same settings, so mixers can be run one at a time
+        previous = load_json(path)
+        if previous.get("config") == json.loads(json.dumps(_jsonable(config))):
+            results.update({m: res for m, res in previous.get("models", {}).items() if m not in mixers})
+    record = results_record("mqar", preset.name, config, results, paper_reported=PAPER_POINTS.get(task))
+    for mixer in mixers:
+        per_width = []
+        for width in widths:
+            mcfg, head = model_config(mixer, preset, width)
+            log("  " + head.summary())
+            # Base: each width is its own model and its own sweep point
+            evaluate = final_evaluation(task, preset, val_ds,
+                                        [tests[widths.index(width)]] if task == "base" else tests)
+            try:
+                grid = train_lr_grid(
+                    f"mqar_{task}_{preset.name}_{mixer}_w{width}",
+                    lambda seed, mixer=mixer, width=width: build_model(mixer, preset, width),
+                    sampler, cfg, preset.lrs, list(range(preset.seeds)), evaluate, select_key="val_accuracy",
+                    run_dir=run_dir, progress=progress,
+                    fingerprint={"preset": asdict(preset), "task": task, "model": asdict(mcfg)})
+            except FloatingPointError as err:  # every lr diverged: record it, go on with the other mixers
+                log(f"  {mixer} at width {width}: {err}")
+                record.setdefault("failed", {})[f"{mixer}_w{width}"] = str(err)
+                per_width = []
+                break
+            n_params = sum(p.numel() for p in build_model(mixer, preset, width).parameters())
+            per_width.append({"width": width, "head_config": head.to_dict(), "model_config": asdict(mcfg),
+                              "parameters": n_params, "best_lr": grid["best_lr"], "lr_grid": grid["grid"],
+                              "seeds": grid["records"]})
+        if not per_width:
+            continue
+        results[mixer] = {"label": MIXER_LABELS.get(mixer, mixer), "runs": per_width,
+                          "summary": summarize_mixer(task, per_width)}
+        s = results[mixer]["summary"]
+        log(f"  {MIXER_LABELS.get(mixer, mixer)}: test accuracy "
+            + ", ".join(f"{x}: {a:.3f}" for x, a in zip(s["x"], s["accuracy"]["mean"], strict=True))
+            + f"  (val {s['val_accuracy']['mean'][-1]:.3f}, {s['train_seconds']['mean']:.0f} s train)")
+        record["wall_seconds"] = time.perf_counter() - t0
+        if path:
+            write_json(path, record)
+            plot_mqar(record, os.path.join(out_dir, f"mqar_{task}.png"))
+    return record
+
+
+def summarize_mixer(task: str, runs: list[dict]) -> dict[str, Any]:
+    """Accuracy vs the swept variable (mean ± std over seeds), validation accuracy and train time."""
+    xs, acc, val, secs = [], [], [], []
+    for run in runs:
+        seeds = run["seeds"]
+        for i, point in enumerate(seeds[0]["test"]):
+            xs.append(point["x"])
+            acc.append(summarize([s["test"][i]["accuracy"] for s in seeds]))
+        val.append(summarize([s["val_accuracy"] for s in seeds]))
+        secs.extend(s["train_seconds"] for s in seeds)
+    return {"x": xs, "accuracy": {"mean": [a["mean"] for a in acc], "std": [a["std"] for a in acc]},
+            "val_accuracy": {"mean": [v["mean"] for v in val], "std": [v["std"] for v in val]},
+            "train_seconds": summarize(secs)}
+
+
+# -- plots and tables from the JSON ------------------------------------------------------------------
+_XLABELS = {"base": "model width", "update": "number of updates (length {L}, {n} pairs)",
+            "block": "number of pairs (length {L}, block size {b})"}
+
+
+def plot_mqar(record: dict, path: str) -> str:
+    """Query accuracy vs the swept variable, one line per mixer (± std over seeds), from the results dict."""
+    cfg = record["config"]
+    task = cfg["task"]
+    series = [Series(res["label"], x=res["summary"]["x"], y=res["summary"]["accuracy"]["mean"],
+                     err=res["summary"]["accuracy"]["std"] if cfg["seeds"] > 1 else None,
+                     style={"marker": "o", "markersize": 3})
+              for res in record["models"].values()]
+    if not series:
+        raise ValueError("the results hold no finished mixer to plot")
+    xlabel = _XLABELS[task].format(L=cfg["update_test_seq_len"] if task == "update" else cfg["block_seq_len"],
+                                   n=cfg["update_test_pairs"], b=cfg["block_size"])
+    vlines = []
+    if task == "update":
+        trained = sorted({u for _, _, us in cfg["update_train"] for u in us})
+        vlines = [RefLine(max(trained), "max trained")]
+    elif task == "block":
+        vlines = [RefLine(max(cfg["block_train_pairs"]), "max trained")]
+    title = (f"MQAR {task} — preset '{record['preset']}' (V = {cfg['vocab_size']}, state {cfg['budget']} "
+             f"floats/layer, {cfg['epochs']} epochs, {cfg['seeds']} seed{'s' * (cfg['seeds'] > 1)})")
+    return str(line_plot(path, series, xlabel=xlabel, ylabel="query accuracy", title=title, vlines=vlines,
+                         xscale="log" if task == "base" else "linear", ylim=(-0.02, 1.02)))
+
+
+def format_table(record: dict) -> str:
+    """Accuracy per mixer at every sweep point, as a Markdown table."""
+    models = record["models"]
+    if not models:
+        return "(no finished mixer)"
+    xs = next(iter(models.values()))["summary"]["x"]
+    lines = ["| mixer | " + " | ".join(str(x) for x in xs) + " | val acc | lr |",
+             "|---" * (len(xs) + 3) + "|"]
+    for res in models.values():
+        s = res["summary"]
+        lrs = ",".join(f"{r['best_lr']:g}" for r in res["runs"])
+        lines.append(f"| {res['label']} | " + " | ".join(f"{a:.3f}" for a in s["accuracy"]["mean"])
+                     + f" | {s['val_accuracy']['mean'][-1]:.3f} | {lrs} |")
+    paper = record.get("paper_reported")
+    if paper:
+        lines.append(f"\npaper (SPEC §4.4) at {paper['x']}: " + ", ".join(
+            f"{MIXER_LABELS.get(m, m)} ≈ {v:.2f}" for m, v in paper["values"].items()))
+    return "\n".join(lines)
+
+
+# -- command line ------------------------------------------------------------------------------------
+def preset_from_args(args: argparse.Namespace) -> MQARPreset:
+    preset = PRESETS[args.preset]
+    over: dict[str, Any] = {}
+    for name in ("epochs", "batch_size", "seeds"):
+        val = getattr(args, name)
+        if val is not None:
+            if val <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {val}")
+            over[name] = val
+    if args.lr is not None:
+        bad = [lr for lr in args.lr if not (math.isfinite(lr) and lr > 0)]
+        if bad:
+            raise ValueError(f"--lr values must be finite and > 0, got {bad}")
+        over["lrs"] = tuple(args.lr)
+    return replace(preset, **over, name=preset.name if not over else f"{preset.name}-custom")
+
+
+def _main(args: argparse.Namespace) -> int:
+    if args.plot_only:
+        record = load_json(args.plot_only)
+        if record.get("experiment") != "mqar":
+            raise ValueError(f"{args.plot_only} is not an MQAR results file (experiment = "
+                             f"{record.get('experiment')!r})")
+        out = os.path.splitext(args.plot_only)[0] + ".png"
+        plot_mqar(record, out)
+        print(format_table(record))
+        print(f"\nredrew {out}")
+        return 0
+    if args.task is None:
+        raise ValueError("name a task: bayeslayer mqar {base,update,block}")
+    preset = preset_from_args(args)
+    if preset.name != "paper":
+        print(f"mqar: preset '{preset.name}' is a CPU-sized run of the same task, NOT the paper's budget "
+              f"(use --preset paper for SPEC §4.4)")
+    record = run_mqar(args.task, preset, args.mixers, out_dir=args.out, progress=not args.no_progress)
+    print(format_table(record))
+    print(f"\nwrote {os.path.join(args.out, f'mqar_{args.task}.json')} and mqar_{args.task}.png")
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("mqar", help="Zoology MQAR: base / update / block recall (SPEC §4.4)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("task", nargs="?", choices=TASK_NAMES, default=None, help="which MQAR task")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="default",
+                   help="'paper' = SPEC §4.4; 'default' ≈ 20 min per task on an idle 2-core CPU; 'tiny' = smoke")
+    p.add_argument("--mixers", nargs="+", default=list(DEFAULT_MIXERS),
+                   choices=sorted(set(STATE_FORMS) & set(MIXER_REGISTRY)), metavar="MIXER",
+                   help=f"registry names (default: {' '.join(DEFAULT_MIXERS)})")
+    p.add_argument("--epochs", type=int, default=None, help="override the preset's epochs")
+    p.add_argument("--batch-size", type=int, default=None, help="override the preset's batch size")
+    p.add_argument("--seeds", type=int, default=None, help="override the preset's number of seeds")
+    p.add_argument("--lr", type=float, nargs="+", default=None, help="override the preset's lr grid")
+    p.add_argument("--out", default="results/mqar", help="output directory (JSON, PNG, runs/ cache)")
+    p.add_argument("--plot-only", metavar="JSON", default=None, help="redraw the plot and table from a JSON")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=_main)
+
+
+__all__ = [
+    "DEFAULT_MIXERS", "MIXER_LABELS", "PRESETS", "TASK_NAMES", "MQARModel", "MQARModelConfig", "MQARPreset",
+    "build_model", "epoch_sampler", "format_table", "mixer_kwargs", "model_config", "plot_mqar",
+    "query_counts", "run_mqar", "sweep_points", "train_tasks",
+]
