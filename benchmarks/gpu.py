@@ -161,15 +161,15 @@ def compile_only(args) -> list[dict]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from bayeslayer.ops.triton.chunk import _next_pow2, default_num_warps
+    from bayeslayer.ops.triton.chunk import default_num_warps, tile_sizes
     from bayeslayer.ops.triton.kernels import bl_chunk_cov_kernel, bl_chunk_mean_kernel, bl_step_kernel
+    from bayeslayer.ops.triton.step import step_tiles
 
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     C = args.chunk_size
     out = []
     for kernel, D, diag in [(k, D, g) for k in ("cov", "mean", "step") for D in args.D for g in (False, True)]:
-        BD = max(16, _next_pow2(D))
-        BK, BV = min(BD, 64), min(BD, 64)
+        BD, BK, BV = tile_sizes(D, D)
         common = dict(H=16, D=D, BD=BD, BK=BK, DIAG=diag, HAS_ALPHA=True)
         nw = default_num_warps(C)
         if kernel == "cov":
@@ -183,7 +183,8 @@ def compile_only(args) -> list[dict]:
         else:
             fn, nw = bl_step_kernel, 4
             names = ["q", "k", "v", "r2", "ell2", "la", "P_in", "M_in", "P_out", "M_out", "Uscr", "O", "VAR"]
-            consts = dict(common, MV=D, BMV=BD, BV=BV)
+            BK_step, BV_step = step_tiles(D, D)[1:]
+            consts = dict(common, BK=BK_step, MV=D, BMV=BD, BV=BV_step)
         sig = {n: ("*i64" if n == "cu_seqlens" else "*fp32") for n in names}
         sig.update({n: "constexpr" for n in consts})
         t0 = time.time()

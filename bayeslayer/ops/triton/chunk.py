@@ -42,6 +42,17 @@ def _next_pow2(n: int) -> int:
     return 1 << (max(int(n), 1) - 1).bit_length()
 
 
+def tile_sizes(D: int, m: int) -> tuple[int, int, int]:
+    """``(BD, BK, BV)``: padded key dim, key-dim tile, value-dim tile of the chunk kernels.
+
+    BK = 16, BV ≤ 32: with 64-wide tiles the sm_90 build of the covariance kernel
+    spills heavily at C = 64 (``benchmarks/gpu.py --compile-only``); at 16/32 it
+    fits in registers (covariance: no spill; mean: ≤ 56 bytes).
+    """
+    BD = max(16, _next_pow2(D))
+    return BD, 16, min(max(16, _next_pow2(m)), 32)
+
+
 def check_cu_seqlens(cu_seqlens, batch: int, total: int, device: torch.device) -> torch.Tensor | None:
     """``cu_seqlens``: 1-D integer tensor ``[N + 1]``, 0 first, ``T`` last, non-decreasing; needs B = 1."""
     if cu_seqlens is None:
@@ -153,9 +164,7 @@ def _forward_triton(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, want_v
     l2f = pr.ell2.reshape(NT, Hf).contiguous()
     laf = la.reshape(NT, Hf, -1).contiguous() if has_alpha else la
     C = chunk_size
-    BD = max(16, _next_pow2(D))
-    BK = min(BD, 64)
-    BV = min(max(16, _next_pow2(mg)), 64)
+    BD, BK, BV = tile_sizes(D, mg)
     o = torch.empty(NT, Hf, mg, dtype=dims.dtype, device=dims.device)
     var = torch.empty(NT, Hf, dtype=cd, device=dims.device) if want_var else o.new_empty(1, dtype=cd)
     w = torch.empty(NT, Hf, D, dtype=cd, device=dims.device)  # write keys β_t u_t
