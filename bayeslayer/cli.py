@@ -17,6 +17,7 @@ _COMMAND_MODULES = [
     "bayeslayer.experiments.collision",
     "bayeslayer.experiments.recall",
     "bayeslayer.experiments.crowding",
+    "bayeslayer.experiments.lm",
     "bayeslayer.experiments.state_budget",
     "bayeslayer.experiments.mqar",
 ]

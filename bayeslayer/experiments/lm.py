@@ -1,0 +1,1068 @@
+"""``bayeslayer lm``: from-scratch language modelling with AR-hit evaluation (SPEC §4.5).
+
+``bayeslayer lm train`` trains a :class:`~bayeslayer.models.BayesLayerForCausalLM` (any mixer of
+:data:`bayeslayer.layers.MIXERS`) on packed windows of a text corpus (:mod:`bayeslayer.data.text`);
+``bayeslayer lm eval`` measures perplexity over all tokens, AR-hit tokens, the other tokens and
+AR-hit tokens per distance bucket (:mod:`bayeslayer.data.arhit`), mean ± std over seeds, and
+writes a Table-2-layout markdown table and a bar plot, both drawn from the saved JSON.
+
+Training (one optimiser step):
+
+* the global batch is ``batch_size`` windows of ``seq_len`` tokens; with ``W`` ranks each rank
+  runs ``batch_size / (W · micro_batch_size)`` micro-batches and accumulates gradients (DDP
+  synchronises only on the last one), so the update does not depend on ``W``;
+* loss ``L = mean_t CE(logits_t, x_{t+1})`` over the ``seq_len − 1`` predictions of each window;
+* AdamW, learning rate ``lr · s(step)`` with the harness's warmup + cosine factor
+  (:func:`bayeslayer.experiments.harness.lr_lambda`), global-norm gradient clipping;
+* bf16 autocast where asked (``precision="auto"``: bf16 on a CUDA device that supports it, else
+  fp32); the filters compute in fp32 whatever the input dtype.
+
+Data position: window order is a fixed permutation of the train windows per epoch, drawn from
+``(seed, epoch)``; the step-``s`` batch is the global sample indices ``[s·B, (s+1)·B)`` of that
+sequence, so the data position is a pure function of the step and a resumed run reads exactly the
+windows an uninterrupted one would.
+
+Run directory (``--out``)::
+
+    config.json                      the LMConfig (a resume must match it)
+    log.jsonl                        one JSON object per logged step / evaluation
+    checkpoints/latest               name of the newest complete checkpoint
+    checkpoints/step-00000100/       HF model dir (config.json, model.safetensors) + trainer_state.pt
+    final/                           HF model dir of the finished model (from_pretrained-able)
+    train_summary.json               steps, tokens, tokens/s, final validation PPL by group
+
+A checkpoint is written into a temporary directory, renamed into place (``os.replace``) and only
+then named in ``checkpoints/latest`` (temp file + ``os.replace``): a run killed at any moment
+resumes from the last complete one.  It holds the model (safetensors), optimizer and scheduler
+states, step, loss history and every rank's RNG states (``torch.save``, read back with
+``torch.load(weights_only=True)``), so a resumed run continues the same loss trajectory bit for
+bit on the same machine and world size.
+
+Distributed: launch with ``torchrun --nproc_per_node N -m bayeslayer.cli lm train ...``; the
+``gloo`` backend is used on CPU, ``nccl`` on CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import math
+import os
+import random
+import shutil
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .harness import TrainConfig, lr_lambda, results_record, seed_everything, summarize, write_json
+
+WIKITEXT_103 = "hf:Salesforce/wikitext:wikitext-103-raw-v1"
+PRECISIONS = ("auto", "bf16", "fp32")
+# Table-2 columns, then the distance buckets, in the order of :meth:`ARHitAnnotation.masks`.
+GROUPS = ("all", "ar_hit", "other", "ar_hit_1_64", "ar_hit_65_256", "ar_hit_257_1024")
+GROUP_LABELS = {"all": "all", "ar_hit": "AR-hit", "other": "other", "ar_hit_1_64": "AR-hit 1–64",
+                "ar_hit_65_256": "AR-hit 65–256", "ar_hit_257_1024": "AR-hit 257–1,024"}
+MODEL_LABELS = {"bayesian": "BL", "gated_deltanet": "GDN", "gated_deltanet_noconv": "GDN (no conv)",
+                "deltanet": "DeltaNet", "linear_attention": "LA", "gla": "GLA", "mamba2": "Mamba-2",
+                "attention": "Attention"}
+# SPEC §4.5, Table 2 (mean ± std over 3 seeds, WikiText-103 test, 32k BPE).
+PAPER_TABLE2 = {
+    "BL": {"all": (20.01, 0.15), "ar_hit": (18.15, 1.08), "other": (20.03, 0.15)},
+    "GDN": {"all": (18.75, 0.07), "ar_hit": (23.72, 1.76), "other": (18.69, 0.08)},
+    "Mamba-2": {"all": (21.36, 0.27), "ar_hit": (424.8, 120.4), "other": (20.58, 0.19)},
+}
+# Fields that may change when a run is resumed: they never change the loss trajectory.
+_BOOKKEEPING = frozenset({"eval_every", "eval_windows", "eval_batch_size", "checkpoint_every", "log_every"})
+
+
+# --------------------------------------------------------------------------- configuration
+
+
+@dataclass(frozen=True)
+class LMConfig:
+    """Everything a language-model run depends on: model, data, optimisation, bookkeeping.
+
+    ``batch_size`` is the *global* number of windows per optimiser step (tokens per step =
+    ``batch_size · seq_len``); ``micro_batch_size`` windows go through one forward pass on one
+    rank.  ``eval_windows`` caps the validation windows of the periodic evaluation (0: all);
+    the final evaluation always uses every window.
+    """
+
+    preset: str = "custom"
+    label: str = ""  # the model's name in tables; "" = from the mixer (BL, GDN, ...)
+    # model
+    mixer: str = "bayesian"
+    hidden_size: int = 512
+    num_layers: int = 4
+    num_heads: int = 4
+    head_dim: int = 128
+    mixer_kwargs: dict = field(default_factory=dict)
+    mlp_dropout: float = 0.4
+    # data
+    source: str = "python-docs"
+    tokenizer: str | None = None
+    vocab_size: int = 8192  # of the BPE trained when no tokenizer is given
+    seq_len: int = 2048
+    # optimisation
+    steps: int = 7935
+    batch_size: int = 32
+    micro_batch_size: int = 8
+    lr: float = 6e-4
+    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = 0.1
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    warmup_steps: int = 400
+    min_lr_ratio: float = 0.1
+    precision: str = "auto"
+    # bookkeeping
+    eval_every: int = 500
+    eval_windows: int = 0
+    eval_batch_size: int = 4
+    checkpoint_every: int = 250
+    log_every: int = 10
+    seed: int = 0
+
+    def __post_init__(self):
+        object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
+        object.__setattr__(self, "mixer_kwargs", dict(self.mixer_kwargs or {}))
+        from ..layers import MIXERS
+
+        if self.mixer not in MIXERS:
+            raise ValueError(f"mixer must be one of {sorted(MIXERS)}, got {self.mixer!r}")
+        for name in ("hidden_size", "num_layers", "num_heads", "head_dim", "vocab_size", "micro_batch_size",
+                     "eval_batch_size", "log_every"):
+            _check_int(name, getattr(self, name), minimum=1)
+        for name in ("eval_windows",):
+            _check_int(name, getattr(self, name), minimum=0)
+        _check_int("seq_len", self.seq_len, minimum=2)
+        if not (isinstance(self.mlp_dropout, (int, float)) and 0.0 <= self.mlp_dropout < 1.0):
+            raise ValueError(f"mlp_dropout must be a probability in [0, 1), got {self.mlp_dropout!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if not isinstance(self.source, str) or not self.source:
+            raise ValueError(f"source must be a non-empty string, got {self.source!r}")
+        if self.tokenizer is not None and not isinstance(self.tokenizer, str):
+            raise TypeError(f"tokenizer must be a path string or None, got {type(self.tokenizer).__name__}")
+        if not isinstance(self.label, str):
+            raise TypeError(f"label must be a string, got {type(self.label).__name__}")
+        self.train_config()  # the harness checks steps, batch size, lr, betas, ... with its messages
+        if self.batch_size % self.micro_batch_size != 0:
+            raise ValueError(f"batch_size ({self.batch_size}) must be a multiple of micro_batch_size "
+                             f"({self.micro_batch_size})")
+
+    def train_config(self) -> TrainConfig:
+        """The optimiser/schedule part as the shared harness's :class:`TrainConfig`."""
+        return TrainConfig(steps=self.steps, batch_size=self.batch_size, lr=self.lr, betas=self.betas,
+                           weight_decay=self.weight_decay, eps=self.eps, grad_clip=self.grad_clip,
+                           warmup_steps=self.warmup_steps, min_lr_ratio=self.min_lr_ratio,
+                           eval_every=self.eval_every, checkpoint_every=self.checkpoint_every, seed=self.seed)
+
+    @property
+    def model_label(self) -> str:
+        return self.label or MODEL_LABELS.get(self.mixer, self.mixer)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.seq_len
+
+    def to_json(self) -> dict:
+        return json.loads(json.dumps(asdict(self)))
+
+    @classmethod
+    def from_json(cls, obj: dict) -> LMConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(obj) - known)
+        if unknown:
+            raise ValueError(f"unknown LMConfig fields {unknown}")
+        return cls(**obj)
+
+
+def _check_int(name: str, value: Any, *, minimum: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+PRESETS: dict[str, LMConfig] = {
+    # SPEC §4.5: width 512, 4 layers, 4 heads × 128, 7,935 steps × 65,536 tokens (520M), length
+    # 2,048, lr 6e-4, MLP dropout 0.4, WikiText-103 with a 32k BPE.  Betas, weight decay, warmup
+    # and the final lr ratio are not in the paper: flash-linear-attention's usual values.
+    "paper": LMConfig(preset="paper", source=WIKITEXT_103, vocab_size=32000, hidden_size=512, num_layers=4,
+                      num_heads=4, head_dim=128, mlp_dropout=0.4, seq_len=2048, steps=7935, batch_size=32,
+                      micro_batch_size=8, lr=6e-4, warmup_steps=400, eval_every=500, eval_windows=64,
+                      checkpoint_every=250),
+    # Sized from tokens/s measured on the 2-core CPU (docs/experiments.md, lm section): about
+    # 30 minutes each for BL and GDN on an idle machine, ~1 epoch of the python3-doc corpus
+    # (1.79M train tokens with the 8k BPE).  Length 1,024 covers every AR-hit distance bucket.
+    "cpu": LMConfig(preset="cpu", source="python-docs", vocab_size=8192, hidden_size=256, num_layers=4,
+                    num_heads=4, head_dim=64, mlp_dropout=0.1, seq_len=1024, steps=200, batch_size=8,
+                    micro_batch_size=4, lr=1e-3, warmup_steps=20, eval_every=50, eval_windows=16,
+                    checkpoint_every=25),
+    # A smoke test: seconds on any machine.
+    "tiny": LMConfig(preset="tiny", source="python-docs", vocab_size=8192, hidden_size=64, num_layers=2,
+                     num_heads=2, head_dim=16, mlp_dropout=0.0, seq_len=128, steps=20, batch_size=4,
+                     micro_batch_size=2, lr=3e-3, warmup_steps=2, eval_every=10, eval_windows=4,
+                     checkpoint_every=10, log_every=5),
+}
+
+
+# --------------------------------------------------------------------------- distributed context
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """This process's place in a (possibly single-process) job."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+
+def init_distributed(device: str = "auto") -> DistContext:
+    """Join the ``torchrun`` job described by ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` (if any).
+
+    ``nccl`` on CUDA, ``gloo`` on CPU.  Without ``torchrun`` (``WORLD_SIZE`` unset or 1) this is a
+    single process and nothing is initialised.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device == "auto":
+        device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo")
+    if dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+    return DistContext(rank=rank, world_size=world, local_rank=local_rank, device=dev)
+
+
+def resolve_precision(precision: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype: ``None`` for fp32; ``auto`` is bf16 on a CUDA device that supports it."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if precision == "fp32":
+        return None
+    if precision == "auto":
+        return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else None
+    if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ValueError(f"precision='bf16' but {device} does not support bfloat16; use fp32")
+    return torch.bfloat16
+
+
+def _autocast(device: torch.device, dtype: torch.dtype | None):
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+# --------------------------------------------------------------------------- data
+
+
+def load_corpus(config: LMConfig, ctx: DistContext = DistContext(), *, cache_dir: str | None = None,
+                splits: Sequence[str] = ("train", "validation", "test")):
+    """The run's tokenized corpus; rank 0 tokenizes (or finds the cache) first, then every rank reads it."""
+    from ..data.text import load_text_corpus
+
+    def load():
+        return load_text_corpus(config.source, tokenizer=config.tokenizer, vocab_size=config.vocab_size,
+                                cache_dir=cache_dir, splits=splits)
+
+    if ctx.distributed:
+        if ctx.is_main:
+            load()
+        ctx.barrier()
+    return load()
+
+
+def epoch_permutation(n_windows: int, seed: int, epoch: int) -> np.ndarray:
+    """The window order of one epoch: a permutation of ``range(n_windows)`` drawn from ``(seed, epoch)``."""
+    return np.random.default_rng([seed, epoch, 0x4C4D]).permutation(n_windows)
+
+
+class WindowSchedule:
+    """Which train windows each optimiser step reads: a pure function of ``(seed, step)``.
+
+    Global sample ``g = step · batch_size + i`` is window ``perm_e[g mod N]`` of epoch
+    ``e = g div N``.  Rank ``r`` of ``W`` takes the ``r``-th contiguous ``batch_size / W`` share.
+    """
+
+    def __init__(self, n_windows: int, batch_size: int, seed: int) -> None:
+        if n_windows < 1:
+            raise ValueError("the train split has no complete window; use a shorter seq_len or more text")
+        self.n_windows, self.batch_size, self.seed = n_windows, batch_size, seed
+        self._perms: dict[int, np.ndarray] = {}
+
+    def _perm(self, epoch: int) -> np.ndarray:
+        if epoch not in self._perms:
+            self._perms = {epoch: epoch_permutation(self.n_windows, self.seed, epoch)}  # keep one epoch
+        return self._perms[epoch]
+
+    def step_windows(self, step: int, rank: int = 0, world_size: int = 1) -> np.ndarray:
+        share = self.batch_size // world_size
+        g = step * self.batch_size + rank * share + np.arange(share)
+        out = np.empty(share, dtype=np.int64)
+        for epoch in np.unique(g // self.n_windows):
+            sel = g // self.n_windows == epoch
+            out[sel] = self._perm(int(epoch))[g[sel] % self.n_windows]
+        return out
+
+
+# --------------------------------------------------------------------------- model
+
+
+def build_model(config: LMConfig, vocab_size: int, eos_id: int | None = None):
+    """A freshly initialised :class:`BayesLayerForCausalLM` for ``config`` (seed torch first)."""
+    from ..models import BayesLayerConfig, BayesLayerForCausalLM
+
+    mixer_kwargs = {config.mixer: dict(config.mixer_kwargs)} if config.mixer_kwargs else None
+    model_config = BayesLayerConfig(
+        vocab_size=vocab_size, hidden_size=config.hidden_size, num_hidden_layers=config.num_layers,
+        num_heads=config.num_heads, head_dim=config.head_dim, mixer=config.mixer, mixer_kwargs=mixer_kwargs,
+        mlp_dropout=config.mlp_dropout, bos_token_id=None, eos_token_id=eos_id, pad_token_id=None,
+        use_cache=False,
+    )
+    return BayesLayerForCausalLM(model_config)
+
+
+def token_cross_entropy(model, input_ids: torch.Tensor) -> torch.Tensor:
+    """Per-token CE ``[b, L−1]`` (fp32) of predicting ``input_ids[:, 1:]`` from the prefix."""
+    logits = model(input_ids=input_ids).logits
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), input_ids[:, 1:].flatten(),
+                           reduction="none").view(input_ids.shape[0], -1)
+
+
+def weights_digest(model) -> str:
+    """SHA-256 of every parameter and buffer in ``state_dict`` order: equal digests = equal weights."""
+    h = hashlib.sha256()
+    for name, tensor in model.state_dict().items():
+        h.update(name.encode())
+        h.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+# --------------------------------------------------------------------------- evaluation
+
+
+def grouped_perplexity(model, windows: np.ndarray, masks: dict[str, np.ndarray], *, batch_size: int = 4,
+                       ctx: DistContext = DistContext(), precision: str = "fp32") -> dict[str, dict]:
+    """PPL ``exp(Σ ce·mask / Σ mask)`` per group over packed ``windows [N, L]`` (SPEC §4.5).
+
+    ``masks``: group → boolean ``[N, L−1]`` aligned with the next-token loss
+    (``annotation.masks(shifted=True)``).  Windows are shared out across ranks (``rank::world``)
+    and the float64 sums all-reduced, so every rank returns the same numbers.  The model runs in
+    eval mode under ``torch.no_grad``; its previous mode is restored.
+    """
+    from ..data.arhit import GroupedCE
+
+    if not isinstance(windows, np.ndarray) or windows.ndim != 2 or windows.shape[1] < 2:
+        raise ValueError(f"windows must be a numpy array [N, L >= 2], got {getattr(windows, 'shape', windows)}")
+    if not masks:
+        raise ValueError("masks must name at least one group")
+    for name, mask in masks.items():
+        if tuple(mask.shape) != (windows.shape[0], windows.shape[1] - 1):
+            raise ValueError(f"masks[{name!r}] has shape {tuple(mask.shape)}; windows {windows.shape} need "
+                             f"[N, L-1] = {(windows.shape[0], windows.shape[1] - 1)}")
+    _check_int("batch_size", batch_size, minimum=1)
+    dtype = resolve_precision(precision, ctx.device)
+    mine = np.arange(ctx.rank, windows.shape[0], ctx.world_size)
+    groups = GroupedCE()
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for start in range(0, len(mine), batch_size):
+                idx = mine[start:start + batch_size]
+                ids = torch.from_numpy(np.asarray(windows[idx], dtype=np.int64)).to(ctx.device)
+                with _autocast(ctx.device, dtype):
+                    ce = token_cross_entropy(model, ids)
+                groups.update(ce.float().cpu(), {k: m[idx] for k, m in masks.items()})
+    finally:
+        model.train(was_training)
+    names = sorted(masks)
+    sums = torch.tensor([[groups.sum_ce.get(k, 0.0), float(groups.n_tokens.get(k, 0))] for k in names],
+                        dtype=torch.float64)
+    if ctx.distributed:
+        dist.all_reduce(sums)  # gloo and nccl both reduce float64 on this tensor's device
+    groups.sum_ce = {k: float(sums[i, 0]) for i, k in enumerate(names)}
+    groups.n_tokens = {k: int(round(float(sums[i, 1]))) for i, k in enumerate(names)}
+    return groups.result()
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=path.suffix)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+        os.replace(tmp, path)  # readers see the old file or the new one, never half of one
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def _rng_state(device: torch.device) -> dict:
+    """This process's RNG states in types ``torch.load(weights_only=True)`` accepts."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {"python": random.getstate(), "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(gauss)],
+             "torch": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _set_rng_state(state: dict, device: torch.device) -> None:
+    random.setstate(_as_tuple(state["python"]))
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def _as_tuple(x):
+    return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+def _rank_seed(seed: int, rank: int) -> int:
+    # dropout masks must differ between ranks, and not depend on how the model was initialised
+    return (seed * 1_000_003 + 7919 * (rank + 1)) % 2**63
+
+
+def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint directory of a run, or ``None``."""
+    pointer = Path(run_dir) / "checkpoints" / "latest"
+    if not pointer.is_file():
+        return None
+    path = pointer.parent / pointer.read_text().strip()
+    if not (path / "trainer_state.pt").is_file():
+        raise FileNotFoundError(f"{pointer} names {path.name}, which has no trainer_state.pt; the run "
+                                "directory was damaged (remove checkpoints/ to start over)")
+    return path
+
+
+def save_checkpoint(run_dir: Path, model, trainer_state: dict, *, keep: int = 1) -> Path:
+    """Write ``checkpoints/step-XXXXXXXX`` atomically, point ``latest`` at it, drop older ones (rank 0)."""
+    ckpt_root = run_dir / "checkpoints"
+    ckpt_root.mkdir(parents=True, exist_ok=True)
+    name = f"step-{trainer_state['step']:08d}"
+    tmp = Path(tempfile.mkdtemp(dir=ckpt_root, prefix=".tmp-"))
+    try:
+        save_model_dir(model, tmp)
+        torch.save(trainer_state, tmp / "trainer_state.pt")
+        final = ckpt_root / name
+        if final.exists():  # a re-save of the same step (e.g. the end of a resumed finished run)
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    _atomic_write_text(ckpt_root / "latest", name + "\n")
+    steps = sorted(p for p in ckpt_root.glob("step-*") if p.is_dir() and p.name != name)
+    for old in steps[: max(0, len(steps) - (keep - 1))]:
+        shutil.rmtree(old, ignore_errors=True)
+    for stale in ckpt_root.glob(".tmp-*"):  # left by a run killed while writing
+        shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(missing_ok=True)
+    return final
+
+
+def save_model_dir(model, directory: Path) -> None:
+    """An HF model directory: ``config.json`` and ``model.safetensors`` (a tied head stored once)."""
+    from safetensors.torch import save_model
+
+    model.config.save_pretrained(directory)
+    save_model(model, str(directory / "model.safetensors"), metadata={"format": "pt"})
+
+
+def load_model_weights(model, directory: Path) -> None:
+    """Load ``model.safetensors`` of an HF model directory into ``model`` (strict, tied head allowed)."""
+    from safetensors.torch import load_file
+
+    weights = load_file(str(directory / "model.safetensors"), device="cpu")
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    tied: set[str] = set()
+    if model.config.tie_word_embeddings:  # safetensors stores a shared tensor under one of its names
+        pairs = getattr(model, "_tied_weights_keys", None) or {}
+        tied = set(pairs) | set(pairs.values()) if isinstance(pairs, dict) else set(pairs)
+    missing = [k for k in missing if k not in tied]
+    if missing or unexpected:
+        raise ValueError(f"{directory}/model.safetensors does not match the model: missing {missing}, "
+                         f"unexpected {unexpected}")
+
+
+# --------------------------------------------------------------------------- training
+
+
+@dataclass
+class LMTrainResult:
+    """What one call of :func:`train_lm` did (losses cover the whole run, resumed parts included)."""
+
+    run_dir: Path
+    step: int = 0
+    losses: list[float] = field(default_factory=list)
+    evals: list[dict] = field(default_factory=list)
+    tokens: int = 0
+    seconds: float = 0.0  # training time of this call (excluding evaluations)
+    tokens_per_second: float = 0.0  # over this call's steps, all ranks together
+    finished: bool = False
+    resumed_from: int | None = None
+    summary: dict = field(default_factory=dict)
+
+
+class _JsonLog:
+    """``log.jsonl`` (rank 0 only): one JSON object per line, flushed as written."""
+
+    def __init__(self, path: Path, enabled: bool) -> None:
+        self.path, self.enabled = path, enabled
+
+    def truncate_after(self, step: int) -> None:
+        """Drop entries logged after ``step`` (a killed run logged past its last checkpoint)."""
+        if not self.enabled or not self.path.exists():
+            return
+        kept = [line for line in self.path.read_text().splitlines()
+                if line.strip() and json.loads(line).get("step", 0) <= step]
+        _atomic_write_text(self.path, "".join(line + "\n" for line in kept))
+
+    def write(self, **entry) -> None:
+        if self.enabled:
+            with open(self.path, "a") as fh:
+                fh.write(json.dumps(entry, allow_nan=True) + "\n")
+
+
+def _check_resume_config(saved: dict, config: LMConfig, where: Path) -> None:
+    current = config.to_json()
+    diff = sorted(k for k in set(saved) | set(current) if k not in _BOOKKEEPING and saved.get(k) != current.get(k))
+    if diff:
+        detail = ", ".join(f"{k}: {saved.get(k)!r} → {current.get(k)!r}" for k in diff)
+        raise ValueError(f"{where} holds a run with a different configuration ({detail}); use another --out "
+                         "or the same settings")
+
+
+def train_lm(
+    config: LMConfig,
+    run_dir: str | os.PathLike,
+    *,
+    device: str = "auto",
+    cache_dir: str | None = None,
+    stop_after: int | None = None,
+    progress: bool = True,
+    keep_checkpoints: int = 1,
+    on_step: Callable[[int, float], None] | None = None,
+) -> LMTrainResult:
+    """Train (or resume) the run in ``run_dir``; see the module docstring.
+
+    Args:
+        config: the run; a ``run_dir`` that already holds a run must have the same config
+            (bookkeeping fields such as ``eval_every`` excepted).
+        run_dir: output directory; resumes from ``checkpoints/latest`` when present.
+        device: ``auto`` (``cuda:LOCAL_RANK`` when available, else CPU), ``cpu``, ``cuda:0``, ...
+        cache_dir: token cache of :func:`bayeslayer.data.text.load_text_corpus`.
+        stop_after: stop (with a checkpoint) once this many total steps are done — an interruption
+            on purpose; ``train_lm`` again continues.
+        progress: tqdm bar with loss and tokens/s on rank 0.
+        keep_checkpoints: how many step checkpoints to keep (the newest).
+        on_step: called as ``on_step(step, loss)`` after every optimiser step (all ranks).
+
+    Returns:
+        :class:`LMTrainResult`; ``train_summary.json`` and ``final/`` once all steps are done.
+    """
+    if not isinstance(config, LMConfig):
+        raise TypeError(f"config must be an LMConfig, got {type(config).__name__}")
+    if stop_after is not None and (not isinstance(stop_after, int) or isinstance(stop_after, bool)
+                                   or not 0 < stop_after <= config.steps):
+        raise ValueError(f"stop_after must be an integer in [1, steps={config.steps}], got {stop_after!r}")
+    _check_int("keep_checkpoints", keep_checkpoints, minimum=1)
+    ctx = init_distributed(device)
+    world = ctx.world_size
+    if config.batch_size % (config.micro_batch_size * world) != 0:
+        raise ValueError(f"batch_size ({config.batch_size}) must be a multiple of micro_batch_size × world size "
+                         f"({config.micro_batch_size} × {world})")
+    n_micro = config.batch_size // (config.micro_batch_size * world)
+    autocast_dtype = resolve_precision(config.precision, ctx.device)
+    run_dir = Path(run_dir)
+    if ctx.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        config_path = run_dir / "config.json"
+        if config_path.exists():
+            _check_resume_config(json.loads(config_path.read_text()), config, run_dir)
+        _atomic_write_text(config_path, json.dumps(config.to_json(), indent=1) + "\n")
+    ctx.barrier()
+
+    corpus = load_corpus(config, ctx, cache_dir=cache_dir, splits=("train", "validation"))
+    train_windows = corpus.windows("train", config.seq_len)
+    val_windows = corpus.windows("validation", config.seq_len)
+    val_masks = corpus.annotate("validation", config.seq_len).masks(shifted=True)
+    schedule = WindowSchedule(train_windows.shape[0], config.batch_size, config.seed)
+
+    seed_everything(config.seed)
+    model = build_model(config, corpus.vocab_size, corpus.eos_id).to(ctx.device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=config.lr, betas=config.betas, eps=config.eps,
+                                  weight_decay=config.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config.train_config()))
+    torch.manual_seed(_rank_seed(config.seed, ctx.rank))
+
+    result = LMTrainResult(run_dir=run_dir)
+    train_seconds_before = 0.0
+    log = _JsonLog(run_dir / "log.jsonl", ctx.is_main)
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is not None:
+        load_model_weights(model, ckpt)
+        state = torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=True)
+        _check_resume_config(json.loads(state["config"]), config, ckpt)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        result.step, result.losses, result.evals = state["step"], list(state["losses"]), list(state["evals"])
+        train_seconds_before = float(state["train_seconds"])
+        if state["world_size"] == world:
+            _set_rng_state(state["rng"][ctx.rank], ctx.device)
+        else:
+            warnings.warn(f"{ckpt} was written by {state['world_size']} rank(s), this job has {world}: the data "
+                          "order and weights resume exactly, the dropout RNG streams do not", RuntimeWarning,
+                          stacklevel=2)
+            torch.manual_seed(_rank_seed(config.seed, ctx.rank) + result.step)
+        result.resumed_from = result.step
+        log.truncate_after(result.step)
+        log.write(event="resume", step=result.step, world_size=world, time=time.time())
+    else:
+        log.truncate_after(-1)
+        log.write(event="start", step=0, world_size=world, device=str(ctx.device), time=time.time(),
+                  parameters=_param_counts(model), config=config.to_json())
+    model.train()
+    ddp_model = model
+    if ctx.distributed:
+        ddp_model = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+
+    def trainer_state() -> dict:
+        rng = _rng_state(ctx.device)
+        if ctx.distributed:
+            gathered: list = [None] * world
+            dist.all_gather_object(gathered, rng)
+            rng = gathered
+        else:
+            rng = [rng]
+        return {"step": result.step, "losses": result.losses, "evals": result.evals,
+                "train_seconds": train_seconds_before + result.seconds, "config": json.dumps(config.to_json()),
+                "world_size": world, "tokens": result.step * config.tokens_per_step,
+                "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng}
+
+    def checkpoint() -> None:
+        state = trainer_state()  # collective: every rank contributes its RNG state
+        if ctx.is_main:
+            save_checkpoint(run_dir, model, state, keep=keep_checkpoints)
+        ctx.barrier()
+
+    def evaluate(final: bool) -> dict:
+        windows, masks = val_windows, val_masks
+        if not final and config.eval_windows:
+            windows = windows[: config.eval_windows]
+            masks = {k: m[: config.eval_windows] for k, m in masks.items()}
+        groups = grouped_perplexity(model, windows, masks, batch_size=config.eval_batch_size, ctx=ctx,
+                                    precision=config.precision)
+        record = {"step": result.step, "split": "validation", "windows": int(windows.shape[0]),
+                  "final": final, "groups": groups}
+        log.write(event="eval", **record)
+        return record
+
+    end = config.steps if stop_after is None else stop_after
+    bar = None
+    if progress and ctx.is_main and result.step < end:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=config.steps, initial=result.step, desc=f"lm {config.model_label}", unit="step",
+                   dynamic_ncols=True)
+    start_step, session_tokens = result.step, 0
+    window_losses: list[float] = []
+    while result.step < end:
+        step = result.step
+        t0 = time.perf_counter()
+        mine = schedule.step_windows(step, ctx.rank, world)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)
+        for i in range(n_micro):
+            rows = mine[i * config.micro_batch_size:(i + 1) * config.micro_batch_size]
+            ids = torch.from_numpy(np.asarray(train_windows[rows], dtype=np.int64)).to(ctx.device)
+            sync = ddp_model is model or i == n_micro - 1
+            with (contextlib.nullcontext() if sync else ddp_model.no_sync()):
+                with _autocast(ctx.device, autocast_dtype):
+                    loss = ddp_model(input_ids=ids, labels=ids).loss / n_micro
+                loss.backward()
+            loss_sum += loss.detach().double()
+        if ctx.distributed:
+            dist.all_reduce(loss_sum)
+            loss_sum /= world
+        loss_value = float(loss_sum)
+        if not math.isfinite(loss_value):
+            raise FloatingPointError(f"lm {config.model_label}: loss became {loss_value} at step {step}")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, config.grad_clip))
+        lr = scheduler.get_last_lr()[0]
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        result.step = step + 1
+        result.losses.append(loss_value)
+        window_losses.append(loss_value)
+        result.seconds += time.perf_counter() - t0
+        session_tokens += config.tokens_per_step
+        tokens_per_s = session_tokens / max(result.seconds, 1e-9)
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{tokens_per_s:,.0f}")
+        if result.step % config.log_every == 0 or result.step == end:
+            log.write(event="train", step=result.step, loss=loss_value, loss_mean=float(np.mean(window_losses)),
+                      lr=lr, grad_norm=grad_norm, tokens=result.step * config.tokens_per_step,
+                      tokens_per_s=tokens_per_s, train_seconds=train_seconds_before + result.seconds)
+            window_losses = []
+        if on_step is not None:
+            on_step(result.step, loss_value)
+        if config.eval_every and result.step % config.eval_every == 0 and result.step < config.steps:
+            result.evals.append(evaluate(final=False))
+        if config.checkpoint_every and result.step % config.checkpoint_every == 0:
+            checkpoint()
+    if bar is not None:
+        bar.close()
+    result.finished = result.step >= config.steps
+    steps_done = result.step - start_step
+    result.tokens = result.step * config.tokens_per_step
+    result.tokens_per_second = steps_done * config.tokens_per_step / result.seconds if steps_done else 0.0
+    if result.finished and (not result.evals or not result.evals[-1].get("final")):
+        result.evals.append(evaluate(final=True))
+    if not (config.checkpoint_every and result.step % config.checkpoint_every == 0 and steps_done):
+        checkpoint()
+    if result.finished:
+        result.summary = _finish(run_dir, model, config, result, ctx, train_seconds_before)
+    ctx.barrier()
+    return result
+
+
+def _param_counts(model) -> dict:
+    from ..models import count_parameters
+
+    return count_parameters(model)._asdict()
+
+
+def _finish(run_dir: Path, model, config: LMConfig, result: LMTrainResult, ctx: DistContext,
+            seconds_before: float) -> dict:
+    """Write ``final/`` (HF model dir) and ``train_summary.json``; check that all ranks agree."""
+    digest = weights_digest(model)
+    digests = [digest]
+    if ctx.distributed:
+        digests = [None] * ctx.world_size
+        dist.all_gather_object(digests, digest)
+    if len(set(digests)) != 1:
+        raise RuntimeError(f"ranks ended with different weights (digests {digests}); DDP went out of sync")
+    total_seconds = seconds_before + result.seconds
+    n = len(result.losses)
+    summary = {
+        "label": config.model_label, "mixer": config.mixer, "preset": config.preset, "seed": config.seed,
+        "steps": result.step, "tokens": result.tokens, "world_size": ctx.world_size, "device": str(ctx.device),
+        "train_seconds": total_seconds, "tokens_per_second": result.tokens / total_seconds if total_seconds else 0.0,
+        "parameters": _param_counts(model), "final_train_loss": float(np.mean(result.losses[-max(1, n // 10):])),
+        "validation": result.evals[-1]["groups"] if result.evals else {}, "weights_sha256": digest,
+        "rank_weights_sha256": digests,
+    }
+    if ctx.is_main:
+        final = run_dir / "final"
+        tmp = Path(tempfile.mkdtemp(dir=run_dir, prefix=".tmp-final-"))
+        try:
+            save_model_dir(model, tmp)
+            _atomic_write_text(tmp / "lm_config.json", json.dumps(config.to_json(), indent=1) + "\n")
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+        write_json(str(run_dir / "train_summary.json"), summary)
+    return summary
+
+
+# --------------------------------------------------------------------------- evaluation of runs
+
+
+def load_run(run_dir: str | os.PathLike, *, device: str | torch.device = "cpu"):
+    """``(LMConfig, model)`` of a finished run (its ``final/`` directory), model in eval mode."""
+    run_dir = Path(run_dir)
+    final = run_dir / "final"
+    if not (final / "model.safetensors").is_file() or not (final / "lm_config.json").is_file():
+        raise FileNotFoundError(f"{run_dir} has no finished model (final/model.safetensors and "
+                                "final/lm_config.json); train it to the end first")
+    config = LMConfig.from_json(json.loads((final / "lm_config.json").read_text()))
+    from ..models import BayesLayerConfig, BayesLayerForCausalLM
+
+    model = BayesLayerForCausalLM(BayesLayerConfig.from_pretrained(final))
+    load_model_weights(model, final)
+    return config, model.to(device).eval()
+
+
+def evaluate_run(run_dir: str | os.PathLike, *, split: str = "test", seq_len: int | None = None,
+                 batch_size: int = 4, device: str = "auto", precision: str = "fp32",
+                 cache_dir: str | None = None) -> dict:
+    """Grouped PPL of one finished run on packed windows of ``split`` (cached in the run directory).
+
+    Returns ``{"run_dir", "label", "mixer", "seed", "split", "seq_len", "windows", "groups"}``;
+    ``groups`` maps each of :data:`GROUPS` to ``{"ppl", "mean_ce", "n_tokens"}``.
+    """
+    if split not in ("validation", "test"):
+        raise ValueError(f"split must be 'validation' or 'test', got {split!r}")
+    ctx = init_distributed(device)
+    config, model = load_run(run_dir, device=ctx.device)
+    seq_len = config.seq_len if seq_len is None else _check_int("seq_len", seq_len, minimum=2)
+    cache = Path(run_dir) / f"eval-{split}-L{seq_len}-{precision}.json"
+    weights = hashlib.sha256((Path(run_dir) / "final" / "model.safetensors").read_bytes()).hexdigest()
+    if cache.is_file():
+        cached = json.loads(cache.read_text())
+        if cached.get("weights_sha256") == weights:
+            return cached
+    corpus = load_corpus(config, ctx, cache_dir=cache_dir, splits=("train", split))
+    windows = corpus.windows(split, seq_len)
+    masks = corpus.annotate(split, seq_len).masks(shifted=True)
+    groups = grouped_perplexity(model, windows, masks, batch_size=batch_size, ctx=ctx, precision=precision)
+    record = {"run_dir": str(run_dir), "label": config.model_label, "mixer": config.mixer, "seed": config.seed,
+              "preset": config.preset, "split": split, "seq_len": seq_len, "windows": int(windows.shape[0]),
+              "precision": precision, "source": config.source, "groups": groups, "weights_sha256": weights}
+    if ctx.is_main:
+        write_json(str(cache), record)
+    return record
+
+
+def summarize_runs(records: Sequence[dict]) -> dict:
+    """Group per-run records by model label; mean ± std (ddof 1) of PPL per group over seeds.
+
+    Returns the results layout of :func:`bayeslayer.experiments.harness.results_record` with
+    ``models[label] = {"seeds": [records], "summary": {group: {"mean", "std", "values"}}}``.
+    """
+    if not records:
+        raise ValueError("summarize_runs needs at least one run record")
+    splits = {(r["split"], r["seq_len"]) for r in records}
+    if len(splits) != 1:
+        raise ValueError(f"runs were evaluated on different splits/lengths {sorted(splits)}; evaluate them alike")
+    split, seq_len = splits.pop()
+    models: dict[str, dict] = {}
+    for rec in records:
+        models.setdefault(rec["label"], {"seeds": [], "summary": {}})["seeds"].append(rec)
+    for label, entry in models.items():
+        seeds = [r["seed"] for r in entry["seeds"]]
+        if len(set(seeds)) != len(seeds):
+            raise ValueError(f"model {label!r} has repeated seeds {seeds}: pass each run once (or set --label)")
+        entry["summary"] = {g: summarize([r["groups"][g]["ppl"] for r in entry["seeds"]])
+                            for g in GROUPS if all(r["groups"].get(g, {}).get("n_tokens", 0) for r in entry["seeds"])}
+    presets = sorted({r.get("preset", "?") for r in records})
+    return results_record("lm", ",".join(presets), {"split": split, "seq_len": seq_len}, models,
+                          groups=list(GROUPS), paper_table2=PAPER_TABLE2)
+
+
+def _cell(stats: dict | None) -> str:
+    if not stats:
+        return "–"
+    n = len(stats["values"])
+    return f"{stats['mean']:.2f} ± {stats['std']:.2f}" if n > 1 else f"{stats['mean']:.2f}"
+
+
+def markdown_table(record: dict) -> str:
+    """Table 2's layout (model | all | AR-hit | other), then AR-hit PPL per distance bucket and token counts."""
+    models = record.get("models")
+    if not isinstance(models, dict) or not models:
+        raise ValueError("record has no models; pass the JSON written by `bayeslayer lm eval`")
+    cfg = record.get("config", {})
+    n_seeds = {label: len(m["seeds"]) for label, m in models.items()}
+    lines = [f"PPL on packed windows of length {cfg.get('seq_len')} of the {cfg.get('split')} split "
+             f"(mean ± std over seeds; seeds per model: "
+             + ", ".join(f"{k} {v}" for k, v in n_seeds.items()) + ").", "",
+             "| model | all | AR-hit | other |", "|---|---|---|---|"]
+    for label, m in models.items():
+        lines.append(f"| {label} | " + " | ".join(_cell(m["summary"].get(g)) for g in GROUPS[:3]) + " |")
+    lines += ["", "| model | " + " | ".join(GROUP_LABELS[g] for g in GROUPS[3:]) + " |", "|---|---|---|---|"]
+    for label, m in models.items():
+        lines.append(f"| {label} | " + " | ".join(_cell(m["summary"].get(g)) for g in GROUPS[3:]) + " |")
+    first = next(iter(models.values()))["seeds"][0]["groups"]
+    lines += ["", "Tokens per group: " + ", ".join(
+        f"{GROUP_LABELS[g]} {first[g]['n_tokens']:,}" for g in GROUPS if g in first) + "."]
+    return "\n".join(lines) + "\n"
+
+
+def bar_plot(record: dict, path: str | os.PathLike) -> Path:
+    """Grouped bars of PPL per group (log scale), one bar per model, error bars = std over seeds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = record["models"]
+    groups = [g for g in GROUPS if any(g in m["summary"] for m in models.values())]
+    width = 0.8 / max(1, len(models))
+    fig, ax = plt.subplots(figsize=(7.5, 4.0))
+    try:
+        for i, (label, m) in enumerate(models.items()):
+            xs = [j + (i - (len(models) - 1) / 2) * width for j in range(len(groups))]
+            means = [m["summary"][g]["mean"] if g in m["summary"] else float("nan") for g in groups]
+            stds = [m["summary"][g]["std"] if g in m["summary"] else 0.0 for g in groups]
+            ax.bar(xs, means, width, yerr=stds, capsize=3, label=f"{label} ({len(m['seeds'])} seed(s))")
+        ax.set_xticks(range(len(groups)), [GROUP_LABELS[g] for g in groups], rotation=15, fontsize=8)
+        ax.set_yscale("log")
+        ax.set_ylabel("perplexity (log scale)")
+        cfg = record.get("config", {})
+        ax.set_title(f"{cfg.get('split')} split, windows of {cfg.get('seq_len')} tokens", fontsize=10)
+        ax.grid(axis="y", alpha=0.3, which="both")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=120)
+    finally:
+        plt.close(fig)
+    return path
+
+
+def write_report(record: dict, out_dir: str | os.PathLike, name: str = "lm") -> dict[str, Path]:
+    """Write ``<name>.json`` (unless it is the source), ``<name>.md`` and ``<name>.png`` from ``record``."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out_dir / f"{name}.json", "table": out_dir / f"{name}.md", "plot": out_dir / f"{name}.png"}
+    write_json(str(paths["json"]), record)
+    _atomic_write_text(paths["table"], markdown_table(record))
+    bar_plot(record, paths["plot"])
+    return paths
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def config_from_args(args: argparse.Namespace) -> LMConfig:
+    """The preset named by ``--preset`` with the command line's overrides applied."""
+    config = PRESETS[args.preset]
+    overrides = {name: getattr(args, name) for name in (
+        "mixer", "label", "seed", "steps", "batch_size", "micro_batch_size", "seq_len", "lr", "warmup_steps",
+        "mlp_dropout", "hidden_size", "num_layers", "num_heads", "head_dim", "source", "tokenizer",
+        "vocab_size", "precision", "eval_every", "eval_windows", "checkpoint_every", "log_every")
+        if getattr(args, name, None) is not None}
+    if args.mixer_kwargs is not None:
+        try:
+            overrides["mixer_kwargs"] = json.loads(args.mixer_kwargs)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"--mixer-kwargs must be a JSON object, got {args.mixer_kwargs!r}: {err}") from None
+        if not isinstance(overrides["mixer_kwargs"], dict):
+            raise ValueError(f"--mixer-kwargs must be a JSON object, got {args.mixer_kwargs!r}")
+    return replace(config, **overrides)
+
+
+def _train_main(args) -> int:
+    config = config_from_args(args)
+    out = args.out or os.path.join("runs", "lm", f"{config.preset}-{config.mixer}-seed{config.seed}")
+    result = train_lm(config, out, device=args.device, cache_dir=args.cache_dir, stop_after=args.stop_after,
+                      progress=not args.no_progress, keep_checkpoints=args.keep_checkpoints)
+    if int(os.environ.get("RANK", "0")) == 0:
+        state = "finished" if result.finished else f"stopped at step {result.step}/{config.steps}"
+        print(f"lm train {config.model_label} seed {config.seed}: {state}; {result.tokens:,} tokens, "
+              f"{result.tokens_per_second:,.0f} tokens/s this session; run dir {out}")
+        if result.summary.get("validation"):
+            v = result.summary["validation"]
+            print("validation PPL: " + ", ".join(f"{GROUP_LABELS[g]} {v[g]['ppl']:.2f}" for g in GROUPS if g in v))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+def _eval_main(args) -> int:
+    if args.plot_only:
+        from .plotting import load_json
+
+        record = load_json(args.plot_only)
+        out_dir = Path(args.plot_only).parent
+        name = Path(args.plot_only).stem
+        _atomic_write_text(out_dir / f"{name}.md", markdown_table(record))
+        bar_plot(record, out_dir / f"{name}.png")
+        print(markdown_table(record))
+        return 0
+    if not args.runs:
+        raise SystemExit("lm eval: give at least one run directory (or --plot-only JSON)")
+    records = []
+    for run in args.runs:
+        rec = evaluate_run(run, split=args.split, seq_len=args.seq_len, batch_size=args.batch_size,
+                           device=args.device, precision=args.precision, cache_dir=args.cache_dir)
+        if args.label:
+            rec = {**rec, "label": args.label}
+        records.append(rec)
+    record = summarize_runs(records)
+    paths = write_report(record, args.out, args.name)
+    print(markdown_table(record))
+    print(f"wrote {paths['json']}, {paths['table']}, {paths['plot']}")
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("lm", help="language modelling with AR-hit evaluation (SPEC §4.5)", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    lm_sub = p.add_subparsers(dest="lm_command", metavar="{train,eval}", required=True)
+
+    t = lm_sub.add_parser("train", help="train (or resume) one language model run",
+                          description="Train a BayesLayerForCausalLM; rerun the same command to resume. "
+                                      "Distributed: torchrun --nproc_per_node N -m bayeslayer.cli lm train ...")
+    t.add_argument("--preset", choices=sorted(PRESETS), default="cpu",
+                   help="'paper' = SPEC §4.5 (WikiText-103, 520M tokens); 'cpu' ≈ 30 min per model on an idle "
+                        "2-core CPU on the python3-doc corpus; 'tiny' = smoke test")
+    t.add_argument("--mixer", help="token mixer of every layer (bayesian, gated_deltanet, mamba2, ...)")
+    t.add_argument("--mixer-kwargs", help='JSON object of extra mixer arguments, e.g. \'{"p0": 1.0}\'')
+    t.add_argument("--label", help="the model's name in tables (default: from the mixer)")
+    t.add_argument("--seed", type=int)
+    for name, kind in (("steps", int), ("batch-size", int), ("micro-batch-size", int), ("seq-len", int),
+                       ("lr", float), ("warmup-steps", int), ("mlp-dropout", float), ("hidden-size", int),
+                       ("num-layers", int), ("num-heads", int), ("head-dim", int), ("vocab-size", int),
+                       ("eval-every", int), ("eval-windows", int), ("checkpoint-every", int), ("log-every", int)):
+        t.add_argument(f"--{name}", type=kind, help="override the preset")
+    t.add_argument("--source", help="corpus: python-docs, hf:<name>[:<config>] or a local path")
+    t.add_argument("--tokenizer", help="tokenizer.json (or a directory holding one); default: train a BPE")
+    t.add_argument("--precision", choices=PRECISIONS, help="autocast: auto = bf16 on a capable GPU, else fp32")
+    t.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
+    t.add_argument("--cache-dir", default=None, help="token cache directory (default $BAYESLAYER_CACHE)")
+    t.add_argument("--out", default=None, help="run directory (default runs/lm/<preset>-<mixer>-seed<seed>)")
+    t.add_argument("--stop-after", type=int, default=None, help="stop (checkpointed) after this many total steps")
+    t.add_argument("--keep-checkpoints", type=int, default=1, help="newest step checkpoints to keep")
+    t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    t.set_defaults(func=_train_main)
+
+    e = lm_sub.add_parser("eval", help="grouped PPL (all / AR-hit / other / buckets) of finished runs",
+                          description="Evaluate finished runs; runs sharing a label (default: the mixer) are "
+                                      "seeds of one model. Writes <out>/<name>.json, .md (Table 2 layout), .png.")
+    e.add_argument("runs", nargs="*", help="run directories (each with final/)")
+    e.add_argument("--split", choices=("validation", "test"), default="test")
+    e.add_argument("--seq-len", type=int, default=None, help="window length (default: each run's training length)")
+    e.add_argument("--batch-size", type=int, default=4)
+    e.add_argument("--precision", choices=PRECISIONS, default="fp32")
+    e.add_argument("--device", default="auto")
+    e.add_argument("--cache-dir", default=None)
+    e.add_argument("--label", default=None, help="override the model label of every run given")
+    e.add_argument("--out", default="results/lm", help="output directory")
+    e.add_argument("--name", default="lm", help="file name stem of the outputs")
+    e.add_argument("--plot-only", metavar="JSON", default=None, help="redraw the table and plot from a saved JSON")
+    e.set_defaults(func=_eval_main)
