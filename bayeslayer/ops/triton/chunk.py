@@ -123,18 +123,16 @@ def _torch_reference(q, k, v, r2, ell2, alpha, theta, p0, M0, P0, cu, chunk_size
     return torch.cat(os_, 1), var, torch.cat(Ms, 0), torch.cat(Ps, 0)
 
 
-def _forward_triton(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, want_var):
-    """Validate, fold groups into heads, launch the covariance then the mean kernel, unfold -> (o, var, M, P)."""
-    import triton
+def _fold(q, k, v, r2, ell2, alpha, p0, M0, P0, cu):
+    """Validate and fold groups into heads (differentiable: run it under autograd to map gradients back).
 
-    from .kernels import bl_chunk_cov_kernel, bl_chunk_mean_kernel
-
+    Returns ``(pr, cu_k, M, P)``: the :class:`Prepared` inputs, the sequence offsets the
+    kernels use (``[0, T, 2T, ...]`` without ``cu_seqlens``), and the folded initial
+    state ``M [N, H·G, D, m/G]``, ``P [N, H·G, D, D]`` (N sequences).
+    """
     B, T = q.shape[:2]
     pr = prepare(q, k, v, write="bayes", r2=r2, ell2=ell2, alpha=alpha, p0=p0)
     dims, G = pr.dims, pr.G
-    cd = dims.cdtype
-    Hf = pr.q.shape[2]
-    D, mg = dims.D, dims.m // G
     if cu is None:
         n_seq = B
         cu_k = torch.arange(0, B * T + 1, T if T > 0 else 1, device=dims.device, dtype=torch.int64)[: B + 1]
@@ -143,26 +141,56 @@ def _forward_triton(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, want_v
         cu_k = cu
     if M0 is not None:
         st = check_state((M0, P0), dataclasses.replace(dims, B=n_seq), G)
-        M = grp.fold_state_mean(st[0], G).contiguous().clone()
-        P = grp.fold_state_cov(st[1]).contiguous().clone()
+        M = grp.fold_state_mean(st[0], G)
+        P = grp.fold_state_cov(st[1])
     else:
-        M = pr.M0.expand(n_seq, -1, -1, -1).contiguous()
-        P = pr.P0[:1].expand(n_seq, -1, -1, -1).contiguous()
+        M = pr.M0[:1].expand(n_seq, -1, -1, -1)
+        P = pr.P0[:1].expand(n_seq, -1, -1, -1)
+    return pr, cu_k, M, P
+
+
+def _log_alpha(pr) -> tuple[torch.Tensor, bool, bool]:
+    """``(log α [B, T, H', Da] (zeros [B, T, H', 1] for identity), diagonal?, has decay?)``."""
     kind = pr.dyn.kind
-    diag = kind == "diagonal"
-    has_alpha = kind != "identity"
     la = pr.dyn.log_alpha
     if la is None:
-        la = pr.q.new_zeros(1)
-    elif not diag:
-        la = la[..., 0]
+        la = pr.q.new_zeros(*pr.q.shape[:3], 1)
+    return la, kind == "diagonal", kind != "identity"
+
+
+def _checkpoint_offsets(cu_k: torch.Tensor, C: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per sequence: number of chunks and the first checkpoint row (each sequence keeps chunks + 1 states)."""
+    n_chunks = (cu_k[1:] - cu_k[:-1] + C - 1) // C
+    offsets = torch.zeros_like(cu_k)
+    offsets[1:] = torch.cumsum(n_chunks + 1, 0)
+    return n_chunks, offsets
+
+
+def _forward_triton(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, want_var, save_checkpoints=False):
+    """Validate, fold, launch the covariance then the mean kernel, unfold.
+
+    Returns ``(o, var, M, P)``, and with ``save_checkpoints`` also ``(CKP, CKM, n_chunks,
+    offsets)``: the folded states at every chunk start and at the end of every sequence.
+    """
+    import triton
+
+    from .kernels import bl_chunk_cov_kernel, bl_chunk_mean_kernel
+
+    B, T = q.shape[:2]
+    pr, cu_k, M, P = _fold(q, k, v, r2, ell2, alpha, p0, M0, P0, cu)
+    M, P = M.contiguous().clone(), P.contiguous().clone()  # the kernels' working state; never the caller's
+    dims, G = pr.dims, pr.G
+    cd = dims.cdtype
+    n_seq, Hf = M.shape[:2]
+    D, mg = dims.D, dims.m // G
+    la, diag, has_alpha = _log_alpha(pr)
     NT = B * T
     qf = pr.q.reshape(NT, Hf, D).contiguous()
     kf = pr.k.reshape(NT, Hf, D).contiguous()
     vf = pr.v.reshape(NT, Hf, mg).contiguous()
     r2f = pr.r2.reshape(NT, Hf).contiguous()
     l2f = pr.ell2.reshape(NT, Hf).contiguous()
-    laf = la.reshape(NT, Hf, -1).contiguous() if has_alpha else la
+    laf = la.reshape(NT, Hf, -1).contiguous() if diag else la[..., 0].reshape(NT, Hf).contiguous()
     C = chunk_size
     BD, BK, BV = tile_sizes(D, mg)
     o = torch.empty(NT, Hf, mg, dtype=dims.dtype, device=dims.device)
@@ -170,24 +198,157 @@ def _forward_triton(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, want_v
     w = torch.empty(NT, Hf, D, dtype=cd, device=dims.device)  # write keys β_t u_t
     Yscr = torch.empty(n_seq, Hf, C, BD, dtype=cd, device=dims.device)
     Uscr = torch.empty_like(Yscr)
+    ck = None
+    if save_checkpoints:
+        n_chunks, offsets = _checkpoint_offsets(cu_k, C)
+        rows = int(offsets[-1])
+        CKP = torch.empty(rows, Hf, D, D, dtype=cd, device=dims.device)
+        CKM = torch.empty(rows, Hf, D, mg, dtype=cd, device=dims.device)
+        ck = (CKP, CKM, n_chunks, offsets)
+        ck_args = (CKP, CKM, offsets)
+    else:
+        ck_args = (Yscr, Yscr, cu_k)  # unused pointers
     if NT > 0:
-        shape = dict(H=Hf, D=D, C=C, BD=BD, BK=BK, DIAG=diag, HAS_ALPHA=has_alpha, PREC="ieee")
+        shape = dict(H=Hf, D=D, C=C, BD=BD, BK=BK, DIAG=diag, HAS_ALPHA=has_alpha, SAVE_CK=save_checkpoints,
+                     PREC="ieee", num_warps=default_num_warps(C))
         bl_chunk_cov_kernel[(n_seq, Hf)](
-            qf, kf, r2f, l2f, laf, cu_k, P, w, Yscr, Uscr, var,
-            RETURN_VAR=want_var, num_warps=default_num_warps(C), **shape,
+            qf, kf, r2f, l2f, laf, cu_k, P, w, Yscr, Uscr, var, ck_args[0], ck_args[2], RETURN_VAR=want_var,
+            **shape,
         )
         bl_chunk_mean_kernel[(triton.cdiv(mg, BV), n_seq, Hf)](
-            qf, kf, vf, w, laf, cu_k, M, o, MV=mg, BV=BV, num_warps=default_num_warps(C), **shape,
+            qf, kf, vf, w, laf, cu_k, M, o, ck_args[1], ck_args[2], MV=mg, BV=BV, **shape,
         )
     o = grp.unfold_values(o.reshape(B, T, Hf, mg), G)
     var_out = grp.unfold_per_token(var.reshape(B, T, Hf), G) if want_var else None
-    M_out = grp.unfold_state_mean(M, G)
-    P_out = grp.unfold_state_cov(P, G)
-    return o, var_out, M_out, P_out
+    out = (o, var_out, grp.unfold_state_mean(M, G), grp.unfold_state_cov(P, G))
+    return out + ck if save_checkpoints else out
+
+
+def _pad_sequences(x: torch.Tensor, cu_k: torch.Tensor, n_chunks: torch.Tensor, C: int, fill: float):
+    """Packed ``[NT, H', ...]`` -> chunks ``[NC_max, N, H', C, ...]``, every sequence starting a chunk.
+
+    The tail of each sequence is filled with ``fill`` (the values that make a token an
+    exact no-op), so chunk ``c`` of every sequence is a batch element of chunk ``c``.
+    """
+    N = cu_k.numel() - 1
+    Tp = int(n_chunks.max()) * C
+    t = torch.arange(Tp, device=x.device)
+    idx = cu_k[:-1, None] + t[None, :]  # [N, Tp]
+    inside = t[None, :] < (cu_k[1:] - cu_k[:-1])[:, None]
+    g = x[idx.clamp(max=max(x.shape[0] - 1, 0))]  # [N, Tp, H', ...]
+    g = torch.where(inside.view(N, Tp, *([1] * (x.dim() - 1))), g, torch.full_like(g, fill))
+    g = g.reshape(N, Tp // C, C, *x.shape[1:]).movedim(2, 3)  # [N, NC, H', C, ...]
+    return g.movedim(1, 0)
+
+
+def _unpad_sequences(g: torch.Tensor, cu_k: torch.Tensor, NT: int) -> torch.Tensor:
+    """Inverse of :func:`_pad_sequences` (drops the fill): ``[NC, N, H', C, ...] -> [NT, H', ...]``."""
+    NC, N, Hf, C = g.shape[:4]
+    g = g.movedim(0, 1).movedim(3, 2).reshape(N, NC * C, Hf, *g.shape[4:])
+    out = g.new_zeros(NT, Hf, *g.shape[3:])
+    for n in range(N):
+        bos, eos = int(cu_k[n]), int(cu_k[n + 1])
+        out[bos:eos] = g[n, : eos - bos]
+    return out
+
+
+def _chunkwise_backward(args, needs, cu, C, want_var, d_o, d_var, d_M, d_P):
+    """Gradients of ``(o, var, M_T, P_T)`` w.r.t. ``args``, one chunk at a time in reverse.
+
+    1. the Triton forward re-runs with checkpoints: the state ``(M, P)`` at every chunk start;
+    2. for chunks ``c = NC-1 .. 0`` (all sequences at once, padded to whole chunks with
+       no-op tokens), the PyTorch chunk step (:func:`bayeslayer.ops.chunk.covariance_pass`,
+       :func:`~bayeslayer.ops.chunk.mean_pass`) is recomputed from the checkpoint under autograd and
+       differentiated, carrying ``(dM, dP)`` back to the chunk start;
+    3. the per-chunk input gradients and ``(dM_0, dP_0)`` go back through the
+       validation/folding graph to the caller's tensors.
+    Memory: the checkpoints plus one chunk's graph (not the graph of the whole sequence).
+    """
+    from ..chunk import ChunkDynamics, covariance_pass, mean_pass
+
+    q, k, v, r2, ell2, alpha, p0, M0, P0 = args
+    with torch.no_grad():
+        *_, CKP, CKM, n_chunks, offsets = _forward_triton(
+            *[a.detach() if isinstance(a, torch.Tensor) else a for a in args], cu, C, False, save_checkpoints=True
+        )
+    leaves = []
+    with torch.enable_grad():
+        args = list(args)
+        for i, x in enumerate(args):
+            if isinstance(x, torch.Tensor) and needs[i]:
+                args[i] = x.detach().requires_grad_(True)
+                leaves.append(i)
+        pr, cu_k, M0f, P0f = _fold(*args, cu)
+        la, _, _ = _log_alpha(pr)
+        B, T, Hf, D = pr.q.shape
+        NT = B * T
+        G, mg = pr.G, pr.v.shape[-1]
+        flat = {
+            "q": (pr.q.reshape(NT, Hf, D), 0.0), "k": (pr.k.reshape(NT, Hf, D), 0.0),
+            "v": (pr.v.reshape(NT, Hf, mg), 0.0), "r2": (pr.r2.reshape(NT, Hf), 1.0),
+            "ell2": (pr.ell2.reshape(NT, Hf), 0.0), "la": (la.reshape(NT, Hf, la.shape[-1]), 0.0),
+        }
+        chunked = {name: _pad_sequences(x, cu_k, n_chunks, C, fill) for name, (x, fill) in flat.items()}
+    NC = chunked["q"].shape[0]
+    N = n_chunks.numel()
+    cd = pr.dims.cdtype
+
+    def fold_grad(g, shape, fold):
+        return fold(g.to(cd)) if g is not None else torch.zeros(shape, dtype=cd, device=pr.q.device)
+
+    do = fold_grad(d_o, (B, T, Hf, mg), lambda g: grp.fold_values(g, G)).reshape(NT, Hf, mg)
+    do_c = _pad_sequences(do, cu_k, n_chunks, C, 0.0)
+    dvar_c = None
+    if want_var and d_var is not None and d_var.numel() > 0:
+        dvar_c = _pad_sequences(d_var.to(cd).reshape(NT, Hf), cu_k, n_chunks, C, 0.0)
+    dM = fold_grad(d_M, (N, Hf, D, mg), lambda g: grp.fold_state_mean(g, G))
+    dP = fold_grad(d_P, (N, Hf, D, D), lambda g: grp.fold_state_cov(g if g.dim() == 5 else g.unsqueeze(2)))
+    # checkpoint rows of chunk c per sequence; past a sequence's end its final state (an exact no-op chunk)
+    rows_of = offsets[:-1, None] + torch.minimum(torch.arange(NC, device=offsets.device)[None, :], n_chunks[:, None])
+    grads = {name: torch.zeros_like(x) for name, x in chunked.items()}
+    for c in range(NC - 1, -1, -1):
+        with torch.enable_grad():
+            P_c = CKP[rows_of[:, c]].requires_grad_(True)
+            M_c = CKM[rows_of[:, c]].requires_grad_(True)
+            xs = {name: x[c].detach().requires_grad_(True) for name, x in chunked.items()}
+            one = {name: x[None] for name, x in xs.items()}  # a block of one chunk
+            dyn = ChunkDynamics(one["la"], None)
+            w, var, P_end = covariance_pass(
+                dyn, one["q"] if dvar_c is not None else None, one["k"], one["r2"], one["ell2"], P_c
+            )
+            o, M_end = mean_pass(dyn, one["q"], one["k"], one["v"], w, M_c, erase=True)
+            o = o[0]
+            var = var[0] if var is not None else None
+            outs, gouts = [o, P_end, M_end], [do_c[c], dP, dM]
+            if dvar_c is not None:
+                outs.append(var)
+                gouts.append(dvar_c[c])
+            gs = torch.autograd.grad(outs, [P_c, M_c, *xs.values()], gouts, allow_unused=True)
+        dP, dM = gs[0], gs[1]
+        for name, g in zip(xs, gs[2:], strict=True):
+            if g is not None:
+                grads[name][c] = g
+    result = [None] * len(args)
+    if leaves:
+        with torch.enable_grad():
+            outs, gouts = [], []
+            for name, x in chunked.items():
+                if x.requires_grad:
+                    outs.append(x)
+                    gouts.append(grads[name])
+            for x, g in ((M0f, dM), (P0f, dP)):
+                if x.requires_grad:
+                    outs.append(x)
+                    gouts.append(g)
+            gs = torch.autograd.grad(outs, [args[i] for i in leaves], gouts, allow_unused=True)
+        for i, g in zip(leaves, gs, strict=True):
+            result[i] = g
+    return result
 
 
 class _BLChunkTriton(torch.autograd.Function):
-    """Triton forward; backward by recomputing the PyTorch chunk path under autograd."""
+    """Triton forward; backward chunk by chunk from Triton-recomputed state checkpoints (see
+    :func:`_chunkwise_backward`)."""
 
     @staticmethod
     def forward(ctx, q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, want_var):
@@ -203,30 +364,10 @@ class _BLChunkTriton(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_o, d_var, d_M, d_P):
-        saved = ctx.saved_tensors
-        args = [s if s is not None else p for s, p in zip(saved, ctx.plain, strict=True)]
-        with torch.enable_grad():
-            leaves = []
-            for i, x in enumerate(args):
-                if isinstance(x, torch.Tensor) and ctx.needs_input_grad[i]:
-                    x = x.detach().requires_grad_(True)
-                    args[i] = x
-                    leaves.append((i, x))
-            q, k, v, r2, ell2, alpha, p0, M0, P0 = args
-            o, var, M, P = _torch_reference(
-                q, k, v, r2, ell2, alpha, None, p0, M0, P0, ctx.cu, ctx.chunk_size, ctx.want_var
-            )
-            outs, grads = [], []
-            for out, g in ((o, d_o), (var, d_var), (M, d_M), (P, d_P)):
-                if out is not None and g is not None and out.requires_grad:
-                    outs.append(out)
-                    grads.append(g.to(out.dtype))
-            result = [None] * 12
-            if leaves and outs:
-                gs = torch.autograd.grad(outs, [x for _, x in leaves], grads, allow_unused=True)
-                for (i, _), gx in zip(leaves, gs, strict=True):
-                    result[i] = gx
-        return tuple(result)
+        args = [s if s is not None else p for s, p in zip(ctx.saved_tensors, ctx.plain, strict=True)]
+        grads = _chunkwise_backward(args, ctx.needs_input_grad[:9], ctx.cu, ctx.chunk_size, ctx.want_var,
+                                    d_o, d_var, d_M, d_P)
+        return (*grads, None, None, None)
 
 
 def bl_chunk_triton(

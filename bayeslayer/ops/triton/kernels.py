@@ -106,8 +106,21 @@ def _load_g(la, tok, valid, offs_d, i_h, H: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
+def _save_state(src, dst, offs_r, offs_c, R: tl.constexpr, NC: tl.constexpr, BR: tl.constexpr,
+                STEP: tl.constexpr):
+    """Copy rows ``[0, R)`` × columns ``offs_c`` of a row-major ``[R, NC]`` state block (a checkpoint).
+
+    ``offs_r = arange(0, STEP)``; rows go in blocks of STEP up to the padded BR."""
+    for rb in range(0, BR, STEP):
+        o_r = rb + offs_r
+        m = (o_r[:, None] < R) & (offs_c[None, :] < NC)
+        x = tl.load(src + o_r[:, None] * NC + offs_c[None, :], mask=m, other=0.0)
+        tl.store(dst + o_r[:, None] * NC + offs_c[None, :], x, mask=m)
+
+
+@triton.jit
 def bl_chunk_cov_kernel(
-    q, k, r2, ell2, la, cu_seqlens, P, W, Yscr, Uscr, VAR,
+    q, k, r2, ell2, la, cu_seqlens, P, W, Yscr, Uscr, VAR, CKP, ck_offsets,
     H: tl.constexpr,
     D: tl.constexpr,
     C: tl.constexpr,
@@ -116,6 +129,7 @@ def bl_chunk_cov_kernel(
     DIAG: tl.constexpr,
     HAS_ALPHA: tl.constexpr,
     RETURN_VAR: tl.constexpr,
+    SAVE_CK: tl.constexpr,
     PREC: tl.constexpr,
 ):
     """Covariance pass for one (sequence ``i_n``, head ``i_h``): write keys ``w_t = β_t u_t`` and ``P``.
@@ -123,7 +137,9 @@ def bl_chunk_cov_kernel(
     Layouts (contiguous): q, k, W ``[NT, H, D]``; r2, ell2, VAR ``[NT, H]``; la
     ``[NT, H, D]`` (DIAG) or ``[NT, H]``; P ``[N, H, D, D]`` holds ``P_0`` on entry and
     the final covariance on exit; Yscr, Uscr ``[N, H, C, BD]`` are per-program
-    scratch (``Y`` and ``U`` of the current chunk).
+    scratch (``Y`` and ``U`` of the current chunk).  With SAVE_CK, CKP
+    ``[sum_n (chunks_n + 1), H, D, D]`` receives ``P`` at every chunk start and at the
+    end, sequence ``n`` from row ``ck_offsets[n]`` on (the backward's checkpoints).
     """
     i_n = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1).to(tl.int64)
@@ -142,7 +158,13 @@ def bl_chunk_cov_kernel(
     Y_base = Yscr + (i_n * H + i_h) * C * BD
     U_base = Uscr + (i_n * H + i_h) * C * BD
 
+    if SAVE_CK:
+        ck0 = tl.load(ck_offsets + i_n).to(tl.int64)
     for i_c in range(n_chunks):
+        if SAVE_CK:
+            for cb in range(0, BD, BK):
+                _save_state(P_base, CKP + ((ck0 + i_c) * H + i_h) * D * D, offs_k, cb + offs_k, D, D, BD, BK)
+            tl.debug_barrier()
         tok = bos + i_c * C + rows
         valid = tok < eos
         r2c = tl.load(r2 + tok * H + i_h, mask=valid, other=1.0).to(dt)
@@ -292,11 +314,14 @@ def bl_chunk_cov_kernel(
                 tl.store(p_P, P_new, mask=m_P)
 
         tl.debug_barrier()
+    if SAVE_CK:
+        for cb in range(0, BD, BK):
+            _save_state(P_base, CKP + ((ck0 + n_chunks) * H + i_h) * D * D, offs_k, cb + offs_k, D, D, BD, BK)
 
 
 @triton.jit
 def bl_chunk_mean_kernel(
-    q, k, v, W, la, cu_seqlens, M, O,
+    q, k, v, W, la, cu_seqlens, M, O, CKM, ck_offsets,
     H: tl.constexpr,
     D: tl.constexpr,
     MV: tl.constexpr,
@@ -306,6 +331,7 @@ def bl_chunk_mean_kernel(
     BV: tl.constexpr,
     DIAG: tl.constexpr,
     HAS_ALPHA: tl.constexpr,
+    SAVE_CK: tl.constexpr,
     PREC: tl.constexpr,
 ):
     """Mean pass for value columns ``[i_v·BV, (i_v+1)·BV)`` of one (sequence, head): outputs and ``M``.
@@ -314,7 +340,8 @@ def bl_chunk_mean_kernel(
     :func:`bl_chunk_cov_kernel`), in WY/UT form per chunk.  Value blocks are
     independent, so they run as separate programs (the C×C work is repeated per
     block, as in flash-linear-attention's state pass).  v, O ``[NT, H, MV]``;
-    M ``[N, H, D, MV]`` holds ``M_0`` on entry and the final mean on exit.
+    M ``[N, H, D, MV]`` holds ``M_0`` on entry and the final mean on exit; with
+    SAVE_CK, CKM receives ``M`` at every chunk start and at the end (as CKP above).
     """
     i_v = tl.program_id(0).to(tl.int64)
     i_n = tl.program_id(1).to(tl.int64)
@@ -332,7 +359,12 @@ def bl_chunk_mean_kernel(
     dt = M.dtype.element_ty
     M_base = M + (i_n * H + i_h) * D * MV
 
+    if SAVE_CK:
+        ck0 = tl.load(ck_offsets + i_n).to(tl.int64)
     for i_c in range(n_chunks):
+        if SAVE_CK:
+            _save_state(M_base, CKM + ((ck0 + i_c) * H + i_h) * D * MV, offs_k, ov, D, MV, BD, BK)
+            tl.debug_barrier()
         tok = bos + i_c * C + rows
         valid = tok < eos
         if not DIAG:
@@ -410,6 +442,8 @@ def bl_chunk_mean_kernel(
             M_new += tl.dot(tl.trans(w_o), E, input_precision=PREC)
             tl.store(p_M, M_new, mask=m_M)
         tl.debug_barrier()
+    if SAVE_CK:
+        _save_state(M_base, CKM + ((ck0 + n_chunks) * H + i_h) * D * MV, offs_k, ov, D, MV, BD, BK)
 
 
 @triton.jit
