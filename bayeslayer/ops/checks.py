@@ -45,6 +45,11 @@ def value_checks_enabled() -> bool:
     return _VALUE_CHECKS
 
 
+def _values_checked(x: torch.Tensor) -> bool:
+    # meta tensors carry shapes only (used to trace shapes and memory); there are no values to check
+    return _VALUE_CHECKS and x.device.type != "meta"
+
+
 def _shape(x: torch.Tensor) -> str:
     return str(tuple(x.shape))
 
@@ -57,7 +62,7 @@ def check_tensor(name: str, x, *, device: torch.device | None = None) -> torch.T
         raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
     if device is not None and x.device != device:
         raise ValueError(f"{name} is on {x.device} but q is on {device}; all inputs must share one device")
-    if _VALUE_CHECKS and not _all_finite(x):
+    if _values_checked(x) and not _all_finite(x):
         raise ValueError(f"{name} contains NaN or Inf values (shape {_shape(x)})")
     return x
 
@@ -150,7 +155,7 @@ def check_positive(
         if not ok:
             want = f"{lead_s} or {lead_s[:-1]}, G]" if allow_groups else lead_s
             raise ValueError(f"{name} must have shape {want} = {lead}, got {_shape(t)}")
-        if _VALUE_CHECKS:
+        if _values_checked(t):
             bad = (t <= 0) if strict else (t < 0)
             if bool(bad.any()):
                 cond = "> 0" if strict else ">= 0"
@@ -173,7 +178,7 @@ def check_p0(p0, dims: Dims) -> torch.Tensor:
             p = p.expand(dims.H)
         if tuple(p.shape) != (dims.H,):
             raise ValueError(f"p0 must be a number or a tensor of shape [H] = ({dims.H},), got {_shape(p)}")
-        if _VALUE_CHECKS and bool((p <= 0).any()):
+        if _values_checked(p) and bool((p <= 0).any()):
             raise ValueError(f"p0 must be > 0, got min {p.min().item():.3g}")
         return p.to(dims.cdtype)
     if not isinstance(p0, numbers.Real) or isinstance(p0, bool):
@@ -234,7 +239,7 @@ def check_dynamics(alpha, theta, dims: Dims, *, single_step: bool = False) -> Dy
             la = _unsq(la)
         return Dynamics("rotation" if th is not None else "identity", la, th)
     a = check_tensor("alpha", alpha, device=dims.device)
-    if _VALUE_CHECKS and bool(((a <= 0) | (a > 1)).any()):
+    if _values_checked(a) and bool(((a <= 0) | (a > 1)).any()):
         raise ValueError(
             f"alpha must lie in (0, 1]; got values in [{a.min().item():.3g}, {a.max().item():.3g}]"
         )
@@ -292,14 +297,14 @@ def check_state(
     if tuple(P.shape) != (B, H, G, D, D):
         want = f"[B, H, D, D] = {(B, H, D, D)}" if G == 1 else f"[B, H, G, D, D] = {(B, H, G, D, D)}"
         raise ValueError(f"{name}[1] (P) must be {want}, got {_shape(P)}")
-    if _VALUE_CHECKS:
+    if _values_checked(P):
         asym = (P - P.transpose(-1, -2)).abs().max()
         scale = P.abs().max().clamp_min(1.0)
         if bool(asym > 1e-4 * scale):
             raise ValueError(f"{name}[1] (P) must be symmetric; max |P - P^T| = {asym.item():.3g}")
         if bool((torch.diagonal(P, dim1=-2, dim2=-1) < -1e-6 * scale).any()):
             raise ValueError(f"{name}[1] (P) must be positive semi-definite; it has a negative diagonal entry")
-    if _VALUE_CHECKS and full_psd:
+    if _values_checked(P) and full_psd:
         # A positive diagonal does not make P PSD (e.g. [[1, 2], [2, 1]]); the oracle would run on
         # silently and the chunked path fail inside its Cholesky.  A Cholesky of P plus a small
         # jitter (rounding in a filtered state can leave eigenvalues of order -eps·|P|) tells.
