@@ -228,6 +228,14 @@ def test_triton_available_under_interpreter():
     assert triton_available()
 
 
+def test_bl_chunk_backend_triton_dispatches_here():
+    q, k, v, r2, ell2, alpha = make_inputs(1, 18, 1, 16, 8)
+    o1, (M1, P1) = bl_chunk(q, k, v, r2, ell2, alpha, output_final_state=True, chunk_size=16, backend="triton")
+    o2, (M2, P2) = bl_chunk(q, k, v, r2, ell2, alpha, output_final_state=True, chunk_size=16, backend="torch")
+    assert_close(o1, o2, 1e-10, "output")
+    assert_close(P1, P2, 1e-10, "final P")
+
+
 # --------------------------------------------------------------------------- bad input
 
 def test_bad_inputs_raise():
