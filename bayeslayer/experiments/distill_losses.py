@@ -1,0 +1,456 @@
+"""Distillation objectives of the retrofit (SPEC §4.6): what ``bayeslayer distill`` trains with.
+
+A pretrained Gated DeltaNet (the teacher) has layers ``L`` (default {5, 11, 17, 23})
+swapped for Bayesian Layers (:func:`bayeslayer.models.replace_layers`); the student is
+trained in two phases.  Writing ``y_l`` ``[B, T, d]`` for the student's layer-``l``
+mixer output, ``ŷ_l`` for the teacher's on the same tokens, and ``𝓜`` for the valid
+tokens (``mask``):
+
+* **Phase A, layer matching** (all replaced layers at once)::
+
+      NMSE_l = Σ_{t∈𝓜,c} (y_l − ŷ_l)²_{tc} / Σ_{t∈𝓜,c} (ŷ_l − μ_l)²_{tc},   μ_{l,c} = mean_{t∈𝓜} ŷ_{l,tc}
+      cos_l  = mean_{t∈𝓜} ⟨y_{l,t}, ŷ_{l,t}⟩ / (‖y_{l,t}‖ ‖ŷ_{l,t}‖)
+      loss_A = mean_l [ NMSE_l + 0.05 · (1 − cos_l) ]
+
+  i.e. the mean squared error divided by the teacher output's variance, the variance
+  taken over the valid tokens of the batch around each channel's mean and averaged
+  over channels (so a student that outputs the teacher's per-channel mean scores 1).
+
+* **Phase B, joint**::
+
+      KL     = mean_{t∈𝓜} Σ_v p̂_t(v) (log p̂_t(v) − log p_t(v)),   p̂ = softmax(teacher logits / τ)
+      loss_B = w_kl · τ² · KL + w_mse · mean_l NMSE_l
+
+  ``KL(p_teacher ‖ p_student)`` (forward KL: the student must cover every token the
+  teacher gives mass to), τ = 1 in the paper; weights ``(w_kl, w_mse)`` are
+  (0.8, 0.2) and then (0.9, 0.1) (:func:`phase_b_weights`).
+
+Also here: :class:`MixerOutputCapture` (forward hooks on ``model.model.layers[i].attn``),
+:func:`select_trainable` (the paper's trainable set, as optimizer parameter groups; also
+the GDN-FT control's) and :class:`ParameterSnapshot` (freeze, then verify frozen).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import numbers
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+#: Weight of the cosine term in the Phase A loss.
+COSINE_WEIGHT = 0.05
+#: Phase B weights (KL, NMSE) before and after the switch.
+PHASE_B_WEIGHTS = ((0.8, 0.2), (0.9, 0.1))
+#: The paper's replaced layers in the 24-layer 340M teacher.
+PAPER_LAYERS = (5, 11, 17, 23)
+#: Learning-rate multiplier of the selected MLP parts.
+MLP_LR_SCALE = 0.1
+_EPS = 1e-8
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def _check_pair(name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor, ndim: int) -> None:
+    for name, x in ((name_a, a), (name_b, b)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if not x.is_floating_point():
+            raise TypeError(f"{name} must be floating point, got {x.dtype}")
+        if x.ndim != ndim:
+            raise ValueError(f"{name} must have {ndim} dims [B, T, ...], got shape {tuple(x.shape)}")
+    if a.shape != b.shape:
+        raise ValueError(f"{name_a} {tuple(a.shape)} and {name_b} {tuple(b.shape)} must have the same shape")
+    if a.device != b.device:
+        raise ValueError(f"{name_a} is on {a.device} but {name_b} is on {b.device}")
+    if not torch.isfinite(b).all():
+        raise ValueError(f"{name_b} has non-finite values")
+
+
+def _check_mask(mask: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """A float [B, T] mask of valid tokens (all ones when ``mask`` is None)."""
+    B, T = like.shape[:2]
+    if mask is None:
+        return torch.ones(B, T, device=like.device, dtype=torch.float32)
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"mask must be a torch.Tensor or None, got {type(mask).__name__}")
+    if mask.shape != (B, T):
+        raise ValueError(f"mask must have shape [B, T] = {(B, T)}, got {tuple(mask.shape)}")
+    if mask.device != like.device:
+        raise ValueError(f"mask is on {mask.device} but the outputs are on {like.device}")
+    if mask.dtype != torch.bool:
+        if mask.is_floating_point() or mask.is_complex():
+            raise TypeError(f"mask must be bool or integer 0/1, got {mask.dtype}")
+        if ((mask != 0) & (mask != 1)).any():
+            raise ValueError("mask must hold only 0 and 1")
+    mask = mask.to(torch.float32)
+    if mask.sum() == 0:
+        raise ValueError("mask selects no token: nothing to average over")
+    return mask
+
+
+# ----------------------------------------------------------------------------- Phase A terms
+
+
+def normalized_mse(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Variance-normalised squared error of one layer's outputs ``[B, T, d]`` (scalar)::
+
+        Σ_{t∈mask,c} (student − teacher)²  /  Σ_{t∈mask,c} (teacher − μ_c)²,   μ_c = mean_{t∈mask} teacher_{tc}
+
+    The teacher is detached (it is a target); arithmetic in float32 or wider.
+    """
+    _check_pair("student", student, "teacher", teacher, 3)
+    m = _check_mask(mask, teacher)[..., None]
+    dtype = torch.promote_types(student.dtype, torch.float32)
+    s, t = student.to(dtype), teacher.detach().to(dtype)
+    m = m.to(dtype)
+    count = m.sum()
+    mean = (t * m).sum(dim=(0, 1)) / count                       # [d] per-channel mean
+    variance = (((t - mean) ** 2) * m).sum()
+    if variance <= 0:
+        raise ValueError("the teacher output is constant over the valid tokens: its variance is 0")
+    return (((s - t) ** 2) * m).sum() / variance
+
+
+def cosine_distance(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """``1 − mean_{t∈mask} cos(student_t, teacher_t)``, the cosine taken over the hidden dim (scalar)."""
+    _check_pair("student", student, "teacher", teacher, 3)
+    m = _check_mask(mask, teacher)
+    dtype = torch.promote_types(student.dtype, torch.float32)
+    cos = F.cosine_similarity(student.to(dtype), teacher.detach().to(dtype), dim=-1, eps=_EPS)   # [B, T]
+    m = m.to(dtype)
+    return 1.0 - (cos * m).sum() / m.sum()
+
+
+def _check_layer_dicts(student: dict, teacher: dict) -> list:
+    if not isinstance(student, dict) or not isinstance(teacher, dict):
+        raise TypeError("student_outputs and teacher_outputs must be dicts {layer: tensor [B, T, d]}")
+    if not student:
+        raise ValueError("no layer outputs given")
+    if set(student) != set(teacher):
+        raise ValueError(f"student layers {sorted(student)} and teacher layers {sorted(teacher)} differ")
+    return sorted(student)
+
+
+def layer_matching_loss(
+    student_outputs: dict[int, torch.Tensor],
+    teacher_outputs: dict[int, torch.Tensor],
+    mask: torch.Tensor | None = None,
+    *,
+    cosine_weight: float = COSINE_WEIGHT,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Phase A: ``mean_l [NMSE_l + cosine_weight · (1 − cos_l)]`` over the replaced layers.
+
+    Args:
+        student_outputs, teacher_outputs: ``{layer: mixer output [B, T, d]}`` for the same layers.
+        mask: ``[B, T]`` valid tokens (bool or 0/1), ``None`` for all.
+    Returns:
+        ``(loss, parts)`` with ``parts = {"nmse": mean_l NMSE_l, "cos_distance": mean_l (1 − cos_l),
+        "nmse/<l>": ..., "cos_distance/<l>": ...}`` as floats for logging.
+    """
+    if isinstance(cosine_weight, bool) or not isinstance(cosine_weight, numbers.Real) or cosine_weight < 0:
+        raise ValueError(f"cosine_weight must be a number >= 0, got {cosine_weight!r}")
+    layers = _check_layer_dicts(student_outputs, teacher_outputs)
+    nmse = [normalized_mse(student_outputs[i], teacher_outputs[i], mask) for i in layers]
+    cos = [cosine_distance(student_outputs[i], teacher_outputs[i], mask) for i in layers]
+    loss = torch.stack([a + cosine_weight * b for a, b in zip(nmse, cos, strict=True)]).mean()
+    parts = {"nmse": float(torch.stack(nmse).detach().mean()), "cos_distance": float(torch.stack(cos).detach().mean())}
+    for i, a, b in zip(layers, nmse, cos, strict=True):
+        parts[f"nmse/{i}"] = float(a.detach())
+        parts[f"cos_distance/{i}"] = float(b.detach())
+    return loss, parts
+
+
+# ----------------------------------------------------------------------------- Phase B terms
+
+
+def kl_teacher_student(
+    teacher_logits: torch.Tensor,
+    student_logits: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """``τ² · mean_{t∈mask} KL(p_teacher,t ‖ p_student,t)`` over next-token distributions (scalar).
+
+    ``p = softmax(logits / τ)``; logits ``[B, T, V]``; computed in float32 or wider, the
+    teacher detached.  Forward KL: ``Σ_v p_teacher (log p_teacher − log p_student)``.
+    """
+    _check_pair("student_logits", student_logits, "teacher_logits", teacher_logits, 3)
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not temperature > 0:
+        raise ValueError(f"temperature must be a number > 0, got {temperature!r}")
+    m = _check_mask(mask, teacher_logits)
+    dtype = torch.promote_types(student_logits.dtype, torch.float32)
+    log_p = F.log_softmax(teacher_logits.detach().to(dtype) / temperature, dim=-1)
+    log_q = F.log_softmax(student_logits.to(dtype) / temperature, dim=-1)
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1)                 # [B, T]
+    m = m.to(dtype)
+    return temperature ** 2 * (kl * m).sum() / m.sum()
+
+
+def phase_b_weights(step: int, switch_step: int) -> tuple[float, float]:
+    """``(w_kl, w_mse)`` at ``step``: (0.8, 0.2) before ``switch_step``, (0.9, 0.1) from it on.
+
+    The paper gives the two settings in this order but not when it switches; ``bayeslayer
+    distill`` switches halfway through Phase B by default (``switch_step = steps // 2``).
+    """
+    for name, v in (("step", step), ("switch_step", switch_step)):
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {v!r}")
+    return PHASE_B_WEIGHTS[0] if step < switch_step else PHASE_B_WEIGHTS[1]
+
+
+def joint_loss(
+    teacher_logits: torch.Tensor,
+    student_logits: torch.Tensor,
+    student_outputs: dict[int, torch.Tensor],
+    teacher_outputs: dict[int, torch.Tensor],
+    mask: torch.Tensor | None = None,
+    *,
+    weights: tuple[float, float] = PHASE_B_WEIGHTS[0],
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Phase B: ``w_kl · KL(p_teacher ‖ p_student) + w_mse · mean_l NMSE_l``.
+
+    Returns ``(loss, {"kl", "nmse", "w_kl", "w_mse"})``.
+    """
+    if (not isinstance(weights, (tuple, list)) or len(weights) != 2
+            or not all(isinstance(w, numbers.Real) and not isinstance(w, bool) and w >= 0 for w in weights)):
+        raise ValueError(f"weights must be two numbers >= 0 (w_kl, w_mse), got {weights!r}")
+    kl = kl_teacher_student(teacher_logits, student_logits, mask, temperature=temperature)
+    layers = _check_layer_dicts(student_outputs, teacher_outputs)
+    nmse = torch.stack([normalized_mse(student_outputs[i], teacher_outputs[i], mask) for i in layers]).mean()
+    w_kl, w_mse = float(weights[0]), float(weights[1])
+    loss = w_kl * kl + w_mse * nmse
+    return loss, {"kl": float(kl.detach()), "nmse": float(nmse.detach()), "w_kl": w_kl, "w_mse": w_mse}
+
+
+# ----------------------------------------------------------------------------- hooks
+
+
+def _model_layers(model: nn.Module) -> nn.ModuleList:
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise TypeError(f"model must have model.model.layers (a BayesLayerForCausalLM), got {type(model).__name__}")
+    return layers
+
+
+def _check_layer_indices(indices: Iterable[int], num_layers: int) -> list[int]:
+    if isinstance(indices, (str, bytes)) or not isinstance(indices, Iterable):
+        raise TypeError(f"layers must be a list of ints, got {type(indices).__name__}")
+    out = list(indices)
+    if not out:
+        raise ValueError("layers is empty")
+    if any(isinstance(i, bool) or not isinstance(i, numbers.Integral) for i in out):
+        raise TypeError(f"layers must be ints, got {out!r}")
+    bad = [i for i in out if not 0 <= i < num_layers]
+    if bad:
+        raise ValueError(f"layers {bad} are out of range for a model of {num_layers} layers")
+    if len(set(out)) != len(out):
+        raise ValueError(f"layers has duplicates: {out}")
+    return sorted(int(i) for i in out)
+
+
+class MixerOutputCapture:
+    """Forward hooks on ``model.model.layers[i].attn`` that keep each mixer's output ``o``
+    ``[B, T, d]`` of the latest forward, in ``outputs[i]``::
+
+        with MixerOutputCapture(student, [5, 11]) as s, MixerOutputCapture(teacher, [5, 11]) as t:
+            student_logits = student(ids).logits
+            with torch.no_grad():
+                teacher_logits = teacher(ids).logits
+            loss, parts = layer_matching_loss(s.outputs, t.outputs, mask)
+
+    The outputs keep their graph (gradients flow to the student).  Leaving the ``with``
+    block (or :meth:`remove`) removes the hooks and drops the tensors.
+    """
+
+    def __init__(self, model: nn.Module, layers: Iterable[int]) -> None:
+        blocks = _model_layers(model)
+        self.layers = _check_layer_indices(layers, len(blocks))
+        self.outputs: dict[int, torch.Tensor] = {}
+        self._handles = [blocks[i].attn.register_forward_hook(self._hook(i)) for i in self.layers]
+
+    def _hook(self, index: int):
+        def hook(module, args, output):
+            o = getattr(output, "o", output[0] if isinstance(output, tuple) else output)
+            self.outputs[index] = o
+        return hook
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self.outputs = {}
+
+    def __enter__(self) -> MixerOutputCapture:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+
+# ----------------------------------------------------------------------------- trainable set
+
+
+#: Names (prefixes within a mixer) of each part of the paper's trainable set.  Anything else
+#: in a replaced mixer is a *new* projection (the Bayesian Layer's noise maps r2/ell2/theta).
+_RECURRENCE = ("A_log", "dt_bias", "a_proj.", "b_proj.", "r2_bias", "ell2_bias", "theta_bias", "p0")
+_OLD_PROJECTIONS = ("q_proj.", "k_proj.", "v_proj.", "q_conv1d.", "k_conv1d.", "v_conv1d.", "o_proj.")
+_OUTPUT_GATE = ("g_proj.", "o_norm.")
+_MLP_PARTS = ("gate_proj", "up_proj", "down_proj")
+
+
+def _mixer_part(name: str) -> str:
+    for part, prefixes in (("recurrence", _RECURRENCE), ("old_projections", _OLD_PROJECTIONS),
+                           ("output_gate", _OUTPUT_GATE)):
+        if name.startswith(prefixes):
+            return part
+    return "new_projections"
+
+
+@dataclass
+class TrainableSelection:
+    """What :func:`select_trainable` chose.
+
+    param_groups: for ``torch.optim.AdamW(selection.param_groups)``; each group has
+        ``params``, ``lr``, ``weight_decay`` and a ``name``.
+    names: full parameter names per part: ``recurrence``, ``old_projections``,
+        ``new_projections``, ``output_gate`` (the replaced mixers) and ``mlp``.
+    frozen: names of every other parameter (``requires_grad`` is now False).
+    """
+
+    param_groups: list[dict]
+    names: dict[str, list[str]]
+    frozen: list[str] = field(repr=False)
+
+    @property
+    def trainable(self) -> list[str]:
+        return [n for part in self.names.values() for n in part]
+
+
+def select_trainable(
+    model: nn.Module,
+    layers: Iterable[int] = PAPER_LAYERS,
+    *,
+    lr: float,
+    mlp_parts: Sequence[str] = (),
+    mlp_lr_scale: float = MLP_LR_SCALE,
+    weight_decay: float = 0.0,
+) -> TrainableSelection:
+    """Freeze ``model`` except the paper's trainable set, and return its optimizer groups.
+
+    Trainable: every parameter of the mixers ``model.model.layers[i].attn`` for ``i`` in
+    ``layers`` — the recurrence (decay ``A_log``/``dt_bias``/``a_proj``, a Bayesian Layer's
+    noise biases or a GDN's ``b_proj``), the old projections (``q/k/v/o_proj`` and short
+    convolutions, initialised from the teacher), the new projections (the Bayesian Layer's
+    ``r2_proj``/``ell2_proj``/``theta_proj``) and the output gate (``g_proj``, ``o_norm``);
+    optionally ``mlp_parts`` (any of ``gate_proj``, ``up_proj``, ``down_proj``) of the same
+    layers' MLPs, at ``mlp_lr_scale · lr``.  Norms outside the mixers, embeddings, the head
+    and all other layers are frozen.
+
+    The same call on the unmodified teacher gives the GDN-FT control's trainable set
+    (its GDN mixers at the same layers, the same MLP parts).
+
+    ``weight_decay`` applies to matrices only (parameters with ≥ 2 dims); vectors (biases,
+    norm weights, ``A_log``, ``dt_bias``) get none.
+    """
+    blocks = _model_layers(model)
+    idxs = _check_layer_indices(layers, len(blocks))
+    for name, v, positive in (("lr", lr, True), ("mlp_lr_scale", mlp_lr_scale, True),
+                              ("weight_decay", weight_decay, False)):
+        ok = isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+        if not ok or (v <= 0 if positive else v < 0):
+            raise ValueError(f"{name} must be a finite number {'> 0' if positive else '>= 0'}, got {v!r}")
+    if isinstance(mlp_parts, str) or not all(p in _MLP_PARTS for p in mlp_parts):
+        raise ValueError(f"mlp_parts must be a list drawn from {_MLP_PARTS}, got {mlp_parts!r}")
+
+    names: dict[str, list[str]] = {"recurrence": [], "old_projections": [], "new_projections": [],
+                                   "output_gate": [], "mlp": []}
+    chosen: dict[str, nn.Parameter] = {}
+    for i in idxs:
+        for n, p in blocks[i].attn.named_parameters():
+            full = f"model.layers.{i}.attn.{n}"
+            names[_mixer_part(n)].append(full)
+            chosen[full] = p
+        for part in mlp_parts:
+            for n, p in getattr(blocks[i].mlp, part).named_parameters():
+                full = f"model.layers.{i}.mlp.{part}.{n}"
+                names["mlp"].append(full)
+                chosen[full] = p
+    if not any(names[k] for k in names if k != "mlp"):
+        raise ValueError(f"the mixers of layers {idxs} have no parameters to train")
+
+    ids = {id(p) for p in chosen.values()}
+    frozen = []
+    for n, p in model.named_parameters():
+        p.requires_grad_(id(p) in ids)
+        if id(p) not in ids:
+            frozen.append(n)
+
+    mlp_names = set(names["mlp"])
+    groups = []
+    for label, group_lr, pick in (("mixers", float(lr), lambda n: n not in mlp_names),
+                                  ("mlp", float(lr) * float(mlp_lr_scale), lambda n: n in mlp_names)):
+        for decay in (True, False):
+            params = [p for n, p in chosen.items() if pick(n) and (p.ndim >= 2) == decay]
+            if params:
+                groups.append({"params": params, "lr": group_lr,
+                               "weight_decay": float(weight_decay) if decay else 0.0,
+                               "name": f"{label}{'' if decay else '/no_decay'}"})
+    return TrainableSelection(groups, names, frozen)
+
+
+# ----------------------------------------------------------------------------- freeze and verify
+
+
+def _digest(t: torch.Tensor) -> str:
+    data = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+    return hashlib.sha256(data.tobytes()).hexdigest()
+
+
+class ParameterSnapshot:
+    """Bit-exact fingerprints (SHA-256 of the bytes) of parameters, to check later which changed.
+
+    Stores 64 hex characters per tensor, not a copy, so it costs no memory on a 340M model::
+
+        frozen = ParameterSnapshot(model, selection.frozen)
+        ... train ...
+        frozen.assert_unchanged(model)        # AssertionError naming any frozen tensor that moved
+    """
+
+    def __init__(self, model: nn.Module, names: Iterable[str] | None = None) -> None:
+        params = dict(model.named_parameters())
+        names = list(params) if names is None else list(names)
+        missing = [n for n in names if n not in params]
+        if missing:
+            raise ValueError(f"model has no parameters named {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        self.digests = {n: _digest(params[n]) for n in names}
+
+    def changed(self, model: nn.Module) -> list[str]:
+        """Names whose values differ (bit for bit) from the snapshot."""
+        params = dict(model.named_parameters())
+        missing = [n for n in self.digests if n not in params]
+        if missing:
+            raise ValueError(f"model no longer has parameters {missing[:5]}")
+        return [n for n, d in self.digests.items() if _digest(params[n]) != d]
+
+    def assert_unchanged(self, model: nn.Module) -> None:
+        """Raise ``AssertionError`` listing every parameter that changed since the snapshot."""
+        moved = self.changed(model)
+        if moved:
+            raise AssertionError(f"{len(moved)} frozen parameter(s) changed: {moved[:10]}")
+
+
+def freeze_and_snapshot(model: nn.Module, selection: TrainableSelection) -> ParameterSnapshot:
+    """Check that exactly the selection requires grad, and snapshot everything else."""
+    frozen = set(selection.frozen)
+    wrong = [n for n, p in model.named_parameters() if p.requires_grad == (n in frozen)]
+    if wrong:
+        raise AssertionError(f"requires_grad does not match the selection for {wrong[:10]}")
+    return ParameterSnapshot(model, selection.frozen)

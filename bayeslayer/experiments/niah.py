@@ -1,0 +1,838 @@
+"""RULER needle-in-a-haystack evaluation (SPEC §4.6): generators, greedy decoding, scoring, plots.
+
+RULER's NIAH family has eight variants.  A *needle* is the sentence
+``"One of the special magic {numbers} for {key} is: {value}."``; the prompt asks for
+the value(s) of the queried key(s) and ends with an answer prefix, so the model's
+continuation should start with the answer::
+
+    Some special magic numbers are hidden within the following text. Make sure to memorize
+    it. I will quiz you about the numbers afterwards.
+    <haystack ... One of the special magic numbers for calm-river is: 4721093. ... haystack>
+    What are all the special magic numbers for calm-river mentioned in the provided text?
+    The special magic numbers for calm-river mentioned in the provided text are
+
+(one expected value: "A special magic number is hidden ...", "What is ...", "... is").
+
+========================  ===========================  ======  =======  ===========================
+task                      haystack                     key     value    needles
+========================  ===========================  ======  =======  ===========================
+niah_single_1             repeated noise sentences     word    number   1
+niah_single_2             essay (real prose)           word    number   1
+niah_single_3             essay                        word    UUID     1
+niah_multikey_1           essay                        word    number   1 queried + 3 distractors
+niah_multikey_2           key-value list (needles)     word    number   1 queried; haystack = needles
+niah_multikey_3           key-value list (needles)     UUID    UUID     1 queried; haystack = needles
+niah_multivalue           essay                        word    number   4 values for one key
+niah_multiquery           essay                        word    number   4 keys, all queried
+========================  ===========================  ======  =======  ===========================
+
+Length and depth are exact.  The prompt is assembled from token ids: the
+instruction, the context units (haystack sentences or lines, needles) and the
+question are each encoded with the model's tokenizer and concatenated, so the
+prompt has exactly ``length − max_new_tokens`` tokens (RULER counts the answer
+budget in the context length): the haystack is filled unit by unit and its last
+unit is cut to the token.  The answer-bearing needles (one block) are inserted at
+the unit boundary nearest to ``depth`` percent of the other context tokens;
+the realised depth is measured by locating the needle's token ids in the prompt
+and stored with each sample.  Distractor needles go to random boundaries.
+
+Scoring is RULER's ``string_match_all``: a sample scores the fraction of its
+expected values found (case-insensitive substring) in the decoded continuation,
+reported in percent.  The summary is the average over six tasks,
+:data:`SUMMARY_TASKS` (see there for why these six).
+
+Results are data: ``niah.json`` holds every cell's per-sample scores;
+``--plot-only`` redraws the length plot, the markdown tables and the
+depth × length difference heatmaps from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import re
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .plotting import Series, line_plot, load_json, save_json
+
+# ----------------------------------------------------------------------------- tasks
+
+
+@dataclass(frozen=True)
+class NiahTask:
+    """One RULER NIAH variant.
+
+    haystack: ``"noise"`` (one fixed paragraph repeated), ``"essay"`` (real prose, split in
+        sentences) or ``"kv"`` (lines that are needles of other random keys).
+    key_type, value_type: ``"words"`` (adjective-noun), ``"numbers"`` (7 digits) or ``"uuids"``.
+    num_keys: keys with needles in the context; num_values: values per key;
+    num_queries: keys asked for (the first ``num_queries`` keys; the rest are distractors).
+    """
+
+    name: str
+    haystack: str
+    key_type: str
+    value_type: str
+    num_keys: int = 1
+    num_values: int = 1
+    num_queries: int = 1
+
+
+TASKS: dict[str, NiahTask] = {t.name: t for t in (
+    NiahTask("niah_single_1", "noise", "words", "numbers"),
+    NiahTask("niah_single_2", "essay", "words", "numbers"),
+    NiahTask("niah_single_3", "essay", "words", "uuids"),
+    NiahTask("niah_multikey_1", "essay", "words", "numbers", num_keys=4),
+    NiahTask("niah_multikey_2", "kv", "words", "numbers"),
+    NiahTask("niah_multikey_3", "kv", "uuids", "uuids"),
+    NiahTask("niah_multivalue", "essay", "words", "numbers", num_values=4),
+    NiahTask("niah_multiquery", "essay", "words", "numbers", num_keys=4, num_queries=4),
+)}
+
+#: The six tasks of the summary average.  The paper names niah_single_1, niah_single_2,
+#: niah_multivalue and niah_multiquery among its six and excludes CWE; of the other four
+#: NIAH variants we keep the two that share the essay haystack (niah_single_3,
+#: niah_multikey_1) and drop niah_multikey_2/3, whose haystack is made of needles (a
+#: key-value-list lookup rather than a needle in prose; small models score near zero
+#: there, which would dilute the average).  ``--summary-tasks`` changes the choice.
+SUMMARY_TASKS: tuple[str, ...] = (
+    "niah_single_1", "niah_single_2", "niah_single_3",
+    "niah_multikey_1", "niah_multivalue", "niah_multiquery",
+)
+
+#: RULER generates up to 128 tokens for every NIAH task.
+DEFAULT_MAX_NEW_TOKENS = 128
+PAPER_LENGTHS = (2048, 4096, 8192, 16384)
+DEFAULT_DEPTHS = tuple(float(d) for d in range(0, 101, 10))
+#: Heatmap cells with fewer samples (per task) than this are hatched.
+MIN_CELL_SAMPLES = 30
+
+NOISE_PARAGRAPH = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+NEEDLE = "One of the special magic {vtype} for {key} is: {value}."
+# An essay "sentence" longer than this many words is cut into pieces, which bounds
+# how far the needle can land from the requested depth.
+MAX_UNIT_WORDS = 40
+
+_ADJECTIVES = (
+    "amber", "ancient", "bitter", "bold", "brave", "brief", "bright", "calm", "clever", "cold",
+    "crisp", "curious", "damp", "dark", "eager", "early", "faint", "fancy", "fierce", "fresh",
+    "gentle", "giant", "glossy", "golden", "grand", "hidden", "hollow", "humble", "icy", "jolly",
+    "keen", "lively", "lonely", "loud", "lucky", "mellow", "misty", "modest", "narrow", "noble",
+    "odd", "pale", "plain", "polite", "proud", "quiet", "rapid", "rare", "rough", "royal",
+    "rusty", "sandy", "sharp", "shiny", "silent", "silver", "sleepy", "slow", "smooth", "soft",
+    "solid", "sour", "steep", "stormy", "sunny", "swift", "tall", "tame", "tender", "tiny",
+    "velvet", "vivid", "warm", "wild", "windy", "wise", "witty", "young", "zesty", "dusty",
+)
+_NOUNS = (
+    "anchor", "apple", "arrow", "badge", "basket", "beacon", "bell", "blanket", "bottle", "bridge",
+    "brook", "button", "cabin", "candle", "canyon", "castle", "cedar", "chair", "cliff", "cloud",
+    "comet", "compass", "coral", "cottage", "crystal", "desert", "dragon", "drum", "eagle", "engine",
+    "falcon", "feather", "forest", "fountain", "garden", "glacier", "harbor", "helmet", "island",
+    "jacket", "jungle", "kettle", "ladder", "lantern", "lemon", "magnet", "meadow", "mirror",
+    "mountain", "needle", "oasis", "orchard", "palace", "pebble", "pencil", "pepper", "piano",
+    "pillow", "planet", "pocket", "puzzle", "rabbit", "river", "rocket", "saddle", "shadow",
+    "shelter", "spider", "statue", "summit", "sweater", "thunder", "tiger", "tower", "tunnel",
+    "valley", "violin", "wagon", "window", "wizard",
+)
+WORDS: tuple[str, ...] = tuple(f"{a}-{n}" for a in _ADJECTIVES for n in _NOUNS)
+
+# ----------------------------------------------------------------------------- tokenizer
+
+
+class _Tokenizer:
+    """The three things the generator needs from a ``tokenizers.Tokenizer``: ids of a text
+    (no special tokens), the special ids the post-processor puts before a sequence (a BOS),
+    and decoding."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        from ..data.text import load_tokenizer
+
+        self.backend = load_tokenizer(tokenizer)
+        # What the post-processor puts before a text (a BOS for Llama-style tokenizers, nothing
+        # for GPT-2-style ones); anything it appends (an EOS) is not wanted in a prompt.
+        plain = self.encode("a")
+        special = list(self.backend.encode("a", add_special_tokens=True).ids)
+        at = next((i for i in range(len(special)) if special[i:i + len(plain)] == plain), 0)
+        self.leading_special = special[:at]
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.backend.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=True)
+
+    def eos_id(self) -> int | None:
+        from ..data.text import EOS_CANDIDATES
+
+        for name in EOS_CANDIDATES:
+            token_id = self.backend.token_to_id(name)
+            if token_id is not None:
+                return int(token_id)
+        return None
+
+
+# ----------------------------------------------------------------------------- samples
+
+
+@dataclass(frozen=True)
+class NiahSample:
+    """One prompt.
+
+    input_ids: exactly ``length − max_new_tokens`` token ids.
+    answers: the expected values (scored by substring containment).
+    queries: the keys asked for.
+    depth: requested depth in percent; depth_realized: where the first answer needle
+        starts, in percent of the context tokens that are not the answer block.
+    needle_start: token index of the first answer needle in ``input_ids``.
+    context_span: ``(start, end)`` token indices of the context in ``input_ids``.
+    """
+
+    task: str
+    length: int
+    depth: float
+    index: int
+    input_ids: list[int]
+    answers: list[str]
+    queries: list[str]
+    max_new_tokens: int
+    depth_realized: float
+    needle_start: int
+    context_span: tuple[int, int]
+
+
+def _essay_units(texts: Sequence[str]) -> list[str]:
+    """Sentences of the essays (whitespace normalised), long ones cut every MAX_UNIT_WORDS words."""
+    units: list[str] = []
+    for text in texts:
+        text = re.sub(r"\s+", " ", text).strip()
+        for sentence in re.split(r"(?<=[.!?])\s+", text):
+            words = sentence.split(" ")
+            for i in range(0, len(words), MAX_UNIT_WORDS):
+                piece = " ".join(words[i:i + MAX_UNIT_WORDS]).strip()
+                if piece:
+                    units.append(piece)
+    return units
+
+
+def _essay_texts(essays: Any) -> list[str]:
+    from ..data.text import TextCorpus
+
+    if isinstance(essays, TextCorpus):
+        split = "test" if "test" in essays.splits else sorted(essays.splits)[0]
+        tokens = essays.tokens(split)
+        # Documents are separated by the end-of-text id; decode a generous prefix (16k-token
+        # contexts need ~16k tokens of prose; more gives the random start offsets room).
+        ids = [int(t) for t in tokens[: 1 << 20]]
+        text = essays.tokenizer.decode(ids, skip_special_tokens=True)
+        return [text]
+    if isinstance(essays, str) or not isinstance(essays, Sequence):
+        raise TypeError(
+            f"essays must be a sequence of str or a TextCorpus, got {type(essays).__name__}"
+        )
+    bad = [type(e).__name__ for e in essays if not isinstance(e, str)]
+    if bad:
+        raise TypeError(f"essays must all be str, got {sorted(set(bad))}")
+    return list(essays)
+
+
+class NiahGenerator:
+    """Makes RULER NIAH prompts of an exact token length with the needle at a chosen depth.
+
+    Args:
+        tokenizer: the evaluated model's tokenizer (a ``tokenizers.Tokenizer``, a
+            ``tokenizer.json`` path, a directory holding one, or a transformers fast tokenizer).
+        essays: real prose for the essay haystack: a list of documents or a
+            :class:`~bayeslayer.data.text.TextCorpus` (its test split is decoded).
+            Only the essay tasks need it.
+        seed: every sample is a function of ``(seed, task, length, depth, index)`` alone.
+    """
+
+    def __init__(self, tokenizer: Any, essays: Any = None, *, seed: int = 0) -> None:
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+        self.tokenizer = _Tokenizer(tokenizer)
+        self.seed = seed
+        self.essay_units = _essay_units(_essay_texts(essays)) if essays is not None else []
+        self._unit_cache: dict[str, list[int]] = {}
+
+    def _ids(self, text: str) -> list[int]:
+        ids = self._unit_cache.get(text)
+        if ids is None:
+            ids = self.tokenizer.encode(text)
+            if len(self._unit_cache) < 200_000:
+                self._unit_cache[text] = ids
+        return ids
+
+    def sample(
+        self, task: str, length: int, depth: float, index: int = 0, *,
+        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+    ) -> NiahSample:
+        """The ``index``-th sample of ``task`` at ``length`` tokens (prompt + answer budget)
+        with the answer needle(s) at ``depth`` percent of the context."""
+        spec = _check_task(task)
+        length = _check_int("length", length, minimum=16)
+        max_new_tokens = _check_int("max_new_tokens", max_new_tokens, minimum=1)
+        depth = _check_depth(depth)
+        index = _check_int("index", index, minimum=0)
+        if spec.haystack == "essay" and not self.essay_units:
+            raise ValueError(f"{task} needs an essay haystack: pass essays= (a list of documents or a TextCorpus)")
+        prompt_len = length - max_new_tokens
+        rng = random.Random(f"niah:{self.seed}:{task}:{length}:{depth!r}:{index}")
+
+        vtype = spec.value_type
+        keys = _distinct(rng, spec.key_type, spec.num_keys)
+        values = [[_random_value(rng, vtype) for _ in range(spec.num_values)] for _ in keys]
+        queries = keys[: spec.num_queries]
+        answers = [v for key_values in values[: spec.num_queries] for v in key_values]
+        single = len(answers) == 1
+        vname = vtype[:-1] if single else vtype  # "number" / "numbers"
+        sep = "\n" if spec.haystack == "kv" else " "
+
+        def needle_ids(key: str, value: str) -> list[int]:
+            return self._ids(sep + NEEDLE.format(vtype=vtype, key=key, value=value))
+
+        answer_block = [needle_ids(k, v) for k, vs in zip(queries, values, strict=False) for v in vs]
+        rng.shuffle(answer_block)
+        distractors = [needle_ids(k, v) for k, vs in zip(keys[spec.num_queries:], values[spec.num_queries:],
+                                                        strict=True) for v in vs]
+        query = queries[0] if len(queries) == 1 else ", ".join(queries[:-1]) + ", and " + queries[-1]
+        head = (f"{'A' if single else 'Some'} special magic {vname} {'is' if single else 'are'} hidden within "
+                f"the following text. Make sure to memorize it. I will quiz you about the {vname} afterwards."
+                + ("\n" if sep == " " else ""))  # kv lines bring their own newline
+        tail = (f"\n{'What is the' if single else 'What are all the'} special magic {vname} for {query} "
+                f"mentioned in the provided text? The special magic {vname} for {query} mentioned in the "
+                f"provided text {'is' if single else 'are'}")
+        head_ids = self.tokenizer.leading_special + self._ids(head)
+        tail_ids = self._ids(tail)
+        block_len = sum(map(len, answer_block))
+        budget = prompt_len - len(head_ids) - len(tail_ids) - block_len - sum(map(len, distractors))
+        if budget < 1:
+            raise ValueError(
+                f"length={length} is too short for {task}: the instruction, question and needles take "
+                f"{prompt_len - budget} tokens and max_new_tokens={max_new_tokens}; use a longer length"
+            )
+
+        # Haystack units, filled to exactly `budget` tokens (the last unit cut to the token).
+        units: list[list[int]] = []
+        filled = 0
+        for text in self._haystack_texts(spec, rng, set(keys)):
+            ids = self._ids(sep + text)
+            units.append(ids[: budget - filled])
+            filled += len(units[-1])
+            if filled == budget:
+                break
+
+        # Distractor needles at random unit boundaries, then the answer block at the boundary
+        # nearest to `depth` percent of everything else in the context.
+        for ids in distractors:
+            units.insert(rng.randint(0, len(units)), ids)
+        starts = [0]
+        for ids in units:
+            starts.append(starts[-1] + len(ids))
+        target = depth / 100.0 * starts[-1]
+        at = min(range(len(starts)), key=lambda j: (abs(starts[j] - target), j))
+        context = [t for ids in units[:at] for t in ids] + [t for ids in answer_block for t in ids] \
+            + [t for ids in units[at:] for t in ids]
+        input_ids = head_ids + context + tail_ids
+        if len(input_ids) != prompt_len:  # the assembly above is exact; this guards against edits
+            raise AssertionError(f"built {len(input_ids)} tokens, wanted {prompt_len}")
+        context_span = (len(head_ids), len(head_ids) + len(context))
+
+        # Verify by locating the needle: first occurrence of the first answer needle's ids.
+        needle_start = _find(input_ids, answer_block[0], context_span[0])
+        if needle_start < 0:
+            raise AssertionError("the answer needle is not in the prompt")
+        block_start = context_span[0] + starts[at]
+        if not block_start <= needle_start < block_start + block_len:
+            raise AssertionError(f"answer needle found at {needle_start}, placed at {block_start}")
+        # Depth of the answer block: the share of the other context tokens that precede it.
+        others = starts[-1]
+        depth_realized = 100.0 * (block_start - context_span[0]) / others
+        return NiahSample(task, length, depth, index, input_ids, answers, queries, max_new_tokens,
+                          depth_realized, needle_start, context_span)
+
+    def _haystack_texts(self, spec: NiahTask, rng: random.Random, used_keys: set[str]):
+        """An endless stream of haystack unit texts for ``spec`` (no leading separator)."""
+        if spec.haystack == "noise":
+            # The paragraph repeated, one sentence per unit (finer depth than whole paragraphs).
+            sentences = re.split(r"(?<=[.!?])\s+", NOISE_PARAGRAPH)
+            while True:
+                yield from sentences
+        elif spec.haystack == "essay":
+            start = rng.randrange(len(self.essay_units))
+            i = start
+            while True:
+                yield self.essay_units[i]
+                i = (i + 1) % len(self.essay_units)
+        else:  # key-value list: needles of other keys, never one of the sample's keys
+            while True:
+                key = _random_value(rng, spec.key_type)
+                if key in used_keys:
+                    continue
+                yield NEEDLE.format(vtype=spec.value_type, key=key, value=_random_value(rng, spec.value_type))
+
+
+def _random_value(rng: random.Random, kind: str) -> str:
+    if kind == "numbers":
+        return str(rng.randint(1_000_000, 9_999_999))
+    if kind == "words":
+        return rng.choice(WORDS)
+    if kind == "uuids":
+        return str(uuid.UUID(int=rng.getrandbits(128), version=4))
+    raise ValueError(f"unknown needle type {kind!r}")
+
+
+def _distinct(rng: random.Random, kind: str, n: int) -> list[str]:
+    out: list[str] = []
+    while len(out) < n:
+        value = _random_value(rng, kind)
+        if value not in out:
+            out.append(value)
+    return out
+
+
+def _find(haystack: Sequence[int], needle: Sequence[int], start: int = 0) -> int:
+    n = len(needle)
+    first = needle[0]
+    for i in range(start, len(haystack) - n + 1):
+        if haystack[i] == first and list(haystack[i:i + n]) == list(needle):
+            return i
+    return -1
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def _check_int(name: str, value: Any, *, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def _check_depth(depth: Any) -> float:
+    if isinstance(depth, bool) or not isinstance(depth, (int, float)):
+        raise TypeError(f"depth must be a number of percent, got {type(depth).__name__}")
+    if not math.isfinite(depth) or not 0 <= depth <= 100:
+        raise ValueError(f"depth must be a percentage in [0, 100], got {depth}")
+    return float(depth)
+
+
+def _check_task(task: Any) -> NiahTask:
+    if task not in TASKS:
+        raise ValueError(f"unknown NIAH task {task!r}; known: {sorted(TASKS)}")
+    return TASKS[task]
+
+
+# ----------------------------------------------------------------------------- scoring
+
+
+def score_prediction(prediction: str, answers: Sequence[str]) -> float:
+    """RULER's ``string_match_all`` for one sample: the fraction of ``answers`` that occur in
+    ``prediction`` (case-insensitive substring), in [0, 1]."""
+    if not isinstance(prediction, str):
+        raise TypeError(f"prediction must be a str, got {type(prediction).__name__}")
+    if isinstance(answers, str) or not answers or not all(isinstance(a, str) and a for a in answers):
+        raise ValueError(f"answers must be a non-empty list of non-empty str, got {answers!r}")
+    text = prediction.lower()
+    return sum(a.lower() in text for a in answers) / len(answers)
+
+
+def score_predictions(predictions: Sequence[str], answers: Sequence[Sequence[str]]) -> float:
+    """Mean per-sample score in percent (RULER reports 0..100)."""
+    if len(predictions) != len(answers) or not predictions:
+        raise ValueError(f"need as many predictions as answer lists (>0), got {len(predictions)} and {len(answers)}")
+    return 100.0 * sum(score_prediction(p, a) for p, a in zip(predictions, answers, strict=True)) / len(predictions)
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+
+@torch.no_grad()
+def generate_answers(model: torch.nn.Module, samples: Sequence[NiahSample], tokenizer: Any,
+                     *, batch_size: int = 1) -> list[str]:
+    """Greedy continuations (``model.generate(do_sample=False)``, the recurrent cache) of
+    ``samples``, decoded up to the first end-of-text token.  Samples of one batch must have
+    the same length (a cell's samples do), so no padding is needed."""
+    tok = tokenizer if isinstance(tokenizer, _Tokenizer) else _Tokenizer(tokenizer)
+    batch_size = _check_int("batch_size", batch_size, minimum=1)
+    eos = tok.eos_id()
+    device = next(model.parameters()).device
+    out: list[str] = []
+    for i in range(0, len(samples), batch_size):
+        batch = samples[i:i + batch_size]
+        lengths = {len(s.input_ids) for s in batch}
+        new_tokens = {s.max_new_tokens for s in batch}
+        if len(lengths) != 1 or len(new_tokens) != 1:
+            raise ValueError(f"a batch needs samples of one length and max_new_tokens, got {lengths}, {new_tokens}")
+        ids = torch.tensor([s.input_ids for s in batch], dtype=torch.long, device=device)
+        kwargs = {"eos_token_id": eos, "pad_token_id": eos} if eos is not None else {"pad_token_id": 0}
+        gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens.pop(),
+                             do_sample=False, **kwargs)
+        for row in gen[:, ids.shape[1]:].tolist():
+            if eos is not None and eos in row:
+                row = row[: row.index(eos)]
+            out.append(tok.decode(row))
+    return out
+
+
+def evaluate(
+    model: torch.nn.Module,
+    generator: NiahGenerator,
+    *,
+    tasks: Sequence[str] = tuple(TASKS),
+    lengths: Sequence[int] = PAPER_LENGTHS,
+    depths: Sequence[float] = DEFAULT_DEPTHS,
+    samples_per_cell: int = 30,
+    max_new_tokens: int | dict[str, int] = DEFAULT_MAX_NEW_TOKENS,
+    batch_size: int = 1,
+    progress: Callable[[str], None] | None = None,
+    predictions: list[dict] | None = None,
+) -> list[dict]:
+    """Score ``model`` on every task × length × depth cell.
+
+    Returns one record per cell: ``{"task", "length", "depth", "n", "score", "scores",
+    "depth_realized"}`` with ``score`` the mean of the per-sample ``scores`` (percent).
+    Each decoded prediction is appended to ``predictions`` when a list is given.
+    """
+    for t in tasks:
+        _check_task(t)
+    samples_per_cell = _check_int("samples_per_cell", samples_per_cell, minimum=1)
+    model.eval()
+    cells = []
+    for task in tasks:
+        budget = max_new_tokens[task] if isinstance(max_new_tokens, dict) else max_new_tokens
+        for length in lengths:
+            for depth in depths:
+                samples = [generator.sample(task, length, depth, i, max_new_tokens=budget)
+                           for i in range(samples_per_cell)]
+                answers = generate_answers(model, samples, generator.tokenizer, batch_size=batch_size)
+                scores = [100.0 * score_prediction(p, s.answers) for p, s in zip(answers, samples, strict=True)]
+                cells.append({
+                    "task": task, "length": int(length), "depth": float(depth), "n": len(scores),
+                    "score": sum(scores) / len(scores), "scores": scores,
+                    "depth_realized": [round(s.depth_realized, 3) for s in samples],
+                })
+                if predictions is not None:
+                    predictions.extend({"task": task, "length": length, "depth": depth, "index": s.index,
+                                        "answers": s.answers, "prediction": p}
+                                       for s, p in zip(samples, answers, strict=True))
+                if progress is not None:
+                    progress(f"{task} length={length} depth={depth:g}: {cells[-1]['score']:.1f}")
+    return cells
+
+
+def summarize(cells: Sequence[dict], summary_tasks: Sequence[str] = SUMMARY_TASKS) -> dict:
+    """Per task × length means (over depths and samples, every cell weighted equally) and the
+    summary: the mean over ``summary_tasks`` per length (tasks missing from ``cells`` are
+    left out of the average and listed under ``"missing"``)."""
+    by_task: dict[str, dict[str, list[float]]] = {}
+    for c in cells:
+        by_task.setdefault(c["task"], {}).setdefault(str(c["length"]), []).append(c["score"])
+    task_length = {t: {L: sum(v) / len(v) for L, v in d.items()} for t, d in by_task.items()}
+    present = [t for t in summary_tasks if t in task_length]
+    lengths = sorted({L for d in task_length.values() for L in d}, key=int)
+    summary = {}
+    for L in lengths:
+        vals = [task_length[t][L] for t in present if L in task_length[t]]
+        if vals:
+            summary[L] = sum(vals) / len(vals)
+    return {"task_length": task_length, "summary": summary, "summary_tasks": present,
+            "missing": [t for t in summary_tasks if t not in task_length]}
+
+
+def depth_length_grid(cells: Sequence[dict], summary_tasks: Sequence[str] = SUMMARY_TASKS) -> dict:
+    """``{(depth, length): (mean over summary tasks, fewest samples of any summary task)}``."""
+    acc: dict[tuple[float, int], list[tuple[float, int]]] = {}
+    for c in cells:
+        if c["task"] in summary_tasks:
+            acc.setdefault((float(c["depth"]), int(c["length"])), []).append((c["score"], c["n"]))
+    return {k: (sum(s for s, _ in v) / len(v), min(n for _, n in v)) for k, v in acc.items()}
+
+
+# ----------------------------------------------------------------------------- tables and plots
+
+
+def _length_label(length: int | str) -> str:
+    length = int(length)
+    return f"{length // 1024}k" if length % 1024 == 0 else str(length)
+
+
+def markdown_summary(results: dict) -> str:
+    """Table 6 layout: one row per model, the six-task average per length."""
+    models = results["models"]
+    lengths = sorted({L for m in models.values() for L in m["summary"]}, key=int)
+    lines = ["| model | " + " | ".join(_length_label(L) for L in lengths) + " |",
+             "|---|" + "---|" * len(lengths)]
+    for label, m in models.items():
+        lines.append(f"| {label} | " + " | ".join(
+            f"{m['summary'][L]:.2f}" if L in m["summary"] else "–" for L in lengths) + " |")
+    return "\n".join(lines)
+
+
+def markdown_tasks(results: dict) -> str:
+    """Per task × length score of every model."""
+    models = results["models"]
+    lengths = sorted({L for m in models.values() for t in m["task_length"].values() for L in t}, key=int)
+    lines = ["| model | task | " + " | ".join(_length_label(L) for L in lengths) + " |",
+             "|---|---|" + "---|" * len(lengths)]
+    for label, m in models.items():
+        for task, row in m["task_length"].items():
+            lines.append(f"| {label} | {task} | " + " | ".join(
+                f"{row[L]:.2f}" if L in row else "–" for L in lengths) + " |")
+    return "\n".join(lines)
+
+
+def heatmap_difference(path: str | os.PathLike, results: dict, model_a: str, model_b: str,
+                       *, min_samples: int = MIN_CELL_SAMPLES) -> Path:
+    """Depth × length heatmap of ``model_a − model_b`` (six-task average, percentage points).
+    Cells where either model has fewer than ``min_samples`` samples per task are hatched
+    and labelled ``n<min_samples``."""
+    models = results["models"]
+    for name in (model_a, model_b):
+        if name not in models:
+            raise ValueError(f"no model {name!r} in the results; have {sorted(models)}")
+    tasks = results["config"]["summary_tasks"]
+    grid_a = depth_length_grid(models[model_a]["cells"], tasks)
+    grid_b = depth_length_grid(models[model_b]["cells"], tasks)
+    keys = sorted(set(grid_a) & set(grid_b))
+    if not keys:
+        raise ValueError(f"{model_a} and {model_b} share no depth × length cell of the summary tasks")
+    depths = sorted({d for d, _ in keys})
+    lengths = sorted({L for _, L in keys})
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    diff = np.full((len(depths), len(lengths)), np.nan)
+    few = np.zeros_like(diff, dtype=bool)
+    for (d, L) in keys:
+        i, j = depths.index(d), lengths.index(L)
+        diff[i, j] = grid_a[(d, L)][0] - grid_b[(d, L)][0]
+        few[i, j] = min(grid_a[(d, L)][1], grid_b[(d, L)][1]) < min_samples
+    vmax = max(1.0, float(np.nanmax(np.abs(diff))))
+    fig, ax = plt.subplots(figsize=(1.2 + 1.1 * len(lengths), 1.0 + 0.38 * len(depths)))
+    try:
+        im = ax.imshow(diff, cmap="RdBu", vmin=-vmax, vmax=vmax, aspect="auto", origin="upper")
+        for i in range(len(depths)):
+            for j in range(len(lengths)):
+                if np.isnan(diff[i, j]):
+                    continue
+                text = f"{diff[i, j]:+.1f}" + (f"\nn<{min_samples}" if few[i, j] else "")
+                ax.text(j, i, text, ha="center", va="center", fontsize=7)
+                if few[i, j]:
+                    ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, hatch="//",
+                                               edgecolor="0.4", linewidth=0))
+        ax.set_xticks(range(len(lengths)), [_length_label(L) for L in lengths])
+        ax.set_yticks(range(len(depths)), [f"{d:g}%" for d in depths])
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel("needle depth")
+        ax.set_title(f"{model_a} − {model_b} (NIAH six-task avg, points)", fontsize=9)
+        fig.colorbar(im, ax=ax, fraction=0.05)
+        fig.tight_layout()
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=120)
+    finally:
+        plt.close(fig)
+    return path
+
+
+def _safe(label: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", label)
+
+
+def draw(results: dict, out_dir: str | os.PathLike, diffs: Sequence[tuple[str, str]] | None = None) -> list[Path]:
+    """All figures from a results dict: the length plot and one heatmap per pair in ``diffs``
+    (default: the first model minus each other model)."""
+    out_dir = Path(out_dir)
+    models = list(results["models"])
+    series = []
+    for label in models:
+        s = results["models"][label]["summary"]
+        xs = sorted(s, key=int)
+        if xs:
+            series.append(Series(label, x=[int(L) for L in xs], y=[s[L] for L in xs], style={"marker": "o"}))
+    paths = []
+    if series:
+        paths.append(line_plot(out_dir / "niah_length.png", series, xlabel="context length (tokens)",
+                               ylabel="NIAH six-task average (%)", xscale="log", ylim=(0, 100),
+                               title="RULER NIAH (" + ", ".join(results["config"]["summary_tasks"]) + ")"))
+    if diffs is None:
+        diffs = [(models[0], other) for other in models[1:]]
+    for a, b in diffs:
+        paths.append(heatmap_difference(out_dir / f"niah_diff_{_safe(a)}_minus_{_safe(b)}.png", results, a, b))
+    return paths
+
+
+# ----------------------------------------------------------------------------- models and CLI
+
+
+def load_model(path: str | os.PathLike, *, device: str = "cpu", dtype: torch.dtype = torch.float32):
+    """A causal LM from a directory: a flash-linear-attention Gated DeltaNet checkpoint
+    (``model_type: gated_deltanet``, read by :func:`~bayeslayer.models.load_gdn_checkpoint`)
+    or any ``AutoModelForCausalLM`` (``bayeslayer`` models are registered on import)."""
+    from transformers import AutoModelForCausalLM
+
+    from ..models import load_gdn_checkpoint
+
+    path = Path(path)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"no config.json in model directory {path}")
+    if json.loads(config_file.read_text()).get("model_type") == "gated_deltanet":
+        return load_gdn_checkpoint(path, dtype=dtype, device=device)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+
+
+def _parse_model(text: str) -> tuple[str, str]:
+    label, sep, path = text.partition("=")
+    if not sep:
+        label, path = Path(text).name or text, text
+    if not label or not path:
+        raise argparse.ArgumentTypeError(f"--model takes DIR or LABEL=DIR, got {text!r}")
+    return label, path
+
+
+def _parse_list(kind: type, text: str) -> list:
+    try:
+        return [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of {kind.__name__}: {text!r}") from err
+
+
+def _load_essays(source: str, split: str) -> list[str]:
+    from ..data.text import corpus_files
+
+    files = corpus_files(source)
+    docs = files.splits.get(split) or []
+    texts = [d.read() for d in docs]
+    if sum(len(t) for t in texts) < 200_000:  # a small split: use every document
+        texts = [d.read() for s in files.splits.values() for d in s]
+    if not any(t.strip() for t in texts):
+        raise ValueError(f"haystack source {source!r} has no text")
+    return texts
+
+
+def run(args: argparse.Namespace) -> dict:
+    """``bayeslayer niah``: evaluate every ``--model``, write ``niah.json``, tables and plots."""
+    out = Path(args.out)
+    if args.plot_only:
+        results = load_json(args.plot_only if args.plot_only != "-" else out / "niah.json")
+        _report(results, out, args.diff)
+        return results
+    if not args.model:
+        raise SystemExit("bayeslayer niah: give at least one --model (or --plot-only)")
+    labels = [label for label, _ in args.model]
+    if len(set(labels)) != len(labels):
+        raise SystemExit(f"bayeslayer niah: model labels must be distinct, got {labels}")
+    tasks = args.tasks
+    for t in list(tasks) + list(args.summary_tasks):
+        if t not in TASKS:
+            raise SystemExit(f"bayeslayer niah: unknown task {t!r}; known: {sorted(TASKS)}")
+    for d in args.depths:
+        _check_depth(d)
+    if any(L < 16 for L in args.lengths) or not args.lengths:
+        raise SystemExit(f"bayeslayer niah: --lengths must be integers >= 16, got {args.lengths}")
+    if args.samples_per_cell < 1:
+        raise SystemExit(f"bayeslayer niah: --samples-per-cell must be >= 1, got {args.samples_per_cell}")
+    needs_essay = any(TASKS[t].haystack == "essay" for t in tasks)
+    essays = _load_essays(args.haystack, args.haystack_split) if needs_essay else None
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}[args.dtype]
+    results: dict = {"config": {
+        "tasks": list(tasks), "lengths": args.lengths, "depths": args.depths,
+        "samples_per_cell": args.samples_per_cell, "max_new_tokens": args.max_new_tokens,
+        "seed": args.seed, "summary_tasks": list(args.summary_tasks), "haystack": str(args.haystack),
+        "scoring": "RULER string_match_all: per sample, % of expected values contained in the output",
+        "length_counts": "prompt tokens + max_new_tokens",
+    }, "models": {}}
+    for label, path in args.model:
+        tokenizer = args.tokenizer or path
+        generator = NiahGenerator(tokenizer, essays, seed=args.seed)
+        model = load_model(path, device=args.device, dtype=dtype)
+        predictions: list[dict] = []
+        cells = evaluate(model, generator, tasks=tasks, lengths=args.lengths, depths=args.depths,
+                         samples_per_cell=args.samples_per_cell, max_new_tokens=args.max_new_tokens,
+                         batch_size=args.batch_size, predictions=predictions,
+                         progress=None if args.quiet else lambda m, _l=label: print(f"[{_l}] {m}", flush=True))
+        results["models"][label] = {"path": str(path), "cells": cells, **summarize(cells, args.summary_tasks)}
+        out.mkdir(parents=True, exist_ok=True)
+        with open(out / f"predictions_{_safe(label)}.jsonl", "w") as f:
+            for p in predictions:
+                f.write(json.dumps(p) + "\n")
+        save_json(results, out / "niah.json")  # after every model: partial results survive
+        del model
+    _report(results, out, args.diff)
+    return results
+
+
+def _report(results: dict, out: Path, diff: list[tuple[str, str]] | None) -> None:
+    tables = "## NIAH six-task average\n\n" + markdown_summary(results) + "\n\n## Per task\n\n" \
+        + markdown_tasks(results) + "\n"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "niah.md").write_text(tables)
+    print(tables)
+    for p in draw(results, out, diff):
+        print(f"wrote {p}")
+
+
+def _parse_pair(text: str) -> tuple[str, str]:
+    a, sep, b = text.partition(",")
+    if not sep or not a or not b:
+        raise argparse.ArgumentTypeError(f"--diff takes A,B (two model labels), got {text!r}")
+    return a, b
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("niah", help="RULER needle-in-a-haystack evaluation (SPEC §4.6)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", action="append", type=_parse_model, default=[], metavar="[LABEL=]DIR",
+                   help="a model directory (HF format or an fla Gated DeltaNet checkpoint); repeat for several")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer.json or a directory holding one (default: each model's directory)")
+    p.add_argument("--lengths", type=lambda s: _parse_list(int, s), default=list(PAPER_LENGTHS),
+                   help="context lengths in tokens, prompt + answer budget (default 2048,4096,8192,16384)")
+    p.add_argument("--depths", type=lambda s: _parse_list(float, s), default=list(DEFAULT_DEPTHS),
+                   help="needle depths in percent (default 0,10,...,100)")
+    p.add_argument("--tasks", type=lambda s: _parse_list(str, s), default=list(TASKS),
+                   help="comma-separated tasks (default: all eight)")
+    p.add_argument("--summary-tasks", type=lambda s: _parse_list(str, s), default=list(SUMMARY_TASKS),
+                   help="the tasks averaged in the summary (default: " + ",".join(SUMMARY_TASKS) + ")")
+    p.add_argument("--samples-per-cell", type=int, default=30, help="samples per task × length × depth")
+    p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
+                   help="greedy tokens generated per sample (RULER: 128)")
+    p.add_argument("--haystack", default="python-docs",
+                   help="essay source: 'python-docs', 'hf:<name>[:<config>]' or a text/HTML path")
+    p.add_argument("--haystack-split", default="test", help="split of the haystack source to draw essays from")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=1, help="samples decoded together (one cell at a time)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float64"), default="float32")
+    p.add_argument("--diff", action="append", type=_parse_pair, default=None, metavar="A,B",
+                   help="draw the heatmap of A − B (default: the first model minus each other)")
+    p.add_argument("--out", default="results/niah", help="output directory")
+    p.add_argument("--plot-only", nargs="?", const="-", default=None, metavar="JSON",
+                   help="redraw tables and plots from a JSON (default OUT/niah.json)")
+    p.add_argument("--quiet", action="store_true", help="no per-cell progress lines")
+    p.set_defaults(func=run)
+
+
+__all__ = [
+    "DEFAULT_DEPTHS", "MIN_CELL_SAMPLES", "PAPER_LENGTHS", "SUMMARY_TASKS", "TASKS", "NiahGenerator",
+    "NiahSample", "NiahTask", "depth_length_grid", "draw", "evaluate", "generate_answers",
+    "heatmap_difference", "load_model", "markdown_summary", "markdown_tasks", "score_prediction",
+    "score_predictions", "summarize",
+]
