@@ -242,6 +242,12 @@ def test_bad_inputs_raise():
     q, k, v, r2, ell2, alpha = make_inputs(1, 8, 1, 16, 8)
     with pytest.raises(ValueError, match="chunk_size"):
         bl_chunk_triton(q, k, v, r2, ell2, alpha, chunk_size=48)
+    with pytest.raises(TypeError, match="q must be a torch.Tensor"):
+        bl_chunk_triton(q.tolist(), k, v, r2, ell2)
+    with pytest.raises(ValueError, match=r"q must be \[B, T, H, D\]"):
+        bl_chunk_triton(q[0], k, v, r2, ell2)
+    with pytest.raises(TypeError, match="floating-point"):
+        bl_chunk_triton(q, k.long(), v, r2, ell2)
     with pytest.raises(ValueError, match="key dims"):
         big = torch.zeros(1, 8, 1, 300, dtype=torch.float64)
         bl_chunk_triton(big, big, v, r2, ell2)

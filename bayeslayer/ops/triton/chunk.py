@@ -241,17 +241,6 @@ def _pad_sequences(x: torch.Tensor, cu_k: torch.Tensor, n_chunks: torch.Tensor, 
     return g.movedim(1, 0)
 
 
-def _unpad_sequences(g: torch.Tensor, cu_k: torch.Tensor, NT: int) -> torch.Tensor:
-    """Inverse of :func:`_pad_sequences` (drops the fill): ``[NC, N, H', C, ...] -> [NT, H', ...]``."""
-    NC, N, Hf, C = g.shape[:4]
-    g = g.movedim(0, 1).movedim(3, 2).reshape(N, NC * C, Hf, *g.shape[4:])
-    out = g.new_zeros(NT, Hf, *g.shape[3:])
-    for n in range(N):
-        bos, eos = int(cu_k[n]), int(cu_k[n + 1])
-        out[bos:eos] = g[n, : eos - bos]
-    return out
-
-
 def _chunkwise_backward(args, needs, cu, C, want_var, d_o, d_var, d_M, d_P):
     """Gradients of ``(o, var, M_T, P_T)`` w.r.t. ``args``, one chunk at a time in reverse.
 
@@ -404,8 +393,10 @@ def bl_chunk_triton(
     under autograd (see module docstring); it is not a fused Triton backward.
     """
     C = _check_chunk_size(chunk_size)
-    if not isinstance(q, torch.Tensor) or q.dim() != 4:
-        raise ValueError(f"q must be a [B, T, H, D] tensor, got {getattr(q, 'shape', type(q).__name__)}")
+    if not isinstance(q, torch.Tensor):
+        raise TypeError(f"q must be a torch.Tensor [B, T, H, D], got {type(q).__name__}")
+    if q.dim() != 4:
+        raise ValueError(f"q must be [B, T, H, D], got shape {tuple(q.shape)}")
     if not 1 <= q.shape[-1] <= 256:
         raise ValueError(f"the Triton path supports key dims D in 1..256, got D={q.shape[-1]}")
     cu = check_cu_seqlens(cu_seqlens, q.shape[0], q.shape[1], q.device)
