@@ -168,32 +168,35 @@ def compile_only(args) -> list[dict]:
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     C = args.chunk_size
     out = []
-    for kernel, D, diag in [(k, D, g) for k in ("cov", "mean", "step") for D in args.D for g in (False, True)]:
+    configs = [(k, D, g, ck) for k in ("cov", "mean", "step") for D in args.D for g in (False, True)
+               for ck in ((False, True) if k != "step" else (False,))]
+    for kernel, D, diag, save_ck in configs:
         BD, BK, BV = tile_sizes(D, D)
         common = dict(H=16, D=D, BD=BD, BK=BK, DIAG=diag, HAS_ALPHA=True)
         nw = default_num_warps(C)
         if kernel == "cov":
             fn = bl_chunk_cov_kernel
-            names = ["q", "k", "r2", "ell2", "la", "cu_seqlens", "P", "W", "Yscr", "Uscr", "VAR"]
-            consts = dict(common, C=C, RETURN_VAR=False, PREC="ieee")
+            names = ["q", "k", "r2", "ell2", "la", "cu_seqlens", "P", "W", "Yscr", "Uscr", "VAR", "CKP",
+                     "ck_offsets"]
+            consts = dict(common, C=C, RETURN_VAR=False, SAVE_CK=save_ck, PREC="ieee")
         elif kernel == "mean":
             fn = bl_chunk_mean_kernel
-            names = ["q", "k", "v", "W", "la", "cu_seqlens", "M", "O"]
-            consts = dict(common, MV=D, C=C, BV=BV, PREC="ieee")
+            names = ["q", "k", "v", "W", "la", "cu_seqlens", "M", "O", "CKM", "ck_offsets"]
+            consts = dict(common, MV=D, C=C, BV=BV, SAVE_CK=save_ck, PREC="ieee")
         else:
             fn, nw = bl_step_kernel, 4
             names = ["q", "k", "v", "r2", "ell2", "la", "P_in", "M_in", "P_out", "M_out", "Uscr", "O", "VAR"]
             BK_step, BV_step = step_tiles(D, D)[1:]
             consts = dict(common, BK=BK_step, MV=D, BMV=BD, BV=BV_step)
-        sig = {n: ("*i64" if n == "cu_seqlens" else "*fp32") for n in names}
+        sig = {n: ("*i64" if n in ("cu_seqlens", "ck_offsets") else "*fp32") for n in names}
         sig.update({n: "constexpr" for n in consts})
         t0 = time.time()
-        rec = {"kernel": kernel, "D": D, "diagonal": diag, "chunk_size": C, "num_warps": nw}
+        rec = {"kernel": kernel, "D": D, "diagonal": diag, "checkpoints": save_ck, "chunk_size": C, "num_warps": nw}
         try:
             compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
                                       target=GPUTarget("cuda", args.arch, 32), options={"num_warps": nw})
             rec["shared_bytes"] = compiled.metadata.shared
-            cubin = Path("/tmp") / f"bl_{kernel}_{D}_{int(diag)}.cubin"
+            cubin = Path("/tmp") / f"bl_{kernel}_{D}_{int(diag)}_{int(save_ck)}.cubin"
             cubin.write_bytes(compiled.asm["cubin"])
             usage = subprocess.run([str(cuobjdump), "-res-usage", str(cubin)], capture_output=True, text=True)
             rec["resources"] = next((ln.strip() for ln in usage.stdout.splitlines() if "REG" in ln), "")

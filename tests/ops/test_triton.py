@@ -184,6 +184,17 @@ def test_gradients_match_torch():
     _grad_check("scalar", 1, with_state=True)
 
 
+def test_gradient_of_p0_and_variance_only():
+    q, k, v, r2, ell2, alpha = make_inputs(1, 20, 2, 16, 8)
+    p0 = torch.tensor([0.5, 2.0], dtype=torch.float64, device=DEVICE, requires_grad=True)
+    grads = []
+    for fn in (bl_chunk_triton, bl_chunk):
+        _, var, _ = fn(q, k, v, r2, ell2, alpha, p0=p0, return_variance=True, chunk_size=16)
+        grads.append(torch.autograd.grad(var.sum(), p0)[0])
+    assert_close(grads[0], grads[1], 1e-10, "gradient of p0")
+    assert grads[1].abs().min() > 0
+
+
 def test_gradients_with_cu_seqlens():
     _grad_check("scalar", 1, with_state=True, cu_lens=[7, 12])
 
