@@ -62,7 +62,7 @@ from typing import Any
 
 import torch
 
-from .plotting import Series, line_plot, load_json, save_json
+from .plotting import load_json, save_json
 
 # ----------------------------------------------------------------------------- tasks
 
@@ -655,22 +655,48 @@ def _safe(label: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", label)
 
 
+def length_bars(path: str | os.PathLike, results: dict) -> Path:
+    """Table 6 as a figure: per context length, one bar per model (six-task average, %)."""
+    models = results["models"]
+    lengths = sorted({L for m in models.values() for L in m["summary"]}, key=int)
+    if not lengths:
+        raise ValueError("no summary numbers to plot: did any summary task run?")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    width = 0.8 / len(models)
+    fig, ax = plt.subplots(figsize=(1.6 + 1.3 * len(lengths), 3.6))
+    try:
+        for k, (label, m) in enumerate(models.items()):
+            xs = [j + (k - (len(models) - 1) / 2) * width for j, L in enumerate(lengths) if L in m["summary"]]
+            ys = [m["summary"][L] for L in lengths if L in m["summary"]]
+            bars = ax.bar(xs, ys, width * 0.95, label=label)
+            ax.bar_label(bars, fmt="%.1f", fontsize=7, padding=1)
+        ax.set_xticks(range(len(lengths)), [_length_label(L) for L in lengths])
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel("NIAH six-task average (%)")
+        ax.set_ylim(0, 100)
+        ax.set_title("RULER NIAH: " + ", ".join(t.removeprefix("niah_") for t in results["config"]["summary_tasks"]),
+                     fontsize=8)
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=120)
+    finally:
+        plt.close(fig)
+    return path
+
+
 def draw(results: dict, out_dir: str | os.PathLike, diffs: Sequence[tuple[str, str]] | None = None) -> list[Path]:
-    """All figures from a results dict: the length plot and one heatmap per pair in ``diffs``
+    """All figures from a results dict: the per-length bars and one heatmap per pair in ``diffs``
     (default: the first model minus each other model)."""
     out_dir = Path(out_dir)
     models = list(results["models"])
-    series = []
-    for label in models:
-        s = results["models"][label]["summary"]
-        xs = sorted(s, key=int)
-        if xs:
-            series.append(Series(label, x=[int(L) for L in xs], y=[s[L] for L in xs], style={"marker": "o"}))
-    paths = []
-    if series:
-        paths.append(line_plot(out_dir / "niah_length.png", series, xlabel="context length (tokens)",
-                               ylabel="NIAH six-task average (%)", xscale="log", ylim=(0, 100),
-                               title="RULER NIAH (" + ", ".join(results["config"]["summary_tasks"]) + ")"))
+    paths = [length_bars(out_dir / "niah_length.png", results)]
     if diffs is None:
         diffs = [(models[0], other) for other in models[1:]]
     for a, b in diffs:
@@ -833,6 +859,6 @@ def add_parser(sub) -> None:
 __all__ = [
     "DEFAULT_DEPTHS", "MIN_CELL_SAMPLES", "PAPER_LENGTHS", "SUMMARY_TASKS", "TASKS", "NiahGenerator",
     "NiahSample", "NiahTask", "depth_length_grid", "draw", "evaluate", "generate_answers",
-    "heatmap_difference", "load_model", "markdown_summary", "markdown_tasks", "score_prediction",
+    "heatmap_difference", "length_bars", "load_model", "markdown_summary", "markdown_tasks", "score_prediction",
     "score_predictions", "summarize",
 ]

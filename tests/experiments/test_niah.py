@@ -1,0 +1,300 @@
+"""RULER NIAH: scoring on hand-made answers, exact length and located depth for every variant,
+determinism, an end-to-end `bayeslayer niah` run on tiny random models, bad arguments."""
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from bayeslayer.data.text import train_bpe_tokenizer
+from bayeslayer.experiments import niah
+from bayeslayer.models import BayesLayerConfig, BayesLayerForCausalLM, replace_layers
+
+ESSAYS = [
+    "The history of the town begins with a small market by the river. Traders came from the hills to sell "
+    "wool and grain. Over the years the market grew into a busy port, and the port became a city. "
+    "Its harbour was deep enough for ships that crossed the sea.",
+    "Engineers later built a stone bridge across the water! It carried carts, then trains, then cars. "
+    "Nobody remembers who designed it, but everyone crosses it every day. The arches were repaired twice.",
+    "In winter the river freezes and children skate on it. Old people say the ice was thicker when they "
+    "were young? The records agree with them, mostly. Spring floods come in April and leave fertile mud "
+    "on the fields, which is why farmers have always stayed close to the water despite the danger.",
+]
+TEMPLATE = ("Some special magic numbers are hidden within the following text. Make sure to memorize it. "
+            "I will quiz you about the numbers afterwards. What are all the special magic numbers for "
+            "calm-river mentioned in the provided text? The special magic uuids for it mentioned in the "
+            "provided text are: One of the special magic numbers for calm-river is: 1234567. A number is.")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    texts = ESSAYS * 4 + [niah.NOISE_PARAGRAPH] * 4 + [TEMPLATE] * 8 + [" ".join(niah.WORDS[::7])] * 2 \
+        + ["0123456789 abcdef 4a1f-9b2c-e3d0 " * 10]
+    return train_bpe_tokenizer(texts, 1000)
+
+
+@pytest.fixture(scope="module")
+def generator(tokenizer):
+    return niah.NiahGenerator(tokenizer, ESSAYS, seed=0)
+
+
+# ----------------------------------------------------------------------------- scoring
+
+
+def test_scoring_follows_ruler_string_match_all():
+    assert niah.score_prediction(" 1234567.", ["1234567"]) == 1.0
+    assert niah.score_prediction(" 123456", ["1234567"]) == 0.0
+    assert niah.score_prediction("it is 7654321 or maybe 1234567", ["1234567"]) == 1.0
+    uuid = "8F2C0A1E-0000-4000-8000-000000000000"
+    assert niah.score_prediction(f"the code is {uuid.lower()}", [uuid]) == 1.0  # case-insensitive
+    four = ["1111111", "2222222", "3333333", "4444444"]
+    assert niah.score_prediction("2222222, 4444444 and 9999999", four) == 0.5
+    assert niah.score_prediction("", four) == 0.0
+    assert niah.score_predictions(["1111111 2222222 3333333 4444444", "1111111"], [four, four]) == pytest.approx(62.5)
+
+
+def test_summary_averages_the_six_tasks_per_length():
+    cells = [{"task": t, "length": L, "depth": d, "n": 2, "score": s}
+             for t, s in (("niah_single_1", 100.0), ("niah_single_2", 50.0), ("niah_multikey_2", 0.0))
+             for L in (2048, 4096) for d in (0.0, 100.0)]
+    cells.append({"task": "niah_single_1", "length": 2048, "depth": 50.0, "n": 2, "score": 40.0})
+    out = niah.summarize(cells)
+    assert out["task_length"]["niah_single_1"]["2048"] == pytest.approx(80.0)  # (100 + 100 + 40) / 3
+    assert out["summary"]["2048"] == pytest.approx((80.0 + 50.0) / 2)        # multikey_2 is not in the six
+    assert out["summary"]["4096"] == pytest.approx(75.0)
+    assert out["summary_tasks"] == ["niah_single_1", "niah_single_2"]
+    assert "niah_multivalue" in out["missing"]
+    assert len(niah.SUMMARY_TASKS) == 6
+    assert {"niah_single_1", "niah_single_2", "niah_multivalue", "niah_multiquery"} <= set(niah.SUMMARY_TASKS)
+
+
+# ----------------------------------------------------------------------------- generators
+
+
+def _max_unit_tokens(gen, task, sample):
+    """The longest context unit (haystack sentence, needle line) the sample can contain, in tokens."""
+    spec = niah.TASKS[task]
+    enc = gen.tokenizer.encode
+    needle = max(len(enc(" " + niah.NEEDLE.format(vtype=spec.value_type, key=k, value=a)))
+                 for k in sample.queries for a in sample.answers)
+    if spec.haystack == "essay":
+        return max(needle, max(len(enc(" " + u)) for u in gen.essay_units))
+    if spec.haystack == "noise":
+        return max(needle, max(len(enc(" " + s)) for s in niah.NOISE_PARAGRAPH.split(". ")) + 1)
+    return 2 * needle  # key-value lines: needles of other random keys
+
+
+@pytest.mark.parametrize("task", list(niah.TASKS))
+def test_every_variant_has_the_exact_length_and_the_needle_at_the_depth(generator, task):
+    gen = generator
+    for length in (640, 1024):
+        for depth in (0, 10, 30, 50, 70, 90, 100):
+            s = gen.sample(task, length, depth, index=depth, max_new_tokens=16)
+            assert len(s.input_ids) == length - 16
+            text = gen.tokenizer.decode(s.input_ids)
+            spec = niah.TASKS[task]
+            assert len(s.answers) == spec.num_values * spec.num_queries
+            for key in s.queries:
+                assert text.count(key) >= 2, (key, text[-300:])  # in its needle and in the question
+            for value in s.answers:
+                assert value in text
+            # locate every answer needle by its own token ids: they form one contiguous block
+            sep = "\n" if spec.haystack == "kv" else " "
+            found = []
+            for key in s.queries:
+                for value in s.answers:
+                    ids = gen.tokenizer.encode(sep + niah.NEEDLE.format(vtype=spec.value_type, key=key, value=value))
+                    at = niah._find(s.input_ids, ids)
+                    if at >= 0:
+                        found.append((at, len(ids)))
+            found.sort()
+            assert len(found) == len(s.answers)
+            for (a, n), (b, _) in zip(found, found[1:]):
+                assert a + n == b, "answer needles are not contiguous"
+            start, end = s.context_span
+            assert start <= found[0][0] and found[-1][0] + found[-1][1] <= end
+            assert found[0][0] == s.needle_start
+            others = (end - start) - sum(n for _, n in found)
+            located = 100.0 * (found[0][0] - start) / others
+            tolerance = 100.0 * _max_unit_tokens(gen, task, s) / others
+            assert abs(located - depth) <= tolerance, (task, length, depth, located, tolerance)
+            assert abs(s.depth_realized - depth) <= tolerance
+            assert s.depth_realized == pytest.approx(located)
+            if depth == 0:
+                assert found[0][0] == start
+            if depth == 100 and spec.num_keys == spec.num_queries:
+                assert s.depth_realized == pytest.approx(100.0)
+
+
+def test_samples_are_deterministic_and_vary_with_index(tokenizer, generator):
+    again = niah.NiahGenerator(tokenizer, ESSAYS, seed=0)
+    a = generator.sample("niah_multiquery", 512, 40, 3, max_new_tokens=8)
+    assert again.sample("niah_multiquery", 512, 40, 3, max_new_tokens=8) == a
+    assert generator.sample("niah_multiquery", 512, 40, 4, max_new_tokens=8).answers != a.answers
+    other_seed = niah.NiahGenerator(tokenizer, ESSAYS, seed=1).sample("niah_multiquery", 512, 40, 3,
+                                                                      max_new_tokens=8)
+    assert other_seed.answers != a.answers
+
+
+def test_prompt_reads_like_ruler(generator):
+    s = generator.sample("niah_single_2", 512, 50, 0, max_new_tokens=8)
+    text = generator.tokenizer.decode(s.input_ids)
+    assert text.startswith("A special magic number is hidden within the following text.")
+    assert text.endswith(f"The special magic number for {s.queries[0]} mentioned in the provided text is")
+    m = generator.sample("niah_multivalue", 512, 50, 0, max_new_tokens=8)
+    assert generator.tokenizer.decode(m.input_ids).endswith("mentioned in the provided text are")
+
+
+def test_text_corpus_haystack(tmp_path, tokenizer):
+    from bayeslayer.data.text import load_text_corpus
+
+    for split, text in (("train", ESSAYS[0]), ("validation", ESSAYS[1]), ("test", ESSAYS[2])):
+        (tmp_path / f"{split}.txt").write_text(text)
+    corpus = load_text_corpus(tmp_path, tokenizer=tokenizer, eos_token="<|endoftext|>", cache_dir=tmp_path / "c")
+    gen = niah.NiahGenerator(tokenizer, corpus, seed=0)
+    assert gen.essay_units and "freezes" in " ".join(gen.essay_units)
+    assert len(gen.sample("niah_single_2", 400, 50, max_new_tokens=8).input_ids) == 392
+
+
+# ----------------------------------------------------------------------------- end to end
+
+
+def _tiny_model_dir(path, tokenizer, bayesian: bool, seed: int):
+    torch.manual_seed(seed)
+    config = BayesLayerConfig(vocab_size=tokenizer.get_vocab_size(), hidden_size=32, num_hidden_layers=2,
+                              num_heads=2, head_dim=16, mixer="gated_deltanet")
+    model = BayesLayerForCausalLM(config)
+    if bayesian:
+        replace_layers(model, [1])
+    model.save_pretrained(path)
+    tokenizer.save(str(path / "tokenizer.json"))
+    return path
+
+
+def _run(argv):
+    parser = argparse.ArgumentParser()
+    niah.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["niah", *argv])
+    return args.func(args)
+
+
+def test_end_to_end_niah_run_writes_json_tables_and_plots(tmp_path, tokenizer, capsys):
+    bl = _tiny_model_dir(tmp_path / "bl", tokenizer, True, 0)
+    gdn = _tiny_model_dir(tmp_path / "gdn", tokenizer, False, 1)
+    essays = tmp_path / "essays"
+    essays.mkdir()
+    for i, text in enumerate(ESSAYS):
+        (essays / f"essay{i}.txt").write_text(text)
+    out = tmp_path / "out"
+    results = _run(["--model", f"BL={bl}", "--model", f"GDN-zero={gdn}", "--lengths", "512",
+                    "--depths", "0,100", "--samples-per-cell", "2", "--max-new-tokens", "4", "--batch-size", "2",
+                    "--haystack", str(essays), "--out", str(out), "--quiet", "--device", "cpu"])
+    data = json.loads((out / "niah.json").read_text())
+    assert data == json.loads(json.dumps(results))
+    assert list(data["models"]) == ["BL", "GDN-zero"]
+    for m in data["models"].values():
+        assert len(m["cells"]) == 8 * 2
+        assert all(c["n"] == 2 and len(c["scores"]) == 2 and 0 <= c["score"] <= 100 for c in m["cells"])
+        assert set(m["summary"]) == {"512"}
+        assert m["summary_tasks"] == list(niah.SUMMARY_TASKS)
+    lines = (out / "predictions_BL.jsonl").read_text().splitlines()
+    assert len(lines) == 8 * 2 * 2 and "prediction" in json.loads(lines[0])
+    assert (out / "niah_length.png").stat().st_size > 1000
+    heat = out / "niah_diff_BL_minus_GDN-zero.png"
+    assert heat.stat().st_size > 1000
+    md = (out / "niah.md").read_text()
+    assert "| BL |" in md and "| GDN-zero |" in md and "niah_multikey_3" in md
+    printed = capsys.readouterr().out
+    assert "| model | 512 |" in printed
+    # redraw from the JSON alone
+    heat.unlink()
+    _run(["--plot-only", str(out / "niah.json"), "--out", str(out), "--diff", "GDN-zero,BL"])
+    assert (out / "niah_diff_GDN-zero_minus_BL.png").stat().st_size > 1000
+
+
+def test_greedy_answers_equal_a_manual_argmax_loop(tmp_path, tokenizer, generator):
+    torch.manual_seed(0)
+    config = BayesLayerConfig(vocab_size=tokenizer.get_vocab_size(), hidden_size=32, num_hidden_layers=2,
+                              num_heads=2, head_dim=16, mixer="bayesian")
+    model = BayesLayerForCausalLM(config).eval()
+    s = generator.sample("niah_single_1", 300, 50, max_new_tokens=5)
+    [answer] = niah.generate_answers(model, [s], generator.tokenizer)
+    ids = torch.tensor([s.input_ids])
+    with torch.no_grad():
+        for _ in range(5):
+            ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    expected = ids[0, len(s.input_ids):].tolist()
+    eos = generator.tokenizer.eos_id()
+    if eos in expected:
+        expected = expected[: expected.index(eos)]
+    assert answer == generator.tokenizer.decode(expected)
+
+
+def test_heatmap_marks_cells_with_few_samples(tmp_path):
+    def cells(score, n):
+        return [{"task": t, "length": L, "depth": d, "n": n, "score": score}
+                for t in niah.SUMMARY_TASKS for L in (2048, 4096) for d in (0.0, 50.0)]
+
+    results = {"config": {"summary_tasks": list(niah.SUMMARY_TASKS)},
+               "models": {"BL": {"cells": cells(60.0, 30)}, "GDN-FT": {"cells": cells(50.0, 12)}}}
+    grid = niah.depth_length_grid(results["models"]["GDN-FT"]["cells"])
+    assert grid[(0.0, 2048)] == (50.0, 12)
+    path = niah.heatmap_difference(tmp_path / "h.png", results, "BL", "GDN-FT")
+    assert path.stat().st_size > 1000
+    with pytest.raises(ValueError, match="no model 'GDN'"):
+        niah.heatmap_difference(tmp_path / "x.png", results, "BL", "GDN")
+
+
+# ----------------------------------------------------------------------------- bad arguments
+
+
+def test_bad_generator_arguments(tokenizer, generator):
+    with pytest.raises(ValueError, match="unknown NIAH task"):
+        generator.sample("niah_cwe", 512, 50)
+    with pytest.raises(ValueError, match=r"depth must be a percentage in \[0, 100\], got 101"):
+        generator.sample("niah_single_1", 512, 101)
+    with pytest.raises(TypeError, match="length must be an int"):
+        generator.sample("niah_single_1", 512.0, 50)
+    with pytest.raises(ValueError, match="too short for niah_multiquery"):
+        generator.sample("niah_multiquery", 120, 50, max_new_tokens=8)
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
+        generator.sample("niah_single_1", 512, 50, max_new_tokens=0)
+    no_essay = niah.NiahGenerator(tokenizer, None)
+    assert len(no_essay.sample("niah_single_1", 300, 50, max_new_tokens=8).input_ids) == 292
+    with pytest.raises(ValueError, match="needs an essay haystack"):
+        no_essay.sample("niah_single_2", 300, 50)
+    with pytest.raises(TypeError, match="essays must all be str"):
+        niah.NiahGenerator(tokenizer, ["text", 3])
+    with pytest.raises(TypeError, match="sequence of str"):
+        niah.NiahGenerator(tokenizer, "one long string")
+    with pytest.raises(TypeError, match="tokenizer"):
+        niah.NiahGenerator(42, ESSAYS)
+
+
+def test_bad_scoring_arguments():
+    with pytest.raises(ValueError, match="answers"):
+        niah.score_prediction("x", [])
+    with pytest.raises(ValueError, match="answers"):
+        niah.score_prediction("x", "1234567")
+    with pytest.raises(TypeError, match="prediction"):
+        niah.score_prediction(None, ["1"])
+    with pytest.raises(ValueError, match="as many predictions"):
+        niah.score_predictions(["a"], [["1"], ["2"]])
+
+
+def test_bad_cli_arguments(tmp_path):
+    with pytest.raises(SystemExit, match="at least one --model"):
+        _run(["--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="unknown task 'niah_cwe'"):
+        _run(["--model", str(tmp_path), "--tasks", "niah_cwe", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="distinct"):
+        _run(["--model", f"A={tmp_path}", "--model", f"A={tmp_path}", "--out", str(tmp_path)])
+    with pytest.raises(ValueError, match="depth"):
+        _run(["--model", str(tmp_path), "--depths", "0,120", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="--lengths"):
+        _run(["--model", str(tmp_path), "--lengths", "8", "--out", str(tmp_path)])
+    with pytest.raises(FileNotFoundError, match="run the experiment"):
+        _run(["--plot-only", str(tmp_path / "missing.json"), "--out", str(tmp_path)])
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        niah.load_model(tmp_path)
