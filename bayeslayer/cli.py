@@ -20,6 +20,7 @@ _COMMAND_MODULES = [
     "bayeslayer.experiments.lm",
     "bayeslayer.experiments.state_budget",
     "bayeslayer.experiments.mqar",
+    "bayeslayer.experiments.niah",
 ]
 
 
