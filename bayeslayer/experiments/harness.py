@@ -439,3 +439,52 @@ def train_lr_grid(
     best = max(finite, key=lambda g: g["score"])  # max keeps the first of equal scores
     return {"select_key": select_key, "best_lr": best["lr"], "grid": grid,
             "records": all_records[best["lr"]], "all_records": all_records}
+
+
+@dataclass
+class LearningRateSearch:
+    """Outcome of :func:`select_learning_rate`: the chosen rate, every rate's score and the best model."""
+
+    best_lr: float
+    scores: dict[float, float]
+    best_model: nn.Module
+    best_result: TrainResult
+
+
+def select_learning_rate(
+    build_model: Callable[[int], nn.Module],
+    sample_batch: Callable[[int, int, torch.Generator], Any],
+    config: TrainConfig,
+    lrs: Sequence[float],
+    validate: Callable[[nn.Module], float],
+    *,
+    progress: bool = True,
+    desc: str = "lr",
+) -> LearningRateSearch:
+    """Train one model per learning rate (seed ``config.seed``) and keep the one ``validate`` scores highest.
+
+    ``validate(model) -> float`` runs under ``torch.no_grad`` in eval mode (e.g. validation query
+    accuracy); ties go to the smaller rate.  A rate whose run diverges (non-finite loss) scores ``-inf``.
+    """
+    rates = [float(lr) for lr in lrs]
+    if not rates or not all(math.isfinite(lr) and lr > 0 for lr in rates):
+        raise ValueError(f"lrs must be a non-empty list of positive finite numbers, got {list(lrs)}")
+    scores: dict[float, float] = {}
+    best: tuple[float, nn.Module, TrainResult] | None = None
+    for lr in sorted(rates):
+        cfg = TrainConfig(**{**asdict(config), "lr": lr})
+        seed_everything(cfg.seed)
+        model = build_model(cfg.seed)
+        try:
+            res = train(model, sample_batch, cfg, progress=progress, desc=f"{desc} {lr:g}")
+        except FloatingPointError:
+            scores[lr] = -math.inf
+            continue
+        model.eval()
+        with torch.no_grad():
+            scores[lr] = float(validate(model))
+        if best is None or scores[lr] > scores[best[0]]:
+            best = (lr, model, res)
+    if best is None:
+        raise FloatingPointError(f"every learning rate in {sorted(rates)} diverged")
+    return LearningRateSearch(best[0], scores, best[1], best[2])

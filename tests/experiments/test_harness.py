@@ -17,6 +17,7 @@ from bayeslayer.experiments.harness import (
     summarize,
     summarize_curves,
     train,
+    train_lr_grid,
     train_seeds,
     write_json,
 )
@@ -189,3 +190,55 @@ def test_bad_train_arguments():
         train(Toy(), sample_copy, CFG, stop_after=CFG.steps + 1, progress=False)
     with pytest.raises(ValueError, match="seeds"):
         train_seeds("x", lambda s: Toy(), sample_copy, CFG, [], lambda m: {})
+
+
+def test_lr_grid_selects_by_the_validation_metric_and_skips_diverged_rates(tmp_path):
+    def val_accuracy(m):
+        b = sample_copy(0, 128, torch.Generator().manual_seed(7))  # held-out batch: not a training step
+        return {"val_acc": query_accuracy(m(b.inputs), b.labels)}
+
+    cfg = TrainConfig(steps=40, batch_size=16, lr=1.0, warmup_steps=2)
+    out = train_lr_grid("toy", lambda s: make_model(s), sample_copy, cfg, [1e-5, 3e-2], [0], val_accuracy,
+                        select_key="val_acc", run_dir=str(tmp_path), progress=False)
+    scores = {g["lr"]: g["score"] for g in out["grid"]}
+    assert scores[3e-2] > scores[1e-5]  # a tiny lr learns nothing in 40 steps
+    assert out["best_lr"] == 3e-2 and out["records"] == out["all_records"][3e-2]
+    assert out["records"][0]["val_acc"] == scores[3e-2]
+    assert {"toy_lr1e-05_seed0.json", "toy_lr0.03_seed0.json"} <= set(os.listdir(tmp_path))
+
+    def sample_nan(step, bs, g):  # a batch whose loss is not finite: training "diverges" at every lr
+        b = sample_copy(step, bs, g)
+        return Batch(b.inputs * float("nan"), b.labels)
+
+    with pytest.raises(FloatingPointError, match="every learning rate"):
+        train_lr_grid("bad", make_model, sample_nan, cfg, [1e-3, 1e-2], [0], val_accuracy,
+                      select_key="val_acc", progress=False)
+
+
+def test_lr_grid_bad_arguments():
+    cfg = TrainConfig(steps=2, batch_size=4)
+    ev = lambda m: {"acc": 1.0}  # noqa: E731
+    with pytest.raises(ValueError, match="lrs"):
+        train_lr_grid("x", lambda s: Toy(), sample_copy, cfg, [], [0], ev, select_key="acc", progress=False)
+    with pytest.raises(ValueError, match="lrs"):
+        train_lr_grid("x", lambda s: Toy(), sample_copy, cfg, [1e-3, -1.0], [0], ev, select_key="acc",
+                      progress=False)
+    with pytest.raises(ValueError, match="repeated"):
+        train_lr_grid("x", lambda s: Toy(), sample_copy, cfg, [1e-3, 1e-3], [0], ev, select_key="acc",
+                      progress=False)
+    with pytest.raises(KeyError, match="nope"):
+        train_lr_grid("x", lambda s: Toy(), sample_copy, cfg, [1e-3], [0], ev, select_key="nope", progress=False)
+
+
+def test_select_learning_rate_keeps_the_best_validated_rate():
+    from bayeslayer.experiments.harness import select_learning_rate
+
+    val = sample_copy(0, 64, torch.Generator().manual_seed(5))
+    cfg = TrainConfig(steps=30, batch_size=16, lr=1.0, warmup_steps=3)
+    out = select_learning_rate(lambda s: Toy(), sample_copy, cfg, [1e-6, 3e-2],
+                               lambda m: query_accuracy(m(val.inputs), val.labels), progress=False)
+    assert set(out.scores) == {1e-6, 3e-2}
+    assert out.best_lr == 3e-2 and out.scores[3e-2] > out.scores[1e-6]
+    assert out.best_result.step == 30 and isinstance(out.best_model, Toy)
+    with pytest.raises(ValueError, match="lrs"):
+        select_learning_rate(lambda s: Toy(), sample_copy, cfg, [], lambda m: 0.0)
