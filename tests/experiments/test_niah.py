@@ -298,3 +298,24 @@ def test_bad_cli_arguments(tmp_path):
         _run(["--plot-only", str(tmp_path / "missing.json"), "--out", str(tmp_path)])
     with pytest.raises(FileNotFoundError, match="config.json"):
         niah.load_model(tmp_path)
+
+
+def test_bos_of_a_llama_style_tokenizer_leads_the_prompt_and_no_eos_is_appended(tokenizer):
+    from tokenizers import Tokenizer
+    from tokenizers.processors import TemplateProcessing
+
+    tk = Tokenizer.from_str(tokenizer.to_str())
+    tk.add_special_tokens(["<s>", "</s>"])
+    bos, eos = tk.token_to_id("<s>"), tk.token_to_id("</s>")
+    tk.post_processor = TemplateProcessing(single="<s> $A </s>", special_tokens=[("<s>", bos), ("</s>", eos)])
+    gen = niah.NiahGenerator(tk, ESSAYS, seed=0)
+    s = gen.sample("niah_single_2", 400, 50, max_new_tokens=8)
+    assert len(s.input_ids) == 392
+    assert s.input_ids[0] == bos and s.input_ids.count(bos) == 1 and eos not in s.input_ids
+
+
+def test_the_cli_knows_niah(tmp_path):
+    from bayeslayer.cli import build_parser
+
+    args = build_parser().parse_args(["niah", "--model", f"BL={tmp_path}", "--lengths", "2048,4096"])
+    assert args.func is niah.run and args.model == [("BL", str(tmp_path))] and args.lengths == [2048, 4096]
