@@ -26,6 +26,7 @@ tokens (``mask``):
   (0.8, 0.2) and then (0.9, 0.1) (:func:`phase_b_weights`).
 
 Also here: :class:`MixerOutputCapture` (forward hooks on ``model.model.layers[i].attn``),
+:func:`mixer_outputs_on` (Phase A on the teacher's inputs to each replaced layer),
 :func:`select_trainable` (the paper's trainable set, as optimizer parameter groups; also
 the GDN-FT control's) and :class:`ParameterSnapshot` (freeze, then verify frozen).
 """
@@ -257,14 +258,15 @@ def _check_layer_indices(indices: Iterable[int], num_layers: int) -> list[int]:
 
 
 class MixerOutputCapture:
-    """Forward hooks on ``model.model.layers[i].attn`` that keep each mixer's output ``o``
-    ``[B, T, d]`` of the latest forward, in ``outputs[i]``::
+    """Forward hooks on ``model.model.layers[i].attn`` that keep, for the latest forward, each
+    mixer's output ``o`` ``[B, T, d]`` in ``outputs[i]``, its input (the normed hidden states)
+    in ``inputs[i]`` and the ``attention_mask`` it was given in ``masks[i]``::
 
         with MixerOutputCapture(student, [5, 11]) as s, MixerOutputCapture(teacher, [5, 11]) as t:
             student_logits = student(ids).logits
             with torch.no_grad():
                 teacher_logits = teacher(ids).logits
-            loss, parts = layer_matching_loss(s.outputs, t.outputs, mask)
+            loss, parts = joint_loss(teacher_logits, student_logits, s.outputs, t.outputs, mask)
 
     The outputs keep their graph (gradients flow to the student).  Leaving the ``with``
     block (or :meth:`remove`) removes the hooks and drops the tensors.
@@ -274,25 +276,53 @@ class MixerOutputCapture:
         blocks = _model_layers(model)
         self.layers = _check_layer_indices(layers, len(blocks))
         self.outputs: dict[int, torch.Tensor] = {}
-        self._handles = [blocks[i].attn.register_forward_hook(self._hook(i)) for i in self.layers]
+        self.inputs: dict[int, torch.Tensor] = {}
+        self.masks: dict[int, torch.Tensor | None] = {}
+        self._handles = [blocks[i].attn.register_forward_hook(self._hook(i), with_kwargs=True)
+                         for i in self.layers]
 
     def _hook(self, index: int):
-        def hook(module, args, output):
-            o = getattr(output, "o", output[0] if isinstance(output, tuple) else output)
-            self.outputs[index] = o
+        def hook(module, args, kwargs, output):
+            self.inputs[index] = args[0] if args else kwargs["hidden_states"]
+            self.masks[index] = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+            self.outputs[index] = getattr(output, "o", output[0] if isinstance(output, tuple) else output)
         return hook
 
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles = []
-        self.outputs = {}
+        self.outputs, self.inputs, self.masks = {}, {}, {}
 
     def __enter__(self) -> MixerOutputCapture:
         return self
 
     def __exit__(self, *exc) -> None:
         self.remove()
+
+
+def mixer_outputs_on(
+    model: nn.Module,
+    inputs: dict[int, torch.Tensor],
+    attention_mask: torch.Tensor | None = None,
+) -> dict[int, torch.Tensor]:
+    """Run only the mixers ``model.model.layers[i].attn`` on given inputs ``{i: [B, T, d]}``.
+
+    Phase A "on the same inputs": feed each student mixer the teacher's input to that layer
+    (``MixerOutputCapture.inputs`` of a teacher forward), so every replaced layer learns to
+    map the teacher's hidden states to the teacher's output independently of the other
+    replaced layers, and no full student forward is needed::
+
+        with torch.no_grad(), MixerOutputCapture(teacher, layers) as t:
+            teacher(ids, attention_mask=mask)
+            targets, inputs = dict(t.outputs), dict(t.inputs)
+        loss, parts = layer_matching_loss(mixer_outputs_on(student, inputs, mask), targets, mask)
+    """
+    blocks = _model_layers(model)
+    if not isinstance(inputs, dict) or not inputs:
+        raise ValueError("inputs must be a non-empty dict {layer: hidden states [B, T, d]}")
+    idxs = _check_layer_indices(list(inputs), len(blocks))
+    return {i: blocks[i].attn(inputs[i], attention_mask=attention_mask).o for i in idxs}
 
 
 # ----------------------------------------------------------------------------- trainable set

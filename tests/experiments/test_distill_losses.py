@@ -209,6 +209,39 @@ def test_phase_a_then_b_steps_train_only_the_selection():
     assert moved >= {"model.layers.1.attn.r2_proj.weight", "model.layers.3.mlp.down_proj.weight"}
 
 
+def test_phase_a_on_the_teachers_inputs():
+    teacher = _teacher()
+    layers = [1, 3]
+    student = _student(teacher, layers).train()
+    ids = torch.randint(0, 64, (2, 16))
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[1, :5] = 0  # left padding
+    with torch.no_grad(), dl.MixerOutputCapture(teacher, layers) as t:
+        teacher(ids, attention_mask=mask)
+        targets, inputs = dict(t.outputs), dict(t.inputs)
+        assert torch.equal(t.masks[1], mask)
+    assert inputs[1].shape == (2, 16, 32)
+    # a GDN mixer run on its own captured input reproduces its output
+    again = dl.mixer_outputs_on(teacher, inputs, mask)
+    torch.testing.assert_close(again[3], targets[3])
+    # the student's replaced mixers on the teacher's inputs: one independent regression per layer
+    sel = dl.select_trainable(student, layers, lr=1e-2)
+    frozen = dl.freeze_and_snapshot(student, sel)
+    optim = torch.optim.AdamW(sel.param_groups)
+    valid = mask.bool()
+    losses = []
+    for _ in range(15):
+        loss, parts = dl.layer_matching_loss(dl.mixer_outputs_on(student, inputs, mask), targets, valid)
+        optim.zero_grad()
+        loss.backward()
+        optim.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.8 * losses[0], losses
+    frozen.assert_unchanged(student)
+    with pytest.raises(ValueError, match="non-empty dict"):
+        dl.mixer_outputs_on(student, {})
+
+
 def test_snapshot_catches_a_changed_parameter():
     model = _teacher(2)
     snap = dl.ParameterSnapshot(model)
