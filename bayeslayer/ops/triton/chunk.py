@@ -1,12 +1,16 @@
 """``bl_chunk_triton``: the chunked Bayesian Layer on Triton kernels (SPEC §3.3).
 
-Forward: one fused Triton kernel (:mod:`.kernels`), one program per (sequence,
-head·group), chunk-sequential inside the program.  Backward: **recompute**, not
-fused — :class:`_BLChunkTriton` re-runs the forward through the PyTorch chunk path
-(:func:`bayeslayer.ops.chunk.filter_chunk`) under autograd and differentiates
-that.  The gradients are therefore exactly the PyTorch path's; the cost of a
-backward is one PyTorch chunked forward plus its autograd backward.
-Rotations (``theta``) run entirely on the PyTorch path.
+Forward: two Triton kernels (:mod:`.kernels`), chunk-sequential inside each
+program: the covariance pass (one program per sequence and head·group) and the
+mean pass (one program per value block, sequence and head·group).
+
+Backward: **recompute, not fused**.  :class:`_BLChunkTriton` stores only its
+inputs; its backward re-runs the Triton forward to checkpoint the state at every
+chunk start, then walks the chunks in reverse, recomputing each chunk with the
+PyTorch chunk step under autograd and differentiating it
+(:func:`_chunkwise_backward`).  Gradients are therefore the PyTorch path's; memory
+is the checkpoints plus one chunk's graph; time is a Python loop over chunks.
+Rotations (``theta``) run entirely on the PyTorch path (forward and backward).
 """
 
 from __future__ import annotations
@@ -96,7 +100,8 @@ def _slice_time(x, bos: int, eos: int):
 def _torch_reference(q, k, v, r2, ell2, alpha, theta, p0, M0, P0, cu, chunk_size, want_var):
     """The PyTorch chunk path on the same arguments (per packed sequence when ``cu`` is given).
 
-    Returns ``(o, variance or None, M, P)``; this is what the backward differentiates.
+    Returns ``(o, variance or None, M, P)``.  Used for rotations and T = 0, and by the
+    tests as the varlen reference.
     """
     state = None if M0 is None else (M0, P0)
     if cu is None:
@@ -389,8 +394,9 @@ def bl_chunk_triton(
     ``(o, variance [B, T, H, G], state)``; ``state`` is None unless
     ``output_final_state``.  ``chunk_size`` ∈ {16, 32, 64}.
 
-    Gradients: the backward recomputes the forward through the PyTorch chunk path
-    under autograd (see module docstring); it is not a fused Triton backward.
+    Gradients: a chunk-wise backward that recomputes each chunk with the PyTorch
+    chunk step from state checkpoints written by the Triton forward (module
+    docstring); it is not a fused Triton backward.
     """
     C = _check_chunk_size(chunk_size)
     if not isinstance(q, torch.Tensor):
