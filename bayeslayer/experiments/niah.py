@@ -157,6 +157,7 @@ class _Tokenizer:
         from ..data.text import load_tokenizer
 
         self.backend = load_tokenizer(tokenizer)
+        self._anchor_ids: dict[str, list[int]] = {}
         # What the post-processor puts before a text (a BOS for Llama-style tokenizers, nothing
         # for GPT-2-style ones); anything it appends (an EOS) is not wanted in a prompt.
         plain = self.encode("a")
@@ -166,6 +167,21 @@ class _Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         return list(self.backend.encode(text, add_special_tokens=False).ids)
+
+    def encode_piece(self, text: str) -> list[int]:
+        """Ids of ``text`` as it tokenizes *after* other text, not at the start of a string.
+
+        SentencePiece-style tokenizers prepend a word marker to every string they encode, so
+        encoding a piece on its own would add a space (``"▁▁The"``, ``"▁\n"``).  Encoding
+        ``"." + text`` and dropping the ids of ``"."`` gives the in-context ids; when the
+        anchor does not stay a separate prefix (it merged with the text), plain encoding is used.
+        """
+        for anchor in (".", "a"):
+            prefix = self._anchor_ids.setdefault(anchor, self.encode(anchor))
+            ids = self.encode(anchor + text)
+            if ids[: len(prefix)] == prefix:
+                return ids[len(prefix):]
+        return self.encode(text)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=True)
@@ -265,9 +281,10 @@ class NiahGenerator:
         self._unit_cache: dict[str, list[int]] = {}
 
     def _ids(self, text: str) -> list[int]:
+        """In-context ids of a piece that follows other text (see ``_Tokenizer.encode_piece``)."""
         ids = self._unit_cache.get(text)
         if ids is None:
-            ids = self.tokenizer.encode(text)
+            ids = self.tokenizer.encode_piece(text)
             if len(self._unit_cache) < 200_000:
                 self._unit_cache[text] = ids
         return ids
@@ -311,7 +328,7 @@ class NiahGenerator:
         tail = (f"\n{'What is the' if single else 'What are all the'} special magic {vname} for {query} "
                 f"mentioned in the provided text? The special magic {vname} for {query} mentioned in the "
                 f"provided text {'is' if single else 'are'}")
-        head_ids = self.tokenizer.leading_special + self._ids(head)
+        head_ids = self.tokenizer.leading_special + self.tokenizer.encode(head)  # the string's start
         tail_ids = self._ids(tail)
         block_len = sum(map(len, answer_block))
         budget = prompt_len - len(head_ids) - len(tail_ids) - block_len - sum(map(len, distractors))

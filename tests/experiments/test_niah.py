@@ -319,3 +319,24 @@ def test_the_cli_knows_niah(tmp_path):
 
     args = build_parser().parse_args(["niah", "--model", f"BL={tmp_path}", "--lengths", "2048,4096"])
     assert args.func is niah.run and args.model == [("BL", str(tmp_path))] and args.lengths == [2048, 4096]
+
+
+def test_sentencepiece_style_pieces_are_encoded_in_context():
+    """A Metaspace tokenizer that marks the start of every string it encodes must not put a word
+    marker (an extra space) before each haystack sentence, needle or the question."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tk = Tokenizer(models.BPE(unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+    tk.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
+    texts = ESSAYS * 4 + [TEMPLATE + "\n"] * 8 + [niah.NOISE_PARAGRAPH] * 4 + [" ".join(niah.WORDS[::5]) + "-:"]
+    tk.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=900, special_tokens=["<unk>", "</s>"],
+                                                      show_progress=False))
+    assert tk.encode("\nWhat").tokens[0] == "▁"  # encoded alone, a piece gets a word marker
+    gen = niah.NiahGenerator(tk, ESSAYS, seed=0)
+    for task in ("niah_single_2", "niah_multikey_2"):
+        s = gen.sample(task, 600, 50, max_new_tokens=8)
+        assert len(s.input_ids) == 592
+        text = gen.tokenizer.decode(s.input_ids)
+        assert "  " not in text and " \n" not in text, text[:300]
+        assert f"\nWhat is the special magic number for {s.queries[0]} mentioned" in text
