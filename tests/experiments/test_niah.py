@@ -340,3 +340,21 @@ def test_sentencepiece_style_pieces_are_encoded_in_context():
         text = gen.tokenizer.decode(s.input_ids)
         assert "  " not in text and " \n" not in text, text[:300]
         assert f"\nWhat is the special magic number for {s.queries[0]} mentioned" in text
+
+
+def test_an_fla_gated_deltanet_checkpoint_is_evaluated_as_gdn_zero(tmp_path, tokenizer, generator):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "Triton is not supported on current platform"
+        from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM
+    torch.manual_seed(0)
+    fla = GatedDeltaNetForCausalLM(GatedDeltaNetConfig(
+        vocab_size=tokenizer.get_vocab_size(), hidden_size=32, num_hidden_layers=2, num_heads=2, head_dim=8,
+        expand_v=2, hidden_ratio=2, fuse_norm=False, fuse_swiglu=False, fuse_cross_entropy=False))
+    fla.save_pretrained(tmp_path)
+    model = niah.load_model(tmp_path)
+    assert isinstance(model, BayesLayerForCausalLM) and model.config.layer_mixers == ["gated_deltanet"] * 2
+    cells = niah.evaluate(model, generator, tasks=["niah_single_1"], lengths=[300], depths=[50.0],
+                          samples_per_cell=2, max_new_tokens=3, batch_size=2)
+    assert cells[0]["n"] == 2 and 0 <= cells[0]["score"] <= 100
