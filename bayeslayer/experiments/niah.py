@@ -280,12 +280,15 @@ class NiahGenerator:
         self.essay_units = _essay_units(_essay_texts(essays)) if essays is not None else []
         self._unit_cache: dict[str, list[int]] = {}
 
-    def _ids(self, text: str) -> list[int]:
-        """In-context ids of a piece that follows other text (see ``_Tokenizer.encode_piece``)."""
+    def _ids(self, text: str, *, cache: bool = True) -> list[int]:
+        """In-context ids of a piece that follows other text (see ``_Tokenizer.encode_piece``).
+
+        Essay and noise sentences recur across samples and are cached; random needle lines are not.
+        """
         ids = self._unit_cache.get(text)
         if ids is None:
             ids = self.tokenizer.encode_piece(text)
-            if len(self._unit_cache) < 200_000:
+            if cache:
                 self._unit_cache[text] = ids
         return ids
 
@@ -315,9 +318,10 @@ class NiahGenerator:
         sep = "\n" if spec.haystack == "kv" else " "
 
         def needle_ids(key: str, value: str) -> list[int]:
-            return self._ids(sep + NEEDLE.format(vtype=vtype, key=key, value=value))
+            return self._ids(sep + NEEDLE.format(vtype=vtype, key=key, value=value), cache=False)
 
-        answer_block = [needle_ids(k, v) for k, vs in zip(queries, values, strict=False) for v in vs]
+        answer_block = [needle_ids(k, v) for k, vs in zip(queries, values[: spec.num_queries], strict=True)
+                        for v in vs]
         rng.shuffle(answer_block)
         distractors = [needle_ids(k, v) for k, vs in zip(keys[spec.num_queries:], values[spec.num_queries:],
                                                         strict=True) for v in vs]
@@ -329,7 +333,7 @@ class NiahGenerator:
                 f"mentioned in the provided text? The special magic {vname} for {query} mentioned in the "
                 f"provided text {'is' if single else 'are'}")
         head_ids = self.tokenizer.leading_special + self.tokenizer.encode(head)  # the string's start
-        tail_ids = self._ids(tail)
+        tail_ids = self._ids(tail, cache=False)
         block_len = sum(map(len, answer_block))
         budget = prompt_len - len(head_ids) - len(tail_ids) - block_len - sum(map(len, distractors))
         if budget < 1:
@@ -342,7 +346,7 @@ class NiahGenerator:
         units: list[list[int]] = []
         filled = 0
         for text in self._haystack_texts(spec, rng, set(keys)):
-            ids = self._ids(sep + text)
+            ids = self._ids(sep + text, cache=spec.haystack != "kv")
             units.append(ids[: budget - filled])
             filled += len(units[-1])
             if filled == budget:
