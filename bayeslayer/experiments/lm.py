@@ -378,7 +378,8 @@ def grouped_perplexity(model, windows: np.ndarray, masks: dict[str, np.ndarray],
     ``masks``: group → boolean ``[N, L−1]`` aligned with the next-token loss
     (``annotation.masks(shifted=True)``).  Windows are shared out across ranks (``rank::world``)
     and the float64 sums all-reduced, so every rank returns the same numbers.  The model runs in
-    eval mode under ``torch.no_grad``; its previous mode is restored.
+    eval mode under ``torch.no_grad``; its previous mode is restored.  Returns
+    ``{group: {"ppl", "mean_ce", "n_tokens"}}``; a group with no token has ``ppl = mean_ce = None``.
     """
     from ..data.arhit import GroupedCE
 
@@ -413,7 +414,8 @@ def grouped_perplexity(model, windows: np.ndarray, masks: dict[str, np.ndarray],
         dist.all_reduce(sums)  # gloo and nccl both reduce float64 on this tensor's device
     groups.sum_ce = {k: float(sums[i, 0]) for i, k in enumerate(names)}
     groups.n_tokens = {k: int(round(float(sums[i, 1]))) for i, k in enumerate(names)}
-    return groups.result()
+    # an empty group (e.g. no hit beyond distance 256 in short windows) is null, so results stay strict JSON
+    return {k: v if v["n_tokens"] else {**v, "ppl": None, "mean_ce": None} for k, v in groups.result().items()}
 
 
 # --------------------------------------------------------------------------- checkpoints
@@ -987,7 +989,8 @@ def _train_main(args) -> int:
               f"{result.tokens_per_second:,.0f} tokens/s this session; run dir {out}")
         if result.summary.get("validation"):
             v = result.summary["validation"]
-            print("validation PPL: " + ", ".join(f"{GROUP_LABELS[g]} {v[g]['ppl']:.2f}" for g in GROUPS if g in v))
+            print("validation PPL: " + ", ".join(f"{GROUP_LABELS[g]} {v[g]['ppl']:.2f}" for g in GROUPS
+                                                 if v.get(g, {}).get("ppl") is not None))
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0
