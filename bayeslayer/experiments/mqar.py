@@ -120,6 +120,7 @@ class MQARPreset:
     block_seq_len: int = 128
     block_train_pairs: tuple[int, ...] = (2, 4, 6, 8)
     block_test_pairs: tuple[int, ...] = (2, 4, 6, 8, 10, 12, 14, 16)
+    random_non_queries: bool = True  # Zoology's default: random tokens between the queries
     chunk_size: int = 64
     eval_batch: int = 128
     data_seed: int = 0
@@ -138,13 +139,15 @@ PRESETS: dict[str, MQARPreset] = {
         base_seq_len=512, base_num_pairs=64, test_examples=3000, warmup_steps=1024, checkpoint_every=500,
     ),
     # Sized from step times measured on the 2-core CPU (docs/experiments.md): the five default mixers,
-    # one seed, one learning rate, about 20 minutes per task when the machine is idle.  Same task
-    # structure; smaller vocabulary, pools, widths, state budget; Base at length 128 with 16 pairs
-    # (the paper's 512/64 has the same 1:8 pairs-to-length ratio).
+    # one seed, one learning rate (1e-2), about 20 minutes per task when the machine is idle.  Same
+    # task structure and sweeps; smaller vocabulary (64, about the least Update's 16 keys + 32 values
+    # allow), pools, widths and state budget; Base at length 128 with 16 pairs (the paper's 512/64 has
+    # the same 1:8 ratio); non-query positions hold token 0 instead of random tokens, because with
+    # random fillers no mixer left chance level within a CPU budget (measured, docs/experiments.md).
     "default": MQARPreset(
-        "default", vocab_size=256, pool_base=4_000, pool_update=8_000, pool_block=8_000, epochs=5,
-        batch_size=32, lrs=(3e-3,), seeds=1, budget=4096, width=64, base_widths=(32, 64, 128),
-        base_seq_len=128, base_num_pairs=16, test_examples=256, chunk_size=32,
+        "default", vocab_size=64, pool_base=6_000, pool_update=12_000, pool_block=12_000, epochs=3,
+        batch_size=32, lrs=(1e-2,), seeds=1, budget=4096, width=64, base_widths=(32, 64, 128),
+        base_seq_len=128, base_num_pairs=16, test_examples=256, chunk_size=32, random_non_queries=False,
     ),
     # Seconds-long smoke run (tests, trying the command out).
     "tiny": MQARPreset(
@@ -408,13 +411,15 @@ def run_mqar(task: str, preset: MQARPreset, mixers: Sequence[str] = DEFAULT_MIXE
     t0 = time.perf_counter()
     train_ds, val_ds = make_pool(train_tasks(task, preset), num_examples=preset.pool_size(task),
                                  vocab_size=preset.vocab_size, seed=preset.data_seed,
-                                 val_fraction=preset.val_fraction)
+                                 val_fraction=preset.val_fraction, random_non_queries=preset.random_non_queries)
     points = sweep_points(task, preset)
     if task == "base":  # one test set, shared by every width
-        data = points[0][1].generate(preset.test_examples, vocab_size=preset.vocab_size, seed=preset.test_seed)
+        data = points[0][1].generate(preset.test_examples, vocab_size=preset.vocab_size, seed=preset.test_seed,
+                                     random_non_queries=preset.random_non_queries)
         tests = [(x, data) for x, _ in points]
     else:
-        tests = [(x, t.generate(preset.test_examples, vocab_size=preset.vocab_size, seed=preset.test_seed + i))
+        tests = [(x, t.generate(preset.test_examples, vocab_size=preset.vocab_size, seed=preset.test_seed + i,
+                                random_non_queries=preset.random_non_queries))
                  for i, (x, t) in enumerate(points)]
     sampler = epoch_sampler(train_ds, preset.batch_size, preset.data_seed)
     steps = preset.epochs * sampler.steps_per_epoch

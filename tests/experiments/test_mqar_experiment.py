@@ -2,7 +2,6 @@
 
 import json
 import os
-import time
 from dataclasses import replace
 
 import pytest
@@ -79,6 +78,7 @@ def test_tasks_and_sweep_points_follow_the_spec():
     assert (paper.epochs, paper.batch_size, paper.num_layers, paper.warmup_steps, paper.budget) == (
         40, 256, 2, 1024, 8192)
     assert len(paper.lrs) > 1
+    assert paper.random_non_queries  # Zoology's random fillers; the CPU preset drops them (documented)
 
 
 def test_epoch_sampler_is_a_pure_function_of_the_step():
@@ -114,20 +114,23 @@ def test_query_counts_slices_add_up():
 
 
 def test_harness_learns_a_tiny_mqar_instance():
-    """The shared harness, the MQAR model and a registry mixer reach > 90% query accuracy in seconds."""
+    """The shared harness, the MQAR model and a registry mixer reach > 90% query accuracy in seconds.
+
+    Vocabulary 16, length 16, 2 pairs, random fillers; about 20 s on an idle 2-core CPU.
+    """
     torch.manual_seed(0)
-    t0 = time.perf_counter()
     train_ds, val = make_pool([MQARTask("base", 16, 2)], num_examples=4000, vocab_size=16, seed=0)
     sample = epoch_sampler(train_ds, 32, data_seed=0)
     model = MQARModel(MQARModelConfig("gated_deltanet", vocab_size=16, width=32,
                                       mixer_kwargs={"num_heads": 2, "head_dim": 16, "chunk_size": 16}))
     cfg = TrainConfig(steps=300, batch_size=32, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, warmup_steps=15)
+    with torch.no_grad():
+        before = query_counts(model.eval(), val.segments[0], 300)["accuracy"]
     train(model, sample, cfg, progress=False)
     model.eval()
     with torch.no_grad():
-        acc = query_counts(model, val.segments[0], 200)["accuracy"]
-    assert acc > 0.9, acc
-    assert time.perf_counter() - t0 < 90
+        acc = query_counts(model, val.segments[0], 300)["accuracy"]
+    assert before < 0.2 and acc > 0.9, (before, acc)
 
 
 @pytest.fixture(scope="module")
