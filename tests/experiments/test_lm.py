@@ -141,6 +141,17 @@ def test_any_mixer_trains(tmp_path, corpus_dir, cache_dir, mixer):
     assert result.summary["mixer"] == mixer
 
 
+def test_bf16_autocast_trains_and_evaluates(tmp_path, corpus_dir, cache_dir):
+    config = _config(corpus_dir, steps=2, warmup_steps=1, checkpoint_every=0, eval_every=0, precision="bf16")
+    result = train_lm(config, tmp_path / "bf16", cache_dir=cache_dir, progress=False)
+    fp32 = train_lm(replace(config, precision="fp32"), tmp_path / "fp32", cache_dir=cache_dir, progress=False)
+    assert all(math.isfinite(x) for x in result.losses)
+    assert result.losses != fp32.losses  # autocast really ran in bf16 ...
+    np.testing.assert_allclose(result.losses, fp32.losses, rtol=2e-2)  # ... and computes the same loss
+    assert lm.resolve_precision("auto", torch.device("cpu")) is None
+    assert lm.resolve_precision("bf16", torch.device("cpu")) is torch.bfloat16
+
+
 def test_loss_decreases_on_repetitive_text(tmp_path, corpus_dir, cache_dir):
     config = _config(corpus_dir, steps=30, lr=1e-2, warmup_steps=3, checkpoint_every=0, eval_every=0,
                      mlp_dropout=0.0)
