@@ -337,7 +337,8 @@ def train_seeds(
     ``run_dir/<name>_seed<s>.json`` (reused when its config matches, so an interrupted
     sweep restarts where it stopped; ``fingerprint`` — e.g. the task and model settings — must
     match too) and training checkpoints to ``run_dir/<name>_seed<s>.pt``
-    (removed once the seed is done).
+    (removed once the seed is done); a checkpoint whose stamped ``fingerprint`` differs is
+    discarded rather than resumed.
 
     Record: ``{"seed", "train_seconds", "final_train_loss" (mean of the last 10% of steps),
     "loss_curve": {"step": [...], "loss": [...]} (≤ loss_curve_points points, each a window
@@ -360,6 +361,14 @@ def train_seeds(
                         and cached.get("fingerprint") == _jsonable(fingerprint)):
                     records.append(cached["record"])
                     continue
+            # A checkpoint left by a run with other task/model settings but the same TrainConfig would
+            # otherwise be resumed; its settings are stamped beside it (no stamp: older runs, kept).
+            stamp = os.path.join(run_dir, f"{name}_seed{seed}.fingerprint.json")
+            if os.path.exists(ckpt) and os.path.exists(stamp):
+                with open(stamp) as fh:
+                    if json.load(fh).get("fingerprint") != _jsonable(fingerprint):
+                        os.remove(ckpt)
+            write_json(stamp, {"fingerprint": fingerprint})
         seed_everything(int(seed))
         model = build_model(int(seed))
         res = train(model, sample_batch, cfg, evaluate=evaluate, checkpoint_path=ckpt, progress=progress,
@@ -376,8 +385,9 @@ def train_seeds(
                   "loss_curve": {"step": curve_steps, "loss": curve}, "evals": res.evals, **final}
         if cache is not None:
             write_json(cache, {"train_config": asdict(cfg), "fingerprint": fingerprint, "record": record})
-            if os.path.exists(ckpt):
-                os.remove(ckpt)
+            for done in (ckpt, stamp):
+                if os.path.exists(done):
+                    os.remove(done)
         records.append(_jsonable(record))
     return records
 

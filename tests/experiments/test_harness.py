@@ -242,3 +242,24 @@ def test_select_learning_rate_keeps_the_best_validated_rate():
     assert out.best_result.step == 30 and isinstance(out.best_model, Toy)
     with pytest.raises(ValueError, match="lrs"):
         select_learning_rate(lambda s: Toy(), sample_copy, cfg, [], lambda m: 0.0)
+
+
+def test_train_seeds_does_not_resume_a_checkpoint_of_other_settings(tmp_path):
+    def final(m):
+        return {}
+
+    cfg = TrainConfig(steps=6, batch_size=4, lr=1e-2)
+    fresh = train_seeds("toy", lambda s: make_model(s), sample_copy, cfg, [0], final, progress=False)
+    # an interrupted run of task "a" leaves a checkpoint (and its stamp) behind
+    ckpt = tmp_path / "toy_seed0.pt"
+    train_seeds("toy", lambda s: make_model(s), sample_copy, cfg, [0], final, run_dir=str(tmp_path),
+                progress=False, fingerprint={"task": "a"})  # finishes: nothing left
+    assert not ckpt.exists() and not (tmp_path / "toy_seed0.fingerprint.json").exists()
+    write_json(str(tmp_path / "toy_seed0.fingerprint.json"), {"fingerprint": {"task": "a"}})
+    train(make_model(seed=5), sample_copy, TrainConfig(**{**cfg.__dict__, "seed": 0}), checkpoint_path=str(ckpt),
+          stop_after=3, progress=False)
+    os.remove(tmp_path / "toy_seed0.json")
+    # task "b" with the same TrainConfig must start from scratch, not from task "a"'s step 3
+    other = train_seeds("toy", lambda s: make_model(s), sample_copy, cfg, [0], final, run_dir=str(tmp_path),
+                        progress=False, fingerprint={"task": "b"})
+    assert other[0]["loss_curve"] == fresh[0]["loss_curve"]
