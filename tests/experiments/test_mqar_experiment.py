@@ -79,6 +79,10 @@ def test_tasks_and_sweep_points_follow_the_spec():
         40, 256, 2, 1024, 8192)
     assert len(paper.lrs) > 1
     assert paper.random_non_queries  # Zoology's random fillers; the CPU preset drops them (documented)
+    cpu = PRESETS["default"]
+    assert MQARTask("base", cpu.base_seq_len, cpu.base_num_pairs) in train_tasks("base", cpu)  # test task trained
+    assert [x for x, _ in sweep_points("update", cpu)][-1] == 16 and cpu.update_test_pairs == 16
+    assert [x for x, _ in sweep_points("block", cpu)][-1] == 16 and cpu.block_size == 2
 
 
 def test_epoch_sampler_is_a_pure_function_of_the_step():
