@@ -303,6 +303,7 @@ def write_json(path: str, obj: dict) -> None:
     with os.fdopen(fd, "w") as fh:
         json.dump(_jsonable(obj), fh, indent=1)
         fh.write("\n")
+    os.chmod(tmp, 0o644)  # mkstemp makes 0600; results are for everyone to read
     os.replace(tmp, path)
 
 
