@@ -229,21 +229,6 @@ def test_lr_grid_bad_arguments():
     with pytest.raises(KeyError, match="nope"):
         train_lr_grid("x", lambda s: Toy(), sample_copy, cfg, [1e-3], [0], ev, select_key="nope", progress=False)
 
-
-def test_select_learning_rate_keeps_the_best_validated_rate():
-    from bayeslayer.experiments.harness import select_learning_rate
-
-    val = sample_copy(0, 64, torch.Generator().manual_seed(5))
-    cfg = TrainConfig(steps=30, batch_size=16, lr=1.0, warmup_steps=3)
-    out = select_learning_rate(lambda s: Toy(), sample_copy, cfg, [1e-6, 3e-2],
-                               lambda m: query_accuracy(m(val.inputs), val.labels), progress=False)
-    assert set(out.scores) == {1e-6, 3e-2}
-    assert out.best_lr == 3e-2 and out.scores[3e-2] > out.scores[1e-6]
-    assert out.best_result.step == 30 and isinstance(out.best_model, Toy)
-    with pytest.raises(ValueError, match="lrs"):
-        select_learning_rate(lambda s: Toy(), sample_copy, cfg, [], lambda m: 0.0)
-
-
 def test_train_seeds_does_not_resume_a_checkpoint_of_other_settings(tmp_path):
     def final(m):
         return {}
