@@ -21,7 +21,7 @@ import os
 import torch
 
 from .. import groups as grp
-from ..checks import check_state
+from ..checks import check_dynamics, check_p0, check_positive, check_qkv, check_state
 from ..chunk import filter_chunk
 from ..prepare import prepare
 
@@ -171,6 +171,49 @@ def _checkpoint_offsets(cu_k: torch.Tensor, C: int) -> tuple[torch.Tensor, torch
     return n_chunks, offsets
 
 
+def _fold_forward(q, k, v, r2, ell2, alpha, p0, M0, P0, cu) -> dict:
+    """The kernels' arguments: validated like :func:`prepare`, but q, k, v keep their dtype.
+
+    The kernels cast on load, so bf16/fp16 inputs are never copied to fp32 (with G = 1
+    they are not copied at all).  Returns the packed ``[NT, H·G, ...]`` tensors, the
+    sequence offsets and fresh working copies of the folded state ``M``, ``P``.
+    """
+    B, T = q.shape[:2]
+    dims = check_qkv(q, k, v)
+    r2_f, G = grp.fold_noise(check_positive("r2", r2, dims, allow_groups=True))
+    ell2_t = check_positive("ell2", ell2, dims)
+    dyn = check_dynamics(alpha, None, dims)
+    cd, dev = dims.cdtype, dims.device
+    Hf, D, mg, NT = dims.H * G, dims.D, dims.m // G, B * T
+    if cu is None:
+        n_seq = B
+        cu_k = torch.arange(0, B * T + 1, T if T > 0 else 1, device=dev, dtype=torch.int64)[: B + 1]
+    else:
+        n_seq = cu.numel() - 1
+        cu_k = cu
+    if M0 is not None:
+        st = check_state((M0, P0), dataclasses.replace(dims, B=n_seq), G)
+        M = grp.fold_state_mean(st[0], G).contiguous().clone()
+        P = grp.fold_state_cov(st[1]).contiguous().clone()
+    else:
+        p0_h = grp.fold_heads(check_p0(p0, dims), G, dim=0)
+        M = torch.zeros(n_seq, Hf, D, mg, dtype=cd, device=dev)
+        P = (p0_h[None, :, None, None] * torch.eye(D, dtype=cd, device=dev)).expand(n_seq, -1, -1, -1).contiguous()
+    diag = dyn.kind == "diagonal"
+    la = dyn.log_alpha if dyn.log_alpha is not None else torch.zeros(B, T, dims.H, 1, dtype=cd, device=dev)
+    la = grp.fold_heads(la, G)
+    return dict(
+        dims=dims, G=G, Hf=Hf, D=D, mg=mg, NT=NT, n_seq=n_seq, cu_k=cu_k, M=M, P=P,
+        diag=diag, has_alpha=dyn.kind != "identity",
+        q=grp.fold_heads(q, G).reshape(NT, Hf, D).contiguous(),
+        k=grp.fold_heads(k, G).reshape(NT, Hf, D).contiguous(),
+        v=grp.fold_values(v, G).reshape(NT, Hf, mg).contiguous(),
+        r2=r2_f.reshape(NT, Hf).contiguous(),
+        ell2=grp.fold_heads(ell2_t, G).reshape(NT, Hf).contiguous(),
+        la=la.reshape(NT, Hf, -1).contiguous() if diag else la[..., 0].reshape(NT, Hf).contiguous(),
+    )
+
+
 def _forward_triton(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, want_var, save_checkpoints=False):
     """Validate, fold, launch the covariance then the mean kernel, unfold.
 
@@ -182,20 +225,11 @@ def _forward_triton(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, want_v
     from .kernels import bl_chunk_cov_kernel, bl_chunk_mean_kernel
 
     B, T = q.shape[:2]
-    pr, cu_k, M, P = _fold(q, k, v, r2, ell2, alpha, p0, M0, P0, cu)
-    M, P = M.contiguous().clone(), P.contiguous().clone()  # the kernels' working state; never the caller's
-    dims, G = pr.dims, pr.G
+    a = _fold_forward(q, k, v, r2, ell2, alpha, p0, M0, P0, cu)
+    dims, G, Hf, D, mg, NT = a["dims"], a["G"], a["Hf"], a["D"], a["mg"], a["NT"]
+    n_seq, cu_k, M, P, diag, has_alpha = a["n_seq"], a["cu_k"], a["M"], a["P"], a["diag"], a["has_alpha"]
+    qf, kf, vf, r2f, l2f, laf = a["q"], a["k"], a["v"], a["r2"], a["ell2"], a["la"]
     cd = dims.cdtype
-    n_seq, Hf = M.shape[:2]
-    D, mg = dims.D, dims.m // G
-    la, diag, has_alpha = _log_alpha(pr)
-    NT = B * T
-    qf = pr.q.reshape(NT, Hf, D).contiguous()
-    kf = pr.k.reshape(NT, Hf, D).contiguous()
-    vf = pr.v.reshape(NT, Hf, mg).contiguous()
-    r2f = pr.r2.reshape(NT, Hf).contiguous()
-    l2f = pr.ell2.reshape(NT, Hf).contiguous()
-    laf = la.reshape(NT, Hf, -1).contiguous() if diag else la[..., 0].reshape(NT, Hf).contiguous()
     C = chunk_size
     BD, BK, BV = tile_sizes(D, mg)
     o = torch.empty(NT, Hf, mg, dtype=dims.dtype, device=dims.device)
