@@ -15,15 +15,14 @@ key and query (:mod:`bayeslayer.experiments.core_models`).  Writes
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn as nn
 
 from ..data.collision_tasks import crowding_batch, crowding_projection
+from .core_cli import add_command, print_summary_table, run_command
 from .core_models import CORE_KINDS, CORE_LABELS, build_core_model
 from .harness import (
     TrainConfig,
@@ -194,59 +193,17 @@ def plot_crowding(record: dict, path: str) -> None:
 
 def print_table(record: dict) -> None:
     cfg = record["config"]
-    names = list(record["models"])
-    tables = (("cross_entropy_vs_load", "query cross-entropy"), ("accuracy_vs_load", "query accuracy"))
-    for key, title in tables:
-        print(f"\n{title} vs n/D (mean ± std over {cfg['seeds']} seeds)")
-        print("n/D    " + "".join(f"{record['models'][k]['label']:>16}" for k in names))
-        for i, load in enumerate(cfg["test_load"]):
-            row = "".join(f"{s['mean'][i]:>9.3f} ± {s['std'][i]:.3f}"
-                          for s in (record["models"][k]["summary"][key] for k in names))
-            print(f"{load:<7d}{row}")
-
-
-def preset_from_args(args) -> CrowdingPreset:
-    preset = PRESETS[args.preset]
-    over = {k: v for k, v in (("steps", args.steps), ("batch_size", args.batch_size), ("seeds", args.seeds))
-            if v is not None}
-    for k, v in over.items():
-        if v <= 0:
-            raise ValueError(f"--{k.replace('_', '-')} must be positive, got {v}")
-    return replace(preset, **over, name=preset.name if not over else f"{preset.name}-custom")
+    for key, title in (("cross_entropy_vs_load", "query cross-entropy"), ("accuracy_vs_load", "query accuracy")):
+        print_summary_table(record, key, cfg["test_load"], "n/D", "d",
+                            f"{title} vs n/D (mean ± std over {cfg['seeds']} seeds)")
 
 
 def _main(args) -> int:
-    if args.plot_only:
-        with open(args.plot_only) as fh:
-            record = json.load(fh)
-        out = os.path.splitext(args.plot_only)[0] + ".png"
-        plot_crowding(record, out)
-        print_table(record)
-        print(f"\nredrew {out}")
-        return 0
-    preset = preset_from_args(args)
-    budget = f"{preset.steps} steps, batch {preset.batch_size}, {preset.seeds} seed(s)"
-    if preset.name == "paper":
-        print(f"crowding: paper budget ({PAPER_BUDGET})")
-    else:
-        print(f"crowding: preset '{preset.name}' = {budget}; a CPU-sized run of the same task, NOT the "
-              f"paper's budget ({PAPER_BUDGET}); use --preset paper for that")
-    record = run_crowding(preset, args.models, out_dir=args.out, progress=not args.no_progress)
-    print_table(record)
-    print(f"\nwrote {os.path.join(args.out, 'crowding.json')} and crowding.png")
-    return 0
+    return run_command(args, name="crowding", presets=PRESETS, paper_budget=PAPER_BUDGET, run=run_crowding,
+                       plot=plot_crowding, print_table=print_table)
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("crowding", help="random-key crowding past capacity (SPEC §4.3)",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", choices=sorted(PRESETS), default="default",
-                   help=f"'paper' = {PAPER_BUDGET}; 'default' ≈ 15 min on a 2-core CPU; 'tiny' = smoke test")
-    p.add_argument("--models", nargs="+", choices=CORE_KINDS, default=list(CORE_KINDS))
-    p.add_argument("--steps", type=int, default=None, help="override the preset's training steps")
-    p.add_argument("--batch-size", type=int, default=None, help="override the preset's batch size")
-    p.add_argument("--seeds", type=int, default=None, help="override the preset's number of seeds")
-    p.add_argument("--out", default="results/crowding", help="output directory (JSON, PNG, per-seed cache)")
-    p.add_argument("--plot-only", metavar="JSON", default=None, help="redraw the plot and table from a JSON")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(func=_main)
+    add_command(sub, name="crowding",
+                help="random-key crowding past capacity (SPEC §4.3)", doc=__doc__, presets=PRESETS,
+                paper_budget=PAPER_BUDGET, func=_main)

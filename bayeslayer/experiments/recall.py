@@ -20,15 +20,14 @@ Writes ``<out>/recall.json`` (config, per-seed metrics, mean ± std over seeds) 
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn as nn
 
 from ..data.collision_tasks import collision_recall_batch
+from .core_cli import add_command, print_summary_table, run_command
 from .core_models import CORE_KINDS, CORE_LABELS, build_core_model
 from .harness import (
     TrainConfig,
@@ -221,63 +220,18 @@ def plot_recall(record: dict, path: str) -> None:
 
 def print_table(record: dict) -> None:
     cfg = record["config"]
-    names = list(record["models"])
-    print(f"\naccuracy vs n_f at ρ = {cfg['test_rho_for_n_f']:.2f} (mean ± std over {cfg['seeds']} seeds)")
-    print("n_f    " + "".join(f"{record['models'][k]['label']:>16}" for k in names))
-    for i, n_f in enumerate(cfg["test_n_f"]):
-        row = "".join(f"{s['mean'][i]:>9.3f} ± {s['std'][i]:.3f}"
-                      for s in (record["models"][k]["summary"]["accuracy_vs_n_f"] for k in names))
-        print(f"{n_f:<7d}{row}")
-    print(f"\nmargin vs ρ at n_f = {cfg['test_n_f_for_rho']}")
-    print("ρ      " + "".join(f"{record['models'][k]['label']:>16}" for k in names))
-    for i, rho in enumerate(cfg["test_rho"]):
-        row = "".join(f"{s['mean'][i]:>9.3f} ± {s['std'][i]:.3f}"
-                      for s in (record["models"][k]["summary"]["margin_vs_rho"] for k in names))
-        print(f"{rho:<7.2f}{row}")
-
-
-def preset_from_args(args) -> RecallPreset:
-    preset = PRESETS[args.preset]
-    over = {k: v for k, v in (("steps", args.steps), ("batch_size", args.batch_size), ("seeds", args.seeds))
-            if v is not None}
-    for k, v in over.items():
-        if v <= 0:
-            raise ValueError(f"--{k.replace('_', '-')} must be positive, got {v}")
-    return replace(preset, **over, name=preset.name if not over else f"{preset.name}-custom")
+    print_summary_table(record, "accuracy_vs_n_f", cfg["test_n_f"], "n_f", "d",
+                        f"accuracy vs n_f at ρ = {cfg['test_rho_for_n_f']:.2f} (mean ± std over {cfg['seeds']} seeds)")
+    print_summary_table(record, "margin_vs_rho", cfg["test_rho"], "ρ", ".2f",
+                        f"margin vs ρ at n_f = {cfg['test_n_f_for_rho']}")
 
 
 def _main(args) -> int:
-    if args.plot_only:
-        with open(args.plot_only) as fh:
-            record = json.load(fh)
-        out = os.path.splitext(args.plot_only)[0] + ".png"
-        plot_recall(record, out)
-        print_table(record)
-        print(f"\nredrew {out}")
-        return 0
-    preset = preset_from_args(args)
-    budget = f"{preset.steps} steps, batch {preset.batch_size}, {preset.seeds} seed(s)"
-    if preset.name == "paper":
-        print(f"recall: paper budget ({PAPER_BUDGET})")
-    else:
-        print(f"recall: preset '{preset.name}' = {budget}; a CPU-sized run of the same task, NOT the paper's "
-              f"budget ({PAPER_BUDGET}); use --preset paper for that")
-    record = run_recall(preset, args.models, out_dir=args.out, progress=not args.no_progress)
-    print_table(record)
-    print(f"\nwrote {os.path.join(args.out, 'recall.json')} and recall.png")
-    return 0
+    return run_command(args, name="recall", presets=PRESETS, paper_budget=PAPER_BUDGET, run=run_recall,
+                       plot=plot_recall, print_table=print_table)
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("recall", help="learned controlled collision recall (SPEC §4.2)",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", choices=sorted(PRESETS), default="default",
-                   help=f"'paper' = {PAPER_BUDGET}; 'default' ≈ 15 min on a 2-core CPU; 'tiny' = smoke test")
-    p.add_argument("--models", nargs="+", choices=CORE_KINDS, default=list(CORE_KINDS))
-    p.add_argument("--steps", type=int, default=None, help="override the preset's training steps")
-    p.add_argument("--batch-size", type=int, default=None, help="override the preset's batch size")
-    p.add_argument("--seeds", type=int, default=None, help="override the preset's number of seeds")
-    p.add_argument("--out", default="results/recall", help="output directory (JSON, PNG, per-seed cache)")
-    p.add_argument("--plot-only", metavar="JSON", default=None, help="redraw the plot and table from a JSON")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(func=_main)
+    add_command(sub, name="recall",
+                help="learned controlled collision recall (SPEC §4.2)", doc=__doc__, presets=PRESETS,
+                paper_budget=PAPER_BUDGET, func=_main)

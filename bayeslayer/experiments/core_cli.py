@@ -1,0 +1,78 @@
+"""Command-line plumbing shared by the learned core-model experiments (``recall``, ``crowding``).
+
+Both commands have the same shape: a preset (``paper`` / ``default`` / ``tiny``) with optional
+``--steps/--batch-size/--seeds`` overrides, a run that writes ``<name>.json`` and draws
+``<name>.png`` from it, ``--plot-only`` to redraw from a saved JSON, and a printed table of
+``mean ± std`` rows per model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+
+from .core_models import CORE_KINDS
+
+
+def preset_from_args(presets: dict, args):
+    """The chosen preset with any positive ``--steps/--batch-size/--seeds`` override applied."""
+    preset = presets[args.preset]
+    over = {k: v for k, v in (("steps", args.steps), ("batch_size", args.batch_size), ("seeds", args.seeds))
+            if v is not None}
+    for k, v in over.items():
+        if v <= 0:
+            raise ValueError(f"--{k.replace('_', '-')} must be positive, got {v}")
+    return replace(preset, **over, name=preset.name if not over else f"{preset.name}-custom")
+
+
+def print_summary_table(record: dict, key: str, xs: Sequence, x_label: str, x_fmt: str, title: str) -> None:
+    """One ``mean ± std`` row per swept value, one column per model, from ``record['models']``."""
+    names = list(record["models"])
+    print(f"\n{title}")
+    print(f"{x_label:<7}" + "".join(f"{record['models'][k]['label']:>16}" for k in names))
+    for i, x in enumerate(xs):
+        row = "".join(f"{s['mean'][i]:>9.3f} ± {s['std'][i]:.3f}"
+                      for s in (record["models"][k]["summary"][key] for k in names))
+        print(f"{x:<7{x_fmt}}{row}")
+
+
+def run_command(args, *, name: str, presets: dict, paper_budget: str, run: Callable,
+                plot: Callable, print_table: Callable) -> int:
+    """``--plot-only`` redraws from JSON; otherwise run the preset, print the table, say where files went."""
+    if args.plot_only:
+        with open(args.plot_only) as fh:
+            record = json.load(fh)
+        out = os.path.splitext(args.plot_only)[0] + ".png"
+        plot(record, out)
+        print_table(record)
+        print(f"\nredrew {out}")
+        return 0
+    preset = preset_from_args(presets, args)
+    budget = f"{preset.steps} steps, batch {preset.batch_size}, {preset.seeds} seed(s)"
+    if preset.name == "paper":
+        print(f"{name}: paper budget ({paper_budget})")
+    else:
+        print(f"{name}: preset '{preset.name}' = {budget}; a CPU-sized run of the same task, NOT the "
+              f"paper's budget ({paper_budget}); use --preset paper for that")
+    record = run(preset, args.models, out_dir=args.out, progress=not args.no_progress)
+    print_table(record)
+    print(f"\nwrote {os.path.join(args.out, name + '.json')} and {name}.png")
+    return 0
+
+
+def add_command(sub, *, name: str, help: str, doc: str, presets: dict, paper_budget: str,
+                func: Callable) -> None:
+    p = sub.add_parser(name, help=help, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", choices=sorted(presets), default="default",
+                   help=f"'paper' = {paper_budget}; 'default' ≈ 15 min on a 2-core CPU; 'tiny' = smoke test")
+    p.add_argument("--models", nargs="+", choices=CORE_KINDS, default=list(CORE_KINDS))
+    p.add_argument("--steps", type=int, default=None, help="override the preset's training steps")
+    p.add_argument("--batch-size", type=int, default=None, help="override the preset's batch size")
+    p.add_argument("--seeds", type=int, default=None, help="override the preset's number of seeds")
+    p.add_argument("--out", default=f"results/{name}", help="output directory (JSON, PNG, per-seed cache)")
+    p.add_argument("--plot-only", metavar="JSON", default=None, help="redraw the plot and table from a JSON")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=func)
