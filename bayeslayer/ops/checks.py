@@ -340,7 +340,7 @@ def check_cu_seqlens(cu_seqlens, batch: int, total: int, device: torch.device) -
     if cu_seqlens.device != device:
         raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but q is on {device}")
     if batch != 1:
-        raise ValueError(f"with cu_seqlens the sequences are packed along T, so B must be 1, got B={batch}")
+        raise ValueError(f"cu_seqlens packs the sequences along T, so the batch size must be 1, got B={batch}")
     cu = cu_seqlens.to(torch.int64)
     if int(cu[0]) != 0 or int(cu[-1]) != total:
         raise ValueError(f"cu_seqlens must start at 0 and end at T={total}, got {int(cu[0])} .. {int(cu[-1])}")

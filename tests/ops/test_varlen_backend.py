@@ -73,7 +73,7 @@ def test_cu_seqlens_needs_batch_one_and_integer_dtype():
     with pytest.raises(TypeError, match="int32 or int64"):
         bl_chunk(q, k, v, r2, ell2, alpha, cu_seqlens=torch.tensor([0.0, 50.0]))
     q2, k2, v2 = torch.cat([q, q]), torch.cat([k, k]), torch.cat([v, v])
-    with pytest.raises(ValueError, match="B must be 1"):
+    with pytest.raises(ValueError, match="batch size must be 1"):
         bl_chunk(q2, k2, v2, torch.cat([r2, r2]), torch.cat([ell2, ell2]), torch.cat([alpha, alpha]),
                  cu_seqlens=torch.tensor([0, 50]))
 

@@ -21,7 +21,7 @@ import os
 import torch
 
 from .. import groups as grp
-from ..checks import check_dynamics, check_p0, check_positive, check_qkv, check_state
+from ..checks import check_cu_seqlens, check_dynamics, check_p0, check_positive, check_qkv, check_state
 from ..chunk import filter_chunk
 from ..prepare import prepare
 
@@ -55,34 +55,6 @@ def tile_sizes(D: int, m: int) -> tuple[int, int, int]:
     """
     BD = max(16, _next_pow2(D))
     return BD, 16, min(max(16, _next_pow2(m)), 32)
-
-
-def check_cu_seqlens(cu_seqlens, batch: int, total: int, device: torch.device) -> torch.Tensor | None:
-    """``cu_seqlens``: 1-D integer tensor ``[N + 1]``, 0 first, ``T`` last, non-decreasing; needs B = 1."""
-    if cu_seqlens is None:
-        return None
-    if not isinstance(cu_seqlens, torch.Tensor):
-        raise TypeError(f"cu_seqlens must be a torch.Tensor of int32/int64, got {type(cu_seqlens).__name__}")
-    if cu_seqlens.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"cu_seqlens must have dtype int32 or int64, got {cu_seqlens.dtype}")
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-        raise ValueError(
-            f"cu_seqlens must be 1-D with at least 2 entries [0, ..., T], got shape {tuple(cu_seqlens.shape)}"
-        )
-    if cu_seqlens.device != device:
-        raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but q is on {device}")
-    if batch != 1:
-        raise ValueError(
-            f"with cu_seqlens the sequences are packed along T, so the batch size must be 1, got B={batch}"
-        )
-    cu = cu_seqlens.to(torch.int64)
-    if int(cu[0]) != 0 or int(cu[-1]) != total:
-        raise ValueError(
-            f"cu_seqlens must start at 0 and end at T={total}, got {int(cu[0])} .. {int(cu[-1])}"
-        )
-    if bool((cu[1:] < cu[:-1]).any()):
-        raise ValueError("cu_seqlens must be non-decreasing")
-    return cu
 
 
 def _check_chunk_size(chunk_size) -> int:
