@@ -525,8 +525,9 @@ def plot_mqar(record: dict, path: str) -> str:
         vlines = [RefLine(max(cfg["block_train_pairs"]), "max trained")]
     title = (f"MQAR {task} — preset '{record['preset']}' (V = {cfg['vocab_size']}, state {cfg['budget']} "
              f"floats/layer, {cfg['epochs']} epochs, {cfg['seeds']} seed{'s' * (cfg['seeds'] > 1)})")
+    chance = [RefLine(1 / cfg["vocab_size"], f"chance (1/{cfg['vocab_size']})")]
     return str(line_plot(path, series, xlabel=xlabel, ylabel="query accuracy", title=title, vlines=vlines,
-                         xscale="log" if task == "base" else "linear", ylim=(-0.02, 1.02)))
+                         hlines=chance, xscale="log" if task == "base" else "linear", ylim=(-0.02, 1.02)))
 
 
 def format_table(record: dict) -> str:
@@ -541,7 +542,7 @@ def format_table(record: dict) -> str:
         s = res["summary"]
         lrs = ",".join(f"{r['best_lr']:g}" for r in res["runs"])
         lines.append(f"| {res['label']} | " + " | ".join(f"{a:.3f}" for a in s["accuracy"]["mean"])
-                     + f" | {s['val_accuracy']['mean'][-1]:.3f} | {lrs} |")
+                     + " | " + "/".join(f"{v:.3f}" for v in s["val_accuracy"]["mean"]) + f" | {lrs} |")
     paper = record.get("paper_reported")
     if paper:
         lines.append(f"\npaper (SPEC §4.4) at {paper['x']}: " + ", ".join(
