@@ -80,25 +80,34 @@ def _train_losses(run_dir: Path) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in rows if r["event"] == "train"]
 
 
-class _Killed(Exception):
-    pass
+_KILL_SCRIPT = """
+import json, os, signal, sys
+import torch
+from bayeslayer.experiments.lm import LMConfig, train_lm
+
+torch.set_num_threads(int(sys.argv[4]))  # the parent's, so float reductions run in the same order
+config = LMConfig.from_json(json.loads(sys.argv[1]))
+
+def kill_at_5(step, loss):
+    if step == 5:
+        os.kill(os.getpid(), signal.SIGKILL)  # no cleanup, no final checkpoint: a real kill -9
+
+train_lm(config, sys.argv[2], cache_dir=sys.argv[3], progress=False, on_step=kill_at_5)
+"""
 
 
 def test_resume_after_kill_matches_uninterrupted_run(tmp_path, corpus_dir, cache_dir):
-    """Kill mid-run (between checkpoints, and with a half-written checkpoint left behind), rerun:
-    the loss trajectory, the log and the final weights equal an uninterrupted run's bit for bit
-    (same machine, fp32, dropout on so the RNG state matters)."""
+    """SIGKILL a training process mid-run (between checkpoints), leave a half-written checkpoint
+    behind, rerun: the loss trajectory, the log and the final weights equal an uninterrupted
+    run's bit for bit (same machine, fp32, dropout on so the RNG state matters)."""
     config = _config(corpus_dir)
     full = train_lm(config, tmp_path / "full", cache_dir=cache_dir, progress=False)
     assert full.finished and len(full.losses) == config.steps
 
-    def kill_at_5(step, loss):
-        if step == 5:
-            raise _Killed
-
     run = tmp_path / "killed"
-    with pytest.raises(_Killed):
-        train_lm(config, run, cache_dir=cache_dir, progress=False, on_step=kill_at_5)
+    argv = [json.dumps(config.to_json()), str(run), cache_dir, str(torch.get_num_threads())]
+    proc = subprocess.run([sys.executable, "-c", _KILL_SCRIPT, *argv], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == -9, proc.stderr[-2000:]
     assert latest_checkpoint(run).name == "step-00000003"  # steps 4-5 were lost with the process
     assert [s for s, _ in _train_losses(run)] == [1, 2, 3, 4, 5]
     (run / "checkpoints" / ".tmp-halfwritten").mkdir()  # a kill during a checkpoint write
