@@ -358,10 +358,6 @@ def query_counts(model: nn.Module, data: MQARData, batch: int,
                               for v, (c, n) in sorted(d.items())} for name, d in per.items()}}
 
 
-def _dataset_as_data(ds: MQARDataset) -> list[MQARData]:
-    return list(ds.segments)
-
-
 def final_evaluation(task: str, preset: MQARPreset, val: MQARDataset, tests: list[tuple[int, MQARData]]):
     """``final_eval(model)``: validation accuracy (the lr-selection score) and every test point."""
     val_slices = {"base": "num_pairs", "update": "num_updates", "block": "num_pairs"}[task]
@@ -369,7 +365,7 @@ def final_evaluation(task: str, preset: MQARPreset, val: MQARDataset, tests: lis
     def evaluate(model: nn.Module) -> dict[str, Any]:
         correct = queries = 0
         by_segment = []
-        for seg in _dataset_as_data(val):
+        for seg in val.segments:
             r = query_counts(model, seg, preset.eval_batch)
             correct, queries = correct + r["correct"], queries + r["queries"]
             by_segment.append({"seq_len": seg.seq_len, val_slices: int(seg.slices[val_slices][0]),
