@@ -66,6 +66,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .harness import TrainConfig, lr_lambda, results_record, seed_everything, summarize, write_json
+from .plotting import save_figure
 
 WIKITEXT_103 = "hf:Salesforce/wikitext:wikitext-103-raw-v1"
 PRECISIONS = ("auto", "bf16", "fp32")
@@ -937,13 +938,9 @@ def bar_plot(record: dict, path: str | os.PathLike) -> Path:
         ax.set_title(f"{cfg.get('split')} split, windows of {cfg.get('seq_len')} tokens", fontsize=10)
         ax.grid(axis="y", alpha=0.3, which="both")
         ax.legend(fontsize=8)
-        fig.tight_layout()
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=120)
+        return save_figure(fig, path)
     finally:
         plt.close(fig)
-    return path
 
 
 def write_report(record: dict, out_dir: str | os.PathLike, name: str = "lm") -> dict[str, Path]:

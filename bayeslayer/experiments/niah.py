@@ -62,7 +62,7 @@ from typing import Any
 
 import torch
 
-from .plotting import load_json, save_json
+from .plotting import load_json, save_figure, save_json
 
 # ----------------------------------------------------------------------------- tasks
 
@@ -663,13 +663,9 @@ def heatmap_difference(path: str | os.PathLike, results: dict, model_a: str, mod
         ax.set_ylabel("needle depth")
         ax.set_title(f"{model_a} − {model_b} (NIAH six-task avg, points)", fontsize=9)
         fig.colorbar(im, ax=ax, fraction=0.05)
-        fig.tight_layout()
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=120)
+        return save_figure(fig, path)
     finally:
         plt.close(fig)
-    return path
 
 
 def _safe(label: str) -> str:
@@ -703,13 +699,9 @@ def length_bars(path: str | os.PathLike, results: dict) -> Path:
                      fontsize=8)
         ax.grid(axis="y", alpha=0.3)
         ax.legend(fontsize=8)
-        fig.tight_layout()
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=120)
+        return save_figure(fig, path)
     finally:
         plt.close(fig)
-    return path
 
 
 def draw(results: dict, out_dir: str | os.PathLike, diffs: Sequence[tuple[str, str]] | None = None) -> list[Path]:

@@ -60,6 +60,15 @@ class RefLine:
     style: dict[str, Any] = field(default_factory=dict)
 
 
+def save_figure(fig, path: str | os.PathLike) -> Path:
+    """Lay out ``fig`` and write it to ``path`` (PNG, 120 dpi), creating the folder; the caller closes it."""
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    return path
+
+
 def save_json(obj: dict, path: str | os.PathLike) -> Path:
     """Write ``obj`` as indented JSON (parent folders created).  Rejects NaN/Inf: results must be numbers."""
     path = Path(path)
@@ -146,10 +155,6 @@ def line_plot(
             ax.set_title(title, fontsize=10)
         ax.grid(alpha=0.3)
         ax.legend(loc=legend_loc, fontsize=8)
-        fig.tight_layout()
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=120)
+        return save_figure(fig, path)
     finally:
         plt.close(fig)
-    return path
