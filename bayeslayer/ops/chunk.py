@@ -286,8 +286,15 @@ def covariance_pass(
         Lc = torch.linalg.cholesky(S)
         dc = torch.diagonal(Lc, dim1=-2, dim2=-1)  # sqrt(d_t)
         beta = 1.0 / (dc * dc)
-        Linv = unit_lower_inverse(Lc / dc[..., None, :])  # L = L_c diag(√d)⁻¹ is unit lower
-        U = d.fwd(Linv @ Y) + d.mix(Linv, NBk[i])
+        L = Lc / dc[..., None, :]  # L = L_c diag(√d)⁻¹ is unit lower
+        if d.scalar:
+            # Σ_j (L⁻¹)_ij (Γ_i/Γ_j) X_j with X_j = Γ_j Y_j + B_j k_j: since L⁻¹ ⊙ R = (L ⊙ R)⁻¹ for the
+            # rank-one ratio R_ij = Γ_i/Γ_j, this is one triangular solve (only safe ratios i ≥ j).
+            X = d.fwd(Y) + NBk[i]
+            U = torch.linalg.solve_triangular(L * d.ratio[..., 0], X, upper=False, unitriangular=True)
+        else:
+            Linv = unit_lower_inverse(L)
+            U = d.fwd(Linv @ Y) + d.mix(Linv, NBk[i])
         Ue = d.to_end(U)
         P_next = d.end_rows(d.end_rows(P).transpose(-1, -2)) + BC[i]
         P_next = P_next - (Ue.transpose(-1, -2) * beta[..., None, :]) @ Ue
