@@ -12,9 +12,48 @@ import argparse
 import json
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import asdict, replace
 
-from .core_models import CORE_KINDS
+from .core_models import CORE_KINDS, CORE_LABELS
+from .harness import TrainConfig, results_record, summarize, summarize_curves, train_seeds, write_json
+
+
+def run_sweep(name: str, preset, models, cfg: TrainConfig, *, build_model: Callable, sampler, evaluation,
+              curves: Sequence[str], plot: Callable, paper_budget: str, out_dir: str | None,
+              progress: bool) -> dict:
+    """Train every core model over ``preset.seeds`` seeds with the shared harness and summarise.
+
+    ``build_model(kind)`` makes a fresh model; ``curves`` name the per-seed evaluation curves
+    summarised as mean ± std.  With ``out_dir``, ``<name>.json`` and ``<name>.png`` are rewritten
+    after every model (a long sweep shows its progress) and per-seed runs are cached under
+    ``out_dir/runs`` so an interrupted sweep resumes.
+    """
+    unknown = [m for m in models if m not in CORE_KINDS]
+    if unknown or not models:
+        raise ValueError(f"models must be a non-empty subset of {CORE_KINDS}, got {list(models)}")
+    run_dir = os.path.join(out_dir, "runs") if out_dir else None
+    models = list(models)
+    config = {**asdict(preset), "train": asdict(cfg)}
+    results = {}
+    record = None
+    for kind in models:
+        model_cfg = asdict(build_model(kind).cfg)
+        records = train_seeds(
+            f"{name}_{preset.name}_{kind}", lambda seed, kind=kind: build_model(kind), sampler, cfg,
+            list(range(preset.seeds)), evaluation, run_dir=run_dir, progress=progress,
+            fingerprint={"preset": asdict(preset), "model": model_cfg},
+        )
+        summary = {c: summarize_curves([r[c] for r in records]) for c in curves}
+        summary["final_train_loss"] = summarize([r["final_train_loss"] for r in records])
+        summary["train_seconds"] = summarize([r["train_seconds"] for r in records])
+        results[kind] = {"label": CORE_LABELS[kind], "model_config": model_cfg, "seeds": records,
+                         "summary": summary}
+        record = results_record(name, preset.name, config, results, paper_budget=paper_budget,
+                                complete=kind == models[-1])
+        if out_dir:
+            write_json(os.path.join(out_dir, f"{name}.json"), record)
+            plot(record, os.path.join(out_dir, f"{name}.png"))
+    return record
 
 
 def preset_from_args(presets: dict, args):

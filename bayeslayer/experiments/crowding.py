@@ -15,24 +15,18 @@ key and query (:mod:`bayeslayer.experiments.core_models`).  Writes
 
 from __future__ import annotations
 
-import os
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
 from ..data.collision_tasks import crowding_batch, crowding_projection
-from .core_cli import add_command, print_summary_table, run_command
-from .core_models import CORE_KINDS, CORE_LABELS, build_core_model
+from .core_cli import add_command, print_summary_table, run_command, run_sweep
+from .core_models import CORE_KINDS, build_core_model
 from .harness import (
     TrainConfig,
     masked_cross_entropy,
     query_accuracy,
-    results_record,
-    summarize,
-    summarize_curves,
-    train_seeds,
-    write_json,
 )
 
 PAPER_BUDGET = "2,500 steps, batch 256, 3 seeds"
@@ -126,37 +120,11 @@ CURVES = ("cross_entropy_vs_load", "accuracy_vs_load")
 def run_crowding(preset: CrowdingPreset, models=CORE_KINDS, *, out_dir: str | None = None,
                  progress: bool = True) -> dict:
     """Train and evaluate every model over ``preset.seeds`` seeds; returns (and writes) the results."""
-    unknown = [m for m in models if m not in CORE_KINDS]
-    if unknown or not models:
-        raise ValueError(f"models must be a non-empty subset of {CORE_KINDS}, got {list(models)}")
     projection = crowding_projection(preset.address_dim, preset.source_dim, preset.projection_seed)
-    cfg = preset.train_config()
-    run_dir = os.path.join(out_dir, "runs") if out_dir else None
-    models = list(models)
-    results = {}
-    for kind in models:
-        model_cfg = asdict(build_model(kind, preset).cfg)
-        records = train_seeds(
-            f"crowding_{preset.name}_{kind}", lambda seed, kind=kind: build_model(kind, preset),
-            sampler(preset, projection), cfg, list(range(preset.seeds)), final_evaluation(preset, projection),
-            run_dir=run_dir, progress=progress, fingerprint={"preset": asdict(preset), "model": model_cfg},
-        )
-        summary = {c: summarize_curves([r[c] for r in records]) for c in CURVES}
-        summary["final_train_loss"] = summarize([r["final_train_loss"] for r in records])
-        summary["train_seconds"] = summarize([r["train_seconds"] for r in records])
-        results[kind] = {"label": CORE_LABELS[kind], "model_config": model_cfg, "seeds": records,
-                         "summary": summary}
-        if out_dir and kind != models[-1]:  # partial results after each model: a long sweep shows progress
-            partial = results_record("crowding", preset.name, {**asdict(preset), "train": asdict(cfg)}, results,
-                                     paper_budget=PAPER_BUDGET, complete=False)
-            write_json(os.path.join(out_dir, "crowding.json"), partial)
-            plot_crowding(partial, os.path.join(out_dir, "crowding.png"))
-    record = results_record("crowding", preset.name, {**asdict(preset), "train": asdict(cfg)}, results,
-                            paper_budget=PAPER_BUDGET, complete=True)
-    if out_dir:
-        write_json(os.path.join(out_dir, "crowding.json"), record)
-        plot_crowding(record, os.path.join(out_dir, "crowding.png"))
-    return record
+    return run_sweep("crowding", preset, models, preset.train_config(),
+                     build_model=lambda kind: build_model(kind, preset), sampler=sampler(preset, projection),
+                     evaluation=final_evaluation(preset, projection), curves=CURVES, plot=plot_crowding,
+                     paper_budget=PAPER_BUDGET, out_dir=out_dir, progress=progress)
 
 
 def plot_crowding(record: dict, path: str) -> None:

@@ -20,24 +20,18 @@ Writes ``<out>/recall.json`` (config, per-seed metrics, mean ± std over seeds) 
 
 from __future__ import annotations
 
-import os
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
 from ..data.collision_tasks import collision_recall_batch
-from .core_cli import add_command, print_summary_table, run_command
-from .core_models import CORE_KINDS, CORE_LABELS, build_core_model
+from .core_cli import add_command, print_summary_table, run_command, run_sweep
+from .core_models import CORE_KINDS, build_core_model
 from .harness import (
     TrainConfig,
     masked_cross_entropy,
     query_accuracy,
-    results_record,
-    summarize,
-    summarize_curves,
-    train_seeds,
-    write_json,
 )
 
 PAPER_BUDGET = "2,500 steps, batch 256, 3 seeds"
@@ -153,37 +147,10 @@ CURVES = ("accuracy_vs_n_f", "cross_entropy_vs_n_f", "margin_vs_n_f", "margin_vs
 def run_recall(preset: RecallPreset, models=CORE_KINDS, *, out_dir: str | None = None,
                progress: bool = True) -> dict:
     """Train and evaluate every model over ``preset.seeds`` seeds; returns (and writes) the results."""
-    unknown = [m for m in models if m not in CORE_KINDS]
-    if unknown or not models:
-        raise ValueError(f"models must be a non-empty subset of {CORE_KINDS}, got {list(models)}")
-    cfg = preset.train_config()
-    run_dir = os.path.join(out_dir, "runs") if out_dir else None
-    models = list(models)
-    results = {}
-    for kind in models:
-        model_cfg = asdict(build_model(kind, preset).cfg)
-        records = train_seeds(
-            f"recall_{preset.name}_{kind}", lambda seed, kind=kind: build_model(kind, preset),
-            sampler(preset), cfg, list(range(preset.seeds)), final_evaluation(preset), run_dir=run_dir,
-            progress=progress,
-            fingerprint={"preset": asdict(preset), "model": model_cfg},
-        )
-        summary = {c: summarize_curves([r[c] for r in records]) for c in CURVES}
-        summary["final_train_loss"] = summarize([r["final_train_loss"] for r in records])
-        summary["train_seconds"] = summarize([r["train_seconds"] for r in records])
-        results[kind] = {"label": CORE_LABELS[kind], "model_config": model_cfg, "seeds": records,
-                         "summary": summary}
-        if out_dir and kind != models[-1]:  # partial results after each model: a long sweep shows progress
-            partial = results_record("recall", preset.name, {**asdict(preset), "train": asdict(cfg)}, results,
-                                     paper_budget=PAPER_BUDGET, complete=False)
-            write_json(os.path.join(out_dir, "recall.json"), partial)
-            plot_recall(partial, os.path.join(out_dir, "recall.png"))
-    record = results_record("recall", preset.name, {**asdict(preset), "train": asdict(cfg)}, results,
-                            paper_budget=PAPER_BUDGET, complete=True)
-    if out_dir:
-        write_json(os.path.join(out_dir, "recall.json"), record)
-        plot_recall(record, os.path.join(out_dir, "recall.png"))
-    return record
+    return run_sweep("recall", preset, models, preset.train_config(),
+                     build_model=lambda kind: build_model(kind, preset), sampler=sampler(preset),
+                     evaluation=final_evaluation(preset), curves=CURVES, plot=plot_recall,
+                     paper_budget=PAPER_BUDGET, out_dir=out_dir, progress=progress)
 
 
 def plot_recall(record: dict, path: str) -> None:
