@@ -76,12 +76,11 @@ class ChunkDynamics:
             gamma = gamma * torch.polar(torch.ones_like(ang), ang)
         self.ratio, self.end, self.gamma = ratio, end, gamma
         self.gamma_C = gamma[..., -1:, :]  # [B,H,1,Dd]
-        self.mask = mask
 
     def __getitem__(self, i: int) -> ChunkDynamics:
         """The factors of chunk ``i`` of a block (drops the leading chunk axis)."""
         out = object.__new__(ChunkDynamics)
-        out.rot, out.scalar, out.mask = self.rot, self.scalar, self.mask
+        out.rot, out.scalar = self.rot, self.scalar
         out.ratio, out.end, out.gamma, out.gamma_C = self.ratio[i], self.end[i], self.gamma[i], self.gamma_C[i]
         return out
 
