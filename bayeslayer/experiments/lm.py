@@ -360,6 +360,52 @@ def token_cross_entropy(model, input_ids: torch.Tensor) -> torch.Tensor:
                            reduction="none").view(input_ids.shape[0], -1)
 
 
+class NextTokenTrainee(torch.nn.Module):
+    """Wraps a causal LM so that ``forward(input_ids)`` is the training loss (what DDP wraps).
+
+    ``loss = mean_t CE(logits_t, x_{t+1})``; ``.model`` is the part that is checkpointed.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, labels=input_ids).loss
+
+
+class Objective:
+    """What a run trains: :func:`train_lm`'s loop is the same for every objective.
+
+    An objective builds the *trainee*, an ``nn.Module`` whose ``forward(input_ids [b, L])``
+    returns the loss (or ``(loss, {name: float})`` with parts to log) and whose ``.model``
+    is the causal LM that is checkpointed, evaluated and saved in ``final/``; it names the
+    optimiser's parameter groups; it may check the trained model at the end
+    (:meth:`finish`).  This default is from-scratch next-token training of
+    :func:`build_model`; :mod:`bayeslayer.experiments.distill` adds the retrofit's Phase A,
+    Phase B and the GDN-FT control.  A trainee with ``set_step(step)`` is told the step
+    before each optimiser step (schedules inside the loss).
+    """
+
+    name = "next_token"
+    #: DDP must look for parameters the loss does not reach (e.g. frozen paths).
+    find_unused_parameters = False
+
+    def describe(self) -> dict:
+        """What the objective depends on; stored in ``objective.json`` and checked on resume."""
+        return {"name": self.name}
+
+    def build(self, config: LMConfig, corpus, device: torch.device) -> torch.nn.Module:
+        return NextTokenTrainee(build_model(config, corpus.vocab_size, corpus.eos_id).to(device))
+
+    def param_groups(self, trainee: torch.nn.Module, config: LMConfig) -> list[dict]:
+        return [{"params": [p for p in trainee.model.parameters() if p.requires_grad]}]
+
+    def finish(self, trainee: torch.nn.Module) -> dict:
+        """Checks of the trained model (raise on failure) and facts for ``train_summary.json``."""
+        return {}
+
+
 def weights_digest(model) -> str:
     """SHA-256 of every parameter and buffer in ``state_dict`` order: equal digests = equal weights."""
     h = hashlib.sha256()
@@ -571,6 +617,19 @@ def _check_resume_config(saved: dict, config: LMConfig, where: Path) -> None:
                          "or the same settings")
 
 
+def _check_objective(run_dir: Path, objective: Objective) -> None:
+    """Write ``objective.json``; a run directory that holds another objective's run is an error."""
+    path = run_dir / "objective.json"
+    current = objective.describe()
+    if path.exists():
+        saved = json.loads(path.read_text())
+        if saved != current:
+            raise ValueError(f"{run_dir} holds a run of another objective ({saved} → {current}); use another --out")
+    elif (run_dir / "checkpoints" / "latest").exists() and current != Objective().describe():
+        raise ValueError(f"{run_dir} holds a next-token run; objective {current['name']!r} needs another --out")
+    _atomic_write_text(path, json.dumps(current, indent=1) + "\n")
+
+
 def train_lm(
     config: LMConfig,
     run_dir: str | os.PathLike,
@@ -581,6 +640,7 @@ def train_lm(
     progress: bool = True,
     keep_checkpoints: int = 1,
     on_step: Callable[[int, float], None] | None = None,
+    objective: Objective | None = None,
 ) -> LMTrainResult:
     """Train (or resume) the run in ``run_dir``; see the module docstring.
 
@@ -595,6 +655,8 @@ def train_lm(
         progress: tqdm bar with loss and tokens/s on rank 0.
         keep_checkpoints: how many step checkpoints to keep (the newest).
         on_step: called as ``on_step(step, loss)`` after every optimiser step (all ranks).
+        objective: what is trained (:class:`Objective`); default: next-token CE of a fresh
+            :func:`build_model`.  Its :meth:`~Objective.describe` is part of the run's identity.
 
     Returns:
         :class:`LMTrainResult`; ``train_summary.json`` and ``final/`` once all steps are done.
@@ -605,6 +667,9 @@ def train_lm(
                                    or not 0 < stop_after <= config.steps):
         raise ValueError(f"stop_after must be an integer in [1, steps={config.steps}], got {stop_after!r}")
     _check_int("keep_checkpoints", keep_checkpoints, minimum=1)
+    objective = Objective() if objective is None else objective
+    if not isinstance(objective, Objective):
+        raise TypeError(f"objective must be an Objective, got {type(objective).__name__}")
     ctx = init_distributed(device)
     world = ctx.world_size
     if config.batch_size % (config.micro_batch_size * world) != 0:
@@ -619,6 +684,7 @@ def train_lm(
         if config_path.exists():
             _check_resume_config(json.loads(config_path.read_text()), config, run_dir)
         _atomic_write_text(config_path, json.dumps(config.to_json(), indent=1) + "\n")
+        _check_objective(run_dir, objective)
     ctx.barrier()
 
     corpus = load_corpus(config, ctx, cache_dir=cache_dir, splits=("train", "validation"))
@@ -628,9 +694,13 @@ def train_lm(
     schedule = WindowSchedule(train_windows.shape[0], config.batch_size, config.seed)
 
     seed_everything(config.seed)
-    model = build_model(config, corpus.vocab_size, corpus.eos_id).to(ctx.device)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=config.lr, betas=config.betas, eps=config.eps,
+    trainee = objective.build(config, corpus, ctx.device)
+    model = trainee.model
+    groups = objective.param_groups(trainee, config)
+    params = [p for g in groups for p in g["params"]]
+    if not params:
+        raise ValueError(f"objective {objective.name!r} leaves no parameter to train")
+    optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps,
                                   weight_decay=config.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config.train_config()))
     torch.manual_seed(_rank_seed(config.seed, ctx.rank))
@@ -661,11 +731,12 @@ def train_lm(
         log.truncate_after(-1)
         log.write(event="start", step=0, world_size=world, device=str(ctx.device), time=time.time(),
                   parameters=_param_counts(model), config=config.to_json())
-    model.train()
-    ddp_model = model
+    trainee.train()
+    ddp_model = trainee
     if ctx.distributed:
         ddp_model = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+            trainee, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
+            find_unused_parameters=objective.find_unused_parameters)
 
     def trainer_state() -> dict:
         rng = _rng_state(ctx.device)
@@ -712,15 +783,22 @@ def train_lm(
         t0 = time.perf_counter()
         mine = schedule.step_windows(step, ctx.rank, world)
         loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)
+        parts_sum: dict[str, float] = {}
+        if hasattr(trainee, "set_step"):
+            trainee.set_step(step)
         for i in range(n_micro):
             rows = mine[i * config.micro_batch_size:(i + 1) * config.micro_batch_size]
             ids = torch.from_numpy(np.asarray(train_windows[rows], dtype=np.int64)).to(ctx.device)
-            sync = ddp_model is model or i == n_micro - 1
+            sync = ddp_model is trainee or i == n_micro - 1
             with (contextlib.nullcontext() if sync else ddp_model.no_sync()):
                 with _autocast(ctx.device, autocast_dtype):
-                    loss = ddp_model(input_ids=ids, labels=ids).loss / n_micro
+                    out = ddp_model(ids)
+                    loss, parts = out if isinstance(out, tuple) else (out, {})
+                    loss = loss / n_micro
                 loss.backward()
             loss_sum += loss.detach().double()
+            for k, v in parts.items():
+                parts_sum[k] = parts_sum.get(k, 0.0) + float(v) / n_micro
         if ctx.distributed:
             dist.all_reduce(loss_sum)
             loss_sum /= world
@@ -744,7 +822,8 @@ def train_lm(
         if result.step % config.log_every == 0 or result.step == end:
             log.write(event="train", step=result.step, loss=loss_value, loss_mean=float(np.mean(window_losses)),
                       lr=lr, grad_norm=grad_norm, tokens=result.step * config.tokens_per_step,
-                      tokens_per_s=tokens_per_s, train_seconds=train_seconds_before + result.seconds)
+                      tokens_per_s=tokens_per_s, train_seconds=train_seconds_before + result.seconds,
+                      **({"parts": parts_sum} if parts_sum else {}))
             window_losses = []
         if on_step is not None:
             on_step(result.step, loss_value)
@@ -763,7 +842,9 @@ def train_lm(
     if not (config.checkpoint_every and result.step % config.checkpoint_every == 0 and steps_done):
         checkpoint()
     if result.finished:
-        result.summary = _finish(run_dir, model, config, result, ctx, train_seconds_before)
+        result.summary = _finish(run_dir, model, config, result, ctx, train_seconds_before,
+                                 objective=objective, checks=objective.finish(trainee),
+                                 tokenizer=corpus.tokenizer)
     ctx.barrier()
     return result
 
@@ -775,8 +856,9 @@ def _param_counts(model) -> dict:
 
 
 def _finish(run_dir: Path, model, config: LMConfig, result: LMTrainResult, ctx: DistContext,
-            seconds_before: float) -> dict:
-    """Write ``final/`` (HF model dir) and ``train_summary.json``; check that all ranks agree."""
+            seconds_before: float, *, objective: Objective, checks: dict, tokenizer=None) -> dict:
+    """Write ``final/`` (HF model dir with ``tokenizer.json``) and ``train_summary.json``; check that
+    all ranks agree."""
     digest = weights_digest(model)
     digests = [digest]
     if ctx.distributed:
@@ -792,7 +874,7 @@ def _finish(run_dir: Path, model, config: LMConfig, result: LMTrainResult, ctx: 
         "train_seconds": total_seconds, "tokens_per_second": result.tokens / total_seconds if total_seconds else 0.0,
         "parameters": _param_counts(model), "final_train_loss": float(np.mean(result.losses[-max(1, n // 10):])),
         "validation": result.evals[-1]["groups"] if result.evals else {}, "weights_sha256": digest,
-        "rank_weights_sha256": digests,
+        "rank_weights_sha256": digests, "objective": objective.describe(), **checks,
     }
     if ctx.is_main:
         final = run_dir / "final"
@@ -800,6 +882,9 @@ def _finish(run_dir: Path, model, config: LMConfig, result: LMTrainResult, ctx: 
         try:
             save_model_dir(model, tmp)
             _atomic_write_text(tmp / "lm_config.json", json.dumps(config.to_json(), indent=1) + "\n")
+            _atomic_write_text(tmp / "objective.json", json.dumps(objective.describe(), indent=1) + "\n")
+            if tokenizer is not None:  # the model directory is self-contained (NIAH, lm-eval, from_pretrained)
+                tokenizer.save(str(tmp / "tokenizer.json"))
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
