@@ -21,6 +21,7 @@ _COMMAND_MODULES = [
     "bayeslayer.experiments.state_budget",
     "bayeslayer.experiments.mqar",
     "bayeslayer.experiments.niah",
+    "bayeslayer.experiments.distill",
 ]
 
 

@@ -1,0 +1,658 @@
+"""``bayeslayer distill``: retrofit a pretrained Gated DeltaNet with Bayesian Layers (SPEC §4.6).
+
+The teacher is a Gated DeltaNet language model (a flash-linear-attention checkpoint such as
+``linear-moe-hub/Gated-Deltanet-340M``, or one of our own ``BayesLayerForCausalLM`` directories
+with ``gated_deltanet`` mixers, e.g. the ``final/`` of ``bayeslayer lm train --mixer
+gated_deltanet``).  The student is the teacher with layers ``L`` (default {5, 11, 17, 23})
+swapped for Bayesian Layers by :func:`bayeslayer.models.replace_layers`, which copies every
+projection the two layers share.  Three runs, each an ordinary :func:`~bayeslayer.experiments.lm.train_lm`
+run (same loop, checkpoints, exact resume, JSON log, ``torchrun``) with its own
+:class:`~bayeslayer.experiments.lm.Objective`:
+
+``phase_a``  layer matching, all replaced layers at once.  The teacher runs on the batch; each
+             student mixer gets the teacher's input to that layer and must reproduce the teacher
+             mixer's output: ``loss = mean_l [NMSE_l + 0.05 (1 − cos_l)]``
+             (:func:`~bayeslayer.experiments.distill_losses.layer_matching_loss`).  Trainable:
+             the replaced mixers (BL recurrence, old and new projections, output gate).
+``phase_b``  joint training from ``phase_a/final``: ``w_kl · KL(p_teacher ‖ p_student) + w_mse ·
+             mean_l NMSE_l`` on full forward passes, ``(w_kl, w_mse) = (0.8, 0.2)`` for the first
+             ``switch_fraction`` of the steps, then ``(0.9, 0.1)``.  Trainable: the replaced
+             mixers, plus ``mlp_parts`` of the same layers' MLPs at ``mlp_lr_scale × lr``.
+``gdn_ft``   the control: the unmodified teacher with the same trainable set (its GDN mixers at
+             the same layers, the same MLP parts), the same number of tokens as Phase A + Phase B,
+             plain next-token cross-entropy.
+
+Everything outside the trainable set is frozen (``requires_grad=False``), fingerprinted before
+training and checked bit for bit afterwards; ``train_summary.json`` of each run records the
+counts (``frozen_unchanged``, ``trainable_changed``).  Dropout is switched off in student and
+control (the teacher is a fixed target; the paper states no dropout for the retrofit).
+
+Layout of ``--out``::
+
+    phase_a/  phase_b/  gdn_ft/         lm run directories (config.json, objective.json, log.jsonl,
+                                        checkpoints/, final/ with tokenizer.json, train_summary.json)
+    distill.json                        the DistillConfig and each stage's summary
+    eval/niah/  eval/heldout/           ``bayeslayer distill eval`` (NIAH and held-out PPL)
+
+Rerunning the same command resumes: finished stages are skipped, an interrupted one continues
+from its last checkpoint.  Multi-GPU: ``torchrun --nproc_per_node 8 -m bayeslayer.cli distill
+train --preset paper``.
+
+The paper gives token budgets (≈100M / ≈300M), length 2,048 and the loss weights; it does not
+give learning rates, warm-up, batch size or which MLP parts train.  The ``paper`` preset fills
+them with our choices (marked below); the ``cpu`` preset is a pipeline check, not a result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import numbers
+import os
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .distill_losses import (
+    COSINE_WEIGHT,
+    MLP_LR_SCALE,
+    PAPER_LAYERS,
+    MixerOutputCapture,
+    ParameterSnapshot,
+    freeze_and_snapshot,
+    joint_loss,
+    layer_matching_loss,
+    mixer_outputs_on,
+    phase_b_weights,
+    select_trainable,
+)
+from .lm import PRECISIONS, LMConfig, NextTokenTrainee, Objective, load_model_weights, train_lm
+
+STAGES = ("phase_a", "phase_b", "gdn_ft")
+STAGE_LABELS = {"phase_a": "BL (Phase A)", "phase_b": "BL", "gdn_ft": "GDN-FT"}
+_MLP_PARTS = ("gate_proj", "up_proj", "down_proj")
+_TOKENIZER_FILES = ("tokenizer.json",)
+
+
+# --------------------------------------------------------------------------- configuration
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    """One retrofit: teacher, swapped layers, data, the two phases and the control.
+
+    ``phase_a_steps``/``phase_b_steps`` optimiser steps of ``batch_size`` windows of ``seq_len``
+    tokens (global, over all ranks); the control runs ``phase_a_steps + phase_b_steps`` steps of
+    the same size (the same tokens).  ``lr_a`` trains Phase A, ``lr_b`` Phase B and the control.
+    """
+
+    preset: str = "custom"
+    teacher: str = ""
+    layers: tuple[int, ...] = PAPER_LAYERS
+    mixer_kwargs: dict = field(default_factory=dict)
+    source: str = "python-docs"
+    tokenizer: str | None = None  # default: the teacher's tokenizer.json
+    seq_len: int = 2048
+    batch_size: int = 32
+    micro_batch_size: int = 4
+    phase_a_steps: int = 1526
+    phase_b_steps: int = 4578
+    lr_a: float = 1e-3
+    lr_b: float = 1e-4
+    warmup_steps: int = 100
+    weight_decay: float = 0.0
+    mlp_parts: tuple[str, ...] = ()
+    mlp_lr_scale: float = MLP_LR_SCALE
+    switch_fraction: float = 0.5
+    temperature: float = 1.0
+    precision: str = "auto"
+    eval_every: int = 500
+    eval_windows: int = 16
+    checkpoint_every: int = 250
+    log_every: int = 10
+    seed: int = 0
+
+    def __post_init__(self):
+        object.__setattr__(self, "layers", tuple(self.layers))
+        object.__setattr__(self, "mlp_parts", tuple(self.mlp_parts))
+        object.__setattr__(self, "mixer_kwargs", dict(self.mixer_kwargs or {}))
+        if not isinstance(self.teacher, str):
+            raise TypeError(f"teacher must be a path or hub id string, got {type(self.teacher).__name__}")
+        if not self.layers or any(isinstance(i, bool) or not isinstance(i, numbers.Integral) or i < 0
+                                  for i in self.layers) or len(set(self.layers)) != len(self.layers):
+            raise ValueError(f"layers must be distinct non-negative layer indices, got {self.layers!r}")
+        bad = [p for p in self.mlp_parts if p not in _MLP_PARTS]
+        if bad:
+            raise ValueError(f"mlp_parts must be drawn from {_MLP_PARTS}, got {list(self.mlp_parts)}")
+        for name in ("seq_len", "batch_size", "micro_batch_size", "phase_a_steps", "phase_b_steps", "log_every"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < (2 if name == "seq_len" else 1):
+                raise ValueError(f"{name} must be an integer >= {2 if name == 'seq_len' else 1}, got {v!r}")
+        for name in ("warmup_steps", "eval_every", "eval_windows", "checkpoint_every"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
+        for name, positive in (("lr_a", True), ("lr_b", True), ("mlp_lr_scale", True), ("temperature", True),
+                               ("weight_decay", False)):
+            v = getattr(self, name)
+            ok = isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+            if not ok or (v <= 0 if positive else v < 0):
+                raise ValueError(f"{name} must be a finite number {'> 0' if positive else '>= 0'}, got {v!r}")
+        if not (isinstance(self.switch_fraction, numbers.Real) and 0.0 <= self.switch_fraction <= 1.0):
+            raise ValueError(f"switch_fraction must be in [0, 1], got {self.switch_fraction!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.batch_size % self.micro_batch_size:
+            raise ValueError(f"batch_size ({self.batch_size}) must be a multiple of micro_batch_size "
+                             f"({self.micro_batch_size})")
+
+    @property
+    def switch_step(self) -> int:
+        """First Phase B step with weights (0.9, 0.1)."""
+        return int(round(self.switch_fraction * self.phase_b_steps))
+
+    @property
+    def tokens(self) -> dict[str, int]:
+        per_step = self.batch_size * self.seq_len
+        return {"phase_a": self.phase_a_steps * per_step, "phase_b": self.phase_b_steps * per_step,
+                "gdn_ft": (self.phase_a_steps + self.phase_b_steps) * per_step}
+
+    def to_json(self) -> dict:
+        return json.loads(json.dumps(asdict(self)))
+
+    @classmethod
+    def from_json(cls, obj: dict) -> DistillConfig:
+        unknown = sorted(set(obj) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"unknown DistillConfig fields {unknown}")
+        return cls(**obj)
+
+
+PRESETS: dict[str, DistillConfig] = {
+    # SPEC §4.6: 340M GDN teacher, layers {5, 11, 17, 23}, SlimPajama, length 2,048, Phase A ≈100M
+    # tokens (1,526 steps × 65,536), Phase B ≈300M (4,578 steps), one seed.  Our choices (not in the
+    # paper): the 6B-token SlimPajama sample on the hub, batch 32 × 2,048, lr 1e-3 (A) / 1e-4 (B and
+    # GDN-FT), 100 warm-up steps, the MLPs' down_proj at 0.1× lr, switch halfway through Phase B.
+    "paper": DistillConfig(preset="paper", teacher="linear-moe-hub/Gated-Deltanet-340M", layers=PAPER_LAYERS,
+                           source="hf:DKYoon/SlimPajama-6B", seq_len=2048, batch_size=32, micro_batch_size=4,
+                           phase_a_steps=1526, phase_b_steps=4578, lr_a=1e-3, lr_b=1e-4, warmup_steps=100,
+                           mlp_parts=("down_proj",), eval_every=500, eval_windows=16, checkpoint_every=250),
+    # A pipeline check on the 2-core CPU: a 4-layer teacher from `bayeslayer lm train --preset cpu
+    # --mixer gated_deltanet` (pass --teacher), layers 1 and 3 swapped, windows of 512 tokens.
+    "cpu": DistillConfig(preset="cpu", teacher="runs/lm/cpu-gated_deltanet-seed0/final", layers=(1, 3),
+                         source="python-docs", seq_len=512, batch_size=8, micro_batch_size=4, phase_a_steps=40,
+                         phase_b_steps=80, lr_a=1e-3, lr_b=3e-4, warmup_steps=5, mlp_parts=("down_proj",),
+                         eval_every=40, eval_windows=8, checkpoint_every=20),
+    # A smoke test: seconds.
+    "tiny": DistillConfig(preset="tiny", teacher="", layers=(1,), source="python-docs", seq_len=64,
+                          batch_size=4, micro_batch_size=2, phase_a_steps=4, phase_b_steps=4, lr_a=1e-3,
+                          lr_b=1e-3, warmup_steps=1, mlp_parts=("down_proj",), eval_every=0, eval_windows=4,
+                          checkpoint_every=2, log_every=1),
+}
+
+
+# --------------------------------------------------------------------------- teacher
+
+
+def resolve_model_dir(path_or_repo_id: str | os.PathLike) -> Path:
+    """A model directory: a local path, or a hub id ``owner/name`` fetched with its tokenizer."""
+    from ..models.checkpoint import _resolve_directory
+
+    return _resolve_directory(path_or_repo_id, None)
+
+
+def load_teacher(directory: str | os.PathLike, *, device: str | torch.device = "cpu") -> nn.Module:
+    """The teacher as a frozen float32 :class:`BayesLayerForCausalLM` in eval mode.
+
+    ``directory`` holds a flash-linear-attention Gated DeltaNet checkpoint (``model_type:
+    gated_deltanet``, via :func:`~bayeslayer.models.load_gdn_checkpoint`) or one of our model
+    directories (``model_type: bayeslayer``).
+    """
+    from ..models import BayesLayerForCausalLM
+    from .niah import load_model
+
+    model = load_model(directory, device=str(device), dtype=torch.float32)
+    if not isinstance(model, BayesLayerForCausalLM):
+        raise TypeError(f"the teacher at {directory} loaded as {type(model).__name__}; a Gated DeltaNet "
+                        "checkpoint or a BayesLayerForCausalLM directory is needed")
+    model.requires_grad_(False)
+    return model.eval()
+
+
+def teacher_tokenizer(config: DistillConfig, teacher_dir: Path) -> str:
+    """The tokenizer file: ``config.tokenizer`` or the teacher's own ``tokenizer.json``."""
+    if config.tokenizer is not None:
+        path = Path(config.tokenizer)
+        if path.is_dir():
+            path = path / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"tokenizer {config.tokenizer!r} is not a tokenizer.json file or a directory "
+                                    "holding one")
+        return str(path)
+    for name in _TOKENIZER_FILES:
+        if (teacher_dir / name).is_file():
+            return str(teacher_dir / name)
+    raise FileNotFoundError(f"the teacher directory {teacher_dir} has no tokenizer.json; pass --tokenizer (the "
+                            "student must read text exactly as the teacher was trained to)")
+
+
+def _no_dropout(model: nn.Module) -> None:
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+    for name in ("embedding_dropout", "mixer_dropout", "mlp_dropout", "mlp_hidden_dropout"):
+        if hasattr(model.config, name):
+            setattr(model.config, name, 0.0)
+
+
+# --------------------------------------------------------------------------- trainees and objectives
+
+
+class _WithTeacher(nn.Module):
+    """A student and a frozen teacher; the teacher stays in eval mode whatever ``train()`` says."""
+
+    def __init__(self, student: nn.Module, teacher: nn.Module, layers: tuple[int, ...]) -> None:
+        super().__init__()
+        self.model, self.teacher, self.layers = student, teacher, list(layers)
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        self.teacher.eval()
+        return self
+
+
+class LayerMatchTrainee(_WithTeacher):
+    """Phase A: each replaced student mixer, fed the teacher's input to that layer, matches the
+    teacher mixer's output; ``loss = mean_l [NMSE_l + cosine_weight · (1 − cos_l)]``."""
+
+    def __init__(self, student, teacher, layers, cosine_weight: float = COSINE_WEIGHT) -> None:
+        super().__init__(student, teacher, layers)
+        self.cosine_weight = cosine_weight
+
+    def forward(self, input_ids: torch.Tensor):
+        with torch.no_grad(), MixerOutputCapture(self.teacher, self.layers) as t:
+            self.teacher(input_ids=input_ids)
+            targets, inputs = dict(t.outputs), dict(t.inputs)
+        outputs = mixer_outputs_on(self.model, inputs)
+        return layer_matching_loss(outputs, targets, cosine_weight=self.cosine_weight)
+
+
+class JointTrainee(_WithTeacher):
+    """Phase B: ``w_kl · τ² KL(p_teacher ‖ p_student) + w_mse · mean_l NMSE_l`` on full forward passes;
+    the weights follow :func:`~bayeslayer.experiments.distill_losses.phase_b_weights`."""
+
+    def __init__(self, student, teacher, layers, switch_step: int, temperature: float = 1.0) -> None:
+        super().__init__(student, teacher, layers)
+        self.switch_step, self.temperature, self.step = switch_step, temperature, 0
+
+    def set_step(self, step: int) -> None:
+        self.step = step
+
+    def forward(self, input_ids: torch.Tensor):
+        with torch.no_grad(), MixerOutputCapture(self.teacher, self.layers) as t:
+            teacher_logits = self.teacher(input_ids=input_ids).logits
+            targets = dict(t.outputs)
+        with MixerOutputCapture(self.model, self.layers) as s:
+            student_logits = self.model(input_ids=input_ids).logits
+            outputs = dict(s.outputs)
+        return joint_loss(teacher_logits, student_logits, outputs, targets,
+                          weights=phase_b_weights(self.step, self.switch_step), temperature=self.temperature)
+
+
+class RetrofitObjective(Objective):
+    """One stage of the retrofit (``phase_a``, ``phase_b`` or ``gdn_ft``) as a training objective."""
+
+    find_unused_parameters = True  # frozen layers and (Phase A) the MLPs are off the loss path
+
+    def __init__(self, config: DistillConfig, stage: str, teacher_dir: Path, init_dir: Path | None = None) -> None:
+        if stage not in STAGES:
+            raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
+        if stage == "phase_b" and init_dir is None:
+            raise ValueError("phase_b starts from Phase A's model: give init_dir (phase_a/final)")
+        self.config, self.stage, self.teacher_dir, self.init_dir = config, stage, Path(teacher_dir), init_dir
+        self.name = f"distill_{stage}"
+        self.selection = self.frozen = self.trainable = self.teacher_digest = None
+
+    @property
+    def mlp_parts(self) -> tuple[str, ...]:
+        return () if self.stage == "phase_a" else self.config.mlp_parts  # Phase A's loss never reaches the MLPs
+
+    def describe(self) -> dict:
+        c = self.config
+        out = {"name": self.name, "teacher": c.teacher, "layers": list(c.layers), "mlp_parts": list(self.mlp_parts),
+               "mlp_lr_scale": c.mlp_lr_scale}
+        if self.stage != "gdn_ft":
+            out["mixer_kwargs"] = c.mixer_kwargs
+        if self.stage == "phase_a":
+            out["cosine_weight"] = COSINE_WEIGHT
+        if self.stage == "phase_b":
+            out.update(switch_step=c.switch_step, temperature=c.temperature, init=str(self.init_dir))
+        return out
+
+    def build(self, config: LMConfig, corpus, device: torch.device) -> nn.Module:
+        from ..models import replace_layers
+
+        teacher = load_teacher(self.teacher_dir, device=device)
+        if corpus.vocab_size > teacher.config.vocab_size:
+            raise ValueError(f"the tokenizer has {corpus.vocab_size} ids but the teacher's embedding only "
+                             f"{teacher.config.vocab_size}: not the teacher's tokenizer")
+        n_layers = teacher.config.num_hidden_layers
+        if max(self.config.layers) >= n_layers:
+            raise ValueError(f"layers {list(self.config.layers)} are out of range for the teacher's {n_layers} layers")
+        self.teacher_digest = ParameterSnapshot(teacher)
+        if self.stage == "gdn_ft":
+            model = copy.deepcopy(teacher)
+        else:
+            model = copy.deepcopy(teacher)
+            replace_layers(model, self.config.layers, "bayesian", **self.config.mixer_kwargs)
+            if self.init_dir is not None:
+                load_model_weights(model, Path(self.init_dir))
+        _no_dropout(model)
+        self.selection = select_trainable(model, self.config.layers, lr=config.lr, mlp_parts=self.mlp_parts,
+                                          mlp_lr_scale=self.config.mlp_lr_scale, weight_decay=config.weight_decay)
+        self.frozen = freeze_and_snapshot(model, self.selection)
+        self.trainable = ParameterSnapshot(model, self.selection.trainable)
+        model.train()
+        if self.stage == "gdn_ft":
+            return NextTokenTrainee(model)
+        if self.stage == "phase_a":
+            return LayerMatchTrainee(model, teacher, self.config.layers)
+        return JointTrainee(model, teacher, self.config.layers, self.config.switch_step, self.config.temperature)
+
+    def param_groups(self, trainee: nn.Module, config: LMConfig) -> list[dict]:
+        return self.selection.param_groups
+
+    def finish(self, trainee: nn.Module) -> dict:
+        """Frozen parameters bit-identical, the teacher untouched, trainable ones moved (else raise)."""
+        model = trainee.model
+        self.frozen.assert_unchanged(model)
+        if hasattr(trainee, "teacher"):
+            self.teacher_digest.assert_unchanged(trainee.teacher)
+        moved = self.trainable.changed(model)
+        if not moved:
+            raise AssertionError(f"{self.stage}: no trainable parameter changed during training")
+        names = self.selection.names
+        return {"frozen_parameters": len(self.selection.frozen), "frozen_unchanged": True,
+                "trainable_parameters": len(self.selection.trainable), "trainable_changed": len(moved),
+                "trainable_unchanged": sorted(set(self.selection.trainable) - set(moved)),
+                "trainable_elements": {part: sum(dict(model.named_parameters())[n].numel() for n in ns)
+                                       for part, ns in names.items()}}
+
+
+def stage_config(config: DistillConfig, stage: str, teacher_config: Any, tokenizer: str) -> LMConfig:
+    """The :class:`LMConfig` of one stage: the shared loop's data, schedule and bookkeeping."""
+    steps = {"phase_a": config.phase_a_steps, "phase_b": config.phase_b_steps,
+             "gdn_ft": config.phase_a_steps + config.phase_b_steps}[stage]
+    lr = config.lr_a if stage == "phase_a" else config.lr_b
+    return LMConfig(
+        preset=f"distill-{config.preset}", label=STAGE_LABELS[stage],
+        mixer="gated_deltanet" if stage == "gdn_ft" else "bayesian",
+        hidden_size=teacher_config.hidden_size, num_layers=teacher_config.num_hidden_layers,
+        num_heads=teacher_config.num_heads, head_dim=teacher_config.head_dim, mlp_dropout=0.0,
+        source=config.source, tokenizer=tokenizer, vocab_size=teacher_config.vocab_size, seq_len=config.seq_len,
+        steps=steps, batch_size=config.batch_size, micro_batch_size=config.micro_batch_size, lr=lr,
+        weight_decay=config.weight_decay, warmup_steps=min(config.warmup_steps, steps), min_lr_ratio=0.1,
+        precision=config.precision, eval_every=config.eval_every, eval_windows=config.eval_windows,
+        eval_batch_size=config.micro_batch_size, checkpoint_every=config.checkpoint_every,
+        log_every=config.log_every, seed=config.seed)
+
+
+# --------------------------------------------------------------------------- running the stages
+
+
+def run_distill(
+    config: DistillConfig,
+    out: str | os.PathLike,
+    *,
+    stages: tuple[str, ...] = STAGES,
+    device: str = "auto",
+    cache_dir: str | None = None,
+    progress: bool = True,
+    stop_after: int | None = None,
+) -> dict:
+    """Train the chosen stages in order (resuming each); write ``<out>/distill.json``.
+
+    ``stop_after`` interrupts the first unfinished stage after that many of its steps (a
+    checkpointed stop, as ``lm train --stop-after``).  Returns ``{"config", "stages": {stage:
+    train_summary or {"stopped_at": step}}}``.
+    """
+    if not isinstance(config, DistillConfig):
+        raise TypeError(f"config must be a DistillConfig, got {type(config).__name__}")
+    if not config.teacher:
+        raise ValueError("no teacher: pass --teacher (a Gated DeltaNet checkpoint directory or hub id)")
+    bad = [s for s in stages if s not in STAGES]
+    if bad or not stages:
+        raise ValueError(f"stages must be a non-empty subset of {STAGES}, got {list(stages)}")
+    from ..models import BayesLayerConfig
+
+    out = Path(out)
+    teacher_dir = resolve_model_dir(config.teacher)
+    tokenizer = teacher_tokenizer(config, teacher_dir)
+    config_path = teacher_dir / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"no config.json in the teacher directory {teacher_dir}")
+    raw = json.loads(config_path.read_text())
+    if raw.get("model_type") == "gated_deltanet":
+        from ..models.checkpoint import gdn_config_to_bayeslayer
+
+        teacher_config = gdn_config_to_bayeslayer(raw)
+    else:
+        teacher_config = BayesLayerConfig.from_pretrained(teacher_dir)
+    report: dict = {"config": config.to_json(), "teacher_dir": str(teacher_dir), "tokenizer": tokenizer,
+                    "tokens": config.tokens, "stages": {}}
+    summary_path = out / "distill.json"
+    if summary_path.is_file():
+        report["stages"] = json.loads(summary_path.read_text()).get("stages", {})
+    for stage in [s for s in STAGES if s in stages]:
+        init_dir = None
+        if stage == "phase_b":
+            init_dir = out / "phase_a" / "final"
+            if not (init_dir / "model.safetensors").is_file():
+                raise FileNotFoundError(f"phase_b starts from {init_dir}, which does not exist: run phase_a first")
+        objective = RetrofitObjective(config, stage, teacher_dir, init_dir)
+        lm_config = stage_config(config, stage, teacher_config, tokenizer)
+        run_dir = out / stage
+        if (run_dir / "train_summary.json").is_file() and (run_dir / "final" / "model.safetensors").is_file():
+            report["stages"][stage] = json.loads((run_dir / "train_summary.json").read_text())
+            continue
+        result = train_lm(lm_config, run_dir, device=device, cache_dir=cache_dir, progress=progress,
+                          objective=objective, stop_after=None if stop_after is None else min(stop_after,
+                                                                                                lm_config.steps))
+        if not result.finished:
+            report["stages"][stage] = {"stopped_at": result.step, "steps": lm_config.steps}
+            _write_report(summary_path, report)
+            return report
+        report["stages"][stage] = result.summary
+        _write_report(summary_path, report)
+    return report
+
+
+def _write_report(path: Path, report: dict) -> None:
+    if int(os.environ.get("RANK", "0")) == 0:
+        from .harness import write_json
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json(str(path), report)
+
+
+# --------------------------------------------------------------------------- evaluation
+
+
+def eval_models(out: str | os.PathLike) -> list[tuple[str, str]]:
+    """``[(label, model dir)]`` of a distillation: the teacher (GDN-zero), GDN-FT and BL (Phase B),
+    each only where it exists."""
+    out = Path(out)
+    report_path = out / "distill.json"
+    if not report_path.is_file():
+        raise FileNotFoundError(f"{report_path} does not exist: run `bayeslayer distill train --out {out}` first")
+    report = json.loads(report_path.read_text())
+    models = [("GDN-zero", report["teacher_dir"])]
+    for stage, label in (("gdn_ft", "GDN-FT"), ("phase_b", "BL")):
+        final = out / stage / "final"
+        if (final / "model.safetensors").is_file():
+            models.append((label, str(final)))
+    if len(models) == 1:
+        raise FileNotFoundError(f"{out} has no finished student or control model (phase_b/final, gdn_ft/final)")
+    return models
+
+
+def run_eval(args: argparse.Namespace) -> dict:
+    """``bayeslayer distill eval``: NIAH (Table 6 layout + heatmaps) and held-out PPL (Table 7 layout)."""
+    from ..cli import build_parser
+
+    out = Path(args.out)
+    report = json.loads((out / "distill.json").read_text()) if (out / "distill.json").is_file() else {}
+    models = eval_models(out)
+    labels = [label for label, _ in models]
+    tokenizer = args.tokenizer or report.get("tokenizer")
+    results: dict = {}
+    if not args.skip_niah:
+        argv = ["niah", "--out", str(out / "eval" / "niah"), "--lengths", args.niah_lengths,
+                "--depths", args.niah_depths, "--samples-per-cell", str(args.samples_per_cell),
+                "--seed", str(args.seed), "--haystack", args.haystack, "--device", args.device]
+        if args.niah_tasks:
+            argv += ["--tasks", args.niah_tasks]
+        if tokenizer:
+            argv += ["--tokenizer", tokenizer]
+        for label, path in models:
+            argv += ["--model", f"{label}={path}"]
+        for other in ("GDN-zero", "GDN-FT"):
+            if "BL" in labels and other in labels:
+                argv += ["--diff", f"BL,{other}"]
+        if args.quiet:
+            argv.append("--quiet")
+        from . import niah
+
+        results["niah"] = niah.run(build_parser().parse_args(argv))
+    if not args.skip_ppl:
+        from . import heldout
+
+        argv = ["lm", "eval", "--windows", "non-overlapping", "--lengths", args.ppl_lengths, "--split", args.split,
+                "--reference", "GDN-zero", "--out", str(out / "eval" / "heldout"), "--device", args.device]
+        for source in args.source or [report.get("config", {}).get("source", "python-docs")]:
+            argv += ["--source", source]
+        if tokenizer:
+            argv += ["--tokenizer", tokenizer]
+        if args.max_windows:
+            argv += ["--max-windows", str(args.max_windows)]
+        for label, path in models:
+            argv += ["--model", f"{label}={path}"]
+        ppl_args = build_parser().parse_args(argv)
+        results["heldout"] = heldout.heldout_main(ppl_args)
+    return results
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def _parse_ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from err
+
+
+def _parse_names(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def config_from_args(args: argparse.Namespace) -> DistillConfig:
+    """The preset named by ``--preset`` with the command line's overrides applied."""
+    overrides = {name: getattr(args, name) for name in (
+        "teacher", "layers", "source", "tokenizer", "seq_len", "batch_size", "micro_batch_size", "phase_a_steps",
+        "phase_b_steps", "lr_a", "lr_b", "warmup_steps", "weight_decay", "mlp_parts", "mlp_lr_scale",
+        "switch_fraction", "temperature", "precision", "eval_every", "eval_windows", "checkpoint_every",
+        "log_every", "seed") if getattr(args, name, None) is not None}
+    if args.mixer_kwargs is not None:
+        try:
+            overrides["mixer_kwargs"] = json.loads(args.mixer_kwargs)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"--mixer-kwargs must be a JSON object, got {args.mixer_kwargs!r}: {err}") from None
+        if not isinstance(overrides["mixer_kwargs"], dict):
+            raise ValueError(f"--mixer-kwargs must be a JSON object, got {args.mixer_kwargs!r}")
+    return replace(PRESETS[args.preset], **overrides)
+
+
+def _train_main(args: argparse.Namespace) -> int:
+    import torch.distributed as dist
+
+    config = config_from_args(args)
+    out = args.out or os.path.join("runs", "distill", config.preset)
+    report = run_distill(config, out, stages=args.stages, device=args.device, cache_dir=args.cache_dir,
+                         progress=not args.no_progress, stop_after=args.stop_after)
+    if int(os.environ.get("RANK", "0")) == 0:
+        for stage, summary in report["stages"].items():
+            if "stopped_at" in summary:
+                print(f"{stage}: stopped at step {summary['stopped_at']}/{summary['steps']} (rerun to resume)")
+                continue
+            v = summary.get("validation", {}).get("all", {})
+            print(f"{stage}: {summary['steps']} steps, {summary['tokens']:,} tokens, validation PPL "
+                  f"{v.get('ppl', float('nan')):.2f}; {summary['trainable_changed']}/"
+                  f"{summary['trainable_parameters']} trainable tensors moved, "
+                  f"{summary['frozen_parameters']} frozen ones unchanged")
+        print(f"wrote {Path(out) / 'distill.json'}; evaluate with `bayeslayer distill eval --out {out}`")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+def _eval_main(args: argparse.Namespace) -> int:
+    run_eval(args)
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("distill", help="retrofit a pretrained Gated DeltaNet with Bayesian Layers (SPEC §4.6)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    d_sub = p.add_subparsers(dest="distill_command", metavar="{train,eval}", required=True)
+    t = d_sub.add_parser("train", help="Phase A, Phase B and the GDN-FT control (rerun to resume)")
+    t.add_argument("--preset", choices=sorted(PRESETS), default="cpu",
+                   help="'paper' = SPEC §4.6 (340M teacher, ≈100M + 300M tokens); 'cpu' = a pipeline check with a "
+                        "teacher from `lm train --preset cpu --mixer gated_deltanet`; 'tiny' = smoke test")
+    t.add_argument("--teacher", help="teacher: a Gated DeltaNet checkpoint directory, one of our model "
+                                     "directories, or a hub id owner/name")
+    t.add_argument("--layers", type=_parse_ints, help="layers to swap, e.g. 5,11,17,23")
+    t.add_argument("--stages", type=_parse_names, default=STAGES, help="subset of phase_a,phase_b,gdn_ft")
+    t.add_argument("--mlp-parts", type=_parse_names, help="MLP parts of the swapped layers to train in Phase B "
+                                                          "and GDN-FT (gate_proj,up_proj,down_proj; '' for none)")
+    t.add_argument("--mixer-kwargs", help="JSON object of Bayesian Layer arguments, e.g. '{\"p0\": 1.0}'")
+    for name, kind in (("seq-len", int), ("batch-size", int), ("micro-batch-size", int), ("phase-a-steps", int),
+                       ("phase-b-steps", int), ("lr-a", float), ("lr-b", float), ("warmup-steps", int),
+                       ("weight-decay", float), ("mlp-lr-scale", float), ("switch-fraction", float),
+                       ("temperature", float), ("eval-every", int), ("eval-windows", int),
+                       ("checkpoint-every", int), ("log-every", int), ("seed", int)):
+        t.add_argument(f"--{name}", type=kind, help="override the preset")
+    t.add_argument("--source", help="corpus: python-docs, hf:<name>[:<config>] or a local path")
+    t.add_argument("--tokenizer", help="tokenizer.json (default: the teacher's)")
+    t.add_argument("--precision", choices=PRECISIONS)
+    t.add_argument("--device", default="auto")
+    t.add_argument("--cache-dir", default=None)
+    t.add_argument("--out", default=None, help="output directory (default runs/distill/<preset>)")
+    t.add_argument("--stop-after", type=int, default=None, help="stop the current stage after this many steps")
+    t.add_argument("--no-progress", action="store_true")
+    t.set_defaults(func=_train_main)
+
+    e = d_sub.add_parser("eval", help="NIAH and held-out PPL of GDN-zero, GDN-FT and BL")
+    e.add_argument("--out", required=True, help="the directory `distill train` wrote")
+    e.add_argument("--niah-lengths", default="2048,4096,8192,16384")
+    e.add_argument("--niah-depths", default="0,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1.0")
+    e.add_argument("--niah-tasks", default=None, help="comma-separated NIAH tasks (default: all eight)")
+    e.add_argument("--samples-per-cell", type=int, default=30)
+    e.add_argument("--haystack", default="python-docs", help="corpus the essay haystacks come from")
+    e.add_argument("--ppl-lengths", default="2048,4096,8192,16384")
+    e.add_argument("--source", action="append", default=None, help="held-out corpus (repeatable; default: the "
+                                                                     "distillation corpus)")
+    e.add_argument("--split", default="test")
+    e.add_argument("--max-windows", type=int, default=None, help="cap windows per corpus × length")
+    e.add_argument("--tokenizer", default=None, help="default: the one the distillation used")
+    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    e.add_argument("--skip-niah", action="store_true")
+    e.add_argument("--skip-ppl", action="store_true")
+    e.add_argument("--quiet", action="store_true")
+    e.set_defaults(func=_eval_main)
