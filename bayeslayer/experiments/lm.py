@@ -1079,6 +1079,10 @@ def _train_main(args) -> int:
 
 
 def _eval_main(args) -> int:
+    from . import heldout
+
+    if heldout.is_heldout_request(args):  # --lengths/--model: held-out PPL, Table 7 layout
+        return heldout.heldout_main(args)
     if args.plot_only:
         from .plotting import load_json
 
@@ -1136,9 +1140,11 @@ def add_parser(sub) -> None:
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     t.set_defaults(func=_train_main)
 
-    e = lm_sub.add_parser("eval", help="grouped PPL (all / AR-hit / other / buckets) of finished runs",
-                          description="Evaluate finished runs; runs sharing a label (default: the mixer) are "
-                                      "seeds of one model. Writes <out>/<name>.json, .md (Table 2 layout), .png.")
+    e = lm_sub.add_parser("eval", help="grouped PPL of finished runs (Table 2), or held-out PPL per length (Table 7)",
+                          description="Table 2: evaluate finished runs; runs sharing a label (default: the mixer) "
+                                      "are seeds of one model. Writes <out>/<name>.json, .md, .png. Table 7: "
+                                      "--windows non-overlapping --lengths 2048,4096,... --model LABEL=DIR ... "
+                                      "--source ... --reference LABEL (see bayeslayer.experiments.heldout).")
     e.add_argument("runs", nargs="*", help="run directories (each with final/)")
     e.add_argument("--split", choices=("validation", "test"), default="test")
     e.add_argument("--seq-len", type=int, default=None, help="window length (default: each run's training length)")
@@ -1150,4 +1156,7 @@ def add_parser(sub) -> None:
     e.add_argument("--out", default="results/lm", help="output directory")
     e.add_argument("--name", default="lm", help="file name stem of the outputs")
     e.add_argument("--plot-only", metavar="JSON", default=None, help="redraw the table and plot from a saved JSON")
+    from .heldout import add_heldout_arguments
+
+    add_heldout_arguments(e)
     e.set_defaults(func=_eval_main)
