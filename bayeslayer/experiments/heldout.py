@@ -192,12 +192,14 @@ def heldout_perplexity(model: torch.nn.Module, windows: np.ndarray, *, batch_siz
 @dataclass(frozen=True)
 class HeldoutSource:
     """A corpus to evaluate on: its table ``label``, the ``source`` string of
-    :func:`bayeslayer.data.text.corpus_files` and the first ``max_documents`` documents of the split
-    (``None``: all, e.g. 50 for the paper's PG-19 validation)."""
+    :func:`bayeslayer.data.text.corpus_files`, the first ``max_documents`` documents of the split
+    (``None``: all; the paper's PG-19 rule is 50) and its own ``split`` (``None``: the evaluation's;
+    Table 7 mixes held-out/test splits with PG-19's validation split)."""
 
     label: str
     source: str
     max_documents: int | None = None
+    split: str | None = None
 
     def __post_init__(self):
         if not isinstance(self.source, str) or not self.source:
@@ -205,12 +207,18 @@ class HeldoutSource:
         if not isinstance(self.label, str) or not self.label:
             raise ValueError(f"sources: the label of {self.source!r} must be a non-empty string, got {self.label!r}")
         _check_optional_int(f"max_documents of source {self.label!r}", self.max_documents, minimum=1)
+        from ..data.text import SPLITS
+
+        if self.split is not None and self.split not in SPLITS:
+            raise ValueError(f"split of source {self.label!r} must be one of {SPLITS}, got {self.split!r}")
 
 
-def as_source(spec: str | HeldoutSource, max_documents: int | Mapping[str, int] | None = None) -> HeldoutSource:
+def as_source(spec: str | HeldoutSource, max_documents: int | Mapping[str, int] | None = None,
+              splits: Mapping[str, str] | None = None) -> HeldoutSource:
     """``"LABEL=SOURCE"`` or ``"SOURCE"`` (label from :data:`SOURCE_LABELS` or the source itself).
 
-    ``max_documents``: one cap for every source, or a mapping from source label or source string.
+    ``max_documents``: one cap for every source, or a mapping from source label or source string;
+    ``splits``: a mapping from source label or source string to that source's split.
     """
     if isinstance(spec, HeldoutSource):
         return spec
@@ -220,7 +228,8 @@ def as_source(spec: str | HeldoutSource, max_documents: int | Mapping[str, int] 
     if not sep:
         label, source = SOURCE_LABELS.get(spec, spec), spec
     cap = max_documents.get(label, max_documents.get(source)) if isinstance(max_documents, Mapping) else max_documents
-    return HeldoutSource(label, source, cap)
+    split = (splits or {}).get(label, (splits or {}).get(source))
+    return HeldoutSource(label, source, cap, split)
 
 
 def load_heldout_stream(source: HeldoutSource, split: str, tokenizer, *, cache_dir: str | os.PathLike | None = None,
@@ -395,6 +404,7 @@ def evaluate_heldout(
     stride: int | None = None,
     max_windows: int | None = None,
     max_documents: int | Mapping[str, int] | None = None,
+    source_splits: Mapping[str, str] | None = None,
     batch_size: int = 1,
     device: str = "auto",
     precision: str = "fp32",
@@ -410,12 +420,13 @@ def evaluate_heldout(
         sources: corpora, ``"SOURCE"`` or ``"LABEL=SOURCE"`` (``python-docs``,
             ``hf:<name>[:<config>]`` or a local path) or :class:`HeldoutSource`.
         lengths: window lengths ``L >= 2``.
-        split: ``train``, ``validation`` or ``test`` of every source.
+        split: ``train``, ``validation`` or ``test``: the split of every source not in ``source_splits``.
         reference: label of the model the relative change is against (default: the first).
         tokenizer: one tokenizer for every model (default: see :func:`resolve_model`).
         windows, stride: the window rule (module docstring).
         max_windows: evaluate the first ``max_windows`` windows of each source × length.
         max_documents: keep the first documents of the split (one cap, or per source label).
+        source_splits: per-source splits (source label or string → split), e.g. PG-19's validation.
         batch_size, device, precision: forward passes of :func:`heldout_perplexity`.
         cache_dir: token caches and the per-cell result cache (default ``$BAYESLAYER_CACHE``).
 
@@ -452,12 +463,14 @@ def evaluate_heldout(
             _check_int(f"max_documents[{name!r}]", cap, minimum=1)
     else:
         _check_optional_int("max_documents", max_documents, minimum=1)
-    heldout_sources = [as_source(s, max_documents) for s in sources]
-    if isinstance(max_documents, Mapping):
-        known = {s.label for s in heldout_sources} | {s.source for s in heldout_sources}
-        unknown = sorted(set(max_documents) - known)
+    if source_splits is not None and not isinstance(source_splits, Mapping):
+        raise TypeError(f"source_splits must be a mapping source -> split, got {type(source_splits).__name__}")
+    heldout_sources = [as_source(s, max_documents, source_splits) for s in sources]
+    known = {s.label for s in heldout_sources} | {s.source for s in heldout_sources}
+    for name, mapping in (("max_documents", max_documents), ("source_splits", source_splits)):
+        unknown = sorted(set(mapping) - known) if isinstance(mapping, Mapping) else []
         if unknown:
-            raise ValueError(f"max_documents names {unknown}, which are not among the sources {sorted(known)}")
+            raise ValueError(f"{name} names {unknown}, which are not among the sources {sorted(known)}")
     source_labels = [s.label for s in heldout_sources]
     if len(set(source_labels)) != len(source_labels):
         raise ValueError(f"sources: labels must be distinct, got {source_labels}")
@@ -468,6 +481,7 @@ def evaluate_heldout(
         raise ValueError(f"lengths must be distinct, got {lengths}")
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    split_of = {s.label: s.split or split for s in heldout_sources}
     if windows not in WINDOW_MODES:
         raise ValueError(f"windows must be one of {WINDOW_MODES}, got {windows!r}")
     if windows == "sliding":
@@ -487,8 +501,8 @@ def evaluate_heldout(
     cache_root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     files = {s.label: _corpus_files(s) for s in heldout_sources}  # an unknown source fails before any model loads
     for s in heldout_sources:
-        if not files[s.label].splits.get(split):
-            raise ValueError(f"sources: {s.label} ({s.source}) has no {split!r} documents")
+        if not files[s.label].splits.get(split_of[s.label]):
+            raise ValueError(f"sources: {s.label} ({s.source}) has no {split_of[s.label]!r} documents")
     specs = [resolve_model(label, path, tokenizer=tokenizer, cache_dir=cache_dir, ctx=ctx) for label, path in pairs]
 
     def say(message: str) -> None:
@@ -502,8 +516,8 @@ def evaluate_heldout(
         if key not in streams:
             if ctx.distributed and not ctx.is_main:  # rank 0 tokenizes (or finds the cache) first
                 ctx.barrier()
-            streams[key] = load_heldout_stream(source, split, spec.tokenizer, cache_dir=cache_root,
-                                               files=files[source.label])
+            streams[key] = load_heldout_stream(source, split_of[source.label], spec.tokenizer,
+                                               cache_dir=cache_root, files=files[source.label])
             if ctx.distributed and ctx.is_main:
                 ctx.barrier()
         return streams[key]
@@ -518,7 +532,7 @@ def evaluate_heldout(
                 key = {"format": CACHE_FORMAT, "weights_sha256": spec.weights_sha256,
                        "tokenizer_sha256": spec.tokenizer_sha256, "source": source.source,
                        "corpus": files[source.label].fingerprint, "max_documents": source.max_documents,
-                       "split": split, "length": L, "windows": windows, "stride": stride,
+                       "split": split_of[source.label], "length": L, "windows": windows, "stride": stride,
                        "max_windows": max_windows, "precision": resolved_precision}
                 path = _cell_path(cache_root, key)
                 cell = _read_cell(path, key)
@@ -526,8 +540,9 @@ def evaluate_heldout(
                 if cell is None:
                     tokens = stream_of(spec, source)
                     if tokens.shape[0] < L:
-                        cell = {"skipped": f"the {split} split has {tokens.shape[0]:,} tokens, fewer than one "
-                                           f"window of {L:,}", "split_tokens": int(tokens.shape[0])}
+                        reason = (f"the {split_of[source.label]} split of {source.label} has {tokens.shape[0]:,} "
+                                  f"tokens, fewer than one window of {L:,}")
+                        cell = {"skipped": reason, "split_tokens": int(tokens.shape[0])}
                         warnings.warn(f"heldout: {spec.label} on {source.label} at L={L}: {cell['skipped']}; "
                                       "recorded as skipped", RuntimeWarning, stacklevel=2)
                     else:
@@ -567,8 +582,8 @@ def evaluate_heldout(
                 cell["rel_change_pct"] = relative_change(cell["ppl"], ref_cell["ppl"]) if both else None
     config = {"split": split, "lengths": lengths, "windows": windows, "stride": stride, "max_windows": max_windows,
               "precision": precision, "resolved_precision": resolved_precision,
-              "sources": [{"label": s.label, "source": s.source, "max_documents": s.max_documents}
-                          for s in heldout_sources],
+              "sources": [{"label": s.label, "source": s.source, "max_documents": s.max_documents,
+                           "split": split_of[s.label]} for s in heldout_sources],
               "world_size": ctx.world_size}
     return results_record("heldout", windows, config, out_models, reference=reference, target=PAPER_TABLE7)
 
@@ -604,7 +619,10 @@ def table7_markdown(record: dict) -> str:
     rule = cfg.get("windows", "non-overlapping")
     if rule == "sliding":
         rule = f"sliding (stride {cfg.get('stride')})"
-    lines = [f"Held-out PPL on the {cfg.get('split')} split, {rule} windows"
+    splits = {s["label"]: s.get("split", cfg.get("split")) for s in cfg.get("sources", [])}
+    where = (f"the {cfg.get('split')} split" if set(splits.values()) <= {cfg.get("split")}
+             else "splits " + ", ".join(f"{k} {v}" for k, v in splits.items()))
+    lines = [f"Held-out PPL on {where}, {rule} windows"
              + (f", first {cfg['max_windows']} windows per cell" if cfg.get("max_windows") else "")
              + f"; change vs {reference} in parentheses.", "",
              "| model | " + " | ".join(f"{s} {_length_label(L)}" for s, L in columns) + " |",
@@ -667,7 +685,8 @@ def plot(record: dict, path: str | os.PathLike) -> Path:
                 ax.minorticks_off()
             ax.set_xlabel("window length (tokens)")
             ax.set_ylabel("perplexity")
-            ax.set_title(f"{source} ({cfg.get('split')})", fontsize=10)
+            split = next((s.get("split") for s in cfg.get("sources", []) if s.get("label") == source), None)
+            ax.set_title(f"{source} ({split or cfg.get('split')})", fontsize=10)
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
         return save_figure(fig, path)
@@ -718,6 +737,13 @@ def _parse_max_documents(text: str) -> tuple[str | None, int]:
     return (name if sep else None), value
 
 
+def _parse_source_split(text: str) -> tuple[str, str]:
+    name, sep, split = text.rpartition("=")
+    if not sep or not name or not split:
+        raise argparse.ArgumentTypeError(f"--source-split takes SOURCE=SPLIT, got {text!r}")
+    return name, split
+
+
 def add_heldout_arguments(parser: argparse.ArgumentParser, *, shared: bool = False) -> None:
     """Add the held-out options to ``parser`` (``bayeslayer lm eval``).
 
@@ -744,6 +770,8 @@ def add_heldout_arguments(parser: argparse.ArgumentParser, *, shared: bool = Fal
                    help="evaluate only the first N windows per corpus × length (caps the cost)")
     g.add_argument("--max-documents", action="append", type=_parse_max_documents, default=None,
                    metavar="[SOURCE=]N", help="keep the split's first N documents (e.g. PG-19=50); repeat per source")
+    g.add_argument("--source-split", action="append", type=_parse_source_split, default=None, metavar="SOURCE=SPLIT",
+                   help="this source's split instead of --split (e.g. PG-19=validation); repeat per source")
     if shared:
         g.add_argument("--split", choices=("train", "validation", "test"), default="test")
         g.add_argument("--batch-size", type=int, default=1)
@@ -801,7 +829,8 @@ def heldout_main(args: argparse.Namespace) -> int:
     record = evaluate_heldout(
         args.model, args.source or ["python-docs"], args.lengths or list(PAPER_LENGTHS), split=args.split,
         reference=args.reference, tokenizer=args.tokenizer, windows=args.windows, stride=args.stride,
-        max_windows=args.max_windows, max_documents=max_documents, batch_size=args.batch_size,
+        max_windows=args.max_windows, max_documents=max_documents,
+        source_splits=dict(args.source_split) if args.source_split else None, batch_size=args.batch_size,
         device=args.device, precision=args.precision, cache_dir=args.cache_dir)
     if int(os.environ.get("RANK", "0")) == 0:
         paths = write_report(record, out, name)

@@ -17,6 +17,8 @@ import numpy as np
 import pytest
 import torch
 
+from bayeslayer.cli import build_parser
+from bayeslayer.cli import main as cli_main
 from bayeslayer.data.text import train_bpe_tokenizer
 from bayeslayer.experiments import heldout, lm
 from bayeslayer.experiments.heldout import (
@@ -285,26 +287,17 @@ def test_an_fla_gated_deltanet_checkpoint_is_read(tmp_path, tokenizer, corpus_di
 # ----------------------------------------------------------------------------- command line
 
 
-def _lm_eval_parser() -> argparse.ArgumentParser:
-    """The real `bayeslayer lm eval` parser with the held-out options added, as the CLI will wire it."""
-    parser = argparse.ArgumentParser()
-    lm.add_parser(parser.add_subparsers(dest="command"))
-    lm_parser = parser._subparsers._group_actions[0].choices["lm"]
-    eval_parser = lm_parser._subparsers._group_actions[0].choices["eval"]
-    heldout.add_heldout_arguments(eval_parser)  # no option clashes with lm eval's own
-    return parser
-
-
 def test_lm_eval_options_dispatch_and_write_the_report(model_dirs, corpus_dir, tmp_path, capsys):
-    parser = _lm_eval_parser()
-    args = parser.parse_args(["lm", "eval", "--windows", "non-overlapping", "--lengths", "16,32",
-                              "--model", f"GDN={model_dirs['GDN']}", "--model", f"BL={model_dirs['BL']}",
-                              "--source", f"tiny={corpus_dir}", "--split", "test", "--reference", "GDN",
-                              "--max-windows", "3", "--device", "cpu", "--cache-dir", str(tmp_path / "cache"),
-                              "--out", str(tmp_path / "out")])
+    parser = build_parser()  # the real `bayeslayer lm eval`, held-out options included
+    argv = ["lm", "eval", "--windows", "non-overlapping", "--lengths", "16,32",
+            "--model", f"GDN={model_dirs['GDN']}", "--model", f"BL={model_dirs['BL']}",
+            "--source", f"tiny={corpus_dir}", "--split", "test", "--reference", "GDN",
+            "--max-windows", "3", "--device", "cpu", "--cache-dir", str(tmp_path / "cache"),
+            "--out", str(tmp_path / "out")]
+    args = parser.parse_args(argv)
     assert heldout.is_heldout_request(args)
     assert not heldout.is_heldout_request(parser.parse_args(["lm", "eval", "some/run"]))
-    assert heldout.heldout_main(args) == 0
+    assert cli_main(argv) == 0
     record = json.loads((tmp_path / "out" / "heldout.json").read_text())
     assert list(record["models"]) == ["GDN", "BL"]
     assert all(c["windows"] == 3 for m in record["models"].values() for c in m["cells"]["tiny"].values())
@@ -316,11 +309,12 @@ def test_lm_eval_options_dispatch_and_write_the_report(model_dirs, corpus_dir, t
     args = standalone.parse_args(["--model", f"BL={model_dirs['BL']}", "--source", str(corpus_dir), "--lengths",
                                   "16", "--windows", "sliding", "--stride", "8", "--max-windows", "2", "--device",
                                   "cpu", "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "o2"),
-                                  "--max-documents", "2"])
+                                  "--max-documents", "2", "--source-split", f"{corpus_dir}=validation"])
     assert heldout.heldout_main(args) == 0
     record = json.loads((tmp_path / "o2" / "heldout.json").read_text())
     assert record["config"]["windows"] == "sliding" and record["config"]["stride"] == 8
     assert record["config"]["sources"][0]["max_documents"] == 2
+    assert record["config"]["sources"][0]["split"] == "validation"
     cell = record["models"]["BL"]["cells"][str(corpus_dir)]["16"]
     assert cell["n_tokens"] == 15 + 8
 
@@ -336,6 +330,22 @@ def test_max_documents_keeps_the_first_documents(tokenizer, tmp_path):
     eos = tokenizer.token_to_id("<|endoftext|>")
     assert int((two == eos).sum()) == 2 and int((all_docs == eos).sum()) == 4
     assert np.array_equal(two, all_docs[: two.shape[0]])
+
+
+def test_each_source_can_have_its_own_split(model_dirs, corpus_dir, tokenizer, tmp_path):
+    record = evaluate_heldout([("BL", model_dirs["BL"])], [f"T={corpus_dir}", f"V={corpus_dir}"], [16],
+                              source_splits={"V": "validation"}, device="cpu", cache_dir=tmp_path, progress=False)
+    assert [(s["label"], s["split"]) for s in record["config"]["sources"]] == [("T", "test"), ("V", "validation")]
+    for label, split in (("T", "test"), ("V", "validation")):
+        tokens = load_heldout_stream(HeldoutSource(label, str(corpus_dir)), split, tokenizer, cache_dir=tmp_path)
+        assert record["models"]["BL"]["cells"][label]["16"]["split_tokens"] == tokens.shape[0]
+    assert "Held-out PPL on splits T test, V validation" in table7_markdown(record)
+    with pytest.raises(ValueError, match=r"source_splits names \['PG-19'\]"):
+        evaluate_heldout([("BL", model_dirs["BL"])], [str(corpus_dir)], [16], source_splits={"PG-19": "test"},
+                         device="cpu", cache_dir=tmp_path, progress=False)
+    with pytest.raises(ValueError, match="split of source 'T' must be one of"):
+        evaluate_heldout([("BL", model_dirs["BL"])], [f"T={corpus_dir}"], [16], source_splits={"T": "dev"},
+                         device="cpu", cache_dir=tmp_path, progress=False)
 
 
 # ----------------------------------------------------------------------------- bad input
