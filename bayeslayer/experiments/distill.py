@@ -517,6 +517,8 @@ def run_eval(args: argparse.Namespace) -> dict:
                 "--seed", str(args.seed), "--haystack", args.haystack, "--device", args.device]
         if args.niah_tasks:
             argv += ["--tasks", args.niah_tasks]
+        if args.max_new_tokens:
+            argv += ["--max-new-tokens", str(args.max_new_tokens)]
         if tokenizer:
             argv += ["--tokenizer", tokenizer]
         for label, path in models:
@@ -640,7 +642,8 @@ def add_parser(sub) -> None:
     e = d_sub.add_parser("eval", help="NIAH and held-out PPL of GDN-zero, GDN-FT and BL")
     e.add_argument("--out", required=True, help="the directory `distill train` wrote")
     e.add_argument("--niah-lengths", default="2048,4096,8192,16384")
-    e.add_argument("--niah-depths", default="0,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1.0")
+    e.add_argument("--niah-depths", default="0,10,20,30,40,50,60,70,80,90,100", help="needle depths in percent")
+    e.add_argument("--max-new-tokens", type=int, default=None, help="NIAH answer budget (default: niah's)")
     e.add_argument("--niah-tasks", default=None, help="comma-separated NIAH tasks (default: all eight)")
     e.add_argument("--samples-per-cell", type=int, default=30)
     e.add_argument("--haystack", default="python-docs", help="corpus the essay haystacks come from")
