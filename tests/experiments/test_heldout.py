@@ -10,7 +10,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -317,6 +320,33 @@ def test_lm_eval_options_dispatch_and_write_the_report(model_dirs, corpus_dir, t
     assert record["config"]["sources"][0]["split"] == "validation"
     cell = record["models"]["BL"]["cells"][str(corpus_dir)]["16"]
     assert cell["n_tokens"] == 15 + 8
+
+
+@pytest.mark.slow
+def test_torchrun_two_ranks_match_one_process_including_cached_and_skipped_cells(model_dirs, corpus_dir, tmp_path):
+    """torchrun --nproc_per_node 2 (gloo): windows shared across ranks give one process's PPL; a rerun that mixes
+    cached, new and skipped cells does not hang (every rank agrees on cache hits)."""
+    base = ["--model", f"GDN={model_dirs['GDN']}", "--model", f"BL={model_dirs['BL']}", "--source",
+            f"tiny={corpus_dir}", "--device", "cpu", "--batch-size", "2", "--cache-dir", str(tmp_path / "c2")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for lengths, out in (("16,1000000", "first"), ("16,24,1000000", "second")):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
+               "bayeslayer.cli", "lm", "eval", "--lengths", lengths, "--out", str(tmp_path / out), *base]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    dist_record = json.loads((tmp_path / "second" / "heldout.json").read_text())
+    assert dist_record["config"]["world_size"] == 2
+    with pytest.warns(RuntimeWarning):
+        single = evaluate_heldout([("GDN", model_dirs["GDN"]), ("BL", model_dirs["BL"])], [f"tiny={corpus_dir}"],
+                                  [16, 24, 1_000_000], device="cpu", cache_dir=tmp_path / "c1", progress=False)
+    for label, m in single["models"].items():
+        for L, cell in m["cells"]["tiny"].items():
+            other = dist_record["models"][label]["cells"]["tiny"][L]
+            if "skipped" in cell:
+                assert "skipped" in other
+            else:
+                assert other["n_tokens"] == cell["n_tokens"] and other["windows"] == cell["windows"]
+                assert other["ppl"] == pytest.approx(cell["ppl"], rel=1e-6)
 
 
 def test_max_documents_keeps_the_first_documents(tokenizer, tmp_path):
