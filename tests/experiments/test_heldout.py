@@ -416,6 +416,11 @@ def test_bad_input_names_the_argument(model_dirs, corpus_dir, tokenizer, tmp_pat
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="neither config.json"):
         resolve_model("E", tmp_path / "empty")
+    small = tmp_path / "small"  # a tokenizer with more ids than the model's embedding
+    _model(100, "bayesian", 0).save_pretrained(small)
+    tokenizer.save(str(small / "tokenizer.json"))
+    with pytest.raises(ValueError, match=r"has 300 ids but model small only 100: it is not this model's tokenizer"):
+        evaluate_heldout([("small", small)], [str(corpus_dir)], [16], **ok)
 
 
 def test_bad_windows_and_scores():
