@@ -542,10 +542,12 @@ def run_eval(args: argparse.Namespace) -> dict:
             argv += ["--tokenizer", tokenizer]
         if args.max_windows:
             argv += ["--max-windows", str(args.max_windows)]
+        if args.cache_dir:
+            argv += ["--cache-dir", args.cache_dir]
         for label, path in models:
             argv += ["--model", f"{label}={path}"]
-        ppl_args = build_parser().parse_args(argv)
-        results["heldout"] = heldout.heldout_main(ppl_args)
+        heldout.heldout_main(build_parser().parse_args(argv))
+        results["heldout"] = json.loads((out / "eval" / "heldout" / "heldout.json").read_text())
     return results
 
 
@@ -654,6 +656,7 @@ def add_parser(sub) -> None:
     e.add_argument("--max-windows", type=int, default=None, help="cap windows per corpus × length")
     e.add_argument("--tokenizer", default=None, help="default: the one the distillation used")
     e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--cache-dir", default=None, help="token and held-out PPL cache (default $BAYESLAYER_CACHE)")
     e.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     e.add_argument("--skip-niah", action="store_true")
     e.add_argument("--skip-ppl", action="store_true")

@@ -126,7 +126,8 @@ def test_retrofit_end_to_end(teacher, tmp_path):
     assert cli_main(["distill", "eval", "--out", str(out), "--niah-lengths", "256", "--niah-depths", "0,50,100",
                      "--niah-tasks", "niah_single_1,niah_single_2,niah_multikey_2", "--samples-per-cell", "1",
                      "--max-new-tokens", "8", "--haystack", str(corpus), "--ppl-lengths", "64,128",
-                     "--split", "test", "--max-windows", "4", "--device", "cpu", "--quiet"]) == 0
+                     "--split", "test", "--max-windows", "4", "--device", "cpu", "--cache-dir", cache,
+                     "--quiet"]) == 0
     results = json.loads((out / "eval" / "niah" / "niah.json").read_text())
     assert list(results["models"]) == ["GDN-zero", "GDN-FT", "BL"]
     for m in results["models"].values():
