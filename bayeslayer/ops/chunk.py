@@ -65,7 +65,7 @@ class ChunkDynamics:
         C = g.shape[-2]
         mask = torch.ones(C, C, dtype=torch.bool, device=g.device).tril()
         diff = g[..., :, None, :] - g[..., None, :, :]  # [B,H,C(i),C(j),Da]
-        ratio = torch.exp(torch.where(mask[..., None], diff, torch.full_like(diff, float("-inf"))))
+        ratio = diff.masked_fill_(~mask[..., None], float("-inf")).exp_()  # in place: one C×C tensor
         end = torch.exp(g[..., -1:, :] - g)  # Φ_C Φ_i⁻¹ magnitudes [B,H,C,Da]
         gamma = torch.exp(g)
         if self.rot:
@@ -183,10 +183,12 @@ def unit_lower_inverse(L: torch.Tensor, base: int = 16) -> torch.Tensor:
     while s < C:
         A, D = inv[..., 0::2, :, :], inv[..., 1::2, :, :]
         B = diag_blocks(L, 2 * s)[..., s:, :s]
-        off = -(D @ B @ A)
-        top = torch.cat((A, torch.zeros_like(A)), -1)
-        bottom = torch.cat((off, D), -1)
-        inv = torch.cat((top, bottom), -2)  # [..., C/(2s), 2s, 2s]
+        merged = A.new_empty(*A.shape[:-2], 2 * s, 2 * s)  # [..., C/(2s), 2s, 2s], written once
+        merged[..., :s, :s] = A
+        merged[..., :s, s:] = 0.0
+        merged[..., s:, :s] = -(D @ B @ A)
+        merged[..., s:, s:] = D
+        inv = merged
         s *= 2
     return inv[..., 0, :, :]
 
@@ -207,6 +209,10 @@ def _chunks(x: torch.Tensor | None, C: int) -> torch.Tensor | None:
     rest = x.shape[3:]
     x = x.reshape(B, T // C, C, H, *rest).movedim(2, 3)  # [B,N,H,C,...]
     return x.movedim(1, 0).contiguous()  # strided views would make every matmul copy
+
+
+def _cat(xs: list[torch.Tensor]) -> torch.Tensor:
+    return xs[0] if len(xs) == 1 else torch.cat(xs)  # one block (the usual case): no copy
 
 
 def _unchunk(x: torch.Tensor, T: int) -> torch.Tensor:
@@ -337,12 +343,11 @@ def mean_pass(
     A = dyn.scores(q, w)
     w_end = dyn.to_end(w).transpose(-1, -2)  # [n,B,H,D,C]
     if erase:
-        m = v.shape[-1]
-        Tm = dyn.scores(k, w).tril(-1)
-        Ainv = unit_lower_inverse(Tm + torch.eye(C, dtype=Tm.dtype, device=Tm.device))  # UT transform
-        sol = Ainv @ torch.cat((v, dyn.adj(k)), -1)
-        Vp = sol[..., :m]
-        readers = torch.cat((qt, sol[..., m:]), -2)  # [Q̃; (I+T)⁻¹K̃]: one product with M per chunk
+        Tm = dyn.scores(k, w)  # strictly lower part is T; its diagonal becomes the unit one of I + T
+        Tm.diagonal(dim1=-2, dim2=-1).fill_(1.0)
+        Ainv = unit_lower_inverse(Tm)  # UT transform (I + T)⁻¹
+        Vp = Ainv @ v
+        readers = torch.cat((qt, Ainv @ dyn.adj(k)), -2)  # [Q̃; (I+T)⁻¹K̃]: one product with M per chunk
     outs = []
     for i in range(q.shape[0]):
         if erase:
@@ -405,12 +410,12 @@ def filter_chunk(
             w = wch[s:e]
         o, M = mean_pass(dyn, ch.q[s:e], ch.k[s:e], ch.v[s:e], w, M, erase=write != "latent")
         outs.append(o)
-        ws.append(w)
-    o = _unchunk(torch.cat(outs), T)
-    gain = (_unchunk(torch.cat(ws), T) * pr.k).sum(-1)
+        ws.append((w * ch.k[s:e]).sum(-1))  # the gain kᵀw, per token
+    o = _unchunk(_cat(outs), T)
+    gain = _unchunk(_cat(ws), T)
     var = None
     if write == "bayes" and return_variance:
-        var = _unchunk(torch.cat(variances), T)
+        var = _unchunk(_cat(variances), T)
     elif write == "diagonal":
         var = var_full
     elif return_variance and write == "reset" and pr.lam is not None:
