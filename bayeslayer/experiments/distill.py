@@ -601,6 +601,7 @@ def _train_main(args: argparse.Namespace) -> int:
                   f"{summary['frozen_parameters']} frozen ones unchanged")
         print(f"wrote {Path(out) / 'distill.json'}; evaluate with `bayeslayer distill eval --out {out}`")
     if dist.is_initialized():
+        dist.barrier()  # every rank is done before any tears the group down
         dist.destroy_process_group()
     return 0
 

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import hashlib
 import json
 import math
@@ -845,6 +846,11 @@ def train_lm(
         result.summary = _finish(run_dir, model, config, result, ctx, train_seconds_before,
                                  objective=objective, checks=objective.finish(trainee),
                                  tokenizer=corpus.tokenizer)
+    if ddp_model is not trainee:
+        # free DDP (its reducer holds the process group) now, not whenever the cyclic GC runs: a DDP
+        # object collected during interpreter shutdown, after destroy_process_group, can abort the process
+        del ddp_model
+        gc.collect()
     ctx.barrier()
     return result
 
@@ -1074,6 +1080,7 @@ def _train_main(args) -> int:
             print("validation PPL: " + ", ".join(f"{GROUP_LABELS[g]} {v[g]['ppl']:.2f}" for g in GROUPS
                                                  if v.get(g, {}).get("ppl") is not None))
     if dist.is_initialized():
+        dist.barrier()  # every rank is done (rank 0 wrote and printed) before any tears the group down
         dist.destroy_process_group()
     return 0
 

@@ -734,7 +734,15 @@ def load_model(path: str | os.PathLike, *, device: str = "cpu", dtype: torch.dty
         raise FileNotFoundError(f"no config.json in model directory {path}")
     if json.loads(config_file.read_text()).get("model_type") == "gated_deltanet":
         return load_gdn_checkpoint(path, dtype=dtype, device=device)
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    from transformers.utils import logging as hf_logging
+
+    bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a "Loading weights" bar per model would bury the evaluation's own lines
+    try:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    finally:
+        if bar:
+            hf_logging.enable_progress_bar()
 
 
 def _parse_model(text: str) -> tuple[str, str]:

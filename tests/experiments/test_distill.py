@@ -11,7 +11,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
+import subprocess
+import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -217,3 +221,34 @@ def test_bad_teacher_and_tokenizer(teacher, tmp_path):
                     progress=False)
     with pytest.raises(FileNotFoundError, match="distill train"):
         distill.eval_models(tmp_path / "nothing")
+
+
+def test_torchrun_two_ranks_agree_and_match_one_process(teacher, tmp_path):
+    """`torchrun --nproc_per_node 2 -m bayeslayer.cli distill train` (gloo, CPU): every stage ends with the
+    same weights on both ranks and equals one process with the same global batch."""
+    teacher_dir, corpus, cache = teacher
+    config = _config(teacher_dir, corpus, phase_a_steps=3, phase_b_steps=2, batch_size=4, micro_batch_size=1,
+                     checkpoint_every=2)
+    out = tmp_path / "ddp"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "bayeslayer.cli", "distill", "train", "--preset", "tiny", "--no-progress", "--out", str(out),
+           "--cache-dir", cache, "--device", "cpu", "--teacher", str(teacher_dir), "--layers", "1",
+           "--mlp-parts", "down_proj", "--source", str(corpus)]
+    for name in ("seq_len", "batch_size", "micro_batch_size", "phase_a_steps", "phase_b_steps", "lr_a", "lr_b",
+                 "warmup_steps", "eval_every", "eval_windows", "checkpoint_every", "log_every", "seed"):
+        cmd += [f"--{name.replace('_', '-')}", str(getattr(config, name))]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    single = run_distill(replace(config, preset="tiny"), tmp_path / "single", device="cpu", cache_dir=cache,
+                         progress=False)
+    for stage in ("phase_a", "phase_b", "gdn_ft"):
+        summary = json.loads((out / stage / "train_summary.json").read_text())
+        assert summary["world_size"] == 2 and len(set(summary["rank_weights_sha256"])) == 1
+        assert summary["frozen_unchanged"]
+        np.testing.assert_allclose(_losses(out / stage), _losses(tmp_path / "single" / stage), rtol=1e-4)
+        a = load_file(str(out / stage / "final" / "model.safetensors"))
+        b = load_file(str(tmp_path / "single" / stage / "final" / "model.safetensors"))
+        for name in a:
+            torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-5, msg=name)
+    assert single["stages"]["gdn_ft"]["steps"] == 5
