@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import hashlib
 import json
 import math
 import numbers
@@ -331,7 +332,9 @@ class RetrofitObjective(Objective):
         if self.stage == "phase_a":
             out["cosine_weight"] = COSINE_WEIGHT
         if self.stage == "phase_b":
-            out.update(switch_step=c.switch_step, temperature=c.temperature, init=str(self.init_dir))
+            # the Phase A model by content, so a resume from another working directory still matches
+            out.update(switch_step=c.switch_step, temperature=c.temperature,
+                       init_sha256=_file_sha256(Path(self.init_dir) / "model.safetensors"))
         return out
 
     def build(self, config: LMConfig, corpus, device: torch.device) -> nn.Module:
@@ -382,6 +385,14 @@ class RetrofitObjective(Objective):
                 "trainable_unchanged": sorted(set(self.selection.trainable) - set(moved)),
                 "trainable_elements": {part: sum(dict(model.named_parameters())[n].numel() for n in ns)
                                        for part, ns in names.items()}}
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def stage_config(config: DistillConfig, stage: str, teacher_config: Any, tokenizer: str) -> LMConfig:
