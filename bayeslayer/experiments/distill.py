@@ -72,7 +72,16 @@ from .distill_losses import (
     phase_b_weights,
     select_trainable,
 )
-from .lm import PRECISIONS, LMConfig, NextTokenTrainee, Objective, load_model_weights, train_lm
+from .lm import (
+    PRECISIONS,
+    LMConfig,
+    NextTokenTrainee,
+    Objective,
+    _check_int,
+    load_model_weights,
+    parse_json_object,
+    train_lm,
+)
 
 STAGES = ("phase_a", "phase_b", "gdn_ft")
 STAGE_LABELS = {"phase_a": "BL (Phase A)", "phase_b": "BL", "gdn_ft": "GDN-FT"}
@@ -130,14 +139,11 @@ class DistillConfig:
         bad = [p for p in self.mlp_parts if p not in _MLP_PARTS]
         if bad:
             raise ValueError(f"mlp_parts must be drawn from {_MLP_PARTS}, got {list(self.mlp_parts)}")
-        for name in ("seq_len", "batch_size", "micro_batch_size", "phase_a_steps", "phase_b_steps", "log_every"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < (2 if name == "seq_len" else 1):
-                raise ValueError(f"{name} must be an integer >= {2 if name == 'seq_len' else 1}, got {v!r}")
+        _check_int("seq_len", self.seq_len, minimum=2)
+        for name in ("batch_size", "micro_batch_size", "phase_a_steps", "phase_b_steps", "log_every"):
+            _check_int(name, getattr(self, name), minimum=1)
         for name in ("warmup_steps", "eval_every", "eval_windows", "checkpoint_every"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
+            _check_int(name, getattr(self, name), minimum=0)
         for name, positive in (("lr_a", True), ("lr_b", True), ("mlp_lr_scale", True), ("temperature", True),
                                ("weight_decay", False)):
             v = getattr(self, name)
@@ -584,12 +590,7 @@ def config_from_args(args: argparse.Namespace) -> DistillConfig:
         "switch_fraction", "temperature", "precision", "eval_every", "eval_windows", "checkpoint_every",
         "log_every", "seed") if getattr(args, name, None) is not None}
     if args.mixer_kwargs is not None:
-        try:
-            overrides["mixer_kwargs"] = json.loads(args.mixer_kwargs)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"--mixer-kwargs must be a JSON object, got {args.mixer_kwargs!r}: {err}") from None
-        if not isinstance(overrides["mixer_kwargs"], dict):
-            raise ValueError(f"--mixer-kwargs must be a JSON object, got {args.mixer_kwargs!r}")
+        overrides["mixer_kwargs"] = parse_json_object("--mixer-kwargs", args.mixer_kwargs)
     return replace(PRESETS[args.preset], **overrides)
 
 

@@ -65,6 +65,7 @@ from .lm import (
     load_corpus,
     resolve_precision,
 )
+from .niah import _parse_model  # the same [LABEL=]DIR syntax as bayeslayer niah
 from .plotting import load_json, save_figure
 
 PAPER_LENGTHS = (2048, 4096, 8192, 16384)
@@ -707,15 +708,6 @@ def write_report(record: dict, out_dir: str | os.PathLike, name: str = "heldout"
 
 
 # --------------------------------------------------------------------------- command line
-
-
-def _parse_model(text: str) -> tuple[str, str]:
-    label, sep, path = text.partition("=")
-    if not sep:
-        label, path = Path(text).name or text, text
-    if not label or not path:
-        raise argparse.ArgumentTypeError(f"--model takes DIR or LABEL=DIR, got {text!r}")
-    return label, path
 
 
 def _parse_lengths(text: str) -> list[int]:

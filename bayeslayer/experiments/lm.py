@@ -1057,13 +1057,19 @@ def config_from_args(args: argparse.Namespace) -> LMConfig:
         "vocab_size", "precision", "eval_every", "eval_windows", "checkpoint_every", "log_every")
         if getattr(args, name, None) is not None}
     if args.mixer_kwargs is not None:
-        try:
-            overrides["mixer_kwargs"] = json.loads(args.mixer_kwargs)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"--mixer-kwargs must be a JSON object, got {args.mixer_kwargs!r}: {err}") from None
-        if not isinstance(overrides["mixer_kwargs"], dict):
-            raise ValueError(f"--mixer-kwargs must be a JSON object, got {args.mixer_kwargs!r}")
+        overrides["mixer_kwargs"] = parse_json_object("--mixer-kwargs", args.mixer_kwargs)
     return replace(config, **overrides)
+
+
+def parse_json_object(option: str, text: str) -> dict:
+    """The value of a command-line option that takes a JSON object, e.g. ``--mixer-kwargs '{"p0": 1.0}'``."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{option} must be a JSON object, got {text!r}: {err}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{option} must be a JSON object, got {text!r}")
+    return value
 
 
 def _train_main(args) -> int:
