@@ -30,8 +30,7 @@ from bayeslayer.experiments.distill import PRESETS, DistillConfig, RetrofitObjec
 from bayeslayer.experiments.lm import LMConfig, train_lm
 from bayeslayer.models import BayesLayerConfig
 
-WORDS = ("the cat sat on a mat while dog ran far from home and bird sang song under old tree "
-         "every morning river flows past stone bridge near quiet town where people read books").split()
+from .corpus import write_word_corpus
 
 
 def _corpus(root: Path) -> Path:
@@ -45,12 +44,7 @@ def _corpus(root: Path) -> Path:
             (root / split).mkdir(exist_ok=True)
             shutil.copy(page, root / split / f"page{i:03d}.html")  # (page names may contain "dev", "test")
         return root
-    rng = np.random.default_rng(0)
-    for split, n_docs in (("train", 80), ("validation", 10), ("test", 10)):
-        texts = [". ".join(" ".join(rng.choice(WORDS, size=rng.integers(5, 12))) for _ in range(30)) + "."
-                 for _ in range(n_docs)]
-        (root / f"{split}.txt").write_text("\n\n".join(texts))
-    return root
+    return write_word_corpus(root, {"train": 80, "validation": 10, "test": 10}, sentences=30)
 
 
 def _losses(run_dir: Path) -> list[float]:

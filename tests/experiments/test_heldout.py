@@ -36,18 +36,11 @@ from bayeslayer.experiments.heldout import (
 )
 from bayeslayer.models import BayesLayerConfig, BayesLayerForCausalLM
 
-WORDS = ("the cat sat on a mat while dog ran far from home and bird sang song under old tree "
-         "every morning river flows past stone bridge near quiet town where people read books").split()
+from .corpus import WORDS, write_word_corpus
 
 
 def _write_corpus(root: Path) -> Path:
-    rng = np.random.default_rng(0)
-    root.mkdir(parents=True, exist_ok=True)
-    for split, n_docs in (("train", 30), ("validation", 4), ("test", 6)):
-        docs = [". ".join(" ".join(rng.choice(WORDS, size=rng.integers(4, 10))) for _ in range(10)) + "."
-                for _ in range(n_docs)]
-        (root / f"{split}.txt").write_text("\n\n".join(docs))
-    return root
+    return write_word_corpus(root, {"train": 30, "validation": 4, "test": 6}, sentences=10, words=(4, 10))
 
 
 @pytest.fixture(scope="module")

@@ -37,23 +37,12 @@ from bayeslayer.experiments.lm import (
     weights_digest,
 )
 
-WORDS = ("the cat sat on a mat while dog ran far from home and bird sang song under old tree "
-         "every morning river flows past stone bridge near quiet town where people read books").split()
+from .corpus import write_word_corpus
 
 
 def _write_corpus(root: Path) -> Path:
     """Three split files of English-like text with repeated phrases (so AR-hit tokens exist)."""
-    rng = np.random.default_rng(0)
-    root.mkdir(parents=True, exist_ok=True)
-    for split, n_docs in (("train", 40), ("validation", 6), ("test", 6)):
-        docs = []
-        for _ in range(n_docs):
-            phrase = " ".join(rng.choice(WORDS, size=6))
-            sentences = [" ".join(rng.choice(WORDS, size=rng.integers(5, 12))) for _ in range(12)]
-            sentences[3] = sentences[9] = phrase  # a repeat inside the document
-            docs.append(". ".join(sentences) + ".")
-        (root / f"{split}.txt").write_text("\n\n".join(docs))
-    return root
+    return write_word_corpus(root, {"train": 40, "validation": 6, "test": 6}, sentences=12, repeat_phrase=True)
 
 
 @pytest.fixture(scope="module")
