@@ -353,10 +353,10 @@ class RetrofitObjective(Objective):
         n_layers = teacher.config.num_hidden_layers
         if max(self.config.layers) >= n_layers:
             raise ValueError(f"layers {list(self.config.layers)} are out of range for the teacher's {n_layers} layers")
-        self.teacher_digest = ParameterSnapshot(teacher)
         if self.stage == "gdn_ft":
-            model = copy.deepcopy(teacher)
+            model = teacher  # the control fine-tunes this fresh copy of the teacher itself; no target model
         else:
+            self.teacher_digest = ParameterSnapshot(teacher)  # the target must stay untouched
             model = copy.deepcopy(teacher)
             replace_layers(model, self.config.layers, "bayesian", **self.config.mixer_kwargs)
             if self.init_dir is not None:
