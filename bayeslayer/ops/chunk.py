@@ -257,6 +257,15 @@ class _Chunked:
         return ChunkDynamics(self.log_alpha[s:e], self.theta[s:e] if self.theta is not None else None)
 
 
+def _bmm_add(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+    """``c + alpha · a @ b`` for ``[..., i, j]`` batches, as one fused ``baddbmm``."""
+    lead = c.shape[:-2]
+    out = torch.baddbmm(c.reshape(-1, *c.shape[-2:]), a.reshape(-1, *a.shape[-2:]),
+                        b.reshape(-1, *b.shape[-2:]), alpha=alpha)
+    return out.view(*lead, *out.shape[-2:])
+
+
+
 def covariance_pass(
     dyn: ChunkDynamics,
     q: torch.Tensor | None,
@@ -276,49 +285,69 @@ def covariance_pass(
     D = k.shape[-1]
     b = None if dyn.rot else dyn.noise_diag(ell2)
     kt = dyn.adj(k)  # k̃_j = Φ_jᵀ k_j
+    ktT = kt.transpose(-1, -2)
     NBk = dyn.noise_vec(ell2, k, b)  # B_j k_j
     Nl = dyn.scores(k, NBk)  # k_iᵀ Φ_iΦ_j⁻¹ B_j k_j, lower incl. diagonal
-    base = Nl + Nl.transpose(-1, -2) - torch.diag_embed(torch.diagonal(Nl, dim1=-2, dim2=-1) - r2)
-    BC = dyn.noise_end(ell2, b, D)
+    base = Nl + Nl.transpose(-1, -2)  # symmetric; its diagonal 2 N_ii becomes N_ii + r²_i below
+    base.diagonal(dim1=-2, dim2=-1).add_(r2 - torch.diagonal(Nl, dim1=-2, dim2=-1))
+    # B_C: diagonal ([n,B,H,1,Da]) without rotations — added to P's diagonal in the loop
+    BC = b[..., -1:, :] if b is not None else dyn.noise_end(ell2, b, D)
     if q is not None:
         qt = dyn.adj(q)
         qBq = dyn.noise_quad(ell2, q, b)
-    ws, variances = [], []
-    for i in range(k.shape[0]):
-        d = dyn[i]
+    n = k.shape[0]
+    if dyn.scalar:
+        ratio, gamma, end = dyn.ratio[..., 0], dyn.gamma, dyn.end
+        gC2 = dyn.gamma_C * dyn.gamma_C
+        eye = torch.eye(D, dtype=P.dtype, device=P.device)
+    ws, variances, infos = [], [], []
+    for i in range(n):
         Y = kt[i] @ P  # rows (P_0 k̃_j)ᵀ: the one D²C product
-        S = Y @ kt[i].transpose(-1, -2) + base[i]  # only its lower triangle is read by Cholesky
-        Lc = torch.linalg.cholesky(S)
-        dc = torch.diagonal(Lc, dim1=-2, dim2=-1)  # sqrt(d_t)
-        if d.scalar:
+        S = _bmm_add(base[i], Y, ktT[i])
+        # LAPACK is column-major: the upper factor of the row-major S is the cheap one, and its
+        # transpose is the lower factor L_c already laid out the way the triangular solve wants it.
+        Uc, info = torch.linalg.cholesky_ex(S, upper=True)
+        infos.append(info)
+        Lc = Uc.transpose(-1, -2)
+        dc = torch.diagonal(Uc, dim1=-2, dim2=-1)  # sqrt(d_t)
+        if dyn.scalar:
             # Σ_j (L⁻¹)_ij (Γ_i/Γ_j) X_j with X_j = Γ_j Y_j + B_j k_j: since L⁻¹ ⊙ R = (L ⊙ R)⁻¹ for the
             # rank-one ratio R_ij = Γ_i/Γ_j, this is one triangular solve (only safe ratios i ≥ j).  Solving
             # with the Cholesky factor L_c = L diag(√d) itself gives Ū = diag(√d)⁻¹ U, so w = βU = Ū/√d
             # and β_t u_t u_tᵀ = ū_t ū_tᵀ: no rescaling to a unit diagonal, and fewer small ops per chunk.
-            X = torch.addcmul(NBk[i], d.gamma, Y)
-            Ub = torch.linalg.solve_triangular(Lc * d.ratio[..., 0], X, upper=False)
-            Ue = d.to_end(Ub)
-            P_next = torch.addcmul(BC[i], P, d.gamma_C * d.gamma_C) - Ue.transpose(-1, -2) @ Ue
+            X = torch.addcmul(NBk[i], gamma[i], Y)
+            LR = (Uc * ratio[i].transpose(-1, -2)).transpose(-1, -2)  # L_c ⊙ R, column-major
+            Ub = torch.linalg.solve_triangular(LR, X, upper=False)
+            Ue = Ub * end[i]  # Φ_C Φ_i⁻¹ ū_i
+            P_next = _bmm_add(torch.addcmul(eye * BC[i], P, gC2[i]), Ue.transpose(-1, -2), Ue, alpha=-1.0)
             if q is not None:
-                Gq = d.scores(q[i], Ub)
+                Gq = dyn[i].scores(q[i], Ub)
                 variances.append(1.0 + ((qt[i] @ P) * qt[i]).sum(-1) + qBq[i] - (Gq * Gq).sum(-1))
-            P = 0.5 * (P_next + P_next.transpose(-1, -2))
             ws.append(Ub / dc[..., None])
-            continue
-        beta = 1.0 / (dc * dc)
-        L = Lc / dc[..., None, :]  # L = L_c diag(√d)⁻¹ is unit lower
-        Linv = unit_lower_inverse(L)
-        U = d.fwd(Linv @ Y) + d.mix(Linv, NBk[i])
-        Ue = d.to_end(U)
-        P_next = d.end_rows(d.end_rows(P).transpose(-1, -2)) + BC[i]
-        P_next = P_next - (Ue.transpose(-1, -2) * beta[..., None, :]) @ Ue
-        if q is not None:
-            Gq = d.scores(q[i], U)  # q_tᵀ Φ_tΦ_i⁻¹ u_i
-            variances.append(
-                1.0 + ((qt[i] @ P) * qt[i]).sum(-1) + qBq[i] - (Gq * Gq * beta[..., None, :]).sum(-1)
-            )
-        P = 0.5 * (P_next + P_next.transpose(-1, -2))
-        ws.append(beta[..., None] * U)
+        else:
+            d = dyn[i]
+            beta = 1.0 / (dc * dc)
+            L = Lc / dc[..., None, :]  # L = L_c diag(√d)⁻¹ is unit lower
+            Linv = unit_lower_inverse(L)
+            U = d.fwd(Linv @ Y) + d.mix(Linv, NBk[i])
+            Ue = d.to_end(U)
+            P_next = d.end_rows(d.end_rows(P).transpose(-1, -2))
+            P_next = P_next + (BC[i] if dyn.rot else torch.diag_embed(BC[i][..., 0, :].expand(*P.shape[:-1])))
+            P_next = P_next - (Ue.transpose(-1, -2) * beta[..., None, :]) @ Ue
+            if q is not None:
+                Gq = d.scores(q[i], U)  # q_tᵀ Φ_tΦ_i⁻¹ u_i
+                variances.append(
+                    1.0 + ((qt[i] @ P) * qt[i]).sum(-1) + qBq[i] - (Gq * Gq * beta[..., None, :]).sum(-1)
+                )
+            ws.append(beta[..., None] * U)
+        # symmetrise every chunk: P's value and the gradients it passes back then do not depend on
+        # how the sequence is split into chunks or blocks (the Triton backward recomputes per chunk)
+        P = torch.add(P_next, P_next.transpose(-1, -2)).mul_(0.5)
+    if bool(torch.stack(infos).any()):
+        raise torch.linalg.LinAlgError(
+            "bl_chunk: a chunk's prior observation covariance is not positive definite "
+            "(the filter inputs are too extreme for the working precision)"
+        )
     var = torch.stack(variances) if q is not None else None
     return torch.stack(ws), var, P
 
@@ -335,10 +364,10 @@ def mean_pass(
     """Generalised delta rule over a block of ``n`` chunks (module docstring). Returns ``(o, M_end)``.
 
     q, k, w: ``[n, B, H, C, D]``; v: ``[n, B, H, C, m]``; M: ``[B, H, D, m]``.  The intra-chunk
-    UT transform ``(I + T)⁻¹ [V, K̃]`` is one batched triangular solve for the whole block;
-    the loop carries only the state.
+    UT transform ``(I + T)⁻¹ [V, K̃]`` is one batched triangular inverse for the whole block;
+    the loop carries only the state (one or two fused matmul-adds per chunk), and the outputs
+    ``Q̃ M_0 + A E`` of all chunks are two batched products after it.
     """
-    C = q.shape[-2]
     qt = dyn.adj(q)
     A = dyn.scores(q, w)
     w_end = dyn.to_end(w).transpose(-1, -2)  # [n,B,H,D,C]
@@ -347,18 +376,20 @@ def mean_pass(
         Tm.diagonal(dim1=-2, dim2=-1).fill_(1.0)
         Ainv = unit_lower_inverse(Tm)  # UT transform (I + T)⁻¹
         Vp = Ainv @ v
-        readers = torch.cat((qt, Ainv @ dyn.adj(k)), -2)  # [Q̃; (I+T)⁻¹K̃]: one product with M per chunk
-    outs = []
+        Kp = Ainv @ dyn.adj(k)
+    decay = None if dyn.rot else dyn.gamma_C.transpose(-1, -2)  # [n,B,H,Da,1]: Φ_C on the key dim
+    states, Es = [], []
     for i in range(q.shape[0]):
+        states.append(M)
         if erase:
-            RM = readers[i] @ M
-            E = Vp[i] - RM[..., C:, :]
-            outs.append(RM[..., :C, :] + A[i] @ E)
+            E = _bmm_add(Vp[i], Kp[i], M, alpha=-1.0)
+            Es.append(E)
         else:
             E = v[i]
-            outs.append(qt[i] @ M + A[i] @ E)
-        M = dyn[i].end_rows(M) + w_end[i] @ E
-    return torch.stack(outs), M
+        M = _bmm_add(dyn[i].end_rows(M) if decay is None else M * decay[i], w_end[i], E)
+    E = torch.stack(Es) if erase else v
+    o = qt @ torch.stack(states) + A @ E
+    return o, M
 
 
 def filter_chunk(
