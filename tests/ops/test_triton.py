@@ -143,9 +143,9 @@ def test_cu_seqlens_equals_separate_sequences():
         assert_close(P[n:n + 1], P_n, 1e-10, f"final P of sequence {n}")
 
 
-def _grad_check(decay, G, with_state, cu_lens=None):
+def _grad_check(decay, G, with_state, cu_lens=None, T=21):
     B = 1 if cu_lens else 2
-    T = sum(cu_lens) if cu_lens else 21
+    T = sum(cu_lens) if cu_lens else T
     q, k, v, r2, ell2, alpha = make_inputs(B, T, 2, 16, 8, decay=decay, G=G)
     N = len(cu_lens) if cu_lens else B
     st = initial_state(N, 2, 16, 8, G) if with_state else None
@@ -197,6 +197,17 @@ def test_gradient_of_p0_and_variance_only():
 
 def test_gradients_with_cu_seqlens():
     _grad_check("scalar", 1, with_state=True, cu_lens=[7, 12])
+
+
+@pytest.mark.parametrize("cu_lens", [None, [7, 40, 70]], ids=["batch", "varlen"])
+def test_gradients_over_several_backward_blocks(monkeypatch, cu_lens):
+    """The backward recomputes blocks of chunks; with blocks of 2 chunks, 5 chunks span 3 blocks
+    (a partial last one), and packed sequences of 1, 3 and 5 chunks end inside, at and before
+    a block boundary."""
+    from bayeslayer.ops.triton import chunk as triton_chunk
+
+    monkeypatch.setattr(triton_chunk, "BACKWARD_BLOCK", 2)
+    _grad_check("scalar", 2, with_state=True, cu_lens=cu_lens, T=75)
 
 
 def test_rotations_fall_back_to_torch():

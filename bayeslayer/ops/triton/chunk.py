@@ -6,10 +6,11 @@ mean pass (one program per value block, sequence and head·group).
 
 Backward: **recompute, not fused**.  :class:`_BLChunkTriton` stores only its
 inputs; its backward re-runs the Triton forward to checkpoint the state at every
-chunk start, then walks the chunks in reverse, recomputing each chunk with the
-PyTorch chunk step under autograd and differentiating it
-(:func:`_chunkwise_backward`).  Gradients are therefore the PyTorch path's; memory
-is the checkpoints plus one chunk's graph; time is a Python loop over chunks.
+chunk start, then walks blocks of :data:`BACKWARD_BLOCK` chunks in reverse,
+recomputing each block with the PyTorch chunk step under autograd and
+differentiating it (:func:`_chunkwise_backward`).  Gradients are therefore the
+PyTorch path's; memory is the checkpoints plus one block's graph; time is a
+Python loop over blocks, and inside the chunk step over their chunks.
 Rotations (``theta``) run entirely on the PyTorch path (forward and backward).
 """
 
@@ -26,6 +27,10 @@ from ..chunk import filter_chunk
 from ..prepare import prepare
 
 SUPPORTED_CHUNK_SIZES = (16, 32, 64)
+# chunks recomputed and differentiated together in the backward: the PyTorch chunk step batches
+# everything that does not depend on the carried state over a block, so fewer, larger kernels run,
+# at the price of one block's autograd graph in memory (instead of one chunk's)
+BACKWARD_BLOCK = 16
 
 
 def triton_available() -> bool:
@@ -253,16 +258,17 @@ def _pad_sequences(x: torch.Tensor, cu_k: torch.Tensor, n_chunks: torch.Tensor, 
 
 
 def _chunkwise_backward(args, needs, cu, C, want_var, d_o, d_var, d_M, d_P):
-    """Gradients of ``(o, var, M_T, P_T)`` w.r.t. ``args``, one chunk at a time in reverse.
+    """Gradients of ``(o, var, M_T, P_T)`` w.r.t. ``args``, one block of chunks at a time in reverse.
 
     1. the Triton forward re-runs with checkpoints: the state ``(M, P)`` at every chunk start;
-    2. for chunks ``c = NC-1 .. 0`` (all sequences at once, padded to whole chunks with
-       no-op tokens), the PyTorch chunk step (:func:`bayeslayer.ops.chunk.covariance_pass`,
-       :func:`~bayeslayer.ops.chunk.mean_pass`) is recomputed from the checkpoint under autograd and
-       differentiated, carrying ``(dM, dP)`` back to the chunk start;
+    2. for blocks of :data:`BACKWARD_BLOCK` chunks, last block first (all sequences at once, padded
+       to whole chunks with no-op tokens), the PyTorch chunk step
+       (:func:`bayeslayer.ops.chunk.covariance_pass`, :func:`~bayeslayer.ops.chunk.mean_pass`) is
+       recomputed from the checkpoint at the block start under autograd and differentiated,
+       carrying ``(dM, dP)`` back to the block start;
     3. the per-chunk input gradients and ``(dM_0, dP_0)`` go back through the
        validation/folding graph to the caller's tensors.
-    Memory: the checkpoints plus one chunk's graph (not the graph of the whole sequence).
+    Memory: the checkpoints plus one block's graph (not the graph of the whole sequence).
     """
     from ..chunk import ChunkDynamics, covariance_pass, mean_pass
 
@@ -306,28 +312,26 @@ def _chunkwise_backward(args, needs, cu, C, want_var, d_o, d_var, d_M, d_P):
     # checkpoint rows of chunk c per sequence; past a sequence's end its final state (an exact no-op chunk)
     rows_of = offsets[:-1, None] + torch.minimum(torch.arange(NC, device=offsets.device)[None, :], n_chunks[:, None])
     grads = {name: torch.zeros_like(x) for name, x in chunked.items()}
-    for c in range(NC - 1, -1, -1):
+    for c0 in range(((NC - 1) // BACKWARD_BLOCK) * BACKWARD_BLOCK, -1, -BACKWARD_BLOCK):
+        c1 = min(c0 + BACKWARD_BLOCK, NC)
         with torch.enable_grad():
-            P_c = CKP[rows_of[:, c]].requires_grad_(True)
-            M_c = CKM[rows_of[:, c]].requires_grad_(True)
-            xs = {name: x[c].detach().requires_grad_(True) for name, x in chunked.items()}
-            one = {name: x[None] for name, x in xs.items()}  # a block of one chunk
-            dyn = ChunkDynamics(one["la"], None)
+            P_c = CKP[rows_of[:, c0]].requires_grad_(True)
+            M_c = CKM[rows_of[:, c0]].requires_grad_(True)
+            xs = {name: x[c0:c1].detach().requires_grad_(True) for name, x in chunked.items()}
+            dyn = ChunkDynamics(xs["la"], None)
             w, var, P_end = covariance_pass(
-                dyn, one["q"] if dvar_c is not None else None, one["k"], one["r2"], one["ell2"], P_c
+                dyn, xs["q"] if dvar_c is not None else None, xs["k"], xs["r2"], xs["ell2"], P_c
             )
-            o, M_end = mean_pass(dyn, one["q"], one["k"], one["v"], w, M_c, erase=True)
-            o = o[0]
-            var = var[0] if var is not None else None
-            outs, gouts = [o, P_end, M_end], [do_c[c], dP, dM]
+            o, M_end = mean_pass(dyn, xs["q"], xs["k"], xs["v"], w, M_c, erase=True)
+            outs, gouts = [o, P_end, M_end], [do_c[c0:c1], dP, dM]
             if dvar_c is not None:
                 outs.append(var)
-                gouts.append(dvar_c[c])
+                gouts.append(dvar_c[c0:c1])
             gs = torch.autograd.grad(outs, [P_c, M_c, *xs.values()], gouts, allow_unused=True)
         dP, dM = gs[0], gs[1]
         for name, g in zip(xs, gs[2:], strict=True):
             if g is not None:
-                grads[name][c] = g
+                grads[name][c0:c1] = g
     result = [None] * len(args)
     if leaves:
         with torch.enable_grad():
