@@ -79,9 +79,16 @@ class ChunkDynamics:
 
     def __getitem__(self, i: int) -> ChunkDynamics:
         """The factors of chunk ``i`` of a block (drops the leading chunk axis)."""
+        return self._of(self.ratio[i], self.end[i], self.gamma[i], self.gamma_C[i])
+
+    def unbind(self) -> list[ChunkDynamics]:
+        """The factors of every chunk of a block, as views (one autograd node per factor, see :func:`_unbind`)."""
+        return [self._of(*f) for f in zip(*_unbind(self.ratio, self.end, self.gamma, self.gamma_C), strict=True)]
+
+    def _of(self, ratio, end, gamma, gamma_C) -> ChunkDynamics:
         out = object.__new__(ChunkDynamics)
         out.rot, out.scalar = self.rot, self.scalar
-        out.ratio, out.end, out.gamma, out.gamma_C = self.ratio[i], self.end[i], self.gamma[i], self.gamma_C[i]
+        out.ratio, out.end, out.gamma, out.gamma_C = ratio, end, gamma, gamma_C
         return out
 
     # -- per-token transforms of vectors x: [..., C, D] -------------------------------------------
@@ -193,6 +200,16 @@ def unit_lower_inverse(L: torch.Tensor, base: int = 16) -> torch.Tensor:
     return inv[..., 0, :, :]
 
 
+def _unbind(*xs: torch.Tensor | None) -> list:
+    """Per-chunk views ``x.unbind(0)`` of block tensors ``[n, ...]`` for the chunk loops (None stays None).
+
+    Not ``x[i]`` per chunk: under autograd each ``x[i]`` gets its own backward node that writes its
+    gradient into a zero tensor of the whole block, n such fills of an ``[n, ...]`` tensor per block
+    (quadratic in n; it was most of the backward time).  ``unbind`` has one node that stacks them.
+    """
+    return [x.unbind(0) if x is not None else None for x in xs]
+
+
 def _pad_time(x: torch.Tensor | None, pad: int, value: float = 0.0) -> torch.Tensor | None:
     """Pad ``[B, T, ...]`` along T at the end."""
     if x is None or pad == 0:
@@ -301,6 +318,12 @@ def covariance_pass(
         gC2 = dyn.gamma_C * dyn.gamma_C
         eye = torch.eye(D, dtype=P.dtype, device=P.device)
     ws, variances, infos = [], [], []
+    kt, ktT, base, NBk, BC = _unbind(kt, ktT, base, NBk, BC)
+    if q is not None:
+        q, qt, qBq = _unbind(q, qt, qBq)
+    if dyn.scalar:
+        ratio, gamma, end, gC2 = _unbind(ratio, gamma, end, gC2)
+    dyns = dyn.unbind()
     for i in range(n):
         Y = kt[i] @ P  # rows (P_0 k̃_j)ᵀ: the one D²C product
         S = _bmm_add(base[i], Y, ktT[i])
@@ -321,11 +344,11 @@ def covariance_pass(
             Ue = Ub * end[i]  # Φ_C Φ_i⁻¹ ū_i
             P_next = _bmm_add(torch.addcmul(eye * BC[i], P, gC2[i]), Ue.transpose(-1, -2), Ue, alpha=-1.0)
             if q is not None:
-                Gq = dyn[i].scores(q[i], Ub)
+                Gq = dyns[i].scores(q[i], Ub)
                 variances.append(1.0 + ((qt[i] @ P) * qt[i]).sum(-1) + qBq[i] - (Gq * Gq).sum(-1))
             ws.append(Ub / dc[..., None])
         else:
-            d = dyn[i]
+            d = dyns[i]
             beta = 1.0 / (dc * dc)
             L = Lc / dc[..., None, :]  # L = L_c diag(√d)⁻¹ is unit lower
             Linv = unit_lower_inverse(L)
@@ -378,15 +401,21 @@ def mean_pass(
         Vp = Ainv @ v
         Kp = Ainv @ dyn.adj(k)
     decay = None if dyn.rot else dyn.gamma_C.transpose(-1, -2)  # [n,B,H,Da,1]: Φ_C on the key dim
+    dyns = dyn.unbind() if dyn.rot else None
+    w_end_, decay_ = _unbind(w_end, decay)
+    if erase:
+        Vp_, Kp_ = _unbind(Vp, Kp)
+    else:
+        v_ = v.unbind(0)
     states, Es = [], []
     for i in range(q.shape[0]):
         states.append(M)
         if erase:
-            E = _bmm_add(Vp[i], Kp[i], M, alpha=-1.0)
+            E = _bmm_add(Vp_[i], Kp_[i], M, alpha=-1.0)
             Es.append(E)
         else:
-            E = v[i]
-        M = _bmm_add(dyn[i].end_rows(M) if decay is None else M * decay[i], w_end[i], E)
+            E = v_[i]
+        M = _bmm_add(dyns[i].end_rows(M) if decay is None else M * decay_[i], w_end_[i], E)
     E = torch.stack(Es) if erase else v
     o = qt @ torch.stack(states) + A @ E
     return o, M
