@@ -9,7 +9,8 @@ Measures, in one run on this machine:
 * the achieved GFLOP/s of ``bl_chunk`` (nominal flop count of the chunked algorithm,
   see :func:`bl_chunk_flops`) next to this machine's measured ``torch.matmul`` GFLOP/s;
 * the issue-2 target point B=1, H=4, D=m=64, T=4096: bl_chunk vs bl_recurrent and vs
-  the GDN chunk path, and how the time scales from T=4096 to T=8192.
+  the GDN chunk path, how the time scales from T=4096 to T=8192, and the forward+backward
+  (training step) time of bl_chunk and the GDN chunk path.
 
 Usage: ``python benchmarks/ops.py [--quick] [--threads N] [--markdown]``.
 Each timing is the minimum wall time over repeats (after one warm-up call).
@@ -118,12 +119,28 @@ def main() -> None:
         t_bl = _time(lambda: bl_chunk(q, k, v, r2, ell2, alpha, chunk_size=C), repeats)
         t_gdn = _time(lambda: GATED_DELTANET.chunk(q, k, v, gain=beta, alpha=alpha, chunk_size=C), repeats)
         t_bl2 = _time(lambda: bl_chunk(q2, k2, v2, r22, ell22, alpha2, chunk_size=C), repeats)
+    # training step cost: forward + backward (gradients of every input), same point
+    with value_checks(False):
+        leaves = [x.requires_grad_(True) for x in (q, k, v, r2, ell2, alpha, beta)]
+
+        def fwd_bwd(fn):
+            def run():
+                for x in leaves:
+                    x.grad = None
+                fn().sum().backward()
+            return run
+
+        t_bl_fb = _time(fwd_bwd(lambda: bl_chunk(q, k, v, r2, ell2, alpha, chunk_size=C)[0]), repeats)
+        t_gdn_fb = _time(fwd_bwd(lambda: GATED_DELTANET.chunk(q, k, v, gain=beta, alpha=alpha, chunk_size=C).o),
+                         repeats)
     print()
     print("# target point B=1, H=4, D=m=64, T=4096, fp32 forward (full-length recurrent run)")
     print(f"bl_recurrent {t_rec * 1e3:.1f} ms | bl_chunk {t_bl * 1e3:.1f} ms | GDN chunk {t_gdn * 1e3:.1f} ms")
     print(f"bl_chunk speed-up over bl_recurrent: {t_rec / t_bl:.1f}x (target >= 20x)")
     print(f"bl_chunk / GDN chunk time: {t_bl / t_gdn:.2f}x (target <= 2.5x)")
     print(f"bl_chunk T=8192 / T=4096 time: {t_bl2 / t_bl:.2f}x (linear scaling = 2.00x)")
+    print(f"forward+backward: bl_chunk {t_bl_fb * 1e3:.1f} ms | GDN chunk {t_gdn_fb * 1e3:.1f} ms | "
+          f"BL/GDN {t_bl_fb / t_gdn_fb:.2f}x")
 
 
 if __name__ == "__main__":
