@@ -210,6 +210,29 @@ def test_gradients_over_several_backward_blocks(monkeypatch, cu_lens):
     _grad_check("scalar", 2, with_state=True, cu_lens=cu_lens, T=75)
 
 
+def test_checkpoints_are_kept_at_block_starts_only(monkeypatch):
+    """The forward the backward re-runs keeps (M, P) at chunks 0, E, 2E, ... and the end (E = the block)."""
+    from bayeslayer.ops.triton import chunk as triton_chunk
+
+    monkeypatch.setattr(triton_chunk, "BACKWARD_BLOCK", 2)
+    C, T = 16, 75  # 5 chunks: checkpoints before chunks 0, 2, 4 and after the last
+    q, k, v, r2, ell2, alpha = make_inputs(1, T, 2, 16, 8)
+    M0, P0 = initial_state(1, 2, 16, 8)
+    *_, CKP, CKM, n_chunks, offsets = triton_chunk._forward_triton(
+        q, k, v, r2, ell2, alpha, 1.0, M0, P0, None, C, False, save_checkpoints=True
+    )
+    assert n_chunks.tolist() == [5] and offsets.tolist() == [0, 4]
+    assert CKP.shape == (4, 2, 16, 16) and CKM.shape == (4, 2, 16, 8)
+    for row, t in enumerate([0, 32, 64, T]):
+        if t == 0:
+            M_t, P_t = M0, P0
+        else:
+            _, (M_t, P_t) = bl_chunk(q[:, :t], k[:, :t], v[:, :t], r2[:, :t], ell2[:, :t], alpha[:, :t],
+                                     initial_state=(M0, P0), output_final_state=True, chunk_size=C)
+        assert_close(CKP[row], P_t[0], 1e-10, f"P checkpoint {row} (token {t})")
+        assert_close(CKM[row], M_t[0], 1e-10, f"M checkpoint {row} (token {t})")
+
+
 def test_rotations_fall_back_to_torch():
     q, k, v, r2, ell2, _ = make_inputs(1, 10, 1, 16, 8)
     theta = torch.rand(1, 10, 1, 8, dtype=torch.float64, device=DEVICE)

@@ -6,7 +6,7 @@ mean pass (one program per value block, sequence and head·group).
 
 Backward: **recompute, not fused**.  :class:`_BLChunkTriton` stores only its
 inputs; its backward re-runs the Triton forward to checkpoint the state at every
-chunk start, then walks blocks of :data:`BACKWARD_BLOCK` chunks in reverse,
+block start, then walks blocks of :data:`BACKWARD_BLOCK` chunks in reverse,
 recomputing each block with the PyTorch chunk step under autograd and
 differentiating it (:func:`_chunkwise_backward`).  Gradients are therefore the
 PyTorch path's; memory is the checkpoints plus one block's graph; time is a
@@ -140,11 +140,15 @@ def _log_alpha(pr) -> tuple[torch.Tensor, bool, bool]:
     return la, kind == "diagonal", kind != "identity"
 
 
-def _checkpoint_offsets(cu_k: torch.Tensor, C: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per sequence: number of chunks and the first checkpoint row (each sequence keeps chunks + 1 states)."""
+def _checkpoint_offsets(cu_k: torch.Tensor, C: int, every: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per sequence: number of chunks and the first checkpoint row.
+
+    A sequence keeps the state at the start of chunks 0, every, 2·every, ... and at its end:
+    ``cdiv(chunks, every) + 1`` rows.
+    """
     n_chunks = (cu_k[1:] - cu_k[:-1] + C - 1) // C
     offsets = torch.zeros_like(cu_k)
-    offsets[1:] = torch.cumsum(n_chunks + 1, 0)
+    offsets[1:] = torch.cumsum((n_chunks + every - 1) // every + 1, 0)
     return n_chunks, offsets
 
 
@@ -195,7 +199,8 @@ def _forward_triton(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, want_v
     """Validate, fold, launch the covariance then the mean kernel, unfold.
 
     Returns ``(o, var, M, P)``, and with ``save_checkpoints`` also ``(CKP, CKM, n_chunks,
-    offsets)``: the folded states at every chunk start and at the end of every sequence.
+    offsets)``: the folded states at the start of every :data:`BACKWARD_BLOCK`-th chunk (the
+    blocks the backward recomputes) and at the end of every sequence.
     """
     import triton
 
@@ -216,7 +221,7 @@ def _forward_triton(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, want_v
     Uscr = torch.empty_like(Yscr)
     ck = None
     if save_checkpoints:
-        n_chunks, offsets = _checkpoint_offsets(cu_k, C)
+        n_chunks, offsets = _checkpoint_offsets(cu_k, C, BACKWARD_BLOCK)
         rows = int(offsets[-1])
         CKP = torch.empty(rows, Hf, D, D, dtype=cd, device=dims.device)
         CKM = torch.empty(rows, Hf, D, mg, dtype=cd, device=dims.device)
@@ -226,7 +231,7 @@ def _forward_triton(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, want_v
         ck_args = (Yscr, Yscr, cu_k)  # unused pointers
     if NT > 0:
         shape = dict(H=Hf, D=D, C=C, BD=BD, BK=BK, DIAG=diag, HAS_ALPHA=has_alpha, SAVE_CK=save_checkpoints,
-                     PREC="ieee", num_warps=default_num_warps(C))
+                     PREC="ieee", CK_EVERY=BACKWARD_BLOCK if save_checkpoints else 1, num_warps=default_num_warps(C))
         bl_chunk_cov_kernel[(n_seq, Hf)](
             qf, kf, r2f, l2f, laf, cu_k, P, w, Yscr, Uscr, var, ck_args[0], ck_args[2], RETURN_VAR=want_var,
             **shape,
@@ -260,7 +265,7 @@ def _pad_sequences(x: torch.Tensor, cu_k: torch.Tensor, n_chunks: torch.Tensor, 
 def _chunkwise_backward(args, needs, cu, C, want_var, d_o, d_var, d_M, d_P):
     """Gradients of ``(o, var, M_T, P_T)`` w.r.t. ``args``, one block of chunks at a time in reverse.
 
-    1. the Triton forward re-runs with checkpoints: the state ``(M, P)`` at every chunk start;
+    1. the Triton forward re-runs with checkpoints: the state ``(M, P)`` at every block start;
     2. for blocks of :data:`BACKWARD_BLOCK` chunks, last block first (all sequences at once, padded
        to whole chunks with no-op tokens), the PyTorch chunk step
        (:func:`bayeslayer.ops.chunk.covariance_pass`, :func:`~bayeslayer.ops.chunk.mean_pass`) is
@@ -309,14 +314,19 @@ def _chunkwise_backward(args, needs, cu, C, want_var, d_o, d_var, d_M, d_P):
         dvar_c = _pad_sequences(d_var.to(cd).reshape(NT, Hf), cu_k, n_chunks, C, 0.0)
     dM = fold_grad(d_M, (N, Hf, D, mg), lambda g: grp.fold_state_mean(g, G))
     dP = fold_grad(d_P, (N, Hf, D, D), lambda g: grp.fold_state_cov(g if g.dim() == 5 else g.unsqueeze(2)))
-    # checkpoint rows of chunk c per sequence; past a sequence's end its final state (an exact no-op chunk)
-    rows_of = offsets[:-1, None] + torch.minimum(torch.arange(NC, device=offsets.device)[None, :], n_chunks[:, None])
+    # checkpoint rows of block b (chunks b·E .. b·E+E-1, E = BACKWARD_BLOCK) per sequence; at or past a
+    # sequence's end its final state (its remaining chunks are exact no-ops)
+    E = BACKWARD_BLOCK
+    n_blocks = (NC + E - 1) // E
+    rows_of = offsets[:-1, None] + torch.minimum(
+        torch.arange(n_blocks, device=offsets.device)[None, :], ((n_chunks + E - 1) // E)[:, None]
+    )
     grads = {name: torch.zeros_like(x) for name, x in chunked.items()}
-    for c0 in range(((NC - 1) // BACKWARD_BLOCK) * BACKWARD_BLOCK, -1, -BACKWARD_BLOCK):
-        c1 = min(c0 + BACKWARD_BLOCK, NC)
+    for blk in range(n_blocks - 1, -1, -1):
+        c0, c1 = blk * E, min(blk * E + E, NC)
         with torch.enable_grad():
-            P_c = CKP[rows_of[:, c0]].requires_grad_(True)
-            M_c = CKM[rows_of[:, c0]].requires_grad_(True)
+            P_c = CKP[rows_of[:, blk]].requires_grad_(True)
+            M_c = CKM[rows_of[:, blk]].requires_grad_(True)
             xs = {name: x[c0:c1].detach().requires_grad_(True) for name, x in chunked.items()}
             dyn = ChunkDynamics(xs["la"], None)
             w, var, P_end = covariance_pass(
@@ -351,7 +361,7 @@ def _chunkwise_backward(args, needs, cu, C, want_var, d_o, d_var, d_M, d_P):
 
 
 class _BLChunkTriton(torch.autograd.Function):
-    """Triton forward; backward chunk by chunk from Triton-recomputed state checkpoints (see
+    """Triton forward; backward block by block from Triton-recomputed state checkpoints (see
     :func:`_chunkwise_backward`)."""
 
     @staticmethod

@@ -131,6 +131,7 @@ def bl_chunk_cov_kernel(
     RETURN_VAR: tl.constexpr,
     SAVE_CK: tl.constexpr,
     PREC: tl.constexpr,
+    CK_EVERY: tl.constexpr = 1,
 ):
     """Covariance pass for one (sequence ``i_n``, head ``i_h``): write keys ``w_t = β_t u_t`` and ``P``.
 
@@ -138,8 +139,9 @@ def bl_chunk_cov_kernel(
     ``[NT, H, D]`` (DIAG) or ``[NT, H]``; P ``[N, H, D, D]`` holds ``P_0`` on entry and
     the final covariance on exit; Yscr, Uscr ``[N, H, C, BD]`` are per-program
     scratch (``Y`` and ``U`` of the current chunk).  With SAVE_CK, CKP
-    ``[sum_n (chunks_n + 1), H, D, D]`` receives ``P`` at every chunk start and at the
-    end, sequence ``n`` from row ``ck_offsets[n]`` on (the backward's checkpoints).
+    ``[sum_n (cdiv(chunks_n, CK_EVERY) + 1), H, D, D]`` receives ``P`` at the start of
+    every CK_EVERY-th chunk (0, CK_EVERY, ...) and at the end, sequence ``n`` from row
+    ``ck_offsets[n]`` on (the backward's checkpoints).
     """
     i_n = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1).to(tl.int64)
@@ -162,8 +164,10 @@ def bl_chunk_cov_kernel(
         ck0 = tl.load(ck_offsets + i_n).to(tl.int64)
     for i_c in range(n_chunks):
         if SAVE_CK:
-            for cb in range(0, BD, BK):
-                _save_state(P_base, CKP + ((ck0 + i_c) * H + i_h) * D * D, offs_k, cb + offs_k, D, D, BD, BK)
+            if i_c % CK_EVERY == 0:
+                for cb in range(0, BD, BK):
+                    _save_state(P_base, CKP + ((ck0 + i_c // CK_EVERY) * H + i_h) * D * D, offs_k, cb + offs_k,
+                                D, D, BD, BK)
             tl.debug_barrier()
         tok = bos + i_c * C + rows
         valid = tok < eos
@@ -316,7 +320,8 @@ def bl_chunk_cov_kernel(
         tl.debug_barrier()
     if SAVE_CK:
         for cb in range(0, BD, BK):
-            _save_state(P_base, CKP + ((ck0 + n_chunks) * H + i_h) * D * D, offs_k, cb + offs_k, D, D, BD, BK)
+            _save_state(P_base, CKP + ((ck0 + tl.cdiv(n_chunks, CK_EVERY)) * H + i_h) * D * D, offs_k,
+                        cb + offs_k, D, D, BD, BK)
 
 
 @triton.jit
@@ -333,6 +338,7 @@ def bl_chunk_mean_kernel(
     HAS_ALPHA: tl.constexpr,
     SAVE_CK: tl.constexpr,
     PREC: tl.constexpr,
+    CK_EVERY: tl.constexpr = 1,
 ):
     """Mean pass for value columns ``[i_v·BV, (i_v+1)·BV)`` of one (sequence, head): outputs and ``M``.
 
@@ -341,7 +347,7 @@ def bl_chunk_mean_kernel(
     independent, so they run as separate programs (the C×C work is repeated per
     block, as in flash-linear-attention's state pass).  v, O ``[NT, H, MV]``;
     M ``[N, H, D, MV]`` holds ``M_0`` on entry and the final mean on exit; with
-    SAVE_CK, CKM receives ``M`` at every chunk start and at the end (as CKP above).
+    SAVE_CK, CKM receives ``M`` at every CK_EVERY-th chunk start and at the end (as CKP above).
     """
     i_v = tl.program_id(0).to(tl.int64)
     i_n = tl.program_id(1).to(tl.int64)
@@ -363,7 +369,8 @@ def bl_chunk_mean_kernel(
         ck0 = tl.load(ck_offsets + i_n).to(tl.int64)
     for i_c in range(n_chunks):
         if SAVE_CK:
-            _save_state(M_base, CKM + ((ck0 + i_c) * H + i_h) * D * MV, offs_k, ov, D, MV, BD, BK)
+            if i_c % CK_EVERY == 0:
+                _save_state(M_base, CKM + ((ck0 + i_c // CK_EVERY) * H + i_h) * D * MV, offs_k, ov, D, MV, BD, BK)
             tl.debug_barrier()
         tok = bos + i_c * C + rows
         valid = tok < eos
@@ -443,7 +450,8 @@ def bl_chunk_mean_kernel(
             tl.store(p_M, M_new, mask=m_M)
         tl.debug_barrier()
     if SAVE_CK:
-        _save_state(M_base, CKM + ((ck0 + n_chunks) * H + i_h) * D * MV, offs_k, ov, D, MV, BD, BK)
+        _save_state(M_base, CKM + ((ck0 + tl.cdiv(n_chunks, CK_EVERY)) * H + i_h) * D * MV, offs_k, ov, D, MV,
+                    BD, BK)
 
 
 @triton.jit
