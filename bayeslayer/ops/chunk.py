@@ -581,7 +581,7 @@ def bl_chunk(
     ``cu_seqlens`` (``[N + 1]`` int, B = 1) packs N variable-length sequences along T like
     flash-linear-attention; ``initial_state``/final state are then per sequence (N in place of B).
     ``backend``: ``"torch"`` (this module), ``"triton"`` (:mod:`bayeslayer.ops.triton`: Triton
-    forward kernels, chunk-wise recompute backward), or ``None`` = Triton for CUDA tensors when
+    forward kernels, block-wise recompute backward), or ``None`` = Triton for CUDA tensors when
     Triton is installed, PyTorch otherwise.
     """
     if _use_triton(backend, q):

@@ -414,9 +414,9 @@ def bl_chunk_triton(
     ``(o, variance [B, T, H, G], state)``; ``state`` is None unless
     ``output_final_state``.  ``chunk_size`` ∈ {16, 32, 64}.
 
-    Gradients: a chunk-wise backward that recomputes each chunk with the PyTorch
-    chunk step from state checkpoints written by the Triton forward (module
-    docstring); it is not a fused Triton backward.
+    Gradients: a block-wise backward that recomputes each block of
+    :data:`BACKWARD_BLOCK` chunks with the PyTorch chunk step from state checkpoints
+    written by the Triton forward (module docstring); it is not a fused Triton backward.
     """
     C = _check_chunk_size(chunk_size)
     if not isinstance(q, torch.Tensor):
