@@ -161,7 +161,7 @@ def compile_only(args) -> list[dict]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from bayeslayer.ops.triton.chunk import default_num_warps, tile_sizes
+    from bayeslayer.ops.triton.chunk import BACKWARD_BLOCK, default_num_warps, tile_sizes
     from bayeslayer.ops.triton.kernels import bl_chunk_cov_kernel, bl_chunk_mean_kernel, bl_step_kernel
     from bayeslayer.ops.triton.step import step_tiles
 
@@ -173,16 +173,17 @@ def compile_only(args) -> list[dict]:
     for kernel, D, diag, save_ck in configs:
         BD, BK, BV = tile_sizes(D, D)
         common = dict(H=16, D=D, BD=BD, BK=BK, DIAG=diag, HAS_ALPHA=True)
+        ck_every = BACKWARD_BLOCK if save_ck else 1
         nw = default_num_warps(C)
         if kernel == "cov":
             fn = bl_chunk_cov_kernel
-            names = ["q", "k", "r2", "ell2", "la", "cu_seqlens", "P", "W", "Yscr", "Uscr", "VAR", "CKP",
+            names = ["q", "k", "r2", "ell2", "la", "cu_seqlens", "P", "W", "LINV", "Yscr", "Uscr", "VAR", "CKP",
                      "ck_offsets"]
-            consts = dict(common, C=C, RETURN_VAR=False, SAVE_CK=save_ck, PREC="ieee")
+            consts = dict(common, C=C, RETURN_VAR=False, SAVE_CK=save_ck, PREC="ieee", CK_EVERY=ck_every)
         elif kernel == "mean":
             fn = bl_chunk_mean_kernel
-            names = ["q", "k", "v", "W", "la", "cu_seqlens", "M", "O", "CKM", "ck_offsets"]
-            consts = dict(common, MV=D, C=C, BV=BV, SAVE_CK=save_ck, PREC="ieee")
+            names = ["q", "k", "v", "W", "LINV", "la", "cu_seqlens", "M", "O", "CKM", "ck_offsets"]
+            consts = dict(common, MV=D, C=C, BV=BV, SAVE_CK=save_ck, PREC="ieee", CK_EVERY=ck_every)
         else:
             fn, nw = bl_step_kernel, 4
             names = ["q", "k", "v", "r2", "ell2", "la", "P_in", "M_in", "P_out", "M_out", "Uscr", "O", "VAR"]

@@ -217,6 +217,7 @@ def _forward_triton(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, want_v
     o = torch.empty(NT, Hf, mg, dtype=dims.dtype, device=dims.device)
     var = torch.empty(NT, Hf, dtype=cd, device=dims.device) if want_var else o.new_empty(1, dtype=cd)
     w = torch.empty(NT, Hf, D, dtype=cd, device=dims.device)  # write keys β_t u_t
+    linv = torch.empty(NT, Hf, C, dtype=cd, device=dims.device)  # rows of each chunk's L⁻¹ = (I + T)⁻¹
     Yscr = torch.empty(n_seq, Hf, C, BD, dtype=cd, device=dims.device)
     Uscr = torch.empty_like(Yscr)
     ck = None
@@ -233,11 +234,11 @@ def _forward_triton(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, want_v
         shape = dict(H=Hf, D=D, C=C, BD=BD, BK=BK, DIAG=diag, HAS_ALPHA=has_alpha, SAVE_CK=save_checkpoints,
                      PREC="ieee", CK_EVERY=BACKWARD_BLOCK if save_checkpoints else 1, num_warps=default_num_warps(C))
         bl_chunk_cov_kernel[(n_seq, Hf)](
-            qf, kf, r2f, l2f, laf, cu_k, P, w, Yscr, Uscr, var, ck_args[0], ck_args[2], RETURN_VAR=want_var,
+            qf, kf, r2f, l2f, laf, cu_k, P, w, linv, Yscr, Uscr, var, ck_args[0], ck_args[2], RETURN_VAR=want_var,
             **shape,
         )
         bl_chunk_mean_kernel[(triton.cdiv(mg, BV), n_seq, Hf)](
-            qf, kf, vf, w, laf, cu_k, M, o, ck_args[1], ck_args[2], MV=mg, BV=BV, **shape,
+            qf, kf, vf, w, linv, laf, cu_k, M, o, ck_args[1], ck_args[2], MV=mg, BV=BV, **shape,
         )
     o = grp.unfold_values(o.reshape(B, T, Hf, mg), G)
     var_out = grp.unfold_per_token(var.reshape(B, T, Hf), G) if want_var else None

@@ -16,7 +16,7 @@ decay, a ``[C, D]`` tile for diagonal decay), ``γ = exp(g)``, ``ρ_ij = exp(g_i
     S   = L diag(d) Lᵀ   (in-register elimination, β = 1/d, L⁻¹ built alongside)
     U   = γ ⊙ (L⁻¹ Y) + (L⁻¹ ⊙ ρ ⊙ b) K                 write keys w = β ⊙ U
     P_C = γ_C² P_0 + b_C I − Ueᵀ diag(β) Ue,  Ue_i = (γ_C/γ_i) u_i
-    E   = (I + T)⁻¹ (V − (γ ⊙ K) M_0),  T_ij = k_iᵀ ρ_ij w_j  (i > j)
+    E   = (I + T)⁻¹ (V − (γ ⊙ K) M_0) = L⁻¹ (V − (γ ⊙ K) M_0),  T_ij = k_iᵀ ρ_ij w_j  (i > j)
     O   = (γ ⊙ Q) M_0 + A E,              A_ti = q_tᵀ ρ_ti w_i  (i ≤ t)
     M_C = γ_C M_0 + ((γ_C/γ) ⊙ W)ᵀ E
 
@@ -120,7 +120,7 @@ def _save_state(src, dst, offs_r, offs_c, R: tl.constexpr, NC: tl.constexpr, BR:
 
 @triton.jit
 def bl_chunk_cov_kernel(
-    q, k, r2, ell2, la, cu_seqlens, P, W, Yscr, Uscr, VAR, CKP, ck_offsets,
+    q, k, r2, ell2, la, cu_seqlens, P, W, LINV, Yscr, Uscr, VAR, CKP, ck_offsets,
     H: tl.constexpr,
     D: tl.constexpr,
     C: tl.constexpr,
@@ -135,7 +135,8 @@ def bl_chunk_cov_kernel(
 ):
     """Covariance pass for one (sequence ``i_n``, head ``i_h``): write keys ``w_t = β_t u_t`` and ``P``.
 
-    Layouts (contiguous): q, k, W ``[NT, H, D]``; r2, ell2, VAR ``[NT, H]``; la
+    Layouts (contiguous): q, k, W ``[NT, H, D]``; LINV ``[NT, H, C]`` (row ``t`` of the chunk's
+    ``L⁻¹`` at token ``t``; only rows of real tokens are written); r2, ell2, VAR ``[NT, H]``; la
     ``[NT, H, D]`` (DIAG) or ``[NT, H]``; P ``[N, H, D, D]`` holds ``P_0`` on entry and
     the final covariance on exit; Yscr, Uscr ``[N, H, C, BD]`` are per-program
     scratch (``Y`` and ``U`` of the current chunk).  With SAVE_CK, CKP
@@ -249,6 +250,9 @@ def bl_chunk_cov_kernel(
             S = S - lj[:, None] * _row(S, rows, j)[None, :]
             Linv = Linv - lj[:, None] * _row(Linv, rows, j)[None, :]
             beta = tl.where(rows == j, 1.0 / djj, beta)
+        # L is also the UT factor of the mean pass: I + T = L (T_ij = k_iᵀ ρ_ij w_j is Cov(y_i, e_j)/d_j)
+        tl.store(LINV + (tok[:, None] * H + i_h) * C + cols[None, :], Linv.to(LINV.dtype.element_ty),
+                 mask=valid[:, None])
         tl.debug_barrier()
 
         # ---- write keys U (and w = β U), and q_tᵀ ρ_ti u_i for the variance ----
@@ -326,7 +330,7 @@ def bl_chunk_cov_kernel(
 
 @triton.jit
 def bl_chunk_mean_kernel(
-    q, k, v, W, la, cu_seqlens, M, O, CKM, ck_offsets,
+    q, k, v, W, LINV, la, cu_seqlens, M, O, CKM, ck_offsets,
     H: tl.constexpr,
     D: tl.constexpr,
     MV: tl.constexpr,
@@ -343,7 +347,9 @@ def bl_chunk_mean_kernel(
     """Mean pass for value columns ``[i_v·BV, (i_v+1)·BV)`` of one (sequence, head): outputs and ``M``.
 
     A generalised delta rule with erase key ``k`` and write key ``w`` (from
-    :func:`bl_chunk_cov_kernel`), in WY/UT form per chunk.  Value blocks are
+    :func:`bl_chunk_cov_kernel`), in WY/UT form per chunk; the UT transform ``(I + T)⁻¹`` is the
+    ``L⁻¹`` the covariance kernel stored in LINV (the same matrix: ``T_ij = k_iᵀ ρ_ij w_j`` is the
+    strictly lower part of the unit factor of ``S = L diag(d) Lᵀ``), so no C×C elimination here.  Value blocks are
     independent, so they run as separate programs (the C×C work is repeated per
     block, as in flash-linear-attention's state pass).  v, O ``[NT, H, MV]``;
     M ``[N, H, D, MV]`` holds ``M_0`` on entry and the final mean on exit; with
@@ -358,7 +364,6 @@ def bl_chunk_mean_kernel(
     rows = tl.arange(0, C)
     cols = tl.arange(0, C)
     low = rows[:, None] >= cols[None, :]
-    eye = rows[:, None] == cols[None, :]
     offs_k = tl.arange(0, BK)
     ov = i_v * BV + tl.arange(0, BV)
     mv = ov < MV
@@ -384,31 +389,23 @@ def bl_chunk_mean_kernel(
             ratio = tl.where(low, tl.exp(tl.minimum(g[:, None] - g[None, :], 0.0)), 0.0)
             gam = tl.exp(g)
             endf = tl.exp(g_end - g)
-        TW = tl.zeros([C, C], dtype=dt)
         QW = tl.zeros([C, C], dtype=dt)
         for kb in range(0, BD, BK):
             od = kb + offs_k
-            k_o = _tile(k, tok, valid, od, i_h, H, D).to(dt)
             q_o = _tile(q, tok, valid, od, i_h, H, D).to(dt)
             w_o = _tile(W, tok, valid, od, i_h, H, D).to(dt)
             if DIAG:
                 g_o = _load_g(la, tok, valid, od, i_h, H, D)
-                TW += _decay_scores(k_o, w_o, g_o, rows, cols, C)
                 QW += _decay_scores(q_o, w_o, g_o, rows, cols, C)
             else:
-                TW += tl.dot(k_o, tl.trans(w_o), input_precision=PREC)
                 QW += tl.dot(q_o, tl.trans(w_o), input_precision=PREC)
         if DIAG:
-            Tm = tl.where(rows[:, None] > cols[None, :], TW, 0.0)
             Aq = QW
         else:
-            Tm = tl.where(rows[:, None] > cols[None, :], TW * ratio, 0.0)
             Aq = tl.where(low, QW * ratio, 0.0)
-        # (I + Tm)⁻¹: unit lower-triangular, inverted by forward elimination in registers
-        Ainv = tl.where(eye, 1.0, 0.0).to(dt)
-        for j in range(C):
-            lj = _col(Tm, cols, j)
-            Ainv = Ainv - lj[:, None] * _row(Ainv, rows, j)[None, :]
+        # (I + T)⁻¹ = L⁻¹ of the covariance pass's LDLᵀ of the same chunk (padding rows load as 0:
+        # their V − K̃M rows are 0, and no real row depends on a later one)
+        Ainv = tl.load(LINV + (tok[:, None] * H + i_h) * C + cols[None, :], mask=valid[:, None], other=0.0).to(dt)
 
         v_c = tl.load(v + (tok[:, None] * H + i_h) * MV + ov[None, :], mask=valid[:, None] & mv[None, :],
                       other=0.0).to(dt)
