@@ -53,7 +53,7 @@ class ChunkDynamics:
     """The transition factors of a block of chunks, for tensors laid out ``[..., C, ...]``.
 
     ``log_alpha``: ``[..., C, Da]`` (Da = 1, D or D/2); ``theta``: ``[..., C, D/2]`` or None.
-    The leading dims are ``[n, B, H]`` for a block of n chunks (``dyn[i]`` selects one).
+    The leading dims are ``[n, B, H]`` for a block of n chunks (``dyn.unbind()`` gives each chunk's).
     Real per-channel factors for identity/scalar/diagonal, complex per-pair
     factors for rotations.
     """
@@ -76,10 +76,6 @@ class ChunkDynamics:
             gamma = gamma * torch.polar(torch.ones_like(ang), ang)
         self.ratio, self.end, self.gamma = ratio, end, gamma
         self.gamma_C = gamma[..., -1:, :]  # [B,H,1,Dd]
-
-    def __getitem__(self, i: int) -> ChunkDynamics:
-        """The factors of chunk ``i`` of a block (drops the leading chunk axis)."""
-        return self._of(self.ratio[i], self.end[i], self.gamma[i], self.gamma_C[i])
 
     def unbind(self) -> list[ChunkDynamics]:
         """The factors of every chunk of a block, as views (one autograd node per factor, see :func:`_unbind`)."""
@@ -282,7 +278,6 @@ def _bmm_add(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float = 1
     return out.view(*lead, *out.shape[-2:])
 
 
-
 def covariance_pass(
     dyn: ChunkDynamics,
     q: torch.Tensor | None,
@@ -364,7 +359,7 @@ def covariance_pass(
                 )
             ws.append(beta[..., None] * U)
         # symmetrise every chunk: P's value and the gradients it passes back then do not depend on
-        # how the sequence is split into chunks or blocks (the Triton backward recomputes per chunk)
+        # how the sequence is split into blocks (the Triton backward recomputes block by block)
         P = torch.add(P_next, P_next.transpose(-1, -2)).mul_(0.5)
     if bool(torch.stack(infos).any()):
         raise torch.linalg.LinAlgError(

@@ -8,7 +8,7 @@ Backward: **recompute, not fused**.  :class:`_BLChunkTriton` stores only its
 inputs; its backward re-runs the Triton forward to checkpoint the state at every
 block start, then walks blocks of :data:`BACKWARD_BLOCK` chunks in reverse,
 recomputing each block with the PyTorch chunk step under autograd and
-differentiating it (:func:`_chunkwise_backward`).  Gradients are therefore the
+differentiating it (:func:`_blockwise_backward`).  Gradients are therefore the
 PyTorch path's; memory is the checkpoints plus one block's graph; time is a
 Python loop over blocks, and inside the chunk step over their chunks.
 Rotations (``theta``) run entirely on the PyTorch path (forward and backward).
@@ -263,7 +263,7 @@ def _pad_sequences(x: torch.Tensor, cu_k: torch.Tensor, n_chunks: torch.Tensor, 
     return g.movedim(1, 0)
 
 
-def _chunkwise_backward(args, needs, cu, C, want_var, d_o, d_var, d_M, d_P):
+def _blockwise_backward(args, needs, cu, C, want_var, d_o, d_var, d_M, d_P):
     """Gradients of ``(o, var, M_T, P_T)`` w.r.t. ``args``, one block of chunks at a time in reverse.
 
     1. the Triton forward re-runs with checkpoints: the state ``(M, P)`` at every block start;
@@ -363,7 +363,7 @@ def _chunkwise_backward(args, needs, cu, C, want_var, d_o, d_var, d_M, d_P):
 
 class _BLChunkTriton(torch.autograd.Function):
     """Triton forward; backward block by block from Triton-recomputed state checkpoints (see
-    :func:`_chunkwise_backward`)."""
+    :func:`_blockwise_backward`)."""
 
     @staticmethod
     def forward(ctx, q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, want_var):
@@ -380,7 +380,7 @@ class _BLChunkTriton(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_o, d_var, d_M, d_P):
         args = [s if s is not None else p for s, p in zip(ctx.saved_tensors, ctx.plain, strict=True)]
-        grads = _chunkwise_backward(args, ctx.needs_input_grad[:9], ctx.cu, ctx.chunk_size, ctx.want_var,
+        grads = _blockwise_backward(args, ctx.needs_input_grad[:9], ctx.cu, ctx.chunk_size, ctx.want_var,
                                     d_o, d_var, d_M, d_P)
         return (*grads, None, None, None)
 
