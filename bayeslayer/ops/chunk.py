@@ -527,9 +527,13 @@ def _diagonal_cov_scan(pr, want_var: bool):
     p = torch.diagonal(pr.P0, dim1=-2, dim2=-1)  # [B,H,D]
     sig = noise_mask(dyn, D, pr.k.dtype, pr.k.device)
     ws, vs = [], []
+    # per-token views by unbind, not x[:, t] (see _unbind: x[:, t] makes the backward quadratic in T)
+    la_, th_, ell2_, r2_, k_, q_ = (
+        x.unbind(1) if x is not None else None for x in (dyn.log_alpha, dyn.theta, pr.ell2, pr.r2, pr.k, pr.q)
+    )
     for t in range(T):
-        la_t = dyn.log_alpha[:, t] if dyn.log_alpha is not None else None
-        th_t = dyn.theta[:, t] if dyn.theta is not None else None
+        la_t = la_[t] if la_ is not None else None
+        th_t = th_[t] if th_ is not None else None
         if dyn.kind == "rotation":
             Pm = torch.diag_embed(p)
             Pm = apply_transition(apply_transition(Pm, dyn.kind, la_t, th_t).transpose(-1, -2), dyn.kind, la_t, th_t)
@@ -538,14 +542,14 @@ def _diagonal_cov_scan(pr, want_var: bool):
             p_bar = p
         else:
             p_bar = torch.exp(2 * la_t) * p
-        p_bar = p_bar + pr.ell2[:, t, :, None] * sig
-        k_t = pr.k[:, t]
+        p_bar = p_bar + ell2_[t][..., None] * sig
+        k_t = k_[t]
         u = p_bar * k_t
-        beta = 1.0 / (pr.r2[:, t, :, None] + (k_t * u).sum(-1, keepdim=True))
+        beta = 1.0 / (r2_[t][..., None] + (k_t * u).sum(-1, keepdim=True))
         ws.append(beta * u)
         p = p_bar - beta * u * u
         if want_var:
-            vs.append(1.0 + (pr.q[:, t] ** 2 * p).sum(-1))
+            vs.append(1.0 + (q_[t] ** 2 * p).sum(-1))
     w = torch.stack(ws, 1)
     var = torch.stack(vs, 1) if want_var else None
     return w, var, torch.diag_embed(p)

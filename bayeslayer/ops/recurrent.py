@@ -84,27 +84,33 @@ def filter_scan(
     B, T, H, D = q.shape
     sig = noise_mask(dyn, D, q.dtype, q.device)
     outs, variances, gains = [], [], []
+    # per-token views by unbind, not x[:, t]: under autograd each x[:, t] would write its gradient
+    # into a zero tensor of the whole sequence (T fills of [B, T, ...], quadratic in T)
+    q_, k_, v_, la_, th_, coef_, lam_, r2_, ell2_ = (
+        x.unbind(1) if x is not None else None
+        for x in (q, k, v, dyn.log_alpha, dyn.theta, coef, lam, r2, ell2)
+    )
     for t in range(T):
-        la_t = dyn.log_alpha[:, t] if dyn.log_alpha is not None else None
-        th_t = dyn.theta[:, t] if dyn.theta is not None else None
-        q_t, k_t, v_t = q[:, t], k[:, t], v[:, t]
+        la_t = la_[t] if la_ is not None else None
+        th_t = th_[t] if th_ is not None else None
+        q_t, k_t, v_t = q_[t], k_[t], v_[t]
         M_bar = apply_transition(M, dyn.kind, la_t, th_t)
         if write in ("latent", "reset"):
-            c = coef[:, t, :, None]  # [B,H,1]: ω_t (latent) or η_t = λ/(r² + λ‖k‖²) (reset)
+            c = coef_[t][..., None]  # [B,H,1]: ω_t (latent) or η_t = λ/(r² + λ‖k‖²) (reset)
             resid = v_t if write == "latent" else v_t - torch.einsum("bhdm,bhd->bhm", M_bar, k_t)
             M = M_bar + (c * k_t)[..., :, None] * resid[..., None, :]
             outs.append(torch.einsum("bhdm,bhd->bhm", M, q_t))
             gains.append((c * (k_t * k_t).sum(-1, keepdim=True))[..., 0])
             if write == "reset" and lam is not None:
                 # the reset family's posterior before its next reset: P = λI − η λ k kᵀ
-                lam_t = lam[:, t]
+                lam_t = lam_[t]
                 qk = (q_t * k_t).sum(-1)
                 variances.append(1.0 + lam_t * (q_t * q_t).sum(-1) - c[..., 0] * lam_t * qk * qk)
             continue
-        r2_t = r2[:, t, :, None]
+        r2_t = r2_[t][..., None]
         AP = apply_transition(P, dyn.kind, la_t, th_t)
         P_bar = apply_transition(AP.transpose(-1, -2), dyn.kind, la_t, th_t)
-        P_bar = P_bar + ell2[:, t, :, None, None] * torch.diag(sig)
+        P_bar = P_bar + ell2_[t][..., None, None] * torch.diag(sig)
         if write == "diagonal":
             P_bar = torch.diag_embed(torch.diagonal(P_bar, dim1=-2, dim2=-1))
         u = torch.einsum("bhij,bhj->bhi", P_bar, k_t)
