@@ -492,19 +492,23 @@ def _filter_chunk_varlen(q, k, v, cu_seqlens, *, initial_state, output_final_sta
         if not isinstance(initial_state[0], torch.Tensor) or initial_state[0].shape[0] != n_seq:
             raise ValueError(f"with cu_seqlens, initial_state holds one state per sequence (N={n_seq}) along dim 0")
 
-    def seg(x, a, b):  # per-token tensors are [1, T, ...]; numbers pass through
-        return x[:, a:b] if isinstance(x, torch.Tensor) and x.dim() >= 3 else x
+    # per-token tensors are [1, T, ...]: split once along T (one backward node, not one zero-filled
+    # full-size gradient per sequence as x[:, a:b] would give); numbers pass through
+    lengths = [b - a for a, b in zip(cu[:-1], cu[1:], strict=True)]
 
+    def segments(x):
+        return x.split(lengths, 1) if isinstance(x, torch.Tensor) and x.dim() >= 3 else [x] * n_seq
+
+    qs, ks, vs = segments(q), segments(k), segments(v)
+    kws = {name: segments(val) for name, val in kw.items()}
+    if initial_state is not None:
+        M0s = initial_state[0].split(1, 0)
+        P0s = initial_state[1].split(1, 0) if initial_state[1] is not None else [None] * n_seq
     outs = []
     for n in range(n_seq):
-        a, b = cu[n], cu[n + 1]
-        st = None
-        if initial_state is not None:
-            M0, P0 = initial_state
-            st = (M0[n:n + 1], P0[n:n + 1] if P0 is not None else None)
-        seg_kw = {name: seg(val, a, b) for name, val in kw.items()}
-        outs.append(filter_chunk(seg(q, a, b), seg(k, a, b), seg(v, a, b), initial_state=st,
-                                 output_final_state=True, **seg_kw))
+        st = (M0s[n], P0s[n]) if initial_state is not None else None
+        outs.append(filter_chunk(qs[n], ks[n], vs[n], initial_state=st, output_final_state=True,
+                                 **{name: val[n] for name, val in kws.items()}))
     o = torch.cat([x.o for x in outs], 1)
     var = torch.cat([x.variance for x in outs], 1) if outs[0].variance is not None else None
     gain = torch.cat([x.gain for x in outs], 1)

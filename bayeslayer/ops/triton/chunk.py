@@ -70,10 +70,6 @@ def _check_chunk_size(chunk_size) -> int:
     return int(chunk_size)
 
 
-def _slice_time(x, bos: int, eos: int):
-    return x[:, bos:eos] if isinstance(x, torch.Tensor) and x.dim() >= 3 else x
-
-
 def _torch_reference(q, k, v, r2, ell2, alpha, theta, p0, M0, P0, cu, chunk_size, want_var):
     """The PyTorch chunk path on the same arguments (per packed sequence when ``cu`` is given).
 
@@ -81,28 +77,10 @@ def _torch_reference(q, k, v, r2, ell2, alpha, theta, p0, M0, P0, cu, chunk_size
     tests as the varlen reference.
     """
     state = None if M0 is None else (M0, P0)
-    if cu is None:
-        out = filter_chunk(q, k, v, write="bayes", r2=r2, ell2=ell2, alpha=alpha, theta=theta, p0=p0,
-                           initial_state=state, output_final_state=True, return_variance=want_var,
-                           chunk_size=chunk_size)
-        return out.o, out.variance, out.state[0], out.state[1]
-    os_, vs, Ms, Ps = [], [], [], []
-    for n in range(cu.numel() - 1):
-        bos, eos = int(cu[n]), int(cu[n + 1])
-        st = None if M0 is None else (M0[n:n + 1], P0[n:n + 1])
-        out = filter_chunk(
-            _slice_time(q, bos, eos), _slice_time(k, bos, eos), _slice_time(v, bos, eos), write="bayes",
-            r2=_slice_time(r2, bos, eos), ell2=_slice_time(ell2, bos, eos),
-            alpha=_slice_time(alpha, bos, eos), theta=_slice_time(theta, bos, eos), p0=p0,
-            initial_state=st, output_final_state=True,
-            return_variance=want_var, chunk_size=chunk_size,
-        )
-        os_.append(out.o)
-        vs.append(out.variance)
-        Ms.append(out.state[0])
-        Ps.append(out.state[1])
-    var = torch.cat(vs, 1) if want_var else None
-    return torch.cat(os_, 1), var, torch.cat(Ms, 0), torch.cat(Ps, 0)
+    out = filter_chunk(q, k, v, write="bayes", r2=r2, ell2=ell2, alpha=alpha, theta=theta, p0=p0,
+                       initial_state=state, output_final_state=True, return_variance=want_var,
+                       chunk_size=chunk_size, cu_seqlens=cu)
+    return out.o, out.variance, out.state[0], out.state[1]
 
 
 def _fold(q, k, v, r2, ell2, alpha, p0, M0, P0, cu):
