@@ -1,0 +1,131 @@
+"""The covariance pass's adjoint, written out per chunk, equals autograd through the chunk loop.
+
+A fused backward kernel (issue 8) has to carry ``P̄`` backwards through the chunks and form
+every gradient from per-chunk matrices, not from an autograd graph.  This module writes that
+adjoint in plain tensor algebra for scalar decay, in the same variables as the loop of
+:func:`bayeslayer.ops.chunk.covariance_pass` (per chunk: ``Y = K̃P``, ``S = base + YK̃ᵀ``,
+``S = L_c L_cᵀ``, ``Ū = (L_c ⊙ R)⁻¹(NBk + γ ⊙ Y)``, ``P' = sym(b_C I + γ_C² P − ŪᵀdiagẼ²Ū)``,
+``w = Ū / diag(L_c)``), and checks it against autograd in float64 — the reference a kernel
+port is tested against, and a check of the algebra in ``docs/kernels.md``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from bayeslayer.ops.chunk import ChunkDynamics, _Chunked
+from bayeslayer.ops.prepare import prepare
+
+
+def _loop(P, kt, base, NBk, gamma, ratio, end, b_end, gC2):
+    """The scalar-decay covariance loop over chunks (inputs ``[n, B, H, ...]``); returns ``(w, P_end, saved)``."""
+    eye = torch.eye(P.shape[-1], dtype=P.dtype)
+    ws, saved = [], []
+    for i in range(kt.shape[0]):
+        Y = kt[i] @ P
+        S = base[i] + Y @ kt[i].mT
+        Lc = torch.linalg.cholesky(S)
+        X = NBk[i] + gamma[i] * Y
+        Ub = torch.linalg.solve_triangular(Lc * ratio[i], X, upper=False)
+        Ue = Ub * end[i]
+        Pn = eye * b_end[i] + gC2[i] * P - Ue.mT @ Ue
+        saved.append((P, Y, Lc, Ub))
+        P = 0.5 * (Pn + Pn.mT)
+        ws.append(Ub / torch.diagonal(Lc, dim1=-2, dim2=-1)[..., None])
+    return torch.stack(ws), P, saved
+
+
+def _adjoint(dw, dP_end, saved, kt, gamma, ratio, end, gC2):
+    """Reverse sweep: gradients of ``(P_0, kt, base, NBk, gamma, ratio, end, b_end, gC2)``."""
+    n = len(saved)
+    G = dP_end
+    out = {name: [None] * n for name in ("kt", "base", "NBk", "gamma", "ratio", "end", "b_end", "gC2")}
+    for i in range(n - 1, -1, -1):
+        P, Y, Lc, Ub = saved[i]
+        dc = torch.diagonal(Lc, dim1=-2, dim2=-1)
+        Gs = 0.5 * (G + G.mT)  # P' = sym(Pn)
+        Ue = Ub * end[i]
+        dUe = -2.0 * Ue @ Gs  # Pn ∋ −UeᵀUe, Gs symmetric
+        dUb = dw[i] / dc[..., None] + end[i] * dUe
+        out["end"][i] = (dUe * Ub).sum(-1, keepdim=True)
+        ddc = -(dw[i] * Ub).sum(-1) / (dc * dc)
+        out["gC2"][i] = (Gs * P).sum((-1, -2), keepdim=True)
+        out["b_end"][i] = torch.diagonal(Gs, dim1=-2, dim2=-1).sum(-1)[..., None, None]
+        dP = gC2[i] * Gs
+        LR = Lc * ratio[i]
+        dX = torch.linalg.solve_triangular(LR.mT, dUb, upper=True)  # Ū = LR⁻¹X
+        dLR = -(dX @ Ub.mT).tril()
+        dLc = dLR * ratio[i] + torch.diag_embed(ddc)
+        out["ratio"][i] = dLR * Lc
+        out["NBk"][i] = dX
+        out["gamma"][i] = (dX * Y).sum(-1, keepdim=True)
+        dY = gamma[i] * dX
+        # Cholesky adjoint: S̄ = L⁻ᵀ Φ(Lᵀ L̄) L⁻¹ (Φ: lower triangle, half diagonal), symmetrised
+        Phi = (Lc.mT @ dLc).tril()
+        Phi = Phi - 0.5 * torch.diag_embed(torch.diagonal(Phi, dim1=-2, dim2=-1))
+        Sb = torch.linalg.solve_triangular(Lc.mT, Phi, upper=True)
+        Sb = torch.linalg.solve_triangular(Lc, Sb, upper=False, left=False)
+        Sb = 0.5 * (Sb + Sb.mT)
+        out["base"][i] = Sb
+        dY = dY + Sb @ kt[i]
+        out["kt"][i] = Sb @ Y + dY @ P.mT
+        G = dP + kt[i].mT @ dY
+    return G, {name: torch.stack(v) for name, v in out.items()}
+
+
+def _prework(T=150, C=32, seed=0):
+    """The loop's inputs for random scalar-decay data, built like ``covariance_pass`` builds them."""
+    g = torch.Generator().manual_seed(seed)
+    B, H, D = 1, 2, 16
+    q = torch.randn(B, T, H, D, generator=g, dtype=torch.float64)
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, D, generator=g, dtype=torch.float64), dim=-1)
+    v = torch.randn(B, T, H, 8, generator=g, dtype=torch.float64)
+    r2 = 0.1 + torch.rand(B, T, H, generator=g, dtype=torch.float64)
+    ell2 = 0.01 + 0.1 * torch.rand(B, T, H, generator=g, dtype=torch.float64)
+    alpha = 0.6 + 0.4 * torch.rand(B, T, H, generator=g, dtype=torch.float64)
+    pr = prepare(q, k, v, write="bayes", r2=r2, ell2=ell2, alpha=alpha)
+    ch = _Chunked(pr, C, need_noise=True)
+    dyn = ChunkDynamics(ch.log_alpha, None)
+    b = dyn.noise_diag(ch.ell2)
+    kt = dyn.adj(ch.k)
+    NBk = dyn.noise_vec(ch.ell2, ch.k, b)
+    Nl = dyn.scores(ch.k, NBk)
+    base = Nl + Nl.mT
+    base = base - torch.diag_embed(torch.diagonal(Nl, dim1=-2, dim2=-1) - ch.r2)
+    A = torch.randn(B, H, D, D, generator=g, dtype=torch.float64)
+    P0 = A @ A.mT / D + 0.5 * torch.eye(D, dtype=torch.float64)
+    x = dict(P=P0, kt=kt, base=base, NBk=NBk, gamma=dyn.gamma, ratio=dyn.ratio[..., 0], end=dyn.end,
+             b_end=b[..., -1:, :], gC2=dyn.gamma_C * dyn.gamma_C)
+    return x, g, (dyn, ch)
+
+
+def test_loop_matches_covariance_pass():
+    """``_loop`` is the same computation as the library's covariance pass (else the check below proves nothing)."""
+    from bayeslayer.ops.chunk import covariance_pass
+
+    x, _, (dyn, ch) = _prework()
+    w, P_end, _ = _loop(**x)
+    w2, _, P2 = covariance_pass(dyn, None, ch.k, ch.r2, ch.ell2, x["P"])
+    assert torch.allclose(w, w2, atol=1e-12, rtol=0)
+    assert torch.allclose(P_end, P2, atol=1e-12, rtol=0)
+
+
+def test_adjoint_equals_autograd():
+    x, g, _ = _prework()
+    leaves = {name: t.detach().clone().requires_grad_(True) for name, t in x.items()}
+    w, P_end, saved = _loop(**leaves)
+    dw = torch.randn(w.shape, generator=g, dtype=torch.float64)
+    dP = torch.randn(P_end.shape, generator=g, dtype=torch.float64)
+    auto = torch.autograd.grad((w, P_end), list(leaves.values()), (dw, dP))
+    with torch.no_grad():
+        saved = [tuple(t.detach() for t in s) for s in saved]
+        dP0, mine = _adjoint(dw, dP, saved, *(x[n] for n in ("kt", "gamma", "ratio", "end", "gC2")))
+    mine["P"] = dP0
+    for name, a in zip(leaves, auto, strict=True):
+        b = mine[name].reshape(a.shape) if mine[name].numel() == a.numel() else mine[name].expand_as(a)
+        if name in ("ratio", "base"):  # only the lower triangle of R, and the symmetric S, are read
+            a = a.tril() if name == "ratio" else 0.5 * (a + a.mT)
+            b = b.tril() if name == "ratio" else b
+        err = (a - b).abs().max().item()
+        assert err < 1e-10 * max(1.0, a.abs().max().item()), f"d{name}: |explicit - autograd| = {err:.2e}"
+        assert a.abs().max() > 0, f"d{name} is identically zero; the comparison would be vacuous"
