@@ -21,7 +21,7 @@ def _loop(P, kt, base, NBk, gamma, ratio, end, b_end, gC2):
     """The scalar-decay covariance loop over chunks (inputs ``[n, B, H, ...]``); returns ``(w, P_end, saved)``."""
     eye = torch.eye(P.shape[-1], dtype=P.dtype)
     ws, saved = [], []
-    for i in range(kt.shape[0]):
+    for i in range(len(kt)):
         Y = kt[i] @ P
         S = base[i] + Y @ kt[i].mT
         Lc = torch.linalg.cholesky(S)
