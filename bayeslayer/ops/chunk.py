@@ -278,6 +278,24 @@ def _bmm_add(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float = 1
     return out.view(*lead, *out.shape[-2:])
 
 
+def _covariance_prework(dyn: ChunkDynamics, k: torch.Tensor, r2: torch.Tensor, ell2: torch.Tensor):
+    """What the covariance loop needs that does not depend on ``P``, for a whole block of chunks.
+
+    Returns ``(b, K̃, B k, base, B_C)``: the in-chunk process noise ``b`` (diagonal, None with
+    rotations), ``k̃_j = Φ_jᵀ k_j``, ``B_j k_j``, the state-free part of ``S`` (symmetric
+    ``N + Nᵀ − diag N + diag r²``) and the noise at the chunk end ``B_C`` (its diagonal
+    ``[n,B,H,1,Da]`` without rotations, added to ``P``'s diagonal in the loop; dense with them).
+    """
+    b = None if dyn.rot else dyn.noise_diag(ell2)
+    kt = dyn.adj(k)  # k̃_j = Φ_jᵀ k_j
+    NBk = dyn.noise_vec(ell2, k, b)  # B_j k_j
+    Nl = dyn.scores(k, NBk)  # k_iᵀ Φ_iΦ_j⁻¹ B_j k_j, lower incl. diagonal
+    base = Nl + Nl.transpose(-1, -2)  # symmetric; its diagonal 2 N_ii becomes N_ii + r²_i below
+    base.diagonal(dim1=-2, dim2=-1).add_(r2 - torch.diagonal(Nl, dim1=-2, dim2=-1))
+    BC = b[..., -1:, :] if b is not None else dyn.noise_end(ell2, b, k.shape[-1])
+    return b, kt, NBk, base, BC
+
+
 def covariance_pass(
     dyn: ChunkDynamics,
     q: torch.Tensor | None,
@@ -295,15 +313,8 @@ def covariance_pass(
     Cholesky.
     """
     D = k.shape[-1]
-    b = None if dyn.rot else dyn.noise_diag(ell2)
-    kt = dyn.adj(k)  # k̃_j = Φ_jᵀ k_j
+    b, kt, NBk, base, BC = _covariance_prework(dyn, k, r2, ell2)
     ktT = kt.transpose(-1, -2)
-    NBk = dyn.noise_vec(ell2, k, b)  # B_j k_j
-    Nl = dyn.scores(k, NBk)  # k_iᵀ Φ_iΦ_j⁻¹ B_j k_j, lower incl. diagonal
-    base = Nl + Nl.transpose(-1, -2)  # symmetric; its diagonal 2 N_ii becomes N_ii + r²_i below
-    base.diagonal(dim1=-2, dim2=-1).add_(r2 - torch.diagonal(Nl, dim1=-2, dim2=-1))
-    # B_C: diagonal ([n,B,H,1,Da]) without rotations — added to P's diagonal in the loop
-    BC = b[..., -1:, :] if b is not None else dyn.noise_end(ell2, b, D)
     if q is not None:
         qt = dyn.adj(q)
         qBq = dyn.noise_quad(ell2, q, b)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from bayeslayer.ops.chunk import ChunkDynamics, _Chunked
+from bayeslayer.ops.chunk import ChunkDynamics, _Chunked, _covariance_prework
 from bayeslayer.ops.prepare import prepare
 
 
@@ -74,7 +74,7 @@ def _adjoint(dw, dP_end, saved, kt, gamma, ratio, end, gC2):
 
 
 def _prework(T=150, C=32, seed=0):
-    """The loop's inputs for random scalar-decay data, built like ``covariance_pass`` builds them."""
+    """The loop's inputs for random scalar-decay data, built by the library's own prework."""
     g = torch.Generator().manual_seed(seed)
     B, H, D = 1, 2, 16
     q = torch.randn(B, T, H, D, generator=g, dtype=torch.float64)
@@ -86,16 +86,11 @@ def _prework(T=150, C=32, seed=0):
     pr = prepare(q, k, v, write="bayes", r2=r2, ell2=ell2, alpha=alpha)
     ch = _Chunked(pr, C, need_noise=True)
     dyn = ChunkDynamics(ch.log_alpha, None)
-    b = dyn.noise_diag(ch.ell2)
-    kt = dyn.adj(ch.k)
-    NBk = dyn.noise_vec(ch.ell2, ch.k, b)
-    Nl = dyn.scores(ch.k, NBk)
-    base = Nl + Nl.mT
-    base = base - torch.diag_embed(torch.diagonal(Nl, dim1=-2, dim2=-1) - ch.r2)
+    _, kt, NBk, base, b_end = _covariance_prework(dyn, ch.k, ch.r2, ch.ell2)
     A = torch.randn(B, H, D, D, generator=g, dtype=torch.float64)
     P0 = A @ A.mT / D + 0.5 * torch.eye(D, dtype=torch.float64)
     x = dict(P=P0, kt=kt, base=base, NBk=NBk, gamma=dyn.gamma, ratio=dyn.ratio[..., 0], end=dyn.end,
-             b_end=b[..., -1:, :], gC2=dyn.gamma_C * dyn.gamma_C)
+             b_end=b_end, gC2=dyn.gamma_C * dyn.gamma_C)
     return x, g, (dyn, ch)
 
 
