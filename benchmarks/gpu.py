@@ -5,6 +5,7 @@ One short command on a machine with a CUDA GPU::
     python benchmarks/gpu.py                      # T ∈ {2k, 8k, 32k} × D ∈ {64, 128, 256}
     python benchmarks/gpu.py --quick              # T = 2k only, a smoke run
     python benchmarks/gpu.py --compile-only       # no GPU needed: AOT-compile the kernels for sm_90
+    python benchmarks/gpu.py --profile --T 8192 --D 128   # where BL's device time goes (torch.profiler)
 
 For each (T, D) at the same B, H (value dim m = D, bf16 inputs, scalar decay):
 forward time, forward+backward time, tokens/s and peak memory (above the inputs)
@@ -119,6 +120,14 @@ def run_benchmark(args) -> list[dict]:
     from bayeslayer.ops import set_value_checks
 
     set_value_checks(False)
+    if args.gdn_bypass_hopper_guard:
+        # fla refuses its gated backward on Hopper with Triton 3.4 <= v < 3.7.1 (its issue #640: wrong
+        # gradient values); the time of the kernels it would run is still what we compare against
+        import fla.ops.common.chunk_o as fla_chunk_o
+
+        fla_chunk_o.TRITON_ABOVE_3_7_1 = True
+        print("# fla's Hopper/Triton guard on chunk_bwd_dqkwg bypassed: GDN backward values unchecked, "
+              "times only")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     rows = []
     header = (f"{'T':>6} {'D':>4} | {'BL fwd ms':>9} {'GDN fwd ms':>10} {'ratio':>6} | {'BL f+b ms':>9} "
@@ -134,8 +143,16 @@ def run_benchmark(args) -> list[dict]:
             try:
                 x = _make_inputs(args.B, T, args.H, D, dtype, "cuda")
                 tokens = args.B * T
+                t0 = time.time()
                 rec["bl"] = _measure(_bl_fns(x, args.chunk_size), tokens, args.reps, args.warmup, not args.no_bwd)
+                print(f"{T:>6} {D:>4} | BL measured in {time.time() - t0:.0f} s: "
+                      f"{json.dumps({n: round(v, 5) for n, v in rec['bl'].items()})}", flush=True)
+                if args.bl_only:
+                    rows.append(rec)
+                    continue
+                t0 = time.time()
                 rec["gdn"] = _measure(_gdn_fns(x), tokens, args.reps, args.warmup, not args.no_bwd)
+                print(f"{T:>6} {D:>4} | GDN measured in {time.time() - t0:.0f} s", flush=True)
                 bl, gdn = rec["bl"], rec["gdn"]
                 mem = "fwdbwd_mem" if not args.no_bwd else "fwd_mem"
                 fb = ("fwdbwd_s" in bl)
@@ -153,6 +170,69 @@ def run_benchmark(args) -> list[dict]:
             rows.append(rec)
             torch.cuda.empty_cache()
     return rows
+
+
+def profile(args) -> None:
+    """Where the time goes: one forward and one forward+backward of ``bl_chunk_triton`` under
+    ``torch.profiler`` at the first (T, D), top kernels by device time."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from bayeslayer.ops import set_value_checks
+
+    set_value_checks(False)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    x = _make_inputs(args.B, args.T[0], args.H, args.D[0], dtype, "cuda")
+    for name, fn in zip(("forward", "forward+backward"), _bl_fns(x, args.chunk_size), strict=True):
+        fn()  # compile
+        torch.cuda.synchronize()
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        print(f"# profile: BL {name}, T={args.T[0]} D={args.D[0]} B={args.B} H={args.H}")
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=60))
+
+
+def variants(args) -> None:
+    """Forward time and error of ``bl_chunk_triton`` per chunk size and fp32 product precision
+    (``tl.dot`` input_precision), at each D and the first T; error vs the PyTorch path in fp64."""
+    from bayeslayer.ops import bl_chunk, set_value_checks
+    from bayeslayer.ops.triton import bl_chunk_triton
+    from bayeslayer.ops.triton import chunk as tchunk
+
+    set_value_checks(False)
+    T = args.T[0]
+    print(f"# variants: T={T} B={args.B} H={args.H} fp32 inputs | forward ms, max|o-o64|/max|o64|, "
+          f"max|P-P64|/max|P64|")
+    for D in args.D:
+        x = _make_inputs(args.B, T, args.H, D, torch.float32, "cuda")
+        x64 = {n: t.double() for n, t in x.items()}
+        t0 = time.time()
+        ref, (_, P64) = bl_chunk(x64["q"], x64["k"], x64["v"], x64["r2"], x64["ell2"], x64["alpha"],
+                                 output_final_state=True)
+        print(f"D={D}: fp64 reference {time.time() - t0:.1f} s", flush=True)
+        for C in (16, 32, 64):
+            for prec in ("ieee", "tf32x3", "tf32"):
+                tchunk.FP32_PRECISION = prec
+                t0 = time.time()
+
+                def fwd(x=x, C=C):
+                    with torch.no_grad():
+                        return bl_chunk_triton(x["q"], x["k"], x["v"], x["r2"], x["ell2"], x["alpha"],
+                                               chunk_size=C, output_final_state=True)
+                try:
+                    o, (_, P) = fwd()
+                    first = time.time() - t0
+                    ms = _time(fwd, 3, 1) * 1e3
+                    eo = ((o.double() - ref).abs().max() / ref.abs().max()).item()
+                    eP = ((P.double() - P64).abs().max() / P64.abs().max()).item()
+                    print(f"  C={C:>2} {prec:>6}: {ms:8.2f} ms  o {eo:.1e}  P {eP:.1e}  (first call {first:.1f} s)",
+                          flush=True)
+                except Exception as err:
+                    print(f"  C={C:>2} {prec:>6}: failed {type(err).__name__}: {str(err)[:150]}", flush=True)
+        tchunk.FP32_PRECISION = "ieee"
+        del x, x64, ref, P64
+        torch.cuda.empty_cache()
 
 
 def compile_only(args) -> list[dict]:
@@ -222,6 +302,13 @@ def main(argv=None) -> int:
     p.add_argument("--no-bwd", action="store_true", help="forward only")
     p.add_argument("--quick", action="store_true", help="T = 2048 only")
     p.add_argument("--compile-only", action="store_true", help="AOT-compile for --arch, no GPU needed")
+    p.add_argument("--profile", action="store_true",
+                   help="torch.profiler kernel table of BL forward and forward+backward at the first T, D")
+    p.add_argument("--variants", action="store_true",
+                   help="forward time and error per chunk size and fp32 product precision, first T, each D")
+    p.add_argument("--bl-only", action="store_true", help="measure BL only (no flash-linear-attention needed)")
+    p.add_argument("--gdn-bypass-hopper-guard", action="store_true",
+                   help="time fla's GDN backward even where fla refuses it (Hopper, Triton < 3.7.1)")
     p.add_argument("--arch", type=int, default=90, help="CUDA compute capability for --compile-only")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/gpu.json"))
     args = p.parse_args(argv)
@@ -229,6 +316,12 @@ def main(argv=None) -> int:
         args.T = [2048]
     if args.compile_only:
         rows = compile_only(args)
+    elif args.variants and torch.cuda.is_available():
+        variants(args)
+        return 0
+    elif args.profile and torch.cuda.is_available():
+        profile(args)
+        return 0
     elif not torch.cuda.is_available():
         print("benchmarks/gpu.py: no CUDA device here; nothing measured. Run it on a machine with a GPU "
               "(or use --compile-only to check that the kernels compile).")

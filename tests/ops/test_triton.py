@@ -303,17 +303,17 @@ def test_bad_inputs_raise():
     with pytest.raises(ValueError, match="k must have the shape"):
         bl_chunk_triton(q, k[:, :4], v, r2, ell2)
     with pytest.raises(TypeError, match="cu_seqlens must have dtype"):
-        bl_chunk_triton(q, k, v, r2, ell2, cu_seqlens=torch.tensor([0.0, 8.0]))
+        bl_chunk_triton(q, k, v, r2, ell2, cu_seqlens=torch.tensor([0.0, 8.0], device=DEVICE))
     with pytest.raises(ValueError, match="end at T=8"):
-        bl_chunk_triton(q, k, v, r2, ell2, cu_seqlens=torch.tensor([0, 5]))
+        bl_chunk_triton(q, k, v, r2, ell2, cu_seqlens=torch.tensor([0, 5], device=DEVICE))
     with pytest.raises(ValueError, match="non-decreasing"):
-        bl_chunk_triton(q, k, v, r2, ell2, cu_seqlens=torch.tensor([0, 6, 3, 8]))
+        bl_chunk_triton(q, k, v, r2, ell2, cu_seqlens=torch.tensor([0, 6, 3, 8], device=DEVICE))
     q2, k2, v2, r22, ell22, _ = make_inputs(2, 8, 1, 16, 8)
     with pytest.raises(ValueError, match="batch size must be 1"):
-        bl_chunk_triton(q2, k2, v2, r22, ell22, cu_seqlens=torch.tensor([0, 8]))
+        bl_chunk_triton(q2, k2, v2, r22, ell22, cu_seqlens=torch.tensor([0, 8], device=DEVICE))
     with pytest.raises(ValueError, match="initial_state"):
         st = initial_state(1, 1, 16, 8)
-        bl_chunk_triton(q, k, v, r2, ell2, initial_state=st, cu_seqlens=torch.tensor([0, 3, 8]))
+        bl_chunk_triton(q, k, v, r2, ell2, initial_state=st, cu_seqlens=torch.tensor([0, 3, 8], device=DEVICE))
     M, P = initial_state(1, 1, 16, 8)
     with pytest.raises(ValueError, match="state is required"):
         bl_step_triton(q[:, 0], k[:, 0], v[:, 0], r2[:, 0], ell2[:, 0])

@@ -31,6 +31,12 @@ SUPPORTED_CHUNK_SIZES = (16, 32, 64)
 # everything that does not depend on the carried state over a block, so fewer, larger kernels run,
 # at the price of one block's autograd graph in memory (instead of one chunk's)
 BACKWARD_BLOCK = 16
+# tl.dot input precision of the fp32 filter arithmetic (fp64 always runs "ieee").  Only
+# `benchmarks/gpu.py --variants` changes it.  Measured on an H200 (Triton 3.6, T = 8192, D = 128,
+# docs/kernels.md): "tf32x3" was slower than "ieee" at every chunk size, "tf32" 20-26% faster but
+# with 2e-3 relative output error (a Kalman gain needs fp32), and both crashed with an illegal
+# memory access at chunk size 64; so fp32 products stay IEEE.
+FP32_PRECISION = "ieee"
 
 
 def triton_available() -> bool:
@@ -209,8 +215,9 @@ def _forward_triton(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, want_v
     else:
         ck_args = (Yscr, Yscr, cu_k)  # unused pointers
     if NT > 0:
+        prec = "ieee" if cd == torch.float64 else FP32_PRECISION
         shape = dict(H=Hf, D=D, C=C, BD=BD, BK=BK, DIAG=diag, HAS_ALPHA=has_alpha, SAVE_CK=save_checkpoints,
-                     PREC="ieee", CK_EVERY=BACKWARD_BLOCK if save_checkpoints else 1, num_warps=default_num_warps(C))
+                     PREC=prec, CK_EVERY=BACKWARD_BLOCK if save_checkpoints else 1, num_warps=default_num_warps(C))
         bl_chunk_cov_kernel[(n_seq, Hf)](
             qf, kf, r2f, l2f, laf, cu_k, P, w, linv, Yscr, Uscr, var, ck_args[0], ck_args[2], RETURN_VAR=want_var,
             **shape,
