@@ -9,8 +9,9 @@ inputs; its backward re-runs the Triton forward to checkpoint the state at every
 block start, then walks blocks of :data:`BACKWARD_BLOCK` chunks in reverse,
 recomputing each block with the PyTorch chunk step under autograd and
 differentiating it (:func:`_blockwise_backward`).  Gradients are therefore the
-PyTorch path's; memory is the checkpoints plus one block's graph; time is a
-Python loop over blocks, and inside the chunk step over their chunks.
+PyTorch path's; memory is the checkpoints, one block's graph and one gradient
+buffer per input (in its dtype); time is a Python loop over blocks, and inside
+the chunk step over their chunks — host-bound on a GPU (docs/kernels.md).
 Rotations (``theta``) run entirely on the PyTorch path (forward and backward).
 """
 
@@ -24,7 +25,6 @@ import torch
 from .. import groups as grp
 from ..checks import check_cu_seqlens, check_dynamics, check_p0, check_positive, check_qkv, check_state
 from ..chunk import filter_chunk
-from ..prepare import prepare
 
 SUPPORTED_CHUNK_SIZES = (16, 32, 64)
 # chunks recomputed and differentiated together in the backward: the PyTorch chunk step batches
@@ -87,41 +87,6 @@ def _torch_reference(q, k, v, r2, ell2, alpha, theta, p0, M0, P0, cu, chunk_size
                        initial_state=state, output_final_state=True, return_variance=want_var,
                        chunk_size=chunk_size, cu_seqlens=cu)
     return out.o, out.variance, out.state[0], out.state[1]
-
-
-def _fold(q, k, v, r2, ell2, alpha, p0, M0, P0, cu):
-    """Validate and fold groups into heads (differentiable: run it under autograd to map gradients back).
-
-    Returns ``(pr, cu_k, M, P)``: the :class:`Prepared` inputs, the sequence offsets the
-    kernels use (``[0, T, 2T, ...]`` without ``cu_seqlens``), and the folded initial
-    state ``M [N, H·G, D, m/G]``, ``P [N, H·G, D, D]`` (N sequences).
-    """
-    B, T = q.shape[:2]
-    pr = prepare(q, k, v, write="bayes", r2=r2, ell2=ell2, alpha=alpha, p0=p0)
-    dims, G = pr.dims, pr.G
-    if cu is None:
-        n_seq = B
-        cu_k = torch.arange(0, B * T + 1, T if T > 0 else 1, device=dims.device, dtype=torch.int64)[: B + 1]
-    else:
-        n_seq = cu.numel() - 1
-        cu_k = cu
-    if M0 is not None:
-        st = check_state((M0, P0), dataclasses.replace(dims, B=n_seq), G)
-        M = grp.fold_state_mean(st[0], G)
-        P = grp.fold_state_cov(st[1])
-    else:
-        M = pr.M0[:1].expand(n_seq, -1, -1, -1)
-        P = pr.P0[:1].expand(n_seq, -1, -1, -1)
-    return pr, cu_k, M, P
-
-
-def _log_alpha(pr) -> tuple[torch.Tensor, bool, bool]:
-    """``(log α [B, T, H', Da] (zeros [B, T, H', 1] for identity), diagonal?, has decay?)``."""
-    kind = pr.dyn.kind
-    la = pr.dyn.log_alpha
-    if la is None:
-        la = pr.q.new_zeros(*pr.q.shape[:3], 1)
-    return la, kind == "diagonal", kind != "identity"
 
 
 def _checkpoint_offsets(cu_k: torch.Tensor, C: int, every: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -231,115 +196,135 @@ def _forward_triton(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, want_v
     return out + ck if save_checkpoints else out
 
 
-def _pad_sequences(x: torch.Tensor, cu_k: torch.Tensor, n_chunks: torch.Tensor, C: int, fill: float):
-    """Packed ``[NT, H', ...]`` -> chunks ``[NC_max, N, H', C, ...]``, every sequence starting a chunk.
+class _ChunkIndex:
+    """Gather blocks of chunks out of packed ``[NT, H', ...]`` tensors, and scatter their gradients back.
 
-    The tail of each sequence is filled with ``fill`` (the values that make a token an
-    exact no-op), so chunk ``c`` of every sequence is a batch element of chunk ``c``.
+    A block is chunks ``c0 .. c1-1`` of every sequence, laid out ``[c1-c0, N, H', C, ...]`` as the
+    PyTorch chunk step takes them; every sequence starts a chunk, and positions past a sequence's
+    end hold the ``fill`` value that makes a token an exact no-op.  Only one block is ever
+    materialised, never the padded sequence.
     """
-    N = cu_k.numel() - 1
-    Tp = int(n_chunks.max()) * C
-    t = torch.arange(Tp, device=x.device)
-    idx = cu_k[:-1, None] + t[None, :]  # [N, Tp]
-    inside = t[None, :] < (cu_k[1:] - cu_k[:-1])[:, None]
-    g = x[idx.clamp(max=max(x.shape[0] - 1, 0))]  # [N, Tp, H', ...]
-    g = torch.where(inside.view(N, Tp, *([1] * (x.dim() - 1))), g, torch.full_like(g, fill))
-    g = g.reshape(N, Tp // C, C, *x.shape[1:]).movedim(2, 3)  # [N, NC, H', C, ...]
-    return g.movedim(1, 0)
+
+    def __init__(self, cu_k: torch.Tensor, n_chunks: torch.Tensor, C: int, NT: int):
+        N = cu_k.numel() - 1
+        self.n_chunks = int(n_chunks.max())
+        t = torch.arange(self.n_chunks * C, device=cu_k.device)
+        inside = t[None, :] < (cu_k[1:] - cu_k[:-1])[:, None]
+        idx = (cu_k[:-1, None] + t[None, :]).clamp(max=max(NT - 1, 0))
+        self.idx = idx.view(N, self.n_chunks, C)
+        self.inside = inside.view(N, self.n_chunks, C)
+
+    def gather(self, x: torch.Tensor, c0: int, c1: int, fill: float, dtype: torch.dtype) -> torch.Tensor:
+        ins = self.inside[:, c0:c1]
+        g = x[self.idx[:, c0:c1]].to(dtype)  # [N, nb, C, H', ...]
+        g = g.masked_fill(~ins.view(*ins.shape, *([1] * (x.dim() - 1))), fill)
+        return g.movedim(2, 3).movedim(1, 0)
+
+    def scatter(self, buf: torch.Tensor, g: torch.Tensor, c0: int, c1: int) -> None:
+        """``buf[token] = g`` for the real tokens of the block (each token is written exactly once)."""
+        g = g.movedim(0, 1).movedim(3, 2)  # [N, nb, C, H', ...]
+        ins = self.inside[:, c0:c1]
+        buf[self.idx[:, c0:c1][ins]] = g[ins].to(buf.dtype)
 
 
 def _blockwise_backward(args, needs, cu, C, want_var, d_o, d_var, d_M, d_P):
     """Gradients of ``(o, var, M_T, P_T)`` w.r.t. ``args``, one block of chunks at a time in reverse.
 
     1. the Triton forward re-runs with checkpoints: the state ``(M, P)`` at every block start;
-    2. for blocks of :data:`BACKWARD_BLOCK` chunks, last block first (all sequences at once, padded
-       to whole chunks with no-op tokens), the PyTorch chunk step
-       (:func:`bayeslayer.ops.chunk.covariance_pass`, :func:`~bayeslayer.ops.chunk.mean_pass`) is
-       recomputed from the checkpoint at the block start under autograd and differentiated,
-       carrying ``(dM, dP)`` back to the block start;
-    3. the per-chunk input gradients and ``(dM_0, dP_0)`` go back through the
-       validation/folding graph to the caller's tensors.
-    Memory: the checkpoints plus one block's graph (not the graph of the whole sequence).
+    2. for blocks of :data:`BACKWARD_BLOCK` chunks, last block first (all sequences at once, each
+       gathered from the packed inputs and padded to whole chunks with no-op tokens), the PyTorch
+       chunk step (:func:`bayeslayer.ops.chunk.covariance_pass`, :func:`~bayeslayer.ops.chunk.mean_pass`)
+       is recomputed in the filter dtype from the checkpoint at the block start under autograd and
+       differentiated, carrying ``(dM, dP)`` back to the block start; the block's input gradients
+       are written into per-token gradient buffers;
+    3. those buffers and ``(dM_0, dP_0)`` go back through the validation/folding graph
+       (:func:`_fold_forward`, the kernels' own) to the caller's tensors.
+    Memory: the checkpoints, one block's graph, and one gradient buffer per input that needs one,
+    in the input's dtype (with G > 1, q, k, v are folded in the filter dtype, so that the gradient
+    sum over groups runs in it).  No full-size fp32 copy of q, k, v, dO is made for 16-bit inputs.
     """
     from ..chunk import ChunkDynamics, covariance_pass, mean_pass
 
     q, k, v, r2, ell2, alpha, p0, M0, P0 = args
     with torch.no_grad():
-        *_, CKP, CKM, n_chunks, offsets = _forward_triton(
+        CKP, CKM, n_chunks, offsets = _forward_triton(
             *[a.detach() if isinstance(a, torch.Tensor) else a for a in args], cu, C, False, save_checkpoints=True
-        )
+        )[4:]
     leaves = []
+    cd = torch.float64 if q.dtype == torch.float64 else torch.float32
+    grouped = isinstance(r2, torch.Tensor) and r2.dim() == 4 and r2.shape[-1] > 1
     with torch.enable_grad():
         args = list(args)
         for i, x in enumerate(args):
             if isinstance(x, torch.Tensor) and needs[i]:
                 args[i] = x.detach().requires_grad_(True)
                 leaves.append(i)
-        pr, cu_k, M0f, P0f = _fold(*args, cu)
-        la, _, _ = _log_alpha(pr)
-        B, T, Hf, D = pr.q.shape
-        NT = B * T
-        G, mg = pr.G, pr.v.shape[-1]
-        flat = {
-            "q": (pr.q.reshape(NT, Hf, D), 0.0), "k": (pr.k.reshape(NT, Hf, D), 0.0),
-            "v": (pr.v.reshape(NT, Hf, mg), 0.0), "r2": (pr.r2.reshape(NT, Hf), 1.0),
-            "ell2": (pr.ell2.reshape(NT, Hf), 0.0), "la": (la.reshape(NT, Hf, la.shape[-1]), 0.0),
-        }
-        chunked = {name: _pad_sequences(x, cu_k, n_chunks, C, fill) for name, (x, fill) in flat.items()}
-    NC = chunked["q"].shape[0]
-    N = n_chunks.numel()
-    cd = pr.dims.cdtype
+        qkv = args[:3]
+        if grouped and q.dtype != cd:  # groups repeat q, k: sum their gradients in the filter dtype
+            qkv = [x.to(cd) for x in qkv]
+        a = _fold_forward(*qkv, *args[3:], cu)
+        la = a["la"] if a["diag"] else a["la"][..., None]
+    B, T = q.shape[:2]
+    G, Hf, D, mg, NT, N = a["G"], a["Hf"], a["D"], a["mg"], a["NT"], a["n_seq"]
+    flat = {"q": (a["q"], 0.0), "k": (a["k"], 0.0), "v": (a["v"], 0.0), "r2": (a["r2"], 1.0),
+            "ell2": (a["ell2"], 0.0), "la": (la, 0.0)}
+    index = _ChunkIndex(a["cu_k"], n_chunks, C, NT)
+    bufs = {name: torch.zeros_like(x, dtype=x.dtype) for name, (x, _) in flat.items() if x.requires_grad}
 
     def fold_grad(g, shape, fold):
-        return fold(g.to(cd)) if g is not None else torch.zeros(shape, dtype=cd, device=pr.q.device)
+        return fold(g.to(cd)) if g is not None else torch.zeros(shape, dtype=cd, device=q.device)
 
-    do = fold_grad(d_o, (B, T, Hf, mg), lambda g: grp.fold_values(g, G)).reshape(NT, Hf, mg)
-    do_c = _pad_sequences(do, cu_k, n_chunks, C, 0.0)
-    dvar_c = None
+    do = grp.fold_values(d_o, G).reshape(NT, Hf, mg) if d_o is not None else None
+    dvar = None
     if want_var and d_var is not None and d_var.numel() > 0:
-        dvar_c = _pad_sequences(d_var.to(cd).reshape(NT, Hf), cu_k, n_chunks, C, 0.0)
+        dvar = d_var.reshape(NT, Hf)
     dM = fold_grad(d_M, (N, Hf, D, mg), lambda g: grp.fold_state_mean(g, G))
     dP = fold_grad(d_P, (N, Hf, D, D), lambda g: grp.fold_state_cov(g if g.dim() == 5 else g.unsqueeze(2)))
     # checkpoint rows of block b (chunks b·E .. b·E+E-1, E = BACKWARD_BLOCK) per sequence; at or past a
     # sequence's end its final state (its remaining chunks are exact no-ops)
     E = BACKWARD_BLOCK
+    NC = index.n_chunks
     n_blocks = (NC + E - 1) // E
     rows_of = offsets[:-1, None] + torch.minimum(
         torch.arange(n_blocks, device=offsets.device)[None, :], ((n_chunks + E - 1) // E)[:, None]
     )
-    grads = {name: torch.zeros_like(x) for name, x in chunked.items()}
     for blk in range(n_blocks - 1, -1, -1):
         c0, c1 = blk * E, min(blk * E + E, NC)
+        xs = {name: index.gather(x.detach(), c0, c1, fill, cd) for name, (x, fill) in flat.items()}
+        wanted = [name for name in xs if name in bufs]
         with torch.enable_grad():
             P_c = CKP[rows_of[:, blk]].requires_grad_(True)
             M_c = CKM[rows_of[:, blk]].requires_grad_(True)
-            xs = {name: x[c0:c1].detach().requires_grad_(True) for name, x in chunked.items()}
+            for name in wanted:
+                xs[name].requires_grad_(True)
             dyn = ChunkDynamics(xs["la"], None)
             w, var, P_end = covariance_pass(
-                dyn, xs["q"] if dvar_c is not None else None, xs["k"], xs["r2"], xs["ell2"], P_c
+                dyn, xs["q"] if dvar is not None else None, xs["k"], xs["r2"], xs["ell2"], P_c
             )
             o, M_end = mean_pass(dyn, xs["q"], xs["k"], xs["v"], w, M_c, erase=True)
-            outs, gouts = [o, P_end, M_end], [do_c[c0:c1], dP, dM]
-            if dvar_c is not None:
+            outs, gouts = [P_end, M_end], [dP, dM]
+            if do is not None:
+                outs.append(o)
+                gouts.append(index.gather(do, c0, c1, 0.0, cd))
+            if dvar is not None:
                 outs.append(var)
-                gouts.append(dvar_c[c0:c1])
-            gs = torch.autograd.grad(outs, [P_c, M_c, *xs.values()], gouts, allow_unused=True)
+                gouts.append(index.gather(dvar, c0, c1, 0.0, cd))
+            gs = torch.autograd.grad(outs, [P_c, M_c, *(xs[n] for n in wanted)], gouts, allow_unused=True)
         dP, dM = gs[0], gs[1]
-        for name, g in zip(xs, gs[2:], strict=True):
+        for name, g in zip(wanted, gs[2:], strict=True):
             if g is not None:
-                grads[name][c0:c1] = g
+                index.scatter(bufs[name], g, c0, c1)
     result = [None] * len(args)
     if leaves:
         with torch.enable_grad():
             outs, gouts = [], []
-            for name, x in chunked.items():
+            for name, buf in bufs.items():
+                outs.append(flat[name][0])
+                gouts.append(buf)
+            for x, g in ((a["M"], dM), (a["P"], dP)):
                 if x.requires_grad:
                     outs.append(x)
-                    gouts.append(grads[name])
-            for x, g in ((M0f, dM), (P0f, dP)):
-                if x.requires_grad:
-                    outs.append(x)
-                    gouts.append(g)
+                    gouts.append(g.to(x.dtype))
             gs = torch.autograd.grad(outs, [args[i] for i in leaves], gouts, allow_unused=True)
         for i, g in zip(leaves, gs, strict=True):
             result[i] = g
