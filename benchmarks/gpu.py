@@ -12,8 +12,11 @@ forward time, forward+backward time, tokens/s and peak memory (above the inputs)
 of ``bl_chunk_triton`` and of ``fla.ops.gated_delta_rule.chunk_gated_delta_rule``,
 and the ratio BL/GDN per row.  Times are medians over ``--reps`` CUDA-event-timed
 runs after warm-up (the first call compiles).  Value checks (a host sync per
-input) are switched off while timing, as in production training.  Results also
-go to a JSON file (``--out``).  Asserts nothing.
+input) are switched off while timing, as in production training.  BL is measured
+for every row first, then GDN (fla autotunes on its first call per head dim, for
+minutes on a fresh machine); the JSON file (``--out``) is rewritten after every
+measurement, so a run cut short by a time limit keeps what it measured.  Asserts
+nothing.
 
 Without CUDA it prints a message and exits 0; ``--compile-only`` still works
 there (Triton compiles to PTX/cubin without a device) and reports registers,
@@ -116,7 +119,7 @@ def _measure(fns, tokens, reps, warmup, do_bwd):
     return row
 
 
-def run_benchmark(args) -> list[dict]:
+def run_benchmark(args, save) -> list[dict]:
     from bayeslayer.ops import set_value_checks
 
     set_value_checks(False)
@@ -129,47 +132,57 @@ def run_benchmark(args) -> list[dict]:
         print("# fla's Hopper/Triton guard on chunk_bwd_dqkwg bypassed: GDN backward values unchecked, "
               "times only")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
-    rows = []
+    print(f"# {torch.cuda.get_device_name()} | B={args.B} H={args.H} m=D dtype={args.dtype} "
+          f"chunk={args.chunk_size} | {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    rows = [{"T": T, "D": D, "B": args.B, "H": args.H, "dtype": args.dtype} for T in args.T for D in args.D]
+    # BL first for every row, then GDN: fla autotunes on its first call per head dim (minutes on a
+    # fresh machine), which must not keep BL's rows from being measured within a time limit.  The
+    # JSON is rewritten after every measurement, so a run cut short keeps what it measured.
+    for which, fns in (("bl", lambda x: _bl_fns(x, args.chunk_size)), ("gdn", _gdn_fns)):
+        if which == "gdn" and args.bl_only:
+            break
+        for rec in rows:
+            T, D = rec["T"], rec["D"]
+            try:
+                x = _make_inputs(args.B, T, args.H, D, dtype, "cuda")
+                t0 = time.time()
+                rec[which] = _measure(fns(x), args.B * T, args.reps, args.warmup, not args.no_bwd)
+                print(f"{T:>6} {D:>4} | {which.upper()} ({time.time() - t0:.0f} s): "
+                      f"{json.dumps({n: round(v, 5) for n, v in rec[which].items()})}", flush=True)
+            except Exception as err:  # one failing row (OOM, compile error) must not hide the others
+                rec[f"{which}_error"] = f"{type(err).__name__}: {err}"
+                print(f"{T:>6} {D:>4} | {which.upper()} failed: {rec[f'{which}_error'][:200]}", flush=True)
+            save(rows)
+            torch.cuda.empty_cache()
+    _print_table(rows, args.no_bwd)
+    return rows
+
+
+def _print_table(rows: list[dict], no_bwd: bool) -> None:
+    """The comparison table (rows with both BL and GDN; ratios BL/GDN)."""
     header = (f"{'T':>6} {'D':>4} | {'BL fwd ms':>9} {'GDN fwd ms':>10} {'ratio':>6} | {'BL f+b ms':>9} "
               f"{'GDN f+b ms':>10} {'ratio':>6} | {'BL Mtok/s':>9} {'GDN Mtok/s':>10} | "
               f"{'BL GiB':>7} {'GDN GiB':>7} {'ratio':>6}")
-    print(f"# {torch.cuda.get_device_name()} | B={args.B} H={args.H} m=D dtype={args.dtype} "
-          f"chunk={args.chunk_size} | {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     print(header)
     print("-" * len(header))
-    for T in args.T:
-        for D in args.D:
-            rec = {"T": T, "D": D, "B": args.B, "H": args.H, "dtype": args.dtype}
-            try:
-                x = _make_inputs(args.B, T, args.H, D, dtype, "cuda")
-                tokens = args.B * T
-                t0 = time.time()
-                rec["bl"] = _measure(_bl_fns(x, args.chunk_size), tokens, args.reps, args.warmup, not args.no_bwd)
-                print(f"{T:>6} {D:>4} | BL measured in {time.time() - t0:.0f} s: "
-                      f"{json.dumps({n: round(v, 5) for n, v in rec['bl'].items()})}", flush=True)
-                if args.bl_only:
-                    rows.append(rec)
-                    continue
-                t0 = time.time()
-                rec["gdn"] = _measure(_gdn_fns(x), tokens, args.reps, args.warmup, not args.no_bwd)
-                print(f"{T:>6} {D:>4} | GDN measured in {time.time() - t0:.0f} s", flush=True)
-                bl, gdn = rec["bl"], rec["gdn"]
-                mem = "fwdbwd_mem" if not args.no_bwd else "fwd_mem"
-                fb = ("fwdbwd_s" in bl)
-                print(f"{T:>6} {D:>4} | {bl['fwd_s'] * 1e3:>9.2f} {gdn['fwd_s'] * 1e3:>10.2f} "
-                      f"{bl['fwd_s'] / gdn['fwd_s']:>6.2f} | "
-                      f"{bl['fwdbwd_s'] * 1e3 if fb else float('nan'):>9.2f} "
-                      f"{gdn['fwdbwd_s'] * 1e3 if fb else float('nan'):>10.2f} "
-                      f"{bl['fwdbwd_s'] / gdn['fwdbwd_s'] if fb else float('nan'):>6.2f} | "
-                      f"{bl['fwd_tok_s'] / 1e6:>9.2f} {gdn['fwd_tok_s'] / 1e6:>10.2f} | "
-                      f"{bl[mem] / 2**30:>7.2f} {gdn[mem] / 2**30:>7.2f} {bl[mem] / max(gdn[mem], 1):>6.2f}",
-                      flush=True)
-            except Exception as err:  # one failing row (OOM, compile error) must not hide the others
-                rec["error"] = f"{type(err).__name__}: {err}"
-                print(f"{T:>6} {D:>4} | failed: {rec['error'][:200]}", flush=True)
-            rows.append(rec)
-            torch.cuda.empty_cache()
-    return rows
+    nan = float("nan")
+    for rec in rows:
+        bl, gdn = rec.get("bl"), rec.get("gdn", {})
+        if bl is None:
+            continue
+        fb = not no_bwd
+        mem = "fwdbwd_mem" if fb else "fwd_mem"
+
+        def val(d, key, scale=1.0):
+            return d[key] * scale if key in d else nan
+
+        def ratio(key):
+            return bl[key] / gdn[key] if key in gdn and gdn[key] else nan
+
+        print(f"{rec['T']:>6} {rec['D']:>4} | {val(bl, 'fwd_s', 1e3):>9.2f} {val(gdn, 'fwd_s', 1e3):>10.2f} "
+              f"{ratio('fwd_s'):>6.2f} | {val(bl, 'fwdbwd_s', 1e3):>9.2f} {val(gdn, 'fwdbwd_s', 1e3):>10.2f} "
+              f"{ratio('fwdbwd_s'):>6.2f} | {val(bl, 'fwd_tok_s', 1e-6):>9.2f} {val(gdn, 'fwd_tok_s', 1e-6):>10.2f} | "
+              f"{val(bl, mem, 2**-30):>7.2f} {val(gdn, mem, 2**-30):>7.2f} {ratio(mem):>6.2f}", flush=True)
 
 
 def profile(args) -> None:
@@ -327,15 +340,28 @@ def main(argv=None) -> int:
               "(or use --compile-only to check that the kernels compile).")
         return 0
     else:
-        rows = run_benchmark(args)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    meta = {"argv": sys.argv[1:], "torch": torch.__version__, "date_utc": stamp}
-    if torch.cuda.is_available():
-        meta["device"] = torch.cuda.get_device_name()
-    args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        rows = run_benchmark(args, lambda rows: _save(args.out, rows))
+    _save(args.out, rows)
     print(f"wrote {args.out}")
     return 0
+
+
+def _save(path: Path, rows: list[dict]) -> None:
+    """Write the rows with the run's metadata (atomically: a run killed mid-write keeps the last file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"argv": sys.argv[1:], "torch": torch.__version__,
+            "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    try:
+        import triton
+
+        meta["triton"] = triton.__version__
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        meta["device"] = torch.cuda.get_device_name()
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    tmp.replace(path)
 
 
 if __name__ == "__main__":
