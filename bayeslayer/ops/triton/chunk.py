@@ -264,12 +264,11 @@ def _blockwise_backward(args, needs, cu, C, want_var, d_o, d_var, d_M, d_P):
             qkv = [x.to(cd) for x in qkv]
         a = _fold_forward(*qkv, *args[3:], cu)
         la = a["la"] if a["diag"] else a["la"][..., None]
-    B, T = q.shape[:2]
     G, Hf, D, mg, NT, N = a["G"], a["Hf"], a["D"], a["mg"], a["NT"], a["n_seq"]
     flat = {"q": (a["q"], 0.0), "k": (a["k"], 0.0), "v": (a["v"], 0.0), "r2": (a["r2"], 1.0),
             "ell2": (a["ell2"], 0.0), "la": (la, 0.0)}
     index = _ChunkIndex(a["cu_k"], n_chunks, C, NT)
-    bufs = {name: torch.zeros_like(x, dtype=x.dtype) for name, (x, _) in flat.items() if x.requires_grad}
+    bufs = {name: torch.zeros_like(x) for name, (x, _) in flat.items() if x.requires_grad}
 
     def fold_grad(g, shape, fold):
         return fold(g.to(cd)) if g is not None else torch.zeros(shape, dtype=cd, device=q.device)
