@@ -662,7 +662,8 @@ def _token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
 
 
-def _sha256_file(path: Path) -> str:
+def sha256_file(path: Path) -> str:
+    """Hex SHA-256 of a file, read in 4 MiB blocks."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):
@@ -696,7 +697,7 @@ def _open_cached(bin_path: Path, meta_path: Path, *, verify: bool) -> tuple[np.n
             f"token cache {bin_path} has {size} bytes, expected {n_tokens} tokens x {dtype.itemsize} bytes "
             f"= {n_tokens * dtype.itemsize} (truncated or overwritten)"
         )
-    if verify and _sha256_file(bin_path) != checksum:
+    if verify and sha256_file(bin_path) != checksum:
         raise CacheError(f"token cache {bin_path} fails its SHA-256 check (corrupt)")
     if n_tokens == 0:
         raise CacheError(f"token cache {bin_path} is empty")

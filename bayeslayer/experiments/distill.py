@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import hashlib
 import json
 import math
 import numbers
@@ -59,6 +58,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..data.text import sha256_file
 from .distill_losses import (
     COSINE_WEIGHT,
     MLP_LR_SCALE,
@@ -340,7 +340,7 @@ class RetrofitObjective(Objective):
         if self.stage == "phase_b":
             # the Phase A model by content, so a resume from another working directory still matches
             out.update(switch_step=c.switch_step, temperature=c.temperature,
-                       init_sha256=_file_sha256(Path(self.init_dir) / "model.safetensors"))
+                       init_sha256=sha256_file(Path(self.init_dir) / "model.safetensors"))
         return out
 
     def build(self, config: LMConfig, corpus, device: torch.device) -> nn.Module:
@@ -391,14 +391,6 @@ class RetrofitObjective(Objective):
                 "trainable_unchanged": sorted(set(self.selection.trainable) - set(moved)),
                 "trainable_elements": {part: sum(dict(model.named_parameters())[n].numel() for n in ns)
                                        for part, ns in names.items()}}
-
-
-def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def stage_config(config: DistillConfig, stage: str, teacher_config: Any, tokenizer: str) -> LMConfig:
