@@ -14,10 +14,12 @@ Nothing here knows a task.  A task supplies
 Training: cross-entropy on labelled tokens; AdamW ``(lr, betas, weight_decay,
 eps)``; learning rate ``lr · s(step)`` with linear warmup then cosine decay,
 ``s(t) = (t+1)/W`` for ``t < W`` and ``min_ratio + (1 − min_ratio)·½(1 + cos π·(t−W)/(N−W))``
-afterwards; global-norm gradient clipping.  Checkpoints are atomic (written to a
-temporary file, then ``os.replace``) and hold model, optimizer, scheduler, step,
-loss history and RNG states, so ``train(..., checkpoint_path=p)`` after an
-interruption continues exactly where it stopped.
+afterwards; global-norm gradient clipping.  ``train(..., checkpoint_path=d)`` keeps its
+checkpoints in the folder ``d`` (:class:`bayeslayer.training.CheckpointStore`: crash-safe, SHA-256
+verified, no pickle): ``model.safetensors`` and the trainer state (optimizer, scheduler, step,
+loss history, RNG states) as JSON + safetensors, so a run after an interruption (a kill, Ctrl-C)
+continues exactly where the last checkpoint stopped.  The folder is locked while a run uses it
+(:class:`bayeslayer.training.OutputLock`).
 
 Results: :func:`summarize` gives ``{"mean", "std", "values"}`` over seeds and
 :func:`write_json` writes a results file atomically.  :func:`train_lr_grid` runs
@@ -27,12 +29,13 @@ validation metric (e.g. query accuracy on a held-out split) is highest.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import random
-import tempfile
+import shutil
+import sys
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -41,6 +44,20 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from ..training import (
+    CheckpointError,
+    CheckpointStore,
+    OutputLock,
+    TrainingInterrupted,
+    atomic_write_json,
+    load_state,
+    read_json,
+    rng_state,
+    save_state,
+    set_rng_state,
+    stop_on_interrupt,
+)
 
 IGNORE_INDEX = -100
 
@@ -141,27 +158,23 @@ def query_accuracy(logits: torch.Tensor, labels: torch.Tensor) -> float:
     return float((logits.argmax(-1)[mask] == labels[mask]).float().mean())
 
 
-def _atomic_save(obj: Any, path: str) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".pt")
-    os.close(fd)
-    try:
-        torch.save(obj, tmp)
-        os.replace(tmp, path)  # a reader never sees a half-written checkpoint
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+def _save_weights(model: nn.Module, path) -> None:
+    from safetensors.torch import save_file
+
+    # a tied weight appears under two names; safetensors stores tensors that share memory only once
+    seen: set[int] = set()
+    weights = {}
+    for name, t in model.state_dict().items():
+        t = t.detach().cpu()
+        weights[name] = t.contiguous().clone() if t.data_ptr() in seen or not t.is_contiguous() else t
+        seen.add(t.data_ptr())
+    save_file(weights, str(path), metadata={"format": "pt"})
 
 
-def _rng_states() -> dict:
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+def _load_weights(model: nn.Module, path) -> None:
+    from safetensors.torch import load_file
 
-
-def _set_rng_states(states: dict) -> None:
-    random.setstate(states["python"])
-    np.random.set_state(states["numpy"])
-    torch.set_rng_state(states["torch"])
+    model.load_state_dict(load_file(str(path), device="cpu"))
 
 
 def train(
@@ -170,17 +183,24 @@ def train(
     config: TrainConfig,
     *,
     evaluate: Callable[[nn.Module], dict[str, float]] | None = None,
-    checkpoint_path: str | None = None,
+    checkpoint_path: str | os.PathLike | None = None,
     stop_after: int | None = None,
     progress: bool = True,
     desc: str = "train",
+    identity: dict[str, Any] | None = None,
+    restart_on_mismatch: bool = False,
 ) -> TrainResult:
     """Train ``model`` for ``config.steps`` steps (see the module docstring).
 
-    ``checkpoint_path``: when the file exists the run resumes from it (its config must
-    match); it is rewritten every ``checkpoint_every`` steps, when stopping early and at
-    the end.  ``stop_after``: stop (and checkpoint) after that many total steps — an
-    interruption on purpose, used to test resuming.
+    ``checkpoint_path``: a folder of checkpoints (:class:`bayeslayer.training.CheckpointStore`,
+    the newest two kept).  When it holds one the run resumes from it (saying so on stderr) — its
+    config and ``identity`` (any JSON, e.g. the task and model settings) must match, else
+    ``ValueError``, or with ``restart_on_mismatch`` a warning and a fresh start.  A checkpoint is
+    written every ``checkpoint_every`` steps, when stopping early and at the end; the folder is
+    locked for the call (:class:`bayeslayer.training.FolderBusyError` when another run holds it).
+    ``stop_after``: stop (and checkpoint) after that many total steps — an interruption on
+    purpose, used to test resuming.  Ctrl-C stops after the current step with a checkpoint and
+    raises :class:`bayeslayer.training.TrainingInterrupted` (a ``KeyboardInterrupt``).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -190,31 +210,67 @@ def train(
         raise TypeError(f"config must be a TrainConfig, got {type(config).__name__}")
     if stop_after is not None and (not isinstance(stop_after, int) or not 0 < stop_after <= config.steps):
         raise ValueError(f"stop_after must be an integer in [1, steps={config.steps}], got {stop_after!r}")
+    if checkpoint_path is None:
+        return _train(model, sample_batch, config, evaluate, None, stop_after, progress, desc, identity,
+                      restart_on_mismatch)
+    with OutputLock(checkpoint_path):
+        return _train(model, sample_batch, config, evaluate, CheckpointStore(checkpoint_path, keep=2),
+                      stop_after, progress, desc, identity, restart_on_mismatch)
 
+
+def _train(model, sample_batch, config: TrainConfig, evaluate, store: CheckpointStore | None, stop_after,
+           progress: bool, desc: str, identity, restart_on_mismatch: bool) -> TrainResult:
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.lr, betas=config.betas, eps=config.eps,
                                   weight_decay=config.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config))
     result = TrainResult()
-    if checkpoint_path is not None and os.path.exists(checkpoint_path):
-        ckpt = torch.load(checkpoint_path, weights_only=False)
-        if ckpt["config"] != asdict(config):
-            raise ValueError(
-                f"checkpoint {checkpoint_path} was written with config {ckpt['config']}, "
-                f"not {asdict(config)}; remove it or use the same config"
-            )
-        model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        scheduler.load_state_dict(ckpt["scheduler"])
-        _set_rng_states(ckpt["rng"])
-        result.losses, result.evals, result.step = ckpt["losses"], ckpt["evals"], ckpt["step"]
+    saved_at: str | None = None  # the last complete checkpoint on disk
+    saved_step = -1
+    if store is not None:
+        store.recover()
+        try:
+            ckpt = store.load()
+        except CheckpointError as exc:
+            if not restart_on_mismatch:
+                raise
+            warnings.warn(f"{exc}; starting this run from scratch", RuntimeWarning, stacklevel=3)
+            store.discard()
+            ckpt = None
+        if ckpt is not None:
+            state = load_state(ckpt, "trainer_state")
+            if state["config"] != asdict(config) or state.get("identity") != identity:
+                which = ("config", state["config"], asdict(config)) if state["config"] != asdict(config) else (
+                    "task/model settings", state.get("identity"), identity)
+                message = (f"checkpoint {ckpt} was written with {which[0]} {which[1]}, not {which[2]}")
+                if not restart_on_mismatch:
+                    raise ValueError(f"{message}; remove {store.root} or use the same {which[0]}")
+                warnings.warn(f"{message}; starting this run from scratch", RuntimeWarning, stacklevel=3)
+                ckpt = None
+        if ckpt is not None:
+            _load_weights(model, ckpt / "model.safetensors")
+            optimizer.load_state_dict(state["optimizer"])
+            scheduler.load_state_dict(state["scheduler"])
+            set_rng_state(state["rng"])
+            result.losses, result.evals, result.step = list(state["losses"]), list(state["evals"]), state["step"]
+            saved_at, saved_step = str(ckpt), result.step
+            if result.step < config.steps:
+                print(f"{desc}: resuming from step {result.step} ({ckpt})", file=sys.stderr, flush=True)
 
     def save() -> None:
-        if checkpoint_path is not None:
-            _atomic_save({"config": asdict(config), "model": model.state_dict(),
-                          "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                          "rng": _rng_states(), "losses": result.losses, "evals": result.evals,
-                          "step": result.step}, checkpoint_path)
+        nonlocal saved_at, saved_step
+        if store is None:
+            return
+        state = {"config": asdict(config), "identity": identity, "optimizer": optimizer.state_dict(),
+                 "scheduler": scheduler.state_dict(), "rng": rng_state(), "losses": result.losses,
+                 "evals": result.evals, "step": result.step}
+
+        def write(directory) -> None:
+            _save_weights(model, directory / "model.safetensors")
+            save_state(directory, "trainer_state", state)
+
+        saved_at = str(store.save(result.step, write))
+        saved_step = result.step
 
     def run_eval() -> None:
         if evaluate is None:
@@ -234,32 +290,51 @@ def train(
         bar = tqdm(total=config.steps, initial=result.step, desc=desc, leave=False, dynamic_ncols=True)
     t0 = time.perf_counter()
     model.train()
-    while result.step < end:
-        step = result.step
-        batch = sample_batch(step, config.batch_size, batch_generator(config.seed, step))
-        loss = masked_cross_entropy(model(batch.inputs), batch.labels)
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"{desc}: loss became {loss.item()} at step {step}")
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
-        optimizer.step()
-        scheduler.step()
-        result.losses.append(float(loss.detach()))
-        result.step = step + 1
+    try:
+        with stop_on_interrupt() as stop:
+            while result.step < end:
+                step = result.step
+                batch = sample_batch(step, config.batch_size, batch_generator(config.seed, step))
+                loss = masked_cross_entropy(model(batch.inputs), batch.labels)
+                if not torch.isfinite(loss):
+                    raise FloatingPointError(f"{desc}: loss became {loss.item()} at step {step}")
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
+                optimizer.step()
+                scheduler.step()
+                result.losses.append(float(loss.detach()))
+                result.step = step + 1
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{result.losses[-1]:.3f}")
+                if config.eval_every and result.step % config.eval_every == 0 and result.step < config.steps:
+                    run_eval()
+                if config.checkpoint_every and result.step % config.checkpoint_every == 0:
+                    save()
+                if stop.requested:
+                    if not (config.checkpoint_every and result.step % config.checkpoint_every == 0):
+                        save()
+                    raise TrainingInterrupted(f"{desc}: interrupted at step {result.step}; "
+                                              + (f"saved it to {saved_at}; rerun the same command to resume"
+                                                 if saved_at else "no checkpoint was saved"),
+                                              step=result.step, checkpoint=saved_at)
+    except TrainingInterrupted:
+        raise
+    except KeyboardInterrupt:  # a second Ctrl-C, mid-step: the last complete checkpoint stands
+        saved = f"the last complete checkpoint is {saved_at}; rerun the same command to resume" if saved_at \
+            else "no checkpoint was saved"
+        raise TrainingInterrupted(f"{desc}: interrupted during step {result.step + 1}; {saved}",
+                                  step=result.step, checkpoint=saved_at) from None
+    finally:
         if bar is not None:
-            bar.update(1)
-            bar.set_postfix(loss=f"{result.losses[-1]:.3f}")
-        if config.eval_every and result.step % config.eval_every == 0 and result.step < config.steps:
-            run_eval()
-        if config.checkpoint_every and result.step % config.checkpoint_every == 0:
-            save()
-    if bar is not None:
-        bar.close()
+            bar.close()
     result.finished = result.step >= config.steps
-    if result.finished:
-        run_eval()
-    save()
+    if result.finished and (evaluate is None or not result.evals or result.evals[-1]["step"] != result.step):
+        run_eval()  # not again when a finished checkpoint (final evaluation included) was resumed
+        saved_step = -1
+    if saved_step != result.step:
+        save()
     result.seconds = time.perf_counter() - t0
     return result
 
@@ -295,16 +370,9 @@ def _jsonable(obj: Any) -> Any:
     return obj
 
 
-def write_json(path: str, obj: dict) -> None:
-    """Write ``obj`` as indented JSON atomically (temporary file, then ``os.replace``)."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".json")
-    with os.fdopen(fd, "w") as fh:
-        json.dump(_jsonable(obj), fh, indent=1)
-        fh.write("\n")
-    os.chmod(tmp, 0o644)  # mkstemp makes 0600; results are for everyone to read
-    os.replace(tmp, path)
+def write_json(path: str | os.PathLike, obj: dict) -> None:
+    """Write ``obj`` as indented JSON atomically and durably (:func:`bayeslayer.training.atomic_write_json`)."""
+    atomic_write_json(path, _jsonable(obj))
 
 
 def results_record(experiment: str, preset: str, config: dict, models: dict, **extra: Any) -> dict:
@@ -334,12 +402,14 @@ def train_seeds(
 
     For seed ``s``: :func:`seed_everything(s)`, ``build_model(s)``, :func:`train` with
     ``config`` (its ``seed`` replaced by ``s``), then ``final_eval(model)`` under
-    ``torch.no_grad`` in eval mode.  With ``run_dir`` each finished seed is cached as
+    ``torch.no_grad`` in eval mode.  With ``run_dir`` (locked for the call, see
+    :class:`bayeslayer.training.OutputLock`) each finished seed is cached as
     ``run_dir/<name>_seed<s>.json`` (reused when its config matches, so an interrupted
     sweep restarts where it stopped; ``fingerprint`` — e.g. the task and model settings — must
-    match too) and training checkpoints to ``run_dir/<name>_seed<s>.pt``
-    (removed once the seed is done); a checkpoint whose stamped ``fingerprint`` differs is
-    discarded rather than resumed.
+    match too) and training checkpoints to the folder ``run_dir/<name>_seed<s>.ckpt``
+    (removed once the seed is done).  A checkpoint of other settings, or one that is damaged
+    everywhere, is discarded with a warning and the seed trained from scratch; a cache file that is
+    not valid JSON is ignored (warning) and the seed retrained.
 
     Record: ``{"seed", "train_seconds", "final_train_loss" (mean of the last 10% of steps),
     "loss_curve": {"step": [...], "loss": [...]} (≤ loss_curve_points points, each a window
@@ -347,50 +417,52 @@ def train_seeds(
     """
     if not seeds:
         raise ValueError("seeds must be a non-empty list of non-negative integers")
-    records = []
-    for seed in seeds:
-        cfg = TrainConfig(**{**asdict(config), "seed": int(seed)})
-        cache = ckpt = None
-        if run_dir is not None:
-            os.makedirs(run_dir, exist_ok=True)
-            cache = os.path.join(run_dir, f"{name}_seed{seed}.json")
-            ckpt = os.path.join(run_dir, f"{name}_seed{seed}.pt")
-            if os.path.exists(cache):
-                with open(cache) as fh:
-                    cached = json.load(fh)
-                if (cached.get("train_config") == _jsonable(asdict(cfg))
+    if run_dir is None:
+        return [_train_seed(name, build_model, sample_batch, config, seed, final_eval, None, evaluate, progress,
+                            loss_curve_points, fingerprint) for seed in seeds]
+    with OutputLock(run_dir):
+        return [_train_seed(name, build_model, sample_batch, config, seed, final_eval, run_dir, evaluate, progress,
+                            loss_curve_points, fingerprint) for seed in seeds]
+
+
+def _train_seed(name, build_model, sample_batch, config: TrainConfig, seed: int, final_eval, run_dir, evaluate,
+                progress: bool, loss_curve_points: int, fingerprint) -> dict[str, Any]:
+    cfg = TrainConfig(**{**asdict(config), "seed": int(seed)})
+    cache = ckpt = None
+    if run_dir is not None:
+        cache = os.path.join(run_dir, f"{name}_seed{seed}.json")
+        ckpt = os.path.join(run_dir, f"{name}_seed{seed}.ckpt")
+        legacy = os.path.join(run_dir, f"{name}_seed{seed}.pt")
+        if os.path.exists(legacy):  # pickle-based checkpoints of older versions are never read
+            warnings.warn(f"{legacy} is a checkpoint of an older version (pickle) and is not loaded; "
+                          "delete it", RuntimeWarning, stacklevel=3)
+        if os.path.exists(cache):
+            try:
+                cached = read_json(cache, what="cached seed result")
+                if (isinstance(cached, dict) and cached.get("train_config") == _jsonable(asdict(cfg))
                         and cached.get("fingerprint") == _jsonable(fingerprint)):
-                    records.append(cached["record"])
-                    continue
-            # A checkpoint left by a run with other task/model settings but the same TrainConfig would
-            # otherwise be resumed; its settings are stamped beside it (no stamp: older runs, kept).
-            stamp = os.path.join(run_dir, f"{name}_seed{seed}.fingerprint.json")
-            if os.path.exists(ckpt) and os.path.exists(stamp):
-                with open(stamp) as fh:
-                    if json.load(fh).get("fingerprint") != _jsonable(fingerprint):
-                        os.remove(ckpt)
-            write_json(stamp, {"fingerprint": fingerprint})
-        seed_everything(int(seed))
-        model = build_model(int(seed))
-        res = train(model, sample_batch, cfg, evaluate=evaluate, checkpoint_path=ckpt, progress=progress,
-                    desc=f"{name} seed {seed}")
-        model.eval()
-        with torch.no_grad():
-            final = final_eval(model)
-        n = len(res.losses)
-        width = max(1, math.ceil(n / loss_curve_points))
-        curve_steps = list(range(width, n + 1, width))
-        curve = [float(np.mean(res.losses[s - width : s])) for s in curve_steps]
-        tail = res.losses[-max(1, n // 10):]
-        record = {"seed": int(seed), "train_seconds": res.seconds, "final_train_loss": float(np.mean(tail)),
-                  "loss_curve": {"step": curve_steps, "loss": curve}, "evals": res.evals, **final}
-        if cache is not None:
-            write_json(cache, {"train_config": asdict(cfg), "fingerprint": fingerprint, "record": record})
-            for done in (ckpt, stamp):
-                if os.path.exists(done):
-                    os.remove(done)
-        records.append(_jsonable(record))
-    return records
+                    return cached["record"]
+            except (ValueError, KeyError, TypeError) as exc:
+                warnings.warn(f"{exc}; training seed {seed} again", RuntimeWarning, stacklevel=3)
+    seed_everything(int(seed))
+    model = build_model(int(seed))
+    res = train(model, sample_batch, cfg, evaluate=evaluate, checkpoint_path=ckpt, progress=progress,
+                desc=f"{name} seed {seed}", identity={"fingerprint": _jsonable(fingerprint)},
+                restart_on_mismatch=True)
+    model.eval()
+    with torch.no_grad():
+        final = final_eval(model)
+    n = len(res.losses)
+    width = max(1, math.ceil(n / loss_curve_points))
+    curve_steps = list(range(width, n + 1, width))
+    curve = [float(np.mean(res.losses[s - width : s])) for s in curve_steps]
+    tail = res.losses[-max(1, n // 10):]
+    record = {"seed": int(seed), "train_seconds": res.seconds, "final_train_loss": float(np.mean(tail)),
+              "loss_curve": {"step": curve_steps, "loss": curve}, "evals": res.evals, **final}
+    if cache is not None:
+        write_json(cache, {"train_config": asdict(cfg), "fingerprint": fingerprint, "record": record})
+        shutil.rmtree(ckpt, ignore_errors=True)
+    return _jsonable(record)
 
 
 def train_lr_grid(

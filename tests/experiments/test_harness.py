@@ -88,7 +88,7 @@ def test_training_lowers_the_loss_and_evaluates():
 
 def test_checkpoint_resume_gives_the_same_trajectory(tmp_path):
     full = train(make_model(), sample_copy, CFG, progress=False)
-    ckpt = str(tmp_path / "run.pt")
+    ckpt = str(tmp_path / "run.ckpt")
     part = train(make_model(), sample_copy, CFG, checkpoint_path=ckpt, stop_after=7, progress=False)
     assert part.step == 7 and not part.finished and os.path.exists(ckpt)
     assert [p for p in os.listdir(tmp_path) if p.startswith(".tmp")] == []  # atomic: no temp files left
@@ -105,7 +105,7 @@ def test_checkpoint_resume_gives_the_same_trajectory(tmp_path):
 
 
 def test_resume_refuses_a_different_config(tmp_path):
-    ckpt = str(tmp_path / "run.pt")
+    ckpt = str(tmp_path / "run.ckpt")
     train(make_model(), sample_copy, CFG, checkpoint_path=ckpt, stop_after=3, progress=False)
     other = TrainConfig(**{**CFG.__dict__, "lr": 1e-3})
     with pytest.raises(ValueError, match="config"):
@@ -127,7 +127,7 @@ def test_train_seeds_caches_finished_seeds(tmp_path):
                        fingerprint={"task": "copy"})
     assert [r["seed"] for r in recs] == [0, 1] and built == [0, 1]
     assert recs[0]["loss_curve"]["step"][-1] == 5 and len(recs[0]["loss_curve"]["loss"]) == 5
-    assert not any(p.endswith(".pt") for p in os.listdir(tmp_path))  # checkpoints removed when done
+    assert not any(p.endswith(".ckpt") for p in os.listdir(tmp_path))  # checkpoints removed when done
     again = train_seeds("toy", build, sample_copy, cfg, [0, 1], final, run_dir=str(tmp_path), progress=False,
                         fingerprint={"task": "copy"})
     assert built == [0, 1] and again == recs  # nothing retrained
@@ -236,15 +236,15 @@ def test_train_seeds_does_not_resume_a_checkpoint_of_other_settings(tmp_path):
     cfg = TrainConfig(steps=6, batch_size=4, lr=1e-2)
     fresh = train_seeds("toy", lambda s: make_model(s), sample_copy, cfg, [0], final, progress=False)
     # an interrupted run of task "a" leaves a checkpoint (and its stamp) behind
-    ckpt = tmp_path / "toy_seed0.pt"
+    ckpt = tmp_path / "toy_seed0.ckpt"
     train_seeds("toy", lambda s: make_model(s), sample_copy, cfg, [0], final, run_dir=str(tmp_path),
                 progress=False, fingerprint={"task": "a"})  # finishes: nothing left
-    assert not ckpt.exists() and not (tmp_path / "toy_seed0.fingerprint.json").exists()
-    write_json(str(tmp_path / "toy_seed0.fingerprint.json"), {"fingerprint": {"task": "a"}})
+    assert not ckpt.exists()
     train(make_model(seed=5), sample_copy, TrainConfig(**{**cfg.__dict__, "seed": 0}), checkpoint_path=str(ckpt),
-          stop_after=3, progress=False)
+          stop_after=3, progress=False, identity={"fingerprint": {"task": "a"}})
     os.remove(tmp_path / "toy_seed0.json")
     # task "b" with the same TrainConfig must start from scratch, not from task "a"'s step 3
-    other = train_seeds("toy", lambda s: make_model(s), sample_copy, cfg, [0], final, run_dir=str(tmp_path),
-                        progress=False, fingerprint={"task": "b"})
+    with pytest.warns(RuntimeWarning, match="task/model settings.*from scratch"):
+        other = train_seeds("toy", lambda s: make_model(s), sample_copy, cfg, [0], final, run_dir=str(tmp_path),
+                            progress=False, fingerprint={"task": "b"})
     assert other[0]["loss_curve"] == fresh[0]["loss_curve"]

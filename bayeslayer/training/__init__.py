@@ -1,0 +1,32 @@
+"""What every training loop of the package shares on disk.
+
+* :mod:`~bayeslayer.training.files` — the one atomic, durable file writer and ``sha256_file``;
+* :mod:`~bayeslayer.training.state` — training state as JSON + safetensors (no pickle) and the
+  RNG states of Python, NumPy and torch;
+* :mod:`~bayeslayer.training.checkpoint` — crash-safe checkpoint folders with a SHA-256 manifest,
+  verified on load, falling back to an older checkpoint when the newest is damaged;
+* :mod:`~bayeslayer.training.lock` — one run per output folder (``fcntl`` lock naming the holder);
+* :mod:`~bayeslayer.training.interrupt` — Ctrl-C stops after the step with a checkpoint.
+"""
+
+from .checkpoint import CheckpointError, CheckpointStore, verify_checkpoint
+from .files import (
+    atomic_write,
+    atomic_write_bytes,
+    atomic_write_json,
+    atomic_write_text,
+    fsync_dir,
+    read_json,
+    remove_stale_temporaries,
+    sha256_file,
+)
+from .interrupt import StopRequest, TrainingInterrupted, stop_on_interrupt
+from .lock import FolderBusyError, OutputLock
+from .state import decode_state, encode_state, load_state, rng_state, save_state, set_rng_state
+
+__all__ = [
+    "CheckpointError", "CheckpointStore", "FolderBusyError", "OutputLock", "StopRequest", "TrainingInterrupted",
+    "atomic_write", "atomic_write_bytes", "atomic_write_json", "atomic_write_text", "decode_state",
+    "encode_state", "fsync_dir", "load_state", "read_json", "remove_stale_temporaries", "rng_state",
+    "save_state", "set_rng_state", "sha256_file", "stop_on_interrupt", "verify_checkpoint",
+]

@@ -1,0 +1,130 @@
+"""Durable, atomic file writes and file digests: the package's one writer.
+
+A reader of ``path`` sees the old file or the new one, never half of one, and after a crash (a kill,
+a power cut) the disk holds one of the two:
+
+1. the bytes go to a temporary file in the same directory (``.tmp-<name>-<random>``);
+2. the temporary file is flushed and ``fsync``-ed, so its data is on disk before it gets a name;
+3. ``os.replace(tmp, path)`` switches the name atomically (POSIX rename);
+4. the directory is ``fsync``-ed, so the rename itself survives a power cut.
+
+On an error (or ``KeyboardInterrupt``) the temporary file is removed; a process killed between
+1 and 3 leaves it behind, and :func:`remove_stale_temporaries` clears such leftovers — only a
+process that holds the folder's lock (:mod:`bayeslayer.training.lock`) may call it, since a
+running writer's temporary file looks the same.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+TMP_PREFIX = ".tmp-"
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    """Hex SHA-256 of a file, read in 4 MiB blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def fsync_dir(directory: str | os.PathLike) -> None:
+    """``fsync`` a directory, so the names created, renamed or removed in it are on disk."""
+    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_file(path: str | os.PathLike) -> None:
+    """``fsync`` a file written by someone else (e.g. a library's ``save`` into a temporary directory)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_write(path: str | os.PathLike, mode: str = "wb", *, encoding: str | None = None,
+                 permissions: int = 0o644) -> Iterator[IO[Any]]:
+    """Open a temporary file beside ``path``; on a clean exit make it ``path`` durably and atomically.
+
+    ``mode``: ``"wb"`` or ``"w"`` (text, ``encoding`` default UTF-8).  ``permissions``: the new
+    file's mode bits (``mkstemp`` makes 0600; results are for everyone to read).  The steps are
+    those of the module docstring; on any exception the temporary file is removed and ``path`` is
+    untouched.
+    """
+    if mode not in ("wb", "w"):
+        raise ValueError(f"mode must be 'wb' or 'w', got {mode!r}")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f"{TMP_PREFIX}{path.name}-")
+    try:
+        with os.fdopen(fd, mode, encoding=(encoding or "utf-8") if mode == "w" else None) as fh:
+            yield fh
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(tmp, permissions)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(path.parent)
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` with :func:`atomic_write`."""
+    with atomic_write(path, "wb") as fh:
+        fh.write(data)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path`` with :func:`atomic_write`."""
+    with atomic_write(path, "w") as fh:
+        fh.write(text)
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any, *, indent: int | None = 1) -> None:
+    """Write ``obj`` as JSON (and a final newline) to ``path`` with :func:`atomic_write`."""
+    atomic_write_text(path, json.dumps(obj, indent=indent) + "\n")
+
+
+def read_json(path: str | os.PathLike, *, what: str = "file") -> Any:
+    """Parse a JSON file; a missing, unreadable or damaged file raises ``ValueError`` naming it."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{what} {path} is damaged or not JSON ({exc}); delete it or restore it") from exc
+
+
+def remove_stale_temporaries(directory: str | os.PathLike) -> list[Path]:
+    """Remove the ``.tmp-*`` files and folders a killed writer left in ``directory``; returns them.
+
+    Call only while holding the folder's lock: another process's write in progress looks the same.
+    """
+    directory = Path(directory)
+    removed = []
+    if not directory.is_dir():
+        return removed
+    for stale in directory.glob(f"{TMP_PREFIX}*"):
+        if stale.is_dir() and not stale.is_symlink():
+            shutil.rmtree(stale, ignore_errors=True)
+        else:
+            stale.unlink(missing_ok=True)
+        removed.append(stale)
+    return removed
