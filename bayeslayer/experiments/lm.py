@@ -24,19 +24,25 @@ windows an uninterrupted one would.
 
 Run directory (``--out``)::
 
-    config.json                      the LMConfig (a resume must match it)
+    .lock                            held while a run uses the folder (a second run is refused)
+    config.json                      the LMConfig (a resume must match it), written once the
+                                     corpus has loaded and the model was built
     log.jsonl                        one JSON object per logged step / evaluation
     checkpoints/latest               name of the newest complete checkpoint
-    checkpoints/step-00000100/       HF model dir (config.json, model.safetensors) + trainer_state.pt
+    checkpoints/step-00000100/       HF model dir (config.json, model.safetensors), trainer_state.json
+                                     + trainer_state.safetensors, manifest.json (SHA-256 of each)
     final/                           HF model dir of the finished model (from_pretrained-able)
     train_summary.json               steps, tokens, tokens/s, final validation PPL by group
 
-A checkpoint is written into a temporary directory, renamed into place (``os.replace``) and only
-then named in ``checkpoints/latest`` (temp file + ``os.replace``): a run killed at any moment
-resumes from the last complete one.  It holds the model (safetensors), optimizer and scheduler
-states, step, loss history and every rank's RNG states (``torch.save``, read back with
-``torch.load(weights_only=True)``), so a resumed run continues the same loss trajectory bit for
-bit on the same machine and world size.
+Checkpoints are :class:`bayeslayer.training.CheckpointStore` folders: written into a temporary
+directory, fsynced, renamed into place and only then named in ``checkpoints/latest``, so a run
+killed at any moment resumes from the last complete one; each file's SHA-256 is checked on load
+(a damaged checkpoint is named, and an older one used when it exists).  A checkpoint holds the
+model (safetensors), optimizer and scheduler states, step, loss history and every rank's RNG
+states (JSON + safetensors, no pickle), so a resumed run continues the same loss trajectory bit
+for bit on the same machine and world size; the log is cut back to the checkpoint's step, so no
+step appears in it twice.  Ctrl-C stops after the current step with a checkpoint
+(:class:`bayeslayer.training.TrainingInterrupted`).
 
 Distributed: launch with ``torchrun --nproc_per_node N -m bayeslayer.cli lm train ...``; the
 ``gloo`` backend is used on CPU, ``nccl`` on CUDA.
@@ -51,8 +57,8 @@ import hashlib
 import json
 import math
 import os
-import random
 import shutil
+import sys
 import tempfile
 import time
 import warnings
@@ -66,6 +72,21 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ..training import (
+    CheckpointStore,
+    OutputLock,
+    TrainingInterrupted,
+    atomic_write_text,
+    fsync_dir,
+    load_state,
+    read_json,
+    remove_stale_temporaries,
+    rng_state,
+    save_state,
+    set_rng_state,
+    stop_on_interrupt,
+)
+from ..training.files import TMP_PREFIX, fsync_file
 from .harness import TrainConfig, lr_lambda, results_record, seed_everything, summarize, write_json
 from .plotting import save_figure
 
@@ -469,81 +490,33 @@ def grouped_perplexity(model, windows: np.ndarray, masks: dict[str, np.ndarray],
 # --------------------------------------------------------------------------- checkpoints
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=path.suffix)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-        os.replace(tmp, path)  # readers see the old file or the new one, never half of one
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
-def _rng_state(device: torch.device) -> dict:
-    """This process's RNG states in types ``torch.load(weights_only=True)`` accepts."""
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    state = {"python": random.getstate(), "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(gauss)],
-             "torch": torch.get_rng_state()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def _set_rng_state(state: dict, device: torch.device) -> None:
-    random.setstate(_as_tuple(state["python"]))
-    kind, keys, pos, has_gauss, gauss = state["numpy"]
-    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
-    torch.set_rng_state(state["torch"])
-    if device.type == "cuda" and "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"], device)
-
-
-def _as_tuple(x):
-    return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
-
-
 def _rank_seed(seed: int, rank: int) -> int:
     # dropout masks must differ between ranks, and not depend on how the model was initialised
     return (seed * 1_000_003 + 7919 * (rank + 1)) % 2**63
 
 
+def checkpoint_store(run_dir: str | os.PathLike, *, keep: int = 1) -> CheckpointStore:
+    """The run's :class:`~bayeslayer.training.CheckpointStore` (``run_dir/checkpoints``)."""
+    return CheckpointStore(Path(run_dir) / "checkpoints", keep=keep)
+
+
 def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint directory of a run, or ``None``."""
-    pointer = Path(run_dir) / "checkpoints" / "latest"
-    if not pointer.is_file():
-        return None
-    path = pointer.parent / pointer.read_text().strip()
-    if not (path / "trainer_state.pt").is_file():
-        raise FileNotFoundError(f"{pointer} names {path.name}, which has no trainer_state.pt; the run "
-                                "directory was damaged (remove checkpoints/ to start over)")
-    return path
+    """The newest checkpoint directory of a run that passes its SHA-256 check, or ``None``.
+
+    A damaged newest checkpoint is set aside with a warning when an older one verifies; when none
+    does, :class:`~bayeslayer.training.CheckpointError` names the damaged file.
+    """
+    return checkpoint_store(run_dir).load()
 
 
 def save_checkpoint(run_dir: Path, model, trainer_state: dict, *, keep: int = 1) -> Path:
-    """Write ``checkpoints/step-XXXXXXXX`` atomically, point ``latest`` at it, drop older ones (rank 0)."""
-    ckpt_root = run_dir / "checkpoints"
-    ckpt_root.mkdir(parents=True, exist_ok=True)
-    name = f"step-{trainer_state['step']:08d}"
-    tmp = Path(tempfile.mkdtemp(dir=ckpt_root, prefix=".tmp-"))
-    try:
-        save_model_dir(model, tmp)
-        torch.save(trainer_state, tmp / "trainer_state.pt")
-        final = ckpt_root / name
-        if final.exists():  # a re-save of the same step (e.g. the end of a resumed finished run)
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    _atomic_write_text(ckpt_root / "latest", name + "\n")
-    steps = sorted(p for p in ckpt_root.glob("step-*") if p.is_dir() and p.name != name)
-    for old in steps[: max(0, len(steps) - (keep - 1))]:
-        shutil.rmtree(old, ignore_errors=True)
-    for stale in ckpt_root.glob(".tmp-*"):  # left by a run killed while writing
-        shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(missing_ok=True)
-    return final
+    """Save ``checkpoints/step-XXXXXXXX`` crash-safely, point ``latest`` at it, drop older ones (rank 0)."""
+
+    def write(directory: Path) -> None:
+        save_model_dir(model, directory)
+        save_state(directory, "trainer_state", trainer_state)
+
+    return checkpoint_store(run_dir, keep=keep).save(trainer_state["step"], write)
 
 
 def save_model_dir(model, directory: Path) -> None:
@@ -599,9 +572,15 @@ class _JsonLog:
         """Drop entries logged after ``step`` (a killed run logged past its last checkpoint)."""
         if not self.enabled or not self.path.exists():
             return
-        kept = [line for line in self.path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= step]
-        _atomic_write_text(self.path, "".join(line + "\n" for line in kept))
+        kept = []
+        for line in self.path.read_text(errors="replace").splitlines():
+            try:
+                entry = json.loads(line)
+            except ValueError:  # the half-written last line of a killed run
+                continue
+            if isinstance(entry, dict) and entry.get("step", 0) <= step:
+                kept.append(line)
+        atomic_write_text(self.path, "".join(line + "\n" for line in kept))
 
     def write(self, **entry) -> None:
         if self.enabled:
@@ -618,17 +597,18 @@ def _check_resume_config(saved: dict, config: LMConfig, where: Path) -> None:
                          "or the same settings")
 
 
-def _check_objective(run_dir: Path, objective: Objective) -> None:
-    """Write ``objective.json``; a run directory that holds another objective's run is an error."""
+def _check_objective(run_dir: Path, objective: Objective, *, write: bool) -> None:
+    """A run directory that holds another objective's run is an error; ``write``: record ``objective.json``."""
     path = run_dir / "objective.json"
     current = objective.describe()
     if path.exists():
-        saved = json.loads(path.read_text())
+        saved = read_json(path, what="the run's objective")
         if saved != current:
             raise ValueError(f"{run_dir} holds a run of another objective ({saved} → {current}); use another --out")
     elif (run_dir / "checkpoints" / "latest").exists() and current != Objective().describe():
         raise ValueError(f"{run_dir} holds a next-token run; objective {current['name']!r} needs another --out")
-    _atomic_write_text(path, json.dumps(current, indent=1) + "\n")
+    if write:
+        atomic_write_text(path, json.dumps(current, indent=1) + "\n")
 
 
 def train_lm(
@@ -679,13 +659,24 @@ def train_lm(
     n_micro = config.batch_size // (config.micro_batch_size * world)
     autocast_dtype = resolve_precision(config.precision, ctx.device)
     run_dir = Path(run_dir)
+    # one run per folder: the lock is taken (rank 0) before anything in the folder is read or written
+    with OutputLock(run_dir) if ctx.is_main else contextlib.nullcontext():
+        return _train_lm(config, run_dir, ctx, n_micro=n_micro, autocast_dtype=autocast_dtype, cache_dir=cache_dir,
+                         stop_after=stop_after, progress=progress, keep_checkpoints=keep_checkpoints,
+                         on_step=on_step, objective=objective)
+
+
+def _train_lm(config: LMConfig, run_dir: Path, ctx: DistContext, *, n_micro: int, autocast_dtype, cache_dir,
+              stop_after, progress: bool, keep_checkpoints: int, on_step, objective: Objective) -> LMTrainResult:
+    world = ctx.world_size
+    config_path = run_dir / "config.json"
+    store = checkpoint_store(run_dir, keep=keep_checkpoints)
     if ctx.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        config_path = run_dir / "config.json"
+        remove_stale_temporaries(run_dir)  # left by a killed run; safe: this process holds the lock
+        store.recover()
         if config_path.exists():
-            _check_resume_config(json.loads(config_path.read_text()), config, run_dir)
-        _atomic_write_text(config_path, json.dumps(config.to_json(), indent=1) + "\n")
-        _check_objective(run_dir, objective)
+            _check_resume_config(read_json(config_path, what="the run's configuration"), config, run_dir)
+        _check_objective(run_dir, objective, write=False)
     ctx.barrier()
 
     corpus = load_corpus(config, ctx, cache_dir=cache_dir, splits=("train", "validation"))
@@ -705,27 +696,37 @@ def train_lm(
                                   weight_decay=config.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config.train_config()))
     torch.manual_seed(_rank_seed(config.seed, ctx.rank))
+    if ctx.is_main:  # the inputs are valid (corpus loaded, model built): record what this run is
+        atomic_write_text(config_path, json.dumps(config.to_json(), indent=1) + "\n")
+        _check_objective(run_dir, objective, write=True)
 
     result = LMTrainResult(run_dir=run_dir)
     train_seconds_before = 0.0
     log = _JsonLog(run_dir / "log.jsonl", ctx.is_main)
-    ckpt = latest_checkpoint(run_dir)
+    ckpt = store.load() if ctx.is_main else None
+    if ctx.distributed:  # rank 0 verified (and perhaps fell back): every rank loads the same one
+        chosen = [str(ckpt) if ckpt is not None else None]
+        dist.broadcast_object_list(chosen, src=0)
+        ckpt = Path(chosen[0]) if chosen[0] is not None else None
+    saved_step = -1  # the step of the last complete checkpoint on disk
     if ckpt is not None:
         load_model_weights(model, ckpt)
-        state = torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=True)
+        state = load_state(ckpt, "trainer_state")
         _check_resume_config(json.loads(state["config"]), config, ckpt)
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         result.step, result.losses, result.evals = state["step"], list(state["losses"]), list(state["evals"])
         train_seconds_before = float(state["train_seconds"])
         if state["world_size"] == world:
-            _set_rng_state(state["rng"][ctx.rank], ctx.device)
+            set_rng_state(state["rng"][ctx.rank], ctx.device)
         else:
             warnings.warn(f"{ckpt} was written by {state['world_size']} rank(s), this job has {world}: the data "
                           "order and weights resume exactly, the dropout RNG streams do not", RuntimeWarning,
                           stacklevel=2)
             torch.manual_seed(_rank_seed(config.seed, ctx.rank) + result.step)
-        result.resumed_from = result.step
+        result.resumed_from = saved_step = result.step
+        if ctx.is_main and result.step < config.steps:
+            print(f"lm {config.model_label}: resuming from step {result.step} ({ckpt})", file=sys.stderr, flush=True)
         log.truncate_after(result.step)
         log.write(event="resume", step=result.step, world_size=world, time=time.time())
     else:
@@ -740,7 +741,7 @@ def train_lm(
             find_unused_parameters=objective.find_unused_parameters)
 
     def trainer_state() -> dict:
-        rng = _rng_state(ctx.device)
+        rng = rng_state(ctx.device)
         if ctx.distributed:
             gathered: list = [None] * world
             dist.all_gather_object(gathered, rng)
@@ -753,10 +754,19 @@ def train_lm(
                 "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng}
 
     def checkpoint() -> None:
+        nonlocal saved_step
         state = trainer_state()  # collective: every rank contributes its RNG state
         if ctx.is_main:
             save_checkpoint(run_dir, model, state, keep=keep_checkpoints)
+        saved_step = result.step
         ctx.barrier()
+
+    def stop_requested(stop) -> bool:
+        if not ctx.distributed:
+            return stop.requested
+        flag = torch.tensor([float(stop.requested)], device=ctx.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank stops at the same step
+        return bool(flag.item())
 
     def evaluate(final: bool) -> dict:
         windows, masks = val_windows, val_masks
@@ -779,68 +789,87 @@ def train_lm(
                    dynamic_ncols=True)
     start_step, session_tokens = result.step, 0
     window_losses: list[float] = []
-    while result.step < end:
-        step = result.step
-        t0 = time.perf_counter()
-        mine = schedule.step_windows(step, ctx.rank, world)
-        loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)
-        parts_sum: dict[str, float] = {}
-        if hasattr(trainee, "set_step"):
-            trainee.set_step(step)
-        for i in range(n_micro):
-            rows = mine[i * config.micro_batch_size:(i + 1) * config.micro_batch_size]
-            ids = torch.from_numpy(np.asarray(train_windows[rows], dtype=np.int64)).to(ctx.device)
-            sync = ddp_model is trainee or i == n_micro - 1
-            with (contextlib.nullcontext() if sync else ddp_model.no_sync()):
-                with _autocast(ctx.device, autocast_dtype):
-                    out = ddp_model(ids)
-                    loss, parts = out if isinstance(out, tuple) else (out, {})
-                    loss = loss / n_micro
-                loss.backward()
-            loss_sum += loss.detach().double()
-            for k, v in parts.items():
-                parts_sum[k] = parts_sum.get(k, 0.0) + float(v) / n_micro
-        if ctx.distributed:
-            dist.all_reduce(loss_sum)
-            loss_sum /= world
-        loss_value = float(loss_sum)
-        if not math.isfinite(loss_value):
-            raise FloatingPointError(f"lm {config.model_label}: loss became {loss_value} at step {step}")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, config.grad_clip))
-        lr = scheduler.get_last_lr()[0]
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        result.step = step + 1
-        result.losses.append(loss_value)
-        window_losses.append(loss_value)
-        result.seconds += time.perf_counter() - t0
-        session_tokens += config.tokens_per_step
-        tokens_per_s = session_tokens / max(result.seconds, 1e-9)
+    try:
+        with stop_on_interrupt() as stop:
+            while result.step < end:
+                step = result.step
+                t0 = time.perf_counter()
+                mine = schedule.step_windows(step, ctx.rank, world)
+                loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)
+                parts_sum: dict[str, float] = {}
+                if hasattr(trainee, "set_step"):
+                    trainee.set_step(step)
+                for i in range(n_micro):
+                    rows = mine[i * config.micro_batch_size:(i + 1) * config.micro_batch_size]
+                    ids = torch.from_numpy(np.asarray(train_windows[rows], dtype=np.int64)).to(ctx.device)
+                    sync = ddp_model is trainee or i == n_micro - 1
+                    with (contextlib.nullcontext() if sync else ddp_model.no_sync()):
+                        with _autocast(ctx.device, autocast_dtype):
+                            out = ddp_model(ids)
+                            loss, parts = out if isinstance(out, tuple) else (out, {})
+                            loss = loss / n_micro
+                        loss.backward()
+                    loss_sum += loss.detach().double()
+                    for k, v in parts.items():
+                        parts_sum[k] = parts_sum.get(k, 0.0) + float(v) / n_micro
+                if ctx.distributed:
+                    dist.all_reduce(loss_sum)
+                    loss_sum /= world
+                loss_value = float(loss_sum)
+                if not math.isfinite(loss_value):
+                    raise FloatingPointError(f"lm {config.model_label}: loss became {loss_value} at step {step}")
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(params, config.grad_clip))
+                lr = scheduler.get_last_lr()[0]
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                result.step = step + 1
+                result.losses.append(loss_value)
+                window_losses.append(loss_value)
+                result.seconds += time.perf_counter() - t0
+                session_tokens += config.tokens_per_step
+                tokens_per_s = session_tokens / max(result.seconds, 1e-9)
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{tokens_per_s:,.0f}")
+                if result.step % config.log_every == 0 or result.step == end:
+                    log.write(event="train", step=result.step, loss=loss_value, loss_mean=float(np.mean(window_losses)),
+                              lr=lr, grad_norm=grad_norm, tokens=result.step * config.tokens_per_step,
+                              tokens_per_s=tokens_per_s, train_seconds=train_seconds_before + result.seconds,
+                              **({"parts": parts_sum} if parts_sum else {}))
+                    window_losses = []
+                if on_step is not None:
+                    on_step(result.step, loss_value)
+                if config.eval_every and result.step % config.eval_every == 0 and result.step < config.steps:
+                    result.evals.append(evaluate(final=False))
+                if config.checkpoint_every and result.step % config.checkpoint_every == 0:
+                    checkpoint()
+                if stop_requested(stop):
+                    if saved_step != result.step:
+                        checkpoint()
+                    raise TrainingInterrupted(
+                        f"lm {config.model_label}: interrupted at step {result.step}; saved it to "
+                        f"{store.pointed()}; rerun the same command to resume", step=result.step,
+                        checkpoint=str(store.pointed()))
+    except TrainingInterrupted:
+        raise
+    except KeyboardInterrupt:  # a second Ctrl-C, mid-step: the last complete checkpoint stands
+        last = store.pointed() if ctx.is_main else None
+        raise TrainingInterrupted(
+            f"lm {config.model_label}: interrupted during step {result.step + 1}; "
+            + (f"the last complete checkpoint is {last}; rerun the same command to resume" if last
+               else "no checkpoint was saved"), step=saved_step, checkpoint=str(last) if last else None) from None
+    finally:
         if bar is not None:
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{tokens_per_s:,.0f}")
-        if result.step % config.log_every == 0 or result.step == end:
-            log.write(event="train", step=result.step, loss=loss_value, loss_mean=float(np.mean(window_losses)),
-                      lr=lr, grad_norm=grad_norm, tokens=result.step * config.tokens_per_step,
-                      tokens_per_s=tokens_per_s, train_seconds=train_seconds_before + result.seconds,
-                      **({"parts": parts_sum} if parts_sum else {}))
-            window_losses = []
-        if on_step is not None:
-            on_step(result.step, loss_value)
-        if config.eval_every and result.step % config.eval_every == 0 and result.step < config.steps:
-            result.evals.append(evaluate(final=False))
-        if config.checkpoint_every and result.step % config.checkpoint_every == 0:
-            checkpoint()
-    if bar is not None:
-        bar.close()
+            bar.close()
     result.finished = result.step >= config.steps
     steps_done = result.step - start_step
     result.tokens = result.step * config.tokens_per_step
     result.tokens_per_second = steps_done * config.tokens_per_step / result.seconds if steps_done else 0.0
     if result.finished and (not result.evals or not result.evals[-1].get("final")):
         result.evals.append(evaluate(final=True))
-    if not (config.checkpoint_every and result.step % config.checkpoint_every == 0 and steps_done):
+        saved_step = -1  # the evaluation is part of the trainer state
+    if saved_step != result.step:
         checkpoint()
     if result.finished:
         result.summary = _finish(run_dir, model, config, result, ctx, train_seconds_before,
@@ -883,22 +912,41 @@ def _finish(run_dir: Path, model, config: LMConfig, result: LMTrainResult, ctx: 
         "rank_weights_sha256": digests, "objective": objective.describe(), **checks,
     }
     if ctx.is_main:
-        final = run_dir / "final"
-        tmp = Path(tempfile.mkdtemp(dir=run_dir, prefix=".tmp-final-"))
-        try:
-            save_model_dir(model, tmp)
-            _atomic_write_text(tmp / "lm_config.json", json.dumps(config.to_json(), indent=1) + "\n")
-            _atomic_write_text(tmp / "objective.json", json.dumps(objective.describe(), indent=1) + "\n")
-            if tokenizer is not None:  # the model directory is self-contained (NIAH, lm-eval, from_pretrained)
-                tokenizer.save(str(tmp / "tokenizer.json"))
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
+        _publish_model_dir(run_dir / "final", lambda tmp: _write_final(tmp, model, config, objective, tokenizer))
         write_json(str(run_dir / "train_summary.json"), summary)
     return summary
+
+
+def _write_final(directory: Path, model, config: LMConfig, objective: Objective, tokenizer) -> None:
+    save_model_dir(model, directory)
+    (directory / "lm_config.json").write_text(json.dumps(config.to_json(), indent=1) + "\n")
+    (directory / "objective.json").write_text(json.dumps(objective.describe(), indent=1) + "\n")
+    if tokenizer is not None:  # the model directory is self-contained (NIAH, lm-eval, from_pretrained)
+        tokenizer.save(str(directory / "tokenizer.json"))
+
+
+def _publish_model_dir(final: Path, write: Callable[[Path], None]) -> None:
+    """Replace the directory ``final`` by what ``write(tmp)`` writes: durably, the old one kept until the
+    new one is complete and fsynced (a kill leaves the old one, or none and a ``.tmp-`` folder that the
+    next run removes — the run's last checkpoint then writes it again)."""
+    parent = final.parent
+    tmp = Path(tempfile.mkdtemp(dir=parent, prefix=f"{TMP_PREFIX}{final.name}-"))
+    old = None
+    try:
+        write(tmp)
+        for path in tmp.iterdir():
+            fsync_file(path)
+        fsync_dir(tmp)
+        if final.exists():
+            old = Path(tempfile.mkdtemp(dir=parent, prefix=f"{TMP_PREFIX}old-{final.name}-"))
+            os.replace(final, old / final.name)
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    fsync_dir(parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------- evaluation of runs
@@ -1040,7 +1088,7 @@ def write_report(record: dict, out_dir: str | os.PathLike, name: str = "lm") -> 
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {"json": out_dir / f"{name}.json", "table": out_dir / f"{name}.md", "plot": out_dir / f"{name}.png"}
     write_json(str(paths["json"]), record)
-    _atomic_write_text(paths["table"], markdown_table(record))
+    atomic_write_text(paths["table"], markdown_table(record))
     bar_plot(record, paths["plot"])
     return paths
 
@@ -1102,7 +1150,7 @@ def _eval_main(args) -> int:
         record = load_json(args.plot_only)
         out_dir = Path(args.plot_only).parent
         name = Path(args.plot_only).stem
-        _atomic_write_text(out_dir / f"{name}.md", markdown_table(record))
+        atomic_write_text(out_dir / f"{name}.md", markdown_table(record))
         bar_plot(record, out_dir / f"{name}.png")
         print(markdown_table(record))
         return 0
