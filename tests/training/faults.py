@@ -1,0 +1,74 @@
+"""Kill a process at the i-th filesystem step: the fault injector of the crash-safety tests.
+
+:func:`run_killed_at` forks; the child counts every call of the operations that change what is on
+disk — ``os.mkdir``, ``os.fsync``, ``os.replace``, ``os.rename``, ``os.unlink``, ``os.remove``,
+``os.rmdir``, ``os.ftruncate``, ``os.chmod``, ``shutil.rmtree`` (and with them every file write,
+since each write is followed by its ``fsync``) — and calls ``os._exit`` just before the
+``crash_at``-th one: no ``finally`` block, no cleanup, no flush, like ``kill -9``.  Forking keeps
+each kill cheap (no interpreter start); the parent then resumes in-process from whatever the child
+left on disk.  Torch runs single-threaded in both (see :func:`single_thread`), so a fork never
+inherits a busy OpenMP pool and the resumed floats are reduced in the same order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from collections.abc import Callable, Iterator
+
+import torch
+
+KILLED = 77
+_OPS = [(os, name) for name in ("mkdir", "fsync", "replace", "rename", "unlink", "remove", "rmdir", "ftruncate",
+                                "chmod")] + [(shutil, "rmtree")]
+
+
+@contextlib.contextmanager
+def single_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def run_killed_at(fn: Callable[[], object], crash_at: int | None) -> tuple[int, int]:
+    """Run ``fn()`` in a forked child killed before its ``crash_at``-th disk operation (never when
+    ``None``); returns ``(exit code, operations counted)`` — exit code :data:`KILLED` when killed, 0
+    when ``fn`` finished first, 1 when it raised."""
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        code = 1
+        try:
+            os.close(read_fd)
+            count = [0]
+            originals = {}
+            for module, name in _OPS:
+                original = getattr(module, name)
+                originals[(module, name)] = original
+
+                def counted(*args, _original=original, **kwargs):
+                    if crash_at is not None and count[0] == crash_at:
+                        os._exit(KILLED)
+                    count[0] += 1
+                    return _original(*args, **kwargs)
+
+                setattr(module, name, counted)
+            fn()
+            code = 0
+        except BaseException:  # noqa: BLE001 - reported to the parent as exit code 1
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            with contextlib.suppress(Exception):
+                os.write(write_fd, str(count[0]).encode())
+            os._exit(code)
+    os.close(write_fd)
+    with os.fdopen(read_fd) as fh:
+        counted_ops = int(fh.read() or 0)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status), counted_ops

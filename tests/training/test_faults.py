@@ -1,0 +1,110 @@
+"""A kill at every filesystem step of training (checkpoint saves included) leaves a run that resumes
+and finishes bit-identical to an uninterrupted one — for the harness loop and the LM loop."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from bayeslayer.experiments.harness import TrainConfig, train
+
+from ..experiments.test_harness import make_model, sample_copy
+from .faults import KILLED, run_killed_at, single_thread
+
+
+def _digest(model: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for name, t in model.state_dict().items():
+        h.update(name.encode() + t.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+HARNESS_CFG = TrainConfig(steps=6, batch_size=8, lr=1e-2, warmup_steps=1, checkpoint_every=2)
+
+
+def _harness_run(ckpt: Path) -> tuple[str, list[float]]:
+    model = make_model()
+    res = train(model, sample_copy, HARNESS_CFG, checkpoint_path=str(ckpt), progress=False)
+    return _digest(model), res.losses
+
+
+def test_harness_kill_at_every_disk_step_resumes_bit_identical(tmp_path):
+    with single_thread():
+        reference, ref_losses = _harness_run(tmp_path / "reference")
+        code, total = run_killed_at(lambda: _harness_run(tmp_path / "count"), None)
+        assert code == 0 and total > 40  # 3 checkpoint saves + 1 final, each ~13 steps
+        for i in range(total):
+            ckpt = tmp_path / f"kill{i}"
+            code, _ = run_killed_at(lambda ckpt=ckpt: _harness_run(ckpt), i)
+            assert code == KILLED, f"the child was not killed at operation {i}"
+            digest, losses = _harness_run(ckpt)
+            assert digest == reference, f"kill before disk operation {i}: the resumed run's weights differ"
+            assert losses == ref_losses, f"kill before disk operation {i}: the loss history differs"
+    print(f"harness: {total} kill points, all resumed bit-identical")
+
+
+# ---------------------------------------------------------------------------- the LM loop
+
+@pytest.fixture(scope="module")
+def lm_setup(tmp_path_factory):
+    from bayeslayer.experiments.lm import LMConfig
+
+    from ..experiments.corpus import write_word_corpus
+
+    root = tmp_path_factory.mktemp("lm_faults")
+    source = write_word_corpus(root / "text", {"train": 20, "validation": 4, "test": 4}, sentences=10,
+                               repeat_phrase=True)
+    config = LMConfig(preset="test", mixer="bayesian", hidden_size=16, num_layers=1, num_heads=2, head_dim=8,
+                      mlp_dropout=0.1, source=str(source), vocab_size=280, seq_len=16, steps=4, batch_size=2,
+                      micro_batch_size=2, lr=3e-3, warmup_steps=1, eval_every=0, eval_windows=2, eval_batch_size=4,
+                      checkpoint_every=2, log_every=1, seed=0)
+    return config, str(root / "cache")
+
+
+def _lm_run(config, run_dir: Path, cache: str):
+    from bayeslayer.experiments.lm import train_lm
+
+    return train_lm(config, run_dir, cache_dir=cache, progress=False, keep_checkpoints=1)
+
+
+def _lm_steps(run_dir: Path) -> list[int]:
+    rows = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()]
+    return [r["step"] for r in rows if r["event"] == "train"]
+
+
+def _lm_grid(tmp_path, lm_setup, points) -> int:
+    config, cache = lm_setup
+    with single_thread():
+        ref = _lm_run(config, tmp_path / "reference", cache)
+        code, total = run_killed_at(lambda: _lm_run(config, tmp_path / "count", cache), None)
+        assert code == 0
+        chosen = points(total)
+        for i in chosen:
+            run = tmp_path / f"kill{i}"
+            code, _ = run_killed_at(lambda run=run: _lm_run(config, run, cache), i)
+            assert code == KILLED, f"the child was not killed at operation {i}"
+            res = _lm_run(config, run, cache)
+            assert res.finished and res.summary["weights_sha256"] == ref.summary["weights_sha256"], (
+                f"kill before disk operation {i}: the resumed run's weights differ")
+            assert res.losses == ref.losses, f"kill before disk operation {i}"
+            assert _lm_steps(run) == [1, 2, 3, 4], f"kill before disk operation {i}: log {_lm_steps(run)}"
+            assert json.loads((run / "train_summary.json").read_text())["weights_sha256"] == ref.summary[
+                "weights_sha256"]
+    return total
+
+
+def test_lm_kill_at_every_fifth_disk_step_resumes_bit_identical(tmp_path, lm_setup):
+    """Every fifth disk operation of a 4-step run (checkpoints at steps 2 and 4, keep=1, final/);
+    the slow test below kills at every one."""
+    total = _lm_grid(tmp_path, lm_setup, lambda total: list(range(0, total, 5)))
+    print(f"lm: {len(range(0, total, 5))} kill points of {total}, all resumed bit-identical")
+
+
+@pytest.mark.slow
+def test_lm_kill_at_every_disk_step_resumes_bit_identical(tmp_path, lm_setup):
+    total = _lm_grid(tmp_path, lm_setup, lambda total: list(range(total)))
+    print(f"lm: {total} kill points, all resumed bit-identical")
