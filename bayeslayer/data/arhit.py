@@ -33,12 +33,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from bayeslayer.training.files import atomic_write
 
 MAX_DISTANCE = 1024
 MAX_TRAIN_COUNT = 16
@@ -181,22 +182,16 @@ class BigramCounts:
         return np.where(self.keys[idx] == keys, self.counts[idx], 0).astype(np.int64)
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write to ``path`` (``.npz``) atomically: a temp file, then a rename."""
+        """Write to ``path`` (``.npz``) atomically and durably (:func:`bayeslayer.training.files.atomic_write`)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp.npz")
-        os.close(fd)
-        try:
+        with atomic_write(path, "wb") as fh:
             np.savez(
-                tmp,
+                fh,
                 keys=self.keys,
                 counts=self.counts,
                 meta=np.array(json.dumps({"vocab_size": self.vocab_size, "n_tokens": self.n_tokens})),
             )
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> BigramCounts:

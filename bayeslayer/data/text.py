@@ -52,18 +52,19 @@ import os
 import re
 import shutil
 import subprocess
-import tempfile
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from html.parser import HTMLParser
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import torch
 import torch.utils.data
 
 from bayeslayer.data.arhit import ARHitAnnotation, BigramCounts, annotate_ar_hits
+from bayeslayer.training.files import atomic_write, atomic_write_text, sha256_file
 
 SPLITS = ("train", "validation", "test")
 SPLIT_ALIASES = {
@@ -662,26 +663,6 @@ def _token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
 
 
-def sha256_file(path: Path) -> str:
-    """Hex SHA-256 of a file, read in 4 MiB blocks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
 def _open_cached(bin_path: Path, meta_path: Path, *, verify: bool) -> tuple[np.ndarray, dict]:
     """Open a cache entry; raise CacheError if it is inconsistent."""
     try:
@@ -708,39 +689,38 @@ def _encode_documents(
     docs: Sequence[DocumentSource],
     tokenizer,
     eos_id: int,
-    out_path: Path,
+    f: BinaryIO,
     dtype: np.dtype,
     batch_docs: int = 64,
 ) -> tuple[int, str]:
-    """Tokenize documents to ``out_path`` (ids of each followed by EOS); return (count, sha256)."""
+    """Tokenize documents into the open binary file ``f`` (ids of each followed by EOS); return (count, sha256)."""
     digest = hashlib.sha256()
     n_tokens = 0
     eos = np.array([eos_id], dtype=dtype)
-    with open(out_path, "wb") as f:
 
-        def write(arr: np.ndarray) -> None:
-            nonlocal n_tokens
-            data = arr.astype(dtype, copy=False).tobytes()
-            f.write(data)
-            digest.update(data)
-            n_tokens += arr.shape[0]
+    def write(arr: np.ndarray) -> None:
+        nonlocal n_tokens
+        data = arr.astype(dtype, copy=False).tobytes()
+        f.write(data)
+        digest.update(data)
+        n_tokens += arr.shape[0]
 
-        for start in range(0, len(docs), batch_docs):
-            batch = docs[start : start + batch_docs]
-            pieces, owner = [], []
-            for i, doc in enumerate(batch):
-                for piece in _text_pieces(doc.read()):
-                    if piece:
-                        pieces.append(piece)
-                        owner.append(i)
-            encodings = tokenizer.encode_batch(pieces, add_special_tokens=False) if pieces else []
-            per_doc: list[list[np.ndarray]] = [[] for _ in batch]
-            for i, enc in zip(owner, encodings, strict=True):
-                per_doc[i].append(np.asarray(enc.ids, dtype=np.int64))
-            for arrays in per_doc:
-                if arrays:
-                    write(np.concatenate(arrays))
-                    write(eos)
+    for start in range(0, len(docs), batch_docs):
+        batch = docs[start : start + batch_docs]
+        pieces, owner = [], []
+        for i, doc in enumerate(batch):
+            for piece in _text_pieces(doc.read()):
+                if piece:
+                    pieces.append(piece)
+                    owner.append(i)
+        encodings = tokenizer.encode_batch(pieces, add_special_tokens=False) if pieces else []
+        per_doc: list[list[np.ndarray]] = [[] for _ in batch]
+        for i, enc in zip(owner, encodings, strict=True):
+            per_doc[i].append(np.asarray(enc.ids, dtype=np.int64))
+        for arrays in per_doc:
+            if arrays:
+                write(np.concatenate(arrays))
+                write(eos)
     return n_tokens, digest.hexdigest()
 
 
@@ -787,20 +767,14 @@ def tokenize_split(
             warnings.warn(f"{exc}; rebuilding it", RuntimeWarning, stacklevel=2)
             meta_path.unlink(missing_ok=True)
 
-    fd, tmp_name = tempfile.mkstemp(dir=cache_dir, prefix=bin_path.name + ".", suffix=".tmp")
-    os.close(fd)
-    tmp = Path(tmp_name)
-    try:
-        n_tokens, checksum = _encode_documents(docs, tokenizer, eos_id, tmp, dtype)
+    with atomic_write(bin_path, "wb") as f:  # a kill leaves no half cache under the real name
+        n_tokens, checksum = _encode_documents(docs, tokenizer, eos_id, f, dtype)
         _PARQUET_SLOT.clear()
         if n_tokens == 0:  # empty documents are skipped, EOS included
             raise ValueError(f"split {split!r}: all {len(docs)} documents are empty")
-        os.replace(tmp, bin_path)
-    finally:
-        tmp.unlink(missing_ok=True)
     meta = {"n_tokens": n_tokens, "dtype": dtype.str, "sha256": checksum, "n_documents": len(docs)}
     meta["key"] = fields  # for a human reading the cache directory
-    _atomic_write_text(meta_path, json.dumps(meta, indent=1, default=str))
+    atomic_write_text(meta_path, json.dumps(meta, indent=1, default=str))
     tokens, _ = _open_cached(bin_path, meta_path, verify=False)
     return TokenStream(split, tokens, bin_path, False, len(docs))
 
@@ -1019,7 +993,7 @@ def _trained_tokenizer(files: CorpusFiles, vocab_size: int, cache_dir: Path, eos
     cache_dir.mkdir(parents=True, exist_ok=True)
     texts = (doc.read() for doc in files.splits["train"])
     tokenizer = train_bpe_tokenizer(texts, vocab_size, eos_token=eos_token)
-    _atomic_write_text(path, tokenizer.to_str())
+    atomic_write_text(path, tokenizer.to_str())
     return tokenizer, path
 
 

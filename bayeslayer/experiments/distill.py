@@ -46,6 +46,7 @@ them with our choices (marked below); the ``cpu`` preset is a pipeline check, no
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import math
@@ -58,7 +59,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..data.text import sha256_file
+from ..training import OutputLock, read_json
+from ..training.files import sha256_file
 from .distill_losses import (
     COSINE_WEIGHT,
     MLP_LR_SCALE,
@@ -454,9 +456,18 @@ def run_distill(
         teacher_config = BayesLayerConfig.from_pretrained(teacher_dir)
     report: dict = {"config": config.to_json(), "teacher_dir": str(teacher_dir), "tokenizer": tokenizer,
                     "tokens": config.tokens, "stages": {}}
+    # one distillation per folder (each stage's folder is locked by train_lm as well)
+    with OutputLock(out) if int(os.environ.get("RANK", "0")) == 0 else contextlib.nullcontext():
+        return _run_stages(config, out, report, stages=stages, teacher_dir=teacher_dir, teacher_config=teacher_config,
+                           tokenizer=tokenizer, device=device, cache_dir=cache_dir, progress=progress,
+                           stop_after=stop_after)
+
+
+def _run_stages(config: DistillConfig, out: Path, report: dict, *, stages, teacher_dir: Path, teacher_config,
+                tokenizer: str, device: str, cache_dir, progress: bool, stop_after) -> dict:
     summary_path = out / "distill.json"
     if summary_path.is_file():
-        report["stages"] = json.loads(summary_path.read_text()).get("stages", {})
+        report["stages"] = read_json(summary_path, what="the distillation report").get("stages", {})
     for stage in [s for s in STAGES if s in stages]:
         init_dir = None
         if stage == "phase_b":

@@ -57,9 +57,7 @@ import hashlib
 import json
 import math
 import os
-import shutil
 import sys
-import tempfile
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -77,7 +75,6 @@ from ..training import (
     OutputLock,
     TrainingInterrupted,
     atomic_write_text,
-    fsync_dir,
     load_state,
     read_json,
     remove_stale_temporaries,
@@ -86,7 +83,7 @@ from ..training import (
     set_rng_state,
     stop_on_interrupt,
 )
-from ..training.files import TMP_PREFIX, fsync_file
+from ..training.files import publish_directory, sha256_file
 from .harness import TrainConfig, lr_lambda, results_record, seed_everything, summarize, write_json
 from .plotting import save_figure
 
@@ -912,7 +909,7 @@ def _finish(run_dir: Path, model, config: LMConfig, result: LMTrainResult, ctx: 
         "rank_weights_sha256": digests, "objective": objective.describe(), **checks,
     }
     if ctx.is_main:
-        _publish_model_dir(run_dir / "final", lambda tmp: _write_final(tmp, model, config, objective, tokenizer))
+        publish_directory(run_dir / "final", lambda tmp: _write_final(tmp, model, config, objective, tokenizer))
         write_json(str(run_dir / "train_summary.json"), summary)
     return summary
 
@@ -923,30 +920,6 @@ def _write_final(directory: Path, model, config: LMConfig, objective: Objective,
     (directory / "objective.json").write_text(json.dumps(objective.describe(), indent=1) + "\n")
     if tokenizer is not None:  # the model directory is self-contained (NIAH, lm-eval, from_pretrained)
         tokenizer.save(str(directory / "tokenizer.json"))
-
-
-def _publish_model_dir(final: Path, write: Callable[[Path], None]) -> None:
-    """Replace the directory ``final`` by what ``write(tmp)`` writes: durably, the old one kept until the
-    new one is complete and fsynced (a kill leaves the old one, or none and a ``.tmp-`` folder that the
-    next run removes — the run's last checkpoint then writes it again)."""
-    parent = final.parent
-    tmp = Path(tempfile.mkdtemp(dir=parent, prefix=f"{TMP_PREFIX}{final.name}-"))
-    old = None
-    try:
-        write(tmp)
-        for path in tmp.iterdir():
-            fsync_file(path)
-        fsync_dir(tmp)
-        if final.exists():
-            old = Path(tempfile.mkdtemp(dir=parent, prefix=f"{TMP_PREFIX}old-{final.name}-"))
-            os.replace(final, old / final.name)
-        os.replace(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    fsync_dir(parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------- evaluation of runs
@@ -981,7 +954,7 @@ def evaluate_run(run_dir: str | os.PathLike, *, split: str = "test", seq_len: in
     config, model = load_run(run_dir, device=ctx.device)
     seq_len = config.seq_len if seq_len is None else _check_int("seq_len", seq_len, minimum=2)
     cache = Path(run_dir) / f"eval-{split}-L{seq_len}-{precision}.json"
-    weights = hashlib.sha256((Path(run_dir) / "final" / "model.safetensors").read_bytes()).hexdigest()
+    weights = sha256_file(Path(run_dir) / "final" / "model.safetensors")
     if cache.is_file():
         cached = json.loads(cache.read_text())
         if cached.get("weights_sha256") == weights:

@@ -71,10 +71,11 @@ def save_figure(fig, path: str | os.PathLike) -> Path:
 
 def save_json(obj: dict, path: str | os.PathLike) -> Path:
     """Write ``obj`` as indented JSON (parent folders created).  Rejects NaN/Inf: results must be numbers."""
+    from ..training.files import atomic_write_text
+
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps(obj, indent=1, allow_nan=False)
-    path.write_text(text + "\n")
+    atomic_write_text(path, text + "\n")  # a kill never leaves half a results file
     return path
 
 

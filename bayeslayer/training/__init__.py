@@ -16,6 +16,7 @@ from .files import (
     atomic_write_json,
     atomic_write_text,
     fsync_dir,
+    publish_directory,
     read_json,
     remove_stale_temporaries,
     sha256_file,
@@ -27,6 +28,6 @@ from .state import decode_state, encode_state, load_state, rng_state, save_state
 __all__ = [
     "CheckpointError", "CheckpointStore", "FolderBusyError", "OutputLock", "StopRequest", "TrainingInterrupted",
     "atomic_write", "atomic_write_bytes", "atomic_write_json", "atomic_write_text", "decode_state",
-    "encode_state", "fsync_dir", "load_state", "read_json", "remove_stale_temporaries", "rng_state",
-    "save_state", "set_rng_state", "sha256_file", "stop_on_interrupt", "verify_checkpoint",
+    "encode_state", "fsync_dir", "load_state", "publish_directory", "read_json", "remove_stale_temporaries",
+    "rng_state", "save_state", "set_rng_state", "sha256_file", "stop_on_interrupt", "verify_checkpoint",
 ]

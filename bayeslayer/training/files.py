@@ -22,7 +22,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -110,6 +110,38 @@ def read_json(path: str | os.PathLike, *, what: str = "file") -> Any:
         raise
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"{what} {path} is damaged or not JSON ({exc}); delete it or restore it") from exc
+
+
+def publish_directory(final: str | os.PathLike, write: Callable[[Path], object]) -> Path:
+    """Replace the folder ``final`` by what ``write(tmp)`` writes into a fresh temporary folder.
+
+    The new folder's files and the folder itself are ``fsync``-ed before it gets its name; an old
+    ``final`` is moved aside first (POSIX cannot rename over a non-empty folder) and removed only
+    after the new one is in place.  A kill leaves the old folder, or neither and ``.tmp-`` folders
+    for :func:`remove_stale_temporaries` — a caller must be able to write ``final`` again from its
+    own checkpoint (the LM loop's last checkpoint does).
+    """
+    final = Path(final)
+    parent = final.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=parent, prefix=f"{TMP_PREFIX}{final.name}-"))
+    old = None
+    try:
+        write(tmp)
+        for path in tmp.iterdir():
+            fsync_file(path)
+        fsync_dir(tmp)
+        if final.exists():
+            old = Path(tempfile.mkdtemp(dir=parent, prefix=f"{TMP_PREFIX}old-{final.name}-"))
+            os.replace(final, old / final.name)
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    fsync_dir(parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
 
 
 def remove_stale_temporaries(directory: str | os.PathLike) -> list[Path]:
