@@ -324,7 +324,7 @@ def _train(model, sample_batch, config: TrainConfig, evaluate, store: Checkpoint
     except KeyboardInterrupt:  # a second Ctrl-C, mid-step: the last complete checkpoint stands
         saved = f"the last complete checkpoint is {saved_at}; rerun the same command to resume" if saved_at \
             else "no checkpoint was saved"
-        raise TrainingInterrupted(f"{desc}: interrupted during step {result.step + 1}; {saved}",
+        raise TrainingInterrupted(f"{desc}: interrupted after step {result.step}; {saved}",
                                   step=result.step, checkpoint=saved_at) from None
     finally:
         if bar is not None:

@@ -853,7 +853,7 @@ def _train_lm(config: LMConfig, run_dir: Path, ctx: DistContext, *, n_micro: int
     except KeyboardInterrupt:  # a second Ctrl-C, mid-step: the last complete checkpoint stands
         last = store.pointed() if ctx.is_main else None
         raise TrainingInterrupted(
-            f"lm {config.model_label}: interrupted during step {result.step + 1}; "
+            f"lm {config.model_label}: interrupted after step {result.step}; "
             + (f"the last complete checkpoint is {last}; rerun the same command to resume" if last
                else "no checkpoint was saved"), step=saved_step, checkpoint=str(last) if last else None) from None
     finally:

@@ -36,7 +36,7 @@ def _hard():
 
 @pytest.mark.parametrize(("how", "message", "saved"), [
     (_ctrl_c, r"interrupted at step 5; saved it to .*step-00000005", 5),
-    (_hard, r"interrupted during step 5; the last complete checkpoint is .*step-00000003", 3),
+    (_hard, r"interrupted after step 4; the last complete checkpoint is .*step-00000003", 3),
 ])
 def test_ctrl_c_leaves_a_resumable_run_that_ends_as_an_uninterrupted_one(tmp_path, how, message, saved, capsys):
     ref = make_model()
