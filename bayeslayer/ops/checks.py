@@ -335,7 +335,7 @@ def prior_noise_ratio(P: torch.Tensor, k: torch.Tensor, r2: torch.Tensor) -> tor
     ``p0·I`` and at most ``λ_max(P)`` otherwise.
     """
     pmax = torch.diagonal(P.detach(), dim1=-2, dim2=-1).amax().to(torch.float64)
-    kmax = (k.detach().to(torch.float64) ** 2).sum(-1).amax()
+    kmax = torch.linalg.vector_norm(k.detach(), dim=-1).amax().to(torch.float64) ** 2  # no copy of k
     return pmax * kmax / r2.detach().amin().to(torch.float64)
 
 

@@ -612,6 +612,9 @@ def bl_chunk(
 
     ``cu_seqlens`` (``[N + 1]`` int, B = 1) packs N variable-length sequences along T like
     flash-linear-attention; ``initial_state``/final state are then per sequence (N in place of B).
+    A wide prior (``p0·‖k‖²/r² > 1e4``) or a float64 ``P`` runs the covariance pass in float64 and
+    returns ``P`` in float64 (:func:`~bayeslayer.ops.checks.covariance_dtype`); a chunk that is
+    not positive definite even so raises a ``ValueError`` naming p0 and the safe range.
     ``backend``: ``"torch"`` (this module), ``"triton"`` (:mod:`bayeslayer.ops.triton`: Triton
     forward kernels, block-wise recompute backward), or ``None`` = Triton for CUDA tensors when
     Triton is installed, PyTorch otherwise.

@@ -220,7 +220,9 @@ def bl_recurrent(
     Returns:
         ``(o, state)`` or, with ``return_variance``, ``(o, variance, state)``: ``o[b,t,h] = M_tᵀ q_t``
         in the input dtype, ``variance[b,t,h,g] = 1 + q_tᵀ P_t q_t`` ([B, T, H, G], fp32/fp64),
-        ``state = (M, P)`` when ``output_final_state`` else ``None``.
+        ``state = (M, P)`` when ``output_final_state`` else ``None``.  The covariance is computed in
+        float64; ``P`` is float64 when it came in float64 or the prior is wide
+        (:func:`~bayeslayer.ops.checks.covariance_dtype`), else in the compute dtype.
     """
     out = filter_recurrent(
         q, k, v, write="bayes", r2=r2, ell2=ell2, alpha=alpha, theta=theta, p0=p0,
@@ -247,8 +249,10 @@ def bl_step(
     Shapes are those of :func:`bl_recurrent` without the time axis: q, k ``[B, H, D]``,
     v ``[B, H, m]``, r2 ``[B, H]`` / ``[B, H, G]``, ell2 ``[B, H]``, alpha ``[B, H]`` /
     ``[B, H, D]`` (``[B, H, D/2]`` with theta), theta ``[B, H, D/2]``.  ``state = (M, P)``
-    is required (start from :func:`initial_bl_state`).  Returns ``(o [B, H, m], new_state)``
-    or ``(o, variance [B, H, G], new_state)``.
+    is required (start from :func:`initial_bl_state`); its ``P`` is validated like
+    :func:`bl_recurrent`'s (symmetric, one Cholesky) while value checks are on.  Returns
+    ``(o [B, H, m], new_state)`` or ``(o, variance [B, H, G], new_state)``; the new ``P`` is
+    float64 when the given one was or the prior is wide (then decoding continues in float64).
     """
     if state is None:
         raise ValueError("state is required for bl_step; start from bayeslayer.ops.initial_bl_state(...)")
