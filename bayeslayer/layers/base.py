@@ -31,6 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..design import DesignModel
+from ..ops.checks import check_tensor
 from .common import (
     GatedRMSNorm,
     ShortConvolution,
@@ -57,10 +58,11 @@ class MixerOutput(NamedTuple):
 
 
 def check_hidden_states(x, hidden_size: int) -> torch.Tensor:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"hidden_states must be a torch.Tensor, got {type(x).__name__}")
-    if not x.is_floating_point():
-        raise TypeError(f"hidden_states must be a floating-point tensor, got dtype {x.dtype}")
+    """``[B, T, hidden_size]``, floating point, finite (a NaN is named here, not later as the filter's "q").
+
+    The finiteness test is the ops' (one sum over x; off with :func:`bayeslayer.ops.set_value_checks`).
+    """
+    x = check_tensor("hidden_states", x)
     if x.dim() != 3 or x.shape[-1] != hidden_size:
         raise ValueError(f"hidden_states must be [B, T, hidden_size={hidden_size}], got {tuple(x.shape)}")
     if x.shape[0] == 0 or x.shape[1] == 0:

@@ -264,13 +264,16 @@ def check_state(
     *,
     need_cov: bool = True,
     name: str = "initial_state",
-    full_psd: bool = True,
+    keep_float64: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """Check ``(M [B, H, D, m], P [B, H, D, D] or [B, H, G, D, D])``; returns P as [B, H, G, D, D].
 
     For mean-only designs (``need_cov=False``) a bare M tensor or ``(M, None)`` is accepted.
-    ``full_psd`` adds an O(D³) Cholesky test of positive semi-definiteness (negligible for a
-    sequence; a decoding step, O(D²) itself, checks only symmetry and the diagonal).
+    With value checks on, P must be symmetric and pass one Cholesky (positive semi-definite up to
+    a rounding jitter): O(D³) per call, the same test for a sequence and a decoding step, so a
+    state the chunked path would refuse is never filtered on silently by the oracle.
+    M is returned in the compute dtype; P too, unless ``keep_float64`` and P is float64 (a
+    float64 covariance state then stays float64: see :func:`covariance_dtype`).
     """
     if initial_state is None:
         return None
@@ -304,7 +307,7 @@ def check_state(
             raise ValueError(f"{name}[1] (P) must be symmetric; max |P - P^T| = {asym.item():.3g}")
         if bool((torch.diagonal(P, dim1=-2, dim2=-1) < -1e-6 * scale).any()):
             raise ValueError(f"{name}[1] (P) must be positive semi-definite; it has a negative diagonal entry")
-    if _values_checked(P) and full_psd:
+    if _values_checked(P):
         # A positive diagonal does not make P PSD (e.g. [[1, 2], [2, 1]]); the oracle would run on
         # silently and the chunked path fail inside its Cholesky.  A Cholesky of P plus a small
         # jitter (rounding in a filtered state can leave eigenvalues of order -eps·|P|) tells.
@@ -314,7 +317,61 @@ def check_state(
         eye = torch.eye(D, dtype=Pc.dtype, device=Pc.device)
         if bool((torch.linalg.cholesky_ex(Pc + jitter * eye).info != 0).any()):
             raise ValueError(f"{name}[1] (P) must be positive semi-definite; it has a negative eigenvalue")
-    return M, P.to(dims.cdtype)
+    keep = keep_float64 and P.dtype == torch.float64
+    return M, P.to(torch.float64 if keep else dims.cdtype)
+
+
+# Ratio of prior variance along a key to the observation noise above which a float32 covariance
+# loses the written direction: the write leaves kᵀPk ≈ r² out of a P̄ of size p, so a float32 P
+# keeps it to about eps32·p/r².  Measured (benchmarks/numerics.py, bl_recurrent, D = 16): ratio
+# 1e4 gives relative errors ≈ 3e-4 in the variance with a float32 covariance, 1e6 ≈ 2e-2, 1e8 > 100%.
+WIDE_PRIOR_RATIO = 1e4
+
+
+def prior_noise_ratio(P: torch.Tensor, k: torch.Tensor, r2: torch.Tensor) -> torch.Tensor:
+    """A cheap measure of ``max kᵀ P k / r²``: ``max diag(P) · max ‖k‖² / min r²`` (a 0-dim tensor).
+
+    P: ``[..., D, D]``; k: ``[..., D]``; r2: any shape.  ``max diag(P)`` is ``p0`` for the prior
+    ``p0·I`` and at most ``λ_max(P)`` otherwise.
+    """
+    pmax = torch.diagonal(P.detach(), dim1=-2, dim2=-1).amax().to(torch.float64)
+    kmax = torch.linalg.vector_norm(k.detach(), dim=-1).amax().to(torch.float64) ** 2  # no copy of k
+    return pmax * kmax / r2.detach().amin().to(torch.float64)
+
+
+def covariance_dtype(P: torch.Tensor, k: torch.Tensor, r2: torch.Tensor) -> torch.dtype:
+    """float64 when P is float64 or the prior is wide (:data:`WIDE_PRIOR_RATIO`), else float32.
+
+    One host sync.  A float32 P that would be written along a direction of relative variance
+    above the ratio is promoted, so p0 = 1e8 in float32 filters as accurately as in float64
+    instead of returning negative variances; a float64 P stays float64 (decoding from it).
+    """
+    if P.dtype == torch.float64 or k.numel() == 0 or P.device.type == "meta":
+        return P.dtype
+    return torch.float64 if bool(prior_noise_ratio(P, k, r2) > WIDE_PRIOR_RATIO) else P.dtype
+
+
+# The reset family's erase ``I − η k kᵀ`` scales the memory along k by ``1 − η‖k‖²``.  Its design
+# model (SPEC §1.3) gives ``η‖k‖² = λ‖k‖²/(r² + λ‖k‖²) ∈ (0, 1)``; fla's ``allow_neg_eigval``
+# (DeltaNet/GDN with β ∈ (0, 2)) extends it to (0, 2), still no expansion.  Above 2 the erase
+# expands the memory along k by |1 − η‖k‖²| > 1 at every repeat of a key (gain = 10 with unit keys:
+# max |o| 2.8e8 after 2000 tokens).  The small slack absorbs rounding of ‖k‖² for unit keys.
+MAX_RESET_GAIN = 2.0
+
+
+def check_reset_gain(gain: torch.Tensor, k: torch.Tensor) -> None:
+    """The reset family's gain given directly: ``0 < η_t ‖k_t‖² ≤ 2`` (gain ``[B, T, H']``, k ``[B, T, H', D]``)."""
+    if not _values_checked(gain) or gain.numel() == 0:
+        return
+    eff = gain * (k * k).sum(-1)
+    worst = eff.amax()
+    if bool(worst > MAX_RESET_GAIN * (1 + 1e-4)):
+        raise ValueError(
+            f"gain (the reset family's η) must satisfy gain·‖k‖² ≤ {MAX_RESET_GAIN:g}: the erase I − η k kᵀ "
+            f"then never expands the memory (the design model's η = λ/(r² + λ‖k‖²) gives gain·‖k‖² in "
+            f"(0, 1), fla's allow_neg_eigval (0, 2)); got max gain·‖k‖² = {worst.item():.4g} "
+            f"(max gain {gain.amax().item():.4g})"
+        )
 
 
 def check_chunk_size(chunk_size) -> int:

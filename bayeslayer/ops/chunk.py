@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .checks import Dynamics, check_chunk_size, check_cu_seqlens
+from .checks import WIDE_PRIOR_RATIO, Dynamics, check_chunk_size, check_cu_seqlens, covariance_dtype
 from .prepare import FilterOutput, prepare
 
 
@@ -266,8 +266,11 @@ class _Chunked:
         for s in range(0, self.n, step):
             yield s, min(s + step, self.n)
 
-    def dyn(self, s: int, e: int) -> ChunkDynamics:
-        return ChunkDynamics(self.log_alpha[s:e], self.theta[s:e] if self.theta is not None else None)
+    def dyn(self, s: int, e: int, dtype: torch.dtype | None = None) -> ChunkDynamics:
+        theta = self.theta[s:e] if self.theta is not None else None
+        if dtype is not None:  # the covariance pass of a wide prior runs in float64
+            return ChunkDynamics(self.log_alpha[s:e].to(dtype), theta.to(dtype) if theta is not None else None)
+        return ChunkDynamics(self.log_alpha[s:e], theta)
 
 
 def _bmm_add(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
@@ -313,6 +316,7 @@ def covariance_pass(
     Cholesky.
     """
     D = k.shape[-1]
+    P0_max = torch.diagonal(P.detach(), dim1=-2, dim2=-1).amax()  # for the error message only
     b, kt, NBk, base, BC = _covariance_prework(dyn, k, r2, ell2)
     ktT = kt.transpose(-1, -2)
     if q is not None:
@@ -373,9 +377,12 @@ def covariance_pass(
         # how the sequence is split into blocks (the Triton backward recomputes block by block)
         P = torch.add(P_next, P_next.transpose(-1, -2)).mul_(0.5)
     if bool(torch.stack(infos).any()):
-        raise torch.linalg.LinAlgError(
-            "bl_chunk: a chunk's prior observation covariance is not positive definite "
-            "(the filter inputs are too extreme for the working precision)"
+        raise ValueError(
+            f"bl_chunk: a chunk's prior observation covariance S = K̃ P K̃ᵀ + N + diag(r2) is not positive "
+            f"definite in {P.dtype} (the prior variance p0 or the initial P reaches {float(P0_max):.3g}, r2 "
+            f"goes down to {float(r2.detach().amin()):.3g}); the chunked path is accurate for "
+            f"p0·‖k‖²/r2 up to about {WIDE_PRIOR_RATIO:.0e} in float32 (wider priors run in float64) "
+            f"and about 1e12 in float64: use a smaller p0, a larger r2 or float64 inputs"
         )
     var = torch.stack(variances) if q is not None else None
     return torch.stack(ws), var, P
@@ -451,17 +458,23 @@ def filter_chunk(
             return_variance=return_variance, chunk_size=C,
         )
     pr = prepare(q, k, v, write=write, r2=r2, ell2=ell2, lam=lam, gain=gain, alpha=alpha, theta=theta,
-                 p0=p0, initial_state=initial_state)
+                 p0=p0, initial_state=initial_state, keep_float64_state=True)
     B, T, Hf = pr.q.shape[:3]
     if T == 0:
         empty = pr.q.new_zeros(B, 0, Hf)
         return pr.finish(pr.v.new_zeros(pr.v.shape), empty, empty, pr.M0, pr.P0, output_final_state)
     write_keys = var_full = None
     P = pr.P0
+    cd = pr.q.dtype
+    # a wide prior (or a float64 state) runs the covariance in float64 (checks.covariance_dtype): in
+    # float32 the pivots of S fall below its rounding at p0 ≈ 1e7 and the results drift before that
+    pd = covariance_dtype(P, pr.k, pr.r2) if P is not None else cd
+    if P is not None:
+        P = P.to(pd)
     if write in ("reset", "latent"):
         write_keys = pr.coef[..., None] * pr.k
     elif write == "diagonal":
-        write_keys, var_full, P = _diagonal_cov_scan(pr, return_variance)
+        write_keys, var_full, P = _diagonal_cov_scan(pr, return_variance, P)
     ch = _Chunked(pr, C, need_noise=write == "bayes")
     wch = _chunks(_pad_time(write_keys, ch.pad), C) if write_keys is not None else None
     M = pr.M0
@@ -469,9 +482,11 @@ def filter_chunk(
     for s, e in ch.blocks():
         dyn = ch.dyn(s, e)
         if write == "bayes":
-            qv = ch.q[s:e] if return_variance else None
-            w, var, P = covariance_pass(dyn, qv, ch.k[s:e], ch.r2[s:e], ch.ell2[s:e], P)
-            variances.append(var)
+            qv = ch.q[s:e].to(pd) if return_variance else None
+            dyn_p = dyn if pd == cd else ch.dyn(s, e, pd)
+            w, var, P = covariance_pass(dyn_p, qv, ch.k[s:e].to(pd), ch.r2[s:e].to(pd), ch.ell2[s:e].to(pd), P)
+            w = w.to(cd)
+            variances.append(var.to(cd) if var is not None else None)
         else:
             w = wch[s:e]
         o, M = mean_pass(dyn, ch.q[s:e], ch.k[s:e], ch.v[s:e], w, M, erase=write != "latent")
@@ -530,21 +545,24 @@ def _filter_chunk_varlen(q, k, v, cu_seqlens, *, initial_state, output_final_sta
     return FilterOutput(o, var, gain, state)
 
 
-def _diagonal_cov_scan(pr, want_var: bool):
+def _diagonal_cov_scan(pr, want_var: bool, P0: torch.Tensor):
     """Diagonal-covariance ablation: ``p̄ = diag(A P Aᵀ) + ℓ²σ``, ``u = p̄ ⊙ k``, ``P = diag(p̄ − β u²)``.
 
-    O(D) per token; returns write keys ``β u`` ``[B, T, H', D]``, variance and the final ``P``.
+    O(D) per token, in P0's dtype; returns write keys ``β u`` ``[B, T, H', D]`` and the variance
+    in the compute dtype, and the final ``P`` in P0's.
     """
     from .recurrent import apply_transition, noise_mask
 
     dyn: Dynamics = pr.dyn
     B, T, H, D = pr.k.shape
-    p = torch.diagonal(pr.P0, dim1=-2, dim2=-1)  # [B,H,D]
-    sig = noise_mask(dyn, D, pr.k.dtype, pr.k.device)
+    cd, pd = pr.k.dtype, P0.dtype
+    p = torch.diagonal(P0, dim1=-2, dim2=-1)  # [B,H,D]
+    sig = noise_mask(dyn, D, pd, pr.k.device)
     ws, vs = [], []
     # per-token views by unbind, not x[:, t] (see _unbind: x[:, t] makes the backward quadratic in T)
     la_, th_, ell2_, r2_, k_, q_ = (
-        x.unbind(1) if x is not None else None for x in (dyn.log_alpha, dyn.theta, pr.ell2, pr.r2, pr.k, pr.q)
+        x.to(pd).unbind(1) if x is not None else None
+        for x in (dyn.log_alpha, dyn.theta, pr.ell2, pr.r2, pr.k, pr.q)
     )
     for t in range(T):
         la_t = la_[t] if la_ is not None else None
@@ -565,8 +583,8 @@ def _diagonal_cov_scan(pr, want_var: bool):
         p = p_bar - beta * u * u
         if want_var:
             vs.append(1.0 + (q_[t] ** 2 * p).sum(-1))
-    w = torch.stack(ws, 1)
-    var = torch.stack(vs, 1) if want_var else None
+    w = torch.stack(ws, 1).to(cd)
+    var = torch.stack(vs, 1).to(cd) if want_var else None
     return w, var, torch.diag_embed(p)
 
 
@@ -594,6 +612,9 @@ def bl_chunk(
 
     ``cu_seqlens`` (``[N + 1]`` int, B = 1) packs N variable-length sequences along T like
     flash-linear-attention; ``initial_state``/final state are then per sequence (N in place of B).
+    A wide prior (``p0·‖k‖²/r² > 1e4``) or a float64 ``P`` runs the covariance pass in float64 and
+    returns ``P`` in float64 (:func:`~bayeslayer.ops.checks.covariance_dtype`); a chunk that is
+    not positive definite even so raises a ``ValueError`` naming p0 and the safe range.
     ``backend``: ``"torch"`` (this module), ``"triton"`` (:mod:`bayeslayer.ops.triton`: Triton
     forward kernels, block-wise recompute backward), or ``None`` = Triton for CUDA tensors when
     Triton is installed, PyTorch otherwise.

@@ -20,6 +20,7 @@ from .checks import (
     check_p0,
     check_positive,
     check_qkv,
+    check_reset_gain,
     check_state,
 )
 
@@ -70,11 +71,15 @@ class Prepared:
 
 def prepare(
     q, k, v, *, write: str, r2=None, ell2=None, lam=None, gain=None, alpha=None, theta=None, p0=1.0,
-    initial_state=None, single_step: bool = False,
+    initial_state=None, single_step: bool = False, keep_float64_state: bool = False,
 ) -> Prepared:
     """Validate and fold.  ``bayes``/``diagonal`` need ``r2`` and ``ell2``; ``reset``/``latent``
     need either ``lam`` and ``r2`` (the coefficient is derived: ``η = λ/(r² + λ‖k‖²)`` or
     ``ω = λ/(λ + r²)``) or the coefficient itself as ``gain`` (> 0, like GDN's β or Mamba-2's Δ).
+    A given reset gain must keep the erase from expanding the memory, ``gain·‖k‖² ≤ 2``
+    (:func:`~bayeslayer.ops.checks.check_reset_gain`); the latent family's ``ω`` has no upper bound
+    (its write is additive, the decay does the forgetting, and Mamba-2's step size Δ exceeds 1).
+    ``keep_float64_state``: a float64 ``P`` in ``initial_state`` stays float64 in ``P0``.
     """
     if write not in WRITE_MODELS:
         raise ValueError(f"write must be one of {WRITE_MODELS}, got {write!r}")
@@ -109,7 +114,7 @@ def prepare(
         lam_t = check_positive("lam", lam, dims, single_step=single_step)
     dyn = check_dynamics(alpha, theta, dims, single_step=single_step)
     # a decoding step takes its state as ``state=``: name that argument in errors
-    state = check_state(initial_state, dims, G, need_cov=has_cov, full_psd=not single_step,
+    state = check_state(initial_state, dims, G, need_cov=has_cov, keep_float64=keep_float64_state,
                         name="state" if single_step else "initial_state")
     cd = dims.cdtype
     if single_step:
@@ -131,6 +136,8 @@ def prepare(
     kf = grp.fold_heads(k.to(cd), G)
     lam_f = grp.fold_heads(lam_t, G)
     coef = gain_t
+    if gain_t is not None and write == "reset":
+        check_reset_gain(gain_t, kf)
     if lam_f is not None and write == "reset":
         coef = lam_f / (r2_f + lam_f * (kf * kf).sum(-1))
     elif lam_f is not None:

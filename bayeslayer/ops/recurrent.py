@@ -17,6 +17,19 @@ Per token, with ``M̄ = A_t M_{t-1}``::
 
 It is the reference that every chunked and fused path is tested against, and
 the decode step (:func:`bl_step`).
+
+Precision: the covariance (``P̄, u, β, P`` and the variance) is carried in float64 whatever the
+input dtype; the mean ``M`` and the outputs are in the compute dtype.  ``P = P̄ − β u uᵀ``
+subtracts two matrices of size ``kᵀP̄k`` to leave ``≈ r²`` along ``k``; in float32 that keeps
+about ``eps32·kᵀP̄k/r²`` of it, so ``p0 = 1e8`` gave negative variances and outputs 600% off.
+Measured alternatives in float32 (``benchmarks/numerics.py --forms``, p0 = 1e8): the Joseph form
+``(I − K kᵀ) P̄ (I − K kᵀ)ᵀ + r² K Kᵀ`` is no better (7e0: the same cancellation); a square-root
+(Cholesky-factor) update reaches 7e-5 but is O(D³) per token and its factor cannot travel in the
+``(M, P)`` state; the plain form in float64 reaches 5e-7.  The state's ``P`` is returned in
+float32 when it came in float32 (or from ``p0``) and the prior is not wide, else in float64
+(:func:`~bayeslayer.ops.checks.covariance_dtype`), so decoding from a wide prior keeps its
+precision.  A covariance that grows ill-conditioned while decoding (keys in a subspace, small
+``r²``) still loses about 1e-3 to a float32 state between steps: decode from a float64 state then.
 """
 
 from __future__ import annotations
@@ -26,7 +39,7 @@ import numbers
 
 import torch
 
-from .checks import Dynamics
+from .checks import Dynamics, covariance_dtype
 from .prepare import FilterOutput, prepare
 
 
@@ -79,16 +92,22 @@ def filter_scan(
     q, k: [B, T, H, D]; v: [B, T, H, m]; r2, ell2, lam, coef: [B, T, H]; M: [B, H, D, m];
     P: [B, H, D, D] (bayes/diagonal) or None.  ``reset``/``latent`` use ``coef`` (η or ω) and,
     for the variance, ``lam``.  Returns (o, variance, gain, M, P); the variance is None
-    where the design defines none (latent, or reset given only its gain).
+    where the design defines none (latent, or reset given only its gain).  The covariance
+    arithmetic runs in P's dtype (float64 from :func:`filter_recurrent`), the mean in q's.
     """
     B, T, H, D = q.shape
-    sig = noise_mask(dyn, D, q.dtype, q.device)
+    cd = q.dtype
+    pd = P.dtype if P is not None else cd
+    sig = noise_mask(dyn, D, pd, q.device)
     outs, variances, gains = [], [], []
     # per-token views by unbind, not x[:, t]: under autograd each x[:, t] would write its gradient
     # into a zero tensor of the whole sequence (T fills of [B, T, ...], quadratic in T)
-    q_, k_, v_, la_, th_, coef_, lam_, r2_, ell2_ = (
-        x.unbind(1) if x is not None else None
-        for x in (q, k, v, dyn.log_alpha, dyn.theta, coef, lam, r2, ell2)
+    q_, k_, v_, la_, th_, coef_, lam_ = (
+        x.unbind(1) if x is not None else None for x in (q, k, v, dyn.log_alpha, dyn.theta, coef, lam)
+    )
+    # the covariance's inputs in its own dtype
+    qp_, kp_, lap_, thp_, r2_, ell2_ = (
+        x.to(pd).unbind(1) if x is not None else None for x in (q, k, dyn.log_alpha, dyn.theta, r2, ell2)
     )
     for t in range(T):
         la_t = la_[t] if la_ is not None else None
@@ -107,23 +126,25 @@ def filter_scan(
                 qk = (q_t * k_t).sum(-1)
                 variances.append(1.0 + lam_t * (q_t * q_t).sum(-1) - c[..., 0] * lam_t * qk * qk)
             continue
-        r2_t = r2_[t][..., None]
-        AP = apply_transition(P, dyn.kind, la_t, th_t)
-        P_bar = apply_transition(AP.transpose(-1, -2), dyn.kind, la_t, th_t)
+        kp_t, qp_t = kp_[t], qp_[t]
+        lap_t = lap_[t] if lap_ is not None else None
+        thp_t = thp_[t] if thp_ is not None else None
+        AP = apply_transition(P, dyn.kind, lap_t, thp_t)
+        P_bar = apply_transition(AP.transpose(-1, -2), dyn.kind, lap_t, thp_t)
         P_bar = P_bar + ell2_[t][..., None, None] * torch.diag(sig)
         if write == "diagonal":
             P_bar = torch.diag_embed(torch.diagonal(P_bar, dim1=-2, dim2=-1))
-        u = torch.einsum("bhij,bhj->bhi", P_bar, k_t)
-        beta = 1.0 / (r2_t + (k_t * u).sum(-1, keepdim=True))  # [B,H,1]
+        u = torch.einsum("bhij,bhj->bhi", P_bar, kp_t)
+        beta = 1.0 / (r2_[t][..., None] + (kp_t * u).sum(-1, keepdim=True))  # [B,H,1]
         resid = v_t - torch.einsum("bhdm,bhd->bhm", M_bar, k_t)
-        M = M_bar + (beta * u)[..., :, None] * resid[..., None, :]
+        M = M_bar + (beta * u).to(cd)[..., :, None] * resid[..., None, :]
         P = P_bar - beta[..., None] * u[..., :, None] * u[..., None, :]
         if write == "diagonal":
             P = torch.diag_embed(torch.diagonal(P, dim1=-2, dim2=-1))
         P = 0.5 * (P + P.transpose(-1, -2))
         outs.append(torch.einsum("bhdm,bhd->bhm", M, q_t))
-        variances.append(1.0 + torch.einsum("bhi,bhij,bhj->bh", q_t, P, q_t))
-        gains.append((beta * (k_t * u).sum(-1, keepdim=True))[..., 0])
+        variances.append((1.0 + torch.einsum("bhi,bhij,bhj->bh", qp_t, P, qp_t)).to(cd))
+        gains.append((beta * (kp_t * u).sum(-1, keepdim=True))[..., 0].to(cd))
     o = torch.stack(outs, 1) if outs else v.new_zeros(B, 0, H, v.shape[-1])
     has_var = write in ("bayes", "diagonal") or (write == "reset" and lam is not None)
     var = (torch.stack(variances, 1) if T > 0 else v.new_zeros(B, 0, H)) if has_var else None
@@ -156,11 +177,16 @@ def filter_recurrent(
     The state is ``(M, P)`` for ``bayes``/``diagonal`` and ``(M, None)`` otherwise.
     """
     pr = prepare(q, k, v, write=write, r2=r2, ell2=ell2, lam=lam, gain=gain, alpha=alpha, theta=theta,
-                 p0=p0, initial_state=initial_state, single_step=single_step)
+                 p0=p0, initial_state=initial_state, single_step=single_step, keep_float64_state=True)
+    P0 = pr.P0
+    # the covariance runs in float64 (module docstring); the state's P keeps float32 unless the prior is wide
+    P_out_dtype = covariance_dtype(P0, pr.k, pr.r2) if P0 is not None and output_final_state else None
     o, var, g, M, P = filter_scan(
         pr.q, pr.k, pr.v, write=write, r2=pr.r2, ell2=pr.ell2, lam=pr.lam, coef=pr.coef, dyn=pr.dyn,
-        M=pr.M0, P=pr.P0,
+        M=pr.M0, P=P0.to(torch.float64) if P0 is not None else None,
     )
+    if P_out_dtype is not None:
+        P = P.to(P_out_dtype)
     return pr.finish(o, var, g, M, P, output_final_state)
 
 
@@ -194,7 +220,9 @@ def bl_recurrent(
     Returns:
         ``(o, state)`` or, with ``return_variance``, ``(o, variance, state)``: ``o[b,t,h] = M_tᵀ q_t``
         in the input dtype, ``variance[b,t,h,g] = 1 + q_tᵀ P_t q_t`` ([B, T, H, G], fp32/fp64),
-        ``state = (M, P)`` when ``output_final_state`` else ``None``.
+        ``state = (M, P)`` when ``output_final_state`` else ``None``.  The covariance is computed in
+        float64; ``P`` is float64 when it came in float64 or the prior is wide
+        (:func:`~bayeslayer.ops.checks.covariance_dtype`), else in the compute dtype.
     """
     out = filter_recurrent(
         q, k, v, write="bayes", r2=r2, ell2=ell2, alpha=alpha, theta=theta, p0=p0,
@@ -221,8 +249,10 @@ def bl_step(
     Shapes are those of :func:`bl_recurrent` without the time axis: q, k ``[B, H, D]``,
     v ``[B, H, m]``, r2 ``[B, H]`` / ``[B, H, G]``, ell2 ``[B, H]``, alpha ``[B, H]`` /
     ``[B, H, D]`` (``[B, H, D/2]`` with theta), theta ``[B, H, D/2]``.  ``state = (M, P)``
-    is required (start from :func:`initial_bl_state`).  Returns ``(o [B, H, m], new_state)``
-    or ``(o, variance [B, H, G], new_state)``.
+    is required (start from :func:`initial_bl_state`); its ``P`` is validated like
+    :func:`bl_recurrent`'s (symmetric, one Cholesky) while value checks are on.  Returns
+    ``(o [B, H, m], new_state)`` or ``(o, variance [B, H, G], new_state)``; the new ``P`` is
+    float64 when the given one was or the prior is wide (then decoding continues in float64).
     """
     if state is None:
         raise ValueError("state is required for bl_step; start from bayeslayer.ops.initial_bl_state(...)")

@@ -85,10 +85,12 @@ def design_inputs(design: DesignModel, kind: str, mode: str, *, T: int = T) -> t
             x["r2"], x["lam"] = 0.1 + torch.rand(B, T, H, dtype=DT), 0.2 + torch.rand(B, T, H, dtype=DT)
         elif mode == "lam_columns":
             x["r2"], x["lam"] = 0.1 + torch.rand(B, T, H, m, dtype=DT), 0.2 + torch.rand(B, T, H, dtype=DT)
-        elif mode == "gain_G2":
-            x["gain"] = 0.05 + 0.9 * torch.rand(B, T, H, 2, dtype=DT)
+        # a reset gain must keep gain·‖k‖² ≤ 2 (the erase may not expand the memory): keep it ≤ 0.95
+        unit = (x["k"] * x["k"]).sum(-1, keepdim=True).clamp_min(1.0)
+        if mode == "gain_G2":
+            x["gain"] = (0.05 + 0.9 * torch.rand(B, T, H, 2, dtype=DT)) / unit
         elif mode == "gain_columns":
-            x["gain"] = 0.05 + 0.9 * torch.rand(B, T, H, m, dtype=DT)
+            x["gain"] = (0.05 + 0.9 * torch.rand(B, T, H, m, dtype=DT)) / unit
     return {k: v for k, v in x.items() if v is not None}, {}
 
 

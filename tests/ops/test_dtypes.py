@@ -80,6 +80,7 @@ def test_low_precision_backward(dtype):
 def test_designs_return_input_dtype(design):
     B, T, H, D, m = 1, 20, 2, 4, 4
     q, k, v = (torch.randn(B, T, H, n).bfloat16() for n in (D, D, m))
+    k = torch.nn.functional.normalize(k, dim=-1)  # unit keys: a reset gain of 0.5 must not expand the memory
     if design is BAYESIAN:
         kw = dict(r2=torch.full((B, T, H), 0.5), ell2=torch.full((B, T, H), 0.1))
     elif design is GATED_DELTANET:

@@ -1,0 +1,209 @@
+"""Float32 accuracy of the Bayesian Layer's PyTorch paths against float64, at wide priors and long decoding.
+
+Prints three tables (relative errors, max over every token, head and batch entry):
+
+1. ``p0`` in {1e4, 1e6, 1e7, 1e8}: ``bl_recurrent``, ``bl_chunk`` and a ``bl_step`` decode, float32
+   inputs against the same inputs in float64, with the smallest predictive variance and whether the
+   state's ``P`` passed a Cholesky at every decoded token;
+2. long decoding with ``bl_step`` (``--tokens``, default 100,000) in two regimes: *benign* (random
+   unit keys, α ∈ [0.999, 1]) with a float32 state, and *ill-conditioned* (keys in a 2-dim
+   subspace of D = 8, r² ≈ 1e-3, ℓ² ≈ 1e-6, α ≈ 0.9995) with a float32 and a float64 state;
+3. ``--forms``: the covariance-update forms the oracle could use, written out here (plain
+   ``P̄ − β u uᵀ`` in float32, Joseph ``(I − K kᵀ) P̄ (I − K kᵀ)ᵀ + r² K Kᵀ`` in float32, a
+   square-root update (QR time update, Potter measurement update) in float32).
+
+Run it against another checkout to compare (``PYTHONPATH=/path/to/checkout python benchmarks/numerics.py``).
+Slow by design (the decode is a Python loop over tokens); never a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from bayeslayer.ops import bl_chunk, bl_recurrent, bl_step, initial_bl_state
+
+F64 = torch.float64
+
+
+def rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+    """Max error relative to the largest reference value (outputs)."""
+    return float((a.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+
+
+def rel_each(a: torch.Tensor, ref: torch.Tensor) -> float:
+    """Max elementwise relative error (variances, all ≥ 1)."""
+    return float(((a.double() - ref).abs() / ref.abs()).max())
+
+
+def wide_prior_inputs(B=2, T=64, H=2, D=16, m=8, seed=0):
+    """Random unit keys, r² ∈ [0.1, 1.1], ℓ² ∈ [0.01, 0.11], α ∈ [0.9, 1]; float32 values held in float64."""
+    g = torch.Generator().manual_seed(seed)
+    x = dict(
+        q=torch.randn(B, T, H, D, generator=g, dtype=F64),
+        k=torch.nn.functional.normalize(torch.randn(B, T, H, D, generator=g, dtype=F64), dim=-1),
+        v=torch.randn(B, T, H, m, generator=g, dtype=F64),
+        r2=0.1 + torch.rand(B, T, H, generator=g, dtype=F64),
+        ell2=0.01 + 0.1 * torch.rand(B, T, H, generator=g, dtype=F64),
+        alpha=0.9 + 0.1 * torch.rand(B, T, H, generator=g, dtype=F64),
+    )
+    return {name: t.float().double() for name, t in x.items()}
+
+
+def long_inputs(regime: str, T: int, B=1, H=2, D=8, m=8, seed=0):
+    """The two decoding regimes of the module docstring; float32 values held in float64."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.rand(*shape, generator=g, dtype=F64)
+
+    q = torch.randn(B, T, H, D, generator=g, dtype=F64)
+    v = torch.randn(B, T, H, m, generator=g, dtype=F64)
+    if regime == "benign":
+        k = torch.randn(B, T, H, D, generator=g, dtype=F64)
+        r2, ell2, alpha = 0.1 + rand(B, T, H), 1e-3 * (0.1 + rand(B, T, H)), 0.999 + 0.001 * rand(B, T, H)
+    else:
+        basis = torch.linalg.qr(torch.randn(D, 2, generator=g, dtype=F64))[0]
+        k = torch.randn(B, T, H, 2, generator=g, dtype=F64) @ basis.T
+        r2, ell2, alpha = 1e-3 * (0.5 + rand(B, T, H)), 1e-6 * (0.5 + rand(B, T, H)), 0.9995 + 0.0005 * rand(B, T, H)
+    k = torch.nn.functional.normalize(k, dim=-1)
+    x = dict(q=q, k=k, v=v, r2=r2, ell2=ell2, alpha=alpha)
+    return {name: t.float().double() for name, t in x.items()}
+
+
+def decode(x: dict, dtype, state_dtype, p0: float = 1.0):
+    """bl_step over every token; returns (o, variance, every token's P passed a Cholesky, min eig/‖P‖)."""
+    B, T, H, D = x["q"].shape
+    c = {name: t.to(dtype) for name, t in x.items()}
+    state = initial_bl_state(B, H, D, x["v"].shape[-1], p0=p0, dtype=state_dtype)
+    outs, variances, chol_ok, worst = [], [], True, float("inf")
+    eye = torch.eye(D, dtype=F64)
+    for t in range(T):
+        o, var, state = bl_step(c["q"][:, t], c["k"][:, t], c["v"][:, t], c["r2"][:, t], c["ell2"][:, t],
+                                c["alpha"][:, t], state=state, return_variance=True)
+        outs.append(o)
+        variances.append(var)
+        P = state[1].double()
+        scale = float(P.abs().max())
+        if T <= 4096 or t % 97 == 0:  # an eigendecomposition per token is most of the time at 1e5 tokens
+            worst = min(worst, float(torch.linalg.eigvalsh(P).min()) / scale)
+        chol_ok &= bool((torch.linalg.cholesky_ex(P + 1e-12 * scale * eye).info == 0).all())
+    return torch.stack(outs, 1), torch.stack(variances, 1), chol_ok, worst
+
+
+def table_p0(p0s=(1e4, 1e6, 1e7, 1e8)):
+    x = wide_prior_inputs()
+    args = ("q", "k", "v", "r2", "ell2", "alpha")
+    print("1. wide prior p0 (B=2, T=64, H=2, D=16, m=8; float32 vs float64, max relative error)")
+    print(f"{'p0':>6} | {'recurrent o':>11} {'variance':>9} {'min var':>8} | {'chunk o':>9} {'variance':>9} | "
+          f"{'step o':>9} {'variance':>9} {'P chol':>6} {'min eig/|P|':>11}")
+    for p0 in p0s:
+        ref_o, ref_var, _ = bl_recurrent(*(x[a] for a in args), p0=p0, return_variance=True)
+        f32 = [x[a].float() for a in args]
+        o, var, _ = bl_recurrent(*f32, p0=p0, return_variance=True)
+        row = f"{p0:>6.0e} | {rel(o, ref_o):>11.1e} {rel_each(var, ref_var):>9.1e} {float(var.min()):>8.3g} | "
+        try:
+            oc, vc, _ = bl_chunk(*f32, p0=p0, return_variance=True)
+            row += f"{rel(oc, ref_o):>9.1e} {rel_each(vc, ref_var):>9.1e} | "
+        except Exception as exc:  # noqa: BLE001 - the table reports what the path does
+            row += f"{type(exc).__name__:>19.19} | "
+        try:
+            os_, vs, ok, worst = decode(x, torch.float32, torch.float32, p0=p0)
+            row += f"{rel(os_, ref_o):>9.1e} {rel_each(vs, ref_var):>9.1e} {str(ok):>6} {worst:>11.1e}"
+        except Exception as exc:  # noqa: BLE001
+            row += f"{type(exc).__name__}: {str(exc)[:60]}"
+        print(row)
+
+
+def table_decode(T: int):
+    print(f"\n2. decoding {T} tokens with bl_step (B=1, H=2, D=m=8; float32 inputs vs float64)")
+    print(f"{'regime':>16} {'state':>7} | {'o':>9} {'variance':>9} {'P chol':>6} {'min eig/|P|':>11} {'s':>6}")
+    for regime, state_dtypes in (("benign", (torch.float32,)), ("ill-conditioned", (torch.float32, F64))):
+        x = long_inputs(regime, T)
+        ref_o, ref_var, _ = bl_recurrent(x["q"], x["k"], x["v"], x["r2"], x["ell2"], x["alpha"],
+                                         return_variance=True)
+        for sd in state_dtypes:
+            t0 = time.time()
+            o, var, ok, worst = decode(x, torch.float32, sd)
+            print(f"{regime:>16} {str(sd)[6:]:>7} | {rel(o, ref_o):>9.1e} {rel_each(var, ref_var):>9.1e} {str(ok):>6} "
+                  f"{worst:>11.1e} {time.time() - t0:>6.0f}")
+
+
+def scan_forms(form: str, x: dict, p0: float, dtype):
+    """The covariance-update forms of table 3 (scalar decay, one noise group)."""
+    q, k, v, r2, ell2, alpha = (x[a].to(dtype) for a in ("q", "k", "v", "r2", "ell2", "alpha"))
+    B, T, H, D = q.shape
+    eye = torch.eye(D, dtype=dtype)
+    M = q.new_zeros(B, H, D, v.shape[-1])
+    P = p0 * eye.expand(B, H, D, D)
+    S = p0**0.5 * eye.expand(B, H, D, D)
+    outs, variances = [], []
+    for t in range(T):
+        a, kt, r = alpha[:, t, :, None, None], k[:, t], r2[:, t, :, None]
+        M_bar = a * M
+        if form == "square-root":
+            # time update: S̄ S̄ᵀ = (aS)(aS)ᵀ + ℓ² I by a QR of the stacked factor; measurement: Potter
+            stacked = torch.cat([(a * S).transpose(-1, -2), ell2[:, t, :, None, None].sqrt() * eye], -2)
+            S_bar = torch.linalg.qr(stacked, mode="r")[1].transpose(-1, -2)
+            f = torch.einsum("bhij,bhi->bhj", S_bar, kt)
+            u = torch.einsum("bhij,bhj->bhi", S_bar, f)
+            beta = 1 / (r + (f * f).sum(-1, keepdim=True))
+            gamma = 1 / (1 + torch.sqrt(r * beta))
+            S = S_bar - (beta * gamma)[..., None] * u[..., :, None] * f[..., None, :]
+            P = S @ S.transpose(-1, -2)
+        else:
+            P_bar = a * a * P + ell2[:, t, :, None, None] * eye
+            u = torch.einsum("bhij,bhj->bhi", P_bar, kt)
+            beta = 1 / (r + (kt * u).sum(-1, keepdim=True))
+            if form == "joseph":
+                erase = eye - (beta * u)[..., :, None] * kt[..., None, :]
+                P = erase @ P_bar @ erase.transpose(-1, -2) + r[..., None] * beta[..., None] ** 2 * (
+                    u[..., :, None] * u[..., None, :])
+            else:
+                P = P_bar - beta[..., None] * u[..., :, None] * u[..., None, :]
+            P = 0.5 * (P + P.transpose(-1, -2))
+        M = M_bar + (beta * u)[..., :, None] * (v[:, t] - torch.einsum("bhdm,bhd->bhm", M_bar, kt))[..., None, :]
+        outs.append(torch.einsum("bhdm,bhd->bhm", M, q[:, t]))
+        variances.append(1 + torch.einsum("bhi,bhij,bhj->bh", q[:, t], P, q[:, t]))
+    return torch.stack(outs, 1), torch.stack(variances, 1)
+
+
+def table_forms(p0s=(1e4, 1e6, 1e7, 1e8)):
+    x = wide_prior_inputs()
+    print("\n3. covariance-update forms (same inputs as table 1; relative error of o / variance vs float64)")
+    # (the plain form in float64 is the reference itself; table 1's recurrent column is the float64 covariance
+    # with a float32 mean, as the oracle now runs)
+    forms = (("plain", torch.float32), ("joseph", torch.float32), ("square-root", torch.float32))
+    print(f"{'p0':>6} | " + " | ".join(f"{f + ' ' + str(d)[6:]:>19}" for f, d in forms))
+    timing = {}
+    for p0 in p0s:
+        ref_o, ref_var = scan_forms("plain", {n: t.double() for n, t in x.items()}, p0, F64)
+        cells = []
+        for form, dtype in forms:
+            t0 = time.time()
+            o, var = scan_forms(form, x, p0, dtype)
+            timing[(form, dtype)] = time.time() - t0
+            cells.append(f"{rel(o, ref_o):>9.1e} {rel_each(var, ref_var):>9.1e}")
+        print(f"{p0:>6.0e} | " + " | ".join(cells))
+    print("seconds per run: " + ", ".join(f"{f} {str(d)[6:]} {s:.2f}" for (f, d), s in timing.items()))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=100_000, help="decoded tokens in table 2 (0: skip it)")
+    parser.add_argument("--forms", action="store_true", help="also print table 3 (the update forms)")
+    args = parser.parse_args(argv)
+    if args.tokens < 0:
+        parser.error(f"--tokens must be >= 0, got {args.tokens}")
+    torch.set_num_threads(1)  # tiny matrices: threads only add synchronisation
+    table_p0()
+    if args.tokens:
+        table_decode(args.tokens)
+    if args.forms:
+        table_forms()
+
+
+if __name__ == "__main__":
+    main()
