@@ -222,7 +222,7 @@ def variants(args) -> None:
         x64 = {n: t.double() for n, t in x.items()}
         t0 = time.time()
         ref, (_, P64) = bl_chunk(x64["q"], x64["k"], x64["v"], x64["r2"], x64["ell2"], x64["alpha"],
-                                 output_final_state=True)
+                                 output_final_state=True, backend="torch")
         print(f"D={D}: fp64 reference {time.time() - t0:.1f} s", flush=True)
         for C in (16, 32, 64):
             for prec in ("ieee", "tf32x3", "tf32"):

@@ -14,7 +14,9 @@ A :class:`DesignModel` names its three parts (SPEC §1):
 
 Every design runs through the same two pieces of machinery in
 :mod:`bayeslayer.ops`: the recurrent oracle and the chunked path.  No design has
-a hand-written loop of its own.
+a hand-written loop of its own.  :meth:`DesignModel.chunk` and :meth:`DesignModel.step` take a
+``backend`` (``"auto"``/``"torch"``/``"triton"``, :mod:`bayeslayer.ops.backend`): designs with
+write model ``bayes`` run on the Triton kernels for CUDA tensors; the others have no kernel.
 
 >>> from bayeslayer.design import GATED_DELTANET
 >>> GATED_DELTANET.write, GATED_DELTANET.dynamics
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..ops.chunk import filter_chunk
+from ..ops.backend import dispatch_chunk, dispatch_step
 from ..ops.prepare import FilterOutput
 from ..ops.recurrent import filter_recurrent, initial_bl_state
 
@@ -139,17 +141,24 @@ class DesignModel:
 
     def chunk(
         self, q, k, v, *, r2=None, ell2=None, lam=None, gain=None, alpha=None, theta=None, p0=1.0,
-        initial_state=None, output_final_state=False, return_variance=False, chunk_size=64,
+        initial_state=None, output_final_state=False, return_variance=False, chunk_size=64, backend="auto",
     ) -> FilterOutput:
-        """Chunked path (training/prefill); same results as :meth:`recurrent`."""
-        kw = self._kwargs(v, r2, ell2, lam, gain, alpha, theta)
-        return filter_chunk(q, k, v, write=self.write, alpha=alpha, theta=theta, p0=p0,
-                            initial_state=initial_state, output_final_state=output_final_state,
-                            return_variance=return_variance, chunk_size=chunk_size, **kw)
+        """Chunked path (training/prefill); same results as :meth:`recurrent`.
 
-    def step(self, q, k, v, *, state, r2=None, ell2=None, lam=None, gain=None, alpha=None, theta=None
-             ) -> FilterOutput:
-        """One decoding step (shapes without the time axis); ``state`` is required."""
+        ``backend``: ``"auto"``, ``"torch"`` or ``"triton"`` (:mod:`bayeslayer.ops.backend`); on the
+        Triton path ``gain`` is ``None``.
+        """
+        kw = self._kwargs(v, r2, ell2, lam, gain, alpha, theta)
+        return dispatch_chunk(q, k, v, write=self.write, alpha=alpha, theta=theta, p0=p0,
+                              initial_state=initial_state, output_final_state=output_final_state,
+                              return_variance=return_variance, chunk_size=chunk_size, backend=backend, **kw)
+
+    def step(self, q, k, v, *, state, r2=None, ell2=None, lam=None, gain=None, alpha=None, theta=None,
+             backend="auto") -> FilterOutput:
+        """One decoding step (shapes without the time axis); ``state`` is required.
+
+        ``backend`` as in :meth:`chunk`; on Triton the fused step kernel runs.
+        """
         if state is None:
             raise ValueError("state is required for step(); start from initial_state(...)")
         self._check_types(alpha, theta)
@@ -157,8 +166,8 @@ class DesignModel:
             None if alpha is None else alpha.unsqueeze(1), None if theta is None else theta.unsqueeze(1)
         )
         kw = self._noise(r2, ell2, lam, gain)
-        return filter_recurrent(q, k, v, write=self.write, alpha=alpha, theta=theta, initial_state=state,
-                                output_final_state=True, single_step=True, **kw)
+        return dispatch_step(q, k, v, write=self.write, alpha=alpha, theta=theta, state=state, backend=backend,
+                             **kw)
 
     def initial_state(self, batch_size, num_heads, key_dim, value_dim, *, p0=1.0, groups=1,
                       dtype=torch.float32, device=None):

@@ -8,7 +8,7 @@ A mixer maps ``hidden_states [B, T, hidden]`` to ``o [B, T, hidden]``::
 ``state`` is a per-layer dict of tensors.  Recurrent mixers keep ``{"recurrent": (M, P or None),
 "conv": {name: [B, C, W-1]} or None}``; attention keeps its key/value cache.  Feeding a sequence in
 pieces with the returned state equals one full forward: a prefill runs the design's chunked path, a
-one-token call its ``.step`` (the recurrent oracle).
+one-token call its ``.step``, each on the mixer's ``backend`` (:mod:`bayeslayer.ops.backend`).
 
 ``attention_mask`` is ``[B, T]`` (or the ``[B, S ≥ T]`` mask of everything seen so far, as
 ``transformers``' ``generate()`` passes it: its last ``T`` columns are used), 1 = real token,
@@ -135,6 +135,8 @@ class RecurrentMixer(Mixer):
 
     design: DesignModel
     chunk_size: int = 64
+    # "auto" | "torch" | "triton" (bayeslayer.ops.backend); mixers with a Triton kernel take it as an argument
+    backend: str = "auto"
 
     def features(self, x: torch.Tensor, mask: torch.Tensor | None, conv_state: dict | None):
         """``(q, k, v, write, new_conv_state, extra)``: filter inputs ``[B, T, H, ·]``, the design's
@@ -184,18 +186,18 @@ class RecurrentMixer(Mixer):
             k, write = self.mask_writes(k, write, mask)
         rec = state.get("recurrent")
         if T == 1:
-            # decoding: one step of the recurrent oracle (design.step; bl_step for the Bayesian Layer)
+            # decoding: one step (design.step: the fused Triton step kernel or the recurrent oracle)
             if rec is None:
                 rec = self.initial_state(B, torch.float64 if x.dtype == torch.float64 else torch.float32,
                                          x.device)
-            out = self.design.step(q[:, 0], k[:, 0], v[:, 0], state=rec,
+            out = self.design.step(q[:, 0], k[:, 0], v[:, 0], state=rec, backend=self.backend,
                                    **{name: val[:, 0] for name, val in write.items()})
             o = out.o[:, None]
             variance = out.variance[:, None] if output_variance and out.variance is not None else None
         else:
             out = self.design.chunk(q, k, v, p0=self.filter_p0(), initial_state=rec,
                                     output_final_state=use_cache, return_variance=output_variance,
-                                    chunk_size=self.chunk_size, **write)
+                                    chunk_size=self.chunk_size, backend=self.backend, **write)
             o, variance = out.o, out.variance if output_variance else None
         o = self.readout(o, x, extra)
         o = apply_mask(o, mask)

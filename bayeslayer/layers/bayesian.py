@@ -7,6 +7,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..design import BAYESIAN, DIAGONAL_COVARIANCE
+from ..ops.backend import BackendError, check_backend
+from ..ops.triton.support import unsupported
 from .base import QKVMixer
 from .common import (
     check_positive_float,
@@ -60,6 +62,13 @@ class BayesianLayer(QKVMixer):
     (one ``d·V`` less without the gate).  ``p0 [H]`` is a buffer, not a parameter.
 
     Recurrent state per head: ``D·m + G·D²`` floats (``D·m + G·D`` with ``covariance="diagonal"``).
+
+    ``backend``: ``"auto"`` (default: the Triton kernels — chunked forward for sequences, the fused
+    step kernel for one-token decoding — on CUDA tensors when Triton is installed and the layer's
+    configuration has a kernel; PyTorch otherwise), ``"torch"``, or ``"triton"`` (always the kernels;
+    a configuration without one — ``covariance="diagonal"``, ``dynamics="rotation"``, ``head_dim >
+    256``, a ``chunk_size`` outside 16/32/64 — raises ``BackendError`` here, and a device that cannot
+    run Triton raises at the forward).  See :mod:`bayeslayer.ops.backend`.
     """
 
     def __init__(self, hidden_size: int, num_heads: int = 4, head_dim: int = 128, *, expand_v: float = 2.0,
@@ -67,7 +76,7 @@ class BayesianLayer(QKVMixer):
                  use_short_conv: bool = True, conv_size: int = 4, conv_bias: bool = False,
                  use_gate: bool = True, norm_eps: float = 1e-5, r2_init: float = 1.0, ell2_init: float = 0.1,
                  r2_floor: float = 1e-3, ell2_floor: float = 1e-4, rope_base: float = 10000.0,
-                 chunk_size: int = 64, layer_idx: int | None = None) -> None:
+                 chunk_size: int = 64, backend: str = "auto", layer_idx: int | None = None) -> None:
         if dynamics not in DYNAMICS:
             raise ValueError(f"dynamics must be one of {DYNAMICS}, got {dynamics!r}")
         if covariance not in COVARIANCES:
@@ -94,6 +103,12 @@ class BayesianLayer(QKVMixer):
             if check_positive_float(name, init) <= floor:
                 raise ValueError(f"{name}={init} must exceed its floor {floor}")
         p0 = check_positive_float("p0", p0)
+        self.backend = check_backend(backend)
+        if self.backend == "triton":
+            reason = unsupported("chunk", write=self.design.write, rotation=dynamics == "rotation",
+                                 head_dim=self.head_dim, chunk_size=self.chunk_size)
+            if reason is not None:
+                raise BackendError(f"BayesianLayer(backend='triton') cannot run this layer: {reason}")
 
         d, H, D = self.hidden_size, self.num_heads, self.head_dim
         self.decay_dim = {"identity": 0, "scalar": 1, "rotation": 1, "diagonal": D}[dynamics]
@@ -145,7 +160,7 @@ class BayesianLayer(QKVMixer):
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, dynamics={self.dynamics}, covariance={self.covariance}, "
-                f"groups={self.groups}")
+                f"groups={self.groups}, backend={self.backend}")
 
     # -- sizes -------------------------------------------------------------------------------------
     def state_size_per_head(self) -> int:

@@ -14,6 +14,8 @@ from typing import Any
 
 from transformers.configuration_utils import PretrainedConfig
 
+from ..ops.backend import check_backend
+
 _DROPOUTS = ("embedding_dropout", "mixer_dropout", "mlp_dropout", "mlp_hidden_dropout")
 
 
@@ -73,6 +75,9 @@ class BayesLayerConfig(PretrainedConfig):
         tie_word_embeddings: share ``lm_head.weight`` with ``model.embeddings.weight``.
         initializer_range: std of the normal init of embeddings, MLPs and the head (mixers initialise
             themselves, since their parameters have their own parametrisations).
+        backend: ``"auto"`` (default), ``"torch"`` or ``"triton"``, passed to every mixer that has a
+            Triton implementation (the Bayesian Layer; :mod:`bayeslayer.ops.backend`), for training,
+            prefill and cached decoding.  A ``backend`` in ``mixer_kwargs``/``layer_mixer_kwargs`` wins.
     """
 
     model_type = "bayeslayer"
@@ -104,6 +109,7 @@ class BayesLayerConfig(PretrainedConfig):
         bos_token_id: int | None = 1,
         eos_token_id: int | None = 2,
         tie_word_embeddings: bool = False,
+        backend: str = "auto",
         **kwargs,
     ):
         self.vocab_size = _positive_int("vocab_size", vocab_size)
@@ -170,6 +176,7 @@ class BayesLayerConfig(PretrainedConfig):
             raise ValueError(f"initializer_range must be a positive number, got {initializer_range!r}")
         self.initializer_range = float(initializer_range)
         self.use_cache = bool(use_cache)
+        self.backend = check_backend(backend)
         super().__init__(
             pad_token_id=pad_token_id,
             bos_token_id=bos_token_id,

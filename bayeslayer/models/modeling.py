@@ -16,6 +16,7 @@ Each block is pre-norm:  ``h = h + drop(mixer(norm(h)))``, ``h = h + drop(mlp(no
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -28,6 +29,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import PreTrainedModel
 
+from ..ops.backend import BackendError
 from .cache import BayesLayerCache
 from .configuration import BayesLayerConfig
 
@@ -52,11 +54,21 @@ class BayesLayerCausalLMOutput(CausalLMOutputWithPast):
     variances: tuple[torch.Tensor | None, ...] | None = None
 
 
+def _takes_backend(name: str) -> bool:
+    """Whether mixer ``name`` has a Triton implementation (its constructor takes ``backend``)."""
+    from ..layers import MIXERS
+
+    return "backend" in inspect.signature(MIXERS[name]).parameters
+
+
 def build_layer_mixer(config: BayesLayerConfig, layer_idx: int) -> nn.Module:
-    """The token mixer of layer ``layer_idx``, built from the registry with the config's kwargs."""
+    """The token mixer of layer ``layer_idx``, built from the registry with the config's kwargs
+    (and ``config.backend`` for a mixer with a Triton implementation, unless its kwargs set one)."""
     from ..layers import build_mixer
 
     name, kwargs = config.mixer_arguments(layer_idx)
+    if _takes_backend(name):
+        kwargs.setdefault("backend", getattr(config, "backend", "auto"))
     return build_mixer(name, config.hidden_size, layer_idx=layer_idx, **kwargs)
 
 
@@ -201,6 +213,13 @@ class BayesLayerModel(BayesLayerPreTrainedModel):
         self.padding_idx = config.pad_token_id
         self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=self.padding_idx)
         self.embedding_dropout = nn.Dropout(config.embedding_dropout)
+        if getattr(config, "backend", "auto") == "triton" and not any(
+            _takes_backend(name) for name in config.layer_mixers
+        ):
+            raise BackendError(
+                f"backend='triton' but none of the model's mixers {sorted(set(config.layer_mixers))} has a "
+                "Triton implementation (the Bayesian Layer has)"
+            )
         self.layers = nn.ModuleList([BayesLayerBlock(config, i) for i in range(config.num_hidden_layers)])
         for layer in self.layers:
             for part in layer.attn.modules():

@@ -4,17 +4,24 @@ Public contract (sequence-first, like flash-linear-attention)::
 
     o, state = bl_recurrent(q, k, v, r2, ell2, alpha=None, theta=None, p0=1.0,
                             initial_state=None, output_final_state=False, return_variance=False)
-    o, state = bl_chunk(q, k, v, r2, ell2, ..., chunk_size=64)
-    o, state = bl_step(q, k, v, r2, ell2, alpha=None, theta=None, state=(M, P))
+    o, state = bl_chunk(q, k, v, r2, ell2, ..., chunk_size=64, backend="auto")
+    o, state = bl_step(q, k, v, r2, ell2, alpha=None, theta=None, state=(M, P), backend="auto")
+
+``bl_chunk`` and ``bl_step`` dispatch (:mod:`.backend`): CUDA tensors run the Triton kernels
+(:mod:`.triton`) when Triton is installed, everything else the PyTorch path; ``backend="torch"``
+or ``"triton"`` forces one.
 """
 
+from .backend import BACKENDS, BackendError, bl_chunk, bl_step
 from .checks import set_value_checks, value_checks
-from .chunk import bl_chunk, filter_chunk
+from .chunk import filter_chunk
 from .prepare import WRITE_MODELS, FilterOutput
-from .recurrent import bl_recurrent, bl_step, filter_recurrent, initial_bl_state
+from .recurrent import bl_recurrent, filter_recurrent, initial_bl_state
 
 __all__ = [
+    "BACKENDS",
     "WRITE_MODELS",
+    "BackendError",
     "FilterOutput",
     "bl_chunk",
     "bl_recurrent",

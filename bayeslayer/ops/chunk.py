@@ -29,6 +29,9 @@ Mean pass (generalised delta rule: erase key ``k``, write key ``w = β u``)::
 
 Everything is batched matmuls and einsums plus one C×C Cholesky and triangular
 solves per chunk; the Python loop runs over chunks, never over tokens.
+
+This is the PyTorch path only; :func:`bayeslayer.ops.bl_chunk` and ``DesignModel.chunk`` choose
+between it and the Triton kernels in :mod:`bayeslayer.ops.backend` (this module imports neither).
 """
 
 from __future__ import annotations
@@ -586,70 +589,3 @@ def _diagonal_cov_scan(pr, want_var: bool, P0: torch.Tensor):
     w = torch.stack(ws, 1).to(cd)
     var = torch.stack(vs, 1).to(cd) if want_var else None
     return w, var, torch.diag_embed(p)
-
-
-def bl_chunk(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    r2,
-    ell2,
-    alpha=None,
-    theta=None,
-    p0=1.0,
-    initial_state=None,
-    output_final_state: bool = False,
-    return_variance: bool = False,
-    chunk_size: int = 64,
-    cu_seqlens: torch.Tensor | None = None,
-    backend: str | None = None,
-):
-    """The Bayesian Layer, chunked: same contract and results as :func:`bl_recurrent`.
-
-    Cost per token ≈ 2D² (``K̃ P_0`` and the ``P_C`` update) + O(C(D + m)) + O(Dm)
-    multiply-adds, all matmul-shaped, plus a C×C Cholesky per chunk.  Diagonal and
-    rotation dynamics use ``[C, C, D]`` ratio tensors (O(C·D) per token).
-
-    ``cu_seqlens`` (``[N + 1]`` int, B = 1) packs N variable-length sequences along T like
-    flash-linear-attention; ``initial_state``/final state are then per sequence (N in place of B).
-    A wide prior (``p0·‖k‖²/r² > 1e4``) or a float64 ``P`` runs the covariance pass in float64 and
-    returns ``P`` in float64 (:func:`~bayeslayer.ops.checks.covariance_dtype`); a chunk that is
-    not positive definite even so raises a ``ValueError`` naming p0 and the safe range.
-    ``backend``: ``"torch"`` (this module), ``"triton"`` (:mod:`bayeslayer.ops.triton`: Triton
-    forward kernels, block-wise recompute backward), or ``None`` = Triton for CUDA tensors when
-    Triton is installed, PyTorch otherwise.
-    """
-    if _use_triton(backend, q):
-        from .triton import bl_chunk_triton
-
-        return bl_chunk_triton(
-            q, k, v, r2, ell2, alpha=alpha, theta=theta, p0=p0, initial_state=initial_state,
-            output_final_state=output_final_state, return_variance=return_variance,
-            chunk_size=chunk_size, cu_seqlens=cu_seqlens,
-        )
-    out = filter_chunk(
-        q, k, v, write="bayes", r2=r2, ell2=ell2, alpha=alpha, theta=theta, p0=p0,
-        initial_state=initial_state, output_final_state=output_final_state,
-        return_variance=return_variance, chunk_size=chunk_size, cu_seqlens=cu_seqlens,
-    )
-    if return_variance:
-        return out.o, out.variance, out.state
-    return out.o, out.state
-
-
-def _use_triton(backend: str | None, q) -> bool:
-    if backend not in (None, "torch", "triton"):
-        raise ValueError(f"backend must be None, 'torch' or 'triton', got {backend!r}")
-    if backend == "torch":
-        return False
-    if backend == "triton":
-        from .triton import triton_available
-
-        if not triton_available():
-            raise RuntimeError("backend='triton' was requested but Triton is not installed")
-        return True
-    if not (isinstance(q, torch.Tensor) and q.is_cuda):
-        return False
-    from .triton import triton_available
-
-    return triton_available()

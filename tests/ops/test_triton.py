@@ -22,8 +22,10 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from bayeslayer.ops import bl_chunk, bl_step, initial_bl_state  # noqa: E402
+from bayeslayer.ops import BackendError, bl_chunk, bl_step, initial_bl_state  # noqa: E402
 from bayeslayer.ops.triton import bl_chunk_triton, bl_step_triton, triton_available  # noqa: E402
+
+from ..triton_spy import triton_only  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
@@ -77,11 +79,15 @@ def assert_close(a, b, tol, what):
 
 def compare(B, T, H, D, m, *, decay="scalar", G=1, chunk_size=16, with_state=False, dtype=torch.float64,
             tol=1e-10, strong=False):
+    """The whole Triton path (``bl_chunk(backend="triton")`` through the dispatch, which must call
+    the Triton forward exactly once and never the PyTorch path) against ``backend="torch"``."""
     q, k, v, r2, ell2, alpha = make_inputs(B, T, H, D, m, decay=decay, G=G, dtype=dtype, strong=strong)
     st = initial_state(B, H, D, m, G) if with_state else None
     kw = dict(initial_state=st, output_final_state=True, return_variance=True, chunk_size=chunk_size)
-    o1, var1, (M1, P1) = bl_chunk_triton(q, k, v, r2, ell2, alpha, **kw)
-    o2, var2, (M2, P2) = bl_chunk(q, k, v, r2, ell2, alpha, **kw)
+    with triton_only() as calls:
+        o1, var1, (M1, P1) = bl_chunk(q, k, v, r2, ell2, alpha, backend="triton", **kw)
+    assert calls == {"chunk": 1}, f"Triton entry points called {dict(calls)}"
+    o2, var2, (M2, P2) = bl_chunk(q, k, v, r2, ell2, alpha, backend="torch", **kw)
     assert o1.dtype == o2.dtype == dtype and o1.shape == o2.shape
     assert var1.shape == var2.shape and M1.shape == M2.shape and P1.shape == P2.shape
     assert_close(o1, o2, tol, "output")
@@ -256,23 +262,38 @@ def test_checkpoints_are_kept_at_block_starts_only(monkeypatch):
         assert_close(CKM[row], M_t[0], 1e-10, f"M checkpoint {row} (token {t})")
 
 
-def test_rotations_fall_back_to_torch():
+def test_rotations_have_no_kernel_and_are_refused_not_run_on_torch():
+    """Rotations: the Triton entry points and a forced backend refuse them by name (no silent
+    PyTorch run under a Triton name); the default dispatch runs them on PyTorch."""
     q, k, v, r2, ell2, _ = make_inputs(1, 10, 1, 16, 8)
     theta = torch.rand(1, 10, 1, 8, dtype=torch.float64, device=DEVICE)
-    o1, _ = bl_chunk_triton(q, k, v, r2, ell2, theta=theta, chunk_size=16)
-    o2, _ = bl_chunk(q, k, v, r2, ell2, theta=theta, chunk_size=16)
-    assert_close(o1, o2, 1e-12, "rotation output")
+    with pytest.raises(ValueError, match="rotation dynamics"):
+        bl_chunk_triton(q, k, v, r2, ell2, theta=theta, chunk_size=16)
+    with pytest.raises(BackendError, match="rotation dynamics"):
+        bl_chunk(q, k, v, r2, ell2, theta=theta, chunk_size=16, backend="triton")
+    st = initial_state(1, 1, 16, 8)
+    with pytest.raises(ValueError, match="rotation dynamics"):
+        bl_step_triton(q[:, 0], k[:, 0], v[:, 0], r2[:, 0], ell2[:, 0], theta=theta[:, 0], state=st)
+    with pytest.raises(BackendError, match="rotation dynamics"):
+        bl_step(q[:, 0], k[:, 0], v[:, 0], r2[:, 0], ell2[:, 0], theta=theta[:, 0], state=st, backend="triton")
+    o1, _ = bl_chunk(q, k, v, r2, ell2, theta=theta, chunk_size=16)  # auto: CPU or rotation -> PyTorch
+    o2, _ = bl_chunk(q, k, v, r2, ell2, theta=theta, chunk_size=16, backend="torch")
+    assert_close(o1, o2, 0.0, "rotation output")
 
 
 def test_step_matches_bl_step():
+    """``bl_step(backend="triton")`` runs the fused step kernel (once per step, never PyTorch) and
+    equals ``backend="torch"``."""
     B, H, D, m, G = 2, 2, 20, 12, 2
     q, k, v, r2, ell2, alpha = make_inputs(B, 6, H, D, m, decay="diagonal", G=G)
     s1 = s2 = initial_state(B, H, D, m, G)
     for t in range(6):
-        o1, var1, s1 = bl_step_triton(q[:, t], k[:, t], v[:, t], r2[:, t], ell2[:, t], alpha[:, t], state=s1,
-                                      return_variance=True)
+        with triton_only() as calls:
+            o1, var1, s1 = bl_step(q[:, t], k[:, t], v[:, t], r2[:, t], ell2[:, t], alpha[:, t], state=s1,
+                                   return_variance=True, backend="triton")
+        assert calls == {"step": 1}, f"Triton entry points called {dict(calls)}"
         o2, var2, s2 = bl_step(q[:, t], k[:, t], v[:, t], r2[:, t], ell2[:, t], alpha[:, t], state=s2,
-                               return_variance=True)
+                               return_variance=True, backend="torch")
         assert_close(o1, o2, 1e-12, f"step {t} output")
         assert_close(var1, var2, 1e-12, f"step {t} variance")
         assert_close(s1[0], s2[0], 1e-12, f"step {t} M")
@@ -296,14 +317,6 @@ def test_triton_available_under_interpreter():
     assert triton_available()
 
 
-def test_bl_chunk_backend_triton_dispatches_here():
-    q, k, v, r2, ell2, alpha = make_inputs(1, 18, 1, 16, 8)
-    o1, (M1, P1) = bl_chunk(q, k, v, r2, ell2, alpha, output_final_state=True, chunk_size=16, backend="triton")
-    o2, (M2, P2) = bl_chunk(q, k, v, r2, ell2, alpha, output_final_state=True, chunk_size=16, backend="torch")
-    assert_close(o1, o2, 1e-10, "output")
-    assert_close(P1, P2, 1e-10, "final P")
-
-
 # --------------------------------------------------------------------------- bad input
 
 def test_bad_inputs_raise():
@@ -316,7 +329,7 @@ def test_bad_inputs_raise():
         bl_chunk_triton(q[0], k, v, r2, ell2)
     with pytest.raises(TypeError, match="floating-point"):
         bl_chunk_triton(q, k.long(), v, r2, ell2)
-    with pytest.raises(ValueError, match="key dims"):
+    with pytest.raises(ValueError, match="key head dim"):
         big = torch.zeros(1, 8, 1, 300, dtype=torch.float64)
         bl_chunk_triton(big, big, v, r2, ell2)
     with pytest.raises(ValueError, match="alpha"):

@@ -12,21 +12,21 @@ differentiating it (:func:`_blockwise_backward`).  Gradients are therefore the
 PyTorch path's; memory is the checkpoints, one block's graph and one gradient
 buffer per input (in its dtype); time is a Python loop over blocks, and inside
 the chunk step over their chunks — host-bound on a GPU (docs/kernels.md).
-Rotations (``theta``) run entirely on the PyTorch path (forward and backward).
+Rotations (``theta``) have no kernel: :func:`bl_chunk_triton` refuses them, and
+:mod:`bayeslayer.ops.backend` sends them to the PyTorch path (``backend="auto"``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 
 from .. import groups as grp
 from ..checks import check_cu_seqlens, check_dynamics, check_p0, check_positive, check_qkv, check_state
 from ..chunk import filter_chunk
+from .support import BackendError, triton_unavailable, unsupported
 
-SUPPORTED_CHUNK_SIZES = (16, 32, 64)
 # chunks recomputed and differentiated together in the backward: the PyTorch chunk step batches
 # everything that does not depend on the carried state over a block, so fewer, larger kernels run,
 # at the price of one block's autograd graph in memory (instead of one chunk's)
@@ -40,12 +40,11 @@ FP32_PRECISION = "ieee"
 
 
 def triton_available() -> bool:
-    """True when Triton imports and can run here: a CUDA device, or ``TRITON_INTERPRET=1`` (CPU)."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """True when Triton is installed and can run here: a CUDA device, or ``TRITON_INTERPRET=1`` (CPU).
+
+    Why not, when it cannot: :func:`bayeslayer.ops.triton.support.triton_unavailable`.
+    """
+    return triton_unavailable() is None
 
 
 def default_num_warps(chunk_size: int) -> int:
@@ -69,17 +68,16 @@ def tile_sizes(D: int, m: int) -> tuple[int, int, int]:
 
 
 def _check_chunk_size(chunk_size) -> int:
-    if isinstance(chunk_size, bool) or chunk_size not in SUPPORTED_CHUNK_SIZES:
-        raise ValueError(
-            f"the Triton path supports chunk_size in {SUPPORTED_CHUNK_SIZES}, got {chunk_size!r}"
-        )
+    reason = unsupported("chunk", chunk_size=chunk_size)
+    if reason is not None:
+        raise ValueError(f"the Triton path cannot run this chunk_size: {reason}")
     return int(chunk_size)
 
 
 def _torch_reference(q, k, v, r2, ell2, alpha, theta, p0, M0, P0, cu, chunk_size, want_var):
     """The PyTorch chunk path on the same arguments (per packed sequence when ``cu`` is given).
 
-    Returns ``(o, variance or None, M, P)``.  Used for rotations and T = 0, and by the
+    Returns ``(o, variance or None, M, P)``.  Used for T = 0 (nothing to launch), and by the
     tests as the varlen reference.
     """
     state = None if M0 is None else (M0, P0)
@@ -374,7 +372,8 @@ def bl_chunk_triton(
     Shapes: q, k ``[B, T, H, D]`` (D = 16..256; padded to a power of two inside),
     v ``[B, T, H, m]``, r2 ``[B, T, H]`` or ``[B, T, H, G]``, ell2 ``[B, T, H]``,
     alpha None / ``[B, T, H]`` (scalar decay) / ``[B, T, H, D]`` (diagonal decay),
-    theta (rotations) ``[B, T, H, D/2]`` — rotations run on the PyTorch chunk path.
+    theta must be None: rotations have no kernel (``bayeslayer.ops.bl_chunk`` runs them on the
+    PyTorch path); this function raises ``ValueError`` for them rather than fall back.
     ``cu_seqlens`` ``[N + 1]`` (int32/int64, B = 1) packs N sequences along T, like
     flash-linear-attention; ``initial_state`` and the final state are then per
     sequence, ``M [N, H, D, m]``, ``P [N, H, D, D]`` (``[N, H, G, D, D]`` with groups).
@@ -393,8 +392,13 @@ def bl_chunk_triton(
         raise TypeError(f"q must be a torch.Tensor [B, T, H, D], got {type(q).__name__}")
     if q.dim() != 4:
         raise ValueError(f"q must be [B, T, H, D], got shape {tuple(q.shape)}")
-    if not 1 <= q.shape[-1] <= 256:
-        raise ValueError(f"the Triton path supports key dims D in 1..256, got D={q.shape[-1]}")
+    reason = unsupported("chunk", rotation=theta is not None, head_dim=q.shape[-1],
+                         dtype=q.dtype if q.is_floating_point() else None)
+    if reason is not None:
+        raise ValueError(f"bl_chunk_triton cannot run this input: {reason}")
+    reason = triton_unavailable(q.device)
+    if reason is not None:
+        raise BackendError(f"bl_chunk_triton cannot run: {reason}")
     cu = check_cu_seqlens(cu_seqlens, q.shape[0], q.shape[1], q.device)
     if initial_state is not None:
         if not isinstance(initial_state, (tuple, list)) or len(initial_state) != 2:
@@ -402,8 +406,8 @@ def bl_chunk_triton(
         M0, P0 = initial_state
     else:
         M0 = P0 = None
-    if theta is not None or q.shape[1] == 0:
-        o, var, M, P = _torch_reference(q, k, v, r2, ell2, alpha, theta, p0, M0, P0, cu, C, return_variance)
+    if q.shape[1] == 0:  # nothing to launch; the PyTorch path validates and returns the empty results
+        o, var, M, P = _torch_reference(q, k, v, r2, ell2, alpha, None, p0, M0, P0, cu, C, return_variance)
     else:
         o, var, M, P = _BLChunkTriton.apply(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, C, return_variance)
     state = (M, P) if output_final_state else None

@@ -6,7 +6,8 @@ Per (batch, head·group) program, exactly SPEC §1.1 for one token::
     M = A M + β u (v − (A M)ᵀ k)ᵀ,   P = P̄ − β u uᵀ
     o = Mᵀ q,   variance = 1 + qᵀ P q
 
-``A`` is identity, ``α I`` or ``diag(α)``; rotations run on the PyTorch step.
+``A`` is identity, ``α I`` or ``diag(α)``; rotations have no kernel (``bayeslayer.ops.bl_step``
+runs them on the PyTorch step; this entry point refuses them).
 ``P`` and ``M`` are read once and written once (BK×BK and BK×BV tiles), so the
 step is one pass over the state, which is what bounds decoding speed.
 """
@@ -17,8 +18,8 @@ import torch
 
 from .. import groups as grp
 from ..prepare import prepare
-from ..recurrent import bl_step
 from .chunk import _next_pow2
+from .support import BackendError, triton_unavailable, unsupported
 
 
 def step_tiles(D: int, m: int) -> tuple[int, int, int]:
@@ -43,13 +44,20 @@ def bl_step_triton(
     q, k ``[B, H, D]``, v ``[B, H, m]``, r2 ``[B, H]`` / ``[B, H, G]``, ell2 ``[B, H]``,
     alpha None / ``[B, H]`` / ``[B, H, D]``; ``state = (M [B, H, D, m], P [B, H, D, D]
     or [B, H, G, D, D])`` is required and not modified.  Returns ``(o [B, H, m], new_state)``
-    or ``(o, variance [B, H, G], new_state)``.  Rotations (``theta``) run on the PyTorch step.
+    or ``(o, variance [B, H, G], new_state)``.  ``theta`` must be None: rotations have no kernel
+    (``bayeslayer.ops.bl_step`` runs them on the PyTorch step); this function raises ``ValueError``.
     Not differentiable (decoding); use :func:`bl_chunk_triton` for training.
     """
     if state is None:
         raise ValueError("state is required for bl_step_triton; start from bayeslayer.ops.initial_bl_state()")
-    if theta is not None:
-        return bl_step(q, k, v, r2, ell2, alpha, theta, state=state, return_variance=return_variance)
+    if isinstance(q, torch.Tensor):
+        reason = unsupported("step", rotation=theta is not None, head_dim=q.shape[-1] if q.dim() else None,
+                             dtype=q.dtype if q.is_floating_point() else None)
+        if reason is not None:
+            raise ValueError(f"bl_step_triton cannot run this input: {reason}")
+        reason = triton_unavailable(q.device)
+        if reason is not None:
+            raise BackendError(f"bl_step_triton cannot run: {reason}")
     pr = prepare(q, k, v, write="bayes", r2=r2, ell2=ell2, alpha=alpha, initial_state=state, single_step=True)
     dims, G = pr.dims, pr.G
     B, D = dims.B, dims.D

@@ -1,0 +1,240 @@
+"""Backend dispatch: which implementation runs a chunked pass or a decoding step.
+
+Two implementations sit below this module and know nothing of each other or of it:
+
+* ``torch`` — :func:`bayeslayer.ops.chunk.filter_chunk` and
+  :func:`bayeslayer.ops.recurrent.filter_recurrent` (every write model and dynamics, any device);
+* ``triton`` — :func:`bayeslayer.ops.triton.bl_chunk_triton` and
+  :func:`bayeslayer.ops.triton.bl_step_triton` (the exact Kalman filter, write model ``bayes``,
+  identity / scalar / diagonal decay; :mod:`bayeslayer.ops.triton.support` lists what they run).
+
+``backend`` is ``"auto"`` (default), ``"torch"`` or ``"triton"``:
+
+* ``"auto"``: the Triton kernels when the inputs are CUDA tensors, Triton is installed and the
+  configuration is one the kernels implement; the PyTorch path otherwise (CPU tensors included,
+  even with ``TRITON_INTERPRET=1``: the interpreter is for tests, not speed);
+* ``"torch"``: always the PyTorch path;
+* ``"triton"``: always the kernels (on CPU tensors only under ``TRITON_INTERPRET=1``), or a
+  :class:`BackendError` that says why they cannot run (Triton missing; no CUDA device and
+  ``TRITON_INTERPRET`` not 1; an unsupported write model, dynamics, head dim, chunk size or dtype).
+
+A decoding step whose inputs need gradients runs the (differentiable) Triton chunk forward on a
+one-token sequence instead of the step kernel, which is not differentiable.
+
+Every caller goes through here: :func:`bl_chunk`, :func:`bl_step`, ``DesignModel.chunk/step``
+(:func:`dispatch_chunk`, :func:`dispatch_step`), the layers and the language model (their
+``backend`` argument / config field).  Import order is one-way: ``checks, prepare → chunk,
+recurrent → triton → backend → design → layers → models``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .chunk import filter_chunk
+from .prepare import FilterOutput
+from .recurrent import filter_recurrent
+from .triton import bl_chunk_triton, bl_step_triton  # called under these names (tests/triton_spy.py)
+from .triton.support import BackendError, triton_unavailable, unsupported
+
+BACKENDS = ("auto", "torch", "triton")
+# A new Triton forward with bl_chunk_triton's signature is wired in by changing the import of
+# bl_chunk_triton above (e.g. ``from .triton.scan import bl_chunk_scan as bl_chunk_triton``).
+
+__all__ = ["BACKENDS", "BackendError", "bl_chunk", "bl_step", "check_backend", "dispatch_chunk",
+           "dispatch_step", "select_backend"]
+
+
+def check_backend(backend, name: str = "backend") -> str:
+    """``backend`` validated: one of :data:`BACKENDS` (``None`` means ``"auto"``)."""
+    if backend is None:
+        return "auto"
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"{name} must be one of {BACKENDS} (or None for 'auto'), got {backend!r}")
+    return backend
+
+
+def select_backend(
+    backend,
+    op: str,
+    *,
+    device: torch.device | str | None,
+    write: str = "bayes",
+    rotation: bool = False,
+    head_dim: int | None = None,
+    chunk_size: int | None = None,
+    dtype: torch.dtype | None = None,
+) -> str:
+    """``"torch"`` or ``"triton"`` for this call (rules in the module docstring).
+
+    Raises :class:`BackendError` when ``backend="triton"`` cannot run, naming the reason.
+    """
+    backend = check_backend(backend)
+    if backend == "torch":
+        return "torch"
+    if backend == "auto" and (device is None or torch.device(device).type != "cuda"):
+        return "torch"
+    reason = unsupported(op, write=write, rotation=rotation, head_dim=head_dim, chunk_size=chunk_size,
+                         dtype=dtype)
+    if reason is None:
+        reason = triton_unavailable(device)
+    if backend == "auto":
+        return "triton" if reason is None else "torch"
+    if reason is not None:
+        raise BackendError(f"backend='triton' cannot run this {op}: {reason}")
+    return "triton"
+
+
+def _describe(q) -> tuple[torch.device | None, int | None, torch.dtype | None]:
+    """Device, key dim and dtype of ``q`` for :func:`select_backend` (None where q is not a usable tensor:
+    the chosen path's own validation then names the bad argument)."""
+    if not isinstance(q, torch.Tensor) or q.dim() == 0:
+        return None, None, None
+    return q.device, q.shape[-1], q.dtype if q.is_floating_point() else None
+
+
+def dispatch_chunk(
+    q, k, v, *, write: str, r2=None, ell2=None, lam=None, gain=None, alpha=None, theta=None, p0=1.0,
+    initial_state=None, output_final_state: bool = False, return_variance: bool = False,
+    chunk_size: int = 64, cu_seqlens: torch.Tensor | None = None, backend="auto",
+) -> FilterOutput:
+    """The chunked filter of write model ``write`` on the selected backend (arguments of
+    :func:`bayeslayer.ops.chunk.filter_chunk`).
+
+    On the Triton path ``FilterOutput.gain`` is ``None`` (the kernels do not return the per-token
+    gain ``kᵀw``; the PyTorch path does).
+    """
+    device, D, dtype = _describe(q)
+    if lam is not None or gain is not None:
+        # not arguments of the Kalman filter: the PyTorch path's validation refuses them by name
+        backend = "torch" if write == "bayes" else backend
+    chosen = select_backend(backend, "chunk", device=device, write=write, rotation=theta is not None,
+                            head_dim=D, chunk_size=chunk_size, dtype=dtype)
+    if chosen == "torch":
+        return filter_chunk(
+            q, k, v, write=write, r2=r2, ell2=ell2, lam=lam, gain=gain, alpha=alpha, theta=theta, p0=p0,
+            initial_state=initial_state, output_final_state=output_final_state,
+            return_variance=return_variance, chunk_size=chunk_size, cu_seqlens=cu_seqlens,
+        )
+    out = bl_chunk_triton(
+        q, k, v, r2, ell2, alpha=alpha, p0=p0, initial_state=initial_state,
+        output_final_state=output_final_state, return_variance=return_variance, chunk_size=chunk_size,
+        cu_seqlens=cu_seqlens,
+    )
+    o, var, state = out if return_variance else (out[0], None, out[1])
+    return FilterOutput(o, var, None, state)
+
+
+def _needs_grad(*xs) -> bool:
+    if not torch.is_grad_enabled():
+        return False
+    for x in xs:
+        if isinstance(x, (tuple, list)):
+            if _needs_grad(*x):
+                return True
+        elif isinstance(x, torch.Tensor) and x.requires_grad:
+            return True
+    return False
+
+
+def dispatch_step(
+    q, k, v, *, write: str, state, r2=None, ell2=None, lam=None, gain=None, alpha=None, theta=None,
+    backend="auto",
+) -> FilterOutput:
+    """One decoding step of write model ``write`` on the selected backend (shapes without the time
+    axis; ``state`` required; arguments of :func:`bayeslayer.ops.recurrent.filter_recurrent` with
+    ``single_step=True``).  Returns the variance whenever the write model defines one, and
+    ``gain=None`` on the Triton path."""
+    if state is None:
+        raise ValueError("state is required for a decoding step; start from bayeslayer.ops.initial_bl_state()")
+    device, D, dtype = _describe(q)
+    if lam is not None or gain is not None:
+        backend = "torch" if write == "bayes" else backend
+    chosen = select_backend(backend, "step", device=device, write=write, rotation=theta is not None,
+                            head_dim=D, dtype=dtype)
+    if chosen == "torch":
+        return filter_recurrent(q, k, v, write=write, r2=r2, ell2=ell2, lam=lam, gain=gain, alpha=alpha,
+                                theta=theta, initial_state=state, output_final_state=True, single_step=True)
+    if _needs_grad(q, k, v, r2, ell2, alpha, state):
+        # the step kernel is not differentiable; the chunk forward (and its backward) on one token is
+        o, var, new_state = bl_chunk_triton(
+            q[:, None], k[:, None], v[:, None], r2[:, None], ell2[:, None],
+            alpha=None if alpha is None else alpha[:, None], initial_state=state, output_final_state=True,
+            return_variance=True, chunk_size=16,
+        )
+        return FilterOutput(o[:, 0], var[:, 0], None, new_state)
+    o, var, new_state = bl_step_triton(q, k, v, r2, ell2, alpha, state=state, return_variance=True)
+    return FilterOutput(o, var, None, new_state)
+
+
+def bl_chunk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    r2,
+    ell2,
+    alpha=None,
+    theta=None,
+    p0=1.0,
+    initial_state=None,
+    output_final_state: bool = False,
+    return_variance: bool = False,
+    chunk_size: int = 64,
+    cu_seqlens: torch.Tensor | None = None,
+    backend: str | None = "auto",
+):
+    """The Bayesian Layer, chunked: same contract and results as :func:`bayeslayer.ops.bl_recurrent`.
+
+    Cost per token ≈ 2D² (``K̃ P_0`` and the ``P_C`` update) + O(C(D + m)) + O(Dm)
+    multiply-adds, all matmul-shaped, plus a C×C Cholesky per chunk.  Diagonal and
+    rotation dynamics use ``[C, C, D]`` ratio tensors on the PyTorch path (O(C·D) per token).
+
+    ``cu_seqlens`` (``[N + 1]`` int, B = 1) packs N variable-length sequences along T like
+    flash-linear-attention; ``initial_state``/final state are then per sequence (N in place of B).
+    A wide prior (``p0·‖k‖²/r² > 1e4``) or a float64 ``P`` runs the covariance pass in float64 and
+    returns ``P`` in float64 (:func:`~bayeslayer.ops.checks.covariance_dtype`); a chunk that is
+    not positive definite even so raises a ``ValueError`` naming p0 and the safe range.
+    ``backend``: ``"auto"`` (Triton kernels for CUDA tensors when Triton is installed and the
+    configuration is supported, else PyTorch), ``"torch"``, or ``"triton"`` (the kernels, or a
+    :class:`BackendError` saying why not) — see the module docstring.
+
+    Returns ``(o, state)`` or, with ``return_variance``, ``(o, variance [B, T, H, G], state)``.
+    """
+    out = dispatch_chunk(
+        q, k, v, write="bayes", r2=r2, ell2=ell2, alpha=alpha, theta=theta, p0=p0,
+        initial_state=initial_state, output_final_state=output_final_state,
+        return_variance=return_variance, chunk_size=chunk_size, cu_seqlens=cu_seqlens, backend=backend,
+    )
+    if return_variance:
+        return out.o, out.variance, out.state
+    return out.o, out.state
+
+
+def bl_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    r2,
+    ell2,
+    alpha=None,
+    theta=None,
+    state=None,
+    return_variance: bool = False,
+    backend: str | None = "auto",
+):
+    """One decoding step of the Bayesian Layer.
+
+    Shapes are those of :func:`bayeslayer.ops.bl_recurrent` without the time axis: q, k ``[B, H, D]``,
+    v ``[B, H, m]``, r2 ``[B, H]`` / ``[B, H, G]``, ell2 ``[B, H]``, alpha ``[B, H]`` /
+    ``[B, H, D]`` (``[B, H, D/2]`` with theta), theta ``[B, H, D/2]``.  ``state = (M, P)``
+    is required (start from :func:`bayeslayer.ops.initial_bl_state`) and not modified.  Returns
+    ``(o [B, H, m], new_state)`` or ``(o, variance [B, H, G], new_state)``.  ``backend`` as in
+    :func:`bl_chunk`; on Triton this is the fused step kernel (:func:`bl_step_triton`).
+    """
+    if state is None:
+        raise ValueError("state is required for bl_step; start from bayeslayer.ops.initial_bl_state(...)")
+    out = dispatch_step(q, k, v, write="bayes", state=state, r2=r2, ell2=ell2, alpha=alpha, theta=theta,
+                        backend=backend)
+    if return_variance:
+        return out.o, out.variance, out.state
+    return out.o, out.state

@@ -1,0 +1,323 @@
+"""Backend dispatch (bayeslayer.ops.backend): the rules, the errors of a forced backend, the design
+models' routing, and no import cycle between the PyTorch path and the Triton path.
+
+Kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set by tests/conftest.py on a machine
+without a GPU); shapes are tiny because the interpreter is slow.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from bayeslayer.design import BAYESIAN, DIAGONAL_COVARIANCE, GATED_DELTANET
+from bayeslayer.ops import BACKENDS, BackendError, bl_chunk, bl_step, initial_bl_state
+from bayeslayer.ops import backend as be
+from bayeslayer.ops.triton import support
+
+from ..triton_spy import TorchPathRan, triton_only
+
+PACKAGE = Path(__file__).resolve().parents[2] / "bayeslayer"
+interpreter = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" or not support.triton_installed(),
+    reason="the kernels run here only in Triton's interpreter (TRITON_INTERPRET=1, Triton installed)",
+)
+
+
+def inputs(B=1, T=10, H=2, D=16, m=8, decay="scalar", dtype=torch.float64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, H, D, generator=gen, dtype=dtype) / D**0.5
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, D, generator=gen, dtype=dtype), dim=-1)
+    v = torch.randn(B, T, H, m, generator=gen, dtype=dtype)
+    r2 = torch.rand(B, T, H, generator=gen, dtype=dtype) + 0.1
+    ell2 = torch.rand(B, T, H, generator=gen, dtype=dtype) * 0.1 + 0.01
+    alpha = {"none": None, "scalar": torch.rand(B, T, H, generator=gen, dtype=dtype) * 0.1 + 0.9,
+             "diagonal": torch.rand(B, T, H, D, generator=gen, dtype=dtype) * 0.1 + 0.9}[decay]
+    return q, k, v, r2, ell2, alpha
+
+
+# -- the argument ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bad", ["cuda", "Triton", "", 1, True])
+def test_backend_argument_is_validated_by_name(bad):
+    q, k, v, r2, ell2, alpha = inputs()
+    with pytest.raises(ValueError, match=r"backend must be one of \('auto', 'torch', 'triton'\)"):
+        bl_chunk(q, k, v, r2, ell2, alpha, backend=bad)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        BAYESIAN.chunk(q, k, v, r2=r2, ell2=ell2, alpha=alpha, backend=bad)
+    st = initial_bl_state(1, 2, 16, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        bl_step(q[:, 0], k[:, 0], v[:, 0], r2[:, 0], ell2[:, 0], alpha[:, 0], state=st, backend=bad)
+
+
+def test_backends_and_none_means_auto():
+    assert BACKENDS == ("auto", "torch", "triton")
+    assert be.check_backend(None) == "auto"
+    for name in BACKENDS:
+        assert be.check_backend(name) == name
+
+
+# -- the rules (no kernel runs) ------------------------------------------------------------------------
+def test_auto_takes_triton_for_cuda_tensors_only_when_it_can(monkeypatch):
+    sel = be.select_backend
+    cuda_ok = sel("auto", "chunk", device="cuda", head_dim=64, chunk_size=64, dtype=torch.bfloat16)
+    assert cuda_ok == ("triton" if support.triton_installed() else "torch")
+    # CPU tensors: PyTorch, even under the interpreter (it is for tests, not speed)
+    assert sel("auto", "chunk", device="cpu", head_dim=64, chunk_size=64) == "torch"
+    # a configuration without a kernel: PyTorch
+    assert sel("auto", "chunk", device="cuda", rotation=True) == "torch"
+    assert sel("auto", "chunk", device="cuda", write="reset") == "torch"
+    assert sel("auto", "chunk", device="cuda", head_dim=512) == "torch"
+    assert sel("auto", "chunk", device="cuda", chunk_size=128) == "torch"
+    assert sel("auto", "step", device="cuda", head_dim=64, chunk_size=128) == cuda_ok  # no chunks in a step
+    assert sel("torch", "chunk", device="cuda") == "torch"
+    monkeypatch.setattr(support, "triton_installed", lambda: False)
+    assert sel("auto", "chunk", device="cuda", head_dim=64) == "torch"
+
+
+# -- (c) a forced Triton backend that cannot run says why --------------------------------------------
+def test_forced_triton_without_triton_says_triton_is_missing(monkeypatch):
+    monkeypatch.setattr(support, "triton_installed", lambda: False)
+    q, k, v, r2, ell2, alpha = inputs()
+    with pytest.raises(BackendError, match=r"Triton is not installed \(pip install triton\)"):
+        bl_chunk(q, k, v, r2, ell2, alpha, chunk_size=16, backend="triton")
+    with pytest.raises(BackendError, match="Triton is not installed"):
+        be.select_backend("triton", "chunk", device="cuda")
+
+
+@pytest.mark.skipif(not support.triton_installed(), reason="Triton is not installed")
+def test_forced_triton_on_cpu_without_interpreter_says_so(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    q, k, v, r2, ell2, alpha = inputs()
+    msg = r"cannot run this chunk: there is no CUDA device and TRITON_INTERPRET is not 1"
+    with pytest.raises(BackendError, match=msg):
+        bl_chunk(q, k, v, r2, ell2, alpha, chunk_size=16, backend="triton")
+    st = initial_bl_state(1, 2, 16, 8, dtype=torch.float64)
+    with pytest.raises(BackendError, match="cannot run this step: there is no CUDA device and TRITON_INTERPRET"):
+        BAYESIAN.step(q[:, 0], k[:, 0], v[:, 0], r2=r2[:, 0], ell2=ell2[:, 0], alpha=alpha[:, 0], state=st,
+                      backend="triton")
+    # the Triton entry points themselves say the same instead of failing inside Triton
+    from bayeslayer.ops.triton import bl_chunk_triton
+
+    with pytest.raises(BackendError, match="no CUDA device and TRITON_INTERPRET is not 1"):
+        bl_chunk_triton(q, k, v, r2, ell2, alpha, chunk_size=16)
+    # with a CUDA device present, CPU tensors are named as the problem
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(BackendError, match="the inputs are on the CPU and TRITON_INTERPRET is not 1"):
+        bl_chunk(q, k, v, r2, ell2, alpha, chunk_size=16, backend="triton")
+
+
+def test_forced_triton_names_each_unsupported_configuration():
+    q, k, v, r2, ell2, alpha = inputs()
+    theta = torch.rand(1, 10, 2, 8, dtype=torch.float64)
+    cases = [
+        (lambda: bl_chunk(q, k, v, r2, ell2, theta=theta, chunk_size=16, backend="triton"),
+         r"rotation dynamics \(theta\) have no Triton kernel"),
+        (lambda: GATED_DELTANET.chunk(q, k, v, gain=r2, alpha=alpha, chunk_size=16, backend="triton"),
+         "write model 'reset' has no Triton kernel"),
+        (lambda: DIAGONAL_COVARIANCE.chunk(q, k, v, r2=r2, ell2=ell2, chunk_size=16, backend="triton"),
+         "write model 'diagonal' has no Triton kernel"),
+        (lambda: bl_chunk(q, k, v, r2, ell2, alpha, chunk_size=8, backend="triton"),
+         r"chunk_size=8 is not one of the kernels' \(16, 32, 64\)"),
+        (lambda: bl_chunk(*inputs(T=2, D=300), chunk_size=16, backend="triton"),
+         "key head dim D=300 is outside the kernels' 1..256"),
+        (lambda: GATED_DELTANET.step(q[:, 0], k[:, 0], v[:, 0], gain=r2[:, 0], alpha=alpha[:, 0],
+                                     state=(torch.zeros(1, 2, 16, 8, dtype=torch.float64), None),
+                                     backend="triton"),
+         "cannot run this step: write model 'reset' has no Triton kernel"),
+    ]
+    for call, match in cases:
+        with pytest.raises(BackendError, match=match):
+            call()
+    with pytest.raises(BackendError, match="input dtype float8_e4m3fn is not one of the kernels' float32, "
+                                           "bfloat16, float16, float64"):
+        be.select_backend("triton", "chunk", device="cpu", dtype=torch.float8_e4m3fn)
+
+
+# -- the kernels through the dispatch (interpreter) ----------------------------------------------------
+@interpreter
+@pytest.mark.parametrize("decay", ["none", "diagonal"])
+def test_design_chunk_and_step_run_the_kernels_and_equal_torch(decay):
+    q, k, v, r2, ell2, alpha = inputs(T=13, decay=decay)
+    kw = dict(r2=r2, ell2=ell2, alpha=alpha, output_final_state=True, return_variance=True, chunk_size=16)
+    with triton_only() as calls:
+        tri = BAYESIAN.chunk(q, k, v, backend="triton", **kw)
+    assert calls == {"chunk": 1}
+    ref = BAYESIAN.chunk(q, k, v, backend="torch", **kw)
+    assert tri.gain is None and ref.gain is not None
+    for a, b in ((tri.o, ref.o), (tri.variance, ref.variance), (tri.state[0], ref.state[0]),
+                 (tri.state[1], ref.state[1])):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+    st = ref.state
+    step_kw = dict(r2=r2[:, 0], ell2=ell2[:, 0], alpha=None if alpha is None else alpha[:, 0], state=st)
+    with triton_only() as calls:
+        tri = BAYESIAN.step(q[:, 0], k[:, 0], v[:, 0], backend="triton", **step_kw)
+    assert calls == {"step": 1}
+    ref = BAYESIAN.step(q[:, 0], k[:, 0], v[:, 0], backend="torch", **step_kw)
+    for a, b in ((tri.o, ref.o), (tri.variance, ref.variance), (tri.state[0], ref.state[0]),
+                 (tri.state[1], ref.state[1])):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+@interpreter
+def test_a_step_that_needs_gradients_runs_the_differentiable_chunk_kernel():
+    """The step kernel is not differentiable: with inputs that need gradients a forced Triton step
+    runs the chunk forward on one token (never PyTorch), and its gradients equal the PyTorch step's."""
+    q, k, v, r2, ell2, alpha = inputs(T=1)
+    st = initial_bl_state(1, 2, 16, 8, p0=0.7, dtype=torch.float64)
+    leaves = [x.requires_grad_(True) for x in (q, k, v, r2, ell2, alpha)]
+
+    def run(backend):
+        o, var, (M, P) = bl_step(q[:, 0], k[:, 0], v[:, 0], r2[:, 0], ell2[:, 0], alpha[:, 0], state=st,
+                                 return_variance=True, backend=backend)
+        return (o * torch.linspace(-1, 1, o.numel(), dtype=o.dtype).view_as(o)).sum() + var.sum() + M.sum() + P.sum()
+
+    with triton_only() as calls:
+        out = run("triton")
+    assert calls == {"chunk": 1}
+    g1 = torch.autograd.grad(out, leaves)  # the backward recomputes with the PyTorch chunk step: outside the spy
+    g2 = torch.autograd.grad(run("torch"), leaves)
+    for a, b in zip(g1, g2, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+        assert b.abs().max() > 0
+    with torch.no_grad(), triton_only() as calls:
+        run("triton")
+    assert calls == {"step": 1}
+
+
+@interpreter
+def test_the_spy_catches_the_pytorch_path():
+    """The spy that the layer and model tests rely on fails a run that takes the PyTorch path."""
+    q, k, v, r2, ell2, alpha = inputs()
+    with pytest.raises(TorchPathRan), triton_only():
+        bl_chunk(q, k, v, r2, ell2, alpha, chunk_size=16, backend="torch")
+    with pytest.raises(TorchPathRan), triton_only():
+        BAYESIAN.chunk(q, k, v, r2=r2, ell2=ell2, alpha=alpha, chunk_size=16)  # CPU: auto -> torch
+    with triton_only() as calls:
+        bl_chunk(q, k, v, r2, ell2, alpha, chunk_size=16, backend="triton")
+    assert calls == {"chunk": 1}
+
+
+# -- (d) no import cycle --------------------------------------------------------------------------------
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(PACKAGE.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _is_module(name: str) -> bool:
+    base = PACKAGE.parent.joinpath(*name.split("."))
+    return base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()
+
+
+def import_graph(subpackages: tuple[str, ...]) -> dict[str, set[str]]:
+    """``{module: modules of the package it imports}`` from every ``import`` statement, at module
+    level or inside a function (lazy imports count), over the given subpackages of bayeslayer."""
+    graph: dict[str, set[str]] = {}
+    for sub in subpackages:
+        for path in sorted((PACKAGE / sub).rglob("*.py")):
+            name = _module_name(path)
+            is_pkg = path.name == "__init__.py"
+            edges = graph.setdefault(name, set())
+            for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+                if isinstance(node, ast.Import):
+                    targets = [alias.name for alias in node.names]
+                elif isinstance(node, ast.ImportFrom):
+                    if node.level:
+                        base = name.split(".") if is_pkg else name.split(".")[:-1]
+                        base = base[: len(base) - (node.level - 1)]
+                        mod = ".".join(base + ([node.module] if node.module else []))
+                    else:
+                        mod = node.module or ""
+                    # `from pkg import sub` imports the submodule; `from mod import name` the module
+                    targets = [f"{mod}.{a.name}" if _is_module(f"{mod}.{a.name}") else mod for a in node.names]
+                else:
+                    continue
+                edges.update(t for t in targets if t.startswith("bayeslayer.") and _is_module(t))
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in graph:
+                continue
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state:
+                found = visit(nxt)
+                if found:
+                    return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            found = visit(node)
+            if found:
+                return found
+    return None
+
+
+def test_import_walker_sees_a_cycle():
+    """The walker is not vacuous: the pre-dispatch layout (ops/chunk.py importing the Triton path
+    lazily, and the Triton path importing ops/chunk.py) is a cycle to it."""
+    graph = import_graph(("ops",))
+    assert "bayeslayer.ops.chunk" in graph["bayeslayer.ops.triton.chunk"]
+    graph["bayeslayer.ops.chunk"].add("bayeslayer.ops.triton")
+    cycle = find_cycle(graph)
+    assert cycle is not None and "bayeslayer.ops.chunk" in cycle
+
+
+def test_no_import_cycle_in_ops_design_layers_models():
+    graph = import_graph(("ops", "design", "layers", "models"))
+    assert len(graph) > 20
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_pytorch_path_never_imports_the_triton_path():
+    graph = import_graph(("ops",))
+    seen, todo = set(), ["bayeslayer.ops.chunk", "bayeslayer.ops.recurrent"]
+    while todo:
+        mod = todo.pop()
+        if mod not in seen:
+            seen.add(mod)
+            todo.extend(graph.get(mod, ()))
+    assert not {m for m in seen if m.startswith("bayeslayer.ops.triton") or m == "bayeslayer.ops.backend"}
+
+
+def test_every_ops_module_imports_first_in_a_fresh_interpreter():
+    """Each module of bayeslayer.ops imported first (bayeslayer's modules dropped before each, torch
+    kept), then Triton itself must not have been imported by anything but the kernels module."""
+    kernels = "bayeslayer.ops.triton.kernels"  # the one module that imports Triton: last
+    mods = sorted((_module_name(p) for p in (PACKAGE / "ops").rglob("*.py")), key=lambda m: (m == kernels, m))
+    script = f"""
+import importlib, sys
+import torch
+for name in {mods!r}:
+    for m in [m for m in sys.modules if m == "bayeslayer" or m.startswith("bayeslayer.")]:
+        del sys.modules[m]
+    importlib.import_module(name)
+    if name != {kernels!r}:
+        assert "triton" not in sys.modules, f"importing {{name}} imported triton"
+print("ok", len({mods!r}))
+"""
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                         cwd=PACKAGE.parent)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.strip() == f"ok {len(mods)}"
