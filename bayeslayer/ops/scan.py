@@ -357,19 +357,30 @@ def _pack(x: torch.Tensor | None) -> torch.Tensor | None:
     return None if x is None else x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
-def forward_scan(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, want_var, *, n_segments=None,
-                 segment_chunks=None, mean=None, element_dtype=torch.float64):
-    """The Bayesian Layer forward with the covariance pass as a segment scan; plain PyTorch.
+class ScanCall(NamedTuple):
+    """A validated, folded and packed call (see :func:`prepare_scan`)."""
 
-    Same arguments and returns as the Triton forward (``ops/triton/chunk.py::_forward_triton``):
-    ``(o [B, T, H, m], variance [B, T, H, G] or None, M, P)``, the final state unfolded
-    (``M [N, H, D, m]``, ``P [N, H, D, D]`` or ``[N, H, G, D, D]``; N = B, or the number of packed
-    sequences with ``cu``).  Scalar, diagonal and identity decay (no rotations).
-    ``n_segments`` (segments of the longest sequence) or ``segment_chunks`` override
-    :func:`choose_segment_chunks`.  ``mean``: the mean pass, ``(q, w, kw, vu, g, M0, cu, C) ->
-    (o, M)`` on packed tensors; default :func:`mean_pass_reference` (fla's kernels:
-    :func:`bayeslayer.ops.fla_mean.mean_pass_fla`).  ``element_dtype``: see :func:`covariance_scan`.
-    """
+    B: int
+    T: int
+    G: int
+    dims: object
+    cu: list[int]
+    C: int
+    segment_chunks: int
+    q: torch.Tensor  # [NT, H', D] (compute dtype)
+    k: torch.Tensor
+    v: torch.Tensor  # [NT, H', m/G]
+    r2: torch.Tensor  # [NT, H']
+    ell2: torch.Tensor
+    log_alpha: torch.Tensor  # [NT, H', Da]
+    M0: torch.Tensor  # [N, H', D, m/G]
+    P0: torch.Tensor  # [N, H', D, D]
+
+
+def prepare_scan(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, *, n_segments=None,
+                 segment_chunks=None) -> ScanCall:
+    """Validate (as :func:`bayeslayer.ops.prepare.prepare`), fold groups into heads, pack ``[NT, H', ...]``,
+    and fix the segment length (``n_segments`` or ``segment_chunks`` override :func:`choose_segment_chunks`)."""
     C = check_chunk_size(chunk_size)
     if n_segments is not None and segment_chunks is not None:
         raise ValueError("pass n_segments or segment_chunks, not both")
@@ -398,20 +409,51 @@ def forward_scan(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, want_var,
                 raise ValueError(f"n_segments must be a positive int, got {n_segments!r}")
             segment_chunks = max(1, math.ceil(n_chunks / n_segments))
         else:
-            segment_chunks = choose_segment_chunks(n_seq * Hf, n_chunks, max(b - a for a, b in zip(cu_l, cu_l[1:])))
-    qf, kf, vf = _pack(pr.q), _pack(pr.k), _pack(pr.v)
-    sc = covariance_scan(qf, kf, vf, _pack(pr.r2), _pack(pr.ell2), _pack(la), Pi.to(cd), cu_l, C,
-                         segment_chunks=segment_chunks, want_var=want_var, element_dtype=element_dtype)
-    if bool(sc.failed.any()):  # the one host sync: after the whole pass
+            longest = max(b - a for a, b in zip(cu_l[:-1], cu_l[1:], strict=True))
+            segment_chunks = choose_segment_chunks(n_seq * Hf, n_chunks, longest)
+    return ScanCall(B=B, T=T, G=G, dims=dims, cu=cu_l, C=C, segment_chunks=segment_chunks, q=_pack(pr.q),
+                    k=_pack(pr.k), v=_pack(pr.v), r2=_pack(pr.r2), ell2=_pack(pr.ell2), log_alpha=_pack(la),
+                    M0=Mi.to(cd).contiguous(), P0=Pi.to(cd).contiguous())
+
+
+def finish_scan(call: ScanCall, o, var, M, P):
+    """Unfold packed results: ``(o [B, T, H, m], variance [B, T, H, G] or None, M, P)`` (final state unfolded)."""
+    B, T, G = call.B, call.T, call.G
+    Hf = call.k.shape[1]
+    o = grp.unfold_values(o.reshape(B, T, Hf, -1), G).to(call.dims.dtype)
+    var = grp.unfold_per_token(var.reshape(B, T, Hf), G) if var is not None else None
+    return o, var, grp.unfold_state_mean(M, G), grp.unfold_state_cov(P, G)
+
+
+def raise_if_failed(failed: torch.Tensor, where: str) -> None:
+    """The one host sync of a forward: after the whole pass, not per chunk."""
+    if bool(failed.any()):
         raise torch.linalg.LinAlgError(
-            "forward_scan: a chunk's prior observation covariance or a segment-start covariance is not positive "
+            f"{where}: a chunk's prior observation covariance or a segment-start covariance is not positive "
             "definite (the filter inputs are too extreme for the working precision)"
         )
-    mean = mean or mean_pass_reference
-    o, M = mean(qf, sc.w, sc.kw, sc.vu, sc.g, Mi.to(cd), cu_l, C)
-    o = grp.unfold_values(o.reshape(B, T, Hf, -1), G).to(dims.dtype)
-    var = grp.unfold_per_token(sc.variance.reshape(B, T, Hf), G) if want_var else None
-    return o, var, grp.unfold_state_mean(M, G), grp.unfold_state_cov(sc.P, G)
+
+
+def forward_scan(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, want_var, *, n_segments=None,
+                 segment_chunks=None, mean=None, element_dtype=torch.float64):
+    """The Bayesian Layer forward with the covariance pass as a segment scan; plain PyTorch.
+
+    Same arguments and returns as the Triton forward (``ops/triton/chunk.py::_forward_triton``):
+    ``(o [B, T, H, m], variance [B, T, H, G] or None, M, P)``, the final state unfolded
+    (``M [N, H, D, m]``, ``P [N, H, D, D]`` or ``[N, H, G, D, D]``; N = B, or the number of packed
+    sequences with ``cu``).  Scalar, diagonal and identity decay (no rotations).
+    ``n_segments`` (segments of the longest sequence) or ``segment_chunks`` override
+    :func:`choose_segment_chunks`.  ``mean``: the mean pass, ``(q, w, kw, vu, g, M0, cu, C) ->
+    (o, M)`` on packed tensors; default :func:`mean_pass_reference` (fla's kernels:
+    :func:`bayeslayer.ops.fla_mean.mean_pass_fla`).  ``element_dtype``: see :func:`covariance_scan`.
+    """
+    call = prepare_scan(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, n_segments=n_segments,
+                        segment_chunks=segment_chunks)
+    sc = covariance_scan(call.q, call.k, call.v, call.r2, call.ell2, call.log_alpha, call.P0, call.cu, call.C,
+                         segment_chunks=call.segment_chunks, want_var=want_var, element_dtype=element_dtype)
+    raise_if_failed(sc.failed, "forward_scan")
+    o, M = (mean or mean_pass_reference)(call.q, sc.w, sc.kw, sc.vu, sc.g, call.M0, call.cu, call.C)
+    return finish_scan(call, o, sc.variance, M, sc.P)
 
 
 def _with_batch(dims, n: int):
