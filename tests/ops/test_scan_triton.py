@@ -65,3 +65,24 @@ def test_forward_scan_triton_bad_input():
     q, k, v, r2, ell2, alpha = regime_inputs("longmem", 1, 20, 1, 8, 4)
     with pytest.raises(ValueError, match="chunk_size"):
         forward_scan_triton(q, k, v, r2, ell2, alpha, 1.0, None, None, None, 8, False)
+
+
+@pytest.mark.parametrize("diagonal", [False, True])
+def test_phase_a_triton_equals_twin(diagonal):
+    """Phase A on the kernels (covariance kernel from P = 0, β from kᵀw, tracking kernel) == the PyTorch twin."""
+    from bayeslayer.ops.triton.scan import phase_a_triton
+
+    T, H, D, m, C = 75, 2, 8, 4, 16
+    q, k, v, r2, ell2, alpha = regime_inputs("stress", 1, T, H, D, m, diagonal=diagonal, seed=5)
+    call = scan.prepare_scan(q, k, v, r2, ell2, alpha, 1.0, None, None, torch.tensor([0, 50, 75]), C,
+                             segment_chunks=1)
+    lay = scan.scan_layout(call.cu, C, 1, q.device)
+    segs = torch.tensor([0, 1, 2, 4])  # every segment but the last of each sequence (segments 3 and 5)
+    xa = {name: lay.grid(x, fill) for name, x, fill in
+          (("k", call.k, 0.0), ("r2", call.r2, 1.0), ("ell2", call.ell2, 0.0), ("la", call.log_alpha, 0.0))}
+    ref = scan.phase_a(lay, xa, segs)
+    out = phase_a_triton(lay, call.q, call.k, call.r2, call.ell2, call.log_alpha, segs)
+    for a, b in zip(out[:3], ref[:3], strict=True):
+        assert _rel(a, b) <= 1e-12
+    assert not out[3].any()
+    assert torch.linalg.matrix_norm(out[0], ord=2).min() > 0.1  # A_s far from 0 in this regime
