@@ -28,6 +28,7 @@ time by :func:`require_fla`.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -64,6 +65,34 @@ def require_fla():
             "Install a version in that range or use the own mean pass (mean=None)."
         )
     return fla
+
+
+@contextlib.contextmanager
+def one_autotune_config():
+    """Pin fla's autotuned kernels (of the modules this file calls) to their first config, then restore.
+
+    For the Triton interpreter (CPU tests, ``benchmarks/gpu.py --scan --dry-run``), which cannot
+    benchmark configs; never needed on a GPU.
+    """
+    import fla.ops.common.chunk_delta_h as m0
+    import fla.ops.common.chunk_o as m1
+    import fla.ops.gla.chunk as m2
+    from triton.runtime.autotuner import Autotuner
+
+    saved = []
+    for mod in (m0, m1, m2):
+        for name in dir(mod):
+            o = getattr(mod, name)
+            while o is not None and not isinstance(o, Autotuner) and hasattr(o, "fn"):
+                o = o.fn
+            if isinstance(o, Autotuner) and len(o.configs) > 1:
+                saved.append((o, o.configs))
+                o.configs = o.configs[:1]
+    try:
+        yield
+    finally:
+        for o, c in saved:
+            o.configs = c
 
 
 def chunk_last_index(cu: list[int], C: int, device) -> torch.Tensor:

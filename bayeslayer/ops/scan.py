@@ -33,7 +33,7 @@ Ragged chunks and segments are padded with exact no-op tokens (``k = 0``, ``α =
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -85,6 +85,14 @@ class ScanLayout:
     seq_n_seg: torch.Tensor
     tok: torch.Tensor
     inside: torch.Tensor
+    # host-side bookkeeping, so that no phase needs a device-to-host sync to size its work
+    element_segments: torch.Tensor | None = None  # all but the last segment of each sequence
+    phase_b_steps: list = field(default_factory=list)  # step j: (sequences with > j+1 segments, their segment j)
+
+    @property
+    def last_segments(self) -> torch.Tensor:
+        """The last segment of every sequence ``[N]`` (its end state is the sequence's final state)."""
+        return self.seq_first_seg + self.seq_n_seg - 1
 
     @property
     def n_seq(self) -> int:
@@ -132,10 +140,17 @@ def scan_layout(cu: list[int], C: int, segment_chunks: int, device) -> ScanLayou
     tok = st[:, None] + pos[None, :]
     inside = tok < en[:, None]
     i64 = dict(dtype=torch.int64, device=device)
-    return ScanLayout(
+    lay = ScanLayout(
         cu=list(cu), C=C, n_s=n_s, seg_seq=torch.tensor(seg_seq, **i64), seq_first_seg=torch.tensor(first, **i64),
         seq_n_seg=torch.tensor(nseg, **i64), tok=tok.view(-1, n_s, C), inside=inside.view(-1, n_s, C),
     )
+    lay.element_segments = torch.tensor([f + j for f, k in zip(first, nseg, strict=True) for j in range(k - 1)],
+                                         **i64)
+    lay.phase_b_steps = []
+    for j in range(max(nseg, default=1) - 1):
+        seqs = [n for n, k in enumerate(nseg) if k > j + 1]
+        lay.phase_b_steps.append((torch.tensor(seqs, **i64), torch.tensor([first[n] + j for n in seqs], **i64)))
+    return lay
 
 
 class ScanOutput(NamedTuple):
@@ -266,9 +281,7 @@ def phase_b(lay: ScanLayout, P0: torch.Tensor, elements):
     failed = torch.zeros(P0.shape[:2], dtype=torch.bool, device=P0.device)
     where = torch.full((S,), -1, dtype=torch.int64, device=P0.device)
     where[segs] = torch.arange(segs.numel(), device=P0.device)
-    for j in range(int(lay.seq_n_seg.max()) - 1 if S else 0):
-        seqs = torch.nonzero(lay.seq_n_seg > j + 1).flatten()
-        cur = lay.seq_first_seg[seqs] + j
+    for seqs, cur in lay.phase_b_steps:
         e = where[cur]
         Pn, info = apply_element(A[e], Cm[e], J[e], P_starts[cur])
         P_starts[cur + 1] = Pn
@@ -293,10 +306,8 @@ def covariance_scan(q, k, v, r2, ell2, log_alpha, P0, cu: list[int], C: int, *, 
     xs = _gather(lay, dict(q=q, k=k, v=v, r2=r2, ell2=ell2, la=log_alpha),
                  dict(q=0.0, k=0.0, v=0.0, r2=1.0, ell2=0.0, la=0.0))
     # Phase A: every segment but the last of its sequence (the last one's element is never applied)
-    last = lay.seq_first_seg + lay.seq_n_seg - 1
-    not_last = torch.ones(lay.n_segments, dtype=torch.bool, device=k.device)
-    not_last[last] = False
-    segs = torch.nonzero(not_last).flatten()
+    last = lay.last_segments
+    segs = lay.element_segments
     ed = element_dtype or k.dtype
     xa = {name: xs[name].to(ed) for name in ("k", "r2", "ell2", "la")}
     A, Cm, J, info_a = phase_a(lay, xa, segs)

@@ -8,7 +8,6 @@ Python int there, ``i_t.to(tl.int64)`` fails), so its plain-PyTorch twin stands 
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import pytest
@@ -24,29 +23,6 @@ fla = pytest.importorskip("fla")
 interpreted = os.environ.get("TRITON_INTERPRET", "0") == "1"
 runs_triton = pytest.mark.skipif(not (torch.cuda.is_available() or interpreted),
                                  reason="needs a CUDA device or TRITON_INTERPRET=1")
-
-
-@contextlib.contextmanager
-def one_config_each():
-    """Pin fla's autotuned kernels to their first config: the interpreter cannot benchmark configs."""
-    import fla.ops.common.chunk_o as m1
-    import fla.ops.gla.chunk as m2
-    from triton.runtime.autotuner import Autotuner
-
-    saved = []
-    for mod in (m1, m2):
-        for name in dir(mod):
-            o = getattr(mod, name)
-            while o is not None and not isinstance(o, Autotuner) and hasattr(o, "fn"):
-                o = o.fn
-            if isinstance(o, Autotuner) and len(o.configs) > 1:
-                saved.append((o, o.configs))
-                o.configs = o.configs[:1]
-    try:
-        yield
-    finally:
-        for o, c in saved:
-            o.configs = c
 
 
 def _scan_outputs(diagonal, dtype, cu, T=40, H=2, D=16, m=8, C=16, seed=0):
@@ -108,7 +84,7 @@ def test_mean_pass_fla_equals_twin(diagonal):
     q, sc, M0 = _scan_outputs(diagonal, torch.float32, cu)
     o_ref, M_ref = scan.mean_pass_reference(q, sc.w, sc.kw, sc.vu, sc.g, M0, cu, 16)
     fwd_h = None if torch.cuda.is_available() else fla_mean.fwd_h_reference
-    with one_config_each():
+    with fla_mean.one_autotune_config():
         o, M = fla_mean.mean_pass_fla(q, sc.w, sc.kw, sc.vu, sc.g, M0, cu, 16, fwd_h=fwd_h)
     assert (o - o_ref).abs().max() <= 1e-5 * o_ref.abs().max()
     assert (M - M_ref).abs().max() <= 1e-5 * M_ref.abs().max()
@@ -126,7 +102,7 @@ def test_forward_scan_with_fla_mean_equals_bl_chunk():
     def mean(*a):
         return fla_mean.mean_pass_fla(*a, fwd_h=fwd_h)
 
-    with one_config_each():
+    with fla_mean.one_autotune_config():
         o, _, M, P = scan.forward_scan(q, k, v, r2, ell2, alpha, 1.0, None, None, cu, C, False, segment_chunks=1,
                                        mean=mean)
     assert (o - ref[0]).abs().max() <= 2e-5 * ref[0].abs().max()

@@ -261,10 +261,8 @@ def forward_scan_triton(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, wa
         diag = call.log_alpha.shape[-1] > 1
 
         # ---- Phase A (segment elements, float64) and Phase B (segment-start covariances) ----
-        last = lay.seq_first_seg + lay.seq_n_seg - 1
-        not_last = torch.ones(lay.n_segments, dtype=torch.bool, device=dev)
-        not_last[last] = False
-        segs = torch.nonzero(not_last).flatten()  # host-side sizes come from the layout, not from a sync
+        last = lay.last_segments
+        segs = lay.element_segments  # sized on the host by the layout: no device-to-host sync
         f64 = torch.float64
         if phase_a == "triton":
             A, Cm, J, info_a = phase_a_triton(lay, call.q, call.k, call.r2, call.ell2, call.log_alpha, segs)
@@ -303,7 +301,12 @@ def forward_scan_triton(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, wa
         # ---- the substituted tensors of the mean pass ----
         kw, vu, g = substituted_inputs(lay, linv, call.k, call.v, call.log_alpha)
         clock.mark("substitute")
-        o, M = (mean or _default_mean(cd))(call.q, W, kw, vu, g, call.M0, call.cu, C)
+        if mean is None and _default_mean(cd) is not sc.mean_pass_reference:
+            # fla's kernels, on operands in the caller's dtype when it is 16-bit (as GDN runs its w, u)
+            md = call.dims.dtype if call.dims.dtype in (torch.bfloat16, torch.float16) else cd
+            o, M = _default_mean(cd)(call.q.to(md), W.to(md), kw.to(md), vu.to(md), g, call.M0, call.cu, C)
+        else:
+            o, M = (mean or sc.mean_pass_reference)(call.q, W, kw, vu, g, call.M0, call.cu, C)
         clock.mark("mean")
         clock.finish()
         sc.raise_if_failed(failed, "forward_scan_triton")
