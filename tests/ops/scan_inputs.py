@@ -10,7 +10,7 @@ import torch
 
 
 def regime_inputs(regime: str, B: int, T: int, H: int, D: int, m: int, *, diagonal: bool = False, G: int = 1,
-                  dtype=torch.float64, seed: int = 0):
+                  dtype=torch.float64, seed: int = 0, device="cpu"):
     """``(q, k, v, r2, ell2, alpha)`` for ``regime`` in {"longmem", "stress"} (float64, then cast).
 
     long-memory: α ∈ [0.998, 1], ℓ² ∈ [1e-4, 2e-4], r² ∈ [0.1, 1.1];
@@ -44,7 +44,7 @@ def regime_inputs(regime: str, B: int, T: int, H: int, D: int, m: int, *, diagon
         raise ValueError(f"regime must be 'longmem' or 'stress', got {regime!r}")
     q = randn(B, T, H, D)
     v = randn(B, T, H, m)
-    return tuple(x.to(dtype) for x in (q, k, v, r2, ell2, alpha))
+    return tuple(x.to(dtype=dtype, device=device) for x in (q, k, v, r2, ell2, alpha))
 
 
 def note_inputs(regime: str, H: int = 4, T: int = 4096, D: int = 64, dtype=torch.float64):

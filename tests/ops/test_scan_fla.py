@@ -21,12 +21,14 @@ from .scan_inputs import regime_inputs
 
 fla = pytest.importorskip("fla")
 interpreted = os.environ.get("TRITON_INTERPRET", "0") == "1"
+DEVICE = "cuda" if not interpreted and torch.cuda.is_available() else "cpu"
 runs_triton = pytest.mark.skipif(not (torch.cuda.is_available() or interpreted),
                                  reason="needs a CUDA device or TRITON_INTERPRET=1")
 
 
-def _scan_outputs(diagonal, dtype, cu, T=40, H=2, D=16, m=8, C=16, seed=0):
-    q, k, v, r2, ell2, alpha = regime_inputs("longmem", 1, T, H, D, m, diagonal=diagonal, dtype=dtype, seed=seed)
+def _scan_outputs(diagonal, dtype, cu, T=40, H=2, D=16, m=8, C=16, seed=0, device="cpu"):
+    q, k, v, r2, ell2, alpha = regime_inputs("longmem", 1, T, H, D, m, diagonal=diagonal, dtype=dtype, seed=seed,
+                                             device=device)
     pr = prepare(q, k, v, write="bayes", r2=r2, ell2=ell2, alpha=alpha)
 
     def pk(x):
@@ -36,7 +38,7 @@ def _scan_outputs(diagonal, dtype, cu, T=40, H=2, D=16, m=8, C=16, seed=0):
     sc = scan.covariance_scan(pk(pr.q), pk(pr.k), pk(pr.v), pk(pr.r2), pk(pr.ell2), pk(pr.dyn.log_alpha), P0, cu,
                               C, segment_chunks=2, want_var=False)
     g = torch.Generator().manual_seed(seed + 1)
-    M0 = 0.3 * torch.randn(len(cu) - 1, H, D, m, generator=g, dtype=torch.float64).to(dtype)
+    M0 = 0.3 * torch.randn(len(cu) - 1, H, D, m, generator=g, dtype=torch.float64).to(dtype=dtype, device=device)
     return pk(pr.q), sc, M0
 
 
@@ -81,7 +83,7 @@ def test_fwd_h_reference_equals_twin_state(diagonal):
 def test_mean_pass_fla_equals_twin(diagonal):
     """fla's output kernels (interpreted) on the substituted tensors == the twin, packed ragged sequences, fp32."""
     cu = [0, 17, 17, 40]
-    q, sc, M0 = _scan_outputs(diagonal, torch.float32, cu)
+    q, sc, M0 = _scan_outputs(diagonal, torch.float32, cu, device=DEVICE)
     o_ref, M_ref = scan.mean_pass_reference(q, sc.w, sc.kw, sc.vu, sc.g, M0, cu, 16)
     fwd_h = None if torch.cuda.is_available() else fla_mean.fwd_h_reference
     with fla_mean.one_autotune_config():
@@ -94,9 +96,9 @@ def test_mean_pass_fla_equals_twin(diagonal):
 def test_forward_scan_with_fla_mean_equals_bl_chunk():
     """The whole forward (scan + fla mean pass) against bl_chunk, fp32, grouped r² (G = 2)."""
     T, C = 40, 16
-    q, k, v, r2, ell2, alpha = regime_inputs("longmem", 1, T, 2, 16, 8, G=2, dtype=torch.float32)
-    cu = torch.tensor([0, 23, 40])
-    ref = bl_chunk(q, k, v, r2, ell2, alpha, chunk_size=C, cu_seqlens=cu, output_final_state=True)
+    q, k, v, r2, ell2, alpha = regime_inputs("longmem", 1, T, 2, 16, 8, G=2, dtype=torch.float32, device=DEVICE)
+    cu = torch.tensor([0, 23, 40], device=DEVICE)
+    ref = bl_chunk(q, k, v, r2, ell2, alpha, chunk_size=C, cu_seqlens=cu, output_final_state=True, backend="torch")
     fwd_h = None if torch.cuda.is_available() else fla_mean.fwd_h_reference
 
     def mean(*a):

@@ -24,6 +24,9 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+DEVICE = "cuda" if os.environ.get("TRITON_INTERPRET", "0") != "1" else "cpu"
+
+
 def _rel(a, b):
     return ((a - b).abs().max() / b.abs().max()).item()
 
@@ -34,9 +37,9 @@ def test_forward_scan_triton_equals_bl_chunk_fp64(diagonal, regime):
     from bayeslayer.ops.triton.scan import forward_scan_triton
 
     T, H, D, m, C = 75, 1, 8, 4, 16
-    q, k, v, r2, ell2, alpha = regime_inputs(regime, 1, T, H, D, m, diagonal=diagonal, seed=3)
-    cu = torch.tensor([0, 50, 75])  # 4 + 2 chunks, both ragged; segments of 2 chunks: 2 + 1
-    M0, P0 = initial_bl_state(2, H, D, m, p0=0.7, dtype=torch.float64)
+    q, k, v, r2, ell2, alpha = regime_inputs(regime, 1, T, H, D, m, diagonal=diagonal, seed=3, device=DEVICE)
+    cu = torch.tensor([0, 50, 75], device=DEVICE)  # 4 + 2 chunks, both ragged; segments of 2 chunks: 2 + 1
+    M0, P0 = initial_bl_state(2, H, D, m, p0=0.7, dtype=torch.float64, device=DEVICE)
     M0 = M0 + 0.1
     ref = bl_chunk(q, k, v, r2, ell2, alpha, chunk_size=C, cu_seqlens=cu, initial_state=(M0, P0),
                    output_final_state=True, return_variance=True)
@@ -51,7 +54,7 @@ def test_forward_scan_triton_fp32_groups_equal_twin():
     from bayeslayer.ops.triton.scan import forward_scan_triton
 
     T, H, D, m, C = 40, 1, 8, 4, 16
-    q, k, v, r2, ell2, alpha = regime_inputs("longmem", 1, T, H, D, m, G=2, dtype=torch.float32, seed=4)
+    q, k, v, r2, ell2, alpha = regime_inputs("longmem", 1, T, H, D, m, G=2, dtype=torch.float32, seed=4, device=DEVICE)
     args = (q, k, v, r2, ell2, alpha, 1.0, None, None, None, C, True)
     ref = scan.forward_scan(*args, segment_chunks=1, element_dtype=None)
     out = forward_scan_triton(*args, segment_chunks=1, mean=scan.mean_pass_reference)
@@ -62,7 +65,7 @@ def test_forward_scan_triton_fp32_groups_equal_twin():
 def test_forward_scan_triton_bad_input():
     from bayeslayer.ops.triton.scan import forward_scan_triton
 
-    q, k, v, r2, ell2, alpha = regime_inputs("longmem", 1, 20, 1, 8, 4)
+    q, k, v, r2, ell2, alpha = regime_inputs("longmem", 1, 20, 1, 8, 4, device=DEVICE)
     with pytest.raises(ValueError, match="chunk_size"):
         forward_scan_triton(q, k, v, r2, ell2, alpha, 1.0, None, None, None, 8, False)
 
@@ -73,11 +76,11 @@ def test_phase_a_triton_equals_twin(diagonal):
     from bayeslayer.ops.triton.scan import phase_a_triton
 
     T, H, D, m, C = 75, 2, 8, 4, 16
-    q, k, v, r2, ell2, alpha = regime_inputs("stress", 1, T, H, D, m, diagonal=diagonal, seed=5)
-    call = scan.prepare_scan(q, k, v, r2, ell2, alpha, 1.0, None, None, torch.tensor([0, 50, 75]), C,
+    q, k, v, r2, ell2, alpha = regime_inputs("stress", 1, T, H, D, m, diagonal=diagonal, seed=5, device=DEVICE)
+    call = scan.prepare_scan(q, k, v, r2, ell2, alpha, 1.0, None, None, torch.tensor([0, 50, 75], device=DEVICE), C,
                              segment_chunks=1)
     lay = scan.scan_layout(call.cu, C, 1, q.device)
-    segs = torch.tensor([0, 1, 2, 4])  # every segment but the last of each sequence (segments 3 and 5)
+    segs = torch.tensor([0, 1, 2, 4], device=DEVICE)  # every segment but the last of each sequence (segments 3 and 5)
     xa = {name: lay.grid(x, fill) for name, x, fill in
           (("k", call.k, 0.0), ("r2", call.r2, 1.0), ("ell2", call.ell2, 0.0), ("la", call.log_alpha, 0.0))}
     ref = scan.phase_a(lay, xa, segs)
