@@ -375,8 +375,14 @@ def run_scan(args, save) -> list[dict]:
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu (dry run)"
     print(f"# {name} | scan v2 | dtype={args.dtype} chunk={args.chunk_size} | "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", flush=True)
-    # warm fla's autotuner (and Triton's compile cache) once per head dim on a short sequence
-    for D in args.D:
+    warmed: set[int] = set()
+
+    def warm(D: int) -> None:
+        """fla's autotuner and Triton's compile cache, once per head dim, on a short sequence — just before the
+        first row that needs it, so that a run cut short by its budget still has the cheap rows."""
+        if D in warmed:
+            return
+        warmed.add(D)
         t0 = time.time()
         x = _make_inputs(1, args.warm_T, args.H, D, dtype, device)
         for fn in (_gdn_fwd(x), _scan_fwd(x, args.chunk_size, n_segments=2)):
@@ -396,6 +402,7 @@ def run_scan(args, save) -> list[dict]:
             rows.append({"kind": "skipped", "rows_left": f"{kind} B={B} T={T} D={D} and later"})
             print(f"# budget of {args.budget_s} s spent: not starting {kind} B={B} T={T} D={D}", flush=True)
             break
+        warm(D)
         rec = {"kind": kind, "B": B, "H": args.H, "T": T, "D": D, "dtype": args.dtype}
         rows.append(rec)
         try:
@@ -428,6 +435,7 @@ def run_scan(args, save) -> list[dict]:
         for n_seg in args.sweep:
             if time.time() - t_start > args.budget_s:
                 break
+            warm(D)
             rec = {"kind": "sweep", "B": args.B, "H": args.H, "T": T, "D": D, "n_segments": n_seg}
             rows.append(rec)
             try:
@@ -465,6 +473,7 @@ def compile_only(args) -> list[dict]:
                for ck in ((False, True) if k != "step" else (False,))]
     # the segment scan's kernels: Phase A runs the covariance kernel in float64, then the tracking kernel
     configs += [(k, D, g, False) for k in ("cov64", "track64") for D in args.D for g in (False, True)]
+    configs = [c for c in configs if not args.kernels or c[0] in args.kernels]
     for kernel, D, diag, save_ck in configs:
         BD, BK, BV = tile_sizes(D, D)
         common = dict(H=16, D=D, BD=BD, BK=BK, DIAG=diag, HAS_ALPHA=True)
@@ -476,8 +485,8 @@ def compile_only(args) -> list[dict]:
             names = ["q", "k", "r2", "ell2", "la", "cu_seqlens", "P", "W", "LINV", "Yscr", "Uscr", "VAR", "CKP",
                      "ck_offsets"]
             consts = dict(common, C=C, RETURN_VAR=False, SAVE_CK=save_ck, PREC="ieee", CK_EVERY=ck_every)
-            if kernel == "cov64":
-                fp64 = ("P", "W", "LINV", "Yscr", "Uscr", "VAR", "CKP")
+            if kernel == "cov64":  # as phase_a_triton launches it (per-channel decays in float64 too)
+                fp64 = ("P", "W", "LINV", "Yscr", "Uscr", "VAR", "CKP") + (("la",) if diag else ())
         elif kernel == "track64":
             fn, nw = scan_track_kernel, 4
             names = ["W", "KW", "BETA", "la", "cu_seg", "segs", "A", "J", "Hscr"]
@@ -534,6 +543,8 @@ def main(argv=None) -> int:
     p.add_argument("--gdn-bypass-hopper-guard", action="store_true",
                    help="time fla's GDN backward even where fla refuses it (Hopper, Triton < 3.7.1)")
     p.add_argument("--arch", type=int, default=90, help="CUDA compute capability for --compile-only")
+    p.add_argument("--kernels", nargs="*", choices=["cov", "mean", "step", "cov64", "track64"],
+                   help="--compile-only: these kernels only (default all)")
     p.add_argument("--scan", action="store_true", help="v2: segment-scan forward vs GDN forward (module docstring)")
     p.add_argument("--dry-run", action="store_true",
                    help="with --scan on a CPU (TRITON_INTERPRET=1): tiny shapes, the same code path")
@@ -548,8 +559,8 @@ def main(argv=None) -> int:
         args.T = [2048]
     if args.scan and args.dry_run:
         # the interpreter runs every kernel in NumPy: tiny shapes, same code path
-        args.T, args.D, args.B, args.occ_B, args.H = [64], [16], 1, 2, 2
-        args.warm_T, args.reps, args.warmup, args.sweep, args.sweep_D = 32, 1, 0, [1, 2], [16]
+        args.T, args.D, args.B, args.occ_B, args.H, args.chunk_size, args.dtype = [96], [16], 1, 2, 2, 16, "fp32"
+        args.warm_T, args.reps, args.warmup, args.sweep, args.sweep_D = 32, 1, 0, [1, 3], [16]
     if args.compile_only:
         rows = compile_only(args)
     elif args.scan and (args.dry_run or torch.cuda.is_available()):

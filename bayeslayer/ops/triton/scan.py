@@ -191,7 +191,8 @@ def phase_a_triton(lay: sc.ScanLayout, q, k, r2, ell2, log_alpha, segs: torch.Te
     dev, C, S, n = k.device, lay.C, lay.n_segments, segs.numel()
     BD = max(16, _next_pow2(D))
     diag = log_alpha.shape[-1] > 1
-    la_k = log_alpha.contiguous() if diag else log_alpha[..., 0].contiguous()
+    # per-channel decays are accumulated in the kernel without a cast: give them the state's dtype
+    la_k = log_alpha.to(dtype).contiguous() if diag else log_alpha[..., 0].contiguous()
     P = torch.zeros(S, Hf, D, D, dtype=dtype, device=dev)
     W = torch.empty(NT, Hf, D, dtype=dtype, device=dev)
     linv = torch.empty(NT, Hf, C, dtype=dtype, device=dev)
