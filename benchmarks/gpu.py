@@ -47,6 +47,9 @@ from pathlib import Path
 
 import torch
 
+# the checkout this script lives in, not whichever bayeslayer happens to be installed
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 
 def _make_inputs(B, T, H, D, dtype, device, seed=0):
     gen = torch.Generator(device=device).manual_seed(seed)
