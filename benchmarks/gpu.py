@@ -6,6 +6,17 @@ One short command on a machine with a CUDA GPU::
     python benchmarks/gpu.py --quick              # T = 2k only, a smoke run
     python benchmarks/gpu.py --compile-only       # no GPU needed: AOT-compile the kernels for sm_90
     python benchmarks/gpu.py --profile --T 8192 --D 128   # where BL's device time goes (torch.profiler)
+    python benchmarks/gpu.py --scan               # v2: the segment-scan forward vs GDN's forward (below)
+    TRITON_INTERPRET=1 python benchmarks/gpu.py --scan --dry-run   # the same code on CPU, tiny shapes
+
+``--scan`` (the device check of issue 15, sized for 8 minutes): first a value check on the device
+(fla's ``fwd_h`` against its PyTorch twin, the scan forward against ``bl_chunk`` in float64), then
+fla's autotuning is warmed once per head dim on a short sequence (its autotune keys do not
+include T; ``TRITON_CACHE_DIR`` keeps the result for the next session), then rows in order of
+cost: latency (B = 2, H = 16) and full occupancy (``--occ-B`` × H ≥ 132) for T ∈ {2k, 8k, 32k}
+× D ∈ {64, 128, 256}, each with GDN's forward, BL's forward (``ops/triton/scan.py``), the
+BL/GDN ratio, per-phase times, peak memory; then a segment-count sweep.  The JSON is rewritten
+after every row, and no row starts after ``--budget-s``.
 
 For each (T, D) at the same B, H (value dim m = D, bf16 inputs, scalar decay):
 forward time, forward+backward time, tokens/s and peak memory (above the inputs)
@@ -35,6 +46,9 @@ import time
 from pathlib import Path
 
 import torch
+
+# the checkout this script lives in, not whichever bayeslayer happens to be installed
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def _make_inputs(B, T, H, D, dtype, device, seed=0):
@@ -248,6 +262,201 @@ def variants(args) -> None:
         torch.cuda.empty_cache()
 
 
+def _sync(device) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _time_any(fn, reps: int, warmup: int, device: str) -> float:
+    """Median seconds per call: CUDA events on a GPU, wall clock elsewhere (the dry run)."""
+    if device == "cuda":
+        return _time(fn, reps, warmup)
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _peak_any(fn, device: str) -> int:
+    return _peak_bytes(fn) if device == "cuda" else 0
+
+
+def _scan_fwd(x, chunk_size, n_segments=None, timings=None):
+    from bayeslayer.ops import fla_mean
+    from bayeslayer.ops.triton.scan import forward_scan_triton
+
+    mean = None
+    if not torch.cuda.is_available():  # dry run: fla's fwd_h does not run in the interpreter, its twin does
+        def mean(*a):
+            with fla_mean.one_autotune_config():
+                return fla_mean.mean_pass_fla(*a, fwd_h=fla_mean.fwd_h_reference)
+
+    def fwd():
+        return forward_scan_triton(x["q"], x["k"], x["v"], x["r2"], x["ell2"], x["alpha"], 1.0, None, None, None,
+                                   chunk_size, False, n_segments=n_segments, timings=timings, mean=mean)
+
+    return fwd
+
+
+def _gdn_fwd(x):
+    g = torch.log(x["alpha"])
+    beta = x["beta"].to(x["q"].dtype)
+    if not torch.cuda.is_available():  # dry run: fla's PyTorch reference stands in for its kernels
+        from fla.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
+
+        def fwd():
+            return naive_recurrent_gated_delta_rule(x["q"], x["k"], x["v"], beta, g, scale=1.0)
+
+        return fwd
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    def fwd():
+        with torch.no_grad():
+            return chunk_gated_delta_rule(x["q"], x["k"], x["v"], g, beta, scale=1.0)
+
+    return fwd
+
+
+def scan_check(args, device: str) -> dict:
+    """Values on the device before any timing: fla's fwd_h vs its twin, the scan forward vs ``bl_chunk``."""
+    from bayeslayer.ops import bl_chunk, fla_mean
+    from bayeslayer.ops.triton.scan import forward_scan_triton
+
+    out = {}
+    gen = torch.Generator(device=device).manual_seed(1)
+    B, T, H, D = 1, 200, 2, 32
+    f64 = dict(dtype=torch.float64, device=device)
+    q = torch.randn(B, T, H, D, generator=gen, **f64)
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, D, generator=gen, **f64), dim=-1)
+    v = torch.randn(B, T, H, D, generator=gen, **f64)
+    r2 = 0.1 + torch.rand(B, T, H, generator=gen, **f64)
+    ell2 = 1e-4 + 1e-4 * torch.rand(B, T, H, generator=gen, **f64)
+    alpha = 0.998 + 0.002 * torch.rand(B, T, H, generator=gen, **f64)  # long memory: segments matter
+    cu = torch.tensor([0, 90, 200], device=device)
+    ref = bl_chunk(q, k, v, r2, ell2, alpha, chunk_size=16, cu_seqlens=cu, output_final_state=True,
+                   return_variance=True, backend="torch")
+    o, var, M, P = forward_scan_triton(q, k, v, r2, ell2, alpha, 1.0, None, None, cu, 16, True, segment_chunks=2)
+    out["scan_fp64_rel_err"] = max(((a - b).abs().max() / b.abs().max()).item()
+                                   for a, b in ((o, ref[0]), (var, ref[1]), (M, ref[2][0]), (P, ref[2][1])))
+    if device == "cuda":
+        Kf, Vf = 64, 64
+        kk = torch.randn(1, T, H, Kf, device=device) * 0.1
+        ww = torch.randn(1, T, H, Kf, device=device) * 0.1
+        uu = torch.randn(1, T, H, Vf, device=device)
+        gg = -0.02 * torch.rand(1, T, H, device=device)
+        from fla.ops.utils import chunk_local_cumsum
+
+        gg = chunk_local_cumsum(gg, 64, cu_seqlens=cu)
+        h0 = torch.randn(2, H, Kf, Vf, device=device)
+        from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
+
+        kw = dict(g=gg, initial_state=h0, output_final_state=True, chunk_size=64, cu_seqlens=cu)
+        h1, v1, f1 = chunk_gated_delta_rule_fwd_h(kk, ww, uu, **kw)
+        h2, v2, f2 = fla_mean.fwd_h_reference(kk, ww, uu, **kw)
+        out["fla_fwd_h_vs_twin_rel_err"] = max(((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+                                               for a, b in ((h1, h2), (v1, v2), (f1, f2)))
+    print(f"# check: {json.dumps(out)}", flush=True)
+    return out
+
+
+def run_scan(args, save) -> list[dict]:
+    """The v2 device check (module docstring): check, warm fla, rows, segment sweep; JSON after every row."""
+    from bayeslayer.ops import set_value_checks
+
+    set_value_checks(False)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    t_start = time.time()
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    if args.dry_run:
+        dtype = torch.float32
+    rows: list[dict] = [{"kind": "check", **scan_check(args, device)}]
+    save(rows)
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu (dry run)"
+    print(f"# {name} | scan v2 | dtype={args.dtype} chunk={args.chunk_size} | "
+          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", flush=True)
+    warmed: set[int] = set()
+
+    def warm(D: int) -> None:
+        """fla's autotuner and Triton's compile cache, once per head dim, on a short sequence — just before the
+        first row that needs it, so that a run cut short by its budget still has the cheap rows."""
+        if D in warmed:
+            return
+        warmed.add(D)
+        t0 = time.time()
+        x = _make_inputs(1, args.warm_T, args.H, D, dtype, device)
+        for fn in (_gdn_fwd(x), _scan_fwd(x, args.chunk_size, n_segments=2)):
+            try:
+                fn()
+            except Exception as err:  # recorded in the rows that need it
+                print(f"# warm D={D} failed: {type(err).__name__}: {str(err)[:200]}", flush=True)
+        _sync(device)
+        rows.append({"kind": "warm", "D": D, "seconds": round(time.time() - t0, 1)})
+        print(f"# warm D={D}: {time.time() - t0:.0f} s", flush=True)
+        save(rows)
+    shapes = [("latency", args.B, T, D) for T in args.T for D in args.D]
+    shapes += [("occupancy", args.occ_B, T, D) for T in args.T for D in args.D]
+    shapes.sort(key=lambda r: r[1] * r[2] * r[3] ** 2)  # cheapest first: a cut-short run keeps the most rows
+    for kind, B, T, D in shapes:
+        if time.time() - t_start > args.budget_s:
+            rows.append({"kind": "skipped", "rows_left": f"{kind} B={B} T={T} D={D} and later"})
+            print(f"# budget of {args.budget_s} s spent: not starting {kind} B={B} T={T} D={D}", flush=True)
+            break
+        warm(D)
+        rec = {"kind": kind, "B": B, "H": args.H, "T": T, "D": D, "dtype": args.dtype}
+        rows.append(rec)
+        try:
+            x = _make_inputs(B, T, args.H, D, dtype, device)
+            gdn = _gdn_fwd(x)
+            rec["gdn_fwd_s"] = _time_any(gdn, args.reps, args.warmup, device)
+            rec["gdn_mem"] = _peak_any(gdn, device)
+            bl = _scan_fwd(x, args.chunk_size)
+            rec["bl_fwd_s"] = _time_any(bl, args.reps, args.warmup, device)
+            rec["bl_mem"] = _peak_any(bl, device)
+            phases: dict = {}
+            _scan_fwd(x, args.chunk_size, timings=phases)()
+            rec["bl_phases_s"] = phases
+            rec["ratio_fwd"] = rec["bl_fwd_s"] / rec["gdn_fwd_s"]
+            rec["ratio_mem"] = rec["bl_mem"] / rec["gdn_mem"] if rec["gdn_mem"] else None
+            rec["bl_tok_s"] = B * T / rec["bl_fwd_s"]
+            print(f"{kind:>9} B={B:<2} T={T:>6} D={D:>4} | GDN {rec['gdn_fwd_s'] * 1e3:8.2f} ms | BL "
+                  f"{rec['bl_fwd_s'] * 1e3:8.2f} ms | ratio {rec['ratio_fwd']:6.2f} | mem ratio "
+                  f"{rec['ratio_mem'] or float('nan'):5.2f} | phases ms "
+                  f"{json.dumps({n: round(v * 1e3, 2) for n, v in phases.items()})}", flush=True)
+        except Exception as err:  # one failing row (OOM, compile error) must not hide the others
+            rec["error"] = f"{type(err).__name__}: {str(err)[:300]}"
+            print(f"{kind:>9} B={B:<2} T={T:>6} D={D:>4} | failed: {rec['error']}", flush=True)
+        save(rows)
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    # segment-count sweep at the longest latency row that fits the budget
+    for D in args.sweep_D:
+        T = max(args.T)
+        for n_seg in args.sweep:
+            if time.time() - t_start > args.budget_s:
+                break
+            warm(D)
+            rec = {"kind": "sweep", "B": args.B, "H": args.H, "T": T, "D": D, "n_segments": n_seg}
+            rows.append(rec)
+            try:
+                x = _make_inputs(args.B, T, args.H, D, dtype, device)
+                phases = {}
+                _scan_fwd(x, args.chunk_size, n_segments=n_seg, timings=phases)()
+                rec["bl_fwd_s"] = _time_any(_scan_fwd(x, args.chunk_size, n_segments=n_seg), args.reps, 1, device)
+                rec["bl_phases_s"] = phases
+                print(f"    sweep T={T} D={D} segments={n_seg:>3}: {rec['bl_fwd_s'] * 1e3:8.2f} ms "
+                      f"{json.dumps({n: round(v * 1e3, 2) for n, v in phases.items()})}", flush=True)
+            except Exception as err:
+                rec["error"] = f"{type(err).__name__}: {str(err)[:300]}"
+                print(f"    sweep T={T} D={D} segments={n_seg}: failed: {rec['error']}", flush=True)
+            save(rows)
+    print(f"# scan check done in {time.time() - t_start:.0f} s", flush=True)
+    return rows
+
+
 def compile_only(args) -> list[dict]:
     """AOT-compile the kernels for ``--arch`` (no GPU needed); report registers, spills and shared memory."""
     import triton
@@ -261,18 +470,31 @@ def compile_only(args) -> list[dict]:
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     C = args.chunk_size
     out = []
+    from bayeslayer.ops.triton.scan import scan_track_kernel
+
     configs = [(k, D, g, ck) for k in ("cov", "mean", "step") for D in args.D for g in (False, True)
                for ck in ((False, True) if k != "step" else (False,))]
+    # the segment scan's kernels: Phase A runs the covariance kernel in float64, then the tracking kernel
+    configs += [(k, D, g, False) for k in ("cov64", "track64") for D in args.D for g in (False, True)]
+    configs = [c for c in configs if not args.kernels or c[0] in args.kernels]
     for kernel, D, diag, save_ck in configs:
         BD, BK, BV = tile_sizes(D, D)
         common = dict(H=16, D=D, BD=BD, BK=BK, DIAG=diag, HAS_ALPHA=True)
         ck_every = BACKWARD_BLOCK if save_ck else 1
         nw = default_num_warps(C)
-        if kernel == "cov":
+        fp64 = ()
+        if kernel in ("cov", "cov64"):
             fn = bl_chunk_cov_kernel
             names = ["q", "k", "r2", "ell2", "la", "cu_seqlens", "P", "W", "LINV", "Yscr", "Uscr", "VAR", "CKP",
                      "ck_offsets"]
             consts = dict(common, C=C, RETURN_VAR=False, SAVE_CK=save_ck, PREC="ieee", CK_EVERY=ck_every)
+            if kernel == "cov64":  # as phase_a_triton launches it (per-channel decays in float64 too)
+                fp64 = ("P", "W", "LINV", "Yscr", "Uscr", "VAR", "CKP") + (("la",) if diag else ())
+        elif kernel == "track64":
+            fn, nw = scan_track_kernel, 4
+            names = ["W", "KW", "BETA", "la", "cu_seg", "segs", "A", "J", "Hscr"]
+            consts = dict(H=16, D=D, C=C, BD=BD, BK=16, DIAG=diag, PREC="ieee")
+            fp64 = ("W", "KW", "BETA", "A", "J", "Hscr")
         elif kernel == "mean":
             fn = bl_chunk_mean_kernel
             names = ["q", "k", "v", "W", "LINV", "la", "cu_seqlens", "M", "O", "CKM", "ck_offsets"]
@@ -282,7 +504,8 @@ def compile_only(args) -> list[dict]:
             names = ["q", "k", "v", "r2", "ell2", "la", "P_in", "M_in", "P_out", "M_out", "Uscr", "O", "VAR"]
             BK_step, BV_step = step_tiles(D, D)[1:]
             consts = dict(common, BK=BK_step, MV=D, BMV=BD, BV=BV_step)
-        sig = {n: ("*i64" if n in ("cu_seqlens", "ck_offsets") else "*fp32") for n in names}
+        sig = {n: ("*i64" if n in ("cu_seqlens", "ck_offsets", "cu_seg", "segs") else
+                   "*fp64" if n in fp64 else "*fp32") for n in names}
         sig.update({n: "constexpr" for n in consts})
         t0 = time.time()
         rec = {"kernel": kernel, "D": D, "diagonal": diag, "checkpoints": save_ck, "chunk_size": C, "num_warps": nw}
@@ -323,12 +546,28 @@ def main(argv=None) -> int:
     p.add_argument("--gdn-bypass-hopper-guard", action="store_true",
                    help="time fla's GDN backward even where fla refuses it (Hopper, Triton < 3.7.1)")
     p.add_argument("--arch", type=int, default=90, help="CUDA compute capability for --compile-only")
+    p.add_argument("--kernels", nargs="*", choices=["cov", "mean", "step", "cov64", "track64"],
+                   help="--compile-only: these kernels only (default all)")
+    p.add_argument("--scan", action="store_true", help="v2: segment-scan forward vs GDN forward (module docstring)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="with --scan on a CPU (TRITON_INTERPRET=1): tiny shapes, the same code path")
+    p.add_argument("--occ-B", type=int, default=9, help="--scan: batch of the full-occupancy rows (B·H ≥ 132)")
+    p.add_argument("--warm-T", type=int, default=1024, help="--scan: sequence length of fla's autotune warm-up")
+    p.add_argument("--budget-s", type=float, default=420.0, help="--scan: start no row after this many seconds")
+    p.add_argument("--sweep", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32], help="--scan: segment counts")
+    p.add_argument("--sweep-D", type=int, nargs="*", default=[64, 128], help="--scan: head dims of the sweep")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/gpu.json"))
     args = p.parse_args(argv)
     if args.quick:
         args.T = [2048]
+    if args.scan and args.dry_run:
+        # the interpreter runs every kernel in NumPy: tiny shapes, same code path
+        args.T, args.D, args.B, args.occ_B, args.H, args.chunk_size, args.dtype = [96], [16], 1, 2, 2, 16, "fp32"
+        args.warm_T, args.reps, args.warmup, args.sweep, args.sweep_D = 32, 1, 0, [1, 3], [16]
     if args.compile_only:
         rows = compile_only(args)
+    elif args.scan and (args.dry_run or torch.cuda.is_available()):
+        rows = run_scan(args, lambda rows: _save(args.out, rows))
     elif args.variants and torch.cuda.is_available():
         variants(args)
         return 0

@@ -4,8 +4,15 @@
 #   bench     the benchmark table (benchmarks/gpu.py; BENCH_ARGS adds arguments)
 #   variants  forward time and error per chunk size and fp32 product precision (VAR_ARGS)
 #   profile   a torch.profiler kernel table of one point
+#   scantest  the segment-scan tests compiled on the GPU (tests/ops/test_scan_triton.py, test_scan_fla.py)
+#   scan      the v2 device check: benchmarks/gpu.py --scan (SCAN_ARGS adds arguments; its own
+#             --budget-s stops starting rows at 420 s), sized for 8 minutes of device time:
+#             PHASES="scantest scan" TEST_S=60 SCAN_S=450
 # PHASES picks and orders them (default "tests bench profile"); each has a time limit in seconds
-# (TEST_S, BENCH_S, VAR_S, PROF_S).  Results go to $OUT (the device tool's folder) or /tmp/bl_gpu.
+# (TEST_S, BENCH_S, VAR_S, PROF_S, SCAN_S).  Results go to $OUT (the device tool's folder) or /tmp/bl_gpu.
+# Triton's cache (compiled kernels and fla's autotuning results, FLA_CACHE_RESULTS=1) lives in
+# benchmarks/results/triton_cache: carry that folder to the next lent machine and fla does not
+# autotune again; it is also packed into $OUT/triton_cache.tgz when under 40 MB.
 # Wheels of packages the machine lacks (flash-linear-attention, the comparison) are installed
 # from .whl/ when present.
 set -u
@@ -18,6 +25,10 @@ if ! python3 -c "import fla" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
   export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/benchmarks/results/triton_cache}
+export FLA_CACHE_RESULTS=1
+mkdir -p "$TRITON_CACHE_DIR"
+if [ -f triton_cache.tgz ]; then tar xzf triton_cache.tgz -C "$TRITON_CACHE_DIR"; fi
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 for phase in ${PHASES:-tests bench profile}; do
   echo "== $phase $(date -u +%H:%M:%S)"
@@ -34,6 +45,14 @@ for phase in ${PHASES:-tests bench profile}; do
         | tee "$OUT/variants.log" ;;
     profile)
       timeout "${PROF_S:-60}" python3 benchmarks/gpu.py --profile --T 8192 --D 128 2>&1 | tee "$OUT/profile.log" ;;
+    scantest)
+      TRITON_INTERPRET=0 timeout "${TEST_S:-60}" python3 -m pytest -q -rf -p no:cacheprovider \
+        tests/ops/test_scan_triton.py tests/ops/test_scan_fla.py 2>&1 | tail -25 | tee "$OUT/scantest.log" ;;
+    scan)
+      timeout "${SCAN_S:-450}" python3 benchmarks/gpu.py --scan --out "$OUT/scan.json" ${SCAN_ARGS:-} 2>&1 \
+        | tee "$OUT/scan.log" ;;
   esac
 done
+size=$(du -sm "$TRITON_CACHE_DIR" 2>/dev/null | cut -f1)
+if [ -n "$size" ] && [ "$size" -lt 40 ]; then tar czf "$OUT/triton_cache.tgz" -C "$TRITON_CACHE_DIR" .; fi
 echo "== done $(date -u +%H:%M:%S)"

@@ -37,7 +37,8 @@ def test_every_kernel_variant_compiles_for_sm90(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     kinds = {(r["kernel"], r["diagonal"], r["checkpoints"]) for r in rows}
     assert kinds == {(k, d, c) for k in ("cov", "mean") for d in (False, True) for c in (False, True)} | {
-        ("step", False, False), ("step", True, False)}
+        ("step", False, False), ("step", True, False)} | {
+        (k, d, False) for k in ("cov64", "track64") for d in (False, True)}  # the segment scan's Phase A
     for r in rows:
         what = f"{r['kernel']} (diagonal={r['diagonal']}, checkpoints={r['checkpoints']})"
         assert "error" not in r, f"{what}: {r['error']}"
