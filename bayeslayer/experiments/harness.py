@@ -42,6 +42,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..training.optim import param_groups
+
 IGNORE_INDEX = -100
 
 
@@ -192,8 +194,8 @@ def train(
         raise ValueError(f"stop_after must be an integer in [1, steps={config.steps}], got {stop_after!r}")
 
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=config.lr, betas=config.betas, eps=config.eps,
-                                  weight_decay=config.weight_decay)
+    optimizer = torch.optim.AdamW(param_groups(model, config.weight_decay), lr=config.lr, betas=config.betas,
+                                  eps=config.eps, weight_decay=config.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config))
     result = TrainResult()
     if checkpoint_path is not None and os.path.exists(checkpoint_path):

@@ -66,6 +66,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ..training.optim import param_groups
 from .harness import TrainConfig, lr_lambda, results_record, seed_everything, summarize, write_json
 from .plotting import save_figure
 
@@ -701,8 +702,8 @@ def train_lm(
     params = [p for g in groups for p in g["params"]]
     if not params:
         raise ValueError(f"objective {objective.name!r} leaves no parameter to train")
-    optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps,
-                                  weight_decay=config.weight_decay)
+    optimizer = torch.optim.AdamW(param_groups(trainee, config.weight_decay, groups), lr=config.lr,
+                                  betas=config.betas, eps=config.eps, weight_decay=config.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config.train_config()))
     torch.manual_seed(_rank_seed(config.seed, ctx.rank))
 

@@ -1,0 +1,1 @@
+"""Training: the pieces every experiment's training shares."""
