@@ -11,12 +11,33 @@ Keys and values share one vocabulary (:mod:`bayeslayer.data.mqar`).  Three tasks
 * **block** — ``A B 4 5`` binds ``A→4, B→5`` (block size 2); train at length 128 with 2/4/6/8
   pairs, test at length 128 over the number of pairs (to 16).
 
-Model (:class:`MQARModel`)::
+Model (:class:`MQARModel`), in one of two layouts (``--layout``)::
 
     h = Embedding(x)                                        x: [B, T] token ids
-    h = h + mixer_l(LayerNorm(h))          ┐ l = 1..num_layers (paper: 2)
-    h = h + MLP_l(LayerNorm(h))            ┘ only with mlp_mult > 0 (Zoology's default: none)
+    stacked (today's default; num_layers mixer blocks, each the same mixer):
+        h = h + mixer_l(LayerNorm(h))      ┐ l = 1..num_layers (paper: 2)
+        h = h + MLP_l(LayerNorm(h))        ┘ only with mlp_mult > 0 (Zoology's default: none)
+    hybrid (Zoology's standard MQAR model; blocks alternate, a short-conv block first):
+        s_l = BaseConv (l odd) or mixer (l even)        l = 1..num_layers (Zoology: 2 = conv, mixer)
+        h = h + s_l(LayerNorm(h))
+        h = h + F_l(LayerNorm(h))          F_l = MLP_l with mlp_mult > 0, else the identity
+        BaseConv(u) = conv_3(u) ⊙ (W u + b) + u          depthwise causal conv, kernel 3, with bias
     logits = W_head LayerNorm(h)                            [B, T, V]
+
+The hybrid block is Zoology's ``TransformerBlock`` around ``Hybrid([BaseConv, mixer])``
+(``zoology/model.py``, ``mixers/hybrid.py``, ``mixers/base_conv.py``, ``experiments/models_repo.py``):
+block ``i`` holds ``configs[i mod 2]``, so ``n_layers = 2`` is one short-conv block then one mixer
+block.  Its state mixer is ``torch.nn.Identity`` in the MQAR configs, and its fused residual
+(``residual = hidden + residual`` at the next block) therefore adds ``LayerNorm(h)`` to the stream
+after every block — reproduced here as ``F_l = identity``.  Not reproduced (the same in both layouts):
+Zoology's embedding dropout 0.1, its head tied to the embedding without bias, and its N(0, 0.02)
+initialisation.  Zoology runs its GDN and DeltaNet with ``use_gate=False`` (no output gate): the
+``gate`` setting ``default`` keeps each layer's own default in the stacked layout and turns the gate
+off for every mixer that has one (BL, GDN, DeltaNet, linear attention) in the hybrid layout; ``on`` /
+``off`` force it.  Mamba-2's SiLU(z) gate is part of its SSD block and is never changed.
+
+Mixers are registry layers or their conv-free variants (:data:`MIXER_VARIANTS`: BL and DeltaNet
+without their own short convolution, like the registry's ``gated_deltanet_noconv``).
 
 Each mixer comes from the registry (:func:`bayeslayer.layers.build_mixer`) with its head
 configuration from the state-budget solver (:func:`~bayeslayer.experiments.state_budget.solve_state_budget`):
@@ -28,13 +49,15 @@ on, scalar decay; see :data:`MIXER_LABELS`).
 Training (the shared :func:`~bayeslayer.experiments.harness.train_lr_grid`): a fixed pool of
 sequences (:func:`~bayeslayer.data.mqar.make_pool`) split 90/10 into train and validation,
 ``epochs`` passes over the training split in batches of one length, AdamW β = (0.9, 0.95),
-weight decay 0.1, linear warmup then cosine; the learning rate is chosen from the preset's grid
-by **validation** query accuracy.  Metrics: query accuracy on fresh test sets (own seeds) at
-every sweep point, per training slice on validation, and per number of writes the queried key
+weight decay 0.1 on weights only (not on ``A_log``, ``dt_bias``, noise biases, norms or biases:
+:func:`bayeslayer.training.optim.param_groups`), linear warmup then cosine; the learning rate is
+chosen from the preset's grid by **validation** query accuracy.  Metrics: query accuracy on fresh
+test sets (own seeds) at every sweep point, per training slice on validation, and per number of writes the queried key
 received (Update).  Checkpoints and finished runs are cached under ``<out>/runs`` so an
-interrupted sweep resumes; ``<out>/mqar_<task>.json`` is rewritten after each mixer (keeping the
-mixers of an earlier run with the same settings, so mixers can be run one at a time) and
-``mqar_<task>.png`` (accuracy vs the swept variable, one line per mixer) is drawn from it
+interrupted sweep resumes; ``<out>/mqar_<task>.json`` (``mqar_<task>_hybrid.json`` in the hybrid
+layout, ``…_gate-on|off`` with a forced gate: :func:`results_stem`) is rewritten after each mixer
+(keeping the mixers of an earlier run with the same settings, so mixers can be run one at a time) and
+the PNG of the same stem (accuracy vs the swept variable, one line per mixer) is drawn from it
 (``--plot-only`` redraws it).
 """
 
@@ -54,7 +77,8 @@ import torch.nn as nn
 
 from ..data.mqar import IGNORE_INDEX, MQARData, MQARDataset, MQARTask, make_pool
 from ..layers import MIXERS as MIXER_REGISTRY
-from ..layers import build_mixer
+from ..layers import QKVMixer, ShortConvolution, build_mixer
+from ..training.optim import DECAY_POLICY
 from .harness import TrainConfig, _jsonable, results_record, summarize, train_lr_grid, write_json
 from .plotting import RefLine, Series, line_plot, load_json
 from .state_budget import STATE_FORMS, HeadConfig, solve_state_budget
@@ -66,8 +90,18 @@ MIXER_LABELS = {
     "gated_deltanet_noconv": "GDN (no conv)",
     "mamba2": "Mamba-2",
     "linear_attention": "linear attention",
+    "bayesian_noconv": "BL (no conv)",
+    "deltanet": "DeltaNet (short conv)",
+    "deltanet_noconv": "DeltaNet (no conv)",
 }
-DEFAULT_MIXERS = tuple(MIXER_LABELS)
+DEFAULT_MIXERS = ("bayesian", "gated_deltanet", "gated_deltanet_noconv", "mamba2", "linear_attention")
+#: MQAR mixer names that are a registry layer with other constructor settings: name → (layer, keywords).
+MIXER_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "bayesian_noconv": ("bayesian", {"use_short_conv": False}),
+    "deltanet_noconv": ("deltanet", {"use_short_conv": False}),
+}
+LAYOUTS = ("stacked", "hybrid")
+GATES = ("default", "on", "off")
 SWEEP_AXES = {"base": "model width", "update": "number of updates", "block": "number of pairs"}
 # Zoology's MQAR learning-rate sweep: np.logspace(-4, -2, 4).
 ZOOLOGY_LRS = (1e-4, 4.6415888e-4, 2.1544347e-3, 1e-2)
@@ -128,6 +162,18 @@ class MQARPreset:
     data_seed: int = 0
     test_seed: int = 10_000
     checkpoint_every: int = 100
+    layout: str = "stacked"  # see the module docstring; "hybrid" = Zoology's conv-block + mixer-block model
+    gate: str = "default"  # output gate of the mixers that have one: layout's default, "on" or "off"
+    hybrid_conv_size: int = 3  # Zoology's BaseConv kernel
+
+    def __post_init__(self):
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
+        if self.gate not in GATES:
+            raise ValueError(f"gate must be one of {GATES}, got {self.gate!r}")
+        if self.layout == "hybrid" and self.num_layers < 2:
+            raise ValueError(f"the hybrid layout alternates a conv block and a mixer block and needs "
+                             f"num_layers >= 2, got {self.num_layers}")
 
     def pool_size(self, task: str) -> int:
         return {"base": self.pool_base, "update": self.pool_update, "block": self.pool_block}[task]
@@ -178,7 +224,11 @@ def mixer_kwargs(head: HeadConfig) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class MQARModelConfig:
-    """Sizes of an :class:`MQARModel`; ``mixer_kwargs`` go to :func:`~bayeslayer.layers.build_mixer`."""
+    """Sizes of an :class:`MQARModel`; ``mixer_kwargs`` go to :func:`~bayeslayer.layers.build_mixer`.
+
+    ``layout``: ``"stacked"`` or ``"hybrid"`` (module docstring); ``conv_size``: the hybrid layout's
+    BaseConv kernel.
+    """
 
     mixer: str
     vocab_size: int
@@ -186,24 +236,53 @@ class MQARModelConfig:
     num_layers: int = 2
     mlp_mult: int = 0
     mixer_kwargs: dict[str, Any] = field(default_factory=dict)
+    layout: str = "stacked"
+    conv_size: int = 3
 
     def __post_init__(self):
         if self.mixer not in MIXER_REGISTRY:
             raise ValueError(f"unknown mixer {self.mixer!r}; known: {sorted(MIXER_REGISTRY)}")
-        for name in ("vocab_size", "width", "num_layers"):
+        for name in ("vocab_size", "width", "num_layers", "conv_size"):
             val = getattr(self, name)
             if not isinstance(val, int) or isinstance(val, bool) or val < 1:
                 raise ValueError(f"{name} must be a positive integer, got {val!r}")
         if not isinstance(self.mlp_mult, int) or isinstance(self.mlp_mult, bool) or self.mlp_mult < 0:
             raise ValueError(f"mlp_mult must be a non-negative integer (0 = no MLP), got {self.mlp_mult!r}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
+        if self.layout == "hybrid" and self.num_layers < 2:
+            raise ValueError(f"the hybrid layout needs num_layers >= 2 (a conv block, then a mixer block), "
+                             f"got {self.num_layers}")
+
+
+class BaseConv(nn.Module):
+    """Zoology's short-convolution sequence mixer: ``y = conv_W(u) ⊙ (W u + b) + u``, ``u [B, T, d]``.
+
+    ``conv_W`` is a depthwise causal convolution of width ``W`` (Zoology: 3) with a bias and no
+    activation (:class:`~bayeslayer.layers.ShortConvolution`); ``W u + b`` a full ``d × d`` projection;
+    the ``+ u`` is the block's own skip, on top of the residual stream's.  Parameters:
+    ``d² + d`` (projection) ``+ W·d + d`` (convolution).
+    """
+
+    def __init__(self, width: int, kernel_size: int = 3):
+        super().__init__()
+        self.conv = ShortConvolution(width, kernel_size, bias=True, activation=None)
+        self.projection = nn.Linear(width, width)
+
+    def forward(self, u: torch.Tensor) -> torch.Tensor:
+        return self.conv(u)[0] * self.projection(u) + u
 
 
 class MQARModel(nn.Module):
-    """Token ids ``[B, T]`` → logits ``[B, T, V]``: embedding, ``num_layers`` pre-norm mixer blocks, head.
+    """Token ids ``[B, T]`` → logits ``[B, T, V]``: embedding, the blocks of ``config.layout``, head.
 
-    See the module docstring for the equations.  Parameters: ``2·V·d + V`` (embedding, head) plus
-    the mixers' (each mixer's docstring has its formula) plus ``2·mult·d² + (mult + 1)·d`` per MLP
-    and ``2d`` per LayerNorm.
+    See the module docstring for the equations.  Parameters: ``2·V·d + V`` (embedding, head) ``+ 2d``
+    (final LayerNorm) plus, per block,
+
+    * stacked: the mixer's (each mixer's docstring has its formula) ``+ 2d`` (its LayerNorm), and with
+      an MLP ``2·mult·d² + (mult + 1)·d + 2d``;
+    * hybrid: ``4d`` (two LayerNorms) plus the mixer's or :class:`BaseConv`'s parameters, and with an MLP
+      ``2·mult·d² + (mult + 1)·d``.
     """
 
     def __init__(self, config: MQARModelConfig):
@@ -213,20 +292,38 @@ class MQARModel(nn.Module):
         self.config = config
         d, L = config.width, config.num_layers
         self.embed = nn.Embedding(config.vocab_size, d)
-        self.mixer_norms = nn.ModuleList(nn.LayerNorm(d) for _ in range(L))
-        self.mixers = nn.ModuleList(
-            build_mixer(config.mixer, d, layer_idx=i, **config.mixer_kwargs) for i in range(L))
-        if config.mlp_mult:
+
+        def mlp() -> nn.Module:
             hidden = config.mlp_mult * d
-            self.mlp_norms = nn.ModuleList(nn.LayerNorm(d) for _ in range(L))
-            self.mlps = nn.ModuleList(
-                nn.Sequential(nn.Linear(d, hidden), nn.GELU(), nn.Linear(hidden, d)) for _ in range(L))
+            return nn.Sequential(nn.Linear(d, hidden), nn.GELU(), nn.Linear(hidden, d))
+
+        if config.layout == "stacked":
+            self.mixer_norms = nn.ModuleList(nn.LayerNorm(d) for _ in range(L))
+            self.mixers = nn.ModuleList(
+                build_mixer(config.mixer, d, layer_idx=i, **config.mixer_kwargs) for i in range(L))
+            if config.mlp_mult:
+                self.mlp_norms = nn.ModuleList(nn.LayerNorm(d) for _ in range(L))
+                self.mlps = nn.ModuleList(mlp() for _ in range(L))
+        else:
+            # Zoology's Hybrid picks configs[layer_idx % 2]: even blocks convolve, odd blocks mix
+            self.sequence_mixers = nn.ModuleList(
+                BaseConv(d, config.conv_size) if i % 2 == 0
+                else build_mixer(config.mixer, d, layer_idx=i, **config.mixer_kwargs) for i in range(L))
+            self.norms1 = nn.ModuleList(nn.LayerNorm(d) for _ in range(L))
+            self.norms2 = nn.ModuleList(nn.LayerNorm(d) for _ in range(L))
+            self.state_mixers = nn.ModuleList(mlp() if config.mlp_mult else nn.Identity() for _ in range(L))
         self.norm = nn.LayerNorm(d)
         self.head = nn.Linear(d, config.vocab_size)
 
+    def recurrent_mixers(self) -> list[nn.Module]:
+        """The registry mixers of the model, in order (the hybrid layout's BaseConv blocks left out)."""
+        if self.config.layout == "stacked":
+            return list(self.mixers)
+        return [m for m in self.sequence_mixers if not isinstance(m, BaseConv)]
+
     def state_size_per_layer(self) -> int:
         """Recurrent-state floats of one mixer layer (all heads)."""
-        mixer = self.mixers[0]
+        mixer = self.recurrent_mixers()[0]
         return mixer.state_size_per_head() * mixer.num_heads
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -240,21 +337,51 @@ class MQARModel(nn.Module):
             raise ValueError(f"input_ids must lie in [0, vocab_size={V}), got values in "
                              f"[{int(input_ids.min())}, {int(input_ids.max())}]")
         h = self.embed(input_ids)
-        for i, mixer in enumerate(self.mixers):
-            h = h + mixer(self.mixer_norms[i](h)).o
-            if self.config.mlp_mult:
-                h = h + self.mlps[i](self.mlp_norms[i](h))
+        if self.config.layout == "stacked":
+            for i, mixer in enumerate(self.mixers):
+                h = h + mixer(self.mixer_norms[i](h)).o
+                if self.config.mlp_mult:
+                    h = h + self.mlps[i](self.mlp_norms[i](h))
+        else:
+            for seq, norm1, norm2, state in zip(self.sequence_mixers, self.norms1, self.norms2,
+                                                self.state_mixers, strict=True):
+                y = seq(norm1(h))
+                h = h + (y if isinstance(seq, BaseConv) else y.o)
+                h = h + state(norm2(h))
         return self.head(self.norm(h))
+
+
+def resolve_mixer(mixer: str) -> tuple[str, dict[str, Any]]:
+    """``(registry layer, extra constructor keywords)`` of an MQAR mixer name (:data:`MIXER_VARIANTS`)."""
+    if mixer in MIXER_VARIANTS:
+        layer, extra = MIXER_VARIANTS[mixer]
+        return layer, dict(extra)
+    return mixer, {}
+
+
+def gate_kwargs(layer: str, gate: str, layout: str) -> dict[str, Any]:
+    """The ``use_gate`` keyword for ``layer`` under the ``gate`` setting (module docstring); ``{}``: the default."""
+    if gate not in GATES:
+        raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if not issubclass(MIXER_REGISTRY[layer], QKVMixer):  # Mamba-2: its gate belongs to the SSD block
+        return {}
+    if gate == "default":
+        return {"use_gate": False} if layout == "hybrid" else {}
+    return {"use_gate": gate == "on"}
 
 
 def model_config(mixer: str, preset: MQARPreset, width: int) -> tuple[MQARModelConfig, HeadConfig]:
     """The model of ``mixer`` at ``width`` whose per-layer state fills ``preset.budget`` (solver's rule)."""
-    if mixer not in STATE_FORMS or mixer not in MIXER_REGISTRY:
-        raise ValueError(f"mixer {mixer!r} has no state-budget rule or no layer; use one of "
-                         f"{sorted(set(STATE_FORMS) & set(MIXER_REGISTRY))}")
-    head = solve_state_budget(preset.budget, width, mixer)
-    kwargs = {**mixer_kwargs(head), "chunk_size": preset.chunk_size}
-    cfg = MQARModelConfig(mixer, preset.vocab_size, width, preset.num_layers, preset.mlp_mult, kwargs)
+    layer, extra = resolve_mixer(mixer)
+    if layer not in STATE_FORMS or layer not in MIXER_REGISTRY:
+        raise ValueError(f"mixer {mixer!r} has no state-budget rule or no layer; use one of {known_mixers()}")
+    head = solve_state_budget(preset.budget, width, layer)
+    kwargs = {**mixer_kwargs(head), "chunk_size": preset.chunk_size, **extra,
+              **gate_kwargs(layer, preset.gate, preset.layout)}
+    cfg = MQARModelConfig(layer, preset.vocab_size, width, preset.num_layers, preset.mlp_mult, kwargs,
+                          layout=preset.layout, conv_size=preset.hybrid_conv_size)
     return cfg, head
 
 
@@ -266,6 +393,11 @@ def build_model(mixer: str, preset: MQARPreset, width: int) -> MQARModel:
         raise RuntimeError(f"{mixer}: built layer carries {model.state_size_per_layer()} state floats but the "
                            f"solver counted {head.state_size} ({head.summary()})")
     return model
+
+
+def known_mixers() -> list[str]:
+    """Every name ``bayeslayer mqar --mixers`` takes: registry layers with a state rule, and the variants."""
+    return sorted((set(STATE_FORMS) & set(MIXER_REGISTRY)) | set(MIXER_VARIANTS))
 
 
 # -- data --------------------------------------------------------------------------------------------
@@ -391,7 +523,7 @@ def train_config(preset: MQARPreset, steps: int) -> TrainConfig:
 
 def _check_mixers(mixers: Sequence[str]) -> list[str]:
     mixers = list(mixers)
-    known = sorted(set(STATE_FORMS) & set(MIXER_REGISTRY))
+    known = known_mixers()
     bad = [m for m in mixers if m not in known]
     if not mixers or bad or len(set(mixers)) != len(mixers):
         raise ValueError(f"mixers must be distinct names from {known}; got {mixers}")
@@ -430,12 +562,13 @@ def run_mqar(task: str, preset: MQARPreset, mixers: Sequence[str] = DEFAULT_MIXE
         f"{steps} steps ({preset.epochs} epochs × {sampler.steps_per_epoch}), lr grid {list(preset.lrs)}")
     widths = preset.base_widths if task == "base" else (preset.width,)
     run_dir = os.path.join(out_dir, "runs") if out_dir else None
-    config = {**asdict(preset), "task": task, "train": asdict(cfg),
+    config = {**asdict(preset), "task": task, "train": asdict(cfg), "optimizer_groups": DECAY_POLICY,
               "train_tasks": [asdict(t) for t in train_tasks(task, preset)],
               "test_tasks": [{"x": x, **asdict(t)} for x, t in sweep_points(task, preset)],
               "sweep_axis": SWEEP_AXES[task]}
     results: dict[str, Any] = {}
-    path = os.path.join(out_dir, f"mqar_{task}.json") if out_dir else None
+    stem = results_stem(task, preset)
+    path = os.path.join(out_dir, f"{stem}.json") if out_dir else None
     if path and os.path.exists(path):
         # keep the mixers of an earlier run of the same settings, so mixers can be run one at a time
         previous = load_json(path)
@@ -452,19 +585,24 @@ def run_mqar(task: str, preset: MQARPreset, mixers: Sequence[str] = DEFAULT_MIXE
                                         [tests[widths.index(width)]] if task == "base" else tests)
             try:
                 grid = train_lr_grid(
-                    f"mqar_{task}_{preset.name}_{mixer}_w{width}",
+                    f"mqar_{task}_{preset.name}_{preset.layout}_gate-{preset.gate}_{mixer}_w{width}",
                     lambda seed, mixer=mixer, width=width: build_model(mixer, preset, width),
                     sampler, cfg, preset.lrs, list(range(preset.seeds)), evaluate, select_key="val_accuracy",
                     run_dir=run_dir, progress=progress,
-                    fingerprint={"preset": asdict(preset), "task": task, "model": asdict(mcfg)})
+                    fingerprint={"preset": asdict(preset), "task": task, "model": asdict(mcfg),
+                                 "optimizer_groups": DECAY_POLICY})
             except FloatingPointError as err:  # every lr diverged: record it, go on with the other mixers
                 log(f"  {mixer} at width {width}: {err}")
                 record.setdefault("failed", {})[f"{mixer}_w{width}"] = str(err)
                 per_width = []
                 break
-            n_params = sum(p.numel() for p in build_model(mixer, preset, width).parameters())
+            built = build_model(mixer, preset, width)
+            n_params = sum(p.numel() for p in built.parameters())
+            layer = built.recurrent_mixers()[0]
             per_width.append({"width": width, "head_config": head.to_dict(), "model_config": asdict(mcfg),
-                              "parameters": n_params, "best_lr": grid["best_lr"], "lr_grid": grid["grid"],
+                              "parameters": n_params, "use_gate": getattr(layer, "use_gate", None),
+                              "use_short_conv": getattr(layer, "use_short_conv", None),
+                              "best_lr": grid["best_lr"], "lr_grid": grid["grid"],
                               "seeds": grid["records"]})
         if not per_width:
             continue
@@ -477,8 +615,19 @@ def run_mqar(task: str, preset: MQARPreset, mixers: Sequence[str] = DEFAULT_MIXE
         record["wall_seconds"] = time.perf_counter() - t0
         if path:
             write_json(path, record)
-            plot_mqar(record, os.path.join(out_dir, f"mqar_{task}.png"))
+            plot_mqar(record, os.path.join(out_dir, f"{stem}.png"))
     return record
+
+
+def results_stem(task: str, preset: MQARPreset) -> str:
+    """File stem of a run's JSON and PNG: ``mqar_<task>``, plus ``_<layout>`` and ``_gate-<on|off>`` when
+    not the stacked layout / the default gate, so runs of different layouts never overwrite each other."""
+    stem = f"mqar_{task}"
+    if preset.layout != "stacked":
+        stem += f"_{preset.layout}"
+    if preset.gate != "default":
+        stem += f"_gate-{preset.gate}"
+    return stem
 
 
 def summarize_mixer(task: str, runs: list[dict]) -> dict[str, Any]:
@@ -519,8 +668,10 @@ def plot_mqar(record: dict, path: str) -> str:
         vlines = [RefLine(max(trained), "max trained")]
     elif task == "block":
         vlines = [RefLine(max(cfg["block_train_pairs"]), "max trained")]
-    title = (f"MQAR {task} — preset '{record['preset']}' (V = {cfg['vocab_size']}, state {cfg['budget']} "
-             f"floats/layer, {cfg['epochs']} epochs, {cfg['seeds']} seed{'s' * (cfg['seeds'] > 1)})")
+    layout = cfg.get("layout", "stacked")  # results written before layouts existed are stacked
+    title = (f"MQAR {task} — preset '{record['preset']}', {layout} layout (gate: {cfg.get('gate', 'default')}; "
+             f"V = {cfg['vocab_size']}, state {cfg['budget']}\nfloats/layer, {cfg['epochs']} epochs, "
+             f"{cfg['seeds']} seed{'s' * (cfg['seeds'] > 1)})")
     chance = [RefLine(1 / cfg["vocab_size"], f"chance (1/{cfg['vocab_size']})")]
     return str(line_plot(path, series, xlabel=xlabel, ylabel="query accuracy", title=title, vlines=vlines,
                          hlines=chance, xscale="log" if task == "base" else "linear", ylim=(-0.02, 1.02)))
@@ -550,7 +701,7 @@ def format_table(record: dict) -> str:
 def preset_from_args(args: argparse.Namespace) -> MQARPreset:
     preset = PRESETS[args.preset]
     over: dict[str, Any] = {}
-    for name in ("epochs", "batch_size", "seeds"):
+    for name in ("epochs", "batch_size", "seeds", "num_layers"):
         val = getattr(args, name)
         if val is not None:
             if val <= 0:
@@ -561,7 +712,9 @@ def preset_from_args(args: argparse.Namespace) -> MQARPreset:
         if bad:
             raise ValueError(f"--lr values must be finite and > 0, got {bad}")
         over["lrs"] = tuple(args.lr)
-    return replace(preset, **over, name=preset.name if not over else f"{preset.name}-custom")
+    # layout and gate are recorded in the JSON and its file name, so they do not rename the preset
+    return replace(preset, **over, name=preset.name if not over else f"{preset.name}-custom",
+                   layout=args.layout or preset.layout, gate=args.gate or preset.gate)
 
 
 def _main(args: argparse.Namespace) -> int:
@@ -583,7 +736,8 @@ def _main(args: argparse.Namespace) -> int:
               f"(use --preset paper for SPEC §4.4)")
     record = run_mqar(args.task, preset, args.mixers, out_dir=args.out, progress=not args.no_progress)
     print(format_table(record))
-    print(f"\nwrote {os.path.join(args.out, f'mqar_{args.task}.json')} and mqar_{args.task}.png")
+    stem = results_stem(args.task, preset)
+    print(f"\nwrote {os.path.join(args.out, stem + '.json')} and {stem}.png")
     return 0
 
 
@@ -593,9 +747,18 @@ def add_parser(sub) -> None:
     p.add_argument("task", nargs="?", choices=TASK_NAMES, default=None, help="which MQAR task")
     p.add_argument("--preset", choices=sorted(PRESETS), default="default",
                    help="'paper' = SPEC §4.4; 'default' ≈ 20 min per task on an idle 2-core CPU; 'tiny' = smoke")
-    p.add_argument("--mixers", nargs="+", default=list(DEFAULT_MIXERS),
-                   choices=sorted(set(STATE_FORMS) & set(MIXER_REGISTRY)), metavar="MIXER",
-                   help=f"registry names (default: {' '.join(DEFAULT_MIXERS)})")
+    p.add_argument("--mixers", nargs="+", default=list(DEFAULT_MIXERS), choices=known_mixers(), metavar="MIXER",
+                   help=f"registry names or conv-free variants {sorted(MIXER_VARIANTS)} "
+                        f"(default: {' '.join(DEFAULT_MIXERS)})")
+    p.add_argument("--layout", choices=LAYOUTS, default=None,
+                   help="'stacked' (default): num_layers blocks of the mixer; 'hybrid': Zoology's model, a "
+                        "short-conv (BaseConv, kernel 3) block before each mixer block")
+    p.add_argument("--gate", choices=GATES, default=None,
+                   help="output gate of BL/GDN/DeltaNet/linear attention: 'default' = each layer's own in the "
+                        "stacked layout, off in the hybrid layout (Zoology's use_gate=False); 'on'/'off' force it")
+    p.add_argument("--num-layers", type=int, default=None,
+                   help="override the preset's number of blocks (hybrid: conv and mixer blocks alternate, so "
+                        "4 = two mixers)")
     p.add_argument("--epochs", type=int, default=None, help="override the preset's epochs")
     p.add_argument("--batch-size", type=int, default=None, help="override the preset's batch size")
     p.add_argument("--seeds", type=int, default=None, help="override the preset's number of seeds")
@@ -607,7 +770,8 @@ def add_parser(sub) -> None:
 
 
 __all__ = [
-    "DEFAULT_MIXERS", "MIXER_LABELS", "PRESETS", "TASK_NAMES", "MQARModel", "MQARModelConfig", "MQARPreset",
-    "build_model", "epoch_sampler", "format_table", "mixer_kwargs", "model_config", "plot_mqar",
-    "query_counts", "run_mqar", "sweep_points", "train_tasks",
+    "DEFAULT_MIXERS", "GATES", "LAYOUTS", "MIXER_LABELS", "MIXER_VARIANTS", "PRESETS", "TASK_NAMES", "BaseConv",
+    "MQARModel", "MQARModelConfig", "MQARPreset", "build_model", "epoch_sampler", "format_table", "gate_kwargs",
+    "known_mixers", "mixer_kwargs", "model_config", "plot_mqar", "query_counts", "resolve_mixer", "results_stem",
+    "run_mqar", "sweep_points", "train_tasks",
 ]
