@@ -165,12 +165,15 @@ class MQARPreset:
     layout: str = "stacked"  # see the module docstring; "hybrid" = Zoology's conv-block + mixer-block model
     gate: str = "default"  # output gate of the mixers that have one: layout's default, "on" or "off"
     hybrid_conv_size: int = 3  # Zoology's BaseConv kernel
+    max_steps: int | None = None  # cap on the training steps (epochs × batches per epoch); None: no cap
 
     def __post_init__(self):
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
         if self.gate not in GATES:
             raise ValueError(f"gate must be one of {GATES}, got {self.gate!r}")
+        if self.max_steps is not None and (not isinstance(self.max_steps, int) or self.max_steps < 1):
+            raise ValueError(f"max_steps must be a positive integer or None, got {self.max_steps!r}")
         if self.layout == "hybrid" and self.num_layers < 2:
             raise ValueError(f"the hybrid layout alternates a conv block and a mixer block and needs "
                              f"num_layers >= 2, got {self.num_layers}")
@@ -198,6 +201,14 @@ PRESETS: dict[str, MQARPreset] = {
         "default", vocab_size=64, pool_base=6_000, pool_update=12_000, pool_block=12_000, epochs=3,
         batch_size=32, lrs=(1e-2,), seeds=1, budget=4096, width=64, base_widths=(16, 32, 64),
         base_seq_len=128, base_num_pairs=16, test_examples=256, chunk_size=32, random_non_queries=False,
+        base_train=((64, 4), (128, 8), (128, 16)),
+    ),
+    # The CPU preset on the paper's data: vocabulary 8,192 and Zoology's random fillers (everything else
+    # as "default").  Issue #18 asks how far a CPU gets with it on Update at 16 updates.
+    "cpu-paper-data": MQARPreset(
+        "cpu-paper-data", vocab_size=8192, pool_base=6_000, pool_update=12_000, pool_block=12_000, epochs=3,
+        batch_size=32, lrs=(1e-2,), seeds=1, budget=4096, width=64, base_widths=(16, 32, 64),
+        base_seq_len=128, base_num_pairs=16, test_examples=256, chunk_size=32, random_non_queries=True,
         base_train=((64, 4), (128, 8), (128, 16)),
     ),
     # Seconds-long smoke run (tests, trying the command out).
@@ -428,12 +439,12 @@ def sweep_points(task: str, preset: MQARPreset) -> list[tuple[int, MQARTask]]:
     raise ValueError(f"task must be one of {TASK_NAMES}, got {task!r}")
 
 
-def epoch_sampler(train: MQARDataset, batch_size: int, data_seed: int):
+def epoch_sampler(train: MQARDataset, batch_size: int, data_seed: int, device: torch.device | str = "cpu"):
     """``sample_batch(step, batch_size, generator)`` for the harness: step ``s`` is a pure function of ``s``.
 
     Epoch ``e = s // n`` (``n`` full batches per epoch) shuffles the pool with seed ``(data_seed, e)``
     and step ``s`` takes its ``s mod n``-th batch, so a resumed run sees exactly the batches it would
-    have seen (the harness's generator is not needed).
+    have seen (the harness's generator is not needed).  Batches are moved to ``device`` once per epoch.
     """
     per_epoch = train.num_batches(batch_size, drop_last=True)
     if per_epoch == 0:
@@ -447,8 +458,8 @@ def epoch_sampler(train: MQARDataset, batch_size: int, data_seed: int):
         epoch = step // per_epoch
         if epoch not in cache:
             cache.clear()
-            cache[epoch] = list(train.batches(batch_size, shuffle=True, seed=data_seed * 100_003 + epoch,
-                                              drop_last=True))
+            cache[epoch] = [b.to(device) for b in train.batches(batch_size, shuffle=True,
+                                                                seed=data_seed * 100_003 + epoch, drop_last=True)]
         return cache[epoch][step % per_epoch]
 
     sample_batch.steps_per_epoch = per_epoch
@@ -467,13 +478,14 @@ def query_counts(model: nn.Module, data: MQARData, batch: int,
     per: dict[str, dict[int, list[int]]] = {name: {} for name in slice_of}
     for start in range(0, len(data), batch):
         idx = slice(start, start + batch)
-        labels = data.labels[idx]
+        device = next(model.parameters()).device
+        labels = data.labels[idx].to(device)
         mask = labels != IGNORE_INDEX
-        hit = (model(data.inputs[idx]).argmax(-1) == labels) & mask
+        hit = (model(data.inputs[idx].to(device)).argmax(-1) == labels) & mask
         correct += int(hit.sum())
         queries += int(mask.sum())
         for name, values in slice_of.items():
-            vals = values[idx]
+            vals = values[idx].to(device)
             if vals.dim() == 1:
                 vals = vals[:, None].expand_as(labels)
             for v in vals[mask].unique().tolist():
@@ -515,6 +527,8 @@ def final_evaluation(task: str, preset: MQARPreset, val: MQARDataset, tests: lis
 # -- the sweep ---------------------------------------------------------------------------------------
 def train_config(preset: MQARPreset, steps: int) -> TrainConfig:
     warmup = preset.warmup_steps if preset.warmup_steps is not None else int(preset.warmup_fraction * steps)
+    if preset.max_steps is not None and steps == preset.max_steps:  # capped: keep the warmup a fraction
+        warmup = min(warmup, int(preset.warmup_fraction * steps))
     warmup = min(warmup, steps - 1) if steps > 1 else 0
     return TrainConfig(steps=steps, batch_size=preset.batch_size, lr=preset.lrs[0], betas=preset.betas,
                        weight_decay=preset.weight_decay, grad_clip=preset.grad_clip, warmup_steps=warmup,
@@ -531,8 +545,11 @@ def _check_mixers(mixers: Sequence[str]) -> list[str]:
 
 
 def run_mqar(task: str, preset: MQARPreset, mixers: Sequence[str] = DEFAULT_MIXERS, *,
-             out_dir: str | None = None, progress: bool = True, log=print) -> dict:
+             out_dir: str | None = None, progress: bool = True, log=print,
+             device: torch.device | str = "cpu") -> dict:
     """Train and test every mixer on ``task``; returns (and, with ``out_dir``, writes) the results.
+
+    ``device``: where models, batches and evaluation run (``"cuda"`` on a GPU); recorded in the JSON.
 
     The JSON and plot are rewritten after every finished mixer, so a sweep stopped part-way leaves the
     mixers that finished; rerunning resumes from ``<out_dir>/runs``.
@@ -555,11 +572,15 @@ def run_mqar(task: str, preset: MQARPreset, mixers: Sequence[str] = DEFAULT_MIXE
         tests = [(x, t.generate(preset.test_examples, vocab_size=preset.vocab_size, seed=preset.test_seed + i,
                                 random_non_queries=preset.random_non_queries))
                  for i, (x, t) in enumerate(points)]
-    sampler = epoch_sampler(train_ds, preset.batch_size, preset.data_seed)
+    device = torch.device(device)
+    sampler = epoch_sampler(train_ds, preset.batch_size, preset.data_seed, device)
     steps = preset.epochs * sampler.steps_per_epoch
+    if preset.max_steps is not None:
+        steps = min(steps, preset.max_steps)
     cfg = train_config(preset, steps)
     log(f"mqar {task}: preset '{preset.name}', {len(train_ds)} train / {len(val_ds)} validation sequences, "
-        f"{steps} steps ({preset.epochs} epochs × {sampler.steps_per_epoch}), lr grid {list(preset.lrs)}")
+        f"{steps} steps ({preset.epochs} epochs × {sampler.steps_per_epoch}"
+        f"{f', capped at {preset.max_steps}' if preset.max_steps else ''}), lr grid {list(preset.lrs)} on {device}")
     widths = preset.base_widths if task == "base" else (preset.width,)
     run_dir = os.path.join(out_dir, "runs") if out_dir else None
     config = {**asdict(preset), "task": task, "train": asdict(cfg), "optimizer_groups": DECAY_POLICY,
@@ -586,7 +607,7 @@ def run_mqar(task: str, preset: MQARPreset, mixers: Sequence[str] = DEFAULT_MIXE
             try:
                 grid = train_lr_grid(
                     f"mqar_{task}_{preset.name}_{preset.layout}_gate-{preset.gate}_{mixer}_w{width}",
-                    lambda seed, mixer=mixer, width=width: build_model(mixer, preset, width),
+                    lambda seed, mixer=mixer, width=width: build_model(mixer, preset, width).to(device),
                     sampler, cfg, preset.lrs, list(range(preset.seeds)), evaluate, select_key="val_accuracy",
                     run_dir=run_dir, progress=progress,
                     fingerprint={"preset": asdict(preset), "task": task, "model": asdict(mcfg),
@@ -613,6 +634,8 @@ def run_mqar(task: str, preset: MQARPreset, mixers: Sequence[str] = DEFAULT_MIXE
             + ", ".join(f"{x}: {a:.3f}" for x, a in zip(s["x"], s["accuracy"]["mean"], strict=True))
             + f"  (val {s['val_accuracy']['mean'][-1]:.3f}, {s['train_seconds']['mean']:.0f} s train)")
         record["wall_seconds"] = time.perf_counter() - t0
+        record["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
+        record["finished_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         if path:
             write_json(path, record)
             plot_mqar(record, os.path.join(out_dir, f"{stem}.png"))
@@ -701,7 +724,7 @@ def format_table(record: dict) -> str:
 def preset_from_args(args: argparse.Namespace) -> MQARPreset:
     preset = PRESETS[args.preset]
     over: dict[str, Any] = {}
-    for name in ("epochs", "batch_size", "seeds", "num_layers"):
+    for name in ("epochs", "batch_size", "seeds", "num_layers", "max_steps"):
         val = getattr(args, name)
         if val is not None:
             if val <= 0:
@@ -734,7 +757,11 @@ def _main(args: argparse.Namespace) -> int:
     if preset.name != "paper":
         print(f"mqar: preset '{preset.name}' is a CPU-sized run of the same task, NOT the paper's budget "
               f"(use --preset paper for SPEC §4.4)")
-    record = run_mqar(args.task, preset, args.mixers, out_dir=args.out, progress=not args.no_progress)
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    record = run_mqar(args.task, preset, args.mixers, out_dir=args.out, progress=not args.no_progress,
+                      device=device)
     print(format_table(record))
     stem = results_stem(args.task, preset)
     print(f"\nwrote {os.path.join(args.out, stem + '.json')} and {stem}.png")
@@ -760,6 +787,9 @@ def add_parser(sub) -> None:
                    help="override the preset's number of blocks (hybrid: conv and mixer blocks alternate, so "
                         "4 = two mixers)")
     p.add_argument("--epochs", type=int, default=None, help="override the preset's epochs")
+    p.add_argument("--max-steps", type=int, default=None,
+                   help="stop training after this many steps (a budget cap; the schedule is sized to it)")
+    p.add_argument("--device", default="cpu", help="'cpu', 'cuda', 'cuda:1', or 'auto' (cuda when available)")
     p.add_argument("--batch-size", type=int, default=None, help="override the preset's batch size")
     p.add_argument("--seeds", type=int, default=None, help="override the preset's number of seeds")
     p.add_argument("--lr", type=float, nargs="+", default=None, help="override the preset's lr grid")

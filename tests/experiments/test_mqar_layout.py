@@ -179,3 +179,9 @@ def test_bad_layout_settings(over, match):
         MQARModelConfig("bayesian", 8, 8, layout="zoology")
     with pytest.raises(ValueError, match="num_layers"):
         MQARModelConfig("bayesian", 8, 8, num_layers=1, layout="hybrid")
+
+
+def test_cpu_paper_data_preset_is_the_default_on_the_papers_data():
+    default, paper_data, paper = PRESETS["default"], PRESETS["cpu-paper-data"], PRESETS["paper"]
+    assert (paper_data.vocab_size, paper_data.random_non_queries) == (paper.vocab_size, paper.random_non_queries)
+    assert replace(paper_data, name="default", vocab_size=default.vocab_size, random_non_queries=False) == default
