@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from bayeslayer.cli import build_parser
 from bayeslayer.cli import main as cli_main
 from bayeslayer.experiments.mqar import (
     PRESETS,
@@ -19,7 +20,9 @@ from bayeslayer.experiments.mqar import (
     gate_kwargs,
     known_mixers,
     model_config,
+    preset_from_args,
     results_stem,
+    train_config,
 )
 from bayeslayer.experiments.plotting import load_json
 from bayeslayer.layers import BayesianLayer, DeltaNet, GatedDeltaNet, GatedDeltaNetNoConv, Mamba2
@@ -185,3 +188,17 @@ def test_cpu_paper_data_preset_is_the_default_on_the_papers_data():
     default, paper_data, paper = PRESETS["default"], PRESETS["cpu-paper-data"], PRESETS["paper"]
     assert (paper_data.vocab_size, paper_data.random_non_queries) == (paper.vocab_size, paper.random_non_queries)
     assert replace(paper_data, name="default", vocab_size=default.vocab_size, random_non_queries=False) == default
+
+
+def test_max_steps_caps_training_and_keeps_warmup_a_fraction():
+    paper = PRESETS["paper"]
+    assert train_config(paper, 22_500).warmup_steps == 1024  # uncapped: the paper's 1,024 steps
+    capped = replace(paper, max_steps=600)
+    assert train_config(capped, 600).warmup_steps == int(0.05 * 600)
+    with pytest.raises(ValueError, match="max_steps"):
+        replace(TINY, max_steps=0)
+    args = build_parser().parse_args(["mqar", "update", "--preset", "paper", "--max-steps", "600", "--layout",
+                                      "hybrid", "--gate", "on", "--device", "cuda", "--num-layers", "4"])
+    preset = preset_from_args(args)
+    assert (preset.max_steps, preset.layout, preset.gate, preset.num_layers) == (600, "hybrid", "on", 4)
+    assert preset.name == "paper-custom" and args.device == "cuda"
