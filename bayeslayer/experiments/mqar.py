@@ -773,7 +773,8 @@ def add_parser(sub) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("task", nargs="?", choices=TASK_NAMES, default=None, help="which MQAR task")
     p.add_argument("--preset", choices=sorted(PRESETS), default="default",
-                   help="'paper' = SPEC §4.4; 'default' ≈ 20 min per task on an idle 2-core CPU; 'tiny' = smoke")
+                   help="'paper' = SPEC §4.4; 'default' ≈ 20 min per task on an idle 2-core CPU; "
+                        "'cpu-paper-data' = default with vocabulary 8,192 and random fillers; 'tiny' = smoke")
     p.add_argument("--mixers", nargs="+", default=list(DEFAULT_MIXERS), choices=known_mixers(), metavar="MIXER",
                    help=f"registry names or conv-free variants {sorted(MIXER_VARIANTS)} "
                         f"(default: {' '.join(DEFAULT_MIXERS)})")
