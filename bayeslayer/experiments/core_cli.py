@@ -14,17 +14,21 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, replace
 
+from ..training.optim import DECAY_POLICY
 from .core_models import CORE_KINDS, CORE_LABELS
 from .harness import TrainConfig, results_record, summarize, summarize_curves, train_seeds, write_json
 
 
 def run_sweep(name: str, preset, models, cfg: TrainConfig, *, build_model: Callable, sampler, evaluation,
               curves: Sequence[str], plot: Callable, paper_budget: str, out_dir: str | None,
-              progress: bool) -> dict:
+              progress: bool, evaluate: Callable | None = None) -> dict:
     """Train every core model over ``preset.seeds`` seeds with the shared harness and summarise.
 
     ``build_model(kind)`` makes a fresh model; ``curves`` name the per-seed evaluation curves
-    summarised as mean ± std.  With ``out_dir``, ``<name>.json`` and ``<name>.png`` are rewritten
+    summarised as mean ± std.  ``evaluate(model) -> {name: float}``, when given, runs every
+    ``cfg.eval_every`` steps and at the end; its numbers become ``summary["learning_curve"]``
+    (``{"step": [...], name: {"mean", "std"}}``, from each seed's ``evals``).  With ``out_dir``,
+    ``<name>.json`` and ``<name>.png`` are rewritten
     after every model (a long sweep shows its progress) and per-seed runs are cached under
     ``out_dir/runs`` so an interrupted sweep resumes.
     """
@@ -33,19 +37,21 @@ def run_sweep(name: str, preset, models, cfg: TrainConfig, *, build_model: Calla
         raise ValueError(f"models must be a non-empty subset of {CORE_KINDS}, got {list(models)}")
     run_dir = os.path.join(out_dir, "runs") if out_dir else None
     models = list(models)
-    config = {**asdict(preset), "train": asdict(cfg)}
+    config = {**asdict(preset), "train": asdict(cfg), "optimizer_groups": DECAY_POLICY}
     results = {}
     record = None
     for kind in models:
         model_cfg = asdict(build_model(kind).cfg)
         records = train_seeds(
             f"{name}_{preset.name}_{kind}", lambda seed, kind=kind: build_model(kind), sampler, cfg,
-            list(range(preset.seeds)), evaluation, run_dir=run_dir, progress=progress,
-            fingerprint={"preset": asdict(preset), "model": model_cfg},
+            list(range(preset.seeds)), evaluation, run_dir=run_dir, progress=progress, evaluate=evaluate,
+            fingerprint={"preset": asdict(preset), "model": model_cfg, "optimizer_groups": DECAY_POLICY},
         )
         summary = {c: summarize_curves([r[c] for r in records]) for c in curves}
         summary["final_train_loss"] = summarize([r["final_train_loss"] for r in records])
         summary["train_seconds"] = summarize([r["train_seconds"] for r in records])
+        if evaluate is not None:
+            summary["learning_curve"] = learning_curve([r["evals"] for r in records])
         results[kind] = {"label": CORE_LABELS[kind], "model_config": model_cfg, "seeds": records,
                          "summary": summary}
         record = results_record(name, preset.name, config, results, paper_budget=paper_budget,
@@ -54,6 +60,16 @@ def run_sweep(name: str, preset, models, cfg: TrainConfig, *, build_model: Calla
             write_json(os.path.join(out_dir, f"{name}.json"), record)
             plot(record, os.path.join(out_dir, f"{name}.png"))
     return record
+
+
+def learning_curve(evals_per_seed: Sequence[Sequence[dict]]) -> dict:
+    """Mean ± std over seeds of every periodic-evaluation number: ``{"step": [...], name: {"mean", "std"}}``."""
+    steps = [[e["step"] for e in evals] for evals in evals_per_seed]
+    if not steps or any(s != steps[0] for s in steps) or not steps[0]:
+        raise ValueError(f"every seed must be evaluated at the same (non-empty) steps, got {steps}")
+    names = [k for k in evals_per_seed[0][0] if k != "step"]
+    return {"step": steps[0], **{k: summarize_curves([[e[k] for e in evals] for evals in evals_per_seed])
+                                 for k in names}}
 
 
 def preset_from_args(presets: dict, args):

@@ -58,6 +58,7 @@ from ..training import (
     set_rng_state,
     stop_on_interrupt,
 )
+from ..training.optim import param_groups
 
 IGNORE_INDEX = -100
 
@@ -221,8 +222,8 @@ def train(
 def _train(model, sample_batch, config: TrainConfig, evaluate, store: CheckpointStore | None, stop_after,
            progress: bool, desc: str, identity, restart_on_mismatch: bool) -> TrainResult:
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=config.lr, betas=config.betas, eps=config.eps,
-                                  weight_decay=config.weight_decay)
+    optimizer = torch.optim.AdamW(param_groups(model, config.weight_decay), lr=config.lr, betas=config.betas,
+                                  eps=config.eps, weight_decay=config.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config))
     result = TrainResult()
     saved_at: str | None = None  # the last complete checkpoint on disk

@@ -84,6 +84,7 @@ from ..training import (
     stop_on_interrupt,
 )
 from ..training.files import publish_directory, sha256_file
+from ..training.optim import param_groups
 from .harness import TrainConfig, lr_lambda, results_record, seed_everything, summarize, write_json
 from .plotting import save_figure
 
@@ -689,8 +690,8 @@ def _train_lm(config: LMConfig, run_dir: Path, ctx: DistContext, *, n_micro: int
     params = [p for g in groups for p in g["params"]]
     if not params:
         raise ValueError(f"objective {objective.name!r} leaves no parameter to train")
-    optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps,
-                                  weight_decay=config.weight_decay)
+    optimizer = torch.optim.AdamW(param_groups(trainee, config.weight_decay, groups), lr=config.lr,
+                                  betas=config.betas, eps=config.eps, weight_decay=config.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config.train_config()))
     torch.manual_seed(_rank_seed(config.seed, ctx.rank))
     if ctx.is_main:  # the inputs are valid (corpus loaded, model built): record what this run is

@@ -11,12 +11,33 @@ Keys and values share one vocabulary (:mod:`bayeslayer.data.mqar`).  Three tasks
 * **block** — ``A B 4 5`` binds ``A→4, B→5`` (block size 2); train at length 128 with 2/4/6/8
   pairs, test at length 128 over the number of pairs (to 16).
 
-Model (:class:`MQARModel`)::
+Model (:class:`MQARModel`), in one of two layouts (``--layout``)::
 
     h = Embedding(x)                                        x: [B, T] token ids
-    h = h + mixer_l(LayerNorm(h))          ┐ l = 1..num_layers (paper: 2)
-    h = h + MLP_l(LayerNorm(h))            ┘ only with mlp_mult > 0 (Zoology's default: none)
+    stacked (today's default; num_layers mixer blocks, each the same mixer):
+        h = h + mixer_l(LayerNorm(h))      ┐ l = 1..num_layers (paper: 2)
+        h = h + MLP_l(LayerNorm(h))        ┘ only with mlp_mult > 0 (Zoology's default: none)
+    hybrid (Zoology's standard MQAR model; blocks alternate, a short-conv block first):
+        s_l = BaseConv (l odd) or mixer (l even)        l = 1..num_layers (Zoology: 2 = conv, mixer)
+        h = h + s_l(LayerNorm(h))
+        h = h + F_l(LayerNorm(h))          F_l = MLP_l with mlp_mult > 0, else the identity
+        BaseConv(u) = conv_3(u) ⊙ (W u + b) + u          depthwise causal conv, kernel 3, with bias
     logits = W_head LayerNorm(h)                            [B, T, V]
+
+The hybrid block is Zoology's ``TransformerBlock`` around ``Hybrid([BaseConv, mixer])``
+(``zoology/model.py``, ``mixers/hybrid.py``, ``mixers/base_conv.py``, ``experiments/models_repo.py``):
+block ``i`` holds ``configs[i mod 2]``, so ``n_layers = 2`` is one short-conv block then one mixer
+block.  Its state mixer is ``torch.nn.Identity`` in the MQAR configs, and its fused residual
+(``residual = hidden + residual`` at the next block) therefore adds ``LayerNorm(h)`` to the stream
+after every block — reproduced here as ``F_l = identity``.  Not reproduced (the same in both layouts):
+Zoology's embedding dropout 0.1, its head tied to the embedding without bias, and its N(0, 0.02)
+initialisation.  Zoology runs its GDN and DeltaNet with ``use_gate=False`` (no output gate): the
+``gate`` setting ``default`` keeps each layer's own default in the stacked layout and turns the gate
+off for every mixer that has one (BL, GDN, DeltaNet, linear attention) in the hybrid layout; ``on`` /
+``off`` force it.  Mamba-2's SiLU(z) gate is part of its SSD block and is never changed.
+
+Mixers are registry layers or their conv-free variants (:data:`MIXER_VARIANTS`: BL and DeltaNet
+without their own short convolution, like the registry's ``gated_deltanet_noconv``).
 
 Each mixer comes from the registry (:func:`bayeslayer.layers.build_mixer`) with its head
 configuration from the state-budget solver (:func:`~bayeslayer.experiments.state_budget.solve_state_budget`):
@@ -28,13 +49,15 @@ on, scalar decay; see :data:`MIXER_LABELS`).
 Training (the shared :func:`~bayeslayer.experiments.harness.train_lr_grid`): a fixed pool of
 sequences (:func:`~bayeslayer.data.mqar.make_pool`) split 90/10 into train and validation,
 ``epochs`` passes over the training split in batches of one length, AdamW β = (0.9, 0.95),
-weight decay 0.1, linear warmup then cosine; the learning rate is chosen from the preset's grid
-by **validation** query accuracy.  Metrics: query accuracy on fresh test sets (own seeds) at
-every sweep point, per training slice on validation, and per number of writes the queried key
+weight decay 0.1 on weights only (not on ``A_log``, ``dt_bias``, noise biases, norms or biases:
+:func:`bayeslayer.training.optim.param_groups`), linear warmup then cosine; the learning rate is
+chosen from the preset's grid by **validation** query accuracy.  Metrics: query accuracy on fresh
+test sets (own seeds) at every sweep point, per training slice on validation, and per number of writes the queried key
 received (Update).  Checkpoints and finished runs are cached under ``<out>/runs`` so an
-interrupted sweep resumes; ``<out>/mqar_<task>.json`` is rewritten after each mixer (keeping the
-mixers of an earlier run with the same settings, so mixers can be run one at a time) and
-``mqar_<task>.png`` (accuracy vs the swept variable, one line per mixer) is drawn from it
+interrupted sweep resumes; ``<out>/mqar_<task>.json`` (``mqar_<task>_hybrid.json`` in the hybrid
+layout, ``…_gate-on|off`` with a forced gate: :func:`results_stem`) is rewritten after each mixer
+(keeping the mixers of an earlier run with the same settings, so mixers can be run one at a time) and
+the PNG of the same stem (accuracy vs the swept variable, one line per mixer) is drawn from it
 (``--plot-only`` redraws it).
 """
 
@@ -54,7 +77,8 @@ import torch.nn as nn
 
 from ..data.mqar import IGNORE_INDEX, MQARData, MQARDataset, MQARTask, make_pool
 from ..layers import MIXERS as MIXER_REGISTRY
-from ..layers import build_mixer
+from ..layers import QKVMixer, ShortConvolution, build_mixer
+from ..training.optim import DECAY_POLICY
 from .harness import TrainConfig, _jsonable, results_record, summarize, train_lr_grid, write_json
 from .plotting import RefLine, Series, line_plot, load_json
 from .state_budget import STATE_FORMS, HeadConfig, solve_state_budget
@@ -66,8 +90,18 @@ MIXER_LABELS = {
     "gated_deltanet_noconv": "GDN (no conv)",
     "mamba2": "Mamba-2",
     "linear_attention": "linear attention",
+    "bayesian_noconv": "BL (no conv)",
+    "deltanet": "DeltaNet (short conv)",
+    "deltanet_noconv": "DeltaNet (no conv)",
 }
-DEFAULT_MIXERS = tuple(MIXER_LABELS)
+DEFAULT_MIXERS = ("bayesian", "gated_deltanet", "gated_deltanet_noconv", "mamba2", "linear_attention")
+#: MQAR mixer names that are a registry layer with other constructor settings: name → (layer, keywords).
+MIXER_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "bayesian_noconv": ("bayesian", {"use_short_conv": False}),
+    "deltanet_noconv": ("deltanet", {"use_short_conv": False}),
+}
+LAYOUTS = ("stacked", "hybrid")
+GATES = ("default", "on", "off")
 SWEEP_AXES = {"base": "model width", "update": "number of updates", "block": "number of pairs"}
 # Zoology's MQAR learning-rate sweep: np.logspace(-4, -2, 4).
 ZOOLOGY_LRS = (1e-4, 4.6415888e-4, 2.1544347e-3, 1e-2)
@@ -128,6 +162,21 @@ class MQARPreset:
     data_seed: int = 0
     test_seed: int = 10_000
     checkpoint_every: int = 100
+    layout: str = "stacked"  # see the module docstring; "hybrid" = Zoology's conv-block + mixer-block model
+    gate: str = "default"  # output gate of the mixers that have one: layout's default, "on" or "off"
+    hybrid_conv_size: int = 3  # Zoology's BaseConv kernel
+    max_steps: int | None = None  # cap on the training steps (epochs × batches per epoch); None: no cap
+
+    def __post_init__(self):
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
+        if self.gate not in GATES:
+            raise ValueError(f"gate must be one of {GATES}, got {self.gate!r}")
+        if self.max_steps is not None and (not isinstance(self.max_steps, int) or self.max_steps < 1):
+            raise ValueError(f"max_steps must be a positive integer or None, got {self.max_steps!r}")
+        if self.layout == "hybrid" and self.num_layers < 2:
+            raise ValueError(f"the hybrid layout alternates a conv block and a mixer block and needs "
+                             f"num_layers >= 2, got {self.num_layers}")
 
     def pool_size(self, task: str) -> int:
         return {"base": self.pool_base, "update": self.pool_update, "block": self.pool_block}[task]
@@ -154,6 +203,14 @@ PRESETS: dict[str, MQARPreset] = {
         base_seq_len=128, base_num_pairs=16, test_examples=256, chunk_size=32, random_non_queries=False,
         base_train=((64, 4), (128, 8), (128, 16)),
     ),
+    # The CPU preset on the paper's data: vocabulary 8,192 and Zoology's random fillers (everything else
+    # as "default").  Issue #18 asks how far a CPU gets with it on Update at 16 updates.
+    "cpu-paper-data": MQARPreset(
+        "cpu-paper-data", vocab_size=8192, pool_base=6_000, pool_update=12_000, pool_block=12_000, epochs=3,
+        batch_size=32, lrs=(1e-2,), seeds=1, budget=4096, width=64, base_widths=(16, 32, 64),
+        base_seq_len=128, base_num_pairs=16, test_examples=256, chunk_size=32, random_non_queries=True,
+        base_train=((64, 4), (128, 8), (128, 16)),
+    ),
     # Seconds-long smoke run (tests, trying the command out).
     "tiny": MQARPreset(
         "tiny", vocab_size=32, pool_base=64, pool_update=80, pool_block=64, epochs=1, batch_size=16,
@@ -178,7 +235,11 @@ def mixer_kwargs(head: HeadConfig) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class MQARModelConfig:
-    """Sizes of an :class:`MQARModel`; ``mixer_kwargs`` go to :func:`~bayeslayer.layers.build_mixer`."""
+    """Sizes of an :class:`MQARModel`; ``mixer_kwargs`` go to :func:`~bayeslayer.layers.build_mixer`.
+
+    ``layout``: ``"stacked"`` or ``"hybrid"`` (module docstring); ``conv_size``: the hybrid layout's
+    BaseConv kernel.
+    """
 
     mixer: str
     vocab_size: int
@@ -186,24 +247,53 @@ class MQARModelConfig:
     num_layers: int = 2
     mlp_mult: int = 0
     mixer_kwargs: dict[str, Any] = field(default_factory=dict)
+    layout: str = "stacked"
+    conv_size: int = 3
 
     def __post_init__(self):
         if self.mixer not in MIXER_REGISTRY:
             raise ValueError(f"unknown mixer {self.mixer!r}; known: {sorted(MIXER_REGISTRY)}")
-        for name in ("vocab_size", "width", "num_layers"):
+        for name in ("vocab_size", "width", "num_layers", "conv_size"):
             val = getattr(self, name)
             if not isinstance(val, int) or isinstance(val, bool) or val < 1:
                 raise ValueError(f"{name} must be a positive integer, got {val!r}")
         if not isinstance(self.mlp_mult, int) or isinstance(self.mlp_mult, bool) or self.mlp_mult < 0:
             raise ValueError(f"mlp_mult must be a non-negative integer (0 = no MLP), got {self.mlp_mult!r}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
+        if self.layout == "hybrid" and self.num_layers < 2:
+            raise ValueError(f"the hybrid layout needs num_layers >= 2 (a conv block, then a mixer block), "
+                             f"got {self.num_layers}")
+
+
+class BaseConv(nn.Module):
+    """Zoology's short-convolution sequence mixer: ``y = conv_W(u) ⊙ (W u + b) + u``, ``u [B, T, d]``.
+
+    ``conv_W`` is a depthwise causal convolution of width ``W`` (Zoology: 3) with a bias and no
+    activation (:class:`~bayeslayer.layers.ShortConvolution`); ``W u + b`` a full ``d × d`` projection;
+    the ``+ u`` is the block's own skip, on top of the residual stream's.  Parameters:
+    ``d² + d`` (projection) ``+ W·d + d`` (convolution).
+    """
+
+    def __init__(self, width: int, kernel_size: int = 3):
+        super().__init__()
+        self.conv = ShortConvolution(width, kernel_size, bias=True, activation=None)
+        self.projection = nn.Linear(width, width)
+
+    def forward(self, u: torch.Tensor) -> torch.Tensor:
+        return self.conv(u)[0] * self.projection(u) + u
 
 
 class MQARModel(nn.Module):
-    """Token ids ``[B, T]`` → logits ``[B, T, V]``: embedding, ``num_layers`` pre-norm mixer blocks, head.
+    """Token ids ``[B, T]`` → logits ``[B, T, V]``: embedding, the blocks of ``config.layout``, head.
 
-    See the module docstring for the equations.  Parameters: ``2·V·d + V`` (embedding, head) plus
-    the mixers' (each mixer's docstring has its formula) plus ``2·mult·d² + (mult + 1)·d`` per MLP
-    and ``2d`` per LayerNorm.
+    See the module docstring for the equations.  Parameters: ``2·V·d + V`` (embedding, head) ``+ 2d``
+    (final LayerNorm) plus, per block,
+
+    * stacked: the mixer's (each mixer's docstring has its formula) ``+ 2d`` (its LayerNorm), and with
+      an MLP ``2·mult·d² + (mult + 1)·d + 2d``;
+    * hybrid: ``4d`` (two LayerNorms) plus the mixer's or :class:`BaseConv`'s parameters, and with an MLP
+      ``2·mult·d² + (mult + 1)·d``.
     """
 
     def __init__(self, config: MQARModelConfig):
@@ -213,20 +303,38 @@ class MQARModel(nn.Module):
         self.config = config
         d, L = config.width, config.num_layers
         self.embed = nn.Embedding(config.vocab_size, d)
-        self.mixer_norms = nn.ModuleList(nn.LayerNorm(d) for _ in range(L))
-        self.mixers = nn.ModuleList(
-            build_mixer(config.mixer, d, layer_idx=i, **config.mixer_kwargs) for i in range(L))
-        if config.mlp_mult:
+
+        def mlp() -> nn.Module:
             hidden = config.mlp_mult * d
-            self.mlp_norms = nn.ModuleList(nn.LayerNorm(d) for _ in range(L))
-            self.mlps = nn.ModuleList(
-                nn.Sequential(nn.Linear(d, hidden), nn.GELU(), nn.Linear(hidden, d)) for _ in range(L))
+            return nn.Sequential(nn.Linear(d, hidden), nn.GELU(), nn.Linear(hidden, d))
+
+        if config.layout == "stacked":
+            self.mixer_norms = nn.ModuleList(nn.LayerNorm(d) for _ in range(L))
+            self.mixers = nn.ModuleList(
+                build_mixer(config.mixer, d, layer_idx=i, **config.mixer_kwargs) for i in range(L))
+            if config.mlp_mult:
+                self.mlp_norms = nn.ModuleList(nn.LayerNorm(d) for _ in range(L))
+                self.mlps = nn.ModuleList(mlp() for _ in range(L))
+        else:
+            # Zoology's Hybrid picks configs[layer_idx % 2]: even blocks convolve, odd blocks mix
+            self.sequence_mixers = nn.ModuleList(
+                BaseConv(d, config.conv_size) if i % 2 == 0
+                else build_mixer(config.mixer, d, layer_idx=i, **config.mixer_kwargs) for i in range(L))
+            self.norms1 = nn.ModuleList(nn.LayerNorm(d) for _ in range(L))
+            self.norms2 = nn.ModuleList(nn.LayerNorm(d) for _ in range(L))
+            self.state_mixers = nn.ModuleList(mlp() if config.mlp_mult else nn.Identity() for _ in range(L))
         self.norm = nn.LayerNorm(d)
         self.head = nn.Linear(d, config.vocab_size)
 
+    def recurrent_mixers(self) -> list[nn.Module]:
+        """The registry mixers of the model, in order (the hybrid layout's BaseConv blocks left out)."""
+        if self.config.layout == "stacked":
+            return list(self.mixers)
+        return [m for m in self.sequence_mixers if not isinstance(m, BaseConv)]
+
     def state_size_per_layer(self) -> int:
         """Recurrent-state floats of one mixer layer (all heads)."""
-        mixer = self.mixers[0]
+        mixer = self.recurrent_mixers()[0]
         return mixer.state_size_per_head() * mixer.num_heads
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -240,21 +348,51 @@ class MQARModel(nn.Module):
             raise ValueError(f"input_ids must lie in [0, vocab_size={V}), got values in "
                              f"[{int(input_ids.min())}, {int(input_ids.max())}]")
         h = self.embed(input_ids)
-        for i, mixer in enumerate(self.mixers):
-            h = h + mixer(self.mixer_norms[i](h)).o
-            if self.config.mlp_mult:
-                h = h + self.mlps[i](self.mlp_norms[i](h))
+        if self.config.layout == "stacked":
+            for i, mixer in enumerate(self.mixers):
+                h = h + mixer(self.mixer_norms[i](h)).o
+                if self.config.mlp_mult:
+                    h = h + self.mlps[i](self.mlp_norms[i](h))
+        else:
+            for seq, norm1, norm2, state in zip(self.sequence_mixers, self.norms1, self.norms2,
+                                                self.state_mixers, strict=True):
+                y = seq(norm1(h))
+                h = h + (y if isinstance(seq, BaseConv) else y.o)
+                h = h + state(norm2(h))
         return self.head(self.norm(h))
+
+
+def resolve_mixer(mixer: str) -> tuple[str, dict[str, Any]]:
+    """``(registry layer, extra constructor keywords)`` of an MQAR mixer name (:data:`MIXER_VARIANTS`)."""
+    if mixer in MIXER_VARIANTS:
+        layer, extra = MIXER_VARIANTS[mixer]
+        return layer, dict(extra)
+    return mixer, {}
+
+
+def gate_kwargs(layer: str, gate: str, layout: str) -> dict[str, Any]:
+    """The ``use_gate`` keyword for ``layer`` under the ``gate`` setting (module docstring); ``{}``: the default."""
+    if gate not in GATES:
+        raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if not issubclass(MIXER_REGISTRY[layer], QKVMixer):  # Mamba-2: its gate belongs to the SSD block
+        return {}
+    if gate == "default":
+        return {"use_gate": False} if layout == "hybrid" else {}
+    return {"use_gate": gate == "on"}
 
 
 def model_config(mixer: str, preset: MQARPreset, width: int) -> tuple[MQARModelConfig, HeadConfig]:
     """The model of ``mixer`` at ``width`` whose per-layer state fills ``preset.budget`` (solver's rule)."""
-    if mixer not in STATE_FORMS or mixer not in MIXER_REGISTRY:
-        raise ValueError(f"mixer {mixer!r} has no state-budget rule or no layer; use one of "
-                         f"{sorted(set(STATE_FORMS) & set(MIXER_REGISTRY))}")
-    head = solve_state_budget(preset.budget, width, mixer)
-    kwargs = {**mixer_kwargs(head), "chunk_size": preset.chunk_size}
-    cfg = MQARModelConfig(mixer, preset.vocab_size, width, preset.num_layers, preset.mlp_mult, kwargs)
+    layer, extra = resolve_mixer(mixer)
+    if layer not in STATE_FORMS or layer not in MIXER_REGISTRY:
+        raise ValueError(f"mixer {mixer!r} has no state-budget rule or no layer; use one of {known_mixers()}")
+    head = solve_state_budget(preset.budget, width, layer)
+    kwargs = {**mixer_kwargs(head), "chunk_size": preset.chunk_size, **extra,
+              **gate_kwargs(layer, preset.gate, preset.layout)}
+    cfg = MQARModelConfig(layer, preset.vocab_size, width, preset.num_layers, preset.mlp_mult, kwargs,
+                          layout=preset.layout, conv_size=preset.hybrid_conv_size)
     return cfg, head
 
 
@@ -266,6 +404,11 @@ def build_model(mixer: str, preset: MQARPreset, width: int) -> MQARModel:
         raise RuntimeError(f"{mixer}: built layer carries {model.state_size_per_layer()} state floats but the "
                            f"solver counted {head.state_size} ({head.summary()})")
     return model
+
+
+def known_mixers() -> list[str]:
+    """Every name ``bayeslayer mqar --mixers`` takes: registry layers with a state rule, and the variants."""
+    return sorted((set(STATE_FORMS) & set(MIXER_REGISTRY)) | set(MIXER_VARIANTS))
 
 
 # -- data --------------------------------------------------------------------------------------------
@@ -296,12 +439,12 @@ def sweep_points(task: str, preset: MQARPreset) -> list[tuple[int, MQARTask]]:
     raise ValueError(f"task must be one of {TASK_NAMES}, got {task!r}")
 
 
-def epoch_sampler(train: MQARDataset, batch_size: int, data_seed: int):
+def epoch_sampler(train: MQARDataset, batch_size: int, data_seed: int, device: torch.device | str = "cpu"):
     """``sample_batch(step, batch_size, generator)`` for the harness: step ``s`` is a pure function of ``s``.
 
     Epoch ``e = s // n`` (``n`` full batches per epoch) shuffles the pool with seed ``(data_seed, e)``
     and step ``s`` takes its ``s mod n``-th batch, so a resumed run sees exactly the batches it would
-    have seen (the harness's generator is not needed).
+    have seen (the harness's generator is not needed).  Batches are moved to ``device`` once per epoch.
     """
     per_epoch = train.num_batches(batch_size, drop_last=True)
     if per_epoch == 0:
@@ -315,8 +458,8 @@ def epoch_sampler(train: MQARDataset, batch_size: int, data_seed: int):
         epoch = step // per_epoch
         if epoch not in cache:
             cache.clear()
-            cache[epoch] = list(train.batches(batch_size, shuffle=True, seed=data_seed * 100_003 + epoch,
-                                              drop_last=True))
+            cache[epoch] = [b.to(device) for b in train.batches(batch_size, shuffle=True,
+                                                                seed=data_seed * 100_003 + epoch, drop_last=True)]
         return cache[epoch][step % per_epoch]
 
     sample_batch.steps_per_epoch = per_epoch
@@ -335,13 +478,14 @@ def query_counts(model: nn.Module, data: MQARData, batch: int,
     per: dict[str, dict[int, list[int]]] = {name: {} for name in slice_of}
     for start in range(0, len(data), batch):
         idx = slice(start, start + batch)
-        labels = data.labels[idx]
+        device = next(model.parameters()).device
+        labels = data.labels[idx].to(device)
         mask = labels != IGNORE_INDEX
-        hit = (model(data.inputs[idx]).argmax(-1) == labels) & mask
+        hit = (model(data.inputs[idx].to(device)).argmax(-1) == labels) & mask
         correct += int(hit.sum())
         queries += int(mask.sum())
         for name, values in slice_of.items():
-            vals = values[idx]
+            vals = values[idx].to(device)
             if vals.dim() == 1:
                 vals = vals[:, None].expand_as(labels)
             for v in vals[mask].unique().tolist():
@@ -383,6 +527,8 @@ def final_evaluation(task: str, preset: MQARPreset, val: MQARDataset, tests: lis
 # -- the sweep ---------------------------------------------------------------------------------------
 def train_config(preset: MQARPreset, steps: int) -> TrainConfig:
     warmup = preset.warmup_steps if preset.warmup_steps is not None else int(preset.warmup_fraction * steps)
+    if preset.max_steps is not None and steps == preset.max_steps:  # capped: keep the warmup a fraction
+        warmup = min(warmup, int(preset.warmup_fraction * steps))
     warmup = min(warmup, steps - 1) if steps > 1 else 0
     return TrainConfig(steps=steps, batch_size=preset.batch_size, lr=preset.lrs[0], betas=preset.betas,
                        weight_decay=preset.weight_decay, grad_clip=preset.grad_clip, warmup_steps=warmup,
@@ -391,7 +537,7 @@ def train_config(preset: MQARPreset, steps: int) -> TrainConfig:
 
 def _check_mixers(mixers: Sequence[str]) -> list[str]:
     mixers = list(mixers)
-    known = sorted(set(STATE_FORMS) & set(MIXER_REGISTRY))
+    known = known_mixers()
     bad = [m for m in mixers if m not in known]
     if not mixers or bad or len(set(mixers)) != len(mixers):
         raise ValueError(f"mixers must be distinct names from {known}; got {mixers}")
@@ -399,8 +545,11 @@ def _check_mixers(mixers: Sequence[str]) -> list[str]:
 
 
 def run_mqar(task: str, preset: MQARPreset, mixers: Sequence[str] = DEFAULT_MIXERS, *,
-             out_dir: str | None = None, progress: bool = True, log=print) -> dict:
+             out_dir: str | None = None, progress: bool = True, log=print,
+             device: torch.device | str = "cpu") -> dict:
     """Train and test every mixer on ``task``; returns (and, with ``out_dir``, writes) the results.
+
+    ``device``: where models, batches and evaluation run (``"cuda"`` on a GPU); recorded in the JSON.
 
     The JSON and plot are rewritten after every finished mixer, so a sweep stopped part-way leaves the
     mixers that finished; rerunning resumes from ``<out_dir>/runs``.
@@ -423,19 +572,24 @@ def run_mqar(task: str, preset: MQARPreset, mixers: Sequence[str] = DEFAULT_MIXE
         tests = [(x, t.generate(preset.test_examples, vocab_size=preset.vocab_size, seed=preset.test_seed + i,
                                 random_non_queries=preset.random_non_queries))
                  for i, (x, t) in enumerate(points)]
-    sampler = epoch_sampler(train_ds, preset.batch_size, preset.data_seed)
+    device = torch.device(device)
+    sampler = epoch_sampler(train_ds, preset.batch_size, preset.data_seed, device)
     steps = preset.epochs * sampler.steps_per_epoch
+    if preset.max_steps is not None:
+        steps = min(steps, preset.max_steps)
     cfg = train_config(preset, steps)
     log(f"mqar {task}: preset '{preset.name}', {len(train_ds)} train / {len(val_ds)} validation sequences, "
-        f"{steps} steps ({preset.epochs} epochs × {sampler.steps_per_epoch}), lr grid {list(preset.lrs)}")
+        f"{steps} steps ({preset.epochs} epochs × {sampler.steps_per_epoch}"
+        f"{f', capped at {preset.max_steps}' if preset.max_steps else ''}), lr grid {list(preset.lrs)} on {device}")
     widths = preset.base_widths if task == "base" else (preset.width,)
     run_dir = os.path.join(out_dir, "runs") if out_dir else None
-    config = {**asdict(preset), "task": task, "train": asdict(cfg),
+    config = {**asdict(preset), "task": task, "train": asdict(cfg), "optimizer_groups": DECAY_POLICY,
               "train_tasks": [asdict(t) for t in train_tasks(task, preset)],
               "test_tasks": [{"x": x, **asdict(t)} for x, t in sweep_points(task, preset)],
               "sweep_axis": SWEEP_AXES[task]}
     results: dict[str, Any] = {}
-    path = os.path.join(out_dir, f"mqar_{task}.json") if out_dir else None
+    stem = results_stem(task, preset)
+    path = os.path.join(out_dir, f"{stem}.json") if out_dir else None
     if path and os.path.exists(path):
         # keep the mixers of an earlier run of the same settings, so mixers can be run one at a time
         previous = load_json(path)
@@ -452,19 +606,24 @@ def run_mqar(task: str, preset: MQARPreset, mixers: Sequence[str] = DEFAULT_MIXE
                                         [tests[widths.index(width)]] if task == "base" else tests)
             try:
                 grid = train_lr_grid(
-                    f"mqar_{task}_{preset.name}_{mixer}_w{width}",
-                    lambda seed, mixer=mixer, width=width: build_model(mixer, preset, width),
+                    f"mqar_{task}_{preset.name}_{preset.layout}_gate-{preset.gate}_{mixer}_w{width}",
+                    lambda seed, mixer=mixer, width=width: build_model(mixer, preset, width).to(device),
                     sampler, cfg, preset.lrs, list(range(preset.seeds)), evaluate, select_key="val_accuracy",
                     run_dir=run_dir, progress=progress,
-                    fingerprint={"preset": asdict(preset), "task": task, "model": asdict(mcfg)})
+                    fingerprint={"preset": asdict(preset), "task": task, "model": asdict(mcfg),
+                                 "optimizer_groups": DECAY_POLICY})
             except FloatingPointError as err:  # every lr diverged: record it, go on with the other mixers
                 log(f"  {mixer} at width {width}: {err}")
                 record.setdefault("failed", {})[f"{mixer}_w{width}"] = str(err)
                 per_width = []
                 break
-            n_params = sum(p.numel() for p in build_model(mixer, preset, width).parameters())
+            built = build_model(mixer, preset, width)
+            n_params = sum(p.numel() for p in built.parameters())
+            layer = built.recurrent_mixers()[0]
             per_width.append({"width": width, "head_config": head.to_dict(), "model_config": asdict(mcfg),
-                              "parameters": n_params, "best_lr": grid["best_lr"], "lr_grid": grid["grid"],
+                              "parameters": n_params, "use_gate": getattr(layer, "use_gate", None),
+                              "use_short_conv": getattr(layer, "use_short_conv", None),
+                              "best_lr": grid["best_lr"], "lr_grid": grid["grid"],
                               "seeds": grid["records"]})
         if not per_width:
             continue
@@ -475,10 +634,23 @@ def run_mqar(task: str, preset: MQARPreset, mixers: Sequence[str] = DEFAULT_MIXE
             + ", ".join(f"{x}: {a:.3f}" for x, a in zip(s["x"], s["accuracy"]["mean"], strict=True))
             + f"  (val {s['val_accuracy']['mean'][-1]:.3f}, {s['train_seconds']['mean']:.0f} s train)")
         record["wall_seconds"] = time.perf_counter() - t0
+        record["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
+        record["finished_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         if path:
             write_json(path, record)
-            plot_mqar(record, os.path.join(out_dir, f"mqar_{task}.png"))
+            plot_mqar(record, os.path.join(out_dir, f"{stem}.png"))
     return record
+
+
+def results_stem(task: str, preset: MQARPreset) -> str:
+    """File stem of a run's JSON and PNG: ``mqar_<task>``, plus ``_<layout>`` and ``_gate-<on|off>`` when
+    not the stacked layout / the default gate, so runs of different layouts never overwrite each other."""
+    stem = f"mqar_{task}"
+    if preset.layout != "stacked":
+        stem += f"_{preset.layout}"
+    if preset.gate != "default":
+        stem += f"_gate-{preset.gate}"
+    return stem
 
 
 def summarize_mixer(task: str, runs: list[dict]) -> dict[str, Any]:
@@ -519,8 +691,10 @@ def plot_mqar(record: dict, path: str) -> str:
         vlines = [RefLine(max(trained), "max trained")]
     elif task == "block":
         vlines = [RefLine(max(cfg["block_train_pairs"]), "max trained")]
-    title = (f"MQAR {task} — preset '{record['preset']}' (V = {cfg['vocab_size']}, state {cfg['budget']} "
-             f"floats/layer, {cfg['epochs']} epochs, {cfg['seeds']} seed{'s' * (cfg['seeds'] > 1)})")
+    layout = cfg.get("layout", "stacked")  # results written before layouts existed are stacked
+    title = (f"MQAR {task} — preset '{record['preset']}', {layout} layout (gate: {cfg.get('gate', 'default')}; "
+             f"V = {cfg['vocab_size']}, state {cfg['budget']}\nfloats/layer, {cfg['epochs']} epochs, "
+             f"{cfg['seeds']} seed{'s' * (cfg['seeds'] > 1)})")
     chance = [RefLine(1 / cfg["vocab_size"], f"chance (1/{cfg['vocab_size']})")]
     return str(line_plot(path, series, xlabel=xlabel, ylabel="query accuracy", title=title, vlines=vlines,
                          hlines=chance, xscale="log" if task == "base" else "linear", ylim=(-0.02, 1.02)))
@@ -550,7 +724,7 @@ def format_table(record: dict) -> str:
 def preset_from_args(args: argparse.Namespace) -> MQARPreset:
     preset = PRESETS[args.preset]
     over: dict[str, Any] = {}
-    for name in ("epochs", "batch_size", "seeds"):
+    for name in ("epochs", "batch_size", "seeds", "num_layers", "max_steps"):
         val = getattr(args, name)
         if val is not None:
             if val <= 0:
@@ -561,7 +735,9 @@ def preset_from_args(args: argparse.Namespace) -> MQARPreset:
         if bad:
             raise ValueError(f"--lr values must be finite and > 0, got {bad}")
         over["lrs"] = tuple(args.lr)
-    return replace(preset, **over, name=preset.name if not over else f"{preset.name}-custom")
+    # layout and gate are recorded in the JSON and its file name, so they do not rename the preset
+    return replace(preset, **over, name=preset.name if not over else f"{preset.name}-custom",
+                   layout=args.layout or preset.layout, gate=args.gate or preset.gate)
 
 
 def _main(args: argparse.Namespace) -> int:
@@ -581,9 +757,14 @@ def _main(args: argparse.Namespace) -> int:
     if preset.name != "paper":
         print(f"mqar: preset '{preset.name}' is a CPU-sized run of the same task, NOT the paper's budget "
               f"(use --preset paper for SPEC §4.4)")
-    record = run_mqar(args.task, preset, args.mixers, out_dir=args.out, progress=not args.no_progress)
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    record = run_mqar(args.task, preset, args.mixers, out_dir=args.out, progress=not args.no_progress,
+                      device=device)
     print(format_table(record))
-    print(f"\nwrote {os.path.join(args.out, f'mqar_{args.task}.json')} and mqar_{args.task}.png")
+    stem = results_stem(args.task, preset)
+    print(f"\nwrote {os.path.join(args.out, stem + '.json')} and {stem}.png")
     return 0
 
 
@@ -592,11 +773,24 @@ def add_parser(sub) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("task", nargs="?", choices=TASK_NAMES, default=None, help="which MQAR task")
     p.add_argument("--preset", choices=sorted(PRESETS), default="default",
-                   help="'paper' = SPEC §4.4; 'default' ≈ 20 min per task on an idle 2-core CPU; 'tiny' = smoke")
-    p.add_argument("--mixers", nargs="+", default=list(DEFAULT_MIXERS),
-                   choices=sorted(set(STATE_FORMS) & set(MIXER_REGISTRY)), metavar="MIXER",
-                   help=f"registry names (default: {' '.join(DEFAULT_MIXERS)})")
+                   help="'paper' = SPEC §4.4; 'default' ≈ 20 min per task on an idle 2-core CPU; "
+                        "'cpu-paper-data' = default with vocabulary 8,192 and random fillers; 'tiny' = smoke")
+    p.add_argument("--mixers", nargs="+", default=list(DEFAULT_MIXERS), choices=known_mixers(), metavar="MIXER",
+                   help=f"registry names or conv-free variants {sorted(MIXER_VARIANTS)} "
+                        f"(default: {' '.join(DEFAULT_MIXERS)})")
+    p.add_argument("--layout", choices=LAYOUTS, default=None,
+                   help="'stacked' (default): num_layers blocks of the mixer; 'hybrid': Zoology's model, a "
+                        "short-conv (BaseConv, kernel 3) block before each mixer block")
+    p.add_argument("--gate", choices=GATES, default=None,
+                   help="output gate of BL/GDN/DeltaNet/linear attention: 'default' = each layer's own in the "
+                        "stacked layout, off in the hybrid layout (Zoology's use_gate=False); 'on'/'off' force it")
+    p.add_argument("--num-layers", type=int, default=None,
+                   help="override the preset's number of blocks (hybrid: conv and mixer blocks alternate, so "
+                        "4 = two mixers)")
     p.add_argument("--epochs", type=int, default=None, help="override the preset's epochs")
+    p.add_argument("--max-steps", type=int, default=None,
+                   help="stop training after this many steps (a budget cap; the schedule is sized to it)")
+    p.add_argument("--device", default="cpu", help="'cpu', 'cuda', 'cuda:1', or 'auto' (cuda when available)")
     p.add_argument("--batch-size", type=int, default=None, help="override the preset's batch size")
     p.add_argument("--seeds", type=int, default=None, help="override the preset's number of seeds")
     p.add_argument("--lr", type=float, nargs="+", default=None, help="override the preset's lr grid")
@@ -607,7 +801,8 @@ def add_parser(sub) -> None:
 
 
 __all__ = [
-    "DEFAULT_MIXERS", "MIXER_LABELS", "PRESETS", "TASK_NAMES", "MQARModel", "MQARModelConfig", "MQARPreset",
-    "build_model", "epoch_sampler", "format_table", "mixer_kwargs", "model_config", "plot_mqar",
-    "query_counts", "run_mqar", "sweep_points", "train_tasks",
+    "DEFAULT_MIXERS", "GATES", "LAYOUTS", "MIXER_LABELS", "MIXER_VARIANTS", "PRESETS", "TASK_NAMES", "BaseConv",
+    "MQARModel", "MQARModelConfig", "MQARPreset", "build_model", "epoch_sampler", "format_table", "gate_kwargs",
+    "known_mixers", "mixer_kwargs", "model_config", "plot_mqar", "query_counts", "resolve_mixer", "results_stem",
+    "run_mqar", "sweep_points", "train_tasks",
 ]

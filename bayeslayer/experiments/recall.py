@@ -14,13 +14,19 @@ Tests (fixed evaluation sets, identical for every model and seed):
   at a query, ``margin = 2σ(z_target − z_distractor) − 1`` (SPEC §4.1's ``2p^{AB} − 1``),
   averaged over queries; positive means the target's value still beats its distractor's.
 
-Writes ``<out>/recall.json`` (config, per-seed metrics, mean ± std over seeds) and
-``<out>/recall.png`` drawn from that JSON (``--plot-only`` redraws it).
+Learning curves: ``curve_points`` times during training (every ``steps // curve_points`` steps and at
+the end) each model is scored on fixed monitoring sets of ``curve_sequences`` sequences — validation
+accuracy and CE on the training distribution, accuracy at ``n_f ∈ curve_n_f`` (ρ = 0.80) and margin
+at ``ρ ∈ curve_rho`` (``n_f = 64``), the numbers the paper's claims are about — so a reader can see
+whether a budget has converged.  ``long`` is ``default`` with 3× the steps and nothing else changed.
+
+Writes ``<out>/recall.json`` (config, per-seed metrics and learning curves, mean ± std over seeds)
+and ``<out>/recall.png`` drawn from that JSON (``--plot-only`` redraws it).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
@@ -61,22 +67,32 @@ class RecallPreset:
     test_n_f_for_rho: int = 64
     eval_batch: int = 32  # sequences per forward pass at evaluation (memory)
     eval_seed: int = 1234
+    curve_points: int = 10  # evaluations during training (0: none); every steps // curve_points steps
+    curve_sequences: int = 32  # sequences per monitoring point
+    curve_n_f: tuple[int, ...] = (64, 128, 256)
+    curve_rho: tuple[float, ...] = (0.80, 0.90, 0.95)
 
     def train_config(self) -> TrainConfig:
+        eval_every = max(1, self.steps // self.curve_points) if self.curve_points else 0
         return TrainConfig(steps=self.steps, batch_size=self.batch_size, lr=self.lr,
                            weight_decay=self.weight_decay, grad_clip=self.grad_clip,
-                           warmup_steps=int(self.warmup_fraction * self.steps))
+                           warmup_steps=int(self.warmup_fraction * self.steps), eval_every=eval_every)
 
 
+_DEFAULT = RecallPreset("default", steps=600, batch_size=64, seeds=2, eval_sequences=64)
 PRESETS = {
     "paper": RecallPreset("paper", steps=2500, batch_size=256, seeds=3, eval_sequences=256),
     # Sized from step times measured on the idle 2-core CPU (batch 64, T ≈ 70, one thread: BL 0.13 s,
     # Delta 0.07 s, LA 0.05 s, GLA 0.2 s): all four models, two seeds, training and the test sweeps
     # in roughly 10-15 minutes when the machine is idle (BL fits the training range in ~200 steps).
-    "default": RecallPreset("default", steps=600, batch_size=64, seeds=2, eval_sequences=64),
+    "default": _DEFAULT,
+    # The default with 3× the steps and nothing else changed: does the default budget limit recall?
+    # (An independent check moved Delta's recall at n_f = 256 from 0.26 to 0.36 at 3× the steps.)
+    "long": replace(_DEFAULT, name="long", steps=3 * _DEFAULT.steps),
     # Seconds-long smoke run (tests, trying the command out).
     "tiny": RecallPreset("tiny", steps=20, batch_size=16, seeds=1, eval_sequences=8,
-                         test_n_f=(1, 8, 32), test_rho=(0.6, 0.95), test_n_f_for_rho=8),
+                         test_n_f=(1, 8, 32), test_rho=(0.6, 0.95), test_n_f_for_rho=8, curve_points=2,
+                         curve_sequences=4, curve_n_f=(8,), curve_rho=(0.95,)),
 }
 
 
@@ -94,16 +110,19 @@ def sampler(preset: RecallPreset):
     return sample_batch
 
 
-def evaluate_point(model: nn.Module, preset: RecallPreset, n_f: int, rho: float, point_seed: int) -> dict:
-    """Accuracy, CE and margin of ``model`` on ``eval_sequences`` fixed sequences at ``(n_f, ρ)``."""
+def evaluate_point(model: nn.Module, preset: RecallPreset, n_f: int, rho, point_seed: int,
+                   sequences: int | None = None) -> dict:
+    """Accuracy, CE and margin of ``model`` on ``sequences`` (default ``eval_sequences``) fixed sequences at
+    ``(n_f, ρ)``; ``rho`` a number, or a ``(lo, hi)`` range drawn per sequence like training's."""
     g = torch.Generator().manual_seed(preset.eval_seed * 7919 + point_seed)
     correct = margin = ce = 0.0
     count = 0
-    left = preset.eval_sequences
+    left = preset.eval_sequences if sequences is None else sequences
     while left > 0:
         b = min(left, preset.eval_batch)
         left -= b
-        batch = collision_recall_batch(b, n_f=n_f, rho=rho, generator=g, n_b=preset.n_b,
+        r = rho if not isinstance(rho, tuple) else rho[0] + (rho[1] - rho[0]) * torch.rand(b, generator=g)
+        batch = collision_recall_batch(b, n_f=n_f, rho=r, generator=g, n_b=preset.n_b,
                                        num_pairs=preset.num_pairs, address_dim=preset.address_dim)
         logits = model(batch.inputs)
         mask = batch.labels != -100
@@ -135,6 +154,28 @@ def final_evaluation(preset: RecallPreset):
     return evaluate
 
 
+def curve_evaluation(preset: RecallPreset):
+    """``evaluate(model)`` for the learning curves: validation accuracy/CE on the training distribution
+    (``curve_sequences`` per training ``n_f``), accuracy at each ``curve_n_f`` (ρ = ``test_rho_for_n_f``) and
+    margin at each ``curve_rho`` (``n_f = test_n_f_for_rho``), on sets fixed across steps, models and seeds."""
+    n = preset.curve_sequences
+
+    def evaluate(model: nn.Module) -> dict[str, float]:
+        val = [evaluate_point(model, preset, n_f, preset.train_rho, 5000 + i, n)
+               for i, n_f in enumerate(preset.train_n_f)]
+        out = {"val_accuracy": sum(p["accuracy"] for p in val) / len(val),
+               "val_loss": sum(p["cross_entropy"] for p in val) / len(val)}
+        for i, n_f in enumerate(preset.curve_n_f):
+            out[f"accuracy_n_f_{n_f}"] = evaluate_point(model, preset, n_f, preset.test_rho_for_n_f, 6000 + i,
+                                                        n)["accuracy"]
+        for i, rho in enumerate(preset.curve_rho):
+            out[f"margin_rho_{rho:g}"] = evaluate_point(model, preset, preset.test_n_f_for_rho, rho, 7000 + i,
+                                                        n)["margin"]
+        return out
+
+    return evaluate
+
+
 def build_model(kind: str, preset: RecallPreset) -> nn.Module:
     return build_core_model(kind, input_dim=1 + preset.address_dim + 2 * preset.num_pairs,
                             num_classes=2 * preset.num_pairs, address_start=1, address_dim=preset.address_dim,
@@ -150,7 +191,8 @@ def run_recall(preset: RecallPreset, models=CORE_KINDS, *, out_dir: str | None =
     return run_sweep("recall", preset, models, preset.train_config(),
                      build_model=lambda kind: build_model(kind, preset), sampler=sampler(preset),
                      evaluation=final_evaluation(preset), curves=CURVES, plot=plot_recall,
-                     paper_budget=PAPER_BUDGET, out_dir=out_dir, progress=progress)
+                     paper_budget=PAPER_BUDGET, out_dir=out_dir, progress=progress,
+                     evaluate=curve_evaluation(preset) if preset.curve_points else None)
 
 
 def plot_recall(record: dict, path: str) -> None:
@@ -161,13 +203,28 @@ def plot_recall(record: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     cfg = record["config"]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    curves = all("learning_curve" in res["summary"] for res in record["models"].values())
+    fig, axes = plt.subplots(1, 3 if curves else 2, figsize=(15 if curves else 10, 4))
+    ax1, ax2 = axes[0], axes[1]
     panels = ((ax1, cfg["test_n_f"], "accuracy_vs_n_f"), (ax2, cfg["test_rho"], "margin_vs_rho"))
     for res in record["models"].values():
         s = res["summary"]
+        lines = []
         for ax, x, key in panels:
-            ax.errorbar(x, s[key]["mean"], yerr=s[key]["std"], marker="o", ms=3, capsize=2,
-                        label=res["label"])
+            lines.append(ax.errorbar(x, s[key]["mean"], yerr=s[key]["std"], marker="o", ms=3, capsize=2,
+                                     label=res["label"]))
+        if curves:
+            lc = s["learning_curve"]
+            color = lines[0][0].get_color()
+            far = f"accuracy_n_f_{max(cfg['curve_n_f'])}"
+            axes[2].plot(lc["step"], lc["val_accuracy"]["mean"], "-o", ms=3, color=color, label=res["label"])
+            if far in lc:
+                axes[2].plot(lc["step"], lc[far]["mean"], "--", color=color)
+    if curves:
+        axes[2].set_xlabel("training step")
+        axes[2].set_ylabel(f"accuracy: validation (—), n_f = {max(cfg['curve_n_f'])} (--)")
+        axes[2].set_ylim(-0.02, 1.02)
+        axes[2].set_title("learning curves (monitoring sets)", fontsize=9)
     ax1.set_xscale("log", base=2)
     ax1.set_xlabel("distractor writes per pair $n_f$")
     ax1.set_ylabel(f"query accuracy (ρ = {cfg['test_rho_for_n_f']:.2f})")
@@ -191,6 +248,15 @@ def print_table(record: dict) -> None:
                         f"accuracy vs n_f at ρ = {cfg['test_rho_for_n_f']:.2f} (mean ± std over {cfg['seeds']} seeds)")
     print_summary_table(record, "margin_vs_rho", cfg["test_rho"], "ρ", ".2f",
                         f"margin vs ρ at n_f = {cfg['test_n_f_for_rho']}")
+    models = record["models"].values()
+    if models and all("learning_curve" in m["summary"] for m in models):
+        names = list(record["models"])
+        lcs = [record["models"][k]["summary"]["learning_curve"] for k in names]
+        for key in ["val_accuracy"] + [f"accuracy_n_f_{n}" for n in cfg["curve_n_f"]]:
+            print(f"\nlearning curve: {key} by step (mean over seeds)")
+            print(f"{'step':<7}" + "".join(f"{record['models'][k]['label']:>16}" for k in names))
+            for i, step in enumerate(lcs[0]["step"]):
+                print(f"{step:<7d}" + "".join(f"{lc[key]['mean'][i]:>16.3f}" for lc in lcs))
 
 
 def _main(args) -> int:
