@@ -271,8 +271,8 @@ def get_design(name: str) -> DesignModel:
             rest, proj = rest[: -len("_lofi")], "lofi"
         if rest.isdigit():
             return lowrank_diagonal(int(rest), proj)
-    raise ValueError(f"unknown design {name!r}; known: {sorted(DESIGNS)}, fixed_prior_<c> or "
-                     f"lowrank_diagonal_<r>[_lofi]")
+    raise ValueError(f"unknown design {name!r}; known: {sorted(DESIGNS)}, lowrank_diagonal_<r>[_lofi] "
+                     f"or fixed_prior_<c>")
 
 
 __all__ = [
