@@ -68,6 +68,10 @@ MIXER_LABELS = {
     "linear_attention": "linear attention",
 }
 DEFAULT_MIXERS = tuple(MIXER_LABELS)
+# the low-rank-plus-diagonal BL (bayeslayer.ops.lowrank) of rank r, sized by the state-budget rule for
+# "bayesian_lowrank" and built as the registry's "bayesian" with covariance="lowrank"; not a default
+LOWRANK_PREFIX = "bayesian_lowrank"
+LOWRANK_MIXERS = tuple(f"{LOWRANK_PREFIX}{r}" for r in (0, 1, 2, 4, 8, 16, 32))
 SWEEP_AXES = {"base": "model width", "update": "number of updates", "block": "number of pairs"}
 # Zoology's MQAR learning-rate sweep: np.logspace(-4, -2, 4).
 ZOOLOGY_LRS = (1e-4, 4.6415888e-4, 2.1544347e-3, 1e-2)
@@ -171,9 +175,23 @@ def mixer_kwargs(head: HeadConfig) -> dict[str, Any]:
     if head.form == "ssd":
         return {"num_heads": head.num_heads, "head_dim": head.value_dim, "state_size": head.key_dim}
     kwargs = {"num_heads": head.num_heads, "head_dim": head.key_dim, "expand_v": head.value_dim / head.key_dim}
-    if head.form in ("bayes", "diagonal") and head.groups != 1:
+    if head.form in ("bayes", "diagonal", "lowrank") and head.groups != 1:
         kwargs["groups"] = head.groups
+    if head.form == "lowrank":
+        kwargs.update(covariance="lowrank", rank=head.rank)
     return kwargs
+
+
+def _lowrank_rank(mixer: str) -> int | None:
+    """``r`` of a ``bayesian_lowrank<r>`` name, else ``None``."""
+    if isinstance(mixer, str) and mixer.startswith(LOWRANK_PREFIX) and mixer[len(LOWRANK_PREFIX):].isdigit():
+        return int(mixer[len(LOWRANK_PREFIX):])
+    return None
+
+
+def mixer_label(mixer: str) -> str:
+    rank = _lowrank_rank(mixer)
+    return f"BL low-rank r={rank}" if rank is not None else MIXER_LABELS.get(mixer, mixer)
 
 
 @dataclass(frozen=True)
@@ -249,12 +267,18 @@ class MQARModel(nn.Module):
 
 def model_config(mixer: str, preset: MQARPreset, width: int) -> tuple[MQARModelConfig, HeadConfig]:
     """The model of ``mixer`` at ``width`` whose per-layer state fills ``preset.budget`` (solver's rule)."""
-    if mixer not in STATE_FORMS or mixer not in MIXER_REGISTRY:
+    rank = _lowrank_rank(mixer)
+    if rank is not None:
+        head = solve_state_budget(preset.budget, width, LOWRANK_PREFIX, rank=rank)
+        layer = "bayesian"
+    elif mixer not in STATE_FORMS or mixer not in MIXER_REGISTRY:
         raise ValueError(f"mixer {mixer!r} has no state-budget rule or no layer; use one of "
-                         f"{sorted(set(STATE_FORMS) & set(MIXER_REGISTRY))}")
-    head = solve_state_budget(preset.budget, width, mixer)
+                         f"{sorted(set(STATE_FORMS) & set(MIXER_REGISTRY))} or {LOWRANK_PREFIX}<r>")
+    else:
+        head = solve_state_budget(preset.budget, width, mixer)
+        layer = mixer
     kwargs = {**mixer_kwargs(head), "chunk_size": preset.chunk_size}
-    cfg = MQARModelConfig(mixer, preset.vocab_size, width, preset.num_layers, preset.mlp_mult, kwargs)
+    cfg = MQARModelConfig(layer, preset.vocab_size, width, preset.num_layers, preset.mlp_mult, kwargs)
     return cfg, head
 
 
@@ -392,9 +416,9 @@ def train_config(preset: MQARPreset, steps: int) -> TrainConfig:
 def _check_mixers(mixers: Sequence[str]) -> list[str]:
     mixers = list(mixers)
     known = sorted(set(STATE_FORMS) & set(MIXER_REGISTRY))
-    bad = [m for m in mixers if m not in known]
+    bad = [m for m in mixers if m not in known and _lowrank_rank(m) is None]
     if not mixers or bad or len(set(mixers)) != len(mixers):
-        raise ValueError(f"mixers must be distinct names from {known}; got {mixers}")
+        raise ValueError(f"mixers must be distinct names from {known} or {LOWRANK_PREFIX}<r>; got {mixers}")
     return mixers
 
 
@@ -468,10 +492,10 @@ def run_mqar(task: str, preset: MQARPreset, mixers: Sequence[str] = DEFAULT_MIXE
                               "seeds": grid["records"]})
         if not per_width:
             continue
-        results[mixer] = {"label": MIXER_LABELS.get(mixer, mixer), "runs": per_width,
+        results[mixer] = {"label": mixer_label(mixer), "runs": per_width,
                           "summary": summarize_mixer(task, per_width)}
         s = results[mixer]["summary"]
-        log(f"  {MIXER_LABELS.get(mixer, mixer)}: test accuracy "
+        log(f"  {mixer_label(mixer)}: test accuracy "
             + ", ".join(f"{x}: {a:.3f}" for x, a in zip(s["x"], s["accuracy"]["mean"], strict=True))
             + f"  (val {s['val_accuracy']['mean'][-1]:.3f}, {s['train_seconds']['mean']:.0f} s train)")
         record["wall_seconds"] = time.perf_counter() - t0
@@ -594,8 +618,9 @@ def add_parser(sub) -> None:
     p.add_argument("--preset", choices=sorted(PRESETS), default="default",
                    help="'paper' = SPEC §4.4; 'default' ≈ 20 min per task on an idle 2-core CPU; 'tiny' = smoke")
     p.add_argument("--mixers", nargs="+", default=list(DEFAULT_MIXERS),
-                   choices=sorted(set(STATE_FORMS) & set(MIXER_REGISTRY)), metavar="MIXER",
-                   help=f"registry names (default: {' '.join(DEFAULT_MIXERS)})")
+                   choices=sorted(set(STATE_FORMS) & set(MIXER_REGISTRY)) + list(LOWRANK_MIXERS), metavar="MIXER",
+                   help=f"registry names (default: {' '.join(DEFAULT_MIXERS)}); {LOWRANK_PREFIX}<r> is the "
+                        f"low-rank-plus-diagonal BL of rank r at the same state budget")
     p.add_argument("--epochs", type=int, default=None, help="override the preset's epochs")
     p.add_argument("--batch-size", type=int, default=None, help="override the preset's batch size")
     p.add_argument("--seeds", type=int, default=None, help="override the preset's number of seeds")
