@@ -109,7 +109,9 @@ FIGURES = ("collision_p_ab.png", "collision_gain.png", "collision_overlap.png", 
 LOWRANK_RANKS = (0, 1, 2, 4, 8, 16)
 LOWRANK_PROJECTIONS = ("conservative", "lofi")
 LOWRANK_REFERENCES = ("bayesian", "diagonal", "reset")
-LOWRANK_FIGURES = ("collision_lowrank_p_ab.png", "collision_lowrank_gain.png", "collision_lowrank_floats.png")
+LOWRANK_FIGURES = ("collision_lowrank_p_ab.png", "collision_lowrank_gain.png", "collision_lowrank_floats.png",
+                   "collision_lowrank_pairs.png")
+MULTI_PAIRS = (1, 2, 4, 8)
 
 
 # -- argument checks ------------------------------------------------------------------------------
@@ -521,6 +523,85 @@ def run_lowrank(
     return results
 
 
+def multi_pair_inputs(pairs: int, rho: float, *, D: int = 16, b_repeats: int = B_REPEATS,
+                      a_repeats: int = A_REPEATS) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """``pairs`` colliding pairs at once: the collision schedule with every identity replaced by a round.
+
+    Pair ``i`` has ``k_{A_i} = e_{2i}``, ``k_{B_i} = ρ e_{2i} + √(1−ρ²) e_{2i+1}`` (identity ``2i`` is
+    A_i, ``2i+1`` is B_i, value class = identity).  Schedule: two rounds of all ``2·pairs``
+    identities, ``b_repeats`` rounds of B_1..B_n, ``a_repeats`` rounds of A_1..A_n.  Returns
+    ``((q, k, v) [1, T, 1, ·], keys [2·pairs, D])`` (queries = keys; only the final memory is read).
+    """
+    pairs = _repeats("pairs", pairs)
+    if 2 * pairs > D:
+        raise ValueError(f"pairs={pairs} needs 2·pairs <= D = {D} key dims")
+    rho = _overlap("rho", rho)
+    n = 2 * pairs
+    keys = torch.zeros(n, D, dtype=torch.float64)
+    for i in range(pairs):
+        keys[2 * i, 2 * i] = 1.0
+        keys[2 * i + 1, 2 * i] = rho
+        keys[2 * i + 1, 2 * i + 1] = math.sqrt(1.0 - rho * rho)
+    b_ids = [2 * i + 1 for i in range(pairs)]
+    a_ids = [2 * i for i in range(pairs)]
+    schedule = torch.tensor(list(range(n)) * ROUNDS + b_ids * _repeats("b_repeats", b_repeats)
+                            + a_ids * _repeats("a_repeats", a_repeats))
+    k = keys[schedule][None, :, None, :]
+    v = torch.eye(n, dtype=torch.float64)[schedule][None, :, None, :]
+    return (k.clone(), k, v), keys
+
+
+def run_multi_pair(
+    *,
+    rho: float = 0.92,
+    D: int = 16,
+    p0: float = 3.0,
+    r2: float = 0.05,
+    ell2: float = 0.05,
+    pairs: Sequence[int] = MULTI_PAIRS,
+    ranks: Sequence[int] = LOWRANK_RANKS,
+    projections: Sequence[str] = LOWRANK_PROJECTIONS,
+    seeds: Sequence[int] = tuple(range(8)),
+) -> dict:
+    """Final p^AB of every pair when ``n`` pairs collide at once (:func:`multi_pair_inputs`), per model.
+
+    How much rank the protection needs as the number of confirmed directions grows.  For each
+    model and ``n``: mean and min over pairs on the SPEC-like axis-aligned keys, and over the
+    random rotations of :func:`rotated_keys` (mean over seeds and pairs, min over both).
+    """
+    p0, r2, ell2 = _positive("p0", p0), _positive("r2", r2), _positive("ell2", ell2)
+    pairs = [int(n) for n in _nonempty("pairs", pairs)]
+    ranks = [int(r) for r in _nonempty("ranks", ranks)]
+    seeds = [int(sd) for sd in _nonempty("seeds", seeds)]
+    designs = {n: d for n, d in model_designs(r2, ell2, p0).items() if n in LOWRANK_REFERENCES}
+    for proj in _nonempty("projections", projections):
+        for r in ranks:
+            designs[lowrank_key(proj, r)] = (lowrank_diagonal(r, proj), {"r2": r2, "ell2": ell2, "p0": p0})
+    out: dict = {"pairs": pairs, "b_repeats": B_REPEATS, "a_repeats": A_REPEATS, "seeds": seeds,
+                 "models": {n: {"state_floats": [], "mean_p_ab": [], "min_p_ab": [], "rotated_mean_p_ab": [],
+                                "rotated_min_p_ab": []} for n in designs}}
+    for n_pairs in pairs:
+        inputs, keys = multi_pair_inputs(n_pairs, rho, D=D)
+        turned = [_turn(inputs, seed) for seed in seeds]
+        batch = tuple(torch.cat([inputs[j]] + [t[j] for t in turned], 0) for j in range(3))
+        # the B keys each batch row is read at: [N, n, D]
+        kb = torch.cat([keys[1::2][None]] + [_turn((keys[1::2][None, None], keys[1::2][None, None], None),
+                                                   seed)[0][0] for seed in seeds], 0)
+        m = 2 * n_pairs
+        for name, (design, noise) in designs.items():
+            M = simulate(design, noise, batch, output_final_state=True).state[0][:, 0]  # [N, D, m]
+            y = torch.einsum("ndm,nid->nim", M, kb)  # readout at each B_i
+            idx = torch.arange(n_pairs)
+            p_ab = torch.sigmoid(y[:, idx, 2 * idx + 1] - y[:, idx, 2 * idx])  # [N, n]
+            e = out["models"][name]
+            e["state_floats"].append(design.state_size(D, m))
+            e["mean_p_ab"].append(p_ab[0].mean().item())
+            e["min_p_ab"].append(p_ab[0].min().item())
+            e["rotated_mean_p_ab"].append(p_ab[1:].mean().item())
+            e["rotated_min_p_ab"].append(p_ab[1:].min().item())
+    return out
+
+
 def plot_lowrank(results: dict, out_dir: str | Path) -> list[Path]:
     """Three figures from ``collision_lowrank.json``: p^AB and gain over steps (conservative
     projection, each rank, beside dense/diagonal/Delta) and final p^AB against state floats."""
@@ -575,6 +656,22 @@ def plot_lowrank(results: dict, out_dir: str | Path) -> list[Path]:
     paths.append(line_plot(out_dir / LOWRANK_FIGURES[2], floats, xlabel="recurrent state floats per head",
                            ylabel="final p^AB (step 112)", title=f"Protection per float of state ({title})",
                            hlines=[tie], ylim=(0.0, 1.0), legend_loc="lower right", figsize=(7.5, 5.0)))
+    multi = results.get("multi_pair")
+    if multi:
+        mm = multi["models"]
+        series = [Series(f"{MODEL_LABELS[n]}", multi["pairs"], mm[n]["rotated_mean_p_ab"],
+                         style={**MODEL_STYLES[n], "linewidth": 2.5, "marker": "*"}) for n in LOWRANK_REFERENCES]
+        for i, r in enumerate(ranks):
+            for p, ls in (("conservative", "-"), ("lofi", ":")):
+                if lowrank_key(p, r) in mm:
+                    series.append(Series(f"low-rank r = {r} ({p})", multi["pairs"],
+                                         mm[lowrank_key(p, r)]["rotated_mean_p_ab"],
+                                         style={"color": cmap[i % len(cmap)], "linestyle": ls, "marker": "o",
+                                                "markersize": 3}))
+        paths.append(line_plot(out_dir / LOWRANK_FIGURES[3], series, xlabel="colliding pairs written at once",
+                               ylabel="final p^AB, mean over pairs and 8 key rotations",
+                               title=f"n pairs collide at once (rotated keys; {title})", hlines=[tie],
+                               xscale="log", ylim=(0.0, 1.0), legend_loc="lower left", figsize=(7.5, 5.0)))
     return paths
 
 
@@ -590,6 +687,15 @@ def format_lowrank_table(results: dict) -> str:
         lines.append(f"{MODEL_LABELS.get(n, 'low-rank ' + n):<34}{e['state_floats']:>8}{e['final_p_ab']:>9.4f}"
                      f"{min(rot):>10.4f}{max(rot):>10.4f}{e['gain'][-1]:>12.4f}")
     lines.append(f"low-rank oracle vs chunked path, max |Δ| of readouts and gains: {results['chunk_agreement']:.1e}")
+    multi = results.get("multi_pair")
+    if multi:
+        lines.append("n pairs colliding at once: final p^AB, mean over pairs (axis keys | 8 rotations)")
+        lines.append(f"{'model':<34}" + "".join(f"{'n=' + str(n):>16}" for n in multi["pairs"]))
+        for n in names:
+            e = multi["models"].get(n)
+            if e is not None:
+                lines.append(f"{MODEL_LABELS.get(n, 'low-rank ' + n):<34}" + "".join(
+                    f"{a:>8.4f} |{b:>6.4f}" for a, b in zip(e["mean_p_ab"], e["rotated_mean_p_ab"], strict=True)))
     return "\n".join(lines)
 
 
@@ -833,6 +939,7 @@ def _run(args: argparse.Namespace) -> int:
         + ", ".join(f"{n} {min(rot[n]):.4f}..{max(rot[n]):.4f}" for n in MODELS)
     )
     lowrank = run_lowrank(**kw)
+    lowrank["multi_pair"] = run_multi_pair(**kw)
     save_json(lowrank, out_dir / "collision_lowrank.json")
     paths += plot_lowrank(lowrank, out_dir)
     print(format_lowrank_table(lowrank))

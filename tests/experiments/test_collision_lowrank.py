@@ -49,13 +49,36 @@ def test_what_rotations_change(sweep):
     assert models[col.lowrank_key("conservative", 0)]["gain"][-1] > 0.99
 
 
-def test_figures_and_table(sweep, tmp_path):
+@pytest.fixture(scope="module")
+def multi():
+    return col.run_multi_pair(pairs=(1, 3), ranks=(0, 1, 16), seeds=(0, 1))
+
+
+def test_multi_pair_inputs_and_limits(multi):
+    (q, k, v), keys = col.multi_pair_inputs(3, 0.92)
+    assert k.shape == (1, 2 * 6 + 40 * 3 + 60 * 3, 1, 16) and v.shape[-1] == 6
+    assert float(keys[1] @ keys[0]) == pytest.approx(0.92) and float(keys[2] @ keys[1]) == 0.0
+    models = multi["models"]
+    for field in ("mean_p_ab", "rotated_mean_p_ab", "rotated_min_p_ab"):
+        for p in ("conservative", "lofi"):
+            assert models[col.lowrank_key(p, 16)][field] == pytest.approx(models["bayesian"][field], abs=1e-10)
+        # conservative: rotation-equivariant
+    e = models[col.lowrank_key("conservative", 1)]
+    assert e["rotated_mean_p_ab"] == pytest.approx(e["mean_p_ab"], abs=1e-10)
+    assert models["bayesian"]["state_floats"] == [16 * 2 + 256, 16 * 6 + 256]
+    with pytest.raises(ValueError, match="2·pairs <= D"):
+        col.multi_pair_inputs(9, 0.92)
+
+
+def test_figures_and_table(sweep, multi, tmp_path):
     paths = col.plot_lowrank(sweep, tmp_path)
+    assert [p.name for p in paths] == list(col.LOWRANK_FIGURES[:3])
+    paths = col.plot_lowrank({**sweep, "multi_pair": multi}, tmp_path)
     assert [p.name for p in paths] == list(col.LOWRANK_FIGURES)
     for p in paths:
         assert p.read_bytes()[:8] == PNG_MAGIC
-    table = col.format_lowrank_table(sweep)
-    assert "conservative/1" in table and "chunked path" in table
+    table = col.format_lowrank_table({**sweep, "multi_pair": multi})
+    assert "conservative/1" in table and "chunked path" in table and "n=3" in table
     with pytest.raises(ValueError, match="collision_lowrank results lack 'ranks'"):
         col.plot_lowrank({"config": {}}, tmp_path)
 
