@@ -9,7 +9,8 @@ A :class:`DesignModel` names its three parts (SPEC §1):
   ``bayes`` (exact Kalman filter, dense key covariance), ``diagonal`` (diagonal
   covariance ablation), ``reset`` (covariance reset ``P̄_t ← λ_t I``: the delta
   rule family), ``latent`` (latent-input write ``φ_t ~ N(0, λ_t I)``: the additive
-  family);
+  family), ``lowrank`` (precision ``diag(υ) + W Wᵀ`` of rank ``r``, projected after every write:
+  :func:`lowrank_diagonal`, :mod:`bayeslayer.ops.lowrank`);
 * **readout** — ``y_t = E[Z_t] = M_tᵀ q_t`` with predictive variance ``1 + q_tᵀ P_t q_t``.
 
 Every design runs through the same two pieces of machinery in
@@ -30,7 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..ops.backend import dispatch_chunk, dispatch_step
+from ..ops.backend import BackendError, check_backend, dispatch_chunk, dispatch_step
+from ..ops.lowrank import check_projection, check_rank, initial_lowrank_state, lowrank_chunk, lowrank_recurrent
 from ..ops.prepare import FilterOutput
 from ..ops.recurrent import filter_recurrent, initial_bl_state
 
@@ -43,16 +45,18 @@ class DesignModel:
 
     Attributes:
         name: registry name.
-        write: ``bayes`` | ``diagonal`` | ``reset`` | ``latent``.
+        write: ``bayes`` | ``diagonal`` | ``reset`` | ``latent`` | ``lowrank``.
         dynamics: the transition family the design requires (``any`` accepts all).
         fixed_lam: a constant reset prior ``λ = c`` (the fixed-isotropic-prior ablation); when set,
             callers pass only ``r2``.
         per_column: a separate gain per value column (Longhorn-style): ``r2``/``gain`` carry one
             entry per value column (``G = m``).
+        rank: ``lowrank`` only: the number of low-rank precision columns ``r``.
+        projection: ``lowrank`` only: ``conservative`` (never overconfident) or ``lofi``.
 
     Noise arguments by write model (tensors ``[B, T, H]``, or ``[B, T, H, G]`` where grouped):
 
-    * ``bayes``, ``diagonal``: ``r2``, ``ell2`` (and ``p0``);
+    * ``bayes``, ``diagonal``, ``lowrank``: ``r2``, ``ell2`` (and ``p0``);
     * ``reset``: ``lam`` and ``r2`` (``η = λ/(r² + λ‖k‖²)``), or ``gain = η`` directly;
     * ``latent``: ``lam`` and ``r2`` (``ω = λ/(λ + r²)``), or ``gain = ω`` directly.
     """
@@ -63,10 +67,19 @@ class DesignModel:
     fixed_lam: float | None = None
     per_column: bool = False
     description: str = ""
+    rank: int | None = None
+    projection: str = "conservative"
 
     def __post_init__(self):
-        if self.write not in ("bayes", "diagonal", "reset", "latent"):
-            raise ValueError(f"write must be bayes/diagonal/reset/latent, got {self.write!r}")
+        if self.write not in ("bayes", "diagonal", "reset", "latent", "lowrank"):
+            raise ValueError(f"write must be bayes/diagonal/reset/latent/lowrank, got {self.write!r}")
+        if self.write == "lowrank":
+            check_rank(self.rank)
+            check_projection(self.projection)
+            if self.dynamics == "rotation":
+                raise ValueError("the lowrank write model does not support rotation dynamics")
+        elif self.rank is not None:
+            raise ValueError(f"rank applies only to write='lowrank', not {self.write!r}")
         if self.dynamics not in DYNAMICS:
             raise ValueError(f"dynamics must be one of {DYNAMICS}, got {self.dynamics!r}")
         if self.fixed_lam is not None and (self.write != "reset" or not self.fixed_lam > 0):
@@ -75,10 +88,13 @@ class DesignModel:
     @property
     def has_covariance(self) -> bool:
         """Whether the filter carries a key-space covariance between tokens (state ``(M, P)``)."""
-        return self.write in ("bayes", "diagonal")
+        return self.write in ("bayes", "diagonal", "lowrank")
 
     def state_size(self, key_dim: int, value_dim: int, groups: int = 1) -> int:
-        """Recurrent state floats per head: ``D·m`` (+ ``G·D²`` dense or ``G·D`` diagonal covariance)."""
+        """Recurrent state floats per head: ``D·m`` (+ ``G·D²`` dense, ``G·D`` diagonal or ``G·D·(r+1)``
+        low-rank-plus-diagonal covariance)."""
+        if self.write == "lowrank":
+            return key_dim * value_dim + groups * key_dim * (check_rank(self.rank, key_dim) + 1)
         if self.write == "bayes":
             return key_dim * value_dim + groups * key_dim * key_dim
         if self.write == "diagonal":
@@ -129,6 +145,12 @@ class DesignModel:
                 )
         return kw
 
+    def _lowrank_kw(self, kw: dict) -> dict:
+        for name in ("lam", "gain"):
+            if kw[name] is not None:
+                raise ValueError(f"write model 'lowrank' derives its gain from r2/ell2; do not pass {name}")
+        return dict(rank=self.rank, projection=self.projection, r2=kw["r2"], ell2=kw["ell2"])
+
     # -- derived filters ---------------------------------------------------------------------------
     def recurrent(
         self, q, k, v, *, r2=None, ell2=None, lam=None, gain=None, alpha=None, theta=None, p0=1.0,
@@ -136,6 +158,9 @@ class DesignModel:
     ) -> FilterOutput:
         """Token-by-token oracle. Returns :class:`~bayeslayer.ops.FilterOutput` ``(o, variance, gain, state)``."""
         kw = self._kwargs(v, r2, ell2, lam, gain, alpha, theta)
+        if self.write == "lowrank":
+            return lowrank_recurrent(q, k, v, **self._lowrank_kw(kw), alpha=alpha, theta=theta, p0=p0,
+                                     initial_state=initial_state, output_final_state=output_final_state)
         return filter_recurrent(q, k, v, write=self.write, alpha=alpha, theta=theta, p0=p0,
                                 initial_state=initial_state, output_final_state=output_final_state, **kw)
 
@@ -149,6 +174,11 @@ class DesignModel:
         Triton path ``gain`` is ``None``.
         """
         kw = self._kwargs(v, r2, ell2, lam, gain, alpha, theta)
+        if self.write == "lowrank":
+            self._torch_only(backend)
+            return lowrank_chunk(q, k, v, **self._lowrank_kw(kw), alpha=alpha, theta=theta, p0=p0,
+                                 initial_state=initial_state, output_final_state=output_final_state,
+                                 return_variance=return_variance, chunk_size=chunk_size)
         return dispatch_chunk(q, k, v, write=self.write, alpha=alpha, theta=theta, p0=p0,
                               initial_state=initial_state, output_final_state=output_final_state,
                               return_variance=return_variance, chunk_size=chunk_size, backend=backend, **kw)
@@ -166,12 +196,25 @@ class DesignModel:
             None if alpha is None else alpha.unsqueeze(1), None if theta is None else theta.unsqueeze(1)
         )
         kw = self._noise(r2, ell2, lam, gain)
+        if self.write == "lowrank":
+            self._torch_only(backend)
+            return lowrank_recurrent(q, k, v, **self._lowrank_kw(kw), alpha=alpha, theta=theta,
+                                     initial_state=state, output_final_state=True, single_step=True)
         return dispatch_step(q, k, v, write=self.write, alpha=alpha, theta=theta, state=state, backend=backend,
                              **kw)
 
+    def _torch_only(self, backend) -> None:
+        """The low-rank covariance has no Triton kernel: a forced ``"triton"`` says so."""
+        if check_backend(backend) == "triton":
+            raise BackendError(f"write model {self.write!r} ({self.name}) has no Triton kernel; "
+                               "use backend='auto' or 'torch'")
+
     def initial_state(self, batch_size, num_heads, key_dim, value_dim, *, p0=1.0, groups=1,
                       dtype=torch.float32, device=None):
-        """Prior state: ``(0, p0·I)`` with a covariance, ``(0, None)`` otherwise."""
+        """Prior state: ``(0, p0·I)`` with a covariance, ``(0, [1/p0, 0])`` low-rank, ``(0, None)`` otherwise."""
+        if self.write == "lowrank":
+            return initial_lowrank_state(batch_size, num_heads, key_dim, value_dim, rank=self.rank, p0=p0,
+                                         groups=groups, dtype=dtype, device=device)
         M, P = initial_bl_state(batch_size, num_heads, key_dim, value_dim, p0=p0, groups=groups,
                                 dtype=dtype, device=device)
         return (M, P) if self.has_covariance else (M, None)
@@ -208,8 +251,27 @@ DESIGNS: dict[str, DesignModel] = {
 }
 
 
+def lowrank_diagonal(rank: int, projection: str = "conservative") -> DesignModel:
+    """Low-rank-plus-diagonal Bayesian Layer: precision ``diag(υ) + W Wᵀ``, ``W`` of ``rank`` columns.
+
+    The write and the predict step are exact in this form; after each write the rank-``(r+1)``
+    factor is projected back to ``r`` columns (:mod:`bayeslayer.ops.lowrank`).
+    ``projection="conservative"`` drops the least-informative whitened direction: never
+    overconfident (``P_approx ⪰ P_exact``), ``rank = D`` is dense BL exactly, ``rank = 0`` is the
+    covariance reset with the dynamics-propagated prior ``λ_t = α_t² λ_{t−1} + ℓ_t²``.
+    ``projection="lofi"`` moves the dropped diagonal into ``υ`` (LoFi): ``rank = 0`` is the
+    diagonal-precision filter; no Loewner guarantee.  State ``D·m + G·D·(r+1)`` per head.
+    """
+    rank = check_rank(rank)
+    projection = check_projection(projection)
+    suffix = "" if projection == "conservative" else f"_{projection}"
+    return DesignModel(f"lowrank_diagonal_{rank}{suffix}", "lowrank", "any", rank=rank, projection=projection,
+                       description=f"precision diag + rank-{rank} ({projection} projection)")
+
+
 def get_design(name: str) -> DesignModel:
-    """Look a design up by name (``fixed_prior_<c>`` builds the ablation with ``λ = c``)."""
+    """Look a design up by name (``fixed_prior_<c>`` builds the ablation with ``λ = c``;
+    ``lowrank_diagonal_<r>[_lofi]`` the low-rank-plus-diagonal design)."""
     if not isinstance(name, str):
         raise TypeError(f"design name must be a str, got {type(name).__name__}")
     if name in DESIGNS:
@@ -219,10 +281,18 @@ def get_design(name: str) -> DesignModel:
             return fixed_prior(float(name[len("fixed_prior_"):]))
         except ValueError:
             pass
-    raise ValueError(f"unknown design {name!r}; known: {sorted(DESIGNS)} or fixed_prior_<c>")
+    if name.startswith("lowrank_diagonal_"):
+        rest = name[len("lowrank_diagonal_"):]
+        proj = "conservative"
+        if rest.endswith("_lofi"):
+            rest, proj = rest[: -len("_lofi")], "lofi"
+        if rest.isdigit():
+            return lowrank_diagonal(int(rest), proj)
+    raise ValueError(f"unknown design {name!r}; known: {sorted(DESIGNS)}, lowrank_diagonal_<r>[_lofi] "
+                     f"or fixed_prior_<c>")
 
 
 __all__ = [
     "BAYESIAN", "DELTANET", "DESIGNS", "DIAGONAL_COVARIANCE", "DesignModel", "GATED_DELTANET", "GLA",
-    "KDA", "LINEAR_ATTENTION", "LONGHORN", "MAMBA2", "RETNET", "fixed_prior", "get_design",
+    "KDA", "LINEAR_ATTENTION", "LONGHORN", "MAMBA2", "RETNET", "fixed_prior", "get_design", "lowrank_diagonal",
 ]

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, replace
 
 from ..training.optim import DECAY_POLICY
-from .core_models import CORE_KINDS, CORE_LABELS
+from .core_models import ALL_KINDS, CORE_KINDS, CORE_LABELS
 from .harness import TrainConfig, results_record, summarize, summarize_curves, train_seeds, write_json
 
 
@@ -32,9 +32,9 @@ def run_sweep(name: str, preset, models, cfg: TrainConfig, *, build_model: Calla
     after every model (a long sweep shows its progress) and per-seed runs are cached under
     ``out_dir/runs`` so an interrupted sweep resumes.
     """
-    unknown = [m for m in models if m not in CORE_KINDS]
+    unknown = [m for m in models if m not in ALL_KINDS]
     if unknown or not models:
-        raise ValueError(f"models must be a non-empty subset of {CORE_KINDS}, got {list(models)}")
+        raise ValueError(f"models must be a non-empty subset of {ALL_KINDS}, got {list(models)}")
     run_dir = os.path.join(out_dir, "runs") if out_dir else None
     models = list(models)
     config = {**asdict(preset), "train": asdict(cfg), "optimizer_groups": DECAY_POLICY}
@@ -123,7 +123,9 @@ def add_command(sub, *, name: str, help: str, doc: str, presets: dict, paper_bud
     p = sub.add_parser(name, help=help, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=sorted(presets), default="default",
                    help=f"'paper' = {paper_budget}; 'default' ≈ 15 min on a 2-core CPU; 'tiny' = smoke test")
-    p.add_argument("--models", nargs="+", choices=CORE_KINDS, default=list(CORE_KINDS))
+    p.add_argument("--models", nargs="+", choices=ALL_KINDS, default=list(CORE_KINDS),
+                   help="models to train (default: the four of the paper; bayesian_lowrank<r> is the "
+                        "low-rank-plus-diagonal BL of rank r)")
     p.add_argument("--steps", type=int, default=None, help="override the preset's training steps")
     p.add_argument("--batch-size", type=int, default=None, help="override the preset's batch size")
     p.add_argument("--seeds", type=int, default=None, help="override the preset's number of seeds")

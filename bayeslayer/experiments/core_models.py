@@ -7,6 +7,9 @@ Everything else a token carries (WRITE/QUERY marker, value) reaches the filter
 only through learned maps from the residual stream:
 
 * value      ``v_t = W_v h_t``                                        ``[B, T, H, m]``
+* BL low-rank ``bayesian_lowrank<r>``: the same maps, the low-rank-plus-diagonal precision design
+  :func:`~bayeslayer.design.lowrank_diagonal` of rank ``r`` (conservative projection) in place of the
+  dense covariance (not in the default model list)
 * BL         exact Kalman write, ``r_t² = softplus(·) + 1e-4``, ``ℓ_t² = softplus(·) + 1e-6``,
   ``A_t = I`` (as in the deterministic study, SPEC §4.1: process noise is the only forgetting)
 * Delta      covariance-reset write ``M_t = M_{t-1} + β_t k_t (v_t − M_{t-1}ᵀ k_t)ᵀ``,
@@ -36,10 +39,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..design import BAYESIAN, DELTANET, GLA, LINEAR_ATTENTION
+from ..design import BAYESIAN, DELTANET, GLA, LINEAR_ATTENTION, lowrank_diagonal
 
 CORE_KINDS = ("bayesian", "delta", "linear_attention", "gla")
-CORE_LABELS = {"bayesian": "BL", "delta": "Delta-style", "linear_attention": "LA-style", "gla": "GLA-style"}
+# the low-rank-plus-diagonal BL at these ranks (head_dim 16); selectable, not run by default
+LOWRANK_RANKS = (0, 1, 2, 4, 8, 16)
+LOWRANK_KINDS = tuple(f"bayesian_lowrank{r}" for r in LOWRANK_RANKS)
+ALL_KINDS = CORE_KINDS + LOWRANK_KINDS
+CORE_LABELS = {"bayesian": "BL", "delta": "Delta-style", "linear_attention": "LA-style", "gla": "GLA-style",
+               **{f"bayesian_lowrank{r}": f"BL r={r}" for r in LOWRANK_RANKS}}
 
 
 @dataclass(frozen=True)
@@ -64,8 +72,10 @@ class CoreModelConfig:
     chunk_size: int = 16  # measured fastest on CPU for these short heads (D = m = 16)
 
     def __post_init__(self):
-        if self.kind not in CORE_KINDS:
-            raise ValueError(f"kind must be one of {CORE_KINDS}, got {self.kind!r}")
+        if self.kind not in ALL_KINDS:
+            raise ValueError(f"kind must be one of {ALL_KINDS}, got {self.kind!r}")
+        if self.kind in LOWRANK_KINDS and int(self.kind[len("bayesian_lowrank"):]) > self.head_dim:
+            raise ValueError(f"kind {self.kind!r}: rank must be <= head_dim = {self.head_dim}")
         for name in ("input_dim", "num_classes", "address_dim", "num_layers", "width", "num_heads",
                      "head_dim", "chunk_size"):
             val = getattr(self, name)
@@ -97,7 +107,10 @@ class CoreMixer(nn.Module):
         W, H = cfg.width, cfg.num_heads
         self.value = nn.Linear(W, H * self.m)
         self.out = nn.Linear(H * self.m, W)
-        if self.kind == "bayesian":
+        self.design = BAYESIAN
+        if self.kind in LOWRANK_KINDS:
+            self.design = lowrank_diagonal(int(self.kind[len("bayesian_lowrank"):]))
+        if self.kind.startswith("bayesian"):
             self.r2 = nn.Linear(W, H)
             self.ell2 = nn.Linear(W, H)
             # No decay: a learned α_t I with α ≈ 0.98 at init forgot targets over the long distractor
@@ -115,10 +128,10 @@ class CoreMixer(nn.Module):
         B, T, _ = h.shape
         qk = address.unsqueeze(2).expand(B, T, self.H, self.D)
         v = self.value(h).view(B, T, self.H, self.m)
-        if self.kind == "bayesian":
+        if self.kind.startswith("bayesian"):
             r2 = F.softplus(self.r2(h)) + 1e-4
             ell2 = F.softplus(self.ell2(h)) + 1e-6
-            out = BAYESIAN.chunk(qk, qk, v, r2=r2, ell2=ell2, p0=self.p0, chunk_size=self.chunk_size)
+            out = self.design.chunk(qk, qk, v, r2=r2, ell2=ell2, p0=self.p0, chunk_size=self.chunk_size)
         elif self.kind == "delta":
             beta = torch.sigmoid(self.coef(h)).clamp(min=1e-6)
             out = DELTANET.chunk(qk, qk, v, gain=beta, chunk_size=self.chunk_size)

@@ -100,6 +100,10 @@ MIXER_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "bayesian_noconv": ("bayesian", {"use_short_conv": False}),
     "deltanet_noconv": ("deltanet", {"use_short_conv": False}),
 }
+# the low-rank-plus-diagonal BL (bayeslayer.ops.lowrank) of rank r, sized by the state-budget rule for
+# "bayesian_lowrank" and built as the registry's "bayesian" with covariance="lowrank"; not a default
+LOWRANK_PREFIX = "bayesian_lowrank"
+LOWRANK_MIXERS = tuple(f"{LOWRANK_PREFIX}{r}" for r in (0, 1, 2, 4, 8, 16, 32))
 LAYOUTS = ("stacked", "hybrid")
 GATES = ("default", "on", "off")
 SWEEP_AXES = {"base": "model width", "update": "number of updates", "block": "number of pairs"}
@@ -228,9 +232,23 @@ def mixer_kwargs(head: HeadConfig) -> dict[str, Any]:
     if head.form == "ssd":
         return {"num_heads": head.num_heads, "head_dim": head.value_dim, "state_size": head.key_dim}
     kwargs = {"num_heads": head.num_heads, "head_dim": head.key_dim, "expand_v": head.value_dim / head.key_dim}
-    if head.form in ("bayes", "diagonal") and head.groups != 1:
+    if head.form in ("bayes", "diagonal", "lowrank") and head.groups != 1:
         kwargs["groups"] = head.groups
+    if head.form == "lowrank":
+        kwargs.update(covariance="lowrank", rank=head.rank)
     return kwargs
+
+
+def _lowrank_rank(mixer: str) -> int | None:
+    """``r`` of a ``bayesian_lowrank<r>`` name, else ``None``."""
+    if isinstance(mixer, str) and mixer.startswith(LOWRANK_PREFIX) and mixer[len(LOWRANK_PREFIX):].isdigit():
+        return int(mixer[len(LOWRANK_PREFIX):])
+    return None
+
+
+def mixer_label(mixer: str) -> str:
+    rank = _lowrank_rank(mixer)
+    return f"BL low-rank r={rank}" if rank is not None else MIXER_LABELS.get(mixer, mixer)
 
 
 @dataclass(frozen=True)
@@ -385,10 +403,16 @@ def gate_kwargs(layer: str, gate: str, layout: str) -> dict[str, Any]:
 
 def model_config(mixer: str, preset: MQARPreset, width: int) -> tuple[MQARModelConfig, HeadConfig]:
     """The model of ``mixer`` at ``width`` whose per-layer state fills ``preset.budget`` (solver's rule)."""
-    layer, extra = resolve_mixer(mixer)
-    if layer not in STATE_FORMS or layer not in MIXER_REGISTRY:
-        raise ValueError(f"mixer {mixer!r} has no state-budget rule or no layer; use one of {known_mixers()}")
-    head = solve_state_budget(preset.budget, width, layer)
+    rank = _lowrank_rank(mixer)
+    if rank is not None:
+        layer, extra = "bayesian", {}
+        head = solve_state_budget(preset.budget, width, LOWRANK_PREFIX, rank=rank)
+    else:
+        layer, extra = resolve_mixer(mixer)
+        if layer not in STATE_FORMS or layer not in MIXER_REGISTRY:
+            raise ValueError(f"mixer {mixer!r} has no state-budget rule or no layer; use one of {known_mixers()} "
+                             f"or {LOWRANK_PREFIX}<r>")
+        head = solve_state_budget(preset.budget, width, layer)
     kwargs = {**mixer_kwargs(head), "chunk_size": preset.chunk_size, **extra,
               **gate_kwargs(layer, preset.gate, preset.layout)}
     cfg = MQARModelConfig(layer, preset.vocab_size, width, preset.num_layers, preset.mlp_mult, kwargs,
@@ -538,9 +562,9 @@ def train_config(preset: MQARPreset, steps: int) -> TrainConfig:
 def _check_mixers(mixers: Sequence[str]) -> list[str]:
     mixers = list(mixers)
     known = known_mixers()
-    bad = [m for m in mixers if m not in known]
+    bad = [m for m in mixers if m not in known and _lowrank_rank(m) is None]
     if not mixers or bad or len(set(mixers)) != len(mixers):
-        raise ValueError(f"mixers must be distinct names from {known}; got {mixers}")
+        raise ValueError(f"mixers must be distinct names from {known} or {LOWRANK_PREFIX}<r>; got {mixers}")
     return mixers
 
 
@@ -627,10 +651,10 @@ def run_mqar(task: str, preset: MQARPreset, mixers: Sequence[str] = DEFAULT_MIXE
                               "seeds": grid["records"]})
         if not per_width:
             continue
-        results[mixer] = {"label": MIXER_LABELS.get(mixer, mixer), "runs": per_width,
+        results[mixer] = {"label": mixer_label(mixer), "runs": per_width,
                           "summary": summarize_mixer(task, per_width)}
         s = results[mixer]["summary"]
-        log(f"  {MIXER_LABELS.get(mixer, mixer)}: test accuracy "
+        log(f"  {mixer_label(mixer)}: test accuracy "
             + ", ".join(f"{x}: {a:.3f}" for x, a in zip(s["x"], s["accuracy"]["mean"], strict=True))
             + f"  (val {s['val_accuracy']['mean'][-1]:.3f}, {s['train_seconds']['mean']:.0f} s train)")
         record["wall_seconds"] = time.perf_counter() - t0
@@ -775,9 +799,11 @@ def add_parser(sub) -> None:
     p.add_argument("--preset", choices=sorted(PRESETS), default="default",
                    help="'paper' = SPEC §4.4; 'default' ≈ 20 min per task on an idle 2-core CPU; "
                         "'cpu-paper-data' = default with vocabulary 8,192 and random fillers; 'tiny' = smoke")
-    p.add_argument("--mixers", nargs="+", default=list(DEFAULT_MIXERS), choices=known_mixers(), metavar="MIXER",
+    p.add_argument("--mixers", nargs="+", default=list(DEFAULT_MIXERS), choices=known_mixers() + list(LOWRANK_MIXERS),
+                   metavar="MIXER",
                    help=f"registry names or conv-free variants {sorted(MIXER_VARIANTS)} "
-                        f"(default: {' '.join(DEFAULT_MIXERS)})")
+                        f"(default: {' '.join(DEFAULT_MIXERS)}); {LOWRANK_PREFIX}<r> is the "
+                        "low-rank-plus-diagonal BL of rank r at the same state budget")
     p.add_argument("--layout", choices=LAYOUTS, default=None,
                    help="'stacked' (default): num_layers blocks of the mixer; 'hybrid': Zoology's model, a "
                         "short-conv (BaseConv, kernel 3) block before each mixer block")

@@ -8,6 +8,8 @@ mixer                                                 state floats per layer
 ====================================================  ==============================
 ``bayesian``                                          ``H·(D·m + G·D²)`` (mean + G covariances)
 ``diagonal_covariance``                               ``H·(D·m + G·D)``
+``bayesian_lowrank`` (``rank=r``)                     ``H·(D·m + G·D·(r + 1))`` (mean + G precision
+                                                      factors ``[υ, W]``, :mod:`bayeslayer.ops.lowrank`)
 ``deltanet``, ``gated_deltanet``,                     ``H·D·m``
 ``gated_deltanet_noconv``, ``kda``,
 ``linear_attention``, ``retnet``, ``gla``
@@ -66,6 +68,7 @@ from dataclasses import asdict, dataclass
 STATE_FORMS: dict[str, str] = {
     "bayesian": "bayes",
     "diagonal_covariance": "diagonal",
+    "bayesian_lowrank": "lowrank",
     "deltanet": "mean",
     "gated_deltanet": "mean",
     "gated_deltanet_noconv": "mean",
@@ -75,12 +78,15 @@ STATE_FORMS: dict[str, str] = {
     "gla": "mean",
     "mamba2": "ssd",
 }
-MIXERS = tuple(STATE_FORMS)
+# every mixer but the low-rank BL, which needs its rank (solve_state_budget(..., rank=r))
+MIXERS = tuple(name for name in STATE_FORMS if name != "bayesian_lowrank")
+COVARIANCE_FORMS = ("bayes", "diagonal", "lowrank")
 PAPER_BUDGET = 8192
 
 _FORMULAS = {
     "bayes": "H·(D·m + G·D²)",
     "diagonal": "H·(D·m + G·D)",
+    "lowrank": "H·(D·m + G·D·(r+1))",
     "mean": "H·D·m",
     "ssd": "H·d_state·head_dim",
 }
@@ -98,6 +104,7 @@ class HeadConfig:
         key_dim: ``D`` per head (``mamba2``: ``d_state``).
         value_dim: ``m`` per head (``mamba2``: ``head_dim``).
         groups: ``G`` observation-noise groups (covariance blocks) per head; 1 without a covariance.
+        rank: ``r`` of ``bayesian_lowrank`` (``None`` for every other mixer).
     """
 
     mixer: str
@@ -107,6 +114,7 @@ class HeadConfig:
     key_dim: int
     value_dim: int
     groups: int = 1
+    rank: int | None = None
 
     @property
     def form(self) -> str:
@@ -120,6 +128,8 @@ class HeadConfig:
             return H * (D * m + G * D * D)
         if self.form == "diagonal":
             return H * (D * m + G * D)
+        if self.form == "lowrank":
+            return H * (D * m + G * D * (self.rank + 1))
         return H * D * m
 
     @property
@@ -148,6 +158,7 @@ class HeadConfig:
             count = {
                 "bayes": f"{H}·({D}·{m} + {G}·{D}²)",
                 "diagonal": f"{H}·({D}·{m} + {G}·{D})",
+                "lowrank": f"{H}·({D}·{m} + {G}·{D}·({self.rank}+1))",
                 "mean": f"{H}·{D}·{m}",
             }[self.form]
         return (f"{self.mixer:<22} {sizes:<40} state {_FORMULAS[self.form]} = {count} = "
@@ -155,7 +166,10 @@ class HeadConfig:
 
     def to_dict(self) -> dict:
         """Fields plus ``state_size`` and ``usage``, for JSON results."""
-        return {**asdict(self), "state_size": self.state_size, "usage": self.usage}
+        d = asdict(self)
+        if self.rank is None:
+            del d["rank"]  # only the low-rank BL has one
+        return {**d, "state_size": self.state_size, "usage": self.usage}
 
 
 # -- argument checks ---------------------------------------------------------------------------------
@@ -172,8 +186,8 @@ def _divisors(n: int) -> list[int]:
 
 
 # -- candidates --------------------------------------------------------------------------------------
-def _candidates(mixer: str, budget: int, width: int, num_heads: int | None, groups: int, expand: int
-                ) -> list[HeadConfig]:
+def _candidates(mixer: str, budget: int, width: int, num_heads: int | None, groups: int, expand: int,
+                rank: int | None = None) -> list[HeadConfig]:
     """Every configuration the rule admits that fits the budget (usage not yet checked)."""
     form = STATE_FORMS[mixer]
     out = []
@@ -191,14 +205,16 @@ def _candidates(mixer: str, budget: int, width: int, num_heads: int | None, grou
             continue
         D = width // H
         per_head = budget // H  # H·x ≤ budget ⟺ x ≤ ⌊budget/H⌋ for integer x
+        if form == "lowrank" and rank > D:
+            continue  # the rank cannot exceed this head dim
         if form == "mean":
             m, G = per_head // D, 1
         else:
             G = groups
-            cov = G * D * D if form == "bayes" else G * D
+            cov = {"bayes": G * D * D, "diagonal": G * D, "lowrank": G * D * ((rank or 0) + 1)}[form]
             m = max(per_head - cov, 0) // (D * G) * G  # the largest multiple of G that fits
         if m >= G:
-            out.append(HeadConfig(mixer, budget, width, H, D, m, G))
+            out.append(HeadConfig(mixer, budget, width, H, D, m, G, rank if form == "lowrank" else None))
     return out
 
 
@@ -220,6 +236,7 @@ def solve_state_budget(
     min_usage: float = 0.9,
     target_head_dim: int = 64,
     expand: int = 2,
+    rank: int | None = None,
 ) -> HeadConfig:
     """The head configuration of ``mixer`` at model ``width`` whose recurrent state best fills ``budget``.
 
@@ -236,6 +253,8 @@ def solve_state_budget(
         min_usage: the least fraction of the budget the state must use, in (0, 1].
         target_head_dim: preferred head dim among equally full configurations.
         expand: Mamba-2's inner expansion (``d_inner = expand·width``).
+        rank: ``bayesian_lowrank`` only (required there): the rank ``r`` of the precision factor;
+            head dims below ``r`` are not admitted.
 
     Returns:
         :class:`HeadConfig` with ``state_size ≤ budget`` and ``usage ≥ min_usage``.
@@ -256,21 +275,30 @@ def solve_state_budget(
     if isinstance(min_usage, bool) or not isinstance(min_usage, numbers.Real) or not 0 < min_usage <= 1:
         raise ValueError(f"min_usage must be a number in (0, 1], got {min_usage!r}")
     form = STATE_FORMS[mixer]
-    if groups != 1 and form not in ("bayes", "diagonal"):
+    if form == "lowrank":
+        if rank is None:
+            raise ValueError("mixer 'bayesian_lowrank' needs rank (an integer >= 0)")
+        from ..ops.lowrank import check_rank
+
+        rank = check_rank(rank)
+    elif rank is not None:
+        raise ValueError(f"rank applies only to mixer 'bayesian_lowrank', not {mixer!r}")
+    if groups != 1 and form not in COVARIANCE_FORMS:
         raise ValueError(f"groups={groups} applies only to mixers with a covariance, not {mixer!r}")
     split = expand * width if form == "ssd" else width
     if num_heads is not None and split % num_heads:
         what = f"expand·width = {expand}·{width}" if form == "ssd" else f"width {width}"
         raise ValueError(f"num_heads={num_heads} does not divide the {what} of mixer {mixer!r}")
 
-    found = _candidates(mixer, budget, width, num_heads, groups, expand)
-    where = f"a {mixer} layer (state {_FORMULAS[form]}) at width {width}" + (
+    found = _candidates(mixer, budget, width, num_heads, groups, expand, rank)
+    where = f"a {mixer} layer (state {_FORMULAS[form]}" + (f", r = {rank}" if form == "lowrank" else "") + (
+        f") at width {width}") + (
         f" with num_heads={num_heads}" if num_heads is not None else ""
     )
     if not found:
         raise ValueError(
             f"state budget {budget} floats cannot hold {where}: even the smallest configuration needs "
-            f"{_smallest_state(mixer, width, num_heads, groups, expand)} floats"
+            f"{_smallest_state(mixer, width, num_heads, groups, expand, rank)} floats"
         )
     best = min(found, key=_preference(target_head_dim))
     if best.usage < min_usage:
@@ -282,16 +310,20 @@ def solve_state_budget(
     return best
 
 
-def _smallest_state(mixer: str, width: int, num_heads: int | None, groups: int, expand: int) -> int:
+def _smallest_state(mixer: str, width: int, num_heads: int | None, groups: int, expand: int,
+                    rank: int | None = None) -> int:
     """The state of the smallest configuration the rule admits (value dim ``m = G`` or ``d_state = 1``)."""
     form = STATE_FORMS[mixer]
     if form == "ssd":
         return expand * width
     sizes = []
     for H in [num_heads] if num_heads is not None else _divisors(width):
-        G = groups if form in ("bayes", "diagonal") else 1
-        sizes.append(HeadConfig(mixer, 1, width, H, width // H, G, G).state_size)
-    return min(sizes)
+        G = groups if form in COVARIANCE_FORMS else 1
+        if form == "lowrank" and rank > width // H:
+            continue
+        sizes.append(HeadConfig(mixer, 1, width, H, width // H, G, G, rank if form == "lowrank" else None
+                                ).state_size)
+    return min(sizes) if sizes else 0
 
 
 def match_state_budget(
@@ -310,8 +342,10 @@ def match_state_budget(
     configs = {}
     for mixer in mixers:
         kw = dict(kwargs)
-        if STATE_FORMS.get(mixer) not in ("bayes", "diagonal"):
+        if STATE_FORMS.get(mixer) not in COVARIANCE_FORMS:
             kw.pop("groups", None)  # G counts covariance blocks; the other mixers have none
+        if STATE_FORMS.get(mixer) != "lowrank":
+            kw.pop("rank", None)
         configs[mixer] = solve_state_budget(budget, width, mixer, **kw)
     if print_fn is not None:
         print_fn(f"state budget {budget} floats per layer, width {width}")
@@ -326,7 +360,7 @@ def _main(args: argparse.Namespace) -> int:
     for width in args.width:
         configs = match_state_budget(
             args.budget, width, args.mixers, num_heads=args.num_heads, groups=args.groups,
-            min_usage=args.min_usage, target_head_dim=args.target_head_dim,
+            min_usage=args.min_usage, target_head_dim=args.target_head_dim, rank=args.rank,
         )
         results.extend(c.to_dict() for c in configs.values())
     if args.json:
@@ -340,8 +374,9 @@ def add_parser(sub) -> None:
     p = sub.add_parser("state-budget", help="head configurations whose recurrent state fits a float budget")
     p.add_argument("--budget", type=int, default=PAPER_BUDGET, help="per-layer state budget in floats")
     p.add_argument("--width", type=int, nargs="+", default=[64], help="model width(s)")
-    p.add_argument("--mixers", nargs="+", default=list(MIXERS), choices=MIXERS, metavar="MIXER",
-                   help=f"mixers to size (default: all of {', '.join(MIXERS)})")
+    p.add_argument("--mixers", nargs="+", default=list(MIXERS), choices=tuple(STATE_FORMS), metavar="MIXER",
+                   help=f"mixers to size (default: all of {', '.join(MIXERS)}; bayesian_lowrank needs --rank)")
+    p.add_argument("--rank", type=int, default=None, help="rank r of bayesian_lowrank's precision factor")
     p.add_argument("--num-heads", type=int, default=None, help="fix the number of heads")
     p.add_argument("--groups", type=int, default=1, help="covariance groups G (covariance mixers only)")
     p.add_argument("--min-usage", type=float, default=0.9, help="least fraction of the budget to use")

@@ -6,8 +6,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..design import BAYESIAN, DIAGONAL_COVARIANCE
+from ..design import BAYESIAN, DIAGONAL_COVARIANCE, lowrank_diagonal
 from ..ops.backend import BackendError, check_backend
+from ..ops.lowrank import check_rank
 from ..ops.triton.support import unsupported
 from .base import QKVMixer
 from .common import (
@@ -20,7 +21,7 @@ from .common import (
 )
 
 DYNAMICS = ("scalar", "diagonal", "rotation", "identity")
-COVARIANCES = ("dense", "diagonal")
+COVARIANCES = ("dense", "diagonal", "lowrank")
 
 
 class BayesianLayer(QKVMixer):
@@ -41,7 +42,10 @@ class BayesianLayer(QKVMixer):
 
     ``M_0 = 0``, ``P_0 = p0·I``.  The recurrence is :data:`bayeslayer.design.BAYESIAN` (chunked
     ``bl_chunk`` for training and prefill, ``bl_step`` for decoding); ``covariance="diagonal"``
-    swaps in the diagonal-covariance ablation.
+    swaps in the diagonal-covariance ablation; ``covariance="lowrank", rank=r`` the
+    low-rank-plus-diagonal precision ``diag(υ) + W Wᵀ`` (:func:`bayeslayer.design.lowrank_diagonal`,
+    conservative projection: never more certain than the dense filter; ``r = head_dim`` is dense BL;
+    it trains through a token-by-token covariance pass and the chunked mean pass).
 
     Dynamics ``A_t``: ``scalar`` ``α_t I`` (GDN's parametrisation: ``a_proj [H, d]``, ``A_log [H]``,
     ``dt_bias [H]``, so a GDN layer's weights can initialise it), ``diagonal`` ``diag(α_t)``
@@ -61,12 +65,13 @@ class BayesianLayer(QKVMixer):
 
     (one ``d·V`` less without the gate).  ``p0 [H]`` is a buffer, not a parameter.
 
-    Recurrent state per head: ``D·m + G·D²`` floats (``D·m + G·D`` with ``covariance="diagonal"``).
+    Recurrent state per head: ``D·m + G·D²`` floats (``D·m + G·D`` with ``covariance="diagonal"``,
+    ``D·m + G·D·(r + 1)`` with ``covariance="lowrank"``).
 
     ``backend``: ``"auto"`` (default: the Triton kernels — chunked forward for sequences, the fused
     step kernel for one-token decoding — on CUDA tensors when Triton is installed and the layer's
     configuration has a kernel; PyTorch otherwise), ``"torch"``, or ``"triton"`` (always the kernels;
-    a configuration without one — ``covariance="diagonal"``, ``dynamics="rotation"``, ``head_dim >
+    a configuration without one — ``covariance="diagonal"`` or ``"lowrank"``, ``dynamics="rotation"``, ``head_dim >
     256``, a ``chunk_size`` outside 16/32/64 — raises ``BackendError`` here, and a device that cannot
     run Triton raises at the forward).  See :mod:`bayeslayer.ops.backend`.
     """
@@ -76,11 +81,21 @@ class BayesianLayer(QKVMixer):
                  use_short_conv: bool = True, conv_size: int = 4, conv_bias: bool = False,
                  use_gate: bool = True, norm_eps: float = 1e-5, r2_init: float = 1.0, ell2_init: float = 0.1,
                  r2_floor: float = 1e-3, ell2_floor: float = 1e-4, rope_base: float = 10000.0,
-                 chunk_size: int = 64, backend: str = "auto", layer_idx: int | None = None) -> None:
+                 chunk_size: int = 64, backend: str = "auto", layer_idx: int | None = None,
+                 rank: int | None = None) -> None:
         if dynamics not in DYNAMICS:
             raise ValueError(f"dynamics must be one of {DYNAMICS}, got {dynamics!r}")
         if covariance not in COVARIANCES:
             raise ValueError(f"covariance must be one of {COVARIANCES}, got {covariance!r}")
+        if covariance == "lowrank":
+            if rank is None:
+                raise ValueError("covariance='lowrank' needs rank (an integer in [0, head_dim])")
+            rank = check_rank(rank, check_positive_int("head_dim", head_dim))
+            if dynamics == "rotation":
+                raise ValueError("covariance='lowrank' does not support dynamics='rotation' (a rotation does "
+                                 "not keep the diagonal precision diagonal); use scalar, diagonal or identity")
+        elif rank is not None:
+            raise ValueError(f"rank applies only to covariance='lowrank', got covariance={covariance!r}")
         check_positive_int("head_dim", head_dim)
         if dynamics == "rotation" and head_dim % 2 != 0:
             raise ValueError(
@@ -96,7 +111,8 @@ class BayesianLayer(QKVMixer):
             )
         self.dynamics = dynamics
         self.covariance = covariance
-        self.design = BAYESIAN if covariance == "dense" else DIAGONAL_COVARIANCE
+        self.rank = rank
+        self.design = {"dense": BAYESIAN, "diagonal": DIAGONAL_COVARIANCE}.get(covariance) or lowrank_diagonal(rank)
         self.r2_floor = check_positive_float("r2_floor", r2_floor)
         self.ell2_floor = check_positive_float("ell2_floor", ell2_floor)
         for name, init, floor in (("r2_init", r2_init, r2_floor), ("ell2_init", ell2_init, ell2_floor)):
@@ -155,12 +171,17 @@ class BayesianLayer(QKVMixer):
     def initial_state(self, batch_size: int, dtype: torch.dtype, device) -> tuple:
         M, P = self.design.initial_state(batch_size, self.num_heads, self.head_dim, self.head_v_dim,
                                          groups=self.groups, dtype=dtype, device=device)
+        if self.covariance == "lowrank":
+            # F = [υ, W]: υ_0 = 1/p0 per head, W_0 = 0
+            P[..., 0] = 1.0 / self.p0.to(dtype).reshape((1, -1) + (1,) * (P.dim() - 3))
+            return M, P
         scale = self.p0.to(dtype).reshape((1, -1) + (1,) * (P.dim() - 2))
         return M, P * scale
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, dynamics={self.dynamics}, covariance={self.covariance}, "
-                f"groups={self.groups}, backend={self.backend}")
+                f"groups={self.groups}, backend={self.backend}"
+                + (f", rank={self.rank}" if self.rank is not None else ""))
 
     # -- sizes -------------------------------------------------------------------------------------
     def state_size_per_head(self) -> int:

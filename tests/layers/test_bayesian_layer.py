@@ -144,7 +144,9 @@ def test_state_size_docstring_formula():
 @pytest.mark.parametrize("bad, match", [
     (dict(dynamics="rotation", head_dim=7), "even head_dim, got 7"),
     (dict(dynamics="spiral"), "dynamics must be one of"),
-    (dict(covariance="lowrank"), "covariance must be one of"),
+    (dict(covariance="lowrnk"), "covariance must be one of"),
+    (dict(covariance="lowrank"), "covariance=.lowrank. needs rank"),
+    (dict(covariance="lowrank", rank=9), "rank must be <= the key dim D = 8"),
     (dict(groups=3), r"groups=3 must divide the value head dim m = head_dim·expand_v = 16"),
     (dict(groups=0), "groups must be a positive integer"),
     (dict(expand_v=1.3), "non-integer value head dim"),

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from bayeslayer.layers import MIXERS, MixerOutput, build_mixer
+from bayeslayer.ops.lowrank import lowrank_covariance
 
 HIDDEN = 16
 
@@ -18,6 +19,9 @@ CONFIGS = {
     "bayesian_identity_noconv": ("bayesian", dict(num_heads=2, head_dim=8, dynamics="identity",
                                                   use_short_conv=False)),
     "bayesian_diagcov": ("bayesian", dict(num_heads=2, head_dim=8, covariance="diagonal", groups=4)),
+    "bayesian_lowrank": ("bayesian", dict(num_heads=2, head_dim=8, covariance="lowrank", rank=3, groups=2)),
+    "bayesian_lowrank_diagonal": ("bayesian", dict(num_heads=2, head_dim=8, covariance="lowrank", rank=1,
+                                                   dynamics="diagonal")),
     "gated_deltanet": ("gated_deltanet", dict(num_heads=2, head_dim=8)),
     "gated_deltanet_noconv": ("gated_deltanet_noconv", dict(num_heads=2, head_dim=8)),
     "deltanet": ("deltanet", dict(num_heads=2, head_dim=8)),
@@ -72,8 +76,15 @@ def test_prefill_then_decode_equals_full_forward(case, prefill):
     assert isinstance(full, MixerOutput)
     pieces, state = decode(mixer, x, prefill)
     torch.testing.assert_close(pieces, full.o, rtol=1e-10, atol=1e-10)
+    if "lowrank" in case:
+        # the factor W of the low-rank precision is unique only up to W R (R orthogonal): compare the
+        # covariance it stands for
+        state, full_state = (dict(s, recurrent=(s["recurrent"][0], lowrank_covariance(s["recurrent"][1])))
+                             for s in (state, full.state))
+    else:
+        full_state = full.state
     flat_a = [t for t in _tensors(state)]
-    flat_b = [t for t in _tensors(full.state)]
+    flat_b = [t for t in _tensors(full_state)]
     assert len(flat_a) == len(flat_b) > 0
     for a, b in zip(flat_a, flat_b, strict=True):
         torch.testing.assert_close(a.double(), b.double(), rtol=1e-10, atol=1e-10)
