@@ -64,7 +64,6 @@ from __future__ import annotations
 import argparse
 import math
 import numbers
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -80,7 +79,8 @@ from ..design import (
     lowrank_diagonal,
 )
 from ..ops import FilterOutput
-from .plotting import RefLine, Series, line_plot, load_json, save_json
+from .cli_checks import PLOT_ONLY_HELP, check_out_dir, plot_only_json
+from .plotting import RefLine, Series, line_plot, save_json
 
 # -- the paper's protocol (SPEC §4.1) -------------------------------------------------------------
 PAPER_CONFIG = {"D": 16, "m": 6, "rho": 0.92, "p0": 3.0, "r2": 0.05, "ell2": 0.05}
@@ -889,18 +889,9 @@ MEANING = (
 
 # -- command line ---------------------------------------------------------------------------------
 def _main(args: argparse.Namespace) -> int:
-    try:
-        return _run(args)
-    except (ValueError, TypeError, FileNotFoundError) as err:
-        # bad arguments or a bad results file: one clear line, not a traceback
-        print(f"bayeslayer collision: error: {err}", file=sys.stderr)
-        return 2
-
-
-def _run(args: argparse.Namespace) -> int:
-    if args.plot_only is not None:
-        out_dir = Path(args.plot_only)
-        results = load_json(out_dir / "collision.json")
+    out_dir = check_out_dir(args.out)
+    if args.plot_only:
+        results = plot_only_json(out_dir, "collision")
         paths = plot_collision(results, out_dir)
         print(format_table(results))
         lowrank_paths = []
@@ -923,7 +914,6 @@ def _run(args: argparse.Namespace) -> int:
         "oracle vs chunked path, max |Δ| of readouts and gains: "
         + ", ".join(f"{n} {d:.1e}" for n, d in diffs.items())
     )
-    out_dir = Path(args.out)
     json_path = save_json(results, out_dir / "collision.json")
     paths = plot_collision(results, out_dir)
     extras = run_extras(**kw)
@@ -959,19 +949,13 @@ def add_parser(sub) -> None:
         description="Write A..F twice, reinforce B 40×, then write the overlapping A 60×; read at B's key "
         "after every step.  Writes DIR/collision.json and PNG figures drawn from it.",
     )
-    mode = p.add_mutually_exclusive_group()
-    mode.add_argument(
+    p.add_argument(
         "--out",
         default="results/collision",
         metavar="DIR",
         help="folder for collision.json and the figures (default: results/collision)",
     )
-    mode.add_argument(
-        "--plot-only",
-        metavar="DIR",
-        default=None,
-        help="redraw the figures and table from an existing DIR/collision.json; runs nothing",
-    )
+    p.add_argument("--plot-only", action="store_true", help=PLOT_ONLY_HELP)
     p.add_argument(
         "--rho", type=float, default=PAPER_CONFIG["rho"], help="key overlap k_Aᵀk_B (default 0.92)"
     )

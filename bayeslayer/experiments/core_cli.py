@@ -2,19 +2,19 @@
 
 Both commands have the same shape: a preset (``paper`` / ``default`` / ``tiny``) with optional
 ``--steps/--batch-size/--seeds`` overrides, a run that writes ``<name>.json`` and draws
-``<name>.png`` from it, ``--plot-only`` to redraw from a saved JSON, and a printed table of
+``<name>.png`` from it, ``--plot-only`` to redraw them from the JSON in ``--out``, and a printed table of
 ``mean ± std`` rows per model.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, replace
 
 from ..training.optim import DECAY_POLICY
+from .cli_checks import PLOT_ONLY_HELP, check_out_dir, plot_only_json, positive_int_arg
 from .core_models import ALL_KINDS, CORE_KINDS, CORE_LABELS
 from .harness import TrainConfig, results_record, summarize, summarize_curves, train_seeds, write_json
 
@@ -96,11 +96,12 @@ def print_summary_table(record: dict, key: str, xs: Sequence, x_label: str, x_fm
 
 def run_command(args, *, name: str, presets: dict, paper_budget: str, run: Callable,
                 plot: Callable, print_table: Callable) -> int:
-    """``--plot-only`` redraws from JSON; otherwise run the preset, print the table, say where files went."""
+    """``--plot-only`` redraws from ``<out>/<name>.json``; otherwise run the preset, print the table, say
+    where files went.  ``--out`` and the overrides are checked before any training."""
+    out_dir = check_out_dir(args.out)
     if args.plot_only:
-        with open(args.plot_only) as fh:
-            record = json.load(fh)
-        out = os.path.splitext(args.plot_only)[0] + ".png"
+        record = plot_only_json(out_dir, name, experiment=name)
+        out = os.path.join(out_dir, f"{name}.png")
         plot(record, out)
         print_table(record)
         print(f"\nredrew {out}")
@@ -126,10 +127,10 @@ def add_command(sub, *, name: str, help: str, doc: str, presets: dict, paper_bud
     p.add_argument("--models", nargs="+", choices=ALL_KINDS, default=list(CORE_KINDS),
                    help="models to train (default: the four of the paper; bayesian_lowrank<r> is the "
                         "low-rank-plus-diagonal BL of rank r)")
-    p.add_argument("--steps", type=int, default=None, help="override the preset's training steps")
-    p.add_argument("--batch-size", type=int, default=None, help="override the preset's batch size")
-    p.add_argument("--seeds", type=int, default=None, help="override the preset's number of seeds")
+    p.add_argument("--steps", type=positive_int_arg, default=None, help="override the preset's training steps")
+    p.add_argument("--batch-size", type=positive_int_arg, default=None, help="override the preset's batch size")
+    p.add_argument("--seeds", type=positive_int_arg, default=None, help="override the preset's number of seeds")
     p.add_argument("--out", default=f"results/{name}", help="output directory (JSON, PNG, per-seed cache)")
-    p.add_argument("--plot-only", metavar="JSON", default=None, help="redraw the plot and table from a JSON")
+    p.add_argument("--plot-only", action="store_true", help=PLOT_ONLY_HELP)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=func)

@@ -12,6 +12,7 @@ import time
 import torch
 
 from ..ops import bl_chunk, bl_recurrent
+from .cli_checks import positive_int_arg
 
 
 def run_demo(T: int = 512, D: int = 32, m: int = 32, H: int = 2, seed: int = 0) -> dict:
@@ -49,5 +50,5 @@ def _main(args) -> int:
 
 def add_parser(sub) -> None:
     p = sub.add_parser("demo", help="seconds-long check: chunked Bayesian Layer == exact Kalman filter")
-    p.add_argument("--T", type=int, default=512, help="sequence length")
+    p.add_argument("--T", type=positive_int_arg, default=512, help="sequence length")
     p.set_defaults(func=_main)

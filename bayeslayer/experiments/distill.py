@@ -59,8 +59,18 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..errors import UsageError
 from ..training import OutputLock, read_json
 from ..training.files import sha256_file
+from .cli_checks import (
+    DEVICE_HELP,
+    check_in_dir,
+    check_out_dir,
+    check_source,
+    check_tokenizer,
+    device_arg,
+    positive_int_arg,
+)
 from .distill_losses import (
     COSINE_WEIGHT,
     MLP_LR_SCALE,
@@ -206,6 +216,13 @@ PRESETS: dict[str, DistillConfig] = {
 
 
 # --------------------------------------------------------------------------- teacher
+
+
+def is_hub_id(path_or_repo_id: str | os.PathLike) -> bool:
+    """Whether :func:`resolve_model_dir` would fetch ``path_or_repo_id`` from the hub."""
+    from ..models.checkpoint import _hub_id
+
+    return _hub_id(path_or_repo_id) is not None
 
 
 def resolve_model_dir(path_or_repo_id: str | os.PathLike) -> Path:
@@ -525,7 +542,8 @@ def run_eval(args: argparse.Namespace) -> dict:
     """``bayeslayer distill eval``: NIAH (Table 6 layout + heatmaps) and held-out PPL (Table 7 layout)."""
     from ..cli import build_parser
 
-    out = Path(args.out)
+    out = check_in_dir(args.out, option="--out", what="distillation folder")
+    check_out_dir(out / "eval")
     report = json.loads((out / "distill.json").read_text()) if (out / "distill.json").is_file() else {}
     models = eval_models(out)
     labels = [label for label, _ in models]
@@ -585,6 +603,28 @@ def _parse_names(text: str) -> tuple[str, ...]:
     return tuple(x.strip() for x in text.split(",") if x.strip())
 
 
+def _parse_stages(text: str) -> tuple[str, ...]:
+    stages = _parse_names(text)
+    bad = [s for s in stages if s not in STAGES]
+    if bad or not stages:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated subset of {','.join(STAGES)}, got {text!r}")
+    return stages
+
+
+def _list_arg(kind: type, what: str):
+    """argparse ``type=`` that checks a comma-separated list of ``kind`` and keeps the text (it is
+    passed on to ``niah`` / ``lm eval`` as written)."""
+    def parse(text: str) -> str:
+        try:
+            values = [kind(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            values = []
+        if not values:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got {text!r}")
+        return text
+    return parse
+
+
 def config_from_args(args: argparse.Namespace) -> DistillConfig:
     """The preset named by ``--preset`` with the command line's overrides applied."""
     overrides = {name: getattr(args, name) for name in (
@@ -597,11 +637,24 @@ def config_from_args(args: argparse.Namespace) -> DistillConfig:
     return replace(PRESETS[args.preset], **overrides)
 
 
+def check_train_args(config: DistillConfig, out: str) -> None:
+    """What ``distill train`` can check before it loads the teacher or writes a file."""
+    if not config.teacher:
+        raise UsageError("no teacher: pass --teacher (a Gated DeltaNet checkpoint directory or hub id)")
+    check_out_dir(out)
+    check_source(config.source)
+    if config.tokenizer is not None:
+        check_tokenizer(config.tokenizer)
+    if not is_hub_id(config.teacher):
+        resolve_model_dir(config.teacher)  # a missing local folder fails here, at once (a hub id is fetched later)
+
+
 def _train_main(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     config = config_from_args(args)
     out = args.out or os.path.join("runs", "distill", config.preset)
+    check_train_args(config, out)
     report = run_distill(config, out, stages=args.stages, device=args.device, cache_dir=args.cache_dir,
                          progress=not args.no_progress, stop_after=args.stop_after)
     if int(os.environ.get("RANK", "0")) == 0:
@@ -637,7 +690,7 @@ def add_parser(sub) -> None:
     t.add_argument("--teacher", help="teacher: a Gated DeltaNet checkpoint directory, one of our model "
                                      "directories, or a hub id owner/name")
     t.add_argument("--layers", type=_parse_ints, help="layers to swap, e.g. 5,11,17,23")
-    t.add_argument("--stages", type=_parse_names, default=STAGES, help="subset of phase_a,phase_b,gdn_ft")
+    t.add_argument("--stages", type=_parse_stages, default=STAGES, help="subset of phase_a,phase_b,gdn_ft")
     t.add_argument("--mlp-parts", type=_parse_names, help="MLP parts of the swapped layers to train in Phase B "
                                                           "and GDN-FT (gate_proj,up_proj,down_proj; '' for none)")
     t.add_argument("--mixer-kwargs", help="JSON object of Bayesian Layer arguments, e.g. '{\"p0\": 1.0}'")
@@ -650,30 +703,33 @@ def add_parser(sub) -> None:
     t.add_argument("--source", help="corpus: python-docs, hf:<name>[:<config>] or a local path")
     t.add_argument("--tokenizer", help="tokenizer.json (default: the teacher's)")
     t.add_argument("--precision", choices=PRECISIONS)
-    t.add_argument("--device", default="auto")
+    t.add_argument("--device", type=device_arg, default="auto", help=DEVICE_HELP)
     t.add_argument("--cache-dir", default=None)
     t.add_argument("--out", default=None, help="output directory (default runs/distill/<preset>)")
-    t.add_argument("--stop-after", type=int, default=None, help="stop the current stage after this many steps")
+    t.add_argument("--stop-after", type=positive_int_arg, default=None,
+                   help="stop the current stage after this many steps")
     t.add_argument("--no-progress", action="store_true")
     t.set_defaults(func=_train_main)
 
     e = d_sub.add_parser("eval", help="NIAH and held-out PPL of GDN-zero, GDN-FT and BL")
     e.add_argument("--out", required=True, help="the directory `distill train` wrote")
-    e.add_argument("--niah-lengths", default="2048,4096,8192,16384")
-    e.add_argument("--niah-depths", default="0,10,20,30,40,50,60,70,80,90,100", help="needle depths in percent")
-    e.add_argument("--max-new-tokens", type=int, default=None, help="NIAH answer budget (default: niah's)")
+    e.add_argument("--niah-lengths", type=_list_arg(int, "integers"), default="2048,4096,8192,16384")
+    e.add_argument("--niah-depths", type=_list_arg(float, "numbers"), default="0,10,20,30,40,50,60,70,80,90,100",
+                   help="needle depths in percent")
+    e.add_argument("--max-new-tokens", type=positive_int_arg, default=None,
+                   help="NIAH answer budget (default: niah's)")
     e.add_argument("--niah-tasks", default=None, help="comma-separated NIAH tasks (default: all eight)")
-    e.add_argument("--samples-per-cell", type=int, default=30)
+    e.add_argument("--samples-per-cell", type=positive_int_arg, default=30)
     e.add_argument("--haystack", default="python-docs", help="corpus the essay haystacks come from")
-    e.add_argument("--ppl-lengths", default="2048,4096,8192,16384")
+    e.add_argument("--ppl-lengths", type=_list_arg(int, "integers"), default="2048,4096,8192,16384")
     e.add_argument("--source", action="append", default=None, help="held-out corpus (repeatable; default: the "
                                                                      "distillation corpus)")
     e.add_argument("--split", default="test")
-    e.add_argument("--max-windows", type=int, default=None, help="cap windows per corpus × length")
+    e.add_argument("--max-windows", type=positive_int_arg, default=None, help="cap windows per corpus × length")
     e.add_argument("--tokenizer", default=None, help="default: the one the distillation used")
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--cache-dir", default=None, help="token and held-out PPL cache (default $BAYESLAYER_CACHE)")
-    e.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    e.add_argument("--device", type=device_arg, default="auto", help=DEVICE_HELP)
     e.add_argument("--skip-niah", action="store_true")
     e.add_argument("--skip-ppl", action="store_true")
     e.add_argument("--quiet", action="store_true")

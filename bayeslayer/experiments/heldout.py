@@ -54,6 +54,16 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..errors import UsageError
+from .cli_checks import (
+    DEVICE_HELP,
+    PLOT_ONLY_HELP,
+    check_in_dir,
+    check_out_dir,
+    device_arg,
+    plot_only_json,
+    positive_int_arg,
+)
 from .harness import results_record, write_json
 from .lm import (
     PRECISIONS,
@@ -748,7 +758,8 @@ def add_heldout_arguments(parser: argparse.ArgumentParser, *, shared: bool = Fal
                    help="non-overlapping: each token scored once, context resets every L tokens (the paper's "
                         "protocol); sliding: windows every --stride tokens, each token scored once with "
                         ">= L - stride tokens of context")
-    g.add_argument("--stride", type=int, default=None, help="window step of --windows sliding (1 <= S < L)")
+    g.add_argument("--stride", type=positive_int_arg, default=None,
+                   help="window step of --windows sliding (1 <= S < L)")
     g.add_argument("--lengths", type=_parse_lengths, default=None,
                    help="window lengths, e.g. 2048,4096,8192,16384 (the default when only --model is given)")
     g.add_argument("--model", action="append", type=_parse_model, default=None, metavar="[LABEL=]DIR",
@@ -758,7 +769,7 @@ def add_heldout_arguments(parser: argparse.ArgumentParser, *, shared: bool = Fal
     g.add_argument("--reference", default=None, help="label of the model the change is against (default: first)")
     g.add_argument("--tokenizer", default=None,
                    help="tokenizer.json for every model (default: each model's own, see the module docstring)")
-    g.add_argument("--max-windows", type=int, default=None,
+    g.add_argument("--max-windows", type=positive_int_arg, default=None,
                    help="evaluate only the first N windows per corpus × length (caps the cost)")
     g.add_argument("--max-documents", action="append", type=_parse_max_documents, default=None,
                    metavar="[SOURCE=]N", help="keep the split's first N documents (e.g. PG-19=50); repeat per source")
@@ -766,56 +777,70 @@ def add_heldout_arguments(parser: argparse.ArgumentParser, *, shared: bool = Fal
                    help="this source's split instead of --split (e.g. PG-19=validation); repeat per source")
     if shared:
         g.add_argument("--split", choices=("train", "validation", "test"), default="test")
-        g.add_argument("--batch-size", type=int, default=1)
+        g.add_argument("--batch-size", type=positive_int_arg, default=1)
         g.add_argument("--precision", choices=PRECISIONS, default="fp32")
-        g.add_argument("--device", default="auto")
+        g.add_argument("--device", type=device_arg, default="auto", help=DEVICE_HELP)
         g.add_argument("--cache-dir", default=None)
         g.add_argument("--out", default=_HELDOUT_DEFAULTS["out"])
         g.add_argument("--name", default=_HELDOUT_DEFAULTS["name"])
-        g.add_argument("--plot-only", metavar="JSON", default=None, help="redraw the table and plot from a JSON")
+        g.add_argument("--plot-only", action="store_true", help=PLOT_ONLY_HELP + " (<out>/<name>.json)")
 
 
-def is_heldout_request(args: argparse.Namespace) -> bool:
-    """Whether ``lm eval`` should run :func:`heldout_main`: ``--lengths`` or ``--model`` given, or
-    ``--plot-only`` names a held-out JSON."""
-    if getattr(args, "lengths", None) or getattr(args, "model", None):
-        return True
-    plot_only = getattr(args, "plot_only", None)
-    if plot_only and Path(plot_only).is_file():
-        try:
-            return load_json(plot_only).get("experiment") == "heldout"
-        except ValueError:
-            return False
-    return False
-
-
-def heldout_main(args: argparse.Namespace) -> int:
-    """``bayeslayer lm eval --lengths ... --model LABEL=DIR ...``: evaluate, write JSON, table and plot."""
+def _out_and_name(args: argparse.Namespace) -> tuple[str, str]:
+    """``--out``/``--name``, with ``lm eval``'s Table-2 defaults replaced by the held-out ones."""
     out = getattr(args, "out", None)
     out = _HELDOUT_DEFAULTS["out"] if out in (None, _LM_EVAL_DEFAULTS["out"]) else out
     name = getattr(args, "name", None)
     name = _HELDOUT_DEFAULTS["name"] if name in (None, _LM_EVAL_DEFAULTS["name"]) else name
-    plot_only = getattr(args, "plot_only", None)
-    if plot_only:
-        record = load_json(plot_only)
+    return out, name
+
+
+def is_heldout_request(args: argparse.Namespace) -> bool:
+    """Whether ``lm eval`` should run :func:`heldout_main`: ``--lengths`` or ``--model`` given, or
+    ``--plot-only`` with ``<out>/<name>.json`` a held-out results file."""
+    if getattr(args, "lengths", None) or getattr(args, "model", None):
+        return True
+    if getattr(args, "plot_only", False):
+        # the file as named (Table 2's defaults) first, then with the held-out defaults
+        given = (getattr(args, "out", None) or _LM_EVAL_DEFAULTS["out"], getattr(args, "name", None) or "lm")
+        for out, name in (given, _out_and_name(args)):
+            path = Path(out) / f"{name}.json"
+            if path.is_file():
+                try:
+                    return load_json(path).get("experiment") == "heldout"
+                except ValueError:
+                    return False
+    return False
+
+
+def heldout_main(args: argparse.Namespace) -> int:
+    """``bayeslayer lm eval --lengths ... --model LABEL=DIR ...``: evaluate, write JSON, table and plot.
+
+    ``--plot-only`` redraws the table and plot in ``--out`` from ``<out>/<name>.json``.
+    """
+    out, name = _out_and_name(args)
+    out_dir = check_out_dir(out)
+    if getattr(args, "plot_only", False):
+        record = plot_only_json(out_dir, name, experiment="heldout")
         _check_record(record)
-        directory, stem = Path(plot_only).parent, Path(plot_only).stem
-        (directory / f"{stem}.md").write_text(table7_markdown(record))
-        plot(record, directory / f"{stem}.png")
+        (out_dir / f"{name}.md").write_text(table7_markdown(record))
+        plot(record, out_dir / f"{name}.png")
         print(table7_markdown(record))
         return 0
     if getattr(args, "runs", None):
-        raise SystemExit("lm eval --lengths/--model: give every model as --model LABEL=DIR (run directories "
+        raise UsageError("lm eval --lengths/--model: give every model as --model LABEL=DIR (run directories "
                          f"too), not as positional runs {args.runs}")
     if getattr(args, "seq_len", None) is not None:
-        raise SystemExit("lm eval: --seq-len is the Table-2 window length; with --lengths/--model use --lengths")
+        raise UsageError("lm eval: --seq-len is the Table-2 window length; with --lengths/--model use --lengths")
     if getattr(args, "label", None):
-        raise SystemExit("lm eval: --label renames Table-2 runs; with --model give LABEL=DIR instead")
+        raise UsageError("lm eval: --label renames Table-2 runs; with --model give LABEL=DIR instead")
     if not args.model:
-        raise SystemExit("lm eval --lengths: give at least one --model [LABEL=]DIR")
+        raise UsageError("lm eval --lengths: give at least one --model [LABEL=]DIR")
+    for label, path in args.model:  # before the corpora are resolved or a model is loaded
+        check_in_dir(path, option=f"--model {label}=", what="model or run folder")
     caps = args.max_documents or []
     if any(n is None for n, _ in caps) and len(caps) > 1:
-        raise SystemExit("lm eval: give --max-documents either once as N or as SOURCE=N per source")
+        raise UsageError("lm eval: give --max-documents either once as N or as SOURCE=N per source")
     max_documents: int | dict[str, int] | None
     max_documents = caps[0][1] if caps and caps[0][0] is None else {n: v for n, v in caps} or None
     record = evaluate_heldout(

@@ -70,6 +70,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ..errors import UsageError
 from ..training import (
     CheckpointStore,
     OutputLock,
@@ -85,6 +86,18 @@ from ..training import (
 )
 from ..training.files import publish_directory, sha256_file
 from ..training.optim import param_groups
+from .cli_checks import (
+    DEVICE_HELP,
+    PLOT_ONLY_HELP,
+    check_in_dir,
+    check_out_dir,
+    check_source,
+    check_tokenizer,
+    device_arg,
+    plot_only_json,
+    positive_int_arg,
+    resolve_device,
+)
 from .harness import TrainConfig, lr_lambda, results_record, seed_everything, summarize, write_json
 from .plotting import save_figure
 
@@ -273,9 +286,7 @@ def init_distributed(device: str = "auto") -> DistContext:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if device == "auto":
-        device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(device)
+    dev = resolve_device(device)  # "cuda" -> cuda:LOCAL_RANK; refuses a GPU that is not there
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     if world > 1 and not dist.is_initialized():
@@ -1094,9 +1105,32 @@ def parse_json_object(option: str, text: str) -> dict:
     return value
 
 
+def check_mixer_kwargs(mixer: str, kwargs: dict, *, hidden_size: int, num_heads: int, head_dim: int,
+                       option: str = "--mixer-kwargs") -> None:
+    """Build one ``mixer`` layer with ``kwargs`` so a misspelt or out-of-range argument fails now, not
+    after the corpus is tokenized."""
+    from ..layers import build_mixer
+
+    try:
+        build_mixer(mixer, hidden_size, num_heads=num_heads, head_dim=head_dim, layer_idx=0, **kwargs)
+    except (TypeError, ValueError) as err:  # an unknown keyword is a TypeError of the constructor
+        raise UsageError(f"{option} {json.dumps(kwargs)}: {' '.join(str(err).split())}") from None
+
+
+def check_train_args(config: LMConfig, args: argparse.Namespace, out: str) -> None:
+    """What ``lm train`` can check before it tokenizes a corpus or writes a file."""
+    check_out_dir(out)
+    check_source(config.source)
+    if config.tokenizer is not None:
+        check_tokenizer(config.tokenizer)
+    check_mixer_kwargs(config.mixer, config.mixer_kwargs, hidden_size=config.hidden_size,
+                       num_heads=config.num_heads, head_dim=config.head_dim)
+
+
 def _train_main(args) -> int:
     config = config_from_args(args)
     out = args.out or os.path.join("runs", "lm", f"{config.preset}-{config.mixer}-seed{config.seed}")
+    check_train_args(config, args, out)
     result = train_lm(config, out, device=args.device, cache_dir=args.cache_dir, stop_after=args.stop_after,
                       progress=not args.no_progress, keep_checkpoints=args.keep_checkpoints)
     if int(os.environ.get("RANK", "0")) == 0:
@@ -1118,18 +1152,24 @@ def _eval_main(args) -> int:
 
     if heldout.is_heldout_request(args):  # --lengths/--model: held-out PPL, Table 7 layout
         return heldout.heldout_main(args)
+    out_dir = check_out_dir(args.out)
     if args.plot_only:
-        from .plotting import load_json
-
-        record = load_json(args.plot_only)
-        out_dir = Path(args.plot_only).parent
-        name = Path(args.plot_only).stem
-        atomic_write_text(out_dir / f"{name}.md", markdown_table(record))
-        bar_plot(record, out_dir / f"{name}.png")
+        if args.runs:
+            raise UsageError(f"--plot-only redraws from {out_dir / (args.name + '.json')}; it takes no run "
+                             f"directories (got {args.runs})")
+        record = plot_only_json(out_dir, args.name, experiment="lm")
+        atomic_write_text(out_dir / f"{args.name}.md", markdown_table(record))
+        bar_plot(record, out_dir / f"{args.name}.png")
         print(markdown_table(record))
+        print(f"redrew {out_dir / (args.name + '.md')} and {args.name}.png")
         return 0
     if not args.runs:
-        raise SystemExit("lm eval: give at least one run directory (or --plot-only JSON)")
+        raise UsageError("give at least one run directory (or --plot-only to redraw from --out)")
+    for run in args.runs:  # every run must be finished before the first is evaluated
+        final = check_in_dir(run, option="run", what="run directory") / "final"
+        if not (final / "model.safetensors").is_file() or not (final / "lm_config.json").is_file():
+            raise UsageError(f"run {run} has no finished model (final/model.safetensors and "
+                             "final/lm_config.json); train it to the end first")
     records = []
     for run in args.runs:
         rec = evaluate_run(run, split=args.split, seq_len=args.seq_len, batch_size=args.batch_size,
@@ -1167,11 +1207,12 @@ def add_parser(sub) -> None:
     t.add_argument("--source", help="corpus: python-docs, hf:<name>[:<config>] or a local path")
     t.add_argument("--tokenizer", help="tokenizer.json (or a directory holding one); default: train a BPE")
     t.add_argument("--precision", choices=PRECISIONS, help="autocast: auto = bf16 on a capable GPU, else fp32")
-    t.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
+    t.add_argument("--device", type=device_arg, default="auto", help=DEVICE_HELP)
     t.add_argument("--cache-dir", default=None, help="token cache directory (default $BAYESLAYER_CACHE)")
     t.add_argument("--out", default=None, help="run directory (default runs/lm/<preset>-<mixer>-seed<seed>)")
-    t.add_argument("--stop-after", type=int, default=None, help="stop (checkpointed) after this many total steps")
-    t.add_argument("--keep-checkpoints", type=int, default=1, help="newest step checkpoints to keep")
+    t.add_argument("--stop-after", type=positive_int_arg, default=None,
+                   help="stop (checkpointed) after this many total steps")
+    t.add_argument("--keep-checkpoints", type=positive_int_arg, default=1, help="newest step checkpoints to keep")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     t.set_defaults(func=_train_main)
 
@@ -1182,15 +1223,16 @@ def add_parser(sub) -> None:
                                       "--source ... --reference LABEL (see bayeslayer.experiments.heldout).")
     e.add_argument("runs", nargs="*", help="run directories (each with final/)")
     e.add_argument("--split", choices=("validation", "test"), default="test")
-    e.add_argument("--seq-len", type=int, default=None, help="window length (default: each run's training length)")
-    e.add_argument("--batch-size", type=int, default=4)
+    e.add_argument("--seq-len", type=positive_int_arg, default=None,
+                   help="window length (default: each run's training length)")
+    e.add_argument("--batch-size", type=positive_int_arg, default=4)
     e.add_argument("--precision", choices=PRECISIONS, default="fp32")
-    e.add_argument("--device", default="auto")
+    e.add_argument("--device", type=device_arg, default="auto", help=DEVICE_HELP)
     e.add_argument("--cache-dir", default=None)
     e.add_argument("--label", default=None, help="override the model label of every run given")
     e.add_argument("--out", default="results/lm", help="output directory")
     e.add_argument("--name", default="lm", help="file name stem of the outputs")
-    e.add_argument("--plot-only", metavar="JSON", default=None, help="redraw the table and plot from a saved JSON")
+    e.add_argument("--plot-only", action="store_true", help=PLOT_ONLY_HELP + " (<out>/<name>.json)")
     from .heldout import add_heldout_arguments
 
     add_heldout_arguments(e)

@@ -76,9 +76,11 @@ import torch
 import torch.nn as nn
 
 from ..data.mqar import IGNORE_INDEX, MQARData, MQARDataset, MQARTask, make_pool
+from ..errors import UsageError
 from ..layers import MIXERS as MIXER_REGISTRY
 from ..layers import QKVMixer, ShortConvolution, build_mixer
 from ..training.optim import DECAY_POLICY
+from .cli_checks import PLOT_ONLY_HELP, check_out_dir, plot_only_json, positive_float_arg, positive_int_arg
 from .harness import TrainConfig, _jsonable, results_record, summarize, train_lr_grid, write_json
 from .plotting import RefLine, Series, line_plot, load_json
 from .state_budget import STATE_FORMS, HeadConfig, solve_state_budget
@@ -765,30 +767,38 @@ def preset_from_args(args: argparse.Namespace) -> MQARPreset:
 
 
 def _main(args: argparse.Namespace) -> int:
-    if args.plot_only:
-        record = load_json(args.plot_only)
-        if record.get("experiment") != "mqar":
-            raise ValueError(f"{args.plot_only} is not an MQAR results file (experiment = "
-                             f"{record.get('experiment')!r})")
-        out = os.path.splitext(args.plot_only)[0] + ".png"
-        plot_mqar(record, out)
-        print(format_table(record))
-        print(f"\nredrew {out}")
+    out_dir = check_out_dir(args.out)
+    if args.plot_only:  # the named task, or every task whose JSON is in --out
+        tasks = [args.task] if args.task else list(TASK_NAMES)
+        stems = sorted(p.stem for t in tasks for p in out_dir.glob(f"mqar_{t}*.json"))  # every layout/gate
+        if not stems:
+            raise UsageError(f"--plot-only: {out_dir} holds no mqar_<task>*.json; pass the --out folder of an "
+                             "earlier run")
+        for stem in stems:
+            record = plot_only_json(out_dir, stem, experiment="mqar")
+            out = os.path.join(out_dir, f"{stem}.png")
+            plot_mqar(record, out)
+            print(format_table(record))
+            print(f"\nredrew {out}")
         return 0
     if args.task is None:
-        raise ValueError("name a task: bayeslayer mqar {base,update,block}")
+        raise UsageError("name a task: bayeslayer mqar {base,update,block}")
     preset = preset_from_args(args)
+    mixers = _check_mixers(args.mixers)
+    for mixer in mixers:  # every model must be buildable before the first one trains
+        for width in (preset.base_widths if args.task == "base" else (preset.width,)):
+            model_config(mixer, preset, width)
     if preset.name != "paper":
         print(f"mqar: preset '{preset.name}' is a CPU-sized run of the same task, NOT the paper's budget "
               f"(use --preset paper for SPEC §4.4)")
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    record = run_mqar(args.task, preset, args.mixers, out_dir=args.out, progress=not args.no_progress,
+    record = run_mqar(args.task, preset, mixers, out_dir=str(out_dir), progress=not args.no_progress,
                       device=device)
     print(format_table(record))
     stem = results_stem(args.task, preset)
-    print(f"\nwrote {os.path.join(args.out, stem + '.json')} and {stem}.png")
+    print(f"\nwrote {os.path.join(out_dir, stem + '.json')} and {stem}.png")
     return 0
 
 
@@ -810,18 +820,19 @@ def add_parser(sub) -> None:
     p.add_argument("--gate", choices=GATES, default=None,
                    help="output gate of BL/GDN/DeltaNet/linear attention: 'default' = each layer's own in the "
                         "stacked layout, off in the hybrid layout (Zoology's use_gate=False); 'on'/'off' force it")
-    p.add_argument("--num-layers", type=int, default=None,
+    p.add_argument("--num-layers", type=positive_int_arg, default=None,
                    help="override the preset's number of blocks (hybrid: conv and mixer blocks alternate, so "
                         "4 = two mixers)")
-    p.add_argument("--epochs", type=int, default=None, help="override the preset's epochs")
-    p.add_argument("--max-steps", type=int, default=None,
+    p.add_argument("--epochs", type=positive_int_arg, default=None, help="override the preset's epochs")
+    p.add_argument("--max-steps", type=positive_int_arg, default=None,
                    help="stop training after this many steps (a budget cap; the schedule is sized to it)")
     p.add_argument("--device", default="cpu", help="'cpu', 'cuda', 'cuda:1', or 'auto' (cuda when available)")
-    p.add_argument("--batch-size", type=int, default=None, help="override the preset's batch size")
-    p.add_argument("--seeds", type=int, default=None, help="override the preset's number of seeds")
-    p.add_argument("--lr", type=float, nargs="+", default=None, help="override the preset's lr grid")
+    p.add_argument("--batch-size", type=positive_int_arg, default=None, help="override the preset's batch size")
+    p.add_argument("--seeds", type=positive_int_arg, default=None, help="override the preset's number of seeds")
+    p.add_argument("--lr", type=positive_float_arg, nargs="+", default=None, help="override the preset's lr grid")
     p.add_argument("--out", default="results/mqar", help="output directory (JSON, PNG, runs/ cache)")
-    p.add_argument("--plot-only", metavar="JSON", default=None, help="redraw the plot and table from a JSON")
+    p.add_argument("--plot-only", action="store_true",
+                   help=PLOT_ONLY_HELP + " (the task named, or every task found)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_main)
 

@@ -62,7 +62,19 @@ from typing import Any
 
 import torch
 
-from .plotting import load_json, save_figure, save_json
+from ..errors import UsageError
+from .cli_checks import (
+    DEVICE_HELP,
+    PLOT_ONLY_HELP,
+    check_in_dir,
+    check_out_dir,
+    check_tokenizer,
+    device_arg,
+    plot_only_json,
+    positive_int_arg,
+    resolve_device,
+)
+from .plotting import save_figure, save_json
 
 # ----------------------------------------------------------------------------- tasks
 
@@ -774,28 +786,56 @@ def _load_essays(source: str, split: str) -> list[str]:
     return texts
 
 
-def run(args: argparse.Namespace) -> dict:
-    """``bayeslayer niah``: evaluate every ``--model``, write ``niah.json``, tables and plots."""
-    out = Path(args.out)
-    if args.plot_only:
-        results = load_json(args.plot_only if args.plot_only != "-" else out / "niah.json")
-        _report(results, out, args.diff)
-        return results
+def check_args(args: argparse.Namespace) -> None:
+    """Every check of ``bayeslayer niah``'s arguments that can fail, before any model is loaded.
+
+    A mistake in the second model, its tokenizer or a ``--diff`` label would otherwise surface
+    only after the first model's evaluation.
+    """
+    check_out_dir(args.out)
     if not args.model:
-        raise SystemExit("bayeslayer niah: give at least one --model (or --plot-only)")
+        raise UsageError("give at least one --model [LABEL=]DIR (or --plot-only to redraw from --out)")
     labels = [label for label, _ in args.model]
     if len(set(labels)) != len(labels):
-        raise SystemExit(f"bayeslayer niah: model labels must be distinct, got {labels}")
-    tasks = args.tasks
-    for t in list(tasks) + list(args.summary_tasks):
+        raise UsageError(f"--model labels must be distinct, got {labels}")
+    for t in list(args.tasks) + list(args.summary_tasks):
         if t not in TASKS:
-            raise SystemExit(f"bayeslayer niah: unknown task {t!r}; known: {sorted(TASKS)}")
+            raise UsageError(f"unknown task {t!r}; known: {', '.join(TASKS)}")
+    if not args.tasks:
+        raise UsageError("--tasks names no task")
+    if not args.depths:
+        raise UsageError("--depths names no depth")
     for d in args.depths:
-        _check_depth(d)
-    if any(L < 16 for L in args.lengths) or not args.lengths:
-        raise SystemExit(f"bayeslayer niah: --lengths must be integers >= 16, got {args.lengths}")
-    if args.samples_per_cell < 1:
-        raise SystemExit(f"bayeslayer niah: --samples-per-cell must be >= 1, got {args.samples_per_cell}")
+        if not (math.isfinite(d) and 0 <= d <= 100):
+            raise UsageError(f"--depths are percentages in [0, 100], got {d:g}")
+    if not args.lengths or any(L < 16 for L in args.lengths):
+        raise UsageError(f"--lengths must be integers >= 16, got {args.lengths}")
+    for a, b in args.diff or []:
+        for label in (a, b):
+            if label not in labels:
+                raise UsageError(f"--diff {a},{b}: {label!r} is not a --model label ({', '.join(labels)})")
+    if args.tokenizer:
+        check_tokenizer(args.tokenizer)
+    for label, path in args.model:
+        directory = check_in_dir(path, option=f"--model {label}=", what="model folder")
+        if not (directory / "config.json").is_file():
+            raise UsageError(f"--model {label}={path}: no config.json in that folder (not a model directory)")
+        if not args.tokenizer:
+            check_tokenizer(path, option=f"--model {label}=")
+
+
+def run(args: argparse.Namespace) -> dict:
+    """``bayeslayer niah``: evaluate every ``--model``, write ``niah.json``, tables and plots; return the results.
+
+    With ``--plot-only``, redraw the tables and plots in ``--out`` from ``<out>/niah.json``.
+    """
+    out = check_out_dir(args.out)
+    if args.plot_only:
+        results = plot_only_json(out, "niah")
+        _report(results, out, args.diff)
+        return results
+    check_args(args)
+    tasks = args.tasks
     needs_essay = any(TASKS[t].haystack == "essay" for t in tasks)
     essays = _load_essays(args.haystack, args.haystack_split) if needs_essay else None
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}[args.dtype]
@@ -809,7 +849,7 @@ def run(args: argparse.Namespace) -> dict:
     for label, path in args.model:
         tokenizer = args.tokenizer or path
         generator = NiahGenerator(tokenizer, essays, seed=args.seed)
-        model = load_model(path, device=args.device, dtype=dtype)
+        model = load_model(path, device=str(resolve_device(args.device)), dtype=dtype)
         predictions: list[dict] = []
         cells = evaluate(model, generator, tasks=tasks, lengths=args.lengths, depths=args.depths,
                          samples_per_cell=args.samples_per_cell, max_new_tokens=args.max_new_tokens,
@@ -858,21 +898,21 @@ def add_parser(sub) -> None:
                    help="comma-separated tasks (default: all eight)")
     p.add_argument("--summary-tasks", type=lambda s: _parse_list(str, s), default=list(SUMMARY_TASKS),
                    help="the tasks averaged in the summary (default: " + ",".join(SUMMARY_TASKS) + ")")
-    p.add_argument("--samples-per-cell", type=int, default=30, help="samples per task × length × depth")
-    p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
+    p.add_argument("--samples-per-cell", type=positive_int_arg, default=30, help="samples per task × length × depth")
+    p.add_argument("--max-new-tokens", type=positive_int_arg, default=DEFAULT_MAX_NEW_TOKENS,
                    help="greedy tokens generated per sample (RULER: 128)")
     p.add_argument("--haystack", default="python-docs",
                    help="essay source: 'python-docs', 'hf:<name>[:<config>]' or a text/HTML path")
     p.add_argument("--haystack-split", default="test", help="split of the haystack source to draw essays from")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batch-size", type=int, default=1, help="samples decoded together (one cell at a time)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--batch-size", type=positive_int_arg, default=1,
+                   help="samples decoded together (one cell at a time)")
+    p.add_argument("--device", type=device_arg, default="auto", help=DEVICE_HELP)
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float64"), default="float32")
     p.add_argument("--diff", action="append", type=_parse_pair, default=None, metavar="A,B",
                    help="draw the heatmap of A − B (default: the first model minus each other)")
     p.add_argument("--out", default="results/niah", help="output directory")
-    p.add_argument("--plot-only", nargs="?", const="-", default=None, metavar="JSON",
-                   help="redraw tables and plots from a JSON (default OUT/niah.json)")
+    p.add_argument("--plot-only", action="store_true", help=PLOT_ONLY_HELP)
     p.add_argument("--quiet", action="store_true", help="no per-cell progress lines")
     p.set_defaults(func=run)
 

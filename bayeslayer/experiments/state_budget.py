@@ -57,11 +57,12 @@ The rule, the same for every width and budget:
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+
+from .cli_checks import check_out_file, positive_int_arg
 
 # mixer name → how its state is counted: "bayes" (mean + dense covariances), "diagonal"
 # (mean + diagonal covariances), "mean" (mean only), "ssd" (Mamba-2's d_state × head_dim per head)
@@ -356,6 +357,8 @@ def match_state_budget(
 
 # -- command line ------------------------------------------------------------------------------------
 def _main(args: argparse.Namespace) -> int:
+    if args.json:
+        check_out_file(args.json, option="--json")
     results = []
     for width in args.width:
         configs = match_state_budget(
@@ -364,23 +367,24 @@ def _main(args: argparse.Namespace) -> int:
         )
         results.extend(c.to_dict() for c in configs.values())
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+        from .harness import write_json
+
+        write_json(args.json, results)  # atomic; creates the folder --json names
         print(f"wrote {args.json}")
     return 0
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("state-budget", help="head configurations whose recurrent state fits a float budget")
-    p.add_argument("--budget", type=int, default=PAPER_BUDGET, help="per-layer state budget in floats")
-    p.add_argument("--width", type=int, nargs="+", default=[64], help="model width(s)")
+    p.add_argument("--budget", type=positive_int_arg, default=PAPER_BUDGET, help="per-layer state budget in floats")
+    p.add_argument("--width", type=positive_int_arg, nargs="+", default=[64], help="model width(s)")
     p.add_argument("--mixers", nargs="+", default=list(MIXERS), choices=tuple(STATE_FORMS), metavar="MIXER",
                    help=f"mixers to size (default: all of {', '.join(MIXERS)}; bayesian_lowrank needs --rank)")
     p.add_argument("--rank", type=int, default=None, help="rank r of bayesian_lowrank's precision factor")
-    p.add_argument("--num-heads", type=int, default=None, help="fix the number of heads")
-    p.add_argument("--groups", type=int, default=1, help="covariance groups G (covariance mixers only)")
+    p.add_argument("--num-heads", type=positive_int_arg, default=None, help="fix the number of heads")
+    p.add_argument("--groups", type=positive_int_arg, default=1, help="covariance groups G (covariance mixers only)")
     p.add_argument("--min-usage", type=float, default=0.9, help="least fraction of the budget to use")
-    p.add_argument("--target-head-dim", type=int, default=64, help="preferred head dim among ties")
+    p.add_argument("--target-head-dim", type=positive_int_arg, default=64, help="preferred head dim among ties")
     p.add_argument("--json", default=None, help="also write the configurations to this JSON file")
     p.set_defaults(func=_main)
 

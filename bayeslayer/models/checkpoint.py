@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -89,18 +90,64 @@ def gdn_config_to_bayeslayer(gdn_config: dict[str, Any]) -> BayesLayerConfig:
     )
 
 
+_HUB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+def _hub_id(path_or_repo_id: str | os.PathLike) -> str | None:
+    """The hub id ``owner/name`` that ``path_or_repo_id`` names, or None when it means a local path.
+
+    It is a local path when it exists, is a ``Path`` object, is written as a path (starts with
+    ``.``, ``/`` or ``~``, has no or several ``/``, characters a hub id cannot have), or when its
+    first part is a folder here (``ckpts/gdn`` next to a ``ckpts/`` folder is a path, mistyped or
+    not yet written, not a hub repository of a user called ``ckpts``).
+    """
+    if isinstance(path_or_repo_id, os.PathLike) or Path(path_or_repo_id).expanduser().exists():
+        return None
+    name = str(path_or_repo_id)
+    if not _HUB_NAME.match(name) or name.startswith("."):
+        return None
+    if Path(name.split("/")[0]).exists():
+        return None
+    return name
+
+
+def _hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
 def _resolve_directory(path_or_repo_id: str | os.PathLike, revision: str | None) -> Path:
-    path = Path(path_or_repo_id)
+    """A local checkpoint folder, or a hub id's snapshot (the local cache first, the network last).
+
+    A name that means a local path (see :func:`_hub_id`) and does not exist fails at once, and so
+    does a hub id under ``HF_HUB_OFFLINE`` that is not in the cache; a failed download is one
+    ``FileNotFoundError`` that says what was tried.
+    """
+    path = Path(path_or_repo_id).expanduser()
     if path.is_dir():
         return path
     if path.exists():
         raise ValueError(f"{path} is a file; pass the checkpoint directory (config.json and weights)")
     name = str(path_or_repo_id)
-    if name.startswith((".", "/", "~")) or name.count("/") != 1:
-        raise FileNotFoundError(f"no checkpoint directory at {name!r} (and it is not an 'owner/name' hub id)")
+    hub = _hub_id(path_or_repo_id)
+    if hub is None:
+        first = Path(name).parts[0] if Path(name).parts else name
+        why = (f" (the folder {first!r} exists here, so this is read as a local path, not a hub id)"
+               if "/" in name and Path(first).is_dir() and first != name else "")
+        raise FileNotFoundError(f"no checkpoint directory at {name!r}{why}")
     from huggingface_hub import snapshot_download
 
-    return Path(snapshot_download(name, revision=revision, allow_patterns=_WEIGHT_PATTERNS))
+    try:  # a cached snapshot needs no network
+        return Path(snapshot_download(hub, revision=revision, allow_patterns=_WEIGHT_PATTERNS, local_files_only=True))
+    except Exception:  # noqa: BLE001 - not in the cache (the hub's error types vary by version)
+        if _hub_offline():
+            raise FileNotFoundError(f"no checkpoint directory at {name!r}, and as a hub id it is not in the local "
+                                    "cache (HF_HUB_OFFLINE is set, so nothing is downloaded)") from None
+    try:
+        return Path(snapshot_download(hub, revision=revision, allow_patterns=_WEIGHT_PATTERNS))
+    except Exception as err:  # noqa: BLE001 - network, missing repository, gated repository, ...
+        reason = " ".join(str(err).split())[:300]
+        raise FileNotFoundError(f"no checkpoint directory at {name!r}, and fetching it as the hub id {hub!r} "
+                                f"failed: {type(err).__name__}: {reason}") from err
 
 
 def _read_weights(directory: Path) -> dict[str, torch.Tensor]:

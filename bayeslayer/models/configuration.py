@@ -112,6 +112,15 @@ class BayesLayerConfig(PretrainedConfig):
         backend: str = "auto",
         **kwargs,
     ):
+        # A derived, read-only property passed as an argument (or found in a config.json) would
+        # reach PretrainedConfig's setattr and fail as "property ... has no setter".
+        derived = sorted(k for k in kwargs
+                         if isinstance(getattr(type(self), k, None), property) and getattr(type(self), k).fset is None)
+        if derived:
+            hint = {"layer_mixers": "pass mixers=[one name per layer] (or mixer= and mixer_overrides=)",
+                    "mlp_intermediate_size": "pass intermediate_size="}
+            raise ValueError(f"{', '.join(derived)} is derived from the other arguments and cannot be set: "
+                             + "; ".join(hint.get(k, f"remove {k}") for k in derived))
         self.vocab_size = _positive_int("vocab_size", vocab_size)
         self.hidden_size = _positive_int("hidden_size", hidden_size)
         self.num_hidden_layers = _positive_int("num_hidden_layers", num_hidden_layers)

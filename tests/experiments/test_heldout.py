@@ -209,7 +209,7 @@ def test_table_and_plot_come_from_the_json_alone(tmp_path):
     assert "† tokenizer differs" in md
     path = tmp_path / "h.json"
     path.write_text(json.dumps(record))
-    args = argparse.Namespace(plot_only=str(path))
+    args = argparse.Namespace(plot_only=True, out=str(tmp_path), name="h")
     assert heldout.is_heldout_request(args)
     assert heldout.heldout_main(args) == 0
     assert (tmp_path / "h.md").read_text() == md

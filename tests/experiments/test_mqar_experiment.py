@@ -181,7 +181,7 @@ def test_cli_writes_json_of_the_documented_shape(tiny_update):
 def test_plot_only_redraws_from_the_json(tiny_update, capsys):
     png = tiny_update / "mqar_update.png"
     os.remove(png)
-    assert cli_main(["mqar", "--plot-only", str(tiny_update / "mqar_update.json")]) == 0
+    assert cli_main(["mqar", "update", "--plot-only", "--out", str(tiny_update)]) == 0
     assert png.stat().st_size > 0
     out = capsys.readouterr().out
     assert "| BL |" in out and "paper (SPEC §4.4)" in out
@@ -208,32 +208,30 @@ def test_base_and_block_sweeps_run(task, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "argv, error",
+    "argv",
     [
-        (["mqar", "update", "--preset", "tiny", "--epochs", "0"], ValueError),
-        (["mqar", "update", "--preset", "tiny", "--lr", "-1"], ValueError),
-        (["mqar", "--preset", "tiny"], ValueError),  # no task
+        ["mqar", "update", "--preset", "tiny", "--epochs", "0"],
+        ["mqar", "update", "--preset", "tiny", "--lr", "-1"],
+        ["mqar", "--preset", "tiny"],  # no task
     ],
 )
-def test_cli_bad_arguments(argv, error, tmp_path):
-    with pytest.raises(error):
-        cli_main(argv + ["--out", str(tmp_path), "--no-progress"])
+def test_cli_bad_arguments(argv, tmp_path, capsys):
+    assert cli_main(argv + ["--out", str(tmp_path), "--no-progress"]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
 
 
 @pytest.mark.parametrize("argv", [["mqar", "nosuchtask"], ["mqar", "base", "--preset", "nope"],
                                   ["mqar", "base", "--mixers", "nosuchmixer"]])
 def test_cli_rejects_unknown_choices(argv):
-    with pytest.raises(SystemExit):
-        cli_main(argv)
+    assert cli_main(argv) == 2
 
 
-def test_plot_only_refuses_other_files(tmp_path):
-    other = tmp_path / "x.json"
-    other.write_text(json.dumps({"experiment": "recall"}))
-    with pytest.raises(ValueError, match="not an MQAR"):
-        cli_main(["mqar", "--plot-only", str(other)])
-    with pytest.raises(FileNotFoundError):
-        cli_main(["mqar", "--plot-only", str(tmp_path / "missing.json")])
+def test_plot_only_refuses_other_files(tmp_path, capsys):
+    (tmp_path / "mqar_base.json").write_text(json.dumps({"experiment": "recall"}))
+    assert cli_main(["mqar", "base", "--plot-only", "--out", str(tmp_path)]) == 2
+    assert "not a mqar results file" in capsys.readouterr().err
+    assert cli_main(["mqar", "update", "--plot-only", "--out", str(tmp_path)]) == 2
+    assert "does not exist" in capsys.readouterr().err
 
 
 def test_bad_inputs():

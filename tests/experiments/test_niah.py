@@ -7,7 +7,9 @@ import json
 import pytest
 import torch
 
+from bayeslayer.cli import main as cli_main
 from bayeslayer.data.text import train_bpe_tokenizer
+from bayeslayer.errors import UsageError
 from bayeslayer.experiments import niah
 from bayeslayer.models import BayesLayerConfig, BayesLayerForCausalLM, replace_layers
 
@@ -187,11 +189,11 @@ def test_end_to_end_niah_run_writes_json_tables_and_plots(tmp_path, tokenizer, c
     for i, text in enumerate(ESSAYS):
         (essays / f"essay{i}.txt").write_text(text)
     out = tmp_path / "out"
-    results = _run(["--model", f"BL={bl}", "--model", f"GDN-zero={gdn}", "--lengths", "512",
-                    "--depths", "0,100", "--samples-per-cell", "2", "--max-new-tokens", "4", "--batch-size", "2",
-                    "--haystack", str(essays), "--out", str(out), "--quiet", "--device", "cpu"])
+    argv = ["--model", f"BL={bl}", "--model", f"GDN-zero={gdn}", "--lengths", "512",
+            "--depths", "0,100", "--samples-per-cell", "2", "--max-new-tokens", "4", "--batch-size", "2",
+            "--haystack", str(essays), "--out", str(out), "--quiet", "--device", "cpu"]
+    assert cli_main(["niah", *argv]) == 0  # through the command line: exit code 0, not the results dict
     data = json.loads((out / "niah.json").read_text())
-    assert data == json.loads(json.dumps(results))
     assert list(data["models"]) == ["BL", "GDN-zero"]
     for m in data["models"].values():
         assert len(m["cells"]) == 8 * 2
@@ -209,7 +211,7 @@ def test_end_to_end_niah_run_writes_json_tables_and_plots(tmp_path, tokenizer, c
     assert "| model | 512 |" in printed
     # redraw from the JSON alone
     heat.unlink()
-    _run(["--plot-only", str(out / "niah.json"), "--out", str(out), "--diff", "GDN-zero,BL"])
+    assert cli_main(["niah", "--plot-only", "--out", str(out), "--diff", "GDN-zero,BL"]) == 0
     assert (out / "niah_diff_GDN-zero_minus_BL.png").stat().st_size > 1000
 
 
@@ -284,18 +286,18 @@ def test_bad_scoring_arguments():
 
 
 def test_bad_cli_arguments(tmp_path):
-    with pytest.raises(SystemExit, match="at least one --model"):
+    with pytest.raises(UsageError, match="at least one --model"):
         _run(["--out", str(tmp_path)])
-    with pytest.raises(SystemExit, match="unknown task 'niah_cwe'"):
+    with pytest.raises(UsageError, match="unknown task 'niah_cwe'"):
         _run(["--model", str(tmp_path), "--tasks", "niah_cwe", "--out", str(tmp_path)])
-    with pytest.raises(SystemExit, match="distinct"):
+    with pytest.raises(UsageError, match="distinct"):
         _run(["--model", f"A={tmp_path}", "--model", f"A={tmp_path}", "--out", str(tmp_path)])
-    with pytest.raises(ValueError, match="depth"):
+    with pytest.raises(UsageError, match="depths"):
         _run(["--model", str(tmp_path), "--depths", "0,120", "--out", str(tmp_path)])
-    with pytest.raises(SystemExit, match="--lengths"):
+    with pytest.raises(UsageError, match="--lengths"):
         _run(["--model", str(tmp_path), "--lengths", "8", "--out", str(tmp_path)])
-    with pytest.raises(FileNotFoundError, match="run the experiment"):
-        _run(["--plot-only", str(tmp_path / "missing.json"), "--out", str(tmp_path)])
+    with pytest.raises(UsageError, match="which does not exist"):
+        _run(["--plot-only", "--out", str(tmp_path)])
     with pytest.raises(FileNotFoundError, match="config.json"):
         niah.load_model(tmp_path)
 

@@ -1,0 +1,55 @@
+"""The project's error types, and which failures the command line treats as expected.
+
+``bayeslayer.cli.main`` turns an *expected* failure into one line on stderr,
+``bayeslayer <command>: error: <message>``, and exit code 2; ``bayeslayer --debug ...`` shows the
+traceback instead.  Expected means the cause lies in what the user gave or in the machine, not in
+our code:
+
+* :class:`UsageError` (a ``ValueError``): a bad command-line value found before any work starts
+  (a malformed number, an unknown name, a bad ``--out``, ``--device cuda`` without a GPU, ...).
+* any other ``ValueError``: every public function of the package validates its arguments and
+  raises ``ValueError`` naming the argument (a bad preset override, a corrupt JSON file, ...).
+* ``OSError``: a missing or unreadable file, a folder that is a file, a full disk, a busy output
+  folder (the lock), ...; ``FileNotFoundError``, ``PermissionError`` and the rest are subclasses.
+* ``SystemExit`` with a message (``raise SystemExit("...")``): printed as the same one line.
+* ``torch.OutOfMemoryError``: the model or batch does not fit the device.
+
+``KeyboardInterrupt`` (Ctrl-C) prints one line, ``interrupted; the last checkpoint is kept in
+<dir>`` when the interrupted code raised :class:`Interrupted` with that folder, and exits 130.
+
+Everything else (``TypeError``, ``RuntimeError``, ``KeyError``, ...) is a bug or an
+unforeseen state: the traceback is shown and the exit code is 1.
+"""
+
+from __future__ import annotations
+
+import os
+
+EXIT_USAGE = 2  # an expected failure: bad input, missing file, busy folder, no GPU, ...
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a Ctrl-C'd program
+
+
+class UsageError(ValueError):
+    """A bad command-line value, found before any work starts.  Its message names the option."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C after the work saved its state; ``checkpoint`` is the folder a rerun resumes from.
+
+    A training loop that catches ``KeyboardInterrupt``, saves a checkpoint and re-raises this
+    lets ``bayeslayer`` say where the run can be resumed.
+    """
+
+    def __init__(self, checkpoint: str | os.PathLike | None = None) -> None:
+        super().__init__(checkpoint)
+        self.checkpoint = None if checkpoint is None else str(checkpoint)
+
+
+def expected_errors() -> tuple[type[BaseException], ...]:
+    """The exception types :func:`bayeslayer.cli.main` reports as one line (see the module docstring)."""
+    import torch
+
+    return (ValueError, OSError, torch.OutOfMemoryError)
+
+
+__all__ = ["EXIT_INTERRUPTED", "EXIT_USAGE", "Interrupted", "UsageError", "expected_errors"]
