@@ -80,7 +80,7 @@ from ..design import (
 )
 from ..ops import FilterOutput
 from .cli_checks import PLOT_ONLY_HELP, check_out_dir, plot_only_json
-from .plotting import RefLine, Series, line_plot, save_json
+from .plotting import RefLine, Series, line_plot, load_json, save_json
 
 # -- the paper's protocol (SPEC §4.1) -------------------------------------------------------------
 PAPER_CONFIG = {"D": 16, "m": 6, "rho": 0.92, "p0": 3.0, "r2": 0.05, "ell2": 0.05}
