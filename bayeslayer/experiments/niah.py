@@ -16,7 +16,7 @@ continuation should start with the answer::
 ========================  ===========================  ======  =======  ===========================
 task                      haystack                     key     value    needles
 ========================  ===========================  ======  =======  ===========================
-niah_single_1             repeated noise sentences     word    number   1
+niah_single_1             noise paragraph per line     word    number   1
 niah_single_2             essay (real prose)           word    number   1
 niah_single_3             essay                        word    UUID     1
 niah_multikey_1           essay                        word    number   1 queried + 3 distractors
@@ -25,6 +25,10 @@ niah_multikey_3           key-value list (needles)     UUID    UUID     1 querie
 niah_multivalue           essay                        word    number   4 values for one key
 niah_multiquery           essay                        word    number   4 keys, all queried
 ========================  ===========================  ======  =======  ===========================
+
+The text is RULER's as lm-eval writes it (:func:`prompt_template`, :func:`ruler_prompt`): for the
+same context both build the same prompt (``tests/evaluation/test_ruler_parity.py`` checks it against
+the installed lm-eval); units are joined as RULER joins them (:data:`SEPARATORS`).
 
 Length and depth are exact.  The prompt is assembled from token ids: the
 instruction, the context units (haystack sentences or lines, needles) and the
@@ -962,7 +966,7 @@ def add_parser(sub) -> None:
 
 __all__ = [
     "DEFAULT_DEPTHS", "MIN_CELL_SAMPLES", "PAPER_LENGTHS", "SUMMARY_TASKS", "TASKS", "NiahGenerator",
-    "NiahSample", "NiahTask", "depth_length_grid", "draw", "evaluate", "generate_answers",
-    "heatmap_difference", "length_bars", "load_model", "markdown_summary", "markdown_tasks", "score_prediction",
-    "score_predictions", "summarize",
+    "NiahSample", "NiahTask", "SEPARATORS", "depth_length_grid", "draw", "evaluate", "generate_answers",
+    "heatmap_difference", "length_bars", "load_model", "markdown_summary", "markdown_tasks", "prompt_template",
+    "ruler_prompt", "score_prediction", "score_predictions", "summarize",
 ]
