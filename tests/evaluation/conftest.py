@@ -96,6 +96,23 @@ def retrofit_dir(tmp_path_factory, tokenizer):
 
 
 @pytest.fixture(scope="session")
-def model_dirs(bl_dir, retrofit_dir):
-    return {"bl": bl_dir, "retrofit": retrofit_dir}
+def fla_gdn_dir(tmp_path_factory, tokenizer):
+    """A flash-linear-attention Gated DeltaNet checkpoint written by fla itself, with our tokenizer.json."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "Triton is not supported on current platform"
+        from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM
+    torch.manual_seed(2)
+    eos = find_eos_id(tokenizer)
+    model = GatedDeltaNetForCausalLM(GatedDeltaNetConfig(
+        vocab_size=tokenizer.get_vocab_size(), hidden_size=32, num_hidden_layers=2, num_heads=2, head_dim=8,
+        expand_v=2, hidden_ratio=2, fuse_norm=False, fuse_swiglu=False, fuse_cross_entropy=False,
+        bos_token_id=None, eos_token_id=eos, pad_token_id=eos))
+    return _save(model, tmp_path_factory.mktemp("fla_gdn"), tokenizer)
+
+
+@pytest.fixture(scope="session")
+def model_dirs(bl_dir, retrofit_dir, fla_gdn_dir):
+    return {"bl": bl_dir, "retrofit": retrofit_dir, "fla_gdn": fla_gdn_dir}
 

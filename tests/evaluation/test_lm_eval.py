@@ -60,7 +60,7 @@ def _lm_eval(model, tokenizer, task_dir, task, **hflm):
     return out["results"][task], out["samples"][task]
 
 
-@pytest.mark.parametrize("which", ["bl", "retrofit"])
+@pytest.mark.parametrize("which", ["bl", "retrofit", "fla_gdn"])
 def test_rolling_perplexity_equals_heldout_perplexity(tmp_path, tokenizer, model_dirs, which):
     eos = tokenizer.id_to_token(find_eos_id(tokenizer))
     texts, ids = window_documents(tokenizer, 6, LENGTH)
@@ -76,7 +76,8 @@ def test_rolling_perplexity_equals_heldout_perplexity(tmp_path, tokenizer, model
 
     docs = [text + eos for text in texts]
     task = write_perplexity_task(tmp_path / "tasks", docs, name=f"ppl_{which}")
-    model = BayesLayerForCausalLM.from_pretrained(model_dirs[which]).eval()
+    # a model instance; the fla checkpoint by its path (BayesLayerLM reads it with load_gdn_checkpoint)
+    model = str(model_dirs[which]) if which == "fla_gdn" else BayesLayerForCausalLM.from_pretrained(model_dirs[which])
     results, samples = _lm_eval(model, tok_file, tmp_path / "tasks", task, max_length=LENGTH)
     loglik = sum(float(s["filtered_resps"][0] if not isinstance(s["filtered_resps"][0], list)
                        else s["filtered_resps"][0][0]) for s in samples)
