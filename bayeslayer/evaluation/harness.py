@@ -78,7 +78,7 @@ class BayesLayerLM(HFLM):
                 import torch
 
                 dtype = _DTYPES.get(str(kwargs.pop("dtype", "float32")), "float32")
-                device = kwargs.get("device") or "cpu"
+                device = kwargs.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")  # HFLM's default
                 pretrained = load_gdn_checkpoint(directory, dtype=getattr(torch, dtype or "float32"),
                                                  device=device)
                 if tokenizer is None:
