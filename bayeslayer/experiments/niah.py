@@ -16,7 +16,7 @@ continuation should start with the answer::
 ========================  ===========================  ======  =======  ===========================
 task                      haystack                     key     value    needles
 ========================  ===========================  ======  =======  ===========================
-niah_single_1             repeated noise sentences     word    number   1
+niah_single_1             noise paragraph per line     word    number   1
 niah_single_2             essay (real prose)           word    number   1
 niah_single_3             essay                        word    UUID     1
 niah_multikey_1           essay                        word    number   1 queried + 3 distractors
@@ -25,6 +25,10 @@ niah_multikey_3           key-value list (needles)     UUID    UUID     1 querie
 niah_multivalue           essay                        word    number   4 values for one key
 niah_multiquery           essay                        word    number   4 keys, all queried
 ========================  ===========================  ======  =======  ===========================
+
+The text is RULER's as lm-eval writes it (:func:`prompt_template`, :func:`ruler_prompt`): for the
+same context both build the same prompt (``tests/evaluation/test_ruler_parity.py`` checks it against
+the installed lm-eval); units are joined as RULER joins them (:data:`SEPARATORS`).
 
 Length and depth are exact.  The prompt is assembled from token ids: the
 instruction, the context units (haystack sentences or lines, needles) and the
@@ -130,6 +134,9 @@ MIN_CELL_SAMPLES = 30
 
 NOISE_PARAGRAPH = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 NEEDLE = "One of the special magic {vtype} for {key} is: {value}."
+#: What joins the context's units (haystack units and needles), as RULER joins them: the noise
+#: paragraph and key-value needles one per line, essay sentences and needles with a space.
+SEPARATORS = {"noise": "\n", "kv": "\n", "essay": " "}
 # An essay "sentence" longer than this many words is cut into pieces, which bounds
 # how far the needle can land from the requested depth.
 MAX_UNIT_WORDS = 40
@@ -156,6 +163,39 @@ _NOUNS = (
     "valley", "violin", "wagon", "window", "wizard",
 )
 WORDS: tuple[str, ...] = tuple(f"{a}-{n}" for a in _ADJECTIVES for n in _NOUNS)
+
+
+def prompt_template(task: str, queries: Sequence[str]) -> tuple[str, str, str]:
+    """RULER's ``(instruction, question, answer_prefix)`` of ``task`` asking for ``queries``.
+
+    The prompt is ``instruction + "\n" + context + "\n" + question + " " + answer_prefix``
+    (:func:`ruler_prompt`): lm-eval's RULER template (``ruler/niah_utils.py``) holds the
+    instruction, context and question, its ``gen_prefix`` the answer prefix, joined by the
+    task's ``target_delimiter`` " ".  One expected value (one key asked, one value per key)
+    makes everything singular ("A special magic number is", "What is the", "... is").
+    """
+    spec = _check_task(task)
+    if isinstance(queries, str) or not queries or not all(isinstance(q, str) and q for q in queries):
+        raise ValueError(f"queries must be a non-empty list of non-empty str, got {queries!r}")
+    if len(queries) != spec.num_queries:
+        raise ValueError(f"{task} asks for {spec.num_queries} key(s), got {len(queries)} queries")
+    single = spec.num_queries * spec.num_values == 1
+    vname = spec.value_type[:-1] if single else spec.value_type  # "number" / "numbers"
+    query = queries[0] if len(queries) == 1 else ", ".join(queries[:-1]) + ", and " + queries[-1]
+    instruction = (f"{'A' if single else 'Some'} special magic {vname} {'is' if single else 'are'} hidden within "
+                   f"the following text. Make sure to memorize it. I will quiz you about the {vname} afterwards.")
+    question = f"{'What is the' if single else 'What are all the'} special magic {vname} for {query} " \
+               "mentioned in the provided text?"
+    answer_prefix = f"The special magic {vname} for {query} mentioned in the provided text {'is' if single else 'are'}"
+    return instruction, question, answer_prefix
+
+
+def ruler_prompt(task: str, context: str, queries: Sequence[str]) -> str:
+    """The whole prompt text of ``task`` around ``context`` (see :func:`prompt_template`)."""
+    if not isinstance(context, str):
+        raise TypeError(f"context must be a str, got {type(context).__name__}")
+    instruction, question, answer_prefix = prompt_template(task, queries)
+    return f"{instruction}\n{context}\n{question} {answer_prefix}"
 
 # ----------------------------------------------------------------------------- tokenizer
 
@@ -325,9 +365,7 @@ class NiahGenerator:
         values = [[_random_value(rng, vtype) for _ in range(spec.num_values)] for _ in keys]
         queries = keys[: spec.num_queries]
         answers = [v for key_values in values[: spec.num_queries] for v in key_values]
-        single = len(answers) == 1
-        vname = vtype[:-1] if single else vtype  # "number" / "numbers"
-        sep = "\n" if spec.haystack == "kv" else " "
+        sep = SEPARATORS[spec.haystack]
 
         def needle_ids(key: str, value: str) -> list[int]:
             return self._ids(sep + NEEDLE.format(vtype=vtype, key=key, value=value), cache=False)
@@ -337,13 +375,11 @@ class NiahGenerator:
         rng.shuffle(answer_block)
         distractors = [needle_ids(k, v) for k, vs in zip(keys[spec.num_queries:], values[spec.num_queries:],
                                                         strict=True) for v in vs]
-        query = queries[0] if len(queries) == 1 else ", ".join(queries[:-1]) + ", and " + queries[-1]
-        head = (f"{'A' if single else 'Some'} special magic {vname} {'is' if single else 'are'} hidden within "
-                f"the following text. Make sure to memorize it. I will quiz you about the {vname} afterwards."
-                + ("\n" if sep == " " else ""))  # kv lines bring their own newline
-        tail = (f"\n{'What is the' if single else 'What are all the'} special magic {vname} for {query} "
-                f"mentioned in the provided text? The special magic {vname} for {query} mentioned in the "
-                f"provided text {'is' if single else 'are'}")
+        instruction, question, answer_prefix = prompt_template(task, queries)
+        # Every context unit carries its separator in front; with "\n" (lines) the first one is the
+        # newline after the instruction, with " " (essay) the instruction brings its own newline.
+        head = instruction + ("\n" if sep == " " else "")
+        tail = f"\n{question} {answer_prefix}"
         head_ids = self.tokenizer.leading_special + self.tokenizer.encode(head)  # the string's start
         tail_ids = self._ids(tail, cache=False)
         block_len = sum(map(len, answer_block))
@@ -356,10 +392,14 @@ class NiahGenerator:
 
         # Haystack units, filled to exactly `budget` tokens (the last unit cut to the token).
         units: list[list[int]] = []
+        hay: list[bool] = []  # haystack unit (True) or distractor needle (False)
+        stream = self._haystack_texts(spec, rng, set(keys))
+        last_full: list[int] = []
         filled = 0
-        for text in self._haystack_texts(spec, rng, set(keys)):
-            ids = self._ids(sep + text, cache=spec.haystack != "kv")
-            units.append(ids[: budget - filled])
+        for text in stream:
+            last_full = self._ids(sep + text, cache=spec.haystack != "kv")
+            units.append(last_full[: budget - filled])
+            hay.append(True)
             filled += len(units[-1])
             if filled == budget:
                 break
@@ -367,12 +407,21 @@ class NiahGenerator:
         # Distractor needles at random unit boundaries, then the answer block at the boundary
         # nearest to `depth` percent of everything else in the context.
         for ids in distractors:
-            units.insert(rng.randint(0, len(units)), ids)
+            j = rng.randint(0, len(units))
+            units.insert(j, ids)
+            hay.insert(j, False)
         starts = [0]
         for ids in units:
             starts.append(starts[-1] + len(ids))
         target = depth / 100.0 * starts[-1]
         at = min(range(len(starts)), key=lambda j: (abs(starts[j] - target), j))
+        if sep == " " and at > 0 and hay[0]:
+            # RULER joins essay sentences with " ", so a context that opens with a sentence has no
+            # space before it (one that opens with a needle keeps RULER's leading space).
+            at = self._open_without_separator(units, hay, sep, stream, last_full, at)
+            starts = [0]
+            for ids in units:
+                starts.append(starts[-1] + len(ids))
         context = [t for ids in units[:at] for t in ids] + [t for ids in answer_block for t in ids] \
             + [t for ids in units[at:] for t in ids]
         input_ids = head_ids + context + tail_ids
@@ -393,13 +442,51 @@ class NiahGenerator:
         return NiahSample(task, length, depth, index, input_ids, answers, queries, max_new_tokens,
                           depth_realized, needle_start, context_span)
 
+    def _open_without_separator(self, units: list[list[int]], hay: list[bool], sep: str, stream,
+                                last_full: list[int], at: int) -> int:
+        """Re-encode ``units[0]`` (a haystack unit) without its leading ``sep`` and keep the total
+        length: the last haystack units give up the tokens gained, or the last one takes the tokens
+        lost from its uncut ids (``last_full``) and, past its end, from further units of ``stream``.
+        Returns the answer block's unit index ``at`` after units were dropped or added."""
+        text = self.tokenizer.decode(units[0])
+        if not text.startswith(sep):  # a tokenizer whose pieces do not decode with the separator
+            return at
+        first = self.tokenizer.encode_piece(text[len(sep):])
+        need = len(units[0]) - len(first)  # tokens the haystack's tail must gain (< 0: give up)
+        units[0] = first
+        last = max(j for j, h in enumerate(hay) if h)
+        if last == 0:
+            last_full = self.tokenizer.encode_piece(self.tokenizer.decode(last_full)[len(sep):])
+        while need < 0:  # give up tokens from the end, dropping units that run out
+            if len(units[last]) > -need:
+                units[last] = units[last][:need]
+                return at
+            if last == 0:
+                raise ValueError("the haystack is too short to adjust; use a longer length")
+            need += len(units.pop(last))
+            hay.pop(last)
+            at -= last < at
+            last = max(j for j, h in enumerate(hay) if h)
+        if need == 0:
+            return at
+        grow = min(need, len(last_full) - len(units[last]))
+        units[last] = last_full[: len(units[last]) + grow]
+        need -= grow
+        while need > 0:
+            ids = self._ids(sep + next(stream), cache=True)[:need]
+            last += 1
+            units.insert(last, ids)
+            hay.insert(last, True)
+            need -= len(ids)
+            at += last <= at
+        return at
+
     def _haystack_texts(self, spec: NiahTask, rng: random.Random, used_keys: set[str]):
         """An endless stream of haystack unit texts for ``spec`` (no leading separator)."""
         if spec.haystack == "noise":
-            # The paragraph repeated, one sentence per unit (finer depth than whole paragraphs).
-            sentences = re.split(r"(?<=[.!?])\s+", NOISE_PARAGRAPH)
+            # The paragraph repeated, one paragraph per line (RULER's "repeat" haystack).
             while True:
-                yield from sentences
+                yield NOISE_PARAGRAPH
         elif spec.haystack == "essay":
             start = rng.randrange(len(self.essay_units))
             i = start
@@ -919,7 +1006,7 @@ def add_parser(sub) -> None:
 
 __all__ = [
     "DEFAULT_DEPTHS", "MIN_CELL_SAMPLES", "PAPER_LENGTHS", "SUMMARY_TASKS", "TASKS", "NiahGenerator",
-    "NiahSample", "NiahTask", "depth_length_grid", "draw", "evaluate", "generate_answers",
-    "heatmap_difference", "length_bars", "load_model", "markdown_summary", "markdown_tasks", "score_prediction",
-    "score_predictions", "summarize",
+    "NiahSample", "NiahTask", "SEPARATORS", "depth_length_grid", "draw", "evaluate", "generate_answers",
+    "heatmap_difference", "length_bars", "load_model", "markdown_summary", "markdown_tasks", "prompt_template",
+    "ruler_prompt", "score_prediction", "score_predictions", "summarize",
 ]

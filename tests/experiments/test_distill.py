@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -159,10 +158,9 @@ def test_retrofit_end_to_end(teacher, tmp_path):
     assert (out / "eval" / "heldout" / "heldout.png").stat().st_size > 1000
 
     # the NIAH generator with the teacher's tokenizer: exact length; the needle at the requested depth to
-    # within one haystack sentence. The sentences' token counts come from the tokenizer, so the depth check
-    # runs at a length with room for >= 32 of them (at the shortest length a sentence can be a third of it).
-    sentences = re.split(r"(?<=[.!?])\s+", niah.NOISE_PARAGRAPH)
-    unit = max(len(gen.tokenizer.encode(" " + s)) for s in sentences)
+    # within one haystack unit (the noise paragraph on its own line, RULER's repeat haystack). Its token
+    # count comes from the tokenizer, so the depth check runs at a length with room for >= 32 of them.
+    unit = len(gen.tokenizer.encode("\n" + niah.NOISE_PARAGRAPH))
     depth_length = -(-(length + 32 * unit) // 64) * 64
     for check_length in (length, depth_length):
         for depth in NIAH_DEPTHS:
@@ -172,7 +170,7 @@ def test_retrofit_end_to_end(teacher, tmp_path):
                 start, end = sample.context_span
                 assert start <= sample.needle_start < end
                 if task == "niah_single_1" and check_length == depth_length:
-                    needle = len(gen.tokenizer.encode(" " + niah.NEEDLE.format(
+                    needle = len(gen.tokenizer.encode("\n" + niah.NEEDLE.format(
                         vtype="numbers", key=sample.queries[0], value=sample.answers[0])))
                     haystack = end - start - needle
                     assert haystack >= 32 * unit

@@ -83,7 +83,7 @@ def _max_unit_tokens(gen, task, sample):
     if spec.haystack == "essay":
         return max(needle, max(len(enc(" " + u)) for u in gen.essay_units))
     if spec.haystack == "noise":
-        return max(needle, max(len(enc(" " + s)) for s in niah.NOISE_PARAGRAPH.split(". ")) + 1)
+        return max(needle, len(enc("\n" + niah.NOISE_PARAGRAPH)))
     return 2 * needle  # key-value lines: needles of other random keys
 
 
@@ -102,7 +102,7 @@ def test_every_variant_has_the_exact_length_and_the_needle_at_the_depth(generato
             for value in s.answers:
                 assert value in text
             # locate every answer needle by its own token ids: they form one contiguous block
-            sep = "\n" if spec.haystack == "kv" else " "
+            sep = niah.SEPARATORS[spec.haystack]
             found = []
             for key in s.queries:
                 for value in s.answers:

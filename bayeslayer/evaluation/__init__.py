@@ -1,0 +1,23 @@
+"""Evaluate bayeslayer models with EleutherAI's lm-evaluation-harness, load them with plain ``transformers``.
+
+* :mod:`bayeslayer.evaluation.harness` (needs ``lm-eval``, the ``eval`` extra): the ``bayeslayer``
+  lm-eval model (a ``HFLM``; also reads flash-linear-attention Gated DeltaNet checkpoints) and
+  ``python -m bayeslayer.evaluation.harness ...``, lm-eval's own command line with bayeslayer's
+  models registered (the way flash-linear-attention's ``evals/harness.py`` does it).
+* :mod:`bayeslayer.evaluation.tasks`: local lm-eval tasks written from our own data, no
+  download: a ``loglikelihood_rolling`` perplexity task over given documents and a
+  ``generate_until`` RULER NIAH task from :class:`~bayeslayer.experiments.niah.NiahGenerator`
+  samples, scored by lm-eval's own RULER functions.
+* :func:`hf_tokenizer`: a ``tokenizer.json`` (or ``tokenizers.Tokenizer``) as a transformers
+  fast tokenizer with its end-of-text token set, what lm-eval's HF backend needs.
+* :func:`export_auto_map`: opt-in ``auto_map`` so ``AutoModelForCausalLM.from_pretrained(DIR,
+  trust_remote_code=True)`` works without ``import bayeslayer`` (docs/models.md weighs it).
+
+Only :mod:`~bayeslayer.evaluation.harness` imports lm-eval; this package and ``tasks`` do not.
+"""
+
+from .autoload import AUTO_MAP, SHIM_FILE, export_auto_map
+from .tasks import hf_tokenizer, niah_records, write_niah_task, write_perplexity_task
+
+__all__ = ["AUTO_MAP", "SHIM_FILE", "export_auto_map", "hf_tokenizer", "niah_records", "write_niah_task",
+           "write_perplexity_task"]

@@ -1,0 +1,194 @@
+"""Local lm-eval tasks from our own data (no download), and the tokenizer lm-eval's HF backend needs.
+
+Both writers produce a task directory for lm-eval's ``TaskManager(include_path=DIR)`` /
+``--include_path DIR``: a JSONL of documents and a YAML that reads it with the ``json`` builder of
+``datasets`` (local file, works with ``HF_DATASETS_OFFLINE=1``).
+
+* :func:`write_perplexity_task`: ``loglikelihood_rolling`` over documents (lm-eval's ``wikitext``
+  shape: ``word_perplexity``, ``byte_perplexity``, ``bits_per_byte``).  lm-eval scores *every*
+  token of a document, the first one after its prefix token (BOS, else EOS), in windows of its
+  ``max_length`` that each start from an empty state.  ``bayeslayer lm eval``'s non-overlapping
+  windows ``[x_0 … x_{L−1}]`` score ``x_1 … x_{L−1}`` given ``x_0``.  The two are the same numbers
+  when each document is one window whose first token is lm-eval's prefix token: a window
+  ``[EOS, d, EOS]`` of the token stream is the document text of ``d`` followed by the EOS string.
+  docs/models.md shows the construction; ``tests/evaluation/test_lm_eval.py`` checks it.
+* :func:`write_niah_task`: ``generate_until`` over :class:`~bayeslayer.experiments.niah.NiahSample`
+  prompts in the record layout of lm-eval's RULER tasks (``input``, ``gen_prefix``, ``outputs``,
+  ``max_length``), scored by lm-eval's own ``ruler.common_utils.process_results``
+  (``string_match_all``), so ``bayeslayer niah`` and lm-eval score the same prompts the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ..experiments.niah import NiahSample, _Tokenizer, prompt_template
+
+#: RULER's lm-eval tasks always report the 4096 column (``common_utils.DEFAULT_SEQ_LENGTHS``);
+#: its ``process_results`` fills it with -1 for other lengths, so the metric list must hold it.
+_RULER_DEFAULT_LENGTH = 4096
+_RULER = "lm_eval.tasks.ruler.common_utils"
+
+
+def hf_tokenizer(tokenizer: Any, *, eos_token: str | None = None):
+    """A transformers fast tokenizer with ``eos_token`` (and ``pad_token``) set.
+
+    ``tokenizer``: a ``tokenizers.Tokenizer``, a ``tokenizer.json`` path, a directory holding one,
+    or a transformers tokenizer (returned as is when it already has an EOS).  ``eos_token=None``
+    picks the first end-of-text token the vocabulary knows (:data:`bayeslayer.data.text.EOS_CANDIDATES`).
+    lm-eval needs the EOS: it stops generation there and prefixes rolling windows with it when
+    there is no BOS.
+    """
+    from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+    from ..data.text import find_eos_id, load_tokenizer
+
+    if isinstance(tokenizer, PreTrainedTokenizerBase) and tokenizer.eos_token is not None and eos_token is None:
+        return tokenizer
+    backend = load_tokenizer(tokenizer)
+    name = backend.id_to_token(find_eos_id(backend, eos_token))
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=name, pad_token=name)
+
+
+def _yaml_str(text: str) -> str:
+    return json.dumps(text)  # a JSON string is a YAML double-quoted scalar
+
+
+def _check_name(name: Any) -> str:
+    if not isinstance(name, str) or not name or not all(c.isalnum() or c in "_-." for c in name):
+        raise ValueError(f"name must be a task name of letters, digits, '_', '-', '.', got {name!r}")
+    return name
+
+
+def _write_jsonl(path: Path, records: Sequence[dict]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
+
+
+def _write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _dataset_lines(jsonl: Path, task_dir: Path) -> list[str]:
+    return [
+        "dataset_path: json",
+        "dataset_kwargs:",
+        "  data_files:",
+        f"    test: {_yaml_str(str(jsonl.resolve()))}",
+        f"  cache_dir: {_yaml_str(str((task_dir / 'hf_datasets_cache').resolve()))}",
+        "test_split: test",
+    ]
+
+
+def write_perplexity_task(task_dir: str | os.PathLike, documents: Sequence[str], *,
+                          name: str = "bayeslayer_perplexity") -> str:
+    """Write a ``loglikelihood_rolling`` task over ``documents`` to ``task_dir``; return its name.
+
+    ``task_dir/<name>.jsonl`` holds ``{"text": document}`` lines and ``task_dir/<name>.yaml`` the
+    task (``doc_to_target: "{{text}}"``, an empty ``doc_to_text``, word/byte perplexity and bits
+    per byte).  Documents are scored verbatim.
+    """
+    name = _check_name(name)
+    if isinstance(documents, str) or not documents or not all(isinstance(d, str) and d for d in documents):
+        raise ValueError("documents must be a non-empty list of non-empty str")
+    task_dir = Path(task_dir)
+    task_dir.mkdir(parents=True, exist_ok=True)
+    jsonl = task_dir / f"{name}.jsonl"
+    _write_jsonl(jsonl, [{"text": d} for d in documents])
+    lines = [f"task: {name}", *_dataset_lines(jsonl, task_dir),
+             "output_type: loglikelihood_rolling",
+             'doc_to_text: ""',
+             'doc_to_target: "{{text}}"',
+             "metric_list:",
+             "  - metric: word_perplexity",
+             "  - metric: byte_perplexity",
+             "  - metric: bits_per_byte",
+             "metadata:",
+             "  version: 1.0", ""]
+    _write_text(task_dir / f"{name}.yaml", "\n".join(lines))
+    return name
+
+
+def niah_records(samples: Sequence[NiahSample], tokenizer: Any) -> list[dict]:
+    """lm-eval RULER records of NIAH samples (the layout of ``ruler/prepare_niah.generate_samples``).
+
+    ``input`` is the prompt text up to the question and ``gen_prefix`` the answer prefix (lm-eval
+    joins them with the task's ``target_delimiter`` " "), ``outputs`` the expected values,
+    ``length``/``max_length`` the sample's length (prompt + answer budget).  Our fields ride along:
+    ``task``, ``depth``, ``depth_realized``, ``sample_index`` and ``token_exact`` — whether the text
+    tokenizes back to exactly the sample's ids (what lm-eval will feed the model, with no special
+    tokens added; a BOS the sample starts with is dropped from the text, see docs/models.md).
+    """
+    tok = tokenizer if isinstance(tokenizer, _Tokenizer) else _Tokenizer(tokenizer)
+    if isinstance(samples, NiahSample) or not samples or not all(isinstance(s, NiahSample) for s in samples):
+        raise ValueError("samples must be a non-empty list of NiahSample")
+    records = []
+    for i, s in enumerate(samples):
+        _, _, prefix = prompt_template(s.task, s.queries)
+        text = tok.decode(s.input_ids)
+        if not text.endswith(" " + prefix):
+            raise ValueError(f"sample {i} ({s.task}) does not decode to a prompt ending in its answer prefix; "
+                             f"was it made with another tokenizer? It ends {text[-80:]!r}")
+        records.append({
+            "index": i, "input": text[: -len(prefix) - 1], "outputs": list(s.answers), "length": s.length,
+            "max_length": s.length, "gen_prefix": prefix, "task": s.task, "depth": s.depth,
+            "depth_realized": s.depth_realized, "sample_index": s.index,
+            "token_exact": tok.encode(text) == list(s.input_ids),
+        })
+    return records
+
+
+def write_niah_task(task_dir: str | os.PathLike, samples: Sequence[NiahSample], tokenizer: Any, *,
+                    name: str = "bayeslayer_niah") -> str:
+    """Write a RULER-style ``generate_until`` task of ``samples`` (:func:`niah_records`) to ``task_dir``.
+
+    Generation is RULER's (greedy, ``until: []`` so only the EOS stops it, ``max_gen_toks`` the
+    samples' ``max_new_tokens``); ``process_results`` and the per-length aggregation are lm-eval's
+    ``ruler.common_utils`` functions, one metric per sample length plus RULER's fixed ``4096``
+    (−1 when no sample has that length).  Returns the task name.
+    """
+    name = _check_name(name)
+    records = niah_records(samples, tokenizer)
+    budgets = {s.max_new_tokens for s in samples}
+    if len(budgets) != 1:
+        raise ValueError(f"samples must share one max_new_tokens (lm-eval has one max_gen_toks per task), "
+                         f"got {budgets}")
+    task_dir = Path(task_dir)
+    task_dir.mkdir(parents=True, exist_ok=True)
+    jsonl = task_dir / f"{name}.jsonl"
+    _write_jsonl(jsonl, records)
+    lengths = sorted({_RULER_DEFAULT_LENGTH, *(s.length for s in samples)})
+    lines = [f"task: {name}", *_dataset_lines(jsonl, task_dir),
+             "output_type: generate_until",
+             'doc_to_text: "{{input}}"',
+             'doc_to_target: "{{outputs}}"',
+             'gen_prefix: "{{gen_prefix}}"',
+             'target_delimiter: " "',
+             f"process_results: !function {_RULER}.process_results",
+             "metric_list:"]
+    for length in lengths:
+        lines += [f'  - metric: "{length}"',
+                  f"    aggregation: !function {_RULER}.aggregate_metrics",
+                  "    higher_is_better: true"]
+    lines += ["generation_kwargs:",
+              "  do_sample: false",
+              "  temperature: 0.0",
+              f"  max_gen_toks: {budgets.pop()}",
+              "  until: []",
+              "repeats: 1",
+              "metadata:",
+              "  version: 1.0", ""]
+    _write_text(task_dir / f"{name}.yaml", "\n".join(lines))
+    return name
+
+
+__all__ = ["hf_tokenizer", "niah_records", "write_niah_task", "write_perplexity_task"]
