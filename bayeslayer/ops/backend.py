@@ -227,7 +227,10 @@ def bl_step(
     Shapes are those of :func:`bayeslayer.ops.bl_recurrent` without the time axis: q, k ``[B, H, D]``,
     v ``[B, H, m]``, r2 ``[B, H]`` / ``[B, H, G]``, ell2 ``[B, H]``, alpha ``[B, H]`` /
     ``[B, H, D]`` (``[B, H, D/2]`` with theta), theta ``[B, H, D/2]``.  ``state = (M, P)``
-    is required (start from :func:`bayeslayer.ops.initial_bl_state`) and not modified.  Returns
+    is required (start from :func:`bayeslayer.ops.initial_bl_state`) and not modified; on the PyTorch
+    path its ``P`` is validated like :func:`bayeslayer.ops.bl_recurrent`'s (symmetric, one Cholesky)
+    while value checks are on, and the new ``P`` is float64 when the given one was or the prior is wide
+    (decoding then continues in float64).  Returns
     ``(o [B, H, m], new_state)`` or ``(o, variance [B, H, G], new_state)``.  ``backend`` as in
     :func:`bl_chunk`; on Triton this is the fused step kernel (:func:`bl_step_triton`).
     """

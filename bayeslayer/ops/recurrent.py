@@ -16,7 +16,7 @@ Per token, with ``M̄ = A_t M_{t-1}``::
     o = Mᵀ q ;  variance = 1 + qᵀ P q ;  gain = kᵀ (β u)
 
 It is the reference that every chunked and fused path is tested against, and
-the decode step (:func:`bl_step`).
+the decode step (:func:`bayeslayer.ops.bl_step` runs ``filter_recurrent(..., single_step=True)``).
 
 Precision: the covariance (``P̄, u, β, P`` and the variance) is carried in float64 whatever the
 input dtype; the mean ``M`` and the outputs are in the compute dtype.  ``P = P̄ − β u uᵀ``
@@ -227,38 +227,6 @@ def bl_recurrent(
     out = filter_recurrent(
         q, k, v, write="bayes", r2=r2, ell2=ell2, alpha=alpha, theta=theta, p0=p0,
         initial_state=initial_state, output_final_state=output_final_state,
-    )
-    if return_variance:
-        return out.o, out.variance, out.state
-    return out.o, out.state
-
-
-def bl_step(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    r2,
-    ell2,
-    alpha=None,
-    theta=None,
-    state=None,
-    return_variance: bool = False,
-):
-    """One decoding step of the Bayesian Layer.
-
-    Shapes are those of :func:`bl_recurrent` without the time axis: q, k ``[B, H, D]``,
-    v ``[B, H, m]``, r2 ``[B, H]`` / ``[B, H, G]``, ell2 ``[B, H]``, alpha ``[B, H]`` /
-    ``[B, H, D]`` (``[B, H, D/2]`` with theta), theta ``[B, H, D/2]``.  ``state = (M, P)``
-    is required (start from :func:`initial_bl_state`); its ``P`` is validated like
-    :func:`bl_recurrent`'s (symmetric, one Cholesky) while value checks are on.  Returns
-    ``(o [B, H, m], new_state)`` or ``(o, variance [B, H, G], new_state)``; the new ``P`` is
-    float64 when the given one was or the prior is wide (then decoding continues in float64).
-    """
-    if state is None:
-        raise ValueError("state is required for bl_step; start from bayeslayer.ops.initial_bl_state(...)")
-    out = filter_recurrent(
-        q, k, v, write="bayes", r2=r2, ell2=ell2, alpha=alpha, theta=theta,
-        initial_state=state, output_final_state=True, single_step=True,
     )
     if return_variance:
         return out.o, out.variance, out.state
