@@ -218,6 +218,33 @@ def test_ctrl_c_after_a_checkpoint_says_where_it_is(monkeypatch, capsys):
     assert "interrupted; the last checkpoint is kept in runs/lm/x/step-000020" in line
 
 
+def test_a_training_loop_stopped_by_ctrl_c_says_where_to_resume(monkeypatch, capsys):
+    """The training loops raise TrainingInterrupted after saving; the CLI names that checkpoint."""
+    from bayeslayer.training import TrainingInterrupted
+
+    def interrupted(**_):
+        raise TrainingInterrupted("recall: interrupted after step 4; saved it to runs/x.ckpt/step-4", step=4,
+                                  checkpoint="runs/x.ckpt/step-4")
+
+    _patch_demo(monkeypatch, interrupted)
+    assert main(["demo"]) == 130
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert "interrupted; the last checkpoint is kept in runs/x.ckpt/step-4" in line
+
+
+def test_a_busy_output_folder_is_one_line(tmp_path, capsys):
+    """A second run on a folder another run holds: one line naming the holder, exit code 2, nothing trained."""
+    import os
+
+    from bayeslayer.training import OutputLock
+
+    out = tmp_path / "recall"
+    with OutputLock(out / "runs"):
+        line = one_line_error(["recall", "--preset", "tiny", "--models", "delta", "--seeds", "1", "--out", str(out),
+                               "--no-progress"], capsys, "in use by another run", f"pid {os.getpid()}")
+    assert "recall" in line and not (out / "recall.json").exists()
+
+
 def test_a_bug_still_shows_its_traceback(monkeypatch):
     def bug(**_):
         raise RuntimeError("an internal error")

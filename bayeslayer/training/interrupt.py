@@ -17,13 +17,19 @@ import sys
 import threading
 from collections.abc import Iterator
 
+from ..errors import Interrupted
 
-class TrainingInterrupted(KeyboardInterrupt):
-    """A training loop stopped on Ctrl-C; ``step`` and ``checkpoint`` say what is on disk."""
+
+class TrainingInterrupted(Interrupted):
+    """A training loop stopped on Ctrl-C; ``step`` and ``checkpoint`` say what is on disk.
+
+    An :class:`bayeslayer.errors.Interrupted` (a ``KeyboardInterrupt``), so the command line exits
+    130 with one line naming the checkpoint to resume from.
+    """
 
     def __init__(self, message: str, *, step: int | None = None, checkpoint: str | None = None) -> None:
-        super().__init__(message)
-        self.step, self.checkpoint = step, checkpoint
+        KeyboardInterrupt.__init__(self, message)
+        self.step, self.checkpoint = step, None if checkpoint is None else str(checkpoint)
 
     def __str__(self) -> str:
         return str(self.args[0])

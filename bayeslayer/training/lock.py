@@ -22,8 +22,12 @@ from pathlib import Path
 LOCK_NAME = ".lock"
 
 
-class FolderBusyError(RuntimeError):
-    """Another live process holds the output folder's lock."""
+class FolderBusyError(OSError):
+    """Another live process holds the output folder's lock.
+
+    An ``OSError`` (the folder is a resource this process cannot have now), so the command line
+    reports it as one line with exit code 2 (:mod:`bayeslayer.errors`).
+    """
 
 
 def _holder_description(text: str) -> str:
