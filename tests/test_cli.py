@@ -80,7 +80,7 @@ CASES = [
     ("mqar", ["mqar", "base", "--lr", "-1e-3", "--out", "{new}"], "--lr"),
     ("mqar", ["mqar", "base", "--preset", "paper-ish"], "invalid choice"),
     ("mqar", ["mqar", "update", "--preset", "tiny", "--out", "{file}"], "is a file"),
-    ("mqar", ["mqar", "--plot-only", "--out", "{empty}"], "holds no mqar_<task>.json"),
+    ("mqar", ["mqar", "--plot-only", "--out", "{empty}"], "holds no mqar_<task>*.json"),
     # state-budget
     ("state-budget", ["state-budget", "--budget", "0"], "--budget"),
     ("state-budget", ["state-budget", "--width", "wide"], "--width"),

@@ -504,7 +504,7 @@ def query_counts(model: nn.Module, data: MQARData, batch: int,
     per: dict[str, dict[int, list[int]]] = {name: {} for name in slice_of}
     for start in range(0, len(data), batch):
         idx = slice(start, start + batch)
-        device = next(model.parameters()).device
+        device = next(model.parameters(), torch.empty(0)).device  # (a parameterless model: CPU)
         labels = data.labels[idx].to(device)
         mask = labels != IGNORE_INDEX
         hit = (model(data.inputs[idx].to(device)).argmax(-1) == labels) & mask
@@ -771,6 +771,8 @@ def _main(args: argparse.Namespace) -> int:
     if args.plot_only:  # the named task, or every task whose JSON is in --out
         tasks = [args.task] if args.task else list(TASK_NAMES)
         stems = sorted(p.stem for t in tasks for p in out_dir.glob(f"mqar_{t}*.json"))  # every layout/gate
+        if not stems and args.task:
+            plot_only_json(out_dir, f"mqar_{args.task}", experiment="mqar")  # raises: names the missing file
         if not stems:
             raise UsageError(f"--plot-only: {out_dir} holds no mqar_<task>*.json; pass the --out folder of an "
                              "earlier run")
