@@ -8,6 +8,17 @@ import numpy as np
 
 WORDS = ("the cat sat on a mat while dog ran far from home and bird sang song under old tree "
          "every morning river flows past stone bridge near quiet town where people read books").split()
+# three short essays for NIAH's essay haystacks (sentences ending in ., ! and ?)
+ESSAYS = [
+    "The history of the town begins with a small market by the river. Traders came from the hills to sell "
+    "wool and grain. Over the years the market grew into a busy port, and the port became a city. "
+    "Its harbour was deep enough for ships that crossed the sea.",
+    "Engineers later built a stone bridge across the water! It carried carts, then trains, then cars. "
+    "Nobody remembers who designed it, but everyone crosses it every day. The arches were repaired twice.",
+    "In winter the river freezes and children skate on it. Old people say the ice was thicker when they "
+    "were young? The records agree with them, mostly. Spring floods come in April and leave fertile mud "
+    "on the fields, which is why farmers have always stayed close to the water despite the danger.",
+]
 
 
 def write_word_corpus(root: Path, docs: dict[str, int], *, sentences: int, words: tuple[int, int] = (5, 12),

@@ -13,16 +13,8 @@ from bayeslayer.errors import UsageError
 from bayeslayer.experiments import niah
 from bayeslayer.models import BayesLayerConfig, BayesLayerForCausalLM, replace_layers
 
-ESSAYS = [
-    "The history of the town begins with a small market by the river. Traders came from the hills to sell "
-    "wool and grain. Over the years the market grew into a busy port, and the port became a city. "
-    "Its harbour was deep enough for ships that crossed the sea.",
-    "Engineers later built a stone bridge across the water! It carried carts, then trains, then cars. "
-    "Nobody remembers who designed it, but everyone crosses it every day. The arches were repaired twice.",
-    "In winter the river freezes and children skate on it. Old people say the ice was thicker when they "
-    "were young? The records agree with them, mostly. Spring floods come in April and leave fertile mud "
-    "on the fields, which is why farmers have always stayed close to the water despite the danger.",
-]
+from .corpus import ESSAYS
+
 TEMPLATE = ("Some special magic numbers are hidden within the following text. Make sure to memorize it. "
             "I will quiz you about the numbers afterwards. What are all the special magic numbers for "
             "calm-river mentioned in the provided text? The special magic uuids for it mentioned in the "
