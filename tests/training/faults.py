@@ -16,6 +16,7 @@ import contextlib
 import os
 import shutil
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import torch
 
@@ -72,3 +73,22 @@ def run_killed_at(fn: Callable[[], object], crash_at: int | None) -> tuple[int, 
         counted_ops = int(fh.read() or 0)
     _, status = os.waitpid(pid, 0)
     return os.waitstatus_to_exitcode(status), counted_ops
+
+
+def tiny_lm(root: Path, **overrides):
+    """A one-layer Bayesian LM run on a seeded written corpus under ``root``: ``(LMConfig, cache_dir)``.
+
+    The LM reliability and fault tests share it; ``overrides`` set their steps and evaluation.
+    """
+    from bayeslayer.experiments.lm import LMConfig
+
+    from ..experiments.corpus import write_word_corpus
+
+    source = write_word_corpus(root / "text", {"train": 20, "validation": 4, "test": 4}, sentences=10,
+                               repeat_phrase=True)
+    settings = dict(preset="test", mixer="bayesian", hidden_size=16, num_layers=1, num_heads=2, head_dim=8,
+                    mlp_dropout=0.1, source=str(source), vocab_size=280, seq_len=16, steps=4, batch_size=2,
+                    micro_batch_size=2, lr=3e-3, warmup_steps=1, eval_every=0, eval_windows=2, eval_batch_size=4,
+                    checkpoint_every=2, log_every=1, seed=0)
+    settings.update(overrides)
+    return LMConfig(**settings), str(root / "cache")

@@ -13,7 +13,7 @@ import torch
 from bayeslayer.experiments.harness import TrainConfig, train
 
 from ..experiments.test_harness import make_model, sample_copy
-from .faults import KILLED, run_killed_at, single_thread
+from .faults import KILLED, run_killed_at, single_thread, tiny_lm
 
 
 def _digest(model: torch.nn.Module) -> str:
@@ -51,18 +51,7 @@ def test_harness_kill_at_every_disk_step_resumes_bit_identical(tmp_path):
 
 @pytest.fixture(scope="module")
 def lm_setup(tmp_path_factory):
-    from bayeslayer.experiments.lm import LMConfig
-
-    from ..experiments.corpus import write_word_corpus
-
-    root = tmp_path_factory.mktemp("lm_faults")
-    source = write_word_corpus(root / "text", {"train": 20, "validation": 4, "test": 4}, sentences=10,
-                               repeat_phrase=True)
-    config = LMConfig(preset="test", mixer="bayesian", hidden_size=16, num_layers=1, num_heads=2, head_dim=8,
-                      mlp_dropout=0.1, source=str(source), vocab_size=280, seq_len=16, steps=4, batch_size=2,
-                      micro_batch_size=2, lr=3e-3, warmup_steps=1, eval_every=0, eval_windows=2, eval_batch_size=4,
-                      checkpoint_every=2, log_every=1, seed=0)
-    return config, str(root / "cache")
+    return tiny_lm(tmp_path_factory.mktemp("lm_faults"))
 
 
 def _lm_run(config, run_dir: Path, cache: str):

@@ -16,24 +16,17 @@ from pathlib import Path
 
 import pytest
 
-from bayeslayer.experiments.lm import LMConfig, latest_checkpoint, train_lm
+from bayeslayer.experiments.lm import latest_checkpoint, train_lm
 from bayeslayer.training import CheckpointError, FolderBusyError, TrainingInterrupted
 
-from ..experiments.corpus import write_word_corpus
-from .faults import single_thread
+from .faults import single_thread, tiny_lm
 from .test_lock import _HOLD, _env, _wait_for
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("lm_rel")
-    source = write_word_corpus(root / "text", {"train": 20, "validation": 4, "test": 4}, sentences=10,
-                               repeat_phrase=True)
-    config = LMConfig(preset="test", mixer="bayesian", hidden_size=16, num_layers=1, num_heads=2, head_dim=8,
-                      mlp_dropout=0.1, source=str(source), vocab_size=280, seq_len=16, steps=6, batch_size=2,
-                      micro_batch_size=2, lr=3e-3, warmup_steps=1, eval_every=3, eval_windows=2, eval_batch_size=4,
-                      checkpoint_every=2, log_every=1, seed=0)
-    cache = str(root / "cache")
+    config, cache = tiny_lm(root, steps=6, eval_every=3)
     with single_thread():
         ref = train_lm(config, root / "reference", cache_dir=cache, progress=False)
     return config, cache, ref
