@@ -21,6 +21,7 @@ import os
 from pathlib import Path
 
 from ..models.configuration import BayesLayerConfig
+from ..training.files import atomic_write_text
 
 #: The file :func:`export_auto_map` writes next to the weights.
 SHIM_FILE = "bayeslayer_auto.py"
@@ -43,12 +44,6 @@ __all__ = ["BayesLayerConfig", "BayesLayerForCausalLM", "BayesLayerModel"]
 '''
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def export_auto_map(model_dir: str | os.PathLike) -> Path:
     """Add ``auto_map`` to ``model_dir/config.json`` and write :data:`SHIM_FILE` beside it.
 
@@ -67,9 +62,9 @@ def export_auto_map(model_dir: str | os.PathLike) -> Path:
                          f"{BayesLayerConfig.model_type!r}; save a BayesLayerForCausalLM there first "
                          "(a Gated DeltaNet checkpoint: load_gdn_checkpoint(dir).save_pretrained(out))")
     shim = model_dir / SHIM_FILE
-    _atomic_write(shim, _SHIM)
+    atomic_write_text(shim, _SHIM)
     config["auto_map"] = dict(AUTO_MAP)
-    _atomic_write(config_file, json.dumps(config, indent=2, sort_keys=True) + "\n")
+    atomic_write_text(config_file, json.dumps(config, indent=2, sort_keys=True) + "\n")
     return shim
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ..experiments.niah import NiahSample, _Tokenizer, prompt_template
+from ..training.files import atomic_write, atomic_write_text
 
 #: RULER's lm-eval tasks always report the 4096 column (``common_utils.DEFAULT_SEQ_LENGTHS``);
 #: its ``process_results`` fills it with -1 for other lengths, so the metric list must hold it.
@@ -65,17 +66,9 @@ def _check_name(name: Any) -> str:
 
 
 def _write_jsonl(path: Path, records: Sequence[dict]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
+    with atomic_write(path, "w") as f:
         for r in records:
             f.write(json.dumps(r, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
-
-
-def _write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
 
 
 def _dataset_lines(jsonl: Path, task_dir: Path) -> list[str]:
@@ -114,7 +107,7 @@ def write_perplexity_task(task_dir: str | os.PathLike, documents: Sequence[str],
              "  - metric: bits_per_byte",
              "metadata:",
              "  version: 1.0", ""]
-    _write_text(task_dir / f"{name}.yaml", "\n".join(lines))
+    atomic_write_text(task_dir / f"{name}.yaml", "\n".join(lines))
     return name
 
 
@@ -187,7 +180,7 @@ def write_niah_task(task_dir: str | os.PathLike, samples: Sequence[NiahSample], 
               "repeats: 1",
               "metadata:",
               "  version: 1.0", ""]
-    _write_text(task_dir / f"{name}.yaml", "\n".join(lines))
+    atomic_write_text(task_dir / f"{name}.yaml", "\n".join(lines))
     return name
 
 
