@@ -210,7 +210,7 @@ def _unbind(*xs: torch.Tensor | None) -> list:
     return [x.unbind(0) if x is not None else None for x in xs]
 
 
-def _pad_time(x: torch.Tensor | None, pad: int, value: float = 0.0) -> torch.Tensor | None:
+def pad_time(x: torch.Tensor | None, pad: int, value: float = 0.0) -> torch.Tensor | None:
     """Pad ``[B, T, ...]`` along T at the end."""
     if x is None or pad == 0:
         return x
@@ -218,7 +218,7 @@ def _pad_time(x: torch.Tensor | None, pad: int, value: float = 0.0) -> torch.Ten
     return F.pad(x, widths, value=value)
 
 
-def _chunks(x: torch.Tensor | None, C: int) -> torch.Tensor | None:
+def to_chunks(x: torch.Tensor | None, C: int) -> torch.Tensor | None:
     """``[B, T, H, ...] -> [N, B, H, C, ...]`` (T a multiple of C)."""
     if x is None:
         return None
@@ -228,11 +228,11 @@ def _chunks(x: torch.Tensor | None, C: int) -> torch.Tensor | None:
     return x.movedim(1, 0).contiguous()  # strided views would make every matmul copy
 
 
-def _cat(xs: list[torch.Tensor]) -> torch.Tensor:
+def cat_blocks(xs: list[torch.Tensor]) -> torch.Tensor:
     return xs[0] if len(xs) == 1 else torch.cat(xs)  # one block (the usual case): no copy
 
 
-def _unchunk(x: torch.Tensor, T: int) -> torch.Tensor:
+def from_chunks(x: torch.Tensor, T: int) -> torch.Tensor:
     """``[N, B, H, C, ...] -> [B, T, H, ...]`` (drops padding)."""
     N, B, H, C = x.shape[:4]
     rest = x.shape[4:]
@@ -240,7 +240,7 @@ def _unchunk(x: torch.Tensor, T: int) -> torch.Tensor:
     return x[:, :T]
 
 
-class _Chunked:
+class Chunked:
     """Padded, chunked views of a :class:`Prepared` call (``[N, B, H, C, ...]``)."""
 
     def __init__(self, pr, C: int, need_noise: bool):
@@ -248,17 +248,17 @@ class _Chunked:
         self.T, self.C = T, C
         pad = (-T) % C
         self.pad = pad
-        self.q = _chunks(_pad_time(pr.q, pad), C)
-        self.k = _chunks(_pad_time(pr.k, pad), C)
-        self.v = _chunks(_pad_time(pr.v, pad), C)
+        self.q = to_chunks(pad_time(pr.q, pad), C)
+        self.k = to_chunks(pad_time(pr.k, pad), C)
+        self.v = to_chunks(pad_time(pr.v, pad), C)
         # Padding tokens are exact no-ops: k = 0, α = 1, θ = 0, ℓ² = 0, r² = 1.
-        self.r2 = _chunks(_pad_time(pr.r2, pad, 1.0), C) if need_noise else None
-        self.ell2 = _chunks(_pad_time(pr.ell2, pad), C) if need_noise else None
+        self.r2 = to_chunks(pad_time(pr.r2, pad, 1.0), C) if need_noise else None
+        self.ell2 = to_chunks(pad_time(pr.ell2, pad), C) if need_noise else None
         la = pr.dyn.log_alpha
         if la is None:
             la = pr.q.new_zeros(*pr.q.shape[:3], 1)
-        self.log_alpha = _chunks(_pad_time(la, pad), C)
-        self.theta = _chunks(_pad_time(pr.dyn.theta, pad), C)
+        self.log_alpha = to_chunks(pad_time(la, pad), C)
+        self.theta = to_chunks(pad_time(pr.dyn.theta, pad), C)
         self.n = self.q.shape[0]
 
     def blocks(self, max_elems: int = 1 << 24):
@@ -285,7 +285,7 @@ def _bmm_add(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float = 1
     return out.view(*lead, *out.shape[-2:])
 
 
-def _covariance_prework(dyn: ChunkDynamics, k: torch.Tensor, r2: torch.Tensor, ell2: torch.Tensor):
+def covariance_prework(dyn: ChunkDynamics, k: torch.Tensor, r2: torch.Tensor, ell2: torch.Tensor):
     """What the covariance loop needs that does not depend on ``P``, for a whole block of chunks.
 
     Returns ``(b, K̃, B k, base, B_C)``: the in-chunk process noise ``b`` (diagonal, None with
@@ -321,7 +321,7 @@ def covariance_pass(
     """
     D = k.shape[-1]
     P0_max = torch.diagonal(P.detach(), dim1=-2, dim2=-1).amax()  # for the error message only
-    b, kt, NBk, base, BC = _covariance_prework(dyn, k, r2, ell2)
+    b, kt, NBk, base, BC = covariance_prework(dyn, k, r2, ell2)
     ktT = kt.transpose(-1, -2)
     if q is not None:
         qt = dyn.adj(q)
@@ -486,8 +486,8 @@ def _filter_chunk(
     # write keys for the whole sequence, or None: the dense covariance pass gives them block by block
     write_keys, var, P = write.chunk_write_keys(pr, return_variance, P)
     per_block = write_keys is None
-    ch = _Chunked(pr, C, need_noise=per_block)
-    wch = _chunks(_pad_time(write_keys, ch.pad), C) if write_keys is not None else None
+    ch = Chunked(pr, C, need_noise=per_block)
+    wch = to_chunks(pad_time(write_keys, ch.pad), C) if write_keys is not None else None
     M = pr.M0
     outs, variances, ws = [], [], []
     for s, e in ch.blocks():
@@ -503,10 +503,10 @@ def _filter_chunk(
         o, M = mean_pass(dyn, ch.q[s:e], ch.k[s:e], ch.v[s:e], w, M, erase=write.erase)
         outs.append(o)
         ws.append((w * ch.k[s:e]).sum(-1))  # the gain kᵀw, per token
-    o = _unchunk(_cat(outs), T)
-    gain = _unchunk(_cat(ws), T)
+    o = from_chunks(cat_blocks(outs), T)
+    gain = from_chunks(cat_blocks(ws), T)
     if per_block and return_variance:
-        var = _unchunk(_cat(variances), T)
+        var = from_chunks(cat_blocks(variances), T)
     return pr.finish(o, var, gain, M, P, output_final_state)
 
 
