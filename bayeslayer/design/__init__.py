@@ -15,9 +15,11 @@ A :class:`DesignModel` names its three parts (SPEC §1):
 
 Every design runs through the same two pieces of machinery in
 :mod:`bayeslayer.ops`: the recurrent oracle and the chunked path.  No design has
-a hand-written loop of its own.  :meth:`DesignModel.chunk` and :meth:`DesignModel.step` take a
-``backend`` (``"auto"``/``"torch"``/``"triton"``, :mod:`bayeslayer.ops.backend`): designs with
-write model ``bayes`` run on the Triton kernels for CUDA tensors; the others have no kernel.
+a hand-written loop of its own; a design runs its write model through the object
+:mod:`bayeslayer.design.write` keeps for it (``DesignModel.write_model``).
+:meth:`DesignModel.chunk` and :meth:`DesignModel.step` take a ``backend``
+(``"auto"``/``"torch"``/``"triton"``, :mod:`bayeslayer.ops.backend`): designs with write model
+``bayes`` run on the Triton kernels for CUDA tensors; the others have no kernel.
 
 >>> from bayeslayer.design import GATED_DELTANET
 >>> GATED_DELTANET.write, GATED_DELTANET.dynamics
@@ -31,10 +33,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..ops.backend import BackendError, check_backend, dispatch_chunk, dispatch_step
-from ..ops.lowrank import check_projection, check_rank, initial_lowrank_state, lowrank_chunk, lowrank_recurrent
-from ..ops.prepare import FilterOutput
-from ..ops.recurrent import filter_recurrent, initial_bl_state
+from ..ops.lowrank import check_projection, check_rank
+from ..ops.prepare import FilterInputs, FilterOutput
+from .write import DesignWrite, get_design_write
 
 DYNAMICS = ("identity", "scalar", "diagonal", "rotation", "any")
 
@@ -71,35 +72,27 @@ class DesignModel:
     projection: str = "conservative"
 
     def __post_init__(self):
-        if self.write not in ("bayes", "diagonal", "reset", "latent", "lowrank"):
-            raise ValueError(f"write must be bayes/diagonal/reset/latent/lowrank, got {self.write!r}")
-        if self.write == "lowrank":
-            check_rank(self.rank)
-            check_projection(self.projection)
-            if self.dynamics == "rotation":
-                raise ValueError("the lowrank write model does not support rotation dynamics")
-        elif self.rank is not None:
-            raise ValueError(f"rank applies only to write='lowrank', not {self.write!r}")
+        write = get_design_write(self.write)
+        write.check(self)
         if self.dynamics not in DYNAMICS:
             raise ValueError(f"dynamics must be one of {DYNAMICS}, got {self.dynamics!r}")
-        if self.fixed_lam is not None and (self.write != "reset" or not self.fixed_lam > 0):
+        if self.fixed_lam is not None and (not write.takes_fixed_lam or not self.fixed_lam > 0):
             raise ValueError("fixed_lam needs write='reset' and a positive value")
+
+    @property
+    def write_model(self) -> DesignWrite:
+        """The object that runs this design's write model (:mod:`bayeslayer.design.write`)."""
+        return get_design_write(self.write)
 
     @property
     def has_covariance(self) -> bool:
         """Whether the filter carries a key-space covariance between tokens (state ``(M, P)``)."""
-        return self.write in ("bayes", "diagonal", "lowrank")
+        return self.write_model.has_covariance
 
     def state_size(self, key_dim: int, value_dim: int, groups: int = 1) -> int:
         """Recurrent state floats per head: ``D·m`` (+ ``G·D²`` dense, ``G·D`` diagonal or ``G·D·(r+1)``
         low-rank-plus-diagonal covariance)."""
-        if self.write == "lowrank":
-            return key_dim * value_dim + groups * key_dim * (check_rank(self.rank, key_dim) + 1)
-        if self.write == "bayes":
-            return key_dim * value_dim + groups * key_dim * key_dim
-        if self.write == "diagonal":
-            return key_dim * value_dim + groups * key_dim
-        return key_dim * value_dim
+        return self.write_model.state_size(self, key_dim, value_dim, groups)
 
     # -- argument plumbing -------------------------------------------------------------------------
     @staticmethod
@@ -122,18 +115,18 @@ class DesignModel:
                 f"{None if theta is None else tuple(theta.shape)} ({kind})"
             )
 
-    def _noise(self, r2, ell2, lam, gain):
+    def _inputs(self, r2, ell2, lam, gain, alpha, theta) -> FilterInputs:
         # Every argument is passed on, so that the ops refuse one the write model does not use
         # (e.g. ell2 for a reset design) instead of it being dropped here silently.
         if self.fixed_lam is not None:
             if lam is not None or gain is not None:
                 raise ValueError(f"design {self.name!r} fixes lam={self.fixed_lam}; pass only r2")
             lam = self.fixed_lam
-        return dict(r2=r2, ell2=ell2, lam=lam, gain=gain)
+        return FilterInputs(r2=r2, ell2=ell2, lam=lam, gain=gain, alpha=alpha, theta=theta)
 
-    def _kwargs(self, v, r2, ell2, lam, gain, alpha, theta):
+    def _sequence_inputs(self, v, r2, ell2, lam, gain, alpha, theta) -> FilterInputs:
         self._check_dynamics(alpha, theta)
-        kw = self._noise(r2, ell2, lam, gain)
+        inputs = self._inputs(r2, ell2, lam, gain, alpha, theta)
         if self.per_column:
             noise = gain if gain is not None else r2
             m = v.shape[-1] if isinstance(v, torch.Tensor) else None
@@ -143,13 +136,7 @@ class DesignModel:
                     f"design {self.name!r} needs a per-value-column r2 or gain [B, T, H, m] (m={m}), "
                     f"got {seen}"
                 )
-        return kw
-
-    def _lowrank_kw(self, kw: dict) -> dict:
-        for name in ("lam", "gain"):
-            if kw[name] is not None:
-                raise ValueError(f"write model 'lowrank' derives its gain from r2/ell2; do not pass {name}")
-        return dict(rank=self.rank, projection=self.projection, r2=kw["r2"], ell2=kw["ell2"])
+        return inputs
 
     # -- derived filters ---------------------------------------------------------------------------
     def recurrent(
@@ -157,12 +144,9 @@ class DesignModel:
         initial_state=None, output_final_state=False,
     ) -> FilterOutput:
         """Token-by-token oracle. Returns :class:`~bayeslayer.ops.FilterOutput` ``(o, variance, gain, state)``."""
-        kw = self._kwargs(v, r2, ell2, lam, gain, alpha, theta)
-        if self.write == "lowrank":
-            return lowrank_recurrent(q, k, v, **self._lowrank_kw(kw), alpha=alpha, theta=theta, p0=p0,
-                                     initial_state=initial_state, output_final_state=output_final_state)
-        return filter_recurrent(q, k, v, write=self.write, alpha=alpha, theta=theta, p0=p0,
-                                initial_state=initial_state, output_final_state=output_final_state, **kw)
+        inputs = self._sequence_inputs(v, r2, ell2, lam, gain, alpha, theta)
+        return self.write_model.recurrent(self, q, k, v, inputs, p0=p0, initial_state=initial_state,
+                                          output_final_state=output_final_state)
 
     def chunk(
         self, q, k, v, *, r2=None, ell2=None, lam=None, gain=None, alpha=None, theta=None, p0=1.0,
@@ -173,15 +157,10 @@ class DesignModel:
         ``backend``: ``"auto"``, ``"torch"`` or ``"triton"`` (:mod:`bayeslayer.ops.backend`); on the
         Triton path ``gain`` is ``None``.
         """
-        kw = self._kwargs(v, r2, ell2, lam, gain, alpha, theta)
-        if self.write == "lowrank":
-            self._torch_only(backend)
-            return lowrank_chunk(q, k, v, **self._lowrank_kw(kw), alpha=alpha, theta=theta, p0=p0,
-                                 initial_state=initial_state, output_final_state=output_final_state,
-                                 return_variance=return_variance, chunk_size=chunk_size)
-        return dispatch_chunk(q, k, v, write=self.write, alpha=alpha, theta=theta, p0=p0,
-                              initial_state=initial_state, output_final_state=output_final_state,
-                              return_variance=return_variance, chunk_size=chunk_size, backend=backend, **kw)
+        inputs = self._sequence_inputs(v, r2, ell2, lam, gain, alpha, theta)
+        return self.write_model.chunk(self, q, k, v, inputs, p0=p0, initial_state=initial_state,
+                                      output_final_state=output_final_state, return_variance=return_variance,
+                                      chunk_size=chunk_size, backend=backend)
 
     def step(self, q, k, v, *, state, r2=None, ell2=None, lam=None, gain=None, alpha=None, theta=None,
              backend="auto") -> FilterOutput:
@@ -195,29 +174,14 @@ class DesignModel:
         self._check_dynamics(
             None if alpha is None else alpha.unsqueeze(1), None if theta is None else theta.unsqueeze(1)
         )
-        kw = self._noise(r2, ell2, lam, gain)
-        if self.write == "lowrank":
-            self._torch_only(backend)
-            return lowrank_recurrent(q, k, v, **self._lowrank_kw(kw), alpha=alpha, theta=theta,
-                                     initial_state=state, output_final_state=True, single_step=True)
-        return dispatch_step(q, k, v, write=self.write, alpha=alpha, theta=theta, state=state, backend=backend,
-                             **kw)
-
-    def _torch_only(self, backend) -> None:
-        """The low-rank covariance has no Triton kernel: a forced ``"triton"`` says so."""
-        if check_backend(backend) == "triton":
-            raise BackendError(f"write model {self.write!r} ({self.name}) has no Triton kernel; "
-                               "use backend='auto' or 'torch'")
+        inputs = self._inputs(r2, ell2, lam, gain, alpha, theta)
+        return self.write_model.step(self, q, k, v, inputs, state=state, backend=backend)
 
     def initial_state(self, batch_size, num_heads, key_dim, value_dim, *, p0=1.0, groups=1,
                       dtype=torch.float32, device=None):
         """Prior state: ``(0, p0·I)`` with a covariance, ``(0, [1/p0, 0])`` low-rank, ``(0, None)`` otherwise."""
-        if self.write == "lowrank":
-            return initial_lowrank_state(batch_size, num_heads, key_dim, value_dim, rank=self.rank, p0=p0,
-                                         groups=groups, dtype=dtype, device=device)
-        M, P = initial_bl_state(batch_size, num_heads, key_dim, value_dim, p0=p0, groups=groups,
-                                dtype=dtype, device=device)
-        return (M, P) if self.has_covariance else (M, None)
+        return self.write_model.initial_state(self, batch_size, num_heads, key_dim, value_dim, p0=p0,
+                                              groups=groups, dtype=dtype, device=device)
 
 
 # -- the family (SPEC §1.3) ------------------------------------------------------------------------
@@ -230,10 +194,13 @@ KDA = DesignModel("kda", "reset", "diagonal", description="covariance reset, A_t
 LONGHORN = DesignModel("longhorn", "reset", "identity", per_column=True,
                        description="covariance reset with a separate gain per value column")
 LINEAR_ATTENTION = DesignModel("linear_attention", "latent", "identity", description="latent input, A_t = I")
-RETNET = DesignModel("retnet", "latent", "scalar", description="latent input, A_t = γ I (fixed γ)")
 GLA = DesignModel("gla", "latent", "diagonal", description="latent input, A_t = diag(α_t)")
 MAMBA2 = DesignModel("mamba2", "latent", "scalar",
-                     description="SSD core: latent input, A_t = a_t I, inputs scaled by the step size")
+                     description="latent input, A_t = a_t I: Mamba-2's SSD core (inputs scaled by the step "
+                                 "size Δ_t as the write coefficient) and RetNet (a fixed decay γ, coefficient 1)")
+#: RetNet's retention is the same filter as Mamba-2's SSD core (latent input, scalar decay; a fixed γ is
+#: only the alpha its caller passes): one design model, registered under both names.
+RETNET = MAMBA2
 
 
 def fixed_prior(c: float) -> DesignModel:
@@ -245,9 +212,9 @@ def fixed_prior(c: float) -> DesignModel:
 
 
 DESIGNS: dict[str, DesignModel] = {
-    d.name: d
-    for d in (BAYESIAN, DIAGONAL_COVARIANCE, DELTANET, GATED_DELTANET, KDA, LONGHORN,
-              LINEAR_ATTENTION, RETNET, GLA, MAMBA2)
+    **{d.name: d for d in (BAYESIAN, DIAGONAL_COVARIANCE, DELTANET, GATED_DELTANET, KDA, LONGHORN,
+                           LINEAR_ATTENTION, GLA, MAMBA2)},
+    "retnet": RETNET,
 }
 
 

@@ -92,6 +92,8 @@ ROUNDS, B_REPEATS, A_REPEATS = 2, 40, 60
 IDENTITIES = "ABCDEF"
 A, B = 0, 1  # identity indices; identity i has key slot i and value class i
 MODELS = ("bayesian", "reset", "linear_attention", "diagonal")
+# labels of this study's filter configurations (a design with fixed noise, λ or ω), not of registry
+# mixers (those are bayeslayer.layers.MIXER_LABELS)
 MODEL_LABELS = {
     "bayesian": "Bayesian (BL)",
     "reset": "reset / Delta (λ = 0.05)",

@@ -46,6 +46,7 @@ CORE_KINDS = ("bayesian", "delta", "linear_attention", "gla")
 LOWRANK_RANKS = (0, 1, 2, 4, 8, 16)
 LOWRANK_KINDS = tuple(f"bayesian_lowrank{r}" for r in LOWRANK_RANKS)
 ALL_KINDS = CORE_KINDS + LOWRANK_KINDS
+# labels of the recurrent-core kinds (no q/k projections), not of registry mixers (bayeslayer.layers.MIXER_LABELS)
 CORE_LABELS = {"bayesian": "BL", "delta": "Delta-style", "linear_attention": "LA-style", "gla": "GLA-style",
                **{f"bayesian_lowrank{r}": f"BL r={r}" for r in LOWRANK_RANKS}}
 

@@ -44,7 +44,7 @@ configuration from the state-budget solver (:func:`~bayeslayer.experiments.state
 every mixer carries the same recurrent-state floats per layer — the Bayesian Layer counts
 ``H·(D·m + D²)`` (mean and covariance), Gated DeltaNet widens its value dim to ``H·D·m``,
 Mamba-2 fills ``d_state``.  Mixers keep their layer defaults otherwise (BL: short convolution
-on, scalar decay; see :data:`MIXER_LABELS`).
+on, scalar decay; labels: :func:`mixer_label`).
 
 Training (the shared :func:`~bayeslayer.experiments.harness.train_lr_grid`): a fixed pool of
 sequences (:func:`~bayeslayer.data.mqar.make_pool`) split 90/10 into train and validation,
@@ -77,31 +77,22 @@ import torch.nn as nn
 
 from ..data.mqar import IGNORE_INDEX, MQARData, MQARDataset, MQARTask, make_pool
 from ..errors import UsageError
-from ..layers import MIXERS as MIXER_REGISTRY
-from ..layers import QKVMixer, ShortConvolution, build_mixer
+from ..layers import MIXER_LABELS, MIXERS, QKVMixer, ShortConvolution, build_mixer
 from ..training.optim import DECAY_POLICY
 from .cli_checks import PLOT_ONLY_HELP, check_out_dir, plot_only_json, positive_float_arg, positive_int_arg
-from .harness import TrainConfig, _jsonable, results_record, summarize, train_lr_grid, write_json
+from .harness import TrainConfig, results_record, summarize, train_lr_grid, write_json
 from .plotting import RefLine, Series, line_plot, load_json
-from .state_budget import STATE_FORMS, HeadConfig, solve_state_budget
+from .state_budget import BUDGET_MIXERS, HeadConfig, solve_state_budget
 
 TASK_NAMES = ("base", "update", "block")
-MIXER_LABELS = {
-    "bayesian": "BL",
-    "gated_deltanet": "GDN (short conv)",
-    "gated_deltanet_noconv": "GDN (no conv)",
-    "mamba2": "Mamba-2",
-    "linear_attention": "linear attention",
-    "bayesian_noconv": "BL (no conv)",
-    "deltanet": "DeltaNet (short conv)",
-    "deltanet_noconv": "DeltaNet (no conv)",
-}
 DEFAULT_MIXERS = ("bayesian", "gated_deltanet", "gated_deltanet_noconv", "mamba2", "linear_attention")
 #: MQAR mixer names that are a registry layer with other constructor settings: name → (layer, keywords).
 MIXER_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "bayesian_noconv": ("bayesian", {"use_short_conv": False}),
     "deltanet_noconv": ("deltanet", {"use_short_conv": False}),
 }
+#: labels of the variants (not registry mixers; a registry mixer's label is bayeslayer.layers.MIXER_LABELS)
+VARIANT_LABELS = {"bayesian_noconv": "BL (no conv)", "deltanet_noconv": "DeltaNet (no conv)"}
 # the low-rank-plus-diagonal BL (bayeslayer.ops.lowrank) of rank r, sized by the state-budget rule for
 # "bayesian_lowrank" and built as the registry's "bayesian" with covariance="lowrank"; not a default
 LOWRANK_PREFIX = "bayesian_lowrank"
@@ -249,8 +240,11 @@ def _lowrank_rank(mixer: str) -> int | None:
 
 
 def mixer_label(mixer: str) -> str:
+    """A mixer's name in tables and legends: the registry's label, a variant's or a low-rank BL's."""
     rank = _lowrank_rank(mixer)
-    return f"BL low-rank r={rank}" if rank is not None else MIXER_LABELS.get(mixer, mixer)
+    if rank is not None:
+        return f"BL low-rank r={rank}"
+    return VARIANT_LABELS.get(mixer) or MIXER_LABELS.get(mixer, mixer)
 
 
 @dataclass(frozen=True)
@@ -271,8 +265,8 @@ class MQARModelConfig:
     conv_size: int = 3
 
     def __post_init__(self):
-        if self.mixer not in MIXER_REGISTRY:
-            raise ValueError(f"unknown mixer {self.mixer!r}; known: {sorted(MIXER_REGISTRY)}")
+        if self.mixer not in MIXERS:
+            raise ValueError(f"unknown mixer {self.mixer!r}; known: {sorted(MIXERS)}")
         for name in ("vocab_size", "width", "num_layers", "conv_size"):
             val = getattr(self, name)
             if not isinstance(val, int) or isinstance(val, bool) or val < 1:
@@ -396,7 +390,7 @@ def gate_kwargs(layer: str, gate: str, layout: str) -> dict[str, Any]:
         raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    if not issubclass(MIXER_REGISTRY[layer], QKVMixer):  # Mamba-2: its gate belongs to the SSD block
+    if not issubclass(MIXERS[layer], QKVMixer):  # Mamba-2: its gate belongs to the SSD block
         return {}
     if gate == "default":
         return {"use_gate": False} if layout == "hybrid" else {}
@@ -411,7 +405,7 @@ def model_config(mixer: str, preset: MQARPreset, width: int) -> tuple[MQARModelC
         head = solve_state_budget(preset.budget, width, LOWRANK_PREFIX, rank=rank)
     else:
         layer, extra = resolve_mixer(mixer)
-        if layer not in STATE_FORMS or layer not in MIXER_REGISTRY:
+        if layer not in BUDGET_MIXERS or layer not in MIXERS:
             raise ValueError(f"mixer {mixer!r} has no state-budget rule or no layer; use one of {known_mixers()} "
                              f"or {LOWRANK_PREFIX}<r>")
         head = solve_state_budget(preset.budget, width, layer)
@@ -434,7 +428,7 @@ def build_model(mixer: str, preset: MQARPreset, width: int) -> MQARModel:
 
 def known_mixers() -> list[str]:
     """Every name ``bayeslayer mqar --mixers`` takes: registry layers with a state rule, and the variants."""
-    return sorted((set(STATE_FORMS) & set(MIXER_REGISTRY)) | set(MIXER_VARIANTS))
+    return sorted((set(BUDGET_MIXERS) & set(MIXERS)) | set(MIXER_VARIANTS))
 
 
 # -- data --------------------------------------------------------------------------------------------
@@ -619,7 +613,8 @@ def run_mqar(task: str, preset: MQARPreset, mixers: Sequence[str] = DEFAULT_MIXE
     if path and os.path.exists(path):
         # keep the mixers of an earlier run of the same settings, so mixers can be run one at a time
         previous = load_json(path)
-        if previous.get("config") == json.loads(json.dumps(_jsonable(config))):
+        # config holds plain Python values only (a JSON round trip raises on anything else)
+        if previous.get("config") == json.loads(json.dumps(config)):
             results.update({m: res for m, res in previous.get("models", {}).items() if m not in mixers})
     record = results_record("mqar", preset.name, config, results, paper_reported=PAPER_POINTS.get(task))
     for mixer in mixers:
@@ -742,7 +737,7 @@ def format_table(record: dict) -> str:
     paper = record.get("paper_reported")
     if paper:
         lines.append(f"\npaper (SPEC §4.4) at {paper['x']}: " + ", ".join(
-            f"{MIXER_LABELS.get(m, m)} ≈ {v:.2f}" for m, v in paper["values"].items()))
+            f"{mixer_label(m)} ≈ {v:.2f}" for m, v in paper["values"].items()))
     return "\n".join(lines)
 
 
@@ -840,7 +835,7 @@ def add_parser(sub) -> None:
 
 
 __all__ = [
-    "DEFAULT_MIXERS", "GATES", "LAYOUTS", "MIXER_LABELS", "MIXER_VARIANTS", "PRESETS", "TASK_NAMES", "BaseConv",
+    "DEFAULT_MIXERS", "GATES", "LAYOUTS", "MIXER_VARIANTS", "PRESETS", "TASK_NAMES", "BaseConv",
     "MQARModel", "MQARModelConfig", "MQARPreset", "build_model", "epoch_sampler", "format_table", "gate_kwargs",
     "known_mixers", "mixer_kwargs", "model_config", "plot_mqar", "query_counts", "resolve_mixer", "results_stem",
     "run_mqar", "sweep_points", "train_tasks",

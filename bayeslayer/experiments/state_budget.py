@@ -62,27 +62,20 @@ import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
-from .cli_checks import check_out_file, positive_int_arg
+from ..design import DesignModel, get_design, lowrank_diagonal
+from ..layers import MIXERS
+from .cli_checks import check_int, check_out_file, positive_int_arg
 
-# mixer name → how its state is counted: "bayes" (mean + dense covariances), "diagonal"
-# (mean + diagonal covariances), "mean" (mean only), "ssd" (Mamba-2's d_state × head_dim per head)
-STATE_FORMS: dict[str, str] = {
-    "bayesian": "bayes",
-    "diagonal_covariance": "diagonal",
-    "bayesian_lowrank": "lowrank",
-    "deltanet": "mean",
-    "gated_deltanet": "mean",
-    "gated_deltanet_noconv": "mean",
-    "kda": "mean",
-    "linear_attention": "mean",
-    "retnet": "mean",
-    "gla": "mean",
-    "mamba2": "ssd",
-}
-# every mixer but the low-rank BL, which needs its rank (solve_state_budget(..., rank=r))
-MIXERS = tuple(name for name in STATE_FORMS if name != "bayesian_lowrank")
-COVARIANCE_FORMS = ("bayes", "diagonal", "lowrank")
+#: the mixers the solver sizes by default: registry layers and design models, every one counted by its
+#: design model's ``state_size`` (:func:`mixer_design`); ``bayesian_lowrank`` needs its rank and is not here
+BUDGET_MIXERS = ("bayesian", "diagonal_covariance", "deltanet", "gated_deltanet", "gated_deltanet_noconv", "kda",
+                 "linear_attention", "retnet", "gla", "mamba2")
+LOWRANK_MIXER = "bayesian_lowrank"
+#: mixers shaped like Mamba-2: key dim ``d_state`` and heads of ``head_dim`` channels over ``expand·width``
+#: (every other mixer splits the width over its heads: a key projection)
+SSD_MIXERS = ("mamba2",)
 PAPER_BUDGET = 8192
+COVARIANCE_FORMS = ("bayes", "diagonal", "lowrank")  # the forms whose design carries a covariance (G counts)
 
 _FORMULAS = {
     "bayes": "H·(D·m + G·D²)",
@@ -93,12 +86,35 @@ _FORMULAS = {
 }
 
 
+def mixer_design(mixer: str, rank: int | None = None) -> DesignModel:
+    """The design model whose ``state_size`` counts ``mixer``'s recurrent state: the registry layer's
+    design (:data:`bayeslayer.layers.MIXERS`), else the design of that name
+    (:func:`bayeslayer.design.get_design`); ``bayesian_lowrank`` is :func:`~bayeslayer.design.lowrank_diagonal`
+    of ``rank``."""
+    if mixer == LOWRANK_MIXER:
+        return lowrank_diagonal(rank)
+    design = getattr(MIXERS.get(mixer), "design", None)
+    return design if isinstance(design, DesignModel) else get_design(mixer)
+
+
+def _known(mixer) -> bool:
+    return isinstance(mixer, str) and (mixer in BUDGET_MIXERS or mixer == LOWRANK_MIXER)
+
+
+def _form(mixer: str) -> str:
+    """How the module table writes ``mixer``'s state: its write model with a covariance, ``mean``, or ``ssd``."""
+    if mixer in SSD_MIXERS:
+        return "ssd"
+    design = mixer_design(mixer, 0)
+    return design.write if design.has_covariance else "mean"
+
+
 @dataclass(frozen=True)
 class HeadConfig:
     """A mixer's head configuration and the recurrent state it carries.
 
     Attributes:
-        mixer: mixer name (a key of :data:`STATE_FORMS`).
+        mixer: mixer name (one of :data:`BUDGET_MIXERS` or ``bayesian_lowrank``).
         budget: the per-layer budget in floats.
         width: the model width it was solved for.
         num_heads: ``H``.
@@ -119,19 +135,14 @@ class HeadConfig:
 
     @property
     def form(self) -> str:
-        return STATE_FORMS[self.mixer]
+        """``bayes``, ``diagonal``, ``lowrank``, ``mean`` or ``ssd``: the row of the module table."""
+        return _form(self.mixer)
 
     @property
     def state_size(self) -> int:
-        """Recurrent state floats per layer (see the module table)."""
-        H, D, m, G = self.num_heads, self.key_dim, self.value_dim, self.groups
-        if self.form == "bayes":
-            return H * (D * m + G * D * D)
-        if self.form == "diagonal":
-            return H * (D * m + G * D)
-        if self.form == "lowrank":
-            return H * (D * m + G * D * (self.rank + 1))
-        return H * D * m
+        """Recurrent state floats per layer: ``H`` times the design model's ``state_size`` per head."""
+        design = mixer_design(self.mixer, self.rank)
+        return self.num_heads * design.state_size(self.key_dim, self.value_dim, self.groups)
 
     @property
     def usage(self) -> float:
@@ -173,15 +184,6 @@ class HeadConfig:
         return {**d, "state_size": self.state_size, "usage": self.usage}
 
 
-# -- argument checks ---------------------------------------------------------------------------------
-def _positive_int(name: str, value) -> int:
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
-        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value}")
-    return int(value)
-
-
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -190,7 +192,7 @@ def _divisors(n: int) -> list[int]:
 def _candidates(mixer: str, budget: int, width: int, num_heads: int | None, groups: int, expand: int,
                 rank: int | None = None) -> list[HeadConfig]:
     """Every configuration the rule admits that fits the budget (usage not yet checked)."""
-    form = STATE_FORMS[mixer]
+    form = _form(mixer)
     out = []
     if form == "ssd":
         inner = expand * width
@@ -248,7 +250,7 @@ def solve_state_budget(
     Args:
         budget: per-layer state budget in floats (the paper: 8,192).
         width: model width (``d_model``).
-        mixer: one of :data:`MIXERS`.
+        mixer: one of :data:`BUDGET_MIXERS`, or ``bayesian_lowrank`` with ``rank``.
         num_heads: fix ``H`` (must divide ``width``; Mamba-2: ``expand·width``) instead of searching it.
         groups: ``G`` covariance blocks per head for ``bayesian``/``diagonal_covariance`` (``m % G == 0``).
         min_usage: the least fraction of the budget the state must use, in (0, 1].
@@ -264,18 +266,18 @@ def solve_state_budget(
         ValueError: no configuration fits the budget, or none uses ``min_usage`` of it (the message
             names the budget, the mixer and the best configuration found); bad arguments.
     """
-    budget = _positive_int("budget", budget)
-    width = _positive_int("width", width)
-    if not isinstance(mixer, str) or mixer not in STATE_FORMS:
-        raise ValueError(f"unknown mixer {mixer!r}; known: {', '.join(MIXERS)}")
+    budget = check_int("budget", budget, minimum=1)
+    width = check_int("width", width, minimum=1)
+    if not _known(mixer):
+        raise ValueError(f"unknown mixer {mixer!r}; known: {', '.join(BUDGET_MIXERS)}, {LOWRANK_MIXER}")
     if num_heads is not None:
-        num_heads = _positive_int("num_heads", num_heads)
-    groups = _positive_int("groups", groups)
-    target_head_dim = _positive_int("target_head_dim", target_head_dim)
-    expand = _positive_int("expand", expand)
+        num_heads = check_int("num_heads", num_heads, minimum=1)
+    groups = check_int("groups", groups, minimum=1)
+    target_head_dim = check_int("target_head_dim", target_head_dim, minimum=1)
+    expand = check_int("expand", expand, minimum=1)
     if isinstance(min_usage, bool) or not isinstance(min_usage, numbers.Real) or not 0 < min_usage <= 1:
         raise ValueError(f"min_usage must be a number in (0, 1], got {min_usage!r}")
-    form = STATE_FORMS[mixer]
+    form = _form(mixer)
     if form == "lowrank":
         if rank is None:
             raise ValueError("mixer 'bayesian_lowrank' needs rank (an integer >= 0)")
@@ -314,7 +316,7 @@ def solve_state_budget(
 def _smallest_state(mixer: str, width: int, num_heads: int | None, groups: int, expand: int,
                     rank: int | None = None) -> int:
     """The state of the smallest configuration the rule admits (value dim ``m = G`` or ``d_state = 1``)."""
-    form = STATE_FORMS[mixer]
+    form = _form(mixer)
     if form == "ssd":
         return expand * width
     sizes = []
@@ -330,7 +332,7 @@ def _smallest_state(mixer: str, width: int, num_heads: int | None, groups: int, 
 def match_state_budget(
     budget: int,
     width: int,
-    mixers: Sequence[str] = MIXERS,
+    mixers: Sequence[str] = BUDGET_MIXERS,
     *,
     print_fn: Callable[[str], None] | None = print,
     **kwargs,
@@ -343,9 +345,10 @@ def match_state_budget(
     configs = {}
     for mixer in mixers:
         kw = dict(kwargs)
-        if STATE_FORMS.get(mixer) not in COVARIANCE_FORMS:
+        form = _form(mixer) if _known(mixer) else None  # an unknown name: solve_state_budget says so
+        if form not in COVARIANCE_FORMS:
             kw.pop("groups", None)  # G counts covariance blocks; the other mixers have none
-        if STATE_FORMS.get(mixer) != "lowrank":
+        if form != "lowrank":
             kw.pop("rank", None)
         configs[mixer] = solve_state_budget(budget, width, mixer, **kw)
     if print_fn is not None:
@@ -378,8 +381,9 @@ def add_parser(sub) -> None:
     p = sub.add_parser("state-budget", help="head configurations whose recurrent state fits a float budget")
     p.add_argument("--budget", type=positive_int_arg, default=PAPER_BUDGET, help="per-layer state budget in floats")
     p.add_argument("--width", type=positive_int_arg, nargs="+", default=[64], help="model width(s)")
-    p.add_argument("--mixers", nargs="+", default=list(MIXERS), choices=tuple(STATE_FORMS), metavar="MIXER",
-                   help=f"mixers to size (default: all of {', '.join(MIXERS)}; bayesian_lowrank needs --rank)")
+    p.add_argument("--mixers", nargs="+", default=list(BUDGET_MIXERS), choices=(*BUDGET_MIXERS, LOWRANK_MIXER),
+                   metavar="MIXER",
+                   help=f"mixers to size (default: all of {', '.join(BUDGET_MIXERS)}; {LOWRANK_MIXER} needs --rank)")
     p.add_argument("--rank", type=int, default=None, help="rank r of bayesian_lowrank's precision factor")
     p.add_argument("--num-heads", type=positive_int_arg, default=None, help="fix the number of heads")
     p.add_argument("--groups", type=positive_int_arg, default=1, help="covariance groups G (covariance mixers only)")
@@ -389,4 +393,5 @@ def add_parser(sub) -> None:
     p.set_defaults(func=_main)
 
 
-__all__ = ["MIXERS", "PAPER_BUDGET", "STATE_FORMS", "HeadConfig", "match_state_budget", "solve_state_budget"]
+__all__ = ["BUDGET_MIXERS", "LOWRANK_MIXER", "PAPER_BUDGET", "SSD_MIXERS", "HeadConfig", "match_state_budget",
+           "mixer_design", "solve_state_budget"]

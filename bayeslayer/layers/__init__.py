@@ -34,6 +34,18 @@ MIXERS: dict[str, type[Mixer]] = {
     "mamba2": Mamba2,
     "attention": Attention,
 }
+#: each registry mixer's name in tables and plot legends (the paper's abbreviations); experiments that
+#: run something other than a registry mixer label it themselves
+MIXER_LABELS: dict[str, str] = {
+    "bayesian": "BL",
+    "gated_deltanet": "GDN",
+    "gated_deltanet_noconv": "GDN (no conv)",
+    "deltanet": "DeltaNet",
+    "linear_attention": "LA",
+    "gla": "GLA",
+    "mamba2": "Mamba-2",
+    "attention": "Attention",
+}
 
 
 def build_mixer(name: str, hidden_size: int, **kwargs) -> nn.Module:
@@ -44,7 +56,7 @@ def build_mixer(name: str, hidden_size: int, **kwargs) -> nn.Module:
 
 
 __all__ = [
-    "GLA", "MIXERS", "Attention", "BayesianLayer", "DeltaNet", "GatedDeltaNet", "GatedDeltaNetNoConv",
+    "GLA", "MIXERS", "MIXER_LABELS", "Attention", "BayesianLayer", "DeltaNet", "GatedDeltaNet", "GatedDeltaNetNoConv",
     "GatedRMSNorm", "LinearAttention", "Mamba2", "Mixer", "MixerOutput", "QKVMixer", "RecurrentMixer",
     "ShortConvolution", "build_mixer",
 ]

@@ -15,19 +15,23 @@ or ``"triton"`` forces one.
 from .backend import BACKENDS, BackendError, bl_chunk, bl_step
 from .checks import set_value_checks, value_checks
 from .chunk import filter_chunk
-from .prepare import WRITE_MODELS, FilterOutput
+from .prepare import FilterInputs, FilterOutput
 from .recurrent import bl_recurrent, filter_recurrent, initial_bl_state
+from .write import WRITE_MODELS, WriteModel, get_write_model
 
 __all__ = [
     "BACKENDS",
     "WRITE_MODELS",
     "BackendError",
+    "FilterInputs",
     "FilterOutput",
+    "WriteModel",
     "bl_chunk",
     "bl_recurrent",
     "bl_step",
     "filter_chunk",
     "filter_recurrent",
+    "get_write_model",
     "initial_bl_state",
     "set_value_checks",
     "value_checks",

@@ -39,8 +39,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .checks import WIDE_PRIOR_RATIO, Dynamics, check_chunk_size, check_cu_seqlens, covariance_dtype
-from .prepare import FilterOutput, prepare
+from .checks import WIDE_PRIOR_RATIO, check_chunk_size, check_cu_seqlens, covariance_dtype
+from .prepare import FilterInputs, FilterOutput, prepare_inputs
+from .write import WriteModel, get_write_model
 
 
 def _to_c(x: torch.Tensor) -> torch.Tensor:
@@ -209,7 +210,7 @@ def _unbind(*xs: torch.Tensor | None) -> list:
     return [x.unbind(0) if x is not None else None for x in xs]
 
 
-def _pad_time(x: torch.Tensor | None, pad: int, value: float = 0.0) -> torch.Tensor | None:
+def pad_time(x: torch.Tensor | None, pad: int, value: float = 0.0) -> torch.Tensor | None:
     """Pad ``[B, T, ...]`` along T at the end."""
     if x is None or pad == 0:
         return x
@@ -217,7 +218,7 @@ def _pad_time(x: torch.Tensor | None, pad: int, value: float = 0.0) -> torch.Ten
     return F.pad(x, widths, value=value)
 
 
-def _chunks(x: torch.Tensor | None, C: int) -> torch.Tensor | None:
+def to_chunks(x: torch.Tensor | None, C: int) -> torch.Tensor | None:
     """``[B, T, H, ...] -> [N, B, H, C, ...]`` (T a multiple of C)."""
     if x is None:
         return None
@@ -227,11 +228,11 @@ def _chunks(x: torch.Tensor | None, C: int) -> torch.Tensor | None:
     return x.movedim(1, 0).contiguous()  # strided views would make every matmul copy
 
 
-def _cat(xs: list[torch.Tensor]) -> torch.Tensor:
+def cat_blocks(xs: list[torch.Tensor]) -> torch.Tensor:
     return xs[0] if len(xs) == 1 else torch.cat(xs)  # one block (the usual case): no copy
 
 
-def _unchunk(x: torch.Tensor, T: int) -> torch.Tensor:
+def from_chunks(x: torch.Tensor, T: int) -> torch.Tensor:
     """``[N, B, H, C, ...] -> [B, T, H, ...]`` (drops padding)."""
     N, B, H, C = x.shape[:4]
     rest = x.shape[4:]
@@ -239,7 +240,7 @@ def _unchunk(x: torch.Tensor, T: int) -> torch.Tensor:
     return x[:, :T]
 
 
-class _Chunked:
+class Chunked:
     """Padded, chunked views of a :class:`Prepared` call (``[N, B, H, C, ...]``)."""
 
     def __init__(self, pr, C: int, need_noise: bool):
@@ -247,17 +248,17 @@ class _Chunked:
         self.T, self.C = T, C
         pad = (-T) % C
         self.pad = pad
-        self.q = _chunks(_pad_time(pr.q, pad), C)
-        self.k = _chunks(_pad_time(pr.k, pad), C)
-        self.v = _chunks(_pad_time(pr.v, pad), C)
+        self.q = to_chunks(pad_time(pr.q, pad), C)
+        self.k = to_chunks(pad_time(pr.k, pad), C)
+        self.v = to_chunks(pad_time(pr.v, pad), C)
         # Padding tokens are exact no-ops: k = 0, α = 1, θ = 0, ℓ² = 0, r² = 1.
-        self.r2 = _chunks(_pad_time(pr.r2, pad, 1.0), C) if need_noise else None
-        self.ell2 = _chunks(_pad_time(pr.ell2, pad), C) if need_noise else None
+        self.r2 = to_chunks(pad_time(pr.r2, pad, 1.0), C) if need_noise else None
+        self.ell2 = to_chunks(pad_time(pr.ell2, pad), C) if need_noise else None
         la = pr.dyn.log_alpha
         if la is None:
             la = pr.q.new_zeros(*pr.q.shape[:3], 1)
-        self.log_alpha = _chunks(_pad_time(la, pad), C)
-        self.theta = _chunks(_pad_time(pr.dyn.theta, pad), C)
+        self.log_alpha = to_chunks(pad_time(la, pad), C)
+        self.theta = to_chunks(pad_time(pr.dyn.theta, pad), C)
         self.n = self.q.shape[0]
 
     def blocks(self, max_elems: int = 1 << 24):
@@ -284,7 +285,7 @@ def _bmm_add(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float = 1
     return out.view(*lead, *out.shape[-2:])
 
 
-def _covariance_prework(dyn: ChunkDynamics, k: torch.Tensor, r2: torch.Tensor, ell2: torch.Tensor):
+def covariance_prework(dyn: ChunkDynamics, k: torch.Tensor, r2: torch.Tensor, ell2: torch.Tensor):
     """What the covariance loop needs that does not depend on ``P``, for a whole block of chunks.
 
     Returns ``(b, K̃, B k, base, B_C)``: the in-chunk process noise ``b`` (diagonal, None with
@@ -320,7 +321,7 @@ def covariance_pass(
     """
     D = k.shape[-1]
     P0_max = torch.diagonal(P.detach(), dim1=-2, dim2=-1).amax()  # for the error message only
-    b, kt, NBk, base, BC = _covariance_prework(dyn, k, r2, ell2)
+    b, kt, NBk, base, BC = covariance_prework(dyn, k, r2, ell2)
     ktT = kt.transpose(-1, -2)
     if q is not None:
         qt = dyn.adj(q)
@@ -438,8 +439,8 @@ def mean_pass(
 
 
 def filter_chunk(
-    q, k, v, *, write: str, r2=None, ell2=None, lam=None, gain=None, alpha=None, theta=None, p0=1.0,
-    initial_state=None, output_final_state: bool = False, return_variance: bool = False,
+    q, k, v, *, write: str | WriteModel, r2=None, ell2=None, lam=None, gain=None, alpha=None, theta=None,
+    p0=1.0, initial_state=None, output_final_state: bool = False, return_variance: bool = False,
     chunk_size: int = 64, cu_seqlens: torch.Tensor | None = None,
 ) -> FilterOutput:
     """Chunked counterpart of :func:`bayeslayer.ops.recurrent.filter_recurrent`.
@@ -454,19 +455,27 @@ def filter_chunk(
     (``initial_state`` and the final state then have N in place of B).
     """
     C = check_chunk_size(chunk_size)
+    write = get_write_model(write)
+    inputs = FilterInputs(r2, ell2, lam, gain, alpha, theta)
     if cu_seqlens is not None:
-        return _filter_chunk_varlen(
-            q, k, v, cu_seqlens, write=write, r2=r2, ell2=ell2, lam=lam, gain=gain, alpha=alpha, theta=theta,
-            p0=p0, initial_state=initial_state, output_final_state=output_final_state,
-            return_variance=return_variance, chunk_size=C,
-        )
-    pr = prepare(q, k, v, write=write, r2=r2, ell2=ell2, lam=lam, gain=gain, alpha=alpha, theta=theta,
-                 p0=p0, initial_state=initial_state, keep_float64_state=True)
+        return _filter_chunk_varlen(q, k, v, cu_seqlens, write, inputs, p0=p0, initial_state=initial_state,
+                                    output_final_state=output_final_state, return_variance=return_variance,
+                                    chunk_size=C)
+    return _filter_chunk(q, k, v, write, inputs, p0=p0, initial_state=initial_state,
+                         output_final_state=output_final_state, return_variance=return_variance, chunk_size=C)
+
+
+def _filter_chunk(
+    q, k, v, write: WriteModel, inputs: FilterInputs, *, p0, initial_state, output_final_state: bool,
+    return_variance: bool, chunk_size: int,
+) -> FilterOutput:
+    """:func:`filter_chunk` of one sequence per batch row (``chunk_size`` checked)."""
+    C = chunk_size
+    pr = prepare_inputs(q, k, v, write, inputs, p0=p0, initial_state=initial_state, keep_float64_state=True)
     B, T, Hf = pr.q.shape[:3]
     if T == 0:
         empty = pr.q.new_zeros(B, 0, Hf)
         return pr.finish(pr.v.new_zeros(pr.v.shape), empty, empty, pr.M0, pr.P0, output_final_state)
-    write_keys = var_full = None
     P = pr.P0
     cd = pr.q.dtype
     # a wide prior (or a float64 state) runs the covariance in float64 (checks.covariance_dtype): in
@@ -474,42 +483,35 @@ def filter_chunk(
     pd = covariance_dtype(P, pr.k, pr.r2) if P is not None else cd
     if P is not None:
         P = P.to(pd)
-    if write in ("reset", "latent"):
-        write_keys = pr.coef[..., None] * pr.k
-    elif write == "diagonal":
-        write_keys, var_full, P = _diagonal_cov_scan(pr, return_variance, P)
-    ch = _Chunked(pr, C, need_noise=write == "bayes")
-    wch = _chunks(_pad_time(write_keys, ch.pad), C) if write_keys is not None else None
+    # write keys for the whole sequence, or None: the dense covariance pass gives them block by block
+    write_keys, var, P = write.chunk_write_keys(pr, return_variance, P)
+    per_block = write_keys is None
+    ch = Chunked(pr, C, need_noise=per_block)
+    wch = to_chunks(pad_time(write_keys, ch.pad), C) if write_keys is not None else None
     M = pr.M0
     outs, variances, ws = [], [], []
     for s, e in ch.blocks():
         dyn = ch.dyn(s, e)
-        if write == "bayes":
+        if per_block:
             qv = ch.q[s:e].to(pd) if return_variance else None
             dyn_p = dyn if pd == cd else ch.dyn(s, e, pd)
-            w, var, P = covariance_pass(dyn_p, qv, ch.k[s:e].to(pd), ch.r2[s:e].to(pd), ch.ell2[s:e].to(pd), P)
+            w, var_b, P = covariance_pass(dyn_p, qv, ch.k[s:e].to(pd), ch.r2[s:e].to(pd), ch.ell2[s:e].to(pd), P)
             w = w.to(cd)
-            variances.append(var.to(cd) if var is not None else None)
+            variances.append(var_b.to(cd) if var_b is not None else None)
         else:
             w = wch[s:e]
-        o, M = mean_pass(dyn, ch.q[s:e], ch.k[s:e], ch.v[s:e], w, M, erase=write != "latent")
+        o, M = mean_pass(dyn, ch.q[s:e], ch.k[s:e], ch.v[s:e], w, M, erase=write.erase)
         outs.append(o)
         ws.append((w * ch.k[s:e]).sum(-1))  # the gain kᵀw, per token
-    o = _unchunk(_cat(outs), T)
-    gain = _unchunk(_cat(ws), T)
-    var = None
-    if write == "bayes" and return_variance:
-        var = _unchunk(_cat(variances), T)
-    elif write == "diagonal":
-        var = var_full
-    elif return_variance and write == "reset" and pr.lam is not None:
-        # the reset family's posterior before its next reset: P_t = λ I − η λ k kᵀ
-        qk = (pr.q * pr.k).sum(-1)
-        var = 1.0 + pr.lam * (pr.q * pr.q).sum(-1) - pr.coef * pr.lam * qk * qk
+    o = from_chunks(cat_blocks(outs), T)
+    gain = from_chunks(cat_blocks(ws), T)
+    if per_block and return_variance:
+        var = from_chunks(cat_blocks(variances), T)
     return pr.finish(o, var, gain, M, P, output_final_state)
 
 
-def _filter_chunk_varlen(q, k, v, cu_seqlens, *, initial_state, output_final_state, **kw) -> FilterOutput:
+def _filter_chunk_varlen(q, k, v, cu_seqlens, write: WriteModel, inputs: FilterInputs, *, initial_state,
+                         output_final_state, **kw) -> FilterOutput:
     """Packed variable-length sequences: each segment of ``cu_seqlens`` is filtered on its own."""
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
         raise ValueError(f"q must be [B, T, H, D], got {getattr(q, 'shape', type(q).__name__)}")
@@ -529,15 +531,15 @@ def _filter_chunk_varlen(q, k, v, cu_seqlens, *, initial_state, output_final_sta
         return x.split(lengths, 1) if isinstance(x, torch.Tensor) and x.dim() >= 3 else [x] * n_seq
 
     qs, ks, vs = segments(q), segments(k), segments(v)
-    kws = {name: segments(val) for name, val in kw.items()}
+    per_seq = inputs.map(segments)
     if initial_state is not None:
         M0s = initial_state[0].split(1, 0)
         P0s = initial_state[1].split(1, 0) if initial_state[1] is not None else [None] * n_seq
     outs = []
     for n in range(n_seq):
         st = (M0s[n], P0s[n]) if initial_state is not None else None
-        outs.append(filter_chunk(qs[n], ks[n], vs[n], initial_state=st, output_final_state=True,
-                                 **{name: val[n] for name, val in kws.items()}))
+        outs.append(_filter_chunk(qs[n], ks[n], vs[n], write, per_seq.map(lambda val: val[n]),  # noqa: B023
+                                  initial_state=st, output_final_state=True, **kw))
     o = torch.cat([x.o for x in outs], 1)
     var = torch.cat([x.variance for x in outs], 1) if outs[0].variance is not None else None
     gain = torch.cat([x.gain for x in outs], 1)
@@ -546,46 +548,3 @@ def _filter_chunk_varlen(q, k, v, cu_seqlens, *, initial_state, output_final_sta
         Ps = [x.state[1] for x in outs]
         state = (torch.cat([x.state[0] for x in outs], 0), torch.cat(Ps, 0) if Ps[0] is not None else None)
     return FilterOutput(o, var, gain, state)
-
-
-def _diagonal_cov_scan(pr, want_var: bool, P0: torch.Tensor):
-    """Diagonal-covariance ablation: ``p̄ = diag(A P Aᵀ) + ℓ²σ``, ``u = p̄ ⊙ k``, ``P = diag(p̄ − β u²)``.
-
-    O(D) per token, in P0's dtype; returns write keys ``β u`` ``[B, T, H', D]`` and the variance
-    in the compute dtype, and the final ``P`` in P0's.
-    """
-    from .recurrent import apply_transition, noise_mask
-
-    dyn: Dynamics = pr.dyn
-    B, T, H, D = pr.k.shape
-    cd, pd = pr.k.dtype, P0.dtype
-    p = torch.diagonal(P0, dim1=-2, dim2=-1)  # [B,H,D]
-    sig = noise_mask(dyn, D, pd, pr.k.device)
-    ws, vs = [], []
-    # per-token views by unbind, not x[:, t] (see _unbind: x[:, t] makes the backward quadratic in T)
-    la_, th_, ell2_, r2_, k_, q_ = (
-        x.to(pd).unbind(1) if x is not None else None
-        for x in (dyn.log_alpha, dyn.theta, pr.ell2, pr.r2, pr.k, pr.q)
-    )
-    for t in range(T):
-        la_t = la_[t] if la_ is not None else None
-        th_t = th_[t] if th_ is not None else None
-        if dyn.kind == "rotation":
-            Pm = torch.diag_embed(p)
-            Pm = apply_transition(apply_transition(Pm, dyn.kind, la_t, th_t).transpose(-1, -2), dyn.kind, la_t, th_t)
-            p_bar = torch.diagonal(Pm, dim1=-2, dim2=-1)
-        elif dyn.kind == "identity":
-            p_bar = p
-        else:
-            p_bar = torch.exp(2 * la_t) * p
-        p_bar = p_bar + ell2_[t][..., None] * sig
-        k_t = k_[t]
-        u = p_bar * k_t
-        beta = 1.0 / (r2_[t][..., None] + (k_t * u).sum(-1, keepdim=True))
-        ws.append(beta * u)
-        p = p_bar - beta * u * u
-        if want_var:
-            vs.append(1.0 + (q_[t] ** 2 * p).sum(-1))
-    w = torch.stack(ws, 1).to(cd)
-    var = torch.stack(vs, 1).to(cd) if want_var else None
-    return w, var, torch.diag_embed(p)

@@ -74,9 +74,9 @@ import numbers
 import torch
 
 from .checks import check_chunk_size, check_tensor
-from .chunk import _cat, _Chunked, _chunks, _pad_time, _unchunk, mean_pass
+from .chunk import Chunked, cat_blocks, from_chunks, mean_pass, pad_time, to_chunks
 from .prepare import FilterOutput, Prepared, prepare
-from .recurrent import apply_transition
+from .transition import apply_transition
 
 PROJECTIONS = ("conservative", "lofi")
 
@@ -362,13 +362,13 @@ def lowrank_chunk(q, k, v, *, rank: int, r2, ell2, alpha=None, theta=None, p0=1.
     M = pr.M0
     if T == 0:
         return _finish(pr, pr.v.new_zeros(pr.v.shape), var, gain, M, F, output_final_state)
-    ch = _Chunked(pr, C, need_noise=False)
-    wch = _chunks(_pad_time(w, ch.pad), C)
+    ch = Chunked(pr, C, need_noise=False)
+    wch = to_chunks(pad_time(w, ch.pad), C)
     outs = []
     for s, e in ch.blocks():
         o, M = mean_pass(ch.dyn(s, e), ch.q[s:e], ch.k[s:e], ch.v[s:e], wch[s:e], M, erase=True)
         outs.append(o)
-    o = _unchunk(_cat(outs), T)
+    o = from_chunks(cat_blocks(outs), T)
     return _finish(pr, o, var, gain, M, F, output_final_state)
 
 

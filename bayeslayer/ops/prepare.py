@@ -7,8 +7,8 @@ the prior state; :meth:`Prepared.finish` undoes the folding on the way out.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import NamedTuple
+from dataclasses import dataclass, fields
+from typing import Any, NamedTuple
 
 import torch
 
@@ -20,11 +20,34 @@ from .checks import (
     check_p0,
     check_positive,
     check_qkv,
-    check_reset_gain,
     check_state,
 )
+from .write import WriteModel, get_write_model
 
-WRITE_MODELS = ("bayes", "diagonal", "reset", "latent")
+
+@dataclass(frozen=True, eq=False)
+class FilterInputs:
+    """The per-token inputs of a filter besides ``q, k, v``: noise and dynamics, as the ops take them.
+
+    Which noise arguments a write model needs: :func:`prepare`.  ``alpha``/``theta``: the dynamics
+    (:func:`~bayeslayer.ops.checks.check_dynamics`).  Travels from the design model to the ops as one
+    value instead of six keywords at every call.
+    """
+
+    r2: Any = None
+    ell2: Any = None
+    lam: Any = None
+    gain: Any = None
+    alpha: Any = None
+    theta: Any = None
+
+    def kwargs(self) -> dict[str, Any]:
+        """``{name: value}`` of every field, for the ops that take them as keywords."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def map(self, fn) -> FilterInputs:
+        """The inputs with ``fn`` applied to every field (``None`` included)."""
+        return FilterInputs(**{name: fn(val) for name, val in self.kwargs().items()})
 
 
 class FilterOutput(NamedTuple):
@@ -70,8 +93,8 @@ class Prepared:
 
 
 def prepare(
-    q, k, v, *, write: str, r2=None, ell2=None, lam=None, gain=None, alpha=None, theta=None, p0=1.0,
-    initial_state=None, single_step: bool = False, keep_float64_state: bool = False,
+    q, k, v, *, write: str | WriteModel, r2=None, ell2=None, lam=None, gain=None, alpha=None, theta=None,
+    p0=1.0, initial_state=None, single_step: bool = False, keep_float64_state: bool = False,
 ) -> Prepared:
     """Validate and fold.  ``bayes``/``diagonal`` need ``r2`` and ``ell2``; ``reset``/``latent``
     need either ``lam`` and ``r2`` (the coefficient is derived: ``η = λ/(r² + λ‖k‖²)`` or
@@ -81,26 +104,36 @@ def prepare(
     (its write is additive, the decay does the forgetting, and Mamba-2's step size Δ exceeds 1).
     ``keep_float64_state``: a float64 ``P`` in ``initial_state`` stays float64 in ``P0``.
     """
-    if write not in WRITE_MODELS:
-        raise ValueError(f"write must be one of {WRITE_MODELS}, got {write!r}")
+    return prepare_inputs(q, k, v, get_write_model(write), FilterInputs(r2, ell2, lam, gain, alpha, theta),
+                          p0=p0, initial_state=initial_state, single_step=single_step,
+                          keep_float64_state=keep_float64_state)
+
+
+def prepare_inputs(
+    q, k, v, write: WriteModel, inputs: FilterInputs, *, p0=1.0, initial_state=None, single_step: bool = False,
+    keep_float64_state: bool = False,
+) -> Prepared:
+    """:func:`prepare` with the write model as an object and the inputs as one :class:`FilterInputs`."""
+    r2, ell2, lam, gain, alpha, theta = (inputs.r2, inputs.ell2, inputs.lam, inputs.gain, inputs.alpha,
+                                         inputs.theta)
     dims = check_qkv(q, k, v, single_step=single_step)
-    has_cov = write in ("bayes", "diagonal")
+    has_cov = write.has_covariance
     # an argument the write model does not use would be silently ignored: refuse it instead
     if not has_cov and ell2 is not None:
-        raise ValueError(f"write model {write!r} has no process noise; do not pass ell2")
+        raise ValueError(f"write model {write.name!r} has no process noise; do not pass ell2")
     if not has_cov and gain is not None and r2 is not None:
-        raise ValueError(f"write model {write!r}: pass either gain or r2 (with lam), not both")
+        raise ValueError(f"write model {write.name!r}: pass either gain or r2 (with lam), not both")
     ell2_t = lam_t = gain_t = None
     if has_cov or gain is None:
         if r2 is None:
-            raise ValueError(f"r2 (observation noise variance) is required for write model {write!r}")
+            raise ValueError(f"r2 (observation noise variance) is required for write model {write.name!r}")
         r2_t = check_positive("r2", r2, dims, allow_groups=True, single_step=single_step)
         r2_f, G = grp.fold_noise(r2_t)
     if has_cov:
         if gain is not None or lam is not None:
-            raise ValueError(f"write model {write!r} derives its gain from r2/ell2; do not pass gain or lam")
+            raise ValueError(f"write model {write.name!r} derives its gain from r2/ell2; do not pass gain or lam")
         if ell2 is None:
-            raise ValueError(f"ell2 (process noise variance) is required for write model {write!r}")
+            raise ValueError(f"ell2 (process noise variance) is required for write model {write.name!r}")
         ell2_t = check_positive("ell2", ell2, dims, single_step=single_step)
     elif gain is not None:
         if lam is not None:
@@ -110,7 +143,7 @@ def prepare(
         gain_t, G = grp.fold_noise(gain_t)
     else:
         if lam is None:
-            raise ValueError(f"lam (prior/write variance) or gain is required for write model {write!r}")
+            raise ValueError(f"lam (prior/write variance) or gain is required for write model {write.name!r}")
         lam_t = check_positive("lam", lam, dims, single_step=single_step)
     dyn = check_dynamics(alpha, theta, dims, single_step=single_step)
     # a decoding step takes its state as ``state=``: name that argument in errors
@@ -128,20 +161,16 @@ def prepare(
             P0 = (p0_h[None, :, None, None] * eye).expand(dims.B, -1, -1, -1)
     else:
         M0 = grp.fold_state_mean(state[0], G)
-        P0 = grp.fold_state_cov(state[1]) if has_cov else None
-        if write == "diagonal":
-            # The ablation keeps only diag(P); with rotations A P Aᵀ would otherwise mix an
-            # off-diagonal of a given P into the first step of the oracle but not of the chunked scan.
-            P0 = torch.diag_embed(torch.diagonal(P0, dim1=-2, dim2=-1))
+        # The diagonal ablation keeps only diag(P); with rotations A P Aᵀ would otherwise mix an
+        # off-diagonal of a given P into the first step of the oracle but not of the chunked scan.
+        P0 = write.project(grp.fold_state_cov(state[1])) if has_cov else None
     kf = grp.fold_heads(k.to(cd), G)
     lam_f = grp.fold_heads(lam_t, G)
     coef = gain_t
-    if gain_t is not None and write == "reset":
-        check_reset_gain(gain_t, kf)
-    if lam_f is not None and write == "reset":
-        coef = lam_f / (r2_f + lam_f * (kf * kf).sum(-1))
+    if gain_t is not None:
+        write.check_gain(gain_t, kf)
     elif lam_f is not None:
-        coef = lam_f / (lam_f + r2_f)
+        coef = write.coefficient(lam_f, r2_f, kf)
     return Prepared(
         dims=dims,
         G=G,

@@ -40,37 +40,9 @@ import numbers
 import torch
 
 from .checks import Dynamics, covariance_dtype
-from .prepare import FilterOutput, prepare
-
-
-def apply_transition(X: torch.Tensor, kind: str, log_alpha_t, theta_t) -> torch.Tensor:
-    """``A_t X`` for ``X: [B, H, D, n]`` (acts on the key dimension, dim -2).
-
-    ``log_alpha_t``: [B, H, Da]; ``theta_t``: [B, H, D/2] (rotation only).
-    """
-    if kind == "identity":
-        return X
-    alpha = torch.exp(log_alpha_t)
-    if kind == "scalar":
-        return alpha[..., None] * X  # [B,H,1,1]
-    if kind == "diagonal":
-        return alpha[..., :, None] * X
-    # rotation: pair (2c, 2c+1) = (re, im) is multiplied by α e^{iθ}
-    re, im = X[..., 0::2, :], X[..., 1::2, :]
-    c = torch.cos(theta_t)[..., None]
-    s = torch.sin(theta_t)[..., None]
-    a = alpha[..., None]  # [B, H, Da, 1], Da = 1 or D/2
-    new_re = a * (c * re - s * im)
-    new_im = a * (s * re + c * im)
-    return torch.stack((new_re, new_im), dim=-2).reshape(X.shape)
-
-
-def noise_mask(dyn: Dynamics, D: int, dtype, device) -> torch.Tensor:
-    """Diagonal of Σ: all ones, or ones on the real (even) channels with rotations (SPEC §1.2)."""
-    sig = torch.ones(D, dtype=dtype, device=device)
-    if dyn.rotation:
-        sig[1::2] = 0
-    return sig
+from .prepare import FilterInputs, FilterOutput, prepare_inputs
+from .transition import apply_transition, noise_mask
+from .write import WriteModel, get_write_model
 
 
 def filter_scan(
@@ -78,7 +50,7 @@ def filter_scan(
     k: torch.Tensor,
     v: torch.Tensor,
     *,
-    write: str,
+    write: str | WriteModel,
     r2: torch.Tensor | None,
     ell2: torch.Tensor | None,
     lam: torch.Tensor | None,
@@ -95,6 +67,7 @@ def filter_scan(
     where the design defines none (latent, or reset given only its gain).  The covariance
     arithmetic runs in P's dtype (float64 from :func:`filter_recurrent`), the mean in q's.
     """
+    write = get_write_model(write)
     B, T, H, D = q.shape
     cd = q.dtype
     pd = P.dtype if P is not None else cd
@@ -114,17 +87,15 @@ def filter_scan(
         th_t = th_[t] if th_ is not None else None
         q_t, k_t, v_t = q_[t], k_[t], v_[t]
         M_bar = apply_transition(M, dyn.kind, la_t, th_t)
-        if write in ("latent", "reset"):
-            c = coef_[t][..., None]  # [B,H,1]: ω_t (latent) or η_t = λ/(r² + λ‖k‖²) (reset)
-            resid = v_t if write == "latent" else v_t - torch.einsum("bhdm,bhd->bhm", M_bar, k_t)
+        if not write.has_covariance:
+            c = coef_[t][..., None]  # [B,H,1]: the write coefficient, ω_t (latent) or η_t (reset)
+            resid = write.residual(v_t, M_bar, k_t)
             M = M_bar + (c * k_t)[..., :, None] * resid[..., None, :]
             outs.append(torch.einsum("bhdm,bhd->bhm", M, q_t))
             gains.append((c * (k_t * k_t).sum(-1, keepdim=True))[..., 0])
-            if write == "reset" and lam is not None:
-                # the reset family's posterior before its next reset: P = λI − η λ k kᵀ
-                lam_t = lam_[t]
-                qk = (q_t * k_t).sum(-1)
-                variances.append(1.0 + lam_t * (q_t * q_t).sum(-1) - c[..., 0] * lam_t * qk * qk)
+            var_t = write.variance(q_t, k_t, c[..., 0], lam_[t] if lam_ is not None else None)
+            if var_t is not None:
+                variances.append(var_t)
             continue
         kp_t, qp_t = kp_[t], qp_[t]
         lap_t = lap_[t] if lap_ is not None else None
@@ -132,21 +103,19 @@ def filter_scan(
         AP = apply_transition(P, dyn.kind, lap_t, thp_t)
         P_bar = apply_transition(AP.transpose(-1, -2), dyn.kind, lap_t, thp_t)
         P_bar = P_bar + ell2_[t][..., None, None] * torch.diag(sig)
-        if write == "diagonal":
-            P_bar = torch.diag_embed(torch.diagonal(P_bar, dim1=-2, dim2=-1))
+        P_bar = write.project(P_bar)
         u = torch.einsum("bhij,bhj->bhi", P_bar, kp_t)
         beta = 1.0 / (r2_[t][..., None] + (kp_t * u).sum(-1, keepdim=True))  # [B,H,1]
         resid = v_t - torch.einsum("bhdm,bhd->bhm", M_bar, k_t)
         M = M_bar + (beta * u).to(cd)[..., :, None] * resid[..., None, :]
         P = P_bar - beta[..., None] * u[..., :, None] * u[..., None, :]
-        if write == "diagonal":
-            P = torch.diag_embed(torch.diagonal(P, dim1=-2, dim2=-1))
+        P = write.project(P)
         P = 0.5 * (P + P.transpose(-1, -2))
         outs.append(torch.einsum("bhdm,bhd->bhm", M, q_t))
         variances.append((1.0 + torch.einsum("bhi,bhij,bhj->bh", qp_t, P, qp_t)).to(cd))
         gains.append((beta * (kp_t * u).sum(-1, keepdim=True))[..., 0].to(cd))
     o = torch.stack(outs, 1) if outs else v.new_zeros(B, 0, H, v.shape[-1])
-    has_var = write in ("bayes", "diagonal") or (write == "reset" and lam is not None)
+    has_var = write.has_variance(lam is not None)
     var = (torch.stack(variances, 1) if T > 0 else v.new_zeros(B, 0, H)) if has_var else None
     gain = torch.stack(gains, 1) if gains else v.new_zeros(B, 0, H)
     return o, var, gain, M, P
@@ -157,7 +126,7 @@ def filter_recurrent(
     k: torch.Tensor,
     v: torch.Tensor,
     *,
-    write: str = "bayes",
+    write: str | WriteModel = "bayes",
     r2=None,
     ell2=None,
     lam=None,
@@ -176,8 +145,9 @@ def filter_recurrent(
     ``lam`` (the reset prior variance, or the latent write variance).
     The state is ``(M, P)`` for ``bayes``/``diagonal`` and ``(M, None)`` otherwise.
     """
-    pr = prepare(q, k, v, write=write, r2=r2, ell2=ell2, lam=lam, gain=gain, alpha=alpha, theta=theta,
-                 p0=p0, initial_state=initial_state, single_step=single_step, keep_float64_state=True)
+    write = get_write_model(write)
+    pr = prepare_inputs(q, k, v, write, FilterInputs(r2, ell2, lam, gain, alpha, theta), p0=p0,
+                        initial_state=initial_state, single_step=single_step, keep_float64_state=True)
     P0 = pr.P0
     # the covariance runs in float64 (module docstring); the state's P keeps float32 unless the prior is wide
     P_out_dtype = covariance_dtype(P0, pr.k, pr.r2) if P0 is not None and output_final_state else None

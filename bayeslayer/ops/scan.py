@@ -40,7 +40,7 @@ import torch
 
 from . import groups as grp
 from .checks import check_chunk_size, check_cu_seqlens, check_qkv, check_state
-from .chunk import ChunkDynamics, _covariance_prework, unit_lower_inverse
+from .chunk import ChunkDynamics, covariance_prework, unit_lower_inverse
 from .prepare import prepare
 
 # Phase A and C run one program per (segment, head): aim at about two waves of an H100/H200 (132 SMs)
@@ -189,7 +189,7 @@ def chunk_prep(k, r2, ell2, log_alpha, q=None):
     (``S − K̃PK̃ᵀ``), ``BC`` (``diag B_C`` ``[..., 1, Da]``) and, with ``q``, ``qt = Φᵀq`` and ``qBq``.
     """
     dyn = ChunkDynamics(log_alpha, None)
-    b, kt, NBk, base, BC = _covariance_prework(dyn, k, r2, ell2)
+    b, kt, NBk, base, BC = covariance_prework(dyn, k, r2, ell2)
     out = dict(dyn=dyn, kt=kt, NBk=NBk, base=base, BC=BC, g=torch.cumsum(log_alpha, -2))
     if q is not None:
         out["qt"] = dyn.adj(q)

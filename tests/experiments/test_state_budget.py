@@ -12,12 +12,33 @@ import pytest
 from bayeslayer.design import get_design
 from bayeslayer.experiments import state_budget
 from bayeslayer.experiments.state_budget import (
-    MIXERS,
-    STATE_FORMS,
+    BUDGET_MIXERS,
     HeadConfig,
     match_state_budget,
+    mixer_design,
     solve_state_budget,
 )
+
+MIXERS = BUDGET_MIXERS
+# How each mixer's state is counted, written out here independently of the design models that the
+# solver counts with (mixer_design(...).state_size): the brute force below checks one against the other.
+STATE_FORMS = {
+    "bayesian": "bayes", "diagonal_covariance": "diagonal", "deltanet": "mean", "gated_deltanet": "mean",
+    "gated_deltanet_noconv": "mean", "kda": "mean", "linear_attention": "mean", "retnet": "mean", "gla": "mean",
+    "mamba2": "ssd",
+}
+
+
+def test_every_mixer_is_counted_by_its_design_model():
+    assert set(STATE_FORMS) == set(MIXERS)
+    for mixer in MIXERS:
+        cfg = solve_state_budget(8192, 64, mixer)
+        assert cfg.form == STATE_FORMS[mixer]
+        design = mixer_design(mixer)
+        assert cfg.state_size == cfg.num_heads * design.state_size(cfg.key_dim, cfg.value_dim, cfg.groups)
+    assert mixer_design("gated_deltanet_noconv").name == "gated_deltanet"  # the registry layer's design
+    assert mixer_design("kda").name == "kda"  # not a registry layer: the design of that name
+    assert mixer_design("bayesian_lowrank", 4).rank == 4
 
 BUDGETS = [256, 1000, 2048, 4096, 8192, 12000, 16384]
 WIDTHS = [16, 24, 32, 48, 64, 96, 100, 128, 256]
@@ -199,7 +220,7 @@ def test_refuses_budgets_no_configuration_meets():
     "kwargs, exc, match",
     [
         (dict(mixer="attention"), ValueError, "unknown mixer 'attention'"),
-        (dict(budget=0), ValueError, "budget must be a positive integer"),
+        (dict(budget=0), ValueError, "budget must be an integer >= 1"),
         (dict(budget=8192.0), TypeError, "budget must be an integer"),
         (dict(width=True), TypeError, "width must be an integer"),
         (dict(num_heads=3), ValueError, "num_heads=3 does not divide the width 64"),

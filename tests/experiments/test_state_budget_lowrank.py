@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from bayeslayer.experiments.state_budget import MIXERS, match_state_budget, solve_state_budget
+from bayeslayer.experiments.state_budget import BUDGET_MIXERS as MIXERS
+from bayeslayer.experiments.state_budget import match_state_budget, solve_state_budget
 from bayeslayer.layers import BayesianLayer
 
 

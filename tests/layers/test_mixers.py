@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bayeslayer.layers import MIXERS, MixerOutput, build_mixer
+from bayeslayer.layers import MIXER_LABELS, MIXERS, MixerOutput, build_mixer
 from bayeslayer.ops.lowrank import lowrank_covariance
 
 HIDDEN = 16
@@ -299,3 +299,10 @@ def test_bf16_prefill_and_decode(case):
     assert (pieces.double() - ref).abs().max() <= 8e-2 * ref.abs().max()
     if "recurrent" in state:
         assert all(t.dtype == torch.float32 for t in _tensors(state["recurrent"]))
+
+
+def test_every_registry_mixer_has_one_label():
+    """Mixer labels live next to the registry: one per mixer, no more, all distinct."""
+    assert list(MIXER_LABELS) == list(MIXERS)
+    assert len(set(MIXER_LABELS.values())) == len(MIXER_LABELS)
+    assert all(isinstance(label, str) and label for label in MIXER_LABELS.values())

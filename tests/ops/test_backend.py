@@ -7,7 +7,6 @@ without a GPU); shapes are tiny because the interpreter is slow.
 
 from __future__ import annotations
 
-import ast
 import os
 import subprocess
 import sys
@@ -21,6 +20,7 @@ from bayeslayer.ops import BACKENDS, BackendError, bl_chunk, bl_step, initial_bl
 from bayeslayer.ops import backend as be
 from bayeslayer.ops.triton import support
 
+from ..import_graph import find_cycle, import_graph, module_name
 from ..triton_spy import TorchPathRan, triton_only
 
 PACKAGE = Path(__file__).resolve().parents[2] / "bayeslayer"
@@ -204,75 +204,7 @@ def test_the_spy_catches_the_pytorch_path():
     assert calls == {"chunk": 1}
 
 
-# -- (d) no import cycle --------------------------------------------------------------------------------
-def _module_name(path: Path) -> str:
-    rel = path.relative_to(PACKAGE.parent).with_suffix("")
-    parts = list(rel.parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
-
-
-def _is_module(name: str) -> bool:
-    base = PACKAGE.parent.joinpath(*name.split("."))
-    return base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()
-
-
-def import_graph(subpackages: tuple[str, ...]) -> dict[str, set[str]]:
-    """``{module: modules of the package it imports}`` from every ``import`` statement, at module
-    level or inside a function (lazy imports count), over the given subpackages of bayeslayer."""
-    graph: dict[str, set[str]] = {}
-    for sub in subpackages:
-        for path in sorted((PACKAGE / sub).rglob("*.py")):
-            name = _module_name(path)
-            is_pkg = path.name == "__init__.py"
-            edges = graph.setdefault(name, set())
-            for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-                if isinstance(node, ast.Import):
-                    targets = [alias.name for alias in node.names]
-                elif isinstance(node, ast.ImportFrom):
-                    if node.level:
-                        base = name.split(".") if is_pkg else name.split(".")[:-1]
-                        base = base[: len(base) - (node.level - 1)]
-                        mod = ".".join(base + ([node.module] if node.module else []))
-                    else:
-                        mod = node.module or ""
-                    # `from pkg import sub` imports the submodule; `from mod import name` the module
-                    targets = [f"{mod}.{a.name}" if _is_module(f"{mod}.{a.name}") else mod for a in node.names]
-                else:
-                    continue
-                edges.update(t for t in targets if t.startswith("bayeslayer.") and _is_module(t))
-    return graph
-
-
-def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
-    state: dict[str, int] = {}
-    stack: list[str] = []
-
-    def visit(node: str) -> list[str] | None:
-        state[node] = 1
-        stack.append(node)
-        for nxt in sorted(graph.get(node, ())):
-            if nxt not in graph:
-                continue
-            if state.get(nxt) == 1:
-                return stack[stack.index(nxt):] + [nxt]
-            if nxt not in state:
-                found = visit(nxt)
-                if found:
-                    return found
-        stack.pop()
-        state[node] = 2
-        return None
-
-    for node in sorted(graph):
-        if node not in state:
-            found = visit(node)
-            if found:
-                return found
-    return None
-
-
+# -- (d) no import cycle (the whole package: tests/test_import_cycles.py) ---------------------------------
 def test_import_walker_sees_a_cycle():
     """The walker is not vacuous: the pre-dispatch layout (ops/chunk.py importing the Triton path
     lazily, and the Triton path importing ops/chunk.py) is a cycle to it."""
@@ -281,13 +213,6 @@ def test_import_walker_sees_a_cycle():
     graph["bayeslayer.ops.chunk"].add("bayeslayer.ops.triton")
     cycle = find_cycle(graph)
     assert cycle is not None and "bayeslayer.ops.chunk" in cycle
-
-
-def test_no_import_cycle_in_ops_design_layers_models():
-    graph = import_graph(("ops", "design", "layers", "models"))
-    assert len(graph) > 20
-    cycle = find_cycle(graph)
-    assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
 def test_the_pytorch_path_never_imports_the_triton_path():
@@ -305,7 +230,7 @@ def test_every_ops_module_imports_first_in_a_fresh_interpreter():
     """Each module of bayeslayer.ops imported first (bayeslayer's modules dropped before each, torch
     kept), then Triton itself must not have been imported by anything but the kernel modules."""
     kernels = ("bayeslayer.ops.triton.kernels", "bayeslayer.ops.triton.scan")  # they define @triton.jit: last
-    mods = sorted((_module_name(p) for p in (PACKAGE / "ops").rglob("*.py")), key=lambda m: (m in kernels, m))
+    mods = sorted((module_name(p) for p in (PACKAGE / "ops").rglob("*.py")), key=lambda m: (m in kernels, m))
     script = f"""
 import importlib, sys
 import torch

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from bayeslayer.ops.chunk import ChunkDynamics, _Chunked, _covariance_prework
+from bayeslayer.ops.chunk import ChunkDynamics, Chunked, covariance_prework
 from bayeslayer.ops.prepare import prepare
 
 
@@ -84,9 +84,9 @@ def _prework(T=150, C=32, seed=0):
     ell2 = 0.01 + 0.1 * torch.rand(B, T, H, generator=g, dtype=torch.float64)
     alpha = 0.6 + 0.4 * torch.rand(B, T, H, generator=g, dtype=torch.float64)
     pr = prepare(q, k, v, write="bayes", r2=r2, ell2=ell2, alpha=alpha)
-    ch = _Chunked(pr, C, need_noise=True)
+    ch = Chunked(pr, C, need_noise=True)
     dyn = ChunkDynamics(ch.log_alpha, None)
-    _, kt, NBk, base, b_end = _covariance_prework(dyn, ch.k, ch.r2, ch.ell2)
+    _, kt, NBk, base, b_end = covariance_prework(dyn, ch.k, ch.r2, ch.ell2)
     A = torch.randn(B, H, D, D, generator=g, dtype=torch.float64)
     P0 = A @ A.mT / D + 0.5 * torch.eye(D, dtype=torch.float64)
     x = dict(P=P0, kt=kt, base=base, NBk=NBk, gamma=dyn.gamma, ratio=dyn.ratio[..., 0], end=dyn.end,

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from bayeslayer.ops import bl_chunk, fla_mean, scan
-from bayeslayer.ops.chunk import ChunkDynamics, _Chunked, covariance_pass, mean_pass
+from bayeslayer.ops.chunk import ChunkDynamics, Chunked, covariance_pass, mean_pass
 from bayeslayer.ops.prepare import prepare
 
 from .scan_inputs import regime_inputs
@@ -47,7 +47,7 @@ def test_mean_pass_reference_equals_bl_mean_pass():
     T, C = 64, 16
     q, k, v, r2, ell2, alpha = regime_inputs("stress", 1, T, 2, 8, 4)
     pr = prepare(q, k, v, write="bayes", r2=r2, ell2=ell2, alpha=alpha)
-    ch = _Chunked(pr, C, need_noise=True)
+    ch = Chunked(pr, C, need_noise=True)
     dyn = ChunkDynamics(ch.log_alpha, None)
     W, _, _ = covariance_pass(dyn, None, ch.k, ch.r2, ch.ell2, pr.P0)
     o_ref, M_ref = mean_pass(dyn, ch.q, ch.k, ch.v, W, pr.M0, erase=True)
