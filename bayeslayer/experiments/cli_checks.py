@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import numbers
 import os
 from pathlib import Path
 
@@ -75,6 +76,17 @@ def device_arg(text: str) -> str:
 # --------------------------------------------------------------------------- numbers
 
 
+def check_int(name: str, value, *, minimum: int) -> int:
+    """``value`` as an ``int`` >= ``minimum``: a Python or numpy integer, not a bool or a float.
+
+    The experiments' one integer check for config fields and function arguments; the
+    ``ValueError`` names ``name``.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
 def positive_int_arg(text: str) -> int:
     """argparse ``type=`` for a count that must be >= 1."""
     return _int_arg(text, minimum=1)
@@ -93,6 +105,16 @@ def _int_arg(text: str, *, minimum: int) -> int:
     if value < minimum:
         raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {value}")
     return value
+
+
+def model_arg(text: str) -> tuple[str, str]:
+    """argparse ``type=`` for ``--model [LABEL=]DIR``: ``(label, dir)``, the label defaulting to the folder's name."""
+    label, sep, path = text.partition("=")
+    if not sep:
+        label, path = Path(text).name or text, text
+    if not label or not path:
+        raise argparse.ArgumentTypeError(f"--model takes DIR or LABEL=DIR, got {text!r}")
+    return label, path
 
 
 def positive_float_arg(text: str) -> float:
@@ -222,6 +244,7 @@ def plot_only_json(out: str | os.PathLike, name: str, *, experiment: str | None 
 
 __all__ = [
     "DEVICE_HELP", "PLOT_ONLY_HELP", "check_in_dir", "check_in_file", "check_out_dir", "check_out_file",
-    "check_source", "check_tokenizer", "device_arg", "nonnegative_int_arg", "plot_only_json",
+    "check_int", "check_source", "check_tokenizer", "device_arg", "model_arg", "nonnegative_int_arg",
+    "plot_only_json",
     "positive_float_arg", "positive_int_arg", "resolve_device",
 ]
