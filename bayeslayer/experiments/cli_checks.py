@@ -77,13 +77,19 @@ def device_arg(text: str) -> str:
 
 
 def check_int(name: str, value, *, minimum: int) -> int:
-    """``value`` as an ``int`` >= ``minimum``: a Python or numpy integer, not a bool or a float.
+    """``value`` as an ``int`` when it is an integer ``>= minimum``: the one integer check of the experiments.
 
-    The experiments' one integer check for config fields and function arguments; the
-    ``ValueError`` names ``name``.
+    Python and NumPy integers pass (``numbers.Integral``); ``bool``, floats (``3.0`` too), strings and
+    everything else raise ``TypeError``; an integer below ``minimum`` raises ``ValueError``.  Both
+    messages name the argument.
+
+    >>> check_int("steps", 3, minimum=1)
+    3
     """
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value}")
     return int(value)
 
 
@@ -243,8 +249,7 @@ def plot_only_json(out: str | os.PathLike, name: str, *, experiment: str | None 
 
 
 __all__ = [
-    "DEVICE_HELP", "PLOT_ONLY_HELP", "check_in_dir", "check_in_file", "check_out_dir", "check_out_file",
-    "check_int", "check_source", "check_tokenizer", "device_arg", "model_arg", "nonnegative_int_arg",
-    "plot_only_json",
+    "DEVICE_HELP", "PLOT_ONLY_HELP", "check_in_dir", "check_int", "check_in_file", "check_out_dir", "check_out_file",
+    "check_source", "check_tokenizer", "device_arg", "model_arg", "nonnegative_int_arg", "plot_only_json",
     "positive_float_arg", "positive_int_arg", "resolve_device",
 ]

@@ -489,6 +489,8 @@ def evaluate_heldout(
     if windows not in WINDOW_MODES:
         raise ValueError(f"windows must be one of {WINDOW_MODES}, got {windows!r}")
     if windows == "sliding":
+        if stride is None:
+            raise ValueError("windows='sliding' needs a stride (--stride S, 1 <= S < every length)")
         stride = check_int("stride", stride, minimum=1)
         if any(stride >= L for L in lengths):
             raise ValueError(f"stride ({stride}) must be < every length {lengths} for sliding windows")

@@ -65,3 +65,27 @@ def test_every_import_in_the_repository_resolves():
                if name not in ("cache", "corpus", "sources", "tokenizer", "windows", "htmltext")
                and not hasattr(text, name)}
     assert not unknown
+
+
+def test_the_job_modules_import_each_other_without_a_cycle():
+    """Imports between the job modules, lazy and TYPE_CHECKING ones included, form no cycle."""
+    import ast
+
+    folder = Path(text.__file__).parent
+    graph = {}
+    for module in MODULES:
+        tree = ast.parse((folder / f"{module}.py").read_text(encoding="utf-8"))
+        graph[module] = {n.module for n in ast.walk(tree)
+                         if isinstance(n, ast.ImportFrom) and n.level == 1 and n.module in MODULES}
+    done: set[str] = set()
+
+    def visit(module: str, path: tuple[str, ...]) -> None:
+        assert module not in path, f"import cycle: {' -> '.join(path + (module,))}"
+        if module not in done:
+            for dep in graph[module]:
+                visit(dep, path + (module,))
+            done.add(module)
+
+    for module in MODULES:
+        visit(module, ())
+    assert graph["corpus"] >= {"cache", "sources", "tokenizer", "windows"}  # the walk sees the real imports

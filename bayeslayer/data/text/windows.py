@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 import torch
 import torch.utils.data
-
-if TYPE_CHECKING:
-    from .cache import TokenStream
 
 
 def pack_windows(tokens: np.ndarray, seq_len: int) -> np.ndarray:
@@ -46,8 +41,9 @@ class PackedWindows(torch.utils.data.Dataset):
         self._source: tuple[str, str, int, int] | None = None
 
     @classmethod
-    def from_stream(cls, stream: TokenStream, seq_len: int) -> PackedWindows:
-        """Windows [N, seq_len] of a cached token stream."""
+    def from_stream(cls, stream, seq_len: int) -> PackedWindows:
+        """Windows [N, seq_len] of a cached token stream (a :class:`~bayeslayer.data.text.cache.TokenStream`;
+        not imported here, so that windows.py depends on nothing else of the package)."""
         dataset = cls(stream.windows(seq_len))
         dataset._source = (str(stream.path), stream.tokens.dtype.str, int(stream.tokens.shape[0]), int(seq_len))
         return dataset
