@@ -34,6 +34,7 @@ _COMMAND_MODULES = [
     "bayeslayer.experiments.state_budget",
     "bayeslayer.experiments.mqar",
     "bayeslayer.experiments.niah",
+    "bayeslayer.experiments.heldout",
     "bayeslayer.experiments.distill",
 ]
 

@@ -14,11 +14,6 @@ from .import_graph import PACKAGE, module_name, module_paths
 # Private imports in modules other work is rewriting, listed so that they are removed, not kept: the
 # last test fails once one is gone, so its entry is deleted with it.  Nothing else may be added here.
 KNOWN_PRIVATE_IMPORTS = {
-    ("bayeslayer.evaluation.tasks", "_Tokenizer"),  # from experiments.niah (NIAH generator moves to data/)
-    ("bayeslayer.experiments.distill", "_check_int"),  # from lm: use experiments.cli_checks.check_int
-    ("bayeslayer.experiments.distill", "_hub_id"),  # from models.checkpoint
-    ("bayeslayer.experiments.distill", "_resolve_directory"),  # from models.checkpoint
-    ("bayeslayer.experiments.heldout", "_parse_model"),  # from niah
     ("bayeslayer.ops.triton.step", "_next_pow2"),  # from ops.triton.chunk (the GPU forward work)
 }
 

@@ -6,7 +6,7 @@
   models registered (the way flash-linear-attention's ``evals/harness.py`` does it).
 * :mod:`bayeslayer.evaluation.tasks`: local lm-eval tasks written from our own data, no
   download: a ``loglikelihood_rolling`` perplexity task over given documents and a
-  ``generate_until`` RULER NIAH task from :class:`~bayeslayer.experiments.niah.NiahGenerator`
+  ``generate_until`` RULER NIAH task from :class:`~bayeslayer.data.niah.NiahGenerator`
   samples, scored by lm-eval's own RULER functions.
 * :func:`hf_tokenizer`: a ``tokenizer.json`` (or ``tokenizers.Tokenizer``) as a transformers
   fast tokenizer with its end-of-text token set, what lm-eval's HF backend needs.

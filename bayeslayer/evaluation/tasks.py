@@ -12,7 +12,7 @@ Both writers produce a task directory for lm-eval's ``TaskManager(include_path=D
   when each document is one window whose first token is lm-eval's prefix token: a window
   ``[EOS, d, EOS]`` of the token stream is the document text of ``d`` followed by the EOS string.
   docs/models.md shows the construction; ``tests/evaluation/test_lm_eval.py`` checks it.
-* :func:`write_niah_task`: ``generate_until`` over :class:`~bayeslayer.experiments.niah.NiahSample`
+* :func:`write_niah_task`: ``generate_until`` over :class:`~bayeslayer.data.niah.NiahSample`
   prompts in the record layout of lm-eval's RULER tasks (``input``, ``gen_prefix``, ``outputs``,
   ``max_length``), scored by lm-eval's own ``ruler.common_utils.process_results``
   (``string_match_all``), so ``bayeslayer niah`` and lm-eval score the same prompts the same way.
@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..experiments.niah import NiahSample, _Tokenizer, prompt_template
+from ..data.niah import NiahSample, NiahTokenizer, prompt_template
 from ..training.files import atomic_write, atomic_write_text
 
 #: RULER's lm-eval tasks always report the 4096 column (``common_utils.DEFAULT_SEQ_LENGTHS``);
@@ -121,7 +121,7 @@ def niah_records(samples: Sequence[NiahSample], tokenizer: Any) -> list[dict]:
     tokenizes back to exactly the sample's ids (what lm-eval will feed the model, with no special
     tokens added; a BOS the sample starts with is dropped from the text, see docs/models.md).
     """
-    tok = tokenizer if isinstance(tokenizer, _Tokenizer) else _Tokenizer(tokenizer)
+    tok = tokenizer if isinstance(tokenizer, NiahTokenizer) else NiahTokenizer(tokenizer)
     if isinstance(samples, NiahSample) or not samples or not all(isinstance(s, NiahSample) for s in samples):
         raise ValueError("samples must be a non-empty list of NiahSample")
     records = []

@@ -113,6 +113,16 @@ def _int_arg(text: str, *, minimum: int) -> int:
     return value
 
 
+def model_arg(text: str) -> tuple[str, str]:
+    """argparse ``type=`` for ``--model [LABEL=]DIR``: ``(label, dir)``, the label defaulting to the folder's name."""
+    label, sep, path = text.partition("=")
+    if not sep:
+        label, path = Path(text).name or text, text
+    if not label or not path:
+        raise argparse.ArgumentTypeError(f"--model takes DIR or LABEL=DIR, got {text!r}")
+    return label, path
+
+
 def positive_float_arg(text: str) -> float:
     """argparse ``type=`` for a finite number > 0."""
     try:
@@ -240,6 +250,6 @@ def plot_only_json(out: str | os.PathLike, name: str, *, experiment: str | None 
 
 __all__ = [
     "DEVICE_HELP", "PLOT_ONLY_HELP", "check_in_dir", "check_int", "check_in_file", "check_out_dir", "check_out_file",
-    "check_source", "check_tokenizer", "device_arg", "nonnegative_int_arg", "plot_only_json",
+    "check_source", "check_tokenizer", "device_arg", "model_arg", "nonnegative_int_arg", "plot_only_json",
     "positive_float_arg", "positive_int_arg", "resolve_device",
 ]

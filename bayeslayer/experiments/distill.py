@@ -65,6 +65,7 @@ from ..training.files import sha256_file
 from .cli_checks import (
     DEVICE_HELP,
     check_in_dir,
+    check_int,
     check_out_dir,
     check_source,
     check_tokenizer,
@@ -89,7 +90,6 @@ from .lm import (
     LMConfig,
     NextTokenTrainee,
     Objective,
-    _check_int,
     load_model_weights,
     parse_json_object,
     train_lm,
@@ -151,11 +151,11 @@ class DistillConfig:
         bad = [p for p in self.mlp_parts if p not in _MLP_PARTS]
         if bad:
             raise ValueError(f"mlp_parts must be drawn from {_MLP_PARTS}, got {list(self.mlp_parts)}")
-        _check_int("seq_len", self.seq_len, minimum=2)
+        check_int("seq_len", self.seq_len, minimum=2)
         for name in ("batch_size", "micro_batch_size", "phase_a_steps", "phase_b_steps", "log_every"):
-            _check_int(name, getattr(self, name), minimum=1)
+            check_int(name, getattr(self, name), minimum=1)
         for name in ("warmup_steps", "eval_every", "eval_windows", "checkpoint_every"):
-            _check_int(name, getattr(self, name), minimum=0)
+            check_int(name, getattr(self, name), minimum=0)
         for name, positive in (("lr_a", True), ("lr_b", True), ("mlp_lr_scale", True), ("temperature", True),
                                ("weight_decay", False)):
             v = getattr(self, name)
@@ -220,16 +220,16 @@ PRESETS: dict[str, DistillConfig] = {
 
 def is_hub_id(path_or_repo_id: str | os.PathLike) -> bool:
     """Whether :func:`resolve_model_dir` would fetch ``path_or_repo_id`` from the hub."""
-    from ..models.checkpoint import _hub_id
+    from ..models.checkpoint import hub_id
 
-    return _hub_id(path_or_repo_id) is not None
+    return hub_id(path_or_repo_id) is not None
 
 
 def resolve_model_dir(path_or_repo_id: str | os.PathLike) -> Path:
     """A model directory: a local path, or a hub id ``owner/name`` fetched with its tokenizer."""
-    from ..models.checkpoint import _resolve_directory
+    from ..models.checkpoint import resolve_checkpoint_dir
 
-    return _resolve_directory(path_or_repo_id, None)
+    return resolve_checkpoint_dir(path_or_repo_id, None)
 
 
 def load_teacher(directory: str | os.PathLike, *, device: str | torch.device = "cpu") -> nn.Module:
@@ -539,8 +539,12 @@ def eval_models(out: str | os.PathLike) -> list[tuple[str, str]]:
 
 
 def run_eval(args: argparse.Namespace) -> dict:
-    """``bayeslayer distill eval``: NIAH (Table 6 layout + heatmaps) and held-out PPL (Table 7 layout)."""
-    from ..cli import build_parser
+    """``bayeslayer distill eval``: NIAH (Table 6 layout + heatmaps) and held-out PPL (Table 7 layout).
+
+    Calls :func:`bayeslayer.experiments.niah.run` and :func:`bayeslayer.experiments.heldout.run` with
+    their configs; returns ``{"niah": ..., "heldout": ...}`` (each present unless skipped).
+    """
+    from . import heldout, niah
 
     out = check_in_dir(args.out, option="--out", what="distillation folder")
     check_out_dir(out / "eval")
@@ -550,42 +554,19 @@ def run_eval(args: argparse.Namespace) -> dict:
     tokenizer = args.tokenizer or report.get("tokenizer")
     results: dict = {}
     if not args.skip_niah:
-        argv = ["niah", "--out", str(out / "eval" / "niah"), "--lengths", args.niah_lengths,
-                "--depths", args.niah_depths, "--samples-per-cell", str(args.samples_per_cell),
-                "--seed", str(args.seed), "--haystack", args.haystack, "--device", args.device]
-        if args.niah_tasks:
-            argv += ["--tasks", args.niah_tasks]
-        if args.max_new_tokens:
-            argv += ["--max-new-tokens", str(args.max_new_tokens)]
-        if tokenizer:
-            argv += ["--tokenizer", tokenizer]
-        for label, path in models:
-            argv += ["--model", f"{label}={path}"]
-        for other in ("GDN-zero", "GDN-FT"):
-            if "BL" in labels and other in labels:
-                argv += ["--diff", f"BL,{other}"]
-        if args.quiet:
-            argv.append("--quiet")
-        from . import niah
-
-        results["niah"] = niah.run(build_parser().parse_args(argv))
+        optional = {"tasks": args.niah_tasks, "max_new_tokens": args.max_new_tokens}
+        results["niah"] = niah.run(niah.NiahConfig(
+            models=models, out=str(out / "eval" / "niah"), tokenizer=tokenizer, lengths=args.niah_lengths,
+            depths=args.niah_depths, samples_per_cell=args.samples_per_cell, seed=args.seed, haystack=args.haystack,
+            device=args.device, quiet=args.quiet,
+            diff=[("BL", other) for other in ("GDN-zero", "GDN-FT") if "BL" in labels and other in labels] or None,
+            **{k: v for k, v in optional.items() if v}))
     if not args.skip_ppl:
-        from . import heldout
-
-        argv = ["lm", "eval", "--windows", "non-overlapping", "--lengths", args.ppl_lengths, "--split", args.split,
-                "--reference", "GDN-zero", "--out", str(out / "eval" / "heldout"), "--device", args.device]
-        for source in args.source or [report.get("config", {}).get("source", "python-docs")]:
-            argv += ["--source", source]
-        if tokenizer:
-            argv += ["--tokenizer", tokenizer]
-        if args.max_windows:
-            argv += ["--max-windows", str(args.max_windows)]
-        if args.cache_dir:
-            argv += ["--cache-dir", args.cache_dir]
-        for label, path in models:
-            argv += ["--model", f"{label}={path}"]
-        heldout.heldout_main(build_parser().parse_args(argv))
-        results["heldout"] = json.loads((out / "eval" / "heldout" / "heldout.json").read_text())
+        results["heldout"] = heldout.run(heldout.HeldoutConfig(
+            models=models, sources=args.source or [report.get("config", {}).get("source", "python-docs")],
+            lengths=args.ppl_lengths, split=args.split, reference="GDN-zero", tokenizer=tokenizer,
+            windows="non-overlapping", max_windows=args.max_windows, device=args.device, cache_dir=args.cache_dir,
+            out=str(out / "eval" / "heldout")))
     return results
 
 
@@ -612,16 +593,15 @@ def _parse_stages(text: str) -> tuple[str, ...]:
 
 
 def _list_arg(kind: type, what: str):
-    """argparse ``type=`` that checks a comma-separated list of ``kind`` and keeps the text (it is
-    passed on to ``niah`` / ``lm eval`` as written)."""
-    def parse(text: str) -> str:
+    """argparse ``type=`` for a non-empty comma-separated list of ``kind``: a tuple of them."""
+    def parse(text: str) -> tuple:
         try:
-            values = [kind(x) for x in text.split(",") if x.strip()]
+            values = tuple(kind(x) for x in text.split(",") if x.strip())
         except ValueError:
-            values = []
+            values = ()
         if not values:
             raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got {text!r}")
-        return text
+        return values
     return parse
 
 
@@ -718,7 +698,8 @@ def add_parser(sub) -> None:
                    help="needle depths in percent")
     e.add_argument("--max-new-tokens", type=positive_int_arg, default=None,
                    help="NIAH answer budget (default: niah's)")
-    e.add_argument("--niah-tasks", default=None, help="comma-separated NIAH tasks (default: all eight)")
+    e.add_argument("--niah-tasks", type=_parse_names, default=None,
+                   help="comma-separated NIAH tasks (default: all eight)")
     e.add_argument("--samples-per-cell", type=positive_int_arg, default=30)
     e.add_argument("--haystack", default="python-docs", help="corpus the essay haystacks come from")
     e.add_argument("--ppl-lengths", type=_list_arg(int, "integers"), default="2048,4096,8192,16384")

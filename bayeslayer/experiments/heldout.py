@@ -27,9 +27,11 @@ Every cell is cached under ``<cache_dir>/heldout/`` (default ``$BAYESLAYER_CACHE
 weight files, its tokenizer, the corpus fingerprint, split, length, window rule, caps and the
 resolved precision, so a rerun (or a new model added to a table) evaluates only what is missing.
 
-Command line (wired into ``bayeslayer lm eval``)::
+In Python, :func:`run` takes a :class:`HeldoutConfig` and returns the record; on the command line
+(``bayeslayer heldout``, whose options are the config's fields; before it was its own command this
+was ``bayeslayer lm eval --lengths ...``)::
 
-    bayeslayer lm eval --windows non-overlapping --lengths 2048,4096,8192,16384 \\
+    bayeslayer heldout --windows non-overlapping --lengths 2048,4096,8192,16384 \\
         --model GDN=ckpt/gdn --model BL=runs/distill/bl/final \\
         --source WikiText-103=hf:Salesforce/wikitext:wikitext-103-raw-v1 --split test \\
         --reference GDN --out results/heldout
@@ -59,8 +61,10 @@ from .cli_checks import (
     DEVICE_HELP,
     PLOT_ONLY_HELP,
     check_in_dir,
+    check_int,
     check_out_dir,
     device_arg,
+    model_arg,
     plot_only_json,
     positive_int_arg,
 )
@@ -75,7 +79,6 @@ from .lm import (
     load_corpus,
     resolve_precision,
 )
-from .niah import _parse_model  # the same [LABEL=]DIR syntax as bayeslayer niah
 from .plotting import load_json, save_figure
 
 PAPER_LENGTHS = (2048, 4096, 8192, 16384)
@@ -95,23 +98,13 @@ PAPER_TABLE7 = {
 }
 # Column names of well-known sources; any other source is named by what it is given as.
 SOURCE_LABELS = {WIKITEXT_103: "WikiText-103", "python-docs": "python-docs"}
-# `bayeslayer lm eval` defaults that belong to its Table-2 outputs; held-out results must not
-# overwrite those files, so these two are replaced by the held-out ones below.
-_LM_EVAL_DEFAULTS = {"out": "results/lm", "name": "lm"}
-_HELDOUT_DEFAULTS = {"out": "results/heldout", "name": "heldout"}
 
 
 # --------------------------------------------------------------------------- small checks
 
 
-def _check_int(name: str, value: Any, *, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return int(value)
-
-
 def _check_optional_int(name: str, value: Any, *, minimum: int) -> int | None:
-    return None if value is None else _check_int(name, value, minimum=minimum)
+    return None if value is None else check_int(name, value, minimum=minimum)
 
 
 def relative_change(ppl: float, reference_ppl: float) -> float:
@@ -135,7 +128,7 @@ def window_plan(tokens: np.ndarray, length: int, *, windows: str = "non-overlapp
     """
     if not isinstance(tokens, np.ndarray) or tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
         raise ValueError(f"tokens must be a 1-D integer numpy array, got {getattr(tokens, 'shape', type(tokens))}")
-    length = _check_int("length", length, minimum=2)
+    length = check_int("length", length, minimum=2)
     if windows not in WINDOW_MODES:
         raise ValueError(f"windows must be one of {WINDOW_MODES}, got {windows!r}")
     if tokens.shape[0] < length:
@@ -148,7 +141,7 @@ def window_plan(tokens: np.ndarray, length: int, *, windows: str = "non-overlapp
         return out, np.broadcast_to(np.True_, (n, length - 1))
     if stride is None:
         raise ValueError("windows='sliding' needs a stride")
-    stride = _check_int("stride", stride, minimum=1)
+    stride = check_int("stride", stride, minimum=1)
     if stride >= length:
         raise ValueError(f"stride must be < length for sliding windows (stride = length is non-overlapping "
                          f"with the first token of each window unscored), got stride {stride}, length {length}")
@@ -471,7 +464,7 @@ def evaluate_heldout(
         raise ValueError(f"sources must be a non-empty list of corpus names, got {sources!r}")
     if isinstance(max_documents, Mapping):
         for name, cap in max_documents.items():
-            _check_int(f"max_documents[{name!r}]", cap, minimum=1)
+            check_int(f"max_documents[{name!r}]", cap, minimum=1)
     else:
         _check_optional_int("max_documents", max_documents, minimum=1)
     if source_splits is not None and not isinstance(source_splits, Mapping):
@@ -487,7 +480,7 @@ def evaluate_heldout(
         raise ValueError(f"sources: labels must be distinct, got {source_labels}")
     if isinstance(lengths, (str, bytes)) or not isinstance(lengths, Sequence) or not lengths:
         raise ValueError(f"lengths must be a non-empty list of integers >= 2, got {lengths!r}")
-    lengths = [_check_int("lengths", L, minimum=2) for L in lengths]
+    lengths = [check_int("lengths", L, minimum=2) for L in lengths]
     if len(set(lengths)) != len(lengths):
         raise ValueError(f"lengths must be distinct, got {lengths}")
     if split not in SPLITS:
@@ -496,13 +489,15 @@ def evaluate_heldout(
     if windows not in WINDOW_MODES:
         raise ValueError(f"windows must be one of {WINDOW_MODES}, got {windows!r}")
     if windows == "sliding":
-        stride = _check_int("stride", stride, minimum=1)
+        if stride is None:
+            raise ValueError("windows='sliding' needs a stride (--stride S, 1 <= S < every length)")
+        stride = check_int("stride", stride, minimum=1)
         if any(stride >= L for L in lengths):
             raise ValueError(f"stride ({stride}) must be < every length {lengths} for sliding windows")
     elif stride is not None:
         raise ValueError(f"stride applies to windows='sliding' only, got stride={stride!r}")
     max_windows = _check_optional_int("max_windows", max_windows, minimum=1)
-    batch_size = _check_int("batch_size", batch_size, minimum=1)
+    batch_size = check_int("batch_size", batch_size, minimum=1)
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
 
@@ -610,7 +605,7 @@ def _length_label(length: int | str) -> str:
 def _check_record(record: dict) -> None:
     if not isinstance(record, dict) or record.get("experiment") != "heldout" or not record.get("models"):
         seen = sorted(record) if isinstance(record, dict) else type(record).__name__
-        raise ValueError("record must be the JSON written by evaluate_heldout / `lm eval --lengths ...` "
+        raise ValueError("record must be the JSON written by evaluate_heldout / `bayeslayer heldout` "
                          f"(experiment 'heldout' with models), got {seen}")
 
 
@@ -746,123 +741,152 @@ def _parse_source_split(text: str) -> tuple[str, str]:
     return name, split
 
 
-def add_heldout_arguments(parser: argparse.ArgumentParser, *, shared: bool = False) -> None:
-    """Add the held-out options to ``parser`` (``bayeslayer lm eval``).
+@dataclass(frozen=True)
+class HeldoutConfig:
+    """One held-out evaluation (``bayeslayer heldout``); each field is the option of the same name.
 
-    ``shared=True`` also adds the options ``lm eval`` already has (``--split``, ``--batch-size``,
-    ``--precision``, ``--device``, ``--cache-dir``, ``--out``, ``--name``, ``--plot-only``), for a
-    parser of its own.
+    models: ``(label, directory)`` pairs (a model directory or an ``lm train`` run directory).
+    sources: corpora, ``"SOURCE"`` or ``"LABEL=SOURCE"``; lengths: window lengths.
+    max_documents: one cap for every source, or ``{source: cap}``; source_splits: ``{source: split}``.
+    out, name: the report is ``<out>/<name>.json``, ``.md`` and ``.png``.
+    The rest are :func:`evaluate_heldout`'s arguments of the same name.
     """
-    g = parser.add_argument_group("held-out perplexity (Table 7; used when --lengths or --model is given)")
-    g.add_argument("--windows", choices=WINDOW_MODES, default="non-overlapping",
-                   help="non-overlapping: each token scored once, context resets every L tokens (the paper's "
-                        "protocol); sliding: windows every --stride tokens, each token scored once with "
-                        ">= L - stride tokens of context")
-    g.add_argument("--stride", type=positive_int_arg, default=None,
-                   help="window step of --windows sliding (1 <= S < L)")
-    g.add_argument("--lengths", type=_parse_lengths, default=None,
-                   help="window lengths, e.g. 2048,4096,8192,16384 (the default when only --model is given)")
-    g.add_argument("--model", action="append", type=_parse_model, default=None, metavar="[LABEL=]DIR",
-                   help="a model directory (HF or fla Gated DeltaNet checkpoint) or an lm run directory; repeat")
-    g.add_argument("--source", action="append", default=None, metavar="[LABEL=]SOURCE",
-                   help="corpus: python-docs, hf:<name>[:<config>] or a local path; repeat (default python-docs)")
-    g.add_argument("--reference", default=None, help="label of the model the change is against (default: first)")
-    g.add_argument("--tokenizer", default=None,
-                   help="tokenizer.json for every model (default: each model's own, see the module docstring)")
-    g.add_argument("--max-windows", type=positive_int_arg, default=None,
-                   help="evaluate only the first N windows per corpus × length (caps the cost)")
-    g.add_argument("--max-documents", action="append", type=_parse_max_documents, default=None,
-                   metavar="[SOURCE=]N", help="keep the split's first N documents (e.g. PG-19=50); repeat per source")
-    g.add_argument("--source-split", action="append", type=_parse_source_split, default=None, metavar="SOURCE=SPLIT",
-                   help="this source's split instead of --split (e.g. PG-19=validation); repeat per source")
-    if shared:
-        g.add_argument("--split", choices=("train", "validation", "test"), default="test")
-        g.add_argument("--batch-size", type=positive_int_arg, default=1)
-        g.add_argument("--precision", choices=PRECISIONS, default="fp32")
-        g.add_argument("--device", type=device_arg, default="auto", help=DEVICE_HELP)
-        g.add_argument("--cache-dir", default=None)
-        g.add_argument("--out", default=_HELDOUT_DEFAULTS["out"])
-        g.add_argument("--name", default=_HELDOUT_DEFAULTS["name"])
-        g.add_argument("--plot-only", action="store_true", help=PLOT_ONLY_HELP + " (<out>/<name>.json)")
+
+    models: tuple[tuple[str, str], ...] = ()
+    sources: tuple[str, ...] = ("python-docs",)
+    lengths: tuple[int, ...] = PAPER_LENGTHS
+    split: str = "test"
+    reference: str | None = None
+    tokenizer: str | None = None
+    windows: str = "non-overlapping"
+    stride: int | None = None
+    max_windows: int | None = None
+    max_documents: int | Mapping[str, int] | None = None
+    source_splits: Mapping[str, str] | None = None
+    batch_size: int = 4
+    device: str = "auto"
+    precision: str = "fp32"
+    cache_dir: str | None = None
+    out: str = "results/heldout"
+    name: str = "heldout"
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        models = self.models
+        if isinstance(models, (str, bytes)) or not isinstance(models, Sequence):
+            raise TypeError(f"models must be a sequence of (label, path) pairs, got {type(models).__name__}")
+        for item in models:
+            if not (isinstance(item, (tuple, list)) and len(item) == 2):
+                raise ValueError(f"models: each entry must be a (label, path) pair, got {item!r}")
+        object.__setattr__(self, "models", tuple((label, str(path)) for label, path in models))
+        for name in ("sources", "lengths"):
+            value = getattr(self, name)
+            if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+                raise TypeError(f"{name} must be a sequence, got {type(value).__name__}")
+            object.__setattr__(self, name, tuple(value))
+        if not isinstance(self.name, str) or not self.name or "/" in self.name:
+            raise ValueError(f"name must be a file name stem, got {self.name!r}")
 
 
-def _out_and_name(args: argparse.Namespace) -> tuple[str, str]:
-    """``--out``/``--name``, with ``lm eval``'s Table-2 defaults replaced by the held-out ones."""
-    out = getattr(args, "out", None)
-    out = _HELDOUT_DEFAULTS["out"] if out in (None, _LM_EVAL_DEFAULTS["out"]) else out
-    name = getattr(args, "name", None)
-    name = _HELDOUT_DEFAULTS["name"] if name in (None, _LM_EVAL_DEFAULTS["name"]) else name
-    return out, name
+def run(config: HeldoutConfig) -> dict:
+    """Evaluate ``config``; write ``<out>/<name>.json``, ``.md`` (Table 7 layout) and ``.png``; return the record.
 
-
-def is_heldout_request(args: argparse.Namespace) -> bool:
-    """Whether ``lm eval`` should run :func:`heldout_main`: ``--lengths`` or ``--model`` given, or
-    ``--plot-only`` with ``<out>/<name>.json`` a held-out results file."""
-    if getattr(args, "lengths", None) or getattr(args, "model", None):
-        return True
-    if getattr(args, "plot_only", False):
-        # the file as named (Table 2's defaults) first, then with the held-out defaults
-        given = (getattr(args, "out", None) or _LM_EVAL_DEFAULTS["out"], getattr(args, "name", None) or "lm")
-        for out, name in (given, _out_and_name(args)):
-            path = Path(out) / f"{name}.json"
-            if path.is_file():
-                try:
-                    return load_json(path).get("experiment") == "heldout"
-                except ValueError:
-                    return False
-    return False
-
-
-def heldout_main(args: argparse.Namespace) -> int:
-    """``bayeslayer lm eval --lengths ... --model LABEL=DIR ...``: evaluate, write JSON, table and plot.
-
-    ``--plot-only`` redraws the table and plot in ``--out`` from ``<out>/<name>.json``.
+    Checks the output folder and every model folder before any corpus is resolved or a model loaded.
     """
-    out, name = _out_and_name(args)
-    out_dir = check_out_dir(out)
-    if getattr(args, "plot_only", False):
-        record = plot_only_json(out_dir, name, experiment="heldout")
-        _check_record(record)
-        (out_dir / f"{name}.md").write_text(table7_markdown(record))
-        plot(record, out_dir / f"{name}.png")
-        print(table7_markdown(record))
-        return 0
-    if getattr(args, "runs", None):
-        raise UsageError("lm eval --lengths/--model: give every model as --model LABEL=DIR (run directories "
-                         f"too), not as positional runs {args.runs}")
-    if getattr(args, "seq_len", None) is not None:
-        raise UsageError("lm eval: --seq-len is the Table-2 window length; with --lengths/--model use --lengths")
-    if getattr(args, "label", None):
-        raise UsageError("lm eval: --label renames Table-2 runs; with --model give LABEL=DIR instead")
-    if not args.model:
-        raise UsageError("lm eval --lengths: give at least one --model [LABEL=]DIR")
-    for label, path in args.model:  # before the corpora are resolved or a model is loaded
+    if not isinstance(config, HeldoutConfig):
+        raise TypeError(f"config must be a HeldoutConfig, got {type(config).__name__}")
+    check_out_dir(config.out)
+    if not config.models:
+        raise UsageError("give at least one --model [LABEL=]DIR")
+    for label, path in config.models:  # before the corpora are resolved or a model is loaded
         check_in_dir(path, option=f"--model {label}=", what="model or run folder")
-    caps = args.max_documents or []
-    if any(n is None for n, _ in caps) and len(caps) > 1:
-        raise UsageError("lm eval: give --max-documents either once as N or as SOURCE=N per source")
-    max_documents: int | dict[str, int] | None
-    max_documents = caps[0][1] if caps and caps[0][0] is None else {n: v for n, v in caps} or None
     record = evaluate_heldout(
-        args.model, args.source or ["python-docs"], args.lengths or list(PAPER_LENGTHS), split=args.split,
-        reference=args.reference, tokenizer=args.tokenizer, windows=args.windows, stride=args.stride,
-        max_windows=args.max_windows, max_documents=max_documents,
-        source_splits=dict(args.source_split) if args.source_split else None, batch_size=args.batch_size,
-        device=args.device, precision=args.precision, cache_dir=args.cache_dir)
+        list(config.models), list(config.sources), list(config.lengths), split=config.split,
+        reference=config.reference, tokenizer=config.tokenizer, windows=config.windows, stride=config.stride,
+        max_windows=config.max_windows, max_documents=config.max_documents, source_splits=config.source_splits,
+        batch_size=config.batch_size, device=config.device, precision=config.precision, cache_dir=config.cache_dir,
+        progress=config.progress)
     if int(os.environ.get("RANK", "0")) == 0:
-        paths = write_report(record, out, name)
+        paths = write_report(record, config.out, config.name)
         print(table7_markdown(record))
         print(f"wrote {paths['json']}, {paths['table']}, {paths['plot']}")
     import torch.distributed as dist
 
     if dist.is_initialized():
         dist.destroy_process_group()
-    return 0
+    return record
+
+
+def redraw(out: str | os.PathLike, name: str = "heldout") -> dict:
+    """``bayeslayer heldout --plot-only``: redraw ``<out>/<name>.md`` and ``.png`` from ``<out>/<name>.json``."""
+    out_dir = check_out_dir(out)
+    record = plot_only_json(out_dir, name, experiment="heldout")
+    _check_record(record)
+    (out_dir / f"{name}.md").write_text(table7_markdown(record))
+    plot(record, out_dir / f"{name}.png")
+    print(table7_markdown(record))
+    return record
+
+
+def config_from_args(args: argparse.Namespace) -> HeldoutConfig:
+    """The :class:`HeldoutConfig` of ``bayeslayer heldout``'s parsed arguments."""
+    caps = args.max_documents or []
+    if any(n is None for n, _ in caps) and len(caps) > 1:
+        raise UsageError("give --max-documents either once as N or as SOURCE=N per source")
+    max_documents: int | dict[str, int] | None
+    max_documents = caps[0][1] if caps and caps[0][0] is None else {n: v for n, v in caps} or None
+    return HeldoutConfig(
+        models=args.model or (), sources=args.source or ("python-docs",), lengths=args.lengths or PAPER_LENGTHS,
+        split=args.split, reference=args.reference, tokenizer=args.tokenizer, windows=args.windows,
+        stride=args.stride, max_windows=args.max_windows, max_documents=max_documents,
+        source_splits=dict(args.source_split) if args.source_split else None, batch_size=args.batch_size,
+        device=args.device, precision=args.precision, cache_dir=args.cache_dir, out=args.out, name=args.name)
+
+
+def _main(args: argparse.Namespace) -> dict:
+    if args.plot_only:
+        return redraw(args.out, args.name)
+    return run(config_from_args(args))
+
+
+def add_parser(sub) -> None:
+    """``bayeslayer heldout``: each option maps onto the :class:`HeldoutConfig` field of its name."""
+    p = sub.add_parser("heldout", help="held-out perplexity per corpus and window length (Table 7, SPEC §4.6)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", action="append", type=model_arg, default=None, metavar="[LABEL=]DIR",
+                   help="a model directory (HF or fla Gated DeltaNet checkpoint) or an lm run directory; repeat")
+    p.add_argument("--source", action="append", default=None, metavar="[LABEL=]SOURCE",
+                   help="corpus: python-docs, hf:<name>[:<config>] or a local path; repeat (default python-docs)")
+    p.add_argument("--lengths", type=_parse_lengths, default=None,
+                   help="window lengths (default 2048,4096,8192,16384)")
+    p.add_argument("--windows", choices=WINDOW_MODES, default="non-overlapping",
+                   help="non-overlapping: each token scored once, context resets every L tokens (the paper's "
+                        "protocol); sliding: windows every --stride tokens, each token scored once with "
+                        ">= L - stride tokens of context")
+    p.add_argument("--stride", type=positive_int_arg, default=None,
+                   help="window step of --windows sliding (1 <= S < L)")
+    p.add_argument("--split", choices=("train", "validation", "test"), default="test")
+    p.add_argument("--reference", default=None, help="label of the model the change is against (default: first)")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer.json for every model (default: each model's own, see above)")
+    p.add_argument("--max-windows", type=positive_int_arg, default=None,
+                   help="evaluate only the first N windows per corpus × length (caps the cost)")
+    p.add_argument("--max-documents", action="append", type=_parse_max_documents, default=None,
+                   metavar="[SOURCE=]N", help="keep the split's first N documents (e.g. PG-19=50); repeat per source")
+    p.add_argument("--source-split", action="append", type=_parse_source_split, default=None, metavar="SOURCE=SPLIT",
+                   help="this source's split instead of --split (e.g. PG-19=validation); repeat per source")
+    p.add_argument("--batch-size", type=positive_int_arg, default=HeldoutConfig.batch_size)
+    p.add_argument("--precision", choices=PRECISIONS, default="fp32")
+    p.add_argument("--device", type=device_arg, default="auto", help=DEVICE_HELP)
+    p.add_argument("--cache-dir", default=None, help="token and cell cache (default $BAYESLAYER_CACHE)")
+    p.add_argument("--out", default=HeldoutConfig.out, help="output directory")
+    p.add_argument("--name", default=HeldoutConfig.name, help="file name stem of the outputs")
+    p.add_argument("--plot-only", action="store_true", help=PLOT_ONLY_HELP + " (<out>/<name>.json)")
+    p.set_defaults(func=_main)
 
 
 __all__ = [
-    "PAPER_LENGTHS", "PAPER_TABLE7", "WINDOW_MODES", "HeldoutModel", "HeldoutSource", "add_heldout_arguments",
-    "as_source", "evaluate_heldout", "heldout_main", "heldout_perplexity", "is_heldout_request",
-    "load_heldout_stream", "plot", "relative_change", "resolve_model", "table7_markdown", "window_plan",
-    "write_report",
+    "PAPER_LENGTHS", "PAPER_TABLE7", "WINDOW_MODES", "HeldoutConfig", "HeldoutModel", "HeldoutSource", "add_parser",
+    "as_source", "config_from_args", "evaluate_heldout", "heldout_perplexity", "load_heldout_stream", "plot",
+    "redraw", "relative_change", "resolve_model", "run", "table7_markdown", "window_plan", "write_report",
 ]

@@ -1148,10 +1148,6 @@ def _train_main(args) -> int:
 
 
 def _eval_main(args) -> int:
-    from . import heldout
-
-    if heldout.is_heldout_request(args):  # --lengths/--model: held-out PPL, Table 7 layout
-        return heldout.heldout_main(args)
     out_dir = check_out_dir(args.out)
     if args.plot_only:
         if args.runs:
@@ -1216,11 +1212,10 @@ def add_parser(sub) -> None:
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     t.set_defaults(func=_train_main)
 
-    e = lm_sub.add_parser("eval", help="grouped PPL of finished runs (Table 2), or held-out PPL per length (Table 7)",
+    e = lm_sub.add_parser("eval", help="grouped PPL of finished runs (Table 2)",
                           description="Table 2: evaluate finished runs; runs sharing a label (default: the mixer) "
-                                      "are seeds of one model. Writes <out>/<name>.json, .md, .png. Table 7: "
-                                      "--windows non-overlapping --lengths 2048,4096,... --model LABEL=DIR ... "
-                                      "--source ... --reference LABEL (see bayeslayer.experiments.heldout).")
+                                      "are seeds of one model. Writes <out>/<name>.json, .md, .png. Held-out PPL "
+                                      "per length (Table 7, formerly `lm eval --lengths ...`) is `bayeslayer heldout`.")
     e.add_argument("runs", nargs="*", help="run directories (each with final/)")
     e.add_argument("--split", choices=("validation", "test"), default="test")
     e.add_argument("--seq-len", type=positive_int_arg, default=None,
@@ -1233,7 +1228,4 @@ def add_parser(sub) -> None:
     e.add_argument("--out", default="results/lm", help="output directory")
     e.add_argument("--name", default="lm", help="file name stem of the outputs")
     e.add_argument("--plot-only", action="store_true", help=PLOT_ONLY_HELP + " (<out>/<name>.json)")
-    from .heldout import add_heldout_arguments
-
-    add_heldout_arguments(e)
     e.set_defaults(func=_eval_main)

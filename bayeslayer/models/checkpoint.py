@@ -93,7 +93,7 @@ def gdn_config_to_bayeslayer(gdn_config: dict[str, Any]) -> BayesLayerConfig:
 _HUB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
-def _hub_id(path_or_repo_id: str | os.PathLike) -> str | None:
+def hub_id(path_or_repo_id: str | os.PathLike) -> str | None:
     """The hub id ``owner/name`` that ``path_or_repo_id`` names, or None when it means a local path.
 
     It is a local path when it exists, is a ``Path`` object, is written as a path (starts with
@@ -115,10 +115,10 @@ def _hub_offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def _resolve_directory(path_or_repo_id: str | os.PathLike, revision: str | None) -> Path:
+def resolve_checkpoint_dir(path_or_repo_id: str | os.PathLike, revision: str | None) -> Path:
     """A local checkpoint folder, or a hub id's snapshot (the local cache first, the network last).
 
-    A name that means a local path (see :func:`_hub_id`) and does not exist fails at once, and so
+    A name that means a local path (see :func:`hub_id`) and does not exist fails at once, and so
     does a hub id under ``HF_HUB_OFFLINE`` that is not in the cache; a failed download is one
     ``FileNotFoundError`` that says what was tried.
     """
@@ -128,7 +128,7 @@ def _resolve_directory(path_or_repo_id: str | os.PathLike, revision: str | None)
     if path.exists():
         raise ValueError(f"{path} is a file; pass the checkpoint directory (config.json and weights)")
     name = str(path_or_repo_id)
-    hub = _hub_id(path_or_repo_id)
+    hub = hub_id(path_or_repo_id)
     if hub is None:
         first = Path(name).parts[0] if Path(name).parts else name
         why = (f" (the folder {first!r} exists here, so this is read as a local path, not a hub id)"
@@ -203,7 +203,7 @@ def load_gdn_checkpoint(
     """
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
-    directory = _resolve_directory(path_or_repo_id, revision)
+    directory = resolve_checkpoint_dir(path_or_repo_id, revision)
     config_file = directory / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"no config.json in {directory}")

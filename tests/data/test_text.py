@@ -6,6 +6,7 @@ No network and no python3-doc: every test writes its own small files.
 from __future__ import annotations
 
 import os
+import pathlib
 import pickle
 import sys
 import types
@@ -29,6 +30,9 @@ from bayeslayer.data.text import (
     split_wikitext_articles,
     train_bpe_tokenizer,
 )
+from bayeslayer.data.text import cache as cache_mod
+from bayeslayer.data.text import corpus as corpus_mod
+from bayeslayer.data.text import sources as sources_mod
 
 WORDS = (
     "the a of memory filter kalman state key value gate token layer covariance mean write read "
@@ -187,8 +191,8 @@ def test_second_run_reuses_the_cache_and_tokenizer(corpus_dir, tmp_path, monkeyp
     def fail(*args, **kwargs):
         raise AssertionError("re-tokenized or re-trained although a cache exists")
 
-    monkeypatch.setattr(text_mod, "_encode_documents", fail)
-    monkeypatch.setattr(text_mod, "train_bpe_tokenizer", fail)
+    monkeypatch.setattr(cache_mod, "_encode_documents", fail)
+    monkeypatch.setattr(corpus_mod, "train_bpe_tokenizer", fail)
     second = load(corpus_dir, cache)
     assert all(s.from_cache for s in second.splits.values())
     assert {p.name: p.stat().st_mtime_ns for p in cache.iterdir()} == mtimes
@@ -260,12 +264,33 @@ def test_missing_corpus_errors(tmp_path, monkeypatch):
     (tmp_path / "empty" / "image.png").write_bytes(b"\x89PNG")
     with pytest.raises(CorpusNotFoundError, match="no .*files under"):
         load(tmp_path / "empty", tmp_path / "cache")
-    monkeypatch.setattr(text_mod, "python_docs_dir", lambda: None)
-    with pytest.raises(CorpusNotFoundError, match="apt-get install -y python3-doc"):
+    monkeypatch.setattr(sources_mod, "python_docs_dir", lambda: None)
+    with pytest.raises(CorpusNotFoundError, match=r"install it with `apt-get install -y python3-doc` \(as root"):
         load_text_corpus("python-docs", cache_dir=tmp_path / "cache")
-    monkeypatch.setattr(text_mod.shutil, "which", lambda name: None)
-    with pytest.raises(CorpusNotFoundError, match="apt-get is not available"):
-        prepare_default_corpus(install=True)
+    with pytest.raises(CorpusNotFoundError, match="python3-doc"):
+        prepare_default_corpus()
+    assert text_mod.PYTHON_DOCS_INSTALL == "apt-get install -y python3-doc"
+
+
+def test_a_missing_default_corpus_is_one_line_naming_the_install_command(tmp_path, monkeypatch, capsys):
+    """The library never installs anything: `bayeslayer` reports the missing corpus as an expected failure
+    (one line on stderr, exit 2) that names the command, and runs no subprocess."""
+    import subprocess
+
+    from bayeslayer import cli
+
+    def no_subprocess(*args, **kwargs):
+        raise AssertionError("library code started a subprocess")
+
+    monkeypatch.setattr(sources_mod, "python_docs_dir", lambda: None)
+    monkeypatch.setattr(subprocess, "run", no_subprocess)
+    monkeypatch.setattr(subprocess, "Popen", no_subprocess)
+    argv = ["lm", "train", "--preset", "tiny", "--source", "python-docs", "--device", "cpu",
+            "--out", str(tmp_path / "run"), "--cache-dir", str(tmp_path / "cache"), "--no-progress"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("bayeslayer lm train: error: ")
+    assert "`apt-get install -y python3-doc`" in err[0]
 
 
 def test_python_docs_page_filter_and_layout(tmp_path, monkeypatch):
@@ -279,8 +304,8 @@ def test_python_docs_page_filter_and_layout(tmp_path, monkeypatch):
     for i in range(30):
         (root / "library" / f"mod{i}.html").write_text(page.format(f"Module {i} does useful things."))
     (root / "library" / "test.html").write_text(page.format("The test package is a page, not a split."))
-    monkeypatch.setattr(text_mod, "PYTHON_DOCS_DIRS", (str(root),))
-    monkeypatch.setattr(text_mod, "PYTHON_DOCS_GLOB", str(tmp_path / "none*"))
+    monkeypatch.setattr(sources_mod, "PYTHON_DOCS_DIRS", (str(root),))
+    monkeypatch.setattr(sources_mod, "PYTHON_DOCS_GLOB", str(tmp_path / "none*"))
     assert prepare_default_corpus() == root.resolve()
     files = text_mod.corpus_files("python-docs", split_fractions=(0.6, 0.2, 0.2), split_seed=0)
     names = sorted(d.name for docs in files.splits.values() for d in docs)
@@ -329,7 +354,7 @@ def test_long_documents_are_encoded_in_pieces_without_changing_ids(tmp_path, mon
     for i in range(300):
         lines.append(f" = Title {i} = \n" if i % 50 == 0 else " " + make_document(rng, 2).replace("\n\n", " ") + " \n")
     text = "".join(lines)
-    pieces = list(text_mod._text_pieces(text, max_chars=500))
+    pieces = list(cache_mod._text_pieces(text, max_chars=500))
     assert len(pieces) > 10 and "".join(pieces) == text
     tokenizer = train_bpe_tokenizer([text], 300)
     whole = tokenizer.encode(text, add_special_tokens=False).ids
@@ -375,7 +400,7 @@ def test_parquet_rows_are_documents(tmp_path):
         raise AssertionError("parquet text read although the cache is complete")
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(text_mod, "_parquet_rows", fail)
+        patch.setattr(sources_mod, "_parquet_rows", fail)
         assert all(s.from_cache for s in load(root, tmp_path / "cache", text_column="content").splits.values())
     with pytest.raises(ValueError, match="no column 'text'"):
         load(root, tmp_path / "cache")
@@ -511,7 +536,7 @@ def test_cache_dir_default_follows_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("BAYESLAYER_CACHE", str(tmp_path / "here"))
     assert text_mod.default_cache_dir() == tmp_path / "here"
     monkeypatch.delenv("BAYESLAYER_CACHE")
-    assert text_mod.default_cache_dir() == text_mod.Path(os.path.expanduser("~")) / ".cache" / "bayeslayer"
+    assert text_mod.default_cache_dir() == pathlib.Path(os.path.expanduser("~")) / ".cache" / "bayeslayer"
 
 
 # --------------------------------------------------------------------------- AR-hit on a corpus

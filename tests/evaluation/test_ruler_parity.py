@@ -22,6 +22,7 @@ import types
 
 import pytest
 
+from bayeslayer.data import niah as data_niah
 from bayeslayer.evaluation import hf_tokenizer
 from bayeslayer.experiments import niah
 
@@ -39,7 +40,7 @@ def ruler(tokenizer, tmp_path_factory):
 
     words = types.ModuleType("wonderwords")
     words.RandomWord = type("RandomWord", (), {"_categories": {  # 6,400 keys: our own word lists
-        "nouns": list(niah._NOUNS), "adjectives": list(niah._ADJECTIVES), "verbs": ["run"]}})
+        "nouns": list(data_niah._NOUNS), "adjectives": list(data_niah._ADJECTIVES), "verbs": ["run"]}})
     mp = pytest.MonkeyPatch()
     mp.setitem(sys.modules, "wonderwords", words)
     mp.setenv("LOCAL_RANK", "1")  # prepare_niah downloads nltk's punkt_tab on import on rank 0 only

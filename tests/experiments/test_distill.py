@@ -136,7 +136,7 @@ def test_retrofit_end_to_end(teacher, tmp_path):
         + report["stages"]["phase_b"]["tokens"]
 
     # NIAH at a short length + held-out PPL, through the CLI
-    gen = niah.NiahGenerator(str(teacher_dir), niah._load_essays(str(corpus), "test"), seed=3)
+    gen = niah.NiahGenerator(str(teacher_dir), niah.load_essays(str(corpus), "test"), seed=3)
     length = _niah_length(gen)
     assert cli_main(["distill", "eval", "--out", str(out), "--niah-lengths", str(length), "--niah-depths", "0,50,100",
                      "--niah-tasks", ",".join(NIAH_TASKS), "--samples-per-cell", "1",

@@ -7,7 +7,6 @@ Everything is CPU-only and offline: a tiny corpus and tokenizer written by the t
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -25,6 +24,7 @@ from bayeslayer.cli import main as cli_main
 from bayeslayer.data.text import train_bpe_tokenizer
 from bayeslayer.experiments import heldout, lm
 from bayeslayer.experiments.heldout import (
+    HeldoutConfig,
     HeldoutSource,
     evaluate_heldout,
     heldout_perplexity,
@@ -209,11 +209,12 @@ def test_table_and_plot_come_from_the_json_alone(tmp_path):
     assert "† tokenizer differs" in md
     path = tmp_path / "h.json"
     path.write_text(json.dumps(record))
-    args = argparse.Namespace(plot_only=True, out=str(tmp_path), name="h")
-    assert heldout.is_heldout_request(args)
-    assert heldout.heldout_main(args) == 0
+    assert heldout.redraw(tmp_path, "h") == record
     assert (tmp_path / "h.md").read_text() == md
     assert (tmp_path / "h.png").stat().st_size > 1000
+    (tmp_path / "h.md").unlink()
+    assert cli_main(["heldout", "--plot-only", "--out", str(tmp_path), "--name", "h"]) == 0
+    assert (tmp_path / "h.md").read_text() == md
     with pytest.raises(ValueError, match="experiment 'heldout'"):
         table7_markdown({"experiment": "lm", "models": {}})
 
@@ -283,16 +284,18 @@ def test_an_fla_gated_deltanet_checkpoint_is_read(tmp_path, tokenizer, corpus_di
 # ----------------------------------------------------------------------------- command line
 
 
-def test_lm_eval_options_dispatch_and_write_the_report(model_dirs, corpus_dir, tmp_path, capsys):
-    parser = build_parser()  # the real `bayeslayer lm eval`, held-out options included
-    argv = ["lm", "eval", "--windows", "non-overlapping", "--lengths", "16,32",
+def test_heldout_command_maps_its_options_onto_the_config_and_writes_the_report(model_dirs, corpus_dir, tmp_path,
+                                                                              capsys):
+    argv = ["heldout", "--windows", "non-overlapping", "--lengths", "16,32",
             "--model", f"GDN={model_dirs['GDN']}", "--model", f"BL={model_dirs['BL']}",
             "--source", f"tiny={corpus_dir}", "--split", "test", "--reference", "GDN",
             "--max-windows", "3", "--device", "cpu", "--cache-dir", str(tmp_path / "cache"),
             "--out", str(tmp_path / "out")]
-    args = parser.parse_args(argv)
-    assert heldout.is_heldout_request(args)
-    assert not heldout.is_heldout_request(parser.parse_args(["lm", "eval", "some/run"]))
+    config = heldout.config_from_args(build_parser().parse_args(argv))
+    assert config == HeldoutConfig(
+        models=(("GDN", str(model_dirs["GDN"])), ("BL", str(model_dirs["BL"]))), sources=(f"tiny={corpus_dir}",),
+        lengths=(16, 32), reference="GDN", max_windows=3, device="cpu", cache_dir=str(tmp_path / "cache"),
+        out=str(tmp_path / "out"))
     assert cli_main(argv) == 0
     record = json.loads((tmp_path / "out" / "heldout.json").read_text())
     assert list(record["models"]) == ["GDN", "BL"]
@@ -300,19 +303,34 @@ def test_lm_eval_options_dispatch_and_write_the_report(model_dirs, corpus_dir, t
     assert (tmp_path / "out" / "heldout.md").is_file() and (tmp_path / "out" / "heldout.png").is_file()
     assert "| BL |" in capsys.readouterr().out
 
-    standalone = argparse.ArgumentParser()
-    heldout.add_heldout_arguments(standalone, shared=True)
-    args = standalone.parse_args(["--model", f"BL={model_dirs['BL']}", "--source", str(corpus_dir), "--lengths",
-                                  "16", "--windows", "sliding", "--stride", "8", "--max-windows", "2", "--device",
-                                  "cpu", "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "o2"),
-                                  "--max-documents", "2", "--source-split", f"{corpus_dir}=validation"])
-    assert heldout.heldout_main(args) == 0
-    record = json.loads((tmp_path / "o2" / "heldout.json").read_text())
+
+def test_heldout_run_is_called_with_a_config(model_dirs, corpus_dir, tmp_path, capsys):
+    record = heldout.run(HeldoutConfig(
+        models=[("BL", model_dirs["BL"])], sources=[str(corpus_dir)], lengths=[16], windows="sliding", stride=8,
+        max_windows=2, max_documents=2, source_splits={str(corpus_dir): "validation"}, device="cpu",
+        cache_dir=str(tmp_path / "cache"), out=str(tmp_path / "o2"), name="t7", progress=False))
+    assert json.loads((tmp_path / "o2" / "t7.json").read_text()) == json.loads(json.dumps(record))
     assert record["config"]["windows"] == "sliding" and record["config"]["stride"] == 8
     assert record["config"]["sources"][0]["max_documents"] == 2
     assert record["config"]["sources"][0]["split"] == "validation"
     cell = record["models"]["BL"]["cells"][str(corpus_dir)]["16"]
     assert cell["n_tokens"] == 15 + 8
+    assert (tmp_path / "o2" / "t7.md").read_text() == table7_markdown(record)
+    with pytest.raises(ValueError, match="at least one --model"):
+        heldout.run(HeldoutConfig(out=str(tmp_path / "o3")))
+    with pytest.raises(TypeError, match="HeldoutConfig"):
+        heldout.run({"models": []})
+    with pytest.raises(ValueError, match="model or run folder"):
+        heldout.run(HeldoutConfig(models=[("X", tmp_path / "missing")], out=str(tmp_path / "o3")))
+
+
+def test_heldout_is_its_own_command_and_lm_eval_no_longer_has_it(capsys):
+    assert cli_main(["heldout", "--help"]) == 0
+    assert "usage: bayeslayer heldout" in capsys.readouterr().out
+    assert cli_main(["lm", "eval", "--lengths", "16", "--model", "x"]) == 2  # the old spelling moved
+    assert "unrecognized arguments" in capsys.readouterr().err
+    lm_source = Path(lm.__file__).read_text()
+    assert "heldout" not in "".join(line for line in lm_source.splitlines() if "import" in line)  # no cycle back
 
 
 @pytest.mark.slow
@@ -324,7 +342,7 @@ def test_torchrun_two_ranks_match_one_process_including_cached_and_skipped_cells
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for lengths, out in (("16,1000000", "first"), ("16,24,1000000", "second")):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
-               "bayeslayer.cli", "lm", "eval", "--lengths", lengths, "--out", str(tmp_path / out), *base]
+               "bayeslayer.cli", "heldout", "--lengths", lengths, "--out", str(tmp_path / out), *base]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     dist_record = json.loads((tmp_path / "second" / "heldout.json").read_text())

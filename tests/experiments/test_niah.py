@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from bayeslayer.cli import main as cli_main
+from bayeslayer.data import niah as data_niah
 from bayeslayer.data.text import train_bpe_tokenizer
 from bayeslayer.errors import UsageError
 from bayeslayer.experiments import niah
@@ -99,7 +100,7 @@ def test_every_variant_has_the_exact_length_and_the_needle_at_the_depth(generato
             for key in s.queries:
                 for value in s.answers:
                     ids = gen.tokenizer.encode(sep + niah.NEEDLE.format(vtype=spec.value_type, key=key, value=value))
-                    at = niah._find(s.input_ids, ids)
+                    at = data_niah._find(s.input_ids, ids)
                     if at >= 0:
                         found.append((at, len(ids)))
             found.sort()
@@ -311,8 +312,33 @@ def test_bos_of_a_llama_style_tokenizer_leads_the_prompt_and_no_eos_is_appended(
 def test_the_cli_knows_niah(tmp_path):
     from bayeslayer.cli import build_parser
 
-    args = build_parser().parse_args(["niah", "--model", f"BL={tmp_path}", "--lengths", "2048,4096"])
-    assert args.func is niah.run and args.model == [("BL", str(tmp_path))] and args.lengths == [2048, 4096]
+    args = build_parser().parse_args(["niah", "--model", f"BL={tmp_path}", "--lengths", "2048,4096", "--diff", "A,B"])
+    assert niah.config_from_args(args) == niah.NiahConfig(models=(("BL", str(tmp_path)),), lengths=(2048, 4096),
+                                                          diff=(("A", "B"),))
+
+
+def test_niah_run_is_called_with_a_config(tmp_path, tokenizer, capsys):
+    """`niah.run(NiahConfig(...))` directly, as `distill eval` calls it: a tiny model, one task, one cell."""
+    model = _tiny_model_dir(tmp_path / "m", tokenizer, False, 0)
+    config = niah.NiahConfig(models=[("M", model)], out=str(tmp_path / "out"), lengths=[300], depths=[50.0],
+                             tasks=["niah_single_1"], samples_per_cell=2, max_new_tokens=3, device="cpu", quiet=True)
+    results = niah.run(config)
+    assert json.loads((tmp_path / "out" / "niah.json").read_text()) == json.loads(json.dumps(results))
+    [cell] = results["models"]["M"]["cells"]
+    assert (cell["task"], cell["length"], cell["depth"], cell["n"]) == ("niah_single_1", 300, 50.0, 2)
+    assert results["config"]["lengths"] == [300] and results["config"]["tasks"] == ["niah_single_1"]
+    assert niah.redraw(tmp_path / "out") == json.loads(json.dumps(results))
+    with pytest.raises(TypeError, match="NiahConfig"):
+        niah.run(argparse.Namespace(**vars(config)))
+    with pytest.raises(ValueError, match="samples_per_cell must be an integer >= 1"):
+        niah.NiahConfig(samples_per_cell=0)
+    with pytest.raises(UsageError, match="at least one --model"):
+        niah.run(niah.NiahConfig(out=str(tmp_path / "o2")))
+
+
+def test_the_generator_lives_in_the_data_layer():
+    assert niah.NiahGenerator is data_niah.NiahGenerator and niah.TASKS is data_niah.TASKS
+    assert niah.prompt_template is data_niah.prompt_template and niah.NiahTokenizer is data_niah.NiahTokenizer
 
 
 def test_sentencepiece_style_pieces_are_encoded_in_context():
