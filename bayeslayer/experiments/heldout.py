@@ -69,6 +69,7 @@ from .cli_checks import (
     positive_int_arg,
 )
 from .harness import results_record, write_json
+from .lengths import PAPER_LENGTHS, length_label
 from .lm import (
     PRECISIONS,
     WIKITEXT_103,
@@ -81,7 +82,6 @@ from .lm import (
 )
 from .plotting import load_json, save_figure
 
-PAPER_LENGTHS = (2048, 4096, 8192, 16384)
 SINGLE_PROCESS = DistContext()
 WINDOW_MODES = ("non-overlapping", "sliding")
 # Bump when anything that changes a cached cell's numbers changes (window rule, CE definition).
@@ -597,10 +597,6 @@ def evaluate_heldout(
 # --------------------------------------------------------------------------- table and plot (from the JSON)
 
 
-def _length_label(length: int | str) -> str:
-    length = int(length)
-    return f"{length // 1024}k" if length % 1024 == 0 else f"{length:,}"
-
 
 def _check_record(record: dict) -> None:
     if not isinstance(record, dict) or record.get("experiment") != "heldout" or not record.get("models"):
@@ -631,7 +627,7 @@ def table7_markdown(record: dict) -> str:
     lines = [f"Held-out PPL on {where}, {rule} windows"
              + (f", first {cfg['max_windows']} windows per cell" if cfg.get("max_windows") else "")
              + f"; change vs {reference} in parentheses.", "",
-             "| model | " + " | ".join(f"{s} {_length_label(L)}" for s, L in columns) + " |",
+             "| model | " + " | ".join(f"{s} {length_label(L)}" for s, L in columns) + " |",
              "|---|" + "---|" * len(columns)]
     for label, m in models.items():
         cells = []
@@ -646,7 +642,7 @@ def table7_markdown(record: dict) -> str:
         mark = "" if m.get("same_tokenizer_as_reference", True) else " †"
         lines.append(f"| {label}{mark} | " + " | ".join(cells) + " |")
     ref_cells = models[reference]["cells"] if reference in models else {}
-    counts = [f"{s} {_length_label(L)}: {c['windows']} windows, {c['n_tokens']:,} tokens"
+    counts = [f"{s} {length_label(L)}: {c['windows']} windows, {c['n_tokens']:,} tokens"
               for s, L in columns if (c := ref_cells.get(s, {}).get(L, {})).get("ppl") is not None]
     lines.append("")
     if counts:
@@ -687,7 +683,7 @@ def plot(record: dict, path: str | os.PathLike) -> Path:
             lengths = sorted(int(L) for L in cfg.get("lengths", []))
             ax.set_xscale("log", base=2)
             if lengths:
-                ax.set_xticks(lengths, [_length_label(L) for L in lengths])
+                ax.set_xticks(lengths, [length_label(L) for L in lengths])
                 ax.minorticks_off()
             ax.set_xlabel("window length (tokens)")
             ax.set_ylabel("perplexity")

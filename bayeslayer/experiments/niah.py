@@ -59,6 +59,7 @@ from .cli_checks import (
     positive_int_arg,
     resolve_device,
 )
+from .lengths import PAPER_LENGTHS, length_label
 from .plotting import save_figure, save_json
 
 #: The six tasks of the summary average.  The paper names niah_single_1, niah_single_2,
@@ -71,7 +72,6 @@ SUMMARY_TASKS: tuple[str, ...] = (
     "niah_single_1", "niah_single_2", "niah_single_3",
     "niah_multikey_1", "niah_multivalue", "niah_multiquery",
 )
-PAPER_LENGTHS = (2048, 4096, 8192, 16384)
 DEFAULT_DEPTHS = tuple(float(d) for d in range(0, 101, 10))
 #: Heatmap cells with fewer samples (per task) than this are hatched.
 MIN_CELL_SAMPLES = 30
@@ -206,16 +206,12 @@ def depth_length_grid(cells: Sequence[dict], summary_tasks: Sequence[str] = SUMM
 # ----------------------------------------------------------------------------- tables and plots
 
 
-def _length_label(length: int | str) -> str:
-    length = int(length)
-    return f"{length // 1024}k" if length % 1024 == 0 else str(length)
-
 
 def markdown_summary(results: dict) -> str:
     """Table 6 layout: one row per model, the six-task average per length."""
     models = results["models"]
     lengths = sorted({L for m in models.values() for L in m["summary"]}, key=int)
-    lines = ["| model | " + " | ".join(_length_label(L) for L in lengths) + " |",
+    lines = ["| model | " + " | ".join(length_label(L) for L in lengths) + " |",
              "|---|" + "---|" * len(lengths)]
     for label, m in models.items():
         lines.append(f"| {label} | " + " | ".join(
@@ -227,7 +223,7 @@ def markdown_tasks(results: dict) -> str:
     """Per task × length score of every model."""
     models = results["models"]
     lengths = sorted({L for m in models.values() for t in m["task_length"].values() for L in t}, key=int)
-    lines = ["| model | task | " + " | ".join(_length_label(L) for L in lengths) + " |",
+    lines = ["| model | task | " + " | ".join(length_label(L) for L in lengths) + " |",
              "|---|---|" + "---|" * len(lengths)]
     for label, m in models.items():
         for task, row in m["task_length"].items():
@@ -279,7 +275,7 @@ def heatmap_difference(path: str | os.PathLike, results: dict, model_a: str, mod
                 if few[i, j]:
                     ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, hatch="//",
                                                edgecolor="0.4", linewidth=0))
-        ax.set_xticks(range(len(lengths)), [_length_label(L) for L in lengths])
+        ax.set_xticks(range(len(lengths)), [length_label(L) for L in lengths])
         ax.set_yticks(range(len(depths)), [f"{d:g}%" for d in depths])
         ax.set_xlabel("context length (tokens)")
         ax.set_ylabel("needle depth")
@@ -313,7 +309,7 @@ def length_bars(path: str | os.PathLike, results: dict) -> Path:
             ys = [m["summary"][L] for L in lengths if L in m["summary"]]
             bars = ax.bar(xs, ys, width * 0.95, label=label)
             ax.bar_label(bars, fmt="%.1f", fontsize=7, padding=1)
-        ax.set_xticks(range(len(lengths)), [_length_label(L) for L in lengths])
+        ax.set_xticks(range(len(lengths)), [length_label(L) for L in lengths])
         ax.set_xlabel("context length (tokens)")
         ax.set_ylabel("NIAH six-task average (%)")
         ax.set_ylim(0, 100)

@@ -27,6 +27,7 @@ from safetensors.torch import load_file
 from bayeslayer.cli import main as cli_main
 from bayeslayer.experiments import distill, niah
 from bayeslayer.experiments.distill import PRESETS, DistillConfig, RetrofitObjective, run_distill
+from bayeslayer.experiments.lengths import length_label
 from bayeslayer.experiments.lm import LMConfig, train_lm
 from bayeslayer.models import BayesLayerConfig
 
@@ -146,7 +147,7 @@ def test_retrofit_end_to_end(teacher, tmp_path):
     results = json.loads((out / "eval" / "niah" / "niah.json").read_text())
     assert list(results["models"]) == ["GDN-zero", "GDN-FT", "BL"]
     for m in results["models"].values():
-        assert len(m["cells"]) == 3 * 3 and set(m["summary"]) == {niah._length_label(length)}
+        assert len(m["cells"]) == 3 * 3 and set(m["summary"]) == {length_label(length)}
         assert all(0 <= c["score"] <= 100 for c in m["cells"])
     for png in ("niah_length.png", "niah_diff_BL_minus_GDN-zero.png", "niah_diff_BL_minus_GDN-FT.png"):
         assert (out / "eval" / "niah" / png).stat().st_size > 1000
