@@ -5,7 +5,6 @@
   checkpoints, Ctrl-C, DDP) that every experiment's training calls, and its :class:`TrainConfig`;
 * :mod:`~bayeslayer.training.distributed` — the distributed context and the autocast precision;
 * :mod:`~bayeslayer.training.optim` — AdamW parameter groups (what weight decay may touch);
-
 * :mod:`~bayeslayer.training.files` — the one atomic, durable file writer and ``sha256_file``;
 * :mod:`~bayeslayer.training.state` — training state as JSON + safetensors (no pickle) and the
   RNG states of Python, NumPy and torch;
