@@ -116,19 +116,16 @@ _BOOKKEEPING = frozenset({"eval_every", "eval_windows", "eval_batch_size", "chec
 # --------------------------------------------------------------------------- configuration
 
 
+def _check_int(name: str, value: Any, *, minimum: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
 @dataclass(frozen=True)
-class LMConfig:
-    """Everything a language-model run depends on: model, data, optimisation, bookkeeping.
+class LMModelConfig:
+    """The language model: a :class:`~bayeslayer.models.BayesLayerForCausalLM` of ``num_layers`` blocks."""
 
-    ``batch_size`` is the *global* number of windows per optimiser step (tokens per step =
-    ``batch_size · seq_len``); ``micro_batch_size`` windows go through one forward pass on one
-    rank.  ``eval_windows`` caps the validation windows of the periodic evaluation (0: all);
-    the final evaluation always uses every window.
-    """
-
-    preset: str = "custom"
-    label: str = ""  # the model's name in tables; "" = from the mixer (BL, GDN, ...)
-    # model
     mixer: str = "bayesian"
     hidden_size: int = 512
     num_layers: int = 4
@@ -136,112 +133,176 @@ class LMConfig:
     head_dim: int = 128
     mixer_kwargs: dict = field(default_factory=dict)
     mlp_dropout: float = 0.4
-    # data
-    source: str = "python-docs"
-    tokenizer: str | None = None
-    vocab_size: int = 8192  # of the BPE trained when no tokenizer is given
-    seq_len: int = 2048
-    # optimisation
-    steps: int = 7935
-    batch_size: int = 32
-    micro_batch_size: int = 8
-    lr: float = 6e-4
-    betas: tuple[float, float] = (0.9, 0.95)
-    weight_decay: float = 0.1
-    eps: float = 1e-8
-    grad_clip: float = 1.0
-    warmup_steps: int = 400
-    min_lr_ratio: float = 0.1
-    precision: str = "auto"
-    # bookkeeping
-    eval_every: int = 500
-    eval_windows: int = 0
-    eval_batch_size: int = 4
-    checkpoint_every: int = 250
-    log_every: int = 10
-    seed: int = 0
 
     def __post_init__(self):
-        object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
         object.__setattr__(self, "mixer_kwargs", dict(self.mixer_kwargs or {}))
         from ..layers import MIXERS
 
         if self.mixer not in MIXERS:
             raise ValueError(f"mixer must be one of {sorted(MIXERS)}, got {self.mixer!r}")
-        for name in ("hidden_size", "num_layers", "num_heads", "head_dim", "vocab_size", "micro_batch_size",
-                     "eval_batch_size", "log_every"):
+        for name in ("hidden_size", "num_layers", "num_heads", "head_dim"):
             _check_int(name, getattr(self, name), minimum=1)
-        for name in ("eval_windows",):
-            _check_int(name, getattr(self, name), minimum=0)
-        _check_int("seq_len", self.seq_len, minimum=2)
         if not (isinstance(self.mlp_dropout, (int, float)) and 0.0 <= self.mlp_dropout < 1.0):
             raise ValueError(f"mlp_dropout must be a probability in [0, 1), got {self.mlp_dropout!r}")
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+
+
+@dataclass(frozen=True)
+class LMDataConfig:
+    """The text: a corpus ``source``, its tokenizer (or the size of the BPE trained on it), window length."""
+
+    source: str = "python-docs"
+    tokenizer: str | None = None
+    vocab_size: int = 8192  # of the BPE trained when no tokenizer is given
+    seq_len: int = 2048
+
+    def __post_init__(self):
         if not isinstance(self.source, str) or not self.source:
             raise ValueError(f"source must be a non-empty string, got {self.source!r}")
         if self.tokenizer is not None and not isinstance(self.tokenizer, str):
             raise TypeError(f"tokenizer must be a path string or None, got {type(self.tokenizer).__name__}")
+        _check_int("vocab_size", self.vocab_size, minimum=1)
+        _check_int("seq_len", self.seq_len, minimum=2)
+
+
+#: The optimisation of an LM run unless told otherwise (``batch_size``: windows per step, all ranks).
+LM_TRAIN = TrainConfig(steps=7935, batch_size=32, lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-8,
+                       grad_clip=1.0, warmup_steps=400, min_lr_ratio=0.1, eval_every=500, checkpoint_every=250,
+                       seed=0)
+_PARTS = {"model": LMModelConfig, "data": LMDataConfig, "train": TrainConfig}
+_PART_OF = {f.name: part for part, cls in _PARTS.items() for f in fields(cls)}
+
+
+@dataclass(frozen=True, init=False)
+class LMConfig:
+    """Everything a language-model run depends on: ``LMConfig(model=LMModelConfig(...),
+    data=LMDataConfig(...), train=TrainConfig(...), ...)``.
+
+    ``train.batch_size`` is the *global* number of windows per optimiser step (tokens per step =
+    ``batch_size · seq_len``); ``micro_batch_size`` windows go through one forward pass on one rank
+    (the loop accumulates the rest).  ``eval_windows`` caps the validation windows of the periodic
+    evaluation (0: all); the final evaluation always uses every window.
+
+    The parts' fields may also be given and read flat: ``LMConfig(mixer="mamba2", lr=1e-3)`` is
+    ``LMConfig(model=LMModelConfig(mixer="mamba2"), train=replace(LM_TRAIN, lr=1e-3))`` (a flat field
+    overrides the part it belongs to), ``config.lr`` is ``config.train.lr``, and
+    ``dataclasses.replace(config, lr=...)`` works.  :meth:`to_json` is flat, the form every run directory's
+    ``config.json`` and ``final/lm_config.json`` has always had, so older runs resume and load unchanged.
+    """
+
+    preset: str = "custom"
+    label: str = ""  # the model's name in tables; "" = from the mixer (BL, GDN, ...)
+    model: LMModelConfig = LMModelConfig()
+    data: LMDataConfig = LMDataConfig()
+    train: TrainConfig = LM_TRAIN
+    micro_batch_size: int = 8
+    precision: str = "auto"
+    # bookkeeping: may change when a run is resumed (see _BOOKKEEPING), with train.eval_every/checkpoint_every
+    eval_windows: int = 0
+    eval_batch_size: int = 4
+    log_every: int = 10
+
+    def __init__(self, *, preset: str = "custom", label: str = "", model: LMModelConfig | None = None,
+                 data: LMDataConfig | None = None, train: TrainConfig | None = None, micro_batch_size: int = 8,
+                 precision: str = "auto", eval_windows: int = 0, eval_batch_size: int = 4, log_every: int = 10,
+                 **flat: Any) -> None:
+        unknown = sorted(set(flat) - set(_PART_OF))
+        if unknown:
+            raise TypeError(f"LMConfig got unknown fields {unknown}")
+        if "betas" in flat:  # JSON gives a list
+            flat["betas"] = tuple(float(b) for b in flat["betas"])
+        parts = {"model": LMModelConfig() if model is None else model,
+                 "data": LMDataConfig() if data is None else data,
+                 "train": LM_TRAIN if train is None else train}
+        for name, cls in _PARTS.items():
+            if not isinstance(parts[name], cls):
+                raise TypeError(f"{name} must be a {cls.__name__}, got {type(parts[name]).__name__}")
+            over = {k: v for k, v in flat.items() if _PART_OF[k] == name}
+            if over:
+                parts[name] = replace(parts[name], **over)
+        for name, value in dict(preset=preset, label=label, **parts, micro_batch_size=micro_batch_size,
+                                precision=precision, eval_windows=eval_windows, eval_batch_size=eval_batch_size,
+                                log_every=log_every).items():
+            object.__setattr__(self, name, value)
+        self.__post_init__()
+
+    def __post_init__(self):
+        for name in ("micro_batch_size", "eval_batch_size", "log_every"):
+            _check_int(name, getattr(self, name), minimum=1)
+        _check_int("eval_windows", self.eval_windows, minimum=0)
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         if not isinstance(self.label, str):
             raise TypeError(f"label must be a string, got {type(self.label).__name__}")
-        self.train_config()  # the harness checks steps, batch size, lr, betas, ... with its messages
-        if self.batch_size % self.micro_batch_size != 0:
-            raise ValueError(f"batch_size ({self.batch_size}) must be a multiple of micro_batch_size "
+        if self.train.batch_size % self.micro_batch_size != 0:
+            raise ValueError(f"batch_size ({self.train.batch_size}) must be a multiple of micro_batch_size "
                              f"({self.micro_batch_size})")
 
+    def __getattr__(self, name: str) -> Any:
+        """A part's field read flat: ``config.lr`` is ``config.train.lr`` (see the class docstring)."""
+        part = _PART_OF.get(name)
+        if part is None or name.startswith("__"):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(object.__getattribute__(self, part), name)
+
     def train_config(self) -> TrainConfig:
-        """The optimiser/schedule part as the shared harness's :class:`TrainConfig`."""
-        return TrainConfig(steps=self.steps, batch_size=self.batch_size, lr=self.lr, betas=self.betas,
-                           weight_decay=self.weight_decay, eps=self.eps, grad_clip=self.grad_clip,
-                           warmup_steps=self.warmup_steps, min_lr_ratio=self.min_lr_ratio,
-                           eval_every=self.eval_every, checkpoint_every=self.checkpoint_every, seed=self.seed)
+        """The optimiser/schedule part (:attr:`train`), as the one training loop takes it."""
+        return self.train
 
     @property
     def model_label(self) -> str:
-        return self.label or MODEL_LABELS.get(self.mixer, self.mixer)
+        return self.label or MODEL_LABELS.get(self.model.mixer, self.model.mixer)
 
     @property
     def tokens_per_step(self) -> int:
-        return self.batch_size * self.seq_len
+        return self.train.batch_size * self.data.seq_len
 
     def to_json(self) -> dict:
-        return json.loads(json.dumps(asdict(self)))
+        """The flat form (every field of every part at the top level), as ``config.json`` stores it."""
+        flat = {"preset": self.preset, "label": self.label}
+        for part in _PARTS:
+            flat.update(asdict(getattr(self, part)))
+        flat.update(micro_batch_size=self.micro_batch_size, precision=self.precision,
+                    eval_windows=self.eval_windows, eval_batch_size=self.eval_batch_size, log_every=self.log_every)
+        return json.loads(json.dumps(flat))
 
     @classmethod
     def from_json(cls, obj: dict) -> LMConfig:
-        known = {f.name for f in fields(cls)}
+        """Read :meth:`to_json`'s flat form (every saved run's ``config.json`` and ``lm_config.json``)."""
+        if not isinstance(obj, dict):
+            raise TypeError(f"an LMConfig is read from a JSON object, got {type(obj).__name__}")
+        known = set(_PART_OF) | {f.name for f in fields(cls)} - set(_PARTS)
         unknown = sorted(set(obj) - known)
         if unknown:
             raise ValueError(f"unknown LMConfig fields {unknown}")
         return cls(**obj)
 
 
-def _check_int(name: str, value: Any, *, minimum: int) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return value
-
-
 PRESETS: dict[str, LMConfig] = {
     # SPEC §4.5: width 512, 4 layers, 4 heads × 128, 7,935 steps × 65,536 tokens (520M), length
     # 2,048, lr 6e-4, MLP dropout 0.4, WikiText-103 with a 32k BPE.  Betas, weight decay, warmup
-    # and the final lr ratio are not in the paper: flash-linear-attention's usual values.
-    "paper": LMConfig(preset="paper", source=WIKITEXT_103, vocab_size=32000, hidden_size=512, num_layers=4,
-                      num_heads=4, head_dim=128, mlp_dropout=0.4, seq_len=2048, steps=7935, batch_size=32,
-                      micro_batch_size=8, lr=6e-4, warmup_steps=400, eval_every=500, eval_windows=64,
-                      checkpoint_every=250),
+    # and the final lr ratio are not in the paper: flash-linear-attention's usual values (LM_TRAIN).
+    "paper": LMConfig(preset="paper",
+                      model=LMModelConfig(hidden_size=512, num_layers=4, num_heads=4, head_dim=128, mlp_dropout=0.4),
+                      data=LMDataConfig(source=WIKITEXT_103, vocab_size=32000, seq_len=2048),
+                      train=replace(LM_TRAIN, steps=7935, batch_size=32, lr=6e-4, warmup_steps=400, eval_every=500,
+                                    checkpoint_every=250),
+                      micro_batch_size=8, eval_windows=64),
     # Sized from tokens/s measured on the 2-core CPU (docs/experiments.md, lm section): about
     # 30 minutes each for BL and GDN on an idle machine, ~1 epoch of the python3-doc corpus
     # (1.79M train tokens with the 8k BPE).  Length 1,024 covers every AR-hit distance bucket.
-    "cpu": LMConfig(preset="cpu", source="python-docs", vocab_size=8192, hidden_size=256, num_layers=4,
-                    num_heads=4, head_dim=64, mlp_dropout=0.1, seq_len=1024, steps=200, batch_size=8,
-                    micro_batch_size=4, lr=1e-3, warmup_steps=20, eval_every=50, eval_windows=16,
-                    checkpoint_every=25),
+    "cpu": LMConfig(preset="cpu",
+                    model=LMModelConfig(hidden_size=256, num_layers=4, num_heads=4, head_dim=64, mlp_dropout=0.1),
+                    data=LMDataConfig(source="python-docs", vocab_size=8192, seq_len=1024),
+                    train=replace(LM_TRAIN, steps=200, batch_size=8, lr=1e-3, warmup_steps=20, eval_every=50,
+                                  checkpoint_every=25),
+                    micro_batch_size=4, eval_windows=16),
     # A smoke test: seconds on any machine.
-    "tiny": LMConfig(preset="tiny", source="python-docs", vocab_size=8192, hidden_size=64, num_layers=2,
-                     num_heads=2, head_dim=16, mlp_dropout=0.0, seq_len=128, steps=20, batch_size=4,
-                     micro_batch_size=2, lr=3e-3, warmup_steps=2, eval_every=10, eval_windows=4,
-                     checkpoint_every=10, log_every=5),
+    "tiny": LMConfig(preset="tiny",
+                     model=LMModelConfig(hidden_size=64, num_layers=2, num_heads=2, head_dim=16, mlp_dropout=0.0),
+                     data=LMDataConfig(source="python-docs", vocab_size=8192, seq_len=128),
+                     train=replace(LM_TRAIN, steps=20, batch_size=4, lr=3e-3, warmup_steps=2, eval_every=10,
+                                   checkpoint_every=10),
+                     micro_batch_size=2, eval_windows=4, log_every=5),
 }
 
 
