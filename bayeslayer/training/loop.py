@@ -327,7 +327,7 @@ def train_loop(
                 if hasattr(trainee, "set_step"):
                     trainee.set_step(step)
                 optimizer.zero_grad(set_to_none=True)
-                loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)
+                loss_sum = None  # float64, on the device of the loss (a harness model may sit on a GPU)
                 parts_sum: dict[str, float] = {}
                 for i, batch in enumerate(batches):
                     sync = module is trainee or i == n_micro - 1
@@ -337,7 +337,8 @@ def train_loop(
                             value, parts = out if isinstance(out, tuple) else (out, {})
                             value = value / n_micro
                         value.backward()
-                    loss_sum += value.detach().double()
+                    part = value.detach().double()
+                    loss_sum = part if loss_sum is None else loss_sum + part
                     for k, v in parts.items():
                         parts_sum[k] = parts_sum.get(k, 0.0) + float(v) / n_micro
                 if ctx.distributed:
