@@ -14,11 +14,12 @@ Nothing here knows a task.  A task supplies
 Training: :func:`train` is :func:`bayeslayer.training.loop.train_loop` with one micro-batch per step,
 fp32 and cross-entropy on labelled tokens: AdamW ``(lr, betas, weight_decay, eps)`` over
 :func:`bayeslayer.training.optim.param_groups`; learning rate ``lr · s(step)`` with linear warmup then
-cosine decay (:func:`bayeslayer.training.loop.lr_lambda`); global-norm gradient clipping.  ``train(..., checkpoint_path=d)`` keeps its
-checkpoints in the folder ``d`` (:class:`bayeslayer.training.CheckpointStore`: crash-safe, SHA-256
-verified, no pickle): ``model.safetensors`` and the trainer state (optimizer, scheduler, step,
-loss history, RNG states) as JSON + safetensors, so a run after an interruption (a kill, Ctrl-C)
-continues exactly where the last checkpoint stopped.  The folder is locked while a run uses it
+cosine decay (:func:`bayeslayer.training.loop.lr_lambda`); global-norm gradient clipping.
+``train(..., checkpoint_path=d)`` keeps its checkpoints in the folder ``d``
+(:class:`bayeslayer.training.CheckpointStore`: crash-safe, SHA-256 verified, no pickle):
+``model.safetensors`` and the trainer state (optimizer, scheduler, step, loss history, RNG states) as
+JSON + safetensors, so a run after an interruption (a kill, Ctrl-C) continues exactly where the last
+checkpoint stopped.  The folder is locked while a run uses it
 (:class:`bayeslayer.training.OutputLock`).
 
 Results: :func:`summarize` gives ``{"mean", "std", "values"}`` over seeds and
