@@ -86,8 +86,11 @@ from .distill_losses import (
     select_trainable,
 )
 from .lm import (
+    LM_TRAIN,
     PRECISIONS,
     LMConfig,
+    LMDataConfig,
+    LMModelConfig,
     NextTokenTrainee,
     Objective,
     load_model_weights,
@@ -419,15 +422,16 @@ def stage_config(config: DistillConfig, stage: str, teacher_config: Any, tokeniz
     lr = config.lr_a if stage == "phase_a" else config.lr_b
     return LMConfig(
         preset=f"distill-{config.preset}", label=STAGE_LABELS[stage],
-        mixer="gated_deltanet" if stage == "gdn_ft" else "bayesian",
-        hidden_size=teacher_config.hidden_size, num_layers=teacher_config.num_hidden_layers,
-        num_heads=teacher_config.num_heads, head_dim=teacher_config.head_dim, mlp_dropout=0.0,
-        source=config.source, tokenizer=tokenizer, vocab_size=teacher_config.vocab_size, seq_len=config.seq_len,
-        steps=steps, batch_size=config.batch_size, micro_batch_size=config.micro_batch_size, lr=lr,
-        weight_decay=config.weight_decay, warmup_steps=min(config.warmup_steps, steps), min_lr_ratio=0.1,
-        precision=config.precision, eval_every=config.eval_every, eval_windows=config.eval_windows,
-        eval_batch_size=config.micro_batch_size, checkpoint_every=config.checkpoint_every,
-        log_every=config.log_every, seed=config.seed)
+        model=LMModelConfig(mixer="gated_deltanet" if stage == "gdn_ft" else "bayesian",
+                            hidden_size=teacher_config.hidden_size, num_layers=teacher_config.num_hidden_layers,
+                            num_heads=teacher_config.num_heads, head_dim=teacher_config.head_dim, mlp_dropout=0.0),
+        data=LMDataConfig(source=config.source, tokenizer=tokenizer, vocab_size=teacher_config.vocab_size,
+                          seq_len=config.seq_len),
+        train=replace(LM_TRAIN, steps=steps, batch_size=config.batch_size, lr=lr, weight_decay=config.weight_decay,
+                      warmup_steps=min(config.warmup_steps, steps), min_lr_ratio=0.1, eval_every=config.eval_every,
+                      checkpoint_every=config.checkpoint_every, seed=config.seed),
+        micro_batch_size=config.micro_batch_size, precision=config.precision, eval_windows=config.eval_windows,
+        eval_batch_size=config.micro_batch_size, log_every=config.log_every)
 
 
 # --------------------------------------------------------------------------- running the stages

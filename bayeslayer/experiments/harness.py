@@ -1,4 +1,4 @@
-"""The one training loop and results format shared by every synthetic experiment.
+"""Training and results of every synthetic experiment, on the package's one loop.
 
 Nothing here knows a task.  A task supplies
 
@@ -11,14 +11,15 @@ Nothing here knows a task.  A task supplies
 * optionally an **evaluate** callback ``evaluate(model) -> {name: float}`` run
   every ``eval_every`` steps and at the end (under ``torch.no_grad``, eval mode).
 
-Training: cross-entropy on labelled tokens; AdamW ``(lr, betas, weight_decay,
-eps)``; learning rate ``lr · s(step)`` with linear warmup then cosine decay,
-``s(t) = (t+1)/W`` for ``t < W`` and ``min_ratio + (1 − min_ratio)·½(1 + cos π·(t−W)/(N−W))``
-afterwards; global-norm gradient clipping.  ``train(..., checkpoint_path=d)`` keeps its
-checkpoints in the folder ``d`` (:class:`bayeslayer.training.CheckpointStore`: crash-safe, SHA-256
-verified, no pickle): ``model.safetensors`` and the trainer state (optimizer, scheduler, step,
-loss history, RNG states) as JSON + safetensors, so a run after an interruption (a kill, Ctrl-C)
-continues exactly where the last checkpoint stopped.  The folder is locked while a run uses it
+Training: :func:`train` is :func:`bayeslayer.training.loop.train_loop` with one micro-batch per step,
+fp32 and cross-entropy on labelled tokens: AdamW ``(lr, betas, weight_decay, eps)`` over
+:func:`bayeslayer.training.optim.param_groups`; learning rate ``lr · s(step)`` with linear warmup then
+cosine decay (:func:`bayeslayer.training.loop.lr_lambda`); global-norm gradient clipping.
+``train(..., checkpoint_path=d)`` keeps its checkpoints in the folder ``d``
+(:class:`bayeslayer.training.CheckpointStore`: crash-safe, SHA-256 verified, no pickle):
+``model.safetensors`` and the trainer state (optimizer, scheduler, step, loss history, RNG states) as
+JSON + safetensors, so a run after an interruption (a kill, Ctrl-C) continues exactly where the last
+checkpoint stopped.  The folder is locked while a run uses it
 (:class:`bayeslayer.training.OutputLock`).
 
 Results: :func:`summarize` gives ``{"mean", "std", "values"}`` over seeds and
@@ -33,7 +34,6 @@ import math
 import os
 import random
 import shutil
-import sys
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -45,64 +45,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..training import (
-    CheckpointError,
-    CheckpointStore,
-    OutputLock,
-    TrainingInterrupted,
-    atomic_write_json,
-    load_state,
-    read_json,
-    rng_state,
-    save_state,
-    set_rng_state,
-    stop_on_interrupt,
-)
-from ..training.optim import param_groups
+from ..training import CheckpointError, CheckpointStore, OutputLock, atomic_write_json, read_json
+from ..training.loop import Checkpoints, LoopState, TrainConfig, train_loop
+from ..training.loop import lr_lambda as lr_lambda  # the schedule, also imported from here
 
 IGNORE_INDEX = -100
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """Optimiser, schedule and bookkeeping of one training run (one seed)."""
-
-    steps: int = 2500
-    batch_size: int = 256
-    lr: float = 3e-4
-    betas: tuple[float, float] = (0.9, 0.999)
-    weight_decay: float = 1e-4
-    eps: float = 1e-8
-    grad_clip: float = 1.0
-    warmup_steps: int = 0
-    min_lr_ratio: float = 0.0
-    eval_every: int = 0  # 0: evaluate only at the end
-    checkpoint_every: int = 0  # 0: checkpoint only when stopping
-    seed: int = 0
-
-    def __post_init__(self):
-        for name in ("steps", "batch_size"):
-            val = getattr(self, name)
-            if not isinstance(val, int) or isinstance(val, bool) or val <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {val!r}")
-        for name in ("warmup_steps", "eval_every", "checkpoint_every", "seed"):
-            val = getattr(self, name)
-            if not isinstance(val, int) or isinstance(val, bool) or val < 0:
-                raise ValueError(f"{name} must be a non-negative integer, got {val!r}")
-        if self.warmup_steps >= self.steps and self.steps > 1:
-            raise ValueError(f"warmup_steps ({self.warmup_steps}) must be < steps ({self.steps})")
-        if not (math.isfinite(self.lr) and self.lr > 0):
-            raise ValueError(f"lr must be finite and > 0, got {self.lr}")
-        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
-            raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas}")
-        if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
-            raise ValueError(f"weight_decay must be finite and >= 0, got {self.weight_decay}")
-        if not (self.eps > 0):
-            raise ValueError(f"eps must be > 0, got {self.eps}")
-        if not (self.grad_clip > 0):
-            raise ValueError(f"grad_clip must be > 0 (use math.inf for no clipping), got {self.grad_clip}")
-        if not (0 <= self.min_lr_ratio <= 1):
-            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
 
 
 @dataclass
@@ -114,19 +61,6 @@ class TrainResult:
     step: int = 0
     seconds: float = 0.0
     finished: bool = False
-
-
-def lr_lambda(config: TrainConfig) -> Callable[[int], float]:
-    """The schedule factor ``s(t)`` of the module docstring (multiplies ``config.lr``)."""
-    W, N, lo = config.warmup_steps, config.steps, config.min_lr_ratio
-
-    def factor(t: int) -> float:
-        if t < W:
-            return (t + 1) / W
-        progress = min(1.0, (t - W) / max(1, N - W))
-        return lo + (1 - lo) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return factor
 
 
 def seed_everything(seed: int) -> None:
@@ -219,125 +153,74 @@ def train(
                       stop_after, progress, desc, identity, restart_on_mismatch)
 
 
+class _HarnessCheckpoints(Checkpoints):
+    """The harness's checkpoint folders: ``model.safetensors`` (the ``state_dict``) and the trainer state,
+    which records the :class:`TrainConfig` and ``identity`` a resume must match."""
+
+    def __init__(self, store: CheckpointStore, model: nn.Module, config: TrainConfig, identity,
+                 restart_on_mismatch: bool) -> None:
+        super().__init__(store)
+        self.model, self.config, self.identity, self.restart = model, config, identity, restart_on_mismatch
+
+    def find(self):
+        self.store.recover()
+        try:
+            return self.store.load()
+        except CheckpointError as exc:
+            if not self.restart:
+                raise
+            warnings.warn(f"{exc}; starting this run from scratch", RuntimeWarning, stacklevel=5)
+            self.store.discard()
+            return None
+
+    def accept(self, checkpoint, state) -> bool:
+        config = asdict(self.config)
+        if state["config"] == config and state.get("identity") == self.identity:
+            return True
+        which = ("config", state["config"], config) if state["config"] != config else (
+            "task/model settings", state.get("identity"), self.identity)
+        message = f"checkpoint {checkpoint} was written with {which[0]} {which[1]}, not {which[2]}"
+        if not self.restart:
+            raise ValueError(f"{message}; remove {self.store.root} or use the same {which[0]}")
+        warnings.warn(f"{message}; starting this run from scratch", RuntimeWarning, stacklevel=5)
+        return False
+
+    def write_weights(self, directory) -> None:
+        _save_weights(self.model, directory / "model.safetensors")
+
+    def read_weights(self, directory) -> None:
+        _load_weights(self.model, directory / "model.safetensors")
+
+    def extra_state(self, state: LoopState) -> dict:
+        return {"config": asdict(self.config), "identity": self.identity}
+
+
 def _train(model, sample_batch, config: TrainConfig, evaluate, store: CheckpointStore | None, stop_after,
            progress: bool, desc: str, identity, restart_on_mismatch: bool) -> TrainResult:
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(param_groups(model, config.weight_decay), lr=config.lr, betas=config.betas,
-                                  eps=config.eps, weight_decay=config.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config))
-    result = TrainResult()
-    saved_at: str | None = None  # the last complete checkpoint on disk
-    saved_step = -1
-    if store is not None:
-        store.recover()
-        try:
-            ckpt = store.load()
-        except CheckpointError as exc:
-            if not restart_on_mismatch:
-                raise
-            warnings.warn(f"{exc}; starting this run from scratch", RuntimeWarning, stacklevel=3)
-            store.discard()
-            ckpt = None
-        if ckpt is not None:
-            state = load_state(ckpt, "trainer_state")
-            if state["config"] != asdict(config) or state.get("identity") != identity:
-                which = ("config", state["config"], asdict(config)) if state["config"] != asdict(config) else (
-                    "task/model settings", state.get("identity"), identity)
-                message = (f"checkpoint {ckpt} was written with {which[0]} {which[1]}, not {which[2]}")
-                if not restart_on_mismatch:
-                    raise ValueError(f"{message}; remove {store.root} or use the same {which[0]}")
-                warnings.warn(f"{message}; starting this run from scratch", RuntimeWarning, stacklevel=3)
-                ckpt = None
-        if ckpt is not None:
-            _load_weights(model, ckpt / "model.safetensors")
-            optimizer.load_state_dict(state["optimizer"])
-            scheduler.load_state_dict(state["scheduler"])
-            set_rng_state(state["rng"])
-            result.losses, result.evals, result.step = list(state["losses"]), list(state["evals"]), state["step"]
-            saved_at, saved_step = str(ckpt), result.step
-            if result.step < config.steps:
-                print(f"{desc}: resuming from step {result.step} ({ckpt})", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
 
-    def save() -> None:
-        nonlocal saved_at, saved_step
-        if store is None:
-            return
-        state = {"config": asdict(config), "identity": identity, "optimizer": optimizer.state_dict(),
-                 "scheduler": scheduler.state_dict(), "rng": rng_state(), "losses": result.losses,
-                 "evals": result.evals, "step": result.step}
+    def micro_batches(step: int) -> list:  # one micro-batch: the whole batch of the step
+        return [sample_batch(step, config.batch_size, batch_generator(config.seed, step))]
 
-        def write(directory) -> None:
-            _save_weights(model, directory / "model.safetensors")
-            save_state(directory, "trainer_state", state)
-
-        saved_at = str(store.save(result.step, write))
-        saved_step = result.step
-
-    def run_eval() -> None:
+    def run_eval(state: LoopState, final: bool) -> dict | None:
         if evaluate is None:
-            return
+            return None
         was_training = model.training
         model.eval()
         with torch.no_grad():
             metrics = evaluate(model)
         model.train(was_training)
-        result.evals.append({"step": result.step, **{k: float(v) for k, v in metrics.items()}})
+        return {"step": state.step, **{k: float(v) for k, v in metrics.items()}}
 
-    end = config.steps if stop_after is None else stop_after
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=config.steps, initial=result.step, desc=desc, leave=False, dynamic_ncols=True)
-    t0 = time.perf_counter()
-    model.train()
-    try:
-        with stop_on_interrupt() as stop:
-            while result.step < end:
-                step = result.step
-                batch = sample_batch(step, config.batch_size, batch_generator(config.seed, step))
-                loss = masked_cross_entropy(model(batch.inputs), batch.labels)
-                if not torch.isfinite(loss):
-                    raise FloatingPointError(f"{desc}: loss became {loss.item()} at step {step}")
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
-                optimizer.step()
-                scheduler.step()
-                result.losses.append(float(loss.detach()))
-                result.step = step + 1
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(loss=f"{result.losses[-1]:.3f}")
-                if config.eval_every and result.step % config.eval_every == 0 and result.step < config.steps:
-                    run_eval()
-                if config.checkpoint_every and result.step % config.checkpoint_every == 0:
-                    save()
-                if stop.requested:
-                    if not (config.checkpoint_every and result.step % config.checkpoint_every == 0):
-                        save()
-                    raise TrainingInterrupted(f"{desc}: interrupted at step {result.step}; "
-                                              + (f"saved it to {saved_at}; rerun the same command to resume"
-                                                 if saved_at else "no checkpoint was saved"),
-                                              step=result.step, checkpoint=saved_at)
-    except TrainingInterrupted:
-        raise
-    except KeyboardInterrupt:  # a second Ctrl-C, mid-step: the last complete checkpoint stands
-        saved = f"the last complete checkpoint is {saved_at}; rerun the same command to resume" if saved_at \
-            else "no checkpoint was saved"
-        raise TrainingInterrupted(f"{desc}: interrupted after step {result.step}; {saved}",
-                                  step=result.step, checkpoint=saved_at) from None
-    finally:
-        if bar is not None:
-            bar.close()
-    result.finished = result.step >= config.steps
-    if result.finished and (evaluate is None or not result.evals or result.evals[-1]["step"] != result.step):
-        run_eval()  # not again when a finished checkpoint (final evaluation included) was resumed
-        saved_step = -1
-    if saved_step != result.step:
-        save()
-    result.seconds = time.perf_counter() - t0
-    return result
+    checkpoints = None if store is None else _HarnessCheckpoints(store, model, config, identity, restart_on_mismatch)
+    state = train_loop(
+        model, micro_batches, lambda m, batch: masked_cross_entropy(m(batch.inputs), batch.labels), config,
+        checkpoints=checkpoints, evaluate=run_eval,
+        # not again when a finished checkpoint (final evaluation included) was resumed
+        final_eval_done=lambda s: evaluate is not None and bool(s.evals) and s.evals[-1]["step"] == s.step,
+        stop_after=stop_after, progress=progress, progress_leave=False, desc=desc)
+    return TrainResult(losses=state.losses, evals=state.evals, step=state.step,
+                       seconds=time.perf_counter() - t0, finished=state.finished)
 
 
 def summarize(values: Sequence[float]) -> dict[str, Any]:

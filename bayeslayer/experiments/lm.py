@@ -13,7 +13,8 @@ Training (one optimiser step):
   synchronises only on the last one), so the update does not depend on ``W``;
 * loss ``L = mean_t CE(logits_t, x_{t+1})`` over the ``seq_len − 1`` predictions of each window;
 * AdamW, learning rate ``lr · s(step)`` with the harness's warmup + cosine factor
-  (:func:`bayeslayer.experiments.harness.lr_lambda`), global-norm gradient clipping;
+  (:func:`bayeslayer.training.loop.lr_lambda`), global-norm gradient clipping — the package's one
+  loop, :func:`bayeslayer.training.loop.train_loop`;
 * bf16 autocast where asked (``precision="auto"``: bf16 on a CUDA device that supports it, else
   fp32); the filters compute in fp32 whatever the input dtype.
 
@@ -52,14 +53,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import hashlib
 import json
-import math
 import os
-import sys
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -74,18 +71,15 @@ from ..errors import UsageError
 from ..training import (
     CheckpointStore,
     OutputLock,
-    TrainingInterrupted,
     atomic_write_text,
-    load_state,
     read_json,
     remove_stale_temporaries,
-    rng_state,
     save_state,
-    set_rng_state,
-    stop_on_interrupt,
 )
+from ..training.distributed import PRECISIONS, DistContext, autocast, resolve_precision
+from ..training.distributed import init_distributed as _init_distributed
 from ..training.files import publish_directory, sha256_file
-from ..training.optim import param_groups
+from ..training.loop import Checkpoints, LoopState, StepInfo, train_loop
 from .cli_checks import (
     DEVICE_HELP,
     PLOT_ONLY_HELP,
@@ -98,11 +92,10 @@ from .cli_checks import (
     positive_int_arg,
     resolve_device,
 )
-from .harness import TrainConfig, lr_lambda, results_record, seed_everything, summarize, write_json
+from .harness import TrainConfig, results_record, seed_everything, summarize, write_json
 from .plotting import save_figure
 
 WIKITEXT_103 = "hf:Salesforce/wikitext:wikitext-103-raw-v1"
-PRECISIONS = ("auto", "bf16", "fp32")
 # Table-2 columns, then the distance buckets, in the order of :meth:`ARHitAnnotation.masks`.
 GROUPS = ("all", "ar_hit", "other", "ar_hit_1_64", "ar_hit_65_256", "ar_hit_257_1024")
 GROUP_LABELS = {"all": "all", "ar_hit": "AR-hit", "other": "other", "ar_hit_1_64": "AR-hit 1–64",
@@ -123,19 +116,16 @@ _BOOKKEEPING = frozenset({"eval_every", "eval_windows", "eval_batch_size", "chec
 # --------------------------------------------------------------------------- configuration
 
 
+def _check_int(name: str, value: Any, *, minimum: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
 @dataclass(frozen=True)
-class LMConfig:
-    """Everything a language-model run depends on: model, data, optimisation, bookkeeping.
+class LMModelConfig:
+    """The language model: a :class:`~bayeslayer.models.BayesLayerForCausalLM` of ``num_layers`` blocks."""
 
-    ``batch_size`` is the *global* number of windows per optimiser step (tokens per step =
-    ``batch_size · seq_len``); ``micro_batch_size`` windows go through one forward pass on one
-    rank.  ``eval_windows`` caps the validation windows of the periodic evaluation (0: all);
-    the final evaluation always uses every window.
-    """
-
-    preset: str = "custom"
-    label: str = ""  # the model's name in tables; "" = from the mixer (BL, GDN, ...)
-    # model
     mixer: str = "bayesian"
     hidden_size: int = 512
     num_layers: int = 4
@@ -143,182 +133,195 @@ class LMConfig:
     head_dim: int = 128
     mixer_kwargs: dict = field(default_factory=dict)
     mlp_dropout: float = 0.4
-    # data
-    source: str = "python-docs"
-    tokenizer: str | None = None
-    vocab_size: int = 8192  # of the BPE trained when no tokenizer is given
-    seq_len: int = 2048
-    # optimisation
-    steps: int = 7935
-    batch_size: int = 32
-    micro_batch_size: int = 8
-    lr: float = 6e-4
-    betas: tuple[float, float] = (0.9, 0.95)
-    weight_decay: float = 0.1
-    eps: float = 1e-8
-    grad_clip: float = 1.0
-    warmup_steps: int = 400
-    min_lr_ratio: float = 0.1
-    precision: str = "auto"
-    # bookkeeping
-    eval_every: int = 500
-    eval_windows: int = 0
-    eval_batch_size: int = 4
-    checkpoint_every: int = 250
-    log_every: int = 10
-    seed: int = 0
 
     def __post_init__(self):
-        object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
         object.__setattr__(self, "mixer_kwargs", dict(self.mixer_kwargs or {}))
         from ..layers import MIXERS
 
         if self.mixer not in MIXERS:
             raise ValueError(f"mixer must be one of {sorted(MIXERS)}, got {self.mixer!r}")
-        for name in ("hidden_size", "num_layers", "num_heads", "head_dim", "vocab_size", "micro_batch_size",
-                     "eval_batch_size", "log_every"):
+        for name in ("hidden_size", "num_layers", "num_heads", "head_dim"):
             _check_int(name, getattr(self, name), minimum=1)
-        for name in ("eval_windows",):
-            _check_int(name, getattr(self, name), minimum=0)
-        _check_int("seq_len", self.seq_len, minimum=2)
         if not (isinstance(self.mlp_dropout, (int, float)) and 0.0 <= self.mlp_dropout < 1.0):
             raise ValueError(f"mlp_dropout must be a probability in [0, 1), got {self.mlp_dropout!r}")
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+
+
+@dataclass(frozen=True)
+class LMDataConfig:
+    """The text: a corpus ``source``, its tokenizer (or the size of the BPE trained on it), window length."""
+
+    source: str = "python-docs"
+    tokenizer: str | None = None
+    vocab_size: int = 8192  # of the BPE trained when no tokenizer is given
+    seq_len: int = 2048
+
+    def __post_init__(self):
         if not isinstance(self.source, str) or not self.source:
             raise ValueError(f"source must be a non-empty string, got {self.source!r}")
         if self.tokenizer is not None and not isinstance(self.tokenizer, str):
             raise TypeError(f"tokenizer must be a path string or None, got {type(self.tokenizer).__name__}")
+        _check_int("vocab_size", self.vocab_size, minimum=1)
+        _check_int("seq_len", self.seq_len, minimum=2)
+
+
+#: The optimisation of an LM run unless told otherwise (``batch_size``: windows per step, all ranks).
+LM_TRAIN = TrainConfig(steps=7935, batch_size=32, lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-8,
+                       grad_clip=1.0, warmup_steps=400, min_lr_ratio=0.1, eval_every=500, checkpoint_every=250,
+                       seed=0)
+_PARTS = {"model": LMModelConfig, "data": LMDataConfig, "train": TrainConfig}
+_PART_OF = {f.name: part for part, cls in _PARTS.items() for f in fields(cls)}
+
+
+@dataclass(frozen=True, init=False)
+class LMConfig:
+    """Everything a language-model run depends on: ``LMConfig(model=LMModelConfig(...),
+    data=LMDataConfig(...), train=TrainConfig(...), ...)``.
+
+    ``train.batch_size`` is the *global* number of windows per optimiser step (tokens per step =
+    ``batch_size · seq_len``); ``micro_batch_size`` windows go through one forward pass on one rank
+    (the loop accumulates the rest).  ``eval_windows`` caps the validation windows of the periodic
+    evaluation (0: all); the final evaluation always uses every window.
+
+    The parts' fields may also be given and read flat: ``LMConfig(mixer="mamba2", lr=1e-3)`` is
+    ``LMConfig(model=LMModelConfig(mixer="mamba2"), train=replace(LM_TRAIN, lr=1e-3))`` (a flat field
+    overrides the part it belongs to), ``config.lr`` is ``config.train.lr``, and
+    ``dataclasses.replace(config, lr=...)`` works.  :meth:`to_json` is flat, the form every run directory's
+    ``config.json`` and ``final/lm_config.json`` has always had, so older runs resume and load unchanged.
+    """
+
+    preset: str = "custom"
+    label: str = ""  # the model's name in tables; "" = from the mixer (BL, GDN, ...)
+    model: LMModelConfig = LMModelConfig()
+    data: LMDataConfig = LMDataConfig()
+    train: TrainConfig = LM_TRAIN
+    micro_batch_size: int = 8
+    precision: str = "auto"
+    # bookkeeping: may change when a run is resumed (see _BOOKKEEPING), with train.eval_every/checkpoint_every
+    eval_windows: int = 0
+    eval_batch_size: int = 4
+    log_every: int = 10
+
+    def __init__(self, *, preset: str = "custom", label: str = "", model: LMModelConfig | None = None,
+                 data: LMDataConfig | None = None, train: TrainConfig | None = None, micro_batch_size: int = 8,
+                 precision: str = "auto", eval_windows: int = 0, eval_batch_size: int = 4, log_every: int = 10,
+                 **flat: Any) -> None:
+        unknown = sorted(set(flat) - set(_PART_OF))
+        if unknown:
+            raise TypeError(f"LMConfig got unknown fields {unknown}")
+        if "betas" in flat:  # JSON gives a list
+            flat["betas"] = tuple(float(b) for b in flat["betas"])
+        parts = {"model": LMModelConfig() if model is None else model,
+                 "data": LMDataConfig() if data is None else data,
+                 "train": LM_TRAIN if train is None else train}
+        for name, cls in _PARTS.items():
+            if not isinstance(parts[name], cls):
+                raise TypeError(f"{name} must be a {cls.__name__}, got {type(parts[name]).__name__}")
+            over = {k: v for k, v in flat.items() if _PART_OF[k] == name}
+            if over:
+                parts[name] = replace(parts[name], **over)
+        for name, value in dict(preset=preset, label=label, **parts, micro_batch_size=micro_batch_size,
+                                precision=precision, eval_windows=eval_windows, eval_batch_size=eval_batch_size,
+                                log_every=log_every).items():
+            object.__setattr__(self, name, value)
+        self.__post_init__()
+
+    def __post_init__(self):
+        for name in ("micro_batch_size", "eval_batch_size", "log_every"):
+            _check_int(name, getattr(self, name), minimum=1)
+        _check_int("eval_windows", self.eval_windows, minimum=0)
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         if not isinstance(self.label, str):
             raise TypeError(f"label must be a string, got {type(self.label).__name__}")
-        self.train_config()  # the harness checks steps, batch size, lr, betas, ... with its messages
-        if self.batch_size % self.micro_batch_size != 0:
-            raise ValueError(f"batch_size ({self.batch_size}) must be a multiple of micro_batch_size "
+        if self.train.batch_size % self.micro_batch_size != 0:
+            raise ValueError(f"batch_size ({self.train.batch_size}) must be a multiple of micro_batch_size "
                              f"({self.micro_batch_size})")
 
+    def __getattr__(self, name: str) -> Any:
+        """A part's field read flat: ``config.lr`` is ``config.train.lr`` (see the class docstring)."""
+        part = _PART_OF.get(name)
+        if part is None or name.startswith("__"):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(object.__getattribute__(self, part), name)
+
     def train_config(self) -> TrainConfig:
-        """The optimiser/schedule part as the shared harness's :class:`TrainConfig`."""
-        return TrainConfig(steps=self.steps, batch_size=self.batch_size, lr=self.lr, betas=self.betas,
-                           weight_decay=self.weight_decay, eps=self.eps, grad_clip=self.grad_clip,
-                           warmup_steps=self.warmup_steps, min_lr_ratio=self.min_lr_ratio,
-                           eval_every=self.eval_every, checkpoint_every=self.checkpoint_every, seed=self.seed)
+        """The optimiser/schedule part (:attr:`train`), as the one training loop takes it."""
+        return self.train
 
     @property
     def model_label(self) -> str:
-        return self.label or MODEL_LABELS.get(self.mixer, self.mixer)
+        return self.label or MODEL_LABELS.get(self.model.mixer, self.model.mixer)
 
     @property
     def tokens_per_step(self) -> int:
-        return self.batch_size * self.seq_len
+        return self.train.batch_size * self.data.seq_len
 
     def to_json(self) -> dict:
-        return json.loads(json.dumps(asdict(self)))
+        """The flat form (every field of every part at the top level), as ``config.json`` stores it."""
+        flat = {"preset": self.preset, "label": self.label}
+        for part in _PARTS:
+            flat.update(asdict(getattr(self, part)))
+        flat.update(micro_batch_size=self.micro_batch_size, precision=self.precision,
+                    eval_windows=self.eval_windows, eval_batch_size=self.eval_batch_size, log_every=self.log_every)
+        return json.loads(json.dumps(flat))
 
     @classmethod
     def from_json(cls, obj: dict) -> LMConfig:
-        known = {f.name for f in fields(cls)}
+        """Read :meth:`to_json`'s flat form (every saved run's ``config.json`` and ``lm_config.json``)."""
+        if not isinstance(obj, dict):
+            raise TypeError(f"an LMConfig is read from a JSON object, got {type(obj).__name__}")
+        known = set(_PART_OF) | {f.name for f in fields(cls)} - set(_PARTS)
         unknown = sorted(set(obj) - known)
         if unknown:
             raise ValueError(f"unknown LMConfig fields {unknown}")
         return cls(**obj)
 
 
-def _check_int(name: str, value: Any, *, minimum: int) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return value
-
-
 PRESETS: dict[str, LMConfig] = {
     # SPEC §4.5: width 512, 4 layers, 4 heads × 128, 7,935 steps × 65,536 tokens (520M), length
     # 2,048, lr 6e-4, MLP dropout 0.4, WikiText-103 with a 32k BPE.  Betas, weight decay, warmup
-    # and the final lr ratio are not in the paper: flash-linear-attention's usual values.
-    "paper": LMConfig(preset="paper", source=WIKITEXT_103, vocab_size=32000, hidden_size=512, num_layers=4,
-                      num_heads=4, head_dim=128, mlp_dropout=0.4, seq_len=2048, steps=7935, batch_size=32,
-                      micro_batch_size=8, lr=6e-4, warmup_steps=400, eval_every=500, eval_windows=64,
-                      checkpoint_every=250),
+    # and the final lr ratio are not in the paper: flash-linear-attention's usual values (LM_TRAIN).
+    "paper": LMConfig(preset="paper",
+                      model=LMModelConfig(hidden_size=512, num_layers=4, num_heads=4, head_dim=128, mlp_dropout=0.4),
+                      data=LMDataConfig(source=WIKITEXT_103, vocab_size=32000, seq_len=2048),
+                      train=replace(LM_TRAIN, steps=7935, batch_size=32, lr=6e-4, warmup_steps=400, eval_every=500,
+                                    checkpoint_every=250),
+                      micro_batch_size=8, eval_windows=64),
     # Sized from tokens/s measured on the 2-core CPU (docs/experiments.md, lm section): about
     # 30 minutes each for BL and GDN on an idle machine, ~1 epoch of the python3-doc corpus
     # (1.79M train tokens with the 8k BPE).  Length 1,024 covers every AR-hit distance bucket.
-    "cpu": LMConfig(preset="cpu", source="python-docs", vocab_size=8192, hidden_size=256, num_layers=4,
-                    num_heads=4, head_dim=64, mlp_dropout=0.1, seq_len=1024, steps=200, batch_size=8,
-                    micro_batch_size=4, lr=1e-3, warmup_steps=20, eval_every=50, eval_windows=16,
-                    checkpoint_every=25),
+    "cpu": LMConfig(preset="cpu",
+                    model=LMModelConfig(hidden_size=256, num_layers=4, num_heads=4, head_dim=64, mlp_dropout=0.1),
+                    data=LMDataConfig(source="python-docs", vocab_size=8192, seq_len=1024),
+                    train=replace(LM_TRAIN, steps=200, batch_size=8, lr=1e-3, warmup_steps=20, eval_every=50,
+                                  checkpoint_every=25),
+                    micro_batch_size=4, eval_windows=16),
     # A smoke test: seconds on any machine.
-    "tiny": LMConfig(preset="tiny", source="python-docs", vocab_size=8192, hidden_size=64, num_layers=2,
-                     num_heads=2, head_dim=16, mlp_dropout=0.0, seq_len=128, steps=20, batch_size=4,
-                     micro_batch_size=2, lr=3e-3, warmup_steps=2, eval_every=10, eval_windows=4,
-                     checkpoint_every=10, log_every=5),
+    "tiny": LMConfig(preset="tiny",
+                     model=LMModelConfig(hidden_size=64, num_layers=2, num_heads=2, head_dim=16, mlp_dropout=0.0),
+                     data=LMDataConfig(source="python-docs", vocab_size=8192, seq_len=128),
+                     train=replace(LM_TRAIN, steps=20, batch_size=4, lr=3e-3, warmup_steps=2, eval_every=10,
+                                   checkpoint_every=10),
+                     micro_batch_size=2, eval_windows=4, log_every=5),
 }
 
 
 # --------------------------------------------------------------------------- distributed context
 
 
-@dataclass(frozen=True)
-class DistContext:
-    """This process's place in a (possibly single-process) job."""
-
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-    device: torch.device = torch.device("cpu")
-
-    @property
-    def distributed(self) -> bool:
-        return self.world_size > 1
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    def barrier(self) -> None:
-        if self.distributed:
-            dist.barrier()
+SINGLE_PROCESS = DistContext()  # the default context: one process on the CPU
 
 
-def init_distributed(device: str = "auto") -> DistContext:
-    """Join the ``torchrun`` job described by ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` (if any).
-
-    ``nccl`` on CUDA, ``gloo`` on CPU.  Without ``torchrun`` (``WORLD_SIZE`` unset or 1) this is a
-    single process and nothing is initialised.
-    """
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    dev = resolve_device(device)  # "cuda" -> cuda:LOCAL_RANK; refuses a GPU that is not there
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo")
-    if dist.is_initialized():
-        rank, world = dist.get_rank(), dist.get_world_size()
-    return DistContext(rank=rank, world_size=world, local_rank=local_rank, device=dev)
-
-
-def resolve_precision(precision: str, device: torch.device) -> torch.dtype | None:
-    """The autocast dtype: ``None`` for fp32; ``auto`` is bf16 on a CUDA device that supports it."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-    if precision == "fp32":
-        return None
-    if precision == "auto":
-        return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else None
-    if device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise ValueError(f"precision='bf16' but {device} does not support bfloat16; use fp32")
-    return torch.bfloat16
-
-
-def _autocast(device: torch.device, dtype: torch.dtype | None):
-    if dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=dtype)
+def init_distributed(device: str | torch.device = "auto") -> DistContext:
+    """Join the ``torchrun`` job (if any) on ``device``: ``auto`` (``cuda:LOCAL_RANK`` when available, else
+    CPU), ``cpu``, ``cuda``, ``cuda:0``, ... (:func:`bayeslayer.training.distributed.init_distributed`)."""
+    return _init_distributed(resolve_device(device))  # "cuda" -> cuda:LOCAL_RANK; refuses a missing GPU
 
 
 # --------------------------------------------------------------------------- data
 
 
-def load_corpus(config: LMConfig, ctx: DistContext = DistContext(), *, cache_dir: str | None = None,
+def load_corpus(config: LMConfig, ctx: DistContext = SINGLE_PROCESS, *, cache_dir: str | None = None,
                 splits: Sequence[str] = ("train", "validation", "test")):
     """The run's tokenized corpus; rank 0 tokenizes (or finds the cache) first, then every rank reads it."""
     from ..data.text import load_text_corpus
@@ -450,7 +453,7 @@ def weights_digest(model) -> str:
 
 
 def grouped_perplexity(model, windows: np.ndarray, masks: dict[str, np.ndarray], *, batch_size: int = 4,
-                       ctx: DistContext = DistContext(), precision: str = "fp32") -> dict[str, dict]:
+                       ctx: DistContext = SINGLE_PROCESS, precision: str = "fp32") -> dict[str, dict]:
     """PPL ``exp(Σ ce·mask / Σ mask)`` per group over packed ``windows [N, L]`` (SPEC §4.5).
 
     ``masks``: group → boolean ``[N, L−1]`` aligned with the next-token loss
@@ -480,7 +483,7 @@ def grouped_perplexity(model, windows: np.ndarray, masks: dict[str, np.ndarray],
             for start in range(0, len(mine), batch_size):
                 idx = mine[start:start + batch_size]
                 ids = torch.from_numpy(np.asarray(windows[idx], dtype=np.int64)).to(ctx.device)
-                with _autocast(ctx.device, dtype):
+                with autocast(ctx.device, dtype):
                     ce = token_cross_entropy(model, ids)
                 groups.update(ce.float().cpu(), {k: m[idx] for k, m in masks.items()})
     finally:
@@ -675,6 +678,34 @@ def train_lm(
                          on_step=on_step, objective=objective)
 
 
+class _LMCheckpoints(Checkpoints):
+    """An LM run's checkpoints: HF model directories (``config.json``, ``model.safetensors``) with the
+    trainer state, which records the :class:`LMConfig` (a resume must match it), the world size, the
+    tokens and the training time so far."""
+
+    def __init__(self, store: CheckpointStore, model, config: LMConfig, world_size: int) -> None:
+        super().__init__(store)
+        self.model, self.config, self.world_size = model, config, world_size
+        self.seconds_before = 0.0  # training time of earlier calls (from the checkpoint)
+
+    def accept(self, checkpoint: Path, state: dict) -> bool:
+        _check_resume_config(json.loads(state["config"]), self.config, checkpoint)
+        return True
+
+    def write_weights(self, directory: Path) -> None:
+        save_model_dir(self.model, directory)
+
+    def read_weights(self, directory: Path) -> None:
+        load_model_weights(self.model, directory)
+
+    def extra_state(self, state: LoopState) -> dict:
+        return {"train_seconds": self.seconds_before + state.seconds, "config": json.dumps(self.config.to_json()),
+                "world_size": self.world_size, "tokens": state.step * self.config.tokens_per_step}
+
+    def restore(self, trainer_state: dict) -> None:
+        self.seconds_before = float(trainer_state["train_seconds"])
+
+
 def _train_lm(config: LMConfig, run_dir: Path, ctx: DistContext, *, n_micro: int, autocast_dtype, cache_dir,
               stop_after, progress: bool, keep_checkpoints: int, on_step, objective: Objective) -> LMTrainResult:
     world = ctx.world_size
@@ -698,197 +729,79 @@ def _train_lm(config: LMConfig, run_dir: Path, ctx: DistContext, *, n_micro: int
     trainee = objective.build(config, corpus, ctx.device)
     model = trainee.model
     groups = objective.param_groups(trainee, config)
-    params = [p for g in groups for p in g["params"]]
-    if not params:
+    if not [p for g in groups for p in g["params"]]:
         raise ValueError(f"objective {objective.name!r} leaves no parameter to train")
-    optimizer = torch.optim.AdamW(param_groups(trainee, config.weight_decay, groups), lr=config.lr,
-                                  betas=config.betas, eps=config.eps, weight_decay=config.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config.train_config()))
-    torch.manual_seed(_rank_seed(config.seed, ctx.rank))
     if ctx.is_main:  # the inputs are valid (corpus loaded, model built): record what this run is
         atomic_write_text(config_path, json.dumps(config.to_json(), indent=1) + "\n")
         _check_objective(run_dir, objective, write=True)
 
-    result = LMTrainResult(run_dir=run_dir)
-    train_seconds_before = 0.0
     log = _JsonLog(run_dir / "log.jsonl", ctx.is_main)
-    ckpt = store.load() if ctx.is_main else None
-    if ctx.distributed:  # rank 0 verified (and perhaps fell back): every rank loads the same one
-        chosen = [str(ckpt) if ckpt is not None else None]
-        dist.broadcast_object_list(chosen, src=0)
-        ckpt = Path(chosen[0]) if chosen[0] is not None else None
-    saved_step = -1  # the step of the last complete checkpoint on disk
-    if ckpt is not None:
-        load_model_weights(model, ckpt)
-        state = load_state(ckpt, "trainer_state")
-        _check_resume_config(json.loads(state["config"]), config, ckpt)
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        result.step, result.losses, result.evals = state["step"], list(state["losses"]), list(state["evals"])
-        train_seconds_before = float(state["train_seconds"])
-        if state["world_size"] == world:
-            set_rng_state(state["rng"][ctx.rank], ctx.device)
+    checkpoints = _LMCheckpoints(store, model, config, world)
+    window_losses: list[float] = []
+
+    def micro_batches(step: int) -> list[torch.Tensor]:
+        mine = schedule.step_windows(step, ctx.rank, world)
+        return [torch.from_numpy(np.asarray(train_windows[mine[i * config.micro_batch_size:
+                                                                (i + 1) * config.micro_batch_size]],
+                                            dtype=np.int64)).to(ctx.device)
+                for i in range(n_micro)]
+
+    def after_start(state: LoopState) -> None:
+        if state.resumed_from is not None:
+            log.truncate_after(state.step)
+            log.write(event="resume", step=state.step, world_size=world, time=time.time())
         else:
-            warnings.warn(f"{ckpt} was written by {state['world_size']} rank(s), this job has {world}: the data "
-                          "order and weights resume exactly, the dropout RNG streams do not", RuntimeWarning,
-                          stacklevel=2)
-            torch.manual_seed(_rank_seed(config.seed, ctx.rank) + result.step)
-        result.resumed_from = saved_step = result.step
-        if ctx.is_main and result.step < config.steps:
-            print(f"lm {config.model_label}: resuming from step {result.step} ({ckpt})", file=sys.stderr, flush=True)
-        log.truncate_after(result.step)
-        log.write(event="resume", step=result.step, world_size=world, time=time.time())
-    else:
-        log.truncate_after(-1)
-        log.write(event="start", step=0, world_size=world, device=str(ctx.device), time=time.time(),
-                  parameters=_param_counts(model), config=config.to_json())
-    trainee.train()
-    ddp_model = trainee
-    if ctx.distributed:
-        ddp_model = torch.nn.parallel.DistributedDataParallel(
-            trainee, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
-            find_unused_parameters=objective.find_unused_parameters)
+            log.truncate_after(-1)
+            log.write(event="start", step=0, world_size=world, device=str(ctx.device), time=time.time(),
+                      parameters=_param_counts(model), config=config.to_json())
 
-    def trainer_state() -> dict:
-        rng = rng_state(ctx.device)
-        if ctx.distributed:
-            gathered: list = [None] * world
-            dist.all_gather_object(gathered, rng)
-            rng = gathered
-        else:
-            rng = [rng]
-        return {"step": result.step, "losses": result.losses, "evals": result.evals,
-                "train_seconds": train_seconds_before + result.seconds, "config": json.dumps(config.to_json()),
-                "world_size": world, "tokens": result.step * config.tokens_per_step,
-                "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng}
+    def after_step(state: LoopState, info: StepInfo) -> None:
+        window_losses.append(info.loss)
+        if info.step % config.log_every == 0 or info.step == end:
+            tokens_per_s = (info.step - start[0]) * config.tokens_per_step / max(state.seconds, 1e-9)
+            log.write(event="train", step=info.step, loss=info.loss, loss_mean=float(np.mean(window_losses)),
+                      lr=info.lr, grad_norm=info.grad_norm, tokens=info.step * config.tokens_per_step,
+                      tokens_per_s=tokens_per_s, train_seconds=checkpoints.seconds_before + state.seconds,
+                      **({"parts": info.parts} if info.parts else {}))
+            window_losses.clear()
+        if on_step is not None:
+            on_step(info.step, info.loss)
 
-    def checkpoint() -> None:
-        nonlocal saved_step
-        state = trainer_state()  # collective: every rank contributes its RNG state
-        if ctx.is_main:
-            save_checkpoint(run_dir, model, state, keep=keep_checkpoints)
-        saved_step = result.step
-        ctx.barrier()
-
-    def stop_requested(stop) -> bool:
-        if not ctx.distributed:
-            return stop.requested
-        flag = torch.tensor([float(stop.requested)], device=ctx.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank stops at the same step
-        return bool(flag.item())
-
-    def evaluate(final: bool) -> dict:
+    def evaluate(state: LoopState, final: bool) -> dict:
         windows, masks = val_windows, val_masks
         if not final and config.eval_windows:
             windows = windows[: config.eval_windows]
             masks = {k: m[: config.eval_windows] for k, m in masks.items()}
         groups = grouped_perplexity(model, windows, masks, batch_size=config.eval_batch_size, ctx=ctx,
                                     precision=config.precision)
-        record = {"step": result.step, "split": "validation", "windows": int(windows.shape[0]),
+        record = {"step": state.step, "split": "validation", "windows": int(windows.shape[0]),
                   "final": final, "groups": groups}
         log.write(event="eval", **record)
         return record
 
     end = config.steps if stop_after is None else stop_after
-    bar = None
-    if progress and ctx.is_main and result.step < end:
-        from tqdm.auto import tqdm
+    start = [0]  # the step this call started from (tokens/s of this session)
 
-        bar = tqdm(total=config.steps, initial=result.step, desc=f"lm {config.model_label}", unit="step",
-                   dynamic_ncols=True)
-    start_step, session_tokens = result.step, 0
-    window_losses: list[float] = []
-    try:
-        with stop_on_interrupt() as stop:
-            while result.step < end:
-                step = result.step
-                t0 = time.perf_counter()
-                mine = schedule.step_windows(step, ctx.rank, world)
-                loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)
-                parts_sum: dict[str, float] = {}
-                if hasattr(trainee, "set_step"):
-                    trainee.set_step(step)
-                for i in range(n_micro):
-                    rows = mine[i * config.micro_batch_size:(i + 1) * config.micro_batch_size]
-                    ids = torch.from_numpy(np.asarray(train_windows[rows], dtype=np.int64)).to(ctx.device)
-                    sync = ddp_model is trainee or i == n_micro - 1
-                    with (contextlib.nullcontext() if sync else ddp_model.no_sync()):
-                        with _autocast(ctx.device, autocast_dtype):
-                            out = ddp_model(ids)
-                            loss, parts = out if isinstance(out, tuple) else (out, {})
-                            loss = loss / n_micro
-                        loss.backward()
-                    loss_sum += loss.detach().double()
-                    for k, v in parts.items():
-                        parts_sum[k] = parts_sum.get(k, 0.0) + float(v) / n_micro
-                if ctx.distributed:
-                    dist.all_reduce(loss_sum)
-                    loss_sum /= world
-                loss_value = float(loss_sum)
-                if not math.isfinite(loss_value):
-                    raise FloatingPointError(f"lm {config.model_label}: loss became {loss_value} at step {step}")
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(params, config.grad_clip))
-                lr = scheduler.get_last_lr()[0]
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-                result.step = step + 1
-                result.losses.append(loss_value)
-                window_losses.append(loss_value)
-                result.seconds += time.perf_counter() - t0
-                session_tokens += config.tokens_per_step
-                tokens_per_s = session_tokens / max(result.seconds, 1e-9)
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{tokens_per_s:,.0f}")
-                if result.step % config.log_every == 0 or result.step == end:
-                    log.write(event="train", step=result.step, loss=loss_value, loss_mean=float(np.mean(window_losses)),
-                              lr=lr, grad_norm=grad_norm, tokens=result.step * config.tokens_per_step,
-                              tokens_per_s=tokens_per_s, train_seconds=train_seconds_before + result.seconds,
-                              **({"parts": parts_sum} if parts_sum else {}))
-                    window_losses = []
-                if on_step is not None:
-                    on_step(result.step, loss_value)
-                if config.eval_every and result.step % config.eval_every == 0 and result.step < config.steps:
-                    result.evals.append(evaluate(final=False))
-                if config.checkpoint_every and result.step % config.checkpoint_every == 0:
-                    checkpoint()
-                if stop_requested(stop):
-                    if saved_step != result.step:
-                        checkpoint()
-                    raise TrainingInterrupted(
-                        f"lm {config.model_label}: interrupted at step {result.step}; saved it to "
-                        f"{store.pointed()}; rerun the same command to resume", step=result.step,
-                        checkpoint=str(store.pointed()))
-    except TrainingInterrupted:
-        raise
-    except KeyboardInterrupt:  # a second Ctrl-C, mid-step: the last complete checkpoint stands
-        last = store.pointed() if ctx.is_main else None
-        raise TrainingInterrupted(
-            f"lm {config.model_label}: interrupted after step {result.step}; "
-            + (f"the last complete checkpoint is {last}; rerun the same command to resume" if last
-               else "no checkpoint was saved"), step=saved_step, checkpoint=str(last) if last else None) from None
-    finally:
-        if bar is not None:
-            bar.close()
-    result.finished = result.step >= config.steps
-    steps_done = result.step - start_step
+    def started(state: LoopState) -> None:
+        start[0] = state.step
+        after_start(state)
+
+    state = train_loop(
+        trainee, micro_batches, lambda module, ids: module(ids), config.train_config(), groups=groups, ctx=ctx,
+        autocast_dtype=autocast_dtype, checkpoints=checkpoints, evaluate=evaluate,
+        final_eval_done=lambda s: bool(s.evals) and bool(s.evals[-1].get("final")), after_start=started,
+        after_step=after_step, stop_after=stop_after, rank_seed=_rank_seed(config.seed, ctx.rank),
+        find_unused_parameters=objective.find_unused_parameters, progress=progress,
+        tokens_per_step=config.tokens_per_step, desc=f"lm {config.model_label}")
+    result = LMTrainResult(run_dir=run_dir, step=state.step, losses=state.losses, evals=state.evals,
+                           seconds=state.seconds, finished=state.finished, resumed_from=state.resumed_from)
+    steps_done = result.step - start[0]
     result.tokens = result.step * config.tokens_per_step
     result.tokens_per_second = steps_done * config.tokens_per_step / result.seconds if steps_done else 0.0
-    if result.finished and (not result.evals or not result.evals[-1].get("final")):
-        result.evals.append(evaluate(final=True))
-        saved_step = -1  # the evaluation is part of the trainer state
-    if saved_step != result.step:
-        checkpoint()
     if result.finished:
-        result.summary = _finish(run_dir, model, config, result, ctx, train_seconds_before,
+        result.summary = _finish(run_dir, model, config, result, ctx, checkpoints.seconds_before,
                                  objective=objective, checks=objective.finish(trainee),
                                  tokenizer=corpus.tokenizer)
-    if ddp_model is not trainee:
-        # free DDP (its reducer holds the process group) now, not whenever the cyclic GC runs: a DDP
-        # object collected during interpreter shutdown, after destroy_process_group, can abort the process
-        del ddp_model
-        gc.collect()
     ctx.barrier()
     return result
 

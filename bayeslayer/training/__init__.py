@@ -1,5 +1,10 @@
-"""What every training loop of the package shares on disk.
+"""How the package trains: the one loop and what it keeps on disk.
 
+* :mod:`~bayeslayer.training.loop` — :func:`~bayeslayer.training.loop.train_loop`, the one training loop
+  (objective, parameter groups, schedule, accumulation, precision, clipping, evaluation hook,
+  checkpoints, Ctrl-C, DDP) that every experiment's training calls, and its :class:`TrainConfig`;
+* :mod:`~bayeslayer.training.distributed` — the distributed context and the autocast precision;
+* :mod:`~bayeslayer.training.optim` — AdamW parameter groups (what weight decay may touch);
 * :mod:`~bayeslayer.training.files` — the one atomic, durable file writer and ``sha256_file``;
 * :mod:`~bayeslayer.training.state` — training state as JSON + safetensors (no pickle) and the
   RNG states of Python, NumPy and torch;

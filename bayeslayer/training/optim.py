@@ -17,8 +17,9 @@ Dao-AILab/flash-attention) — and the flag is what flash-linear-attention's lay
 parameters.  (That code also exempts embeddings; here embeddings are decayed like other weights.
 fla's ``flame`` trainer passes one ``weight_decay`` to every parameter, flags notwithstanding.)
 
-:func:`param_groups` is the one place that rule lives; every optimiser in bayeslayer builds its groups
-with it (:func:`bayeslayer.experiments.harness.train`, :func:`bayeslayer.experiments.lm.train_lm`).
+:func:`param_groups` is the one place that rule lives; the one optimiser in bayeslayer, built by
+:func:`bayeslayer.training.loop.train_loop` (which ``harness.train`` and ``lm.train_lm`` call), takes its
+groups from it.
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ from bayeslayer.experiments import harness, lm
 from bayeslayer.experiments.mqar import PRESETS as MQAR_PRESETS
 from bayeslayer.experiments.mqar import build_model as build_mqar
 from bayeslayer.layers import build_mixer
+from bayeslayer.training import loop as training_loop
 from bayeslayer.training.optim import decay_split, param_groups
 
 from ..experiments.corpus import write_word_corpus
@@ -166,13 +167,13 @@ def test_lm_optimizer_exempts_the_recurrence_parameters(monkeypatch, tmp_path: P
                          micro_batch_size=2, lr=1e-3, warmup_steps=0, eval_every=0, eval_windows=1,
                          eval_batch_size=2, checkpoint_every=0, log_every=1, seed=0, weight_decay=0.1)
     seen = {}
-    real = lm.param_groups
+    real = training_loop.param_groups  # the one loop builds every optimiser's groups
 
     def spy(trainee, weight_decay, groups=None):
         seen["trainee"] = trainee
         return real(trainee, weight_decay, groups)
 
-    monkeypatch.setattr(lm, "param_groups", spy)
+    monkeypatch.setattr(training_loop, "param_groups", spy)
     monkeypatch.setattr(torch.optim, "AdamW", _Recording)
     assert lm.train_lm(config, tmp_path / "run", cache_dir=str(tmp_path / "cache"), progress=False).finished
     trainee = seen["trainee"]

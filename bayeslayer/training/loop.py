@@ -1,0 +1,440 @@
+"""The one training loop: every model the package trains is stepped by :func:`train_loop`.
+
+The synthetic experiments (MQAR, recall, crowding, through :func:`bayeslayer.experiments.harness.train`)
+and the language models (``lm train`` and the retrofit's stages, through
+:func:`bayeslayer.experiments.lm.train_lm`) differ only in what they pass in:
+
+* the **trainee** (an ``nn.Module``) and a **loss** ``loss(trainee, micro_batch) -> loss`` or
+  ``(loss, {name: float})`` — the objective;
+* ``micro_batches(step)``: this rank's micro-batches of optimiser step ``step`` (one micro-batch is
+  just a configuration), a pure function of the step so that a resumed run reads what an
+  uninterrupted one would;
+* a :class:`TrainConfig`: AdamW ``(lr, betas, eps, weight_decay)`` over
+  :func:`bayeslayer.training.optim.param_groups` (no decay on ``_no_weight_decay``-flagged, norm and
+  bias parameters), learning rate ``lr · s(step)`` (:func:`lr_lambda`: linear warm-up, then cosine
+  to ``min_lr_ratio``), global-norm gradient clipping at ``grad_clip``, evaluation every
+  ``eval_every`` steps and a checkpoint every ``checkpoint_every`` steps.
+
+One optimiser step: ``set_step(step)`` on the trainee when it has one; for each micro-batch, the
+loss under autocast (``autocast_dtype``; ``None`` = fp32), divided by the number of micro-batches, and
+its backward pass (DDP synchronises only on the last one); the float64 sum of the micro-batch losses,
+averaged over ranks, is the step's loss (a non-finite one raises ``FloatingPointError``); clip; step
+the optimiser and the schedule; clear the gradients.
+
+Checkpoints (:class:`Checkpoints`, over a :class:`~bayeslayer.training.CheckpointStore`) hold the
+model, the optimiser and schedule states, the step, the loss history, the evaluations and every
+rank's RNG states (JSON + safetensors, :mod:`bayeslayer.training.state`); a checkpoint is read back
+before the first step, so a run continues bit for bit where the last one stopped.  Ctrl-C stops
+after the current step with a checkpoint (:func:`~bayeslayer.training.stop_on_interrupt`) and raises
+:class:`~bayeslayer.training.TrainingInterrupted`; a second Ctrl-C stops at once with the last complete
+checkpoint standing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import math
+import sys
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .checkpoint import CheckpointStore
+from .distributed import DistContext, autocast
+from .interrupt import TrainingInterrupted, stop_on_interrupt
+from .optim import param_groups
+from .state import load_state, rng_state, save_state, set_rng_state
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Optimiser, schedule and bookkeeping of one training run (one seed)."""
+
+    steps: int = 2500
+    batch_size: int = 256
+    lr: float = 3e-4
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = 1e-4
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0
+    eval_every: int = 0  # 0: evaluate only at the end
+    checkpoint_every: int = 0  # 0: checkpoint only when stopping
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("steps", "batch_size"):
+            val = getattr(self, name)
+            if not isinstance(val, int) or isinstance(val, bool) or val <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {val!r}")
+        for name in ("warmup_steps", "eval_every", "checkpoint_every", "seed"):
+            val = getattr(self, name)
+            if not isinstance(val, int) or isinstance(val, bool) or val < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {val!r}")
+        if self.warmup_steps >= self.steps and self.steps > 1:
+            raise ValueError(f"warmup_steps ({self.warmup_steps}) must be < steps ({self.steps})")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"lr must be finite and > 0, got {self.lr}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas}")
+        if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
+            raise ValueError(f"weight_decay must be finite and >= 0, got {self.weight_decay}")
+        if not (self.eps > 0):
+            raise ValueError(f"eps must be > 0, got {self.eps}")
+        if not (self.grad_clip > 0):
+            raise ValueError(f"grad_clip must be > 0 (use math.inf for no clipping), got {self.grad_clip}")
+        if not (0 <= self.min_lr_ratio <= 1):
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+
+
+def lr_lambda(config: TrainConfig) -> Callable[[int], float]:
+    """The schedule factor ``s(t)`` that multiplies ``config.lr``.
+
+    ``s(t) = (t+1)/W`` for ``t < W`` (warm-up), then ``min_ratio + (1 − min_ratio)·½(1 + cos π·(t−W)/(N−W))``.
+    """
+    W, N, lo = config.warmup_steps, config.steps, config.min_lr_ratio
+
+    def factor(t: int) -> float:
+        if t < W:
+            return (t + 1) / W
+        progress = min(1.0, (t - W) / max(1, N - W))
+        return lo + (1 - lo) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+@dataclass
+class LoopState:
+    """Where a run stands: the whole run's losses and evaluations (resumed parts included)."""
+
+    step: int = 0
+    losses: list[float] = field(default_factory=list)
+    evals: list[dict] = field(default_factory=list)
+    seconds: float = 0.0  # time spent in optimiser steps during this call (evaluations excluded)
+    finished: bool = False
+    resumed_from: int | None = None  # the step of the checkpoint this call started from
+    saved_step: int = -1  # the step of the last complete checkpoint on disk (-1: none)
+    saved_at: str | None = None  # and its folder
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """What one optimiser step did (passed to ``after_step``)."""
+
+    step: int  # steps done, this one included
+    loss: float
+    parts: dict[str, float]
+    grad_norm: float
+    lr: float
+    seconds: float
+
+
+class Checkpoints:
+    """How a run's checkpoints look on disk; :func:`train_loop` decides when they are written and read.
+
+    A checkpoint is a folder of ``store`` holding the weights (:meth:`write_weights`) and the trainer
+    state ``trainer_state.json`` + ``trainer_state.safetensors`` (:func:`bayeslayer.training.save_state`):
+    ``step``, ``losses``, ``evals``, ``optimizer``, ``scheduler``, ``rng`` (one RNG state per rank) and
+    whatever :meth:`extra_state` adds.  Subclasses say how the weights are stored and which saved runs
+    they accept (:meth:`accept`).
+    """
+
+    state_name = "trainer_state"
+
+    def __init__(self, store: CheckpointStore) -> None:
+        if not isinstance(store, CheckpointStore):
+            raise TypeError(f"store must be a CheckpointStore, got {type(store).__name__}")
+        self.store = store
+
+    def find(self) -> Path | None:
+        """The checkpoint to resume from (rank 0 only), or ``None`` to start afresh."""
+        return self.store.load()
+
+    def accept(self, checkpoint: Path, state: dict) -> bool:
+        """Whether ``state`` (read from ``checkpoint``) belongs to this run; ``False`` starts afresh.
+
+        Raise to refuse the run instead.
+        """
+        return True
+
+    def write_weights(self, directory: Path) -> None:
+        raise NotImplementedError
+
+    def read_weights(self, directory: Path) -> None:
+        raise NotImplementedError
+
+    def extra_state(self, state: LoopState) -> dict:
+        """More of the trainer state (e.g. the run's config), saved next to the loop's own."""
+        return {}
+
+    def restore(self, trainer_state: dict) -> None:
+        """Take back what :meth:`extra_state` saved (called after the loop restored its own part)."""
+
+    def save(self, step: int, trainer_state: dict) -> Path:
+        def write(directory: Path) -> None:
+            self.write_weights(directory)
+            save_state(directory, self.state_name, trainer_state)
+
+        return self.store.save(step, write)
+
+
+def train_loop(
+    trainee: nn.Module,
+    micro_batches: Callable[[int], Sequence[Any]],
+    loss: Callable[[nn.Module, Any], Any],
+    config: TrainConfig,
+    *,
+    groups: Sequence[dict] | None = None,
+    ctx: DistContext | None = None,
+    autocast_dtype: torch.dtype | None = None,
+    checkpoints: Checkpoints | None = None,
+    evaluate: Callable[[LoopState, bool], dict | None] | None = None,
+    final_eval_done: Callable[[LoopState], bool] | None = None,
+    after_start: Callable[[LoopState], None] | None = None,
+    after_step: Callable[[LoopState, StepInfo], None] | None = None,
+    stop_after: int | None = None,
+    rank_seed: int | None = None,
+    find_unused_parameters: bool = False,
+    progress: bool = True,
+    progress_leave: bool = True,
+    tokens_per_step: int | None = None,
+    desc: str = "train",
+) -> LoopState:
+    """Train ``trainee`` for ``config.steps`` optimiser steps (see the module docstring); resume first.
+
+    Args:
+        trainee: the module whose parameters are trained (and, for DDP, wrapped).
+        micro_batches: ``micro_batches(step)`` → this rank's micro-batches of the step (a non-empty sequence).
+        loss: ``loss(module, micro_batch)`` → a scalar tensor or ``(tensor, {name: float})``; ``module`` is
+            ``trainee`` or its DDP wrapper.
+        config: optimiser, schedule, clipping, ``steps``, ``eval_every``, ``checkpoint_every``.
+        groups: parameter groups chosen by the caller (split by :func:`~bayeslayer.training.optim.param_groups`
+            into decayed and exempt halves); ``None``: every trainable parameter of ``trainee``.  Gradients
+            are clipped over the parameters of the groups, in their order.
+        ctx: the distributed context (:func:`~bayeslayer.training.distributed.init_distributed`); ``None``:
+            one process on the CPU.
+        autocast_dtype: autocast dtype of the forward passes (``None``: fp32).
+        checkpoints: where and how checkpoints are written (``None``: never).
+        evaluate: ``evaluate(state, final)`` → an evaluation record to append to ``state.evals`` (or
+            ``None``); called after every ``eval_every``-th step but the last and, once all steps are
+            done, with ``final=True`` unless ``final_eval_done(state)`` says the (resumed) run already has it.
+        after_start: called once the checkpoint (if any) is restored, before the first step.
+        after_step: called after every optimiser step with a :class:`StepInfo` (before evaluation and
+            checkpointing of that step).
+        stop_after: stop (with a checkpoint) once this many total steps are done.
+        rank_seed: seed torch's global RNG with it before training (the dropout stream of this rank), and
+            with ``rank_seed + step`` when a checkpoint of another world size is resumed.
+        find_unused_parameters: passed to DDP.
+        progress, progress_leave, tokens_per_step, desc: the progress bar (rank 0) and the messages.
+
+    Returns:
+        the :class:`LoopState` (its ``finished`` says whether all steps are done).
+    """
+    if not isinstance(trainee, nn.Module):
+        raise TypeError(f"trainee must be a torch.nn.Module, got {type(trainee).__name__}")
+    if not callable(micro_batches) or not callable(loss):
+        raise TypeError("micro_batches and loss must be callable")
+    if not isinstance(config, TrainConfig):
+        raise TypeError(f"config must be a TrainConfig, got {type(config).__name__}")
+    if stop_after is not None and (not isinstance(stop_after, int) or isinstance(stop_after, bool)
+                                   or not 0 < stop_after <= config.steps):
+        raise ValueError(f"stop_after must be an integer in [1, steps={config.steps}], got {stop_after!r}")
+    if checkpoints is not None and not isinstance(checkpoints, Checkpoints):
+        raise TypeError(f"checkpoints must be a Checkpoints, got {type(checkpoints).__name__}")
+
+    ctx = DistContext() if ctx is None else ctx
+    if groups is None:
+        groups = [{"params": [p for p in trainee.parameters() if p.requires_grad]}]
+    params = [p for g in groups for p in g["params"]]
+    if not params:
+        raise ValueError(f"{desc}: no parameter to train")
+    optimizer = torch.optim.AdamW(param_groups(trainee, config.weight_decay, groups), lr=config.lr,
+                                  betas=config.betas, eps=config.eps, weight_decay=config.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config))
+    if rank_seed is not None:
+        torch.manual_seed(rank_seed)
+    state = LoopState()
+    _resume(state, checkpoints, optimizer, scheduler, ctx, rank_seed, config, desc)
+    if after_start is not None:
+        after_start(state)
+
+    def save() -> None:
+        if checkpoints is None:
+            return
+        rng = rng_state(ctx.device)
+        if ctx.distributed:  # collective: every rank contributes its RNG state
+            gathered: list = [None] * ctx.world_size
+            dist.all_gather_object(gathered, rng)
+            rng = gathered
+        else:
+            rng = [rng]
+        trainer_state = {"step": state.step, "losses": state.losses, "evals": state.evals,
+                         **checkpoints.extra_state(state), "optimizer": optimizer.state_dict(),
+                         "scheduler": scheduler.state_dict(), "rng": rng}
+        if ctx.is_main:
+            state.saved_at = str(checkpoints.save(state.step, trainer_state))
+        ctx.barrier()
+        if not ctx.is_main:
+            pointed = checkpoints.store.pointed()
+            state.saved_at = str(pointed) if pointed is not None else None
+        state.saved_step = state.step
+
+    def run_eval(final: bool) -> None:
+        if evaluate is not None:
+            record = evaluate(state, final)
+            if record is not None:
+                state.evals.append(record)
+
+    def stop_requested(stop) -> bool:
+        if not ctx.distributed:
+            return stop.requested
+        flag = torch.tensor([float(stop.requested)], device=ctx.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank stops at the same step
+        return bool(flag.item())
+
+    trainee.train()
+    module = trainee
+    if ctx.distributed:
+        module = torch.nn.parallel.DistributedDataParallel(
+            trainee, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
+            find_unused_parameters=find_unused_parameters)
+    end = config.steps if stop_after is None else stop_after
+    bar = None
+    if progress and ctx.is_main and state.step < end:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=config.steps, initial=state.step, desc=desc, unit="step", leave=progress_leave,
+                   dynamic_ncols=True)
+    session_steps = 0
+    try:
+        with stop_on_interrupt() as stop:
+            while state.step < end:
+                step = state.step
+                t0 = time.perf_counter()
+                batches = micro_batches(step)
+                n_micro = len(batches)
+                if n_micro < 1:
+                    raise ValueError(f"{desc}: micro_batches({step}) gave no micro-batch")
+                if hasattr(trainee, "set_step"):
+                    trainee.set_step(step)
+                optimizer.zero_grad(set_to_none=True)
+                loss_sum = None  # float64, on the device of the loss (a harness model may sit on a GPU)
+                parts_sum: dict[str, float] = {}
+                for i, batch in enumerate(batches):
+                    sync = module is trainee or i == n_micro - 1
+                    with contextlib.nullcontext() if sync else module.no_sync():
+                        with autocast(ctx.device, autocast_dtype):
+                            out = loss(module, batch)
+                            value, parts = out if isinstance(out, tuple) else (out, {})
+                            value = value / n_micro
+                        value.backward()
+                    part = value.detach().double()
+                    loss_sum = part if loss_sum is None else loss_sum + part
+                    for k, v in parts.items():
+                        parts_sum[k] = parts_sum.get(k, 0.0) + float(v) / n_micro
+                if ctx.distributed:
+                    dist.all_reduce(loss_sum)
+                    loss_sum /= ctx.world_size
+                loss_value = float(loss_sum)
+                if not math.isfinite(loss_value):
+                    raise FloatingPointError(f"{desc}: loss became {loss_value} at step {step}")
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(params, config.grad_clip))
+                lr = scheduler.get_last_lr()[0]
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                state.step = step + 1
+                state.losses.append(loss_value)
+                seconds = time.perf_counter() - t0
+                state.seconds += seconds
+                session_steps += 1
+                if bar is not None:
+                    bar.update(1)
+                    postfix = {"loss": f"{loss_value:.3f}"}
+                    if tokens_per_step:
+                        postfix["tok_s"] = f"{session_steps * tokens_per_step / max(state.seconds, 1e-9):,.0f}"
+                    bar.set_postfix(**postfix)
+                if after_step is not None:
+                    after_step(state, StepInfo(step=state.step, loss=loss_value, parts=parts_sum,
+                                               grad_norm=grad_norm, lr=lr, seconds=seconds))
+                if config.eval_every and state.step % config.eval_every == 0 and state.step < config.steps:
+                    run_eval(final=False)
+                if config.checkpoint_every and state.step % config.checkpoint_every == 0:
+                    save()
+                if stop_requested(stop):
+                    if checkpoints is not None and state.saved_step != state.step:
+                        save()
+                    raise TrainingInterrupted(
+                        f"{desc}: interrupted at step {state.step}; "
+                        + (f"saved it to {state.saved_at}; rerun the same command to resume" if state.saved_at
+                           else "no checkpoint was saved"), step=state.step, checkpoint=state.saved_at)
+    except TrainingInterrupted:
+        raise
+    except KeyboardInterrupt:  # a second Ctrl-C, mid-step: the last complete checkpoint stands
+        saved = (f"the last complete checkpoint is {state.saved_at}; rerun the same command to resume"
+                 if state.saved_at else "no checkpoint was saved")
+        raise TrainingInterrupted(f"{desc}: interrupted after step {state.step}; {saved}",
+                                  step=state.saved_step if state.saved_at else state.step,
+                                  checkpoint=state.saved_at) from None
+    finally:
+        if bar is not None:
+            bar.close()
+    state.finished = state.step >= config.steps
+    if state.finished and not (final_eval_done is not None and final_eval_done(state)):
+        run_eval(final=True)
+        state.saved_step = -1  # the evaluation is part of the trainer state
+    if checkpoints is not None and state.saved_step != state.step:
+        save()
+    if module is not trainee:
+        # free DDP (its reducer holds the process group) now, not whenever the cyclic GC runs: a DDP
+        # object collected during interpreter shutdown, after destroy_process_group, can abort the process
+        del module
+        gc.collect()
+    return state
+
+
+def _resume(state: LoopState, checkpoints: Checkpoints | None, optimizer, scheduler, ctx: DistContext,
+            rank_seed: int | None, config: TrainConfig, desc: str) -> None:
+    """Load the newest acceptable checkpoint (rank 0 chooses, every rank loads it) into the run."""
+    if checkpoints is None:
+        return
+    ckpt = checkpoints.find() if ctx.is_main else None
+    if ctx.distributed:  # rank 0 verified (and perhaps fell back): every rank loads the same one
+        chosen = [str(ckpt) if ckpt is not None else None]
+        dist.broadcast_object_list(chosen, src=0)
+        ckpt = Path(chosen[0]) if chosen[0] is not None else None
+    if ckpt is None:
+        return
+    saved = load_state(ckpt, checkpoints.state_name)
+    if not checkpoints.accept(ckpt, saved):
+        return
+    checkpoints.read_weights(ckpt)
+    optimizer.load_state_dict(saved["optimizer"])
+    scheduler.load_state_dict(saved["scheduler"])
+    state.step, state.losses, state.evals = saved["step"], list(saved["losses"]), list(saved["evals"])
+    rng = saved["rng"]
+    rng = [rng] if isinstance(rng, dict) else list(rng)  # a single-process run of older versions: one dict
+    if len(rng) == ctx.world_size:
+        set_rng_state(rng[ctx.rank], ctx.device)
+    else:
+        warnings.warn(f"{ckpt} was written by {len(rng)} rank(s), this job has {ctx.world_size}: the data "
+                      "order and weights resume exactly, the dropout RNG streams do not", RuntimeWarning,
+                      stacklevel=3)
+        torch.manual_seed((rank_seed or 0) + state.step)
+    checkpoints.restore(saved)
+    state.resumed_from = state.saved_step = state.step
+    state.saved_at = str(ckpt)
+    if ctx.is_main and state.step < config.steps:
+        print(f"{desc}: resuming from step {state.step} ({ckpt})", file=sys.stderr, flush=True)
+
+
+__all__ = ["Checkpoints", "LoopState", "StepInfo", "TrainConfig", "lr_lambda", "train_loop"]
