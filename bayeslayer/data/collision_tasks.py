@@ -18,6 +18,8 @@ from typing import NamedTuple
 
 import torch
 
+from ..checks import check_int
+
 IGNORE_INDEX = -100
 WRITE, QUERY = 1.0, -1.0
 
@@ -31,11 +33,6 @@ class CollisionBatch(NamedTuple):
     labels: torch.Tensor
     distractor_labels: torch.Tensor
 
-
-def _check_int(name: str, value, lo: int) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < lo:
-        raise ValueError(f"{name} must be an integer >= {lo}, got {value!r}")
-    return value
 
 
 def _check_generator(generator) -> torch.Generator:
@@ -100,11 +97,11 @@ def collision_recall_batch(
         2  WRITE   .8e_1+.6e_2  0       -100     distractor written n_f = 1 time
         3  QUERY   e_1          (none)  1        query the target; distractor_labels[3] = 0
     """
-    B = _check_int("batch_size", batch_size, 1)
-    n_f = _check_int("n_f", n_f, 0)
-    n_b = _check_int("n_b", n_b, 1)
-    P = _check_int("num_pairs", num_pairs, 1)
-    D = _check_int("address_dim", address_dim, 2)
+    B = check_int("batch_size", batch_size, minimum=1)
+    n_f = check_int("n_f", n_f, minimum=0)
+    n_b = check_int("n_b", n_b, minimum=1)
+    P = check_int("num_pairs", num_pairs, minimum=1)
+    D = check_int("address_dim", address_dim, minimum=2)
     g = _check_generator(generator)
     if 2 * P > D:
         raise ValueError(f"num_pairs={P} needs 2·num_pairs <= address_dim, got address_dim={D}")
@@ -150,9 +147,9 @@ def crowding_projection(address_dim: int = 16, source_dim: int = 64, seed: int =
 
     Every model and every run of an experiment uses the same ``W`` (same seed).
     """
-    d = _check_int("address_dim", address_dim, 1)
-    s = _check_int("source_dim", source_dim, 1)
-    seed = _check_int("seed", seed, 0)
+    d = check_int("address_dim", address_dim, minimum=1)
+    s = check_int("source_dim", source_dim, minimum=1)
+    seed = check_int("seed", seed, minimum=0)
     if d > s:
         raise ValueError(f"address_dim ({d}) must be <= source_dim ({s}) for orthonormal rows")
     g = torch.Generator().manual_seed(seed)
@@ -193,10 +190,10 @@ def crowding_batch(
         3  QUERY   a_2      (none)  5
         4  QUERY   a_0      (none)  5
     """
-    B = _check_int("batch_size", batch_size, 1)
-    n = _check_int("n", n, 1)
-    nq = _check_int("num_queries", num_queries, 1)
-    V = _check_int("num_values", num_values, 1)
+    B = check_int("batch_size", batch_size, minimum=1)
+    n = check_int("n", n, minimum=1)
+    nq = check_int("num_queries", num_queries, minimum=1)
+    V = check_int("num_values", num_values, minimum=1)
     g = _check_generator(generator)
     if not isinstance(projection, torch.Tensor) or projection.dim() != 2:
         got = getattr(projection, "shape", projection)

@@ -54,6 +54,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..checks import check_int
+
 # ----------------------------------------------------------------------------- tasks
 
 
@@ -310,10 +312,10 @@ class NiahGenerator:
         """The ``index``-th sample of ``task`` at ``length`` tokens (prompt + answer budget)
         with the answer needle(s) at ``depth`` percent of the context."""
         spec = check_task(task)
-        length = _check_int("length", length, minimum=16)
-        max_new_tokens = _check_int("max_new_tokens", max_new_tokens, minimum=1)
+        length = check_int("length", length, minimum=16)
+        max_new_tokens = check_int("max_new_tokens", max_new_tokens, minimum=1)
         depth = _check_depth(depth)
-        index = _check_int("index", index, minimum=0)
+        index = check_int("index", index, minimum=0)
         if spec.haystack == "essay" and not self.essay_units:
             raise ValueError(f"{task} needs an essay haystack: pass essays= (a list of documents or a TextCorpus)")
         prompt_len = length - max_new_tokens
@@ -491,12 +493,6 @@ def _find(haystack: Sequence[int], needle: Sequence[int], start: int = 0) -> int
 # ----------------------------------------------------------------------------- checks
 
 
-def _check_int(name: str, value: Any, *, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return int(value)
 
 
 def _check_depth(depth: Any) -> float:

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import argparse
 import math
-import numbers
 import os
 from pathlib import Path
 
 import torch
 
+from ..checks import check_int
 from ..errors import UsageError
 
 DEVICE_HELP = "auto (a GPU when there is one, else the CPU), cpu, cuda or cuda:N"
@@ -76,21 +76,6 @@ def device_arg(text: str) -> str:
 # --------------------------------------------------------------------------- numbers
 
 
-def check_int(name: str, value, *, minimum: int) -> int:
-    """``value`` as an ``int`` when it is an integer ``>= minimum``: the one integer check of the experiments.
-
-    Python and NumPy integers pass (``numbers.Integral``); ``bool``, floats (``3.0`` too), strings and
-    everything else raise ``TypeError``; an integer below ``minimum`` raises ``ValueError``.  Both
-    messages name the argument.
-
-    >>> check_int("steps", 3, minimum=1)
-    3
-    """
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value}")
-    return int(value)
 
 
 def positive_int_arg(text: str) -> int:

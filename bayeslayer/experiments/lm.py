@@ -67,6 +67,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ..checks import check_int
 from ..errors import UsageError
 from ..training import (
     CheckpointStore,
@@ -116,11 +117,6 @@ _BOOKKEEPING = frozenset({"eval_every", "eval_windows", "eval_batch_size", "chec
 # --------------------------------------------------------------------------- configuration
 
 
-def _check_int(name: str, value: Any, *, minimum: int) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return value
-
 
 @dataclass(frozen=True)
 class LMModelConfig:
@@ -141,7 +137,7 @@ class LMModelConfig:
         if self.mixer not in MIXERS:
             raise ValueError(f"mixer must be one of {sorted(MIXERS)}, got {self.mixer!r}")
         for name in ("hidden_size", "num_layers", "num_heads", "head_dim"):
-            _check_int(name, getattr(self, name), minimum=1)
+            check_int(name, getattr(self, name), minimum=1)
         if not (isinstance(self.mlp_dropout, (int, float)) and 0.0 <= self.mlp_dropout < 1.0):
             raise ValueError(f"mlp_dropout must be a probability in [0, 1), got {self.mlp_dropout!r}")
 
@@ -160,8 +156,8 @@ class LMDataConfig:
             raise ValueError(f"source must be a non-empty string, got {self.source!r}")
         if self.tokenizer is not None and not isinstance(self.tokenizer, str):
             raise TypeError(f"tokenizer must be a path string or None, got {type(self.tokenizer).__name__}")
-        _check_int("vocab_size", self.vocab_size, minimum=1)
-        _check_int("seq_len", self.seq_len, minimum=2)
+        check_int("vocab_size", self.vocab_size, minimum=1)
+        check_int("seq_len", self.seq_len, minimum=2)
 
 
 #: The optimisation of an LM run unless told otherwise (``batch_size``: windows per step, all ranks).
@@ -227,8 +223,8 @@ class LMConfig:
 
     def __post_init__(self):
         for name in ("micro_batch_size", "eval_batch_size", "log_every"):
-            _check_int(name, getattr(self, name), minimum=1)
-        _check_int("eval_windows", self.eval_windows, minimum=0)
+            check_int(name, getattr(self, name), minimum=1)
+        check_int("eval_windows", self.eval_windows, minimum=0)
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         if not isinstance(self.label, str):
@@ -472,7 +468,7 @@ def grouped_perplexity(model, windows: np.ndarray, masks: dict[str, np.ndarray],
         if tuple(mask.shape) != (windows.shape[0], windows.shape[1] - 1):
             raise ValueError(f"masks[{name!r}] has shape {tuple(mask.shape)}; windows {windows.shape} need "
                              f"[N, L-1] = {(windows.shape[0], windows.shape[1] - 1)}")
-    _check_int("batch_size", batch_size, minimum=1)
+    check_int("batch_size", batch_size, minimum=1)
     dtype = resolve_precision(precision, ctx.device)
     mine = np.arange(ctx.rank, windows.shape[0], ctx.world_size)
     groups = GroupedCE()
@@ -659,7 +655,7 @@ def train_lm(
     if stop_after is not None and (not isinstance(stop_after, int) or isinstance(stop_after, bool)
                                    or not 0 < stop_after <= config.steps):
         raise ValueError(f"stop_after must be an integer in [1, steps={config.steps}], got {stop_after!r}")
-    _check_int("keep_checkpoints", keep_checkpoints, minimum=1)
+    check_int("keep_checkpoints", keep_checkpoints, minimum=1)
     objective = Objective() if objective is None else objective
     if not isinstance(objective, Objective):
         raise TypeError(f"objective must be an Objective, got {type(objective).__name__}")
@@ -877,7 +873,7 @@ def evaluate_run(run_dir: str | os.PathLike, *, split: str = "test", seq_len: in
         raise ValueError(f"split must be 'validation' or 'test', got {split!r}")
     ctx = init_distributed(device)
     config, model = load_run(run_dir, device=ctx.device)
-    seq_len = config.seq_len if seq_len is None else _check_int("seq_len", seq_len, minimum=2)
+    seq_len = config.seq_len if seq_len is None else check_int("seq_len", seq_len, minimum=2)
     cache = Path(run_dir) / f"eval-{split}-L{seq_len}-{precision}.json"
     weights = sha256_file(Path(run_dir) / "final" / "model.safetensors")
     if cache.is_file():

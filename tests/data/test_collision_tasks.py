@@ -90,12 +90,17 @@ def test_recall_value_permutation_differs_between_sequences_and_is_seeded():
         (dict(n_f=1, rho=torch.zeros(3)), "rho"),
         (dict(n_f=1, rho=0.8, num_pairs=9), "num_pairs"),
         (dict(n_f=1, rho=0.8, n_b=0), "n_b"),
-        (dict(n_f=1.5, rho=0.8), "n_f"),
     ],
 )
 def test_recall_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         collision_recall_batch(2, generator=gen(), **kwargs)
+
+
+def test_recall_non_integer_count_is_a_type_error():
+    """Counts go through the package's one integer check (bayeslayer.checks.check_int): a float is a TypeError."""
+    with pytest.raises(TypeError, match="n_f must be an integer"):
+        collision_recall_batch(2, generator=gen(), n_f=1.5, rho=0.8)
 
 
 def test_recall_needs_a_generator():
