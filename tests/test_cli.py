@@ -199,7 +199,7 @@ def test_debug_from_the_environment(tmp_path, monkeypatch):
 def _patch_demo(monkeypatch, behaviour):
     from bayeslayer.experiments import demo
 
-    monkeypatch.setattr(demo, "run_demo", behaviour)
+    monkeypatch.setattr(demo, "run", lambda config: behaviour())
 
 
 def test_ctrl_c_is_one_line_and_exit_code_130(monkeypatch, capsys):

@@ -64,7 +64,9 @@ from __future__ import annotations
 import argparse
 import math
 import numbers
+import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -79,7 +81,7 @@ from ..design import (
     lowrank_diagonal,
 )
 from ..ops import FilterOutput
-from .cli_checks import PLOT_ONLY_HELP, check_out_dir, plot_only_json
+from .cli_checks import PLOT_ONLY_HELP, check_int, check_out_dir, plot_only_json
 from .plotting import RefLine, Series, line_plot, load_json, save_json
 
 # -- the paper's protocol (SPEC §4.1) -------------------------------------------------------------
@@ -708,9 +710,10 @@ def run_extras(
     r2: float = 0.05,
     ell2: float = 0.05,
     b_repeats: Sequence[int] = (40, 400, 4000),
+    seeds: Sequence[int] = tuple(range(8)),
 ) -> dict:
     """Checks beyond ``collision.json``: the write angle vs the length of B's reinforcement, and
-    the models under randomly rotated keys.  Written to ``collision_extra.json``."""
+    the models under randomly rotated keys (one rotation per seed).  Written to ``collision_extra.json``."""
     kw = {"p0": p0, "r2": r2, "ell2": ell2}
     return {
         "angle_vs_reinforcement": {
@@ -719,7 +722,7 @@ def run_extras(
             "angle": [write_angle(rho, n, **kw) for n in b_repeats],
             "angle_limit": math.degrees(math.asin(_overlap("rho", rho))),
         },
-        "rotated_keys": rotated_keys(rho, **kw),
+        "rotated_keys": rotated_keys(rho, seeds, **kw),
     }
 
 
@@ -889,6 +892,85 @@ MEANING = (
 )
 
 
+# -- the whole experiment: config -> record -------------------------------------------------------
+@dataclass(frozen=True)
+class CollisionConfig:
+    """What ``bayeslayer collision`` runs: the SPEC §4.1 protocol at overlap ``rho`` with prior ``p0`` and
+    noises ``r2``, ``ell2``; the sweeps (``fixed_priors``, ``overlap_rhos``, the low-rank ``lowrank_ranks``,
+    the key-rotation ``rotation_seeds`` and the reinforcement lengths ``b_repeats`` of the write angle); and
+    ``out``, the folder for the JSON files and figures (``None``: write nothing).  The defaults are the
+    paper's and the command's.  Every field is checked here, with its name in the error.
+    """
+
+    rho: float = PAPER_CONFIG["rho"]
+    p0: float = PAPER_CONFIG["p0"]
+    r2: float = PAPER_CONFIG["r2"]
+    ell2: float = PAPER_CONFIG["ell2"]
+    fixed_priors: tuple[float, ...] = FIXED_PRIORS
+    overlap_rhos: tuple[float, ...] = OVERLAP_RHOS
+    lowrank_ranks: tuple[int, ...] = LOWRANK_RANKS
+    rotation_seeds: tuple[int, ...] = tuple(range(8))
+    b_repeats: tuple[int, ...] = (40, 400, 4000)
+    out: str | None = None
+
+    def __post_init__(self):
+        _overlap("rho", self.rho)
+        for name in ("p0", "r2", "ell2"):
+            _positive(name, getattr(self, name))
+        priors = tuple(_positive("fixed_priors entry", c) for c in _nonempty("fixed_priors", self.fixed_priors))
+        if len({prior_key(c) for c in priors}) != len(priors):
+            raise ValueError(f"fixed_priors must be distinct, got {list(self.fixed_priors)}")
+        for name, minimum in (("lowrank_ranks", 0), ("rotation_seeds", 0), ("b_repeats", 1)):
+            values = _nonempty(name, getattr(self, name))
+            object.__setattr__(self, name, tuple(check_int(f"{name} entry", v, minimum=minimum) for v in values))
+        object.__setattr__(self, "overlap_rhos", tuple(
+            _overlap("overlap_rhos entry", r) for r in _nonempty("overlap_rhos", self.overlap_rhos)))
+        object.__setattr__(self, "fixed_priors", tuple(self.fixed_priors))
+        if self.out is not None and not isinstance(self.out, (str, os.PathLike)):
+            raise TypeError(f"out must be a folder path or None, got {type(self.out).__name__}")
+
+    def noise(self) -> dict:
+        """``rho``, ``p0``, ``r2``, ``ell2`` as the keywords of the experiment's functions."""
+        return {"rho": self.rho, "p0": self.p0, "r2": self.r2, "ell2": self.ell2}
+
+
+def run(config: CollisionConfig) -> dict:
+    """The whole experiment: ``{"collision": ..., "chunk_agreement": ..., "extra": ..., "lowrank": ...}``.
+
+    ``collision`` is :func:`run_collision`'s dict (``collision.json``), ``chunk_agreement``
+    :func:`chunk_agreement`'s, ``extra`` :func:`run_extras`'s (``collision_extra.json``) and ``lowrank``
+    :func:`run_lowrank`'s with :func:`run_multi_pair`'s under ``multi_pair`` (``collision_lowrank.json``).
+    With ``config.out`` the three JSON files and the figures are written there and ``figures`` lists them.
+    """
+    if not isinstance(config, CollisionConfig):
+        raise TypeError(f"config must be a CollisionConfig, got {type(config).__name__}")
+    kw = config.noise()
+    results = run_collision(**kw, fixed_priors=config.fixed_priors, overlap_rhos=config.overlap_rhos)
+    record = {
+        "collision": results,
+        "chunk_agreement": chunk_agreement(**kw, overlap_rhos=config.overlap_rhos),
+        "extra": run_extras(**kw, b_repeats=config.b_repeats, seeds=config.rotation_seeds),
+    }
+    lowrank = run_lowrank(**kw, ranks=config.lowrank_ranks, seeds=config.rotation_seeds)
+    lowrank["multi_pair"] = run_multi_pair(**kw, ranks=config.lowrank_ranks, seeds=config.rotation_seeds)
+    record["lowrank"] = lowrank
+    if config.out is not None:
+        out_dir = check_out_dir(config.out, option="out")
+        save_json(results, out_dir / "collision.json")
+        paths = plot_collision(results, out_dir)
+        save_json(record["extra"], out_dir / "collision_extra.json")
+        save_json(lowrank, out_dir / "collision_lowrank.json")
+        paths += plot_lowrank(lowrank, out_dir)
+        record["figures"] = [str(p) for p in paths]
+    return record
+
+
+def config_from_args(args: argparse.Namespace) -> CollisionConfig:
+    """The :class:`CollisionConfig` that ``bayeslayer collision`` arguments name (``--out`` checked first)."""
+    out_dir = check_out_dir(args.out)
+    return CollisionConfig(rho=args.rho, p0=args.p0, r2=args.r2, ell2=args.ell2, out=str(out_dir))
+
+
 # -- command line ---------------------------------------------------------------------------------
 def _main(args: argparse.Namespace) -> int:
     out_dir = check_out_dir(args.out)
@@ -908,18 +990,13 @@ def _main(args: argparse.Namespace) -> int:
         if lowrank_paths:
             print(f"Redrew {len(lowrank_paths)} low-rank figures from {out_dir / 'collision_lowrank.json'}")
         return 0
-    kw = {"rho": args.rho, "p0": args.p0, "r2": args.r2, "ell2": args.ell2}
-    results = run_collision(**kw)
-    diffs = chunk_agreement(**kw)
+    record = run(config_from_args(args))
+    results, diffs, extras, lowrank = (record[k] for k in ("collision", "chunk_agreement", "extra", "lowrank"))
     print(format_table(results))
     print(
         "oracle vs chunked path, max |Δ| of readouts and gains: "
         + ", ".join(f"{n} {d:.1e}" for n, d in diffs.items())
     )
-    json_path = save_json(results, out_dir / "collision.json")
-    paths = plot_collision(results, out_dir)
-    extras = run_extras(**kw)
-    save_json(extras, out_dir / "collision_extra.json")
     av, rot = extras["angle_vs_reinforcement"], extras["rotated_keys"]
     print(
         "write angle after n writes of B (deg): "
@@ -930,15 +1007,11 @@ def _main(args: argparse.Namespace) -> int:
         f"keys turned by {len(rot['seeds'])} random rotations, final p^AB: "
         + ", ".join(f"{n} {min(rot[n]):.4f}..{max(rot[n]):.4f}" for n in MODELS)
     )
-    lowrank = run_lowrank(**kw)
-    lowrank["multi_pair"] = run_multi_pair(**kw)
-    save_json(lowrank, out_dir / "collision_lowrank.json")
-    paths += plot_lowrank(lowrank, out_dir)
     print(format_lowrank_table(lowrank))
+    paths = [Path(p) for p in record["figures"]]
     print(
-        f"\nWrote {json_path} (and collision_extra.json, collision_lowrank.json) and {len(paths)} figures: "
-        + ", ".join(p.name for p in paths)
-        + f" in {out_dir}."
+        f"\nWrote {out_dir / 'collision.json'} (and collision_extra.json, collision_lowrank.json) and "
+        f"{len(paths)} figures: " + ", ".join(p.name for p in paths) + f" in {out_dir}."
     )
     print(MEANING)
     return 0

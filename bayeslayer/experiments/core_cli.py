@@ -1,9 +1,11 @@
-"""Command-line plumbing shared by the learned core-model experiments (``recall``, ``crowding``).
+"""What the learned core-model experiments (``recall``, ``crowding``) share: presets, configs, the CLI.
 
-Both commands have the same shape: a preset (``paper`` / ``default`` / ``tiny``) with optional
-``--steps/--batch-size/--seeds`` overrides, a run that writes ``<name>.json`` and draws
-``<name>.png`` from it, ``--plot-only`` to redraw them from the JSON in ``--out``, and a printed table of
-``mean ± std`` rows per model.
+Both experiments have the same shape: a preset (``paper`` / ``default`` / ``tiny``, a subclass of
+:class:`CorePreset`) with optional ``--steps/--batch-size/--seeds`` overrides, a run
+``run(config) -> record`` over a :class:`CoreRunConfig` (the preset, the models, the output folder)
+that writes ``<name>.json`` and draws ``<name>.png`` from it, ``--plot-only`` to redraw them from the
+JSON in ``--out``, and a printed table of ``mean ± std`` rows per model.  The argparse side
+(:func:`add_command`, :func:`config_from_args`) only maps arguments onto the config.
 """
 
 from __future__ import annotations
@@ -11,33 +13,95 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
+from typing import ClassVar
 
 from ..training.optim import DECAY_POLICY
-from .cli_checks import PLOT_ONLY_HELP, check_out_dir, plot_only_json, positive_int_arg
+from .cli_checks import PLOT_ONLY_HELP, check_int, check_out_dir, plot_only_json, positive_int_arg
 from .core_models import ALL_KINDS, CORE_KINDS, CORE_LABELS
 from .harness import TrainConfig, results_record, summarize, summarize_curves, train_seeds, write_json
 
 
-def run_sweep(name: str, preset, models, cfg: TrainConfig, *, build_model: Callable, sampler, evaluation,
-              curves: Sequence[str], plot: Callable, paper_budget: str, out_dir: str | None,
-              progress: bool, evaluate: Callable | None = None) -> dict:
-    """Train every core model over ``preset.seeds`` seeds with the shared harness and summarise.
+@dataclass(frozen=True)
+class CorePreset:
+    """The fields every core-model preset starts with, and the one training config they give.
+
+    Subclasses (:class:`~bayeslayer.experiments.recall.RecallPreset`,
+    :class:`~bayeslayer.experiments.crowding.CrowdingPreset`) add their task's fields after these, so a
+    preset's ``asdict`` (the JSON ``config`` and the run-cache fingerprint) keeps its field order.
+    """
+
+    name: str
+    steps: int
+    batch_size: int
+    seeds: int
+    eval_sequences: int  # sequences per evaluation point
+    lr: float = 3e-4
+    weight_decay: float = 1e-4
+    grad_clip: float = 1.0
+    warmup_fraction: float = 0.05
+
+    def eval_every(self) -> int:
+        """Steps between periodic evaluations (0: only at the end); a preset with learning curves overrides it."""
+        return 0
+
+    def train_config(self) -> TrainConfig:
+        return TrainConfig(steps=self.steps, batch_size=self.batch_size, lr=self.lr,
+                           weight_decay=self.weight_decay, grad_clip=self.grad_clip,
+                           warmup_steps=int(self.warmup_fraction * self.steps), eval_every=self.eval_every())
+
+
+@dataclass(frozen=True)
+class CoreRunConfig:
+    """One run of a core-model experiment: ``preset`` (of the experiment's :attr:`preset_type`), the
+    ``models`` to train (names from :data:`~bayeslayer.experiments.core_models.ALL_KINDS`), ``out`` (a
+    folder for ``<name>.json``, ``<name>.png`` and the per-seed cache ``runs/``; ``None``: write nothing)
+    and ``progress`` (a progress bar).  Every field is checked here, with its name in the error."""
+
+    preset_type: ClassVar[type] = CorePreset
+
+    preset: CorePreset
+    models: tuple[str, ...] = CORE_KINDS
+    out: str | None = None
+    progress: bool = True
+
+    def __post_init__(self):
+        if not isinstance(self.preset, self.preset_type):
+            raise TypeError(f"preset must be a {self.preset_type.__name__}, got {type(self.preset).__name__}")
+        for name in ("steps", "batch_size", "seeds", "eval_sequences"):
+            check_int(f"preset.{name}", getattr(self.preset, name), minimum=1)
+        if isinstance(self.models, str):
+            raise TypeError(f"models must be a sequence of model names, not the string {self.models!r}")
+        models = tuple(self.models)
+        unknown = [m for m in models if m not in ALL_KINDS]
+        if unknown or not models:
+            raise ValueError(f"models must be a non-empty subset of {ALL_KINDS}, got {list(models)}")
+        object.__setattr__(self, "models", models)
+        if self.out is not None and not isinstance(self.out, (str, os.PathLike)):
+            raise TypeError(f"out must be a folder path or None, got {type(self.out).__name__}")
+        if self.out is not None:
+            object.__setattr__(self, "out", os.fspath(self.out))
+        if not isinstance(self.progress, bool):
+            raise TypeError(f"progress must be a bool, got {type(self.progress).__name__}")
+
+
+def run_sweep(name: str, config: CoreRunConfig, *, build_model: Callable, sampler, evaluation,
+              curves: Sequence[str], plot: Callable, paper_budget: str, evaluate: Callable | None = None) -> dict:
+    """Train every model of ``config`` over ``config.preset.seeds`` seeds with the shared harness and summarise.
 
     ``build_model(kind)`` makes a fresh model; ``curves`` name the per-seed evaluation curves
     summarised as mean ± std.  ``evaluate(model) -> {name: float}``, when given, runs every
-    ``cfg.eval_every`` steps and at the end; its numbers become ``summary["learning_curve"]``
-    (``{"step": [...], name: {"mean", "std"}}``, from each seed's ``evals``).  With ``out_dir``,
-    ``<name>.json`` and ``<name>.png`` are rewritten
-    after every model (a long sweep shows its progress) and per-seed runs are cached under
-    ``out_dir/runs`` so an interrupted sweep resumes.
+    ``eval_every`` steps of the preset's training config and at the end; its numbers become
+    ``summary["learning_curve"]`` (``{"step": [...], name: {"mean", "std"}}``, from each seed's ``evals``).
+    With ``config.out``, ``<name>.json`` and ``<name>.png`` are rewritten after every model (a long sweep
+    shows its progress) and per-seed runs are cached under ``out/runs`` so an interrupted sweep resumes.
     """
-    unknown = [m for m in models if m not in ALL_KINDS]
-    if unknown or not models:
-        raise ValueError(f"models must be a non-empty subset of {ALL_KINDS}, got {list(models)}")
+    if not isinstance(config, CoreRunConfig):
+        raise TypeError(f"config must be a CoreRunConfig, got {type(config).__name__}")
+    preset, models, out_dir, progress = config.preset, list(config.models), config.out, config.progress
+    cfg = preset.train_config()
     run_dir = os.path.join(out_dir, "runs") if out_dir else None
-    models = list(models)
-    config = {**asdict(preset), "train": asdict(cfg), "optimizer_groups": DECAY_POLICY}
+    settings = {**asdict(preset), "train": asdict(cfg), "optimizer_groups": DECAY_POLICY}
     results = {}
     record = None
     for kind in models:
@@ -54,7 +118,7 @@ def run_sweep(name: str, preset, models, cfg: TrainConfig, *, build_model: Calla
             summary["learning_curve"] = learning_curve([r["evals"] for r in records])
         results[kind] = {"label": CORE_LABELS[kind], "model_config": model_cfg, "seeds": records,
                          "summary": summary}
-        record = results_record(name, preset.name, config, results, paper_budget=paper_budget,
+        record = results_record(name, preset.name, settings, results, paper_budget=paper_budget,
                                 complete=kind == models[-1])
         if out_dir:
             write_json(os.path.join(out_dir, f"{name}.json"), record)
@@ -94,10 +158,18 @@ def print_summary_table(record: dict, key: str, xs: Sequence, x_label: str, x_fm
         print(f"{x:<7{x_fmt}}{row}")
 
 
-def run_command(args, *, name: str, presets: dict, paper_budget: str, run: Callable,
-                plot: Callable, print_table: Callable) -> int:
-    """``--plot-only`` redraws from ``<out>/<name>.json``; otherwise run the preset, print the table, say
-    where files went.  ``--out`` and the overrides are checked before any training."""
+def config_from_args(args, *, presets: dict, config_type: type[CoreRunConfig]) -> CoreRunConfig:
+    """The run config that ``bayeslayer recall|crowding`` arguments name (``--out`` checked first)."""
+    check_out_dir(args.out)
+    return config_type(preset=preset_from_args(presets, args), models=tuple(args.models), out=args.out,
+                       progress=not args.no_progress)
+
+
+def run_command(args, *, name: str, presets: dict, paper_budget: str, config_type: type[CoreRunConfig],
+                run: Callable, plot: Callable, print_table: Callable) -> int:
+    """``--plot-only`` redraws from ``<out>/<name>.json``; otherwise run the config the arguments name
+    (``run(config) -> record``), print the table, say where files went.  ``--out`` and the overrides are
+    checked before any training."""
     out_dir = check_out_dir(args.out)
     if args.plot_only:
         record = plot_only_json(out_dir, name, experiment=name)
@@ -106,14 +178,15 @@ def run_command(args, *, name: str, presets: dict, paper_budget: str, run: Calla
         print_table(record)
         print(f"\nredrew {out}")
         return 0
-    preset = preset_from_args(presets, args)
+    config = config_from_args(args, presets=presets, config_type=config_type)
+    preset = config.preset
     budget = f"{preset.steps} steps, batch {preset.batch_size}, {preset.seeds} seed(s)"
     if preset.name == "paper":
         print(f"{name}: paper budget ({paper_budget})")
     else:
         print(f"{name}: preset '{preset.name}' = {budget}; a CPU-sized run of the same task, NOT the "
               f"paper's budget ({paper_budget}); use --preset paper for that")
-    record = run(preset, args.models, out_dir=args.out, progress=not args.no_progress)
+    record = run(config)
     print_table(record)
     print(f"\nwrote {os.path.join(args.out, name + '.json')} and {name}.png")
     return 0

@@ -11,40 +11,34 @@ past capacity at ``n/D ∈ {6, 8, 12, 16}`` (and, for reference, at the training
 Models: BL and the Delta-, LA- and GLA-style recurrent cores with the address as
 key and query (:mod:`bayeslayer.experiments.core_models`).  Writes
 ``<out>/crowding.json`` and ``<out>/crowding.png`` drawn from it.
+
+Python: ``run(CrowdingConfig(preset=PRESETS["tiny"], models=("delta",), out=None)) -> record``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn as nn
 
 from ..data.collision_tasks import crowding_batch, crowding_projection
-from .core_cli import add_command, print_summary_table, run_command, run_sweep
+from .core_cli import CorePreset, CoreRunConfig, add_command, print_summary_table, run_command, run_sweep
 from .core_models import CORE_KINDS, build_core_model
-from .harness import (
-    TrainConfig,
-    masked_cross_entropy,
-    query_accuracy,
-)
+from .harness import masked_cross_entropy, query_accuracy
 
 PAPER_BUDGET = "2,500 steps, batch 256, 3 seeds"
 
 
 @dataclass(frozen=True)
-class CrowdingPreset:
-    """Everything a crowding run depends on; ``paper`` is SPEC §4.3 with §4.2's optimiser budget."""
+class CrowdingPreset(CorePreset):
+    """Everything a crowding run depends on; ``paper`` is SPEC §4.3 with §4.2's optimiser budget.
 
-    name: str
-    steps: int
-    batch_size: int
-    seeds: int
-    eval_sequences: int
-    lr: float = 3e-4
-    weight_decay: float = 1e-4
-    grad_clip: float = 1.0
-    warmup_fraction: float = 0.05
+    The first fields (name, steps, batch size, seeds, ``eval_sequences``, the optimiser's) and the
+    training config are :class:`~bayeslayer.experiments.core_cli.CorePreset`'s (no learning curves).
+    """
+
     address_dim: int = 16
     source_dim: int = 64
     projection_seed: int = 0
@@ -54,11 +48,6 @@ class CrowdingPreset:
     test_load: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16)  # n/D; 6..16 are SPEC's test loads
     eval_batch: int = 64
     eval_seed: int = 4321
-
-    def train_config(self) -> TrainConfig:
-        return TrainConfig(steps=self.steps, batch_size=self.batch_size, lr=self.lr,
-                           weight_decay=self.weight_decay, grad_clip=self.grad_clip,
-                           warmup_steps=int(self.warmup_fraction * self.steps))
 
 
 PRESETS = {
@@ -117,14 +106,33 @@ def build_model(kind: str, preset: CrowdingPreset) -> nn.Module:
 CURVES = ("cross_entropy_vs_load", "accuracy_vs_load")
 
 
+@dataclass(frozen=True)
+class CrowdingConfig(CoreRunConfig):
+    """One crowding run: ``preset`` (a :class:`CrowdingPreset`; default ``PRESETS["default"]``), ``models``,
+    ``out`` (``None``: write nothing), ``progress``; checked as
+    :class:`~bayeslayer.experiments.core_cli.CoreRunConfig`."""
+
+    preset_type: ClassVar[type] = CrowdingPreset
+
+    preset: CrowdingPreset = PRESETS["default"]
+
+
+def run(config: CrowdingConfig) -> dict:
+    """Train and evaluate every model of ``config`` over ``preset.seeds`` seeds; returns (and, with
+    ``config.out``, writes) the record of ``crowding.json``."""
+    if not isinstance(config, CrowdingConfig):
+        raise TypeError(f"config must be a CrowdingConfig, got {type(config).__name__}")
+    preset = config.preset
+    projection = crowding_projection(preset.address_dim, preset.source_dim, preset.projection_seed)
+    return run_sweep("crowding", config, build_model=lambda kind: build_model(kind, preset),
+                     sampler=sampler(preset, projection), evaluation=final_evaluation(preset, projection),
+                     curves=CURVES, plot=plot_crowding, paper_budget=PAPER_BUDGET)
+
+
 def run_crowding(preset: CrowdingPreset, models=CORE_KINDS, *, out_dir: str | None = None,
                  progress: bool = True) -> dict:
-    """Train and evaluate every model over ``preset.seeds`` seeds; returns (and writes) the results."""
-    projection = crowding_projection(preset.address_dim, preset.source_dim, preset.projection_seed)
-    return run_sweep("crowding", preset, models, preset.train_config(),
-                     build_model=lambda kind: build_model(kind, preset), sampler=sampler(preset, projection),
-                     evaluation=final_evaluation(preset, projection), curves=CURVES, plot=plot_crowding,
-                     paper_budget=PAPER_BUDGET, out_dir=out_dir, progress=progress)
+    """``run(CrowdingConfig(preset, models, out_dir, progress))``."""
+    return run(CrowdingConfig(preset=preset, models=models, out=out_dir, progress=progress))
 
 
 def plot_crowding(record: dict, path: str) -> None:
@@ -167,8 +175,8 @@ def print_table(record: dict) -> None:
 
 
 def _main(args) -> int:
-    return run_command(args, name="crowding", presets=PRESETS, paper_budget=PAPER_BUDGET, run=run_crowding,
-                       plot=plot_crowding, print_table=print_table)
+    return run_command(args, name="crowding", presets=PRESETS, paper_budget=PAPER_BUDGET,
+                       config_type=CrowdingConfig, run=run, plot=plot_crowding, print_table=print_table)
 
 
 def add_parser(sub) -> None:

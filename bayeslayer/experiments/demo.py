@@ -2,21 +2,44 @@
 
 Runs the Bayesian Layer on random inputs with the token-by-token oracle and the
 chunked path, prints their agreement, the throughput of each and the predictive
-variance range.  No downloads, no training.
+variance range.  No downloads, no training.  Python: ``run(DemoConfig(T=64)) -> record``.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
 from ..ops import bl_chunk, bl_recurrent
-from .cli_checks import positive_int_arg
+from .cli_checks import check_int, positive_int_arg
 
 
-def run_demo(T: int = 512, D: int = 32, m: int = 32, H: int = 2, seed: int = 0) -> dict:
-    g = torch.Generator().manual_seed(seed)
+@dataclass(frozen=True)
+class DemoConfig:
+    """Sizes of the demo: sequence length ``T``, key dim ``D``, value dim ``m``, heads ``H``; ``seed`` of the
+    random inputs.  Every field is checked here, with its name in the error."""
+
+    T: int = 512
+    D: int = 32
+    m: int = 32
+    H: int = 2
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("T", "D", "m", "H"):
+            check_int(name, getattr(self, name), minimum=1)
+        check_int("seed", self.seed, minimum=0)
+
+
+def run(config: DemoConfig) -> dict:
+    """Both paths on the same random float64 inputs: their largest output and state differences, their
+    times and the predictive variance range (the record the command prints)."""
+    if not isinstance(config, DemoConfig):
+        raise TypeError(f"config must be a DemoConfig, got {type(config).__name__}")
+    T, D, m, H = config.T, config.D, config.m, config.H
+    g = torch.Generator().manual_seed(config.seed)
     q = torch.randn(1, T, H, D, generator=g, dtype=torch.float64)
     k = torch.nn.functional.normalize(torch.randn(1, T, H, D, generator=g, dtype=torch.float64), dim=-1)
     v = torch.randn(1, T, H, m, generator=g, dtype=torch.float64)
@@ -37,8 +60,18 @@ def run_demo(T: int = 512, D: int = 32, m: int = 32, H: int = 2, seed: int = 0) 
     }
 
 
+def run_demo(T: int = 512, D: int = 32, m: int = 32, H: int = 2, seed: int = 0) -> dict:
+    """``run(DemoConfig(T, D, m, H, seed))``."""
+    return run(DemoConfig(T=T, D=D, m=m, H=H, seed=seed))
+
+
+def config_from_args(args) -> DemoConfig:
+    """The :class:`DemoConfig` that ``bayeslayer demo`` arguments name."""
+    return DemoConfig(T=args.T)
+
+
 def _main(args) -> int:
-    r = run_demo(T=args.T)
+    r = run(config_from_args(args))
     print(f"Bayesian Layer, T={r['T']}, H={r['H']}, D={r['D']}, m={r['m']} (float64)")
     print(f"  chunked vs exact filter: max |Δo| = {r['max_abs_diff_output']:.2e}, "
           f"max |Δstate| = {r['max_abs_diff_state']:.2e}")

@@ -564,21 +564,73 @@ def _check_mixers(mixers: Sequence[str]) -> list[str]:
     return mixers
 
 
+@dataclass(frozen=True)
+class MQARConfig:
+    """One MQAR run: ``task`` (one of :data:`TASK_NAMES`), ``preset`` (an :class:`MQARPreset`; default
+    ``PRESETS["default"]``), ``mixers`` (distinct names of :func:`known_mixers` or ``bayesian_lowrank<r>``),
+    ``out`` (the folder for ``<stem>.json``, its PNG and the ``runs/`` cache; ``None``: write nothing),
+    ``device`` (``"cpu"``, ``"cuda"``, ``"cuda:1"`` or a ``torch.device``: where models, batches and
+    evaluation run) and ``progress`` (a progress bar).
+
+    Every field is checked here, with its name in the error, and every mixer's model is solved at every
+    width of the task, so a bad mixer fails before the first one trains.
+    """
+
+    task: str
+    preset: MQARPreset = PRESETS["default"]
+    mixers: tuple[str, ...] = DEFAULT_MIXERS
+    out: str | None = None
+    device: str | torch.device = "cpu"
+    progress: bool = True
+
+    def __post_init__(self):
+        if self.task not in TASK_NAMES:
+            raise ValueError(f"task must be one of {TASK_NAMES}, got {self.task!r}")
+        if not isinstance(self.preset, MQARPreset):
+            raise TypeError(f"preset must be an MQARPreset, got {type(self.preset).__name__}")
+        if isinstance(self.mixers, str):
+            raise TypeError(f"mixers must be a sequence of mixer names, not the string {self.mixers!r}")
+        object.__setattr__(self, "mixers", tuple(_check_mixers(self.mixers)))
+        if self.out is not None and not isinstance(self.out, (str, os.PathLike)):
+            raise TypeError(f"out must be a folder path or None, got {type(self.out).__name__}")
+        if self.out is not None:
+            object.__setattr__(self, "out", os.fspath(self.out))
+        if not isinstance(self.device, (str, torch.device)):
+            raise TypeError(f"device must be a device name or torch.device, got {type(self.device).__name__}")
+        try:
+            torch.device(self.device)
+        except (RuntimeError, ValueError):
+            raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:<index>', got {self.device!r}") from None
+        if not isinstance(self.progress, bool):
+            raise TypeError(f"progress must be a bool, got {type(self.progress).__name__}")
+        for mixer in self.mixers:  # every model must be buildable before the first one trains
+            for width in self.widths():
+                model_config(mixer, self.preset, width)
+
+    def widths(self) -> tuple[int, ...]:
+        """The model widths of the task: Base sweeps the preset's widths, Update and Block use one."""
+        return tuple(self.preset.base_widths) if self.task == "base" else (self.preset.width,)
+
+
 def run_mqar(task: str, preset: MQARPreset, mixers: Sequence[str] = DEFAULT_MIXERS, *,
              out_dir: str | None = None, progress: bool = True, log=print,
              device: torch.device | str = "cpu") -> dict:
-    """Train and test every mixer on ``task``; returns (and, with ``out_dir``, writes) the results.
+    """``run(MQARConfig(task, preset, mixers, out_dir, device, progress), log=log)``."""
+    return run(MQARConfig(task=task, preset=preset, mixers=mixers, out=out_dir, device=device, progress=progress),
+               log=log)
 
-    ``device``: where models, batches and evaluation run (``"cuda"`` on a GPU); recorded in the JSON.
 
-    The JSON and plot are rewritten after every finished mixer, so a sweep stopped part-way leaves the
-    mixers that finished; rerunning resumes from ``<out_dir>/runs``.
+def run(config: MQARConfig, *, log=print) -> dict:
+    """Train and test every mixer of ``config`` on its task; returns (and, with ``config.out``, writes) the
+    record of ``<stem>.json`` (:func:`results_stem`); ``log`` prints the progress lines.
+
+    The device is recorded in the JSON.  The JSON and plot are rewritten after every finished mixer, so a
+    sweep stopped part-way leaves the mixers that finished; rerunning resumes from ``<out>/runs``.
     """
-    if task not in TASK_NAMES:
-        raise ValueError(f"task must be one of {TASK_NAMES}, got {task!r}")
-    if not isinstance(preset, MQARPreset):
-        raise TypeError(f"preset must be an MQARPreset, got {type(preset).__name__}")
-    mixers = _check_mixers(mixers)
+    if not isinstance(config, MQARConfig):
+        raise TypeError(f"config must be an MQARConfig, got {type(config).__name__}")
+    task, preset, mixers, out_dir, progress = config.task, config.preset, config.mixers, config.out, config.progress
+    device = config.device
     t0 = time.perf_counter()
     train_ds, val_ds = make_pool(train_tasks(task, preset), num_examples=preset.pool_size(task),
                                  vocab_size=preset.vocab_size, seed=preset.data_seed,
@@ -601,7 +653,7 @@ def run_mqar(task: str, preset: MQARPreset, mixers: Sequence[str] = DEFAULT_MIXE
     log(f"mqar {task}: preset '{preset.name}', {len(train_ds)} train / {len(val_ds)} validation sequences, "
         f"{steps} steps ({preset.epochs} epochs × {sampler.steps_per_epoch}"
         f"{f', capped at {preset.max_steps}' if preset.max_steps else ''}), lr grid {list(preset.lrs)} on {device}")
-    widths = preset.base_widths if task == "base" else (preset.width,)
+    widths = config.widths()
     run_dir = os.path.join(out_dir, "runs") if out_dir else None
     config = {**asdict(preset), "task": task, "train": asdict(cfg), "optimizer_groups": DECAY_POLICY,
               "train_tasks": [asdict(t) for t in train_tasks(task, preset)],
@@ -761,6 +813,17 @@ def preset_from_args(args: argparse.Namespace) -> MQARPreset:
                    layout=args.layout or preset.layout, gate=args.gate or preset.gate)
 
 
+def config_from_args(args: argparse.Namespace) -> MQARConfig:
+    """The :class:`MQARConfig` that ``bayeslayer mqar`` arguments name (``--device auto``: cuda when available)."""
+    if args.task is None:
+        raise UsageError("name a task: bayeslayer mqar {base,update,block}")
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return MQARConfig(task=args.task, preset=preset_from_args(args), mixers=tuple(args.mixers),
+                      out=str(check_out_dir(args.out)), device=device, progress=not args.no_progress)
+
+
 def _main(args: argparse.Namespace) -> int:
     out_dir = check_out_dir(args.out)
     if args.plot_only:  # the named task, or every task whose JSON is in --out
@@ -778,23 +841,13 @@ def _main(args: argparse.Namespace) -> int:
             print(format_table(record))
             print(f"\nredrew {out}")
         return 0
-    if args.task is None:
-        raise UsageError("name a task: bayeslayer mqar {base,update,block}")
-    preset = preset_from_args(args)
-    mixers = _check_mixers(args.mixers)
-    for mixer in mixers:  # every model must be buildable before the first one trains
-        for width in (preset.base_widths if args.task == "base" else (preset.width,)):
-            model_config(mixer, preset, width)
-    if preset.name != "paper":
-        print(f"mqar: preset '{preset.name}' is a CPU-sized run of the same task, NOT the paper's budget "
+    config = config_from_args(args)
+    if config.preset.name != "paper":
+        print(f"mqar: preset '{config.preset.name}' is a CPU-sized run of the same task, NOT the paper's budget "
               f"(use --preset paper for SPEC §4.4)")
-    device = args.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    record = run_mqar(args.task, preset, mixers, out_dir=str(out_dir), progress=not args.no_progress,
-                      device=device)
+    record = run(config)
     print(format_table(record))
-    stem = results_stem(args.task, preset)
+    stem = results_stem(config.task, config.preset)
     print(f"\nwrote {os.path.join(out_dir, stem + '.json')} and {stem}.png")
     return 0
 
@@ -835,8 +888,8 @@ def add_parser(sub) -> None:
 
 
 __all__ = [
-    "DEFAULT_MIXERS", "GATES", "LAYOUTS", "MIXER_VARIANTS", "PRESETS", "TASK_NAMES", "BaseConv",
+    "DEFAULT_MIXERS", "GATES", "LAYOUTS", "MIXER_VARIANTS", "PRESETS", "TASK_NAMES", "BaseConv", "MQARConfig",
     "MQARModel", "MQARModelConfig", "MQARPreset", "build_model", "epoch_sampler", "format_table", "gate_kwargs",
     "known_mixers", "mixer_kwargs", "model_config", "plot_mqar", "query_counts", "resolve_mixer", "results_stem",
-    "run_mqar", "sweep_points", "train_tasks",
+    "config_from_args", "run", "run_mqar", "sweep_points", "train_tasks",
 ]

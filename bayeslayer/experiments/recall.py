@@ -20,6 +20,8 @@ accuracy and CE on the training distribution, accuracy at ``n_f ∈ curve_n_f`` 
 at ``ρ ∈ curve_rho`` (``n_f = 64``), the numbers the paper's claims are about — so a reader can see
 whether a budget has converged.  ``long`` is ``default`` with 3× the steps and nothing else changed.
 
+Python: ``run(RecallConfig(preset=PRESETS["tiny"], models=("delta",), out=None)) -> record``.
+
 Writes ``<out>/recall.json`` (config, per-seed metrics and learning curves, mean ± std over seeds)
 and ``<out>/recall.png`` drawn from that JSON (``--plot-only`` redraws it).
 """
@@ -27,35 +29,27 @@ and ``<out>/recall.png`` drawn from that JSON (``--plot-only`` redraws it).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
 import torch
 import torch.nn as nn
 
 from ..data.collision_tasks import collision_recall_batch
-from .core_cli import add_command, print_summary_table, run_command, run_sweep
+from .core_cli import CorePreset, CoreRunConfig, add_command, print_summary_table, run_command, run_sweep
 from .core_models import CORE_KINDS, build_core_model
-from .harness import (
-    TrainConfig,
-    masked_cross_entropy,
-    query_accuracy,
-)
+from .harness import masked_cross_entropy, query_accuracy
 
 PAPER_BUDGET = "2,500 steps, batch 256, 3 seeds"
 
 
 @dataclass(frozen=True)
-class RecallPreset:
-    """Everything a recall run depends on; ``paper`` is SPEC §4.2's budget."""
+class RecallPreset(CorePreset):
+    """Everything a recall run depends on; ``paper`` is SPEC §4.2's budget.
 
-    name: str
-    steps: int
-    batch_size: int
-    seeds: int
-    eval_sequences: int  # sequences per evaluation point (8 queries each)
-    lr: float = 3e-4
-    weight_decay: float = 1e-4
-    grad_clip: float = 1.0
-    warmup_fraction: float = 0.05
+    The first fields (name, steps, batch size, seeds, ``eval_sequences`` — sequences per evaluation
+    point, 8 queries each — and the optimiser's) are :class:`~bayeslayer.experiments.core_cli.CorePreset`'s.
+    """
+
     n_b: int = 4
     num_pairs: int = 8
     address_dim: int = 16
@@ -72,11 +66,9 @@ class RecallPreset:
     curve_n_f: tuple[int, ...] = (64, 128, 256)
     curve_rho: tuple[float, ...] = (0.80, 0.90, 0.95)
 
-    def train_config(self) -> TrainConfig:
-        eval_every = max(1, self.steps // self.curve_points) if self.curve_points else 0
-        return TrainConfig(steps=self.steps, batch_size=self.batch_size, lr=self.lr,
-                           weight_decay=self.weight_decay, grad_clip=self.grad_clip,
-                           warmup_steps=int(self.warmup_fraction * self.steps), eval_every=eval_every)
+    def eval_every(self) -> int:
+        """Every ``steps // curve_points`` steps (at least 1); 0 (only at the end) without learning curves."""
+        return max(1, self.steps // self.curve_points) if self.curve_points else 0
 
 
 _DEFAULT = RecallPreset("default", steps=600, batch_size=64, seeds=2, eval_sequences=64)
@@ -185,14 +177,32 @@ def build_model(kind: str, preset: RecallPreset) -> nn.Module:
 CURVES = ("accuracy_vs_n_f", "cross_entropy_vs_n_f", "margin_vs_n_f", "margin_vs_rho", "accuracy_vs_rho")
 
 
+@dataclass(frozen=True)
+class RecallConfig(CoreRunConfig):
+    """One recall run: ``preset`` (a :class:`RecallPreset`; default ``PRESETS["default"]``), ``models``,
+    ``out`` (``None``: write nothing), ``progress``; checked as
+    :class:`~bayeslayer.experiments.core_cli.CoreRunConfig`."""
+
+    preset_type: ClassVar[type] = RecallPreset
+
+    preset: RecallPreset = _DEFAULT
+
+
+def run(config: RecallConfig) -> dict:
+    """Train and evaluate every model of ``config`` over ``preset.seeds`` seeds; returns (and, with
+    ``config.out``, writes) the record of ``recall.json``."""
+    if not isinstance(config, RecallConfig):
+        raise TypeError(f"config must be a RecallConfig, got {type(config).__name__}")
+    preset = config.preset
+    return run_sweep("recall", config, build_model=lambda kind: build_model(kind, preset), sampler=sampler(preset),
+                     evaluation=final_evaluation(preset), curves=CURVES, plot=plot_recall,
+                     paper_budget=PAPER_BUDGET, evaluate=curve_evaluation(preset) if preset.curve_points else None)
+
+
 def run_recall(preset: RecallPreset, models=CORE_KINDS, *, out_dir: str | None = None,
                progress: bool = True) -> dict:
-    """Train and evaluate every model over ``preset.seeds`` seeds; returns (and writes) the results."""
-    return run_sweep("recall", preset, models, preset.train_config(),
-                     build_model=lambda kind: build_model(kind, preset), sampler=sampler(preset),
-                     evaluation=final_evaluation(preset), curves=CURVES, plot=plot_recall,
-                     paper_budget=PAPER_BUDGET, out_dir=out_dir, progress=progress,
-                     evaluate=curve_evaluation(preset) if preset.curve_points else None)
+    """``run(RecallConfig(preset, models, out_dir, progress))``."""
+    return run(RecallConfig(preset=preset, models=models, out=out_dir, progress=progress))
 
 
 def plot_recall(record: dict, path: str) -> None:
@@ -260,8 +270,8 @@ def print_table(record: dict) -> None:
 
 
 def _main(args) -> int:
-    return run_command(args, name="recall", presets=PRESETS, paper_budget=PAPER_BUDGET, run=run_recall,
-                       plot=plot_recall, print_table=print_table)
+    return run_command(args, name="recall", presets=PRESETS, paper_budget=PAPER_BUDGET, config_type=RecallConfig,
+                       run=run, plot=plot_recall, print_table=print_table)
 
 
 def add_parser(sub) -> None:

@@ -59,6 +59,7 @@ from __future__ import annotations
 import argparse
 import math
 import numbers
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
@@ -358,22 +359,86 @@ def match_state_budget(
     return configs
 
 
-# -- command line ------------------------------------------------------------------------------------
-def _main(args: argparse.Namespace) -> int:
-    if args.json:
-        check_out_file(args.json, option="--json")
+# -- the command as config -> record ----------------------------------------------------------------
+@dataclass(frozen=True)
+class StateBudgetConfig:
+    """What ``bayeslayer state-budget`` solves: every mixer of ``mixers`` at every width of ``widths`` for a
+    per-layer ``budget`` of floats, with :func:`solve_state_budget`'s ``num_heads``, ``groups`` (covariance
+    mixers only), ``min_usage``, ``target_head_dim`` and ``rank`` (``bayesian_lowrank`` only); ``json``: a
+    file to write the configurations to (``None``: none).  Every field is checked here, with its name."""
+
+    budget: int = PAPER_BUDGET
+    widths: tuple[int, ...] = (64,)
+    mixers: tuple[str, ...] = BUDGET_MIXERS
+    rank: int | None = None
+    num_heads: int | None = None
+    groups: int = 1
+    min_usage: float = 0.9
+    target_head_dim: int = 64
+    json: str | None = None
+
+    def __post_init__(self):
+        check_int("budget", self.budget, minimum=1)
+        for name, known in (("widths", None), ("mixers", (*BUDGET_MIXERS, LOWRANK_MIXER))):
+            values = getattr(self, name)
+            if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or not values:
+                raise ValueError(f"{name} must be a non-empty sequence, got {values!r}")
+            if known is None:
+                values = tuple(check_int(f"{name} entry", w, minimum=1) for w in values)
+            elif any(m not in known for m in values):
+                raise ValueError(f"{name} must be names from {list(known)}, got {list(values)}")
+            object.__setattr__(self, name, tuple(values))
+        if self.rank is not None:
+            check_int("rank", self.rank, minimum=0)
+        if self.num_heads is not None:
+            check_int("num_heads", self.num_heads, minimum=1)
+        check_int("groups", self.groups, minimum=1)
+        check_int("target_head_dim", self.target_head_dim, minimum=1)
+        usage = self.min_usage
+        if isinstance(usage, bool) or not isinstance(usage, numbers.Real) or not (0 < usage <= 1):
+            raise ValueError(f"min_usage must be a number in (0, 1], got {usage!r}")
+        if self.json is not None and not isinstance(self.json, (str, os.PathLike)):
+            raise TypeError(f"json must be a file path or None, got {type(self.json).__name__}")
+
+
+def run(config: StateBudgetConfig, *, print_fn: Callable[[str], None] | None = print) -> list[dict]:
+    """Solve every mixer at every width of ``config`` (:func:`match_state_budget`, which prints the sizes
+    through ``print_fn``); returns the configurations as dicts (:meth:`HeadConfig.to_dict`), the JSON the
+    command writes to ``config.json``."""
+    if not isinstance(config, StateBudgetConfig):
+        raise TypeError(f"config must be a StateBudgetConfig, got {type(config).__name__}")
+    if config.json:
+        check_out_file(config.json, option="json")
     results = []
-    for width in args.width:
+    for width in config.widths:
         configs = match_state_budget(
-            args.budget, width, args.mixers, num_heads=args.num_heads, groups=args.groups,
-            min_usage=args.min_usage, target_head_dim=args.target_head_dim, rank=args.rank,
+            config.budget, width, config.mixers, print_fn=print_fn, num_heads=config.num_heads,
+            groups=config.groups, min_usage=config.min_usage, target_head_dim=config.target_head_dim,
+            rank=config.rank,
         )
         results.extend(c.to_dict() for c in configs.values())
-    if args.json:
+    if config.json:
         from .harness import write_json
 
-        write_json(args.json, results)  # atomic; creates the folder --json names
-        print(f"wrote {args.json}")
+        write_json(config.json, results)  # atomic; creates the folder json names
+    return results
+
+
+# -- command line ------------------------------------------------------------------------------------
+def config_from_args(args: argparse.Namespace) -> StateBudgetConfig:
+    """The :class:`StateBudgetConfig` that ``bayeslayer state-budget`` arguments name (``--json`` checked first)."""
+    if args.json:
+        check_out_file(args.json, option="--json")
+    return StateBudgetConfig(budget=args.budget, widths=tuple(args.width), mixers=tuple(args.mixers),
+                             rank=args.rank, num_heads=args.num_heads, groups=args.groups,
+                             min_usage=args.min_usage, target_head_dim=args.target_head_dim, json=args.json)
+
+
+def _main(args: argparse.Namespace) -> int:
+    config = config_from_args(args)
+    run(config)
+    if config.json:
+        print(f"wrote {config.json}")
     return 0
 
 
@@ -393,5 +458,5 @@ def add_parser(sub) -> None:
     p.set_defaults(func=_main)
 
 
-__all__ = ["BUDGET_MIXERS", "LOWRANK_MIXER", "PAPER_BUDGET", "SSD_MIXERS", "HeadConfig", "match_state_budget",
-           "mixer_design", "solve_state_budget"]
+__all__ = ["BUDGET_MIXERS", "LOWRANK_MIXER", "PAPER_BUDGET", "SSD_MIXERS", "HeadConfig", "StateBudgetConfig",
+           "config_from_args", "match_state_budget", "mixer_design", "run", "solve_state_budget"]
