@@ -101,6 +101,20 @@ def test_mixer_recipe(restore_registries, monkeypatch):
     assert wd[id(layer.decay_logit)] == 0.0
     assert wd[id(layer.b_proj.weight)] == 0.1 and wd[id(layer.q_proj.weight)] == 0.1
 
+    # the language model takes it by name, per layer (hybrids too), and decodes with its cache
+    from bayeslayer.models import BayesLayerConfig, BayesLayerForCausalLM
+
+    lm_config = BayesLayerConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_heads=2, head_dim=16,
+                                 mixer="fixed_decay_deltanet", mixer_overrides={1: "gated_deltanet"})
+    lm = BayesLayerForCausalLM(lm_config).eval()
+    assert sum(isinstance(mx, cls) for mx in lm.modules()) == 1
+    tokens = torch.randint(0, 50, (1, 6))
+    with torch.no_grad():
+        full = lm(tokens).logits
+        pre = lm(tokens[:, :5], use_cache=True)
+        nxt = lm(tokens[:, 5:], past_key_values=pre.past_key_values, use_cache=True).logits
+    torch.testing.assert_close(nxt[:, -1], full[:, -1], atol=1e-4, rtol=1e-4)
+
     # MQAR sizes it by the state budget once the name is in BUDGET_MIXERS, and the built layer carries
     # exactly the state the solver counted with the design's state_size (build_model checks that)
     from bayeslayer.experiments import mqar, state_budget
