@@ -253,7 +253,7 @@ def test_bad_generator_arguments(tokenizer, generator):
         generator.sample("niah_single_1", 512.0, 50)
     with pytest.raises(ValueError, match="too short for niah_multiquery"):
         generator.sample("niah_multiquery", 120, 50, max_new_tokens=8)
-    with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
+    with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 1"):
         generator.sample("niah_single_1", 512, 50, max_new_tokens=0)
     no_essay = niah.NiahGenerator(tokenizer, None)
     assert len(no_essay.sample("niah_single_1", 300, 50, max_new_tokens=8).input_ids) == 292
