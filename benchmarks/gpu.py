@@ -486,10 +486,10 @@ def compile_only(args) -> list[dict]:
         if kernel in ("cov", "cov64"):
             fn = bl_chunk_cov_kernel
             names = ["q", "k", "r2", "ell2", "la", "cu_seqlens", "P", "W", "LINV", "Yscr", "Uscr", "VAR", "CKP",
-                     "ck_offsets"]
+                     "ck_offsets", "LDLscr", "FAIL"]
             consts = dict(common, C=C, RETURN_VAR=False, SAVE_CK=save_ck, PREC="ieee", CK_EVERY=ck_every)
             if kernel == "cov64":  # as phase_a_triton launches it (per-channel decays in float64 too)
-                fp64 = ("P", "W", "LINV", "Yscr", "Uscr", "VAR", "CKP") + (("la",) if diag else ())
+                fp64 = ("P", "W", "LINV", "Yscr", "Uscr", "VAR", "CKP", "LDLscr") + (("la",) if diag else ())
         elif kernel == "track64":
             fn, nw = scan_track_kernel, 4
             names = ["W", "KW", "BETA", "la", "cu_seg", "segs", "A", "J", "Hscr"]
@@ -504,7 +504,7 @@ def compile_only(args) -> list[dict]:
             names = ["q", "k", "v", "r2", "ell2", "la", "P_in", "M_in", "P_out", "M_out", "Uscr", "O", "VAR"]
             BK_step, BV_step = step_tiles(D, D)[1:]
             consts = dict(common, BK=BK_step, MV=D, BMV=BD, BV=BV_step)
-        sig = {n: ("*i64" if n in ("cu_seqlens", "ck_offsets", "cu_seg", "segs") else
+        sig = {n: ("*i64" if n in ("cu_seqlens", "ck_offsets", "cu_seg", "segs") else "*i32" if n == "FAIL" else
                    "*fp64" if n in fp64 else "*fp32") for n in names}
         sig.update({n: "constexpr" for n in consts})
         t0 = time.time()

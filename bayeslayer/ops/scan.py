@@ -232,6 +232,38 @@ def chunk_step(dyn: ChunkDynamics, kt, NBk, base, BC, P, *, k=None, v=None, q=No
     return out
 
 
+def ldl_clamped(S: torch.Tensor, floor: torch.Tensor):
+    """``S = L diag(d) Lᵀ`` with every pivot clamped from below, ``d_j = max(raw_j, floor_j)``.
+
+    The plain-PyTorch twin of the Triton kernels' blocked factorisation
+    (:func:`bayeslayer.ops.triton.ldl.ldl_blocked`): the clamped elimination is the exact
+    ``LDLᵀ`` of ``S + diag(δ)`` (δ ≥ 0 what the clamp adds), so blocking does not change it.
+    S ``[..., N, N]`` symmetric, floor ``[..., N]``.  Returns ``(L, d, L⁻¹, failed)``; ``failed``
+    ``[...]`` is True where a raw pivot was not positive or not finite.
+    """
+    if not isinstance(S, torch.Tensor) or S.dim() < 2 or S.shape[-1] != S.shape[-2]:
+        raise ValueError(f"S must be a [..., N, N] tensor, got {getattr(S, 'shape', type(S).__name__)}")
+    if not isinstance(floor, torch.Tensor) or floor.shape != S.shape[:-1]:
+        raise ValueError(f"floor must be a tensor of shape {tuple(S.shape[:-1])}, got "
+                         f"{getattr(floor, 'shape', type(floor).__name__)}")
+    N = S.shape[-1]
+    A = _sym(S).clone()
+    L = torch.zeros_like(A)
+    d = torch.zeros_like(A[..., 0])
+    failed = torch.zeros(S.shape[:-2], dtype=torch.bool, device=S.device)
+    for j in range(N):
+        raw = A[..., j, j]
+        failed |= ~(raw > 0)
+        dj = torch.maximum(raw, floor[..., j])
+        d[..., j] = dj
+        lj = A[..., :, j] / dj[..., None]
+        lj[..., : j + 1] = 0.0
+        L[..., :, j] = lj
+        A = A - lj[..., :, None] * A[..., j, None, :]
+    L = L + torch.eye(N, dtype=S.dtype, device=S.device)
+    return L, d, unit_lower_inverse(L), failed
+
+
 def apply_element(A, Cm, J, P):
     """Phase B step ``P ↦ A (I + P J)⁻¹ P Aᵀ + C`` in the PSD-preserving Cholesky form.
 

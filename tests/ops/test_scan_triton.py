@@ -91,3 +91,4 @@ def test_phase_a_triton_equals_twin(diagonal):
         assert _rel(a, b) <= 1e-12
     assert not out[3].any()
     assert torch.linalg.matrix_norm(out[0], ord=2).min() > 0.1  # A_s far from 0 in this regime
+

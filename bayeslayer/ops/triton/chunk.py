@@ -67,6 +67,12 @@ def tile_sizes(D: int, m: int) -> tuple[int, int, int]:
     return BD, 16, min(max(16, _next_pow2(m)), 32)
 
 
+def ldl_scratch(n: int, Hf: int, C: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The covariance kernel's blocked-LDLᵀ scratch ``[n, H', 2C² + C]`` and its failure flags ``[n, H']`` (int32)."""
+    return (torch.empty(n, Hf, 2 * C * C + C, dtype=dtype, device=device),
+            torch.zeros(n, Hf, dtype=torch.int32, device=device))
+
+
 def _check_chunk_size(chunk_size) -> int:
     reason = unsupported("chunk", chunk_size=chunk_size)
     if reason is not None:
@@ -182,8 +188,8 @@ def _forward_triton(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, want_v
         shape = dict(H=Hf, D=D, C=C, BD=BD, BK=BK, DIAG=diag, HAS_ALPHA=has_alpha, SAVE_CK=save_checkpoints,
                      PREC=prec, CK_EVERY=BACKWARD_BLOCK if save_checkpoints else 1, num_warps=default_num_warps(C))
         bl_chunk_cov_kernel[(n_seq, Hf)](
-            qf, kf, r2f, l2f, laf, cu_k, P, w, linv, Yscr, Uscr, var, ck_args[0], ck_args[2], RETURN_VAR=want_var,
-            **shape,
+            qf, kf, r2f, l2f, laf, cu_k, P, w, linv, Yscr, Uscr, var, ck_args[0], ck_args[2],
+            *ldl_scratch(n_seq, Hf, C, cd, dims.device), RETURN_VAR=want_var, **shape,
         )
         bl_chunk_mean_kernel[(triton.cdiv(mg, BV), n_seq, Hf)](
             qf, kf, vf, w, linv, laf, cu_k, M, o, ck_args[1], ck_args[2], MV=mg, BV=BV, **shape,

@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from .. import scan as sc
+from .chunk import ldl_scratch
 from .kernels import bl_chunk_cov_kernel
 
 SUPPORTED_CHUNK_SIZES = (16, 32, 64)
@@ -203,8 +204,9 @@ def phase_a_triton(lay: sc.ScanLayout, q, k, r2, ell2, log_alpha, segs: torch.Te
     J = torch.zeros(n, Hf, D, D, dtype=dtype, device=dev)
     if NT == 0 or n == 0:
         return A, P[segs], J, torch.zeros(n, Hf, dtype=torch.bool, device=dev)
+    ldl_scr, ldl_fail = ldl_scratch(S, Hf, C, dtype, dev)
     bl_chunk_cov_kernel[(S, Hf)](
-        q, k, r2, ell2, la_k, cu_seg, P, W, linv, scr, scr2, W, scr, cu_seg,
+        q, k, r2, ell2, la_k, cu_seg, P, W, linv, scr, scr2, W, scr, cu_seg, ldl_scr, ldl_fail,
         H=Hf, D=D, C=C, BD=BD, BK=16, DIAG=diag, HAS_ALPHA=True, RETURN_VAR=False, SAVE_CK=False,
         PREC="ieee", CK_EVERY=1, num_warps=8 if C >= 64 else 4,
     )
@@ -216,7 +218,7 @@ def phase_a_triton(lay: sc.ScanLayout, q, k, r2, ell2, log_alpha, segs: torch.Te
         num_warps=4,
     )
     Cm = P[segs]
-    bad = ~(torch.isfinite(Cm).flatten(-2).all(-1) & torch.isfinite(A).flatten(-2).all(-1)
+    bad = (ldl_fail[segs] != 0) | ~(torch.isfinite(Cm).flatten(-2).all(-1) & torch.isfinite(A).flatten(-2).all(-1)
             & torch.isfinite(J).flatten(-2).all(-1))
     return A, Cm, J, bad
 
@@ -289,14 +291,17 @@ def forward_scan_triton(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, wa
         Uscr = torch.empty_like(Yscr)
         cu_seg = segment_offsets(lay, NT)
         la_k = call.log_alpha.contiguous() if diag else call.log_alpha[..., 0].contiguous()
+        ldl_scr, ldl_fail = ldl_scratch(S, Hf, C, cd, dev)
         if NT > 0:
             bl_chunk_cov_kernel[(S, Hf)](
                 call.q, call.k, call.r2, call.ell2, la_k, cu_seg, P, W, linv, Yscr, Uscr, var, Yscr, cu_seg,
+                ldl_scr, ldl_fail,
                 H=Hf, D=D, C=C, BD=BD, BK=16, DIAG=diag, HAS_ALPHA=True, RETURN_VAR=want_var, SAVE_CK=False,
                 PREC="ieee" if cd == f64 else PREC, CK_EVERY=1, num_warps=8 if C >= 64 else 4,
             )
         # a failed LDLᵀ pivot leaves non-finite numbers behind: folded into the same device-side flag
         failed |= ~torch.isfinite(P[last]).flatten(-2).all(-1)
+        failed.index_put_((lay.seg_seq,), ldl_fail != 0, accumulate=True)
         clock.mark("phase_c")
 
         # ---- the substituted tensors of the mean pass ----
