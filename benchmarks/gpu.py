@@ -470,12 +470,15 @@ def compile_only(args) -> list[dict]:
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     C = args.chunk_size
     out = []
-    from bayeslayer.ops.triton.scan import scan_track_kernel
+    from bayeslayer.ops.triton.scan import scan_phase_b_kernel, scan_track_kernel
 
     configs = [(k, D, g, ck) for k in ("cov", "mean", "step") for D in args.D for g in (False, True)
                for ck in ((False, True) if k != "step" else (False,))]
     # the segment scan's kernels: Phase A runs the covariance kernel in float64, then the tracking kernel
     configs += [(k, D, g, False) for k in ("cov64", "track64") for D in args.D for g in (False, True)]
+    # Phase B as one kernel (float64, no decay variants): only when asked for by name, so that the
+    # default set stays what tests/ops/test_kernels_compile.py expects
+    configs += [("phaseb64", D, False, False) for D in args.D if args.kernels and "phaseb64" in args.kernels]
     configs = [c for c in configs if not args.kernels or c[0] in args.kernels]
     for kernel, D, diag, save_ck in configs:
         BD, BK, BV = tile_sizes(D, D)
@@ -495,6 +498,11 @@ def compile_only(args) -> list[dict]:
             names = ["W", "KW", "BETA", "la", "cu_seg", "segs", "A", "J", "Hscr"]
             consts = dict(H=16, D=D, C=C, BD=BD, BK=16, DIAG=diag, PREC="ieee")
             fp64 = ("W", "KW", "BETA", "A", "J", "Hscr")
+        elif kernel == "phaseb64":
+            fn, nw = scan_phase_b_kernel, 4
+            names = ["PS", "A", "CM", "J", "elem_of_seg", "seq_first", "seq_nseg", "SCR", "FAIL"]
+            consts = dict(H=16, D=D, NB=BD // 16, PREC="ieee")
+            fp64 = ("PS", "A", "CM", "J", "SCR")
         elif kernel == "mean":
             fn = bl_chunk_mean_kernel
             names = ["q", "k", "v", "W", "LINV", "la", "cu_seqlens", "M", "O", "CKM", "ck_offsets"]
@@ -504,7 +512,8 @@ def compile_only(args) -> list[dict]:
             names = ["q", "k", "v", "r2", "ell2", "la", "P_in", "M_in", "P_out", "M_out", "Uscr", "O", "VAR"]
             BK_step, BV_step = step_tiles(D, D)[1:]
             consts = dict(common, BK=BK_step, MV=D, BMV=BD, BV=BV_step)
-        sig = {n: ("*i64" if n in ("cu_seqlens", "ck_offsets", "cu_seg", "segs") else "*i32" if n == "FAIL" else
+        sig = {n: ("*i64" if n in ("cu_seqlens", "ck_offsets", "cu_seg", "segs", "elem_of_seg", "seq_first",
+                                   "seq_nseg") else "*i32" if n == "FAIL" else
                    "*fp64" if n in fp64 else "*fp32") for n in names}
         sig.update({n: "constexpr" for n in consts})
         t0 = time.time()
@@ -546,7 +555,7 @@ def main(argv=None) -> int:
     p.add_argument("--gdn-bypass-hopper-guard", action="store_true",
                    help="time fla's GDN backward even where fla refuses it (Hopper, Triton < 3.7.1)")
     p.add_argument("--arch", type=int, default=90, help="CUDA compute capability for --compile-only")
-    p.add_argument("--kernels", nargs="*", choices=["cov", "mean", "step", "cov64", "track64"],
+    p.add_argument("--kernels", nargs="*", choices=["cov", "mean", "step", "cov64", "track64", "phaseb64"],
                    help="--compile-only: these kernels only (default all)")
     p.add_argument("--scan", action="store_true", help="v2: segment-scan forward vs GDN forward (module docstring)")
     p.add_argument("--dry-run", action="store_true",
