@@ -14,9 +14,10 @@ One short command on a machine with a CUDA GPU::
 fla's autotuning is warmed once per head dim on a short sequence (its autotune keys do not
 include T; ``TRITON_CACHE_DIR`` keeps the result for the next session), then rows in order of
 cost: latency (B = 2, H = 16) and full occupancy (``--occ-B`` × H ≥ 132) for T ∈ {2k, 8k, 32k}
-× D ∈ {64, 128, 256}, each with GDN's forward, BL's forward (``ops/triton/scan.py``), the
-BL/GDN ratio, per-phase times, peak memory; then a segment-count sweep.  The JSON is rewritten
-after every row, and no row starts after ``--budget-s``.
+× D ∈ {64, 128, 256}, each with GDN's forward, BL's forward (``ops/triton/scan.py``; with fla's
+mean pass, ``bl_fwd_s``, and with our mean kernel — what ``bl_chunk(backend="triton")`` runs —
+``bl_own_mean_fwd_s``), the BL/GDN ratio, per-phase times, peak memory; then a segment-count
+sweep.  The JSON is rewritten after every row, and no row starts after ``--budget-s``.
 
 For each (T, D) at the same B, H (value dim m = D, bf16 inputs, scalar decay):
 forward time, forward+backward time, tokens/s and peak memory (above the inputs)
@@ -285,12 +286,12 @@ def _peak_any(fn, device: str) -> int:
     return _peak_bytes(fn) if device == "cuda" else 0
 
 
-def _scan_fwd(x, chunk_size, n_segments=None, timings=None):
+def _scan_fwd(x, chunk_size, n_segments=None, timings=None, mean="fla"):
+    """The scan forward; ``mean="fla"`` (the design's mean pass) or ``"triton"`` (ours: the wired default)."""
     from bayeslayer.ops import fla_mean
     from bayeslayer.ops.triton.scan import forward_scan_triton
 
-    mean = None
-    if not torch.cuda.is_available():  # dry run: fla's fwd_h does not run in the interpreter, its twin does
+    if mean == "fla" and not torch.cuda.is_available():  # dry run: fla's fwd_h does not run in the interpreter
         def mean(*a):
             with fla_mean.one_autotune_config():
                 return fla_mean.mean_pass_fla(*a, fwd_h=fla_mean.fwd_h_reference)
@@ -419,11 +420,15 @@ def run_scan(args, save) -> list[dict]:
             phases: dict = {}
             _scan_fwd(x, args.chunk_size, timings=phases)()
             rec["bl_phases_s"] = phases
+            # the wired default (bl_chunk(backend="triton")): the same scan with our mean kernel
+            rec["bl_own_mean_fwd_s"] = _time_any(_scan_fwd(x, args.chunk_size, mean="triton"), args.reps,
+                                                 args.warmup, device)
             rec["ratio_fwd"] = rec["bl_fwd_s"] / rec["gdn_fwd_s"]
             rec["ratio_mem"] = rec["bl_mem"] / rec["gdn_mem"] if rec["gdn_mem"] else None
             rec["bl_tok_s"] = B * T / rec["bl_fwd_s"]
             print(f"{kind:>9} B={B:<2} T={T:>6} D={D:>4} | GDN {rec['gdn_fwd_s'] * 1e3:8.2f} ms | BL "
-                  f"{rec['bl_fwd_s'] * 1e3:8.2f} ms | ratio {rec['ratio_fwd']:6.2f} | mem ratio "
+                  f"{rec['bl_fwd_s'] * 1e3:8.2f} ms (own mean {rec['bl_own_mean_fwd_s'] * 1e3:.2f}) | ratio "
+                  f"{rec['ratio_fwd']:6.2f} | mem ratio "
                   f"{rec['ratio_mem'] or float('nan'):5.2f} | phases ms "
                   f"{json.dumps({n: round(v * 1e3, 2) for n, v in phases.items()})}", flush=True)
         except Exception as err:  # one failing row (OOM, compile error) must not hide the others

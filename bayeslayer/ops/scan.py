@@ -397,7 +397,8 @@ def mean_pass_reference(q, w, kw, vu, g, M0, cu: list[int], C: int):
 
 
 def _pack(x: torch.Tensor | None) -> torch.Tensor | None:
-    return None if x is None else x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+    # contiguous: the kernels index packed [NT, H', ·] tensors densely (a layer's q, k, v are strided views)
+    return None if x is None else x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]).contiguous()
 
 
 class ScanCall(NamedTuple):

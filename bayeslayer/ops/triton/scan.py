@@ -34,9 +34,9 @@ import triton
 import triton.language as tl
 
 from .. import scan as sc
-from .chunk import ldl_scratch
-from .kernels import bl_chunk_cov_kernel
+from .kernels import bl_chunk_cov_kernel, bl_chunk_mean_kernel
 from .ldl import ldl_blocked
+from .support import _next_pow2, tile_sizes
 
 SUPPORTED_CHUNK_SIZES = (16, 32, 64)
 # fp32 tl.dot products of Phase C stay IEEE (a Kalman gain needs fp32; see ops/triton/chunk.py)
@@ -280,8 +280,10 @@ def phase_b_triton(lay: sc.ScanLayout, P0: torch.Tensor, elements):
     return P_starts, fail != 0
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << (max(int(n), 1) - 1).bit_length()
+def ldl_scratch(n: int, Hf: int, C: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The covariance kernel's blocked-LDLᵀ scratch ``[n, H', 2C² + C]`` and its failure flags ``[n, H']`` (int32)."""
+    return (torch.empty(n, Hf, 2 * C * C + C, dtype=dtype, device=device),
+            torch.zeros(n, Hf, dtype=torch.int32, device=device))
 
 
 class _Clock:
@@ -378,16 +380,27 @@ def phase_a_triton(lay: sc.ScanLayout, q, k, r2, ell2, log_alpha, segs: torch.Te
     return A, Cm, J, bad
 
 
-def _default_mean(dtype: torch.dtype):
-    if dtype != torch.float64:
-        try:
-            from ..fla_mean import mean_pass_fla, require_fla
-
-            require_fla()
-            return mean_pass_fla
-        except RuntimeError:
-            pass
-    return sc.mean_pass_reference
+def mean_pass_triton(call: sc.ScanCall, W: torch.Tensor, linv: torch.Tensor, want_dtype: torch.dtype):
+    """The mean pass on :func:`bayeslayer.ops.triton.kernels.bl_chunk_mean_kernel` (one program per value
+    block, sequence and head): the generalised delta rule with erase key k and write key ``W``, its UT
+    transform the ``L⁻¹`` rows of Phase C.  Returns packed ``(o [NT, H', m'] in want_dtype, M [N, H', D, m'])``."""
+    NT, Hf, D = call.k.shape
+    mg = call.v.shape[-1]
+    cd, dev, C = call.k.dtype, call.k.device, call.C
+    diag = call.log_alpha.shape[-1] > 1
+    BD, BK, BV = tile_sizes(D, mg)
+    M = call.M0.clone()
+    o = torch.empty(NT, Hf, mg, dtype=want_dtype, device=dev)
+    if NT == 0:
+        return o, M
+    cu = torch.tensor(call.cu, dtype=torch.int64, device=dev)  # host-to-device copy, no sync
+    la_k = call.log_alpha.contiguous() if diag else call.log_alpha[..., 0].contiguous()
+    bl_chunk_mean_kernel[(triton.cdiv(mg, BV), len(call.cu) - 1, Hf)](
+        call.q, call.k, call.v, W, linv, la_k, cu, M, o, M, cu, H=Hf, D=D, MV=mg, C=C, BD=BD, BK=BK, BV=BV,
+        DIAG=diag, HAS_ALPHA=True, SAVE_CK=False, PREC="ieee" if cd == torch.float64 else PREC, CK_EVERY=1,
+        num_warps=8 if C >= 64 else 4,
+    )
+    return o, M
 
 
 def forward_scan_triton(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, want_var, *, n_segments=None,
@@ -400,7 +413,9 @@ def forward_scan_triton(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, wa
     q, k ``[B, T, H, D]`` (D ≤ 256), v ``[B, T, H, m]``, r2 ``[B, T, H]`` or ``[B, T, H, G]``, ell2
     ``[B, T, H]``, alpha None / ``[B, T, H]`` / ``[B, T, H, D]``; ``cu`` packs sequences (B = 1).
     ``n_segments`` / ``segment_chunks``: see :func:`bayeslayer.ops.scan.prepare_scan`.  ``mean``:
-    the mean pass (default fla's kernels when installed, except float64: the PyTorch twin).
+    the mean pass — ``"triton"`` (default, :func:`mean_pass_triton`: our kernel, on the ``L⁻¹`` rows),
+    ``"fla"`` (fla's ``fwd_h`` + ``fwd_o`` on the substituted tensors; not float64), ``"torch"`` (the
+    twin) or a callable ``(q, w, kw, vu, g, M0, cu, C) -> (o, M)`` on packed tensors.
     ``timings``: a dict that receives per-phase seconds (``phase_a``, ``phase_b``, ``phase_c``,
     ``substitute``, ``mean``) — it synchronises the device once, at the end.
     ``phase_a``: ``"triton"`` (:func:`phase_a_triton`) or ``"torch"`` (:func:`bayeslayer.ops.scan.phase_a`),
@@ -467,15 +482,29 @@ def forward_scan_triton(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, wa
         failed.index_put_((lay.seg_seq,), ldl_fail != 0, accumulate=True)
         clock.mark("phase_c")
 
-        # ---- the substituted tensors of the mean pass ----
-        kw, vu, g = substituted_inputs(lay, linv, call.k, call.v, call.log_alpha)
-        clock.mark("substitute")
-        if mean is None and _default_mean(cd) is not sc.mean_pass_reference:
-            # fla's kernels, on operands in the caller's dtype when it is 16-bit (as GDN runs its w, u)
-            md = call.dims.dtype if call.dims.dtype in (torch.bfloat16, torch.float16) else cd
-            o, M = _default_mean(cd)(call.q.to(md), W.to(md), kw.to(md), vu.to(md), g, call.M0, call.cu, C)
+        if mean is None or mean == "triton":
+            # our mean kernel: the UT transform is the L⁻¹ of Phase C, no substituted tensors needed
+            clock.mark("substitute")
+            o, M = mean_pass_triton(call, W, linv, want_dtype=call.dims.dtype)
         else:
-            o, M = (mean or sc.mean_pass_reference)(call.q, W, kw, vu, g, call.M0, call.cu, C)
+            kw, vu, g = substituted_inputs(lay, linv, call.k, call.v, call.log_alpha)
+            clock.mark("substitute")
+            if mean == "fla":
+                from ..fla_mean import mean_pass_fla, require_fla
+
+                require_fla()
+                if cd == f64:
+                    raise TypeError("mean='fla' cannot run float64 inputs (fla keeps its state in float32); "
+                                    "use mean='triton'")
+                # fla's kernels, on operands in the caller's dtype when it is 16-bit (as GDN runs its w, u)
+                md = call.dims.dtype if call.dims.dtype in (torch.bfloat16, torch.float16) else cd
+                o, M = mean_pass_fla(call.q.to(md), W.to(md), kw.to(md), vu.to(md), g, call.M0, call.cu, C)
+            elif mean == "torch":
+                o, M = sc.mean_pass_reference(call.q, W, kw, vu, g, call.M0, call.cu, C)
+            elif callable(mean):
+                o, M = mean(call.q, W, kw, vu, g, call.M0, call.cu, C)
+            else:
+                raise ValueError(f"mean must be 'triton', 'fla', 'torch' or a callable, got {mean!r}")
         clock.mark("mean")
         clock.finish()
         sc.raise_if_failed(failed, "forward_scan_triton")
