@@ -277,6 +277,16 @@ def apply_element(A, Cm, J, P):
     return _sym(Z @ Z.transpose(-1, -2) + Cm), (i1 != 0) | (i2 != 0)
 
 
+def mark_failed(failed: torch.Tensor, seqs: torch.Tensor, flags: torch.Tensor) -> None:
+    """``failed[seqs[i]] |= flags[i]`` in place (several segments may share a sequence), on the device.
+
+    Accumulated in int32, not bool: whether CUDA's accumulating ``index_put_`` (atomic adds) takes
+    bool tensors was not checked on a GPU, int32 it does."""
+    acc = torch.zeros(failed.shape, dtype=torch.int32, device=failed.device)
+    acc.index_put_((seqs,), flags.to(torch.int32), accumulate=True)
+    failed |= acc != 0
+
+
 def _gather(lay: ScanLayout, packed: dict, fills: dict) -> dict:
     return {name: lay.grid(x, fills[name]) if x is not None else None for name, x in packed.items()}
 
@@ -345,7 +355,7 @@ def covariance_scan(q, k, v, r2, ell2, log_alpha, P0, cu: list[int], C: int, *, 
     A, Cm, J, info_a = phase_a(lay, xa, segs)
     P_starts, failed = phase_b(lay, P0.to(ed), (A, Cm, J, segs))
     P_starts = P_starts.to(k.dtype)
-    failed.index_put_((lay.seg_seq[segs],), info_a, accumulate=True)
+    mark_failed(failed, lay.seg_seq[segs], info_a)
     # Phase C: replay every segment from its start
     P = P_starts
     outs = {name: [] for name in ("W", "beta", "Linv", "kw", "vu", "var", "g")}
@@ -361,7 +371,7 @@ def covariance_scan(q, k, v, r2, ell2, log_alpha, P0, cu: list[int], C: int, *, 
         outs["g"].append(pre["g"])
         if want_var:
             outs["var"].append(st["var"])
-    failed.index_put_((lay.seg_seq,), info_c, accumulate=True)
+    mark_failed(failed, lay.seg_seq, info_c)
     P_end = P[last]
     out = {name: lay.scatter(torch.stack(x), NT) for name, x in outs.items() if x}
     return ScanOutput(w=out["W"], beta=out["beta"], linv=out["Linv"], variance=out.get("var"), kw=out["kw"],

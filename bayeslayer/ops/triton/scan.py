@@ -455,7 +455,7 @@ def forward_scan_triton(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, wa
             P_starts, failed = sc.phase_b(lay, call.P0.to(f64), (A, Cm, J, segs))
         else:
             raise ValueError(f"phase_b must be 'triton' or 'torch', got {phase_b!r}")
-        failed.index_put_((lay.seg_seq[segs],), info_a, accumulate=True)
+        sc.mark_failed(failed, lay.seg_seq[segs], info_a)
         clock.mark("phase_b")
 
         # ---- Phase C: the chunk-serial covariance kernel over the segments, from P_s ----
@@ -479,7 +479,7 @@ def forward_scan_triton(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, wa
             )
         # a failed LDLᵀ pivot leaves non-finite numbers behind: folded into the same device-side flag
         failed |= ~torch.isfinite(P[last]).flatten(-2).all(-1)
-        failed.index_put_((lay.seg_seq,), ldl_fail != 0, accumulate=True)
+        sc.mark_failed(failed, lay.seg_seq, ldl_fail != 0)
         clock.mark("phase_c")
 
         if mean is None or mean == "triton":
