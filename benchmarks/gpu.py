@@ -14,9 +14,10 @@ One short command on a machine with a CUDA GPU::
 fla's autotuning is warmed once per head dim on a short sequence (its autotune keys do not
 include T; ``TRITON_CACHE_DIR`` keeps the result for the next session), then rows in order of
 cost: latency (B = 2, H = 16) and full occupancy (``--occ-B`` × H ≥ 132) for T ∈ {2k, 8k, 32k}
-× D ∈ {64, 128, 256}, each with GDN's forward, BL's forward (``ops/triton/scan.py``), the
-BL/GDN ratio, per-phase times, peak memory; then a segment-count sweep.  The JSON is rewritten
-after every row, and no row starts after ``--budget-s``.
+× D ∈ {64, 128, 256}, each with GDN's forward, BL's forward (``ops/triton/scan.py``; with fla's
+mean pass, ``bl_fwd_s``, and with our mean kernel — what ``bl_chunk(backend="triton")`` runs —
+``bl_own_mean_fwd_s``), the BL/GDN ratio, per-phase times, peak memory; then a segment-count
+sweep.  The JSON is rewritten after every row, and no row starts after ``--budget-s``.
 
 For each (T, D) at the same B, H (value dim m = D, bf16 inputs, scalar decay):
 forward time, forward+backward time, tokens/s and peak memory (above the inputs)
@@ -285,12 +286,12 @@ def _peak_any(fn, device: str) -> int:
     return _peak_bytes(fn) if device == "cuda" else 0
 
 
-def _scan_fwd(x, chunk_size, n_segments=None, timings=None):
+def _scan_fwd(x, chunk_size, n_segments=None, timings=None, mean="fla"):
+    """The scan forward; ``mean="fla"`` (the design's mean pass) or ``"triton"`` (ours: the wired default)."""
     from bayeslayer.ops import fla_mean
     from bayeslayer.ops.triton.scan import forward_scan_triton
 
-    mean = None
-    if not torch.cuda.is_available():  # dry run: fla's fwd_h does not run in the interpreter, its twin does
+    if mean == "fla" and not torch.cuda.is_available():  # dry run: fla's fwd_h does not run in the interpreter
         def mean(*a):
             with fla_mean.one_autotune_config():
                 return fla_mean.mean_pass_fla(*a, fwd_h=fla_mean.fwd_h_reference)
@@ -419,11 +420,15 @@ def run_scan(args, save) -> list[dict]:
             phases: dict = {}
             _scan_fwd(x, args.chunk_size, timings=phases)()
             rec["bl_phases_s"] = phases
+            # the wired default (bl_chunk(backend="triton")): the same scan with our mean kernel
+            rec["bl_own_mean_fwd_s"] = _time_any(_scan_fwd(x, args.chunk_size, mean="triton"), args.reps,
+                                                 args.warmup, device)
             rec["ratio_fwd"] = rec["bl_fwd_s"] / rec["gdn_fwd_s"]
             rec["ratio_mem"] = rec["bl_mem"] / rec["gdn_mem"] if rec["gdn_mem"] else None
             rec["bl_tok_s"] = B * T / rec["bl_fwd_s"]
             print(f"{kind:>9} B={B:<2} T={T:>6} D={D:>4} | GDN {rec['gdn_fwd_s'] * 1e3:8.2f} ms | BL "
-                  f"{rec['bl_fwd_s'] * 1e3:8.2f} ms | ratio {rec['ratio_fwd']:6.2f} | mem ratio "
+                  f"{rec['bl_fwd_s'] * 1e3:8.2f} ms (own mean {rec['bl_own_mean_fwd_s'] * 1e3:.2f}) | ratio "
+                  f"{rec['ratio_fwd']:6.2f} | mem ratio "
                   f"{rec['ratio_mem'] or float('nan'):5.2f} | phases ms "
                   f"{json.dumps({n: round(v * 1e3, 2) for n, v in phases.items()})}", flush=True)
         except Exception as err:  # one failing row (OOM, compile error) must not hide the others
@@ -470,12 +475,15 @@ def compile_only(args) -> list[dict]:
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     C = args.chunk_size
     out = []
-    from bayeslayer.ops.triton.scan import scan_track_kernel
+    from bayeslayer.ops.triton.scan import scan_phase_b_kernel, scan_track_kernel
 
     configs = [(k, D, g, ck) for k in ("cov", "mean", "step") for D in args.D for g in (False, True)
                for ck in ((False, True) if k != "step" else (False,))]
     # the segment scan's kernels: Phase A runs the covariance kernel in float64, then the tracking kernel
     configs += [(k, D, g, False) for k in ("cov64", "track64") for D in args.D for g in (False, True)]
+    # Phase B as one kernel (float64, no decay variants): only when asked for by name, so that the
+    # default set stays what tests/ops/test_kernels_compile.py expects
+    configs += [("phaseb64", D, False, False) for D in args.D if args.kernels and "phaseb64" in args.kernels]
     configs = [c for c in configs if not args.kernels or c[0] in args.kernels]
     for kernel, D, diag, save_ck in configs:
         BD, BK, BV = tile_sizes(D, D)
@@ -486,15 +494,20 @@ def compile_only(args) -> list[dict]:
         if kernel in ("cov", "cov64"):
             fn = bl_chunk_cov_kernel
             names = ["q", "k", "r2", "ell2", "la", "cu_seqlens", "P", "W", "LINV", "Yscr", "Uscr", "VAR", "CKP",
-                     "ck_offsets"]
+                     "ck_offsets", "LDLscr", "FAIL"]
             consts = dict(common, C=C, RETURN_VAR=False, SAVE_CK=save_ck, PREC="ieee", CK_EVERY=ck_every)
             if kernel == "cov64":  # as phase_a_triton launches it (per-channel decays in float64 too)
-                fp64 = ("P", "W", "LINV", "Yscr", "Uscr", "VAR", "CKP") + (("la",) if diag else ())
+                fp64 = ("P", "W", "LINV", "Yscr", "Uscr", "VAR", "CKP", "LDLscr") + (("la",) if diag else ())
         elif kernel == "track64":
             fn, nw = scan_track_kernel, 4
             names = ["W", "KW", "BETA", "la", "cu_seg", "segs", "A", "J", "Hscr"]
             consts = dict(H=16, D=D, C=C, BD=BD, BK=16, DIAG=diag, PREC="ieee")
             fp64 = ("W", "KW", "BETA", "A", "J", "Hscr")
+        elif kernel == "phaseb64":
+            fn, nw = scan_phase_b_kernel, 4
+            names = ["PS", "A", "CM", "J", "elem_of_seg", "seq_first", "seq_nseg", "SCR", "FAIL"]
+            consts = dict(H=16, D=D, NB=BD // 16, PREC="ieee")
+            fp64 = ("PS", "A", "CM", "J", "SCR")
         elif kernel == "mean":
             fn = bl_chunk_mean_kernel
             names = ["q", "k", "v", "W", "LINV", "la", "cu_seqlens", "M", "O", "CKM", "ck_offsets"]
@@ -504,7 +517,8 @@ def compile_only(args) -> list[dict]:
             names = ["q", "k", "v", "r2", "ell2", "la", "P_in", "M_in", "P_out", "M_out", "Uscr", "O", "VAR"]
             BK_step, BV_step = step_tiles(D, D)[1:]
             consts = dict(common, BK=BK_step, MV=D, BMV=BD, BV=BV_step)
-        sig = {n: ("*i64" if n in ("cu_seqlens", "ck_offsets", "cu_seg", "segs") else
+        sig = {n: ("*i64" if n in ("cu_seqlens", "ck_offsets", "cu_seg", "segs", "elem_of_seg", "seq_first",
+                                   "seq_nseg") else "*i32" if n == "FAIL" else
                    "*fp64" if n in fp64 else "*fp32") for n in names}
         sig.update({n: "constexpr" for n in consts})
         t0 = time.time()
@@ -546,7 +560,7 @@ def main(argv=None) -> int:
     p.add_argument("--gdn-bypass-hopper-guard", action="store_true",
                    help="time fla's GDN backward even where fla refuses it (Hopper, Triton < 3.7.1)")
     p.add_argument("--arch", type=int, default=90, help="CUDA compute capability for --compile-only")
-    p.add_argument("--kernels", nargs="*", choices=["cov", "mean", "step", "cov64", "track64"],
+    p.add_argument("--kernels", nargs="*", choices=["cov", "mean", "step", "cov64", "track64", "phaseb64"],
                    help="--compile-only: these kernels only (default all)")
     p.add_argument("--scan", action="store_true", help="v2: segment-scan forward vs GDN forward (module docstring)")
     p.add_argument("--dry-run", action="store_true",

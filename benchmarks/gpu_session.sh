@@ -4,7 +4,8 @@
 #   bench     the benchmark table (benchmarks/gpu.py; BENCH_ARGS adds arguments)
 #   variants  forward time and error per chunk size and fp32 product precision (VAR_ARGS)
 #   profile   a torch.profiler kernel table of one point
-#   scantest  the segment-scan tests compiled on the GPU (tests/ops/test_scan_triton.py, test_scan_fla.py)
+#   scantest  the segment-scan tests compiled on the GPU (tests/ops/test_scan_ldl.py, test_scan_triton.py,
+#             test_scan_fla.py)
 #   scan      the v2 device check: benchmarks/gpu.py --scan (SCAN_ARGS adds arguments; its own
 #             --budget-s stops starting rows at 420 s), sized for 8 minutes of device time:
 #             PHASES="scantest scan" TEST_S=60 SCAN_S=450
@@ -47,7 +48,7 @@ for phase in ${PHASES:-tests bench profile}; do
       timeout "${PROF_S:-60}" python3 benchmarks/gpu.py --profile --T 8192 --D 128 2>&1 | tee "$OUT/profile.log" ;;
     scantest)
       TRITON_INTERPRET=0 timeout "${TEST_S:-60}" python3 -m pytest -q -rf -p no:cacheprovider \
-        tests/ops/test_scan_triton.py tests/ops/test_scan_fla.py 2>&1 | tail -25 | tee "$OUT/scantest.log" ;;
+        tests/ops/test_scan_ldl.py tests/ops/test_scan_triton.py tests/ops/test_scan_fla.py 2>&1 | tail -25 | tee "$OUT/scantest.log" ;;
     scan)
       timeout "${SCAN_S:-450}" python3 benchmarks/gpu.py --scan --out "$OUT/scan.json" ${SCAN_ARGS:-} 2>&1 \
         | tee "$OUT/scan.log" ;;

@@ -4,12 +4,15 @@ path raise, so that a test fails if anything silently runs on PyTorch when Trito
     with triton_only() as calls:
         model.generate(...)
     assert calls == {"chunk": n_layers, "step": n_layers * (new_tokens - 1)}
+    assert calls.kernels["scan"] == n_layers  # each chunk call ran the segment-scan forward
 
 The spy wraps the names :mod:`bayeslayer.ops.backend` calls (``bl_chunk_triton``,
 ``bl_step_triton``; the kernels still run) and replaces its PyTorch entry points
 (``filter_chunk``, ``filter_recurrent``) and the PyTorch chunk path's covariance pass (looked up
 in its own module at call time, so it is caught however ``filter_chunk`` was imported) with a
-function that raises.  Exact counts catch a caller that bypasses the dispatch altogether.
+function that raises; likewise the PyTorch twins of the segment scan (``ops/scan.py``) and the
+chunk-serial Triton forward (``_forward_triton``), while the scan's Triton pieces are counted in
+``calls.kernels``.  Exact counts catch a caller that bypasses the dispatch altogether.
 Forward only: the Triton backward recomputes blocks with the PyTorch chunk step by design.
 """
 
@@ -23,12 +26,26 @@ class TorchPathRan(AssertionError):
     pass
 
 
+class Calls(Counter):
+    """Calls into the dispatch's Triton entry points (``"chunk"``, ``"step"``: compare with a dict), and in
+    ``kernels`` the pieces of the segment-scan forward they reached: ``"scan"`` (the forward),
+    ``"phase_a"``, ``"phase_b"`` (the Triton phases; called for every forward, launching only when a
+    sequence has more than one segment), ``"mean"`` (the mean kernel)."""
+
+    def __init__(self):
+        super().__init__()
+        self.kernels: Counter = Counter()
+
+
 @contextlib.contextmanager
 def triton_only():
     from bayeslayer.ops import backend
     from bayeslayer.ops import chunk as torch_chunk
+    from bayeslayer.ops import scan as torch_scan
+    from bayeslayer.ops.triton import chunk as triton_chunk
+    from bayeslayer.ops.triton import scan as triton_scan
 
-    calls: Counter = Counter()
+    calls = Calls()
     saved = {}
 
     def patch(module, name, value):
@@ -37,9 +54,9 @@ def triton_only():
         saved[(module, name)] = getattr(module, name)
         setattr(module, name, value)
 
-    def counting(key, fn):
+    def counting(key, fn, into=None):
         def spy(*args, **kwargs):
-            calls[key] += 1
+            (calls if into is None else into)[key] += 1
             return fn(*args, **kwargs)
         return spy
 
@@ -54,6 +71,13 @@ def triton_only():
         patch(backend, "filter_chunk", forbidden("ops.chunk.filter_chunk"))
         patch(backend, "filter_recurrent", forbidden("ops.recurrent.filter_recurrent"))
         patch(torch_chunk, "covariance_pass", forbidden("ops.chunk.covariance_pass"))
+        for name in ("forward_scan_triton", "phase_a_triton", "phase_b_triton", "mean_pass_triton"):
+            key = {"forward_scan_triton": "scan", "mean_pass_triton": "mean"}.get(name, name.replace("_triton", ""))
+            patch(triton_scan, name, counting(key, getattr(triton_scan, name), calls.kernels))
+        # the PyTorch twins of the scan, and the chunk-serial Triton forward the scan replaced
+        for name in ("phase_a", "phase_b", "covariance_scan", "mean_pass_reference"):
+            patch(torch_scan, name, forbidden(f"ops.scan.{name}"))
+        patch(triton_chunk, "_forward_triton", forbidden("ops.triton.chunk._forward_triton (the chunk-serial forward)"))
         yield calls
     finally:
         for (module, name), value in saved.items():

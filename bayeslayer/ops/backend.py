@@ -38,8 +38,8 @@ from .triton import bl_chunk_triton, bl_step_triton  # called under these names 
 from .triton.support import BackendError, triton_unavailable, unsupported
 
 BACKENDS = ("auto", "torch", "triton")
-# A new Triton forward with bl_chunk_triton's signature is wired in by changing the import of
-# bl_chunk_triton above (e.g. ``from .triton.scan import bl_chunk_scan as bl_chunk_triton``).
+# bl_chunk_triton's forward is the segment scan (ops/triton/scan.py; one segment, i.e. the
+# chunk-serial covariance kernel, up to 4096 tokens); ``n_segments`` overrides its segment count.
 
 __all__ = ["BACKENDS", "BackendError", "bl_chunk", "bl_step", "check_backend", "dispatch_chunk",
            "dispatch_step", "select_backend"]
@@ -96,10 +96,11 @@ def _describe(q) -> tuple[torch.device | None, int | None, torch.dtype | None]:
 def dispatch_chunk(
     q, k, v, *, write: str, r2=None, ell2=None, lam=None, gain=None, alpha=None, theta=None, p0=1.0,
     initial_state=None, output_final_state: bool = False, return_variance: bool = False,
-    chunk_size: int = 64, cu_seqlens: torch.Tensor | None = None, backend="auto",
+    chunk_size: int = 64, cu_seqlens: torch.Tensor | None = None, backend="auto", n_segments: int | None = None,
 ) -> FilterOutput:
     """The chunked filter of write model ``write`` on the selected backend (arguments of
-    :func:`bayeslayer.ops.chunk.filter_chunk`).
+    :func:`bayeslayer.ops.chunk.filter_chunk`).  ``n_segments``: the Triton path's segment count
+    (see :func:`bl_chunk`); the PyTorch path has no segments and ignores it.
 
     On the Triton path ``FilterOutput.gain`` is ``None`` (the kernels do not return the per-token
     gain ``kᵀw``; the PyTorch path does).
@@ -119,7 +120,7 @@ def dispatch_chunk(
     out = bl_chunk_triton(
         q, k, v, r2, ell2, alpha=alpha, p0=p0, initial_state=initial_state,
         output_final_state=output_final_state, return_variance=return_variance, chunk_size=chunk_size,
-        cu_seqlens=cu_seqlens,
+        cu_seqlens=cu_seqlens, n_segments=n_segments,
     )
     o, var, state = out if return_variance else (out[0], None, out[1])
     return FilterOutput(o, var, None, state)
@@ -182,6 +183,7 @@ def bl_chunk(
     chunk_size: int = 64,
     cu_seqlens: torch.Tensor | None = None,
     backend: str | None = "auto",
+    n_segments: int | None = None,
 ):
     """The Bayesian Layer, chunked: same contract and results as :func:`bayeslayer.ops.bl_recurrent`.
 
@@ -197,6 +199,9 @@ def bl_chunk(
     ``backend``: ``"auto"`` (Triton kernels for CUDA tensors when Triton is installed and the
     configuration is supported, else PyTorch), ``"torch"``, or ``"triton"`` (the kernels, or a
     :class:`BackendError` saying why not) — see the module docstring.
+    ``n_segments``: on the Triton path the covariance pass is an exact segment scan over the longest
+    sequence split into this many segments (None: chosen from B·H and T, one segment up to 4096
+    tokens; segments never cross a ``cu_seqlens`` boundary); the PyTorch path ignores it.
 
     Returns ``(o, state)`` or, with ``return_variance``, ``(o, variance [B, T, H, G], state)``.
     """
@@ -204,6 +209,7 @@ def bl_chunk(
         q, k, v, write="bayes", r2=r2, ell2=ell2, alpha=alpha, theta=theta, p0=p0,
         initial_state=initial_state, output_final_state=output_final_state,
         return_variance=return_variance, chunk_size=chunk_size, cu_seqlens=cu_seqlens, backend=backend,
+        n_segments=n_segments,
     )
     if return_variance:
         return out.o, out.variance, out.state

@@ -232,6 +232,38 @@ def chunk_step(dyn: ChunkDynamics, kt, NBk, base, BC, P, *, k=None, v=None, q=No
     return out
 
 
+def ldl_clamped(S: torch.Tensor, floor: torch.Tensor):
+    """``S = L diag(d) Lᵀ`` with every pivot clamped from below, ``d_j = max(raw_j, floor_j)``.
+
+    The plain-PyTorch twin of the Triton kernels' blocked factorisation
+    (:func:`bayeslayer.ops.triton.ldl.ldl_blocked`): the clamped elimination is the exact
+    ``LDLᵀ`` of ``S + diag(δ)`` (δ ≥ 0 what the clamp adds), so blocking does not change it.
+    S ``[..., N, N]`` symmetric, floor ``[..., N]``.  Returns ``(L, d, L⁻¹, failed)``; ``failed``
+    ``[...]`` is True where a raw pivot was not positive or not finite.
+    """
+    if not isinstance(S, torch.Tensor) or S.dim() < 2 or S.shape[-1] != S.shape[-2]:
+        raise ValueError(f"S must be a [..., N, N] tensor, got {getattr(S, 'shape', type(S).__name__)}")
+    if not isinstance(floor, torch.Tensor) or floor.shape != S.shape[:-1]:
+        raise ValueError(f"floor must be a tensor of shape {tuple(S.shape[:-1])}, got "
+                         f"{getattr(floor, 'shape', type(floor).__name__)}")
+    N = S.shape[-1]
+    A = _sym(S).clone()
+    L = torch.zeros_like(A)
+    d = torch.zeros_like(A[..., 0])
+    failed = torch.zeros(S.shape[:-2], dtype=torch.bool, device=S.device)
+    for j in range(N):
+        raw = A[..., j, j]
+        failed |= ~(raw > 0)
+        dj = torch.maximum(raw, floor[..., j])
+        d[..., j] = dj
+        lj = A[..., :, j] / dj[..., None]
+        lj[..., : j + 1] = 0.0
+        L[..., :, j] = lj
+        A = A - lj[..., :, None] * A[..., j, None, :]
+    L = L + torch.eye(N, dtype=S.dtype, device=S.device)
+    return L, d, unit_lower_inverse(L), failed
+
+
 def apply_element(A, Cm, J, P):
     """Phase B step ``P ↦ A (I + P J)⁻¹ P Aᵀ + C`` in the PSD-preserving Cholesky form.
 
@@ -243,6 +275,16 @@ def apply_element(A, Cm, J, P):
     R, i2 = torch.linalg.cholesky_ex(_sym(eye + G.transpose(-1, -2) @ J @ G))
     Z = torch.linalg.solve_triangular(R, (A @ G).transpose(-1, -2), upper=False).transpose(-1, -2)
     return _sym(Z @ Z.transpose(-1, -2) + Cm), (i1 != 0) | (i2 != 0)
+
+
+def mark_failed(failed: torch.Tensor, seqs: torch.Tensor, flags: torch.Tensor) -> None:
+    """``failed[seqs[i]] |= flags[i]`` in place (several segments may share a sequence), on the device.
+
+    Accumulated in int32, not bool: whether CUDA's accumulating ``index_put_`` (atomic adds) takes
+    bool tensors was not checked on a GPU, int32 it does."""
+    acc = torch.zeros(failed.shape, dtype=torch.int32, device=failed.device)
+    acc.index_put_((seqs,), flags.to(torch.int32), accumulate=True)
+    failed |= acc != 0
 
 
 def _gather(lay: ScanLayout, packed: dict, fills: dict) -> dict:
@@ -313,7 +355,7 @@ def covariance_scan(q, k, v, r2, ell2, log_alpha, P0, cu: list[int], C: int, *, 
     A, Cm, J, info_a = phase_a(lay, xa, segs)
     P_starts, failed = phase_b(lay, P0.to(ed), (A, Cm, J, segs))
     P_starts = P_starts.to(k.dtype)
-    failed.index_put_((lay.seg_seq[segs],), info_a, accumulate=True)
+    mark_failed(failed, lay.seg_seq[segs], info_a)
     # Phase C: replay every segment from its start
     P = P_starts
     outs = {name: [] for name in ("W", "beta", "Linv", "kw", "vu", "var", "g")}
@@ -329,7 +371,7 @@ def covariance_scan(q, k, v, r2, ell2, log_alpha, P0, cu: list[int], C: int, *, 
         outs["g"].append(pre["g"])
         if want_var:
             outs["var"].append(st["var"])
-    failed.index_put_((lay.seg_seq,), info_c, accumulate=True)
+    mark_failed(failed, lay.seg_seq, info_c)
     P_end = P[last]
     out = {name: lay.scatter(torch.stack(x), NT) for name, x in outs.items() if x}
     return ScanOutput(w=out["W"], beta=out["beta"], linv=out["Linv"], variance=out.get("var"), kw=out["kw"],
@@ -365,7 +407,8 @@ def mean_pass_reference(q, w, kw, vu, g, M0, cu: list[int], C: int):
 
 
 def _pack(x: torch.Tensor | None) -> torch.Tensor | None:
-    return None if x is None else x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+    # contiguous: the kernels index packed [NT, H', ·] tensors densely (a layer's q, k, v are strided views)
+    return None if x is None else x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]).contiguous()
 
 
 class ScanCall(NamedTuple):

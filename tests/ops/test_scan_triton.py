@@ -91,3 +91,69 @@ def test_phase_a_triton_equals_twin(diagonal):
         assert _rel(a, b) <= 1e-12
     assert not out[3].any()
     assert torch.linalg.matrix_norm(out[0], ord=2).min() > 0.1  # A_s far from 0 in this regime
+
+
+def _elements(regime, D, diagonal, cu, seed):
+    """Segment elements of a real Phase A (PyTorch twin, float64): segments of 2 chunks of 16."""
+    C, n_s = 16, 2
+    T = cu[-1]
+    q, k, v, r2, ell2, alpha = regime_inputs(regime, 1, T, 2, D, 4, diagonal=diagonal, seed=seed, device=DEVICE)
+    call = scan.prepare_scan(q, k, v, r2, ell2, alpha, 1.0, None, None, torch.tensor(cu, device=DEVICE), C,
+                             segment_chunks=n_s)
+    lay = scan.scan_layout(call.cu, C, n_s, q.device)
+    xa = {name: lay.grid(x, fill) for name, x, fill in
+          (("k", call.k, 0.0), ("r2", call.r2, 1.0), ("ell2", call.ell2, 0.0), ("la", call.log_alpha, 0.0))}
+    segs = lay.element_segments
+    A, Cm, J, info = scan.phase_a(lay, xa, segs)
+    assert not info.any()
+    g = torch.Generator().manual_seed(seed)
+    X = torch.randn(len(cu) - 1, 2, D, D, generator=g, dtype=torch.float64)
+    P0 = (X @ X.transpose(-1, -2) / D + 0.1 * torch.eye(D, dtype=torch.float64)).to(DEVICE)
+    return lay, P0, (A, Cm, J, segs)
+
+
+@pytest.mark.parametrize(("regime", "D", "diagonal"), [("stress", 8, False), ("longmem", 40, True),
+                                                       ("stress", 32, True)])
+def test_phase_b_triton_equals_twin(regime, D, diagonal):
+    """Phase B as one kernel (blocked LDLᵀ of P_s and of I + GᵀJG, 16×16 tl.dot tiles) == the PyTorch
+    Cholesky form, float64 ≤ 1e-12; sequences with 3, 1 and 4 segments (ragged tails)."""
+    from bayeslayer.ops.triton.scan import phase_b_triton
+
+    lay, P0, el = _elements(regime, D, diagonal, [0, 70, 90, 210], seed=D)
+    assert lay.seq_n_seg.tolist() == [3, 1, 4]
+    ref, f_ref = scan.phase_b(lay, P0, el)
+    out, failed = phase_b_triton(lay, P0, el)
+    assert not f_ref.any() and not failed.any()
+    assert _rel(out, ref) <= 1e-12
+    later = [s for s in range(lay.n_segments) if s not in lay.seq_first_seg.tolist()]
+    assert torch.equal(out[later], out[later].transpose(-1, -2))  # what the kernel writes is exactly symmetric
+    assert torch.linalg.matrix_norm(el[0], ord=2).min() > 0.1  # the carried state matters
+
+
+def test_phase_b_triton_flags_not_positive_definite():
+    from bayeslayer.ops.triton.scan import phase_b_triton
+
+    lay, P0, el = _elements("longmem", 8, False, [0, 70, 90], seed=1)
+    P0[1, 0] = -torch.eye(8, dtype=P0.dtype)  # sequence 1 has one segment: never factored
+    P0[0, 1] = -torch.eye(8, dtype=P0.dtype)
+    _, failed = phase_b_triton(lay, P0, el)
+    assert failed.tolist() == [[False, True], [False, False]]
+
+
+@pytest.mark.parametrize(("regime", "diagonal"), [("longmem", False), ("stress", True)])
+def test_forward_scan_triton_phase_b_kernel_equals_torch_scan(regime, diagonal):
+    """Phases A, B (one kernel), C on Triton == the PyTorch scan (ops/scan.py), float64 ≤ 1e-12: packed
+    sequences of 1, 2 and 3 segments (segments of 2 chunks of 16), ragged tails, an initial state."""
+    from bayeslayer.ops.triton.scan import forward_scan_triton
+
+    H, D, m, C = 1, 8, 4, 16
+    cu = torch.tensor([0, 20, 70, 150], device=DEVICE)  # 2, 4, 5 chunks -> 1, 2, 3 segments
+    q, k, v, r2, ell2, alpha = regime_inputs(regime, 1, 150, H, D, m, diagonal=diagonal, seed=7, device=DEVICE)
+    M0, P0 = initial_bl_state(3, H, D, m, p0=0.5, dtype=torch.float64, device=DEVICE)
+    args = (q, k, v, r2, ell2, alpha, 1.0, M0 + 0.1, P0, cu, C, True)
+    ref = scan.forward_scan(*args, segment_chunks=2)
+    out = forward_scan_triton(*args, segment_chunks=2, phase_b="triton")
+    for a, b in zip(out, ref, strict=True):
+        assert _rel(a, b) <= 1e-12
+    with pytest.raises(ValueError, match="phase_b"):
+        forward_scan_triton(*args, segment_chunks=2, phase_b="cuda")

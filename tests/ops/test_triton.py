@@ -87,6 +87,7 @@ def compare(B, T, H, D, m, *, decay="scalar", G=1, chunk_size=16, with_state=Fal
     with triton_only() as calls:
         o1, var1, (M1, P1) = bl_chunk(q, k, v, r2, ell2, alpha, backend="triton", **kw)
     assert calls == {"chunk": 1}, f"Triton entry points called {dict(calls)}"
+    assert calls.kernels == {"scan": 1, "phase_a": 1, "phase_b": 1, "mean": 1}, dict(calls.kernels)
     o2, var2, (M2, P2) = bl_chunk(q, k, v, r2, ell2, alpha, backend="torch", **kw)
     assert o1.dtype == o2.dtype == dtype and o1.shape == o2.shape
     assert var1.shape == var2.shape and M1.shape == M2.shape and P1.shape == P2.shape
@@ -400,3 +401,80 @@ def test_long_sequence_fp32_stays_finite_and_psd():
     assert torch.linalg.eigvalsh(P1.double()).min() > 0
     assert_close(o1, o2, 1e-4, "output")
     assert_close(P1, P2, 1e-6, "final P")
+
+
+# ---- the segment-scan forward is what bl_chunk(backend="triton"), the layer and the model run ----
+
+
+@pytest.mark.parametrize(("regime", "diagonal", "n_segments"), [("longmem", False, 2), ("stress", True, 3)])
+def test_bl_chunk_triton_runs_the_segment_scan(regime, diagonal, n_segments):
+    """Forced Triton with ``n_segments``: the scan's Phase A, B (kernels) and C, the mean kernel; packed
+    ragged sequences (segments never cross them), an initial state; fp64 equal to PyTorch ≤ 1e-12."""
+    from .scan_inputs import regime_inputs
+
+    q, k, v, r2, ell2, alpha = regime_inputs(regime, 1, 120, 1, 8, 4, diagonal=diagonal, seed=11, device=DEVICE)
+    cu = torch.tensor([0, 30, 120], device=DEVICE)  # 2 and 6 chunks of 16
+    M0, P0 = initial_state(2, 1, 8, 4)
+    kw = dict(initial_state=(M0, P0), output_final_state=True, return_variance=True, chunk_size=16, cu_seqlens=cu)
+    with triton_only() as calls:
+        o1, var1, (M1, P1) = bl_chunk(q, k, v, r2, ell2, alpha, backend="triton", n_segments=n_segments, **kw)
+    assert calls == {"chunk": 1} and calls.kernels == {"scan": 1, "phase_a": 1, "phase_b": 1, "mean": 1}
+    o2, var2, (M2, P2) = bl_chunk(q, k, v, r2, ell2, alpha, backend="torch", n_segments=n_segments, **kw)
+    for a, b, what in ((o1, o2, "output"), (var1, var2, "variance"), (M1, M2, "final M"), (P1, P2, "final P")):
+        assert_close(a, b, 1e-12, what)
+    with pytest.raises(ValueError, match="n_segments"):
+        bl_chunk(q, k, v, r2, ell2, alpha, backend="triton", n_segments=0, **kw)
+
+
+def test_bl_chunk_triton_raises_once_when_not_positive_definite():
+    """A negative definite P0 (value checks off) makes a chunk's S indefinite: the device-side flag raises
+    once, after the pass."""
+    q, k, v, r2, ell2, alpha = make_inputs(1, 20, 1, 8, 4)
+    bad = initial_state(1, 1, 8, 4)
+    bad = (bad[0], -bad[1])  # P0 negative definite: a raw pivot of S goes negative
+    from bayeslayer.ops import value_checks
+
+    with value_checks(False), pytest.raises(torch.linalg.LinAlgError, match="not positive"):
+        bl_chunk_triton(q, k, v, r2, ell2, alpha, initial_state=bad, chunk_size=16)
+
+
+def test_layer_and_model_reach_the_segment_scan():
+    """BayesianLayer(backend="triton") and BayesLayerForCausalLM prefill run the scan forward, never PyTorch."""
+    from bayeslayer.layers import BayesianLayer
+    from bayeslayer.models import BayesLayerConfig, BayesLayerForCausalLM
+
+    torch.manual_seed(0)
+    layer = BayesianLayer(16, num_heads=2, head_dim=8, chunk_size=16, backend="triton").double()
+    ref = BayesianLayer(16, num_heads=2, head_dim=8, chunk_size=16, backend="torch").double()
+    ref.load_state_dict(layer.state_dict())
+    x = torch.randn(2, 21, 16, dtype=torch.float64)
+    with torch.no_grad(), triton_only() as calls:
+        out = layer(x, output_variance=True)
+    assert calls == {"chunk": 1} and calls.kernels["scan"] == 1 and calls.kernels["mean"] == 1
+    with torch.no_grad():
+        exp = ref(x, output_variance=True)
+    assert_close(out.o, exp.o, 1e-10, "layer output")
+    assert_close(out.variance, exp.variance, 1e-10, "layer variance")
+
+    cfg = dict(vocab_size=32, hidden_size=16, num_hidden_layers=2, num_heads=2, head_dim=8,
+               mixers=["bayesian", "bayesian"], mixer_kwargs={"bayesian": {"chunk_size": 16}}, bos_token_id=None,
+               eos_token_id=None)
+    model = BayesLayerForCausalLM(BayesLayerConfig(backend="triton", **cfg)).double().eval()
+    ids = torch.randint(0, 32, (1, 7), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad(), triton_only() as calls:
+        model(ids, use_cache=True)
+    assert calls == {"chunk": 2} and calls.kernels["scan"] == 2 and calls.kernels["mean"] == 2
+
+
+def test_strided_inputs_as_a_layer_passes_them():
+    """q, k, v as column slices of one projection (strided views, as BayesianLayer passes them)."""
+    gen = torch.Generator().manual_seed(5)
+    qkv = torch.randn(1, 12, 2, 40, generator=gen, dtype=torch.float64).to(DEVICE)
+    q, k, v = qkv[..., :8], torch.nn.functional.normalize(qkv[..., 8:16], dim=-1), qkv[..., 16:]
+    _, _, _, r2, ell2, alpha = make_inputs(1, 12, 2, 8, 24)
+    assert not q.is_contiguous()
+    kw = dict(output_final_state=True, return_variance=True, chunk_size=16)
+    o1, var1, (M1, P1) = bl_chunk(q, k, v, r2, ell2, alpha, backend="triton", **kw)
+    o2, var2, (M2, P2) = bl_chunk(q, k, v, r2, ell2, alpha, backend="torch", **kw)
+    for a, b, what in ((o1, o2, "output"), (var1, var2, "variance"), (M1, M2, "final M"), (P1, P2, "final P")):
+        assert_close(a, b, 1e-10, what)

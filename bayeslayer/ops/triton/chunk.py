@@ -1,8 +1,9 @@
 """``bl_chunk_triton``: the chunked Bayesian Layer on Triton kernels (SPEC §3.3).
 
-Forward: two Triton kernels (:mod:`.kernels`), chunk-sequential inside each
-program: the covariance pass (one program per sequence and head·group) and the
-mean pass (one program per value block, sequence and head·group).
+Forward (:func:`forward_chunk`): the covariance pass as an exact segment scan
+(:mod:`.scan`: Phase A and C parallel over segments, Phase B one kernel serial over
+them; a single segment, i.e. the chunk-serial covariance kernel alone, up to 4096
+tokens), then the mean pass (one program per value block, sequence and head·group).
 
 Backward: **recompute, not fused**.  :class:`_BLChunkTriton` stores only its
 inputs; its backward re-runs the Triton forward to checkpoint the state at every
@@ -25,7 +26,7 @@ import torch
 from .. import groups as grp
 from ..checks import check_cu_seqlens, check_dynamics, check_p0, check_positive, check_qkv, check_state
 from ..chunk import filter_chunk
-from .support import BackendError, triton_unavailable, unsupported
+from .support import BackendError, tile_sizes, triton_unavailable, unsupported
 
 # chunks recomputed and differentiated together in the backward: the PyTorch chunk step batches
 # everything that does not depend on the carried state over a block, so fewer, larger kernels run,
@@ -50,21 +51,6 @@ def triton_available() -> bool:
 def default_num_warps(chunk_size: int) -> int:
     """Warps per program: a 64×64 fp32 tile needs 8 warps to stay (mostly) in registers."""
     return 8 if chunk_size >= 64 else 4
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << (max(int(n), 1) - 1).bit_length()
-
-
-def tile_sizes(D: int, m: int) -> tuple[int, int, int]:
-    """``(BD, BK, BV)``: padded key dim, key-dim tile, value-dim tile of the chunk kernels.
-
-    BK = 16, BV ≤ 32: with 64-wide tiles the sm_90 build of the covariance kernel
-    spills heavily at C = 64 (``benchmarks/gpu.py --compile-only``); at 16/32 it
-    fits in registers (covariance: no spill; mean: ≤ 56 bytes).
-    """
-    BD = max(16, _next_pow2(D))
-    return BD, 16, min(max(16, _next_pow2(m)), 32)
 
 
 def _check_chunk_size(chunk_size) -> int:
@@ -152,6 +138,7 @@ def _forward_triton(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, want_v
     import triton
 
     from .kernels import bl_chunk_cov_kernel, bl_chunk_mean_kernel
+    from .scan import ldl_scratch
 
     B, T = q.shape[:2]
     a = _fold_forward(q, k, v, r2, ell2, alpha, p0, M0, P0, cu)
@@ -182,8 +169,8 @@ def _forward_triton(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, want_v
         shape = dict(H=Hf, D=D, C=C, BD=BD, BK=BK, DIAG=diag, HAS_ALPHA=has_alpha, SAVE_CK=save_checkpoints,
                      PREC=prec, CK_EVERY=BACKWARD_BLOCK if save_checkpoints else 1, num_warps=default_num_warps(C))
         bl_chunk_cov_kernel[(n_seq, Hf)](
-            qf, kf, r2f, l2f, laf, cu_k, P, w, linv, Yscr, Uscr, var, ck_args[0], ck_args[2], RETURN_VAR=want_var,
-            **shape,
+            qf, kf, r2f, l2f, laf, cu_k, P, w, linv, Yscr, Uscr, var, ck_args[0], ck_args[2],
+            *ldl_scratch(n_seq, Hf, C, cd, dims.device), RETURN_VAR=want_var, **shape,
         )
         bl_chunk_mean_kernel[(triton.cdiv(mg, BV), n_seq, Hf)](
             qf, kf, vf, w, linv, laf, cu_k, M, o, ck_args[1], ck_args[2], MV=mg, BV=BV, **shape,
@@ -328,13 +315,26 @@ def _blockwise_backward(args, needs, cu, C, want_var, d_o, d_var, d_M, d_P):
     return result
 
 
+def forward_chunk(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, want_var, n_segments=None):
+    """The forward :func:`bl_chunk_triton` runs: the covariance pass as the segment scan
+    (:func:`bayeslayer.ops.triton.scan.forward_scan_triton`: Phase A, B, C on Triton kernels; one
+    segment per sequence up to 4096 tokens, so that short sequences run Phase C alone, which is the
+    chunk-serial pass), the mean pass on :func:`~bayeslayer.ops.triton.kernels.bl_chunk_mean_kernel`.
+    ``n_segments`` overrides the segment count (segments of the longest sequence; never across a
+    ``cu_seqlens`` boundary).  Returns ``(o, var or None, M, P)`` as :func:`_forward_triton`."""
+    from .scan import forward_scan_triton
+
+    return forward_scan_triton(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, want_var,
+                               n_segments=n_segments)
+
+
 class _BLChunkTriton(torch.autograd.Function):
     """Triton forward; backward block by block from Triton-recomputed state checkpoints (see
     :func:`_blockwise_backward`)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, want_var):
-        o, var, M, P = _forward_triton(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, want_var)
+    def forward(ctx, q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, want_var, n_segments):
+        o, var, M, P = forward_chunk(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, want_var, n_segments)
         inputs = (q, k, v, r2, ell2, alpha, p0, M0, P0)
         ctx.save_for_backward(*[x if isinstance(x, torch.Tensor) else None for x in inputs])
         ctx.plain = [None if isinstance(x, torch.Tensor) else x for x in inputs]
@@ -349,7 +349,7 @@ class _BLChunkTriton(torch.autograd.Function):
         args = [s if s is not None else p for s, p in zip(ctx.saved_tensors, ctx.plain, strict=True)]
         grads = _blockwise_backward(args, ctx.needs_input_grad[:9], ctx.cu, ctx.chunk_size, ctx.want_var,
                                     d_o, d_var, d_M, d_P)
-        return (*grads, None, None, None)
+        return (*grads, None, None, None, None)
 
 
 def bl_chunk_triton(
@@ -366,6 +366,7 @@ def bl_chunk_triton(
     return_variance: bool = False,
     chunk_size: int = 64,
     cu_seqlens: torch.Tensor | None = None,
+    n_segments: int | None = None,
 ):
     """The Bayesian Layer, chunked, on Triton: same contract and results as :func:`bayeslayer.ops.bl_chunk`.
 
@@ -382,6 +383,10 @@ def bl_chunk_triton(
     for fp64 inputs).  Returns ``(o, state)`` or, with ``return_variance``,
     ``(o, variance [B, T, H, G], state)``; ``state`` is None unless
     ``output_final_state``.  ``chunk_size`` ∈ {16, 32, 64}.
+
+    Forward: the covariance pass as an exact segment scan (:func:`forward_chunk`); ``n_segments``
+    (None: chosen from the number of (sequence, head) chains and T, one segment up to 4096 tokens)
+    sets how many segments the longest sequence is split into.
 
     Gradients: a block-wise backward that recomputes each block of
     :data:`BACKWARD_BLOCK` chunks with the PyTorch chunk step from state checkpoints
@@ -400,6 +405,9 @@ def bl_chunk_triton(
     if reason is not None:
         raise BackendError(f"bl_chunk_triton cannot run: {reason}")
     cu = check_cu_seqlens(cu_seqlens, q.shape[0], q.shape[1], q.device)
+    if n_segments is not None and (isinstance(n_segments, bool) or not isinstance(n_segments, int)
+                                   or n_segments < 1):
+        raise ValueError(f"n_segments must be None or a positive int, got {n_segments!r}")
     if initial_state is not None:
         if not isinstance(initial_state, (tuple, list)) or len(initial_state) != 2:
             raise TypeError(f"initial_state must be a tuple (M, P), got {type(initial_state).__name__}")
@@ -409,7 +417,8 @@ def bl_chunk_triton(
     if q.shape[1] == 0:  # nothing to launch; the PyTorch path validates and returns the empty results
         o, var, M, P = _torch_reference(q, k, v, r2, ell2, alpha, None, p0, M0, P0, cu, C, return_variance)
     else:
-        o, var, M, P = _BLChunkTriton.apply(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, C, return_variance)
+        o, var, M, P = _BLChunkTriton.apply(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, C, return_variance,
+                                            n_segments)
     state = (M, P) if output_final_state else None
     if return_variance:
         return o, var, state

@@ -13,7 +13,7 @@ decay, a ``[C, D]`` tile for diagonal decay), ``γ = exp(g)``, ``ρ_ij = exp(g_i
 
     Y   = (γ ⊙ K) P_0                                   D×D products, tiled BK×BK
     S   = Y (γ ⊙ K)ᵀ + sym(N) + diag(r²),  N_ij = k_iᵀ ρ_ij b_j k_j   (i ≥ j)
-    S   = L diag(d) Lᵀ   (in-register elimination, β = 1/d, L⁻¹ built alongside)
+    S   = L diag(d) Lᵀ   (blocked in 16×16 tiles, ldl.py; pivots ≥ r²; β = 1/d, L⁻¹ alongside)
     U   = γ ⊙ (L⁻¹ Y) + (L⁻¹ ⊙ ρ ⊙ b) K                 write keys w = β ⊙ U
     P_C = γ_C² P_0 + b_C I − Ueᵀ diag(β) Ue,  Ue_i = (γ_C/γ_i) u_i
     E   = (I + T)⁻¹ (V − (γ ⊙ K) M_0) = L⁻¹ (V − (γ ⊙ K) M_0),  T_ij = k_iᵀ ρ_ij w_j  (i > j)
@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from .ldl import ldl_blocked
 
 
 @triton.jit
@@ -120,7 +122,7 @@ def _save_state(src, dst, offs_r, offs_c, R: tl.constexpr, NC: tl.constexpr, BR:
 
 @triton.jit
 def bl_chunk_cov_kernel(
-    q, k, r2, ell2, la, cu_seqlens, P, W, LINV, Yscr, Uscr, VAR, CKP, ck_offsets,
+    q, k, r2, ell2, la, cu_seqlens, P, W, LINV, Yscr, Uscr, VAR, CKP, ck_offsets, LDLscr, FAIL,
     H: tl.constexpr,
     D: tl.constexpr,
     C: tl.constexpr,
@@ -142,13 +144,20 @@ def bl_chunk_cov_kernel(
     scratch (``Y`` and ``U`` of the current chunk).  With SAVE_CK, CKP
     ``[sum_n (cdiv(chunks_n, CK_EVERY) + 1), H, D, D]`` receives ``P`` at the start of
     every CK_EVERY-th chunk (0, CK_EVERY, ...) and at the end, sequence ``n`` from row
-    ``ck_offsets[n]`` on (the backward's checkpoints).
+    ``ck_offsets[n]`` on (the backward's checkpoints).  LDLscr ``[N, H, 2C² + C]`` is the
+    blocked LDLᵀ's scratch (``S``/``L``, ``L⁻¹``, pivots; :func:`.ldl.ldl_blocked`); FAIL ``[N, H]``
+    int32 receives the number of pivots that were not positive (a device-side flag: 0 when all is well).
     """
     i_n = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1).to(tl.int64)
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
     eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
     n_chunks = tl.cdiv(eos - bos, C)
+    NBC: tl.constexpr = C // 16  # 16×16 blocks of the LDLᵀ (ldl.BLOCK)
+    X_base = LDLscr + (i_n * H + i_h) * (2 * C * C + C)
+    LI_base = X_base + C * C
+    DV_base = LI_base + C * C
+    fails = tl.sum(tl.zeros([C], dtype=tl.int32), axis=0)
 
     rows = tl.arange(0, C)
     cols = tl.arange(0, C)
@@ -240,16 +249,14 @@ def bl_chunk_cov_kernel(
         S = S + Nl + tl.trans(Nl) - tl.where(eye, Nl, 0.0) + tl.where(eye, r2c[:, None], 0.0)
         S = 0.5 * (S + tl.trans(S))
 
-        # ---- S = L diag(d) Lᵀ by symmetric elimination; L⁻¹ by the same row operations ----
-        Linv = tl.where(eye, 1.0, 0.0).to(dt)
-        beta = tl.zeros([C], dtype=dt)
-        for j in range(C):
-            colj = _col(S, cols, j)
-            djj = tl.sum(tl.where(rows == j, colj, 0.0), axis=0)
-            lj = tl.where(rows > j, colj / djj, 0.0)
-            S = S - lj[:, None] * _row(S, rows, j)[None, :]
-            Linv = Linv - lj[:, None] * _row(Linv, rows, j)[None, :]
-            beta = tl.where(rows == j, 1.0 / djj, beta)
+        # ---- S = L diag(d) Lᵀ blocked in 16×16 tiles with tl.dot Schur updates, L⁻¹ alongside;
+        # pivots clamped at r² (the innovation variance is never below the observation noise) ----
+        tl.store(X_base + rows[:, None] * C + cols[None, :], S)
+        tl.store(DV_base + rows, r2c)
+        tl.debug_barrier()
+        fails += ldl_blocked(X_base, LI_base, DV_base, NBC, 16, PREC)
+        Linv = tl.load(LI_base + rows[:, None] * C + cols[None, :])
+        beta = 1.0 / tl.load(DV_base + rows)
         # L is also the UT factor of the mean pass: I + T = L (T_ij = k_iᵀ ρ_ij w_j is Cov(y_i, e_j)/d_j)
         tl.store(LINV + (tok[:, None] * H + i_h) * C + cols[None, :], Linv.to(LINV.dtype.element_ty),
                  mask=valid[:, None])
@@ -326,6 +333,7 @@ def bl_chunk_cov_kernel(
         for cb in range(0, BD, BK):
             _save_state(P_base, CKP + ((ck0 + tl.cdiv(n_chunks, CK_EVERY)) * H + i_h) * D * D, offs_k,
                         cb + offs_k, D, D, BD, BK)
+    tl.store(FAIL + i_n * H + i_h, fails)
 
 
 @triton.jit

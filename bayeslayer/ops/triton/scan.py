@@ -6,9 +6,10 @@
 =========  =====================================================================  =====================
 phase      what runs                                                              grid / order
 =========  =====================================================================  =====================
-A          :func:`bayeslayer.ops.scan.phase_a` (PyTorch, float64, batched over    ``n_s`` chunk steps,
-           every non-last segment and head)                                       each over all segments
-B          :func:`bayeslayer.ops.scan.phase_b` (PyTorch, float64, Cholesky form)  ``S_g − 1`` steps
+A          :func:`phase_a_triton`: the covariance kernel from P = 0 over the      (segments, H'):
+           segments, then :func:`scan_track_kernel` (float64)                     parallel over segments
+B          :func:`phase_b_triton`: :func:`scan_phase_b_kernel`, the Cholesky      (sequences, H'):
+           form in LDLᵀ factors, 16×16 ``tl.dot`` tiles (float64)                 serial over segments
 C          :func:`bayeslayer.ops.triton.kernels.bl_chunk_cov_kernel` launched     (segments, H'):
            with the *segments* as its sequences, each from its ``P_s``            parallel over segments
 C'         ``L⁻¹(γ⊙K)``, ``L⁻¹V`` from the stored ``L⁻¹`` rows (batched matmul)   parallel over chunks
@@ -16,13 +17,12 @@ mean       :func:`bayeslayer.ops.fla_mean.mean_pass_fla` (fla's ``fwd_h`` +     
            ``fwd_o``), or the PyTorch twin for float64 / without fla
 =========  =====================================================================  =====================
 
-Phase C reuses the existing covariance kernel unchanged: a segment is a run of whole chunks
-of one sequence, so launching that kernel over the segment boundaries (``cu_seg``) from
+Phase C reuses the covariance kernel of the chunk-serial path: a segment is a run of whole
+chunks of one sequence, so launching that kernel over the segment boundaries (``cu_seg``) from
 the scanned segment-start covariances replays exactly the chunks of the chunk-serial pass,
-``S_g`` times shorter per program.  What is still owed (``docs/kernels.md``, "Segment scan
-(v2)"): Phase A and B as Triton kernels (here they are batched PyTorch, a host loop of
-``n_s`` resp. ``S_g`` steps, no host sync), and the blocked 16×16 ``tl.dot`` LDLᵀ in place
-of the kernel's C-step elimination.  Forward only (no autograd).
+``S_g`` times shorter per program.  Every factorisation (the per-chunk ``S``, Phase B's ``P_s``
+and ``I + GᵀJG``) is the blocked LDLᵀ of :mod:`.ldl`; failures go to device-side flags that
+are checked once, after the pass.  Forward only (no autograd).
 """
 
 from __future__ import annotations
@@ -34,7 +34,9 @@ import triton
 import triton.language as tl
 
 from .. import scan as sc
-from .kernels import bl_chunk_cov_kernel
+from .kernels import bl_chunk_cov_kernel, bl_chunk_mean_kernel
+from .ldl import ldl_blocked
+from .support import _next_pow2, tile_sizes
 
 SUPPORTED_CHUNK_SIZES = (16, 32, 64)
 # fp32 tl.dot products of Phase C stay IEEE (a Kalman gain needs fp32; see ops/triton/chunk.py)
@@ -124,8 +126,164 @@ def scan_track_kernel(
         tl.debug_barrier()
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << (max(int(n), 1) - 1).bit_length()
+@triton.jit
+def _load_block(src, ib, jb, r, D: tl.constexpr, BLK: tl.constexpr, PAD_EYE: tl.constexpr):
+    """Block ``(ib, jb)`` of a row-major ``[D, D]`` matrix, zero outside (identity on the padded diagonal)."""
+    ri = ib * BLK + r
+    cj = jb * BLK + r
+    x = tl.load(src + ri[:, None] * D + cj[None, :], mask=(ri[:, None] < D) & (cj[None, :] < D), other=0.0)
+    if PAD_EYE:
+        x = tl.where((ri[:, None] == cj[None, :]) & (ri[:, None] >= D), 1.0, x)
+    return x
+
+
+@triton.jit
+def _sblk(buf, ib, jb, r, BN: tl.constexpr, BLK: tl.constexpr):
+    """Pointers to block ``(ib, jb)`` of a row-major ``[BN, BN]`` scratch matrix."""
+    return buf + (ib * BLK + r[:, None]) * BN + (jb * BLK + r[None, :])
+
+
+@triton.jit
+def scan_phase_b_kernel(
+    PS, A, CM, J, elem_of_seg, seq_first, seq_nseg, SCR, FAIL,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    NB: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """Phase B for one (sequence, head): P at the start of each of its segments, serial over them.
+
+    ``P_{s+1} = Z Zᵀ + C_s`` with ``Z = A_s G R⁻ᵀ``, ``G = chol(P_s)``, ``R = chol(I + GᵀJ_sG)``, in
+    LDLᵀ form: ``P_s = L_P D_P L_Pᵀ`` (G = L_P D_P^½), ``M = I + GᵀJG = L_M D_M L_Mᵀ`` (pivots ≥ 1),
+    ``Z = A L_P D_P^½ L_M⁻ᵀ D_M^-½``; both factorisations are :func:`.ldl.ldl_blocked` (16×16 tiles,
+    ``tl.dot``), every product is a 16×16-tile ``tl.dot``, and the result is exactly symmetric (each
+    lower block is written with its transpose above).  PSD by construction.
+    PS ``[S, H, D, D]`` holds ``P`` of each sequence's first segment on entry; A, CM, J
+    ``[n, H, D, D]`` the segment elements, segment ``s``'s at ``elem_of_seg[s]``; SCR
+    ``[N, H, 4·BN² + 2·BN]`` scratch (``BN = 16·NB ≥ D``); FAIL ``[N, H]`` int32 counts pivots that were
+    not positive (P_s not positive definite).  Arithmetic in PS's dtype (float64 for the scan).
+    """
+    BLK: tl.constexpr = 16
+    BN: tl.constexpr = NB * BLK
+    i_n = tl.program_id(0).to(tl.int64)
+    i_h = tl.program_id(1).to(tl.int64)
+    r = tl.arange(0, BLK)
+    eye = r[:, None] == r[None, :]
+    rn = tl.arange(0, BN)
+    dt = PS.dtype.element_ty
+    X = SCR + (i_n * H + i_h) * (4 * BN * BN + 2 * BN)
+    LI = X + BN * BN
+    MM = LI + BN * BN
+    TT = MM + BN * BN
+    DP = TT + BN * BN
+    DM = DP + BN
+    first = tl.load(seq_first + i_n).to(tl.int64)
+    nseg = tl.load(seq_nseg + i_n).to(tl.int64)
+    fail = tl.sum(tl.zeros([BLK], dtype=tl.int32), axis=0)
+    for j in range(nseg - 1):
+        s = first + j
+        e = tl.load(elem_of_seg + s).to(tl.int64)
+        Pin = PS + (s * H + i_h) * D * D
+        Pout = PS + ((s + 1) * H + i_h) * D * D
+        Ae = A + (e * H + i_h) * D * D
+        Je = J + (e * H + i_h) * D * D
+        Ce = CM + (e * H + i_h) * D * D
+        for ib in range(NB):
+            for jb in range(ib + 1):
+                tl.store(_sblk(X, ib, jb, r, BN, BLK), _load_block(Pin, ib, jb, r, D, BLK, True))
+        tl.store(DP + rn, tl.zeros([BN], dtype=dt))  # floors: a pivot of P must be > 0
+        tl.store(DM + rn, tl.zeros([BN], dtype=dt) + 1.0)  # M = I + GᵀJG ⪰ I: its pivots are ≥ 1
+        tl.debug_barrier()
+        fail += ldl_blocked(X, LI, DP, NB, BLK, PREC)  # X: L_P, DP: D_P
+        # T = J G,  G = L_P D_P^½ (lower blocks: G_kj = 0 for k < j)
+        for ib in range(NB):
+            for jb in range(NB):
+                acc = tl.zeros([BLK, BLK], dtype=dt)
+                for kb in range(jb, NB):
+                    acc += tl.dot(_load_block(Je, ib, kb, r, D, BLK, False), tl.load(_sblk(X, kb, jb, r, BN, BLK)),
+                                  input_precision=PREC)
+                tl.store(_sblk(TT, ib, jb, r, BN, BLK), acc * tl.sqrt(tl.load(DP + jb * BLK + r))[None, :])
+        tl.debug_barrier()
+        # M = I + Gᵀ T, lower blocks
+        for ib in range(NB):
+            sdi = tl.sqrt(tl.load(DP + ib * BLK + r))
+            for jb in range(ib + 1):
+                acc = tl.where((ib == jb) & eye, 1.0, 0.0).to(dt)
+                for kb in range(ib, NB):
+                    G_ki = tl.load(_sblk(X, kb, ib, r, BN, BLK)) * sdi[None, :]
+                    acc += tl.dot(tl.trans(G_ki), tl.load(_sblk(TT, kb, jb, r, BN, BLK)), input_precision=PREC)
+                tl.store(_sblk(MM, ib, jb, r, BN, BLK), acc)
+        tl.debug_barrier()
+        fail += ldl_blocked(MM, LI, DM, NB, BLK, PREC)  # LI: L_M⁻¹, DM: D_M
+        # T = A G
+        for ib in range(NB):
+            for jb in range(NB):
+                acc = tl.zeros([BLK, BLK], dtype=dt)
+                for kb in range(jb, NB):
+                    acc += tl.dot(_load_block(Ae, ib, kb, r, D, BLK, False), tl.load(_sblk(X, kb, jb, r, BN, BLK)),
+                                  input_precision=PREC)
+                tl.store(_sblk(TT, ib, jb, r, BN, BLK), acc * tl.sqrt(tl.load(DP + jb * BLK + r))[None, :])
+        tl.debug_barrier()
+        # Z = T L_M⁻ᵀ D_M^-½ (into X: L_P is no longer needed)
+        for ib in range(NB):
+            for jb in range(NB):
+                acc = tl.zeros([BLK, BLK], dtype=dt)
+                for kb in range(jb + 1):
+                    Ljk = tl.load(_sblk(LI, jb, kb, r, BN, BLK))
+                    acc += tl.dot(tl.load(_sblk(TT, ib, kb, r, BN, BLK)), tl.trans(Ljk), input_precision=PREC)
+                tl.store(_sblk(X, ib, jb, r, BN, BLK), acc / tl.sqrt(tl.load(DM + jb * BLK + r))[None, :])
+        tl.debug_barrier()
+        # P_{s+1} = Z Zᵀ + sym(C): lower blocks, each written with its transpose above
+        for ib in range(NB):
+            for jb in range(ib + 1):
+                acc = 0.5 * (_load_block(Ce, ib, jb, r, D, BLK, False)
+                             + tl.trans(_load_block(Ce, jb, ib, r, D, BLK, False)))
+                for kb in range(NB):
+                    Zj = tl.load(_sblk(X, jb, kb, r, BN, BLK))
+                    acc += tl.dot(tl.load(_sblk(X, ib, kb, r, BN, BLK)), tl.trans(Zj), input_precision=PREC)
+                if ib == jb:
+                    acc = 0.5 * (acc + tl.trans(acc))
+                ri = ib * BLK + r
+                cj = jb * BLK + r
+                tl.store(Pout + ri[:, None] * D + cj[None, :], acc, mask=(ri[:, None] < D) & (cj[None, :] < D))
+                tl.store(Pout + cj[:, None] * D + ri[None, :], tl.trans(acc),
+                         mask=(cj[:, None] < D) & (ri[None, :] < D))
+        tl.debug_barrier()
+    tl.store(FAIL + i_n * H + i_h, fail)
+
+
+def phase_b_triton(lay: sc.ScanLayout, P0: torch.Tensor, elements):
+    """Phase B as one kernel: P at the start of every segment ``[S, H', D, D]``, and ``failed [N, H']``.
+
+    Arguments and results as :func:`bayeslayer.ops.scan.phase_b` (``P0 [N, H', D, D]``,
+    ``elements = (A, C, J, segs)``); one launch of :func:`scan_phase_b_kernel` over (sequence, head),
+    serial over each sequence's segments inside its program: no host loop, no host sync.
+    Arithmetic in P0's dtype (float64 for the scan).
+    """
+    A, Cm, J, segs = elements
+    N, Hf, D = P0.shape[0], P0.shape[1], P0.shape[-1]
+    S, dev, dt = lay.n_segments, P0.device, P0.dtype
+    P_starts = P0.new_zeros(S, Hf, D, D)
+    P_starts[lay.seq_first_seg] = P0
+    fail = torch.zeros(N, Hf, dtype=torch.int32, device=dev)
+    if segs.numel() == 0:
+        return P_starts, fail != 0
+    elem = torch.full((S,), -1, dtype=torch.int64, device=dev)
+    elem[segs] = torch.arange(segs.numel(), device=dev)
+    NB = max(16, _next_pow2(D)) // 16
+    BN = 16 * NB
+    scr = torch.empty(N, Hf, 4 * BN * BN + 2 * BN, dtype=dt, device=dev)
+    scan_phase_b_kernel[(N, Hf)](
+        P_starts, A.to(dt).contiguous(), Cm.to(dt).contiguous(), J.to(dt).contiguous(), elem, lay.seq_first_seg,
+        lay.seq_n_seg, scr, fail, H=Hf, D=D, NB=NB, PREC="ieee", num_warps=4,
+    )
+    return P_starts, fail != 0
+
+
+def ldl_scratch(n: int, Hf: int, C: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The covariance kernel's blocked-LDLᵀ scratch ``[n, H', 2C² + C]`` and its failure flags ``[n, H']`` (int32)."""
+    return (torch.empty(n, Hf, 2 * C * C + C, dtype=dtype, device=device),
+            torch.zeros(n, Hf, dtype=torch.int32, device=device))
 
 
 class _Clock:
@@ -203,8 +361,9 @@ def phase_a_triton(lay: sc.ScanLayout, q, k, r2, ell2, log_alpha, segs: torch.Te
     J = torch.zeros(n, Hf, D, D, dtype=dtype, device=dev)
     if NT == 0 or n == 0:
         return A, P[segs], J, torch.zeros(n, Hf, dtype=torch.bool, device=dev)
+    ldl_scr, ldl_fail = ldl_scratch(S, Hf, C, dtype, dev)
     bl_chunk_cov_kernel[(S, Hf)](
-        q, k, r2, ell2, la_k, cu_seg, P, W, linv, scr, scr2, W, scr, cu_seg,
+        q, k, r2, ell2, la_k, cu_seg, P, W, linv, scr, scr2, W, scr, cu_seg, ldl_scr, ldl_fail,
         H=Hf, D=D, C=C, BD=BD, BK=16, DIAG=diag, HAS_ALPHA=True, RETURN_VAR=False, SAVE_CK=False,
         PREC="ieee", CK_EVERY=1, num_warps=8 if C >= 64 else 4,
     )
@@ -216,25 +375,37 @@ def phase_a_triton(lay: sc.ScanLayout, q, k, r2, ell2, log_alpha, segs: torch.Te
         num_warps=4,
     )
     Cm = P[segs]
-    bad = ~(torch.isfinite(Cm).flatten(-2).all(-1) & torch.isfinite(A).flatten(-2).all(-1)
+    bad = (ldl_fail[segs] != 0) | ~(torch.isfinite(Cm).flatten(-2).all(-1) & torch.isfinite(A).flatten(-2).all(-1)
             & torch.isfinite(J).flatten(-2).all(-1))
     return A, Cm, J, bad
 
 
-def _default_mean(dtype: torch.dtype):
-    if dtype != torch.float64:
-        try:
-            from ..fla_mean import mean_pass_fla, require_fla
-
-            require_fla()
-            return mean_pass_fla
-        except RuntimeError:
-            pass
-    return sc.mean_pass_reference
+def mean_pass_triton(call: sc.ScanCall, W: torch.Tensor, linv: torch.Tensor, want_dtype: torch.dtype):
+    """The mean pass on :func:`bayeslayer.ops.triton.kernels.bl_chunk_mean_kernel` (one program per value
+    block, sequence and head): the generalised delta rule with erase key k and write key ``W``, its UT
+    transform the ``L⁻¹`` rows of Phase C.  Returns packed ``(o [NT, H', m'] in want_dtype, M [N, H', D, m'])``."""
+    NT, Hf, D = call.k.shape
+    mg = call.v.shape[-1]
+    cd, dev, C = call.k.dtype, call.k.device, call.C
+    diag = call.log_alpha.shape[-1] > 1
+    BD, BK, BV = tile_sizes(D, mg)
+    M = call.M0.clone()
+    o = torch.empty(NT, Hf, mg, dtype=want_dtype, device=dev)
+    if NT == 0:
+        return o, M
+    cu = torch.tensor(call.cu, dtype=torch.int64, device=dev)  # host-to-device copy, no sync
+    la_k = call.log_alpha.contiguous() if diag else call.log_alpha[..., 0].contiguous()
+    bl_chunk_mean_kernel[(triton.cdiv(mg, BV), len(call.cu) - 1, Hf)](
+        call.q, call.k, call.v, W, linv, la_k, cu, M, o, M, cu, H=Hf, D=D, MV=mg, C=C, BD=BD, BK=BK, BV=BV,
+        DIAG=diag, HAS_ALPHA=True, SAVE_CK=False, PREC="ieee" if cd == torch.float64 else PREC, CK_EVERY=1,
+        num_warps=8 if C >= 64 else 4,
+    )
+    return o, M
 
 
 def forward_scan_triton(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, want_var, *, n_segments=None,
-                        segment_chunks=None, mean=None, timings: dict | None = None, phase_a: str = "triton"):
+                        segment_chunks=None, mean=None, timings: dict | None = None, phase_a: str = "triton",
+                        phase_b: str = "triton"):
     """The BL forward, covariance pass as a segment scan with Phase C on Triton; mean pass on fla's kernels.
 
     Same arguments and returns as ``ops/triton/chunk.py::_forward_triton``:
@@ -242,11 +413,15 @@ def forward_scan_triton(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, wa
     q, k ``[B, T, H, D]`` (D ≤ 256), v ``[B, T, H, m]``, r2 ``[B, T, H]`` or ``[B, T, H, G]``, ell2
     ``[B, T, H]``, alpha None / ``[B, T, H]`` / ``[B, T, H, D]``; ``cu`` packs sequences (B = 1).
     ``n_segments`` / ``segment_chunks``: see :func:`bayeslayer.ops.scan.prepare_scan`.  ``mean``:
-    the mean pass (default fla's kernels when installed, except float64: the PyTorch twin).
+    the mean pass — ``"triton"`` (default, :func:`mean_pass_triton`: our kernel, on the ``L⁻¹`` rows),
+    ``"fla"`` (fla's ``fwd_h`` + ``fwd_o`` on the substituted tensors; not float64), ``"torch"`` (the
+    twin) or a callable ``(q, w, kw, vu, g, M0, cu, C) -> (o, M)`` on packed tensors.
     ``timings``: a dict that receives per-phase seconds (``phase_a``, ``phase_b``, ``phase_c``,
     ``substitute``, ``mean``) — it synchronises the device once, at the end.
     ``phase_a``: ``"triton"`` (:func:`phase_a_triton`) or ``"torch"`` (:func:`bayeslayer.ops.scan.phase_a`),
-    both float64.  Forward only: no autograd graph is recorded.
+    both float64.  ``phase_b``: ``"triton"`` (:func:`phase_b_triton`, one kernel) or ``"torch"``
+    (:func:`bayeslayer.ops.scan.phase_b`, a host loop of batched steps).  Forward only: no autograd
+    graph is recorded.
     """
     if chunk_size not in SUPPORTED_CHUNK_SIZES or isinstance(chunk_size, bool):
         raise ValueError(f"the Triton path supports chunk_size in {SUPPORTED_CHUNK_SIZES}, got {chunk_size!r}")
@@ -274,8 +449,13 @@ def forward_scan_triton(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, wa
         else:
             raise ValueError(f"phase_a must be 'triton' or 'torch', got {phase_a!r}")
         clock.mark("phase_a")
-        P_starts, failed = sc.phase_b(lay, call.P0.to(f64), (A, Cm, J, segs))
-        failed.index_put_((lay.seg_seq[segs],), info_a, accumulate=True)
+        if phase_b == "triton":
+            P_starts, failed = phase_b_triton(lay, call.P0.to(f64), (A, Cm, J, segs))
+        elif phase_b == "torch":
+            P_starts, failed = sc.phase_b(lay, call.P0.to(f64), (A, Cm, J, segs))
+        else:
+            raise ValueError(f"phase_b must be 'triton' or 'torch', got {phase_b!r}")
+        sc.mark_failed(failed, lay.seg_seq[segs], info_a)
         clock.mark("phase_b")
 
         # ---- Phase C: the chunk-serial covariance kernel over the segments, from P_s ----
@@ -289,25 +469,42 @@ def forward_scan_triton(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, wa
         Uscr = torch.empty_like(Yscr)
         cu_seg = segment_offsets(lay, NT)
         la_k = call.log_alpha.contiguous() if diag else call.log_alpha[..., 0].contiguous()
+        ldl_scr, ldl_fail = ldl_scratch(S, Hf, C, cd, dev)
         if NT > 0:
             bl_chunk_cov_kernel[(S, Hf)](
                 call.q, call.k, call.r2, call.ell2, la_k, cu_seg, P, W, linv, Yscr, Uscr, var, Yscr, cu_seg,
+                ldl_scr, ldl_fail,
                 H=Hf, D=D, C=C, BD=BD, BK=16, DIAG=diag, HAS_ALPHA=True, RETURN_VAR=want_var, SAVE_CK=False,
                 PREC="ieee" if cd == f64 else PREC, CK_EVERY=1, num_warps=8 if C >= 64 else 4,
             )
         # a failed LDLᵀ pivot leaves non-finite numbers behind: folded into the same device-side flag
         failed |= ~torch.isfinite(P[last]).flatten(-2).all(-1)
+        sc.mark_failed(failed, lay.seg_seq, ldl_fail != 0)
         clock.mark("phase_c")
 
-        # ---- the substituted tensors of the mean pass ----
-        kw, vu, g = substituted_inputs(lay, linv, call.k, call.v, call.log_alpha)
-        clock.mark("substitute")
-        if mean is None and _default_mean(cd) is not sc.mean_pass_reference:
-            # fla's kernels, on operands in the caller's dtype when it is 16-bit (as GDN runs its w, u)
-            md = call.dims.dtype if call.dims.dtype in (torch.bfloat16, torch.float16) else cd
-            o, M = _default_mean(cd)(call.q.to(md), W.to(md), kw.to(md), vu.to(md), g, call.M0, call.cu, C)
+        if mean is None or mean == "triton":
+            # our mean kernel: the UT transform is the L⁻¹ of Phase C, no substituted tensors needed
+            clock.mark("substitute")
+            o, M = mean_pass_triton(call, W, linv, want_dtype=call.dims.dtype)
         else:
-            o, M = (mean or sc.mean_pass_reference)(call.q, W, kw, vu, g, call.M0, call.cu, C)
+            kw, vu, g = substituted_inputs(lay, linv, call.k, call.v, call.log_alpha)
+            clock.mark("substitute")
+            if mean == "fla":
+                from ..fla_mean import mean_pass_fla, require_fla
+
+                require_fla()
+                if cd == f64:
+                    raise TypeError("mean='fla' cannot run float64 inputs (fla keeps its state in float32); "
+                                    "use mean='triton'")
+                # fla's kernels, on operands in the caller's dtype when it is 16-bit (as GDN runs its w, u)
+                md = call.dims.dtype if call.dims.dtype in (torch.bfloat16, torch.float16) else cd
+                o, M = mean_pass_fla(call.q.to(md), W.to(md), kw.to(md), vu.to(md), g, call.M0, call.cu, C)
+            elif mean == "torch":
+                o, M = sc.mean_pass_reference(call.q, W, kw, vu, g, call.M0, call.cu, C)
+            elif callable(mean):
+                o, M = mean(call.q, W, kw, vu, g, call.M0, call.cu, C)
+            else:
+                raise ValueError(f"mean must be 'triton', 'fla', 'torch' or a callable, got {mean!r}")
         clock.mark("mean")
         clock.finish()
         sc.raise_if_failed(failed, "forward_scan_triton")

@@ -18,8 +18,7 @@ import torch
 
 from .. import groups as grp
 from ..prepare import prepare
-from .chunk import _next_pow2
-from .support import BackendError, triton_unavailable, unsupported
+from .support import BackendError, _next_pow2, triton_unavailable, unsupported
 
 
 def step_tiles(D: int, m: int) -> tuple[int, int, int]:

@@ -96,3 +96,18 @@ def unsupported(
         names = ", ".join(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES)
         return f"input dtype {str(dtype).replace('torch.', '')} is not one of the kernels' {names}"
     return None
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << (max(int(n), 1) - 1).bit_length()
+
+
+def tile_sizes(D: int, m: int) -> tuple[int, int, int]:
+    """``(BD, BK, BV)``: padded key dim, key-dim tile, value-dim tile of the chunk kernels.
+
+    BK = 16, BV ≤ 32: with 64-wide tiles the sm_90 build of the covariance kernel
+    spills heavily at C = 64 (``benchmarks/gpu.py --compile-only``); at 16/32 it
+    fits in registers (covariance: no spill; mean: ≤ 56 bytes).
+    """
+    BD = max(16, _next_pow2(D))
+    return BD, 16, min(max(16, _next_pow2(m)), 32)
