@@ -13,9 +13,7 @@ from .import_graph import PACKAGE, module_name, module_paths
 
 # Private imports in modules other work is rewriting, listed so that they are removed, not kept: the
 # last test fails once one is gone, so its entry is deleted with it.  Nothing else may be added here.
-KNOWN_PRIVATE_IMPORTS = {
-    ("bayeslayer.ops.triton.step", "_next_pow2"),  # from ops.triton.chunk (the GPU forward work)
-}
+KNOWN_PRIVATE_IMPORTS: set[tuple[str, str]] = set()
 
 
 def private_imports() -> set[tuple[str, str]]:

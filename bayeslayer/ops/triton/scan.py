@@ -36,7 +36,7 @@ import triton.language as tl
 from .. import scan as sc
 from .kernels import bl_chunk_cov_kernel, bl_chunk_mean_kernel
 from .ldl import ldl_blocked
-from .support import _next_pow2, tile_sizes
+from .support import next_pow2, tile_sizes
 
 SUPPORTED_CHUNK_SIZES = (16, 32, 64)
 # fp32 tl.dot products of Phase C stay IEEE (a Kalman gain needs fp32; see ops/triton/chunk.py)
@@ -270,7 +270,7 @@ def phase_b_triton(lay: sc.ScanLayout, P0: torch.Tensor, elements):
         return P_starts, fail != 0
     elem = torch.full((S,), -1, dtype=torch.int64, device=dev)
     elem[segs] = torch.arange(segs.numel(), device=dev)
-    NB = max(16, _next_pow2(D)) // 16
+    NB = max(16, next_pow2(D)) // 16
     BN = 16 * NB
     scr = torch.empty(N, Hf, 4 * BN * BN + 2 * BN, dtype=dt, device=dev)
     scan_phase_b_kernel[(N, Hf)](
@@ -347,7 +347,7 @@ def phase_a_triton(lay: sc.ScanLayout, q, k, r2, ell2, log_alpha, segs: torch.Te
     """
     NT, Hf, D = k.shape
     dev, C, S, n = k.device, lay.C, lay.n_segments, segs.numel()
-    BD = max(16, _next_pow2(D))
+    BD = max(16, next_pow2(D))
     diag = log_alpha.shape[-1] > 1
     # per-channel decays are accumulated in the kernel without a cast: give them the state's dtype
     la_k = log_alpha.to(dtype).contiguous() if diag else log_alpha[..., 0].contiguous()
@@ -460,7 +460,7 @@ def forward_scan_triton(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, wa
 
         # ---- Phase C: the chunk-serial covariance kernel over the segments, from P_s ----
         S = lay.n_segments
-        BD = max(16, _next_pow2(D))
+        BD = max(16, next_pow2(D))
         P = P_starts.to(cd).contiguous()  # the kernel writes each segment's end covariance in place
         W = torch.empty(NT, Hf, D, dtype=cd, device=dev)
         linv = torch.empty(NT, Hf, C, dtype=cd, device=dev)

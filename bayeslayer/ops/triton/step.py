@@ -18,13 +18,13 @@ import torch
 
 from .. import groups as grp
 from ..prepare import prepare
-from .support import BackendError, _next_pow2, triton_unavailable, unsupported
+from .support import BackendError, next_pow2, triton_unavailable, unsupported
 
 
 def step_tiles(D: int, m: int) -> tuple[int, int, int]:
     """``(BD, BK, BV)`` of the step kernel: 32-wide tiles keep the sm_90 build spill-free up to D = 256."""
-    BD = max(16, _next_pow2(D))
-    return BD, min(BD, 32), min(max(16, _next_pow2(m)), 32)
+    BD = max(16, next_pow2(D))
+    return BD, min(BD, 32), min(max(16, next_pow2(m)), 32)
 
 
 def bl_step_triton(
@@ -68,7 +68,7 @@ def bl_step_triton(
     has_alpha = kind != "identity"
     la = pr.dyn.log_alpha.reshape(B, Hf, -1).contiguous() if has_alpha else pr.q.new_zeros(1)
     BD, BK, BV = step_tiles(D, mg)
-    BMV = max(16, _next_pow2(mg))
+    BMV = max(16, next_pow2(mg))
     P_in = pr.P0.contiguous()
     M_in = pr.M0.contiguous()
     P_out = torch.empty(B, Hf, D, D, dtype=cd, device=dims.device)

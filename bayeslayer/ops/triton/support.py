@@ -98,7 +98,7 @@ def unsupported(
     return None
 
 
-def _next_pow2(n: int) -> int:
+def next_pow2(n: int) -> int:
     return 1 << (max(int(n), 1) - 1).bit_length()
 
 
@@ -109,5 +109,5 @@ def tile_sizes(D: int, m: int) -> tuple[int, int, int]:
     spills heavily at C = 64 (``benchmarks/gpu.py --compile-only``); at 16/32 it
     fits in registers (covariance: no spill; mean: ≤ 56 bytes).
     """
-    BD = max(16, _next_pow2(D))
-    return BD, 16, min(max(16, _next_pow2(m)), 32)
+    BD = max(16, next_pow2(D))
+    return BD, 16, min(max(16, next_pow2(m)), 32)
