@@ -14,18 +14,6 @@ import pytest
 
 from .import_graph import PACKAGE, cycles, import_graph, module_name, module_paths
 
-# Edges that close a known cycle and are being removed by other work; each is listed with its reason
-# and the test below fails once the edge is gone, so the entry is deleted with it.  Nothing else may
-# be added here: a new cycle is a failure.
-KNOWN_CYCLE_EDGES: set[tuple[str, str]] = set()
-
-
-def _graph_without_known_edges() -> dict[str, set[str]]:
-    graph = import_graph()
-    for src, dst in KNOWN_CYCLE_EDGES:
-        graph[src].discard(dst)
-    return graph
-
 
 def test_the_walker_covers_the_whole_package():
     graph = import_graph()
@@ -48,7 +36,7 @@ def test_every_module_imports(path):
 
 def test_the_cycle_finder_names_a_cycle_and_sees_lazy_imports():
     """Not vacuous: a lazy import that closes a loop (here one added to the real graph) is reported."""
-    graph = _graph_without_known_edges()
+    graph = import_graph()
     assert cycles(graph) == []
     graph["bayeslayer.ops.prepare"].add("bayeslayer.ops.chunk")  # chunk → prepare exists
     found = cycles(graph)
@@ -57,12 +45,6 @@ def test_the_cycle_finder_names_a_cycle_and_sees_lazy_imports():
 
 
 def test_no_import_cycle_in_the_package():
-    found = cycles(_graph_without_known_edges())
+    found = cycles(import_graph())
     assert not found, "import cycle(s):\n" + "\n".join(" -> ".join(c) for c in found)
 
-
-def test_known_cycle_edges_still_exist():
-    """Once another change removes one of these edges, delete it from KNOWN_CYCLE_EDGES."""
-    graph = import_graph()
-    for src, dst in sorted(KNOWN_CYCLE_EDGES):
-        assert dst in graph[src], f"{src} no longer imports {dst}: remove the entry from KNOWN_CYCLE_EDGES"

@@ -11,10 +11,6 @@ import ast
 
 from .import_graph import PACKAGE, module_name, module_paths
 
-# Private imports in modules other work is rewriting, listed so that they are removed, not kept: the
-# last test fails once one is gone, so its entry is deleted with it.  Nothing else may be added here.
-KNOWN_PRIVATE_IMPORTS: set[tuple[str, str]] = set()
-
 
 def private_imports() -> set[tuple[str, str]]:
     """``{(importing module, private name)}`` over the package."""
@@ -32,11 +28,7 @@ def private_imports() -> set[tuple[str, str]]:
 
 
 def test_no_private_name_is_imported_across_modules():
-    new = private_imports() - KNOWN_PRIVATE_IMPORTS
+    new = private_imports()
     assert not new, "private names imported from another module: " + ", ".join(
         f"{mod} imports {name}" for mod, name in sorted(new))
 
-
-def test_known_private_imports_still_exist():
-    gone = KNOWN_PRIVATE_IMPORTS - private_imports()
-    assert not gone, f"no longer imported, remove from KNOWN_PRIVATE_IMPORTS: {sorted(gone)}"
