@@ -189,3 +189,13 @@ def test_a_config_json_with_layer_mixers_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ValueError, match="layer_mixers is derived"):
         BayesLayerConfig.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("bad", [None, 3, ""])
+def test_checkpoint_path_helpers_name_their_argument(bad):
+    from bayeslayer.models.checkpoint import hub_id, resolve_checkpoint_dir
+
+    with pytest.raises(TypeError, match="path_or_repo_id"):
+        hub_id(bad)
+    with pytest.raises(TypeError, match="path_or_repo_id"):
+        resolve_checkpoint_dir(bad, None)

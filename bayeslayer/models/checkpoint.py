@@ -101,6 +101,8 @@ def hub_id(path_or_repo_id: str | os.PathLike) -> str | None:
     first part is a folder here (``ckpts/gdn`` next to a ``ckpts/`` folder is a path, mistyped or
     not yet written, not a hub repository of a user called ``ckpts``).
     """
+    if not isinstance(path_or_repo_id, (str, os.PathLike)) or not str(path_or_repo_id):
+        raise TypeError(f"path_or_repo_id must be a non-empty path or hub id string, got {path_or_repo_id!r}")
     if isinstance(path_or_repo_id, os.PathLike) or Path(path_or_repo_id).expanduser().exists():
         return None
     name = str(path_or_repo_id)
@@ -122,6 +124,8 @@ def resolve_checkpoint_dir(path_or_repo_id: str | os.PathLike, revision: str | N
     does a hub id under ``HF_HUB_OFFLINE`` that is not in the cache; a failed download is one
     ``FileNotFoundError`` that says what was tried.
     """
+    if not isinstance(path_or_repo_id, (str, os.PathLike)) or not str(path_or_repo_id):
+        raise TypeError(f"path_or_repo_id must be a non-empty path or hub id string, got {path_or_repo_id!r}")
     path = Path(path_or_repo_id).expanduser()
     if path.is_dir():
         return path
