@@ -27,8 +27,10 @@ scalar decay is the diagonal decay with all channels equal, and its gradient is 
 (:func:`terms_adjoint`: kernel B5's twin).  Gradients of a symmetric matrix (P0, the P_s) are
 returned symmetrised: only that part is defined by a function of a covariance.
 
-:func:`chunk_adjoint_scalar` is the same per-chunk adjoint in the variables of the scalar-decay loop
-of :func:`bayeslayer.ops.chunk.covariance_pass` (``Ū = (L_c ⊙ R)⁻¹ X``), for the chunk-serial kernel.
+:func:`chunk_adjoint_scalar` (and its sweep :func:`covariance_pass_adjoint_scalar`) is the same
+per-chunk adjoint in the variables of the scalar-decay loop of
+:func:`bayeslayer.ops.chunk.covariance_pass` (``Ū = (L_c ⊙ R)⁻¹ X``, no ``L⁻¹``), the form a
+scalar-decay kernel would specialise to (``tests/ops/test_covariance_adjoint.py``).
 """
 
 from __future__ import annotations
@@ -453,3 +455,75 @@ def _is(idx: torch.Tensor, n: int, device) -> torch.Tensor:
     m = torch.zeros(n, dtype=torch.bool, device=device)
     m[idx] = True
     return m
+
+
+# ---------------------------------------------------------------------------------------------------
+# the scalar-decay loop of chunk.covariance_pass, in its own variables
+# ---------------------------------------------------------------------------------------------------
+
+SCALAR_GRAD_NAMES = ("kt", "base", "NBk", "gamma", "ratio", "end", "b_end", "gC2")
+
+
+def chunk_adjoint_scalar(dP_next, dw, saved: tuple, kt, gamma, ratio, end, gC2):
+    """Adjoint of one chunk of the scalar-decay loop of :func:`bayeslayer.ops.chunk.covariance_pass`.
+
+    Forward (per chunk, leading dims ``[...]``): ``Y = K̃P``, ``S = base + YK̃ᵀ = L_c L_cᵀ``,
+    ``Ū = (L_c ⊙ R)⁻¹(NBk + γ ⊙ Y)``, ``P' = sym(b_C I + γ_C² P − ŪᵀdiagẼ²Ū)`` (``Ẽ = end``),
+    ``w = Ū / diag(L_c)``.  ``saved = (P, Y, L_c, Ū)`` of the chunk; ``dP_next``, ``dw``: adjoints of
+    ``P'`` and ``w``.  Returns ``(dP, grads)``, ``grads`` keyed by :data:`SCALAR_GRAD_NAMES`
+    (``ratio``: its lower triangle is what the forward reads; ``base``: symmetrised).
+    """
+    if not isinstance(saved, (tuple, list)) or len(saved) != 4:
+        raise ValueError(f"saved must be the chunk's (P, Y, Lc, Ub), got {type(saved).__name__}")
+    P, Y, Lc, Ub = saved
+    _check("dP_next", dP_next, P.shape)
+    _check("dw", dw, Ub.shape)
+    out = {}
+    dc = torch.diagonal(Lc, dim1=-2, dim2=-1)
+    Gs = _sym(dP_next)  # P' = sym(Pn)
+    Ue = Ub * end
+    dUe = -2.0 * Ue @ Gs  # Pn ∋ −UeᵀUe, Gs symmetric
+    dUb = dw / dc[..., None] + end * dUe
+    out["end"] = (dUe * Ub).sum(-1, keepdim=True)
+    ddc = -(dw * Ub).sum(-1) / (dc * dc)
+    out["gC2"] = (Gs * P).sum((-1, -2), keepdim=True)
+    out["b_end"] = torch.diagonal(Gs, dim1=-2, dim2=-1).sum(-1)[..., None, None]
+    dP = gC2 * Gs
+    LR = Lc * ratio
+    dX = torch.linalg.solve_triangular(LR.transpose(-1, -2), dUb, upper=True)  # Ū = LR⁻¹X
+    dLR = -(dX @ Ub.transpose(-1, -2)).tril()
+    dLc = dLR * ratio + torch.diag_embed(ddc)
+    out["ratio"] = dLR * Lc
+    out["NBk"] = dX
+    out["gamma"] = (dX * Y).sum(-1, keepdim=True)
+    dY = gamma * dX
+    # Cholesky adjoint: S̄ = L⁻ᵀ Φ(Lᵀ L̄) L⁻¹ (Φ: lower triangle, half diagonal), symmetrised
+    Phi = (Lc.transpose(-1, -2) @ dLc).tril()
+    Phi = Phi - 0.5 * torch.diag_embed(torch.diagonal(Phi, dim1=-2, dim2=-1))
+    Sb = torch.linalg.solve_triangular(Lc.transpose(-1, -2), Phi, upper=True)
+    Sb = _sym(torch.linalg.solve_triangular(Lc, Sb, upper=False, left=False))
+    out["base"] = Sb
+    dY = dY + Sb @ kt
+    out["kt"] = Sb @ Y + dY @ P.transpose(-1, -2)
+    return dP + kt.transpose(-1, -2) @ dY, out
+
+
+def covariance_pass_adjoint_scalar(dw, dP_end, saved: list, kt, gamma, ratio, end, gC2):
+    """Reverse sweep of :func:`chunk_adjoint_scalar` over ``n`` chunks (inputs ``[n, ...]``, ``saved`` n tuples).
+
+    Returns ``(dP_0, grads)``, ``grads`` keyed by :data:`SCALAR_GRAD_NAMES`, each stacked ``[n, ...]``.
+    """
+    if not isinstance(saved, (list, tuple)) or not saved:
+        raise ValueError(f"saved must be a non-empty list of per-chunk (P, Y, Lc, Ub), got {type(saved).__name__}")
+    n = len(saved)
+    for name, x in (("dw", dw), ("kt", kt), ("gamma", gamma), ("ratio", ratio), ("end", end), ("gC2", gC2)):
+        if not isinstance(x, torch.Tensor) or x.shape[0] != n:
+            raise ValueError(f"{name} must be a tensor with {n} chunks along dim 0, got "
+                             f"{getattr(x, 'shape', type(x).__name__)}")
+    G = dP_end
+    out = {name: [None] * n for name in SCALAR_GRAD_NAMES}
+    for i in range(n - 1, -1, -1):
+        G, gi = chunk_adjoint_scalar(G, dw[i], saved[i], kt[i], gamma[i], ratio[i], end[i], gC2[i])
+        for name, x in gi.items():
+            out[name][i] = x
+    return G, {name: torch.stack(v) for name, v in out.items()}

@@ -2,7 +2,8 @@
 
 A fused backward kernel (issue 8) has to carry ``P̄`` backwards through the chunks and form
 every gradient from per-chunk matrices, not from an autograd graph.  This module writes that
-adjoint in plain tensor algebra for scalar decay, in the same variables as the loop of
+adjoint in plain tensor algebra for scalar decay (library code since issue 16:
+:func:`bayeslayer.ops.scan_backward.covariance_pass_adjoint_scalar`), in the same variables as the loop of
 :func:`bayeslayer.ops.chunk.covariance_pass` (per chunk: ``Y = K̃P``, ``S = base + YK̃ᵀ``,
 ``S = L_c L_cᵀ``, ``Ū = (L_c ⊙ R)⁻¹(NBk + γ ⊙ Y)``, ``P' = sym(b_C I + γ_C² P − ŪᵀdiagẼ²Ū)``,
 ``w = Ū / diag(L_c)``), and checks it against autograd in float64 — the reference a kernel
@@ -11,10 +12,12 @@ port is tested against, and a check of the algebra in ``docs/kernels.md``.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from bayeslayer.ops.chunk import ChunkDynamics, Chunked, covariance_prework
 from bayeslayer.ops.prepare import prepare
+from bayeslayer.ops.scan_backward import covariance_pass_adjoint_scalar
 
 
 def _loop(P, kt, base, NBk, gamma, ratio, end, b_end, gC2):
@@ -33,44 +36,6 @@ def _loop(P, kt, base, NBk, gamma, ratio, end, b_end, gC2):
         P = 0.5 * (Pn + Pn.mT)
         ws.append(Ub / torch.diagonal(Lc, dim1=-2, dim2=-1)[..., None])
     return torch.stack(ws), P, saved
-
-
-def _adjoint(dw, dP_end, saved, kt, gamma, ratio, end, gC2):
-    """Reverse sweep: gradients of ``(P_0, kt, base, NBk, gamma, ratio, end, b_end, gC2)``."""
-    n = len(saved)
-    G = dP_end
-    out = {name: [None] * n for name in ("kt", "base", "NBk", "gamma", "ratio", "end", "b_end", "gC2")}
-    for i in range(n - 1, -1, -1):
-        P, Y, Lc, Ub = saved[i]
-        dc = torch.diagonal(Lc, dim1=-2, dim2=-1)
-        Gs = 0.5 * (G + G.mT)  # P' = sym(Pn)
-        Ue = Ub * end[i]
-        dUe = -2.0 * Ue @ Gs  # Pn ∋ −UeᵀUe, Gs symmetric
-        dUb = dw[i] / dc[..., None] + end[i] * dUe
-        out["end"][i] = (dUe * Ub).sum(-1, keepdim=True)
-        ddc = -(dw[i] * Ub).sum(-1) / (dc * dc)
-        out["gC2"][i] = (Gs * P).sum((-1, -2), keepdim=True)
-        out["b_end"][i] = torch.diagonal(Gs, dim1=-2, dim2=-1).sum(-1)[..., None, None]
-        dP = gC2[i] * Gs
-        LR = Lc * ratio[i]
-        dX = torch.linalg.solve_triangular(LR.mT, dUb, upper=True)  # Ū = LR⁻¹X
-        dLR = -(dX @ Ub.mT).tril()
-        dLc = dLR * ratio[i] + torch.diag_embed(ddc)
-        out["ratio"][i] = dLR * Lc
-        out["NBk"][i] = dX
-        out["gamma"][i] = (dX * Y).sum(-1, keepdim=True)
-        dY = gamma[i] * dX
-        # Cholesky adjoint: S̄ = L⁻ᵀ Φ(Lᵀ L̄) L⁻¹ (Φ: lower triangle, half diagonal), symmetrised
-        Phi = (Lc.mT @ dLc).tril()
-        Phi = Phi - 0.5 * torch.diag_embed(torch.diagonal(Phi, dim1=-2, dim2=-1))
-        Sb = torch.linalg.solve_triangular(Lc.mT, Phi, upper=True)
-        Sb = torch.linalg.solve_triangular(Lc, Sb, upper=False, left=False)
-        Sb = 0.5 * (Sb + Sb.mT)
-        out["base"][i] = Sb
-        dY = dY + Sb @ kt[i]
-        out["kt"][i] = Sb @ Y + dY @ P.mT
-        G = dP + kt[i].mT @ dY
-    return G, {name: torch.stack(v) for name, v in out.items()}
 
 
 def _prework(T=150, C=32, seed=0):
@@ -114,7 +79,8 @@ def test_adjoint_equals_autograd():
     auto = torch.autograd.grad((w, P_end), list(leaves.values()), (dw, dP))
     with torch.no_grad():
         saved = [tuple(t.detach() for t in s) for s in saved]
-        dP0, mine = _adjoint(dw, dP, saved, *(x[n] for n in ("kt", "gamma", "ratio", "end", "gC2")))
+        dP0, mine = covariance_pass_adjoint_scalar(dw, dP, saved,
+                                                   *(x[n] for n in ("kt", "gamma", "ratio", "end", "gC2")))
     mine["P"] = dP0
     for name, a in zip(leaves, auto, strict=True):
         b = mine[name].reshape(a.shape) if mine[name].numel() == a.numel() else mine[name].expand_as(a)
@@ -124,3 +90,15 @@ def test_adjoint_equals_autograd():
         err = (a - b).abs().max().item()
         assert err < 1e-10 * max(1.0, a.abs().max().item()), f"d{name}: |explicit - autograd| = {err:.2e}"
         assert a.abs().max() > 0, f"d{name} is identically zero; the comparison would be vacuous"
+
+
+def test_adjoint_bad_input():
+    x, g, _ = _prework(T=64)
+    w, P_end, saved = _loop(**x)
+    args = [x[n] for n in ("kt", "gamma", "ratio", "end", "gC2")]
+    with pytest.raises(ValueError, match="saved"):
+        covariance_pass_adjoint_scalar(w, P_end, [], *args)
+    with pytest.raises(ValueError, match="dw"):
+        covariance_pass_adjoint_scalar(w[:1], P_end, saved, *args)
+    with pytest.raises(ValueError, match="dP_next"):
+        covariance_pass_adjoint_scalar(w, P_end[..., :1], saved, *args)
