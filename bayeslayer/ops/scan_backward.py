@@ -382,7 +382,8 @@ def reverse_segments(lay: scan.ScanLayout, G: torch.Tensor, Abar: torch.Tensor) 
 
 def covariance_scan_backward(q, k, v, r2, ell2, log_alpha, P0, cu: list[int], C: int, *, segment_chunks: int,
                              P_starts: torch.Tensor, dw=None, dbeta=None, dlinv=None, dvariance=None, dkw=None,
-                             dvu=None, dg=None, dP=None, elements=None) -> ScanGrads:
+                             dvu=None, dg=None, dP=None, elements=None,
+                             element_dtype: torch.dtype | None = torch.float64) -> ScanGrads:
     """Gradients of :func:`bayeslayer.ops.scan.covariance_scan`'s inputs from its outputs' adjoints (B2–B4).
 
     Inputs as the forward (packed ``[NT, H', ...]``, ``P0`` ``[N, H', D, D]``, ``cu``, ``C``,
@@ -391,7 +392,8 @@ def covariance_scan_backward(q, k, v, r2, ell2, log_alpha, P0, cu: list[int], C:
     ``dlinv`` ``[NT, H', C]``, ``dvariance`` ``[NT, H']``, ``dkw`` ``[NT, H', D]``, ``dvu`` ``[NT, H', m]``,
     ``dg`` ``[NT, H', Da]``, ``dP`` ``[N, H', D, D]`` (the final state).  ``elements``: Phase A's
     ``(A, C, J)`` of ``lay.element_segments`` if the forward kept them, else recomputed here.
-    Returns :class:`ScanGrads`.
+    ``element_dtype``: the arithmetic of the elements, ``Ā`` and B3 (None: the inputs' dtype), as the
+    forward's Phase A/B; the replays B2/B4 run in the inputs' dtype.  Returns :class:`ScanGrads`.
     """
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor) or x.dim() != 3:
@@ -432,12 +434,17 @@ def covariance_scan_backward(q, k, v, r2, ell2, log_alpha, P0, cu: list[int], C:
     G, _ = segment_adjoint(lay, xs, dxs, P_starts, end_bar, inputs=False)
     # B3: the reverse pass over segments
     segs = lay.element_segments
+    ed = element_dtype or k.dtype
     if elements is None:
-        A, _, J, _ = scan.phase_a(lay, {name: xs[name] for name in ("k", "r2", "ell2", "la")}, segs)
+        A, _, J, _ = scan.phase_a(lay, {name: xs[name].to(ed) for name in ("k", "r2", "ell2", "la")}, segs)
     else:
+        if not isinstance(elements, (tuple, list)) or len(elements) != 3:
+            raise ValueError(f"elements must be Phase A's (A, C, J), got {type(elements).__name__}")
         A, _, J = elements
-    Abar = element_transition(A, J, P_starts[segs])
-    Pbar = reverse_segments(lay, G, Abar)
+        _check("elements' A", A, (segs.numel(), Hf, D, D))
+        _check("elements' J", J, (segs.numel(), Hf, D, D))
+    Abar = element_transition(A.to(ed), J.to(ed), P_starts[segs].to(ed))
+    Pbar = reverse_segments(lay, G.to(ed), Abar).to(k.dtype)
     # B4: the true adjoint, P̄_{s+1} arriving at the end of every segment that is not last
     nxt = torch.zeros_like(end_bar)
     nxt[segs] = Pbar[segs + 1]

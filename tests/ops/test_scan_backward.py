@@ -116,6 +116,17 @@ def test_backward_segments_inside_cu_seqlens(regime, diagonal, G):
         mine = _explicit(call, out, cot)
     _assert_equal(auto, mine)
     assert _transition_norms(call).min() > 0.1
+    if not diagonal and G == 1:  # Phase A's elements handed over (as a forward that kept them would) change nothing
+        xs = {name: lay.grid(getattr(call, src), fill) for name, src, fill in
+              (("k", "k", 0.0), ("r2", "r2", 1.0), ("ell2", "ell2", 0.0), ("la", "log_alpha", 0.0))}
+        A, Cm, J, _ = scan.phase_a(lay, xs, lay.element_segments)
+        with torch.no_grad():
+            kept = sb.covariance_scan_backward(
+                *(getattr(call, n) for n in INPUTS), call.cu, call.C, segment_chunks=call.segment_chunks,
+                P_starts=out.P_starts.detach(), dw=cot["w"], dbeta=cot["beta"], dlinv=cot["linv"],
+                dvariance=cot["variance"], dkw=cot["kw"], dvu=cot["vu"], dg=cot["g"], dP=cot["P"],
+                elements=(A, Cm, J))
+        assert all(torch.equal(a, b) for a, b in zip(kept, mine, strict=True))
 
 
 @pytest.mark.parametrize("regime", ["longmem", "stress"])
@@ -290,6 +301,8 @@ def test_bad_input():
         sb.covariance_scan_backward(*bad, call.cu, call.C, **kw)
     with pytest.raises(ValueError, match="segment_chunks"):
         sb.covariance_scan_backward(*args, call.cu, call.C, **{**kw, "segment_chunks": 0})
+    with pytest.raises(ValueError, match="elements"):
+        sb.covariance_scan_backward(*args, call.cu, call.C, elements=(out.P,), **kw)
     with pytest.raises(ValueError, match="J"):
         sb.element_transition(out.P[:, 0], out.P[:1, 0], out.P[:, 0])
     with pytest.raises(ValueError, match="dvar needs q"):
