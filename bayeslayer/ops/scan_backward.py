@@ -413,6 +413,11 @@ def covariance_scan_backward(q, k, v, r2, ell2, log_alpha, P0, cu: list[int], C:
         raise ValueError(f"cu must be a non-decreasing list of offsets from 0 to NT={NT}, got {cu!r}")
     N = len(cu) - 1
     _check("P0", P0, (N, Hf, D, D))
+    for name, x in (("q", q), ("v", v), ("r2", r2), ("ell2", ell2), ("log_alpha", log_alpha), ("P0", P0),
+                    ("P_starts", P_starts)):
+        if not isinstance(x, torch.Tensor) or x.dtype != k.dtype or x.device != k.device:
+            raise ValueError(f"{name} must be a {k.dtype} tensor on {k.device} like k, got "
+                             f"{getattr(x, 'dtype', type(x).__name__)} on {getattr(x, 'device', None)}")
     lay = scan.scan_layout(list(cu), C, segment_chunks, k.device)
     _check("P_starts", P_starts, (lay.n_segments, Hf, D, D))
     shapes = dict(w=(NT, Hf, D), beta=(NT, Hf), linv=(NT, Hf, lay.C), variance=(NT, Hf), kw=(NT, Hf, D),
@@ -420,9 +425,9 @@ def covariance_scan_backward(q, k, v, r2, ell2, log_alpha, P0, cu: list[int], C:
     outs = dict(w=dw, beta=dbeta, linv=dlinv, variance=dvariance, kw=dkw, vu=dvu, g=dg)
     for name, x in outs.items():
         if x is not None:
-            _check(f"d{name}", x, shapes[name])
+            _check(f"d{name}", x, shapes[name], k.dtype)
     if dP is not None:
-        _check("dP", dP, (N, Hf, D, D))
+        _check("dP", dP, (N, Hf, D, D), k.dtype)
     xs = {name: lay.grid(x, fill) for name, x, fill in
           (("q", q, 0.0), ("k", k, 0.0), ("v", v, 0.0), ("r2", r2, 1.0), ("ell2", ell2, 0.0), ("la", log_alpha, 0.0))}
     dxs = {name: (lay.grid(x, 0.0) if x is not None else None) for name, x in outs.items()}

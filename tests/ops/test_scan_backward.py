@@ -289,6 +289,12 @@ def test_bad_input():
         sb.covariance_scan_backward(*args, call.cu, call.C, **{**kw, "P_starts": out.P_starts[:1]})
     with pytest.raises(ValueError, match="dw"):
         sb.covariance_scan_backward(*args, call.cu, call.C, dw=out.w[:-1], **kw)
+    with pytest.raises(ValueError, match="dbeta"):
+        sb.covariance_scan_backward(*args, call.cu, call.C, dbeta=out.beta.float(), **kw)
+    with pytest.raises(ValueError, match="ell2"):
+        bad = list(args)
+        bad[4] = call.ell2.float()
+        sb.covariance_scan_backward(*bad, call.cu, call.C, **kw)
     with pytest.raises(ValueError, match="log_alpha"):
         bad = list(args)
         bad[5] = call.log_alpha.expand(*call.log_alpha.shape[:2], 3)
