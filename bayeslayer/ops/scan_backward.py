@@ -27,6 +27,11 @@ scalar decay is the diagonal decay with all channels equal, and its gradient is 
 (:func:`terms_adjoint`: kernel B5's twin).  Gradients of a symmetric matrix (P0, the P_s) are
 returned symmetrised: only that part is defined by a function of a covariance.
 
+Not here: rotations (the scan refuses them); the adjoint of :func:`bayeslayer.ops.prepare.prepare`
+(α → log α, group folding, ``P0 = p0·I``); the mean pass (B1); ``ScanOutput.P_starts`` are
+checkpoints and take no adjoint.  The twin keeps a ``[C, C, D]`` ratio per chunk even for scalar
+decay and Phase A's elements are recomputed unless passed in (``elements=``).
+
 :func:`chunk_adjoint_scalar` (and its sweep :func:`covariance_pass_adjoint_scalar`) is the same
 per-chunk adjoint in the variables of the scalar-decay loop of
 :func:`bayeslayer.ops.chunk.covariance_pass` (``Ū = (L_c ⊙ R)⁻¹ X``, no ``L⁻¹``), the form a
