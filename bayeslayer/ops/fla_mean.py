@@ -95,6 +95,11 @@ def one_autotune_config():
             o.configs = c
 
 
+def _acc_dtype(x: torch.Tensor) -> torch.dtype:
+    """fla's accumulation dtype (float32), or float64 for float64 twins."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
 def chunk_last_index(cu: list[int], C: int, device) -> torch.Tensor:
     """For every packed token, the index of the last token of its chunk ``[NT]`` (chunks restart per sequence)."""
     idx = []
@@ -113,7 +118,8 @@ def fwd_h_reference(k, w, u, g=None, gk=None, initial_state=None, output_final_s
 
         v_new = u − w h ;   h ← 2^{g_last} h + kᵀ (2^{g_last − g} v_new)     (gk: h ← diag(2^{gk_last}) h + kᵀ v_new)
 
-    Returns ``(h [B, NC, H, K, V], v_new [B, T, H, V], final [N, H, K, V] float32 or None)``.
+    Returns ``(h [B, NC, H, K, V], v_new [B, T, H, V], final [N, H, K, V] float32 or None)``
+    (float64 throughout for float64 inputs: the twins are the float64 reference of the backward).
     """
     B, T, H, K = k.shape
     V = u.shape[-1]
@@ -123,24 +129,25 @@ def fwd_h_reference(k, w, u, g=None, gk=None, initial_state=None, output_final_s
     else:
         c = cu_seqlens.tolist()
         seqs = [(0, a, e) for a, e in zip(c[:-1], c[1:], strict=True)]
+    acc = _acc_dtype(k)
     hs, finals = [], []
     v_new = torch.zeros_like(u)
     for n, (b, a, e) in enumerate(seqs):
-        h = (initial_state[n].to(torch.float32) if initial_state is not None
-             else torch.zeros(H, K, V, dtype=torch.float32, device=k.device))
+        h = (initial_state[n].to(acc) if initial_state is not None
+             else torch.zeros(H, K, V, dtype=acc, device=k.device))
         for s in range(a, e, C):
             t = slice(s, min(s + C, e))
             hs.append(h.to(k.dtype))
-            kt, wt, ut = k[b, t].float(), w[b, t].float(), u[b, t].float()  # [c, H, ·]
+            kt, wt, ut = k[b, t].to(acc), w[b, t].to(acc), u[b, t].to(acc)  # [c, H, ·]
             vn = ut - torch.einsum("chk,hkv->chv", wt, h)
             v_new[b, t] = vn.to(u.dtype)
             if g is not None:
-                gt = g[b, t].float()  # [c, H]
+                gt = g[b, t].to(acc)  # [c, H]
                 vn = vn * torch.exp2(gt[-1] - gt)[..., None]
                 h = h * torch.exp2(gt[-1])[:, None, None]
             if gk is not None:
-                h = h * torch.exp2(gk[b, t].float()[-1])[..., None]
-            h = h + torch.einsum("chk,chv->hkv", kt, vn.to(k.dtype).float())
+                h = h * torch.exp2(gk[b, t].to(acc)[-1])[..., None]
+            h = h + torch.einsum("chk,chv->hkv", kt, vn.to(k.dtype).to(acc))
         finals.append(h)
     hs_t = torch.stack(hs).reshape(B, -1, H, K, V) if hs else k.new_zeros(B, 0, H, K, V)
     final = torch.stack(finals) if output_final_state else None
@@ -191,3 +198,277 @@ def mean_pass_fla(q, w, kw, vu, g, M0, cu: list[int], C: int, *, fwd_h=None):
         A = chunk_gla_fwd_intra_gk(fla(q), fla(w), gk, 1.0, cu_seqlens=cu_t, chunk_size=C)
         o = chunk_gla_fwd_o_gk(fla(q), v_new, gk, A, h, 1.0, cu_seqlens=cu_t, chunk_size=C)
     return o[0].to(q.dtype), M.to(M0.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Backward (issue 16 item 1): fla's GDN backward kernels on the substituted tensors, their twins, and
+# the adjoint of the substitution.
+# ---------------------------------------------------------------------------------------------------
+
+
+def _chunks(B: int, T: int, C: int, cu_seqlens):
+    """``(b, slice, n, j)`` for every chunk in fla's order (j: its index in fla's ``h``/``dh``; n: its sequence)."""
+    if cu_seqlens is None:
+        seqs = [(b, b, 0, T) for b in range(B)]
+    else:
+        c = cu_seqlens.tolist()
+        seqs = [(0, n, a, e) for n, (a, e) in enumerate(zip(c[:-1], c[1:], strict=True))]
+    j = {}
+    for b, n, a, e in seqs:
+        for s in range(a, e, C):
+            j[b] = j.get(b, -1) + 1
+            yield b, slice(s, min(s + C, e)), n, j[b]
+
+
+def bwd_dv_local_reference(q, k, do, g=None, scale=1.0, cu_seqlens=None, chunk_size=64):
+    """Plain-PyTorch twin of fla's ``chunk_bwd_dv_local`` (scalar gate ``g`` [B, T, H], log2).
+
+    Per chunk, the intra-chunk part of ``dv``: ``dv_i = Σ_{t ≥ i} scale·(k_i·q_t)·2^{g_t − g_i} do_t``.
+    """
+    B, T, H, _ = k.shape
+    acc = _acc_dtype(k)
+    dv = torch.zeros_like(do)
+    for b, t, _, _ in _chunks(B, T, chunk_size, cu_seqlens):
+        A = torch.einsum("ihk,thk->hit", k[b, t].to(acc), q[b, t].to(acc)) * scale  # [H, i, t]
+        if g is not None:
+            gt = g[b, t].to(acc).transpose(0, 1)  # [H, c]
+            A = A * torch.exp2(gt[:, None, :] - gt[:, :, None])
+        A = torch.triu(A)  # i ≤ t
+        dv[b, t] = torch.einsum("hit,thv->ihv", A.to(do.dtype).to(acc), do[b, t].to(acc)).to(do.dtype)
+    return dv
+
+
+def bwd_dhu_reference(q, k, w, do, dv, g=None, gk=None, h0=None, dht=None, scale=1.0, cu_seqlens=None,
+                      chunk_size=64):
+    """Plain-PyTorch twin of fla's ``chunk_gated_delta_rule_bwd_dhu`` (``state_v_first=False``).
+
+    Reverse over each sequence's chunks, ``dh`` the adjoint of the chunk's END state (stored per chunk)::
+
+        dv2 = 2^{g_last − g} ⊙ (k dh) + dv ;   dh ← 2^{g_last} dh + scale·(2^{g} ⊙ q)ᵀ do − wᵀ dv2
+
+    (per-channel ``gk``: ``dv2 = k dh + dv``, ``dh ← diag(2^{gk_last}) dh + scale·qᵀ do − wᵀ dv2``:
+    fla then neither rescales k nor q).  Returns ``(dh [B, NC, H, K, V], dh0 [N, H, K, V] float32
+    or None, dv2 [B, T, H, V])``; ``dh0`` is returned only when ``h0`` is given, as fla does.
+    """
+    B, T, H, K = q.shape
+    V = do.shape[-1]
+    acc = _acc_dtype(q)
+    C = chunk_size
+    chunks = list(_chunks(B, T, C, cu_seqlens))
+    n_seq = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    NC = max([j + 1 for _, _, _, j in chunks] + [0])
+    dh = q.new_zeros(B, NC, H, K, V)
+    dh0 = torch.zeros(n_seq, H, K, V, dtype=acc, device=q.device) if h0 is not None else None
+    dv2 = torch.zeros_like(dv)
+    for n in range(n_seq):
+        mine = [c for c in chunks if c[2] == n]
+        b_dh = (dht[n].to(acc) if dht is not None else torch.zeros(H, K, V, dtype=acc, device=q.device))
+        for b, t, _, j in reversed(mine):
+            dh[b, j] = b_dh.to(dh.dtype)
+            kt, qt, wt = k[b, t].to(acc), q[b, t].to(acc), w[b, t].to(acc)
+            x = torch.einsum("chk,hkv->chv", kt, b_dh.to(k.dtype).to(acc))
+            if g is not None:
+                gt = g[b, t].to(acc)  # [c, H]
+                x = x * torch.exp2(gt[-1] - gt)[..., None]
+                b_dh = b_dh * torch.exp2(gt[-1])[:, None, None]
+                qt = qt * torch.exp2(gt)[..., None]
+            if gk is not None:
+                b_dh = b_dh * torch.exp2(gk[b, t].to(acc)[-1])[..., None]
+            d = x + dv[b, t].to(acc)
+            dv2[b, t] = d.to(dv.dtype)
+            b_dh = (b_dh + scale * torch.einsum("chk,chv->hkv", qt, do[b, t].to(acc))
+                    - torch.einsum("chk,chv->hkv", wt, d.to(w.dtype).to(acc)))
+        if dh0 is not None:
+            dh0[n] = b_dh
+    return dh, dh0, dv2
+
+
+def bwd_dqkwg_reference(q, k, v, do, h, dh, w=None, g=None, dv=None, scale=1.0, cu_seqlens=None, chunk_size=64):
+    """Plain-PyTorch twin of fla's ``chunk_bwd_dqkwg`` (scalar gate ``g`` [B, T, H], log2; ``v`` = v_new).
+
+    Per chunk, ``h`` its start state and ``dh`` the adjoint of its end state::
+
+        dq = scale·2^{g} ⊙ (do hᵀ) + dS k,   dk = 2^{g_last − g} ⊙ (v dhᵀ) + dSᵀ q,   dw = −dv hᵀ
+        dS_ti = scale·(do_t·v_i)·2^{g_t − g_i} (i ≤ t)
+        dg_t = q_t·dq_t − k_t·dk_t  (+ Σ h⊙dh·2^{g_last} + Σ_i k_i·(v dhᵀ)_i 2^{g_last − g_i} at the last row)
+
+    ``dg`` is the adjoint of the chunk-local cumulative gate in NATURAL log units (fla's kernels
+    drop the ln 2 of ``exp2``; fla's caller reverse-cumsums it), float32, ``[B, T, H]``.
+    Returns ``(dq, dk, dw or None, dg or None)``.
+    """
+    B, T, H, K = q.shape
+    acc = _acc_dtype(q)
+    dq, dk = torch.zeros_like(q), torch.zeros_like(k)
+    dw = torch.zeros_like(w) if w is not None else None
+    dg = torch.zeros(B, T, H, dtype=acc, device=q.device) if g is not None else None
+    for b, t, _, j in _chunks(B, T, chunk_size, cu_seqlens):
+        hj, dhj = h[b, j].to(acc), dh[b, j].to(acc)  # [H, K, V]
+        qt, kt, vt, dot = q[b, t].to(acc), k[b, t].to(acc), v[b, t].to(acc), do[b, t].to(acc)
+        bq = torch.einsum("chv,hkv->chk", dot, hj)
+        bk = torch.einsum("chv,hkv->chk", vt, dhj)
+        dS = torch.einsum("thv,ihv->hti", dot, vt)  # [H, t, i]
+        if w is not None and dv is not None:
+            dw[b, t] = (-torch.einsum("chv,hkv->chk", dv[b, t].to(acc), hj)).to(dw.dtype)
+        if g is not None:
+            gt = g[b, t].to(acc)  # [c, H]
+            gl = gt[-1]
+            last = (hj * dhj).sum((-2, -1)) * torch.exp2(gl)
+            bq = bq * torch.exp2(gt)[..., None] * scale
+            bk = bk * torch.exp2(gl - gt)[..., None]
+            last = last + (bk * kt).sum((0, 2))
+            gT = gt.transpose(0, 1)
+            dS = dS * torch.exp2(gT[:, :, None] - gT[:, None, :])
+        else:
+            bq = bq * scale
+        dS = torch.tril(dS) * scale
+        bq = bq + torch.einsum("hti,ihk->thk", dS, kt)
+        bk = bk + torch.einsum("hti,thk->ihk", dS, qt)
+        dq[b, t], dk[b, t] = bq.to(dq.dtype), bk.to(dk.dtype)
+        if g is not None:
+            dgt = (bq * qt).sum(-1) - (bk * kt).sum(-1)
+            dgt[-1] = dgt[-1] + last
+            dg[b, t] = dgt
+    return dq, dk, dw, (dg.float() if dg is not None and acc == torch.float32 else dg)
+
+
+def _check_packed(**xs):
+    for name, x in xs.items():
+        if not isinstance(x, torch.Tensor) or x.dim() != 3:
+            raise ValueError(f"{name} must be a packed [NT, H', ·] tensor, got {getattr(x, 'shape', type(x).__name__)}")
+
+
+def _check_like(name: str, x, ref: torch.Tensor, ref_name: str):
+    if not isinstance(x, torch.Tensor) or x.shape != ref.shape:
+        raise ValueError(f"{name} must have {ref_name}'s shape {tuple(ref.shape)}, got "
+                         f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+
+
+def mean_pass_fla_backward(q, w, kw, vu, g, M0, cu: list[int], C: int, do, dM=None, *, fwd_h=None, dv_local=None,
+                           dhu=None, dqkwg=None):
+    """Adjoint of :func:`mean_pass_fla` (scalar decay) on fla's GDN backward kernels.
+
+    Inputs as :func:`mean_pass_fla` (packed ``[NT, H', ·]``, g ``[NT, H', 1]``, M0 ``[N, H', D, m]``),
+    ``do`` the adjoint of ``o`` ``[NT, H', m]``, ``dM`` that of the final state (None: zero).
+    Returns ``(dq, dw, dkw, dvu, dg, dM0)`` in the inputs' dtypes (fla accumulates in float32);
+    ``dg`` is the adjoint of the chunk-local cumulative log-decay ``g`` as given (no reverse cumsum:
+    :func:`substitution_backward` maps it to the per-token log-decay).  fla's kernels, in order::
+
+        h, v_new = fwd_h(k=w, w=kw, u=vu, g)          # recomputed, as fla's GDN backward does
+        dv       = chunk_bwd_dv_local(q, k=w, do, g)  # intra-chunk part of d(v_new)
+        dh, dM0, dvu = chunk_gated_delta_rule_bwd_dhu(q, k=w, w=kw, do, dv, g, h0=M0, dht=dM)
+        dq, dw, dkw, dg = chunk_bwd_dqkwg(q, k=w, v=v_new, do, h, dh, w=kw, g, dv=dvu)
+
+    (fla's GDN backward minus its WY-representation step: here w and u are inputs).  Each kernel can
+    be replaced by its twin (``fwd_h=fwd_h_reference``, ``dv_local=bwd_dv_local_reference``,
+    ``dhu=bwd_dhu_reference``, ``dqkwg=bwd_dqkwg_reference``): fla's ``fwd_h`` and ``bwd_dhu`` do not
+    run under the Triton interpreter.  float64 only with every kernel a twin
+    (:func:`mean_pass_backward_reference`).  Diagonal decay is not taken (ValueError).
+    """
+    _check_packed(q=q, w=w, kw=kw, vu=vu, g=g)
+    if not isinstance(M0, torch.Tensor) or M0.dim() != 4:
+        raise ValueError(f"M0 must be [N, H', D, m], got {getattr(M0, 'shape', type(M0).__name__)}")
+    _check_like("do", do, vu, "vu")
+    if dM is not None:
+        _check_like("dM", dM, M0, "M0")
+    if g.shape[-1] != 1:
+        raise ValueError(f"mean_pass_fla_backward takes scalar decay (g [NT, H', 1]), got g {tuple(g.shape)}; "
+                         "diagonal decay has no fla backward here (see docs/kernels.md)")
+    if isinstance(C, bool) or not isinstance(C, int) or C < 1:
+        raise ValueError(f"C must be a positive int, got {C!r}")
+    if not isinstance(cu, (list, tuple)) or len(cu) != M0.shape[0] + 1 or cu[0] != 0 or cu[-1] != q.shape[0]:
+        raise ValueError(f"cu must be {M0.shape[0] + 1} offsets from 0 to NT={q.shape[0]}, got {cu!r}")
+    uses_fla = any(f is None for f in (fwd_h, dv_local, dhu, dqkwg))
+    if uses_fla:
+        require_fla()
+        if q.dtype == torch.float64:
+            raise TypeError("mean_pass_fla_backward: fla keeps its state in float32; float64 needs every kernel "
+                            "a twin (mean_pass_backward_reference)")
+        if q.shape[-1] > 256:
+            raise ValueError(f"fla's bwd_dhu supports key dims up to 256, got D={q.shape[-1]}")
+    if fwd_h is None:
+        from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h as fwd_h
+    if dhu is None:
+        from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu as dhu
+    if dv_local is None:
+        from fla.ops.common.chunk_o import chunk_bwd_dv_local as dv_local
+    if dqkwg is None:
+        from fla.ops.common.chunk_o import chunk_bwd_dqkwg as dqkwg
+
+    acc = _acc_dtype(q)
+    cu_t = torch.tensor(list(cu), dtype=torch.int64, device=q.device)
+
+    def fla(x):  # packed [NT, H, ·] -> fla's varlen layout [1, NT, H, ·]
+        return x.unsqueeze(0).contiguous()
+
+    g2 = fla(g[..., 0].to(acc) * _RCP_LN2)
+    h0 = M0.to(acc).contiguous()
+    dht = dM.to(acc).contiguous() if dM is not None else None
+    qf, wf, kwf, dof = fla(q), fla(w), fla(kw), fla(do)
+    h, v_new, _ = fwd_h(wf, kwf, fla(vu), g=g2, initial_state=h0, output_final_state=False, chunk_size=C,
+                        cu_seqlens=cu_t)
+    dv = dv_local(q=qf, k=wf, do=dof, g=g2, scale=1.0, cu_seqlens=cu_t, chunk_size=C)
+    dh, dM0, dvu = dhu(q=qf, k=wf, w=kwf, do=dof, dv=dv, g=g2, h0=h0, dht=dht, scale=1.0, cu_seqlens=cu_t,
+                       chunk_size=C)
+    dq, dw, dkw, dg = dqkwg(q=qf, k=wf, v=v_new, do=dof, h=h, dh=dh, w=kwf, g=g2, dv=dvu, scale=1.0,
+                            cu_seqlens=cu_t, chunk_size=C)
+    return (dq[0].to(q.dtype), dw[0].to(w.dtype), dkw[0].to(kw.dtype), dvu[0].to(vu.dtype),
+            dg[0, ..., None].to(g.dtype), dM0.to(M0.dtype))
+
+
+def mean_pass_backward_reference(q, w, kw, vu, g, M0, cu: list[int], C: int, do, dM=None):
+    """The explicit plain-PyTorch twin of :func:`mean_pass_fla_backward`: the same four steps on the twins
+    of fla's kernels (no autograd; any float dtype, float64 included).  Tested against autograd through
+    :func:`bayeslayer.ops.scan.mean_pass_reference`."""
+    return mean_pass_fla_backward(q, w, kw, vu, g, M0, cu, C, do, dM, fwd_h=fwd_h_reference,
+                                  dv_local=bwd_dv_local_reference, dhu=bwd_dhu_reference,
+                                  dqkwg=bwd_dqkwg_reference)
+
+
+def substitution_backward(linv, k, v, log_alpha, cu: list[int], C: int, dkw, dvu, dg=None):
+    """Adjoint of the substitution :func:`bayeslayer.ops.triton.scan.substituted_inputs`.
+
+    Forward, per chunk (``L⁻¹`` from the per-token rows ``linv [NT, H', C]``, ``g`` the chunk-local
+    cumsum of ``log_alpha [NT, H', Da]``, ``K̃ = e^{g} ⊙ K``)::
+
+        kw = L⁻¹ K̃ ,   vu = L⁻¹ V
+
+    Adjoint (``dkw``, ``dvu`` from :func:`mean_pass_fla_backward`; ``dg`` the adjoint of its ``g``
+    input, None: zero)::
+
+        dK̃ = L⁻ᵀ dkw ,   dV = L⁻ᵀ dvu ,   dL⁻¹ = tril(dvu Vᵀ + dkw K̃ᵀ)
+        dK = e^{g} ⊙ dK̃ ,   dg += Σ_d dK̃ ⊙ K̃ (scalar; per channel when diagonal) ,
+        dlog_alpha = reverse chunk-local cumsum of dg
+
+    ``dL⁻¹`` is restricted to the lower triangle, diagonal included (the entries L⁻¹ can hold; the
+    diagonal is structurally 1 and drops out of a unit-triangular inverse's adjoint downstream).
+    The other uses of K̃ (the covariance pass) add their own ``dK̃``.  Returns
+    ``(dlinv [NT, H', C], dk [NT, H', D], dv [NT, H', m], dlog_alpha [NT, H', Da])``, arithmetic in
+    ``linv``'s dtype.
+    """
+    from .scan import scan_layout
+
+    _check_packed(linv=linv, k=k, v=v, log_alpha=log_alpha)
+    _check_like("dkw", dkw, k, "k")
+    _check_like("dvu", dvu, v, "v")
+    if dg is not None:
+        _check_like("dg", dg, log_alpha, "log_alpha")
+    if linv.shape[-1] != C:
+        raise ValueError(f"linv must hold C={C} columns per row, got {tuple(linv.shape)}")
+    lay = scan_layout(list(cu), C, 1, k.device)  # one chunk per segment: every chunk independent
+    NT, dt = k.shape[0], linv.dtype
+    Lg = lay.grid(linv, 0.0)  # [1, S, H', C, C]
+    g = torch.cumsum(lay.grid(log_alpha.to(dt), 0.0), dim=-2)
+    Kt = torch.exp(g) * lay.grid(k.to(dt), 0.0)
+    dkw_g, dvu_g = lay.grid(dkw.to(dt), 0.0), lay.grid(dvu.to(dt), 0.0)
+    LT = Lg.transpose(-1, -2)
+    dKt = LT @ dkw_g
+    dV = LT @ dvu_g
+    dL = torch.tril(dvu_g @ lay.grid(v.to(dt), 0.0).transpose(-1, -2) + dkw_g @ Kt.transpose(-1, -2))
+    dgg = dKt * Kt
+    dgg = dgg.sum(-1, keepdim=True) if log_alpha.shape[-1] == 1 else dgg
+    if dg is not None:
+        dgg = dgg + lay.grid(dg.to(dt), 0.0)
+    dla = torch.flip(torch.cumsum(torch.flip(dgg, (-2,)), dim=-2), (-2,))
+    dK = torch.exp(g) * dKt
+    return (lay.scatter(dL, NT).to(linv.dtype), lay.scatter(dK, NT).to(k.dtype), lay.scatter(dV, NT).to(v.dtype),
+            lay.scatter(dla, NT).to(log_alpha.dtype))
