@@ -77,10 +77,12 @@ def one_autotune_config():
     import fla.ops.common.chunk_delta_h as m0
     import fla.ops.common.chunk_o as m1
     import fla.ops.gla.chunk as m2
+    import fla.ops.kda.chunk_bwd as m3
+    import fla.ops.utils.cumsum as m4
     from triton.runtime.autotuner import Autotuner
 
     saved = []
-    for mod in (m0, m1, m2):
+    for mod in (m0, m1, m2, m3, m4):
         for name in dir(mod):
             o = getattr(mod, name)
             while o is not None and not isinstance(o, Autotuner) and hasattr(o, "fn"):
@@ -343,26 +345,159 @@ def _check_like(name: str, x, ref: torch.Tensor, ref_name: str):
                          f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
 
 
-def mean_pass_fla_backward(q, w, kw, vu, g, M0, cu: list[int], C: int, do, dM=None, *, fwd_h=None, dv_local=None,
-                           dhu=None, dqkwg=None):
-    """Adjoint of :func:`mean_pass_fla` (scalar decay) on fla's GDN backward kernels.
+def local_cumsum_reference(g, chunk_size, reverse=False, cu_seqlens=None, **_):
+    """Plain-PyTorch twin of fla's ``chunk_local_cumsum`` (``[B, T, H(, K)]``, per chunk; float32 out,
+    float64 kept)."""
+    B, T = g.shape[:2]
+    out = torch.zeros_like(g, dtype=_acc_dtype(g))
+    for b, t, _, _ in _chunks(B, T, chunk_size, cu_seqlens):
+        x = g[b, t].to(out.dtype)
+        out[b, t] = torch.flip(torch.cumsum(torch.flip(x, (0,)), 0), (0,)) if reverse else torch.cumsum(x, 0)
+    return out
 
-    Inputs as :func:`mean_pass_fla` (packed ``[NT, H', ·]``, g ``[NT, H', 1]``, M0 ``[N, H', D, m]``),
-    ``do`` the adjoint of ``o`` ``[NT, H', m]``, ``dM`` that of the final state (None: zero).
-    Returns ``(dq, dw, dkw, dvu, dg, dM0)`` in the inputs' dtypes (fla accumulates in float32);
-    ``dg`` is the adjoint of the chunk-local cumulative log-decay ``g`` as given (no reverse cumsum:
-    :func:`substitution_backward` maps it to the per-token log-decay).  fla's kernels, in order::
 
-        h, v_new = fwd_h(k=w, w=kw, u=vu, g)          # recomputed, as fla's GDN backward does
-        dv       = chunk_bwd_dv_local(q, k=w, do, g)  # intra-chunk part of d(v_new)
-        dh, dM0, dvu = chunk_gated_delta_rule_bwd_dhu(q, k=w, w=kw, do, dv, g, h0=M0, dht=dM)
+def _ratio(gt):  # [c, H, K] per-channel log2 gates -> 2^{g_t − g_i} [H, t, i, K]
+    gT = gt.transpose(0, 1)
+    return torch.exp2(gT[:, :, None, :] - gT[:, None, :, :])
+
+
+def gla_fwd_intra_gk_reference(q, k, g, scale, cu_seqlens=None, chunk_size=64):
+    """Plain-PyTorch twin of fla's ``chunk_gla_fwd_intra_gk``: ``A[t, i] = scale·Σ_d q_td k_id 2^{g_td − g_id}``
+    (i ≤ t, i chunk-local), ``[B, T, H, BT]`` float32 (zero above the diagonal, where fla leaves it unset)."""
+    B, T, H, _ = q.shape
+    acc = _acc_dtype(q)
+    A = torch.zeros(B, T, H, chunk_size, dtype=acc, device=q.device)
+    for b, t, _, _ in _chunks(B, T, chunk_size, cu_seqlens):
+        n = t.stop - t.start
+        a = torch.einsum("thd,ihd,htid->thi", q[b, t].to(acc), k[b, t].to(acc), _ratio(g[b, t].to(acc))) * scale
+        A[b, t, :, :n] = a * torch.tril(torch.ones(n, n, dtype=acc, device=q.device))[:, None, :]
+    return A
+
+
+def kda_bwd_dAv_reference(q, k, v, do, A=None, scale=1.0, cu_seqlens=None, chunk_size=64):
+    """Plain-PyTorch twin of fla's ``chunk_kda_bwd_dAv`` given ``A``: ``dA[t, i] = scale·do_t·v_i`` (i ≤ t)
+    ``[B, T, H, BT]`` float32, and ``dv_i = Σ_{t ≥ i} A[t, i] do_t``."""
+    B, T, H, _ = do.shape
+    acc = _acc_dtype(do)
+    dA = torch.zeros(B, T, H, chunk_size, dtype=acc, device=do.device)
+    dv = torch.zeros_like(do)
+    for b, t, _, _ in _chunks(B, T, chunk_size, cu_seqlens):
+        n = t.stop - t.start
+        low = torch.tril(torch.ones(n, n, dtype=acc, device=do.device))[:, None, :]  # [t, 1, i]
+        dot, vt = do[b, t].to(acc), v[b, t].to(acc)
+        dA[b, t, :, :n] = torch.einsum("thv,ihv->thi", dot, vt) * low * scale
+        At = A[b, t, :, :n].to(acc) * low
+        dv[b, t] = torch.einsum("thi,thv->ihv", At.to(do.dtype).to(acc), dot).to(dv.dtype)
+    return dA, dv
+
+
+def gla_bwd_dqk_intra_reference(q, k, g, dA, cu_seqlens=None, chunk_size=64):
+    """Plain-PyTorch twin of fla's ``chunk_gla_bwd_dqk_intra``: the adjoint of ``A`` (no scale: dA carries it)::
+
+        dq_t = Σ_{i ≤ t} dA[t, i] 2^{g_t − g_i} ⊙ k_i ,   dk_i = Σ_{t ≥ i} dA[t, i] 2^{g_t − g_i} ⊙ q_t
+
+    Returns ``(dq, dk)`` float32 ``[B, T, H, K]``."""
+    B, T, H, K = q.shape
+    acc = _acc_dtype(q)
+    dq = torch.zeros(B, T, H, K, dtype=acc, device=q.device)
+    dk = torch.zeros_like(dq)
+    for b, t, _, _ in _chunks(B, T, chunk_size, cu_seqlens):
+        n = t.stop - t.start
+        dAt = dA[b, t, :, :n].to(acc) * torch.tril(torch.ones(n, n, dtype=acc, device=q.device))[:, None, :]
+        R = _ratio(g[b, t].to(acc))  # [H, t, i, K]
+        dq[b, t] = torch.einsum("thi,htik,ihk->thk", dAt, R, k[b, t].to(acc))
+        dk[b, t] = torch.einsum("thi,htik,thk->ihk", dAt, R, q[b, t].to(acc))
+    return dq, dk
+
+
+def gla_bwd_dqkg_reference(q, k, v, h, g, do, dh, dq, dk, scale=1.0, cu_seqlens=None, chunk_size=64):
+    """Plain-PyTorch twin of fla's ``chunk_gla_bwd_dqkg`` (per-channel log2 gate ``g`` ``[B, T, H, K]``)::
+
+        dq2 = dq + scale·2^{g} ⊙ (do hᵀ) ,   dk2 = dk + 2^{g_last − g} ⊙ (v dhᵀ)
+        dg  = revcumsum_t(q ⊙ dq2 − k ⊙ dk2) + 2^{g_last} ⊙ Σ_v h⊙dh + Σ_t k ⊙ 2^{g_last − g} ⊙ (v dhᵀ)
+
+    ``dg`` is the adjoint of the PER-TOKEN gate (fla folds the reverse cumsum in), natural-log units."""
+    B, T, H, K = q.shape
+    acc = _acc_dtype(q)
+    dq2, dk2 = torch.zeros_like(dq), torch.zeros_like(dk)
+    dg = torch.zeros(B, T, H, K, dtype=acc, device=q.device)
+    for b, t, _, j in _chunks(B, T, chunk_size, cu_seqlens):
+        hj, dhj = h[b, j].to(acc), dh[b, j].to(acc)
+        qt, kt, gt = q[b, t].to(acc), k[b, t].to(acc), g[b, t].to(acc)
+        gn = gt[-1]  # [H, K]
+        bq = torch.einsum("chv,hkv->chk", do[b, t].to(acc), hj) * scale * torch.exp2(gt)
+        bk = torch.einsum("chv,hkv->chk", v[b, t].to(acc), dhj) * torch.exp2(gn - gt)
+        dgk = (hj * dhj).sum(-1) * torch.exp2(gn) + (bk * kt).sum(0)
+        bq, bk = bq + dq[b, t].to(acc), bk + dk[b, t].to(acc)
+        x = qt * bq - kt * bk
+        dg[b, t] = torch.flip(torch.cumsum(torch.flip(x, (0,)), 0), (0,)) + dgk
+        dq2[b, t], dk2[b, t] = bq.to(dq2.dtype), bk.to(dk2.dtype)
+    return dq2, dk2, dg.to(g.dtype)
+
+
+# the fla kernels the backward calls, by fla's names, and their twins
+FLA_BACKWARD_KERNELS = {
+    "chunk_gated_delta_rule_fwd_h": "fla.ops.common.chunk_delta_h",
+    "chunk_gated_delta_rule_bwd_dhu": "fla.ops.common.chunk_delta_h",
+    "chunk_bwd_dv_local": "fla.ops.common.chunk_o",
+    "chunk_bwd_dqkwg": "fla.ops.common.chunk_o",
+    "chunk_local_cumsum": "fla.ops.utils",
+    "chunk_gla_fwd_intra_gk": "fla.ops.gla.chunk",
+    "chunk_kda_bwd_dAv": "fla.ops.kda.chunk_bwd",
+    "chunk_gla_bwd_dqk_intra": "fla.ops.gla.chunk",
+    "chunk_gla_bwd_dqkg": "fla.ops.gla.chunk",
+}
+TWIN_KERNELS = {
+    "chunk_gated_delta_rule_fwd_h": fwd_h_reference,
+    "chunk_gated_delta_rule_bwd_dhu": bwd_dhu_reference,
+    "chunk_bwd_dv_local": bwd_dv_local_reference,
+    "chunk_bwd_dqkwg": bwd_dqkwg_reference,
+    "chunk_local_cumsum": local_cumsum_reference,
+    "chunk_gla_fwd_intra_gk": gla_fwd_intra_gk_reference,
+    "chunk_kda_bwd_dAv": kda_bwd_dAv_reference,
+    "chunk_gla_bwd_dqk_intra": gla_bwd_dqk_intra_reference,
+    "chunk_gla_bwd_dqkg": gla_bwd_dqkg_reference,
+}
+# fla 0.6.0's kernels that do not run under the Triton 3.9 interpreter (``i_t.to(tl.int64)`` on a Python int)
+NOT_INTERPRETABLE = ("chunk_gated_delta_rule_fwd_h", "chunk_gated_delta_rule_bwd_dhu")
+_SCALAR_NEEDS = ("chunk_gated_delta_rule_fwd_h", "chunk_gated_delta_rule_bwd_dhu", "chunk_bwd_dv_local",
+                 "chunk_bwd_dqkwg", "chunk_local_cumsum")
+_DIAG_NEEDS = ("chunk_gated_delta_rule_fwd_h", "chunk_gated_delta_rule_bwd_dhu", "chunk_bwd_dqkwg",
+               "chunk_gla_fwd_intra_gk", "chunk_kda_bwd_dAv", "chunk_gla_bwd_dqk_intra", "chunk_gla_bwd_dqkg")
+
+
+def mean_pass_fla_backward(q, w, kw, vu, g, M0, cu: list[int], C: int, do, dM=None, *, fwd_h=None, dhu=None,
+                           kernels=None):
+    """Adjoint of :func:`mean_pass_fla` on fla's GDN (scalar decay) or GLA/KDA + GDN (diagonal) backward kernels.
+
+    Inputs as :func:`mean_pass_fla` (packed ``[NT, H', ·]``, g ``[NT, H', Da]`` chunk-local cumulative,
+    M0 ``[N, H', D, m]``), ``do`` the adjoint of ``o`` ``[NT, H', m]``, ``dM`` that of the final state
+    (None: zero).  Returns ``(dq, dw, dkw, dvu, dlog_alpha, dM0)`` in the inputs' dtypes (fla accumulates
+    in float32), where ``dlog_alpha`` ``[NT, H', Da]`` is the adjoint of the PER-TOKEN log-decay whose
+    chunk-local cumsum is ``g`` (the reverse cumsum fla's backward folds in; :func:`substitution_backward`
+    adds the K̃ term).  fla's kernels (base-2 gates ``g/ln 2``, scale 1), scalar decay::
+
+        h, v_new      = chunk_gated_delta_rule_fwd_h(k=w, w=kw, u=vu, g)    # recomputed, as fla's GDN does
+        dv            = chunk_bwd_dv_local(q, k=w, do, g)                    # intra-chunk part of d(v_new)
+        dh, dM0, dvu  = chunk_gated_delta_rule_bwd_dhu(q, k=w, w=kw, do, dv, g, h0=M0, dht=dM)
         dq, dw, dkw, dg = chunk_bwd_dqkwg(q, k=w, v=v_new, do, h, dh, w=kw, g, dv=dvu)
+        dlog_alpha    = chunk_local_cumsum(dg, reverse=True)
 
-    (fla's GDN backward minus its WY-representation step: here w and u are inputs).  Each kernel can
-    be replaced by its twin (``fwd_h=fwd_h_reference``, ``dv_local=bwd_dv_local_reference``,
-    ``dhu=bwd_dhu_reference``, ``dqkwg=bwd_dqkwg_reference``): fla's ``fwd_h`` and ``bwd_dhu`` do not
-    run under the Triton interpreter.  float64 only with every kernel a twin
-    (:func:`mean_pass_backward_reference`).  Diagonal decay is not taken (ValueError).
+    (fla's GDN backward minus its WY step: here w and u are inputs).  Diagonal decay (the forward's
+    KDA/GLA mapping, ``w_end = Φ_CΦ_i⁻¹w``, ``gk = g/ln 2``)::
+
+        h, v_new      = chunk_gated_delta_rule_fwd_h(k=w_end, w=kw, u=vu, gk)
+        A             = chunk_gla_fwd_intra_gk(q, w, gk)                      # recomputed
+        dA, dv        = chunk_kda_bwd_dAv(q, w, v_new, do, A)
+        dh, dM0, dvu  = chunk_gated_delta_rule_bwd_dhu(q=γ⊙q, k=w_end, w=kw, do, dv, gk, h0=M0, dht=dM)
+        dq, dw        = chunk_gla_bwd_dqk_intra(q, w, gk, dA)
+        dq, dw, dlog_alpha = chunk_gla_bwd_dqkg(q, w, v_new, h, gk, do, dh, dq, dw)
+        dkw           = chunk_bwd_dqkwg(q, w, v_new, do, h, dh, w=kw, dv=dvu)[2]   # ungated: −dvu hᵀ only
+
+    ``kernels``: ``{fla name: callable}`` replacing any of them (:data:`TWIN_KERNELS` holds the
+    plain-PyTorch twins); ``fwd_h=``/``dhu=`` replace the two that do not run under the Triton
+    interpreter (:data:`NOT_INTERPRETABLE`).  float64 only when every kernel used is a twin
+    (:func:`mean_pass_backward_reference`).
     """
     _check_packed(q=q, w=w, kw=kw, vu=vu, g=g)
     if not isinstance(M0, torch.Tensor) or M0.dim() != 4:
@@ -370,61 +505,81 @@ def mean_pass_fla_backward(q, w, kw, vu, g, M0, cu: list[int], C: int, do, dM=No
     _check_like("do", do, vu, "vu")
     if dM is not None:
         _check_like("dM", dM, M0, "M0")
-    if g.shape[-1] != 1:
-        raise ValueError(f"mean_pass_fla_backward takes scalar decay (g [NT, H', 1]), got g {tuple(g.shape)}; "
-                         "diagonal decay has no fla backward here (see docs/kernels.md)")
+    D = q.shape[-1]
+    if g.shape[-1] not in (1, D) or g.shape[:2] != q.shape[:2]:
+        raise ValueError(f"g must be [NT, H', 1] (scalar decay) or [NT, H', D={D}] (diagonal), got {tuple(g.shape)}")
     if isinstance(C, bool) or not isinstance(C, int) or C < 1:
         raise ValueError(f"C must be a positive int, got {C!r}")
     if not isinstance(cu, (list, tuple)) or len(cu) != M0.shape[0] + 1 or cu[0] != 0 or cu[-1] != q.shape[0]:
         raise ValueError(f"cu must be {M0.shape[0] + 1} offsets from 0 to NT={q.shape[0]}, got {cu!r}")
-    uses_fla = any(f is None for f in (fwd_h, dv_local, dhu, dqkwg))
-    if uses_fla:
+    if kernels is not None and not (isinstance(kernels, dict) and set(kernels) <= set(FLA_BACKWARD_KERNELS)):
+        raise ValueError(f"kernels must be a dict with keys among {sorted(FLA_BACKWARD_KERNELS)}, got {kernels!r}")
+    diag = g.shape[-1] > 1 and D > 1
+    ks = dict(kernels or {})
+    if fwd_h is not None:
+        ks["chunk_gated_delta_rule_fwd_h"] = fwd_h
+    if dhu is not None:
+        ks["chunk_gated_delta_rule_bwd_dhu"] = dhu
+    missing = [n for n in (_DIAG_NEEDS if diag else _SCALAR_NEEDS) if n not in ks]
+    if missing:
         require_fla()
         if q.dtype == torch.float64:
             raise TypeError("mean_pass_fla_backward: fla keeps its state in float32; float64 needs every kernel "
                             "a twin (mean_pass_backward_reference)")
-        if q.shape[-1] > 256:
-            raise ValueError(f"fla's bwd_dhu supports key dims up to 256, got D={q.shape[-1]}")
-    if fwd_h is None:
-        from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h as fwd_h
-    if dhu is None:
-        from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu as dhu
-    if dv_local is None:
-        from fla.ops.common.chunk_o import chunk_bwd_dv_local as dv_local
-    if dqkwg is None:
-        from fla.ops.common.chunk_o import chunk_bwd_dqkwg as dqkwg
+        if D > 256:
+            raise ValueError(f"fla's bwd_dhu supports key dims up to 256, got D={D}")
+        import importlib
+
+        for n in missing:
+            ks[n] = getattr(importlib.import_module(FLA_BACKWARD_KERNELS[n]), n)
 
     acc = _acc_dtype(q)
     cu_t = torch.tensor(list(cu), dtype=torch.int64, device=q.device)
+    common = dict(cu_seqlens=cu_t, chunk_size=C)
 
     def fla(x):  # packed [NT, H, ·] -> fla's varlen layout [1, NT, H, ·]
         return x.unsqueeze(0).contiguous()
 
-    g2 = fla(g[..., 0].to(acc) * _RCP_LN2)
     h0 = M0.to(acc).contiguous()
     dht = dM.to(acc).contiguous() if dM is not None else None
     qf, wf, kwf, dof = fla(q), fla(w), fla(kw), fla(do)
-    h, v_new, _ = fwd_h(wf, kwf, fla(vu), g=g2, initial_state=h0, output_final_state=False, chunk_size=C,
-                        cu_seqlens=cu_t)
-    dv = dv_local(q=qf, k=wf, do=dof, g=g2, scale=1.0, cu_seqlens=cu_t, chunk_size=C)
-    dh, dM0, dvu = dhu(q=qf, k=wf, w=kwf, do=dof, dv=dv, g=g2, h0=h0, dht=dht, scale=1.0, cu_seqlens=cu_t,
-                       chunk_size=C)
-    dq, dw, dkw, dg = dqkwg(q=qf, k=wf, v=v_new, do=dof, h=h, dh=dh, w=kwf, g=g2, dv=dvu, scale=1.0,
-                            cu_seqlens=cu_t, chunk_size=C)
-    return (dq[0].to(q.dtype), dw[0].to(w.dtype), dkw[0].to(kw.dtype), dvu[0].to(vu.dtype),
-            dg[0, ..., None].to(g.dtype), dM0.to(M0.dtype))
+    if not diag:
+        g2 = fla(g[..., 0].to(acc) * _RCP_LN2)
+        h, v_new, _ = ks["chunk_gated_delta_rule_fwd_h"](k=wf, w=kwf, u=fla(vu), g=g2, initial_state=h0,
+                                                         output_final_state=False, **common)
+        dv = ks["chunk_bwd_dv_local"](q=qf, k=wf, do=dof, g=g2, scale=1.0, **common)
+        dh, dM0, dvu = ks["chunk_gated_delta_rule_bwd_dhu"](q=qf, k=wf, w=kwf, do=dof, dv=dv, g=g2, h0=h0, dht=dht,
+                                                            scale=1.0, **common)
+        dq, dw, dkw, dg = ks["chunk_bwd_dqkwg"](q=qf, k=wf, v=v_new, do=dof, h=h, dh=dh, w=kwf, g=g2, dv=dvu,
+                                                scale=1.0, **common)
+        dla = ks["chunk_local_cumsum"](dg, reverse=True, **common)[..., None]
+    else:
+        gk = fla(g.to(acc) * _RCP_LN2)
+        last = chunk_last_index(list(cu), C, q.device)
+        w_end = fla(w * torch.exp(g[last] - g).to(w.dtype))
+        h, v_new, _ = ks["chunk_gated_delta_rule_fwd_h"](k=w_end, w=kwf, u=fla(vu), gk=gk, initial_state=h0,
+                                                         output_final_state=False, **common)
+        A = ks["chunk_gla_fwd_intra_gk"](q=qf, k=wf, g=gk, scale=1.0, **common)
+        dA, dv = ks["chunk_kda_bwd_dAv"](q=qf, k=wf, v=v_new, do=dof, A=A, scale=1.0, **common)
+        qg = fla(q * torch.exp(g).to(q.dtype))
+        dh, dM0, dvu = ks["chunk_gated_delta_rule_bwd_dhu"](q=qg, k=w_end, w=kwf, do=dof, dv=dv, gk=gk, h0=h0,
+                                                            dht=dht, scale=1.0, **common)
+        dq, dw = ks["chunk_gla_bwd_dqk_intra"](q=qf, k=wf, g=gk, dA=dA, **common)
+        dq, dw, dla = ks["chunk_gla_bwd_dqkg"](q=qf, k=wf, v=v_new, h=h, g=gk, do=dof, dh=dh, dq=dq, dk=dw, scale=1.0,
+                                               **common)
+        dkw = ks["chunk_bwd_dqkwg"](q=qf, k=wf, v=v_new, do=dof, h=h, dh=dh, w=kwf, dv=dvu, scale=1.0, **common)[2]
+    return (dq[0].to(q.dtype), dw[0].to(w.dtype), dkw[0].to(kw.dtype), dvu[0].to(vu.dtype), dla[0].to(g.dtype),
+            dM0.to(M0.dtype))
 
 
 def mean_pass_backward_reference(q, w, kw, vu, g, M0, cu: list[int], C: int, do, dM=None):
-    """The explicit plain-PyTorch twin of :func:`mean_pass_fla_backward`: the same four steps on the twins
-    of fla's kernels (no autograd; any float dtype, float64 included).  Tested against autograd through
-    :func:`bayeslayer.ops.scan.mean_pass_reference`."""
-    return mean_pass_fla_backward(q, w, kw, vu, g, M0, cu, C, do, dM, fwd_h=fwd_h_reference,
-                                  dv_local=bwd_dv_local_reference, dhu=bwd_dhu_reference,
-                                  dqkwg=bwd_dqkwg_reference)
+    """The explicit plain-PyTorch twin of :func:`mean_pass_fla_backward`: the same steps on the twins of
+    fla's kernels (:data:`TWIN_KERNELS`; no autograd; any float dtype, float64 included).  Tested against
+    autograd through :func:`bayeslayer.ops.scan.mean_pass_reference`."""
+    return mean_pass_fla_backward(q, w, kw, vu, g, M0, cu, C, do, dM, kernels=TWIN_KERNELS)
 
 
-def substitution_backward(linv, k, v, log_alpha, cu: list[int], C: int, dkw, dvu, dg=None):
+def substitution_backward(linv, k, v, log_alpha, cu: list[int], C: int, dkw, dvu, dlog_alpha=None):
     """Adjoint of the substitution :func:`bayeslayer.ops.triton.scan.substituted_inputs`.
 
     Forward, per chunk (``L⁻¹`` from the per-token rows ``linv [NT, H', C]``, ``g`` the chunk-local
@@ -432,12 +587,12 @@ def substitution_backward(linv, k, v, log_alpha, cu: list[int], C: int, dkw, dvu
 
         kw = L⁻¹ K̃ ,   vu = L⁻¹ V
 
-    Adjoint (``dkw``, ``dvu`` from :func:`mean_pass_fla_backward`; ``dg`` the adjoint of its ``g``
-    input, None: zero)::
+    Adjoint (``dkw``, ``dvu``, ``dlog_alpha`` from :func:`mean_pass_fla_backward`; ``dlog_alpha``:
+    the mean pass's adjoint of the per-token log-decay, None: zero)::
 
         dK̃ = L⁻ᵀ dkw ,   dV = L⁻ᵀ dvu ,   dL⁻¹ = tril(dvu Vᵀ + dkw K̃ᵀ)
-        dK = e^{g} ⊙ dK̃ ,   dg += Σ_d dK̃ ⊙ K̃ (scalar; per channel when diagonal) ,
-        dlog_alpha = reverse chunk-local cumsum of dg
+        dK = e^{g} ⊙ dK̃ ,   dlog_alpha += reverse chunk-local cumsum of Σ_d dK̃ ⊙ K̃
+                                          (per channel when diagonal)
 
     ``dL⁻¹`` is restricted to the lower triangle, diagonal included (the entries L⁻¹ can hold; the
     diagonal is structurally 1 and drops out of a unit-triangular inverse's adjoint downstream).
@@ -450,8 +605,8 @@ def substitution_backward(linv, k, v, log_alpha, cu: list[int], C: int, dkw, dvu
     _check_packed(linv=linv, k=k, v=v, log_alpha=log_alpha)
     _check_like("dkw", dkw, k, "k")
     _check_like("dvu", dvu, v, "v")
-    if dg is not None:
-        _check_like("dg", dg, log_alpha, "log_alpha")
+    if dlog_alpha is not None:
+        _check_like("dlog_alpha", dlog_alpha, log_alpha, "log_alpha")
     if linv.shape[-1] != C:
         raise ValueError(f"linv must hold C={C} columns per row, got {tuple(linv.shape)}")
     lay = scan_layout(list(cu), C, 1, k.device)  # one chunk per segment: every chunk independent
@@ -466,9 +621,9 @@ def substitution_backward(linv, k, v, log_alpha, cu: list[int], C: int, dkw, dvu
     dL = torch.tril(dvu_g @ lay.grid(v.to(dt), 0.0).transpose(-1, -2) + dkw_g @ Kt.transpose(-1, -2))
     dgg = dKt * Kt
     dgg = dgg.sum(-1, keepdim=True) if log_alpha.shape[-1] == 1 else dgg
-    if dg is not None:
-        dgg = dgg + lay.grid(dg.to(dt), 0.0)
-    dla = torch.flip(torch.cumsum(torch.flip(dgg, (-2,)), dim=-2), (-2,))
+    dla = lay.scatter(torch.flip(torch.cumsum(torch.flip(dgg, (-2,)), dim=-2), (-2,)), NT)
+    if dlog_alpha is not None:
+        dla = dla + dlog_alpha.to(dt)
     dK = torch.exp(g) * dKt
     return (lay.scatter(dL, NT).to(linv.dtype), lay.scatter(dK, NT).to(k.dtype), lay.scatter(dV, NT).to(v.dtype),
-            lay.scatter(dla, NT).to(log_alpha.dtype))
+            dla.to(log_alpha.dtype))
