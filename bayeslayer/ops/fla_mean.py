@@ -21,9 +21,15 @@ Not taken by fla here: float64 (fla keeps its final state in float32; the caller
 :func:`bayeslayer.ops.scan.mean_pass_reference` or its own kernel), rotations (no fla kernel).
 G > 1 runs as ``H·G`` heads (the scan folds groups into heads; every group has its own W).
 
+Backward (:func:`mean_pass_fla_backward`, issue 16 item 1): fla's GDN backward minus its WY step
+(scalar decay: ``chunk_bwd_dv_local``, ``chunk_gated_delta_rule_bwd_dhu``, ``chunk_bwd_dqkwg``); diagonal
+decay: GLA/KDA's ``chunk_kda_bwd_dAv``, ``chunk_gla_bwd_dqk_intra``, ``chunk_gla_bwd_dqkg`` around the same
+``bwd_dhu`` with ``gk``.  Every kernel has a plain-PyTorch twin (:data:`TWIN_KERNELS`);
+:func:`substitution_backward` is the adjoint of ``L⁻¹(γ⊙K)``, ``L⁻¹V``.
+
 The fla functions are internal API: :data:`FLA_VERSIONS` is the range whose source was read
-(``fla/ops/common/{chunk_delta_h,chunk_o}.py``, ``fla/ops/gla/chunk.py`` at 0.6.0), checked at call
-time by :func:`require_fla`.
+(``fla/ops/common/{chunk_delta_h,chunk_o}.py``, ``fla/ops/gla/chunk.py``, ``fla/ops/kda/chunk_bwd.py``,
+``fla/ops/utils/cumsum.py`` at 0.6.0), checked at call time by :func:`require_fla`.
 """
 
 from __future__ import annotations

@@ -147,6 +147,30 @@ def test_substitution_backward_equals_autograd(G, diagonal):
     assert _rel(got0[3], ref[3]) <= 1e-12
 
 
+@pytest.mark.parametrize("diagonal", [False, True])
+def test_mean_and_substitution_backward_compose(diagonal):
+    """mean_pass_backward_reference then substitution_backward == autograd through substituted_inputs and the
+    mean pass, w.r.t. the scan's own outputs (q, W, L⁻¹ rows, K, V, log α, M0): the per-token decay adjoint
+    of the one feeds the other (float64, G = 2)."""
+    call, sc, ins, do, dM = _scan_case(2, regime="stress", diagonal=diagonal)
+    lay = scan.scan_layout(CU, C, 2, "cpu")
+    xs = [x.detach().clone().requires_grad_() for x in (call.q, sc.w, sc.linv, call.k, call.v, call.log_alpha,
+                                                         ins["M0"])]
+    kw, vu, g = substituted_inputs(lay, *xs[2:6])
+    o, M = scan.mean_pass_reference(xs[0], xs[1], kw, vu, g, xs[6], CU, C)
+    ref = torch.autograd.grad((o * do).sum() + (M * dM).sum(), xs)
+    dq, dw, dkw, dvu, dla, dM0 = fla_mean.mean_pass_backward_reference(call.q, sc.w, sc.kw, sc.vu, sc.g, ins["M0"],
+                                                                       CU, C, do, dM)
+    dlinv, dk, dv, dla = fla_mean.substitution_backward(sc.linv, call.k, call.v, call.log_alpha, CU, C, dkw, dvu,
+                                                        dla)
+    pos = torch.cat([torch.arange(b - a) % C for a, b in zip(CU[:-1], CU[1:], strict=True)])
+    low = (torch.arange(C)[None, :] <= pos[:, None])[:, None, :]
+    got = (dq, dw, dlinv, dk, dv, dla, dM0)
+    for n, a, b in zip(("dq", "dw", "dlinv", "dk", "dv", "dlog_alpha", "dM0"), got, ref, strict=True):
+        b = b * low if n == "dlinv" else b
+        assert _rel(a, b) <= 1e-10, (n, _rel(a, b))
+
+
 def _kernel_inputs(diagonal):
     """fla-layout inputs of the backward's kernels (fp32), with h, v_new, dh, dvu from the twins."""
     _, _, ins, do, dM = _scan_case(2, dtype=torch.float32, device=DEVICE, diagonal=diagonal)
