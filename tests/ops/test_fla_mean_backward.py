@@ -183,16 +183,17 @@ def _kernel_inputs(diagonal):
         h, v_new, _ = fla_mean.fwd_h_reference(w, kw, vu, g=g2, initial_state=M0, **common)
         dv = fla_mean.bwd_dv_local_reference(q, w, do, g=g2, **common)
         dh, _, dvu = fla_mean.bwd_dhu_reference(q, w, kw, do, dv, g=g2, h0=M0, dht=dM, **common)
-        return dict(q=q, w=w, kw=kw, g2=g2, do=do, h=h, v_new=v_new, dh=dh, dvu=dvu), common
+        return dict(q=q, w=w, kw=kw, g2=g2, do=do, h=h, v_new=v_new, dh=dh, dvu=dvu, dv=dv, vu=vu, M0=M0, dM=dM), common
     gk = (g * fla_mean._RCP_LN2).contiguous()
     last = fla_mean.chunk_last_index(CU, C, q.device)
     w_end = (w[0] * torch.exp(g[0][last] - g[0]))[None].contiguous()
     h, v_new, _ = fla_mean.fwd_h_reference(w_end, kw, vu, gk=gk, initial_state=M0, **common)
     A = fla_mean.gla_fwd_intra_gk_reference(q, w, gk, 1.0, **common)
     dA, dv = fla_mean.kda_bwd_dAv_reference(q, w, v_new, do, A=A, **common)
-    dh, _, dvu = fla_mean.bwd_dhu_reference((q * torch.exp(g)).contiguous(), w_end, kw, do, dv, gk=gk, h0=M0,
-                                            dht=dM, **common)
-    return dict(q=q, w=w, kw=kw, g2=gk, do=do, h=h, v_new=v_new, dh=dh, dvu=dvu, A=A, dA=dA), common
+    qg = (q * torch.exp(g)).contiguous()
+    dh, _, dvu = fla_mean.bwd_dhu_reference(qg, w_end, kw, do, dv, gk=gk, h0=M0, dht=dM, **common)
+    return dict(q=q, w=w, kw=kw, g2=gk, do=do, h=h, v_new=v_new, dh=dh, dvu=dvu, A=A, dA=dA, dv=dv, vu=vu, M0=M0,
+                dM=dM, qg=qg, w_end=w_end), common
 
 
 @runs_triton
@@ -200,7 +201,8 @@ def _kernel_inputs(diagonal):
 def test_fla_backward_kernels_equal_twins(diagonal):
     """Every fla backward kernel that runs here (interpreted on CPU, or on a GPU) == its twin, fp32, same inputs:
     scalar decay chunk_bwd_dv_local, chunk_bwd_dqkwg, chunk_local_cumsum; diagonal chunk_gla_fwd_intra_gk,
-    chunk_kda_bwd_dAv, chunk_gla_bwd_dqk_intra, chunk_gla_bwd_dqkg and the ungated chunk_bwd_dqkwg (dkw)."""
+    chunk_kda_bwd_dAv, chunk_gla_bwd_dqk_intra, chunk_gla_bwd_dqkg and the ungated chunk_bwd_dqkwg (dkw); on a GPU
+    also fwd_h and bwd_dhu, whose failure under the interpreter is asserted on CPU."""
     x, common = _kernel_inputs(diagonal)
     fk = {n: getattr(__import__(m, fromlist=[n]), n) for n, m in fla_mean.FLA_BACKWARD_KERNELS.items()}
     tw = fla_mean.TWIN_KERNELS
@@ -220,6 +222,21 @@ def test_fla_backward_kernels_equal_twins(diagonal):
             "chunk_gla_bwd_dqkg": dict(q=q, k=w, v=v_new, h=h, g=g2, do=do, dh=dh, dq=dq0, dk=dk0, scale=1.0),
             "chunk_bwd_dqkwg": dict(q=q, k=w, v=v_new, do=do, h=h, dh=dh, w=kw, dv=dvu, scale=1.0),
         }
+    # the two the interpreter cannot run: compared on a GPU; under the interpreter their failure is asserted
+    # (if a later fla runs them, this fails and the CPU tests should switch to fla's kernels)
+    M0, dM = x["M0"], x["dM"]
+    if diagonal:
+        dhu_args = dict(q=x["qg"], k=x["w_end"], w=kw, do=do, dv=x["dv"], gk=g2, h0=M0, dht=dM, scale=1.0)
+        fwd = dict(k=x["w_end"], w=kw, u=x["vu"], gk=g2, initial_state=M0, output_final_state=True)
+    else:
+        dhu_args = dict(q=q, k=w, w=kw, do=do, dv=x["dv"], g=g2, h0=M0, dht=dM, scale=1.0)
+        fwd = dict(k=w, w=kw, u=x["vu"], g=g2, initial_state=M0, output_final_state=True)
+    for name, kw_args in (("chunk_gated_delta_rule_bwd_dhu", dhu_args), ("chunk_gated_delta_rule_fwd_h", fwd)):
+        if torch.cuda.is_available():
+            calls[name] = kw_args
+        else:
+            with fla_mean.one_autotune_config(), pytest.raises(Exception, match="has no attribute 'to'"):
+                fk[name](**kw_args, **common)
     pos = torch.cat([torch.arange(b - a) % C for a, b in zip(CU[:-1], CU[1:], strict=True)]).to(DEVICE)
     low = (torch.arange(C, device=DEVICE)[None, :] <= pos[:, None])[None, :, None, :]  # A's defined entries
     for name, kw_args in calls.items():
@@ -238,19 +255,22 @@ def test_fla_backward_kernels_equal_twins(diagonal):
 
 @runs_triton
 @pytest.mark.parametrize("diagonal", [False, True])
-def test_mean_pass_fla_backward_equals_autograd_fp32(diagonal):
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 2e-5), (torch.float16, 5e-3)])
+def test_mean_pass_fla_backward_equals_autograd(diagonal, dtype, tol):
     """The adapter with fla's kernels (fwd_h and bwd_dhu by their twins where the interpreter cannot run them),
-    float32, against autograd through the mean pass in float64."""
+    fp32 and fp16 inputs (fla accumulates in fp32), against autograd through the mean pass in float64.
+    Measured on CPU: fp32 ≤ 3.7e-7, fp16 ≤ 1.2e-3.  Not bf16: under the Triton 3.9 interpreter fla's
+    kernels return garbage for bf16 operands (chunk_bwd_dv_local 1.3e10 where its twin gives 7.8)."""
     _, _, ins64, do64, dM64 = _scan_case(2, diagonal=diagonal)
     ref = _autograd(ins64, do64, dM64)
-    ins = {n: x.to(dtype=torch.float32, device=DEVICE) for n, x in ins64.items()}
+    ins = {n: x.to(dtype=dtype, device=DEVICE) for n, x in ins64.items()}
     twins = {} if torch.cuda.is_available() else dict(fwd_h=fla_mean.fwd_h_reference, dhu=fla_mean.bwd_dhu_reference)
     with fla_mean.one_autotune_config():
-        got = fla_mean.mean_pass_fla_backward(*ins.values(), CU, C, do64.float().to(DEVICE),
-                                              dM64.float().to(DEVICE), **twins)
+        got = fla_mean.mean_pass_fla_backward(*ins.values(), CU, C, do64.to(dtype=dtype, device=DEVICE),
+                                              dM64.to(dtype=dtype, device=DEVICE), **twins)
     for n, a, b, x in zip(NAMES, got, ref, ins.values(), strict=True):
         assert a.dtype == x.dtype and a.shape == b.shape, n
-        assert _rel(a.double().cpu(), b) <= 2e-5, (n, _rel(a.double().cpu(), b))
+        assert _rel(a.double().cpu(), b) <= tol, (n, _rel(a.double().cpu(), b))
 
 
 def test_backward_refuses_bad_inputs():
