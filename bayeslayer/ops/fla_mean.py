@@ -129,6 +129,7 @@ def fwd_h_reference(k, w, u, g=None, gk=None, initial_state=None, output_final_s
     Returns ``(h [B, NC, H, K, V], v_new [B, T, H, V], final [N, H, K, V] float32 or None)``
     (float64 throughout for float64 inputs: the twins are the float64 reference of the backward).
     """
+    _check_fla(chunk_size, cu_seqlens, k=k, w=w, u=u, g=g, gk=gk)
     B, T, H, K = k.shape
     V = u.shape[-1]
     C = chunk_size
@@ -214,6 +215,35 @@ def mean_pass_fla(q, w, kw, vu, g, M0, cu: list[int], C: int, *, fwd_h=None):
 # ---------------------------------------------------------------------------------------------------
 
 
+def _check_fla(chunk_size, cu_seqlens, states=(), **xs):
+    """Validate a twin's fla-layout arguments: tensors ``[B, T, H, ·]`` sharing B and T (``states``: the
+    names of ``[B, NC, H, K, V]`` per-chunk states), a positive chunk size, and packed ``cu_seqlens``."""
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    ref = None
+    for name, x in xs.items():
+        if x is None:
+            continue
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"{name} must be a tensor, got {type(x).__name__}")
+        if name in states:
+            if x.dim() != 5:
+                raise ValueError(f"{name} must be per-chunk states [B, NC, H, K, V], got {tuple(x.shape)}")
+            continue
+        if x.dim() < 3:
+            raise ValueError(f"{name} must be [B, T, H, ...] (fla's layout), got {tuple(x.shape)}")
+        if ref is None:
+            ref = (name, x.shape[:2])
+        elif x.shape[:2] != ref[1]:
+            raise ValueError(f"{name} must share {ref[0]}'s [B, T] = {tuple(ref[1])}, got {tuple(x.shape)}")
+    if cu_seqlens is not None and ref is not None:
+        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or ref[1][0] != 1:
+            raise ValueError("cu_seqlens must be a 1-D offsets tensor with packed inputs (B = 1)")
+        c = cu_seqlens.tolist()
+        if not c or c[0] != 0 or c[-1] != ref[1][1] or any(b < a for a, b in zip(c[:-1], c[1:], strict=True)):
+            raise ValueError(f"cu_seqlens must rise from 0 to T={ref[1][1]}, got {c}")
+
+
 def _chunks(B: int, T: int, C: int, cu_seqlens):
     """``(b, slice, n, j)`` for every chunk in fla's order (j: its index in fla's ``h``/``dh``; n: its sequence)."""
     if cu_seqlens is None:
@@ -233,6 +263,7 @@ def bwd_dv_local_reference(q, k, do, g=None, scale=1.0, cu_seqlens=None, chunk_s
 
     Per chunk, the intra-chunk part of ``dv``: ``dv_i = Σ_{t ≥ i} scale·(k_i·q_t)·2^{g_t − g_i} do_t``.
     """
+    _check_fla(chunk_size, cu_seqlens, q=q, k=k, do=do, g=g)
     B, T, H, _ = k.shape
     acc = _acc_dtype(k)
     dv = torch.zeros_like(do)
@@ -258,6 +289,7 @@ def bwd_dhu_reference(q, k, w, do, dv, g=None, gk=None, h0=None, dht=None, scale
     fla then neither rescales k nor q).  Returns ``(dh [B, NC, H, K, V], dh0 [N, H, K, V] float32
     or None, dv2 [B, T, H, V])``; ``dh0`` is returned only when ``h0`` is given, as fla does.
     """
+    _check_fla(chunk_size, cu_seqlens, q=q, k=k, w=w, do=do, dv=dv, g=g, gk=gk)
     B, T, H, K = q.shape
     V = do.shape[-1]
     acc = _acc_dtype(q)
@@ -304,6 +336,7 @@ def bwd_dqkwg_reference(q, k, v, do, h, dh, w=None, g=None, dv=None, scale=1.0, 
     drop the ln 2 of ``exp2``; fla's caller reverse-cumsums it), float32, ``[B, T, H]``.
     Returns ``(dq, dk, dw or None, dg or None)``.
     """
+    _check_fla(chunk_size, cu_seqlens, ("h", "dh"), q=q, k=k, v=v, do=do, h=h, dh=dh, w=w, g=g, dv=dv)
     B, T, H, K = q.shape
     acc = _acc_dtype(q)
     dq, dk = torch.zeros_like(q), torch.zeros_like(k)
@@ -354,6 +387,7 @@ def _check_like(name: str, x, ref: torch.Tensor, ref_name: str):
 def local_cumsum_reference(g, chunk_size, reverse=False, cu_seqlens=None, **_):
     """Plain-PyTorch twin of fla's ``chunk_local_cumsum`` (``[B, T, H(, K)]``, per chunk; float32 out,
     float64 kept)."""
+    _check_fla(chunk_size, cu_seqlens, g=g)
     B, T = g.shape[:2]
     out = torch.zeros_like(g, dtype=_acc_dtype(g))
     for b, t, _, _ in _chunks(B, T, chunk_size, cu_seqlens):
@@ -370,6 +404,7 @@ def _ratio(gt):  # [c, H, K] per-channel log2 gates -> 2^{g_t − g_i} [H, t, i,
 def gla_fwd_intra_gk_reference(q, k, g, scale, cu_seqlens=None, chunk_size=64):
     """Plain-PyTorch twin of fla's ``chunk_gla_fwd_intra_gk``: ``A[t, i] = scale·Σ_d q_td k_id 2^{g_td − g_id}``
     (i ≤ t, i chunk-local), ``[B, T, H, BT]`` float32 (zero above the diagonal, where fla leaves it unset)."""
+    _check_fla(chunk_size, cu_seqlens, q=q, k=k, g=g)
     B, T, H, _ = q.shape
     acc = _acc_dtype(q)
     A = torch.zeros(B, T, H, chunk_size, dtype=acc, device=q.device)
@@ -383,6 +418,7 @@ def gla_fwd_intra_gk_reference(q, k, g, scale, cu_seqlens=None, chunk_size=64):
 def kda_bwd_dAv_reference(q, k, v, do, A=None, scale=1.0, cu_seqlens=None, chunk_size=64):
     """Plain-PyTorch twin of fla's ``chunk_kda_bwd_dAv`` given ``A``: ``dA[t, i] = scale·do_t·v_i`` (i ≤ t)
     ``[B, T, H, BT]`` float32, and ``dv_i = Σ_{t ≥ i} A[t, i] do_t``."""
+    _check_fla(chunk_size, cu_seqlens, q=q, k=k, v=v, do=do, A=A)
     B, T, H, _ = do.shape
     acc = _acc_dtype(do)
     dA = torch.zeros(B, T, H, chunk_size, dtype=acc, device=do.device)
@@ -403,6 +439,7 @@ def gla_bwd_dqk_intra_reference(q, k, g, dA, cu_seqlens=None, chunk_size=64):
         dq_t = Σ_{i ≤ t} dA[t, i] 2^{g_t − g_i} ⊙ k_i ,   dk_i = Σ_{t ≥ i} dA[t, i] 2^{g_t − g_i} ⊙ q_t
 
     Returns ``(dq, dk)`` float32 ``[B, T, H, K]``."""
+    _check_fla(chunk_size, cu_seqlens, q=q, k=k, g=g, dA=dA)
     B, T, H, K = q.shape
     acc = _acc_dtype(q)
     dq = torch.zeros(B, T, H, K, dtype=acc, device=q.device)
@@ -423,6 +460,7 @@ def gla_bwd_dqkg_reference(q, k, v, h, g, do, dh, dq, dk, scale=1.0, cu_seqlens=
         dg  = revcumsum_t(q ⊙ dq2 − k ⊙ dk2) + 2^{g_last} ⊙ Σ_v h⊙dh + Σ_t k ⊙ 2^{g_last − g} ⊙ (v dhᵀ)
 
     ``dg`` is the adjoint of the PER-TOKEN gate (fla folds the reverse cumsum in), natural-log units."""
+    _check_fla(chunk_size, cu_seqlens, ("h", "dh"), q=q, k=k, v=v, h=h, g=g, do=do, dh=dh, dq=dq, dk=dk)
     B, T, H, K = q.shape
     acc = _acc_dtype(q)
     dq2, dk2 = torch.zeros_like(dq), torch.zeros_like(dk)

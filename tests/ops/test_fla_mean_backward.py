@@ -298,3 +298,18 @@ def test_backward_refuses_bad_inputs():
     with pytest.raises(ValueError, match="linv must hold"):
         fla_mean.substitution_backward(ins["kw"].new_zeros(40, 2, 8), ins["kw"], ins["vu"], ins["g"], CU, C,
                                        ins["kw"], ins["vu"])
+
+
+def test_twins_refuse_bad_inputs():
+    x = torch.zeros(1, 40, 2, 8)
+    cu = torch.tensor(CU)
+    with pytest.raises(ValueError, match="chunk_size must be"):
+        fla_mean.bwd_dv_local_reference(x, x, x, chunk_size=0)
+    with pytest.raises(ValueError, match="do must share q's"):
+        fla_mean.bwd_dv_local_reference(x, x, x[:, :-1], cu_seqlens=cu, chunk_size=C)
+    with pytest.raises(ValueError, match="cu_seqlens must rise from 0 to T=40"):
+        fla_mean.bwd_dhu_reference(x, x, x, x, x, cu_seqlens=torch.tensor([0, 30]), chunk_size=C)
+    with pytest.raises(ValueError, match="h must be per-chunk states"):
+        fla_mean.bwd_dqkwg_reference(x, x, x, x, x, x, cu_seqlens=cu, chunk_size=C)
+    with pytest.raises(ValueError, match="dA must be"):
+        fla_mean.gla_bwd_dqk_intra_reference(x, x, x, x[0, 0], cu_seqlens=cu, chunk_size=C)
