@@ -257,7 +257,7 @@ def test_bl_chunk_triton_scan_backward_fp32_with_fla_kernels():
 @runs_triton
 def test_backward_switch(monkeypatch):
     """``blockwise`` stays the default; ``DEFAULT_BACKWARD`` (read at call time) or ``backward=`` select the scan;
-    anything else is refused naming the argument."""
+    anything else is refused naming the argument; without a gradient to take the plain forward runs (same output)."""
     from bayeslayer.ops.triton import chunk as tc
 
     assert tc.DEFAULT_BACKWARD == "blockwise"
@@ -276,3 +276,8 @@ def test_backward_switch(monkeypatch):
         o.sum().backward()
     with pytest.raises(ValueError, match="backward must be"):
         tc.bl_chunk_triton(*args, chunk_size=16, backward="fused")
+    # inference (no gradient can be asked for) runs the plain forward whichever backward is selected
+    monkeypatch.setattr(tc, "_scan_autograd", lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("scan forward")))
+    with torch.no_grad():
+        o2, _ = tc.bl_chunk_triton(*args, chunk_size=16)
+    assert torch.equal(o2, o.detach())

@@ -503,7 +503,9 @@ def bl_chunk_triton(
         M0 = P0 = None
     if q.shape[1] == 0:  # nothing to launch; the PyTorch path validates and returns the empty results
         o, var, M, P = _torch_reference(q, k, v, r2, ell2, alpha, None, p0, M0, P0, cu, C, return_variance)
-    elif backward == "scan":
+    elif backward == "scan" and torch.is_grad_enabled() and any(
+            isinstance(x, torch.Tensor) and x.requires_grad for x in (q, k, v, r2, ell2, alpha, p0, M0, P0)):
+        # only when a gradient can be asked for: inference runs the plain forward either way
         o, var, M, P = _scan_autograd(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, C, return_variance, n_segments)
     else:
         o, var, M, P = _BLChunkTriton.apply(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, C, return_variance,
