@@ -238,7 +238,8 @@ def test_bl_chunk_triton_scan_backward_fp64(regime, diagonal, G, n_segments):
 def test_bl_chunk_triton_scan_backward_fp32_with_fla_kernels():
     """fp32: the mean pass's backward on fla's kernels (interpreted on CPU, but for fwd_h/bwd_dhu's twins).
 
-    Tolerance 1e-4 relative to each gradient's largest entry against the float64 PyTorch path."""
+    Tolerance 1e-5 relative to each gradient's largest entry against the float64 PyTorch path (measured on this
+    case under the interpreter: ≤ 5.0e-7, dell2)."""
     from bayeslayer.ops.triton.chunk import bl_chunk_triton
 
     cu = [0, 20, 40]
@@ -251,7 +252,7 @@ def test_bl_chunk_triton_scan_backward_fp32_with_fla_kernels():
     for n in ref:
         b = ref[n] if n != "P0" else 0.5 * (ref[n] + ref[n].mT)
         assert got[n].dtype == torch.float32
-        assert _rel(got[n], b) <= 1e-4, (n, _rel(got[n], b))
+        assert _rel(got[n], b) <= 1e-5, (n, _rel(got[n], b))
 
 
 @runs_triton
