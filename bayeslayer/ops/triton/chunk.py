@@ -13,6 +13,11 @@ differentiating it (:func:`_blockwise_backward`).  Gradients are therefore the
 PyTorch path's; memory is the checkpoints, one block's graph and one gradient
 buffer per input (in its dtype); time is a Python loop over blocks, and inside
 the chunk step over their chunks — host-bound on a GPU (docs/kernels.md).
+``backward="scan"`` (or :data:`DEFAULT_BACKWARD`) instead differentiates the segment scan itself:
+``prepare_scan`` under plain autograd, :class:`bayeslayer.ops.scan_grad.ScanFunction` on
+:func:`forward_scan_packed` (which keeps W, the ``L⁻¹`` rows, the ``P_s`` checkpoints and Phase A's
+elements), ``finish_scan`` under autograd; its covariance part is still a plain-PyTorch twin, so
+``"blockwise"`` stays the default (measured: more PyTorch ops per chunk, :mod:`bayeslayer.ops.scan_grad`).
 Rotations (``theta``) have no kernel: :func:`bl_chunk_triton` refuses them, and
 :mod:`bayeslayer.ops.backend` sends them to the PyTorch path (``backend="auto"``).
 """
