@@ -13,6 +13,11 @@ differentiating it (:func:`_blockwise_backward`).  Gradients are therefore the
 PyTorch path's; memory is the checkpoints, one block's graph and one gradient
 buffer per input (in its dtype); time is a Python loop over blocks, and inside
 the chunk step over their chunks — host-bound on a GPU (docs/kernels.md).
+``backward="scan"`` (or :data:`DEFAULT_BACKWARD`) instead differentiates the segment scan itself:
+``prepare_scan`` under plain autograd, :class:`bayeslayer.ops.scan_grad.ScanFunction` on
+:func:`forward_scan_packed` (which keeps W, the ``L⁻¹`` rows, the ``P_s`` checkpoints and Phase A's
+elements), ``finish_scan`` under autograd; its covariance part is still a plain-PyTorch twin, so
+``"blockwise"`` stays the default (measured: more PyTorch ops per chunk, :mod:`bayeslayer.ops.scan_grad`).
 Rotations (``theta``) have no kernel: :func:`bl_chunk_triton` refuses them, and
 :mod:`bayeslayer.ops.backend` sends them to the PyTorch path (``backend="auto"``).
 """
@@ -32,6 +37,14 @@ from .support import BackendError, tile_sizes, triton_unavailable, unsupported
 # everything that does not depend on the carried state over a block, so fewer, larger kernels run,
 # at the price of one block's autograd graph in memory (instead of one chunk's)
 BACKWARD_BLOCK = 16
+# the backward bl_chunk_triton runs when its caller does not say (``backward=None``), read at call time so
+# that code reaching it through bl_chunk / the layers can switch it:
+#   "blockwise": :func:`_blockwise_backward` (PyTorch chunk-step recompute per block: the PyTorch path's gradients);
+#   "scan": the composed backward of the segment scan (:mod:`bayeslayer.ops.scan_grad`: fla's mean-pass backward,
+#           the substitution's adjoint, the covariance scan's B2–B4 — still its plain-PyTorch twin, a Python loop
+#           over each segment's chunk positions, so not the default until its Triton kernels land).
+DEFAULT_BACKWARD = "blockwise"
+BACKWARDS = ("blockwise", "scan")
 # tl.dot input precision of the fp32 filter arithmetic (fp64 always runs "ieee").  Only
 # `benchmarks/gpu.py --variants` changes it.  Measured on an H200 (Triton 3.6, T = 8192, D = 128,
 # docs/kernels.md): "tf32x3" was slower than "ieee" at every chunk size, "tf32" 20-26% faster but
@@ -328,6 +341,78 @@ def forward_chunk(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, want_var
                                n_segments=n_segments)
 
 
+def forward_scan_packed(q, k, v, r2, ell2, log_alpha, M0, P0, cu, C, segment_chunks, want_var):
+    """The segment-scan forward on the Triton kernels, on packed, folded tensors, keeping what the composed
+    backward needs: the forward of :class:`bayeslayer.ops.scan_grad.ScanFunction` (``backward="scan"``).
+
+    The same launches as :func:`bayeslayer.ops.triton.scan.forward_scan_triton` after its ``prepare_scan``
+    (Phase A and B kernels, Phase C on the covariance kernel over the segments, the mean kernel), with the
+    mean pass's output left in the compute dtype (``finish_scan`` casts it, under autograd).  Arguments:
+    :class:`bayeslayer.ops.scan.ScanCall`'s packed tensors, ``cu`` (list), ``C``, ``segment_chunks``.
+    Returns ``(o, variance or None, M, P, ScanSaved)`` packed; the saved tensors are the write keys, the
+    ``L⁻¹`` rows, the ``P_s`` checkpoints and Phase A's ``(A_s, J_s)`` (float64) — see
+    :mod:`bayeslayer.ops.scan_grad`.  Failures raise once, after the pass.
+    """
+    from .. import scan as sc
+    from ..scan_grad import ScanSaved
+    from .kernels import bl_chunk_cov_kernel
+    from .scan import PREC, ldl_scratch, mean_pass_triton, phase_a_triton, phase_b_triton, segment_offsets
+    from .support import next_pow2
+
+    NT, Hf, D = k.shape
+    cd, dev = k.dtype, k.device
+    f64 = torch.float64
+    lay = sc.scan_layout(list(cu), C, segment_chunks, dev)
+    diag = log_alpha.shape[-1] > 1
+    segs = lay.element_segments
+    A, Cm, J, info_a = phase_a_triton(lay, q, k, r2, ell2, log_alpha, segs)
+    P_starts, failed = phase_b_triton(lay, P0.to(f64), (A, Cm, J, segs))
+    del Cm
+    sc.mark_failed(failed, lay.seg_seq[segs], info_a)
+    S = lay.n_segments
+    BD = max(16, next_pow2(D))
+    P_starts = P_starts.to(cd)
+    P = P_starts.clone()  # the kernel writes each segment's end covariance in place
+    W = torch.empty(NT, Hf, D, dtype=cd, device=dev)
+    linv = torch.empty(NT, Hf, C, dtype=cd, device=dev)
+    var = torch.empty(NT, Hf, dtype=cd, device=dev) if want_var else W.new_empty(1)
+    Yscr = torch.empty(S, Hf, C, BD, dtype=cd, device=dev)
+    Uscr = torch.empty_like(Yscr)
+    cu_seg = segment_offsets(lay, NT)
+    la_k = log_alpha.contiguous() if diag else log_alpha[..., 0].contiguous()
+    ldl_scr, ldl_fail = ldl_scratch(S, Hf, C, cd, dev)
+    if NT > 0:
+        bl_chunk_cov_kernel[(S, Hf)](
+            q, k, r2, ell2, la_k, cu_seg, P, W, linv, Yscr, Uscr, var, Yscr, cu_seg, ldl_scr, ldl_fail,
+            H=Hf, D=D, C=C, BD=BD, BK=16, DIAG=diag, HAS_ALPHA=True, RETURN_VAR=want_var, SAVE_CK=False,
+            PREC="ieee" if cd == f64 else PREC, CK_EVERY=1, num_warps=8 if C >= 64 else 4,
+        )
+    last = lay.last_segments
+    failed |= ~torch.isfinite(P[last]).flatten(-2).all(-1)
+    sc.mark_failed(failed, lay.seg_seq, ldl_fail != 0)
+    call = sc.ScanCall(B=1, T=NT, G=1, dims=None, cu=list(cu), C=C, segment_chunks=segment_chunks, q=q, k=k, v=v,
+                       r2=r2, ell2=ell2, log_alpha=log_alpha, M0=M0, P0=P0)
+    o, M = mean_pass_triton(call, W, linv, want_dtype=cd)
+    sc.raise_if_failed(failed, "forward_scan_packed")
+    return o, var if want_var else None, M, P[last], ScanSaved(w=W, linv=linv, P_starts=P_starts, elements=(A, J))
+
+
+def _scan_autograd(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, want_var, n_segments):
+    """``backward="scan"``: ``prepare_scan`` (plain autograd) → :class:`~bayeslayer.ops.scan_grad.ScanFunction`
+    on :func:`forward_scan_packed` → ``finish_scan`` (plain autograd).  Returns ``(o, var or None, M, P)``."""
+    from .. import scan as sc
+    from ..scan_grad import ScanFunction, ScanSpec
+
+    if not 1 <= q.shape[-1] <= 256:
+        raise ValueError(f"the Triton path supports key dims D in 1..256, got D={q.shape[-1]}")
+    call = sc.prepare_scan(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, n_segments=n_segments)
+    spec = ScanSpec(cu=call.cu, C=call.C, segment_chunks=call.segment_chunks, want_var=want_var,
+                    forward=forward_scan_packed)
+    o, var, M, P = ScanFunction.apply(spec, call.q, call.k, call.v, call.r2, call.ell2, call.log_alpha, call.M0,
+                                      call.P0)
+    return sc.finish_scan(call, o, var if want_var else None, M, P)
+
+
 class _BLChunkTriton(torch.autograd.Function):
     """Triton forward; backward block by block from Triton-recomputed state checkpoints (see
     :func:`_blockwise_backward`)."""
@@ -367,6 +452,7 @@ def bl_chunk_triton(
     chunk_size: int = 64,
     cu_seqlens: torch.Tensor | None = None,
     n_segments: int | None = None,
+    backward: str | None = None,
 ):
     """The Bayesian Layer, chunked, on Triton: same contract and results as :func:`bayeslayer.ops.bl_chunk`.
 
@@ -388,9 +474,12 @@ def bl_chunk_triton(
     (None: chosen from the number of (sequence, head) chains and T, one segment up to 4096 tokens)
     sets how many segments the longest sequence is split into.
 
-    Gradients: a block-wise backward that recomputes each block of
+    Gradients (``backward``, None: :data:`DEFAULT_BACKWARD`): ``"blockwise"`` recomputes each block of
     :data:`BACKWARD_BLOCK` chunks with the PyTorch chunk step from state checkpoints
-    written by the Triton forward (module docstring); it is not a fused Triton backward.
+    written by the Triton forward (module docstring); ``"scan"`` runs the composed backward of the
+    segment scan (:mod:`bayeslayer.ops.scan_grad`) behind :func:`forward_scan_packed`.  Neither is yet
+    a fused Triton backward.  The two agree to rounding, except that ``"scan"`` returns the symmetric
+    part of a given ``P``'s gradient.
     """
     C = _check_chunk_size(chunk_size)
     if not isinstance(q, torch.Tensor):
@@ -408,6 +497,9 @@ def bl_chunk_triton(
     if n_segments is not None and (isinstance(n_segments, bool) or not isinstance(n_segments, int)
                                    or n_segments < 1):
         raise ValueError(f"n_segments must be None or a positive int, got {n_segments!r}")
+    backward = DEFAULT_BACKWARD if backward is None else backward
+    if backward not in BACKWARDS:
+        raise ValueError(f"backward must be None or one of {BACKWARDS}, got {backward!r}")
     if initial_state is not None:
         if not isinstance(initial_state, (tuple, list)) or len(initial_state) != 2:
             raise TypeError(f"initial_state must be a tuple (M, P), got {type(initial_state).__name__}")
@@ -416,6 +508,10 @@ def bl_chunk_triton(
         M0 = P0 = None
     if q.shape[1] == 0:  # nothing to launch; the PyTorch path validates and returns the empty results
         o, var, M, P = _torch_reference(q, k, v, r2, ell2, alpha, None, p0, M0, P0, cu, C, return_variance)
+    elif backward == "scan" and torch.is_grad_enabled() and any(
+            isinstance(x, torch.Tensor) and x.requires_grad for x in (q, k, v, r2, ell2, alpha, p0, M0, P0)):
+        # only when a gradient can be asked for: inference runs the plain forward either way
+        o, var, M, P = _scan_autograd(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, C, return_variance, n_segments)
     else:
         o, var, M, P = _BLChunkTriton.apply(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, C, return_variance,
                                             n_segments)

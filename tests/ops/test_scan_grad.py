@@ -1,0 +1,284 @@
+"""The composed backward of the segment-scan forward (``bayeslayer.ops.scan_grad``) against the PyTorch chunk path.
+
+Reference: autograd through ``bl_chunk(..., backend="torch")`` (the chunk-serial PyTorch path), float64, ≤ 1e-10
+relative to each gradient's largest entry, for the gradients of q, k, v, r2 (grouped too), ell2, alpha (scalar and
+diagonal decay), p0 and the initial state (M0, P0; P0's gradient compared by its symmetric part, the part a
+covariance defines).  1–3 segments, ragged tails, packed ``cu_seqlens`` with segment boundaries inside sequences,
+G = 2, the design note's long-memory and stress regimes with the segment transitions asserted far from 0 (else
+the carried adjoint of B3 would be tested by nothing).
+
+Two forwards feed the same backward: the plain-PyTorch twin (:func:`scan_grad.forward_packed_reference`, fast,
+the wide grid) and the Triton forward ``bl_chunk_triton(..., backward="scan")`` (interpreted on CPU: a few tiny
+cases; fla's backward kernels there run interpreted except ``bwd_dhu``/``fwd_h``, whose twins stand in).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import pytest
+import torch
+
+from bayeslayer.ops import bl_chunk, fla_mean, initial_bl_state, scan, scan_grad
+
+from .scan_inputs import regime_inputs
+
+TOL = 1e-10
+NAMES = ("q", "k", "v", "r2", "ell2", "alpha", "M0", "P0")
+interpreted = os.environ.get("TRITON_INTERPRET", "0") == "1"
+runs_triton = pytest.mark.skipif(not (torch.cuda.is_available() or interpreted),
+                                 reason="needs a CUDA device or TRITON_INTERPRET=1")
+DEVICE = "cuda" if not interpreted and torch.cuda.is_available() else "cpu"
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-300)).item()
+
+
+def _state(n, H, D, m, G=1, seed=7, device="cpu"):
+    """A random mean and a full (non-diagonal) start covariance."""
+    M0, P0 = initial_bl_state(n, H, D, m, p0=0.5, groups=G, dtype=torch.float64)
+    g = torch.Generator().manual_seed(seed)
+    X = torch.randn(P0.shape, generator=g, dtype=torch.float64) / D
+    return (M0 + 0.1 * torch.randn(M0.shape, generator=g, dtype=torch.float64)).to(device), (P0 + X @ X.mT).to(device)
+
+
+def _grads(fn, inputs: dict, cu=None, seed=0, **kw):
+    """Gradients of a random linear functional of (o, variance, final M, final P) w.r.t. every input."""
+    leaves = {n: x.detach().clone().requires_grad_(True) for n, x in inputs.items() if x is not None}
+    st = (leaves["M0"], leaves["P0"]) if "M0" in leaves else None
+    o, var, (M, P) = fn(leaves["q"], leaves["k"], leaves["v"], leaves["r2"], leaves["ell2"], leaves.get("alpha"),
+                        initial_state=st, output_final_state=True, return_variance=True, chunk_size=16,
+                        cu_seqlens=cu, **kw)
+    g = torch.Generator().manual_seed(seed)
+    loss = sum((x * torch.randn(x.shape, generator=g, dtype=torch.float64).to(x)).sum() for x in (o, var, M, P))
+    return dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values())), strict=True))
+
+
+def _assert_grads_equal(ref: dict, got: dict, tol=TOL):
+    assert set(ref) == set(got)
+    for n in ref:
+        a, b = got[n], ref[n]
+        if n == "P0":  # only the symmetric part of a covariance's gradient is defined; scan_grad returns that
+            b = 0.5 * (b + b.mT)
+        assert a.shape == b.shape and a.dtype == b.dtype, n
+        assert b.abs().max() > 0, f"d{n} is identically zero; the comparison would be vacuous"
+        err = _rel(a, b)
+        assert err <= tol, f"d{n}: |scan - torch| / max|torch| = {err:.2e} > {tol:.0e}"
+
+
+def _transition_norms(inputs: dict, cu: list[int] | None, n_segments: int) -> torch.Tensor:
+    """Spectral norms of the segment transitions A_s of the scan that ``n_segments`` gives (non-last segments)."""
+    call = scan.prepare_scan(*(inputs[n] for n in ("q", "k", "v", "r2", "ell2", "alpha")), 1.0, None, None,
+                             torch.tensor(cu) if cu is not None else None, 16, n_segments=n_segments)
+    lay = scan.scan_layout(call.cu, call.C, call.segment_chunks, call.k.device)
+    xs = {name: lay.grid(x, fill) for name, x, fill in
+          (("k", call.k, 0.0), ("r2", call.r2, 1.0), ("ell2", call.ell2, 0.0), ("la", call.log_alpha, 0.0))}
+    A, _, _, info = scan.phase_a(lay, xs, lay.element_segments)
+    assert not info.any()
+    return torch.linalg.matrix_norm(A, ord=2)
+
+
+def _case(regime, diagonal, *, B=2, T=150, H=2, D=8, m=4, G=1, cu=None, seed=0, device="cpu", state=True):
+    q, k, v, r2, ell2, alpha = regime_inputs(regime, B, T, H, D, m, diagonal=diagonal, G=G, seed=seed,
+                                             device=device)
+    n = B if cu is None else len(cu) - 1
+    M0, P0 = _state(n, H, D, m, G, seed=seed + 7, device=device) if state else (None, None)
+    return dict(q=q, k=k, v=v, r2=r2, ell2=ell2, alpha=alpha, M0=M0, P0=P0)
+
+
+def _torch_ref(inputs, cu=None, seed=0):
+    cu_t = torch.tensor(cu, device=inputs["q"].device) if cu is not None else None
+    return _grads(bl_chunk, inputs, cu_t, seed, backend="torch")
+
+
+# ------------------------------------------------------------------ the chain on the plain-PyTorch forward
+
+
+@pytest.mark.parametrize("regime", ["longmem", "stress"])
+@pytest.mark.parametrize("diagonal", [False, True])
+@pytest.mark.parametrize("n_segments", [1, 2, 3])
+def test_grads_equal_torch_chunk_path(regime, diagonal, n_segments):
+    """B = 2, T = 150 (10 chunks of 16, the last ragged), a full initial state; 1, 2, 3 segments."""
+    inputs = _case(regime, diagonal)
+    ref = _torch_ref(inputs)
+    got = _grads(scan_grad.bl_scan_autograd, inputs, n_segments=n_segments)
+    _assert_grads_equal(ref, got)
+    if n_segments > 1:
+        norms = _transition_norms(inputs, None, n_segments)
+        assert norms.numel() > 0 and norms.min() > 0.1  # the carried state (and B3's adjoint) matters
+
+
+@pytest.mark.parametrize("regime", ["longmem", "stress"])
+@pytest.mark.parametrize("diagonal", [False, True])
+@pytest.mark.parametrize("G", [1, 2])
+def test_grads_packed_cu_seqlens_and_groups(regime, diagonal, G):
+    """Packed sequences of 37, 0, 100 and 13 tokens (segments of 3 chunks: boundaries inside the longest),
+    each from its own initial state; r2 ``[B, T, H, G]`` with G = 2."""
+    cu = [0, 37, 37, 137, 150]
+    inputs = _case(regime, diagonal, B=1, G=G, cu=cu, seed=1)
+    ref = _torch_ref(inputs, cu, seed=3)
+    got = _grads(scan_grad.bl_scan_autograd, inputs, torch.tensor(cu), seed=3, n_segments=3)
+    _assert_grads_equal(ref, got)
+    if G == 1:
+        assert _transition_norms(inputs, cu, 3).min() > 0.1
+
+
+@pytest.mark.parametrize("decay", ["none", "scalar"])
+def test_grad_of_p0_without_initial_state(decay):
+    """No initial state: P0 = p0·I from a per-head p0 tensor (prepare's op, differentiated by plain autograd)."""
+    inputs = _case("longmem", False, T=70, state=False, seed=2)
+    if decay == "none":
+        inputs["alpha"] = None
+    p0 = torch.tensor([0.5, 2.0], dtype=torch.float64)
+    out = []
+    for fn, kw in ((bl_chunk, dict(backend="torch")), (scan_grad.bl_scan_autograd, dict(n_segments=2))):
+        leaves = {n: x.detach().clone().requires_grad_(True) for n, x in inputs.items() if x is not None}
+        p = p0.clone().requires_grad_(True)
+        o, var, (M, P) = fn(*(leaves.get(n) for n in ("q", "k", "v", "r2", "ell2", "alpha")), p0=p,
+                            output_final_state=True, return_variance=True, chunk_size=16, **kw)
+        loss = (o.sin()).sum() + var.sum() + (M * M).sum() + P.sum()
+        out.append(dict(zip([*leaves, "p0"], torch.autograd.grad(loss, [*leaves.values(), p]), strict=True)))
+    _assert_grads_equal(out[0], out[1])
+
+
+def test_gradcheck_tiny():
+    """``torch.autograd.gradcheck`` of the whole composed path (prepare → ScanFunction → finish), float64.
+
+    P0 enters as ``X Xᵀ + I`` (a symmetric parametrisation): the scan defines only the symmetric part of
+    P0's gradient, which finite differences of a non-symmetric perturbation would not see."""
+    q, k, v, r2, ell2, alpha = regime_inputs("longmem", 1, 11, 1, 4, 2, diagonal=True, seed=5)
+    alpha = 0.6 + 0.4 * alpha  # stronger decay: the gate's gradient is not negligible
+    M0 = 0.1 * torch.randn(2, 1, 4, 2, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    X = 0.3 * torch.randn(2, 1, 4, 4, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    cu = torch.tensor([0, 7, 11])
+
+    def fn(q, k, v, r2, ell2, alpha, M0, X):
+        P0 = X @ X.mT + torch.eye(4, dtype=torch.float64)
+        o, var, (M, P) = scan_grad.bl_scan_autograd(q, k, v, r2, ell2, alpha, initial_state=(M0, P0),
+                                                    output_final_state=True, return_variance=True, chunk_size=2,
+                                                    cu_seqlens=cu, n_segments=2)
+        return o, var, M, P
+
+    ins = tuple(x.detach().clone().requires_grad_(True) for x in (q, k, v, r2, ell2, alpha, M0, X))
+    assert torch.autograd.gradcheck(fn, ins, eps=1e-6, atol=1e-7, rtol=1e-6)
+
+
+def test_float32_gradients_close_to_float64():
+    """fp32 inputs through the composed backward (twin forward, Phase A/B in float64) vs the float64 PyTorch path.
+
+    Tolerance 1e-5 relative to each gradient's largest entry (measured on this case: ≤ 7.9e-7, dk; long-memory
+    regime, diagonal decay, 2 segments)."""
+    inputs = _case("longmem", True, T=70, seed=4)
+    ref = _torch_ref(inputs)
+    got = _grads(scan_grad.bl_scan_autograd, {n: x.float() for n, x in inputs.items()}, n_segments=2,
+                 mean_kernels=fla_mean.TWIN_KERNELS)
+    for n in ref:
+        b = ref[n] if n != "P0" else 0.5 * (ref[n] + ref[n].mT)
+        assert got[n].dtype == torch.float32
+        assert _rel(got[n], b) <= 1e-5, (n, _rel(got[n], b))
+
+
+def test_scan_backward_bad_input():
+    inputs = _case("longmem", False, B=1, T=20, state=False)
+    call = scan.prepare_scan(*(inputs[n] for n in ("q", "k", "v", "r2", "ell2", "alpha")), 1.0, None, None, None, 16,
+                             n_segments=1)
+    args = (call.q, call.k, call.v, call.r2, call.ell2, call.log_alpha, call.M0, call.P0, call.cu, call.C)
+    out = scan.covariance_scan(*args[:6], call.P0, call.cu, call.C, segment_chunks=call.segment_chunks,
+                               want_var=False)
+    saved = scan_grad.ScanSaved(w=out.w, linv=out.linv, P_starts=out.P_starts)
+    with pytest.raises(TypeError, match="saved must be a ScanSaved"):
+        scan_grad.scan_backward(*args, segment_chunks=call.segment_chunks, saved=tuple(saved))
+    with pytest.raises(ValueError, match="saved.linv"):
+        scan_grad.scan_backward(*args, segment_chunks=call.segment_chunks, saved=saved._replace(linv=out.linv[..., :3]))
+    with pytest.raises(ValueError, match="q must be"):
+        scan_grad.scan_backward(call.q[None], *args[1:], segment_chunks=call.segment_chunks, saved=saved)
+    with pytest.raises(TypeError, match="spec must be a ScanSpec"):
+        scan_grad.ScanFunction.apply(None, *args[:8])
+
+
+def test_mean_backward_kernels_choice():
+    ks = scan_grad.mean_backward_kernels(torch.float64, "cpu")
+    assert ks == fla_mean.TWIN_KERNELS
+
+
+# ------------------------------------------------------------------ the Triton forward, backward="scan"
+
+
+@runs_triton
+@pytest.mark.parametrize(("regime", "diagonal", "G", "n_segments"),
+                         [("stress", False, 2, 2), ("longmem", True, 1, 3)])
+def test_bl_chunk_triton_scan_backward_fp64(regime, diagonal, G, n_segments):
+    """``bl_chunk_triton(backward="scan")``: the Triton forward (Phase A/B kernels, Phase C, the mean kernel) keeps
+    W, L⁻¹ rows, P_s and Phase A's elements; gradients equal the PyTorch path's.  Packed ragged sequences."""
+    from bayeslayer.ops.triton.chunk import bl_chunk_triton
+
+    cu = [0, 30, 85]  # 2 + 4 chunks of 16, both ragged
+    inputs = _case(regime, diagonal, B=1, T=85, H=1, G=G, cu=cu, seed=11, device=DEVICE)
+    ref = _torch_ref(inputs, cu)
+    calls = []
+    orig = scan_grad.scan_backward
+
+    def spy(*a, **kw):
+        calls.append(kw["saved"].elements is not None)
+        return orig(*a, **kw)
+
+    scan_grad.scan_backward = spy
+    try:
+        got = _grads(bl_chunk_triton, inputs, torch.tensor(cu, device=DEVICE), n_segments=n_segments,
+                     backward="scan")
+    finally:
+        scan_grad.scan_backward = orig
+    assert calls == [True]  # the composed backward ran once, on Phase A's elements kept by the forward
+    _assert_grads_equal(ref, got)
+
+
+@runs_triton
+def test_bl_chunk_triton_scan_backward_fp32_with_fla_kernels():
+    """fp32: the mean pass's backward on fla's kernels (interpreted on CPU, but for fwd_h/bwd_dhu's twins).
+
+    Tolerance 1e-5 relative to each gradient's largest entry against the float64 PyTorch path (measured on this
+    case under the interpreter: ≤ 5.0e-7, dell2)."""
+    from bayeslayer.ops.triton.chunk import bl_chunk_triton
+
+    cu = [0, 20, 40]
+    inputs = _case("longmem", False, B=1, T=40, H=1, D=16, m=8, cu=cu, seed=12, device=DEVICE)
+    ref = _torch_ref(inputs, cu)
+    pin = fla_mean.one_autotune_config() if DEVICE == "cpu" else contextlib.nullcontext()
+    with pin:  # the interpreter cannot benchmark fla's autotune configs
+        got = _grads(bl_chunk_triton, {n: x.float() for n, x in inputs.items()}, torch.tensor(cu, device=DEVICE),
+                     n_segments=2, backward="scan")
+    for n in ref:
+        b = ref[n] if n != "P0" else 0.5 * (ref[n] + ref[n].mT)
+        assert got[n].dtype == torch.float32
+        assert _rel(got[n], b) <= 1e-5, (n, _rel(got[n], b))
+
+
+@runs_triton
+def test_backward_switch(monkeypatch):
+    """``blockwise`` stays the default; ``DEFAULT_BACKWARD`` (read at call time) or ``backward=`` select the scan;
+    anything else is refused naming the argument; without a gradient to take the plain forward runs (same output)."""
+    from bayeslayer.ops.triton import chunk as tc
+
+    assert tc.DEFAULT_BACKWARD == "blockwise"
+    inputs = _case("longmem", False, B=1, T=20, H=1, state=False, device=DEVICE)
+    ran = []
+    monkeypatch.setattr(scan_grad, "scan_backward", lambda *a, **kw: ran.append(1) or (_ for _ in ()).throw(
+        RuntimeError("scan backward ran")))
+    q = inputs["q"].clone().requires_grad_(True)
+    args = (q, inputs["k"], inputs["v"], inputs["r2"], inputs["ell2"], inputs["alpha"])
+    o, _ = tc.bl_chunk_triton(*args, chunk_size=16)
+    o.sum().backward()  # blockwise: the scan backward never ran
+    assert ran == []
+    monkeypatch.setattr(tc, "DEFAULT_BACKWARD", "scan")
+    o, _ = tc.bl_chunk_triton(*args, chunk_size=16)
+    with pytest.raises(RuntimeError, match="scan backward ran"):
+        o.sum().backward()
+    with pytest.raises(ValueError, match="backward must be"):
+        tc.bl_chunk_triton(*args, chunk_size=16, backward="fused")
+    # inference (no gradient can be asked for) runs the plain forward whichever backward is selected
+    monkeypatch.setattr(tc, "_scan_autograd", lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("scan forward")))
+    with torch.no_grad():
+        o2, _ = tc.bl_chunk_triton(*args, chunk_size=16)
+    assert torch.equal(o2, o.detach())
