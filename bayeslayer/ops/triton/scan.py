@@ -144,6 +144,20 @@ def _sblk(buf, ib, jb, r, BN: tl.constexpr, BLK: tl.constexpr):
 
 
 @triton.jit
+def _times_g(Msrc, X, DP, TT, r, D: tl.constexpr, NB: tl.constexpr, BLK: tl.constexpr, BN: tl.constexpr,
+             PREC: tl.constexpr):
+    """``TT = M G`` with ``G = L_P D_P^½`` (L_P's lower blocks in scratch X, D_P in DP), M a row-major
+    ``[D, D]`` matrix read in 16×16 blocks: ``(M G)_ij = Σ_{k≥j} M_ik (L_P)_kj · D_P,j^½`` (G_kj = 0 for k < j)."""
+    for ib in range(NB):
+        for jb in range(NB):
+            acc = tl.zeros([BLK, BLK], dtype=TT.dtype.element_ty)
+            for kb in range(jb, NB):
+                acc += tl.dot(_load_block(Msrc, ib, kb, r, D, BLK, False), tl.load(_sblk(X, kb, jb, r, BN, BLK)),
+                              input_precision=PREC)
+            tl.store(_sblk(TT, ib, jb, r, BN, BLK), acc * tl.sqrt(tl.load(DP + jb * BLK + r))[None, :])
+
+
+@triton.jit
 def scan_phase_b_kernel(
     PS, A, CM, J, elem_of_seg, seq_first, seq_nseg, SCR, FAIL,
     H: tl.constexpr,
@@ -195,14 +209,7 @@ def scan_phase_b_kernel(
         tl.store(DM + rn, tl.zeros([BN], dtype=dt) + 1.0)  # M = I + GᵀJG ⪰ I: its pivots are ≥ 1
         tl.debug_barrier()
         fail += ldl_blocked(X, LI, DP, NB, BLK, PREC)  # X: L_P, DP: D_P
-        # T = J G,  G = L_P D_P^½ (lower blocks: G_kj = 0 for k < j)
-        for ib in range(NB):
-            for jb in range(NB):
-                acc = tl.zeros([BLK, BLK], dtype=dt)
-                for kb in range(jb, NB):
-                    acc += tl.dot(_load_block(Je, ib, kb, r, D, BLK, False), tl.load(_sblk(X, kb, jb, r, BN, BLK)),
-                                  input_precision=PREC)
-                tl.store(_sblk(TT, ib, jb, r, BN, BLK), acc * tl.sqrt(tl.load(DP + jb * BLK + r))[None, :])
+        _times_g(Je, X, DP, TT, r, D, NB, BLK, BN, PREC)  # T = J G
         tl.debug_barrier()
         # M = I + Gᵀ T, lower blocks
         for ib in range(NB):
@@ -215,14 +222,7 @@ def scan_phase_b_kernel(
                 tl.store(_sblk(MM, ib, jb, r, BN, BLK), acc)
         tl.debug_barrier()
         fail += ldl_blocked(MM, LI, DM, NB, BLK, PREC)  # LI: L_M⁻¹, DM: D_M
-        # T = A G
-        for ib in range(NB):
-            for jb in range(NB):
-                acc = tl.zeros([BLK, BLK], dtype=dt)
-                for kb in range(jb, NB):
-                    acc += tl.dot(_load_block(Ae, ib, kb, r, D, BLK, False), tl.load(_sblk(X, kb, jb, r, BN, BLK)),
-                                  input_precision=PREC)
-                tl.store(_sblk(TT, ib, jb, r, BN, BLK), acc * tl.sqrt(tl.load(DP + jb * BLK + r))[None, :])
+        _times_g(Ae, X, DP, TT, r, D, NB, BLK, BN, PREC)  # T = A G
         tl.debug_barrier()
         # Z = T L_M⁻ᵀ D_M^-½ (into X: L_P is no longer needed)
         for ib in range(NB):
