@@ -16,7 +16,8 @@ include T; ``TRITON_CACHE_DIR`` keeps the result for the next session), then row
 cost: latency (B = 2, H = 16) and full occupancy (``--occ-B`` × H ≥ 132) for T ∈ {2k, 8k, 32k}
 × D ∈ {64, 128, 256}, each with GDN's forward, BL's forward (``ops/triton/scan.py``; with fla's
 mean pass, ``bl_fwd_s``, and with our mean kernel — what ``bl_chunk(backend="triton")`` runs —
-``bl_own_mean_fwd_s``), the BL/GDN ratio, per-phase times, peak memory; then a segment-count
+``bl_own_mean_fwd_s``; that one again without the prep kernel, ``bl_own_mean_noprep_fwd_s``), the
+BL/GDN ratio, per-phase times, peak memory; then a segment-count
 sweep.  The JSON is rewritten after every row, and no row starts after ``--budget-s``.
 
 For each (T, D) at the same B, H (value dim m = D, bf16 inputs, scalar decay):
@@ -286,8 +287,9 @@ def _peak_any(fn, device: str) -> int:
     return _peak_bytes(fn) if device == "cuda" else 0
 
 
-def _scan_fwd(x, chunk_size, n_segments=None, timings=None, mean="fla"):
-    """The scan forward; ``mean="fla"`` (the design's mean pass) or ``"triton"`` (ours: the wired default)."""
+def _scan_fwd(x, chunk_size, n_segments=None, timings=None, mean="fla", prep=True):
+    """The scan forward; ``mean="fla"`` (the design's mean pass) or ``"triton"`` (ours: the wired default);
+    ``prep=False``: without the prep kernel (the covariance kernel forms the P-free terms in its chunk loop)."""
     from bayeslayer.ops import fla_mean
     from bayeslayer.ops.triton.scan import forward_scan_triton
 
@@ -298,7 +300,7 @@ def _scan_fwd(x, chunk_size, n_segments=None, timings=None, mean="fla"):
 
     def fwd():
         return forward_scan_triton(x["q"], x["k"], x["v"], x["r2"], x["ell2"], x["alpha"], 1.0, None, None, None,
-                                   chunk_size, False, n_segments=n_segments, timings=timings, mean=mean)
+                                   chunk_size, False, n_segments=n_segments, timings=timings, mean=mean, prep=prep)
 
     return fwd
 
@@ -423,11 +425,15 @@ def run_scan(args, save) -> list[dict]:
             # the wired default (bl_chunk(backend="triton")): the same scan with our mean kernel
             rec["bl_own_mean_fwd_s"] = _time_any(_scan_fwd(x, args.chunk_size, mean="triton"), args.reps,
                                                  args.warmup, device)
+            # the same without the prep kernel: does taking the P-free terms out of the chunk loop pay?
+            rec["bl_own_mean_noprep_fwd_s"] = _time_any(_scan_fwd(x, args.chunk_size, mean="triton", prep=False),
+                                                        args.reps, args.warmup, device)
             rec["ratio_fwd"] = rec["bl_fwd_s"] / rec["gdn_fwd_s"]
             rec["ratio_mem"] = rec["bl_mem"] / rec["gdn_mem"] if rec["gdn_mem"] else None
             rec["bl_tok_s"] = B * T / rec["bl_fwd_s"]
             print(f"{kind:>9} B={B:<2} T={T:>6} D={D:>4} | GDN {rec['gdn_fwd_s'] * 1e3:8.2f} ms | BL "
-                  f"{rec['bl_fwd_s'] * 1e3:8.2f} ms (own mean {rec['bl_own_mean_fwd_s'] * 1e3:.2f}) | ratio "
+                  f"{rec['bl_fwd_s'] * 1e3:8.2f} ms (own mean {rec['bl_own_mean_fwd_s'] * 1e3:.2f}, without prep "
+                  f"{rec['bl_own_mean_noprep_fwd_s'] * 1e3:.2f}) | ratio "
                   f"{rec['ratio_fwd']:6.2f} | mem ratio "
                   f"{rec['ratio_mem'] or float('nan'):5.2f} | phases ms "
                   f"{json.dumps({n: round(v * 1e3, 2) for n, v in phases.items()})}", flush=True)
@@ -475,29 +481,45 @@ def compile_only(args) -> list[dict]:
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     C = args.chunk_size
     out = []
+    from bayeslayer.ops.triton.kernels import bl_chunk_prep_kernel
     from bayeslayer.ops.triton.scan import scan_phase_b_kernel, scan_track_kernel
 
     configs = [(k, D, g, ck) for k in ("cov", "mean", "step") for D in args.D for g in (False, True)
                for ck in ((False, True) if k != "step" else (False,))]
-    # the segment scan's kernels: Phase A runs the covariance kernel in float64, then the tracking kernel
-    configs += [(k, D, g, False) for k in ("cov64", "track64") for D in args.D for g in (False, True)]
-    # Phase B as one kernel (float64, no decay variants): only when asked for by name, so that the
-    # default set stays what tests/ops/test_kernels_compile.py expects
-    configs += [("phaseb64", D, False, False) for D in args.D if args.kernels and "phaseb64" in args.kernels]
+    # the segment scan's kernels: Phase A runs the covariance kernel in float64, then the tracking kernel;
+    # the prep kernel (float64 for Phase A, fp32 for Phase C, which reads qᵀBq too) and the covariance
+    # kernel reading its buffers (covp: Phase C, fp32; covp64: Phase A, float64)
+    configs += [(k, D, g, False) for k in ("cov64", "track64", "prep", "prep64", "covp", "covp64") for D in args.D
+                for g in (False, True)]
+    # Phase B as one kernel (float64, no decay variants)
+    configs += [("phaseb64", D, False, False) for D in args.D]
     configs = [c for c in configs if not args.kernels or c[0] in args.kernels]
+    prep_names = ["PG", "PB", "PBASE", "PQN", "chunk_first"]
     for kernel, D, diag, save_ck in configs:
         BD, BK, BV = tile_sizes(D, D)
         common = dict(H=16, D=D, BD=BD, BK=BK, DIAG=diag, HAS_ALPHA=True)
         ck_every = BACKWARD_BLOCK if save_ck else 1
         nw = default_num_warps(C)
         fp64 = ()
-        if kernel in ("cov", "cov64"):
+        if kernel in ("cov", "cov64", "covp", "covp64"):
             fn = bl_chunk_cov_kernel
             names = ["q", "k", "r2", "ell2", "la", "cu_seqlens", "P", "W", "LINV", "Yscr", "Uscr", "VAR", "CKP",
                      "ck_offsets", "LDLscr", "FAIL"]
+            # without the variance, as the cov/cov64 rows, so that the registers and spills compare
             consts = dict(common, C=C, RETURN_VAR=False, SAVE_CK=save_ck, PREC="ieee", CK_EVERY=ck_every)
-            if kernel == "cov64":  # as phase_a_triton launches it (per-channel decays in float64 too)
-                fp64 = ("P", "W", "LINV", "Yscr", "Uscr", "VAR", "CKP", "LDLscr") + (("la",) if diag else ())
+            if kernel in ("covp", "covp64"):
+                names += prep_names
+                consts["PREP"] = True
+            else:  # every parameter needs a type, the defaulted ones too
+                consts.update({n: None for n in prep_names}, PREP=False)
+            if kernel in ("cov64", "covp64"):  # as phase_a_triton launches it (per-channel decays in float64 too)
+                fp64 = ("P", "W", "LINV", "Yscr", "Uscr", "VAR", "CKP", "LDLscr", "PG", "PB", "PBASE", "PQN") + (
+                    ("la",) if diag else ())
+        elif kernel in ("prep", "prep64"):
+            fn, nw = bl_chunk_prep_kernel, 4
+            names = ["q", "k", "r2", "ell2", "la", "chunk_bos", "chunk_eos", "PG", "PB", "PBASE", "PQN"]
+            consts = dict(H=16, D=D, C=C, BD=BD, BK=16, DIAG=diag, RETURN_VAR=kernel == "prep", PREC="ieee")
+            fp64 = ("PG", "PB", "PBASE", "PQN") if kernel == "prep64" else ()
         elif kernel == "track64":
             fn, nw = scan_track_kernel, 4
             names = ["W", "KW", "BETA", "la", "cu_seg", "segs", "A", "J", "Hscr"]
@@ -518,7 +540,7 @@ def compile_only(args) -> list[dict]:
             BK_step, BV_step = step_tiles(D, D)[1:]
             consts = dict(common, BK=BK_step, MV=D, BMV=BD, BV=BV_step)
         sig = {n: ("*i64" if n in ("cu_seqlens", "ck_offsets", "cu_seg", "segs", "elem_of_seg", "seq_first",
-                                   "seq_nseg") else "*i32" if n == "FAIL" else
+                                   "seq_nseg", "chunk_bos", "chunk_eos", "chunk_first") else "*i32" if n == "FAIL" else
                    "*fp64" if n in fp64 else "*fp32") for n in names}
         sig.update({n: "constexpr" for n in consts})
         t0 = time.time()
@@ -560,7 +582,8 @@ def main(argv=None) -> int:
     p.add_argument("--gdn-bypass-hopper-guard", action="store_true",
                    help="time fla's GDN backward even where fla refuses it (Hopper, Triton < 3.7.1)")
     p.add_argument("--arch", type=int, default=90, help="CUDA compute capability for --compile-only")
-    p.add_argument("--kernels", nargs="*", choices=["cov", "mean", "step", "cov64", "track64", "phaseb64"],
+    p.add_argument("--kernels", nargs="*", choices=["cov", "mean", "step", "cov64", "track64", "phaseb64", "prep",
+                                                    "prep64", "covp", "covp64"],
                    help="--compile-only: these kernels only (default all)")
     p.add_argument("--scan", action="store_true", help="v2: segment-scan forward vs GDN forward (module docstring)")
     p.add_argument("--dry-run", action="store_true",

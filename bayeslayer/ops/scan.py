@@ -186,14 +186,62 @@ def chunk_prep(k, r2, ell2, log_alpha, q=None):
     Inputs laid out ``[..., C, ·]`` (any leading dims): k ``[..., C, D]``, r2/ell2 ``[..., C]``,
     log_alpha ``[..., C, Da]`` (Da = 1 scalar, D diagonal).  Returns a dict with the dynamics
     ``dyn`` (:class:`~bayeslayer.ops.chunk.ChunkDynamics`), ``kt = Φᵀk``, ``NBk = B k``, ``base``
-    (``S − K̃PK̃ᵀ``), ``BC`` (``diag B_C`` ``[..., 1, Da]``) and, with ``q``, ``qt = Φᵀq`` and ``qBq``.
+    (``S − K̃PK̃ᵀ``), ``BC`` (``diag B_C`` ``[..., 1, Da]``), ``b`` (the in-chunk noise ``diag B_j``
+    ``[..., C, Da]``), ``g`` (cumulative log-decay) and, with ``q``, ``qt = Φᵀq`` and ``qBq``.
     """
     dyn = ChunkDynamics(log_alpha, None)
     b, kt, NBk, base, BC = covariance_prework(dyn, k, r2, ell2)
-    out = dict(dyn=dyn, kt=kt, NBk=NBk, base=base, BC=BC, g=torch.cumsum(log_alpha, -2))
+    out = dict(dyn=dyn, kt=kt, NBk=NBk, base=base, BC=BC, b=b, g=torch.cumsum(log_alpha, -2))
     if q is not None:
         out["qt"] = dyn.adj(q)
         out["qBq"] = dyn.noise_quad(ell2, q, b)
+    return out
+
+
+def chunk_bounds(cu: list[int], C: int) -> tuple[list[int], list[int], list[int]]:
+    """Every chunk of the packed sequences ``cu`` (host lists): ``(bos, eos, first)``.
+
+    Chunk ``c`` is tokens ``bos[c] .. eos[c] − 1`` (``C`` of them, fewer in a sequence's ragged last
+    chunk); ``first[n]`` is sequence ``n``'s first chunk (``first[N]`` = the number of chunks).  A
+    segment of :func:`scan_layout` is a run of whole chunks of one sequence, so the chunks of ``cu``
+    are the chunks of every segment.
+    """
+    C = check_chunk_size(C)
+    bos, eos, first = [], [], []
+    for a, b in zip(cu[:-1], cu[1:], strict=True):
+        first.append(len(bos))
+        for s in range(a, b, C):
+            bos.append(s)
+            eos.append(min(s + C, b))
+    first.append(len(bos))
+    return bos, eos, first
+
+
+def prep_reference(k, r2, ell2, log_alpha, bos, eos, C: int, q=None) -> dict:
+    """Plain-PyTorch twin of the prep kernel (``ops/triton/kernels.py::bl_chunk_prep_kernel``).
+
+    Packed ``[NT, H', ·]`` inputs (k ``[NT, H', D]``, r2, ell2 ``[NT, H']``, log_alpha ``[NT, H', Da]``,
+    q as k or None); ``bos``, ``eos`` the chunks (:func:`chunk_bounds`).  Per chunk, padded to ``C``
+    rows with the no-op tokens: ``g``, ``b`` ``[NC, H', C, Da]``, ``base`` ``[NC, H', C, C]`` and, with
+    ``q``, ``qBq`` ``[NC, H', C]`` — :func:`chunk_prep` on each chunk.
+    """
+    C = check_chunk_size(C)
+    dev = k.device
+    b0 = torch.as_tensor(bos, dtype=torch.int64, device=dev)
+    e0 = torch.as_tensor(eos, dtype=torch.int64, device=dev)
+    tok = b0[:, None] + torch.arange(C, device=dev)[None, :]  # [NC, C]
+    inside = tok < e0[:, None]
+    idx = tok.clamp(max=max(k.shape[0] - 1, 0))
+
+    def grid(x, fill):  # [NT, H', ...] -> [NC, H', C, ...]
+        g = x[idx].masked_fill(~inside.view(*inside.shape, *([1] * (x.dim() - 1))), fill)
+        return g.movedim(1, 2)
+
+    pre = chunk_prep(grid(k, 0.0), grid(r2, 1.0), grid(ell2, 0.0), grid(log_alpha, 0.0),
+                     q=grid(q, 0.0) if q is not None else None)
+    out = dict(g=pre["g"], b=pre["b"], base=pre["base"])
+    if q is not None:
+        out["qBq"] = pre["qBq"]
     return out
 
 

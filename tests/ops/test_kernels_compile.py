@@ -31,14 +31,17 @@ def test_every_kernel_variant_compiles_for_sm90(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--compile-only", "--D", "64", "--out", str(out)],
-        capture_output=True, text=True, env=env, timeout=600,
+        capture_output=True, text=True, env=env, timeout=1200,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
     kinds = {(r["kernel"], r["diagonal"], r["checkpoints"]) for r in rows}
     assert kinds == {(k, d, c) for k in ("cov", "mean") for d in (False, True) for c in (False, True)} | {
         ("step", False, False), ("step", True, False)} | {
-        (k, d, False) for k in ("cov64", "track64") for d in (False, True)}  # the segment scan's Phase A
+        # the segment scan: Phase A (cov64, track64), the prep kernel (prep64 for Phase A, prep for C) and the
+        # covariance kernel reading it (covp64, covp), Phase B (phaseb64: float64, no decay variants)
+        (k, d, False) for k in ("cov64", "track64", "prep", "prep64", "covp", "covp64") for d in (False, True)} | {
+        ("phaseb64", False, False)}
     for r in rows:
         what = f"{r['kernel']} (diagonal={r['diagonal']}, checkpoints={r['checkpoints']})"
         assert "error" not in r, f"{what}: {r['error']}"

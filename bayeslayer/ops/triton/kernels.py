@@ -20,6 +20,10 @@ decay, a ``[C, D]`` tile for diagonal decay), ``γ = exp(g)``, ``ρ_ij = exp(g_i
     O   = (γ ⊙ Q) M_0 + A E,              A_ti = q_tᵀ ρ_ti w_i  (i ≤ t)
     M_C = γ_C M_0 + ((γ_C/γ) ⊙ W)ᵀ E
 
+The segment scan (``scan.py``) first runs :func:`bl_chunk_prep_kernel`, one program per (chunk,
+head): it forms the P-free terms (``g``, ``b``, ``sym(N) + diag(r²)``, ``qᵀBq``) that the covariance
+kernel, launched with ``PREP``, then reads instead of forming them in its serial chunk loop.
+
 For diagonal decay every ``ρ`` product is per channel; those C×C contractions
 are done as a loop over the ``C`` columns on register tiles (exact, no ``Γ⁻¹`` is
 ever formed, but not tensor-core shaped); scalar decay uses ``tl.dot`` throughout.
@@ -121,6 +125,95 @@ def _save_state(src, dst, offs_r, offs_c, R: tl.constexpr, NC: tl.constexpr, BR:
 
 
 @triton.jit
+def _prep_tile(X, pc, rows, od, C: tl.constexpr, D: tl.constexpr):
+    """Columns ``od`` of chunk ``pc``'s ``[C, D]`` prep tile (``[NC·H, C, D]`` buffer) -> ``[C, BK]``, 0 outside."""
+    return tl.load(X + (pc * C + rows[:, None]) * D + od[None, :], mask=od[None, :] < D, other=0.0)
+
+
+@triton.jit
+def bl_chunk_prep_kernel(
+    q, k, r2, ell2, la, chunk_bos, chunk_eos, PG, PB, PBASE, PQN,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    C: tl.constexpr,
+    BD: tl.constexpr,
+    BK: tl.constexpr,
+    DIAG: tl.constexpr,
+    RETURN_VAR: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """Prep (design note §4, F1): the P-free terms of one (chunk ``i_c``, head), parallel over chunks.
+
+    What :func:`bl_chunk_cov_kernel` otherwise forms inside its serial chunk loop (its twin:
+    ``ops/scan.py::prep_reference``, built on ``chunk_prep``)::
+
+        g_i  = Σ_{t≤i} log α_t                        PG   [NC, H, C, Da]  (Da = D diagonal, else 1)
+        b_j  = Σ_{l≤j} ℓ_l² ρ_jl²                      PB   [NC, H, C, Da]  (b_{C−1} = the chunk-end noise)
+        base = sym(N) + diag(r²),  N_ij = k_iᵀ ρ_ij b_j k_j (i ≥ j)     PBASE [NC, H, C, C]  (S − K̃P₀K̃ᵀ)
+        qᵀ B_i q_i = Σ_d b_id q_id²                     PQN  [NC, H, C]  (RETURN_VAR only)
+
+    Chunk ``i_c`` is tokens ``chunk_bos[i_c] .. chunk_eos[i_c] − 1`` (at most C) of packed
+    ``[NT, H, ·]`` inputs (q, k ``[NT, H, D]``, r2, ell2 ``[NT, H]``, la ``[NT, H, D]`` DIAG or ``[NT, H]``);
+    rows past the chunk's end are the exact no-op padding (k = q = 0, log α = 0, ℓ² = 0, r² = 1), written
+    too, so that row C − 1 of g and b is the chunk end.  Arithmetic in PBASE's dtype.  For diagonal decay
+    ``b`` and ``N`` are the CUDA-core C×C loops (``_decay_noise``, ``_decay_scores``): here they run once
+    per chunk in parallel instead of inside the covariance kernel's serial chunk loop.
+    """
+    i_c = tl.program_id(0).to(tl.int64)
+    i_h = tl.program_id(1).to(tl.int64)
+    bos = tl.load(chunk_bos + i_c).to(tl.int64)
+    eos = tl.load(chunk_eos + i_c).to(tl.int64)
+    rows = tl.arange(0, C)
+    cols = tl.arange(0, C)
+    low = rows[:, None] >= cols[None, :]
+    eye = rows[:, None] == cols[None, :]
+    offs_k = tl.arange(0, BK)
+    dt = PBASE.dtype.element_ty
+    pc = i_c * H + i_h
+    tok = bos + rows
+    valid = tok < eos
+    r2c = tl.load(r2 + tok * H + i_h, mask=valid, other=1.0).to(dt)
+    l2c = tl.load(ell2 + tok * H + i_h, mask=valid, other=0.0).to(dt)
+    qnoise = tl.zeros([C], dtype=dt)
+    if DIAG:
+        Nl = tl.zeros([C, C], dtype=dt)
+        for kb in range(0, BD, BK):
+            od = kb + offs_k
+            md = valid[:, None] & (od[None, :] < D)
+            k_o = _tile(k, tok, valid, od, i_h, H, D).to(dt)
+            g_o = tl.cumsum(tl.load(la + (tok[:, None] * H + i_h) * D + od[None, :], mask=md, other=0.0).to(dt),
+                            axis=0)
+            b_o = _decay_noise(l2c, g_o, rows, C)
+            Nl += _decay_scores(k_o, b_o * k_o, g_o, rows, cols, C)
+            p_t = (pc * C + rows[:, None]) * D + od[None, :]
+            tl.store(PG + p_t, g_o, mask=od[None, :] < D)
+            tl.store(PB + p_t, b_o, mask=od[None, :] < D)
+            if RETURN_VAR:
+                q_o = _tile(q, tok, valid, od, i_h, H, D).to(dt)
+                qnoise += tl.sum(b_o * q_o * q_o, axis=1)
+    else:
+        lac = tl.load(la + tok * H + i_h, mask=valid, other=0.0).to(dt)
+        g = tl.cumsum(lac, axis=0)
+        ratio = tl.where(low, tl.exp(tl.minimum(g[:, None] - g[None, :], 0.0)), 0.0)
+        b = tl.sum(ratio * ratio * l2c[None, :], axis=1)
+        tl.store(PG + pc * C + rows, g)
+        tl.store(PB + pc * C + rows, b)
+        KK = tl.zeros([C, C], dtype=dt)
+        for kb in range(0, BD, BK):
+            od = kb + offs_k
+            k_o = _tile(k, tok, valid, od, i_h, H, D).to(dt)
+            KK += tl.dot(k_o, tl.trans(k_o), input_precision=PREC)
+            if RETURN_VAR:
+                q_o = _tile(q, tok, valid, od, i_h, H, D).to(dt)
+                qnoise += b * tl.sum(q_o * q_o, axis=1)
+        Nl = tl.where(low, KK * ratio * b[None, :], 0.0)
+    base = Nl + tl.trans(Nl) - tl.where(eye, Nl, 0.0) + tl.where(eye, r2c[:, None], 0.0)
+    tl.store(PBASE + (pc * C + rows[:, None]) * C + cols[None, :], base)
+    if RETURN_VAR:
+        tl.store(PQN + pc * C + rows, qnoise)
+
+
+@triton.jit
 def bl_chunk_cov_kernel(
     q, k, r2, ell2, la, cu_seqlens, P, W, LINV, Yscr, Uscr, VAR, CKP, ck_offsets, LDLscr, FAIL,
     H: tl.constexpr,
@@ -134,6 +227,12 @@ def bl_chunk_cov_kernel(
     SAVE_CK: tl.constexpr,
     PREC: tl.constexpr,
     CK_EVERY: tl.constexpr = 1,
+    PG=None,
+    PB=None,
+    PBASE=None,
+    PQN=None,
+    chunk_first=None,
+    PREP: tl.constexpr = False,
 ):
     """Covariance pass for one (sequence ``i_n``, head ``i_h``): write keys ``w_t = β_t u_t`` and ``P``.
 
@@ -147,6 +246,12 @@ def bl_chunk_cov_kernel(
     ``ck_offsets[n]`` on (the backward's checkpoints).  LDLscr ``[N, H, 2C² + C]`` is the
     blocked LDLᵀ's scratch (``S``/``L``, ``L⁻¹``, pivots; :func:`.ldl.ldl_blocked`); FAIL ``[N, H]``
     int32 receives the number of pivots that were not positive (a device-side flag: 0 when all is well).
+
+    With PREP, the P-free terms come from :func:`bl_chunk_prep_kernel` (run before, parallel over
+    chunks) instead of being formed here: g, b from PG, PB, the base of S from PBASE, ``qᵀBq`` from PQN
+    (RETURN_VAR), sequence ``i_n``'s chunk ``i_c`` being the prep's chunk ``chunk_first[i_n] + i_c``.  For
+    diagonal decay that takes ``_decay_noise`` (twice) and ``_decay_scores`` for ``N`` out of the serial
+    loop; what stays are the P-dependent ``_decay_mix`` and (with the variance) ``_decay_scores`` of ``QU``.
     """
     i_n = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1).to(tl.int64)
@@ -172,7 +277,11 @@ def bl_chunk_cov_kernel(
 
     if SAVE_CK:
         ck0 = tl.load(ck_offsets + i_n).to(tl.int64)
+    if PREP:
+        pc0 = tl.load(chunk_first + i_n).to(tl.int64)
     for i_c in range(n_chunks):
+        if PREP:
+            pc = (pc0 + i_c) * H + i_h  # this chunk's row of the prep buffers
         if SAVE_CK:
             if i_c % CK_EVERY == 0:
                 for cb in range(0, BD, BK):
@@ -184,17 +293,24 @@ def bl_chunk_cov_kernel(
         r2c = tl.load(r2 + tok * H + i_h, mask=valid, other=1.0).to(dt)
         l2c = tl.load(ell2 + tok * H + i_h, mask=valid, other=0.0).to(dt)
         if not DIAG:
-            if HAS_ALPHA:
-                lac = tl.load(la + tok * H + i_h, mask=valid, other=0.0).to(dt)
+            if PREP:
+                g = tl.load(PG + pc * C + rows)
+                b = tl.load(PB + pc * C + rows)  # [C]
+                g_end = tl.sum(tl.where(rows == C - 1, g, 0.0), axis=0)  # padding rows keep g constant
+                b_end = tl.sum(tl.where(rows == C - 1, b, 0.0), axis=0)
+                ratio = tl.where(low, tl.exp(tl.minimum(g[:, None] - g[None, :], 0.0)), 0.0)
             else:
-                lac = tl.zeros([C], dtype=dt)
-            g = tl.cumsum(lac, axis=0)
-            g_end = tl.sum(lac, axis=0)
-            ratio = tl.where(low, tl.exp(tl.minimum(g[:, None] - g[None, :], 0.0)), 0.0)
+                if HAS_ALPHA:
+                    lac = tl.load(la + tok * H + i_h, mask=valid, other=0.0).to(dt)
+                else:
+                    lac = tl.zeros([C], dtype=dt)
+                g = tl.cumsum(lac, axis=0)
+                g_end = tl.sum(lac, axis=0)
+                ratio = tl.where(low, tl.exp(tl.minimum(g[:, None] - g[None, :], 0.0)), 0.0)
+                b = tl.sum(ratio * ratio * l2c[None, :], axis=1)  # [C]
+                b_end = tl.sum(tl.exp(2.0 * (g_end - g)) * l2c, axis=0)
             gam = tl.exp(g)
             endf = tl.exp(g_end - g)
-            b = tl.sum(ratio * ratio * l2c[None, :], axis=1)  # [C]
-            b_end = tl.sum(tl.exp(2.0 * (g_end - g)) * l2c, axis=0)
 
         # ---- covariance pass: Y = K̃ P_0, S = Y K̃ᵀ + N, and q̃ᵀ P_0 q̃ for the variance ----
         S = tl.zeros([C, C], dtype=dt)
@@ -206,7 +322,10 @@ def bl_chunk_cov_kernel(
             md = od < D
             k_o = _tile(k, tok, valid, od, i_h, H, D).to(dt)
             if DIAG:
-                g_o = _load_g(la, tok, valid, od, i_h, H, D)
+                if PREP:
+                    g_o = _prep_tile(PG, pc, rows, od, C, D)
+                else:
+                    g_o = _load_g(la, tok, valid, od, i_h, H, D)
                 kt_o = tl.exp(g_o) * k_o
             else:
                 kt_o = gam[:, None] * k_o
@@ -221,7 +340,10 @@ def bl_chunk_cov_kernel(
                 P_blk = tl.load(P_base + od2[:, None] * D + od[None, :], mask=md2[:, None] & md[None, :],
                                 other=0.0)
                 if DIAG:
-                    gam_i = tl.exp(_load_g(la, tok, valid, od2, i_h, H, D))
+                    if PREP:
+                        gam_i = tl.exp(_prep_tile(PG, pc, rows, od2, C, D))
+                    else:
+                        gam_i = tl.exp(_load_g(la, tok, valid, od2, i_h, H, D))
                 else:
                     gam_i = gam[:, None]
                 Yb += tl.dot(gam_i * k_i, P_blk, input_precision=PREC)
@@ -230,23 +352,31 @@ def bl_chunk_cov_kernel(
                     Yq += tl.dot(gam_i * q_i, P_blk, input_precision=PREC)
             S += tl.dot(Yb, tl.trans(kt_o), input_precision=PREC)
             tl.store(Y_base + rows[:, None] * BD + od[None, :], Yb)
-            if DIAG:
-                b_o = _decay_noise(l2c, g_o, rows, C)
-                KK += _decay_scores(k_o, b_o * k_o, g_o, rows, cols, C)
-            else:
-                KK += tl.dot(k_o, tl.trans(k_o), input_precision=PREC)
+            if not PREP:
+                if DIAG:
+                    b_o = _decay_noise(l2c, g_o, rows, C)
+                    KK += _decay_scores(k_o, b_o * k_o, g_o, rows, cols, C)
+                else:
+                    KK += tl.dot(k_o, tl.trans(k_o), input_precision=PREC)
             if RETURN_VAR:
                 if DIAG:
                     qPq += tl.sum(Yq * tl.exp(g_o) * q_o, axis=1)
-                    qnoise += tl.sum(b_o * q_o * q_o, axis=1)
+                    if not PREP:
+                        qnoise += tl.sum(b_o * q_o * q_o, axis=1)
                 else:
                     qPq += tl.sum(Yq * gam[:, None] * q_o, axis=1)
-                    qnoise += b * tl.sum(q_o * q_o, axis=1)
-        if DIAG:
-            Nl = KK  # already ρ- and b-weighted, lower incl. diagonal
+                    if not PREP:
+                        qnoise += b * tl.sum(q_o * q_o, axis=1)
+        if PREP:
+            S = S + tl.load(PBASE + (pc * C + rows[:, None]) * C + cols[None, :])  # sym(N) + diag(r²)
+            if RETURN_VAR:
+                qnoise = tl.load(PQN + pc * C + rows)
         else:
-            Nl = tl.where(low, KK * ratio * b[None, :], 0.0)
-        S = S + Nl + tl.trans(Nl) - tl.where(eye, Nl, 0.0) + tl.where(eye, r2c[:, None], 0.0)
+            if DIAG:
+                Nl = KK  # already ρ- and b-weighted, lower incl. diagonal
+            else:
+                Nl = tl.where(low, KK * ratio * b[None, :], 0.0)
+            S = S + Nl + tl.trans(Nl) - tl.where(eye, Nl, 0.0) + tl.where(eye, r2c[:, None], 0.0)
         S = 0.5 * (S + tl.trans(S))
 
         # ---- S = L diag(d) Lᵀ blocked in 16×16 tiles with tl.dot Schur updates, L⁻¹ alongside;
@@ -272,8 +402,12 @@ def bl_chunk_cov_kernel(
             k_o = _tile(k, tok, valid, od, i_h, H, D).to(dt)
             Yb = tl.load(Y_base + rows[:, None] * BD + od[None, :])
             if DIAG:
-                g_o = _load_g(la, tok, valid, od, i_h, H, D)
-                b_o = _decay_noise(l2c, g_o, rows, C)
+                if PREP:
+                    g_o = _prep_tile(PG, pc, rows, od, C, D)
+                    b_o = _prep_tile(PB, pc, rows, od, C, D)
+                else:
+                    g_o = _load_g(la, tok, valid, od, i_h, H, D)
+                    b_o = _decay_noise(l2c, g_o, rows, C)
                 Ub = tl.exp(g_o) * tl.dot(Linv, Yb, input_precision=PREC)
                 Ub += _decay_mix(Linv, b_o * k_o, g_o, rows, cols, C)
             else:
@@ -301,10 +435,15 @@ def bl_chunk_cov_kernel(
             md = od < D
             U1 = tl.load(U_base + rows[:, None] * BD + od[None, :])
             if DIAG:
-                g1 = _load_g(la, tok, valid, od, i_h, H, D)
+                if PREP:
+                    g1 = _prep_tile(PG, pc, rows, od, C, D)
+                    b1_end = _row(_prep_tile(PB, pc, rows, od, C, D), rows, C - 1)
+                else:
+                    g1 = _load_g(la, tok, valid, od, i_h, H, D)
                 g1_end = _row(g1, rows, C - 1)
                 U1 = tl.exp(g1_end[None, :] - g1) * U1
-                b1_end = tl.sum(l2c[:, None] * tl.exp(2.0 * (g1_end[None, :] - g1)), axis=0)
+                if not PREP:
+                    b1_end = tl.sum(l2c[:, None] * tl.exp(2.0 * (g1_end[None, :] - g1)), axis=0)
             else:
                 U1 = endf[:, None] * U1
             U1 = beta[:, None] * U1
@@ -317,7 +456,10 @@ def bl_chunk_cov_kernel(
                 P_blk = tl.load(p_P, mask=m_P, other=0.0)
                 diag = od[:, None] == od2[None, :]
                 if DIAG:
-                    g2 = _load_g(la, tok, valid, od2, i_h, H, D)
+                    if PREP:
+                        g2 = _prep_tile(PG, pc, rows, od2, C, D)
+                    else:
+                        g2 = _load_g(la, tok, valid, od2, i_h, H, D)
                     g2_end = _row(g2, rows, C - 1)
                     U2 = tl.exp(g2_end[None, :] - g2) * U2
                     P_new = tl.exp(g1_end[:, None] + g2_end[None, :]) * P_blk

@@ -6,6 +6,9 @@
 =========  =====================================================================  =====================
 phase      what runs                                                              grid / order
 =========  =====================================================================  =====================
+prep       :func:`prep_triton`: :func:`bayeslayer.ops.triton.kernels.             (chunks, H'):
+           bl_chunk_prep_kernel`, the P-free terms of every chunk (g, b, the      parallel over chunks
+           base of S, qᵀBq), read by the covariance kernel of A and C (PREP)
 A          :func:`phase_a_triton`: the covariance kernel from P = 0 over the      (segments, H'):
            segments, then :func:`scan_track_kernel` (float64)                     parallel over segments
 B          :func:`phase_b_triton`: :func:`scan_phase_b_kernel`, the Cholesky      (sequences, H'):
@@ -28,13 +31,14 @@ are checked once, after the pass.  Forward only (no autograd).
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from .. import scan as sc
-from .kernels import bl_chunk_cov_kernel, bl_chunk_mean_kernel
+from .kernels import bl_chunk_cov_kernel, bl_chunk_mean_kernel, bl_chunk_prep_kernel
 from .ldl import ldl_blocked
 from .support import next_pow2, tile_sizes
 
@@ -144,6 +148,20 @@ def _sblk(buf, ib, jb, r, BN: tl.constexpr, BLK: tl.constexpr):
 
 
 @triton.jit
+def _times_g(Msrc, X, DP, TT, r, D: tl.constexpr, NB: tl.constexpr, BLK: tl.constexpr, BN: tl.constexpr,
+             PREC: tl.constexpr):
+    """``TT = M G`` with ``G = L_P D_P^½`` (L_P's lower blocks in scratch X, D_P in DP), M a row-major
+    ``[D, D]`` matrix read in 16×16 blocks: ``(M G)_ij = Σ_{k≥j} M_ik (L_P)_kj · D_P,j^½`` (G_kj = 0 for k < j)."""
+    for ib in range(NB):
+        for jb in range(NB):
+            acc = tl.zeros([BLK, BLK], dtype=TT.dtype.element_ty)
+            for kb in range(jb, NB):
+                acc += tl.dot(_load_block(Msrc, ib, kb, r, D, BLK, False), tl.load(_sblk(X, kb, jb, r, BN, BLK)),
+                              input_precision=PREC)
+            tl.store(_sblk(TT, ib, jb, r, BN, BLK), acc * tl.sqrt(tl.load(DP + jb * BLK + r))[None, :])
+
+
+@triton.jit
 def scan_phase_b_kernel(
     PS, A, CM, J, elem_of_seg, seq_first, seq_nseg, SCR, FAIL,
     H: tl.constexpr,
@@ -195,14 +213,7 @@ def scan_phase_b_kernel(
         tl.store(DM + rn, tl.zeros([BN], dtype=dt) + 1.0)  # M = I + GᵀJG ⪰ I: its pivots are ≥ 1
         tl.debug_barrier()
         fail += ldl_blocked(X, LI, DP, NB, BLK, PREC)  # X: L_P, DP: D_P
-        # T = J G,  G = L_P D_P^½ (lower blocks: G_kj = 0 for k < j)
-        for ib in range(NB):
-            for jb in range(NB):
-                acc = tl.zeros([BLK, BLK], dtype=dt)
-                for kb in range(jb, NB):
-                    acc += tl.dot(_load_block(Je, ib, kb, r, D, BLK, False), tl.load(_sblk(X, kb, jb, r, BN, BLK)),
-                                  input_precision=PREC)
-                tl.store(_sblk(TT, ib, jb, r, BN, BLK), acc * tl.sqrt(tl.load(DP + jb * BLK + r))[None, :])
+        _times_g(Je, X, DP, TT, r, D, NB, BLK, BN, PREC)  # T = J G
         tl.debug_barrier()
         # M = I + Gᵀ T, lower blocks
         for ib in range(NB):
@@ -215,14 +226,7 @@ def scan_phase_b_kernel(
                 tl.store(_sblk(MM, ib, jb, r, BN, BLK), acc)
         tl.debug_barrier()
         fail += ldl_blocked(MM, LI, DM, NB, BLK, PREC)  # LI: L_M⁻¹, DM: D_M
-        # T = A G
-        for ib in range(NB):
-            for jb in range(NB):
-                acc = tl.zeros([BLK, BLK], dtype=dt)
-                for kb in range(jb, NB):
-                    acc += tl.dot(_load_block(Ae, ib, kb, r, D, BLK, False), tl.load(_sblk(X, kb, jb, r, BN, BLK)),
-                                  input_precision=PREC)
-                tl.store(_sblk(TT, ib, jb, r, BN, BLK), acc * tl.sqrt(tl.load(DP + jb * BLK + r))[None, :])
+        _times_g(Ae, X, DP, TT, r, D, NB, BLK, BN, PREC)  # T = A G
         tl.debug_barrier()
         # Z = T L_M⁻ᵀ D_M^-½ (into X: L_P is no longer needed)
         for ib in range(NB):
@@ -280,6 +284,59 @@ def phase_b_triton(lay: sc.ScanLayout, P0: torch.Tensor, elements):
     return P_starts, fail != 0
 
 
+class Prep(NamedTuple):
+    """The prep kernel's per-chunk buffers (:func:`prep_triton`) and where each segment's chunks start.
+
+    g, b ``[NC, H', C, Da]``, base ``[NC, H', C, C]``, qBq ``[NC, H', C]`` or None; ``seg_first``
+    ``[S]`` (int64): the first chunk of every segment of the layout it was made for.
+    """
+
+    g: torch.Tensor
+    b: torch.Tensor
+    base: torch.Tensor
+    qBq: torch.Tensor | None
+    seg_first: torch.Tensor
+
+    def kernel_args(self) -> dict:
+        """The covariance kernel's PREP keyword arguments."""
+        return dict(PG=self.g, PB=self.b, PBASE=self.base, PQN=self.qBq if self.qBq is not None else self.g,
+                    chunk_first=self.seg_first, PREP=True)
+
+
+def prep_triton(lay: sc.ScanLayout, q, k, r2, ell2, log_alpha, *, dtype: torch.dtype, want_var: bool) -> Prep:
+    """The prep kernel (design note §4, F1): the P-free terms of every chunk, one program per (chunk, head).
+
+    Packed inputs ``[NT, H', ·]`` as :class:`bayeslayer.ops.scan.ScanCall`'s (log_alpha ``[NT, H', Da]``);
+    the chunks are those of ``lay.cu`` (:func:`bayeslayer.ops.scan.chunk_bounds`; the layout's segments
+    are runs of them).  Buffers in ``dtype`` (the covariance kernel's state dtype); ``want_var``
+    adds ``qᵀBq`` for the predictive variance.  The PyTorch twin is :func:`bayeslayer.ops.scan.prep_reference`.
+    """
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+    NT, Hf, D = k.shape
+    C, dev = lay.C, k.device
+    diag = log_alpha.shape[-1] > 1
+    bos, eos, first = sc.chunk_bounds(lay.cu, C)
+    NC = len(bos)
+    i64 = dict(dtype=torch.int64, device=dev)
+    # segment j of sequence n starts at that sequence's chunk j·n_s (host lists, as scan_layout: no device sync)
+    seg_first = [a + j * lay.n_s for a, z in zip(first[:-1], first[1:], strict=True)
+                 for j in range(max(1, -(-(z - a) // lay.n_s)))]
+    Da = D if diag else 1
+    g = torch.empty(NC, Hf, C, Da, dtype=dtype, device=dev)
+    b = torch.empty_like(g)
+    base = torch.empty(NC, Hf, C, C, dtype=dtype, device=dev)
+    qBq = torch.empty(NC, Hf, C, dtype=dtype, device=dev) if want_var else None
+    if NC > 0:
+        la_k = log_alpha.contiguous() if diag else log_alpha[..., 0].contiguous()
+        bl_chunk_prep_kernel[(NC, Hf)](
+            q if want_var else k, k, r2, ell2, la_k, torch.tensor(bos, **i64), torch.tensor(eos, **i64), g, b, base,
+            qBq if want_var else g, H=Hf, D=D, C=C, BD=max(16, next_pow2(D)), BK=16, DIAG=diag, RETURN_VAR=want_var,
+            PREC=PREC, num_warps=4,
+        )
+    return Prep(g, b, base, qBq, torch.tensor(seg_first, **i64))
+
+
 def ldl_scratch(n: int, Hf: int, C: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
     """The covariance kernel's blocked-LDLᵀ scratch ``[n, H', 2C² + C]`` and its failure flags ``[n, H']`` (int32)."""
     return (torch.empty(n, Hf, 2 * C * C + C, dtype=dtype, device=device),
@@ -334,7 +391,8 @@ def substituted_inputs(lay: sc.ScanLayout, linv: torch.Tensor, k: torch.Tensor, 
     return lay.scatter(kw, NT), vu, lay.scatter(g, NT)
 
 
-def phase_a_triton(lay: sc.ScanLayout, q, k, r2, ell2, log_alpha, segs: torch.Tensor, dtype=torch.float64):
+def phase_a_triton(lay: sc.ScanLayout, q, k, r2, ell2, log_alpha, segs: torch.Tensor, dtype=torch.float64,
+                   prep: Prep | None = None):
     """Phase A on the GPU: segment elements ``(A_s, C_s, J_s, failed)`` of the segments ``segs``.
 
     1. the covariance kernel from P = 0 over every segment (float64 buffers: the kernel computes in
@@ -343,7 +401,9 @@ def phase_a_triton(lay: sc.ScanLayout, q, k, r2, ell2, log_alpha, segs: torch.Te
        costs ≈ ε₆₄/(β r²), negligible), and ``L⁻¹(γ⊙K)``;
     3. :func:`scan_track_kernel` over ``segs``: ``A_s``, ``J_s``.
     Packed inputs ``[NT, H', ·]`` as :class:`bayeslayer.ops.scan.ScanCall`'s.  The kernel of step 1
-    also runs the last segment of each sequence (whose element is never used): one launch.
+    also runs the last segment of each sequence (whose element is never used): one launch.  ``prep``:
+    the prep kernel's buffers for ``lay`` in ``dtype`` (:func:`prep_triton`), which step 1 then reads
+    instead of forming the P-free terms itself; None: it forms them.
     """
     NT, Hf, D = k.shape
     dev, C, S, n = k.device, lay.C, lay.n_segments, segs.numel()
@@ -361,11 +421,13 @@ def phase_a_triton(lay: sc.ScanLayout, q, k, r2, ell2, log_alpha, segs: torch.Te
     J = torch.zeros(n, Hf, D, D, dtype=dtype, device=dev)
     if NT == 0 or n == 0:
         return A, P[segs], J, torch.zeros(n, Hf, dtype=torch.bool, device=dev)
+    if prep is not None and prep.base.dtype != dtype:
+        raise TypeError(f"prep must hold {dtype} buffers (the kernel's state dtype), got {prep.base.dtype}")
     ldl_scr, ldl_fail = ldl_scratch(S, Hf, C, dtype, dev)
     bl_chunk_cov_kernel[(S, Hf)](
         q, k, r2, ell2, la_k, cu_seg, P, W, linv, scr, scr2, W, scr, cu_seg, ldl_scr, ldl_fail,
         H=Hf, D=D, C=C, BD=BD, BK=16, DIAG=diag, HAS_ALPHA=True, RETURN_VAR=False, SAVE_CK=False,
-        PREC="ieee", CK_EVERY=1, num_warps=8 if C >= 64 else 4,
+        PREC="ieee", CK_EVERY=1, num_warps=8 if C >= 64 else 4, **(prep.kernel_args() if prep is not None else {}),
     )
     beta = (1.0 - (k.to(dtype) * W).sum(-1)) / r2.to(dtype)
     kw, _, _ = substituted_inputs(lay, linv, k, None, log_alpha)
@@ -405,7 +467,7 @@ def mean_pass_triton(call: sc.ScanCall, W: torch.Tensor, linv: torch.Tensor, wan
 
 def forward_scan_triton(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, want_var, *, n_segments=None,
                         segment_chunks=None, mean=None, timings: dict | None = None, phase_a: str = "triton",
-                        phase_b: str = "triton"):
+                        phase_b: str = "triton", prep: bool = True):
     """The BL forward, covariance pass as a segment scan with Phase C on Triton; mean pass on fla's kernels.
 
     Same arguments and returns as ``ops/triton/chunk.py::_forward_triton``:
@@ -416,8 +478,12 @@ def forward_scan_triton(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, wa
     the mean pass — ``"triton"`` (default, :func:`mean_pass_triton`: our kernel, on the ``L⁻¹`` rows),
     ``"fla"`` (fla's ``fwd_h`` + ``fwd_o`` on the substituted tensors; not float64), ``"torch"`` (the
     twin) or a callable ``(q, w, kw, vu, g, M0, cu, C) -> (o, M)`` on packed tensors.
-    ``timings``: a dict that receives per-phase seconds (``phase_a``, ``phase_b``, ``phase_c``,
+    ``timings``: a dict that receives per-phase seconds (``prep``, ``phase_a``, ``phase_b``, ``phase_c``,
     ``substitute``, ``mean``) — it synchronises the device once, at the end.
+    ``prep``: run the prep kernel (:func:`prep_triton`, parallel over chunks) and let the covariance
+    kernel of Phase A and C read its P-free terms; False: the covariance kernel forms them in its
+    serial chunk loop (the path before the prep kernel).  Phase A's prep is float64; with float64
+    inputs Phase C reuses it, otherwise a second prep runs in the compute dtype.
     ``phase_a``: ``"triton"`` (:func:`phase_a_triton`) or ``"torch"`` (:func:`bayeslayer.ops.scan.phase_a`),
     both float64.  ``phase_b``: ``"triton"`` (:func:`phase_b_triton`, one kernel) or ``"torch"``
     (:func:`bayeslayer.ops.scan.phase_b`, a host loop of batched steps).  Forward only: no autograd
@@ -427,6 +493,8 @@ def forward_scan_triton(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, wa
         raise ValueError(f"the Triton path supports chunk_size in {SUPPORTED_CHUNK_SIZES}, got {chunk_size!r}")
     if isinstance(q, torch.Tensor) and q.dim() == 4 and not 1 <= q.shape[-1] <= 256:
         raise ValueError(f"the Triton path supports key dims D in 1..256, got D={q.shape[-1]}")
+    if not isinstance(prep, bool):
+        raise TypeError(f"prep must be a bool, got {prep!r}")
     with torch.no_grad():
         call = sc.prepare_scan(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, n_segments=n_segments,
                                segment_chunks=segment_chunks)
@@ -440,8 +508,18 @@ def forward_scan_triton(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, wa
         last = lay.last_segments
         segs = lay.element_segments  # sized on the host by the layout: no device-to-host sync
         f64 = torch.float64
+        # ---- prep: the P-free per-chunk terms, parallel over chunks (Phase A's in float64, only if it runs) ----
+        prep_a = prep_c = None
+        if prep and phase_a == "triton" and segs.numel() > 0:
+            prep_a = prep_triton(lay, call.q, call.k, call.r2, call.ell2, call.log_alpha, dtype=f64,
+                                 want_var=want_var and cd == f64)
+        if prep:
+            prep_c = prep_a if prep_a is not None and cd == f64 else prep_triton(
+                lay, call.q, call.k, call.r2, call.ell2, call.log_alpha, dtype=cd, want_var=want_var)
+        clock.mark("prep")
         if phase_a == "triton":
-            A, Cm, J, info_a = phase_a_triton(lay, call.q, call.k, call.r2, call.ell2, call.log_alpha, segs)
+            A, Cm, J, info_a = phase_a_triton(lay, call.q, call.k, call.r2, call.ell2, call.log_alpha, segs,
+                                              prep=prep_a)
         elif phase_a == "torch":
             xa = {name: lay.grid(x, fill).to(f64) for name, x, fill in
                   (("k", call.k, 0.0), ("r2", call.r2, 1.0), ("ell2", call.ell2, 0.0), ("la", call.log_alpha, 0.0))}
@@ -476,6 +554,7 @@ def forward_scan_triton(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, wa
                 ldl_scr, ldl_fail,
                 H=Hf, D=D, C=C, BD=BD, BK=16, DIAG=diag, HAS_ALPHA=True, RETURN_VAR=want_var, SAVE_CK=False,
                 PREC="ieee" if cd == f64 else PREC, CK_EVERY=1, num_warps=8 if C >= 64 else 4,
+                **(prep_c.kernel_args() if prep_c is not None else {}),
             )
         # a failed LDLᵀ pivot leaves non-finite numbers behind: folded into the same device-side flag
         failed |= ~torch.isfinite(P[last]).flatten(-2).all(-1)
