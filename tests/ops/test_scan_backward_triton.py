@@ -133,15 +133,16 @@ def _twin_segment_adjoint(lay, x, adj, P_starts, end_bar, inputs):
     return dP, ({name: lay.scatter(t, NT) for name, t in gr.items()} if inputs else None)
 
 
-@pytest.mark.parametrize(("D", "inputs", "diagonal"), [(16, True, False), (24, True, False), (16, False, False),
-                                                      (16, True, True), (24, True, True)])
-def test_segment_adjoint_triton_equals_twin_fp64(D, inputs, diagonal):
+@pytest.mark.parametrize(("D", "inputs", "diagonal", "H"), [(16, True, False, 2), (24, True, False, 1),
+                                                           (16, False, False, 1), (16, True, True, 1),
+                                                           (24, True, True, 2)])
+def test_segment_adjoint_triton_equals_twin_fp64(D, inputs, diagonal, H):
     """B2 (start adjoints only) and B4 (and every input gradient), scalar and diagonal decay, float64 ≤ 1e-12:
     packed sequences of 40 and 110 tokens (3 and 7 chunks of 16, ragged tails), segments of 3 chunks → 1 + 3
-    segments; D = 24 pads the key dim to 32."""
+    segments; D = 24 pads the key dim to 32; H' = 1 and 2."""
     from bayeslayer.ops.triton.scan_backward import segment_adjoint_triton
 
-    lay, x, adj, P_starts, end_bar = _adjoint_case("stress", D, [0, 40, 150], 3, seed=D, diagonal=diagonal)
+    lay, x, adj, P_starts, end_bar = _adjoint_case("stress", D, [0, 40, 150], 3, seed=D, diagonal=diagonal, H=H)
     assert lay.seq_n_seg.tolist() == [1, 3]
     ref_dP, ref = _twin_segment_adjoint(lay, x, adj, P_starts, end_bar, inputs)
     dP, gr, failed = segment_adjoint_triton(lay, x["q"], x["k"], x["v"], x["r2"], x["ell2"], x["log_alpha"], adj,
@@ -156,13 +157,16 @@ def test_segment_adjoint_triton_equals_twin_fp64(D, inputs, diagonal):
         assert gr is None
 
 
-def test_segment_adjoint_triton_fp32():
+@pytest.mark.parametrize("diagonal", [False, True])
+def test_segment_adjoint_triton_fp32(diagonal):
     """float32 inputs and adjoints (B4 in float32, long-memory regime) against the float64 twin: every gradient
-    within 5e-6 relative (max error over the largest entry; measured 1.3e-7 – 5.4e-7)."""
+    within 5e-6 relative (max error over the largest entry; measured 1.3e-7 – 5.4e-7 scalar, 1.3e-7 – 4.6e-7
+    diagonal)."""
     from bayeslayer.ops.triton.scan_backward import segment_adjoint_triton
 
-    lay, x64, adj64, P64, end64 = _adjoint_case("longmem", 16, [0, 40, 150], 3, seed=5)
-    lay, x, adj, P_starts, end_bar = _adjoint_case("longmem", 16, [0, 40, 150], 3, seed=5, dtype=torch.float32)
+    lay, x64, adj64, P64, end64 = _adjoint_case("longmem", 16, [0, 40, 150], 3, seed=5, diagonal=diagonal)
+    lay, x, adj, P_starts, end_bar = _adjoint_case("longmem", 16, [0, 40, 150], 3, seed=5, dtype=torch.float32,
+                                                   diagonal=diagonal)
     ref_dP, ref = _twin_segment_adjoint(lay, x64, adj64, P64, end64, True)
     dP, gr, failed = segment_adjoint_triton(lay, x["q"], x["k"], x["v"], x["r2"], x["ell2"], x["log_alpha"], adj,
                                             P_starts, end_bar, inputs=True)
@@ -189,15 +193,16 @@ def _full_case(T, cu, n_s, seed, D=16, diagonal=False):
 def test_covariance_scan_backward_triton_equals_autograd(diagonal):
     """B2 + Phase A (kernels) + B3 + B4 == autograd through ``scan.covariance_scan`` and == the twin
     ``covariance_scan_backward``, float64, stress regime, scalar and diagonal decay, sequences of 1 and 3
-    segments with ragged tails, an adjoint on every output.  Tolerance 1e-10, the twin's own against autograd
-    (``tests/ops/test_scan_backward.py``): in this regime the segment map is ill-conditioned (cond(I + PJ) ≈ 6e3,
-    ‖Ā‖₂ ≈ 11) and rounding differences of ~1e-14 in Ā or a carried adjoint reach the start adjoint ``dP0``
-    amplified (measured, scalar: twin vs autograd 2.4e-12, kernels vs autograd 2.6e-12; every other gradient
-    ≤ 5.5e-13); each kernel alone matches its twin to ≤ 1e-12 (the tests above)."""
+    segments with ragged tails and an empty one, an adjoint on every output.  Tolerance 1e-10, the twin's
+    own against autograd (``tests/ops/test_scan_backward.py``): in this regime the segment map is
+    ill-conditioned (cond(I + PJ) ≈ 6e3, ‖Ā‖₂ ≈ 11) and rounding differences of ~1e-14 in Ā or a carried
+    adjoint reach the start adjoint ``dP0`` amplified (measured without the empty sequence, scalar: twin vs
+    autograd 2.4e-12, kernels vs autograd 2.6e-12; every other gradient ≤ 5.5e-13); each kernel alone
+    matches its twin to ≤ 1e-12 (the tests above)."""
     from bayeslayer.ops.triton.scan_backward import covariance_scan_backward_triton
 
-    lay, args, kw = _full_case(None, [0, 40, 150], 3, seed=9, diagonal=diagonal)
-    assert lay.seq_n_seg.tolist() == [1, 3]
+    lay, args, kw = _full_case(None, [0, 40, 40, 150], 3, seed=9, diagonal=diagonal)  # an empty sequence too
+    assert lay.seq_n_seg.tolist() == [1, 1, 3]
     names = ("q", "k", "v", "r2", "ell2", "log_alpha", "P0")
     leaves = [a.clone().requires_grad_(True) for a in args[:7]]
     fwd = scan.covariance_scan(*leaves, args[7], args[8], segment_chunks=3, want_var=True)
