@@ -259,3 +259,27 @@ def test_backward_launches_do_not_grow_with_chunks(monkeypatch):
     assert sorted(set(few)) == sorted(["scan_segment_adjoint_kernel", "bl_chunk_cov_kernel", "scan_track_kernel",
                                        "scan_reverse_kernel"])
     assert few.count("scan_segment_adjoint_kernel") == 2 and len(few) == 5
+
+
+def test_segment_adjoint_triton_bad_input():
+    """Refused before any launch, with the argument named."""
+    from bayeslayer.ops.triton.scan_backward import segment_adjoint_triton
+
+    lay, x, adj, P_starts, end_bar = _adjoint_case("longmem", 16, [0, 40], 3, seed=1)
+    args = [x[n] for n in ("q", "k", "v", "r2", "ell2", "log_alpha")]
+    with pytest.raises(ValueError, match="adjoints\\['w'\\]"):
+        segment_adjoint_triton(lay, *args, {**adj, "w": adj["w"].float()}, P_starts, end_bar, inputs=True)
+    with pytest.raises(ValueError, match="adjoints must be"):
+        segment_adjoint_triton(lay, *args, {"dw": adj["w"]}, P_starts, end_bar, inputs=True)
+    with pytest.raises(ValueError, match="P_end_bar"):
+        segment_adjoint_triton(lay, *args, adj, P_starts, end_bar[..., :8], inputs=True)
+    with pytest.raises(ValueError, match="ell2"):
+        bad = list(args)
+        bad[4] = bad[4].float()
+        segment_adjoint_triton(lay, *bad, adj, P_starts, end_bar, inputs=True)
+    with pytest.raises(ValueError, match="log_alpha"):
+        bad = list(args)
+        bad[5] = bad[5].expand(*bad[5].shape[:2], 3)
+        segment_adjoint_triton(lay, *bad, adj, P_starts, end_bar, inputs=True)
+    with pytest.raises(TypeError, match="lay"):
+        segment_adjoint_triton(None, *args, adj, P_starts, end_bar, inputs=True)

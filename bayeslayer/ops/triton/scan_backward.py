@@ -676,8 +676,12 @@ def segment_adjoint_triton(lay: sc.ScanLayout, q, k, v, r2, ell2, log_alpha, adj
     S, C, dt, dev = lay.n_segments, lay.C, k.dtype, k.device
     if C % 16 != 0:
         raise ValueError(f"the layout's chunk size must be a multiple of 16 (tl.dot tiles), got {C}")
-    _check("P_starts", P_starts, (S, Hf, D, D))
-    _check("P_end_bar", P_end_bar, (S, Hf, D, D))
+    _check("P_starts", P_starts, (S, Hf, D, D), dt)
+    _check("P_end_bar", P_end_bar, (S, Hf, D, D), dt)
+    for name, x in (("q", q), ("v", v), ("r2", r2), ("ell2", ell2), ("log_alpha", log_alpha),
+                    ("P_starts", P_starts), ("P_end_bar", P_end_bar)):
+        if x.dtype != dt or x.device != dev:
+            raise ValueError(f"{name} must be a {dt} tensor on {dev} like k, got {x.dtype} on {x.device}")
     MV = v.shape[-1]
     Da = log_alpha.shape[-1]
     shapes = dict(w=(NT, Hf, D), beta=(NT, Hf), linv=(NT, Hf, C), variance=(NT, Hf), kw=(NT, Hf, D), vu=(NT, Hf, MV),
