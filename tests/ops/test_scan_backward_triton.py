@@ -283,3 +283,5 @@ def test_segment_adjoint_triton_bad_input():
         segment_adjoint_triton(lay, *bad, adj, P_starts, end_bar, inputs=True)
     with pytest.raises(TypeError, match="lay"):
         segment_adjoint_triton(None, *args, adj, P_starts, end_bar, inputs=True)
+    with pytest.raises(ValueError, match="chunk_states"):
+        segment_adjoint_triton(lay, *args, adj, P_starts, end_bar, inputs=True, replay=False)

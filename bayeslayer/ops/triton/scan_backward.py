@@ -5,10 +5,10 @@ Ports of the plain-PyTorch twin :mod:`bayeslayer.ops.scan_backward` (every kerne
 
 * **B2/B4** :func:`segment_adjoint_triton` → :func:`scan_segment_adjoint_kernel`, grid (segments, H'),
   serial over a segment's chunks: replay from the checkpoint ``P_s`` (each chunk's start P kept in a
-  scratch), then the per-chunk adjoint back to the segment start (twin ``segment_adjoint``; B4 adds every
-  input gradient).  Scalar decay specialised (C×C ratio, ``tl.dot``); diagonal decay in its own kernel
-  (``[C, C, BD]`` per-channel ratio, its contractions register reductions); whole register tiles; the
-  inputs' dtype.
+  scratch, :func:`chunk_state_scratch`, which B4 reads instead of replaying again), then the per-chunk
+  adjoint back to the segment start (twin ``segment_adjoint``; B4 adds every input gradient).  Scalar
+  decay specialised (C×C ratio, ``tl.dot``); diagonal decay in its own kernel (``[C, C, BD]`` per-channel
+  ratio, its contractions register reductions); whole register tiles; the inputs' dtype.
 * **B3** :func:`reverse_segments_triton` → :func:`scan_reverse_kernel`, grid (sequences, H'), serial over
   each sequence's segments in reverse: ``P̄_s = Ā_sᵀ P̄_{s+1} Ā_s + G_s`` with ``Ā_s`` from Phase B's
   factors (twin ``element_transition`` + ``reverse_segments``); float64, 16×16 ``tl.dot`` tiles.
@@ -284,14 +284,16 @@ def scan_segment_adjoint_kernel(
     BM: tl.constexpr,
     NS: tl.constexpr,
     INPUTS: tl.constexpr,
+    REPLAY: tl.constexpr,
     PREC: tl.constexpr,
 ):
     """B2/B4 for one (segment, head), scalar decay: replay the segment's chunks from ``P_s``, then the adjoint back.
 
-    Forward: the chunk step from PST ``[S, H, D, D]`` (the checkpoint), writing each chunk's start ``P`` into
-    PSCR ``[S, H, NS, BD, BD]`` (stored, not recomputed: recomputing chunk ``c``'s P from the checkpoint would
-    cost ``c`` chunk steps).  Reverse: per chunk, the terms, ``S``, its LDLᵀ, ``U`` are recomputed from the
-    stored P (the twin :func:`~bayeslayer.ops.scan_backward.chunk_adjoint` in the LDLᵀ factors: Lc = L·diag(√d),
+    Forward (REPLAY): the chunk step from PST ``[S, H, D, D]`` (the checkpoint), writing each chunk's start ``P``
+    into PSCR ``[S, H, NS, BD, BD]`` (stored, not recomputed: recomputing chunk ``c``'s P from the checkpoint
+    would cost ``c`` chunk steps); without REPLAY, PSCR already holds them (B4 reads what B2 wrote).
+    Reverse: per chunk, the terms, ``S``, its LDLᵀ, ``U`` are recomputed from the stored P (the twin
+    :func:`~bayeslayer.ops.scan_backward.chunk_adjoint` in the LDLᵀ factors: Lc = L·diag(√d),
     Lc⁻¹ = diag(1/√d) L⁻¹, so the Cholesky adjoint needs no triangular solve), starting from PEND ``[S, H, D, D]``
     (the adjoint arriving at the segment end); DPST ``[S, H, D, D]`` receives the symmetrised adjoint of ``P_s``.
     With INPUTS (B4) the terms' adjoint (:func:`~bayeslayer.ops.scan_backward.terms_adjoint`) gives GQ, GK
@@ -322,19 +324,20 @@ def scan_segment_adjoint_kernel(
     P_scr = PSCR + (i_s * H + i_h) * NS * BD * BD
     pDD = od[:, None] * BD + od[None, :]
     fail = tl.sum(tl.zeros([C], dtype=tl.int32), axis=0)
-    P = tl.load(PST + (i_s * H + i_h) * D * D + od[:, None] * D + od[None, :], mask=mDD, other=0.0).to(dt)
-    for i_c in range(n_chunks):
-        tl.store(P_scr + i_c * BD * BD + pDD, P)
-        tok = bos + i_c * C + rows
-        valid = tok < eos
-        mk = valid[:, None] & mD[None, :]
-        k = tl.load(K + (tok[:, None] * H + i_h) * D + od[None, :], mask=mk, other=0.0).to(dt)
-        r2c = tl.load(R2 + tok * H + i_h, mask=valid, other=1.0).to(dt)
-        ell2c = tl.load(ELL2 + tok * H + i_h, mask=valid, other=0.0).to(dt)
-        lac = tl.load(LA + tok * H + i_h, mask=valid, other=0.0).to(dt)
-        _R, _g, _e, _gC, _b, _kt, _NBk, _Y, _L, _Li, _d, _Z, _U, _Ue, P, f1 = _chunk_scalar(
-            k, r2c, ell2c, lac, P, X_base, LI_base, DV_base, rows, od, D, C, PREC)
-        fail += f1
+    if REPLAY:  # else PSCR holds the chunk states of an earlier replay from the same checkpoints (B2 for B4)
+        P = tl.load(PST + (i_s * H + i_h) * D * D + od[:, None] * D + od[None, :], mask=mDD, other=0.0).to(dt)
+        for i_c in range(n_chunks):
+            tl.store(P_scr + i_c * BD * BD + pDD, P)
+            tok = bos + i_c * C + rows
+            valid = tok < eos
+            mk = valid[:, None] & mD[None, :]
+            k = tl.load(K + (tok[:, None] * H + i_h) * D + od[None, :], mask=mk, other=0.0).to(dt)
+            r2c = tl.load(R2 + tok * H + i_h, mask=valid, other=1.0).to(dt)
+            ell2c = tl.load(ELL2 + tok * H + i_h, mask=valid, other=0.0).to(dt)
+            lac = tl.load(LA + tok * H + i_h, mask=valid, other=0.0).to(dt)
+            _R, _g, _e, _gC, _b, _kt, _NBk, _Y, _L, _Li, _d, _Z, _U, _Ue, P, f1 = _chunk_scalar(
+                k, r2c, ell2c, lac, P, X_base, LI_base, DV_base, rows, od, D, C, PREC)
+            fail += f1
     tl.debug_barrier()
     Gb = tl.load(PEND + (i_s * H + i_h) * D * D + od[:, None] * D + od[None, :], mask=mDD, other=0.0).to(dt)
     for i_r in range(n_chunks):
@@ -360,6 +363,7 @@ def scan_segment_adjoint_kernel(
         dLinv = tl.load(DLINV + (tok[:, None] * H + i_h) * C + rows[None, :], mask=valid[:, None], other=0.0).to(dt)
         R, gam, endv, gC, b, kt, NBk, Y, L, Li, d, Z, U, Ue, Pn, f2 = _chunk_scalar(
             k, r2c, ell2c, lac, P, X_base, LI_base, DV_base, rows, od, D, C, PREC)
+        fail += f2  # (without REPLAY these are the only factorisations this launch checks)
         beta = 1.0 / d
         PT = tl.trans(P)
         # P' = sym(γ_C² Pᵀ + b_C I − Ueᵀ diag(β) Ue)
@@ -498,6 +502,7 @@ def scan_segment_adjoint_diag_kernel(
     BM: tl.constexpr,
     NS: tl.constexpr,
     INPUTS: tl.constexpr,
+    REPLAY: tl.constexpr,
     PREC: tl.constexpr,
 ):
     """:func:`scan_segment_adjoint_kernel` for diagonal decay: LA, DG, GLA are ``[NT, H, D]`` (per-channel
@@ -522,20 +527,21 @@ def scan_segment_adjoint_diag_kernel(
     P_scr = PSCR + (i_s * H + i_h) * NS * BD * BD
     pDD = od[:, None] * BD + od[None, :]
     fail = tl.sum(tl.zeros([C], dtype=tl.int32), axis=0)
-    P = tl.load(PST + (i_s * H + i_h) * D * D + od[:, None] * D + od[None, :], mask=mDD, other=0.0).to(dt)
-    for i_c in range(n_chunks):
-        tl.store(P_scr + i_c * BD * BD + pDD, P)
-        tok = bos + i_c * C + rows
-        valid = tok < eos
-        mk = valid[:, None] & mD[None, :]
-        pk = (tok[:, None] * H + i_h) * D + od[None, :]
-        k = tl.load(K + pk, mask=mk, other=0.0).to(dt)
-        r2c = tl.load(R2 + tok * H + i_h, mask=valid, other=1.0).to(dt)
-        ell2c = tl.load(ELL2 + tok * H + i_h, mask=valid, other=0.0).to(dt)
-        la = tl.load(LA + pk, mask=mk, other=0.0).to(dt)
-        _R, _g, _e, _gC, _b, _kt, _NBk, _Y, _L, _Li, _d, _Z, _U, _Ue, P, f1 = _chunk_diag(
-            k, r2c, ell2c, la, P, X_base, LI_base, DV_base, rows, od, D, C, PREC)
-        fail += f1
+    if REPLAY:  # else PSCR holds the chunk states of an earlier replay from the same checkpoints (B2 for B4)
+        P = tl.load(PST + (i_s * H + i_h) * D * D + od[:, None] * D + od[None, :], mask=mDD, other=0.0).to(dt)
+        for i_c in range(n_chunks):
+            tl.store(P_scr + i_c * BD * BD + pDD, P)
+            tok = bos + i_c * C + rows
+            valid = tok < eos
+            mk = valid[:, None] & mD[None, :]
+            pk = (tok[:, None] * H + i_h) * D + od[None, :]
+            k = tl.load(K + pk, mask=mk, other=0.0).to(dt)
+            r2c = tl.load(R2 + tok * H + i_h, mask=valid, other=1.0).to(dt)
+            ell2c = tl.load(ELL2 + tok * H + i_h, mask=valid, other=0.0).to(dt)
+            la = tl.load(LA + pk, mask=mk, other=0.0).to(dt)
+            _R, _g, _e, _gC, _b, _kt, _NBk, _Y, _L, _Li, _d, _Z, _U, _Ue, P, f1 = _chunk_diag(
+                k, r2c, ell2c, la, P, X_base, LI_base, DV_base, rows, od, D, C, PREC)
+            fail += f1
     tl.debug_barrier()
     Gb = tl.load(PEND + (i_s * H + i_h) * D * D + od[:, None] * D + od[None, :], mask=mDD, other=0.0).to(dt)
     for i_r in range(n_chunks):
@@ -561,6 +567,7 @@ def scan_segment_adjoint_diag_kernel(
         dLinv = tl.load(DLINV + (tok[:, None] * H + i_h) * C + rows[None, :], mask=valid[:, None], other=0.0).to(dt)
         R, gam, endv, gC, b, kt, NBk, Y, L, Li, d, Z, U, Ue, Pn, f2 = _chunk_diag(
             k, r2c, ell2c, la, P, X_base, LI_base, DV_base, rows, od, D, C, PREC)
+        fail += f2  # (without REPLAY these are the only factorisations this launch checks)
         beta = 1.0 / d
         PT = tl.trans(P)
         # P' = sym(Φ_C Pᵀ Φ_C + diag b_C − Ueᵀ diag(β) Ue)
@@ -644,8 +651,15 @@ def scan_segment_adjoint_diag_kernel(
 ADJOINT_NAMES = ("w", "beta", "linv", "variance", "kw", "vu", "g")  # as scan_backward.GRAD_NAMES
 
 
+def chunk_state_scratch(lay: sc.ScanLayout, Hf: int, D: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """The per-chunk start states of every segment's replay, ``[S, H', n_s, BD, BD]`` (``BD`` = D padded)."""
+    BD = max(16, next_pow2(D))
+    return torch.empty(lay.n_segments, Hf, lay.n_s, BD, BD, dtype=dtype, device=device)
+
+
 def segment_adjoint_triton(lay: sc.ScanLayout, q, k, v, r2, ell2, log_alpha, adjoints: dict,
-                           P_starts: torch.Tensor, P_end_bar: torch.Tensor, *, inputs: bool):
+                           P_starts: torch.Tensor, P_end_bar: torch.Tensor, *, inputs: bool,
+                           chunk_states: torch.Tensor | None = None, replay: bool = True):
     """B2 (``inputs=False``) or B4 (``inputs=True``) as one launch of :func:`scan_segment_adjoint_kernel`
     (scalar decay) or :func:`scan_segment_adjoint_diag_kernel` (diagonal decay).
 
@@ -655,8 +669,10 @@ def segment_adjoint_triton(lay: sc.ScanLayout, q, k, v, r2, ell2, log_alpha, adj
     ``[NT, H', m]``, g ``[NT, H', Da]``), None or missing for zero; ``P_starts``, ``P_end_bar``
     ``[S, H', D, D]``.  Returns ``(dP_start [S, H', D, D], grads, failed [S, H'])``: the symmetrised adjoint of
     every segment's start state, and with ``inputs`` a dict of packed gradients (``q, k, v, r2, ell2, la``;
-    ``la`` ``[NT, H', Da]``), else None.  Twin: :func:`bayeslayer.ops.scan_backward.segment_adjoint`.
-    Arithmetic in k's dtype; per-chunk P stored in an ``[S, H', n_s, BD, BD]`` scratch.
+    ``la`` ``[NT, H', Da]``), else None.  ``chunk_states`` (:func:`chunk_state_scratch`): where the replay
+    keeps each chunk's start P (allocated here when None); ``replay=False`` skips the replay and reads them
+    from ``chunk_states`` as an earlier call from the same ``P_starts`` wrote them (B4 after B2).
+    Twin: :func:`bayeslayer.ops.scan_backward.segment_adjoint`.  Arithmetic in k's dtype.
     """
     if not isinstance(lay, sc.ScanLayout):
         raise TypeError(f"lay must be a ScanLayout, got {type(lay).__name__}")
@@ -709,7 +725,12 @@ def segment_adjoint_triton(lay: sc.ScanLayout, q, k, v, r2, ell2, log_alpha, adj
     from .scan import segment_offsets
 
     cu_seg = segment_offsets(lay, NT)
-    pscr = torch.empty(S, Hf, lay.n_s, BD, BD, dtype=dt, device=dev)
+    if chunk_states is None:
+        if not replay:
+            raise ValueError("replay=False needs the chunk_states of an earlier replay")
+        chunk_states = chunk_state_scratch(lay, Hf, D, dt, dev)
+    _check("chunk_states", chunk_states, (S, Hf, lay.n_s, BD, BD), dt)
+    pscr = chunk_states
     ldl = torch.empty(S, Hf, 2 * C * C + C, dtype=dt, device=dev)
     g = grads if inputs else dict(q=dP_start, k=dP_start, v=dP_start, r2=dP_start, ell2=dP_start, la=dP_start)
     kernel = scan_segment_adjoint_diag_kernel if diag else scan_segment_adjoint_kernel
@@ -718,7 +739,7 @@ def segment_adjoint_triton(lay: sc.ScanLayout, q, k, v, r2, ell2, log_alpha, adj
         log_alpha.contiguous(), adj["w"], adj["beta"], adj["linv"], adj["variance"], adj["kw"], adj["vu"],
         adj["g"], cu_seg, P_starts.contiguous(), P_end_bar.contiguous(), pscr, ldl, dP_start,
         fail, g["q"], g["k"], g["v"], g["r2"], g["ell2"], g["la"],
-        H=Hf, D=D, MV=MV, C=C, BD=BD, BM=BM, NS=lay.n_s, INPUTS=inputs, PREC="ieee", num_warps=4,
+        H=Hf, D=D, MV=MV, C=C, BD=BD, BM=BM, NS=lay.n_s, INPUTS=inputs, REPLAY=replay, PREC="ieee", num_warps=4,
     )
     return dP_start, grads, fail != 0
 
@@ -766,7 +787,9 @@ def covariance_scan_backward_triton(q, k, v, r2, ell2, log_alpha, P0, cu: list[i
     if dP is not None:
         end_bar[last] = dP
     # B2: local adjoints of the checkpoints
-    G, _, f2 = segment_adjoint_triton(lay, q, k, v, r2, ell2, log_alpha, adj, P_starts, end_bar, inputs=False)
+    states = chunk_state_scratch(lay, Hf, D, k.dtype, k.device)
+    G, _, f2 = segment_adjoint_triton(lay, q, k, v, r2, ell2, log_alpha, adj, P_starts, end_bar, inputs=False,
+                                      chunk_states=states)
     # Phase A's elements (float64), B3 (float64)
     f64 = torch.float64
     if elements is None:
@@ -781,7 +804,9 @@ def covariance_scan_backward_triton(q, k, v, r2, ell2, log_alpha, P0, cu: list[i
     # B4: the true adjoint, P̄_{s+1} arriving at the end of every segment that is not last
     if segs.numel() > 0:
         end_bar[segs] = Pbar[segs + 1]
-    dP_start, gr, f4 = segment_adjoint_triton(lay, q, k, v, r2, ell2, log_alpha, adj, P_starts, end_bar, inputs=True)
+    # B4 reads the chunk states B2 kept (same checkpoints, same replay): no second replay
+    dP_start, gr, f4 = segment_adjoint_triton(lay, q, k, v, r2, ell2, log_alpha, adj, P_starts, end_bar, inputs=True,
+                                              chunk_states=states, replay=False)
     failed = f3.clone()
     sc.mark_failed(failed, lay.seg_seq, f2 | f4)
     sc.mark_failed(failed, lay.seg_seq[segs], f_a)
