@@ -15,10 +15,10 @@ Ports of the plain-PyTorch twin :mod:`bayeslayer.ops.scan_backward` (every kerne
 * **all** :func:`covariance_scan_backward_triton`: B2, Phase A's elements (``phase_a_triton``), B3, B4
   (twin ``covariance_scan_backward``).
 
-Not here: the mean pass (B1), the
-prep's own kernel (B5: its adjoint is folded into B4 per chunk), an autograd.Function wiring, 16×16 blocking
-of B2/B4's register tiles (they hold ``[BD, BD]`` P and ``[C, BD]`` operands whole: fine for the tests'
-D ≤ 32, untested for registers and spills at D = 64–256 on a GPU).
+Not here: the mean pass (B1), the prep's own kernel (B5: its adjoint is folded into B4 per chunk), an
+autograd.Function wiring, 16×16 blocking of B2/B4's register tiles (they hold ``[BD, BD]`` P and ``[C, BD]``
+operands whole, the diagonal kernel ``[C, C, BD]`` ratios: fine for the tests' D ≤ 32, C = 16, never compiled
+for a GPU, and not viable as written at C = 64, D ≥ 64).
 
 Every launch count is independent of T: one launch per kernel, whatever the number of chunks or segments.
 """
