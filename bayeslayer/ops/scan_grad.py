@@ -7,7 +7,8 @@ chains three adjoints that exist on their own and are tested on their own::
 
     B1  mean pass      fla_mean.mean_pass_fla_backward   (do, dM)        -> dq, dW, dkw, dvu, dlog α, dM0
         substitution   fla_mean.substitution_backward    (dkw, dvu)      -> dL⁻¹, dK, dV, dlog α (+ K̃ term)
-    B2–B4 covariance   scan_backward.covariance_scan_backward
+    B2–B4 covariance   scan_backward.covariance_scan_backward (twin) or
+                       triton/scan_backward.covariance_scan_backward_triton
                                                          (dW, dL⁻¹, dvar, dP) -> dq, dk, dr², dℓ², dlog α, dP0
 
 and sums what reaches the same input (``q``: variance path + mean pass; ``k``: covariance pass +
@@ -28,13 +29,19 @@ What the forward keeps (:class:`ScanSaved`), chosen for memory — nothing of si
   B2 and B4), the mean pass's chunk states (fla recomputes them with ``fwd_h``, as GDN's backward does).
 
 Gradients of the covariance ``P0`` come back symmetrised (only that part is defined for a covariance;
-``p0`` and any symmetric parametrisation of ``P0`` get the exact gradient).  The covariance backward is
-the plain-PyTorch twin until its Triton kernels land: a Python loop over the chunk positions of a
-segment (all segments and heads batched), twice (B2, B4).  Counted under the interpreter (T = 128 and 256,
-C = 16, one segment, D = 16): the whole backward dispatched 8017 / 15433 PyTorch ops, of which the
-mean pass (fla's kernels), the substitution and the prep's autograd 451 / 483 and the covariance twin the
-rest (≈ 920 per chunk position), against 2357 / 3973 for the block-wise backward (≈ 200 per chunk): so
-the block-wise backward stays the default of ``bl_chunk_triton`` until B2/B4 are kernels.
+``p0`` and any symmetric parametrisation of ``P0`` get the exact gradient).
+
+Which covariance backward runs is explicit, ``ScanSpec.covariance`` (:data:`COVARIANCE_BACKWARDS`):
+``"twin"`` (the default, what :func:`forward_packed_reference` / :func:`bl_scan_autograd` run, and the float64
+reference): the plain-PyTorch :func:`~bayeslayer.ops.scan_backward.covariance_scan_backward`, a Python loop over
+the chunk positions of a segment (all segments and heads batched), twice (B2, B4) — counted under the interpreter
+(T = 128 and 256, C = 16, one segment, D = 16), the whole backward then dispatched 8017 / 15433 PyTorch ops, the
+covariance twin ≈ 920 per chunk position, against 2357 / 3973 for the block-wise backward.  ``"triton"`` (what
+the Triton forward, ``bl_chunk_triton(backward="scan")``, sets): ``covariance_scan_backward_triton``, the B2, B3,
+B4 kernels on the stored Phase A elements (three launches whatever T), its failure flag checked once after it
+(:func:`~bayeslayer.ops.scan.raise_if_failed`).  The block-wise backward stays ``bl_chunk_triton``'s default all
+the same: B2/B4 hold whole ``[BD, BD]`` register tiles and are not yet viable on a GPU at C = 64, D ≥ 64
+(``ops/triton/scan_backward.py``), and nothing of this backward has been timed on a GPU.
 """
 
 from __future__ import annotations
@@ -100,6 +107,10 @@ def mean_backward_kernels(dtype: torch.dtype, device) -> dict:
     return dict(fla_mean.TWIN_KERNELS)
 
 
+# the covariance scan backwards (B2–B4) :func:`scan_backward` can run: the plain-PyTorch twin, or the Triton kernels
+COVARIANCE_BACKWARDS = ("twin", "triton")
+
+
 class ScanGradInputs(NamedTuple):
     """Gradients of the packed scan inputs (shapes and dtypes of the inputs; ``P0`` symmetrised)."""
 
@@ -115,7 +126,7 @@ class ScanGradInputs(NamedTuple):
 
 def scan_backward(q, k, v, r2, ell2, log_alpha, M0, P0, cu: list[int], C: int, *, segment_chunks: int,
                   saved: ScanSaved, do=None, dvariance=None, dM=None, dP=None, mean_kernels: dict | None = None,
-                  element_dtype: torch.dtype | None = torch.float64) -> ScanGradInputs:
+                  element_dtype: torch.dtype | None = torch.float64, covariance: str = "twin") -> ScanGradInputs:
     """Gradients of the packed scan forward's inputs from the adjoints of its outputs (B1 → substitution → B2–B4).
 
     Inputs as :class:`bayeslayer.ops.scan.ScanCall`'s packed tensors (q, k ``[NT, H', D]``, v ``[NT, H', m]``,
@@ -124,7 +135,17 @@ def scan_backward(q, k, v, r2, ell2, log_alpha, M0, P0, cu: list[int], C: int, *
     zero): ``do`` ``[NT, H', m]``, ``dvariance`` ``[NT, H']``, ``dM`` ``[N, H', D, m]``, ``dP`` ``[N, H', D, D]``.
     ``mean_kernels``: ``{fla name: callable}`` for the mean pass's backward (None:
     :func:`mean_backward_kernels`).  ``element_dtype``: as :func:`covariance_scan_backward`.
+    ``covariance`` (:data:`COVARIANCE_BACKWARDS`): which B2–B4 runs — ``"twin"``, the plain-PyTorch
+    :func:`~bayeslayer.ops.scan_backward.covariance_scan_backward` (a Python loop over each segment's chunk
+    positions; the float64 reference), or ``"triton"``,
+    ``ops/triton/scan_backward.py::covariance_scan_backward_triton`` (5 launches whatever T; Phase A/B3 in
+    float64, so ``element_dtype`` must be float64), whose failure flag is checked once, after it.
     """
+    if covariance not in COVARIANCE_BACKWARDS:
+        raise ValueError(f"covariance must be one of {COVARIANCE_BACKWARDS}, got {covariance!r}")
+    if covariance == "triton" and element_dtype != torch.float64:
+        raise ValueError(f"covariance='triton' runs Phase A and B3 in float64; element_dtype must be torch.float64, "
+                         f"got {element_dtype}")
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor) or x.dim() != 3:
             raise ValueError(f"{name} must be a packed [NT, H', ·] tensor, got {getattr(x, 'shape', type(x).__name__)}")
@@ -152,10 +173,16 @@ def scan_backward(q, k, v, r2, ell2, log_alpha, M0, P0, cu: list[int], C: int, *
     if saved.elements is not None:
         A, J = saved.elements
         elements = (A, None, J)
-    cg = covariance_scan_backward(
-        q, k, v, r2, ell2, log_alpha, P0, list(cu), C, segment_chunks=segment_chunks, P_starts=saved.P_starts,
-        dw=dw.to(k.dtype), dlinv=dlinv.to(k.dtype), dvariance=dvariance, dP=dP, elements=elements,
-        element_dtype=element_dtype)
+    cov_args = (q, k, v, r2, ell2, log_alpha, P0, list(cu), C)
+    cov_kw = dict(segment_chunks=segment_chunks, P_starts=saved.P_starts, dw=dw.to(k.dtype),
+                  dlinv=dlinv.to(k.dtype), dvariance=dvariance, dP=dP, elements=elements)
+    if covariance == "triton":
+        from .triton.scan_backward import covariance_scan_backward_triton
+
+        cg, failed = covariance_scan_backward_triton(*cov_args, **cov_kw)
+        scan.raise_if_failed(failed, "scan_backward")  # the backward's one host sync, after all of B2–B4
+    else:
+        cg = covariance_scan_backward(*cov_args, **cov_kw, element_dtype=element_dtype)
     return ScanGradInputs(q=dq_m.to(q.dtype) + cg.q, k=dk_s.to(k.dtype) + cg.k, v=dv.to(v.dtype),
                           r2=cg.r2, ell2=cg.ell2, log_alpha=dla_s.to(log_alpha.dtype) + cg.log_alpha,
                           M0=dM0.to(M0.dtype), P0=cg.P0)
@@ -178,7 +205,9 @@ class ScanSpec(NamedTuple):
 
     ``forward``: ``(q, k, v, r2, ell2, log_alpha, M0, P0, cu, C, segment_chunks, want_var) ->
     (o, variance or None, M, P, ScanSaved)`` on packed tensors (:func:`forward_packed_reference`, or the
-    Triton forward ``ops/triton/chunk.py::forward_scan_packed``).
+    Triton forward ``ops/triton/chunk.py::forward_scan_packed``).  ``covariance``: the B2–B4 the backward runs
+    (:func:`scan_backward`'s argument): ``"twin"`` (plain PyTorch, the default: the reference forward's) or
+    ``"triton"`` (the Triton forward sets it).
     """
 
     cu: list
@@ -188,6 +217,7 @@ class ScanSpec(NamedTuple):
     forward: Callable
     mean_kernels: dict | None = None
     element_dtype: torch.dtype | None = torch.float64
+    covariance: str = "twin"
 
 
 class ScanFunction(torch.autograd.Function):
@@ -203,6 +233,8 @@ class ScanFunction(torch.autograd.Function):
     def forward(ctx, spec: ScanSpec, q, k, v, r2, ell2, log_alpha, M0, P0):
         if not isinstance(spec, ScanSpec):
             raise TypeError(f"spec must be a ScanSpec, got {type(spec).__name__}")
+        if spec.covariance not in COVARIANCE_BACKWARDS:
+            raise ValueError(f"spec.covariance must be one of {COVARIANCE_BACKWARDS}, got {spec.covariance!r}")
         o, var, M, P, saved = spec.forward(q, k, v, r2, ell2, log_alpha, M0, P0, spec.cu, spec.C,
                                            spec.segment_chunks, spec.want_var)
         if not isinstance(saved, ScanSaved):
@@ -223,7 +255,7 @@ class ScanFunction(torch.autograd.Function):
         dvar = d_var if spec.want_var and d_var is not None and d_var.numel() > 0 else None
         g = scan_backward(q, k, v, r2, ell2, la, M0, P0, spec.cu, spec.C, segment_chunks=spec.segment_chunks,
                           saved=saved, do=d_o, dvariance=dvar, dM=d_M, dP=d_P, mean_kernels=spec.mean_kernels,
-                          element_dtype=spec.element_dtype)
+                          element_dtype=spec.element_dtype, covariance=spec.covariance)
         needs = ctx.needs_input_grad[1:]
         return (None, *(x if need else None for x, need in zip(g, needs, strict=True)))
 

@@ -14,6 +14,7 @@ cases; fla's backward kernels there run interpreted except ``bwd_dhu``/``fwd_h``
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 
@@ -48,6 +49,11 @@ def _grads(fn, inputs: dict, cu=None, seed=0, **kw):
     """Gradients of a random linear functional of (o, variance, final M, final P) w.r.t. every input."""
     leaves = {n: x.detach().clone().requires_grad_(True) for n, x in inputs.items() if x is not None}
     st = (leaves["M0"], leaves["P0"]) if "M0" in leaves else None
+    if isinstance(kw.get("p0"), torch.Tensor):  # a per-head p0 tensor is a leaf too
+        leaves["p0"] = kw.pop("p0").detach().clone().requires_grad_(True)
+        kw["p0"] = leaves["p0"]
+    elif "p0" in kw and kw["p0"] is None:
+        del kw["p0"]
     o, var, (M, P) = fn(leaves["q"], leaves["k"], leaves["v"], leaves["r2"], leaves["ell2"], leaves.get("alpha"),
                         initial_state=st, output_final_state=True, return_variance=True, chunk_size=16,
                         cu_seqlens=cu, **kw)
@@ -282,3 +288,160 @@ def test_backward_switch(monkeypatch):
     with torch.no_grad():
         o2, _ = tc.bl_chunk_triton(*args, chunk_size=16)
     assert torch.equal(o2, o.detach())
+
+
+# ------------------------------------------------------------------ the Triton covariance backward (B2–B4 kernels)
+
+
+def _spy_covariance(monkeypatch) -> dict:
+    """Count calls into the Triton covariance backward and into its plain-PyTorch twin, both still running."""
+    from bayeslayer.ops.triton import scan_backward as tsb
+
+    calls = {"triton": 0, "twin": 0}
+    for mod, name, key in ((tsb, "covariance_scan_backward_triton", "triton"),
+                           (scan_grad, "covariance_scan_backward", "twin")):
+        orig = getattr(mod, name)
+
+        def spy(*a, _orig=orig, _key=key, **kw):
+            calls[_key] += 1
+            return _orig(*a, **kw)
+
+        monkeypatch.setattr(mod, name, spy)
+    return calls
+
+
+@runs_triton
+@pytest.mark.parametrize(("diagonal", "state"), [(False, True), (True, True), (False, False), (True, False)])
+def test_triton_forward_runs_triton_covariance_backward(monkeypatch, diagonal, state):
+    """``bl_chunk_triton(backward="scan")``: B2–B4 on the Triton kernels (not the twin), gradients of q, k, v, r2,
+    ell2, alpha and the initial state (M0, P0) — or, without one, of a per-head ``p0`` — equal the PyTorch path's
+    to ≤ 1e-10 in float64.  Stress regime, 2 segments, packed ragged sequences, the segment transition far from 0."""
+    from bayeslayer.ops.triton.chunk import bl_chunk_triton
+
+    cu = [0, 27, 77]  # 2 + 4 chunks of 16, both ragged; 2 segments: a boundary inside the second sequence
+    inputs = _case("stress", diagonal, B=1, T=77, H=2, cu=cu, seed=21, device=DEVICE, state=state)
+    assert _transition_norms(inputs, cu, 2).min() > 0.1  # the carried state (and B3's adjoint) matters
+    cu_t = torch.tensor(cu, device=DEVICE)
+    p0 = None if state else torch.tensor([0.5, 2.0], dtype=torch.float64, device=DEVICE)
+    ref = _grads(bl_chunk, inputs, cu_t, p0=p0, backend="torch")
+    calls = _spy_covariance(monkeypatch)
+    got = _grads(bl_chunk_triton, inputs, cu_t, p0=p0, n_segments=2, backward="scan")
+    assert calls == {"triton": 1, "twin": 0}
+    _assert_grads_equal(ref, got)
+
+
+def test_covariance_choice_is_explicit(monkeypatch):
+    """The reference forward keeps the twin (``ScanSpec.covariance`` defaults to it); a bad choice is refused,
+    naming the argument; the Triton covariance needs float64 elements."""
+    inputs = _case("longmem", False, B=1, T=40, H=1, seed=5)
+    calls = _spy_covariance(monkeypatch)
+    _grads(scan_grad.bl_scan_autograd, inputs, n_segments=2)
+    assert calls == {"triton": 0, "twin": 1}
+    call = scan.prepare_scan(*(inputs[n] for n in ("q", "k", "v", "r2", "ell2", "alpha")), 1.0, None, None, None, 16,
+                             n_segments=1)
+    args = (call.q, call.k, call.v, call.r2, call.ell2, call.log_alpha, call.M0, call.P0, call.cu, call.C)
+    out = scan.covariance_scan(*args[:6], call.P0, call.cu, call.C, segment_chunks=call.segment_chunks,
+                               want_var=False)
+    saved = scan_grad.ScanSaved(w=out.w, linv=out.linv, P_starts=out.P_starts)
+    with pytest.raises(ValueError, match="covariance must be"):
+        scan_grad.scan_backward(*args, segment_chunks=call.segment_chunks, saved=saved, covariance="fused")
+    with pytest.raises(ValueError, match="element_dtype must be torch.float64"):
+        scan_grad.scan_backward(*args, segment_chunks=call.segment_chunks, saved=saved, covariance="triton",
+                                element_dtype=None)
+    spec = scan_grad.ScanSpec(cu=call.cu, C=call.C, segment_chunks=call.segment_chunks, want_var=False,
+                              forward=scan_grad.forward_packed_reference, covariance="cuda")
+    with pytest.raises(ValueError, match="spec.covariance"):
+        scan_grad.ScanFunction.apply(spec, *args[:8])
+
+
+@runs_triton
+def test_scan_backward_launches_do_not_grow_with_chunks(monkeypatch):
+    """The whole ``.backward()`` of ``bl_chunk_triton(backward="scan")`` (fp32: fla's mean-pass kernels, the
+    substitution, the Triton B2–B4, prepare/finish's autograd) launches the same Triton kernels for 4 chunks
+    (2 segments) and 16 chunks (4 segments), and calls the mean backward, the substitution's adjoint and the
+    Triton covariance backward once each (the twin never).  PyTorch ops are counted too, apart from those of the
+    twins standing in for fla's ``fwd_h``/``bwd_dhu`` (a Python loop over chunks; fla's kernels on a GPU), for 4 and
+    16 chunks in 2 segments: equal but for ``aten.lift_fresh`` (``torch.tensor`` of a list), which grows by 4 per
+    chunk — measured, all in ``scan.scan_layout(cu, C, 1)`` (``substituted`` and the substitution's adjoint build a
+    one-chunk-per-segment layout whose ``phase_b_steps`` are two index tensors per chunk, unused there).  Asserted
+    as it is, so that the fix (a layout without ``phase_b_steps``) makes this test fail and be tightened."""
+    import triton.runtime.interpreter as ti
+    import triton.runtime.jit as tj
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from bayeslayer.ops.triton.chunk import bl_chunk_triton
+
+    launches, ops, in_twin = [], collections.Counter(), [False]
+    for cls in (ti.InterpretedFunction, tj.JITFunction):
+        orig = cls.run
+
+        def counted(self, *a, _orig=orig, **kw):
+            launches.append(self.__name__ if isinstance(self, ti.InterpretedFunction) else self.fn.__name__)
+            return _orig(self, *a, **kw)
+
+        monkeypatch.setattr(cls, "run", counted)
+
+    class CountOps(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops["twin" if in_twin[0] else str(func)] += 1
+            return func(*args, **(kwargs or {}))
+
+    orig_kernels = scan_grad.mean_backward_kernels
+
+    def marked_kernels(dtype, device):  # the twins that stand in for fla's kernels, their ops counted apart
+        def mark(f):
+            def run(*a, **kw):
+                in_twin[0] = True
+                try:
+                    return f(*a, **kw)
+                finally:
+                    in_twin[0] = False
+            return run
+        return {n: mark(f) for n, f in orig_kernels(dtype, device).items()}
+
+    monkeypatch.setattr(scan_grad, "mean_backward_kernels", marked_kernels)
+    calls = _spy_covariance(monkeypatch)
+    entries = {"mean_pass_fla_backward": 0, "substitution_backward": 0}
+    for name in entries:
+        orig = getattr(fla_mean, name)
+
+        def spy(*a, _orig=orig, _name=name, **kw):
+            entries[_name] += 1
+            return _orig(*a, **kw)
+
+        monkeypatch.setattr(fla_mean, name, spy)
+
+    def run(T, n_segments):
+        inputs = _case("longmem", False, B=1, T=T, H=1, D=16, m=8, seed=T, device=DEVICE)
+        leaves = [inputs[n].float().requires_grad_(True) for n in ("q", "k", "v", "r2", "ell2", "alpha")]
+        M0, P0 = (inputs[n].float().requires_grad_(True) for n in ("M0", "P0"))
+        pin = fla_mean.one_autotune_config() if DEVICE == "cpu" else contextlib.nullcontext()
+        with pin:
+            o, var, (M, P) = bl_chunk_triton(*leaves, initial_state=(M0, P0), output_final_state=True,
+                                             return_variance=True, chunk_size=16, n_segments=n_segments,
+                                             backward="scan")
+            loss = o.square().sum() + var.sum() + M.sum() + P.sum()
+            launches.clear()
+            ops.clear()
+            calls.update(triton=0, twin=0)
+            entries.update(mean_pass_fla_backward=0, substitution_backward=0)
+            with CountOps():
+                loss.backward()
+        assert all(x.grad is not None and x.grad.abs().max() > 0 for x in (*leaves, M0, P0))
+        return list(launches), dict(ops), dict(calls), dict(entries)
+
+    few = run(64, 2)  # 4 chunks of 16, 2 segments
+    many = run(256, 2)  # 16 chunks, 2 segments
+    most = run(256, 4)  # 16 chunks, 4 segments: the launches do not depend on the segments either
+    glue = [{n: c for n, c in x[1].items() if n != "twin"} for x in (few, many)]
+    print(f"launches {len(few[0])} / {len(many[0])} / {len(most[0])}: {sorted(set(few[0]))}; PyTorch ops outside "
+          f"the twins {sum(glue[0].values())} / {sum(glue[1].values())}, lift_fresh "
+          f"{glue[0].get('aten.lift_fresh.default')} / {glue[1].get('aten.lift_fresh.default')}")
+    assert few[0] == many[0] == most[0] and len(few[0]) > 0
+    assert "scan_segment_adjoint_kernel" in few[0] and "scan_reverse_kernel" in few[0]
+    for got in (few, many, most):
+        assert got[2] == {"triton": 1, "twin": 0}
+        assert got[3] == {"mean_pass_fla_backward": 1, "substitution_backward": 1}
+    fresh = [g.pop("aten.lift_fresh.default", 0) for g in glue]
+    assert glue[0] == glue[1]  # every other PyTorch op outside the CPU twins: not one more for 12 more chunks
+    assert fresh[1] - fresh[0] == 4 * 12  # scan_layout's phase_b_steps (docstring): the one per-chunk host cost

@@ -16,8 +16,11 @@ the chunk step over their chunks — host-bound on a GPU (docs/kernels.md).
 ``backward="scan"`` (or :data:`DEFAULT_BACKWARD`) instead differentiates the segment scan itself:
 ``prepare_scan`` under plain autograd, :class:`bayeslayer.ops.scan_grad.ScanFunction` on
 :func:`forward_scan_packed` (which keeps W, the ``L⁻¹`` rows, the ``P_s`` checkpoints and Phase A's
-elements), ``finish_scan`` under autograd; its covariance part is still a plain-PyTorch twin, so
-``"blockwise"`` stays the default (measured: more PyTorch ops per chunk, :mod:`bayeslayer.ops.scan_grad`).
+elements), ``finish_scan`` under autograd.  Its backward: fla's mean-pass backward kernels, the
+substitution's adjoint (PyTorch, batched over chunks) and the covariance scan's B2–B4 on the Triton kernels
+of :mod:`.scan_backward` (``ScanSpec.covariance="triton"``, on the stored Phase A elements; no host loop over
+chunks or segments, one failure check after it).  ``"blockwise"`` stays the default: B2/B4 hold whole
+``[BD, BD]`` register tiles, not yet viable on a GPU at C = 64, D ≥ 64, and the scan backward is untimed on a GPU.
 Rotations (``theta``) have no kernel: :func:`bl_chunk_triton` refuses them, and
 :mod:`bayeslayer.ops.backend` sends them to the PyTorch path (``backend="auto"``).
 """
@@ -41,8 +44,8 @@ BACKWARD_BLOCK = 16
 # that code reaching it through bl_chunk / the layers can switch it:
 #   "blockwise": :func:`_blockwise_backward` (PyTorch chunk-step recompute per block: the PyTorch path's gradients);
 #   "scan": the composed backward of the segment scan (:mod:`bayeslayer.ops.scan_grad`: fla's mean-pass backward,
-#           the substitution's adjoint, the covariance scan's B2–B4 — still its plain-PyTorch twin, a Python loop
-#           over each segment's chunk positions, so not the default until its Triton kernels land).
+#           the substitution's adjoint, the covariance scan's B2–B4 on the Triton kernels of .scan_backward — not
+#           the default while B2/B4 hold whole [BD, BD] register tiles, not viable on a GPU at C = 64, D ≥ 64).
 DEFAULT_BACKWARD = "blockwise"
 BACKWARDS = ("blockwise", "scan")
 # tl.dot input precision of the fp32 filter arithmetic (fp64 always runs "ieee").  Only
@@ -407,7 +410,7 @@ def _scan_autograd(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, want_va
         raise ValueError(f"the Triton path supports key dims D in 1..256, got D={q.shape[-1]}")
     call = sc.prepare_scan(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, n_segments=n_segments)
     spec = ScanSpec(cu=call.cu, C=call.C, segment_chunks=call.segment_chunks, want_var=want_var,
-                    forward=forward_scan_packed)
+                    forward=forward_scan_packed, covariance="triton")
     o, var, M, P = ScanFunction.apply(spec, call.q, call.k, call.v, call.r2, call.ell2, call.log_alpha, call.M0,
                                       call.P0)
     return sc.finish_scan(call, o, var if want_var else None, M, P)
@@ -477,9 +480,10 @@ def bl_chunk_triton(
     Gradients (``backward``, None: :data:`DEFAULT_BACKWARD`): ``"blockwise"`` recomputes each block of
     :data:`BACKWARD_BLOCK` chunks with the PyTorch chunk step from state checkpoints
     written by the Triton forward (module docstring); ``"scan"`` runs the composed backward of the
-    segment scan (:mod:`bayeslayer.ops.scan_grad`) behind :func:`forward_scan_packed`.  Neither is yet
-    a fused Triton backward.  The two agree to rounding, except that ``"scan"`` returns the symmetric
-    part of a given ``P``'s gradient.
+    segment scan (:mod:`bayeslayer.ops.scan_grad`) behind :func:`forward_scan_packed`: fla's mean-pass
+    backward, the substitution's adjoint and the Triton covariance backward B2–B4 (module docstring).
+    The two agree to rounding, except that ``"scan"`` returns the symmetric part of a given ``P``'s
+    gradient.
     """
     C = _check_chunk_size(chunk_size)
     if not isinstance(q, torch.Tensor):
