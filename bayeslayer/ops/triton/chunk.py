@@ -348,56 +348,25 @@ def forward_scan_packed(q, k, v, r2, ell2, log_alpha, M0, P0, cu, C, segment_chu
     """The segment-scan forward on the Triton kernels, on packed, folded tensors, keeping what the composed
     backward needs: the forward of :class:`bayeslayer.ops.scan_grad.ScanFunction` (``backward="scan"``).
 
-    The same launches as :func:`bayeslayer.ops.triton.scan.forward_scan_triton` after its ``prepare_scan``
-    (Phase A and B kernels, Phase C on the covariance kernel over the segments, the mean kernel), with the
-    mean pass's output left in the compute dtype (``finish_scan`` casts it, under autograd).  Arguments:
-    :class:`bayeslayer.ops.scan.ScanCall`'s packed tensors, ``cu`` (list), ``C``, ``segment_chunks``.
+    Exactly the launches of :func:`bayeslayer.ops.triton.scan.forward_scan_triton` after its ``prepare_scan``
+    (both call :func:`bayeslayer.ops.triton.scan.scan_packed`: prep, Phase A and B kernels, Phase C on the
+    covariance kernel over the segments, the mean kernel), with the mean pass's output left in the compute
+    dtype (``finish_scan`` casts it, under autograd).  Arguments: :class:`bayeslayer.ops.scan.ScanCall`'s
+    packed tensors, ``cu`` (list), ``C``, ``segment_chunks``.
     Returns ``(o, variance or None, M, P, ScanSaved)`` packed; the saved tensors are the write keys, the
     ``L⁻¹`` rows, the ``P_s`` checkpoints and Phase A's ``(A_s, J_s)`` (float64) — see
     :mod:`bayeslayer.ops.scan_grad`.  Failures raise once, after the pass.
     """
     from .. import scan as sc
     from ..scan_grad import ScanSaved
-    from .kernels import bl_chunk_cov_kernel
-    from .scan import PREC, ldl_scratch, mean_pass_triton, phase_a_triton, phase_b_triton, segment_offsets
-    from .support import next_pow2
+    from .scan import scan_packed
 
-    NT, Hf, D = k.shape
-    cd, dev = k.dtype, k.device
-    f64 = torch.float64
-    lay = sc.scan_layout(list(cu), C, segment_chunks, dev)
-    diag = log_alpha.shape[-1] > 1
-    segs = lay.element_segments
-    A, Cm, J, info_a = phase_a_triton(lay, q, k, r2, ell2, log_alpha, segs)
-    P_starts, failed = phase_b_triton(lay, P0.to(f64), (A, Cm, J, segs))
-    del Cm
-    sc.mark_failed(failed, lay.seg_seq[segs], info_a)
-    S = lay.n_segments
-    BD = max(16, next_pow2(D))
-    P_starts = P_starts.to(cd)
-    P = P_starts.clone()  # the kernel writes each segment's end covariance in place
-    W = torch.empty(NT, Hf, D, dtype=cd, device=dev)
-    linv = torch.empty(NT, Hf, C, dtype=cd, device=dev)
-    var = torch.empty(NT, Hf, dtype=cd, device=dev) if want_var else W.new_empty(1)
-    Yscr = torch.empty(S, Hf, C, BD, dtype=cd, device=dev)
-    Uscr = torch.empty_like(Yscr)
-    cu_seg = segment_offsets(lay, NT)
-    la_k = log_alpha.contiguous() if diag else log_alpha[..., 0].contiguous()
-    ldl_scr, ldl_fail = ldl_scratch(S, Hf, C, cd, dev)
-    if NT > 0:
-        bl_chunk_cov_kernel[(S, Hf)](
-            q, k, r2, ell2, la_k, cu_seg, P, W, linv, Yscr, Uscr, var, Yscr, cu_seg, ldl_scr, ldl_fail,
-            H=Hf, D=D, C=C, BD=BD, BK=16, DIAG=diag, HAS_ALPHA=True, RETURN_VAR=want_var, SAVE_CK=False,
-            PREC="ieee" if cd == f64 else PREC, CK_EVERY=1, num_warps=8 if C >= 64 else 4,
-        )
-    last = lay.last_segments
-    failed |= ~torch.isfinite(P[last]).flatten(-2).all(-1)
-    sc.mark_failed(failed, lay.seg_seq, ldl_fail != 0)
-    call = sc.ScanCall(B=1, T=NT, G=1, dims=None, cu=list(cu), C=C, segment_chunks=segment_chunks, q=q, k=k, v=v,
-                       r2=r2, ell2=ell2, log_alpha=log_alpha, M0=M0, P0=P0)
-    o, M = mean_pass_triton(call, W, linv, want_dtype=cd)
-    sc.raise_if_failed(failed, "forward_scan_packed")
-    return o, var if want_var else None, M, P[last], ScanSaved(w=W, linv=linv, P_starts=P_starts, elements=(A, J))
+    call = sc.ScanCall(B=1, T=k.shape[0], G=1, dims=None, cu=list(cu), C=C, segment_chunks=segment_chunks, q=q, k=k,
+                       v=v, r2=r2, ell2=ell2, log_alpha=log_alpha, M0=M0, P0=P0)
+    res = scan_packed(call, want_var, out_dtype=k.dtype)
+    sc.raise_if_failed(res.failed, "forward_scan_packed")
+    saved = ScanSaved(w=res.W, linv=res.linv, P_starts=res.P_starts.to(k.dtype), elements=res.elements)
+    return res.o, res.var, res.M, res.P, saved
 
 
 def _scan_autograd(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, want_var, n_segments):

@@ -498,93 +498,128 @@ def forward_scan_triton(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, wa
     with torch.no_grad():
         call = sc.prepare_scan(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, n_segments=n_segments,
                                segment_chunks=segment_chunks)
-        clock = _Clock(timings, call.k.device)
-        NT, Hf, D = call.k.shape
-        cd, dev, C = call.k.dtype, call.k.device, call.C
-        lay = sc.scan_layout(call.cu, C, call.segment_chunks, dev)
-        diag = call.log_alpha.shape[-1] > 1
+        res = scan_packed(call, want_var, out_dtype=call.dims.dtype, mean=mean, timings=timings, phase_a=phase_a,
+                          phase_b=phase_b, prep=prep)
+        sc.raise_if_failed(res.failed, "forward_scan_triton")
+        return sc.finish_scan(call, res.o, res.var, res.M, res.P)
 
-        # ---- Phase A (segment elements, float64) and Phase B (segment-start covariances) ----
-        last = lay.last_segments
-        segs = lay.element_segments  # sized on the host by the layout: no device-to-host sync
-        f64 = torch.float64
-        # ---- prep: the P-free per-chunk terms, parallel over chunks (Phase A's in float64, only if it runs) ----
-        prep_a = prep_c = None
-        if prep and phase_a == "triton" and segs.numel() > 0:
-            prep_a = prep_triton(lay, call.q, call.k, call.r2, call.ell2, call.log_alpha, dtype=f64,
-                                 want_var=want_var and cd == f64)
-        if prep:
-            prep_c = prep_a if prep_a is not None and cd == f64 else prep_triton(
-                lay, call.q, call.k, call.r2, call.ell2, call.log_alpha, dtype=cd, want_var=want_var)
-        clock.mark("prep")
-        if phase_a == "triton":
-            A, Cm, J, info_a = phase_a_triton(lay, call.q, call.k, call.r2, call.ell2, call.log_alpha, segs,
-                                              prep=prep_a)
-        elif phase_a == "torch":
-            xa = {name: lay.grid(x, fill).to(f64) for name, x, fill in
-                  (("k", call.k, 0.0), ("r2", call.r2, 1.0), ("ell2", call.ell2, 0.0), ("la", call.log_alpha, 0.0))}
-            A, Cm, J, info_a = sc.phase_a(lay, xa, segs)
+
+class PackedScan(NamedTuple):
+    """What :func:`scan_packed` returns, all packed (``NT`` tokens, ``H'`` folded heads): the mean pass's
+    output ``o`` (in ``out_dtype``), the variance (None unless asked for), the final states ``M``, ``P``
+    per sequence, and what a backward needs — the write keys ``W``, the ``L⁻¹`` rows ``linv``, the
+    segment-start covariances ``P_starts`` (float64, from Phase B) and Phase A's ``(A_s, J_s)`` (float64);
+    ``failed`` is the device-side ``[N, H']`` flag (not yet checked)."""
+
+    o: torch.Tensor
+    var: torch.Tensor | None
+    M: torch.Tensor
+    P: torch.Tensor
+    W: torch.Tensor
+    linv: torch.Tensor
+    P_starts: torch.Tensor
+    elements: tuple
+    failed: torch.Tensor
+
+
+def scan_packed(call: sc.ScanCall, want_var: bool, *, out_dtype: torch.dtype, mean=None,
+                timings: dict | None = None, phase_a: str = "triton", phase_b: str = "triton",
+                prep: bool = True) -> PackedScan:
+    """The launches of the segment-scan forward on :func:`bayeslayer.ops.scan.prepare_scan`'s packed tensors
+    (prep, Phase A, B, C, mean pass), shared by :func:`forward_scan_triton` and the autograd forward of
+    ``backward="scan"`` (``ops/triton/chunk.py::forward_scan_packed``) so that both run exactly the same
+    kernels.  Arguments as :func:`forward_scan_triton`; ``out_dtype``: the dtype of ``o`` from the mean
+    kernel.  Failures are left in ``PackedScan.failed`` for the caller to raise once."""
+    if not isinstance(prep, bool):
+        raise TypeError(f"prep must be a bool, got {prep!r}")
+
+
+    clock = _Clock(timings, call.k.device)
+    NT, Hf, D = call.k.shape
+    cd, dev, C = call.k.dtype, call.k.device, call.C
+    lay = sc.scan_layout(call.cu, C, call.segment_chunks, dev)
+    diag = call.log_alpha.shape[-1] > 1
+
+    # ---- Phase A (segment elements, float64) and Phase B (segment-start covariances) ----
+    last = lay.last_segments
+    segs = lay.element_segments  # sized on the host by the layout: no device-to-host sync
+    f64 = torch.float64
+    # ---- prep: the P-free per-chunk terms, parallel over chunks (Phase A's in float64, only if it runs) ----
+    prep_a = prep_c = None
+    if prep and phase_a == "triton" and segs.numel() > 0:
+        prep_a = prep_triton(lay, call.q, call.k, call.r2, call.ell2, call.log_alpha, dtype=f64,
+                             want_var=want_var and cd == f64)
+    if prep:
+        prep_c = prep_a if prep_a is not None and cd == f64 else prep_triton(
+            lay, call.q, call.k, call.r2, call.ell2, call.log_alpha, dtype=cd, want_var=want_var)
+    clock.mark("prep")
+    if phase_a == "triton":
+        A, Cm, J, info_a = phase_a_triton(lay, call.q, call.k, call.r2, call.ell2, call.log_alpha, segs,
+                                          prep=prep_a)
+    elif phase_a == "torch":
+        xa = {name: lay.grid(x, fill).to(f64) for name, x, fill in
+              (("k", call.k, 0.0), ("r2", call.r2, 1.0), ("ell2", call.ell2, 0.0), ("la", call.log_alpha, 0.0))}
+        A, Cm, J, info_a = sc.phase_a(lay, xa, segs)
+    else:
+        raise ValueError(f"phase_a must be 'triton' or 'torch', got {phase_a!r}")
+    clock.mark("phase_a")
+    if phase_b == "triton":
+        P_starts, failed = phase_b_triton(lay, call.P0.to(f64), (A, Cm, J, segs))
+    elif phase_b == "torch":
+        P_starts, failed = sc.phase_b(lay, call.P0.to(f64), (A, Cm, J, segs))
+    else:
+        raise ValueError(f"phase_b must be 'triton' or 'torch', got {phase_b!r}")
+    sc.mark_failed(failed, lay.seg_seq[segs], info_a)
+    clock.mark("phase_b")
+
+    # ---- Phase C: the chunk-serial covariance kernel over the segments, from P_s ----
+    S = lay.n_segments
+    BD = max(16, next_pow2(D))
+    P = P_starts.to(cd, copy=True).contiguous()  # the kernel writes each segment's end covariance in place (P_starts is kept)
+    W = torch.empty(NT, Hf, D, dtype=cd, device=dev)
+    linv = torch.empty(NT, Hf, C, dtype=cd, device=dev)
+    var = torch.empty(NT, Hf, dtype=cd, device=dev) if want_var else W.new_empty(1)
+    Yscr = torch.empty(S, Hf, C, BD, dtype=cd, device=dev)
+    Uscr = torch.empty_like(Yscr)
+    cu_seg = segment_offsets(lay, NT)
+    la_k = call.log_alpha.contiguous() if diag else call.log_alpha[..., 0].contiguous()
+    ldl_scr, ldl_fail = ldl_scratch(S, Hf, C, cd, dev)
+    if NT > 0:
+        bl_chunk_cov_kernel[(S, Hf)](
+            call.q, call.k, call.r2, call.ell2, la_k, cu_seg, P, W, linv, Yscr, Uscr, var, Yscr, cu_seg,
+            ldl_scr, ldl_fail,
+            H=Hf, D=D, C=C, BD=BD, BK=16, DIAG=diag, HAS_ALPHA=True, RETURN_VAR=want_var, SAVE_CK=False,
+            PREC="ieee" if cd == f64 else PREC, CK_EVERY=1, num_warps=8 if C >= 64 else 4,
+            **(prep_c.kernel_args() if prep_c is not None else {}),
+        )
+    # a failed LDLᵀ pivot leaves non-finite numbers behind: folded into the same device-side flag
+    failed |= ~torch.isfinite(P[last]).flatten(-2).all(-1)
+    sc.mark_failed(failed, lay.seg_seq, ldl_fail != 0)
+    clock.mark("phase_c")
+
+    if mean is None or mean == "triton":
+        # our mean kernel: the UT transform is the L⁻¹ of Phase C, no substituted tensors needed
+        clock.mark("substitute")
+        o, M = mean_pass_triton(call, W, linv, want_dtype=out_dtype)
+    else:
+        kw, vu, g = substituted_inputs(lay, linv, call.k, call.v, call.log_alpha)
+        clock.mark("substitute")
+        if mean == "fla":
+            from ..fla_mean import mean_pass_fla, require_fla
+
+            require_fla()
+            if cd == f64:
+                raise TypeError("mean='fla' cannot run float64 inputs (fla keeps its state in float32); "
+                                "use mean='triton'")
+            # fla's kernels, on operands in the caller's dtype when it is 16-bit (as GDN runs its w, u)
+            md = out_dtype if out_dtype in (torch.bfloat16, torch.float16) else cd
+            o, M = mean_pass_fla(call.q.to(md), W.to(md), kw.to(md), vu.to(md), g, call.M0, call.cu, C)
+        elif mean == "torch":
+            o, M = sc.mean_pass_reference(call.q, W, kw, vu, g, call.M0, call.cu, C)
+        elif callable(mean):
+            o, M = mean(call.q, W, kw, vu, g, call.M0, call.cu, C)
         else:
-            raise ValueError(f"phase_a must be 'triton' or 'torch', got {phase_a!r}")
-        clock.mark("phase_a")
-        if phase_b == "triton":
-            P_starts, failed = phase_b_triton(lay, call.P0.to(f64), (A, Cm, J, segs))
-        elif phase_b == "torch":
-            P_starts, failed = sc.phase_b(lay, call.P0.to(f64), (A, Cm, J, segs))
-        else:
-            raise ValueError(f"phase_b must be 'triton' or 'torch', got {phase_b!r}")
-        sc.mark_failed(failed, lay.seg_seq[segs], info_a)
-        clock.mark("phase_b")
-
-        # ---- Phase C: the chunk-serial covariance kernel over the segments, from P_s ----
-        S = lay.n_segments
-        BD = max(16, next_pow2(D))
-        P = P_starts.to(cd).contiguous()  # the kernel writes each segment's end covariance in place
-        W = torch.empty(NT, Hf, D, dtype=cd, device=dev)
-        linv = torch.empty(NT, Hf, C, dtype=cd, device=dev)
-        var = torch.empty(NT, Hf, dtype=cd, device=dev) if want_var else W.new_empty(1)
-        Yscr = torch.empty(S, Hf, C, BD, dtype=cd, device=dev)
-        Uscr = torch.empty_like(Yscr)
-        cu_seg = segment_offsets(lay, NT)
-        la_k = call.log_alpha.contiguous() if diag else call.log_alpha[..., 0].contiguous()
-        ldl_scr, ldl_fail = ldl_scratch(S, Hf, C, cd, dev)
-        if NT > 0:
-            bl_chunk_cov_kernel[(S, Hf)](
-                call.q, call.k, call.r2, call.ell2, la_k, cu_seg, P, W, linv, Yscr, Uscr, var, Yscr, cu_seg,
-                ldl_scr, ldl_fail,
-                H=Hf, D=D, C=C, BD=BD, BK=16, DIAG=diag, HAS_ALPHA=True, RETURN_VAR=want_var, SAVE_CK=False,
-                PREC="ieee" if cd == f64 else PREC, CK_EVERY=1, num_warps=8 if C >= 64 else 4,
-                **(prep_c.kernel_args() if prep_c is not None else {}),
-            )
-        # a failed LDLᵀ pivot leaves non-finite numbers behind: folded into the same device-side flag
-        failed |= ~torch.isfinite(P[last]).flatten(-2).all(-1)
-        sc.mark_failed(failed, lay.seg_seq, ldl_fail != 0)
-        clock.mark("phase_c")
-
-        if mean is None or mean == "triton":
-            # our mean kernel: the UT transform is the L⁻¹ of Phase C, no substituted tensors needed
-            clock.mark("substitute")
-            o, M = mean_pass_triton(call, W, linv, want_dtype=call.dims.dtype)
-        else:
-            kw, vu, g = substituted_inputs(lay, linv, call.k, call.v, call.log_alpha)
-            clock.mark("substitute")
-            if mean == "fla":
-                from ..fla_mean import mean_pass_fla, require_fla
-
-                require_fla()
-                if cd == f64:
-                    raise TypeError("mean='fla' cannot run float64 inputs (fla keeps its state in float32); "
-                                    "use mean='triton'")
-                # fla's kernels, on operands in the caller's dtype when it is 16-bit (as GDN runs its w, u)
-                md = call.dims.dtype if call.dims.dtype in (torch.bfloat16, torch.float16) else cd
-                o, M = mean_pass_fla(call.q.to(md), W.to(md), kw.to(md), vu.to(md), g, call.M0, call.cu, C)
-            elif mean == "torch":
-                o, M = sc.mean_pass_reference(call.q, W, kw, vu, g, call.M0, call.cu, C)
-            elif callable(mean):
-                o, M = mean(call.q, W, kw, vu, g, call.M0, call.cu, C)
-            else:
-                raise ValueError(f"mean must be 'triton', 'fla', 'torch' or a callable, got {mean!r}")
-        clock.mark("mean")
-        clock.finish()
-        sc.raise_if_failed(failed, "forward_scan_triton")
-        return sc.finish_scan(call, o, var if want_var else None, M, P[last])
+            raise ValueError(f"mean must be 'triton', 'fla', 'torch' or a callable, got {mean!r}")
+    clock.mark("mean")
+    clock.finish()
+    return PackedScan(o, var if want_var else None, M, P[last], W, linv, P_starts, (A, J), failed)
