@@ -575,7 +575,7 @@ def scan_packed(call: sc.ScanCall, want_var: bool, *, out_dtype: torch.dtype, me
     # ---- Phase C: the chunk-serial covariance kernel over the segments, from P_s ----
     S = lay.n_segments
     BD = max(16, next_pow2(D))
-    P = P_starts.to(cd, copy=True).contiguous()  # the kernel writes each segment's end covariance in place (P_starts is kept)
+    P = P_starts.to(cd, copy=True).contiguous()  # the kernel writes segment ends in place; keep P_starts
     W = torch.empty(NT, Hf, D, dtype=cd, device=dev)
     linv = torch.empty(NT, Hf, C, dtype=cd, device=dev)
     var = torch.empty(NT, Hf, dtype=cd, device=dev) if want_var else W.new_empty(1)
