@@ -131,7 +131,7 @@ def scan_track_kernel(
 
 
 @triton.jit
-def _load_block(src, ib, jb, r, D: tl.constexpr, BLK: tl.constexpr, PAD_EYE: tl.constexpr):
+def load_block(src, ib, jb, r, D: tl.constexpr, BLK: tl.constexpr, PAD_EYE: tl.constexpr):
     """Block ``(ib, jb)`` of a row-major ``[D, D]`` matrix, zero outside (identity on the padded diagonal)."""
     ri = ib * BLK + r
     cj = jb * BLK + r
@@ -142,7 +142,7 @@ def _load_block(src, ib, jb, r, D: tl.constexpr, BLK: tl.constexpr, PAD_EYE: tl.
 
 
 @triton.jit
-def _sblk(buf, ib, jb, r, BN: tl.constexpr, BLK: tl.constexpr):
+def sblock(buf, ib, jb, r, BN: tl.constexpr, BLK: tl.constexpr):
     """Pointers to block ``(ib, jb)`` of a row-major ``[BN, BN]`` scratch matrix."""
     return buf + (ib * BLK + r[:, None]) * BN + (jb * BLK + r[None, :])
 
@@ -156,9 +156,9 @@ def _times_g(Msrc, X, DP, TT, r, D: tl.constexpr, NB: tl.constexpr, BLK: tl.cons
         for jb in range(NB):
             acc = tl.zeros([BLK, BLK], dtype=TT.dtype.element_ty)
             for kb in range(jb, NB):
-                acc += tl.dot(_load_block(Msrc, ib, kb, r, D, BLK, False), tl.load(_sblk(X, kb, jb, r, BN, BLK)),
+                acc += tl.dot(load_block(Msrc, ib, kb, r, D, BLK, False), tl.load(sblock(X, kb, jb, r, BN, BLK)),
                               input_precision=PREC)
-            tl.store(_sblk(TT, ib, jb, r, BN, BLK), acc * tl.sqrt(tl.load(DP + jb * BLK + r))[None, :])
+            tl.store(sblock(TT, ib, jb, r, BN, BLK), acc * tl.sqrt(tl.load(DP + jb * BLK + r))[None, :])
 
 
 @triton.jit
@@ -208,7 +208,7 @@ def scan_phase_b_kernel(
         Ce = CM + (e * H + i_h) * D * D
         for ib in range(NB):
             for jb in range(ib + 1):
-                tl.store(_sblk(X, ib, jb, r, BN, BLK), _load_block(Pin, ib, jb, r, D, BLK, True))
+                tl.store(sblock(X, ib, jb, r, BN, BLK), load_block(Pin, ib, jb, r, D, BLK, True))
         tl.store(DP + rn, tl.zeros([BN], dtype=dt))  # floors: a pivot of P must be > 0
         tl.store(DM + rn, tl.zeros([BN], dtype=dt) + 1.0)  # M = I + GᵀJG ⪰ I: its pivots are ≥ 1
         tl.debug_barrier()
@@ -221,9 +221,9 @@ def scan_phase_b_kernel(
             for jb in range(ib + 1):
                 acc = tl.where((ib == jb) & eye, 1.0, 0.0).to(dt)
                 for kb in range(ib, NB):
-                    G_ki = tl.load(_sblk(X, kb, ib, r, BN, BLK)) * sdi[None, :]
-                    acc += tl.dot(tl.trans(G_ki), tl.load(_sblk(TT, kb, jb, r, BN, BLK)), input_precision=PREC)
-                tl.store(_sblk(MM, ib, jb, r, BN, BLK), acc)
+                    G_ki = tl.load(sblock(X, kb, ib, r, BN, BLK)) * sdi[None, :]
+                    acc += tl.dot(tl.trans(G_ki), tl.load(sblock(TT, kb, jb, r, BN, BLK)), input_precision=PREC)
+                tl.store(sblock(MM, ib, jb, r, BN, BLK), acc)
         tl.debug_barrier()
         fail += ldl_blocked(MM, LI, DM, NB, BLK, PREC)  # LI: L_M⁻¹, DM: D_M
         _times_g(Ae, X, DP, TT, r, D, NB, BLK, BN, PREC)  # T = A G
@@ -233,18 +233,18 @@ def scan_phase_b_kernel(
             for jb in range(NB):
                 acc = tl.zeros([BLK, BLK], dtype=dt)
                 for kb in range(jb + 1):
-                    Ljk = tl.load(_sblk(LI, jb, kb, r, BN, BLK))
-                    acc += tl.dot(tl.load(_sblk(TT, ib, kb, r, BN, BLK)), tl.trans(Ljk), input_precision=PREC)
-                tl.store(_sblk(X, ib, jb, r, BN, BLK), acc / tl.sqrt(tl.load(DM + jb * BLK + r))[None, :])
+                    Ljk = tl.load(sblock(LI, jb, kb, r, BN, BLK))
+                    acc += tl.dot(tl.load(sblock(TT, ib, kb, r, BN, BLK)), tl.trans(Ljk), input_precision=PREC)
+                tl.store(sblock(X, ib, jb, r, BN, BLK), acc / tl.sqrt(tl.load(DM + jb * BLK + r))[None, :])
         tl.debug_barrier()
         # P_{s+1} = Z Zᵀ + sym(C): lower blocks, each written with its transpose above
         for ib in range(NB):
             for jb in range(ib + 1):
-                acc = 0.5 * (_load_block(Ce, ib, jb, r, D, BLK, False)
-                             + tl.trans(_load_block(Ce, jb, ib, r, D, BLK, False)))
+                acc = 0.5 * (load_block(Ce, ib, jb, r, D, BLK, False)
+                             + tl.trans(load_block(Ce, jb, ib, r, D, BLK, False)))
                 for kb in range(NB):
-                    Zj = tl.load(_sblk(X, jb, kb, r, BN, BLK))
-                    acc += tl.dot(tl.load(_sblk(X, ib, kb, r, BN, BLK)), tl.trans(Zj), input_precision=PREC)
+                    Zj = tl.load(sblock(X, jb, kb, r, BN, BLK))
+                    acc += tl.dot(tl.load(sblock(X, ib, kb, r, BN, BLK)), tl.trans(Zj), input_precision=PREC)
                 if ib == jb:
                     acc = 0.5 * (acc + tl.trans(acc))
                 ri = ib * BLK + r

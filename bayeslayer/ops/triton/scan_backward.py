@@ -31,7 +31,7 @@ import triton.language as tl
 
 from .. import scan as sc
 from .ldl import ldl_blocked
-from .scan import _load_block, _sblk
+from .scan import load_block, sblock
 from .support import next_pow2
 
 
@@ -96,7 +96,7 @@ def scan_reverse_kernel(
         Je = J + (e * H + i_h) * D * D
         for ib in range(NB):
             for jb in range(ib + 1):
-                tl.store(_sblk(X, ib, jb, r, BN, BLK), _load_block(Pin, ib, jb, r, D, BLK, True))
+                tl.store(sblock(X, ib, jb, r, BN, BLK), load_block(Pin, ib, jb, r, D, BLK, True))
         tl.store(DP + rn, tl.zeros([BN], dtype=dt))  # floors: a pivot of P must be > 0
         tl.store(DM + rn, tl.zeros([BN], dtype=dt) + 1.0)  # M = I + GᵀJG ⪰ I: its pivots are ≥ 1
         tl.debug_barrier()
@@ -106,9 +106,9 @@ def scan_reverse_kernel(
             for jb in range(NB):
                 acc = tl.zeros([BLK, BLK], dtype=dt)
                 for kb in range(jb, NB):
-                    acc += tl.dot(_load_block(Je, ib, kb, r, D, BLK, False), tl.load(_sblk(X, kb, jb, r, BN, BLK)),
+                    acc += tl.dot(load_block(Je, ib, kb, r, D, BLK, False), tl.load(sblock(X, kb, jb, r, BN, BLK)),
                                   input_precision=PREC)
-                tl.store(_sblk(TT, ib, jb, r, BN, BLK), acc * tl.sqrt(tl.load(DP + jb * BLK + r))[None, :])
+                tl.store(sblock(TT, ib, jb, r, BN, BLK), acc * tl.sqrt(tl.load(DP + jb * BLK + r))[None, :])
         tl.debug_barrier()
         # M = I + Gᵀ (JG), lower blocks
         for ib in range(NB):
@@ -116,9 +116,9 @@ def scan_reverse_kernel(
             for jb in range(ib + 1):
                 acc = tl.where((ib == jb) & eye, 1.0, 0.0).to(dt)
                 for kb in range(ib, NB):
-                    G_ki = tl.load(_sblk(X, kb, ib, r, BN, BLK)) * sdi[None, :]
-                    acc += tl.dot(tl.trans(G_ki), tl.load(_sblk(TT, kb, jb, r, BN, BLK)), input_precision=PREC)
-                tl.store(_sblk(MM, ib, jb, r, BN, BLK), acc)
+                    G_ki = tl.load(sblock(X, kb, ib, r, BN, BLK)) * sdi[None, :]
+                    acc += tl.dot(tl.trans(G_ki), tl.load(sblock(TT, kb, jb, r, BN, BLK)), input_precision=PREC)
+                tl.store(sblock(MM, ib, jb, r, BN, BLK), acc)
         tl.debug_barrier()
         fail += ldl_blocked(MM, LI, DM, NB, BLK, PREC)  # LI: L_M⁻¹, DM: D_M
         # Q = L_M⁻¹ (JG)ᵀ into MM (L_M itself is no longer needed)
@@ -126,54 +126,54 @@ def scan_reverse_kernel(
             for jb in range(NB):
                 acc = tl.zeros([BLK, BLK], dtype=dt)
                 for kb in range(ib + 1):
-                    TTjk = tl.load(_sblk(TT, jb, kb, r, BN, BLK))
-                    acc += tl.dot(tl.load(_sblk(LI, ib, kb, r, BN, BLK)), tl.trans(TTjk), input_precision=PREC)
-                tl.store(_sblk(MM, ib, jb, r, BN, BLK), acc)
+                    TTjk = tl.load(sblock(TT, jb, kb, r, BN, BLK))
+                    acc += tl.dot(tl.load(sblock(LI, ib, kb, r, BN, BLK)), tl.trans(TTjk), input_precision=PREC)
+                tl.store(sblock(MM, ib, jb, r, BN, BLK), acc)
         tl.debug_barrier()
         # TT = A G
         for ib in range(NB):
             for jb in range(NB):
                 acc = tl.zeros([BLK, BLK], dtype=dt)
                 for kb in range(jb, NB):
-                    acc += tl.dot(_load_block(Ae, ib, kb, r, D, BLK, False), tl.load(_sblk(X, kb, jb, r, BN, BLK)),
+                    acc += tl.dot(load_block(Ae, ib, kb, r, D, BLK, False), tl.load(sblock(X, kb, jb, r, BN, BLK)),
                                   input_precision=PREC)
-                tl.store(_sblk(TT, ib, jb, r, BN, BLK), acc * tl.sqrt(tl.load(DP + jb * BLK + r))[None, :])
+                tl.store(sblock(TT, ib, jb, r, BN, BLK), acc * tl.sqrt(tl.load(DP + jb * BLK + r))[None, :])
         tl.debug_barrier()
         # Z' = (AG) L_M⁻ᵀ D_M⁻¹ into X (L_P is no longer needed)
         for ib in range(NB):
             for jb in range(NB):
                 acc = tl.zeros([BLK, BLK], dtype=dt)
                 for kb in range(jb + 1):
-                    Ljk = tl.load(_sblk(LI, jb, kb, r, BN, BLK))
-                    acc += tl.dot(tl.load(_sblk(TT, ib, kb, r, BN, BLK)), tl.trans(Ljk), input_precision=PREC)
-                tl.store(_sblk(X, ib, jb, r, BN, BLK), acc / tl.load(DM + jb * BLK + r)[None, :])
+                    Ljk = tl.load(sblock(LI, jb, kb, r, BN, BLK))
+                    acc += tl.dot(tl.load(sblock(TT, ib, kb, r, BN, BLK)), tl.trans(Ljk), input_precision=PREC)
+                tl.store(sblock(X, ib, jb, r, BN, BLK), acc / tl.load(DM + jb * BLK + r)[None, :])
         tl.debug_barrier()
         # Ā = A − Z' Q into TT
         for ib in range(NB):
             for jb in range(NB):
-                acc = _load_block(Ae, ib, jb, r, D, BLK, False)
+                acc = load_block(Ae, ib, jb, r, D, BLK, False)
                 for kb in range(NB):
-                    acc -= tl.dot(tl.load(_sblk(X, ib, kb, r, BN, BLK)), tl.load(_sblk(MM, kb, jb, r, BN, BLK)),
+                    acc -= tl.dot(tl.load(sblock(X, ib, kb, r, BN, BLK)), tl.load(sblock(MM, kb, jb, r, BN, BLK)),
                                   input_precision=PREC)
-                tl.store(_sblk(TT, ib, jb, r, BN, BLK), acc)
+                tl.store(sblock(TT, ib, jb, r, BN, BLK), acc)
         tl.debug_barrier()
         # WW = P̄_{s+1} Ā
         for ib in range(NB):
             for jb in range(NB):
                 acc = tl.zeros([BLK, BLK], dtype=dt)
                 for kb in range(NB):
-                    acc += tl.dot(_load_block(Pnext, ib, kb, r, D, BLK, False), tl.load(_sblk(TT, kb, jb, r, BN, BLK)),
+                    acc += tl.dot(load_block(Pnext, ib, kb, r, D, BLK, False), tl.load(sblock(TT, kb, jb, r, BN, BLK)),
                                   input_precision=PREC)
-                tl.store(_sblk(WW, ib, jb, r, BN, BLK), acc)
+                tl.store(sblock(WW, ib, jb, r, BN, BLK), acc)
         tl.debug_barrier()
         # P̄_s = sym(G_s) + Āᵀ WW: lower blocks, each written with its transpose above
         for ib in range(NB):
             for jb in range(ib + 1):
-                acc = 0.5 * (_load_block(Gs, ib, jb, r, D, BLK, False)
-                             + tl.trans(_load_block(Gs, jb, ib, r, D, BLK, False)))
+                acc = 0.5 * (load_block(Gs, ib, jb, r, D, BLK, False)
+                             + tl.trans(load_block(Gs, jb, ib, r, D, BLK, False)))
                 for kb in range(NB):
-                    Aki = tl.load(_sblk(TT, kb, ib, r, BN, BLK))
-                    acc += tl.dot(tl.trans(Aki), tl.load(_sblk(WW, kb, jb, r, BN, BLK)), input_precision=PREC)
+                    Aki = tl.load(sblock(TT, kb, ib, r, BN, BLK))
+                    acc += tl.dot(tl.trans(Aki), tl.load(sblock(WW, kb, jb, r, BN, BLK)), input_precision=PREC)
                 if ib == jb:
                     acc = 0.5 * (acc + tl.trans(acc))
                 ri = ib * BLK + r
