@@ -67,6 +67,16 @@ def check_tensor(name: str, x, *, device: torch.device | None = None) -> torch.T
     return x
 
 
+def check_shaped(name: str, x, shape: tuple, dtype: torch.dtype | None = None) -> None:
+    """``x`` is a tensor of exactly ``shape`` (and ``dtype`` if given), else an error naming ``name``."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor, got {type(x).__name__}")
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(x.shape)}")
+    if dtype is not None and x.dtype != dtype:
+        raise ValueError(f"{name} must have dtype {dtype}, got {x.dtype}")
+
+
 def _all_finite(x: torch.Tensor) -> bool:
     # A finite sum proves every element finite (NaN/Inf propagate through a sum) and costs one
     # read of x with no temporaries; only when the sum is not finite (a bad value, or a

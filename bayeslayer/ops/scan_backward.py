@@ -45,6 +45,7 @@ from typing import NamedTuple
 import torch
 
 from . import scan
+from .checks import check_shaped
 from .chunk import unit_lower_inverse
 
 
@@ -52,13 +53,6 @@ def _sym(X: torch.Tensor) -> torch.Tensor:
     return 0.5 * (X + X.transpose(-1, -2))
 
 
-def _check(name: str, x, shape: tuple, dtype: torch.dtype | None = None) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a tensor, got {type(x).__name__}")
-    if tuple(x.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(x.shape)}")
-    if dtype is not None and x.dtype != dtype:
-        raise ValueError(f"{name} must have dtype {dtype}, got {x.dtype}")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -77,14 +71,14 @@ def chunk_terms(k, r2, ell2, log_alpha, q=None) -> dict:
     if not isinstance(k, torch.Tensor) or k.dim() < 2:
         raise ValueError(f"k must be a [..., C, D] tensor, got {getattr(k, 'shape', type(k).__name__)}")
     C, D = k.shape[-2:]
-    _check("r2", r2, k.shape[:-1])
-    _check("ell2", ell2, k.shape[:-1])
+    check_shaped("r2", r2, k.shape[:-1])
+    check_shaped("ell2", ell2, k.shape[:-1])
     if not isinstance(log_alpha, torch.Tensor) or log_alpha.shape[:-1] != k.shape[:-1] or \
             log_alpha.shape[-1] not in (1, D):
         raise ValueError(f"log_alpha must be [..., C, 1] or [..., C, D] with k {tuple(k.shape)}, got "
                          f"{getattr(log_alpha, 'shape', type(log_alpha).__name__)}")
     if q is not None:
-        _check("q", q, k.shape)
+        check_shaped("q", q, k.shape)
     g = torch.cumsum(log_alpha.expand(k.shape), -2)
     mask = torch.ones(C, C, dtype=torch.bool, device=k.device).tril()
     diff = g[..., :, None, :] - g[..., None, :, :]
@@ -111,7 +105,7 @@ def terms_adjoint(k, r2, ell2, log_alpha, terms: dict, d: dict, q=None, dg=None)
     ``dg``: adjoint of the chunk-local cumulative log-decay ``g`` (what the forward hands the mean
     pass), ``[..., C, Da]`` or None.  ``dq`` is None without q.  ``dlog_alpha`` has log_alpha's shape.
     """
-    _check("k", k, terms["kt"].shape)
+    check_shaped("k", k, terms["kt"].shape)
     z = torch.zeros_like
     gamma, ratio, end, b = terms["gamma"], terms["ratio"], terms["end"], terms["b"]
     NBk = terms["NBk"]
@@ -145,7 +139,7 @@ def terms_adjoint(k, r2, ell2, log_alpha, terms: dict, d: dict, q=None, dg=None)
     if log_alpha.shape[-1] == 1:  # scalar decay: every channel's g is the same g
         dG = dG.sum(-1, keepdim=True)
     if dg is not None:
-        _check("dg", dg, log_alpha.shape)
+        check_shaped("dg", dg, log_alpha.shape)
         dG = dG + dg
     dla = torch.flip(torch.cumsum(torch.flip(dG, (-2,)), -2), (-2,))
     return dk, dr2, dell2, dla, dq
@@ -164,7 +158,7 @@ def chunk_replay(terms: dict, P: torch.Tensor, q=None) -> dict:
     ``W = βU``, ``P_next`` (symmetrised), ``info`` and with q ``Gq`` and ``var``.
     """
     kt = terms["kt"]
-    _check("P", P, (*kt.shape[:-2], kt.shape[-1], kt.shape[-1]))
+    check_shaped("P", P, (*kt.shape[:-2], kt.shape[-1], kt.shape[-1]))
     Y = kt @ P
     S = terms["base"] + Y @ kt.transpose(-1, -2)
     Lc, info = torch.linalg.cholesky_ex(S)
@@ -199,7 +193,7 @@ def chunk_adjoint(terms: dict, saved: dict, dP_next: torch.Tensor, *, q=None, v=
     chunk terms (a dict for :func:`terms_adjoint`), of q through the scores ``q_tᵀΦ_tΦ_i⁻¹u_i`` (None
     without dvar) and of v (None without dvu).
     """
-    _check("dP_next", dP_next, saved["P"].shape)
+    check_shaped("dP_next", dP_next, saved["P"].shape)
     P, Y, Lc, dc, beta, Linv, Z, U, Ue = (saved[n] for n in ("P", "Y", "Lc", "dc", "beta", "Linv", "Z", "U", "Ue"))
     kt, ratio, gamma, gC = terms["kt"], terms["ratio"], terms["gamma"], terms["gC"]
     Gs = _sym(dP_next)
@@ -286,8 +280,8 @@ def element_transition(A: torch.Tensor, J: torch.Tensor, P: torch.Tensor) -> tor
     """
     if not isinstance(A, torch.Tensor) or A.dim() < 2 or A.shape[-1] != A.shape[-2]:
         raise ValueError(f"A must be a [..., D, D] tensor, got {getattr(A, 'shape', type(A).__name__)}")
-    _check("J", J, A.shape)
-    _check("P", P, A.shape)
+    check_shaped("J", J, A.shape)
+    check_shaped("P", P, A.shape)
     G = torch.linalg.cholesky(P)
     eye = torch.eye(P.shape[-1], dtype=P.dtype, device=P.device)
     GtJ = G.transpose(-1, -2) @ J
@@ -333,8 +327,8 @@ def segment_adjoint(lay: scan.ScanLayout, xs: dict, dxs: dict, P_starts: torch.T
         raise TypeError(f"lay must be a ScanLayout, got {type(lay).__name__}")
     kshape = xs["k"].shape
     S, Hf, D = lay.n_segments, kshape[2], kshape[-1]
-    _check("P_starts", P_starts, (S, Hf, D, D))
-    _check("P_end_bar", P_end_bar, (S, Hf, D, D))
+    check_shaped("P_starts", P_starts, (S, Hf, D, D))
+    check_shaped("P_end_bar", P_end_bar, (S, Hf, D, D))
     want_q = dxs.get("variance") is not None
     saved, terms = [], []
     P = P_starts
@@ -374,8 +368,8 @@ def reverse_segments(lay: scan.ScanLayout, G: torch.Tensor, Abar: torch.Tensor) 
     """
     if not isinstance(lay, scan.ScanLayout):
         raise TypeError(f"lay must be a ScanLayout, got {type(lay).__name__}")
-    _check("G", G, (lay.n_segments, *G.shape[1:]))
-    _check("Abar", Abar, (lay.element_segments.numel(), *G.shape[1:]))
+    check_shaped("G", G, (lay.n_segments, *G.shape[1:]))
+    check_shaped("Abar", Abar, (lay.element_segments.numel(), *G.shape[1:]))
     Pbar = G.clone()
     where = torch.full((lay.n_segments,), -1, dtype=torch.int64, device=G.device)
     where[lay.element_segments] = torch.arange(lay.element_segments.numel(), device=G.device)
@@ -404,11 +398,11 @@ def covariance_scan_backward(q, k, v, r2, ell2, log_alpha, P0, cu: list[int], C:
         if not isinstance(x, torch.Tensor) or x.dim() != 3:
             raise ValueError(f"{name} must be a packed [NT, H', ·] tensor, got {getattr(x, 'shape', type(x).__name__)}")
     NT, Hf, D = k.shape
-    _check("q", q, k.shape)
+    check_shaped("q", q, k.shape)
     if v.shape[:2] != (NT, Hf):
         raise ValueError(f"v must be [NT={NT}, H'={Hf}, m], got {tuple(v.shape)}")
-    _check("r2", r2, (NT, Hf))
-    _check("ell2", ell2, (NT, Hf))
+    check_shaped("r2", r2, (NT, Hf))
+    check_shaped("ell2", ell2, (NT, Hf))
     if not isinstance(log_alpha, torch.Tensor) or log_alpha.shape[:2] != (NT, Hf) or log_alpha.dim() != 3 or \
             log_alpha.shape[-1] not in (1, D):
         raise ValueError(f"log_alpha must be [NT={NT}, H'={Hf}, 1 or {D}], got "
@@ -417,22 +411,22 @@ def covariance_scan_backward(q, k, v, r2, ell2, log_alpha, P0, cu: list[int], C:
             any(b < a for a, b in zip(cu[:-1], cu[1:], strict=False)):
         raise ValueError(f"cu must be a non-decreasing list of offsets from 0 to NT={NT}, got {cu!r}")
     N = len(cu) - 1
-    _check("P0", P0, (N, Hf, D, D))
+    check_shaped("P0", P0, (N, Hf, D, D))
     for name, x in (("q", q), ("v", v), ("r2", r2), ("ell2", ell2), ("log_alpha", log_alpha), ("P0", P0),
                     ("P_starts", P_starts)):
         if not isinstance(x, torch.Tensor) or x.dtype != k.dtype or x.device != k.device:
             raise ValueError(f"{name} must be a {k.dtype} tensor on {k.device} like k, got "
                              f"{getattr(x, 'dtype', type(x).__name__)} on {getattr(x, 'device', None)}")
     lay = scan.scan_layout(list(cu), C, segment_chunks, k.device)
-    _check("P_starts", P_starts, (lay.n_segments, Hf, D, D))
+    check_shaped("P_starts", P_starts, (lay.n_segments, Hf, D, D))
     shapes = dict(w=(NT, Hf, D), beta=(NT, Hf), linv=(NT, Hf, lay.C), variance=(NT, Hf), kw=(NT, Hf, D),
                   vu=tuple(v.shape), g=tuple(log_alpha.shape))
     outs = dict(w=dw, beta=dbeta, linv=dlinv, variance=dvariance, kw=dkw, vu=dvu, g=dg)
     for name, x in outs.items():
         if x is not None:
-            _check(f"d{name}", x, shapes[name], k.dtype)
+            check_shaped(f"d{name}", x, shapes[name], k.dtype)
     if dP is not None:
-        _check("dP", dP, (N, Hf, D, D), k.dtype)
+        check_shaped("dP", dP, (N, Hf, D, D), k.dtype)
     xs = {name: lay.grid(x, fill) for name, x, fill in
           (("q", q, 0.0), ("k", k, 0.0), ("v", v, 0.0), ("r2", r2, 1.0), ("ell2", ell2, 0.0), ("la", log_alpha, 0.0))}
     dxs = {name: (lay.grid(x, 0.0) if x is not None else None) for name, x in outs.items()}
@@ -451,8 +445,8 @@ def covariance_scan_backward(q, k, v, r2, ell2, log_alpha, P0, cu: list[int], C:
         if not isinstance(elements, (tuple, list)) or len(elements) != 3:
             raise ValueError(f"elements must be Phase A's (A, C, J), got {type(elements).__name__}")
         A, _, J = elements
-        _check("elements' A", A, (segs.numel(), Hf, D, D))
-        _check("elements' J", J, (segs.numel(), Hf, D, D))
+        check_shaped("elements' A", A, (segs.numel(), Hf, D, D))
+        check_shaped("elements' J", J, (segs.numel(), Hf, D, D))
     Abar = element_transition(A.to(ed), J.to(ed), P_starts[segs].to(ed))
     Pbar = reverse_segments(lay, G.to(ed), Abar).to(k.dtype)
     # B4: the true adjoint, P̄_{s+1} arriving at the end of every segment that is not last
@@ -493,8 +487,8 @@ def chunk_adjoint_scalar(dP_next, dw, saved: tuple, kt, gamma, ratio, end, gC2):
     if not isinstance(saved, (tuple, list)) or len(saved) != 4:
         raise ValueError(f"saved must be the chunk's (P, Y, Lc, Ub), got {type(saved).__name__}")
     P, Y, Lc, Ub = saved
-    _check("dP_next", dP_next, P.shape)
-    _check("dw", dw, Ub.shape)
+    check_shaped("dP_next", dP_next, P.shape)
+    check_shaped("dw", dw, Ub.shape)
     out = {}
     dc = torch.diagonal(Lc, dim1=-2, dim2=-1)
     Gs = _sym(dP_next)  # P' = sym(Pn)

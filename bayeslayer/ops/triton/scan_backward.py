@@ -30,19 +30,10 @@ import triton
 import triton.language as tl
 
 from .. import scan as sc
+from ..checks import check_shaped
 from .ldl import ldl_blocked
 from .scan import load_block, sblock
 from .support import next_pow2
-
-
-def _check(name: str, x, shape: tuple, dtype: torch.dtype | None = None) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a tensor, got {type(x).__name__}")
-    if tuple(x.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(x.shape)}")
-    if dtype is not None and x.dtype != dtype:
-        raise ValueError(f"{name} must have dtype {dtype}, got {x.dtype}")
-
 
 # ---------------------------------------------------------------------------------------------------
 # B3: the reverse pass over segments
@@ -202,11 +193,11 @@ def reverse_segments_triton(lay: sc.ScanLayout, G: torch.Tensor, P_starts: torch
     if not isinstance(G, torch.Tensor) or G.dim() != 4 or G.shape[-1] != G.shape[-2]:
         raise ValueError(f"G must be a [S, H', D, D] tensor, got {getattr(G, 'shape', type(G).__name__)}")
     S, Hf, D = lay.n_segments, G.shape[1], G.shape[-1]
-    _check("G", G, (S, Hf, D, D))
-    _check("P_starts", P_starts, (S, Hf, D, D))
+    check_shaped("G", G, (S, Hf, D, D))
+    check_shaped("P_starts", P_starts, (S, Hf, D, D))
     n = lay.element_segments.numel()
-    _check("A", A, (n, Hf, D, D))
-    _check("J", J, (n, Hf, D, D))
+    check_shaped("A", A, (n, Hf, D, D))
+    check_shaped("J", J, (n, Hf, D, D))
     dt, dev = G.dtype, G.device
     N = lay.n_seq
     Pbar = G.contiguous().clone()
@@ -684,16 +675,16 @@ def segment_adjoint_triton(lay: sc.ScanLayout, q, k, v, r2, ell2, log_alpha, adj
         raise ValueError(f"log_alpha must be [NT={NT}, H'={Hf}, 1 or {D}], got "
                          f"{getattr(log_alpha, 'shape', type(log_alpha).__name__)}")
     diag = log_alpha.shape[-1] > 1
-    _check("q", q, (NT, Hf, D))
+    check_shaped("q", q, (NT, Hf, D))
     if not isinstance(v, torch.Tensor) or v.dim() != 3 or tuple(v.shape[:2]) != (NT, Hf):
         raise ValueError(f"v must be [NT={NT}, H'={Hf}, m], got {getattr(v, 'shape', type(v).__name__)}")
-    _check("r2", r2, (NT, Hf))
-    _check("ell2", ell2, (NT, Hf))
+    check_shaped("r2", r2, (NT, Hf))
+    check_shaped("ell2", ell2, (NT, Hf))
     S, C, dt, dev = lay.n_segments, lay.C, k.dtype, k.device
     if C % 16 != 0:
         raise ValueError(f"the layout's chunk size must be a multiple of 16 (tl.dot tiles), got {C}")
-    _check("P_starts", P_starts, (S, Hf, D, D), dt)
-    _check("P_end_bar", P_end_bar, (S, Hf, D, D), dt)
+    check_shaped("P_starts", P_starts, (S, Hf, D, D), dt)
+    check_shaped("P_end_bar", P_end_bar, (S, Hf, D, D), dt)
     for name, x in (("q", q), ("v", v), ("r2", r2), ("ell2", ell2), ("log_alpha", log_alpha),
                     ("P_starts", P_starts), ("P_end_bar", P_end_bar)):
         if x.dtype != dt or x.device != dev:
@@ -710,7 +701,7 @@ def segment_adjoint_triton(lay: sc.ScanLayout, q, k, v, r2, ell2, log_alpha, adj
         x = adjoints.get(name)
         if x is None:
             x = torch.zeros(shapes[name], dtype=dt, device=dev)
-        _check(f"adjoints[{name!r}]", x, shapes[name], dt)
+        check_shaped(f"adjoints[{name!r}]", x, shapes[name], dt)
         adj[name] = x.contiguous()
     BD = max(16, next_pow2(D))
     BM = max(16, next_pow2(MV))
@@ -729,7 +720,7 @@ def segment_adjoint_triton(lay: sc.ScanLayout, q, k, v, r2, ell2, log_alpha, adj
         if not replay:
             raise ValueError("replay=False needs the chunk_states of an earlier replay")
         chunk_states = chunk_state_scratch(lay, Hf, D, dt, dev)
-    _check("chunk_states", chunk_states, (S, Hf, lay.n_s, BD, BD), dt)
+    check_shaped("chunk_states", chunk_states, (S, Hf, lay.n_s, BD, BD), dt)
     pscr = chunk_states
     ldl = torch.empty(S, Hf, 2 * C * C + C, dtype=dt, device=dev)
     g = grads if inputs else dict(q=dP_start, k=dP_start, v=dP_start, r2=dP_start, ell2=dP_start, la=dP_start)
@@ -776,11 +767,11 @@ def covariance_scan_backward_triton(q, k, v, r2, ell2, log_alpha, P0, cu: list[i
             any(b < a for a, b in zip(cu[:-1], cu[1:], strict=False)):
         raise ValueError(f"cu must be a non-decreasing list of offsets from 0 to NT={NT}, got {cu!r}")
     N = len(cu) - 1
-    _check("P0", P0, (N, Hf, D, D), k.dtype)
+    check_shaped("P0", P0, (N, Hf, D, D), k.dtype)
     lay = sc.scan_layout(list(cu), C, segment_chunks, k.device)
-    _check("P_starts", P_starts, (lay.n_segments, Hf, D, D), k.dtype)
+    check_shaped("P_starts", P_starts, (lay.n_segments, Hf, D, D), k.dtype)
     if dP is not None:
-        _check("dP", dP, (N, Hf, D, D), k.dtype)
+        check_shaped("dP", dP, (N, Hf, D, D), k.dtype)
     adj = dict(w=dw, beta=dbeta, linv=dlinv, variance=dvariance, kw=dkw, vu=dvu, g=dg)
     last, segs = lay.last_segments, lay.element_segments
     end_bar = torch.zeros_like(P_starts)
