@@ -45,7 +45,7 @@ from .ldl import ldl_blocked
 
 
 @triton.jit
-def _row(x, rows, j):
+def row_of(x, rows, j):
     """Row ``j`` of a register tile ``x [C, N]`` -> ``[N]``."""
     return tl.sum(tl.where(rows[:, None] == j, x, 0.0), axis=0)
 
@@ -57,7 +57,7 @@ def _col(x, cols, j):
 
 
 @triton.jit
-def _decay_scores(a, x, g, rows, cols, C: tl.constexpr):
+def decay_scores(a, x, g, rows, cols, C: tl.constexpr):
     """``[i, j] = Σ_d a_id exp(g_id − g_jd) x_jd`` for ``i ≥ j``, else 0 (per-channel decay).
 
     a, x, g: ``[C, BK]`` register tiles.  A loop over the C columns keeps every
@@ -65,8 +65,8 @@ def _decay_scores(a, x, g, rows, cols, C: tl.constexpr):
     """
     out = tl.zeros([C, C], dtype=a.dtype)
     for j in range(C):
-        xj = _row(x, rows, j)
-        gj = _row(g, rows, j)
+        xj = row_of(x, rows, j)
+        gj = row_of(g, rows, j)
         colj = tl.sum(a * tl.exp(tl.minimum(g - gj[None, :], 0.0)) * xj[None, :], axis=1)
         colj = tl.where(rows >= j, colj, 0.0)
         out = tl.where(cols[None, :] == j, colj[:, None], out)
@@ -74,12 +74,12 @@ def _decay_scores(a, x, g, rows, cols, C: tl.constexpr):
 
 
 @triton.jit
-def _decay_mix(L, x, g, rows, cols, C: tl.constexpr):
+def decay_mix(L, x, g, rows, cols, C: tl.constexpr):
     """``out_i = Σ_{j≤i} L_ij exp(g_i − g_j) ⊙ x_j`` (per channel); L ``[C, C]``, x, g ``[C, BK]``."""
     out = tl.zeros(x.shape, dtype=x.dtype)
     for j in range(C):
-        xj = _row(x, rows, j)
-        gj = _row(g, rows, j)
+        xj = row_of(x, rows, j)
+        gj = row_of(g, rows, j)
         lj = tl.where(rows >= j, _col(L, cols, j), 0.0)
         out += lj[:, None] * tl.exp(tl.minimum(g - gj[None, :], 0.0)) * xj[None, :]
     return out
@@ -90,14 +90,14 @@ def _decay_noise(ell2, g, rows, C: tl.constexpr):
     """``b_jd = Σ_{l≤j} ℓ_l² exp(2(g_jd − g_ld))`` -> ``[C, BK]`` (diagonal decay)."""
     b = tl.zeros(g.shape, dtype=g.dtype)
     for l in range(C):  # noqa: E741 - l is the SPEC's summation index
-        gl = _row(g, rows, l)
+        gl = row_of(g, rows, l)
         el = tl.sum(tl.where(rows == l, ell2, 0.0), axis=0)
         b += tl.where(rows[:, None] >= l, el * tl.exp(2.0 * tl.minimum(g - gl[None, :], 0.0)), 0.0)
     return b
 
 
 @triton.jit
-def _tile(x, tok, valid, od, i_h, H: tl.constexpr, D: tl.constexpr):
+def load_tile(x, tok, valid, od, i_h, H: tl.constexpr, D: tl.constexpr):
     """``x[tok, i_h, od]`` of a ``[NT, H, D]`` tensor as a ``[C, BK]`` tile, zero outside."""
     mask = valid[:, None] & (od[None, :] < D)
     return tl.load(x + (tok[:, None] * H + i_h) * D + od[None, :], mask=mask, other=0.0)
@@ -125,7 +125,7 @@ def _save_state(src, dst, offs_r, offs_c, R: tl.constexpr, NC: tl.constexpr, BR:
 
 
 @triton.jit
-def _prep_tile(X, pc, rows, od, C: tl.constexpr, D: tl.constexpr):
+def prep_tile(X, pc, rows, od, C: tl.constexpr, D: tl.constexpr):
     """Columns ``od`` of chunk ``pc``'s ``[C, D]`` prep tile (``[NC·H, C, D]`` buffer) -> ``[C, BK]``, 0 outside."""
     return tl.load(X + (pc * C + rows[:, None]) * D + od[None, :], mask=od[None, :] < D, other=0.0)
 
@@ -156,7 +156,7 @@ def bl_chunk_prep_kernel(
     ``[NT, H, ·]`` inputs (q, k ``[NT, H, D]``, r2, ell2 ``[NT, H]``, la ``[NT, H, D]`` DIAG or ``[NT, H]``);
     rows past the chunk's end are the exact no-op padding (k = q = 0, log α = 0, ℓ² = 0, r² = 1), written
     too, so that row C − 1 of g and b is the chunk end.  Arithmetic in PBASE's dtype.  For diagonal decay
-    ``b`` and ``N`` are the CUDA-core C×C loops (``_decay_noise``, ``_decay_scores``): here they run once
+    ``b`` and ``N`` are the CUDA-core C×C loops (``_decay_noise``, ``decay_scores``): here they run once
     per chunk in parallel instead of inside the covariance kernel's serial chunk loop.
     """
     i_c = tl.program_id(0).to(tl.int64)
@@ -180,16 +180,16 @@ def bl_chunk_prep_kernel(
         for kb in range(0, BD, BK):
             od = kb + offs_k
             md = valid[:, None] & (od[None, :] < D)
-            k_o = _tile(k, tok, valid, od, i_h, H, D).to(dt)
+            k_o = load_tile(k, tok, valid, od, i_h, H, D).to(dt)
             g_o = tl.cumsum(tl.load(la + (tok[:, None] * H + i_h) * D + od[None, :], mask=md, other=0.0).to(dt),
                             axis=0)
             b_o = _decay_noise(l2c, g_o, rows, C)
-            Nl += _decay_scores(k_o, b_o * k_o, g_o, rows, cols, C)
+            Nl += decay_scores(k_o, b_o * k_o, g_o, rows, cols, C)
             p_t = (pc * C + rows[:, None]) * D + od[None, :]
             tl.store(PG + p_t, g_o, mask=od[None, :] < D)
             tl.store(PB + p_t, b_o, mask=od[None, :] < D)
             if RETURN_VAR:
-                q_o = _tile(q, tok, valid, od, i_h, H, D).to(dt)
+                q_o = load_tile(q, tok, valid, od, i_h, H, D).to(dt)
                 qnoise += tl.sum(b_o * q_o * q_o, axis=1)
     else:
         lac = tl.load(la + tok * H + i_h, mask=valid, other=0.0).to(dt)
@@ -201,10 +201,10 @@ def bl_chunk_prep_kernel(
         KK = tl.zeros([C, C], dtype=dt)
         for kb in range(0, BD, BK):
             od = kb + offs_k
-            k_o = _tile(k, tok, valid, od, i_h, H, D).to(dt)
+            k_o = load_tile(k, tok, valid, od, i_h, H, D).to(dt)
             KK += tl.dot(k_o, tl.trans(k_o), input_precision=PREC)
             if RETURN_VAR:
-                q_o = _tile(q, tok, valid, od, i_h, H, D).to(dt)
+                q_o = load_tile(q, tok, valid, od, i_h, H, D).to(dt)
                 qnoise += b * tl.sum(q_o * q_o, axis=1)
         Nl = tl.where(low, KK * ratio * b[None, :], 0.0)
     base = Nl + tl.trans(Nl) - tl.where(eye, Nl, 0.0) + tl.where(eye, r2c[:, None], 0.0)
@@ -250,8 +250,8 @@ def bl_chunk_cov_kernel(
     With PREP, the P-free terms come from :func:`bl_chunk_prep_kernel` (run before, parallel over
     chunks) instead of being formed here: g, b from PG, PB, the base of S from PBASE, ``qᵀBq`` from PQN
     (RETURN_VAR), sequence ``i_n``'s chunk ``i_c`` being the prep's chunk ``chunk_first[i_n] + i_c``.  For
-    diagonal decay that takes ``_decay_noise`` (twice) and ``_decay_scores`` for ``N`` out of the serial
-    loop; what stays are the P-dependent ``_decay_mix`` and (with the variance) ``_decay_scores`` of ``QU``.
+    diagonal decay that takes ``_decay_noise`` (twice) and ``decay_scores`` for ``N`` out of the serial
+    loop; what stays are the P-dependent ``decay_mix`` and (with the variance) ``decay_scores`` of ``QU``.
     """
     i_n = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1).to(tl.int64)
@@ -320,10 +320,10 @@ def bl_chunk_cov_kernel(
         for kb in range(0, BD, BK):
             od = kb + offs_k
             md = od < D
-            k_o = _tile(k, tok, valid, od, i_h, H, D).to(dt)
+            k_o = load_tile(k, tok, valid, od, i_h, H, D).to(dt)
             if DIAG:
                 if PREP:
-                    g_o = _prep_tile(PG, pc, rows, od, C, D)
+                    g_o = prep_tile(PG, pc, rows, od, C, D)
                 else:
                     g_o = _load_g(la, tok, valid, od, i_h, H, D)
                 kt_o = tl.exp(g_o) * k_o
@@ -331,31 +331,31 @@ def bl_chunk_cov_kernel(
                 kt_o = gam[:, None] * k_o
             Yb = tl.zeros([C, BK], dtype=dt)
             if RETURN_VAR:
-                q_o = _tile(q, tok, valid, od, i_h, H, D).to(dt)
+                q_o = load_tile(q, tok, valid, od, i_h, H, D).to(dt)
                 Yq = tl.zeros([C, BK], dtype=dt)
             for kb2 in range(0, BD, BK):
                 od2 = kb2 + offs_k
                 md2 = od2 < D
-                k_i = _tile(k, tok, valid, od2, i_h, H, D).to(dt)
+                k_i = load_tile(k, tok, valid, od2, i_h, H, D).to(dt)
                 P_blk = tl.load(P_base + od2[:, None] * D + od[None, :], mask=md2[:, None] & md[None, :],
                                 other=0.0)
                 if DIAG:
                     if PREP:
-                        gam_i = tl.exp(_prep_tile(PG, pc, rows, od2, C, D))
+                        gam_i = tl.exp(prep_tile(PG, pc, rows, od2, C, D))
                     else:
                         gam_i = tl.exp(_load_g(la, tok, valid, od2, i_h, H, D))
                 else:
                     gam_i = gam[:, None]
                 Yb += tl.dot(gam_i * k_i, P_blk, input_precision=PREC)
                 if RETURN_VAR:
-                    q_i = _tile(q, tok, valid, od2, i_h, H, D).to(dt)
+                    q_i = load_tile(q, tok, valid, od2, i_h, H, D).to(dt)
                     Yq += tl.dot(gam_i * q_i, P_blk, input_precision=PREC)
             S += tl.dot(Yb, tl.trans(kt_o), input_precision=PREC)
             tl.store(Y_base + rows[:, None] * BD + od[None, :], Yb)
             if not PREP:
                 if DIAG:
                     b_o = _decay_noise(l2c, g_o, rows, C)
-                    KK += _decay_scores(k_o, b_o * k_o, g_o, rows, cols, C)
+                    KK += decay_scores(k_o, b_o * k_o, g_o, rows, cols, C)
                 else:
                     KK += tl.dot(k_o, tl.trans(k_o), input_precision=PREC)
             if RETURN_VAR:
@@ -399,17 +399,17 @@ def bl_chunk_cov_kernel(
         for kb in range(0, BD, BK):
             od = kb + offs_k
             md = od < D
-            k_o = _tile(k, tok, valid, od, i_h, H, D).to(dt)
+            k_o = load_tile(k, tok, valid, od, i_h, H, D).to(dt)
             Yb = tl.load(Y_base + rows[:, None] * BD + od[None, :])
             if DIAG:
                 if PREP:
-                    g_o = _prep_tile(PG, pc, rows, od, C, D)
-                    b_o = _prep_tile(PB, pc, rows, od, C, D)
+                    g_o = prep_tile(PG, pc, rows, od, C, D)
+                    b_o = prep_tile(PB, pc, rows, od, C, D)
                 else:
                     g_o = _load_g(la, tok, valid, od, i_h, H, D)
                     b_o = _decay_noise(l2c, g_o, rows, C)
                 Ub = tl.exp(g_o) * tl.dot(Linv, Yb, input_precision=PREC)
-                Ub += _decay_mix(Linv, b_o * k_o, g_o, rows, cols, C)
+                Ub += decay_mix(Linv, b_o * k_o, g_o, rows, cols, C)
             else:
                 Ub = gam[:, None] * tl.dot(Linv, Yb, input_precision=PREC)
                 Ub += tl.dot(Mix, k_o, input_precision=PREC)
@@ -417,9 +417,9 @@ def bl_chunk_cov_kernel(
             tl.store(W + (tok[:, None] * H + i_h) * D + od[None, :], (beta[:, None] * Ub).to(W.dtype.element_ty),
                      mask=valid[:, None] & md[None, :])
             if RETURN_VAR:
-                q_o = _tile(q, tok, valid, od, i_h, H, D).to(dt)
+                q_o = load_tile(q, tok, valid, od, i_h, H, D).to(dt)
                 if DIAG:
-                    QU += _decay_scores(q_o, Ub, g_o, rows, cols, C)
+                    QU += decay_scores(q_o, Ub, g_o, rows, cols, C)
                 else:
                     QU += tl.dot(q_o, tl.trans(Ub), input_precision=PREC)
         if RETURN_VAR:
@@ -436,11 +436,11 @@ def bl_chunk_cov_kernel(
             U1 = tl.load(U_base + rows[:, None] * BD + od[None, :])
             if DIAG:
                 if PREP:
-                    g1 = _prep_tile(PG, pc, rows, od, C, D)
-                    b1_end = _row(_prep_tile(PB, pc, rows, od, C, D), rows, C - 1)
+                    g1 = prep_tile(PG, pc, rows, od, C, D)
+                    b1_end = row_of(prep_tile(PB, pc, rows, od, C, D), rows, C - 1)
                 else:
                     g1 = _load_g(la, tok, valid, od, i_h, H, D)
-                g1_end = _row(g1, rows, C - 1)
+                g1_end = row_of(g1, rows, C - 1)
                 U1 = tl.exp(g1_end[None, :] - g1) * U1
                 if not PREP:
                     b1_end = tl.sum(l2c[:, None] * tl.exp(2.0 * (g1_end[None, :] - g1)), axis=0)
@@ -457,10 +457,10 @@ def bl_chunk_cov_kernel(
                 diag = od[:, None] == od2[None, :]
                 if DIAG:
                     if PREP:
-                        g2 = _prep_tile(PG, pc, rows, od2, C, D)
+                        g2 = prep_tile(PG, pc, rows, od2, C, D)
                     else:
                         g2 = _load_g(la, tok, valid, od2, i_h, H, D)
-                    g2_end = _row(g2, rows, C - 1)
+                    g2_end = row_of(g2, rows, C - 1)
                     U2 = tl.exp(g2_end[None, :] - g2) * U2
                     P_new = tl.exp(g1_end[:, None] + g2_end[None, :]) * P_blk
                     P_new += tl.where(diag, b1_end[:, None], 0.0)
@@ -542,11 +542,11 @@ def bl_chunk_mean_kernel(
         QW = tl.zeros([C, C], dtype=dt)
         for kb in range(0, BD, BK):
             od = kb + offs_k
-            q_o = _tile(q, tok, valid, od, i_h, H, D).to(dt)
-            w_o = _tile(W, tok, valid, od, i_h, H, D).to(dt)
+            q_o = load_tile(q, tok, valid, od, i_h, H, D).to(dt)
+            w_o = load_tile(W, tok, valid, od, i_h, H, D).to(dt)
             if DIAG:
                 g_o = _load_g(la, tok, valid, od, i_h, H, D)
-                QW += _decay_scores(q_o, w_o, g_o, rows, cols, C)
+                QW += decay_scores(q_o, w_o, g_o, rows, cols, C)
             else:
                 QW += tl.dot(q_o, tl.trans(w_o), input_precision=PREC)
         if DIAG:
@@ -564,8 +564,8 @@ def bl_chunk_mean_kernel(
         for kb in range(0, BD, BK):
             od = kb + offs_k
             md = od < D
-            k_o = _tile(k, tok, valid, od, i_h, H, D).to(dt)
-            q_o = _tile(q, tok, valid, od, i_h, H, D).to(dt)
+            k_o = load_tile(k, tok, valid, od, i_h, H, D).to(dt)
+            q_o = load_tile(q, tok, valid, od, i_h, H, D).to(dt)
             M_blk = tl.load(M_base + od[:, None] * MV + ov[None, :], mask=md[:, None] & mv[None, :], other=0.0)
             if DIAG:
                 gam_o = tl.exp(_load_g(la, tok, valid, od, i_h, H, D))
@@ -581,13 +581,13 @@ def bl_chunk_mean_kernel(
         for kb in range(0, BD, BK):
             od = kb + offs_k
             md = od < D
-            w_o = _tile(W, tok, valid, od, i_h, H, D).to(dt)
+            w_o = load_tile(W, tok, valid, od, i_h, H, D).to(dt)
             p_M = M_base + od[:, None] * MV + ov[None, :]
             m_M = md[:, None] & mv[None, :]
             M_blk = tl.load(p_M, mask=m_M, other=0.0)
             if DIAG:
                 g_o = _load_g(la, tok, valid, od, i_h, H, D)
-                g_end_o = _row(g_o, rows, C - 1)
+                g_end_o = row_of(g_o, rows, C - 1)
                 w_o = tl.exp(g_end_o[None, :] - g_o) * w_o
                 M_new = tl.exp(g_end_o)[:, None] * M_blk
             else:

@@ -31,6 +31,7 @@ import triton.language as tl
 
 from .. import scan as sc
 from ..checks import check_shaped
+from .kernels import decay_mix, decay_scores, load_tile, prep_tile, row_of
 from .ldl import ldl_blocked
 from .scan import load_block, sblock
 from .support import next_pow2
@@ -221,79 +222,210 @@ def reverse_segments_triton(lay: sc.ScanLayout, G: torch.Tensor, P_starts: torch
 # ---------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _chunk_scalar(k, r2c, ell2c, lac, P, X_base, LI_base, DV_base, rows, od,
-                  D: tl.constexpr, C: tl.constexpr, PREC: tl.constexpr):
-    """One chunk of scalar decay from ``P`` (twins :func:`~bayeslayer.ops.scan_backward.chunk_terms` and
-    :func:`~bayeslayer.ops.scan_backward.chunk_replay`): the P-free terms, ``S = base + K̃PK̃ᵀ`` factored by
-    :func:`.ldl.ldl_blocked` (pivots clamped at r², as the forward), ``U`` and the next ``P`` (symmetrised).
-    ``R`` is the C×C decay ratio ``Φ_iΦ_j⁻¹`` (one value for all channels)."""
-    low = rows[:, None] >= rows[None, :]
-    eye = rows[:, None] == rows[None, :]
-    g = tl.cumsum(lac, axis=0)
-    gend = tl.sum(lac, axis=0)
-    R = tl.where(low, tl.exp(tl.where(low, g[:, None] - g[None, :], 0.0)), 0.0)
-    gam = tl.exp(g)
-    endv = tl.exp(gend - g)
-    gC = tl.exp(gend)
-    b = tl.sum(R * R * ell2c[None, :], axis=1)
-    bC = tl.sum(tl.where(rows == C - 1, b, 0.0), axis=0)
-    kt = gam[:, None] * k
-    NBk = b[:, None] * k
-    Nl = R * tl.dot(k, tl.trans(NBk), input_precision=PREC)
-    base = Nl + tl.trans(Nl) + tl.where(eye, r2c[:, None] - Nl, 0.0)
-    Y = tl.dot(kt, P, input_precision=PREC)
-    S = base + tl.dot(Y, tl.trans(kt), input_precision=PREC)
-    tl.store(X_base + rows[:, None] * C + rows[None, :], S)
+def _mix(X, R, x, g, rows, cols, C: tl.constexpr, DIAG: tl.constexpr, PREC: tl.constexpr):
+    """``out_i = Σ_{j≤i} X_ij Φ_iΦ_j⁻¹ x_j`` for a ``[C, BK]`` tile x: ``(X ⊙ R) x`` with scalar decay (R the
+    C×C ratio), the per-channel column loop :func:`.kernels.decay_mix` with diagonal decay (g ``[C, BK]``)."""
+    if DIAG:
+        out = decay_mix(X, x, g, rows, cols, C)
+    else:
+        out = tl.dot(X * R, x, input_precision=PREC)
+    return out
+
+
+@triton.jit
+def _mix_t(X, R, x, g, rows, cols, C: tl.constexpr, DIAG: tl.constexpr, PREC: tl.constexpr):
+    """``out_j = Σ_{i≥j} X_ij Φ_iΦ_j⁻¹ x_i`` (the transpose of :func:`_mix`): ``(X ⊙ R)ᵀ x`` with scalar decay,
+    a loop over the C rows with diagonal decay (every exponent ≤ 0 where it is used)."""
+    if DIAG:
+        out = tl.zeros(x.shape, dtype=x.dtype)
+        for i in range(C):
+            xi = row_of(x, rows, i)
+            gi = row_of(g, rows, i)
+            Xi = tl.where(cols <= i, row_of(X, rows, i), 0.0)  # X_ij over j ≤ i
+            out += Xi[:, None] * tl.exp(tl.minimum(gi[None, :] - g, 0.0)) * xi[None, :]
+    else:
+        out = tl.dot(tl.trans(X * R), x, input_precision=PREC)
+    return out
+
+
+@triton.jit
+def _scores(a, x, R, g, rows, cols, C: tl.constexpr, DIAG: tl.constexpr, PREC: tl.constexpr):
+    """``[i, j] = Σ_d a_id Φ_iΦ_j⁻¹ x_jd`` for ``i ≥ j``, else 0 (``[C, BK]`` tiles a, x) -> ``[C, C]``."""
+    if DIAG:
+        out = decay_scores(a, x, g, rows, cols, C)
+    else:
+        out = R * tl.dot(a, tl.trans(x), input_precision=PREC)
+    return out
+
+
+@triton.jit
+def _decay_block(PG, PB, pc, rows, od, g, b, gend, bC, C: tl.constexpr, D: tl.constexpr, DIAG: tl.constexpr):
+    """The decay terms of the key channels ``od`` of one chunk: ``(g, Φ, Φ_CΦ⁻¹, b, Φ_C, b_C)``.
+
+    Diagonal decay: ``[C, BK]`` tiles (``[BK]`` for the chunk-end ones) from the prep buffers PG, PB (row
+    ``pc`` = chunk·H + head; padded key channels read 0).  Scalar decay: the chunk's ``[C]`` vectors g, b and
+    scalars ``gend``, ``bC`` as ``[C, 1]`` columns that broadcast over the channels (``b_C`` only on ``od < D``).
+    """
+    if DIAG:
+        g_a = prep_tile(PG, pc, rows, od, C, D)
+        b_a = prep_tile(PB, pc, rows, od, C, D)
+        ge = row_of(g_a, rows, C - 1)  # padding rows are no-op tokens: row C − 1 is the chunk end
+        gam_a = tl.exp(g_a)
+        end_a = tl.exp(ge[None, :] - g_a)
+        gC_a = tl.exp(ge)
+        bC_a = row_of(b_a, rows, C - 1)
+    else:
+        g_a = g[:, None]
+        b_a = b[:, None]
+        gam_a = tl.exp(g_a)
+        end_a = tl.exp(gend - g_a)
+        gC_a = tl.exp(gend) + tl.zeros(od.shape, dtype=g.dtype)
+        bC_a = tl.where(od < D, bC, 0.0)
+    return g_a, gam_a, end_a, b_a, gC_a, bC_a
+
+
+@triton.jit
+def _blk(base, oi, oj, N: tl.constexpr):
+    """Pointers of the ``[BK, BK]`` block at rows ``oi``, columns ``oj`` of a row-major ``[N, N]`` buffer."""
+    return base + oi[:, None] * N + oj[None, :]
+
+
+@triton.jit
+def _cols(base, rows, oj, N: tl.constexpr):
+    """Pointers of columns ``oj`` of a row-major ``[C, N]`` per-program scratch."""
+    return base + rows[:, None] * N + oj[None, :]
+
+
+@triton.jit
+def _chunk_factor(K, Q, R2, PG, PB, PBASE, pc, tok, valid, i_h, Pc, YS, US, X_base, LI_base, DV_base,
+                  g, b, gend, bC, R, rows, cols, offs_k,
+                  H: tl.constexpr, D: tl.constexpr, C: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr,
+                  DIAG: tl.constexpr, VAR: tl.constexpr, PREC: tl.constexpr):
+    """One chunk from its start covariance (``Pc``, ``[BD, BD]``), as the forward's covariance kernel computes it,
+    keeping what the adjoint reads: ``Y = K̃P`` → YS, ``S = base + YK̃ᵀ`` factored ``L diag(d) Lᵀ`` by
+    :func:`.ldl.ldl_blocked` (pivots clamped at r²; L, L⁻¹, d in the LDLᵀ scratch), ``U = Φ ⊙ (L⁻¹Y) +
+    mix(L⁻¹, Bk)`` → US, all in BK-column blocks.  Returns ``(failed pivots, Gq)`` with ``Gq_ti = q_tᵀΦ_tΦ_i⁻¹u_i``
+    (``i ≤ t``; VAR only, else zeros).  The base of S: from PBASE (diagonal decay, the prep kernel's), or formed
+    from ``KKᵀ`` (scalar)."""
+    dt = Pc.dtype.element_ty
+    low = rows[:, None] >= cols[None, :]
+    eye = rows[:, None] == cols[None, :]
+    S = tl.zeros([C, C], dtype=dt)
+    KK = tl.zeros([C, C], dtype=dt)
+    for a in range(0, BD, BK):
+        od = a + offs_k
+        k_a = load_tile(K, tok, valid, od, i_h, H, D).to(dt)
+        _g, gam_a, _e, _b, _gC, _bC = _decay_block(PG, PB, pc, rows, od, g, b, gend, bC, C, D, DIAG)
+        Y_a = tl.zeros([C, BK], dtype=dt)
+        for bb in range(0, BD, BK):
+            ob = bb + offs_k
+            _g2, gam_b, _e2, _b2, _gC2, _bC2 = _decay_block(PG, PB, pc, rows, ob, g, b, gend, bC, C, D, DIAG)
+            k_b = load_tile(K, tok, valid, ob, i_h, H, D).to(dt)
+            Y_a += tl.dot(gam_b * k_b, tl.load(_blk(Pc, ob, od, BD)), input_precision=PREC)
+        S += tl.dot(Y_a, tl.trans(gam_a * k_a), input_precision=PREC)
+        if not DIAG:
+            KK += tl.dot(k_a, tl.trans(k_a), input_precision=PREC)
+        tl.store(_cols(YS, rows, od, BD), Y_a)
+    r2c = tl.load(R2 + tok * H + i_h, mask=valid, other=1.0).to(dt)
+    if DIAG:
+        S += tl.load(PBASE + (pc * C + rows[:, None]) * C + cols[None, :])
+    else:
+        Nl = tl.where(low, KK * R * b[None, :], 0.0)
+        S += Nl + tl.trans(Nl) - tl.where(eye, Nl, 0.0) + tl.where(eye, r2c[:, None], 0.0)
+    tl.store(X_base + rows[:, None] * C + cols[None, :], S)
     tl.store(DV_base + rows, r2c)
     tl.debug_barrier()
     fail = ldl_blocked(X_base, LI_base, DV_base, C // 16, 16, PREC)
-    L = tl.where(low, tl.load(X_base + rows[:, None] * C + rows[None, :]), 0.0)
-    Li = tl.load(LI_base + rows[:, None] * C + rows[None, :])
-    d = tl.load(DV_base + rows)
+    Li = tl.load(LI_base + rows[:, None] * C + cols[None, :])
+    Gq = tl.zeros([C, C], dtype=dt)
+    for a in range(0, BD, BK):
+        od = a + offs_k
+        g_a, gam_a, _e, b_a, _gC, _bC = _decay_block(PG, PB, pc, rows, od, g, b, gend, bC, C, D, DIAG)
+        k_a = load_tile(K, tok, valid, od, i_h, H, D).to(dt)
+        U_a = gam_a * tl.dot(Li, tl.load(_cols(YS, rows, od, BD)), input_precision=PREC)
+        U_a += _mix(Li, R, b_a * k_a, g_a, rows, cols, C, DIAG, PREC)
+        tl.store(_cols(US, rows, od, BD), U_a)
+        if VAR:
+            q_a = load_tile(Q, tok, valid, od, i_h, H, D).to(dt)
+            Gq += _scores(q_a, U_a, R, g_a, rows, cols, C, DIAG, PREC)
     tl.debug_barrier()
-    beta = 1.0 / d
-    Z = tl.dot(Li, Y, input_precision=PREC)
-    U = gam[:, None] * Z + tl.dot(Li * R, NBk, input_precision=PREC)
-    Ue = endv[:, None] * U
-    eyeD = (od[:, None] == od[None, :]) & (od[:, None] < D)
-    Pn = gC * gC * tl.trans(P) + tl.where(eyeD, bC, 0.0) - tl.dot(tl.trans(Ue * beta[:, None]), Ue,
-                                                                   input_precision=PREC)
-    Pn = 0.5 * (Pn + tl.trans(Pn))
-    return R, gam, endv, gC, b, kt, NBk, Y, L, Li, d, Z, U, Ue, Pn, fail
+    return fail, Gq
+
+
+@triton.jit
+def _chunk_next(Pc, Pn, US, DV_base, PG, PB, pc, g, b, gend, bC, rows, offs_k,
+                D: tl.constexpr, C: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr, DIAG: tl.constexpr,
+                PREC: tl.constexpr):
+    """The chunk's end covariance ``sym(Φ_C P Φ_C) + B_C − Ueᵀ diag(β) Ue`` (``Ue = Φ_CΦ⁻¹ ⊙ U``) from Pc into Pn
+    (both ``[BD, BD]``; lower blocks computed, each written with its transpose: exactly symmetric)."""
+    beta = 1.0 / tl.load(DV_base + rows)
+    eyeK = offs_k[:, None] == offs_k[None, :]
+    for a in range(0, BD, BK):
+        od = a + offs_k
+        _g, _gam, end_a, _b, gC_a, bC_a = _decay_block(PG, PB, pc, rows, od, g, b, gend, bC, C, D, DIAG)
+        Ua = beta[:, None] * end_a * tl.load(_cols(US, rows, od, BD))
+        for bb in range(0, a + BK, BK):
+            ob = bb + offs_k
+            _g2, _gam2, end_b, _b2, gC_b, _bC2 = _decay_block(PG, PB, pc, rows, ob, g, b, gend, bC, C, D, DIAG)
+            Ub = end_b * tl.load(_cols(US, rows, ob, BD))
+            Ps = 0.5 * (tl.load(_blk(Pc, od, ob, BD)) + tl.trans(tl.load(_blk(Pc, ob, od, BD))))
+            new = gC_a[:, None] * Ps * gC_b[None, :] - tl.dot(tl.trans(Ua), Ub, input_precision=PREC)
+            new += tl.where(eyeK & (a == bb), bC_a[:, None], 0.0)
+            new = tl.where(a == bb, 0.5 * (new + tl.trans(new)), new)
+            tl.store(_blk(Pn, od, ob, BD), new)
+            tl.store(_blk(Pn, ob, od, BD), tl.trans(new))
+    tl.debug_barrier()
 
 
 @triton.jit
 def scan_segment_adjoint_kernel(
-    Q, K, V, R2, ELL2, LA, DW, DBETA, DLINV, DVAR, DKW, DVU, DG,
-    cu_seg, PST, PEND, PSCR, LDLSCR, DPST, FAIL,
+    Q, K, V, R2, ELL2, LA, PG, PB, PBASE, chunk_first,
+    DW, DBETA, DLINV, DVAR, DKW, DVU, DG,
+    cu_seg, PST, PEND, PSCR, WS, LDLSCR, DPST, FAIL,
     GQ, GK, GV, GR2, GELL2, GLA,
     H: tl.constexpr,
     D: tl.constexpr,
     MV: tl.constexpr,
     C: tl.constexpr,
     BD: tl.constexpr,
+    BK: tl.constexpr,
     BM: tl.constexpr,
+    BV: tl.constexpr,
     NS: tl.constexpr,
+    DIAG: tl.constexpr,
+    VAR: tl.constexpr,
     INPUTS: tl.constexpr,
     REPLAY: tl.constexpr,
     PREC: tl.constexpr,
 ):
-    """B2/B4 for one (segment, head), scalar decay: replay the segment's chunks from ``P_s``, then the adjoint back.
+    """B2/B4 for one (segment, head): replay the segment's chunks from ``P_s``, then the per-chunk adjoint back.
 
-    Forward (REPLAY): the chunk step from PST ``[S, H, D, D]`` (the checkpoint), writing each chunk's start ``P``
-    into PSCR ``[S, H, NS, BD, BD]`` (stored, not recomputed: recomputing chunk ``c``'s P from the checkpoint
-    would cost ``c`` chunk steps); without REPLAY, PSCR already holds them (B4 reads what B2 wrote).
-    Reverse: per chunk, the terms, ``S``, its LDLᵀ, ``U`` are recomputed from the stored P (the twin
-    :func:`~bayeslayer.ops.scan_backward.chunk_adjoint` in the LDLᵀ factors: Lc = L·diag(√d),
-    Lc⁻¹ = diag(1/√d) L⁻¹, so the Cholesky adjoint needs no triangular solve), starting from PEND ``[S, H, D, D]``
-    (the adjoint arriving at the segment end); DPST ``[S, H, D, D]`` receives the symmetrised adjoint of ``P_s``.
-    With INPUTS (B4) the terms' adjoint (:func:`~bayeslayer.ops.scan_backward.terms_adjoint`) gives GQ, GK
-    ``[NT, H, D]``, GV ``[NT, H, MV]``, GR2, GELL2, GLA ``[NT, H]`` at the segment's real tokens.
-    Packed inputs ``[NT, H, ·]`` (LA: the scalar log-decay ``[NT, H]``) and output adjoints (DW, DKW
-    ``[NT, H, D]``, DBETA, DVAR, DG ``[NT, H]``, DLINV ``[NT, H, C]``, DVU ``[NT, H, MV]``; zeros for none);
-    segment ``i`` is tokens ``cu_seg[i] .. cu_seg[i+1]-1``, ragged chunks padded with no-op tokens.
-    LDLSCR ``[S, H, 2C² + C]`` the LDLᵀ scratch, FAIL ``[S, H]`` int32 its failed pivots.  Every C×C, C×D and
-    D×D product is one ``tl.dot`` on whole register tiles (no 16×16 blocking yet).  Arithmetic in PST's dtype.
+    Forward (REPLAY): from PST ``[S, H, D, D]`` (the checkpoint), each chunk's start ``P`` into PSCR
+    ``[S, H, NS, BD, BD]`` (the next one computed from it, :func:`_chunk_next`); without REPLAY, PSCR already
+    holds them (B4 reads what B2 wrote).  Reverse, per chunk from the last: :func:`_chunk_factor` again from the
+    stored P, then the adjoint (twin :func:`~bayeslayer.ops.scan_backward.chunk_adjoint` in LDLᵀ factors —
+    ``Lc = L diag(√d)``, ``Lc⁻¹ = diag(1/√d) L⁻¹`` — and :func:`~bayeslayer.ops.scan_backward.terms_adjoint`)
+    in passes over BK-column blocks of the key dim, the D×D adjoint ``P̄`` in a per-program ping-pong buffer:
+
+    * A1: ``UeP̄`` (``P̄`` symmetrised), ``P̄_start = Φ_C P̄ Φ_C + q̃ᵀ diag(v̄ar) q̃``, ``Ū``, ``β̄``, ``L̄⁻¹``
+      (every term a sum over key blocks), then the C×C Cholesky adjoint → ``S̄``;
+    * A2: ``Ȳ = L⁻ᵀ(Φ ⊙ Ū) + S̄K̃`` and ``P̄_start += K̃ᵀȲ``;
+    * A3 (INPUTS, B4): ``k̄, q̄, r̄², ℓ̄², ∂/∂log α`` at the segment's real tokens (GQ, GK ``[NT, H, D]``,
+      GV ``[NT, H, MV]``, GR2, GELL2 ``[NT, H]``, GLA ``[NT, H, Da]``), every decay term's adjoint collected per
+      channel as row and column sums of the ratio adjoint, then the reverse cumsum.
+
+    Starts from PEND ``[S, H, D, D]`` (the adjoint arriving at the segment end); DPST ``[S, H, D, D]`` receives the
+    symmetrised adjoint of ``P_s``.  Packed inputs ``[NT, H, ·]`` (LA ``[NT, H]``: the scalar log-decay; diagonal
+    decay reads the prep kernel's PG, PB ``[NC, H, C, D]`` and PBASE ``[NC, H, C, C]`` instead, segment ``i``'s
+    first chunk at ``chunk_first[i]``), output adjoints (DW, DKW ``[NT, H, D]``, DBETA, DVAR ``[NT, H]``, DG
+    ``[NT, H, Da]``, DLINV ``[NT, H, C]``, DVU ``[NT, H, MV]``; DVAR read only with VAR); segment ``i`` is tokens
+    ``cu_seg[i] .. cu_seg[i+1]-1``, ragged chunks padded with the exact no-op tokens.  WS ``[S, H, 5·C·BD +
+    2·BD²]`` per-program scratch (Y, U, Ū, Ȳ, the decay adjoint of A1, the two P̄ buffers), LDLSCR
+    ``[S, H, 2C² + C]``, FAIL ``[S, H]`` int32 (pivots that were not positive).  Scalar decay: every C×C-weighted
+    product is a ``tl.dot`` with the ratio R; diagonal decay: those are CUDA-core loops over the C rows/columns
+    (:func:`_mix`, :func:`_mix_t`, :func:`_scores`), the D×D and L⁻¹ products ``tl.dot``.  Arithmetic in PST's
+    dtype; no ``[BD, BD]`` or ``[C, BD]`` register tile: P, P̄ and the ``[C, D]`` operands live in the scratch and
+    are read block by block.
     """
     i_s = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1).to(tl.int64)
@@ -302,298 +434,159 @@ def scan_segment_adjoint_kernel(
     n_chunks = tl.cdiv(eos - bos, C)
     dt = PST.dtype.element_ty
     rows = tl.arange(0, C)
-    od = tl.arange(0, BD)
-    om = tl.arange(0, BM)
-    low = rows[:, None] >= rows[None, :]
-    eye = rows[:, None] == rows[None, :]
-    mD = od < D
-    mM = om < MV
-    mDD = mD[:, None] & mD[None, :]
-    X_base = LDLSCR + (i_s * H + i_h) * (2 * C * C + C)
+    cols = tl.arange(0, C)
+    offs_k = tl.arange(0, BK)
+    offs_v = tl.arange(0, BV)
+    low = rows[:, None] >= cols[None, :]
+    eye = rows[:, None] == cols[None, :]
+    eyeK = offs_k[:, None] == offs_k[None, :]
+    last = rows == C - 1
+    prog = i_s * H + i_h
+    X_base = LDLSCR + prog * (2 * C * C + C)
     LI_base = X_base + C * C
     DV_base = LI_base + C * C
-    P_scr = PSCR + (i_s * H + i_h) * NS * BD * BD
-    pDD = od[:, None] * BD + od[None, :]
+    P_scr = PSCR + prog * NS * BD * BD
+    YS = WS + prog * (5 * C * BD + 2 * BD * BD)
+    US = YS + C * BD
+    DUS = US + C * BD
+    DYS = DUS + C * BD
+    DGS = DYS + C * BD  # A1's part of the per-channel decay adjoint (diagonal decay)
+    GB = DGS + C * BD  # two [BD, BD] adjoint buffers
+    pc0 = 0
+    if DIAG:
+        pc0 = tl.load(chunk_first + i_s).to(tl.int64)
     fail = tl.sum(tl.zeros([C], dtype=tl.int32), axis=0)
+    zero_c = tl.zeros([C], dtype=dt)
+    zero_s = tl.sum(zero_c, axis=0)
     if REPLAY:  # else PSCR holds the chunk states of an earlier replay from the same checkpoints (B2 for B4)
-        P = tl.load(PST + (i_s * H + i_h) * D * D + od[:, None] * D + od[None, :], mask=mDD, other=0.0).to(dt)
-        for i_c in range(n_chunks):
-            tl.store(P_scr + i_c * BD * BD + pDD, P)
+        for a in range(0, BD, BK):
+            od = a + offs_k
+            for bb in range(0, BD, BK):
+                ob = bb + offs_k
+                blk = tl.load(PST + prog * D * D + od[:, None] * D + ob[None, :],
+                              mask=(od[:, None] < D) & (ob[None, :] < D), other=0.0).to(dt)
+                tl.store(_blk(P_scr, od, ob, BD), blk)
+        tl.debug_barrier()
+        for i_c in range(n_chunks - 1):  # the last chunk's end state is the next checkpoint: not needed here
             tok = bos + i_c * C + rows
             valid = tok < eos
-            mk = valid[:, None] & mD[None, :]
-            k = tl.load(K + (tok[:, None] * H + i_h) * D + od[None, :], mask=mk, other=0.0).to(dt)
-            r2c = tl.load(R2 + tok * H + i_h, mask=valid, other=1.0).to(dt)
-            ell2c = tl.load(ELL2 + tok * H + i_h, mask=valid, other=0.0).to(dt)
+            pc = (pc0 + i_c) * H + i_h
+            g, b, gend, bC, R = zero_c, zero_c, zero_s, zero_s, tl.zeros([C, C], dtype=dt)
+            if not DIAG:
+                lac = tl.load(LA + tok * H + i_h, mask=valid, other=0.0).to(dt)
+                ell2c = tl.load(ELL2 + tok * H + i_h, mask=valid, other=0.0).to(dt)
+                g = tl.cumsum(lac, axis=0)
+                gend = tl.sum(lac, axis=0)
+                R = tl.where(low, tl.exp(tl.minimum(g[:, None] - g[None, :], 0.0)), 0.0)
+                b = tl.sum(R * R * ell2c[None, :], axis=1)
+                bC = tl.sum(tl.where(last, b, 0.0), axis=0)
+            Pc = P_scr + i_c * BD * BD
+            f1, _Gq = _chunk_factor(K, Q, R2, PG, PB, PBASE, pc, tok, valid, i_h, Pc, YS, US, X_base, LI_base,
+                                    DV_base, g, b, gend, bC, R, rows, cols, offs_k, H, D, C, BD, BK, DIAG, False,
+                                    PREC)
+            fail += f1
+            _chunk_next(Pc, Pc + BD * BD, US, DV_base, PG, PB, pc, g, b, gend, bC, rows, offs_k, D, C, BD, BK,
+                        DIAG, PREC)
+    # the adjoint arriving at the segment end, padded
+    for a in range(0, BD, BK):
+        od = a + offs_k
+        for bb in range(0, BD, BK):
+            ob = bb + offs_k
+            blk = tl.load(PEND + prog * D * D + od[:, None] * D + ob[None, :],
+                          mask=(od[:, None] < D) & (ob[None, :] < D), other=0.0).to(dt)
+            tl.store(_blk(GB, od, ob, BD), blk)
+    tl.debug_barrier()
+    for i_r in range(n_chunks):
+        i_c = n_chunks - 1 - i_r
+        Gin = GB + (i_r % 2) * BD * BD
+        Gout = GB + ((i_r + 1) % 2) * BD * BD
+        Pc = P_scr + i_c * BD * BD
+        tok = bos + i_c * C + rows
+        valid = tok < eos
+        pc = (pc0 + i_c) * H + i_h
+        ell2c = tl.load(ELL2 + tok * H + i_h, mask=valid, other=0.0).to(dt)
+        g, b, gend, bC, R = zero_c, zero_c, zero_s, zero_s, tl.zeros([C, C], dtype=dt)
+        if not DIAG:
             lac = tl.load(LA + tok * H + i_h, mask=valid, other=0.0).to(dt)
-            _R, _g, _e, _gC, _b, _kt, _NBk, _Y, _L, _Li, _d, _Z, _U, _Ue, P, f1 = _chunk_scalar(
-                k, r2c, ell2c, lac, P, X_base, LI_base, DV_base, rows, od, D, C, PREC)
-            fail += f1
-    tl.debug_barrier()
-    Gb = tl.load(PEND + (i_s * H + i_h) * D * D + od[:, None] * D + od[None, :], mask=mDD, other=0.0).to(dt)
-    for i_r in range(n_chunks):
-        i_c = n_chunks - 1 - i_r
-        P = tl.load(P_scr + i_c * BD * BD + pDD)
-        tok = bos + i_c * C + rows
-        valid = tok < eos
-        mk = valid[:, None] & mD[None, :]
-        pk = (tok[:, None] * H + i_h) * D + od[None, :]
-        k = tl.load(K + pk, mask=mk, other=0.0).to(dt)
-        q = tl.load(Q + pk, mask=mk, other=0.0).to(dt)
-        pv = (tok[:, None] * H + i_h) * MV + om[None, :]
-        mv = valid[:, None] & mM[None, :]
-        v = tl.load(V + pv, mask=mv, other=0.0).to(dt)
-        r2c = tl.load(R2 + tok * H + i_h, mask=valid, other=1.0).to(dt)
-        ell2c = tl.load(ELL2 + tok * H + i_h, mask=valid, other=0.0).to(dt)
-        lac = tl.load(LA + tok * H + i_h, mask=valid, other=0.0).to(dt)
-        dW = tl.load(DW + pk, mask=mk, other=0.0).to(dt)
-        dkw = tl.load(DKW + pk, mask=mk, other=0.0).to(dt)
-        dvu = tl.load(DVU + pv, mask=mv, other=0.0).to(dt)
-        dbeta = tl.load(DBETA + tok * H + i_h, mask=valid, other=0.0).to(dt)
-        dvar = tl.load(DVAR + tok * H + i_h, mask=valid, other=0.0).to(dt)
-        dLinv = tl.load(DLINV + (tok[:, None] * H + i_h) * C + rows[None, :], mask=valid[:, None], other=0.0).to(dt)
-        R, gam, endv, gC, b, kt, NBk, Y, L, Li, d, Z, U, Ue, Pn, f2 = _chunk_scalar(
-            k, r2c, ell2c, lac, P, X_base, LI_base, DV_base, rows, od, D, C, PREC)
+            g = tl.cumsum(lac, axis=0)
+            gend = tl.sum(lac, axis=0)
+            R = tl.where(low, tl.exp(tl.minimum(g[:, None] - g[None, :], 0.0)), 0.0)
+            b = tl.sum(R * R * ell2c[None, :], axis=1)
+            bC = tl.sum(tl.where(last, b, 0.0), axis=0)
+        f2, Gq = _chunk_factor(K, Q, R2, PG, PB, PBASE, pc, tok, valid, i_h, Pc, YS, US, X_base, LI_base, DV_base,
+                               g, b, gend, bC, R, rows, cols, offs_k, H, D, C, BD, BK, DIAG, VAR, PREC)
         fail += f2  # (without REPLAY these are the only factorisations this launch checks)
+        Li = tl.load(LI_base + rows[:, None] * C + cols[None, :])
+        d = tl.load(DV_base + rows)
         beta = 1.0 / d
-        PT = tl.trans(P)
-        # P' = sym(γ_C² Pᵀ + b_C I − Ueᵀ diag(β) Ue)
-        Gs = 0.5 * (Gb + tl.trans(Gb))
-        dP = gC * gC * tl.trans(Gs)
-        dgC = 2.0 * gC * tl.sum(tl.sum(Gs * PT, axis=1), axis=0)
-        dbC = tl.sum(tl.sum(tl.where((od[:, None] == od[None, :]), Gs, 0.0), axis=1), axis=0)
-        UeG = tl.dot(Ue, Gs, input_precision=PREC)
-        dUe = -2.0 * beta[:, None] * UeG
-        dbeta_c = dbeta - tl.sum(UeG * Ue, axis=1)
-        dend = tl.sum(dUe * U, axis=1)
-        dU = endv[:, None] * dUe + beta[:, None] * dW
-        dbeta_c += tl.sum(dW * U, axis=1)
-        # the variance 1 + q̃ᵀPq̃ + qᵀBq − Σ_i β_i (q_tᵀΦ_tΦ_i⁻¹u_i)²
-        qt = gam[:, None] * q
-        QU = tl.dot(q, tl.trans(U), input_precision=PREC)
-        Gq = R * QU
-        dP += tl.dot(tl.trans(qt * dvar[:, None]), qt, input_precision=PREC)
-        dqt = dvar[:, None] * tl.dot(qt, P + PT, input_precision=PREC)
-        dGq = -2.0 * dvar[:, None] * beta[None, :] * Gq
-        dbeta_c -= tl.sum(dvar[:, None] * Gq * Gq, axis=0)
-        dq_dir = tl.dot(dGq * R, U, input_precision=PREC)
-        dU += tl.dot(tl.trans(dGq * R), q, input_precision=PREC)
-        dratio = dGq * QU
-        # U = γ ⊙ (L⁻¹Y) + (L⁻¹ ⊙ R) B k
-        dgam = tl.sum(dU * Z, axis=1)
-        dZ = gam[:, None] * dU
-        dUN = tl.dot(dU, tl.trans(NBk), input_precision=PREC)
-        dLi = R * dUN + tl.dot(dZ, tl.trans(Y), input_precision=PREC)
-        dNBk = tl.dot(tl.trans(Li * R), dU, input_precision=PREC)
-        dratio += Li * dUN
-        LiT = tl.trans(Li)
-        dY = tl.dot(LiT, dZ, input_precision=PREC)
-        dLi += dLinv + tl.dot(dkw, tl.trans(kt), input_precision=PREC) + tl.dot(dvu, tl.trans(v), input_precision=PREC)
-        dkt = tl.dot(LiT, dkw, input_precision=PREC)
-        # L⁻¹ = Lu⁻¹: dLu = −L⁻ᵀ dL⁻¹ L⁻ᵀ (strictly lower); Lc = Lu diag(√d), β = 1/d
-        dLu = -tl.where(low & ~eye, tl.dot(tl.dot(LiT, dLi, input_precision=PREC), LiT, input_precision=PREC), 0.0)
-        dc = tl.sqrt(d)
-        Lc = L * dc[None, :]
-        ddc = -tl.sum(dLu * Lc, axis=0) / d - 2.0 * dbeta_c / (d * dc)
-        dLc = dLu / dc[None, :] + tl.where(eye, ddc[None, :], 0.0)
-        # Cholesky adjoint: S̄ = sym(Lc⁻ᵀ Φ(Lcᵀ L̄c) Lc⁻¹), Lc⁻¹ = diag(1/√d) L⁻¹
-        Phi = tl.where(low, tl.dot(tl.trans(Lc), dLc, input_precision=PREC), 0.0)
-        Phi = Phi - 0.5 * tl.where(eye, Phi, 0.0)
-        LcI = Li / dc[:, None]
-        Sb = tl.dot(tl.dot(tl.trans(LcI), Phi, input_precision=PREC), LcI, input_precision=PREC)
-        Sb = 0.5 * (Sb + tl.trans(Sb))
-        # S = base + Y K̃ᵀ, Y = K̃ P
-        dY += tl.dot(Sb, kt, input_precision=PREC)
-        dkt += tl.dot(Sb, Y, input_precision=PREC) + tl.dot(dY, PT, input_precision=PREC)
-        dP += tl.dot(tl.trans(kt), dY, input_precision=PREC)
-        if INPUTS:
-            # the P-free terms' adjoint (twin: terms_adjoint), every decay term one value for all channels
-            dr2 = tl.sum(tl.where(eye, Sb, 0.0), axis=1)
-            dNl = Sb + tl.trans(Sb) - tl.where(eye, Sb, 0.0)
-            dNBk += tl.dot(tl.trans(dNl * R), k, input_precision=PREC)
-            dratio += dNl * tl.dot(k, tl.trans(NBk), input_precision=PREC)
-            dk = gam[:, None] * dkt + b[:, None] * dNBk + tl.dot(dNl * R, NBk, input_precision=PREC)
-            last = rows == C - 1
-            dbn = tl.sum(dNBk * k, axis=1) + tl.where(last, dbC, 0.0) + dvar * tl.sum(q * q, axis=1)
-            dgam += tl.sum(dkt * k, axis=1) + tl.sum(dqt * q, axis=1)
-            dq = gam[:, None] * dqt + 2.0 * (dvar * b)[:, None] * q + dq_dir
-            dell2 = tl.sum(dbn[:, None] * R * R, axis=0)
-            dratio += 2.0 * dbn[:, None] * R * ell2c[None, :]
-            te = dend * endv
-            tr = dratio * R
-            dGv = dgam * gam + tl.where(last, dgC * gC + tl.sum(te, axis=0), 0.0) - te
-            dGv += tl.sum(tr, axis=1) - tl.sum(tr, axis=0)
-            dGv += tl.load(DG + tok * H + i_h, mask=valid, other=0.0).to(dt)
-            dla = tl.sum(dGv, axis=0) - tl.cumsum(dGv, axis=0) + dGv
-            dv = tl.dot(LiT, dvu, input_precision=PREC)
-            tl.store(GQ + pk, dq.to(GQ.dtype.element_ty), mask=mk)
-            tl.store(GK + pk, dk.to(GK.dtype.element_ty), mask=mk)
-            tl.store(GV + pv, dv.to(GV.dtype.element_ty), mask=mv)
-            tl.store(GR2 + tok * H + i_h, dr2.to(GR2.dtype.element_ty), mask=valid)
-            tl.store(GELL2 + tok * H + i_h, dell2.to(GELL2.dtype.element_ty), mask=valid)
-            tl.store(GLA + tok * H + i_h, dla.to(GLA.dtype.element_ty), mask=valid)
-        Gb = dP
-    Gb = 0.5 * (Gb + tl.trans(Gb))
-    tl.store(DPST + (i_s * H + i_h) * D * D + od[:, None] * D + od[None, :], Gb.to(DPST.dtype.element_ty), mask=mDD)
-    tl.store(FAIL + i_s * H + i_h, fail)
-
-
-@triton.jit
-def _chunk_diag(k, r2c, ell2c, la, P, X_base, LI_base, DV_base, rows, od,
-                D: tl.constexpr, C: tl.constexpr, PREC: tl.constexpr):
-    """:func:`_chunk_scalar` for diagonal decay: ``R`` is the ``[C, C, BD]`` per-channel ratio ``Φ_iΦ_j⁻¹``,
-    ``gam``, ``endv``, ``b`` are ``[C, BD]``, ``gC``, ``bC`` ``[BD]``; the per-channel C×C contractions are
-    register reductions over the 3-D tile (CUDA cores), the D×D products ``tl.dot``."""
-    low = rows[:, None] >= rows[None, :]
-    low3 = low[:, :, None]
-    eye = rows[:, None] == rows[None, :]
-    g = tl.cumsum(la, axis=0)
-    gend = tl.sum(la, axis=0)
-    R = tl.where(low3, tl.exp(tl.where(low3, g[:, None, :] - g[None, :, :], 0.0)), 0.0)
-    gam = tl.exp(g)
-    endv = tl.exp(gend[None, :] - g)
-    gC = tl.exp(gend)
-    b = tl.sum(R * R * ell2c[None, :, None], axis=1)
-    bC = tl.sum(tl.where((rows == C - 1)[:, None], b, 0.0), axis=0)
-    kt = gam * k
-    NBk = b * k
-    Nl = tl.sum(k[:, None, :] * R * NBk[None, :, :], axis=2)
-    base = Nl + tl.trans(Nl) + tl.where(eye, r2c[:, None] - Nl, 0.0)
-    Y = tl.dot(kt, P, input_precision=PREC)
-    S = base + tl.dot(Y, tl.trans(kt), input_precision=PREC)
-    tl.store(X_base + rows[:, None] * C + rows[None, :], S)
-    tl.store(DV_base + rows, r2c)
-    tl.debug_barrier()
-    fail = ldl_blocked(X_base, LI_base, DV_base, C // 16, 16, PREC)
-    L = tl.where(low, tl.load(X_base + rows[:, None] * C + rows[None, :]), 0.0)
-    Li = tl.load(LI_base + rows[:, None] * C + rows[None, :])
-    d = tl.load(DV_base + rows)
-    tl.debug_barrier()
-    beta = 1.0 / d
-    Z = tl.dot(Li, Y, input_precision=PREC)
-    U = gam * Z + tl.sum(Li[:, :, None] * R * NBk[None, :, :], axis=1)
-    Ue = endv * U
-    eyeD = (od[:, None] == od[None, :]) & (od[:, None] < D)
-    Pn = gC[:, None] * tl.trans(P) * gC[None, :] + tl.where(eyeD, bC[None, :], 0.0) \
-        - tl.dot(tl.trans(Ue * beta[:, None]), Ue, input_precision=PREC)
-    Pn = 0.5 * (Pn + tl.trans(Pn))
-    return R, gam, endv, gC, b, kt, NBk, Y, L, Li, d, Z, U, Ue, Pn, fail
-
-
-@triton.jit
-def scan_segment_adjoint_diag_kernel(
-    Q, K, V, R2, ELL2, LA, DW, DBETA, DLINV, DVAR, DKW, DVU, DG,
-    cu_seg, PST, PEND, PSCR, LDLSCR, DPST, FAIL,
-    GQ, GK, GV, GR2, GELL2, GLA,
-    H: tl.constexpr,
-    D: tl.constexpr,
-    MV: tl.constexpr,
-    C: tl.constexpr,
-    BD: tl.constexpr,
-    BM: tl.constexpr,
-    NS: tl.constexpr,
-    INPUTS: tl.constexpr,
-    REPLAY: tl.constexpr,
-    PREC: tl.constexpr,
-):
-    """:func:`scan_segment_adjoint_kernel` for diagonal decay: LA, DG, GLA are ``[NT, H, D]`` (per-channel
-    log-decays, their adjoints), every decay term per channel (:func:`_chunk_diag`); the rest is the same."""
-    i_s = tl.program_id(0).to(tl.int64)
-    i_h = tl.program_id(1).to(tl.int64)
-    bos = tl.load(cu_seg + i_s).to(tl.int64)
-    eos = tl.load(cu_seg + i_s + 1).to(tl.int64)
-    n_chunks = tl.cdiv(eos - bos, C)
-    dt = PST.dtype.element_ty
-    rows = tl.arange(0, C)
-    od = tl.arange(0, BD)
-    om = tl.arange(0, BM)
-    low = rows[:, None] >= rows[None, :]
-    eye = rows[:, None] == rows[None, :]
-    mD = od < D
-    mM = om < MV
-    mDD = mD[:, None] & mD[None, :]
-    X_base = LDLSCR + (i_s * H + i_h) * (2 * C * C + C)
-    LI_base = X_base + C * C
-    DV_base = LI_base + C * C
-    P_scr = PSCR + (i_s * H + i_h) * NS * BD * BD
-    pDD = od[:, None] * BD + od[None, :]
-    fail = tl.sum(tl.zeros([C], dtype=tl.int32), axis=0)
-    if REPLAY:  # else PSCR holds the chunk states of an earlier replay from the same checkpoints (B2 for B4)
-        P = tl.load(PST + (i_s * H + i_h) * D * D + od[:, None] * D + od[None, :], mask=mDD, other=0.0).to(dt)
-        for i_c in range(n_chunks):
-            tl.store(P_scr + i_c * BD * BD + pDD, P)
-            tok = bos + i_c * C + rows
-            valid = tok < eos
-            mk = valid[:, None] & mD[None, :]
+        dbeta_c = tl.load(DBETA + tok * H + i_h, mask=valid, other=0.0).to(dt)
+        dLi = tl.load(DLINV + (tok[:, None] * H + i_h) * C + cols[None, :], mask=valid[:, None], other=0.0).to(dt)
+        dGq = tl.zeros([C, C], dtype=dt)
+        dvar = zero_c
+        if VAR:
+            dvar = tl.load(DVAR + tok * H + i_h, mask=valid, other=0.0).to(dt)
+            dGq = -2.0 * dvar[:, None] * beta[None, :] * Gq
+            dbeta_c -= tl.sum(dvar[:, None] * Gq * Gq, axis=0)
+        dGsum = zero_c  # scalar decay: the adjoint of g summed over channels
+        # ---- A1: P' = sym(Φ_C Pᵀ Φ_C + B_C − Ueᵀ diag(β) Ue), then U, W = βU, the variance, L⁻¹'s uses ----
+        for a in range(0, BD, BK):
+            od = a + offs_k
+            md = od < D
+            g_a, gam_a, end_a, b_a, gC_a, _bC = _decay_block(PG, PB, pc, rows, od, g, b, gend, bC, C, D, DIAG)
             pk = (tok[:, None] * H + i_h) * D + od[None, :]
-            k = tl.load(K + pk, mask=mk, other=0.0).to(dt)
-            r2c = tl.load(R2 + tok * H + i_h, mask=valid, other=1.0).to(dt)
-            ell2c = tl.load(ELL2 + tok * H + i_h, mask=valid, other=0.0).to(dt)
-            la = tl.load(LA + pk, mask=mk, other=0.0).to(dt)
-            _R, _g, _e, _gC, _b, _kt, _NBk, _Y, _L, _Li, _d, _Z, _U, _Ue, P, f1 = _chunk_diag(
-                k, r2c, ell2c, la, P, X_base, LI_base, DV_base, rows, od, D, C, PREC)
-            fail += f1
-    tl.debug_barrier()
-    Gb = tl.load(PEND + (i_s * H + i_h) * D * D + od[:, None] * D + od[None, :], mask=mDD, other=0.0).to(dt)
-    for i_r in range(n_chunks):
-        i_c = n_chunks - 1 - i_r
-        P = tl.load(P_scr + i_c * BD * BD + pDD)
-        tok = bos + i_c * C + rows
-        valid = tok < eos
-        mk = valid[:, None] & mD[None, :]
-        pk = (tok[:, None] * H + i_h) * D + od[None, :]
-        k = tl.load(K + pk, mask=mk, other=0.0).to(dt)
-        q = tl.load(Q + pk, mask=mk, other=0.0).to(dt)
-        pv = (tok[:, None] * H + i_h) * MV + om[None, :]
-        mv = valid[:, None] & mM[None, :]
-        v = tl.load(V + pv, mask=mv, other=0.0).to(dt)
-        r2c = tl.load(R2 + tok * H + i_h, mask=valid, other=1.0).to(dt)
-        ell2c = tl.load(ELL2 + tok * H + i_h, mask=valid, other=0.0).to(dt)
-        la = tl.load(LA + pk, mask=mk, other=0.0).to(dt)
-        dW = tl.load(DW + pk, mask=mk, other=0.0).to(dt)
-        dkw = tl.load(DKW + pk, mask=mk, other=0.0).to(dt)
-        dvu = tl.load(DVU + pv, mask=mv, other=0.0).to(dt)
-        dbeta = tl.load(DBETA + tok * H + i_h, mask=valid, other=0.0).to(dt)
-        dvar = tl.load(DVAR + tok * H + i_h, mask=valid, other=0.0).to(dt)
-        dLinv = tl.load(DLINV + (tok[:, None] * H + i_h) * C + rows[None, :], mask=valid[:, None], other=0.0).to(dt)
-        R, gam, endv, gC, b, kt, NBk, Y, L, Li, d, Z, U, Ue, Pn, f2 = _chunk_diag(
-            k, r2c, ell2c, la, P, X_base, LI_base, DV_base, rows, od, D, C, PREC)
-        fail += f2  # (without REPLAY these are the only factorisations this launch checks)
-        beta = 1.0 / d
-        PT = tl.trans(P)
-        # P' = sym(Φ_C Pᵀ Φ_C + diag b_C − Ueᵀ diag(β) Ue)
-        Gs = 0.5 * (Gb + tl.trans(Gb))
-        dP = tl.trans(gC[:, None] * Gs * gC[None, :])
-        GP = Gs * PT
-        dgC = tl.sum(GP * gC[None, :], axis=1) + tl.sum(GP * gC[:, None], axis=0)
-        dbC = tl.sum(tl.where(od[:, None] == od[None, :], Gs, 0.0), axis=1)
-        UeG = tl.dot(Ue, Gs, input_precision=PREC)
-        dUe = -2.0 * beta[:, None] * UeG
-        dbeta_c = dbeta - tl.sum(UeG * Ue, axis=1)
-        dend = dUe * U
-        dU = endv * dUe + beta[:, None] * dW
-        dbeta_c += tl.sum(dW * U, axis=1)
-        # the variance
-        qt = gam * q
-        Gq = tl.sum(q[:, None, :] * R * U[None, :, :], axis=2)
-        dP += tl.dot(tl.trans(qt * dvar[:, None]), qt, input_precision=PREC)
-        dqt = dvar[:, None] * tl.dot(qt, P + PT, input_precision=PREC)
-        dGq = -2.0 * dvar[:, None] * beta[None, :] * Gq
-        dbeta_c -= tl.sum(dvar[:, None] * Gq * Gq, axis=0)
-        dGR = dGq[:, :, None] * R
-        dq_dir = tl.sum(dGR * U[None, :, :], axis=1)
-        dU += tl.sum(dGR * q[:, None, :], axis=0)
-        dratio = dGq[:, :, None] * q[:, None, :] * U[None, :, :]
-        # U = γ ⊙ (L⁻¹Y) + mix(L⁻¹, B k)
-        dgam = dU * Z
-        dZ = gam * dU
-        dLi = tl.sum(dU[:, None, :] * R * NBk[None, :, :], axis=2) + tl.dot(dZ, tl.trans(Y), input_precision=PREC)
-        dNBk = tl.sum(Li[:, :, None] * R * dU[:, None, :], axis=0)
-        dratio += Li[:, :, None] * dU[:, None, :] * NBk[None, :, :]
+            mk = valid[:, None] & md[None, :]
+            k_a = tl.load(K + pk, mask=mk, other=0.0).to(dt)
+            U_a = tl.load(_cols(US, rows, od, BD))
+            Y_a = tl.load(_cols(YS, rows, od, BD))
+            dW_a = tl.load(DW + pk, mask=mk, other=0.0).to(dt)
+            dkw_a = tl.load(DKW + pk, mask=mk, other=0.0).to(dt)
+            if VAR:
+                q_a = tl.load(Q + pk, mask=mk, other=0.0).to(dt)
+                qt_a = gam_a * q_a
+            UeG = tl.zeros([C, BK], dtype=dt)
+            dgC_a = tl.zeros([BK], dtype=dt)
+            for bb in range(0, BD, BK):
+                ob = bb + offs_k
+                _g2, gam_b, end_b, _b2, gC_b, _bC2 = _decay_block(PG, PB, pc, rows, ob, g, b, gend, bC, C, D, DIAG)
+                Gs = 0.5 * (tl.load(_blk(Gin, ob, od, BD)) + tl.trans(tl.load(_blk(Gin, od, ob, BD))))
+                UeG += tl.dot(end_b * tl.load(_cols(US, rows, ob, BD)), Gs, input_precision=PREC)
+                if INPUTS:
+                    Pba = tl.load(_blk(Pc, ob, od, BD))
+                    Pab = tl.load(_blk(Pc, od, ob, BD))
+                    dgC_a += tl.sum(Gs * (Pba + tl.trans(Pab)) * gC_b[:, None], axis=0)
+                dPb = gC_b[:, None] * Gs * gC_a[None, :]
+                if VAR:
+                    qt_b = gam_b * load_tile(Q, tok, valid, ob, i_h, H, D).to(dt)
+                    dPb += tl.dot(tl.trans(qt_b * dvar[:, None]), qt_a, input_precision=PREC)
+                tl.store(_blk(Gout, ob, od, BD), dPb)
+            Ue_a = end_a * U_a
+            dUe = -2.0 * beta[:, None] * UeG
+            dbeta_c += tl.sum(dW_a * U_a - UeG * Ue_a, axis=1)
+            dU_a = end_a * dUe + beta[:, None] * dW_a
+            if VAR:
+                dU_a += _mix_t(dGq, R, q_a, g_a, rows, cols, C, DIAG, PREC)
+            tl.store(_cols(DUS, rows, od, BD), dU_a)
+            dLi += _scores(dU_a, b_a * k_a, R, g_a, rows, cols, C, DIAG, PREC)
+            dLi += tl.dot(gam_a * dU_a, tl.trans(Y_a), input_precision=PREC)
+            dLi += tl.dot(dkw_a, tl.trans(gam_a * k_a), input_precision=PREC)
+            if INPUTS:
+                te = dUe * U_a * end_a
+                dG1 = tl.where(last[:, None], (tl.sum(te, axis=0) + dgC_a * gC_a)[None, :], 0.0) - te
+                if DIAG:
+                    tl.store(_cols(DGS, rows, od, BD), dG1)
+                else:
+                    dGsum += tl.sum(dG1, axis=1)
         LiT = tl.trans(Li)
-        dY = tl.dot(LiT, dZ, input_precision=PREC)
-        dLi += dLinv + tl.dot(dkw, tl.trans(kt), input_precision=PREC) + tl.dot(dvu, tl.trans(v), input_precision=PREC)
-        dkt = tl.dot(LiT, dkw, input_precision=PREC)
+        for vb in range(0, BM, BV):
+            ov = vb + offs_v
+            pv = (tok[:, None] * H + i_h) * MV + ov[None, :]
+            mv = valid[:, None] & (ov[None, :] < MV)
+            dvu_v = tl.load(DVU + pv, mask=mv, other=0.0).to(dt)
+            dLi += tl.dot(dvu_v, tl.trans(tl.load(V + pv, mask=mv, other=0.0).to(dt)), input_precision=PREC)
+            if INPUTS:
+                tl.store(GV + pv, tl.dot(LiT, dvu_v, input_precision=PREC).to(GV.dtype.element_ty), mask=mv)
+        # ---- L⁻¹ = Lu⁻¹: dLu = −L⁻ᵀ dL⁻¹ L⁻ᵀ (strictly lower); Lc = Lu diag(√d), β = 1/d; Cholesky adjoint ----
+        L = tl.where(low, tl.load(X_base + rows[:, None] * C + cols[None, :]), 0.0)
         dLu = -tl.where(low & ~eye, tl.dot(tl.dot(LiT, dLi, input_precision=PREC), LiT, input_precision=PREC), 0.0)
         dc = tl.sqrt(d)
         Lc = L * dc[None, :]
@@ -604,39 +597,105 @@ def scan_segment_adjoint_diag_kernel(
         LcI = Li / dc[:, None]
         Sb = tl.dot(tl.dot(tl.trans(LcI), Phi, input_precision=PREC), LcI, input_precision=PREC)
         Sb = 0.5 * (Sb + tl.trans(Sb))
-        dY += tl.dot(Sb, kt, input_precision=PREC)
-        dkt += tl.dot(Sb, Y, input_precision=PREC) + tl.dot(dY, PT, input_precision=PREC)
-        dP += tl.dot(tl.trans(kt), dY, input_precision=PREC)
+        tl.debug_barrier()
+        # ---- A2: S = base + Y K̃ᵀ, Y = K̃ P:  Ȳ = L⁻ᵀ(Φ ⊙ Ū) + S̄ K̃,  P̄ += K̃ᵀ Ȳ ----
+        for a in range(0, BD, BK):
+            od = a + offs_k
+            _g, gam_a, _e, _b, _gC, _bC = _decay_block(PG, PB, pc, rows, od, g, b, gend, bC, C, D, DIAG)
+            kt_a = gam_a * load_tile(K, tok, valid, od, i_h, H, D).to(dt)
+            dY_a = tl.dot(LiT, gam_a * tl.load(_cols(DUS, rows, od, BD)), input_precision=PREC)
+            dY_a += tl.dot(Sb, kt_a, input_precision=PREC)
+            tl.store(_cols(DYS, rows, od, BD), dY_a)
+            for bb in range(0, BD, BK):
+                ob = bb + offs_k
+                _g2, gam_b, _e2, _b2, _gC2, _bC2 = _decay_block(PG, PB, pc, rows, ob, g, b, gend, bC, C, D, DIAG)
+                kt_b = gam_b * load_tile(K, tok, valid, ob, i_h, H, D).to(dt)
+                p = _blk(Gout, ob, od, BD)
+                tl.store(p, tl.load(p) + tl.dot(tl.trans(kt_b), dY_a, input_precision=PREC))
+        tl.debug_barrier()
         if INPUTS:
+            # ---- A3: the inputs' gradients (twin: terms_adjoint), every decay term per channel ----
             dr2 = tl.sum(tl.where(eye, Sb, 0.0), axis=1)
             dNl = Sb + tl.trans(Sb) - tl.where(eye, Sb, 0.0)
-            dNR = dNl[:, :, None] * R
-            dNBk += tl.sum(dNR * k[:, None, :], axis=0)
-            dratio += dNl[:, :, None] * k[:, None, :] * NBk[None, :, :]
-            dk = gam * dkt + b * dNBk + tl.sum(dNR * NBk[None, :, :], axis=1)
-            lastc = (rows == C - 1)[:, None]
-            dbn = dNBk * k + tl.where(lastc, dbC[None, :], 0.0) + dvar[:, None] * q * q
-            dgam += dkt * k + dqt * q
-            dq = gam * dqt + 2.0 * dvar[:, None] * b * q + dq_dir
-            dell2 = tl.sum(tl.sum(dbn[:, None, :] * R * R, axis=2), axis=0)
-            dratio += 2.0 * dbn[:, None, :] * R * ell2c[None, :, None]
-            te = dend * endv
-            tr = dratio * R
-            dGv = dgam * gam + tl.where(lastc, (dgC * gC)[None, :] + tl.sum(te, axis=0)[None, :], 0.0) - te
-            dGv += tl.sum(tr, axis=1) - tl.sum(tr, axis=0)
-            dGv += tl.load(DG + pk, mask=mk, other=0.0).to(dt)
-            dla = tl.sum(dGv, axis=0)[None, :] - tl.cumsum(dGv, axis=0) + dGv
-            dv = tl.dot(LiT, dvu, input_precision=PREC)
-            tl.store(GQ + pk, dq.to(GQ.dtype.element_ty), mask=mk)
-            tl.store(GK + pk, dk.to(GK.dtype.element_ty), mask=mk)
-            tl.store(GV + pv, dv.to(GV.dtype.element_ty), mask=mv)
+            dell2 = zero_c
+            for a in range(0, BD, BK):
+                od = a + offs_k
+                md = od < D
+                g_a, gam_a, _e, b_a, _gC, _bC = _decay_block(PG, PB, pc, rows, od, g, b, gend, bC, C, D, DIAG)
+                pk = (tok[:, None] * H + i_h) * D + od[None, :]
+                mk = valid[:, None] & md[None, :]
+                k_a = tl.load(K + pk, mask=mk, other=0.0).to(dt)
+                Y_a = tl.load(_cols(YS, rows, od, BD))
+                U_a = tl.load(_cols(US, rows, od, BD))
+                dU_a = tl.load(_cols(DUS, rows, od, BD))
+                NBk_a = b_a * k_a
+                dkt = tl.dot(LiT, tl.load(DKW + pk, mask=mk, other=0.0).to(dt), input_precision=PREC)
+                dkt += tl.dot(Sb, Y_a, input_precision=PREC)
+                dqt = tl.zeros([C, BK], dtype=dt)
+                for bb in range(0, BD, BK):
+                    ob = bb + offs_k
+                    Pab = tl.load(_blk(Pc, od, ob, BD))
+                    dkt += tl.dot(tl.load(_cols(DYS, rows, ob, BD)), tl.trans(Pab), input_precision=PREC)
+                    if VAR:
+                        _g2, gam_b, _e2, _b2, _gC2, _bC2 = _decay_block(PG, PB, pc, rows, ob, g, b, gend, bC, C, D,
+                                                                        DIAG)
+                        qt_b = gam_b * load_tile(Q, tok, valid, ob, i_h, H, D).to(dt)
+                        dqt += tl.dot(qt_b, tl.load(_blk(Pc, ob, od, BD)) + tl.trans(Pab), input_precision=PREC)
+                dNBk = _mix_t(Li, R, dU_a, g_a, rows, cols, C, DIAG, PREC)  # the mix of U
+                mLN = _mix(Li, R, NBk_a, g_a, rows, cols, C, DIAG, PREC)
+                rs = dU_a * mLN
+                dNBk += _mix_t(dNl, R, k_a, g_a, rows, cols, C, DIAG, PREC)  # the base of S
+                cs = NBk_a * dNBk
+                mNl = _mix(dNl, R, NBk_a, g_a, rows, cols, C, DIAG, PREC)
+                rs += k_a * mNl
+                dk = gam_a * dkt + b_a * dNBk + mNl
+                dbC_a = tl.sum(tl.where(eyeK, tl.load(_blk(Gin, od, od, BD)), 0.0), axis=1)
+                db = dNBk * k_a + tl.where(last[:, None], dbC_a[None, :], 0.0)
+                dgam = dU_a * tl.dot(Li, Y_a, input_precision=PREC) + dkt * k_a
+                dq = tl.zeros([C, BK], dtype=dt)
+                if VAR:
+                    q_a = tl.load(Q + pk, mask=mk, other=0.0).to(dt)
+                    dqt = dvar[:, None] * dqt
+                    db += dvar[:, None] * q_a * q_a
+                    dgam += dqt * q_a
+                    dqd = _mix(dGq, R, U_a, g_a, rows, cols, C, DIAG, PREC)
+                    dq = gam_a * dqt + 2.0 * dvar[:, None] * b_a * q_a + dqd
+                    rs += q_a * dqd
+                    cs += U_a * _mix_t(dGq, R, q_a, g_a, rows, cols, C, DIAG, PREC)
+                # B = Σ_l ℓ_l² ρ_jl²: Tb_l = Σ_{j≥l} b̄_j ρ_jl², ℓ̄²_l = Σ_channels Tb_l
+                if DIAG:
+                    Tb = _mix_t(tl.where(low, 1.0, 0.0).to(dt), R, db, 2.0 * g_a, rows, cols, C, DIAG, PREC)
+                else:
+                    Tb = tl.dot(tl.trans(R * R), db, input_precision=PREC)
+                dell2 += tl.sum(Tb, axis=1)
+                rs += 2.0 * db * b_a
+                cs += 2.0 * ell2c[:, None] * Tb
+                dG_a = dgam * gam_a + rs - cs
+                if DIAG:
+                    dG_a += tl.load(_cols(DGS, rows, od, BD)) + tl.load(DG + pk, mask=mk, other=0.0).to(dt)
+                    dla = tl.sum(dG_a, axis=0)[None, :] - tl.cumsum(dG_a, axis=0) + dG_a
+                    tl.store(GLA + pk, dla.to(GLA.dtype.element_ty), mask=mk)
+                else:
+                    dGsum += tl.sum(dG_a, axis=1)
+                tl.store(GK + pk, dk.to(GK.dtype.element_ty), mask=mk)
+                tl.store(GQ + pk, dq.to(GQ.dtype.element_ty), mask=mk)
+            if not DIAG:
+                dGsum += tl.load(DG + tok * H + i_h, mask=valid, other=0.0).to(dt)
+                dla = tl.sum(dGsum, axis=0) - tl.cumsum(dGsum, axis=0) + dGsum
+                tl.store(GLA + tok * H + i_h, dla.to(GLA.dtype.element_ty), mask=valid)
             tl.store(GR2 + tok * H + i_h, dr2.to(GR2.dtype.element_ty), mask=valid)
             tl.store(GELL2 + tok * H + i_h, dell2.to(GELL2.dtype.element_ty), mask=valid)
-            tl.store(GLA + pk, dla.to(GLA.dtype.element_ty), mask=mk)
-        Gb = dP
-    Gb = 0.5 * (Gb + tl.trans(Gb))
-    tl.store(DPST + (i_s * H + i_h) * D * D + od[:, None] * D + od[None, :], Gb.to(DPST.dtype.element_ty), mask=mDD)
-    tl.store(FAIL + i_s * H + i_h, fail)
+        tl.debug_barrier()
+    # the adjoint of P_s, symmetrised
+    Gf = GB + (n_chunks % 2) * BD * BD
+    for a in range(0, BD, BK):
+        od = a + offs_k
+        for bb in range(0, BD, BK):
+            ob = bb + offs_k
+            blk = 0.5 * (tl.load(_blk(Gf, od, ob, BD)) + tl.trans(tl.load(_blk(Gf, ob, od, BD))))
+            tl.store(DPST + prog * D * D + od[:, None] * D + ob[None, :], blk.to(DPST.dtype.element_ty),
+                     mask=(od[:, None] < D) & (ob[None, :] < D))
+    tl.store(FAIL + prog, fail)
 
 
 ADJOINT_NAMES = ("w", "beta", "linv", "variance", "kw", "vu", "g")  # as scan_backward.GRAD_NAMES
@@ -650,19 +709,21 @@ def chunk_state_scratch(lay: sc.ScanLayout, Hf: int, D: int, dtype: torch.dtype,
 
 def segment_adjoint_triton(lay: sc.ScanLayout, q, k, v, r2, ell2, log_alpha, adjoints: dict,
                            P_starts: torch.Tensor, P_end_bar: torch.Tensor, *, inputs: bool,
-                           chunk_states: torch.Tensor | None = None, replay: bool = True):
-    """B2 (``inputs=False``) or B4 (``inputs=True``) as one launch of :func:`scan_segment_adjoint_kernel`
-    (scalar decay) or :func:`scan_segment_adjoint_diag_kernel` (diagonal decay).
+                           chunk_states: torch.Tensor | None = None, replay: bool = True, prep=None):
+    """B2 (``inputs=False``) or B4 (``inputs=True``) as one launch of :func:`scan_segment_adjoint_kernel`.
 
     Packed inputs as the forward's (q, k ``[NT, H', D]``, v ``[NT, H', m]``, r2, ell2 ``[NT, H']``, log_alpha
     ``[NT, H', Da]``, Da = 1 scalar, D diagonal); ``adjoints``: the output adjoints keyed by :data:`ADJOINT_NAMES`
     (packed like the outputs: w, kw ``[NT, H', D]``, beta, variance ``[NT, H']``, linv ``[NT, H', C]``, vu
-    ``[NT, H', m]``, g ``[NT, H', Da]``), None or missing for zero; ``P_starts``, ``P_end_bar``
-    ``[S, H', D, D]``.  Returns ``(dP_start [S, H', D, D], grads, failed [S, H'])``: the symmetrised adjoint of
-    every segment's start state, and with ``inputs`` a dict of packed gradients (``q, k, v, r2, ell2, la``;
-    ``la`` ``[NT, H', Da]``), else None.  ``chunk_states`` (:func:`chunk_state_scratch`): where the replay
-    keeps each chunk's start P (allocated here when None); ``replay=False`` skips the replay and reads them
-    from ``chunk_states`` as an earlier call from the same ``P_starts`` wrote them (B4 after B2).
+    ``[NT, H', m]``, g ``[NT, H', Da]``), None or missing for zero (a missing variance adjoint skips the
+    variance's terms); ``P_starts``, ``P_end_bar`` ``[S, H', D, D]``.  Returns ``(dP_start [S, H', D, D], grads,
+    failed [S, H'])``: the symmetrised adjoint of every segment's start state, and with ``inputs`` a dict of
+    packed gradients (``q, k, v, r2, ell2, la``; ``la`` ``[NT, H', Da]``), else None.  ``chunk_states``
+    (:func:`chunk_state_scratch`): where the replay keeps each chunk's start P (allocated here when None);
+    ``replay=False`` skips the replay and reads them from ``chunk_states`` as an earlier call from the same
+    ``P_starts`` wrote them (B4 after B2).  ``prep``: with diagonal decay, the prep kernel's buffers for ``lay``
+    in k's dtype (:func:`bayeslayer.ops.triton.scan.prep_triton`; computed here when None) — the kernel reads
+    the per-channel g, b and the base of S from them instead of forming them in its serial chunk loop.
     Twin: :func:`bayeslayer.ops.scan_backward.segment_adjoint`.  Arithmetic in k's dtype.
     """
     if not isinstance(lay, sc.ScanLayout):
@@ -696,11 +757,12 @@ def segment_adjoint_triton(lay: sc.ScanLayout, q, k, v, r2, ell2, log_alpha, adj
     if not isinstance(adjoints, dict) or set(adjoints) - set(ADJOINT_NAMES):
         raise ValueError(f"adjoints must be a dict keyed by {ADJOINT_NAMES}, got "
                          f"{sorted(adjoints) if isinstance(adjoints, dict) else type(adjoints).__name__}")
+    want_var = adjoints.get("variance") is not None
     adj = {}
     for name in ADJOINT_NAMES:
         x = adjoints.get(name)
         if x is None:
-            x = torch.zeros(shapes[name], dtype=dt, device=dev)
+            x = torch.zeros(shapes[name], dtype=dt, device=dev) if name != "variance" else r2
         check_shaped(f"adjoints[{name!r}]", x, shapes[name], dt)
         adj[name] = x.contiguous()
     BD = max(16, next_pow2(D))
@@ -713,24 +775,34 @@ def segment_adjoint_triton(lay: sc.ScanLayout, q, k, v, r2, ell2, log_alpha, adj
                      ell2=torch.zeros_like(ell2), la=torch.zeros(NT, Hf, Da, dtype=dt, device=dev))
     if NT == 0:
         return _sym(P_end_bar), grads, fail != 0
-    from .scan import segment_offsets
+    from .scan import Prep, prep_triton, segment_offsets
 
+    if diag:
+        if prep is None:
+            prep = prep_triton(lay, q, k, r2, ell2, log_alpha, dtype=dt, want_var=False)
+        if not isinstance(prep, Prep) or prep.base.dtype != dt or prep.g.shape[-1] != D \
+                or prep.seg_first.numel() != S:
+            raise ValueError(f"prep must be prep_triton's buffers for this layout in {dt} with diagonal decay")
+        pg, pb, pbase, first = prep.g, prep.b, prep.base, prep.seg_first
+    else:
+        pg = pb = pbase = k  # not read with scalar decay
+        first = lay.seq_first_seg
     cu_seg = segment_offsets(lay, NT)
     if chunk_states is None:
         if not replay:
             raise ValueError("replay=False needs the chunk_states of an earlier replay")
         chunk_states = chunk_state_scratch(lay, Hf, D, dt, dev)
     check_shaped("chunk_states", chunk_states, (S, Hf, lay.n_s, BD, BD), dt)
-    pscr = chunk_states
+    ws = torch.empty(S, Hf, 5 * C * BD + 2 * BD * BD, dtype=dt, device=dev)
     ldl = torch.empty(S, Hf, 2 * C * C + C, dtype=dt, device=dev)
     g = grads if inputs else dict(q=dP_start, k=dP_start, v=dP_start, r2=dP_start, ell2=dP_start, la=dP_start)
-    kernel = scan_segment_adjoint_diag_kernel if diag else scan_segment_adjoint_kernel
-    kernel[(S, Hf)](
+    scan_segment_adjoint_kernel[(S, Hf)](
         q.contiguous(), k.contiguous(), v.contiguous(), r2.contiguous(), ell2.contiguous(),
-        log_alpha.contiguous(), adj["w"], adj["beta"], adj["linv"], adj["variance"], adj["kw"], adj["vu"],
-        adj["g"], cu_seg, P_starts.contiguous(), P_end_bar.contiguous(), pscr, ldl, dP_start,
-        fail, g["q"], g["k"], g["v"], g["r2"], g["ell2"], g["la"],
-        H=Hf, D=D, MV=MV, C=C, BD=BD, BM=BM, NS=lay.n_s, INPUTS=inputs, REPLAY=replay, PREC="ieee", num_warps=4,
+        log_alpha.contiguous(), pg, pb, pbase, first, adj["w"], adj["beta"], adj["linv"], adj["variance"],
+        adj["kw"], adj["vu"], adj["g"], cu_seg, P_starts.contiguous(), P_end_bar.contiguous(), chunk_states, ws, ldl,
+        dP_start, fail, g["q"], g["k"], g["v"], g["r2"], g["ell2"], g["la"],
+        H=Hf, D=D, MV=MV, C=C, BD=BD, BK=16, BM=BM, BV=16, NS=lay.n_s, DIAG=diag, VAR=want_var, INPUTS=inputs,
+        REPLAY=replay, PREC="ieee", num_warps=8 if C >= 64 else 4,
     )
     return dP_start, grads, fail != 0
 
@@ -758,7 +830,7 @@ def covariance_scan_backward_triton(q, k, v, r2, ell2, log_alpha, P0, cu: list[i
     sequence's device-side flag (never checked here).
     """
     from .. import scan_backward as sbw
-    from .scan import phase_a_triton
+    from .scan import phase_a_triton, prep_triton
 
     if not isinstance(k, torch.Tensor) or k.dim() != 3:
         raise ValueError(f"k must be a packed [NT, H', D] tensor, got {getattr(k, 'shape', type(k).__name__)}")
@@ -779,8 +851,11 @@ def covariance_scan_backward_triton(q, k, v, r2, ell2, log_alpha, P0, cu: list[i
         end_bar[last] = dP
     # B2: local adjoints of the checkpoints
     states = chunk_state_scratch(lay, Hf, D, k.dtype, k.device)
+    prep = None
+    if log_alpha.shape[-1] > 1 and NT > 0:  # diagonal decay: the per-channel P-free terms, once for B2 and B4
+        prep = prep_triton(lay, q, k, r2, ell2, log_alpha, dtype=k.dtype, want_var=False)
     G, _, f2 = segment_adjoint_triton(lay, q, k, v, r2, ell2, log_alpha, adj, P_starts, end_bar, inputs=False,
-                                      chunk_states=states)
+                                      chunk_states=states, prep=prep)
     # Phase A's elements (float64), B3 (float64)
     f64 = torch.float64
     if elements is None:
@@ -797,7 +872,7 @@ def covariance_scan_backward_triton(q, k, v, r2, ell2, log_alpha, P0, cu: list[i
         end_bar[segs] = Pbar[segs + 1]
     # B4 reads the chunk states B2 kept (same checkpoints, same replay): no second replay
     dP_start, gr, f4 = segment_adjoint_triton(lay, q, k, v, r2, ell2, log_alpha, adj, P_starts, end_bar, inputs=True,
-                                              chunk_states=states, replay=False)
+                                              chunk_states=states, replay=False, prep=prep)
     failed = f3.clone()
     sc.mark_failed(failed, lay.seg_seq, f2 | f4)
     sc.mark_failed(failed, lay.seg_seq[segs], f_a)
