@@ -222,18 +222,19 @@ def reverse_segments_triton(lay: sc.ScanLayout, G: torch.Tensor, P_starts: torch
 # ---------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _mix(X, R, x, g, rows, cols, C: tl.constexpr, DIAG: tl.constexpr, PREC: tl.constexpr):
+def _mix(X, RS, x, g, rows, cols, C: tl.constexpr, DIAG: tl.constexpr, PREC: tl.constexpr):
     """``out_i = Σ_{j≤i} X_ij Φ_iΦ_j⁻¹ x_j`` for a ``[C, BK]`` tile x: ``(X ⊙ R) x`` with scalar decay (R the
-    C×C ratio), the per-channel column loop :func:`.kernels.decay_mix` with diagonal decay (g ``[C, BK]``)."""
+    C×C ratio, read from RS), the per-channel column loop :func:`.kernels.decay_mix` with diagonal decay
+    (g ``[C, BK]``)."""
     if DIAG:
         out = decay_mix(X, x, g, rows, cols, C)
     else:
-        out = tl.dot(X * R, x, input_precision=PREC)
+        out = tl.dot(X * tl.load(RS + rows[:, None] * C + cols[None, :]), x, input_precision=PREC)
     return out
 
 
 @triton.jit
-def _mix_t(X, R, x, g, rows, cols, C: tl.constexpr, DIAG: tl.constexpr, PREC: tl.constexpr):
+def _mix_t(X, RS, x, g, rows, cols, C: tl.constexpr, DIAG: tl.constexpr, PREC: tl.constexpr):
     """``out_j = Σ_{i≥j} X_ij Φ_iΦ_j⁻¹ x_i`` (the transpose of :func:`_mix`): ``(X ⊙ R)ᵀ x`` with scalar decay,
     a loop over the C rows with diagonal decay (every exponent ≤ 0 where it is used)."""
     if DIAG:
@@ -244,17 +245,17 @@ def _mix_t(X, R, x, g, rows, cols, C: tl.constexpr, DIAG: tl.constexpr, PREC: tl
             Xi = tl.where(cols <= i, row_of(X, rows, i), 0.0)  # X_ij over j ≤ i
             out += Xi[:, None] * tl.exp(tl.minimum(gi[None, :] - g, 0.0)) * xi[None, :]
     else:
-        out = tl.dot(tl.trans(X * R), x, input_precision=PREC)
+        out = tl.dot(tl.trans(X * tl.load(RS + rows[:, None] * C + cols[None, :])), x, input_precision=PREC)
     return out
 
 
 @triton.jit
-def _scores(a, x, R, g, rows, cols, C: tl.constexpr, DIAG: tl.constexpr, PREC: tl.constexpr):
+def _scores(a, x, RS, g, rows, cols, C: tl.constexpr, DIAG: tl.constexpr, PREC: tl.constexpr):
     """``[i, j] = Σ_d a_id Φ_iΦ_j⁻¹ x_jd`` for ``i ≥ j``, else 0 (``[C, BK]`` tiles a, x) -> ``[C, C]``."""
     if DIAG:
         out = decay_scores(a, x, g, rows, cols, C)
     else:
-        out = R * tl.dot(a, tl.trans(x), input_precision=PREC)
+        out = tl.load(RS + rows[:, None] * C + cols[None, :]) * tl.dot(a, tl.trans(x), input_precision=PREC)
     return out
 
 
@@ -297,16 +298,16 @@ def _cols(base, rows, oj, N: tl.constexpr):
 
 
 @triton.jit
-def _chunk_factor(K, Q, R2, PG, PB, PBASE, pc, tok, valid, i_h, Pc, YS, US, X_base, LI_base, DV_base,
-                  g, b, gend, bC, R, rows, cols, offs_k,
+def _chunk_factor(K, Q, R2, PG, PB, PBASE, RS, pc, tok, valid, i_h, Pc, YS, US, X_base, LI_base, DV_base,
+                  g, b, gend, bC, rows, cols, offs_k,
                   H: tl.constexpr, D: tl.constexpr, C: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr,
-                  DIAG: tl.constexpr, VAR: tl.constexpr, PREC: tl.constexpr):
+                  DIAG: tl.constexpr, VAR: tl.constexpr, want_gq, PREC: tl.constexpr):
     """One chunk from its start covariance (``Pc``, ``[BD, BD]``), as the forward's covariance kernel computes it,
     keeping what the adjoint reads: ``Y = K̃P`` → YS, ``S = base + YK̃ᵀ`` factored ``L diag(d) Lᵀ`` by
     :func:`.ldl.ldl_blocked` (pivots clamped at r²; L, L⁻¹, d in the LDLᵀ scratch), ``U = Φ ⊙ (L⁻¹Y) +
     mix(L⁻¹, Bk)`` → US, all in BK-column blocks.  Returns ``(failed pivots, Gq)`` with ``Gq_ti = q_tᵀΦ_tΦ_i⁻¹u_i``
-    (``i ≤ t``; VAR only, else zeros).  The base of S: from PBASE (diagonal decay, the prep kernel's), or formed
-    from ``KKᵀ`` (scalar)."""
+    (``i ≤ t``; VAR and ``want_gq`` only, else zeros).  The base of S: from PBASE (diagonal decay, the prep
+    kernel's), or formed from ``KKᵀ`` and the ratio in RS (scalar decay)."""
     dt = Pc.dtype.element_ty
     low = rows[:, None] >= cols[None, :]
     eye = rows[:, None] == cols[None, :]
@@ -330,7 +331,7 @@ def _chunk_factor(K, Q, R2, PG, PB, PBASE, pc, tok, valid, i_h, Pc, YS, US, X_ba
     if DIAG:
         S += tl.load(PBASE + (pc * C + rows[:, None]) * C + cols[None, :])
     else:
-        Nl = tl.where(low, KK * R * b[None, :], 0.0)
+        Nl = tl.where(low, KK * tl.load(RS + rows[:, None] * C + cols[None, :]) * b[None, :], 0.0)
         S += Nl + tl.trans(Nl) - tl.where(eye, Nl, 0.0) + tl.where(eye, r2c[:, None], 0.0)
     tl.store(X_base + rows[:, None] * C + cols[None, :], S)
     tl.store(DV_base + rows, r2c)
@@ -343,11 +344,12 @@ def _chunk_factor(K, Q, R2, PG, PB, PBASE, pc, tok, valid, i_h, Pc, YS, US, X_ba
         g_a, gam_a, _e, b_a, _gC, _bC = _decay_block(PG, PB, pc, rows, od, g, b, gend, bC, C, D, DIAG)
         k_a = load_tile(K, tok, valid, od, i_h, H, D).to(dt)
         U_a = gam_a * tl.dot(Li, tl.load(_cols(YS, rows, od, BD)), input_precision=PREC)
-        U_a += _mix(Li, R, b_a * k_a, g_a, rows, cols, C, DIAG, PREC)
+        U_a += _mix(Li, RS, b_a * k_a, g_a, rows, cols, C, DIAG, PREC)
         tl.store(_cols(US, rows, od, BD), U_a)
         if VAR:
-            q_a = load_tile(Q, tok, valid, od, i_h, H, D).to(dt)
-            Gq += _scores(q_a, U_a, R, g_a, rows, cols, C, DIAG, PREC)
+            if want_gq:
+                q_a = load_tile(Q, tok, valid, od, i_h, H, D).to(dt)
+                Gq += _scores(q_a, U_a, RS, g_a, rows, cols, C, DIAG, PREC)
     tl.debug_barrier()
     return fail, Gq
 
@@ -420,7 +422,8 @@ def scan_segment_adjoint_kernel(
     first chunk at ``chunk_first[i]``), output adjoints (DW, DKW ``[NT, H, D]``, DBETA, DVAR ``[NT, H]``, DG
     ``[NT, H, Da]``, DLINV ``[NT, H, C]``, DVU ``[NT, H, MV]``; DVAR read only with VAR); segment ``i`` is tokens
     ``cu_seg[i] .. cu_seg[i+1]-1``, ragged chunks padded with the exact no-op tokens.  WS ``[S, H, 5·C·BD +
-    2·BD²]`` per-program scratch (Y, U, Ū, Ȳ, the decay adjoint of A1, the two P̄ buffers), LDLSCR
+    2·BD² + 3·C²]`` per-program scratch (Y, U, Ū, Ȳ, the decay adjoint of A1, the two P̄ buffers, and the C×C
+    operands the block loops read: the ratio, Ḡq, S̄), LDLSCR
     ``[S, H, 2C² + C]``, FAIL ``[S, H]`` int32 (pivots that were not positive).  Scalar decay: every C×C-weighted
     product is a ``tl.dot`` with the ratio R; diagonal decay: those are CUDA-core loops over the C rows/columns
     (:func:`_mix`, :func:`_mix_t`, :func:`_scores`), the D×D and L⁻¹ products ``tl.dot``.  Arithmetic in PST's
@@ -441,24 +444,30 @@ def scan_segment_adjoint_kernel(
     eye = rows[:, None] == cols[None, :]
     eyeK = offs_k[:, None] == offs_k[None, :]
     last = rows == C - 1
+    pCC = rows[:, None] * C + cols[None, :]
     prog = i_s * H + i_h
     X_base = LDLSCR + prog * (2 * C * C + C)
     LI_base = X_base + C * C
     DV_base = LI_base + C * C
     P_scr = PSCR + prog * NS * BD * BD
-    YS = WS + prog * (5 * C * BD + 2 * BD * BD)
+    YS = WS + prog * (5 * C * BD + 2 * BD * BD + 3 * C * C)
     US = YS + C * BD
     DUS = US + C * BD
     DYS = DUS + C * BD
     DGS = DYS + C * BD  # A1's part of the per-channel decay adjoint (diagonal decay)
     GB = DGS + C * BD  # two [BD, BD] adjoint buffers
+    RS = GB + 2 * BD * BD  # C×C operands read inside the block loops: the ratio (scalar decay), Ḡq, S̄
+    GQS = RS + C * C
+    SBS = GQS + C * C
     pc0 = 0
     if DIAG:
         pc0 = tl.load(chunk_first + i_s).to(tl.int64)
     fail = tl.sum(tl.zeros([C], dtype=tl.int32), axis=0)
     zero_c = tl.zeros([C], dtype=dt)
     zero_s = tl.sum(zero_c, axis=0)
+    n_rep = 0
     if REPLAY:  # else PSCR holds the chunk states of an earlier replay from the same checkpoints (B2 for B4)
+        n_rep = tl.maximum(n_chunks - 1, 0)  # the last chunk's end state is the next checkpoint: not needed here
         for a in range(0, BD, BK):
             od = a + offs_k
             for bb in range(0, BD, BK):
@@ -466,27 +475,6 @@ def scan_segment_adjoint_kernel(
                 blk = tl.load(PST + prog * D * D + od[:, None] * D + ob[None, :],
                               mask=(od[:, None] < D) & (ob[None, :] < D), other=0.0).to(dt)
                 tl.store(_blk(P_scr, od, ob, BD), blk)
-        tl.debug_barrier()
-        for i_c in range(n_chunks - 1):  # the last chunk's end state is the next checkpoint: not needed here
-            tok = bos + i_c * C + rows
-            valid = tok < eos
-            pc = (pc0 + i_c) * H + i_h
-            g, b, gend, bC, R = zero_c, zero_c, zero_s, zero_s, tl.zeros([C, C], dtype=dt)
-            if not DIAG:
-                lac = tl.load(LA + tok * H + i_h, mask=valid, other=0.0).to(dt)
-                ell2c = tl.load(ELL2 + tok * H + i_h, mask=valid, other=0.0).to(dt)
-                g = tl.cumsum(lac, axis=0)
-                gend = tl.sum(lac, axis=0)
-                R = tl.where(low, tl.exp(tl.minimum(g[:, None] - g[None, :], 0.0)), 0.0)
-                b = tl.sum(R * R * ell2c[None, :], axis=1)
-                bC = tl.sum(tl.where(last, b, 0.0), axis=0)
-            Pc = P_scr + i_c * BD * BD
-            f1, _Gq = _chunk_factor(K, Q, R2, PG, PB, PBASE, pc, tok, valid, i_h, Pc, YS, US, X_base, LI_base,
-                                    DV_base, g, b, gend, bC, R, rows, cols, offs_k, H, D, C, BD, BK, DIAG, False,
-                                    PREC)
-            fail += f1
-            _chunk_next(Pc, Pc + BD * BD, US, DV_base, PG, PB, pc, g, b, gend, bC, rows, offs_k, D, C, BD, BK,
-                        DIAG, PREC)
     # the adjoint arriving at the segment end, padded
     for a in range(0, BD, BK):
         od = a + offs_k
@@ -496,16 +484,17 @@ def scan_segment_adjoint_kernel(
                           mask=(od[:, None] < D) & (ob[None, :] < D), other=0.0).to(dt)
             tl.store(_blk(GB, od, ob, BD), blk)
     tl.debug_barrier()
-    for i_r in range(n_chunks):
-        i_c = n_chunks - 1 - i_r
-        Gin = GB + (i_r % 2) * BD * BD
-        Gout = GB + ((i_r + 1) % 2) * BD * BD
+    # one loop, one inlined chunk factorisation: the replay's steps (forward), then the adjoint's (reverse)
+    for it in range(n_rep + n_chunks):
+        fwd = it < n_rep
+        i_r = it - n_rep
+        i_c = tl.where(fwd, it, n_chunks - 1 - i_r)
         Pc = P_scr + i_c * BD * BD
         tok = bos + i_c * C + rows
         valid = tok < eos
         pc = (pc0 + i_c) * H + i_h
         ell2c = tl.load(ELL2 + tok * H + i_h, mask=valid, other=0.0).to(dt)
-        g, b, gend, bC, R = zero_c, zero_c, zero_s, zero_s, tl.zeros([C, C], dtype=dt)
+        g, b, gend, bC = zero_c, zero_c, zero_s, zero_s
         if not DIAG:
             lac = tl.load(LA + tok * H + i_h, mask=valid, other=0.0).to(dt)
             g = tl.cumsum(lac, axis=0)
@@ -513,179 +502,192 @@ def scan_segment_adjoint_kernel(
             R = tl.where(low, tl.exp(tl.minimum(g[:, None] - g[None, :], 0.0)), 0.0)
             b = tl.sum(R * R * ell2c[None, :], axis=1)
             bC = tl.sum(tl.where(last, b, 0.0), axis=0)
-        f2, Gq = _chunk_factor(K, Q, R2, PG, PB, PBASE, pc, tok, valid, i_h, Pc, YS, US, X_base, LI_base, DV_base,
-                               g, b, gend, bC, R, rows, cols, offs_k, H, D, C, BD, BK, DIAG, VAR, PREC)
-        fail += f2  # (without REPLAY these are the only factorisations this launch checks)
-        Li = tl.load(LI_base + rows[:, None] * C + cols[None, :])
-        d = tl.load(DV_base + rows)
-        beta = 1.0 / d
-        dbeta_c = tl.load(DBETA + tok * H + i_h, mask=valid, other=0.0).to(dt)
-        dLi = tl.load(DLINV + (tok[:, None] * H + i_h) * C + cols[None, :], mask=valid[:, None], other=0.0).to(dt)
-        dGq = tl.zeros([C, C], dtype=dt)
-        dvar = zero_c
-        if VAR:
-            dvar = tl.load(DVAR + tok * H + i_h, mask=valid, other=0.0).to(dt)
-            dGq = -2.0 * dvar[:, None] * beta[None, :] * Gq
-            dbeta_c -= tl.sum(dvar[:, None] * Gq * Gq, axis=0)
-        dGsum = zero_c  # scalar decay: the adjoint of g summed over channels
-        # ---- A1: P' = sym(Φ_C Pᵀ Φ_C + B_C − Ueᵀ diag(β) Ue), then U, W = βU, the variance, L⁻¹'s uses ----
-        for a in range(0, BD, BK):
-            od = a + offs_k
-            md = od < D
-            g_a, gam_a, end_a, b_a, gC_a, _bC = _decay_block(PG, PB, pc, rows, od, g, b, gend, bC, C, D, DIAG)
-            pk = (tok[:, None] * H + i_h) * D + od[None, :]
-            mk = valid[:, None] & md[None, :]
-            k_a = tl.load(K + pk, mask=mk, other=0.0).to(dt)
-            U_a = tl.load(_cols(US, rows, od, BD))
-            Y_a = tl.load(_cols(YS, rows, od, BD))
-            dW_a = tl.load(DW + pk, mask=mk, other=0.0).to(dt)
-            dkw_a = tl.load(DKW + pk, mask=mk, other=0.0).to(dt)
+            tl.store(RS + pCC, R)
+        f2, Gq = _chunk_factor(K, Q, R2, PG, PB, PBASE, RS, pc, tok, valid, i_h, Pc, YS, US, X_base, LI_base,
+                               DV_base, g, b, gend, bC, rows, cols, offs_k, H, D, C, BD, BK, DIAG, VAR, ~fwd, PREC)
+        fail += f2
+        if fwd:
+            _chunk_next(Pc, Pc + BD * BD, US, DV_base, PG, PB, pc, g, b, gend, bC, rows, offs_k, D, C, BD, BK, DIAG,
+                        PREC)
+        else:
+            Gin = GB + (i_r % 2) * BD * BD
+            Gout = GB + ((i_r + 1) % 2) * BD * BD
+            d = tl.load(DV_base + rows)
+            beta = 1.0 / d
+            dbeta_c = tl.load(DBETA + tok * H + i_h, mask=valid, other=0.0).to(dt)
+            dLi = tl.load(DLINV + (tok[:, None] * H + i_h) * C + cols[None, :], mask=valid[:, None],
+                          other=0.0).to(dt)
+            dvar = zero_c
             if VAR:
-                q_a = tl.load(Q + pk, mask=mk, other=0.0).to(dt)
-                qt_a = gam_a * q_a
-            UeG = tl.zeros([C, BK], dtype=dt)
-            dgC_a = tl.zeros([BK], dtype=dt)
-            for bb in range(0, BD, BK):
-                ob = bb + offs_k
-                _g2, gam_b, end_b, _b2, gC_b, _bC2 = _decay_block(PG, PB, pc, rows, ob, g, b, gend, bC, C, D, DIAG)
-                Gs = 0.5 * (tl.load(_blk(Gin, ob, od, BD)) + tl.trans(tl.load(_blk(Gin, od, ob, BD))))
-                UeG += tl.dot(end_b * tl.load(_cols(US, rows, ob, BD)), Gs, input_precision=PREC)
-                if INPUTS:
-                    Pba = tl.load(_blk(Pc, ob, od, BD))
-                    Pab = tl.load(_blk(Pc, od, ob, BD))
-                    dgC_a += tl.sum(Gs * (Pba + tl.trans(Pab)) * gC_b[:, None], axis=0)
-                dPb = gC_b[:, None] * Gs * gC_a[None, :]
-                if VAR:
-                    qt_b = gam_b * load_tile(Q, tok, valid, ob, i_h, H, D).to(dt)
-                    dPb += tl.dot(tl.trans(qt_b * dvar[:, None]), qt_a, input_precision=PREC)
-                tl.store(_blk(Gout, ob, od, BD), dPb)
-            Ue_a = end_a * U_a
-            dUe = -2.0 * beta[:, None] * UeG
-            dbeta_c += tl.sum(dW_a * U_a - UeG * Ue_a, axis=1)
-            dU_a = end_a * dUe + beta[:, None] * dW_a
-            if VAR:
-                dU_a += _mix_t(dGq, R, q_a, g_a, rows, cols, C, DIAG, PREC)
-            tl.store(_cols(DUS, rows, od, BD), dU_a)
-            dLi += _scores(dU_a, b_a * k_a, R, g_a, rows, cols, C, DIAG, PREC)
-            dLi += tl.dot(gam_a * dU_a, tl.trans(Y_a), input_precision=PREC)
-            dLi += tl.dot(dkw_a, tl.trans(gam_a * k_a), input_precision=PREC)
-            if INPUTS:
-                te = dUe * U_a * end_a
-                dG1 = tl.where(last[:, None], (tl.sum(te, axis=0) + dgC_a * gC_a)[None, :], 0.0) - te
-                if DIAG:
-                    tl.store(_cols(DGS, rows, od, BD), dG1)
-                else:
-                    dGsum += tl.sum(dG1, axis=1)
-        LiT = tl.trans(Li)
-        for vb in range(0, BM, BV):
-            ov = vb + offs_v
-            pv = (tok[:, None] * H + i_h) * MV + ov[None, :]
-            mv = valid[:, None] & (ov[None, :] < MV)
-            dvu_v = tl.load(DVU + pv, mask=mv, other=0.0).to(dt)
-            dLi += tl.dot(dvu_v, tl.trans(tl.load(V + pv, mask=mv, other=0.0).to(dt)), input_precision=PREC)
-            if INPUTS:
-                tl.store(GV + pv, tl.dot(LiT, dvu_v, input_precision=PREC).to(GV.dtype.element_ty), mask=mv)
-        # ---- L⁻¹ = Lu⁻¹: dLu = −L⁻ᵀ dL⁻¹ L⁻ᵀ (strictly lower); Lc = Lu diag(√d), β = 1/d; Cholesky adjoint ----
-        L = tl.where(low, tl.load(X_base + rows[:, None] * C + cols[None, :]), 0.0)
-        dLu = -tl.where(low & ~eye, tl.dot(tl.dot(LiT, dLi, input_precision=PREC), LiT, input_precision=PREC), 0.0)
-        dc = tl.sqrt(d)
-        Lc = L * dc[None, :]
-        ddc = -tl.sum(dLu * Lc, axis=0) / d - 2.0 * dbeta_c / (d * dc)
-        dLc = dLu / dc[None, :] + tl.where(eye, ddc[None, :], 0.0)
-        Phi = tl.where(low, tl.dot(tl.trans(Lc), dLc, input_precision=PREC), 0.0)
-        Phi = Phi - 0.5 * tl.where(eye, Phi, 0.0)
-        LcI = Li / dc[:, None]
-        Sb = tl.dot(tl.dot(tl.trans(LcI), Phi, input_precision=PREC), LcI, input_precision=PREC)
-        Sb = 0.5 * (Sb + tl.trans(Sb))
-        tl.debug_barrier()
-        # ---- A2: S = base + Y K̃ᵀ, Y = K̃ P:  Ȳ = L⁻ᵀ(Φ ⊙ Ū) + S̄ K̃,  P̄ += K̃ᵀ Ȳ ----
-        for a in range(0, BD, BK):
-            od = a + offs_k
-            _g, gam_a, _e, _b, _gC, _bC = _decay_block(PG, PB, pc, rows, od, g, b, gend, bC, C, D, DIAG)
-            kt_a = gam_a * load_tile(K, tok, valid, od, i_h, H, D).to(dt)
-            dY_a = tl.dot(LiT, gam_a * tl.load(_cols(DUS, rows, od, BD)), input_precision=PREC)
-            dY_a += tl.dot(Sb, kt_a, input_precision=PREC)
-            tl.store(_cols(DYS, rows, od, BD), dY_a)
-            for bb in range(0, BD, BK):
-                ob = bb + offs_k
-                _g2, gam_b, _e2, _b2, _gC2, _bC2 = _decay_block(PG, PB, pc, rows, ob, g, b, gend, bC, C, D, DIAG)
-                kt_b = gam_b * load_tile(K, tok, valid, ob, i_h, H, D).to(dt)
-                p = _blk(Gout, ob, od, BD)
-                tl.store(p, tl.load(p) + tl.dot(tl.trans(kt_b), dY_a, input_precision=PREC))
-        tl.debug_barrier()
-        if INPUTS:
-            # ---- A3: the inputs' gradients (twin: terms_adjoint), every decay term per channel ----
-            dr2 = tl.sum(tl.where(eye, Sb, 0.0), axis=1)
-            dNl = Sb + tl.trans(Sb) - tl.where(eye, Sb, 0.0)
-            dell2 = zero_c
+                dvar = tl.load(DVAR + tok * H + i_h, mask=valid, other=0.0).to(dt)
+                tl.store(GQS + pCC, -2.0 * dvar[:, None] * beta[None, :] * Gq)
+                dbeta_c -= tl.sum(dvar[:, None] * Gq * Gq, axis=0)
+            dGsum = zero_c  # scalar decay: the adjoint of g summed over channels
+            tl.debug_barrier()
+            # ---- A1: P' = sym(Φ_C Pᵀ Φ_C + B_C − Ueᵀ diag(β) Ue); U, W = βU, the variance, L⁻¹'s uses ----
             for a in range(0, BD, BK):
                 od = a + offs_k
                 md = od < D
-                g_a, gam_a, _e, b_a, _gC, _bC = _decay_block(PG, PB, pc, rows, od, g, b, gend, bC, C, D, DIAG)
+                g_a, gam_a, end_a, b_a, gC_a, _bC = _decay_block(PG, PB, pc, rows, od, g, b, gend, bC, C, D, DIAG)
                 pk = (tok[:, None] * H + i_h) * D + od[None, :]
                 mk = valid[:, None] & md[None, :]
-                k_a = tl.load(K + pk, mask=mk, other=0.0).to(dt)
-                Y_a = tl.load(_cols(YS, rows, od, BD))
                 U_a = tl.load(_cols(US, rows, od, BD))
-                dU_a = tl.load(_cols(DUS, rows, od, BD))
-                NBk_a = b_a * k_a
-                dkt = tl.dot(LiT, tl.load(DKW + pk, mask=mk, other=0.0).to(dt), input_precision=PREC)
-                dkt += tl.dot(Sb, Y_a, input_precision=PREC)
-                dqt = tl.zeros([C, BK], dtype=dt)
-                for bb in range(0, BD, BK):
-                    ob = bb + offs_k
-                    Pab = tl.load(_blk(Pc, od, ob, BD))
-                    dkt += tl.dot(tl.load(_cols(DYS, rows, ob, BD)), tl.trans(Pab), input_precision=PREC)
-                    if VAR:
-                        _g2, gam_b, _e2, _b2, _gC2, _bC2 = _decay_block(PG, PB, pc, rows, ob, g, b, gend, bC, C, D,
-                                                                        DIAG)
-                        qt_b = gam_b * load_tile(Q, tok, valid, ob, i_h, H, D).to(dt)
-                        dqt += tl.dot(qt_b, tl.load(_blk(Pc, ob, od, BD)) + tl.trans(Pab), input_precision=PREC)
-                dNBk = _mix_t(Li, R, dU_a, g_a, rows, cols, C, DIAG, PREC)  # the mix of U
-                mLN = _mix(Li, R, NBk_a, g_a, rows, cols, C, DIAG, PREC)
-                rs = dU_a * mLN
-                dNBk += _mix_t(dNl, R, k_a, g_a, rows, cols, C, DIAG, PREC)  # the base of S
-                cs = NBk_a * dNBk
-                mNl = _mix(dNl, R, NBk_a, g_a, rows, cols, C, DIAG, PREC)
-                rs += k_a * mNl
-                dk = gam_a * dkt + b_a * dNBk + mNl
-                dbC_a = tl.sum(tl.where(eyeK, tl.load(_blk(Gin, od, od, BD)), 0.0), axis=1)
-                db = dNBk * k_a + tl.where(last[:, None], dbC_a[None, :], 0.0)
-                dgam = dU_a * tl.dot(Li, Y_a, input_precision=PREC) + dkt * k_a
-                dq = tl.zeros([C, BK], dtype=dt)
+                dW_a = tl.load(DW + pk, mask=mk, other=0.0).to(dt)
+                UeG = tl.zeros([C, BK], dtype=dt)
+                dgC_a = tl.zeros([BK], dtype=dt)
                 if VAR:
                     q_a = tl.load(Q + pk, mask=mk, other=0.0).to(dt)
-                    dqt = dvar[:, None] * dqt
-                    db += dvar[:, None] * q_a * q_a
-                    dgam += dqt * q_a
-                    dqd = _mix(dGq, R, U_a, g_a, rows, cols, C, DIAG, PREC)
-                    dq = gam_a * dqt + 2.0 * dvar[:, None] * b_a * q_a + dqd
-                    rs += q_a * dqd
-                    cs += U_a * _mix_t(dGq, R, q_a, g_a, rows, cols, C, DIAG, PREC)
-                # B = Σ_l ℓ_l² ρ_jl²: Tb_l = Σ_{j≥l} b̄_j ρ_jl², ℓ̄²_l = Σ_channels Tb_l
-                if DIAG:
-                    Tb = _mix_t(tl.where(low, 1.0, 0.0).to(dt), R, db, 2.0 * g_a, rows, cols, C, DIAG, PREC)
-                else:
-                    Tb = tl.dot(tl.trans(R * R), db, input_precision=PREC)
-                dell2 += tl.sum(Tb, axis=1)
-                rs += 2.0 * db * b_a
-                cs += 2.0 * ell2c[:, None] * Tb
-                dG_a = dgam * gam_a + rs - cs
-                if DIAG:
-                    dG_a += tl.load(_cols(DGS, rows, od, BD)) + tl.load(DG + pk, mask=mk, other=0.0).to(dt)
-                    dla = tl.sum(dG_a, axis=0)[None, :] - tl.cumsum(dG_a, axis=0) + dG_a
-                    tl.store(GLA + pk, dla.to(GLA.dtype.element_ty), mask=mk)
-                else:
-                    dGsum += tl.sum(dG_a, axis=1)
-                tl.store(GK + pk, dk.to(GK.dtype.element_ty), mask=mk)
-                tl.store(GQ + pk, dq.to(GQ.dtype.element_ty), mask=mk)
-            if not DIAG:
-                dGsum += tl.load(DG + tok * H + i_h, mask=valid, other=0.0).to(dt)
-                dla = tl.sum(dGsum, axis=0) - tl.cumsum(dGsum, axis=0) + dGsum
-                tl.store(GLA + tok * H + i_h, dla.to(GLA.dtype.element_ty), mask=valid)
-            tl.store(GR2 + tok * H + i_h, dr2.to(GR2.dtype.element_ty), mask=valid)
-            tl.store(GELL2 + tok * H + i_h, dell2.to(GELL2.dtype.element_ty), mask=valid)
-        tl.debug_barrier()
+                    qt_a = gam_a * q_a
+                for bb in range(0, BD, BK):
+                    ob = bb + offs_k
+                    _g2, gam_b, end_b, _b2, gC_b, _bC2 = _decay_block(PG, PB, pc, rows, ob, g, b, gend, bC, C, D,
+                                                                      DIAG)
+                    Gs = 0.5 * (tl.load(_blk(Gin, ob, od, BD)) + tl.trans(tl.load(_blk(Gin, od, ob, BD))))
+                    UeG += tl.dot(end_b * tl.load(_cols(US, rows, ob, BD)), Gs, input_precision=PREC)
+                    if INPUTS:
+                        Pboth = tl.load(_blk(Pc, ob, od, BD)) + tl.trans(tl.load(_blk(Pc, od, ob, BD)))
+                        dgC_a += tl.sum(Gs * Pboth * gC_b[:, None], axis=0)
+                    dPb = gC_b[:, None] * Gs * gC_a[None, :]
+                    if VAR:
+                        qt_b = gam_b * load_tile(Q, tok, valid, ob, i_h, H, D).to(dt)
+                        dPb += tl.dot(tl.trans(qt_b * dvar[:, None]), qt_a, input_precision=PREC)
+                    tl.store(_blk(Gout, ob, od, BD), dPb)
+                Ue_a = end_a * U_a
+                dUe = -2.0 * beta[:, None] * UeG
+                dbeta_c += tl.sum(dW_a * U_a - UeG * Ue_a, axis=1)
+                dU_a = end_a * dUe + beta[:, None] * dW_a
+                if VAR:
+                    dU_a += _mix_t(tl.load(GQS + pCC), RS, q_a, g_a, rows, cols, C, DIAG, PREC)
+                tl.store(_cols(DUS, rows, od, BD), dU_a)
+                k_a = tl.load(K + pk, mask=mk, other=0.0).to(dt)
+                dLi += _scores(dU_a, b_a * k_a, RS, g_a, rows, cols, C, DIAG, PREC)
+                dLi += tl.dot(gam_a * dU_a, tl.trans(tl.load(_cols(YS, rows, od, BD))), input_precision=PREC)
+                dLi += tl.dot(tl.load(DKW + pk, mask=mk, other=0.0).to(dt), tl.trans(gam_a * k_a),
+                              input_precision=PREC)
+                if INPUTS:
+                    te = dUe * U_a * end_a
+                    dG1 = tl.where(last[:, None], (tl.sum(te, axis=0) + dgC_a * gC_a)[None, :], 0.0) - te
+                    if DIAG:
+                        tl.store(_cols(DGS, rows, od, BD), dG1)
+                    else:
+                        dGsum += tl.sum(dG1, axis=1)
+            for vb in range(0, BM, BV):
+                ov = vb + offs_v
+                pv = (tok[:, None] * H + i_h) * MV + ov[None, :]
+                mv = valid[:, None] & (ov[None, :] < MV)
+                dvu_v = tl.load(DVU + pv, mask=mv, other=0.0).to(dt)
+                dLi += tl.dot(dvu_v, tl.trans(tl.load(V + pv, mask=mv, other=0.0).to(dt)), input_precision=PREC)
+                if INPUTS:
+                    dv = tl.dot(tl.trans(tl.load(LI_base + pCC)), dvu_v, input_precision=PREC)
+                    tl.store(GV + pv, dv.to(GV.dtype.element_ty), mask=mv)
+            # ---- L⁻¹ = Lu⁻¹: dLu = −L⁻ᵀ dL⁻¹ L⁻ᵀ (strictly lower); Lc = Lu diag(√d), β = 1/d; Cholesky adjoint ----
+            LiT = tl.trans(tl.load(LI_base + pCC))
+            dLu = -tl.where(low & ~eye, tl.dot(tl.dot(LiT, dLi, input_precision=PREC), LiT, input_precision=PREC),
+                            0.0)
+            dc = tl.sqrt(d)
+            Lc = tl.where(low, tl.load(X_base + pCC), 0.0) * dc[None, :]
+            ddc = -tl.sum(dLu * Lc, axis=0) / d - 2.0 * dbeta_c / (d * dc)
+            dLc = dLu / dc[None, :] + tl.where(eye, ddc[None, :], 0.0)
+            Phi = tl.where(low, tl.dot(tl.trans(Lc), dLc, input_precision=PREC), 0.0)
+            Phi = Phi - 0.5 * tl.where(eye, Phi, 0.0)
+            LcI = tl.trans(LiT) / dc[:, None]
+            Sb = tl.dot(tl.dot(tl.trans(LcI), Phi, input_precision=PREC), LcI, input_precision=PREC)
+            tl.store(SBS + pCC, 0.5 * (Sb + tl.trans(Sb)))
+            tl.debug_barrier()
+            # ---- A2: S = base + Y K̃ᵀ, Y = K̃ P:  Ȳ = L⁻ᵀ(Φ ⊙ Ū) + S̄ K̃,  P̄ += K̃ᵀ Ȳ ----
+            for a in range(0, BD, BK):
+                od = a + offs_k
+                _g, gam_a, _e, _b, _gC, _bC = _decay_block(PG, PB, pc, rows, od, g, b, gend, bC, C, D, DIAG)
+                kt_a = gam_a * load_tile(K, tok, valid, od, i_h, H, D).to(dt)
+                dY_a = tl.dot(tl.trans(tl.load(LI_base + pCC)), gam_a * tl.load(_cols(DUS, rows, od, BD)),
+                              input_precision=PREC)
+                dY_a += tl.dot(tl.load(SBS + pCC), kt_a, input_precision=PREC)
+                tl.store(_cols(DYS, rows, od, BD), dY_a)
+                for bb in range(0, BD, BK):
+                    ob = bb + offs_k
+                    _g2, gam_b, _e2, _b2, _gC2, _bC2 = _decay_block(PG, PB, pc, rows, ob, g, b, gend, bC, C, D,
+                                                                    DIAG)
+                    kt_b = gam_b * load_tile(K, tok, valid, ob, i_h, H, D).to(dt)
+                    p = _blk(Gout, ob, od, BD)
+                    tl.store(p, tl.load(p) + tl.dot(tl.trans(kt_b), dY_a, input_precision=PREC))
+            tl.debug_barrier()
+            if INPUTS:
+                # ---- A3: the inputs' gradients (twin: terms_adjoint), every decay term per channel ----
+                dell2 = zero_c
+                for a in range(0, BD, BK):
+                    od = a + offs_k
+                    md = od < D
+                    g_a, gam_a, _e, b_a, _gC, _bC = _decay_block(PG, PB, pc, rows, od, g, b, gend, bC, C, D, DIAG)
+                    pk = (tok[:, None] * H + i_h) * D + od[None, :]
+                    mk = valid[:, None] & md[None, :]
+                    k_a = tl.load(K + pk, mask=mk, other=0.0).to(dt)
+                    Y_a = tl.load(_cols(YS, rows, od, BD))
+                    dU_a = tl.load(_cols(DUS, rows, od, BD))
+                    NBk_a = b_a * k_a
+                    dkt = tl.dot(tl.trans(tl.load(LI_base + pCC)), tl.load(DKW + pk, mask=mk, other=0.0).to(dt),
+                                 input_precision=PREC)
+                    dkt += tl.dot(tl.load(SBS + pCC), Y_a, input_precision=PREC)
+                    dqt = tl.zeros([C, BK], dtype=dt)
+                    for bb in range(0, BD, BK):
+                        ob = bb + offs_k
+                        Pab = tl.load(_blk(Pc, od, ob, BD))
+                        dkt += tl.dot(tl.load(_cols(DYS, rows, ob, BD)), tl.trans(Pab), input_precision=PREC)
+                        if VAR:
+                            _g2, gam_b, _e2, _b2, _gC2, _bC2 = _decay_block(PG, PB, pc, rows, ob, g, b, gend, bC, C,
+                                                                            D, DIAG)
+                            qt_b = gam_b * load_tile(Q, tok, valid, ob, i_h, H, D).to(dt)
+                            dqt += tl.dot(qt_b, tl.load(_blk(Pc, ob, od, BD)) + tl.trans(Pab), input_precision=PREC)
+                    # the mix of U: U = Φ ⊙ (L⁻¹Y) + mix(L⁻¹, Bk)
+                    dNBk = _mix_t(tl.load(LI_base + pCC), RS, dU_a, g_a, rows, cols, C, DIAG, PREC)
+                    rs = dU_a * _mix(tl.load(LI_base + pCC), RS, NBk_a, g_a, rows, cols, C, DIAG, PREC)
+                    # the base of S: sym(N) + diag(r²), N_ij = k_iᵀ ρ_ij b_j k_j
+                    Sb = tl.load(SBS + pCC)
+                    dNl = Sb + tl.trans(Sb) - tl.where(eye, Sb, 0.0)
+                    dNBk += _mix_t(dNl, RS, k_a, g_a, rows, cols, C, DIAG, PREC)
+                    mNl = _mix(dNl, RS, NBk_a, g_a, rows, cols, C, DIAG, PREC)
+                    rs += k_a * mNl
+                    cs = NBk_a * dNBk
+                    dk = gam_a * dkt + b_a * dNBk + mNl
+                    dbC_a = tl.sum(tl.where(eyeK, tl.load(_blk(Gin, od, od, BD)), 0.0), axis=1)
+                    db = dNBk * k_a + tl.where(last[:, None], dbC_a[None, :], 0.0)
+                    dgam = dU_a * tl.dot(tl.load(LI_base + pCC), Y_a, input_precision=PREC) + dkt * k_a
+                    dq = tl.zeros([C, BK], dtype=dt)
+                    if VAR:
+                        q_a = tl.load(Q + pk, mask=mk, other=0.0).to(dt)
+                        U_a = tl.load(_cols(US, rows, od, BD))
+                        dqt = dvar[:, None] * dqt
+                        db += dvar[:, None] * q_a * q_a
+                        dgam += dqt * q_a
+                        dqd = _mix(tl.load(GQS + pCC), RS, U_a, g_a, rows, cols, C, DIAG, PREC)
+                        dq = gam_a * dqt + 2.0 * dvar[:, None] * b_a * q_a + dqd
+                        rs += q_a * dqd
+                        cs += U_a * _mix_t(tl.load(GQS + pCC), RS, q_a, g_a, rows, cols, C, DIAG, PREC)
+                    # B = Σ_l ℓ_l² ρ_jl²: Tb_l = Σ_{j≥l} b̄_j ρ_jl², ℓ̄²_l = Σ over channels of Tb_l
+                    if DIAG:
+                        Tb = _mix_t(tl.where(low, 1.0, 0.0).to(dt), RS, db, 2.0 * g_a, rows, cols, C, DIAG, PREC)
+                    else:
+                        R = tl.load(RS + pCC)
+                        Tb = tl.dot(tl.trans(R * R), db, input_precision=PREC)
+                    dell2 += tl.sum(Tb, axis=1)
+                    rs += 2.0 * db * b_a
+                    cs += 2.0 * ell2c[:, None] * Tb
+                    dG_a = dgam * gam_a + rs - cs
+                    if DIAG:
+                        dG_a += tl.load(_cols(DGS, rows, od, BD)) + tl.load(DG + pk, mask=mk, other=0.0).to(dt)
+                        dla = tl.sum(dG_a, axis=0)[None, :] - tl.cumsum(dG_a, axis=0) + dG_a
+                        tl.store(GLA + pk, dla.to(GLA.dtype.element_ty), mask=mk)
+                    else:
+                        dGsum += tl.sum(dG_a, axis=1)
+                    tl.store(GK + pk, dk.to(GK.dtype.element_ty), mask=mk)
+                    tl.store(GQ + pk, dq.to(GQ.dtype.element_ty), mask=mk)
+                if not DIAG:
+                    dGsum += tl.load(DG + tok * H + i_h, mask=valid, other=0.0).to(dt)
+                    dla = tl.sum(dGsum, axis=0) - tl.cumsum(dGsum, axis=0) + dGsum
+                    tl.store(GLA + tok * H + i_h, dla.to(GLA.dtype.element_ty), mask=valid)
+                dr2 = tl.sum(tl.where(eye, tl.load(SBS + pCC), 0.0), axis=1)
+                tl.store(GR2 + tok * H + i_h, dr2.to(GR2.dtype.element_ty), mask=valid)
+                tl.store(GELL2 + tok * H + i_h, dell2.to(GELL2.dtype.element_ty), mask=valid)
+            tl.debug_barrier()
     # the adjoint of P_s, symmetrised
     Gf = GB + (n_chunks % 2) * BD * BD
     for a in range(0, BD, BK):
@@ -793,7 +795,7 @@ def segment_adjoint_triton(lay: sc.ScanLayout, q, k, v, r2, ell2, log_alpha, adj
             raise ValueError("replay=False needs the chunk_states of an earlier replay")
         chunk_states = chunk_state_scratch(lay, Hf, D, dt, dev)
     check_shaped("chunk_states", chunk_states, (S, Hf, lay.n_s, BD, BD), dt)
-    ws = torch.empty(S, Hf, 5 * C * BD + 2 * BD * BD, dtype=dt, device=dev)
+    ws = torch.empty(S, Hf, 5 * C * BD + 2 * BD * BD + 3 * C * C, dtype=dt, device=dev)
     ldl = torch.empty(S, Hf, 2 * C * C + C, dtype=dt, device=dev)
     g = grads if inputs else dict(q=dP_start, k=dP_start, v=dP_start, r2=dP_start, ell2=dP_start, la=dP_start)
     scan_segment_adjoint_kernel[(S, Hf)](
