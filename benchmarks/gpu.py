@@ -808,7 +808,7 @@ def run_scan(args, save) -> list[dict]:
             for key in ("gdn", "bl_scan", "bl_blockwise"):
                 if f"{key}_fwdbwd_error" in rec:
                     print(f"{'':>9} {key} forward+backward failed: {rec[f'{key}_fwdbwd_error'][:200]}", flush=True)
-        del x
+        x = do = None  # this row's inputs and adjoint go before the next row allocates its own
         save(rows)
     # segment-count sweep at the longest latency row that fits the budget (forwards only)
     for D in args.sweep_D:
