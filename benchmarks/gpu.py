@@ -20,6 +20,30 @@ mean pass, ``bl_fwd_s``, and with our mean kernel — what ``bl_chunk(backend="t
 BL/GDN ratio, per-phase times, peak memory; then a segment-count
 sweep.  The JSON is rewritten after every row, and no row starts after ``--budget-s``.
 
+Forward+backward in the same rows (issue 16; ``--no-bwd``: forwards only, as before): time and peak memory
+(above the inputs; the peak-memory call doubles as the warm-up, then ``--bwd-reps`` timed calls, default 2) of
+BL ``bl_chunk_triton(..., backward="scan")`` (``bl_scan_fwdbwd_*``), BL ``backward="blockwise"`` (the old default,
+host-bound: only at T <= ``--blockwise-max-T``, default 8192, else the row says it was skipped) and fla's
+``chunk_gated_delta_rule`` (``gdn_fwdbwd_*``), with ``ratio_fwdbwd`` and ``ratio_fwdbwd_mem`` (BL scan / GDN).
+Gradients: BL's of q, k, v, r2, ell2, alpha, GDN's of q, k, v, g = log α, β — what a layer, whose projections
+produce all of them, needs; the adjoint of o is a fixed N(0, 1) draw.  A measurement is not started once the
+budget is spent.  The check first compares fla's GDN backward (fp32, packed, first autotune config) with autograd
+through fla's naive recurrent reference and BL's ``backward="scan"`` (float64, and fp32 with fla's mean-pass
+kernels) with the PyTorch chunk path, recording the Triton and fla versions and whether fla's Hopper guard
+(Triton < 3.7.1, fla issue #640) is active, was bypassed (``--gdn-bypass-hopper-guard``; it gates BL's scan
+backward too, whose mean pass calls the same fla kernel) or refused a call.  In the dry run fla's naive
+references stand in for its kernels.
+
+What the backward adds (estimates, none of it measured on a GPU): the check compiles fla's GDN backward and BL's
+backward kernels at one small shape (first configs only: ≈ 20–70 s); the warm-up per head dim adds fla's
+autotuning of its backward kernels, GDN's and BL's mean pass's (the forward's alone took 71 s to over 100 s per
+head dim on a fresh H200; ``TRITON_CACHE_DIR`` carried from a previous machine removes it) and B2–B4's compiles;
+per row 3 × (1 + ``--bwd-reps``) calls: block-wise took 79–642 ms per forward+backward at B = 2, T <= 8k on the
+H200 (2026-11-30), so <= 2 s per latency row and, by tokens, <= 9 s per full-occupancy row; GDN's are a few
+ms; BL scan's are unknown.  Within the same budget the run keeps fewer rows (cheapest first); ``--no-bwd``
+restores the forward-only run, ``--bwd-reps 1`` shortens each row.  The CPU dry run takes ≈ 1 minute (35 s
+without the backward).
+
 For each (T, D) at the same B, H (value dim m = D, bf16 inputs, scalar decay):
 forward time, forward+backward time, tokens/s and peak memory (above the inputs)
 of ``bl_chunk_triton`` and of ``fla.ops.gated_delta_rule.chunk_gated_delta_rule``,
@@ -39,6 +63,8 @@ spills (``STACK``) and shared memory per kernel configuration.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import json
 import math
 import statistics
@@ -135,18 +161,48 @@ def _measure(fns, tokens, reps, warmup, do_bwd):
     return row
 
 
+def fla_hopper_guard(bypass: bool) -> dict:
+    """fla's refusal of its gated ``chunk_bwd_dqkwg`` on Hopper with Triton 3.4 <= v < 3.7.1 (fla issue #640:
+    wrong gradient values): whether it is active here and, with ``bypass``, switch it off.
+
+    The guard reads module globals of ``fla.ops.common.chunk_o`` at call time, so setting its
+    ``TRITON_ABOVE_3_7_1`` lets the kernels run (their times are what a user gets; their values are what
+    :func:`scan_check` measures).  It also gates BL's ``backward="scan"``, whose scalar-decay mean-pass backward
+    calls the same fla function.  Returns ``{"active", "bypassed", "triton", "fla"}`` (``active``: the guard
+    would refuse here; None when fla is not installed).
+    """
+    if not isinstance(bypass, bool):
+        raise TypeError(f"bypass must be a bool, got {type(bypass).__name__}")
+    import triton
+
+    out = {"active": None, "bypassed": False, "triton": triton.__version__, "fla": None}
+    try:
+        import fla
+        import fla.ops.common.chunk_o as fla_chunk_o
+    except ImportError:
+        return out
+    out["fla"] = getattr(fla, "__version__", None)
+    flags = [getattr(fla_chunk_o, n, None) for n in ("IS_NVIDIA_HOPPER", "TRITON_ABOVE_3_4_0", "TRITON_ABOVE_3_7_1")]
+    if None in flags:  # another fla: the guard is not the one this function knows
+        out["active"] = "unknown: fla.ops.common.chunk_o lacks IS_NVIDIA_HOPPER / TRITON_ABOVE_3_* (another fla?)"
+        return out
+    hopper, above_340, above_371 = (bool(f) for f in flags)
+    out["active"] = hopper and above_340 and not above_371
+    if bypass and out["active"]:
+        fla_chunk_o.TRITON_ABOVE_3_7_1 = True
+        out["bypassed"] = True
+    return out
+
+
 def run_benchmark(args, save) -> list[dict]:
     from bayeslayer.ops import set_value_checks
 
     set_value_checks(False)
     if args.gdn_bypass_hopper_guard:
-        # fla refuses its gated backward on Hopper with Triton 3.4 <= v < 3.7.1 (its issue #640: wrong
-        # gradient values); the time of the kernels it would run is still what we compare against
-        import fla.ops.common.chunk_o as fla_chunk_o
-
-        fla_chunk_o.TRITON_ABOVE_3_7_1 = True
-        print("# fla's Hopper/Triton guard on chunk_bwd_dqkwg bypassed: GDN backward values unchecked, "
-              "times only")
+        guard = fla_hopper_guard(bypass=True)
+        if guard["active"]:
+            print("# fla's Hopper/Triton guard on chunk_bwd_dqkwg bypassed: GDN backward values unchecked, "
+                  "times only")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     print(f"# {torch.cuda.get_device_name()} | B={args.B} H={args.H} m=D dtype={args.dtype} "
           f"chunk={args.chunk_size} | {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
@@ -324,12 +380,235 @@ def _gdn_fwd(x):
     return fwd
 
 
-def scan_check(args, device: str) -> dict:
-    """Values on the device before any timing: fla's fwd_h vs its twin, the scan forward vs ``bl_chunk``."""
+# the leaves of the forward+backward rows: what a layer differentiates (its projections produce all of them)
+BL_LEAVES = ("q", "k", "v", "r2", "ell2", "alpha")
+GDN_LEAVES = ("q", "k", "v", "g", "beta")  # GDN's own parametrisation of decay (g = log α) and step (β)
+
+
+@contextlib.contextmanager
+def _fla_first_config():
+    """Pin every autotuned kernel of the loaded ``fla`` modules to its first config, then restore.
+
+    The value checks use it (one compile per kernel instead of fla's autotuning, for minutes on a fresh
+    machine, at a shape no row times) and so does the interpreter, which cannot benchmark configs.  Like
+    ``bayeslayer.ops.fla_mean.one_autotune_config``, over every ``fla.*`` module imported so far (GDN's too).
+    """
+    from triton.runtime.autotuner import Autotuner
+
+    for name in ("fla.ops.gated_delta_rule", "fla.ops.common.chunk_delta_h", "fla.ops.common.chunk_o",
+                 "fla.ops.gla.chunk", "fla.ops.kda.chunk_bwd", "fla.ops.utils.cumsum"):
+        importlib.import_module(name)
+    saved, seen = [], set()
+    for name, mod in list(sys.modules.items()):
+        if mod is None or not (name == "fla" or name.startswith("fla.")):
+            continue
+        for obj in list(vars(mod).values()):
+            while obj is not None and not isinstance(obj, Autotuner) and hasattr(obj, "fn"):
+                obj = obj.fn
+            if isinstance(obj, Autotuner) and id(obj) not in seen and len(obj.configs) > 1:
+                seen.add(id(obj))
+                saved.append((obj, obj.configs))
+                obj.configs = obj.configs[:1]
+    try:
+        yield
+    finally:
+        for obj, configs in saved:
+            obj.configs = configs
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a − b| / max |b| in float64 (b = the reference)."""
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-300)).item()
+
+
+def _cotangent(x: dict, seed: int = 2) -> torch.Tensor:
+    """The adjoint of o (``[B, T, H, m]``, like v): a fixed N(0, 1) draw, so that nothing cancels."""
+    v = x["v"]
+    gen = torch.Generator(device=v.device).manual_seed(seed)
+    return torch.randn(v.shape, device=v.device, generator=gen).to(v.dtype)
+
+
+def _bl_fwdbwd(x, chunk_size, backward: str, do):
+    """Forward+backward of ``bl_chunk_triton(..., backward=)`` with the gradients of :data:`BL_LEAVES`."""
+    from bayeslayer.ops.triton import bl_chunk_triton
+
+    if backward not in ("scan", "blockwise"):
+        raise ValueError(f"backward must be 'scan' or 'blockwise', got {backward!r}")
+    # the interpreter cannot benchmark fla's configs (the scan backward's mean pass runs fla's kernels)
+    pin = _fla_first_config if x["q"].device.type == "cpu" else contextlib.nullcontext
+
+    def fn():
+        leaves = {n: x[n].detach().requires_grad_(True) for n in BL_LEAVES}
+        with pin():
+            o, _ = bl_chunk_triton(*(leaves[n] for n in BL_LEAVES), chunk_size=chunk_size, backward=backward)
+            o.backward(do)
+        return leaves
+
+    return fn
+
+
+def _gdn_call(q, k, v, g, beta, naive: str | None = None):
+    """fla's GDN on CUDA (``chunk_gated_delta_rule``); ``naive`` ("recurrent" or "chunk"): fla's PyTorch references
+    (differentiable; the dry run's stand-in, and the check's reference)."""
+    if naive is None and q.device.type != "cuda":
+        naive = "recurrent"  # the dry run: fla's kernels do not run in the interpreter (fwd_h)
+    if naive == "recurrent":
+        from fla.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
+
+        return naive_recurrent_gated_delta_rule(q, k, v, beta, g, scale=1.0)[0]
+    if naive == "chunk":
+        from fla.ops.gated_delta_rule.naive import naive_chunk_gated_delta_rule
+
+        return naive_chunk_gated_delta_rule(q, k, v, g, beta, scale=1.0)[0]
+    if naive is not None:
+        raise ValueError(f"naive must be None, 'recurrent' or 'chunk', got {naive!r}")
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    return chunk_gated_delta_rule(q, k, v, g, beta, scale=1.0)[0]
+
+
+def _gdn_fwdbwd(x, do):
+    """Forward+backward of fla's GDN (:func:`_gdn_call`) with the gradients of :data:`GDN_LEAVES`."""
+    base = {"q": x["q"], "k": x["k"], "v": x["v"], "g": torch.log(x["alpha"]), "beta": x["beta"].to(x["q"].dtype)}
+
+    def fn():
+        leaves = {n: base[n].detach().requires_grad_(True) for n in GDN_LEAVES}
+        o = _gdn_call(*(leaves[n] for n in GDN_LEAVES))
+        o.backward(do.to(o.dtype))
+        return leaves
+
+    return fn
+
+
+def _measure_fwdbwd(fn, reps: int, device: str) -> tuple[float, int]:
+    """``(median seconds, peak bytes above the inputs)`` of a forward+backward: the peak-memory call is also the
+    warm-up (every kernel was compiled in the per-D warm-up), then ``reps`` timed calls."""
+    peak = _peak_any(fn, device)
+    return _time_any(fn, reps, 0, device), peak
+
+
+def _grads_of(fn, leaves: dict, seed: int) -> dict:
+    """Gradients of a fixed random linear functional of ``fn(**leaves)`` (a tensor or a tuple of tensors)."""
+    outs = fn(**leaves)
+    outs = outs if isinstance(outs, (tuple, list)) else (outs,)
+    gen = torch.Generator().manual_seed(seed)
+    loss = sum((y * torch.randn(y.shape, generator=gen, dtype=torch.float64).to(y)).sum() for y in outs)
+    return dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values())), strict=True))
+
+
+def _guard_hit(err: Exception) -> bool:
+    """True when ``err`` is fla's Hopper/Triton refusal (:func:`fla_hopper_guard`)."""
+    return isinstance(err, RuntimeError) and "#640" in str(err)
+
+
+def _check_gdn_backward(device: str, dry_run: bool) -> dict:
+    """fla's GDN gradients (fp32, packed ragged sequences) against autograd through fla's naive recurrent
+    reference: max relative error of o and of each of :data:`GDN_LEAVES`' gradients.
+
+    On CUDA the kernels are ``chunk_gated_delta_rule`` (autotuning pinned to each kernel's first config: the
+    check must not cost fla's autotuning); in the dry run fla's naive *chunk* reference stands in for them."""
+    gen = torch.Generator(device=device).manual_seed(3)
+    T, H, D, cu = (40, 2, 16, [0, 17, 40]) if dry_run else (200, 2, 64, [0, 90, 200])
+    f32 = dict(dtype=torch.float32, device=device)
+    x = {"q": torch.randn(1, T, H, D, generator=gen, **f32) / math.sqrt(D),
+         "k": torch.nn.functional.normalize(torch.randn(1, T, H, D, generator=gen, **f32), dim=-1),
+         "v": torch.randn(1, T, H, D, generator=gen, **f32),
+         "g": torch.log(0.9 + 0.1 * torch.rand(1, T, H, generator=gen, **f32)),
+         "beta": torch.sigmoid(torch.randn(1, T, H, generator=gen, **f32))}
+    leaves = {n: x[n].clone().requires_grad_(True) for n in GDN_LEAVES}
+    out: dict = {"gdn_check_impl": "naive_chunk_gated_delta_rule (dry run)" if dry_run else
+                 "chunk_gated_delta_rule (first autotune config)", "gdn_check_shape": f"T={T} H={H} D={D} cu={cu}"}
+
+    def packed(naive):
+        def fn(q, k, v, g, beta):  # fla's references have no cu_seqlens: one call per sequence
+            return torch.cat([_gdn_call(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b], naive=naive)
+                              for a, b in zip(cu[:-1], cu[1:], strict=True)], dim=1)
+        return fn
+
+    def kernels(q, k, v, g, beta):
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+        return chunk_gated_delta_rule(q, k, v, g, beta, scale=1.0, cu_seqlens=torch.tensor(cu, device=device))[0]
+
+    ref_o = packed("recurrent")(**leaves)
+    ref = _grads_of(packed("recurrent"), leaves, seed=4)
+    try:
+        with _fla_first_config():
+            fn = packed("chunk") if dry_run else kernels
+            got_o = fn(**leaves)
+            got = _grads_of(fn, leaves, seed=4)
+        errs = {"o": _rel(got_o.detach(), ref_o.detach()), **{n: _rel(got[n], ref[n]) for n in GDN_LEAVES}}
+        out["gdn_bwd_rel_err"] = errs
+        out["gdn_bwd_max_rel_err"] = max(errs.values())
+        out["gdn_bwd_guard_hit"] = False
+    except Exception as err:  # fla's guard (or anything else) must not stop the run: recorded
+        out["gdn_bwd_guard_hit"] = _guard_hit(err)
+        out["gdn_bwd_error"] = f"{type(err).__name__}: {str(err)[:300]}"
+    return out
+
+
+def _check_bl_backward(device: str, dry_run: bool) -> dict:
+    """BL's ``backward="scan"`` gradients (of o and the final M, P) against the PyTorch chunk path's autograd in
+    float64, on packed ragged sequences with segment boundaries inside them: max relative error per input of
+    :data:`BL_LEAVES`, in float64 (the Triton B2–B4 kernels; fla's mean-pass kernels are twins in float64) and
+    in fp32 (the same against the float64 reference, with fla's mean-pass backward kernels on CUDA — pinned to
+    their first config — which fla's Hopper guard may refuse)."""
+    from bayeslayer.ops import bl_chunk
+    from bayeslayer.ops.triton import bl_chunk_triton
+
+    gen = torch.Generator(device=device).manual_seed(5)
+    T, H, D, cu, n_seg = (40, 1, 16, [0, 17, 40], 2) if dry_run else (200, 2, 32, [0, 90, 200], 3)
+    f64 = dict(dtype=torch.float64, device=device)
+    x = {"q": torch.randn(1, T, H, D, generator=gen, **f64),
+         "k": torch.nn.functional.normalize(torch.randn(1, T, H, D, generator=gen, **f64), dim=-1),
+         "v": torch.randn(1, T, H, D, generator=gen, **f64),
+         "r2": 0.1 + torch.rand(1, T, H, generator=gen, **f64),
+         "ell2": 1e-4 + 1e-4 * torch.rand(1, T, H, generator=gen, **f64),
+         "alpha": 0.998 + 0.002 * torch.rand(1, T, H, generator=gen, **f64)}  # long memory: segments matter
+    cu_t = torch.tensor(cu, device=device)
+    out: dict = {"bl_bwd_check_shape": f"T={T} H={H} D={D} C=16 cu={cu} n_segments={n_seg}"}
+
+    def torch_path(**kw):
+        o, (M, P) = bl_chunk(*(kw[n] for n in BL_LEAVES), chunk_size=16, cu_seqlens=cu_t, output_final_state=True,
+                             backend="torch")
+        return o, M, P
+
+    def scan_path(**kw):
+        o, (M, P) = bl_chunk_triton(*(kw[n] for n in BL_LEAVES), chunk_size=16, cu_seqlens=cu_t,
+                                    output_final_state=True, n_segments=n_seg, backward="scan")
+        return o, M, P
+
+    ref = _grads_of(torch_path, {n: x[n].clone().requires_grad_(True) for n in BL_LEAVES}, seed=6)
+    for dtype, tag in ((torch.float64, "fp64"), (torch.float32, "fp32")):
+        try:
+            with _fla_first_config():
+                leaves = {n: x[n].detach().to(dtype).clone().requires_grad_(True) for n in BL_LEAVES}
+                got = _grads_of(scan_path, leaves, seed=6)
+            errs = {n: _rel(got[n], ref[n]) for n in BL_LEAVES}
+            out[f"bl_scan_bwd_{tag}_rel_err"] = errs
+            out[f"bl_scan_bwd_{tag}_max_rel_err"] = max(errs.values())
+        except Exception as err:
+            out[f"bl_scan_bwd_{tag}_guard_hit"] = _guard_hit(err)
+            out[f"bl_scan_bwd_{tag}_error"] = f"{type(err).__name__}: {str(err)[:300]}"
+    return out
+
+
+def scan_check(args, device: str, guard: dict | None = None) -> dict:
+    """Values on the device before any timing: fla's fwd_h vs its twin, the scan forward vs ``bl_chunk``, fla's
+    GDN backward vs its naive reference (:func:`_check_gdn_backward`), BL's ``backward="scan"`` vs the PyTorch
+    chunk path (:func:`_check_bl_backward`; both skipped with ``args.no_bwd``).  ``guard``: what
+    :func:`fla_hopper_guard` returned for this run, recorded with the Triton and fla versions the values were
+    checked under."""
     from bayeslayer.ops import bl_chunk, fla_mean
     from bayeslayer.ops.triton.scan import forward_scan_triton
 
-    out = {}
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if guard is not None and not isinstance(guard, dict):
+        raise TypeError(f"guard must be None or the dict fla_hopper_guard returns, got {type(guard).__name__}")
+    guard = fla_hopper_guard(bypass=False) if guard is None else guard
+    out = {"triton": guard["triton"], "fla": guard["fla"], "hopper_guard_active": guard["active"],
+           "hopper_guard_bypassed": guard["bypassed"]}
     gen = torch.Generator(device=device).manual_seed(1)
     B, T, H, D = 1, 200, 2, 32
     f64 = dict(dtype=torch.float64, device=device)
@@ -362,34 +641,69 @@ def scan_check(args, device: str) -> dict:
         h2, v2, f2 = fla_mean.fwd_h_reference(kk, ww, uu, **kw)
         out["fla_fwd_h_vs_twin_rel_err"] = max(((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
                                                for a, b in ((h1, h2), (v1, v2), (f1, f2)))
+    if not args.no_bwd:
+        t0 = time.time()
+        out.update(_check_gdn_backward(device, args.dry_run))
+        out.update(_check_bl_backward(device, args.dry_run))
+        out["bwd_check_s"] = round(time.time() - t0, 1)
     print(f"# check: {json.dumps(out)}", flush=True)
     return out
 
 
+def _fwdbwd_cols(rec: dict, key: str) -> str:
+    """One forward+backward measurement of a row, readable: ``x ms y GiB``, ``skipped (...)`` or ``failed``."""
+    if f"{key}_fwdbwd_s" in rec:
+        return f"{rec[f'{key}_fwdbwd_s'] * 1e3:.2f} ms {rec[f'{key}_fwdbwd_mem'] / 2**30:.3f} GiB"
+    if f"{key}_fwdbwd_error" in rec:
+        return "failed" + (" (fla's Hopper guard)" if rec.get(f"{key}_fwdbwd_guard_hit") else "")
+    return str(rec.get(f"{key}_fwdbwd", "—"))
+
+
 def run_scan(args, save) -> list[dict]:
-    """The v2 device check (module docstring): check, warm fla, rows, segment sweep; JSON after every row."""
+    """The v2 device check (module docstring): check, warm fla, rows, segment sweep; JSON after every row.
+
+    Each row: the forwards (GDN's, BL's with fla's mean pass, with ours, ours without the prep kernel), then,
+    unless ``args.no_bwd``, forward+backward time and peak memory of GDN, BL ``backward="scan"`` and BL
+    ``backward="blockwise"`` (only at ``T <= args.blockwise_max_T``), and the ratios BL scan / GDN."""
     from bayeslayer.ops import set_value_checks
 
+    if not callable(save):
+        raise TypeError(f"save must be a callable taking the rows, got {type(save).__name__}")
     set_value_checks(False)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     t_start = time.time()
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     if args.dry_run:
         dtype = torch.float32
-    rows: list[dict] = [{"kind": "check", **scan_check(args, device)}]
+    do_bwd = not args.no_bwd
+    guard = fla_hopper_guard(bypass=bool(args.gdn_bypass_hopper_guard))
+    if guard["bypassed"]:
+        print(f"# fla's Hopper guard (Triton {guard['triton']} < 3.7.1) bypassed: the check below measures the "
+              f"values of the backward kernels the rows time", flush=True)
+    elif guard["active"] is True and do_bwd:
+        print("# fla's Hopper guard is active and not bypassed: GDN's and BL's backward=\"scan\" forward+backward "
+              "will fail (--gdn-bypass-hopper-guard runs them)", flush=True)
+    rows: list[dict] = [{"kind": "check", **scan_check(args, device, guard)}]
+    rows.append({"kind": "setup", "fwdbwd": do_bwd, "bl_leaves": list(BL_LEAVES), "gdn_leaves": list(GDN_LEAVES),
+                 "reps": args.reps, "bwd_reps": args.bwd_reps, "blockwise_max_T": args.blockwise_max_T,
+                 "budget_s": args.budget_s, "dtype": args.dtype, "chunk_size": args.chunk_size, "H": args.H})
     save(rows)
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu (dry run)"
-    print(f"# {name} | scan v2 | dtype={args.dtype} chunk={args.chunk_size} | "
-          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", flush=True)
+    print(f"# {name} | scan v2 | dtype={args.dtype} chunk={args.chunk_size} | fwd+bwd "
+          f"{'grads of ' + ','.join(BL_LEAVES) + ' (BL) / ' + ','.join(GDN_LEAVES) + ' (GDN)' if do_bwd else 'off'}"
+          f" | {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", flush=True)
     warmed: set[int] = set()
+    blockwise_rows = args.blockwise_max_T > 0 and min(args.T) <= args.blockwise_max_T
 
     def warm(D: int) -> None:
         """fla's autotuner and Triton's compile cache, once per head dim, on a short sequence — just before the
-        first row that needs it, so that a run cut short by its budget still has the cheap rows."""
+        first row that needs it, so that a run cut short by its budget still has the cheap rows.  The backward's
+        first calls (fla's GDN and mean-pass backward autotuning, the B2–B4 kernels' compiles) are timed apart."""
         if D in warmed:
             return
         warmed.add(D)
         t0 = time.time()
+        rec = {"kind": "warm", "D": D}
         x = _make_inputs(1, args.warm_T, args.H, D, dtype, device)
         for fn in (_gdn_fwd(x), _scan_fwd(x, args.chunk_size, n_segments=2)):
             try:
@@ -397,8 +711,26 @@ def run_scan(args, save) -> list[dict]:
             except Exception as err:  # recorded in the rows that need it
                 print(f"# warm D={D} failed: {type(err).__name__}: {str(err)[:200]}", flush=True)
         _sync(device)
-        rows.append({"kind": "warm", "D": D, "seconds": round(time.time() - t0, 1)})
-        print(f"# warm D={D}: {time.time() - t0:.0f} s", flush=True)
+        rec["seconds"] = round(time.time() - t0, 1)
+        if do_bwd:
+            do = _cotangent(x)
+            for key, make in (("gdn", lambda: _gdn_fwdbwd(x, do)),
+                              ("bl_scan", lambda: _bl_fwdbwd(x, args.chunk_size, "scan", do)),
+                              ("bl_blockwise", lambda: _bl_fwdbwd(x, args.chunk_size, "blockwise", do))):
+                if key == "bl_blockwise" and not blockwise_rows:
+                    continue
+                t1 = time.time()
+                try:
+                    make()()
+                    _sync(device)
+                    rec[f"{key}_fwdbwd_first_s"] = round(time.time() - t1, 1)
+                except Exception as err:  # recorded here and again in the rows
+                    rec[f"{key}_fwdbwd_error"] = f"{type(err).__name__}: {str(err)[:200]}"
+                    print(f"# warm D={D} {key} forward+backward failed: {rec[f'{key}_fwdbwd_error']}", flush=True)
+        rows.append(rec)
+        print(f"# warm D={D}: {time.time() - t0:.0f} s (forwards {rec['seconds']:.0f} s"
+              + "".join(f", {k[:-len('_fwdbwd_first_s')]} f+b {v:.0f} s" for k, v in rec.items()
+                        if k.endswith("_fwdbwd_first_s")) + ")", flush=True)
         save(rows)
     shapes = [("latency", args.B, T, D) for T in args.T for D in args.D]
     shapes += [("occupancy", args.occ_B, T, D) for T in args.T for D in args.D]
@@ -411,6 +743,8 @@ def run_scan(args, save) -> list[dict]:
         warm(D)
         rec = {"kind": kind, "B": B, "H": args.H, "T": T, "D": D, "dtype": args.dtype}
         rows.append(rec)
+        head = f"{kind:>9} B={B:<2} T={T:>6} D={D:>4} |"
+        x = None
         try:
             x = _make_inputs(B, T, args.H, D, dtype, device)
             gdn = _gdn_fwd(x)
@@ -431,7 +765,7 @@ def run_scan(args, save) -> list[dict]:
             rec["ratio_fwd"] = rec["bl_fwd_s"] / rec["gdn_fwd_s"]
             rec["ratio_mem"] = rec["bl_mem"] / rec["gdn_mem"] if rec["gdn_mem"] else None
             rec["bl_tok_s"] = B * T / rec["bl_fwd_s"]
-            print(f"{kind:>9} B={B:<2} T={T:>6} D={D:>4} | GDN {rec['gdn_fwd_s'] * 1e3:8.2f} ms | BL "
+            print(f"{head} GDN {rec['gdn_fwd_s'] * 1e3:8.2f} ms | BL "
                   f"{rec['bl_fwd_s'] * 1e3:8.2f} ms (own mean {rec['bl_own_mean_fwd_s'] * 1e3:.2f}, without prep "
                   f"{rec['bl_own_mean_noprep_fwd_s'] * 1e3:.2f}) | ratio "
                   f"{rec['ratio_fwd']:6.2f} | mem ratio "
@@ -439,11 +773,44 @@ def run_scan(args, save) -> list[dict]:
                   f"{json.dumps({n: round(v * 1e3, 2) for n, v in phases.items()})}", flush=True)
         except Exception as err:  # one failing row (OOM, compile error) must not hide the others
             rec["error"] = f"{type(err).__name__}: {str(err)[:300]}"
-            print(f"{kind:>9} B={B:<2} T={T:>6} D={D:>4} | failed: {rec['error']}", flush=True)
-        save(rows)
+            print(f"{head} forward failed: {rec['error']}", flush=True)
         if device == "cuda":
             torch.cuda.empty_cache()
-    # segment-count sweep at the longest latency row that fits the budget
+        if do_bwd and x is not None:
+            do = _cotangent(x)
+            for key, make in (("gdn", lambda: _gdn_fwdbwd(x, do)),
+                              ("bl_scan", lambda: _bl_fwdbwd(x, args.chunk_size, "scan", do)),
+                              ("bl_blockwise", lambda: _bl_fwdbwd(x, args.chunk_size, "blockwise", do))):
+                if key == "bl_blockwise" and T > args.blockwise_max_T:
+                    rec[f"{key}_fwdbwd"] = f"skipped: T > {args.blockwise_max_T} (--blockwise-max-T)"
+                    continue
+                if time.time() - t_start > args.budget_s:
+                    rec[f"{key}_fwdbwd"] = f"skipped: budget of {args.budget_s:.0f} s spent"
+                    continue
+                try:
+                    rec[f"{key}_fwdbwd_s"], rec[f"{key}_fwdbwd_mem"] = _measure_fwdbwd(make(), args.bwd_reps, device)
+                except Exception as err:  # an OOM or a refusal of one must not hide the others
+                    rec[f"{key}_fwdbwd_error"] = f"{type(err).__name__}: {str(err)[:300]}"
+                    rec[f"{key}_fwdbwd_guard_hit"] = _guard_hit(err)
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+            if "bl_scan_fwdbwd_s" in rec and "gdn_fwdbwd_s" in rec:
+                rec["ratio_fwdbwd"] = rec["bl_scan_fwdbwd_s"] / rec["gdn_fwdbwd_s"]
+                rec["ratio_fwdbwd_mem"] = (rec["bl_scan_fwdbwd_mem"] / rec["gdn_fwdbwd_mem"]
+                                           if rec["gdn_fwdbwd_mem"] else None)
+                if "bl_blockwise_fwdbwd_s" in rec:
+                    rec["ratio_fwdbwd_blockwise"] = rec["bl_blockwise_fwdbwd_s"] / rec["gdn_fwdbwd_s"]
+            rec["bl_scan_fwdbwd_tok_s"] = B * T / rec["bl_scan_fwdbwd_s"] if "bl_scan_fwdbwd_s" in rec else None
+            print(f"{'f+b':>{len(head) - 1}}| GDN {_fwdbwd_cols(rec, 'gdn')} | BL scan "
+                  f"{_fwdbwd_cols(rec, 'bl_scan')} | blockwise {_fwdbwd_cols(rec, 'bl_blockwise')} | ratio "
+                  f"{rec.get('ratio_fwdbwd') or float('nan'):6.2f} | mem ratio "
+                  f"{rec.get('ratio_fwdbwd_mem') or float('nan'):5.2f}", flush=True)
+            for key in ("gdn", "bl_scan", "bl_blockwise"):
+                if f"{key}_fwdbwd_error" in rec:
+                    print(f"{'':>9} {key} forward+backward failed: {rec[f'{key}_fwdbwd_error'][:200]}", flush=True)
+        x = do = None  # this row's inputs and adjoint go before the next row allocates its own
+        save(rows)
+    # segment-count sweep at the longest latency row that fits the budget (forwards only)
     for D in args.sweep_D:
         T = max(args.T)
         for n_seg in args.sweep:
@@ -464,8 +831,34 @@ def run_scan(args, save) -> list[dict]:
                 rec["error"] = f"{type(err).__name__}: {str(err)[:300]}"
                 print(f"    sweep T={T} D={D} segments={n_seg}: failed: {rec['error']}", flush=True)
             save(rows)
+    _print_scan_table(rows)
     print(f"# scan check done in {time.time() - t_start:.0f} s", flush=True)
     return rows
+
+
+def _print_scan_table(rows: list[dict]) -> None:
+    """The rows of :func:`run_scan`, one line each: forward and forward+backward ms, ratios, peak GiB."""
+    header = (f"{'kind':>9} {'B':>2} {'T':>6} {'D':>4} | {'GDN fwd':>8} {'BL fwd':>8} {'ratio':>6} | {'GDN f+b':>8} "
+              f"{'BL scan':>8} {'blockw.':>8} {'ratio':>6} | {'GDN GiB':>7} {'BL GiB':>7} {'ratio':>6}")
+    print("# ms (median), peak GiB above the inputs of forward+backward; ratios BL (fla mean; scan backward) / GDN")
+    print(header)
+    print("-" * len(header))
+    nan = float("nan")
+
+    def ms(rec, key):
+        return rec[key] * 1e3 if isinstance(rec.get(key), (int, float)) else nan
+
+    def gib(rec, key):
+        return rec[key] / 2**30 if isinstance(rec.get(key), (int, float)) else nan
+
+    for rec in rows:
+        if rec.get("kind") not in ("latency", "occupancy"):
+            continue
+        print(f"{rec['kind']:>9} {rec['B']:>2} {rec['T']:>6} {rec['D']:>4} | {ms(rec, 'gdn_fwd_s'):>8.2f} "
+              f"{ms(rec, 'bl_fwd_s'):>8.2f} {rec.get('ratio_fwd') or nan:>6.2f} | {ms(rec, 'gdn_fwdbwd_s'):>8.2f} "
+              f"{ms(rec, 'bl_scan_fwdbwd_s'):>8.2f} {ms(rec, 'bl_blockwise_fwdbwd_s'):>8.2f} "
+              f"{rec.get('ratio_fwdbwd') or nan:>6.2f} | {gib(rec, 'gdn_fwdbwd_mem'):>7.3f} "
+              f"{gib(rec, 'bl_scan_fwdbwd_mem'):>7.3f} {rec.get('ratio_fwdbwd_mem') or nan:>6.2f}", flush=True)
 
 
 def compile_only(args) -> list[dict]:
@@ -571,7 +964,12 @@ def main(argv=None) -> int:
     p.add_argument("--chunk-size", type=int, default=64)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--no-bwd", action="store_true", help="forward only")
+    p.add_argument("--no-bwd", action="store_true",
+                   help="forward only (--scan: no forward+backward measurements, no backward value checks)")
+    p.add_argument("--bwd-reps", type=int, default=2,
+                   help="--scan: timed forward+backward calls per measurement (after one that measures memory)")
+    p.add_argument("--blockwise-max-T", type=int, default=8192,
+                   help="--scan: time BL's backward=\"blockwise\" (host-bound, slow) only at T <= this; 0: never")
     p.add_argument("--quick", action="store_true", help="T = 2048 only")
     p.add_argument("--compile-only", action="store_true", help="AOT-compile for --arch, no GPU needed")
     p.add_argument("--profile", action="store_true",
@@ -580,7 +978,8 @@ def main(argv=None) -> int:
                    help="forward time and error per chunk size and fp32 product precision, first T, each D")
     p.add_argument("--bl-only", action="store_true", help="measure BL only (no flash-linear-attention needed)")
     p.add_argument("--gdn-bypass-hopper-guard", action="store_true",
-                   help="time fla's GDN backward even where fla refuses it (Hopper, Triton < 3.7.1)")
+                   help="time fla's GDN backward even where fla refuses it (Hopper, Triton < 3.7.1); with --scan "
+                        "also BL's backward=\"scan\" (its mean pass calls the same fla kernel), values checked first")
     p.add_argument("--arch", type=int, default=90, help="CUDA compute capability for --compile-only")
     p.add_argument("--kernels", nargs="*", choices=["cov", "mean", "step", "cov64", "track64", "phaseb64", "prep",
                                                     "prep64", "covp", "covp64"],
@@ -595,12 +994,18 @@ def main(argv=None) -> int:
     p.add_argument("--sweep-D", type=int, nargs="*", default=[64, 128], help="--scan: head dims of the sweep")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/gpu.json"))
     args = p.parse_args(argv)
+    for name in ("reps", "bwd_reps"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.blockwise_max_T < 0:
+        p.error(f"--blockwise-max-T must be >= 0, got {args.blockwise_max_T}")
     if args.quick:
         args.T = [2048]
     if args.scan and args.dry_run:
         # the interpreter runs every kernel in NumPy: tiny shapes, same code path
         args.T, args.D, args.B, args.occ_B, args.H, args.chunk_size, args.dtype = [96], [16], 1, 2, 2, 16, "fp32"
         args.warm_T, args.reps, args.warmup, args.sweep, args.sweep_D = 32, 1, 0, [1, 3], [16]
+        args.bwd_reps = 1
     if args.compile_only:
         rows = compile_only(args)
     elif args.scan and (args.dry_run or torch.cuda.is_available()):

@@ -6,11 +6,16 @@
 #   profile   a torch.profiler kernel table of one point
 #   scantest  the segment-scan tests compiled on the GPU (tests/ops/test_scan_ldl.py, test_scan_triton.py,
 #             test_scan_fla.py)
-#   scan      the v2 device check: benchmarks/gpu.py --scan (SCAN_ARGS adds arguments; its own
-#             --budget-s stops starting rows at 420 s), sized for 8 minutes of device time:
-#             PHASES="scantest scan" TEST_S=60 SCAN_S=450
+#   bwdtest   the backward="scan" tests compiled on the GPU (tests/ops/test_scan_backward_triton.py,
+#             test_scan_grad.py; 51 tests, 8 xdist workers when pytest-xdist is there), limit BWDTEST_S
+#   scan      the v2 device check: benchmarks/gpu.py --scan with forward+backward rows and fla's Hopper guard
+#             bypassed (the check measures the bypassed kernels' values first; see gpu.py's docstring); its
+#             --budget-s, SCAN_S - 60, stops starting rows and measurements a minute before the phase's limit;
+#             SCAN_ARGS adds arguments (--no-bwd: forwards only; --budget-s overrides).  Sized for 8 minutes of
+#             device time:
+#             PHASES="scantest bwdtest scan" TEST_S=60 BWDTEST_S=90 SCAN_S=330
 # PHASES picks and orders them (default "tests bench profile"); each has a time limit in seconds
-# (TEST_S, BENCH_S, VAR_S, PROF_S, SCAN_S).  Results go to $OUT (the device tool's folder) or /tmp/bl_gpu.
+# (TEST_S, BWDTEST_S, BENCH_S, VAR_S, PROF_S, SCAN_S).  Results go to $OUT (the device tool's folder) or /tmp/bl_gpu.
 # Triton's cache (compiled kernels and fla's autotuning results, FLA_CACHE_RESULTS=1) lives in
 # benchmarks/results/triton_cache: carry that folder to the next lent machine and fla does not
 # autotune again; it is also packed into $OUT/triton_cache.tgz when under 40 MB.
@@ -49,9 +54,14 @@ for phase in ${PHASES:-tests bench profile}; do
     scantest)
       TRITON_INTERPRET=0 timeout "${TEST_S:-60}" python3 -m pytest -q -rf -p no:cacheprovider \
         tests/ops/test_scan_ldl.py tests/ops/test_scan_triton.py tests/ops/test_scan_fla.py 2>&1 | tail -25 | tee "$OUT/scantest.log" ;;
+    bwdtest)
+      TRITON_INTERPRET=0 timeout "${BWDTEST_S:-90}" python3 -m pytest -q -rf -p no:cacheprovider \
+        $(python3 -c "import xdist" 2>/dev/null && echo "-n 8") \
+        tests/ops/test_scan_backward_triton.py tests/ops/test_scan_grad.py 2>&1 | tail -30 | tee "$OUT/bwdtest.log" ;;
     scan)
-      timeout "${SCAN_S:-450}" python3 benchmarks/gpu.py --scan --out "$OUT/scan.json" ${SCAN_ARGS:-} 2>&1 \
-        | tee "$OUT/scan.log" ;;
+      scan_s=${SCAN_S:-450}
+      timeout "$scan_s" python3 benchmarks/gpu.py --scan --gdn-bypass-hopper-guard --budget-s $((scan_s - 60)) \
+        --out "$OUT/scan.json" ${SCAN_ARGS:-} 2>&1 | tee "$OUT/scan.log" ;;
   esac
 done
 size=$(du -sm "$TRITON_CACHE_DIR" 2>/dev/null | cut -f1)

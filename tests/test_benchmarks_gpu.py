@@ -1,0 +1,104 @@
+"""``benchmarks/gpu.py --scan`` pieces that run without a GPU: fla's Hopper guard handling, the backward value check
+on fla's naive references, argument validation.
+
+The whole device check is dry-run by hand (``TRITON_INTERPRET=1 python benchmarks/gpu.py --scan --dry-run``, about
+a minute); these tests keep the parts a GPU run depends on from breaking silently in between.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def gpu():
+    spec = importlib.util.spec_from_file_location("benchmarks_gpu", ROOT / "benchmarks" / "gpu.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _simulate(monkeypatch, hopper: bool, above_340: bool, above_371: bool):
+    chunk_o = pytest.importorskip("fla.ops.common.chunk_o")
+    monkeypatch.setattr(chunk_o, "IS_NVIDIA_HOPPER", hopper)
+    monkeypatch.setattr(chunk_o, "TRITON_ABOVE_3_4_0", above_340)
+    monkeypatch.setattr(chunk_o, "TRITON_ABOVE_3_7_1", above_371)  # restored after the test, bypass or not
+    return chunk_o
+
+
+def _gated_dqkwg(chunk_o):
+    """fla's gated ``chunk_bwd_dqkwg`` on dummy inputs: its guard is the first thing it checks."""
+    x = torch.zeros(1, 64, 1, 16)
+    h = torch.zeros(1, 1, 1, 16, 16)
+    return chunk_o.chunk_bwd_dqkwg(x, x, x, x, h, h, g=torch.zeros(1, 64, 1))
+
+
+def test_hopper_guard_detected_hit_and_bypassed(gpu, monkeypatch):
+    """Hopper with Triton 3.4 <= v < 3.7.1: the guard is active, fla's refusal is recognised as the guard's, and
+    the bypass lets the call past the guard."""
+    chunk_o = _simulate(monkeypatch, hopper=True, above_340=True, above_371=False)
+    state = gpu.fla_hopper_guard(bypass=False)
+    assert state["active"] is True and state["bypassed"] is False
+    assert state["triton"] and state["fla"]
+    with pytest.raises(RuntimeError, match="#640") as err:
+        _gated_dqkwg(chunk_o)
+    assert gpu._guard_hit(err.value)
+    assert not gpu._guard_hit(RuntimeError("CUDA out of memory")) and not gpu._guard_hit(ValueError("#640"))
+    state = gpu.fla_hopper_guard(bypass=True)
+    assert state["active"] is True and state["bypassed"] is True and chunk_o.TRITON_ABOVE_3_7_1 is True
+    with pytest.raises(Exception) as err:  # past the guard: fails later (no GPU), not with the guard's refusal
+        _gated_dqkwg(chunk_o)
+    assert not gpu._guard_hit(err.value)
+
+
+@pytest.mark.parametrize(("hopper", "above_340", "above_371"), [(False, True, False), (True, True, True),
+                                                                (True, False, False)])
+def test_hopper_guard_inactive_is_left_alone(gpu, monkeypatch, hopper, above_340, above_371):
+    chunk_o = _simulate(monkeypatch, hopper, above_340, above_371)
+    state = gpu.fla_hopper_guard(bypass=True)
+    assert state["active"] is False and state["bypassed"] is False
+    assert chunk_o.TRITON_ABOVE_3_7_1 is above_371
+
+
+def test_gdn_backward_check_on_fla_references(gpu):
+    """The dry run's GDN check: fla's naive chunk reference against its naive recurrent one, fp32, packed."""
+    pytest.importorskip("fla")
+    out = gpu._check_gdn_backward("cpu", dry_run=True)
+    assert "gdn_bwd_error" not in out, out.get("gdn_bwd_error")
+    assert set(out["gdn_bwd_rel_err"]) == {"o", *gpu.GDN_LEAVES}
+    assert out["gdn_bwd_max_rel_err"] <= 1e-5 and out["gdn_bwd_guard_hit"] is False
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") != "1", reason="needs TRITON_INTERPRET=1 (CPU)")
+def test_bl_backward_check_interpreted(gpu):
+    """The dry run's BL check: ``backward="scan"`` against the PyTorch chunk path, float64 and fp32 (a few s)."""
+    pytest.importorskip("fla")
+    out = gpu._check_bl_backward("cpu", dry_run=True)
+    assert set(out["bl_scan_bwd_fp64_rel_err"]) == set(gpu.BL_LEAVES)
+    assert out["bl_scan_bwd_fp64_max_rel_err"] <= 1e-10
+    assert out["bl_scan_bwd_fp32_max_rel_err"] <= 1e-5
+
+
+def test_bad_input(gpu):
+    with pytest.raises(TypeError, match="bypass"):
+        gpu.fla_hopper_guard(bypass="yes")
+    with pytest.raises(ValueError, match="device"):
+        gpu.scan_check(argparse.Namespace(no_bwd=True, dry_run=True), "tpu")
+    with pytest.raises(TypeError, match="guard"):
+        gpu.scan_check(argparse.Namespace(no_bwd=True, dry_run=True), "cpu", guard="off")
+    with pytest.raises(TypeError, match="save"):
+        gpu.run_scan(argparse.Namespace(), save=None)
+    with pytest.raises(ValueError, match="backward"):
+        gpu._bl_fwdbwd({"q": torch.zeros(1)}, 16, "fused", None)
+    for argv in (["--scan", "--bwd-reps", "0"], ["--scan", "--reps", "0"], ["--scan", "--blockwise-max-T", "-1"]):
+        with pytest.raises(SystemExit) as err:
+            gpu.main(argv)
+        assert err.value.code == 2
