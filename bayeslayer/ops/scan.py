@@ -75,6 +75,10 @@ class ScanLayout:
     ``seg_seq[s]``: the sequence of segment s; ``seq_first_seg[n]``, ``seq_n_seg[n]``: its segments
     are ``seq_first_seg[n] .. + seq_n_seg[n] - 1`` in order.  ``tok``: ``[S, n_s, C]`` token index of
     every position of every segment, ``inside``: whether that position is a real token.
+    ``phase_b_steps`` (the PyTorch Phase B and B3 twins' serial steps) is built on first use, from the
+    host-side segment counts: it holds two index tensors per step (per chunk for a one-chunk-per-segment
+    layout), which the layouts that never step over segments (``substituted``, the substitution's adjoint,
+    the Triton phases) must not pay for.
     """
 
     cu: list[int]
@@ -87,7 +91,24 @@ class ScanLayout:
     inside: torch.Tensor
     # host-side bookkeeping, so that no phase needs a device-to-host sync to size its work
     element_segments: torch.Tensor | None = None  # all but the last segment of each sequence
-    phase_b_steps: list = field(default_factory=list)  # step j: (sequences with > j+1 segments, their segment j)
+    seg_counts: list[int] = field(default_factory=list)  # host copy of seq_n_seg (sizes work without a sync)
+    _phase_b_steps: list | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def phase_b_steps(self) -> list:
+        """Step ``j`` of a serial pass over segments: ``(sequences with > j + 1 segments, their segment j)``,
+        two int64 index tensors on the layout's device; built on first use and kept."""
+        if self._phase_b_steps is None:
+            first = [0]
+            for k in self.seg_counts[:-1]:
+                first.append(first[-1] + k)
+            i64 = dict(dtype=torch.int64, device=self.tok.device)
+            steps = []
+            for j in range(max(self.seg_counts, default=1) - 1):
+                seqs = [n for n, k in enumerate(self.seg_counts) if k > j + 1]
+                steps.append((torch.tensor(seqs, **i64), torch.tensor([first[n] + j for n in seqs], **i64)))
+            self._phase_b_steps = steps
+        return self._phase_b_steps
 
     @property
     def last_segments(self) -> torch.Tensor:
@@ -143,13 +164,10 @@ def scan_layout(cu: list[int], C: int, segment_chunks: int, device) -> ScanLayou
     lay = ScanLayout(
         cu=list(cu), C=C, n_s=n_s, seg_seq=torch.tensor(seg_seq, **i64), seq_first_seg=torch.tensor(first, **i64),
         seq_n_seg=torch.tensor(nseg, **i64), tok=tok.view(-1, n_s, C), inside=inside.view(-1, n_s, C),
+        seg_counts=nseg,
     )
     lay.element_segments = torch.tensor([f + j for f, k in zip(first, nseg, strict=True) for j in range(k - 1)],
                                          **i64)
-    lay.phase_b_steps = []
-    for j in range(max(nseg, default=1) - 1):
-        seqs = [n for n, k in enumerate(nseg) if k > j + 1]
-        lay.phase_b_steps.append((torch.tensor(seqs, **i64), torch.tensor([first[n] + j for n in seqs], **i64)))
     return lay
 
 

@@ -260,7 +260,8 @@ def test_mean_pass_fla_backward_equals_autograd(diagonal, dtype, tol):
     """The adapter with fla's kernels (fwd_h and bwd_dhu by their twins where the interpreter cannot run them),
     fp32 and fp16 inputs (fla accumulates in fp32), against autograd through the mean pass in float64.
     Measured on CPU: fp32 ≤ 3.7e-7, fp16 ≤ 1.2e-3.  Not bf16: under the Triton 3.9 interpreter fla's
-    kernels return garbage for bf16 operands (chunk_bwd_dv_local 1.3e10 where its twin gives 7.8)."""
+    kernels return garbage for bf16 operands (chunk_bwd_dv_local 1.3e10 where its twin gives 7.8) because the
+    interpreter's ``tl.dot`` multiplies bf16's raw uint16 bit patterns (:func:`test_interpreter_bf16_dot`)."""
     _, _, ins64, do64, dM64 = _scan_case(2, diagonal=diagonal)
     ref = _autograd(ins64, do64, dM64)
     ins = {n: x.to(dtype=dtype, device=DEVICE) for n, x in ins64.items()}
@@ -271,6 +272,37 @@ def test_mean_pass_fla_backward_equals_autograd(diagonal, dtype, tol):
     for n, a, b, x in zip(NAMES, got, ref, ins.values(), strict=True):
         assert a.dtype == x.dtype and a.shape == b.shape, n
         assert _rel(a.double().cpu(), b) <= tol, (n, _rel(a.double().cpu(), b))
+
+
+@runs_triton
+def test_interpreter_bf16_dot():
+    """Why bf16 is not tested on fla's kernels on CPU: the Triton 3.9 interpreter stores bf16 as uint16 and its
+    ``create_dot`` runs ``np.matmul`` on those bit patterns (only fp8 is converted), so a bf16 ``tl.dot`` — no fla
+    code involved — is wrong by orders of magnitude, while fp16 is right.  Asserted as it is under the interpreter
+    (a fixed Triton makes this fail: then add bf16 to ``test_mean_pass_fla_backward_equals_autograd``); on a GPU
+    bf16 must be right."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def dot16(a, b, c, N: tl.constexpr):
+        i = tl.arange(0, N)
+        x = tl.load(a + i[:, None] * N + i[None, :])
+        y = tl.load(b + i[:, None] * N + i[None, :])
+        tl.store(c + i[:, None] * N + i[None, :], tl.dot(x, y))
+
+    g = torch.Generator().manual_seed(0)
+    err = {}
+    for dt in (torch.float16, torch.bfloat16):
+        a, b = (torch.randn(16, 16, generator=g).to(dtype=dt, device=DEVICE) for _ in range(2))
+        c = torch.empty(16, 16, dtype=torch.float32, device=DEVICE)
+        dot16[(1,)](a, b, c, N=16)
+        err[dt] = ((c - a.float() @ b.float()).abs().max() / (a.float() @ b.float()).abs().max()).item()
+    assert err[torch.float16] <= 1e-5
+    if DEVICE == "cpu":
+        assert err[torch.bfloat16] > 1e3  # measured 2.4e10 / max|a b| (Triton 3.9)
+    else:
+        assert err[torch.bfloat16] <= 1e-5
 
 
 def test_backward_refuses_bad_inputs():

@@ -108,6 +108,22 @@ def test_segment_layout_never_crosses_sequences():
     assert sorted(allt.tolist()) == list(range(200))
 
 
+def test_phase_b_steps_built_on_first_use():
+    """``phase_b_steps``: step j moves every sequence with > j + 1 segments from its segment j; the index tensors
+    are built only when a serial pass asks for them (a layout costs no per-chunk host tensors otherwise)."""
+    cu = [0, 5, 70, 70, 200]  # 1, 2, 1 (empty) and 3 segments of 3 chunks of 16
+    lay = scan.scan_layout(cu, 16, 3, torch.device("cpu"))
+    assert lay.seg_counts == lay.seq_n_seg.tolist() == [1, 2, 1, 3]
+    assert lay._phase_b_steps is None  # nothing built by scan_layout itself
+    steps = [(seqs.tolist(), cur.tolist()) for seqs, cur in lay.phase_b_steps]
+    assert steps == [([1, 3], [1, 4]), ([3], [5])]  # segments: 0 | 1 2 | 3 | 4 5 6
+    assert lay.phase_b_steps is lay._phase_b_steps  # built once, kept
+    for seqs, cur in lay.phase_b_steps:
+        assert cur.dtype == seqs.dtype == torch.int64
+        assert (lay.seg_seq[cur] == seqs).all() and (lay.seg_seq[cur + 1] == seqs).all()
+    assert scan.scan_layout([0, 20], 16, 2, torch.device("cpu")).phase_b_steps == []  # one segment: no step
+
+
 def test_choose_segment_chunks():
     assert scan.choose_segment_chunks(32, 32, 2048) == 32  # short sequence: one segment
     assert scan.choose_segment_chunks(32, 512, 32768) == 64  # B·H = 32 -> 8 segments
