@@ -538,26 +538,37 @@ def scan_segment_adjoint_kernel(
                 if VAR:
                     q_a = tl.load(Q + pk, mask=mk, other=0.0).to(dt)
                     qt_a = gam_a * q_a
+                    dqt = tl.zeros([C, BK], dtype=dt)
                 for bb in range(0, BD, BK):
                     ob = bb + offs_k
                     _g2, gam_b, end_b, _b2, gC_b, _bC2 = _decay_block(PG, PB, pc, rows, ob, g, b, gend, bC, C, D,
                                                                       DIAG)
                     Gs = 0.5 * (tl.load(_blk(Gin, ob, od, BD)) + tl.trans(tl.load(_blk(Gin, od, ob, BD))))
                     UeG += tl.dot(end_b * tl.load(_cols(US, rows, ob, BD)), Gs, input_precision=PREC)
-                    if INPUTS:
-                        Pboth = tl.load(_blk(Pc, ob, od, BD)) + tl.trans(tl.load(_blk(Pc, od, ob, BD)))
-                        dgC_a += tl.sum(Gs * Pboth * gC_b[:, None], axis=0)
                     dPb = gC_b[:, None] * Gs * gC_a[None, :]
                     if VAR:
                         qt_b = gam_b * load_tile(Q, tok, valid, ob, i_h, H, D).to(dt)
                         dPb += tl.dot(tl.trans(qt_b * dvar[:, None]), qt_a, input_precision=PREC)
                     tl.store(_blk(Gout, ob, od, BD), dPb)
+                    if INPUTS:
+                        Pboth = tl.load(_blk(Pc, ob, od, BD)) + tl.trans(tl.load(_blk(Pc, od, ob, BD)))
+                        dgC_a += tl.sum(Gs * Pboth * gC_b[:, None], axis=0)
+                        if VAR:  # q̃ᵀ(P + Pᵀ), for q̄
+                            dqt += tl.dot(qt_b, Pboth, input_precision=PREC)
                 Ue_a = end_a * U_a
                 dUe = -2.0 * beta[:, None] * UeG
                 dbeta_c += tl.sum(dW_a * U_a - UeG * Ue_a, axis=1)
                 dU_a = end_a * dUe + beta[:, None] * dW_a
                 if VAR:
-                    dU_a += _mix_t(tl.load(GQS + pCC), RS, q_a, g_a, rows, cols, C, DIAG, PREC)
+                    # the variance 1 + q̃ᵀPq̃ + qᵀBq − Σ_i β_i Gq_ti², Gq_ti = q_tᵀΦ_tΦ_i⁻¹u_i
+                    mTq = _mix_t(tl.load(GQS + pCC), RS, q_a, g_a, rows, cols, C, DIAG, PREC)
+                    dU_a += mTq
+                    if INPUTS:  # q̄ and the variance's share of the decay adjoint (B is A3's, with b̄)
+                        dqt = dvar[:, None] * dqt
+                        dqd = _mix(tl.load(GQS + pCC), RS, U_a, g_a, rows, cols, C, DIAG, PREC)
+                        dq = gam_a * dqt + 2.0 * dvar[:, None] * b_a * q_a + dqd
+                        tl.store(GQ + pk, dq.to(GQ.dtype.element_ty), mask=mk)
+                        dGvar = (gam_a * dqt + dqd) * q_a - U_a * mTq
                 tl.store(_cols(DUS, rows, od, BD), dU_a)
                 k_a = tl.load(K + pk, mask=mk, other=0.0).to(dt)
                 dLi += _scores(dU_a, b_a * k_a, RS, g_a, rows, cols, C, DIAG, PREC)
@@ -567,6 +578,8 @@ def scan_segment_adjoint_kernel(
                 if INPUTS:
                     te = dUe * U_a * end_a
                     dG1 = tl.where(last[:, None], (tl.sum(te, axis=0) + dgC_a * gC_a)[None, :], 0.0) - te
+                    if VAR:
+                        dG1 += dGvar
                     if DIAG:
                         tl.store(_cols(DGS, rows, od, BD), dG1)
                     else:
@@ -627,16 +640,10 @@ def scan_segment_adjoint_kernel(
                     dkt = tl.dot(tl.trans(tl.load(LI_base + pCC)), tl.load(DKW + pk, mask=mk, other=0.0).to(dt),
                                  input_precision=PREC)
                     dkt += tl.dot(tl.load(SBS + pCC), Y_a, input_precision=PREC)
-                    dqt = tl.zeros([C, BK], dtype=dt)
                     for bb in range(0, BD, BK):
                         ob = bb + offs_k
-                        Pab = tl.load(_blk(Pc, od, ob, BD))
-                        dkt += tl.dot(tl.load(_cols(DYS, rows, ob, BD)), tl.trans(Pab), input_precision=PREC)
-                        if VAR:
-                            _g2, gam_b, _e2, _b2, _gC2, _bC2 = _decay_block(PG, PB, pc, rows, ob, g, b, gend, bC, C,
-                                                                            D, DIAG)
-                            qt_b = gam_b * load_tile(Q, tok, valid, ob, i_h, H, D).to(dt)
-                            dqt += tl.dot(qt_b, tl.load(_blk(Pc, ob, od, BD)) + tl.trans(Pab), input_precision=PREC)
+                        dkt += tl.dot(tl.load(_cols(DYS, rows, ob, BD)), tl.trans(tl.load(_blk(Pc, od, ob, BD))),
+                                      input_precision=PREC)
                     # the mix of U: U = Φ ⊙ (L⁻¹Y) + mix(L⁻¹, Bk)
                     dNBk = _mix_t(tl.load(LI_base + pCC), RS, dU_a, g_a, rows, cols, C, DIAG, PREC)
                     rs = dU_a * _mix(tl.load(LI_base + pCC), RS, NBk_a, g_a, rows, cols, C, DIAG, PREC)
@@ -651,17 +658,9 @@ def scan_segment_adjoint_kernel(
                     dbC_a = tl.sum(tl.where(eyeK, tl.load(_blk(Gin, od, od, BD)), 0.0), axis=1)
                     db = dNBk * k_a + tl.where(last[:, None], dbC_a[None, :], 0.0)
                     dgam = dU_a * tl.dot(tl.load(LI_base + pCC), Y_a, input_precision=PREC) + dkt * k_a
-                    dq = tl.zeros([C, BK], dtype=dt)
                     if VAR:
                         q_a = tl.load(Q + pk, mask=mk, other=0.0).to(dt)
-                        U_a = tl.load(_cols(US, rows, od, BD))
-                        dqt = dvar[:, None] * dqt
                         db += dvar[:, None] * q_a * q_a
-                        dgam += dqt * q_a
-                        dqd = _mix(tl.load(GQS + pCC), RS, U_a, g_a, rows, cols, C, DIAG, PREC)
-                        dq = gam_a * dqt + 2.0 * dvar[:, None] * b_a * q_a + dqd
-                        rs += q_a * dqd
-                        cs += U_a * _mix_t(tl.load(GQS + pCC), RS, q_a, g_a, rows, cols, C, DIAG, PREC)
                     # B = Σ_l ℓ_l² ρ_jl²: Tb_l = Σ_{j≥l} b̄_j ρ_jl², ℓ̄²_l = Σ over channels of Tb_l
                     if DIAG:
                         Tb = _mix_t(tl.where(low, 1.0, 0.0).to(dt), RS, db, 2.0 * g_a, rows, cols, C, DIAG, PREC)
@@ -679,7 +678,6 @@ def scan_segment_adjoint_kernel(
                     else:
                         dGsum += tl.sum(dG_a, axis=1)
                     tl.store(GK + pk, dk.to(GK.dtype.element_ty), mask=mk)
-                    tl.store(GQ + pk, dq.to(GQ.dtype.element_ty), mask=mk)
                 if not DIAG:
                     dGsum += tl.load(DG + tok * H + i_h, mask=valid, other=0.0).to(dt)
                     dla = tl.sum(dGsum, axis=0) - tl.cumsum(dGsum, axis=0) + dGsum
