@@ -876,6 +876,11 @@ def compile_only(args) -> list[dict]:
     out = []
     from bayeslayer.ops.triton.kernels import bl_chunk_prep_kernel
     from bayeslayer.ops.triton.scan import scan_phase_b_kernel, scan_track_kernel
+    from bayeslayer.ops.triton.scan_backward import (
+        scan_reverse_kernel,
+        scan_segment_adjoint_kernel,
+        segment_adjoint_tiles,
+    )
 
     configs = [(k, D, g, ck) for k in ("cov", "mean", "step") for D in args.D for g in (False, True)
                for ck in ((False, True) if k != "step" else (False,))]
@@ -886,6 +891,10 @@ def compile_only(args) -> list[dict]:
                 for g in (False, True)]
     # Phase B as one kernel (float64, no decay variants)
     configs += [("phaseb64", D, False, False) for D in args.D]
+    # the backward through the scan: B2 (segadj: replay + adjoint), B4 (segadj4; segadj4v with a variance adjoint),
+    # fp32 as the backward of fp32/16-bit inputs runs them; B3 (rev64: float64, no decay variants)
+    configs += [(k, D, g, False) for k in ("segadj", "segadj4", "segadj4v") for D in args.D for g in (False, True)]
+    configs += [("rev64", D, False, False) for D in args.D]
     configs = [c for c in configs if not args.kernels or c[0] in args.kernels]
     prep_names = ["PG", "PB", "PBASE", "PQN", "chunk_first"]
     for kernel, D, diag, save_ck in configs:
@@ -923,6 +932,20 @@ def compile_only(args) -> list[dict]:
             names = ["PS", "A", "CM", "J", "elem_of_seg", "seq_first", "seq_nseg", "SCR", "FAIL"]
             consts = dict(H=16, D=D, NB=BD // 16, PREC="ieee")
             fp64 = ("PS", "A", "CM", "J", "SCR")
+        elif kernel in ("segadj", "segadj4", "segadj4v"):
+            fn = scan_segment_adjoint_kernel
+            names = ["Q", "K", "V", "R2", "ELL2", "LA", "PG", "PB", "PBASE", "chunk_first", "DW", "DBETA", "DLINV",
+                     "DVAR", "DKW", "DVU", "DG", "cu_seg", "PST", "PEND", "PSCR", "WS", "LDLSCR", "DPST", "FAIL", "GQ",
+                     "GK", "GV", "GR2", "GELL2", "GLA"]
+            tiles = segment_adjoint_tiles(D, D, C)
+            nw = tiles.pop("num_warps")
+            consts = dict(H=16, D=D, MV=D, C=C, NS=16, DIAG=diag, VAR=kernel == "segadj4v",
+                          INPUTS=kernel != "segadj", REPLAY=kernel == "segadj", PREC="ieee", **tiles)
+        elif kernel == "rev64":
+            fn, nw = scan_reverse_kernel, 4
+            names = ["PB", "PS", "A", "J", "elem_of_seg", "seq_first", "seq_nseg", "SCR", "FAIL"]
+            consts = dict(H=16, D=D, NB=BD // 16, PREC="ieee")
+            fp64 = ("PB", "PS", "A", "J", "SCR")
         elif kernel == "mean":
             fn = bl_chunk_mean_kernel
             names = ["q", "k", "v", "W", "LINV", "la", "cu_seqlens", "M", "O", "CKM", "ck_offsets"]
@@ -982,7 +1005,8 @@ def main(argv=None) -> int:
                         "also BL's backward=\"scan\" (its mean pass calls the same fla kernel), values checked first")
     p.add_argument("--arch", type=int, default=90, help="CUDA compute capability for --compile-only")
     p.add_argument("--kernels", nargs="*", choices=["cov", "mean", "step", "cov64", "track64", "phaseb64", "prep",
-                                                    "prep64", "covp", "covp64"],
+                                                    "prep64", "covp", "covp64", "segadj", "segadj4", "segadj4v",
+                                                    "rev64"],
                    help="--compile-only: these kernels only (default all)")
     p.add_argument("--scan", action="store_true", help="v2: segment-scan forward vs GDN forward (module docstring)")
     p.add_argument("--dry-run", action="store_true",

@@ -41,7 +41,9 @@ def test_every_kernel_variant_compiles_for_sm90(tmp_path):
         # the segment scan: Phase A (cov64, track64), the prep kernel (prep64 for Phase A, prep for C) and the
         # covariance kernel reading it (covp64, covp), Phase B (phaseb64: float64, no decay variants)
         (k, d, False) for k in ("cov64", "track64", "prep", "prep64", "covp", "covp64") for d in (False, True)} | {
-        ("phaseb64", False, False)}
+        ("phaseb64", False, False)} | {
+        # the backward through the scan: B2, B4, B4 with the variance (both decays), B3 (float64)
+        (k, d, False) for k in ("segadj", "segadj4", "segadj4v") for d in (False, True)} | {("rev64", False, False)}
     for r in rows:
         what = f"{r['kernel']} (diagonal={r['diagonal']}, checkpoints={r['checkpoints']})"
         assert "error" not in r, f"{what}: {r['error']}"

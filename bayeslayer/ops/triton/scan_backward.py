@@ -707,6 +707,17 @@ def chunk_state_scratch(lay: sc.ScanLayout, Hf: int, D: int, dtype: torch.dtype,
     return torch.empty(lay.n_segments, Hf, lay.n_s, BD, BD, dtype=dtype, device=device)
 
 
+def segment_adjoint_tiles(D: int, MV: int, C: int) -> dict:
+    """The launch constants of :func:`scan_segment_adjoint_kernel` for key dim D, value dim MV, chunk C:
+    ``BD``, ``BM`` (D, MV padded to a power of two ≥ 16), ``BK``, ``BV`` (the key and value column blocks),
+    ``num_warps`` (8 at C = 64, as the forward's covariance kernel).  One place for the wrapper and the
+    compile check (``benchmarks/gpu.py --compile-only``)."""
+    for name, x in (("D", D), ("MV", MV), ("C", C)):
+        if isinstance(x, bool) or not isinstance(x, int) or x < 1:
+            raise ValueError(f"{name} must be a positive int, got {x!r}")
+    return dict(BD=max(16, next_pow2(D)), BM=max(16, next_pow2(MV)), BK=16, BV=16, num_warps=8 if C >= 64 else 4)
+
+
 def segment_adjoint_triton(lay: sc.ScanLayout, q, k, v, r2, ell2, log_alpha, adjoints: dict,
                            P_starts: torch.Tensor, P_end_bar: torch.Tensor, *, inputs: bool,
                            chunk_states: torch.Tensor | None = None, replay: bool = True, prep=None):
@@ -765,8 +776,8 @@ def segment_adjoint_triton(lay: sc.ScanLayout, q, k, v, r2, ell2, log_alpha, adj
             x = torch.zeros(shapes[name], dtype=dt, device=dev) if name != "variance" else r2
         check_shaped(f"adjoints[{name!r}]", x, shapes[name], dt)
         adj[name] = x.contiguous()
-    BD = max(16, next_pow2(D))
-    BM = max(16, next_pow2(MV))
+    tiles = segment_adjoint_tiles(D, MV, C)
+    BD = tiles["BD"]
     dP_start = torch.zeros(S, Hf, D, D, dtype=dt, device=dev)
     fail = torch.zeros(S, Hf, dtype=torch.int32, device=dev)
     grads = None
@@ -801,8 +812,8 @@ def segment_adjoint_triton(lay: sc.ScanLayout, q, k, v, r2, ell2, log_alpha, adj
         log_alpha.contiguous(), pg, pb, pbase, first, adj["w"], adj["beta"], adj["linv"], adj["variance"],
         adj["kw"], adj["vu"], adj["g"], cu_seg, P_starts.contiguous(), P_end_bar.contiguous(), chunk_states, ws, ldl,
         dP_start, fail, g["q"], g["k"], g["v"], g["r2"], g["ell2"], g["la"],
-        H=Hf, D=D, MV=MV, C=C, BD=BD, BK=16, BM=BM, BV=16, NS=lay.n_s, DIAG=diag, VAR=want_var, INPUTS=inputs,
-        REPLAY=replay, PREC="ieee", num_warps=8 if C >= 64 else 4,
+        H=Hf, D=D, MV=MV, C=C, NS=lay.n_s, DIAG=diag, VAR=want_var, INPUTS=inputs, REPLAY=replay, PREC="ieee",
+        **tiles,
     )
     return dP_start, grads, fail != 0
 
