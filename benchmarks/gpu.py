@@ -64,7 +64,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import json
 import math
 import statistics
@@ -385,35 +384,13 @@ BL_LEAVES = ("q", "k", "v", "r2", "ell2", "alpha")
 GDN_LEAVES = ("q", "k", "v", "g", "beta")  # GDN's own parametrisation of decay (g = log α) and step (β)
 
 
-@contextlib.contextmanager
 def _fla_first_config():
-    """Pin every autotuned kernel of the loaded ``fla`` modules to its first config, then restore.
+    """Every autotuned fla kernel loaded (GDN's too) pinned to its first config: the value checks use it (one
+    compile per kernel instead of fla's autotuning, for minutes on a fresh machine, at a shape no row times), and
+    so does the interpreter, which cannot benchmark configs."""
+    from bayeslayer.ops import fla_mean
 
-    The value checks use it (one compile per kernel instead of fla's autotuning, for minutes on a fresh
-    machine, at a shape no row times) and so does the interpreter, which cannot benchmark configs.  Like
-    ``bayeslayer.ops.fla_mean.one_autotune_config``, over every ``fla.*`` module imported so far (GDN's too).
-    """
-    from triton.runtime.autotuner import Autotuner
-
-    for name in ("fla.ops.gated_delta_rule", "fla.ops.common.chunk_delta_h", "fla.ops.common.chunk_o",
-                 "fla.ops.gla.chunk", "fla.ops.kda.chunk_bwd", "fla.ops.utils.cumsum"):
-        importlib.import_module(name)
-    saved, seen = [], set()
-    for name, mod in list(sys.modules.items()):
-        if mod is None or not (name == "fla" or name.startswith("fla.")):
-            continue
-        for obj in list(vars(mod).values()):
-            while obj is not None and not isinstance(obj, Autotuner) and hasattr(obj, "fn"):
-                obj = obj.fn
-            if isinstance(obj, Autotuner) and id(obj) not in seen and len(obj.configs) > 1:
-                seen.add(id(obj))
-                saved.append((obj, obj.configs))
-                obj.configs = obj.configs[:1]
-    try:
-        yield
-    finally:
-        for obj, configs in saved:
-            obj.configs = configs
+    return fla_mean.one_autotune_config(("fla.ops.gated_delta_rule", *fla_mean.FLA_MODULES))
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -17,6 +17,7 @@ from .checks import set_value_checks, value_checks
 from .chunk import filter_chunk
 from .prepare import FilterInputs, FilterOutput
 from .recurrent import bl_recurrent, filter_recurrent, initial_bl_state
+from .triton import set_triton_backward
 from .write import WRITE_MODELS, WriteModel, get_write_model
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "filter_recurrent",
     "get_write_model",
     "initial_bl_state",
+    "set_triton_backward",
     "set_value_checks",
     "value_checks",
 ]

@@ -73,34 +73,45 @@ def require_fla():
     return fla
 
 
-@contextlib.contextmanager
-def one_autotune_config():
-    """Pin fla's autotuned kernels (of the modules this file calls) to their first config, then restore.
+# the fla modules whose kernels this file calls (what :func:`one_autotune_config` imports before pinning)
+FLA_MODULES = ("fla.ops.common.chunk_delta_h", "fla.ops.common.chunk_o", "fla.ops.gla.chunk", "fla.ops.kda.chunk_bwd",
+               "fla.ops.utils.cumsum")
 
-    For the Triton interpreter (CPU tests, ``benchmarks/gpu.py --scan --dry-run``), which cannot
-    benchmark configs; never needed on a GPU.
+
+@contextlib.contextmanager
+def one_autotune_config(modules=FLA_MODULES):
+    """Pin every autotuned kernel of the loaded ``fla`` modules to its first config, then restore.
+
+    ``modules``: fla module names imported first (default: those this file calls; the benchmark adds GDN's).
+    Every ``fla.*`` module loaded by then is covered, each autotuner once (one reachable under two names is
+    restored to its own configs).  For the Triton interpreter (CPU tests, ``benchmarks/gpu.py --scan
+    --dry-run``), which cannot benchmark configs, and for value checks on a GPU that should not autotune.
     """
-    import fla.ops.common.chunk_delta_h as m0
-    import fla.ops.common.chunk_o as m1
-    import fla.ops.gla.chunk as m2
-    import fla.ops.kda.chunk_bwd as m3
-    import fla.ops.utils.cumsum as m4
+    import importlib
+    import sys
+
     from triton.runtime.autotuner import Autotuner
 
-    saved = []
-    for mod in (m0, m1, m2, m3, m4):
-        for name in dir(mod):
-            o = getattr(mod, name)
-            while o is not None and not isinstance(o, Autotuner) and hasattr(o, "fn"):
-                o = o.fn
-            if isinstance(o, Autotuner) and len(o.configs) > 1:
-                saved.append((o, o.configs))
-                o.configs = o.configs[:1]
+    if isinstance(modules, str) or not all(isinstance(m, str) for m in modules):
+        raise TypeError(f"modules must be a sequence of module names, got {modules!r}")
+    for name in modules:
+        importlib.import_module(name)
+    saved, seen = [], set()
+    for name, mod in list(sys.modules.items()):
+        if mod is None or not (name == "fla" or name.startswith("fla.")):
+            continue
+        for obj in list(vars(mod).values()):
+            while obj is not None and not isinstance(obj, Autotuner) and hasattr(obj, "fn"):
+                obj = obj.fn
+            if isinstance(obj, Autotuner) and id(obj) not in seen and len(obj.configs) > 1:
+                seen.add(id(obj))
+                saved.append((obj, obj.configs))
+                obj.configs = obj.configs[:1]
     try:
         yield
     finally:
-        for o, c in saved:
-            o.configs = c
+        for obj, configs in saved:
+            obj.configs = configs
 
 
 def _acc_dtype(x: torch.Tensor) -> torch.dtype:

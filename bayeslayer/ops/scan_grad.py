@@ -38,10 +38,9 @@ the chunk positions of a segment (all segments and heads batched), twice (B2, B4
 (T = 128 and 256, C = 16, one segment, D = 16), the whole backward then dispatched 8017 / 15433 PyTorch ops, the
 covariance twin ≈ 920 per chunk position, against 2357 / 3973 for the block-wise backward.  ``"triton"`` (what
 the Triton forward, ``bl_chunk_triton(backward="scan")``, sets): ``covariance_scan_backward_triton``, the B2, B3,
-B4 kernels on the stored Phase A elements (three launches whatever T), its failure flag checked once after it
+B4 kernels on the stored Phase A elements (a launch count independent of T), its failure flag checked once after it
 (:func:`~bayeslayer.ops.scan.raise_if_failed`).  The block-wise backward stays ``bl_chunk_triton``'s default all
-the same: B2/B4 hold whole ``[BD, BD]`` register tiles and are not yet viable on a GPU at C = 64, D ≥ 64
-(``ops/triton/scan_backward.py``), and nothing of this backward has been timed on a GPU.
+the same until this one has run on a GPU (``ops/triton/chunk.py::set_triton_backward`` switches it).
 """
 
 from __future__ import annotations
@@ -138,7 +137,7 @@ def scan_backward(q, k, v, r2, ell2, log_alpha, M0, P0, cu: list[int], C: int, *
     ``covariance`` (:data:`COVARIANCE_BACKWARDS`): which B2–B4 runs — ``"twin"``, the plain-PyTorch
     :func:`~bayeslayer.ops.scan_backward.covariance_scan_backward` (a Python loop over each segment's chunk
     positions; the float64 reference), or ``"triton"``,
-    ``ops/triton/scan_backward.py::covariance_scan_backward_triton`` (5 launches whatever T; Phase A/B3 in
+    ``ops/triton/scan_backward.py::covariance_scan_backward_triton`` (a launch count independent of T; Phase A/B3 in
     float64, so ``element_dtype`` must be float64), whose failure flag is checked once, after it.
     """
     if covariance not in COVARIANCE_BACKWARDS:

@@ -361,8 +361,10 @@ def test_bl_chunk_triton_scan_backward_16bit(monkeypatch, dtype, regime, diagona
 
 @runs_triton
 def test_backward_switch(monkeypatch):
-    """``blockwise`` stays the default; ``DEFAULT_BACKWARD`` (read at call time) or ``backward=`` select the scan;
-    anything else is refused naming the argument; without a gradient to take the plain forward runs (same output)."""
+    """``blockwise`` stays the default; ``set_triton_backward`` (``DEFAULT_BACKWARD``, read at call time) or
+    ``backward=`` select the scan; anything else is refused naming the argument; without a gradient to take the
+    plain forward runs (same output)."""
+    from bayeslayer.ops import set_triton_backward
     from bayeslayer.ops.triton import chunk as tc
 
     assert tc.DEFAULT_BACKWARD == "blockwise"
@@ -375,7 +377,10 @@ def test_backward_switch(monkeypatch):
     o, _ = tc.bl_chunk_triton(*args, chunk_size=16)
     o.sum().backward()  # blockwise: the scan backward never ran
     assert ran == []
-    monkeypatch.setattr(tc, "DEFAULT_BACKWARD", "scan")
+    with pytest.raises(ValueError, match="backward must be one of"):
+        set_triton_backward("fused")
+    monkeypatch.setattr(tc, "DEFAULT_BACKWARD", "blockwise")  # restored after the test whatever happens
+    assert set_triton_backward("scan") == "blockwise" and tc.DEFAULT_BACKWARD == "scan"
     o, _ = tc.bl_chunk_triton(*args, chunk_size=16)
     with pytest.raises(RuntimeError, match="scan backward ran"):
         o.sum().backward()

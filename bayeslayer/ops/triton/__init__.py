@@ -7,7 +7,7 @@ CPU set ``TRITON_INTERPRET=1`` before Triton is first imported to run them in
 Triton's interpreter (how the tests run them).
 """
 
-from .chunk import bl_chunk_triton, triton_available
+from .chunk import bl_chunk_triton, set_triton_backward, triton_available
 from .step import bl_step_triton
 
-__all__ = ["bl_chunk_triton", "bl_step_triton", "triton_available"]
+__all__ = ["bl_chunk_triton", "bl_step_triton", "set_triton_backward", "triton_available"]

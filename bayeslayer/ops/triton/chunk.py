@@ -19,8 +19,9 @@ the chunk step over their chunks — host-bound on a GPU (docs/kernels.md).
 elements), ``finish_scan`` under autograd.  Its backward: fla's mean-pass backward kernels, the
 substitution's adjoint (PyTorch, batched over chunks) and the covariance scan's B2–B4 on the Triton kernels
 of :mod:`.scan_backward` (``ScanSpec.covariance="triton"``, on the stored Phase A elements; no host loop over
-chunks or segments, one failure check after it).  ``"blockwise"`` stays the default: B2/B4 hold whole
-``[BD, BD]`` register tiles, not yet viable on a GPU at C = 64, D ≥ 64, and the scan backward is untimed on a GPU.
+chunks or segments, one failure check after it).  ``"blockwise"`` stays the default until the scan backward
+has run on a GPU (its kernels are tested under the interpreter and compiled for sm_90, never executed on a
+device); :func:`set_triton_backward` switches what every caller that does not choose gets.
 Rotations (``theta``) have no kernel: :func:`bl_chunk_triton` refuses them, and
 :mod:`bayeslayer.ops.backend` sends them to the PyTorch path (``backend="auto"``).
 """
@@ -45,9 +46,22 @@ BACKWARD_BLOCK = 16
 #   "blockwise": :func:`_blockwise_backward` (PyTorch chunk-step recompute per block: the PyTorch path's gradients);
 #   "scan": the composed backward of the segment scan (:mod:`bayeslayer.ops.scan_grad`: fla's mean-pass backward,
 #           the substitution's adjoint, the covariance scan's B2–B4 on the Triton kernels of .scan_backward — not
-#           the default while B2/B4 hold whole [BD, BD] register tiles, not viable on a GPU at C = 64, D ≥ 64).
+#           the default until it has run on a GPU; docs/kernels.md "Backward v2").
+# Set it with set_triton_backward.
 DEFAULT_BACKWARD = "blockwise"
 BACKWARDS = ("blockwise", "scan")
+
+
+def set_triton_backward(backward: str) -> str:
+    """Choose the backward :func:`bl_chunk_triton` runs when its caller does not (``backward=None``) — so the one
+    ``bl_chunk(backend="triton")``, the design models, the layers and ``BayesLayerForCausalLM`` train with on the
+    Triton path: ``"blockwise"`` (the default) or ``"scan"`` (the fused backward through the segment scan).
+    Returns the previous choice."""
+    global DEFAULT_BACKWARD
+    if not isinstance(backward, str) or backward not in BACKWARDS:
+        raise ValueError(f"backward must be one of {BACKWARDS}, got {backward!r}")
+    previous, DEFAULT_BACKWARD = DEFAULT_BACKWARD, backward
+    return previous
 # tl.dot input precision of the fp32 filter arithmetic (fp64 always runs "ieee").  Only
 # `benchmarks/gpu.py --variants` changes it.  Measured on an H200 (Triton 3.6, T = 8192, D = 128,
 # docs/kernels.md): "tf32x3" was slower than "ieee" at every chunk size, "tf32" 20-26% faster but

@@ -6,19 +6,21 @@ Ports of the plain-PyTorch twin :mod:`bayeslayer.ops.scan_backward` (every kerne
 * **B2/B4** :func:`segment_adjoint_triton` → :func:`scan_segment_adjoint_kernel`, grid (segments, H'),
   serial over a segment's chunks: replay from the checkpoint ``P_s`` (each chunk's start P kept in a
   scratch, :func:`chunk_state_scratch`, which B4 reads instead of replaying again), then the per-chunk
-  adjoint back to the segment start (twin ``segment_adjoint``; B4 adds every input gradient).  Scalar
-  decay specialised (C×C ratio, ``tl.dot``); diagonal decay in its own kernel (``[C, C, BD]`` per-channel
-  ratio, its contractions register reductions); whole register tiles; the inputs' dtype.
+  adjoint back to the segment start (twin ``segment_adjoint``; B4 adds every input gradient).  One kernel
+  for both decays (``DIAG``), blocked like the forward's covariance kernel: P, its adjoint and the ``[C, D]``
+  operands in per-program scratch, read in 16-column key blocks; scalar decay's C×C-weighted products are
+  ``tl.dot`` with the ratio, diagonal decay's CUDA-core loops over the chunk (reading the prep kernel's g, b
+  and base of S); the inputs' dtype.
 * **B3** :func:`reverse_segments_triton` → :func:`scan_reverse_kernel`, grid (sequences, H'), serial over
   each sequence's segments in reverse: ``P̄_s = Ā_sᵀ P̄_{s+1} Ā_s + G_s`` with ``Ā_s`` from Phase B's
   factors (twin ``element_transition`` + ``reverse_segments``); float64, 16×16 ``tl.dot`` tiles.
-* **all** :func:`covariance_scan_backward_triton`: B2, Phase A's elements (``phase_a_triton``), B3, B4
-  (twin ``covariance_scan_backward``).
+* **all** :func:`covariance_scan_backward_triton`: the prep (diagonal decay), B2, Phase A's elements
+  (``phase_a_triton``) unless the forward kept them, B3, B4 (twin ``covariance_scan_backward``).
 
-Not here: the mean pass (B1), the prep's own kernel (B5: its adjoint is folded into B4 per chunk), an
-autograd.Function wiring, 16×16 blocking of B2/B4's register tiles (they hold ``[BD, BD]`` P and ``[C, BD]``
-operands whole, the diagonal kernel ``[C, C, BD]`` ratios: fine for the tests' D ≤ 32, C = 16, never compiled
-for a GPU, and not viable as written at C = 64, D ≥ 64).
+Not here: the mean pass (B1), a kernel of its own for the prep's adjoint (B5: folded into B4 per chunk), the
+autograd wiring (``ops/scan_grad.py``).  Compiled for sm_90 every variant builds at D ≤ 256; at C = 64 B2/B4
+spill 1.3–3 KB per thread, at C = 32 ≤ 272 bytes (docs/kernels.md, "B2/B4 blocked").  Scratch written by some
+threads of a program and read by others is fenced by ``tl.debug_barrier()``: the interpreter cannot check that.
 
 Every launch count is independent of T: one launch per kernel, whatever the number of chunks or segments.
 """
@@ -298,6 +300,17 @@ def _cols(base, rows, oj, N: tl.constexpr):
 
 
 @triton.jit
+def _pad_copy(SRC, DST, offs_k, D: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr):
+    """A row-major ``[D, D]`` matrix into a ``[BD, BD]`` scratch, zeros in the padding, in the scratch's dtype."""
+    for a in range(0, BD, BK):
+        od = a + offs_k
+        for bb in range(0, BD, BK):
+            ob = bb + offs_k
+            blk = tl.load(SRC + od[:, None] * D + ob[None, :], mask=(od[:, None] < D) & (ob[None, :] < D), other=0.0)
+            tl.store(_blk(DST, od, ob, BD), blk.to(DST.dtype.element_ty))
+
+
+@triton.jit
 def _chunk_factor(K, Q, R2, PG, PB, PBASE, RS, pc, tok, valid, i_h, Pc, YS, US, X_base, LI_base, DV_base,
                   g, b, gend, bC, rows, cols, offs_k,
                   H: tl.constexpr, D: tl.constexpr, C: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr,
@@ -468,21 +481,8 @@ def scan_segment_adjoint_kernel(
     n_rep = 0
     if REPLAY:  # else PSCR holds the chunk states of an earlier replay from the same checkpoints (B2 for B4)
         n_rep = tl.maximum(n_chunks - 1, 0)  # the last chunk's end state is the next checkpoint: not needed here
-        for a in range(0, BD, BK):
-            od = a + offs_k
-            for bb in range(0, BD, BK):
-                ob = bb + offs_k
-                blk = tl.load(PST + prog * D * D + od[:, None] * D + ob[None, :],
-                              mask=(od[:, None] < D) & (ob[None, :] < D), other=0.0).to(dt)
-                tl.store(_blk(P_scr, od, ob, BD), blk)
-    # the adjoint arriving at the segment end, padded
-    for a in range(0, BD, BK):
-        od = a + offs_k
-        for bb in range(0, BD, BK):
-            ob = bb + offs_k
-            blk = tl.load(PEND + prog * D * D + od[:, None] * D + ob[None, :],
-                          mask=(od[:, None] < D) & (ob[None, :] < D), other=0.0).to(dt)
-            tl.store(_blk(GB, od, ob, BD), blk)
+        _pad_copy(PST + prog * D * D, P_scr, offs_k, D, BD, BK)
+    _pad_copy(PEND + prog * D * D, GB, offs_k, D, BD, BK)  # the adjoint arriving at the segment end
     tl.debug_barrier()
     # one loop, one inlined chunk factorisation: the replay's steps (forward), then the adjoint's (reverse)
     for it in range(n_rep + n_chunks):
@@ -503,6 +503,7 @@ def scan_segment_adjoint_kernel(
             b = tl.sum(R * R * ell2c[None, :], axis=1)
             bC = tl.sum(tl.where(last, b, 0.0), axis=0)
             tl.store(RS + pCC, R)
+            tl.debug_barrier()  # R is read back (by other threads) in the chunk's factorisation and adjoint
         f2, Gq = _chunk_factor(K, Q, R2, PG, PB, PBASE, RS, pc, tok, valid, i_h, Pc, YS, US, X_base, LI_base,
                                DV_base, g, b, gend, bC, rows, cols, offs_k, H, D, C, BD, BK, DIAG, VAR, ~fwd, PREC)
         fail += f2
@@ -710,12 +711,13 @@ def chunk_state_scratch(lay: sc.ScanLayout, Hf: int, D: int, dtype: torch.dtype,
 def segment_adjoint_tiles(D: int, MV: int, C: int) -> dict:
     """The launch constants of :func:`scan_segment_adjoint_kernel` for key dim D, value dim MV, chunk C:
     ``BD``, ``BM`` (D, MV padded to a power of two ≥ 16), ``BK``, ``BV`` (the key and value column blocks),
-    ``num_warps`` (8 at C = 64, as the forward's covariance kernel).  One place for the wrapper and the
-    compile check (``benchmarks/gpu.py --compile-only``)."""
+    ``num_warps`` (8 from C = 32: compiled for sm_90 at C = 32, D = 64, B2/B4 spill 0–144 bytes per thread with
+    8 warps, 48–672 with 4).  One place for the wrapper and the compile check (``benchmarks/gpu.py
+    --compile-only``)."""
     for name, x in (("D", D), ("MV", MV), ("C", C)):
         if isinstance(x, bool) or not isinstance(x, int) or x < 1:
             raise ValueError(f"{name} must be a positive int, got {x!r}")
-    return dict(BD=max(16, next_pow2(D)), BM=max(16, next_pow2(MV)), BK=16, BV=16, num_warps=8 if C >= 64 else 4)
+    return dict(BD=max(16, next_pow2(D)), BM=max(16, next_pow2(MV)), BK=16, BV=16, num_warps=8 if C >= 32 else 4)
 
 
 def segment_adjoint_triton(lay: sc.ScanLayout, q, k, v, r2, ell2, log_alpha, adjoints: dict,
