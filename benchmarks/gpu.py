@@ -24,7 +24,8 @@ Forward+backward in the same rows (issue 16; ``--no-bwd``: forwards only, as bef
 (above the inputs; the peak-memory call doubles as the warm-up, then ``--bwd-reps`` timed calls, default 2) of
 BL ``bl_chunk_triton(..., backward="scan")`` (``bl_scan_fwdbwd_*``), BL ``backward="blockwise"`` (the old default,
 host-bound: only at T <= ``--blockwise-max-T``, default 8192, else the row says it was skipped) and fla's
-``chunk_gated_delta_rule`` (``gdn_fwdbwd_*``), with ``ratio_fwdbwd`` and ``ratio_fwdbwd_mem`` (BL scan / GDN).
+``chunk_gated_delta_rule`` (``gdn_fwdbwd_*``), with ``ratio_fwdbwd`` and ``ratio_fwdbwd_mem`` (BL scan / GDN),
+and BL's scan forward+backward again at chunk ``--alt-chunk`` (default 32; 0: not), ``ratio_fwdbwd_alt_chunk``.
 Gradients: BL's of q, k, v, r2, ell2, alpha, GDN's of q, k, v, g = log α, β — what a layer, whose projections
 produce all of them, needs; the adjoint of o is a fixed N(0, 1) draw.  A measurement is not started once the
 budget is spent.  The check first compares fla's GDN backward (fp32, packed, first autotune config) with autograd
@@ -636,6 +637,18 @@ def _fwdbwd_cols(rec: dict, key: str) -> str:
     return str(rec.get(f"{key}_fwdbwd", "—"))
 
 
+def _fwdbwd_variants(x, do, args) -> list:
+    """The forward+backward measurements of a row, in order: GDN, BL ``backward="scan"``, BL block-wise and, with
+    ``--alt-chunk``, BL ``backward="scan"`` at that chunk size (compiled for sm_90, B2/B4 spill 1.3–3 KB per thread
+    at C = 64 and ≤ 272 bytes at C = 32: which costs more, the spills or twice the chunk steps, only a GPU says)."""
+    out = [("gdn", lambda: _gdn_fwdbwd(x, do)),
+           ("bl_scan", lambda: _bl_fwdbwd(x, args.chunk_size, "scan", do)),
+           ("bl_blockwise", lambda: _bl_fwdbwd(x, args.chunk_size, "blockwise", do))]
+    if args.alt_chunk and args.alt_chunk != args.chunk_size:
+        out.append((f"bl_scan_c{args.alt_chunk}", lambda: _bl_fwdbwd(x, args.alt_chunk, "scan", do)))
+    return out
+
+
 def run_scan(args, save) -> list[dict]:
     """The v2 device check (module docstring): check, warm fla, rows, segment sweep; JSON after every row.
 
@@ -691,9 +704,7 @@ def run_scan(args, save) -> list[dict]:
         rec["seconds"] = round(time.time() - t0, 1)
         if do_bwd:
             do = _cotangent(x)
-            for key, make in (("gdn", lambda: _gdn_fwdbwd(x, do)),
-                              ("bl_scan", lambda: _bl_fwdbwd(x, args.chunk_size, "scan", do)),
-                              ("bl_blockwise", lambda: _bl_fwdbwd(x, args.chunk_size, "blockwise", do))):
+            for key, make in _fwdbwd_variants(x, do, args):
                 if key == "bl_blockwise" and not blockwise_rows:
                     continue
                 t1 = time.time()
@@ -755,9 +766,7 @@ def run_scan(args, save) -> list[dict]:
             torch.cuda.empty_cache()
         if do_bwd and x is not None:
             do = _cotangent(x)
-            for key, make in (("gdn", lambda: _gdn_fwdbwd(x, do)),
-                              ("bl_scan", lambda: _bl_fwdbwd(x, args.chunk_size, "scan", do)),
-                              ("bl_blockwise", lambda: _bl_fwdbwd(x, args.chunk_size, "blockwise", do))):
+            for key, make in _fwdbwd_variants(x, do, args):
                 if key == "bl_blockwise" and T > args.blockwise_max_T:
                     rec[f"{key}_fwdbwd"] = f"skipped: T > {args.blockwise_max_T} (--blockwise-max-T)"
                     continue
@@ -777,12 +786,16 @@ def run_scan(args, save) -> list[dict]:
                                            if rec["gdn_fwdbwd_mem"] else None)
                 if "bl_blockwise_fwdbwd_s" in rec:
                     rec["ratio_fwdbwd_blockwise"] = rec["bl_blockwise_fwdbwd_s"] / rec["gdn_fwdbwd_s"]
+                if f"bl_scan_c{args.alt_chunk}_fwdbwd_s" in rec:  # the same scan backward at the other chunk size
+                    rec["ratio_fwdbwd_alt_chunk"] = rec[f"bl_scan_c{args.alt_chunk}_fwdbwd_s"] / rec["gdn_fwdbwd_s"]
             rec["bl_scan_fwdbwd_tok_s"] = B * T / rec["bl_scan_fwdbwd_s"] if "bl_scan_fwdbwd_s" in rec else None
             print(f"{'f+b':>{len(head) - 1}}| GDN {_fwdbwd_cols(rec, 'gdn')} | BL scan "
                   f"{_fwdbwd_cols(rec, 'bl_scan')} | blockwise {_fwdbwd_cols(rec, 'bl_blockwise')} | ratio "
                   f"{rec.get('ratio_fwdbwd') or float('nan'):6.2f} | mem ratio "
-                  f"{rec.get('ratio_fwdbwd_mem') or float('nan'):5.2f}", flush=True)
-            for key in ("gdn", "bl_scan", "bl_blockwise"):
+                  f"{rec.get('ratio_fwdbwd_mem') or float('nan'):5.2f}"
+                  + (f" | chunk {args.alt_chunk}: {_fwdbwd_cols(rec, f'bl_scan_c{args.alt_chunk}')}, ratio "
+                     f"{rec.get('ratio_fwdbwd_alt_chunk') or float('nan'):6.2f}" if args.alt_chunk else ""), flush=True)
+            for key in ("gdn", "bl_scan", "bl_blockwise", f"bl_scan_c{args.alt_chunk}"):
                 if f"{key}_fwdbwd_error" in rec:
                     print(f"{'':>9} {key} forward+backward failed: {rec[f'{key}_fwdbwd_error'][:200]}", flush=True)
         x = do = None  # this row's inputs and adjoint go before the next row allocates its own
@@ -968,6 +981,8 @@ def main(argv=None) -> int:
                    help="forward only (--scan: no forward+backward measurements, no backward value checks)")
     p.add_argument("--bwd-reps", type=int, default=2,
                    help="--scan: timed forward+backward calls per measurement (after one that measures memory)")
+    p.add_argument("--alt-chunk", type=int, default=32, choices=[0, 16, 32, 64],
+                   help="--scan: also time BL's scan forward+backward at this chunk size (0: not)")
     p.add_argument("--blockwise-max-T", type=int, default=8192,
                    help="--scan: time BL's backward=\"blockwise\" (host-bound, slow) only at T <= this; 0: never")
     p.add_argument("--quick", action="store_true", help="T = 2048 only")
