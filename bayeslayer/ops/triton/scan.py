@@ -148,7 +148,7 @@ def sblock(buf, ib, jb, r, BN: tl.constexpr, BLK: tl.constexpr):
 
 
 @triton.jit
-def _times_g(Msrc, X, DP, TT, r, D: tl.constexpr, NB: tl.constexpr, BLK: tl.constexpr, BN: tl.constexpr,
+def times_g(Msrc, X, DP, TT, r, D: tl.constexpr, NB: tl.constexpr, BLK: tl.constexpr, BN: tl.constexpr,
              PREC: tl.constexpr):
     """``TT = M G`` with ``G = L_P D_P^½`` (L_P's lower blocks in scratch X, D_P in DP), M a row-major
     ``[D, D]`` matrix read in 16×16 blocks: ``(M G)_ij = Σ_{k≥j} M_ik (L_P)_kj · D_P,j^½`` (G_kj = 0 for k < j)."""
@@ -213,7 +213,7 @@ def scan_phase_b_kernel(
         tl.store(DM + rn, tl.zeros([BN], dtype=dt) + 1.0)  # M = I + GᵀJG ⪰ I: its pivots are ≥ 1
         tl.debug_barrier()
         fail += ldl_blocked(X, LI, DP, NB, BLK, PREC)  # X: L_P, DP: D_P
-        _times_g(Je, X, DP, TT, r, D, NB, BLK, BN, PREC)  # T = J G
+        times_g(Je, X, DP, TT, r, D, NB, BLK, BN, PREC)  # T = J G
         tl.debug_barrier()
         # M = I + Gᵀ T, lower blocks
         for ib in range(NB):
@@ -226,7 +226,7 @@ def scan_phase_b_kernel(
                 tl.store(sblock(MM, ib, jb, r, BN, BLK), acc)
         tl.debug_barrier()
         fail += ldl_blocked(MM, LI, DM, NB, BLK, PREC)  # LI: L_M⁻¹, DM: D_M
-        _times_g(Ae, X, DP, TT, r, D, NB, BLK, BN, PREC)  # T = A G
+        times_g(Ae, X, DP, TT, r, D, NB, BLK, BN, PREC)  # T = A G
         tl.debug_barrier()
         # Z = T L_M⁻ᵀ D_M^-½ (into X: L_P is no longer needed)
         for ib in range(NB):

@@ -35,7 +35,7 @@ from .. import scan as sc
 from ..checks import check_shaped
 from .kernels import decay_mix, decay_scores, load_tile, prep_tile, row_of
 from .ldl import ldl_blocked
-from .scan import load_block, sblock
+from .scan import load_block, sblock, times_g
 from .support import next_pow2
 
 # ---------------------------------------------------------------------------------------------------
@@ -95,14 +95,7 @@ def scan_reverse_kernel(
         tl.store(DM + rn, tl.zeros([BN], dtype=dt) + 1.0)  # M = I + GᵀJG ⪰ I: its pivots are ≥ 1
         tl.debug_barrier()
         fail += ldl_blocked(X, LI, DP, NB, BLK, PREC)  # X: L_P, DP: D_P
-        # TT = J G,  G = L_P D_P^½ (lower blocks: G_kj = 0 for k < j)
-        for ib in range(NB):
-            for jb in range(NB):
-                acc = tl.zeros([BLK, BLK], dtype=dt)
-                for kb in range(jb, NB):
-                    acc += tl.dot(load_block(Je, ib, kb, r, D, BLK, False), tl.load(sblock(X, kb, jb, r, BN, BLK)),
-                                  input_precision=PREC)
-                tl.store(sblock(TT, ib, jb, r, BN, BLK), acc * tl.sqrt(tl.load(DP + jb * BLK + r))[None, :])
+        times_g(Je, X, DP, TT, r, D, NB, BLK, BN, PREC)  # TT = J G,  G = L_P D_P^½
         tl.debug_barrier()
         # M = I + Gᵀ (JG), lower blocks
         for ib in range(NB):
@@ -124,14 +117,7 @@ def scan_reverse_kernel(
                     acc += tl.dot(tl.load(sblock(LI, ib, kb, r, BN, BLK)), tl.trans(TTjk), input_precision=PREC)
                 tl.store(sblock(MM, ib, jb, r, BN, BLK), acc)
         tl.debug_barrier()
-        # TT = A G
-        for ib in range(NB):
-            for jb in range(NB):
-                acc = tl.zeros([BLK, BLK], dtype=dt)
-                for kb in range(jb, NB):
-                    acc += tl.dot(load_block(Ae, ib, kb, r, D, BLK, False), tl.load(sblock(X, kb, jb, r, BN, BLK)),
-                                  input_precision=PREC)
-                tl.store(sblock(TT, ib, jb, r, BN, BLK), acc * tl.sqrt(tl.load(DP + jb * BLK + r))[None, :])
+        times_g(Ae, X, DP, TT, r, D, NB, BLK, BN, PREC)  # TT = A G
         tl.debug_barrier()
         # Z' = (AG) L_M⁻ᵀ D_M⁻¹ into X (L_P is no longer needed)
         for ib in range(NB):
