@@ -217,7 +217,8 @@ def test_mean_backward_kernels_choice():
 
 @runs_triton
 @pytest.mark.parametrize(("regime", "diagonal", "G", "n_segments"),
-                         [("stress", False, 2, 2), ("longmem", True, 1, 3)])
+                         [("stress", False, 2, 2), ("longmem", True, 1, 3), ("longmem", False, 1, 1),
+                          ("stress", True, 2, 2)])
 def test_bl_chunk_triton_scan_backward_fp64(regime, diagonal, G, n_segments):
     """``bl_chunk_triton(backward="scan")``: the Triton forward (Phase A/B kernels, Phase C, the mean kernel) keeps
     W, L⁻¹ rows, P_s and Phase A's elements; gradients equal the PyTorch path's.  Packed ragged sequences."""
@@ -241,6 +242,32 @@ def test_bl_chunk_triton_scan_backward_fp64(regime, diagonal, G, n_segments):
         scan_grad.scan_backward = orig
     assert calls == [True]  # the composed backward ran once, on Phase A's elements kept by the forward
     _assert_grads_equal(ref, got)
+
+
+@runs_triton
+@pytest.mark.parametrize("diagonal", [False, True])
+def test_gradcheck_triton_scan_backward(diagonal):
+    """``torch.autograd.gradcheck`` (fast mode: random projections, so that the interpreted forward runs a few
+    times only) of ``bl_chunk_triton(backward="scan")`` in float64 — the Triton forward and the Triton B2–B4 —
+    on packed ragged sequences of 2 segments, every input and the initial state (P0 = X Xᵀ + I, as above)."""
+    from bayeslayer.ops.triton.chunk import bl_chunk_triton
+
+    q, k, v, r2, ell2, alpha = regime_inputs("longmem", 1, 40, 1, 4, 2, diagonal=diagonal, seed=6, device=DEVICE)
+    alpha = 0.6 + 0.4 * alpha  # stronger decay: the gate's gradient is not negligible
+    g = torch.Generator().manual_seed(3)
+    M0 = (0.1 * torch.randn(2, 1, 4, 2, generator=g, dtype=torch.float64)).to(DEVICE)
+    X = (0.3 * torch.randn(2, 1, 4, 4, generator=g, dtype=torch.float64)).to(DEVICE)
+    cu = torch.tensor([0, 17, 40], device=DEVICE)
+
+    def fn(q, k, v, r2, ell2, alpha, M0, X):
+        P0 = X @ X.mT + torch.eye(4, dtype=torch.float64, device=X.device)
+        o, var, (M, P) = bl_chunk_triton(q, k, v, r2, ell2, alpha, initial_state=(M0, P0), output_final_state=True,
+                                         return_variance=True, chunk_size=16, cu_seqlens=cu, n_segments=2,
+                                         backward="scan")
+        return o, var, M, P
+
+    ins = tuple(x.detach().clone().requires_grad_(True) for x in (q, k, v, r2, ell2, alpha, M0, X))
+    assert torch.autograd.gradcheck(fn, ins, eps=1e-6, atol=1e-7, rtol=1e-6, fast_mode=True)
 
 
 @runs_triton
