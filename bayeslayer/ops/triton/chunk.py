@@ -62,6 +62,8 @@ def set_triton_backward(backward: str) -> str:
         raise ValueError(f"backward must be one of {BACKWARDS}, got {backward!r}")
     previous, DEFAULT_BACKWARD = DEFAULT_BACKWARD, backward
     return previous
+
+
 # tl.dot input precision of the fp32 filter arithmetic (fp64 always runs "ieee").  Only
 # `benchmarks/gpu.py --variants` changes it.  Measured on an H200 (Triton 3.6, T = 8192, D = 128,
 # docs/kernels.md): "tf32x3" was slower than "ieee" at every chunk size, "tf32" 20-26% faster but

@@ -35,7 +35,7 @@ from .. import scan as sc
 from ..checks import check_shaped
 from .kernels import decay_mix, decay_scores, load_tile, prep_tile, row_of
 from .ldl import ldl_blocked
-from .scan import load_block, sblock, times_g
+from .scan import Prep, load_block, phase_a_triton, prep_triton, sblock, segment_offsets, times_g
 from .support import next_pow2
 
 # ---------------------------------------------------------------------------------------------------
@@ -409,11 +409,12 @@ def scan_segment_adjoint_kernel(
     in passes over BK-column blocks of the key dim, the D×D adjoint ``P̄`` in a per-program ping-pong buffer:
 
     * A1: ``UeP̄`` (``P̄`` symmetrised), ``P̄_start = Φ_C P̄ Φ_C + q̃ᵀ diag(v̄ar) q̃``, ``Ū``, ``β̄``, ``L̄⁻¹``
-      (every term a sum over key blocks), then the C×C Cholesky adjoint → ``S̄``;
+      (every term a sum over key blocks) and, with INPUTS and VAR, ``q̄`` (GQ) and the variance's share of the
+      decay adjoint; then the C×C Cholesky adjoint → ``S̄``;
     * A2: ``Ȳ = L⁻ᵀ(Φ ⊙ Ū) + S̄K̃`` and ``P̄_start += K̃ᵀȲ``;
-    * A3 (INPUTS, B4): ``k̄, q̄, r̄², ℓ̄², ∂/∂log α`` at the segment's real tokens (GQ, GK ``[NT, H, D]``,
-      GV ``[NT, H, MV]``, GR2, GELL2 ``[NT, H]``, GLA ``[NT, H, Da]``), every decay term's adjoint collected per
-      channel as row and column sums of the ratio adjoint, then the reverse cumsum.
+    * A3 (INPUTS, B4): ``k̄, r̄², ℓ̄², ∂/∂log α`` at the segment's real tokens (GK ``[NT, H, D]``, GV
+      ``[NT, H, MV]`` (from the value blocks after A1), GR2, GELL2 ``[NT, H]``, GLA ``[NT, H, Da]``), every decay
+      term's adjoint collected per channel as row and column sums of the ratio adjoint, then the reverse cumsum.
 
     Starts from PEND ``[S, H, D, D]`` (the adjoint arriving at the segment end); DPST ``[S, H, D, D]`` receives the
     symmetrised adjoint of ``P_s``.  Packed inputs ``[NT, H, ·]`` (LA ``[NT, H]``: the scalar log-decay; diagonal
@@ -774,8 +775,6 @@ def segment_adjoint_triton(lay: sc.ScanLayout, q, k, v, r2, ell2, log_alpha, adj
                      ell2=torch.zeros_like(ell2), la=torch.zeros(NT, Hf, Da, dtype=dt, device=dev))
     if NT == 0:
         return _sym(P_end_bar), grads, fail != 0
-    from .scan import Prep, prep_triton, segment_offsets
-
     if diag:
         if prep is None:
             prep = prep_triton(lay, q, k, r2, ell2, log_alpha, dtype=dt, want_var=False)
@@ -829,7 +828,6 @@ def covariance_scan_backward_triton(q, k, v, r2, ell2, log_alpha, P0, cu: list[i
     sequence's device-side flag (never checked here).
     """
     from .. import scan_backward as sbw
-    from .scan import phase_a_triton, prep_triton
 
     if not isinstance(k, torch.Tensor) or k.dim() != 3:
         raise ValueError(f"k must be a packed [NT, H', D] tensor, got {getattr(k, 'shape', type(k).__name__)}")
