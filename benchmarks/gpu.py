@@ -361,21 +361,19 @@ def _scan_fwd(x, chunk_size, n_segments=None, timings=None, mean="fla", prep=Tru
     return fwd
 
 
+def _gdn_inputs(x: dict) -> dict:
+    """GDN's own inputs for a row's ``x``: q, k, v, its decay ``g = log α`` and step β (in q's dtype)."""
+    return {"q": x["q"], "k": x["k"], "v": x["v"], "g": torch.log(x["alpha"]), "beta": x["beta"].to(x["q"].dtype)}
+
+
 def _gdn_fwd(x):
-    g = torch.log(x["alpha"])
-    beta = x["beta"].to(x["q"].dtype)
-    if not torch.cuda.is_available():  # dry run: fla's PyTorch reference stands in for its kernels
-        from fla.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
-
-        def fwd():
-            return naive_recurrent_gated_delta_rule(x["q"], x["k"], x["v"], beta, g, scale=1.0)
-
-        return fwd
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    """fla's GDN forward without autograd (:func:`_gdn_call`: its kernels on CUDA, its naive reference in the dry
+    run)."""
+    base = _gdn_inputs(x)
 
     def fwd():
         with torch.no_grad():
-            return chunk_gated_delta_rule(x["q"], x["k"], x["v"], g, beta, scale=1.0)
+            return _gdn_call(*(base[n] for n in GDN_LEAVES))
 
     return fwd
 
@@ -447,7 +445,7 @@ def _gdn_call(q, k, v, g, beta, naive: str | None = None):
 
 def _gdn_fwdbwd(x, do):
     """Forward+backward of fla's GDN (:func:`_gdn_call`) with the gradients of :data:`GDN_LEAVES`."""
-    base = {"q": x["q"], "k": x["k"], "v": x["v"], "g": torch.log(x["alpha"]), "beta": x["beta"].to(x["q"].dtype)}
+    base = _gdn_inputs(x)
 
     def fn():
         leaves = {n: base[n].detach().requires_grad_(True) for n in GDN_LEAVES}
