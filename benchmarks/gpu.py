@@ -637,7 +637,7 @@ def _fwdbwd_cols(rec: dict, key: str) -> str:
 
 def _fwdbwd_variants(x, do, args) -> list:
     """The forward+backward measurements of a row, in order: GDN, BL ``backward="scan"``, BL block-wise and, with
-    ``--alt-chunk``, BL ``backward="scan"`` at that chunk size (compiled for sm_90, B2/B4 spill 1.3–3 KB per thread
+    ``--alt-chunk``, BL ``backward="scan"`` at that chunk size (compiled for sm_90, B2/B4 spill 1.2–3 KB per thread
     at C = 64 and ≤ 272 bytes at C = 32: which costs more, the spills or twice the chunk steps, only a GPU says)."""
     out = [("gdn", lambda: _gdn_fwdbwd(x, do)),
            ("bl_scan", lambda: _bl_fwdbwd(x, args.chunk_size, "scan", do)),

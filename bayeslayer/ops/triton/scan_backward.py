@@ -19,7 +19,7 @@ Ports of the plain-PyTorch twin :mod:`bayeslayer.ops.scan_backward` (every kerne
 
 Not here: the mean pass (B1), a kernel of its own for the prep's adjoint (B5: folded into B4 per chunk), the
 autograd wiring (``ops/scan_grad.py``).  Compiled for sm_90 every variant builds at D ≤ 256; at C = 64 B2/B4
-spill 1.3–3 KB per thread, at C = 32 ≤ 272 bytes (docs/kernels.md, "B2/B4 blocked").  Scratch written by some
+spill 1.2–3 KB per thread, at C = 32 ≤ 272 bytes (docs/kernels.md, "B2/B4 blocked").  Scratch written by some
 threads of a program and read by others is fenced by ``tl.debug_barrier()``: the interpreter cannot check that.
 
 Every launch count is independent of T: one launch per kernel, whatever the number of chunks or segments.
@@ -698,8 +698,8 @@ def chunk_state_scratch(lay: sc.ScanLayout, Hf: int, D: int, dtype: torch.dtype,
 def segment_adjoint_tiles(D: int, MV: int, C: int) -> dict:
     """The launch constants of :func:`scan_segment_adjoint_kernel` for key dim D, value dim MV, chunk C:
     ``BD``, ``BM`` (D, MV padded to a power of two ≥ 16), ``BK``, ``BV`` (the key and value column blocks),
-    ``num_warps`` (8 from C = 32: compiled for sm_90 at C = 32, D = 64, B2/B4 spill 0–144 bytes per thread with
-    8 warps, 48–672 with 4).  One place for the wrapper and the compile check (``benchmarks/gpu.py
+    ``num_warps`` (8 from C = 32: compiled for sm_90 at C = 32, D = 64, B2/B4 spill 0–160 bytes per thread with
+    8 warps, 48–640 with 4).  One place for the wrapper and the compile check (``benchmarks/gpu.py
     --compile-only``)."""
     for name, x in (("D", D), ("MV", MV), ("C", C)):
         if isinstance(x, bool) or not isinstance(x, int) or x < 1:
