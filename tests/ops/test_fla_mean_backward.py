@@ -305,6 +305,29 @@ def test_interpreter_bf16_dot():
         assert err[torch.bfloat16] <= 1e-5
 
 
+def test_one_autotune_config_pins_and_restores():
+    """Every autotuner of the loaded fla modules runs its first config inside, its own configs again after (each
+    once, however many names reach it); ``modules`` must be module names."""
+    import fla.ops.common.chunk_o as m
+    from triton.runtime.autotuner import Autotuner
+
+    tuners = {}
+    for obj in vars(m).values():
+        while obj is not None and not isinstance(obj, Autotuner) and hasattr(obj, "fn"):
+            obj = obj.fn  # fla wraps its autotuned kernels (heuristics, dispatch)
+        if isinstance(obj, Autotuner) and len(obj.configs) > 1:
+            tuners[id(obj)] = obj
+    tuners = list(tuners.values())
+    assert tuners, "fla.ops.common.chunk_o has no autotuned kernel with > 1 config: the test would be vacuous"
+    before = [list(t.configs) for t in tuners]
+    with fla_mean.one_autotune_config():
+        assert all(len(t.configs) == 1 for t in tuners)
+    assert [list(t.configs) for t in tuners] == before
+    with pytest.raises(TypeError, match="modules must be"):
+        with fla_mean.one_autotune_config("fla.ops.common.chunk_o"):
+            pass
+
+
 def test_backward_refuses_bad_inputs():
     _, _, ins, do, dM = _scan_case(1)
     a = list(ins.values())

@@ -261,6 +261,20 @@ def test_backward_launches_do_not_grow_with_chunks(monkeypatch):
     assert few.count("scan_segment_adjoint_kernel") == 2 and len(few) == 5
 
 
+def test_segment_adjoint_tiles():
+    """The launch constants: D and MV padded to powers of two ≥ 16, 16-wide blocks, 8 warps from C = 32; bad
+    arguments refused by name."""
+    from bayeslayer.ops.triton.scan_backward import segment_adjoint_tiles
+
+    assert segment_adjoint_tiles(24, 8, 16) == dict(BD=32, BM=16, BK=16, BV=16, num_warps=4)
+    assert segment_adjoint_tiles(64, 128, 64) == dict(BD=64, BM=128, BK=16, BV=16, num_warps=8)
+    assert segment_adjoint_tiles(64, 64, 32)["num_warps"] == 8
+    for bad in (dict(D=0, MV=8, C=16), dict(D=16, MV=True, C=16), dict(D=16, MV=8, C=16.0)):
+        name = next(n for n, x in bad.items() if not (isinstance(x, int) and not isinstance(x, bool) and x > 0))
+        with pytest.raises(ValueError, match=f"{name} must be a positive int"):
+            segment_adjoint_tiles(**bad)
+
+
 def test_segment_adjoint_triton_bad_input():
     """Refused before any launch, with the argument named."""
     from bayeslayer.ops.triton.scan_backward import segment_adjoint_triton
