@@ -9,7 +9,7 @@ One short command on a machine with a CUDA GPU::
     python benchmarks/gpu.py --scan               # v2: the segment-scan forward vs GDN's forward (below)
     TRITON_INTERPRET=1 python benchmarks/gpu.py --scan --dry-run   # the same code on CPU, tiny shapes
 
-``--scan`` (the device check of issue 15, sized for 8 minutes): first a value check on the device
+``--scan`` (the device check, sized for 8 minutes): first a value check on the device
 (fla's ``fwd_h`` against its PyTorch twin, the scan forward against ``bl_chunk`` in float64), then
 fla's autotuning is warmed once per head dim on a short sequence (its autotune keys do not
 include T; ``TRITON_CACHE_DIR`` keeps the result for the next session), then rows in order of
@@ -20,7 +20,7 @@ mean pass, ``bl_fwd_s``, and with our mean kernel — what ``bl_chunk(backend="t
 BL/GDN ratio, per-phase times, peak memory; then a segment-count
 sweep.  The JSON is rewritten after every row, and no row starts after ``--budget-s``.
 
-Forward+backward in the same rows (issue 16; ``--no-bwd``: forwards only, as before): time and peak memory
+Forward+backward in the same rows (``--no-bwd``: forwards only, as before): time and peak memory
 (above the inputs; the peak-memory call doubles as the warm-up, then ``--bwd-reps`` timed calls, default 2) of
 BL ``bl_chunk_triton(..., backward="scan")`` (``bl_scan_fwdbwd_*``), BL ``backward="blockwise"`` (the old default,
 host-bound: only at T <= ``--blockwise-max-T``, default 8192, else the row says it was skipped) and fla's

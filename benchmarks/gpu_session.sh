@@ -15,7 +15,7 @@
 #             device time:
 #             PHASES="scantest bwdtest scan" TEST_S=60 BWDTEST_S=90 SCAN_S=330
 # PHASES picks and orders them (default "tests bench profile"); each has a time limit in seconds
-# (TEST_S, BWDTEST_S, BENCH_S, VAR_S, PROF_S, SCAN_S).  Results go to $OUT (the device tool's folder) or /tmp/bl_gpu.
+# (TEST_S, BWDTEST_S, BENCH_S, VAR_S, PROF_S, SCAN_S).  Results go to $OUT (default /tmp/bl_gpu).
 # Triton's cache (compiled kernels and fla's autotuning results, FLA_CACHE_RESULTS=1) lives in
 # benchmarks/results/triton_cache: carry that folder to the next lent machine and fla does not
 # autotune again; it is also packed into $OUT/triton_cache.tgz when under 40 MB.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Paper-scale MQAR Update and Block (SPEC §4.4: vocabulary 8,192 with random fillers, pools 160k/120k,
+# Paper-scale MQAR Update and Block (docs/theory.md §8.4: vocabulary 8,192 with random fillers, pools 160k/120k,
 # width 128, state 8,192 floats per layer, batch 256) on one GPU, for the paper's claims
 #   Update at 16 updates: BL ≈ 88%, conv GDN ≈ 60%, conv-free GDN ≈ 98%
 #   Block at 16 pairs:    conv-free GDN ≈ 100%, BL ≈ 75%

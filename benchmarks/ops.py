@@ -8,7 +8,7 @@ Measures, in one run on this machine:
   B = 1, H = 4, over T ∈ {512, 2048, 8192} and D = m ∈ {32, 64, 128};
 * the achieved GFLOP/s of ``bl_chunk`` (nominal flop count of the chunked algorithm,
   see :func:`bl_chunk_flops`) next to this machine's measured ``torch.matmul`` GFLOP/s;
-* the issue-2 target point B=1, H=4, D=m=64, T=4096: bl_chunk vs bl_recurrent and vs
+* the target point B=1, H=4, D=m=64, T=4096: bl_chunk vs bl_recurrent and vs
   the GDN chunk path, how the time scales from T=4096 to T=8192, and the forward+backward
   (training step) time of bl_chunk and the GDN chunk path.
 
@@ -112,7 +112,7 @@ def main() -> None:
                     print("| " + " | ".join(str(x) for x in row) + " |")
                 else:
                     print(sep.join(f"{x!s:>16}" for x in row))
-        # the issue-2 target point
+        # the target point
         q, k, v, r2, ell2, alpha, beta = _inputs(4096, 64, 64)
         q2, k2, v2, r22, ell22, alpha2, _ = _inputs(8192, 64, 64)
         t_rec = _time(lambda: bl_recurrent(q, k, v, r2, ell2, alpha), 1)

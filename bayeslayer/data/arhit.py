@@ -1,4 +1,4 @@
-"""AR-hit annotation of packed evaluation windows (SPEC §4.5) and grouped perplexity.
+"""AR-hit annotation of packed evaluation windows (docs/theory.md §8.5) and grouped perplexity.
 
 Definitions (``x`` is one packed window of ``L`` tokens, positions ``t = 0..L-1``):
 
@@ -290,7 +290,7 @@ def annotate_ar_hits(
     Args:
         windows: int array [N, L] of token ids ``< train_counts.vocab_size``.
         train_counts: bigram counts of the training stream (compute once).
-        max_distance: largest distance that counts as a hit (1024 in SPEC).
+        max_distance: largest distance that counts as a hit (1024 in the paper).
         max_train_count: largest training count that counts as a hit (16).
         buckets: contiguous ``(low, high)`` distance ranges from 1 to
             ``max_distance``.

@@ -1,4 +1,4 @@
-"""Generators of the learned collision studies (SPEC §4.2 recall, §4.3 crowding).
+"""Generators of the learned collision studies (docs/theory.md §8.2 recall, §8.3 crowding).
 
 Both tasks use one token layout: a WRITE/QUERY marker, a unit address and a
 one-hot value::

@@ -1,4 +1,4 @@
-"""Multi-query associative recall (MQAR) with one shared vocabulary: Base, Update and Block (SPEC §4.4).
+"""Multi-query associative recall (MQAR) with one shared vocabulary: Base, Update and Block (docs/theory.md §8.4).
 
 Zoology's MQAR (Arora, Eyuboglu et al., 2023) writes ``num_pairs`` key→value
 pairs, then queries every key once; the model must emit the key's value at the

@@ -1,4 +1,4 @@
-"""RULER needle-in-a-haystack prompts (SPEC §4.6): the tasks, RULER's text and the generator.
+"""RULER needle-in-a-haystack prompts (docs/theory.md §8.6): the tasks, RULER's text and the generator.
 
 RULER's NIAH family has eight variants.  A *needle* is the sentence
 ``"One of the special magic {numbers} for {key} is: {value}."``; the prompt asks for

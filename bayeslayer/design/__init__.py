@@ -1,6 +1,6 @@
 """Design models: the layer is *derived* from an explicit probabilistic model of its memory.
 
-A :class:`DesignModel` names its three parts (SPEC §1):
+A :class:`DesignModel` names its three parts (docs/theory.md §1):
 
 * **dynamics** — the latent memory's transition ``A_t``: ``identity``, ``scalar``
   (``α_t I``), ``diagonal`` (``diag(α_t)``), ``rotation`` (damped 2×2 rotations),
@@ -184,7 +184,7 @@ class DesignModel:
                                               groups=groups, dtype=dtype, device=device)
 
 
-# -- the family (SPEC §1.3) ------------------------------------------------------------------------
+# -- the family (docs/theory.md §3) ------------------------------------------------------------------------
 BAYESIAN = DesignModel("bayesian", "bayes", "any", description="Bayesian Layer: exact Kalman filter")
 DIAGONAL_COVARIANCE = DesignModel("diagonal_covariance", "diagonal", "any",
                                   description="ablation: keep only diag of P̄_t and P_t")

@@ -1,1 +1,1 @@
-"""One module per experiment of the paper (SPEC §4); each registers a CLI subcommand."""
+"""One module per experiment of the paper (docs/theory.md §8); each registers a CLI subcommand."""

@@ -1,4 +1,4 @@
-"""``bayeslayer collision``: the deterministic key-collision experiment (SPEC §4.1) and its closed forms.
+"""``bayeslayer collision``: the deterministic key-collision experiment (docs/theory.md §8.1) and its closed forms.
 
 No training, no data: six identities A..F with unit keys in ``D = 16`` dims and
 one-hot values in ``m = 6`` dims are written into memory on a fixed schedule,
@@ -32,7 +32,7 @@ recurrent oracle (the chunked path is checked against it by
 plus the fixed-isotropic-prior ablation ``P̄_t = c I`` for
 ``c ∈ {0.01, 0.05, 0.10, 0.50, 1, 3}`` and the overlap sweep (final ``p^{AB}`` vs ρ).
 
-Closed forms (SPEC §2) and how each is measured from the simulation
+Closed forms (docs/theory.md §4) and how each is measured from the simulation
 ----------------------------------------------------------------------
 ``g_inf``           ``x_∞ = (ℓ² + √(ℓ⁴ + 4 r² ℓ²)) / 2``, ``g_∞ = x_∞ / (r² + x_∞)``.
                     Measured: the Bayesian filter's reported gain at step 112, the 60th
@@ -84,7 +84,7 @@ from ..ops import FilterOutput
 from .cli_checks import PLOT_ONLY_HELP, check_int, check_out_dir, plot_only_json
 from .plotting import RefLine, Series, line_plot, load_json, save_json
 
-# -- the paper's protocol (SPEC §4.1) -------------------------------------------------------------
+# -- the paper's protocol (docs/theory.md §8.1) -------------------------------------------------------------
 PAPER_CONFIG = {"D": 16, "m": 6, "rho": 0.92, "p0": 3.0, "r2": 0.05, "ell2": 0.05}
 RESET_LAM = 0.05  # reset prior λ: gain λ/(r² + λ) = 0.5 at r² = 0.05
 LA_OMEGA = 0.5  # linear attention's write coefficient ω
@@ -131,7 +131,7 @@ def _overlap(name: str, x) -> float:
     if isinstance(x, bool) or not isinstance(x, numbers.Real):
         raise TypeError(f"{name} must be a number, got {type(x).__name__}")
     if not (math.isfinite(x) and 0.0 <= x < 1.0):
-        # ρ = 1 is a different problem: identical keys with conflicting values (SPEC §2).
+        # ρ = 1 is a different problem: identical keys with conflicting values (docs/theory.md §4.4).
         raise ValueError(f"{name} must be a key overlap in [0, 1), got {x}")
     return float(x)
 
@@ -204,7 +204,7 @@ def model_designs(r2: float, ell2: float, p0: float) -> dict[str, tuple[DesignMo
     """The four models as (design model, noise keywords).
 
     The reset filter derives its gain from its design, ``λ/(r² + λ‖k‖²)``; linear attention is
-    given its write coefficient ``ω`` directly (``gain``), as the SPEC states it.
+    given its write coefficient ``ω`` directly (``gain``), as the paper states it.
     """
     return {
         "bayesian": (BAYESIAN, {"r2": r2, "ell2": ell2, "p0": p0}),
@@ -247,7 +247,7 @@ def retrieval(o: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def delta_rule_readout(
     a0: torch.Tensor, b0: torch.Tensor, v_a: torch.Tensor, rho: float, gamma: float, n: float
 ) -> torch.Tensor:
-    """SPEC §2 Delta-rule readout at B's key after ``n`` writes of A with fixed gain ``γ``.
+    """docs/theory.md §4.5 Delta-rule readout at B's key after ``n`` writes of A with fixed gain ``γ``.
 
     ``n = inf`` gives the plateau.
 
@@ -347,7 +347,7 @@ def _nonempty(name: str, values) -> list:
 
 
 def _closed_form(results: dict, designs: dict, inputs, bayes_out: FilterOutput) -> dict:
-    """SPEC §2's predictions next to the same quantities measured from the simulation (module docstring)."""
+    """docs/theory.md §4's predictions next to the same quantities measured from the simulation (module docstring)."""
     cfg = results["config"]
     rho, r2, ell2 = cfg["rho"], cfg["r2"], cfg["ell2"]
     first_a = len(IDENTITIES) * ROUNDS + B_REPEATS + 1  # step 53: the first A after B's reinforcement
@@ -418,7 +418,7 @@ def write_angle(
 ) -> float:
     """Angle (degrees) between ``k_A`` and the Bayesian filter's write of A after ``b_repeats`` writes of B.
 
-    Shows how slowly the SPEC §2 limit ``arcsin ρ`` (``b_repeats → ∞``) is approached.
+    Shows how slowly the docs/theory.md §4.4 limit ``arcsin ρ`` (``b_repeats → ∞``) is approached.
     """
     inputs = collision_inputs([rho], D=D, m=m, b_repeats=b_repeats, a_repeats=1)
     design, noise = model_designs(_positive("r2", r2), _positive("ell2", ell2), _positive("p0", p0))[
@@ -440,7 +440,7 @@ def rotated_keys(
 ) -> dict:
     """Final ``p^{AB}`` of each model when all keys are turned by a random orthogonal ``Q`` (one per seed).
 
-    The SPEC's geometry puts ``k_A`` on a coordinate axis, the best case for a *diagonal*
+    The paper's geometry puts ``k_A`` on a coordinate axis, the best case for a *diagonal*
     covariance: A's writes then stay on ``e_1``.  The dense Bayesian filter, the reset and the
     latent-input writes have isotropic priors and are unchanged by ``Q``; the diagonal ablation
     is not.  Returns ``{"rho", "seeds", <model>: [final p^AB per seed]}``.
@@ -483,7 +483,7 @@ def run_lowrank(
 ) -> dict:
     """The rank sweep of the low-rank-plus-diagonal precision design on the collision schedule.
 
-    For each projection and rank ``r``: ``p_ab`` and ``gain`` per step (the SPEC's keys) and the
+    For each projection and rank ``r``: ``p_ab`` and ``gain`` per step (the paper's keys) and the
     final ``p^{AB}`` under each random key rotation of :func:`rotated_keys`; the dense BL, the
     diagonal-covariance ablation and the Delta rule beside them (same inputs).  ``state_floats``
     counts the recurrent state of one head (``design.state_size(D, m)``).  ``chunk_agreement`` is
@@ -501,7 +501,7 @@ def run_lowrank(
         for r in ranks:
             designs[lowrank_key(proj, r)] = (lowrank_diagonal(r, proj), {"r2": r2, "ell2": ell2, "p0": p0})
     inputs = collision_inputs([rho], D=D, m=m)
-    # batch row 0: the SPEC's keys; row 1 + i: keys turned by seed i (one filter call per design)
+    # batch row 0: the paper's keys; row 1 + i: keys turned by seed i (one filter call per design)
     turned = [_turn(inputs, seed) for seed in seeds]
     batch = tuple(torch.cat([inputs[j]] + [t[j] for t in turned], 0) for j in range(3))
     results: dict = {
@@ -570,7 +570,7 @@ def run_multi_pair(
     """Final p^AB of every pair when ``n`` pairs collide at once (:func:`multi_pair_inputs`), per model.
 
     How much rank the protection needs as the number of confirmed directions grows.  For each
-    model and ``n``: mean and min over pairs on the SPEC-like axis-aligned keys, and over the
+    model and ``n``: mean and min over pairs on axis-aligned keys like the paper's, and over the
     random rotations of :func:`rotated_keys` (mean over seeds and pairs, min over both).
     """
     p0, r2, ell2 = _positive("p0", p0), _positive("r2", r2), _positive("ell2", ell2)
@@ -644,14 +644,14 @@ def plot_lowrank(results: dict, out_dir: str | Path) -> list[Path]:
     for p in results["projections"]:
         keys = [lowrank_key(p, r) for r in ranks]
         xs = [models[k]["state_floats"] for k in keys]
-        floats.append(Series(f"low-rank {p}, SPEC keys", xs, [models[k]["final_p_ab"] for k in keys],
+        floats.append(Series(f"low-rank {p}, paper's keys", xs, [models[k]["final_p_ab"] for k in keys],
                              style=styles.get(p, {})))
         floats.append(Series(f"low-rank {p}, rotated keys (worst seed)", xs,
                              [min(models[k]["rotated_final_p_ab"]) for k in keys],
                              style={**styles.get(p, {}), "linestyle": "--", "markerfacecolor": "none"}))
     for n in LOWRANK_REFERENCES:
         x = [models[n]["state_floats"]]
-        floats.append(Series(f"{MODEL_LABELS[n]}, SPEC keys", x, [models[n]["final_p_ab"]],
+        floats.append(Series(f"{MODEL_LABELS[n]}, paper's keys", x, [models[n]["final_p_ab"]],
                              style={"color": MODEL_STYLES[n]["color"], "marker": "*", "markersize": 12,
                                     "linestyle": "none"}))
         floats.append(Series(f"{MODEL_LABELS[n]}, rotated (worst)", x, [min(models[n]["rotated_final_p_ab"])],
@@ -680,7 +680,7 @@ def plot_lowrank(results: dict, out_dir: str | Path) -> list[Path]:
 
 
 def format_lowrank_table(results: dict) -> str:
-    """Final p^AB (SPEC keys; min and max over rotations) and state floats per model."""
+    """Final p^AB (paper's keys; min and max over rotations) and state floats per model."""
     models = results["models"]
     lines = [f"{'low-rank sweep (collision_lowrank.json)':<34}{'floats':>8}{'p^AB':>9}{'rot. min':>10}"
              f"{'rot. max':>10}{'gain t=112':>12}"]
@@ -845,7 +845,7 @@ def format_table(results: dict) -> str:
     n_b = cfg["steps"] - n_pre - A_REPEATS
     t1, t2, t3 = n_pre, n_pre + n_b, cfg["steps"]
     lines = [
-        f"Deterministic collision (SPEC §4.1): D={cfg['D']}, m={cfg['m']}, ρ={cfg['rho']:g}, "
+        f"Deterministic collision (docs/theory.md §8.1): D={cfg['D']}, m={cfg['m']}, ρ={cfg['rho']:g}, "
         f"p0={cfg['p0']:g}, "
         f"r²={cfg['r2']:g}, ℓ²={cfg['ell2']:g}, {cfg['steps']} steps",
         f"{'model':<28}{'p^AB t=' + str(t1):>12}{'t=' + str(t2):>9}{'t=' + str(t3):>9}"
@@ -872,7 +872,7 @@ def format_table(results: dict) -> str:
     for n in MODELS:
         lines.append(f"{'  ' + n:<28}" + "".join(f"{ov[n][ov['rho'].index(r)]:>8.4f}" for r in show))
     lines += [
-        f"{'closed form (SPEC §2)':<36}{'predicted':>12}{'simulated':>12}",
+        f"{'closed form (docs/theory.md §4)':<36}{'predicted':>12}{'simulated':>12}",
         f"{'gain floor g_∞':<36}{cf['g_inf']:>12.6f}{cf['g_inf_simulated']:>12.6f}",
         f"{'Δ_B limit (1−ρ²)ℓ²':<36}{cf['delta_B_limit']:>12.6f}{cf['delta_B_simulated']:>12.6f}",
         f"{'write angle arcsin ρ (deg; t=53)':<36}{cf['angle_limit']:>12.2f}{cf['angle_simulated']:>12.2f}",
@@ -895,7 +895,7 @@ MEANING = (
 # -- the whole experiment: config -> record -------------------------------------------------------
 @dataclass(frozen=True)
 class CollisionConfig:
-    """What ``bayeslayer collision`` runs: the SPEC §4.1 protocol at overlap ``rho`` with prior ``p0`` and
+    """What ``bayeslayer collision`` runs: the docs/theory.md §8.1 protocol at overlap ``rho`` with prior ``p0`` and
     noises ``r2``, ``ell2``; the sweeps (``fixed_priors``, ``overlap_rhos``, the low-rank ``lowrank_ranks``,
     the key-rotation ``rotation_seeds`` and the reinforcement lengths ``b_repeats`` of the write angle); and
     ``out``, the folder for the JSON files and figures (``None``: write nothing).  The defaults are the
@@ -1020,7 +1020,7 @@ def _main(args: argparse.Namespace) -> int:
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "collision",
-        help="deterministic key-collision experiment (SPEC §4.1): BL vs Delta, LA, diagonal; seconds",
+        help="deterministic key-collision experiment (docs/theory.md §8.1): BL vs Delta, LA, diagonal; seconds",
         description="Write A..F twice, reinforce B 40×, then write the overlapping A 60×; read at B's key "
         "after every step.  Writes DIR/collision.json and PNG figures drawn from it.",
     )

@@ -1,4 +1,4 @@
-"""Recurrent-core-only models for the learned collision studies (SPEC §4.2–4.3).
+"""Recurrent-core-only models for the learned collision studies (docs/theory.md §8.2–8.3).
 
 The task's *address* is fed directly as key **and** query of every layer and every
 head; there is no learned key or query projection, so a model cannot rotate a
@@ -11,7 +11,7 @@ only through learned maps from the residual stream:
   :func:`~bayeslayer.design.lowrank_diagonal` of rank ``r`` (conservative projection) in place of the
   dense covariance (not in the default model list)
 * BL         exact Kalman write, ``r_t² = softplus(·) + 1e-4``, ``ℓ_t² = softplus(·) + 1e-6``,
-  ``A_t = I`` (as in the deterministic study, SPEC §4.1: process noise is the only forgetting)
+  ``A_t = I`` (as in the deterministic study, docs/theory.md §8.1: process noise is the only forgetting)
 * Delta      covariance-reset write ``M_t = M_{t-1} + β_t k_t (v_t − M_{t-1}ᵀ k_t)ᵀ``,
   ``β_t = σ(·)``, ``A_t = I`` (the DeltaNet design)
 * LA         latent-input write ``M_t = M_{t-1} + ω_t k_t v_tᵀ``, ``ω_t = σ(·)``, ``A_t = I``
@@ -20,7 +20,7 @@ only through learned maps from the residual stream:
 Each mixer runs its design model's chunked path from :mod:`bayeslayer.design`;
 the output is the readout ``y_t = M_tᵀ q_t`` with ``q_t = k_t = address_t``.
 
-Model (SPEC §4.2: 2 layers, width 64, 4 heads × 16 dims)::
+Model (docs/theory.md §8.2: 2 layers, width 64, 4 heads × 16 dims)::
 
     h = W_in x                                    x: [B, T, input_dim]
     h = h + W_o · mixer(LN(h), address)   ┐ per layer

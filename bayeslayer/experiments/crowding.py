@@ -1,4 +1,4 @@
-"""``bayeslayer crowding``: random-key crowding (SPEC §4.3).
+"""``bayeslayer crowding``: random-key crowding (docs/theory.md §8.3).
 
 Unit addresses are a 64-dim standard Gaussian projected by one frozen, seeded,
 row-orthogonal 16×64 matrix (the same for every model and run) and renormalised;
@@ -33,7 +33,8 @@ PAPER_BUDGET = "2,500 steps, batch 256, 3 seeds"
 
 @dataclass(frozen=True)
 class CrowdingPreset(CorePreset):
-    """Everything a crowding run depends on; ``paper`` is SPEC §4.3 with §4.2's optimiser budget.
+    """Everything a crowding run depends on; ``paper`` is the paper's setting (docs/theory.md §8.3) with
+    §8.2's optimiser budget.
 
     The first fields (name, steps, batch size, seeds, ``eval_sequences``, the optimiser's) and the
     training config are :class:`~bayeslayer.experiments.core_cli.CorePreset`'s (no learning curves).
@@ -45,7 +46,7 @@ class CrowdingPreset(CorePreset):
     num_values: int = 64
     num_queries: int = 8
     train_n: tuple[int, ...] = (16, 32, 48, 64)
-    test_load: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16)  # n/D; 6..16 are SPEC's test loads
+    test_load: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16)  # n/D; 6..16 are the paper's test loads
     eval_batch: int = 64
     eval_seed: int = 4321
 
@@ -181,5 +182,5 @@ def _main(args) -> int:
 
 def add_parser(sub) -> None:
     add_command(sub, name="crowding",
-                help="random-key crowding past capacity (SPEC §4.3)", doc=__doc__, presets=PRESETS,
+                help="random-key crowding past capacity (docs/theory.md §8.3)", doc=__doc__, presets=PRESETS,
                 paper_budget=PAPER_BUDGET, func=_main)

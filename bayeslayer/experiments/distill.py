@@ -1,4 +1,4 @@
-"""``bayeslayer distill``: retrofit a pretrained Gated DeltaNet with Bayesian Layers (SPEC §4.6).
+"""``bayeslayer distill``: retrofit a pretrained Gated DeltaNet with Bayesian Layers (docs/theory.md §8.6).
 
 The teacher is a Gated DeltaNet language model (a flash-linear-attention checkpoint such as
 ``linear-moe-hub/Gated-Deltanet-340M``, or one of our own ``BayesLayerForCausalLM`` directories
@@ -196,7 +196,7 @@ class DistillConfig:
 
 
 PRESETS: dict[str, DistillConfig] = {
-    # SPEC §4.6: 340M GDN teacher, layers {5, 11, 17, 23}, SlimPajama, length 2,048, Phase A ≈100M
+    # docs/theory.md §8.6: 340M GDN teacher, layers {5, 11, 17, 23}, SlimPajama, length 2,048, Phase A ≈100M
     # tokens (1,526 steps × 65,536), Phase B ≈300M (4,578 steps), one seed.  Our choices (not in the
     # paper): the 6B-token SlimPajama sample on the hub, batch 32 × 2,048, lr 1e-3 (A) / 1e-4 (B and
     # GDN-FT), 100 warm-up steps, the MLPs' down_proj at 0.1× lr, switch halfway through Phase B.
@@ -664,12 +664,14 @@ def _eval_main(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("distill", help="retrofit a pretrained Gated DeltaNet with Bayesian Layers (SPEC §4.6)",
+    p = sub.add_parser("distill",
+                       help="retrofit a pretrained Gated DeltaNet with Bayesian Layers (docs/theory.md §8.6)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     d_sub = p.add_subparsers(dest="distill_command", metavar="{train,eval}", required=True)
     t = d_sub.add_parser("train", help="Phase A, Phase B and the GDN-FT control (rerun to resume)")
     t.add_argument("--preset", choices=sorted(PRESETS), default="cpu",
-                   help="'paper' = SPEC §4.6 (340M teacher, ≈100M + 300M tokens); 'cpu' = a pipeline check with a "
+                   help="'paper' = the paper's settings (docs/theory.md §8.6; 340M teacher, ≈100M + 300M tokens); "
+                        "'cpu' = a pipeline check with a "
                         "teacher from `lm train --preset cpu --mixer gated_deltanet`; 'tiny' = smoke test")
     t.add_argument("--teacher", help="teacher: a Gated DeltaNet checkpoint directory, one of our model "
                                      "directories, or a hub id owner/name")

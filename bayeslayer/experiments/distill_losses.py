@@ -1,4 +1,4 @@
-"""Distillation objectives of the retrofit (SPEC §4.6): what ``bayeslayer distill`` trains with.
+"""Distillation objectives of the retrofit (docs/theory.md §8.6): what ``bayeslayer distill`` trains with.
 
 A pretrained Gated DeltaNet (the teacher) has layers ``L`` (default {5, 11, 17, 23})
 swapped for Bayesian Layers (:func:`bayeslayer.models.replace_layers`); the student is

@@ -1,4 +1,4 @@
-"""Held-out perplexity per corpus and context length, in the layout of the paper's Table 7 (SPEC §4.6).
+"""Held-out perplexity per corpus and context length, in the layout of the paper's Table 7 (docs/theory.md §8.6).
 
 For each model, each corpus (``source``) and each window length ``L``, the chosen split's token
 stream (documents joined by EOS, :mod:`bayeslayer.data.text`) is cut into windows and scored:
@@ -19,8 +19,8 @@ The relative change of a model against the reference model (default: the first) 
 ``Δ = 100 · (PPL / PPL_ref − 1)`` percent.  It compares like with like only when both models use the
 same tokenizer (same windows, same tokens); the record says when they do not.
 
-Paper target (SPEC §4.6, Table 7): on WikiText-103, SlimPajama held-out and PG-19 validation (first
-50 books), non-overlapping windows of 2k/4k/8k/16k, the retrofitted BL's held-out PPL is
+Paper target (the paper's Table 7, docs/theory.md §8.6): on WikiText-103, SlimPajama held-out and PG-19
+validation (first 50 books), non-overlapping windows of 2k/4k/8k/16k, the retrofitted BL's held-out PPL is
 ≈ 2.3–2.8 % above the GDN's.
 
 Every cell is cached under ``<cache_dir>/heldout/`` (default ``$BAYESLAYER_CACHE``) by the model's
@@ -86,7 +86,7 @@ SINGLE_PROCESS = DistContext()
 WINDOW_MODES = ("non-overlapping", "sliding")
 # Bump when anything that changes a cached cell's numbers changes (window rule, CE definition).
 CACHE_FORMAT = 1
-# SPEC §4.6: the paper states the change, not the table's cells.
+# docs/theory.md §8.6: the paper states the change, not the table's cells.
 PAPER_TABLE7 = {
     "statement": "held-out PPL rises ≈2.3–2.8% for BL (retrofitted student vs the Gated DeltaNet)",
     "model": "BL",
@@ -656,7 +656,7 @@ def table7_markdown(record: dict) -> str:
                      "are not directly comparable.")
     target = record.get("target") or {}
     if target.get("statement"):
-        lines.append(f"Paper target (SPEC §4.6): {target['statement']}.")
+        lines.append(f"Paper target (docs/theory.md §8.6): {target['statement']}.")
     return "\n".join(lines) + "\n"
 
 
@@ -847,7 +847,8 @@ def _main(args: argparse.Namespace) -> dict:
 
 def add_parser(sub) -> None:
     """``bayeslayer heldout``: each option maps onto the :class:`HeldoutConfig` field of its name."""
-    p = sub.add_parser("heldout", help="held-out perplexity per corpus and window length (Table 7, SPEC §4.6)",
+    p = sub.add_parser("heldout",
+                       help="held-out perplexity per corpus and window length (Table 7, docs/theory.md §8.6)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", action="append", type=model_arg, default=None, metavar="[LABEL=]DIR",
                    help="a model directory (HF or fla Gated DeltaNet checkpoint) or an lm run directory; repeat")

@@ -1,7 +1,7 @@
 """The paper's evaluation context lengths and how tables and plots name a length.
 
 One home for both facts: the NIAH study (:mod:`bayeslayer.experiments.niah`) and the held-out
-perplexity study (:mod:`bayeslayer.experiments.heldout`) evaluate at the same lengths (SPEC §4.6–4.7)
+perplexity study (:mod:`bayeslayer.experiments.heldout`) evaluate at the same lengths (docs/theory.md §8.6)
 and label them the same way.
 
 >>> [length_label(n) for n in PAPER_LENGTHS]

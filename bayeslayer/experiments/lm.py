@@ -1,4 +1,4 @@
-"""``bayeslayer lm``: from-scratch language modelling with AR-hit evaluation (SPEC §4.5).
+"""``bayeslayer lm``: from-scratch language modelling with AR-hit evaluation (docs/theory.md §8.5).
 
 ``bayeslayer lm train`` trains a :class:`~bayeslayer.models.BayesLayerForCausalLM` (any mixer of
 :data:`bayeslayer.layers.MIXERS`) on packed windows of a text corpus (:mod:`bayeslayer.data.text`);
@@ -104,7 +104,7 @@ GROUP_LABELS = {"all": "all", "ar_hit": "AR-hit", "other": "other", "ar_hit_1_64
 MODEL_LABELS = {"bayesian": "BL", "gated_deltanet": "GDN", "gated_deltanet_noconv": "GDN (no conv)",
                 "deltanet": "DeltaNet", "linear_attention": "LA", "gla": "GLA", "mamba2": "Mamba-2",
                 "attention": "Attention"}
-# SPEC §4.5, Table 2 (mean ± std over 3 seeds, WikiText-103 test, 32k BPE).
+# the paper's Table 2, docs/theory.md §8.5 (mean ± std over 3 seeds, WikiText-103 test, 32k BPE).
 PAPER_TABLE2 = {
     "BL": {"all": (20.01, 0.15), "ar_hit": (18.15, 1.08), "other": (20.03, 0.15)},
     "GDN": {"all": (18.75, 0.07), "ar_hit": (23.72, 1.76), "other": (18.69, 0.08)},
@@ -274,7 +274,7 @@ class LMConfig:
 
 
 PRESETS: dict[str, LMConfig] = {
-    # SPEC §4.5: width 512, 4 layers, 4 heads × 128, 7,935 steps × 65,536 tokens (520M), length
+    # docs/theory.md §8.5: width 512, 4 layers, 4 heads × 128, 7,935 steps × 65,536 tokens (520M), length
     # 2,048, lr 6e-4, MLP dropout 0.4, WikiText-103 with a 32k BPE.  Betas, weight decay, warmup
     # and the final lr ratio are not in the paper: flash-linear-attention's usual values (LM_TRAIN).
     "paper": LMConfig(preset="paper",
@@ -450,7 +450,7 @@ def weights_digest(model) -> str:
 
 def grouped_perplexity(model, windows: np.ndarray, masks: dict[str, np.ndarray], *, batch_size: int = 4,
                        ctx: DistContext = SINGLE_PROCESS, precision: str = "fp32") -> dict[str, dict]:
-    """PPL ``exp(Σ ce·mask / Σ mask)`` per group over packed ``windows [N, L]`` (SPEC §4.5).
+    """PPL ``exp(Σ ce·mask / Σ mask)`` per group over packed ``windows [N, L]`` (docs/theory.md §8.5).
 
     ``masks``: group → boolean ``[N, L−1]`` aligned with the next-token loss
     (``annotation.masks(shifted=True)``).  Windows are shared out across ranks (``rank::world``)
@@ -1090,15 +1090,16 @@ def _eval_main(args) -> int:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("lm", help="language modelling with AR-hit evaluation (SPEC §4.5)", description=__doc__,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser("lm", help="language modelling with AR-hit evaluation (docs/theory.md §8.5)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     lm_sub = p.add_subparsers(dest="lm_command", metavar="{train,eval}", required=True)
 
     t = lm_sub.add_parser("train", help="train (or resume) one language model run",
                           description="Train a BayesLayerForCausalLM; rerun the same command to resume. "
                                       "Distributed: torchrun --nproc_per_node N -m bayeslayer.cli lm train ...")
     t.add_argument("--preset", choices=sorted(PRESETS), default="cpu",
-                   help="'paper' = SPEC §4.5 (WikiText-103, 520M tokens); 'cpu' ≈ 30 min per model on an idle "
+                   help="'paper' = the paper's settings (docs/theory.md §8.5; WikiText-103, 520M tokens); "
+                        "'cpu' ≈ 30 min per model on an idle "
                         "2-core CPU on the python3-doc corpus; 'tiny' = smoke test")
     t.add_argument("--mixer", help="token mixer of every layer (bayesian, gated_deltanet, mamba2, ...)")
     t.add_argument("--mixer-kwargs", help='JSON object of extra mixer arguments, e.g. \'{"p0": 1.0}\'')

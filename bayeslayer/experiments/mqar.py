@@ -1,4 +1,4 @@
-"""``bayeslayer mqar {base,update,block}``: Zoology's multi-query associative recall (SPEC §4.4).
+"""``bayeslayer mqar {base,update,block}``: Zoology's multi-query associative recall (docs/theory.md §8.4).
 
 Keys and values share one vocabulary (:mod:`bayeslayer.data.mqar`).  Three tasks:
 
@@ -103,7 +103,7 @@ SWEEP_AXES = {"base": "model width", "update": "number of updates", "block": "nu
 # Zoology's MQAR learning-rate sweep: np.logspace(-4, -2, 4).
 ZOOLOGY_LRS = (1e-4, 4.6415888e-4, 2.1544347e-3, 1e-2)
 
-# The paper's reported accuracies (SPEC §4.4, one run per curve), printed beside ours.
+# The paper's reported accuracies (docs/theory.md §8.4, one run per curve), printed beside ours.
 PAPER_POINTS = {
     "update": {"x": 16, "values": {"bayesian": 0.88, "gated_deltanet": 0.60, "mamba2": 0.60,
                                    "gated_deltanet_noconv": 0.98}},
@@ -114,7 +114,7 @@ PAPER_POINTS = {
 # -- presets -----------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class MQARPreset:
-    """Everything an MQAR run depends on; ``paper`` is SPEC §4.4.
+    """Everything an MQAR run depends on; ``paper`` is the paper's setting (docs/theory.md §8.4).
 
     Pools (``pool_*``) are the total sequences generated for training + validation; the test sets
     (``test_examples`` per sweep point) are generated separately from ``test_seed``.
@@ -180,7 +180,7 @@ class MQARPreset:
 
 
 PRESETS: dict[str, MQARPreset] = {
-    # SPEC §4.4.  The paper names no widths for Base; these are Zoology's.
+    # docs/theory.md §8.4.  The paper names no widths for Base; these are Zoology's.
     "paper": MQARPreset(
         "paper", vocab_size=8192, pool_base=100_000, pool_update=160_000, pool_block=120_000, epochs=40,
         batch_size=256, lrs=ZOOLOGY_LRS, seeds=1, budget=8192, width=128, base_widths=(64, 128, 256, 512),
@@ -201,7 +201,7 @@ PRESETS: dict[str, MQARPreset] = {
         base_train=((64, 4), (128, 8), (128, 16)),
     ),
     # The CPU preset on the paper's data: vocabulary 8,192 and Zoology's random fillers (everything else
-    # as "default").  Issue #18 asks how far a CPU gets with it on Update at 16 updates.
+    # as "default").  It shows how far a CPU gets on Update at 16 updates.
     "cpu-paper-data": MQARPreset(
         "cpu-paper-data", vocab_size=8192, pool_base=6_000, pool_update=12_000, pool_block=12_000, epochs=3,
         batch_size=32, lrs=(1e-2,), seeds=1, budget=4096, width=64, base_widths=(16, 32, 64),
@@ -788,7 +788,7 @@ def format_table(record: dict) -> str:
                      + " | " + "/".join(f"{v:.3f}" for v in s["val_accuracy"]["mean"]) + f" | {lrs} |")
     paper = record.get("paper_reported")
     if paper:
-        lines.append(f"\npaper (SPEC §4.4) at {paper['x']}: " + ", ".join(
+        lines.append(f"\npaper (docs/theory.md §8.4) at {paper['x']}: " + ", ".join(
             f"{mixer_label(m)} ≈ {v:.2f}" for m, v in paper["values"].items()))
     return "\n".join(lines)
 
@@ -844,7 +844,7 @@ def _main(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     if config.preset.name != "paper":
         print(f"mqar: preset '{config.preset.name}' is a CPU-sized run of the same task, NOT the paper's budget "
-              f"(use --preset paper for SPEC §4.4)")
+              f"(use --preset paper for the paper's settings, docs/theory.md §8.4)")
     record = run(config)
     print(format_table(record))
     stem = results_stem(config.task, config.preset)
@@ -853,11 +853,12 @@ def _main(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("mqar", help="Zoology MQAR: base / update / block recall (SPEC §4.4)",
+    p = sub.add_parser("mqar", help="Zoology MQAR: base / update / block recall (docs/theory.md §8.4)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("task", nargs="?", choices=TASK_NAMES, default=None, help="which MQAR task")
     p.add_argument("--preset", choices=sorted(PRESETS), default="default",
-                   help="'paper' = SPEC §4.4; 'default' ≈ 20 min per task on an idle 2-core CPU; "
+                   help="'paper' = the paper's settings (docs/theory.md §8.4); "
+                        "'default' ≈ 20 min per task on an idle 2-core CPU; "
                         "'cpu-paper-data' = default with vocabulary 8,192 and random fillers; 'tiny' = smoke")
     p.add_argument("--mixers", nargs="+", default=list(DEFAULT_MIXERS), choices=known_mixers() + list(LOWRANK_MIXERS),
                    metavar="MIXER",

@@ -1,4 +1,4 @@
-"""RULER needle-in-a-haystack evaluation (SPEC §4.6): greedy decoding, scoring, tables, plots, ``bayeslayer niah``.
+"""RULER needle-in-a-haystack evaluation (docs/theory.md §8.6): decoding, scoring, tables, plots, ``bayeslayer niah``.
 
 The prompts (the eight RULER NIAH tasks, RULER's text, exact length and located depth) come
 from :mod:`bayeslayer.data.niah`; its public names are re-exported here.  :func:`run` takes a
@@ -533,7 +533,7 @@ def _parse_pair(text: str) -> tuple[str, str]:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("niah", help="RULER needle-in-a-haystack evaluation (SPEC §4.6)",
+    p = sub.add_parser("niah", help="RULER needle-in-a-haystack evaluation (docs/theory.md §8.6)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", action="append", type=model_arg, default=[], metavar="[LABEL=]DIR",
                    help="a model directory (HF format or an fla Gated DeltaNet checkpoint); repeat for several")

@@ -1,4 +1,4 @@
-"""``bayeslayer recall``: learned controlled collision recall (SPEC §4.2).
+"""``bayeslayer recall``: learned controlled collision recall (docs/theory.md §8.2).
 
 Each sequence holds 8 target/distractor address pairs with overlap ρ; targets are
 written ``n_b = 4`` times, then their distractors ``n_f`` times, then the targets
@@ -11,7 +11,7 @@ Tests (fixed evaluation sets, identical for every model and seed):
 
 * accuracy (and CE) vs ``n_f ∈ {1, …, 256}`` at ρ = 0.80;
 * target-vs-distractor margin vs ρ ∈ {0.60, …, 0.95} at ``n_f = 64``: with logits ``z``
-  at a query, ``margin = 2σ(z_target − z_distractor) − 1`` (SPEC §4.1's ``2p^{AB} − 1``),
+  at a query, ``margin = 2σ(z_target − z_distractor) − 1`` (docs/theory.md §8.1's ``2p^{AB} − 1``),
   averaged over queries; positive means the target's value still beats its distractor's.
 
 Learning curves: ``curve_points`` times during training (every ``steps // curve_points`` steps and at
@@ -44,7 +44,7 @@ PAPER_BUDGET = "2,500 steps, batch 256, 3 seeds"
 
 @dataclass(frozen=True)
 class RecallPreset(CorePreset):
-    """Everything a recall run depends on; ``paper`` is SPEC §4.2's budget.
+    """Everything a recall run depends on; ``paper`` is the paper's budget (docs/theory.md §8.2).
 
     The first fields (name, steps, batch size, seeds, ``eval_sequences`` — sequences per evaluation
     point, 8 queries each — and the optimiser's) are :class:`~bayeslayer.experiments.core_cli.CorePreset`'s.
@@ -276,5 +276,5 @@ def _main(args) -> int:
 
 def add_parser(sub) -> None:
     add_command(sub, name="recall",
-                help="learned controlled collision recall (SPEC §4.2)", doc=__doc__, presets=PRESETS,
+                help="learned controlled collision recall (docs/theory.md §8.2)", doc=__doc__, presets=PRESETS,
                 paper_budget=PAPER_BUDGET, func=_main)

@@ -1,4 +1,4 @@
-"""State-budget matching: head configurations whose recurrent state fits a per-layer float budget (SPEC §4.4).
+"""State-budget matching: head configurations whose recurrent state fits a per-layer float budget (docs/theory.md §8.4).
 
 The MQAR comparison holds the recurrent state of every mixer layer to one
 budget (8,192 floats in the paper), counted per layer as

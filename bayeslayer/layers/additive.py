@@ -1,4 +1,4 @@
-"""The latent-input (additive) family as token mixers: linear attention and GLA (SPEC §1.3).
+"""The latent-input (additive) family as token mixers: linear attention and GLA (docs/theory.md §3).
 
 Both run the latent-input design ``M_t = A_t M_{t-1} + ω_t k_t v_tᵀ`` of :mod:`bayeslayer.design`
 with ``ω_t = 1`` (the write coefficient given directly as ``gain``); no recurrence is written here.

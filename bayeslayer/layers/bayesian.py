@@ -1,4 +1,4 @@
-"""The Bayesian Layer token mixer (SPEC §1.1–1.2): a GDN-shaped layer whose memory is a Kalman filter."""
+"""The Bayesian Layer token mixer (docs/theory.md §1.3, §2): a GDN-shaped layer whose memory is a Kalman filter."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ COVARIANCES = ("dense", "diagonal", "lowrank")
 
 
 class BayesianLayer(QKVMixer):
-    """Bayesian Layer: memory ``(M_t, P_t)`` written by exact Kalman filtering (SPEC §1.1).
+    """Bayesian Layer: memory ``(M_t, P_t)`` written by exact Kalman filtering (docs/theory.md §2.1).
 
     Per token ``x_t`` and head (key dim ``D``, value dim ``m = D·expand_v``, ``G`` noise groups)::
 
@@ -55,7 +55,7 @@ class BayesianLayer(QKVMixer):
 
     Initial values: ``r² ≈ r2_init = 1`` and ``p0 = 1`` make the first write's gain ``p0/(p0 + r²) =
     0.5`` (GDN's ``β = sigmoid(0)``); ``ℓ² ≈ ell2_init = 0.1`` keeps the steady gain of a repeated key
-    near ``0.27`` (SPEC §2) so memory never freezes.  The floors bound ``β ≤ 1/r2_floor``.
+    near ``0.27`` (docs/theory.md §4.3) so memory never freezes.  The floors bound ``β ≤ 1/r2_floor``.
 
     Parameter count (``d`` hidden, ``H`` heads, ``K = H·D``, ``V = H·m``, ``W`` conv size, gate on,
     convolutions without bias; ``Da`` = 0 identity, 1 scalar/rotation, ``D`` diagonal)::

@@ -1,4 +1,4 @@
-"""The covariance-reset family as token mixers: Gated DeltaNet and DeltaNet (SPEC §1.3).
+"""The covariance-reset family as token mixers: Gated DeltaNet and DeltaNet (docs/theory.md §3).
 
 Both run the reset design ``M_t = A_t M_{t-1} + β_t k_t (v_t − (A_t M_{t-1})ᵀ k_t)ᵀ`` of
 :mod:`bayeslayer.design` with the gain given directly (``gain = β``); no recurrence is written here.

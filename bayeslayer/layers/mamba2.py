@@ -1,4 +1,4 @@
-"""A Mamba-2 mixer whose SSD core is the latent-input design ``MAMBA2`` (SPEC §1.3)."""
+"""A Mamba-2 mixer whose SSD core is the latent-input design ``MAMBA2`` (docs/theory.md §3)."""
 
 from __future__ import annotations
 

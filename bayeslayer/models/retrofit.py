@@ -1,4 +1,4 @@
-"""Layer swapping for the retrofit experiment (SPEC §4.6): GDN layers → Bayesian Layers.
+"""Layer swapping for the retrofit experiment (docs/theory.md §8.6): GDN layers → Bayesian Layers.
 
 A Bayesian Layer keeps the Gated DeltaNet layer's projections under the same names
 (``q_proj, k_proj, v_proj, a_proj, A_log, dt_bias, {q,k,v}_conv1d, g_proj, o_norm,

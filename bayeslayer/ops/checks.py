@@ -200,7 +200,7 @@ def check_p0(p0, dims: Dims) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Dynamics:
-    """Structured transition ``A_t`` (SPEC §1.2), canonicalised.
+    """Structured transition ``A_t`` (docs/theory.md §1.3), canonicalised.
 
     kind: ``identity`` | ``scalar`` (``α_t I``) | ``diagonal`` (``diag(α_t)``) |
     ``rotation`` (pairs of channels ``(2c, 2c+1)`` rotate by ``θ_t`` and shrink
@@ -362,7 +362,7 @@ def covariance_dtype(P: torch.Tensor, k: torch.Tensor, r2: torch.Tensor) -> torc
 
 
 # The reset family's erase ``I − η k kᵀ`` scales the memory along k by ``1 − η‖k‖²``.  Its design
-# model (SPEC §1.3) gives ``η‖k‖² = λ‖k‖²/(r² + λ‖k‖²) ∈ (0, 1)``; fla's ``allow_neg_eigval``
+# model (docs/theory.md §3) gives ``η‖k‖² = λ‖k‖²/(r² + λ‖k‖²) ∈ (0, 1)``; fla's ``allow_neg_eigval``
 # (DeltaNet/GDN with β ∈ (0, 2)) extends it to (0, 2), still no expansion.  Above 2 the erase
 # expands the memory along k by |1 − η‖k‖²| > 1 at every repeat of a key (gain = 10 with unit keys:
 # max |o| 2.8e8 after 2000 tokens).  The small slack absorbs rounding of ‖k‖² for unit keys.

@@ -1,4 +1,4 @@
-"""Chunked (training / prefill) paths: matmul-form covariance pass + WY/UT mean pass (SPEC §3.2).
+"""Chunked (training / prefill) paths: matmul-form covariance pass + WY/UT mean pass (docs/theory.md §5).
 
 Inside a chunk of ``C`` tokens that starts from ``(M_0, P_0)``, write
 ``Φ_t = A_t ⋯ A_1`` for the transition from the chunk start to token ``t``.

@@ -1,4 +1,4 @@
-"""The Bayesian Layer's mean pass on flash-linear-attention's GDN/GLA forward kernels (design note §1).
+"""The Bayesian Layer's mean pass on flash-linear-attention's GDN/GLA forward kernels (docs/theory.md §6.4).
 
 Given the covariance scan's per-chunk outputs (:class:`bayeslayer.ops.scan.ScanOutput`) the BL
 mean pass is fla's gated-delta-rule state/output pass on substituted tensors::
@@ -21,7 +21,7 @@ Not taken by fla here: float64 (fla keeps its final state in float32; the caller
 :func:`bayeslayer.ops.scan.mean_pass_reference` or its own kernel), rotations (no fla kernel).
 G > 1 runs as ``H·G`` heads (the scan folds groups into heads; every group has its own W).
 
-Backward (:func:`mean_pass_fla_backward`, issue 16 item 1): fla's GDN backward minus its WY step
+Backward (:func:`mean_pass_fla_backward`, docs/theory.md §6.4): fla's GDN backward minus its WY step
 (scalar decay: ``chunk_bwd_dv_local``, ``chunk_gated_delta_rule_bwd_dhu``, ``chunk_bwd_dqkwg``); diagonal
 decay: GLA/KDA's ``chunk_kda_bwd_dAv``, ``chunk_gla_bwd_dqk_intra``, ``chunk_gla_bwd_dqkg`` around the same
 ``bwd_dhu`` with ``gk``.  Every kernel has a plain-PyTorch twin (:data:`TWIN_KERNELS`);
@@ -221,7 +221,7 @@ def mean_pass_fla(q, w, kw, vu, g, M0, cu: list[int], C: int, *, fwd_h=None):
 
 
 # ---------------------------------------------------------------------------------------------------
-# Backward (issue 16 item 1): fla's GDN backward kernels on the substituted tensors, their twins, and
+# Backward (docs/theory.md §6.4): fla's GDN backward kernels on the substituted tensors, their twins, and
 # the adjoint of the substitution.
 # ---------------------------------------------------------------------------------------------------
 

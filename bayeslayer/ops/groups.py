@@ -2,7 +2,7 @@
 
 With ``G`` groups the ``m`` value columns split into ``G`` blocks of ``m/G``,
 each with its own ``r_t²`` and therefore its own key-space covariance
-(SPEC §1.2).  Every group is an independent filter that shares the head's keys,
+(docs/theory.md §1.3).  Every group is an independent filter that shares the head's keys,
 queries and dynamics, so the ops run them as ``H·G`` heads of value dim ``m/G``.
 """
 

@@ -1,6 +1,6 @@
 """Low-rank-plus-diagonal Bayesian Layer: the key-space precision kept as ``diag(υ) + W Wᵀ``.
 
-The dense Bayesian Layer carries a ``D×D`` covariance per head and group (SPEC §1.1).  This
+The dense Bayesian Layer carries a ``D×D`` covariance per head and group (docs/theory.md §2.1).  This
 design keeps the *precision* (information) matrix instead, in the diagonal-plus-low-rank form
 of LoFi (Chang, Duran-Martin, Shestopaloff, Jones, Murphy, arXiv:2305.19535)::
 

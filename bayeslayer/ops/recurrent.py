@@ -1,8 +1,8 @@
-"""The recurrent oracle: exact filtering token by token (SPEC §3.1).
+"""The recurrent oracle: exact filtering token by token (docs/theory.md §5.1).
 
 One short loop covers every write model of the design-model family:
 
-``bayes``     dense covariance, the Bayesian Layer (SPEC §1.1)
+``bayes``     dense covariance, the Bayesian Layer (docs/theory.md §2.1)
 ``diagonal``  diagonal-covariance ablation: only ``diag(P̄_t)`` and ``diag(P_t)`` are kept
 ``reset``     covariance-reset family: ``P̄_t ← λ_t I`` every step (DeltaNet, GDN, KDA, ...)
 ``latent``    latent-input (additive) family: ``M_t = A_t M_{t-1} + ω_t k_t v_tᵀ`` (LA, GLA, SSD, ...)
@@ -173,7 +173,7 @@ def bl_recurrent(
     output_final_state: bool = False,
     return_variance: bool = False,
 ):
-    """The Bayesian Layer, token by token (exact Kalman filter, SPEC §1.1).
+    """The Bayesian Layer, token by token (exact Kalman filter, docs/theory.md §2.1).
 
     Args:
         q, k: ``[B, T, H, D]`` queries and keys (used as given: no scaling, no normalisation).

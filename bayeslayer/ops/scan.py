@@ -1,4 +1,4 @@
-"""The covariance pass as an exact segment scan (design note ``gpu-kernels.md`` §2), in plain PyTorch.
+"""The covariance pass as an exact segment scan (docs/theory.md §6.2–6.3), in plain PyTorch.
 
 The chunk-serial covariance pass (:func:`bayeslayer.ops.chunk.covariance_pass`) is a chain of
 ``T/C`` dependent chunk steps per head.  Here each sequence is split into segments of ``n_s``

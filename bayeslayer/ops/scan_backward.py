@@ -1,6 +1,6 @@
 """The covariance pass's backward through the segment scan, as an explicit plain-PyTorch twin (no autograd).
 
-Design note ``gpu-kernels.md`` §2 ("Backward through the scan") and §4 (kernels B2–B4).  The forward
+docs/theory.md §6.5 (the backward through the scan) and §6.7 (kernels B2–B4).  The forward
 is :func:`bayeslayer.ops.scan.covariance_scan`; this module computes the vector–Jacobian product of
 its outputs (``w``, ``beta``, ``linv``, ``variance``, ``kw``, ``vu``, ``g`` and the final ``P``) with
 respect to its inputs (``q``, ``k``, ``v``, ``r2``, ``ell2``, ``log_alpha``, ``P0``) in plain tensor

@@ -1,6 +1,6 @@
 """The whole backward of the segment-scan forward, composed, and the autograd Function that runs it.
 
-Issue 16, items 1–3 wired together.  The forward (packed, folded tensors after
+The pieces of docs/theory.md §6.4–6.5 wired together.  The forward (packed, folded tensors after
 :func:`bayeslayer.ops.scan.prepare_scan`) is the covariance scan (Phase A, B, C) followed by the mean
 pass on the substituted tensors ``kw = L⁻¹(γ⊙K)``, ``vu = L⁻¹V``.  Its backward, :func:`scan_backward`,
 chains three adjoints that exist on their own and are tested on their own::

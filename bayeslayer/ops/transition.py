@@ -1,4 +1,4 @@
-"""The transition ``A_t`` of the latent memory, applied one token at a time (SPEC §1.2).
+"""The transition ``A_t`` of the latent memory, applied one token at a time (docs/theory.md §1.3).
 
 Shared by the recurrent oracle (:mod:`bayeslayer.ops.recurrent`), the write models' token scans
 (:mod:`bayeslayer.ops.write`) and the low-rank filter (:mod:`bayeslayer.ops.lowrank`).
@@ -34,7 +34,7 @@ def apply_transition(X: torch.Tensor, kind: str, log_alpha_t, theta_t) -> torch.
 
 
 def noise_mask(dyn: Dynamics, D: int, dtype, device) -> torch.Tensor:
-    """Diagonal of Σ: all ones, or ones on the real (even) channels with rotations (SPEC §1.2)."""
+    """Diagonal of Σ: all ones, or ones on the real (even) channels with rotations (docs/theory.md §1.3)."""
     sig = torch.ones(D, dtype=dtype, device=device)
     if dyn.rotation:
         sig[1::2] = 0

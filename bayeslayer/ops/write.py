@@ -1,6 +1,6 @@
 """Write models: how a token is written into the memory and what the filter keeps of the posterior.
 
-One small object per write model of the design-model family (SPEC §1).  The argument preparation
+One small object per write model of the design-model family (docs/theory.md §1).  The argument preparation
 (:mod:`bayeslayer.ops.prepare`), the recurrent oracle (:mod:`bayeslayer.ops.recurrent`) and the
 chunked path (:mod:`bayeslayer.ops.chunk`) call its methods; none of them tests a write model's name.
 

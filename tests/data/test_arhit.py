@@ -1,4 +1,4 @@
-"""AR-hit annotation against a brute-force reference, the SPEC §4.5 rules one by one, and grouped PPL."""
+"""AR-hit annotation against a brute-force reference, the docs/theory.md §8.5 rules one by one, and grouped PPL."""
 
 from __future__ import annotations
 

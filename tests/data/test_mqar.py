@@ -95,7 +95,7 @@ def test_docstring_example_is_literal(fn):
 
 
 def test_update_example_reads_as_the_issue_describes():
-    # A→8, B→13, A→11  must answer A→11, B→13 (the issue's A→4, B→5, A→4*)
+    # A→8, B→13, A→11  must answer A→11, B→13 (the paper's A→4, B→5, A→4*)
     d = update_mqar(vocab_size=16, num_examples=1, seq_len=12, num_pairs=2, num_updates=1,
                     seed=3, power_a=1.0, random_non_queries=False)
     x, y = d.inputs[0].tolist(), d.labels[0].tolist()

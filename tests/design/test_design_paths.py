@@ -163,7 +163,7 @@ def test_design_step_matches_recurrent(case):
 @pytest.mark.parametrize("design", [DELTANET, LINEAR_ATTENTION], ids=lambda d: d.name)
 def test_lam_and_gain_parametrisations_agree(design):
     """``lam`` with ``r2`` is the same filter as its coefficient passed as ``gain``:
-    reset ``η = λ/(r² + λ‖k‖²)``, latent ``ω = λ/(λ + r²)`` (SPEC §1.3)."""
+    reset ``η = λ/(r² + λ‖k‖²)``, latent ``ω = λ/(λ + r²)`` (docs/theory.md §3)."""
     x, _ = design_inputs(design, "identity", "lam")
     lam, r2, k = x["lam"], x["r2"], x["k"]
     coef = lam / (r2 + lam * (k * k).sum(-1)) if design.write == "reset" else lam / (lam + r2)

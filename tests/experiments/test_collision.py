@@ -1,4 +1,4 @@
-"""The deterministic collision experiment (SPEC §4.1) and its closed forms (SPEC §2).
+"""The deterministic collision experiment (docs/theory.md §8.1) and its closed forms (docs/theory.md §4).
 
 Expected values here are derived independently of the experiment code where possible
 (golden-ratio gain floor, the scalar variance recursion, the delta-rule readout
@@ -105,7 +105,7 @@ def test_gain_floor_other_noise_levels():
     r2, ell2 = 0.1, 0.02
     out = col.run_collision(r2=r2, ell2=ell2, fixed_priors=[1.0], overlap_rhos=[0.5])
     x = 3.0
-    for _ in range(10_000):  # iterate the scalar recursion of SPEC §2 to its fixed point
+    for _ in range(10_000):  # iterate the scalar recursion of docs/theory.md §4.3 to its fixed point
         x = r2 * x / (r2 + x) + ell2
     g = x / (r2 + x)
     assert out["closed_form"]["g_inf"] == pytest.approx(g, abs=1e-12)
@@ -143,7 +143,7 @@ def test_reset_trajectory_follows_delta_rule_closed_form(results, paper_inputs):
     ][0, 0]
     k_a, k_b, v_a = k[0, 52, 0], q[0, 0, 0], v[0, 52, 0]
     a, b = M.T @ k_a, M.T @ k_b
-    # the recursion of SPEC §2 written out step by step (not the closed form under test)
+    # the recursion of docs/theory.md §4.5 written out step by step (not the closed form under test)
     for n, p_sim in enumerate(results["models"]["reset"]["p_ab"][52:], start=1):
         b = b + 0.5 * (k_a @ k_b) * (v_a - a)
         a = a + 0.5 * (v_a - a)

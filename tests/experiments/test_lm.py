@@ -291,7 +291,7 @@ def test_presets_follow_the_spec():
         assert preset.batch_size % preset.micro_batch_size == 0
     from bayeslayer.models import count_parameters
 
-    for mixer in ("bayesian", "gated_deltanet"):  # SPEC: about 16-18M non-embedding parameters
+    for mixer in ("bayesian", "gated_deltanet"):  # the paper: about 16-18M non-embedding parameters
         with torch.device("meta"):  # sizes only: no memory, no initialisation work
             n = count_parameters(build_model(replace(paper, mixer=mixer), paper.vocab_size)).non_embedding
         assert 16e6 <= n <= 18e6, (mixer, n)

@@ -184,7 +184,7 @@ def test_plot_only_redraws_from_the_json(tiny_update, capsys):
     assert cli_main(["mqar", "update", "--plot-only", "--out", str(tiny_update)]) == 0
     assert png.stat().st_size > 0
     out = capsys.readouterr().out
-    assert "| BL |" in out and "paper (SPEC §4.4)" in out
+    assert "| BL |" in out and "paper (docs/theory.md §8.4)" in out
     # plot from an edited record: the figure is the JSON's, nothing is recomputed
     record = json.loads((tiny_update / "mqar_update.json").read_text())
     record["models"].pop("bayesian")

@@ -1,4 +1,4 @@
-"""replace_layers: GDN layers → Bayesian Layers initialised from the teacher (SPEC §4.6)."""
+"""replace_layers: GDN layers → Bayesian Layers initialised from the teacher (docs/theory.md §8.6)."""
 
 from __future__ import annotations
 

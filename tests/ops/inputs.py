@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-# Every transition A_t the ops support (SPEC §1.2); rotations come with no shrink, one shrink
+# Every transition A_t the ops support (docs/theory.md §1.3); rotations come with no shrink, one shrink
 # per head (alpha [B, T, H]) and one shrink per channel pair (alpha [B, T, H, D/2]).
 DYNAMICS = ("identity", "scalar", "diagonal", "rotation", "rotation_scalar", "rotation_pairs")
 

@@ -1,7 +1,7 @@
-"""Inputs for the segment-scan tests: the design note's long-memory and stress regimes.
+"""Inputs for the segment-scan tests: docs/theory.md §6.6's long-memory and stress regimes.
 
 With typical decays (α 0.9–1) a segment's transition A_s is ≈ 0 and a scan that drops it would
-still pass; these regimes keep A_s large (``gpu-kernels.md`` §2–3).
+still pass; these regimes keep A_s large (docs/theory.md §6.6).
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ def regime_inputs(regime: str, B: int, T: int, H: int, D: int, m: int, *, diagon
 
 
 def note_inputs(regime: str, H: int = 4, T: int = 4096, D: int = 64, dtype=torch.float64):
-    """The inputs of the design note's ``fp32_scan.py`` (same distributions, draw order and seed).
+    """The inputs of the float64 precision study behind ``NOTE_FP32`` (docs/theory.md §6.6; same distributions,
+    draw order and seed).
 
     Returns ``(k, r2, ell2, log_alpha)`` laid out ``[1, T, H, ·]``, so that precision figures can be
     compared with the note's table on the very same numbers.

@@ -1,4 +1,4 @@
-"""Bad input gets a clear error, never a silent wrong answer (issue 2, item 5).
+"""Bad input gets a clear error, never a silent wrong answer.
 
 Each case asserts the exception type and that the message names the offending argument (and,
 for shape errors, the shape that was seen).  Mismatched shapes, non-positive r2/ell2/p0, alpha

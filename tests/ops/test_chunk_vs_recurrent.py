@@ -1,4 +1,4 @@
-"""``bl_chunk`` equals the recurrent oracle ``bl_recurrent`` in float64 (issue 2, "What must be shown").
+"""``bl_chunk`` equals the recurrent oracle ``bl_recurrent`` in float64.
 
 Outputs, per-token variance, final state ``(M, P)`` and the gradients of every input
 (q, k, v, r2, ell2, alpha, theta, and the initial state M, P — or p0 when there is none) over

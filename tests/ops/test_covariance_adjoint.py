@@ -1,8 +1,8 @@
 """The covariance pass's adjoint, written out per chunk, equals autograd through the chunk loop.
 
-A fused backward kernel (issue 8) has to carry ``P̄`` backwards through the chunks and form
+A fused backward kernel has to carry ``P̄`` backwards through the chunks and form
 every gradient from per-chunk matrices, not from an autograd graph.  This module writes that
-adjoint in plain tensor algebra for scalar decay (library code since issue 16:
+adjoint in plain tensor algebra for scalar decay (library code:
 :func:`bayeslayer.ops.scan_backward.covariance_pass_adjoint_scalar`), in the same variables as the loop of
 :func:`bayeslayer.ops.chunk.covariance_pass` (per chunk: ``Y = K̃P``, ``S = base + YK̃ᵀ``,
 ``S = L_c L_cᵀ``, ``Ū = (L_c ⊙ R)⁻¹(NBk + γ ⊙ Y)``, ``P' = sym(b_C I + γ_C² P − ŪᵀdiagẼ²Ū)``,

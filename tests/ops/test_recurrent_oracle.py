@@ -1,4 +1,4 @@
-"""The recurrent oracle against SPEC §1.1/§1.3 written out with dense matrices.
+"""The recurrent oracle against docs/theory.md §2.1 and §3 written out with dense matrices.
 
 Every other path is tested against ``filter_recurrent``; this file tests the oracle itself
 against a separate, deliberately naive NumPy transcription: ``A_t`` built as an explicit D×D

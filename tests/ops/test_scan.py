@@ -1,7 +1,7 @@
 """The covariance pass as a segment scan (``bayeslayer.ops.scan``) against ``bl_chunk``, in float64.
 
 Exactness (≤ 1e-12 relative) for scalar and diagonal decay, 1, 2 and 3 segments, ragged tails,
-segment boundaries inside packed ``cu_seqlens``, groups, in the design note's long-memory and
+segment boundaries inside packed ``cu_seqlens``, groups, in docs/theory.md §6.6's long-memory and
 stress regimes, where the segment transitions A_s are far from 0 (asserted: with typical decays
 A_s ≈ 0 and a scan that ignored it would pass too).  fp32 precision against float64.
 """
@@ -154,7 +154,8 @@ def test_phase_b_failure_is_flagged_not_raised_midway():
     assert bool(info.all())
 
 
-# design note §3 (IEEE fp32 products): max relative error of beta / P_T against float64
+# reference errors of IEEE fp32 products (docs/theory.md §6.6; chunk-serial pass): max relative error of
+# beta / P_T against float64
 NOTE_FP32 = {"longmem": (6.5e-7, 1.6e-7), "stress": (2.6e-4, 4.8e-6)}
 
 

@@ -4,7 +4,7 @@ Reference 1: autograd through the scan twin's covariance pass (:func:`bayeslayer
 with random adjoints on every output (w, β, L⁻¹ rows, variance, L⁻¹K̃, L⁻¹V, g, final P).
 Reference 2: autograd through the chunk-serial PyTorch path (:func:`bayeslayer.ops.chunk.covariance_pass`,
 outputs w, variance, final P).  1, 2 and 3 segments, ragged tails, packed ``cu_seqlens`` with segment
-boundaries inside sequences, groups, scalar and diagonal decay, the design note's long-memory and stress
+boundaries inside sequences, groups, scalar and diagonal decay, docs/theory.md §6.6's long-memory and stress
 regimes (asserted: the segment transitions are far from 0, else the carried adjoint would test nothing).
 """
 

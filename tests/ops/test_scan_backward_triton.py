@@ -2,7 +2,7 @@
 
 Under ``TRITON_INTERPRET=1`` on CPU tensors (tiny shapes), each kernel against the plain-PyTorch twin
 :mod:`bayeslayer.ops.scan_backward` (itself tested against autograd, ``tests/ops/test_scan_backward.py``),
-in the design note's stress / long-memory regimes (asserted: the segment transitions are far from 0).
+in docs/theory.md §6.6's stress / long-memory regimes (asserted: the segment transitions are far from 0).
 """
 
 from __future__ import annotations

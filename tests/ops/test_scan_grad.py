@@ -4,7 +4,7 @@ Reference: autograd through ``bl_chunk(..., backend="torch")`` (the chunk-serial
 relative to each gradient's largest entry, for the gradients of q, k, v, r2 (grouped too), ell2, alpha (scalar and
 diagonal decay), p0 and the initial state (M0, P0; P0's gradient compared by its symmetric part, the part a
 covariance defines).  1–3 segments, ragged tails, packed ``cu_seqlens`` with segment boundaries inside sequences,
-G = 2, the design note's long-memory and stress regimes with the segment transitions asserted far from 0 (else
+G = 2, docs/theory.md §6.6's long-memory and stress regimes with the segment transitions asserted far from 0 (else
 the carried adjoint of B3 would be tested by nothing).
 
 Two forwards feed the same backward: the plain-PyTorch twin (:func:`scan_grad.forward_packed_reference`, fast,

@@ -1,4 +1,4 @@
-"""The prep kernel (design note ``gpu-kernels.md`` §4, F1) and the covariance kernel reading it.
+"""The prep kernel (docs/theory.md §6.7, F1) and the covariance kernel reading it.
 
 ``bl_chunk_prep_kernel`` (``ops/triton/kernels.py``, launched by ``ops/triton/scan.py::prep_triton``)
 computes every chunk's P-free terms — g, the in-chunk noise b, the base of S, qᵀBq — parallel over

@@ -75,7 +75,7 @@ class TextCorpus:
         return counts
 
     def annotate(self, split: str, seq_len: int) -> ARHitAnnotation:
-        """AR-hit annotation (SPEC §4.5) of ``split``'s packed windows [N, seq_len]."""
+        """AR-hit annotation (docs/theory.md §8.5) of ``split``'s packed windows [N, seq_len]."""
         return annotate_ar_hits(self.windows(split, seq_len), self.bigram_counts())
 
 

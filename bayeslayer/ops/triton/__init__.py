@@ -1,4 +1,4 @@
-"""Triton kernels for the chunked Bayesian Layer (SPEC §3.3).
+"""Triton kernels for the chunked Bayesian Layer (docs/theory.md §6).
 
 ``bl_chunk_triton`` and ``bl_step_triton`` have the contracts of
 :func:`bayeslayer.ops.bl_chunk` and :func:`bayeslayer.ops.bl_step`.  Importing this

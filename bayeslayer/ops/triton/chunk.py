@@ -1,4 +1,4 @@
-"""``bl_chunk_triton``: the chunked Bayesian Layer on Triton kernels (SPEC §3.3).
+"""``bl_chunk_triton``: the chunked Bayesian Layer on Triton kernels (docs/theory.md §6).
 
 Forward (:func:`forward_chunk`): the covariance pass as an exact segment scan
 (:mod:`.scan`: Phase A and C parallel over segments, Phase B one kernel serial over

@@ -1,4 +1,4 @@
-"""Triton kernels of the chunked Bayesian Layer (SPEC §3.2, §3.3) and its decode step.
+"""Triton kernels of the chunked Bayesian Layer (docs/theory.md §5, §6) and its decode step.
 
 The chunked forward is two kernels, each chunk-sequential inside a program:
 :func:`bl_chunk_cov_kernel` (one program per (sequence, head); the covariance
@@ -89,7 +89,7 @@ def decay_mix(L, x, g, rows, cols, C: tl.constexpr):
 def _decay_noise(ell2, g, rows, C: tl.constexpr):
     """``b_jd = Σ_{l≤j} ℓ_l² exp(2(g_jd − g_ld))`` -> ``[C, BK]`` (diagonal decay)."""
     b = tl.zeros(g.shape, dtype=g.dtype)
-    for l in range(C):  # noqa: E741 - l is the SPEC's summation index
+    for l in range(C):  # noqa: E741 - l is the elimination's summation index
         gl = row_of(g, rows, l)
         el = tl.sum(tl.where(rows == l, ell2, 0.0), axis=0)
         b += tl.where(rows[:, None] >= l, el * tl.exp(2.0 * tl.minimum(g - gl[None, :], 0.0)), 0.0)
@@ -142,7 +142,7 @@ def bl_chunk_prep_kernel(
     RETURN_VAR: tl.constexpr,
     PREC: tl.constexpr,
 ):
-    """Prep (design note §4, F1): the P-free terms of one (chunk ``i_c``, head), parallel over chunks.
+    """Prep (docs/theory.md §6.7, F1): the P-free terms of one (chunk ``i_c``, head), parallel over chunks.
 
     What :func:`bl_chunk_cov_kernel` otherwise forms inside its serial chunk loop (its twin:
     ``ops/scan.py::prep_reference``, built on ``chunk_prep``)::

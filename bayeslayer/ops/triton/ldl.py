@@ -1,7 +1,7 @@
 """Blocked LDLᵀ of a small symmetric positive-definite matrix, in 16×16 tiles (Triton).
 
 :func:`ldl_blocked` factors ``X = L diag(d) Lᵀ`` in place and builds ``L⁻¹`` alongside, for the
-per-chunk ``C×C`` matrix ``S`` of the covariance pass (design note ``gpu-kernels.md`` §4) and for
+per-chunk ``C×C`` matrix ``S`` of the covariance pass (docs/theory.md §6.7) and for
 the ``D×D`` factorisations of Phase B.  It replaces the C-step elimination over a whole ``C×C``
 register tile: only the ``BLK×BLK`` diagonal blocks are eliminated row by row (``BLK`` = 16
 dependent steps each); the panel below a diagonal block and the trailing Schur complement are

@@ -1,4 +1,4 @@
-"""The segment-scan forward on a GPU (design note ``gpu-kernels.md`` §2, first step).
+"""The segment-scan forward on a GPU (docs/theory.md §6.3).
 
 :func:`forward_scan_triton` runs the covariance pass as the exact segment scan of
 :mod:`bayeslayer.ops.scan` and the mean pass on flash-linear-attention's kernels:
@@ -304,7 +304,7 @@ class Prep(NamedTuple):
 
 
 def prep_triton(lay: sc.ScanLayout, q, k, r2, ell2, log_alpha, *, dtype: torch.dtype, want_var: bool) -> Prep:
-    """The prep kernel (design note §4, F1): the P-free terms of every chunk, one program per (chunk, head).
+    """The prep kernel (docs/theory.md §6.7, F1): the P-free terms of every chunk, one program per (chunk, head).
 
     Packed inputs ``[NT, H', ·]`` as :class:`bayeslayer.ops.scan.ScanCall`'s (log_alpha ``[NT, H', Da]``);
     the chunks are those of ``lay.cu`` (:func:`bayeslayer.ops.scan.chunk_bounds`; the layout's segments

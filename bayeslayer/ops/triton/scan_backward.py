@@ -1,4 +1,4 @@
-"""The covariance pass's backward through the segment scan on Triton (design note ``gpu-kernels.md`` §2, §4).
+"""The covariance pass's backward through the segment scan on Triton (docs/theory.md §6.5, §6.7).
 
 Ports of the plain-PyTorch twin :mod:`bayeslayer.ops.scan_backward` (every kernel is tested against it,
 ``tests/ops/test_scan_backward_triton.py``):

@@ -1,6 +1,6 @@
 """``bl_step_triton``: one fused Triton kernel for one decoding step of the Bayesian Layer.
 
-Per (batch, head·group) program, exactly SPEC §1.1 for one token::
+Per (batch, head·group) program, exactly docs/theory.md §2.1 for one token::
 
     P̄ = A P Aᵀ + ℓ² I,   u = P̄ k,   β = 1 / (r² + kᵀ u)
     M = A M + β u (v − (A M)ᵀ k)ᵀ,   P = P̄ − β u uᵀ
