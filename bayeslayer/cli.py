@@ -22,7 +22,7 @@ import importlib
 import os
 import sys
 
-from .errors import EXIT_INTERRUPTED, EXIT_USAGE, Interrupted, expected_errors
+from .errors import EXIT_INTERRUPTED, EXIT_USAGE, Interrupted, expected_errors, is_out_of_memory
 
 # (subcommand module, import path). Add a line here when an experiment lands.
 _COMMAND_MODULES = [
@@ -123,6 +123,13 @@ def main(argv: list[str] | None = None) -> int:
         if debug:
             raise
         print(f"{_prog(args)}: error: {_one_line(err)}", file=sys.stderr)
+        return EXIT_USAGE
+    except RuntimeError as err:  # PyTorch's CPU allocator reports a failed allocation as a RuntimeError
+        if debug or not is_out_of_memory(err):
+            raise
+        text = _one_line(err).split(" (Triggered internally")[0]
+        text = text[text.find("DefaultCPUAllocator"):] if "DefaultCPUAllocator" in text else text  # no C++ location
+        print(f"{_prog(args)}: error: out of memory: {text}; use smaller sizes", file=sys.stderr)
         return EXIT_USAGE
 
 

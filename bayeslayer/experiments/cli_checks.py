@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from ..checks import check_int
+from ..checks import INT_MAX, check_int
 from ..errors import UsageError
 
 DEVICE_HELP = "auto (a GPU when there is one, else the CPU), cpu, cuda or cuda:N"
@@ -88,14 +88,54 @@ def nonnegative_int_arg(text: str) -> int:
     return _int_arg(text, minimum=0)
 
 
+def int_arg(text: str) -> int:
+    """argparse ``type=`` for any integer (a seed, a value the config checks): bounded, so a 20-digit number
+    is refused here rather than overflowing inside PyTorch."""
+    return _int_arg(text, minimum=-INT_MAX)
+
+
 def _int_arg(text: str, *, minimum: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}") from None
-    if value < minimum:
-        raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {value}")
-    return value
+    try:
+        return check_int("value", value, minimum=minimum)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer in [{minimum}, {INT_MAX}], got {value}") from None
+
+
+def _bytes(n: float) -> str:
+    for unit in ("bytes", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
+
+
+def memory_size(device: str | torch.device = "cpu") -> int | None:
+    """Bytes of memory of ``device``: the machine's RAM for the CPU, the GPU's for CUDA (None: unknown)."""
+    dev = torch.device(device) if not isinstance(device, torch.device) else device
+    if dev.type == "cuda":
+        return torch.cuda.get_device_properties(dev.index or 0).total_memory
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def check_memory(nbytes: float, *, what: str, device: str | torch.device = "cpu") -> None:
+    """Refuse work whose ``nbytes`` (a lower bound of what it allocates) exceed the memory of ``device``.
+
+    The estimate runs before the work, so a size that can never fit fails at once with a line naming the
+    option, instead of after minutes, or with the allocator's error.  ``what`` names the sizes, e.g.
+    ``"--T 100000000"``.
+    """
+    total = memory_size(device)
+    if total is not None and nbytes > total:
+        where = "this machine's memory" if torch.device(device).type == "cpu" else f"the memory of {device}"
+        raise UsageError(f"{what} needs at least {_bytes(nbytes)} of memory, more than {where} "
+                         f"({_bytes(total)}); use smaller sizes")
 
 
 def model_arg(text: str) -> tuple[str, str]:
@@ -235,6 +275,6 @@ def plot_only_json(out: str | os.PathLike, name: str, *, experiment: str | None 
 
 __all__ = [
     "DEVICE_HELP", "PLOT_ONLY_HELP", "check_in_dir", "check_int", "check_in_file", "check_out_dir", "check_out_file",
-    "check_source", "check_tokenizer", "device_arg", "model_arg", "nonnegative_int_arg", "plot_only_json",
-    "positive_float_arg", "positive_int_arg", "resolve_device",
+    "check_memory", "check_source", "check_tokenizer", "device_arg", "int_arg", "memory_size", "model_arg",
+    "nonnegative_int_arg", "plot_only_json", "positive_float_arg", "positive_int_arg", "resolve_device",
 ]
