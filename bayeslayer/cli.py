@@ -77,7 +77,7 @@ def _prog(args: argparse.Namespace | None) -> str:
 
 def _one_line(err: BaseException) -> str:
     text = str(err).strip() or type(err).__name__
-    if isinstance(err, KeyError):  # str(KeyError('x')) is "'x'", which says nothing
+    if isinstance(err, KeyError) and type(err).__str__ is KeyError.__str__:  # str(KeyError("x")) is "'x'": says nothing
         text = f"{type(err).__name__}: {text}"
     return " ".join(text.split())  # a message that spans lines still reads as one
 

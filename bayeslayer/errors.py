@@ -11,6 +11,8 @@ our code:
   raises ``ValueError`` naming the argument (a bad preset override, a corrupt JSON file, ...).
 * ``OSError``: a missing or unreadable file, a folder that is a file, a full disk, a busy output
   folder (the lock), ...; ``FileNotFoundError``, ``PermissionError`` and the rest are subclasses.
+* ``FloatingPointError``: training diverged (a non-finite loss, or weights an update made NaN or Inf);
+  the message names the step.
 * ``SystemExit`` with a message (``raise SystemExit("...")``): printed as the same one line.
 * running out of memory: ``torch.OutOfMemoryError`` (a GPU), ``MemoryError``, and the ``RuntimeError``
   of PyTorch's CPU allocator (``DefaultCPUAllocator: can't allocate memory``): the model or batch does
@@ -51,7 +53,7 @@ def expected_errors() -> tuple[type[BaseException], ...]:
     """The exception types :func:`bayeslayer.cli.main` reports as one line (see the module docstring)."""
     import torch
 
-    return (ValueError, OSError, torch.OutOfMemoryError, MemoryError)
+    return (ValueError, OSError, torch.OutOfMemoryError, MemoryError, FloatingPointError)
 
 
 # what PyTorch's allocators say when an allocation fails (a RuntimeError, not torch.OutOfMemoryError, on the CPU)

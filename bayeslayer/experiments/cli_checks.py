@@ -16,6 +16,7 @@ A mistake found after an hour of training costs the hour; these run first.  Each
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 from pathlib import Path
@@ -192,6 +193,15 @@ def check_out_dir(path: str | os.PathLike, *, option: str = "--out") -> Path:
     return path
 
 
+def cache_dir_arg(text: str) -> str:
+    """argparse ``type=`` for ``--cache-dir``: a folder, or a path where one can be made (not a file)."""
+    try:
+        check_out_dir(text, option="--cache-dir")
+    except UsageError as err:
+        raise argparse.ArgumentTypeError(str(err).removeprefix("--cache-dir ")) from None
+    return text
+
+
 def check_out_file(path: str | os.PathLike, *, option: str) -> Path:
     """``path`` as an output file: not a folder, in a folder that exists (or can be made) and is writable."""
     if path is None or str(path) == "":
@@ -273,8 +283,26 @@ def plot_only_json(out: str | os.PathLike, name: str, *, experiment: str | None 
     return record
 
 
+@contextlib.contextmanager
+def redrawing(path: str | os.PathLike):
+    """Around ``--plot-only``'s drawing from ``path``: a record of the wrong shape (a key missing, a number
+    where a list belongs, ...) is one :class:`UsageError` naming the file, not a ``KeyError`` or ``TypeError``.
+    (A missing key read from :func:`plot_only_json`'s record already names the file and the key.)"""
+    try:
+        yield
+    except ValueError as err:  # a reader's own check of the record: say which file it was about
+        if str(path) in str(err):  # plotting.MissingKeyError names the file and the key
+            raise
+        raise UsageError(f"--plot-only: {path}: {' '.join(str(err).split())}") from err
+    except (KeyError, TypeError, IndexError, AttributeError) as err:
+        detail = " ".join(str(err).split()) or type(err).__name__
+        raise UsageError(f"--plot-only: {path} does not have the shape of a results file this command wrote "
+                         f"({type(err).__name__}: {detail}); rerun the experiment to rewrite it") from err
+
+
 __all__ = [
-    "DEVICE_HELP", "PLOT_ONLY_HELP", "check_in_dir", "check_int", "check_in_file", "check_out_dir", "check_out_file",
-    "check_memory", "check_source", "check_tokenizer", "device_arg", "int_arg", "memory_size", "model_arg",
-    "nonnegative_int_arg", "plot_only_json", "positive_float_arg", "positive_int_arg", "resolve_device",
+    "DEVICE_HELP", "PLOT_ONLY_HELP", "cache_dir_arg", "check_in_dir", "check_in_file", "check_int", "check_memory",
+    "check_out_dir", "check_out_file", "check_source", "check_tokenizer", "device_arg", "int_arg", "memory_size",
+    "model_arg", "nonnegative_int_arg", "plot_only_json", "positive_float_arg", "positive_int_arg", "redrawing",
+    "resolve_device",
 ]

@@ -19,7 +19,15 @@ from typing import ClassVar
 import torch
 
 from ..training.optim import DECAY_POLICY
-from .cli_checks import PLOT_ONLY_HELP, check_int, check_memory, check_out_dir, plot_only_json, positive_int_arg
+from .cli_checks import (
+    PLOT_ONLY_HELP,
+    check_int,
+    check_memory,
+    check_out_dir,
+    plot_only_json,
+    positive_int_arg,
+    redrawing,
+)
 from .core_models import ALL_KINDS, CORE_KINDS, CORE_LABELS
 from .harness import TrainConfig, results_record, summarize, summarize_curves, train_seeds, write_json
 
@@ -193,8 +201,9 @@ def run_command(args, *, name: str, presets: dict, paper_budget: str, config_typ
     if args.plot_only:
         record = plot_only_json(out_dir, name, experiment=name)
         out = os.path.join(out_dir, f"{name}.png")
-        plot(record, out)
-        print_table(record)
+        with redrawing(os.path.join(out_dir, f"{name}.json")):
+            plot(record, out)
+            print_table(record)
         print(f"\nredrew {out}")
         return 0
     config = config_from_args(args, presets=presets, config_type=config_type)

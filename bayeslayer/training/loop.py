@@ -187,6 +187,11 @@ class Checkpoints:
         return self.store.save(step, write)
 
 
+def _all_finite(params) -> bool:
+    """Whether every parameter is finite (one reduction per tensor; run only after a failed step)."""
+    return all(bool(torch.isfinite(p.detach()).all()) for p in params)
+
+
 def train_loop(
     trainee: nn.Module,
     micro_batches: Callable[[int], Sequence[Any]],
@@ -332,11 +337,20 @@ def train_loop(
                 for i, batch in enumerate(batches):
                     sync = module is trainee or i == n_micro - 1
                     with contextlib.nullcontext() if sync else module.no_sync():
-                        with autocast(ctx.device, autocast_dtype):
-                            out = loss(module, batch)
-                            value, parts = out if isinstance(out, tuple) else (out, {})
-                            value = value / n_micro
-                        value.backward()
+                        try:
+                            with autocast(ctx.device, autocast_dtype):
+                                out = loss(module, batch)
+                                value, parts = out if isinstance(out, tuple) else (out, {})
+                                value = value / n_micro
+                            value.backward()
+                        except Exception as err:  # noqa: BLE001 - re-raised unless the weights went non-finite
+                            # the last update left NaN/Inf weights, which a layer's input check meets first
+                            if step > 0 and not _all_finite(params):
+                                raise FloatingPointError(
+                                    f"{desc}: training diverged: the update of step {step - 1} made the weights "
+                                    f"NaN or Inf, found at step {step} ({' '.join(str(err).split())}); "
+                                    "lower the learning rate") from err
+                            raise
                     part = value.detach().double()
                     loss_sum = part if loss_sum is None else loss_sum + part
                     for k, v in parts.items():
@@ -346,7 +360,7 @@ def train_loop(
                     loss_sum /= ctx.world_size
                 loss_value = float(loss_sum)
                 if not math.isfinite(loss_value):
-                    raise FloatingPointError(f"{desc}: loss became {loss_value} at step {step}")
+                    raise FloatingPointError(f"{desc}: training diverged: the loss became {loss_value} at step {step}")
                 grad_norm = float(torch.nn.utils.clip_grad_norm_(params, config.grad_clip))
                 lr = scheduler.get_last_lr()[0]
                 optimizer.step()
