@@ -37,6 +37,13 @@ class UsageError(ValueError):
     """A bad command-line value, found before any work starts.  Its message names the option."""
 
 
+class NonFiniteError(ValueError):
+    """A tensor holds NaN or Inf values where finite ones are required (the ops' input checks).
+
+    In training, one raised after the first step means the run diverged (the training loop says so).
+    """
+
+
 class Interrupted(KeyboardInterrupt):
     """Ctrl-C after the work saved its state; ``checkpoint`` is the folder a rerun resumes from.
 
@@ -71,4 +78,7 @@ def is_out_of_memory(err: BaseException) -> bool:
     return isinstance(err, RuntimeError) and any(t in text for t in _OUT_OF_MEMORY_TEXTS)
 
 
-__all__ = ["EXIT_INTERRUPTED", "EXIT_USAGE", "Interrupted", "UsageError", "expected_errors", "is_out_of_memory"]
+__all__ = [
+    "EXIT_INTERRUPTED", "EXIT_USAGE", "Interrupted", "NonFiniteError", "UsageError", "expected_errors",
+    "is_out_of_memory",
+]

@@ -106,7 +106,7 @@ def make_places(root: Path) -> dict[str, str]:
     a_file = root / "a_file"
     a_file.write_text("x")
     places.update(file=str(a_file), missing=str(root / "missing"), below_file=str(a_file / "sub"),
-                  new=str(root / "new"))
+                  new=str(root / "new"), lm_run=str(root / "lm_run"))  # {new} must never be created; a run may be
     folder("empty")
     # --plot-only inputs: damaged, an empty object, the right "experiment" and nothing else, wrong types
     corrupt, shapeless, keyless, mistyped = (folder(name) for name in ("corrupt", "shapeless", "keyless", "mistyped"))
@@ -162,6 +162,8 @@ CLI_CASES = [
     Cli("size or overflow", "state-budget --width 99999999999999", "widths entry must be an integer <="),
     Cli("size or overflow", f"{LM} --mixer-kwargs '{{{{\"p0\": 1e300}}}}' --out {{new}}", "p0 must be at most",
         slow=True),
+    # training that diverges: said so, with the step (the run folder is made: training had started)
+    Cli("divergence", f"{LM} --lr 1e6 --steps 30 --no-progress --out {{lm_run}}", "training diverged", slow=True),
     # damaged JSON: the file is named
     *[Cli("damaged JSON file", f"{cmd} --plot-only --out {{corrupt}}", f"corrupt/{stem}.json is damaged")
       for cmd, stem in (("niah", "niah"), ("collision", "collision"), ("recall", "recall"), ("crowding", "crowding"),
@@ -452,6 +454,22 @@ def test_out_of_memory_is_one_line_whatever_the_command(monkeypatch, capsys):
     monkeypatch.setattr(demo, "run", lambda config: (_ for _ in ()).throw(RuntimeError("a bug")))
     with pytest.raises(RuntimeError, match="a bug"):  # any other RuntimeError keeps its traceback
         main(["demo", "--T", "8"])
+
+
+@pytest.mark.slow
+def test_mqar_scores_a_diverged_lr_nan_and_goes_on(tmp_path, capsys):
+    """``mqar --lr 1e8 1e-3``: the first lr diverges (its weights overflow a layer); it is scored NaN with
+    the reason, and the sweep finishes on the second (it used to stop on "alpha contains NaN")."""
+    import json
+
+    from bayeslayer.cli import main
+
+    argv = ["mqar", "base", "--preset", "tiny", "--mixers", "bayesian", "--lr", "1e8", "1e-3", "--no-progress",
+            "--out", str(tmp_path)]
+    assert main(argv) == 0, capsys.readouterr().err
+    record = json.loads((tmp_path / "mqar_base.json").read_text())
+    grids = [run["lr_grid"] for run in record["models"]["bayesian"]["runs"]]
+    assert grids and all("training diverged" in g[0]["diverged"] and g[1]["lr"] == 1e-3 for g in grids)
 
 
 def test_the_docs_table_is_what_the_suite_counts():

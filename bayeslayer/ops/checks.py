@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import NonFiniteError
+
 _VALUE_CHECKS = True
 
 
@@ -64,7 +66,7 @@ def check_tensor(name: str, x, *, device: torch.device | None = None) -> torch.T
     if device is not None and x.device != device:
         raise ValueError(f"{name} is on {x.device} but q is on {device}; all inputs must share one device")
     if _values_checked(x) and not _all_finite(x):
-        raise ValueError(f"{name} contains NaN or Inf values (shape {_shape(x)})")
+        raise NonFiniteError(f"{name} contains NaN or Inf values (shape {_shape(x)})")
     return x
 
 

@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..errors import NonFiniteError
 from .checkpoint import CheckpointStore
 from .distributed import DistContext, autocast
 from .interrupt import TrainingInterrupted, stop_on_interrupt
@@ -187,9 +188,17 @@ class Checkpoints:
         return self.store.save(step, write)
 
 
-def _all_finite(params) -> bool:
-    """Whether every parameter is finite (one reduction per tensor; run only after a failed step)."""
-    return all(bool(torch.isfinite(p.detach()).all()) for p in params)
+def raise_if_diverged(err: BaseException, params, *, desc: str, step: int) -> None:
+    """Raise ``FloatingPointError`` ("training diverged ... at step N") from ``err`` when an update
+    diverged and ``err`` is only where a forward pass met it: after the first update, a parameter of ``params``
+    is NaN or Inf, or a layer met a non-finite value (:class:`~bayeslayer.errors.NonFiniteError`: huge but
+    finite weights overflow inside a layer).  Otherwise return, and the caller re-raises ``err``."""
+    if step == 0:  # no update has run: the fault is in the inputs or the initial weights
+        return
+    if not isinstance(err, NonFiniteError) and all(bool(torch.isfinite(p.detach()).all()) for p in params):
+        return
+    raise FloatingPointError(f"{desc}: training diverged: the weights, or values computed from them, were NaN or "
+                             f"Inf at step {step} ({' '.join(str(err).split())}); lower the learning rate") from err
 
 
 def train_loop(
@@ -295,7 +304,11 @@ def train_loop(
 
     def run_eval(final: bool) -> None:
         if evaluate is not None:
-            record = evaluate(state, final)
+            try:
+                record = evaluate(state, final)
+            except Exception as err:  # noqa: BLE001 - re-raised as is unless the weights went non-finite
+                raise_if_diverged(err, params, desc=desc, step=state.step)
+                raise
             if record is not None:
                 state.evals.append(record)
 
@@ -343,13 +356,9 @@ def train_loop(
                                 value, parts = out if isinstance(out, tuple) else (out, {})
                                 value = value / n_micro
                             value.backward()
-                        except Exception as err:  # noqa: BLE001 - re-raised unless the weights went non-finite
+                        except Exception as err:  # noqa: BLE001 - re-raised as is unless the weights went non-finite
                             # the last update left NaN/Inf weights, which a layer's input check meets first
-                            if step > 0 and not _all_finite(params):
-                                raise FloatingPointError(
-                                    f"{desc}: training diverged: the update of step {step - 1} made the weights "
-                                    f"NaN or Inf, found at step {step} ({' '.join(str(err).split())}); "
-                                    "lower the learning rate") from err
+                            raise_if_diverged(err, params, desc=desc, step=step)
                             raise
                     part = value.detach().double()
                     loss_sum = part if loss_sum is None else loss_sum + part
