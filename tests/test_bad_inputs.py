@@ -146,6 +146,7 @@ def _tokenizer_json() -> str:
 # ----------------------------------------------------------------------------- the cases
 
 LM = "lm train --preset tiny --source {corpus} --vocab-size 300"  # a run that would start at once
+BIG = "99999999999999999999"  # > 2**63
 
 CLI_CASES = [
     # sizes that cannot fit, integers past int64, searches that would not end
@@ -158,6 +159,13 @@ CLI_CASES = [
     Cli("size or overflow", f"{LM} --seed 99999999999999999999 --out {{new}}", "argument --seed"),
     Cli("size or overflow", f"{LM} --steps 99999999999999999999 --out {{new}}", "argument --steps"),
     Cli("size or overflow", "niah --model {model} --lengths 10000000000 --out {new}", "needs at least"),
+    Cli("size or overflow", f"niah --model {{model}} --seed {BIG} --out {{new}}", "seed must be an integer <="),
+    Cli("size or overflow", f"heldout --model {{model}} --lengths {BIG} --out {{new}}", "lengths must be an"),
+    Cli("size or overflow", f"crowding --preset tiny --seeds {BIG} --out {{new}}", "argument --seeds"),
+    Cli("size or overflow", f"mqar base --preset tiny --epochs {BIG} --out {{new}}", "argument --epochs"),
+    Cli("size or overflow", f"lm eval {{empty}} --seq-len {BIG} --out {{new}}", "argument --seq-len"),
+    Cli("size or overflow", f"state-budget --budget {BIG}", "argument --budget"),
+    Cli("size or overflow", "mqar base --preset tiny --lr inf --out {new}", "argument --lr: expected a finite number"),
     Cli("size or overflow", "state-budget --width 100000000000", "cannot hold"),
     Cli("size or overflow", "state-budget --width 99999999999999", "widths entry must be an integer <="),
     Cli("size or overflow", f"{LM} --mixer-kwargs '{{{{\"p0\": 1e300}}}}' --out {{new}}", "p0 must be at most",
