@@ -114,15 +114,27 @@ def _bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+# a container's memory limit (cgroup v2, then v1): past it the kernel kills the process, no error is raised
+_CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+
+
 def memory_size(device: str | torch.device = "cpu") -> int | None:
-    """Bytes of memory of ``device``: the machine's RAM for the CPU, the GPU's for CUDA (None: unknown)."""
+    """Bytes of memory of ``device``: for the CPU the machine's RAM or the container's limit, whichever is
+    smaller; the GPU's for CUDA (None: unknown)."""
     dev = torch.device(device) if not isinstance(device, torch.device) else device
     if dev.type == "cuda":
         return torch.cuda.get_device_properties(dev.index or 0).total_memory
+    sizes = []
     try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        sizes.append(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     except (AttributeError, OSError, ValueError):
-        return None
+        pass
+    for path in _CGROUP_LIMITS:
+        try:
+            sizes.append(int(Path(path).read_text().strip()))  # "max" (no limit) is not an int
+        except (OSError, ValueError):
+            continue
+    return min(sizes) if sizes else None
 
 
 def check_memory(nbytes: float, *, what: str, device: str | torch.device = "cpu") -> None:
