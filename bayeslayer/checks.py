@@ -8,13 +8,18 @@ from __future__ import annotations
 
 import numbers
 
+# The largest integer any count may be: PyTorch sizes, seeds and NumPy take a signed 64-bit integer, and a
+# larger one fails deep inside them (an overflow with a C++ stack), not with a message naming the argument.
+INT_MAX = 2**63 - 1
 
-def check_int(name: str, value, *, minimum: int) -> int:
-    """``value`` as an ``int`` when it is an integer ``>= minimum``: the one integer check of the experiments.
+
+def check_int(name: str, value, *, minimum: int, maximum: int = INT_MAX) -> int:
+    """``value`` as an ``int`` when it is an integer in ``[minimum, maximum]``: the one integer check of the
+    experiments.
 
     Python and NumPy integers pass (``numbers.Integral``); ``bool``, floats (``3.0`` too), strings and
-    everything else raise ``TypeError``; an integer below ``minimum`` raises ``ValueError``.  Both
-    messages name the argument.
+    everything else raise ``TypeError``; an integer below ``minimum`` or above ``maximum`` (by default the
+    largest signed 64-bit integer, :data:`INT_MAX`) raises ``ValueError``.  Both messages name the argument.
 
     >>> check_int("steps", 3, minimum=1)
     3
@@ -23,7 +28,9 @@ def check_int(name: str, value, *, minimum: int) -> int:
         raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
     if value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value}")
+    if value > maximum:
+        raise ValueError(f"{name} must be an integer <= {maximum}, got {value}")
     return int(value)
 
 
-__all__ = ["check_int"]
+__all__ = ["INT_MAX", "check_int"]

@@ -22,7 +22,7 @@ import importlib
 import os
 import sys
 
-from .errors import EXIT_INTERRUPTED, EXIT_USAGE, Interrupted, expected_errors
+from .errors import EXIT_INTERRUPTED, EXIT_USAGE, Interrupted, expected_errors, is_out_of_memory
 
 # (subcommand module, import path). Add a line here when an experiment lands.
 _COMMAND_MODULES = [
@@ -77,7 +77,7 @@ def _prog(args: argparse.Namespace | None) -> str:
 
 def _one_line(err: BaseException) -> str:
     text = str(err).strip() or type(err).__name__
-    if isinstance(err, KeyError):  # str(KeyError('x')) is "'x'", which says nothing
+    if isinstance(err, KeyError) and type(err).__str__ is KeyError.__str__:  # str(KeyError("x")) is "'x'": says nothing
         text = f"{type(err).__name__}: {text}"
     return " ".join(text.split())  # a message that spans lines still reads as one
 
@@ -123,6 +123,13 @@ def main(argv: list[str] | None = None) -> int:
         if debug:
             raise
         print(f"{_prog(args)}: error: {_one_line(err)}", file=sys.stderr)
+        return EXIT_USAGE
+    except RuntimeError as err:  # PyTorch's CPU allocator reports a failed allocation as a RuntimeError
+        if debug or not is_out_of_memory(err):
+            raise
+        text = _one_line(err).split(" (Triggered internally")[0]
+        text = text[text.find("DefaultCPUAllocator"):] if "DefaultCPUAllocator" in text else text  # no C++ location
+        print(f"{_prog(args)}: error: out of memory: {text}; use smaller sizes", file=sys.stderr)
         return EXIT_USAGE
 
 

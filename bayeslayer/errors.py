@@ -11,8 +11,12 @@ our code:
   raises ``ValueError`` naming the argument (a bad preset override, a corrupt JSON file, ...).
 * ``OSError``: a missing or unreadable file, a folder that is a file, a full disk, a busy output
   folder (the lock), ...; ``FileNotFoundError``, ``PermissionError`` and the rest are subclasses.
+* ``FloatingPointError``: training diverged (a non-finite loss, or weights an update made NaN or Inf);
+  the message names the step.
 * ``SystemExit`` with a message (``raise SystemExit("...")``): printed as the same one line.
-* ``torch.OutOfMemoryError``: the model or batch does not fit the device.
+* running out of memory: ``torch.OutOfMemoryError`` (a GPU), ``MemoryError``, and the ``RuntimeError``
+  of PyTorch's CPU allocator (``DefaultCPUAllocator: can't allocate memory``): the model or batch does
+  not fit (:func:`is_out_of_memory`).
 
 ``KeyboardInterrupt`` (Ctrl-C) prints one line, ``interrupted; the last checkpoint is kept in
 <dir>`` when the interrupted code raised :class:`Interrupted` with that folder, and exits 130.
@@ -33,6 +37,13 @@ class UsageError(ValueError):
     """A bad command-line value, found before any work starts.  Its message names the option."""
 
 
+class NonFiniteError(ValueError):
+    """A tensor holds NaN or Inf values where finite ones are required (the ops' input checks).
+
+    In training, one raised after the first step means the run diverged (the training loop says so).
+    """
+
+
 class Interrupted(KeyboardInterrupt):
     """Ctrl-C after the work saved its state; ``checkpoint`` is the folder a rerun resumes from.
 
@@ -49,7 +60,25 @@ def expected_errors() -> tuple[type[BaseException], ...]:
     """The exception types :func:`bayeslayer.cli.main` reports as one line (see the module docstring)."""
     import torch
 
-    return (ValueError, OSError, torch.OutOfMemoryError)
+    return (ValueError, OSError, torch.OutOfMemoryError, MemoryError, FloatingPointError)
 
 
-__all__ = ["EXIT_INTERRUPTED", "EXIT_USAGE", "Interrupted", "UsageError", "expected_errors"]
+# what PyTorch's allocators say when an allocation fails (a RuntimeError, not torch.OutOfMemoryError, on the CPU)
+_OUT_OF_MEMORY_TEXTS = ("can't allocate memory", "out of memory", "not enough memory")
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    """Whether ``err`` is a failed allocation: ``torch.OutOfMemoryError``, ``MemoryError`` or the
+    ``RuntimeError`` of PyTorch's CPU allocator."""
+    import torch
+
+    if isinstance(err, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    text = str(err).lower()
+    return isinstance(err, RuntimeError) and any(t in text for t in _OUT_OF_MEMORY_TEXTS)
+
+
+__all__ = [
+    "EXIT_INTERRUPTED", "EXIT_USAGE", "Interrupted", "NonFiniteError", "UsageError", "expected_errors",
+    "is_out_of_memory",
+]

@@ -199,3 +199,34 @@ def test_checkpoint_path_helpers_name_their_argument(bad):
         hub_id(bad)
     with pytest.raises(TypeError, match="path_or_repo_id"):
         resolve_checkpoint_dir(bad, None)
+
+
+# ----------------------------------------------------------------------------- sizes
+
+
+def test_check_memory_refuses_what_cannot_fit(monkeypatch, tmp_path):
+    from bayeslayer.experiments.cli_checks import check_memory, memory_size
+
+    assert memory_size() > 2**20
+    check_memory(1024, what="a small batch")
+    with pytest.raises(UsageError, match=r"--T 9 needs at least 1000.0 TB of memory, more than this machine's"):
+        check_memory(1e15, what="--T 9")
+    limit = tmp_path / "memory.max"  # a container's limit below the machine's memory counts
+    limit.write_text("1000000\n")
+    monkeypatch.setattr(cli_checks, "_CGROUP_LIMITS", (str(limit),))
+    assert memory_size() == 1_000_000
+    limit.write_text("max\n")  # no limit
+    assert memory_size() > 1_000_000
+
+
+def test_integer_arguments_are_bounded_to_int64():
+    import argparse
+
+    from bayeslayer.checks import INT_MAX
+    from bayeslayer.experiments.cli_checks import int_arg, positive_int_arg
+
+    assert positive_int_arg(str(INT_MAX)) == INT_MAX and int_arg("-5") == -5
+    for text, conv in ((str(INT_MAX + 1), positive_int_arg), ("99999999999999999999", int_arg),
+                       ("0", positive_int_arg)):
+        with pytest.raises(argparse.ArgumentTypeError, match="expected an integer in"):
+            conv(text)

@@ -21,7 +21,7 @@ import os
 from pathlib import Path
 
 from ..models.configuration import BayesLayerConfig
-from ..training.files import atomic_write_text
+from ..training.files import atomic_write_text, read_json
 
 #: The file :func:`export_auto_map` writes next to the weights.
 SHIM_FILE = "bayeslayer_auto.py"
@@ -56,7 +56,7 @@ def export_auto_map(model_dir: str | os.PathLike) -> Path:
     config_file = model_dir / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"model_dir {model_dir} has no config.json (a save_pretrained directory)")
-    config = json.loads(config_file.read_text())
+    config = read_json(config_file, what="model config")
     if config.get("model_type") != BayesLayerConfig.model_type:
         raise ValueError(f"model_dir {model_dir} holds model_type {config.get('model_type')!r}, not "
                          f"{BayesLayerConfig.model_type!r}; save a BayesLayerForCausalLM there first "

@@ -26,7 +26,6 @@ prefilled once with the chunked path and every new token is one decode step on t
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +34,7 @@ from lm_eval.models.huggingface import HFLM
 
 from .. import models as _models  # noqa: F401  (registers model_type "bayeslayer" with the Auto classes)
 from ..models import load_gdn_checkpoint
+from ..training.files import read_json
 from .tasks import hf_tokenizer
 
 _DTYPES = {"float32": "float32", "fp32": "float32", "float64": "float64", "bfloat16": "bfloat16",
@@ -74,7 +74,7 @@ class BayesLayerLM(HFLM):
         tokenizer = _tokenizer_for(tokenizer, pretrained)
         directory = _local_dir(pretrained)
         if directory is not None and (directory / "config.json").is_file():
-            if json.loads((directory / "config.json").read_text()).get("model_type") == "gated_deltanet":
+            if read_json(directory / "config.json", what="model config").get("model_type") == "gated_deltanet":
                 import torch
 
                 dtype = _DTYPES.get(str(kwargs.pop("dtype", "float32")), "float32")

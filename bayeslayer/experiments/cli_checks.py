@@ -16,13 +16,14 @@ A mistake found after an hour of training costs the hour; these run first.  Each
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 from pathlib import Path
 
 import torch
 
-from ..checks import check_int
+from ..checks import INT_MAX, check_int
 from ..errors import UsageError
 
 DEVICE_HELP = "auto (a GPU when there is one, else the CPU), cpu, cuda or cuda:N"
@@ -88,14 +89,66 @@ def nonnegative_int_arg(text: str) -> int:
     return _int_arg(text, minimum=0)
 
 
+def int_arg(text: str) -> int:
+    """argparse ``type=`` for any integer (a seed, a value the config checks): bounded, so a 20-digit number
+    is refused here rather than overflowing inside PyTorch."""
+    return _int_arg(text, minimum=-INT_MAX)
+
+
 def _int_arg(text: str, *, minimum: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}") from None
-    if value < minimum:
-        raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {value}")
-    return value
+    try:
+        return check_int("value", value, minimum=minimum)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer in [{minimum}, {INT_MAX}], got {value}") from None
+
+
+def _bytes(n: float) -> str:
+    for unit in ("bytes", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
+
+
+# a container's memory limit (cgroup v2, then v1): past it the kernel kills the process, no error is raised
+_CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+
+
+def memory_size(device: str | torch.device = "cpu") -> int | None:
+    """Bytes of memory of ``device``: for the CPU the machine's RAM or the container's limit, whichever is
+    smaller; the GPU's for CUDA (None: unknown)."""
+    dev = torch.device(device) if not isinstance(device, torch.device) else device
+    if dev.type == "cuda":
+        return torch.cuda.get_device_properties(dev.index or 0).total_memory
+    sizes = []
+    try:
+        sizes.append(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, OSError, ValueError):
+        pass
+    for path in _CGROUP_LIMITS:
+        try:
+            sizes.append(int(Path(path).read_text().strip()))  # "max" (no limit) is not an int
+        except (OSError, ValueError):
+            continue
+    return min(sizes) if sizes else None
+
+
+def check_memory(nbytes: float, *, what: str, device: str | torch.device = "cpu") -> None:
+    """Refuse work whose ``nbytes`` (a lower bound of what it allocates) exceed the memory of ``device``.
+
+    The estimate runs before the work, so a size that can never fit fails at once with a line naming the
+    option, instead of after minutes, or with the allocator's error.  ``what`` names the sizes, e.g.
+    ``"--T 100000000"``.
+    """
+    total = memory_size(device)
+    if total is not None and nbytes > total:
+        where = "this machine's memory" if torch.device(device).type == "cpu" else f"the memory of {device}"
+        raise UsageError(f"{what} needs at least {_bytes(nbytes)} of memory, more than {where} "
+                         f"({_bytes(total)}); use smaller sizes")
 
 
 def model_arg(text: str) -> tuple[str, str]:
@@ -150,6 +203,15 @@ def check_out_dir(path: str | os.PathLike, *, option: str = "--out") -> Path:
     if not os.access(base, os.W_OK | os.X_OK):
         raise UsageError(f"{option} {path}: cannot create it, {base} is not writable")
     return path
+
+
+def cache_dir_arg(text: str) -> str:
+    """argparse ``type=`` for ``--cache-dir``: a folder, or a path where one can be made (not a file)."""
+    try:
+        check_out_dir(text, option="--cache-dir")
+    except UsageError as err:
+        raise argparse.ArgumentTypeError(str(err).removeprefix("--cache-dir ")) from None
+    return text
 
 
 def check_out_file(path: str | os.PathLike, *, option: str) -> Path:
@@ -233,8 +295,26 @@ def plot_only_json(out: str | os.PathLike, name: str, *, experiment: str | None 
     return record
 
 
+@contextlib.contextmanager
+def redrawing(path: str | os.PathLike):
+    """Around ``--plot-only``'s drawing from ``path``: a record of the wrong shape (a key missing, a number
+    where a list belongs, ...) is one :class:`UsageError` naming the file, not a ``KeyError`` or ``TypeError``.
+    (A missing key read from :func:`plot_only_json`'s record already names the file and the key.)"""
+    try:
+        yield
+    except ValueError as err:  # a reader's own check of the record: say which file it was about
+        if str(path) in str(err):  # plotting.MissingKeyError names the file and the key
+            raise
+        raise UsageError(f"--plot-only: {path}: {' '.join(str(err).split())}") from err
+    except (KeyError, TypeError, IndexError, AttributeError) as err:
+        detail = " ".join(str(err).split()) or type(err).__name__
+        raise UsageError(f"--plot-only: {path} does not have the shape of a results file this command wrote "
+                         f"({type(err).__name__}: {detail}); rerun the experiment to rewrite it") from err
+
+
 __all__ = [
-    "DEVICE_HELP", "PLOT_ONLY_HELP", "check_in_dir", "check_int", "check_in_file", "check_out_dir", "check_out_file",
-    "check_source", "check_tokenizer", "device_arg", "model_arg", "nonnegative_int_arg", "plot_only_json",
-    "positive_float_arg", "positive_int_arg", "resolve_device",
+    "DEVICE_HELP", "PLOT_ONLY_HELP", "cache_dir_arg", "check_in_dir", "check_in_file", "check_int", "check_memory",
+    "check_out_dir", "check_out_file", "check_source", "check_tokenizer", "device_arg", "int_arg", "memory_size",
+    "model_arg", "nonnegative_int_arg", "plot_only_json", "positive_float_arg", "positive_int_arg", "redrawing",
+    "resolve_device",
 ]

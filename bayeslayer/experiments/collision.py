@@ -81,7 +81,7 @@ from ..design import (
     lowrank_diagonal,
 )
 from ..ops import FilterOutput
-from .cli_checks import PLOT_ONLY_HELP, check_int, check_out_dir, plot_only_json
+from .cli_checks import PLOT_ONLY_HELP, check_int, check_out_dir, plot_only_json, redrawing
 from .plotting import RefLine, Series, line_plot, load_json, save_json
 
 # -- the paper's protocol (docs/theory.md §8.1) -------------------------------------------------------------
@@ -976,13 +976,15 @@ def _main(args: argparse.Namespace) -> int:
     out_dir = check_out_dir(args.out)
     if args.plot_only:
         results = plot_only_json(out_dir, "collision")
-        paths = plot_collision(results, out_dir)
-        print(format_table(results))
+        with redrawing(out_dir / "collision.json"):
+            paths = plot_collision(results, out_dir)
+            print(format_table(results))
         lowrank_paths = []
         if (out_dir / "collision_lowrank.json").exists():
             lowrank = load_json(out_dir / "collision_lowrank.json")
-            lowrank_paths = plot_lowrank(lowrank, out_dir)
-            print(format_lowrank_table(lowrank))
+            with redrawing(out_dir / "collision_lowrank.json"):
+                lowrank_paths = plot_lowrank(lowrank, out_dir)
+                print(format_lowrank_table(lowrank))
         print(
             f"\nRedrew {len(paths)} figures from {out_dir / 'collision.json'}: "
             + ", ".join(str(p) for p in paths)

@@ -16,8 +16,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import ClassVar
 
+import torch
+
 from ..training.optim import DECAY_POLICY
-from .cli_checks import PLOT_ONLY_HELP, check_int, check_out_dir, plot_only_json, positive_int_arg
+from .cli_checks import (
+    PLOT_ONLY_HELP,
+    check_int,
+    check_memory,
+    check_out_dir,
+    plot_only_json,
+    positive_int_arg,
+    redrawing,
+)
 from .core_models import ALL_KINDS, CORE_KINDS, CORE_LABELS
 from .harness import TrainConfig, results_record, summarize, summarize_curves, train_seeds, write_json
 
@@ -100,6 +110,10 @@ def run_sweep(name: str, config: CoreRunConfig, *, build_model: Callable, sample
         raise TypeError(f"config must be a CoreRunConfig, got {type(config).__name__}")
     preset, models, out_dir, progress = config.preset, list(config.models), config.out, config.progress
     cfg = preset.train_config()
+    # one sequence's bytes times the batch: a batch that cannot fit fails now, not in the allocator
+    one = _tensor_bytes(sampler(0, 1, torch.Generator().manual_seed(0)))
+    check_memory(one * max(preset.batch_size, preset.eval_sequences),
+                 what=f"a batch of {max(preset.batch_size, preset.eval_sequences):,} sequences (batch_size)")
     run_dir = os.path.join(out_dir, "runs") if out_dir else None
     settings = {**asdict(preset), "train": asdict(cfg), "optimizer_groups": DECAY_POLICY}
     results = {}
@@ -124,6 +138,19 @@ def run_sweep(name: str, config: CoreRunConfig, *, build_model: Callable, sample
             write_json(os.path.join(out_dir, f"{name}.json"), record)
             plot(record, os.path.join(out_dir, f"{name}.png"))
     return record
+
+
+def _tensor_bytes(obj) -> int:
+    """Bytes of the tensors in ``obj`` (a tensor, or tuples, lists, dicts and dataclasses of them)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (tuple, list)):
+        return sum(_tensor_bytes(v) for v in obj)
+    if hasattr(obj, "__dataclass_fields__"):
+        return sum(_tensor_bytes(getattr(obj, f)) for f in obj.__dataclass_fields__)
+    return 0
 
 
 def learning_curve(evals_per_seed: Sequence[Sequence[dict]]) -> dict:
@@ -174,8 +201,9 @@ def run_command(args, *, name: str, presets: dict, paper_budget: str, config_typ
     if args.plot_only:
         record = plot_only_json(out_dir, name, experiment=name)
         out = os.path.join(out_dir, f"{name}.png")
-        plot(record, out)
-        print_table(record)
+        with redrawing(os.path.join(out_dir, f"{name}.json")):
+            plot(record, out)
+            print_table(record)
         print(f"\nredrew {out}")
         return 0
     config = config_from_args(args, presets=presets, config_type=config_type)

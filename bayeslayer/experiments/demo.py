@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..ops import bl_chunk, bl_recurrent
-from .cli_checks import check_int, positive_int_arg
+from .cli_checks import check_int, check_memory, positive_int_arg
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,8 @@ def run(config: DemoConfig) -> dict:
     if not isinstance(config, DemoConfig):
         raise TypeError(f"config must be a DemoConfig, got {type(config).__name__}")
     T, D, m, H = config.T, config.D, config.m, config.H
+    # float64 inputs (q, k, v, r2, ell2, alpha) and both paths' outputs and variances, at the least
+    check_memory(8 * T * H * (2 * D + m + 3 + 2 * (m + 1)), what=f"the demo at T={T}, H={H}, D={D}, m={m}")
     g = torch.Generator().manual_seed(config.seed)
     q = torch.randn(1, T, H, D, generator=g, dtype=torch.float64)
     k = torch.nn.functional.normalize(torch.randn(1, T, H, D, generator=g, dtype=torch.float64), dim=-1)

@@ -64,6 +64,7 @@ from ..training import OutputLock, read_json
 from ..training.files import sha256_file
 from .cli_checks import (
     DEVICE_HELP,
+    cache_dir_arg,
     check_in_dir,
     check_int,
     check_out_dir,
@@ -468,7 +469,7 @@ def run_distill(
     config_path = teacher_dir / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"no config.json in the teacher directory {teacher_dir}")
-    raw = json.loads(config_path.read_text())
+    raw = read_json(config_path, what="teacher config")
     if raw.get("model_type") == "gated_deltanet":
         from ..models.checkpoint import gdn_config_to_bayeslayer
 
@@ -499,7 +500,7 @@ def _run_stages(config: DistillConfig, out: Path, report: dict, *, stages, teach
         lm_config = stage_config(config, stage, teacher_config, tokenizer)
         run_dir = out / stage
         if (run_dir / "train_summary.json").is_file() and (run_dir / "final" / "model.safetensors").is_file():
-            report["stages"][stage] = json.loads((run_dir / "train_summary.json").read_text())
+            report["stages"][stage] = read_json(run_dir / "train_summary.json", what="stage summary")
             continue
         result = train_lm(lm_config, run_dir, device=device, cache_dir=cache_dir, progress=progress,
                           objective=objective, stop_after=None if stop_after is None else min(stop_after,
@@ -531,7 +532,7 @@ def eval_models(out: str | os.PathLike) -> list[tuple[str, str]]:
     report_path = out / "distill.json"
     if not report_path.is_file():
         raise FileNotFoundError(f"{report_path} does not exist: run `bayeslayer distill train --out {out}` first")
-    report = json.loads(report_path.read_text())
+    report = read_json(report_path, what="the distillation report")
     models = [("GDN-zero", report["teacher_dir"])]
     for stage, label in (("gdn_ft", "GDN-FT"), ("phase_b", "BL")):
         final = out / stage / "final"
@@ -552,7 +553,7 @@ def run_eval(args: argparse.Namespace) -> dict:
 
     out = check_in_dir(args.out, option="--out", what="distillation folder")
     check_out_dir(out / "eval")
-    report = json.loads((out / "distill.json").read_text()) if (out / "distill.json").is_file() else {}
+    report = read_json(out / "distill.json", what="the distillation report") if (out / "distill.json").is_file() else {}
     models = eval_models(out)
     labels = [label for label, _ in models]
     tokenizer = args.tokenizer or report.get("tokenizer")
@@ -690,7 +691,7 @@ def add_parser(sub) -> None:
     t.add_argument("--tokenizer", help="tokenizer.json (default: the teacher's)")
     t.add_argument("--precision", choices=PRECISIONS)
     t.add_argument("--device", type=device_arg, default="auto", help=DEVICE_HELP)
-    t.add_argument("--cache-dir", default=None)
+    t.add_argument("--cache-dir", type=cache_dir_arg, default=None)
     t.add_argument("--out", default=None, help="output directory (default runs/distill/<preset>)")
     t.add_argument("--stop-after", type=positive_int_arg, default=None,
                    help="stop the current stage after this many steps")
@@ -715,7 +716,8 @@ def add_parser(sub) -> None:
     e.add_argument("--max-windows", type=positive_int_arg, default=None, help="cap windows per corpus × length")
     e.add_argument("--tokenizer", default=None, help="default: the one the distillation used")
     e.add_argument("--seed", type=int, default=0)
-    e.add_argument("--cache-dir", default=None, help="token and held-out PPL cache (default $BAYESLAYER_CACHE)")
+    e.add_argument("--cache-dir", type=cache_dir_arg, default=None,
+                       help="token and held-out PPL cache (default $BAYESLAYER_CACHE)")
     e.add_argument("--device", type=device_arg, default="auto", help=DEVICE_HELP)
     e.add_argument("--skip-niah", action="store_true")
     e.add_argument("--skip-ppl", action="store_true")

@@ -46,7 +46,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..training import CheckpointError, CheckpointStore, OutputLock, atomic_write_json, read_json
-from ..training.loop import Checkpoints, LoopState, TrainConfig, train_loop
+from ..training.loop import Checkpoints, LoopState, TrainConfig, raise_if_diverged, train_loop
 from ..training.loop import lr_lambda as lr_lambda  # the schedule, also imported from here
 
 IGNORE_INDEX = -100
@@ -334,8 +334,12 @@ def _train_seed(name, build_model, sample_batch, config: TrainConfig, seed: int,
                 desc=f"{name} seed {seed}", identity={"fingerprint": _jsonable(fingerprint)},
                 restart_on_mismatch=True)
     model.eval()
-    with torch.no_grad():
-        final = final_eval(model)
+    try:
+        with torch.no_grad():
+            final = final_eval(model)
+    except Exception as err:  # noqa: BLE001 - a diverged run (NaN weights) is a FloatingPointError for the lr grid
+        raise_if_diverged(err, list(model.parameters()), desc=f"{name} seed {seed}", step=len(res.losses))
+        raise
     n = len(res.losses)
     width = max(1, math.ceil(n / loss_curve_points))
     curve_steps = list(range(width, n + 1, width))

@@ -57,9 +57,11 @@ import numpy as np
 import torch
 
 from ..errors import UsageError
+from ..training.files import read_json
 from .cli_checks import (
     DEVICE_HELP,
     PLOT_ONLY_HELP,
+    cache_dir_arg,
     check_in_dir,
     check_int,
     check_out_dir,
@@ -67,6 +69,7 @@ from .cli_checks import (
     model_arg,
     plot_only_json,
     positive_int_arg,
+    redrawing,
 )
 from .harness import results_record, write_json
 from .lengths import PAPER_LENGTHS, length_label
@@ -343,10 +346,10 @@ def resolve_model(label: str, path: str | os.PathLike, *, tokenizer=None, cache_
     run_config = None
     if (path / "final" / "lm_config.json").is_file():
         kind, model_dir = "lm-run", path / "final"
-        run_config = LMConfig.from_json(json.loads((model_dir / "lm_config.json").read_text()))
+        run_config = LMConfig.from_json(read_json(model_dir / "lm_config.json", what="run config"))
     elif (path / "config.json").is_file():
         model_dir = path
-        model_type = json.loads((path / "config.json").read_text()).get("model_type")
+        model_type = read_json(path / "config.json", what="model config").get("model_type")
         kind = "gated_deltanet" if model_type == "gated_deltanet" else "hf"
     else:
         raise ValueError(f"models: {label}={path} has neither config.json (a model directory) nor "
@@ -387,9 +390,11 @@ def _read_cell(path: Path, key: dict) -> dict | None:
     if not path.is_file():
         return None
     try:
-        cached = json.loads(path.read_text())
-    except json.JSONDecodeError:
+        cached = read_json(path, what="held-out cache cell")
+    except ValueError:
         return None  # a damaged file is recomputed and rewritten
+    if not isinstance(cached, dict):
+        return None
     # the file name is a hash of the key: compare in full so a collision can never return another cell
     if json.loads(json.dumps(cached.get("key"), default=str)) != json.loads(json.dumps(key, default=str)):
         return None
@@ -817,10 +822,11 @@ def redraw(out: str | os.PathLike, name: str = "heldout") -> dict:
     """``bayeslayer heldout --plot-only``: redraw ``<out>/<name>.md`` and ``.png`` from ``<out>/<name>.json``."""
     out_dir = check_out_dir(out)
     record = plot_only_json(out_dir, name, experiment="heldout")
-    _check_record(record)
-    (out_dir / f"{name}.md").write_text(table7_markdown(record))
-    plot(record, out_dir / f"{name}.png")
-    print(table7_markdown(record))
+    with redrawing(out_dir / f"{name}.json"):
+        _check_record(record)
+        (out_dir / f"{name}.md").write_text(table7_markdown(record))
+        plot(record, out_dir / f"{name}.png")
+        print(table7_markdown(record))
     return record
 
 
@@ -875,7 +881,8 @@ def add_parser(sub) -> None:
     p.add_argument("--batch-size", type=positive_int_arg, default=HeldoutConfig.batch_size)
     p.add_argument("--precision", choices=PRECISIONS, default="fp32")
     p.add_argument("--device", type=device_arg, default="auto", help=DEVICE_HELP)
-    p.add_argument("--cache-dir", default=None, help="token and cell cache (default $BAYESLAYER_CACHE)")
+    p.add_argument("--cache-dir", type=cache_dir_arg, default=None,
+                       help="token and cell cache (default $BAYESLAYER_CACHE)")
     p.add_argument("--out", default=HeldoutConfig.out, help="output directory")
     p.add_argument("--name", default=HeldoutConfig.name, help="file name stem of the outputs")
     p.add_argument("--plot-only", action="store_true", help=PLOT_ONLY_HELP + " (<out>/<name>.json)")

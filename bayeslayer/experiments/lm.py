@@ -57,6 +57,7 @@ import hashlib
 import json
 import os
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -84,13 +85,17 @@ from ..training.loop import Checkpoints, LoopState, StepInfo, train_loop
 from .cli_checks import (
     DEVICE_HELP,
     PLOT_ONLY_HELP,
+    cache_dir_arg,
     check_in_dir,
+    check_memory,
     check_out_dir,
     check_source,
     check_tokenizer,
     device_arg,
+    int_arg,
     plot_only_json,
     positive_int_arg,
+    redrawing,
     resolve_device,
 )
 from .harness import TrainConfig, results_record, seed_everything, summarize, write_json
@@ -853,7 +858,7 @@ def load_run(run_dir: str | os.PathLike, *, device: str | torch.device = "cpu"):
     if not (final / "model.safetensors").is_file() or not (final / "lm_config.json").is_file():
         raise FileNotFoundError(f"{run_dir} has no finished model (final/model.safetensors and "
                                 "final/lm_config.json); train it to the end first")
-    config = LMConfig.from_json(json.loads((final / "lm_config.json").read_text()))
+    config = LMConfig.from_json(read_json(final / "lm_config.json", what="run config"))
     from ..models import BayesLayerConfig, BayesLayerForCausalLM
 
     model = BayesLayerForCausalLM(BayesLayerConfig.from_pretrained(final))
@@ -877,8 +882,12 @@ def evaluate_run(run_dir: str | os.PathLike, *, split: str = "test", seq_len: in
     cache = Path(run_dir) / f"eval-{split}-L{seq_len}-{precision}.json"
     weights = sha256_file(Path(run_dir) / "final" / "model.safetensors")
     if cache.is_file():
-        cached = json.loads(cache.read_text())
-        if cached.get("weights_sha256") == weights:
+        try:
+            cached = read_json(cache, what="evaluation cache")
+        except ValueError as err:  # derived data: recompute it
+            warnings.warn(f"{err}; recomputing it", RuntimeWarning, stacklevel=2)
+            cached = None
+        if isinstance(cached, dict) and cached.get("weights_sha256") == weights:
             return cached
     corpus = load_corpus(config, ctx, cache_dir=cache_dir, splits=("train", split))
     windows = corpus.windows(split, seq_len)
@@ -1017,13 +1026,23 @@ def parse_json_object(option: str, text: str) -> dict:
 def check_mixer_kwargs(mixer: str, kwargs: dict, *, hidden_size: int, num_heads: int, head_dim: int,
                        option: str = "--mixer-kwargs") -> None:
     """Build one ``mixer`` layer with ``kwargs`` so a misspelt or out-of-range argument fails now, not
-    after the corpus is tokenized."""
+    after the corpus is tokenized (on the ``meta`` device: no memory is allocated, whatever the sizes)."""
     from ..layers import build_mixer
 
     try:
-        build_mixer(mixer, hidden_size, num_heads=num_heads, head_dim=head_dim, layer_idx=0, **kwargs)
+        with torch.device("meta"):
+            build_mixer(mixer, hidden_size, num_heads=num_heads, head_dim=head_dim, layer_idx=0, **kwargs)
     except (TypeError, ValueError) as err:  # an unknown keyword is a TypeError of the constructor
         raise UsageError(f"{option} {json.dumps(kwargs)}: {' '.join(str(err).split())}") from None
+
+
+def training_memory(config: LMConfig) -> int:
+    """A lower bound of the bytes one rank needs to train ``config``: weights, gradients and AdamW's two
+    moments (16 bytes per fp32 parameter, counted on the ``meta`` device, which allocates nothing) and
+    the logits of one micro-batch."""
+    with torch.device("meta"):
+        params = sum(p.numel() for p in build_model(config, config.vocab_size).parameters())
+    return 16 * params + 4 * config.micro_batch_size * config.seq_len * config.vocab_size
 
 
 def check_train_args(config: LMConfig, args: argparse.Namespace, out: str) -> None:
@@ -1034,6 +1053,9 @@ def check_train_args(config: LMConfig, args: argparse.Namespace, out: str) -> No
         check_tokenizer(config.tokenizer)
     check_mixer_kwargs(config.mixer, config.mixer_kwargs, hidden_size=config.hidden_size,
                        num_heads=config.num_heads, head_dim=config.head_dim)
+    sizes = (f"hidden-size {config.hidden_size}, {config.num_layers} layers, {config.num_heads} heads of "
+             f"head-dim {config.head_dim}, vocab-size {config.vocab_size}")
+    check_memory(training_memory(config), what=f"training a model of {sizes}", device=resolve_device(args.device))
 
 
 def _train_main(args) -> int:
@@ -1063,9 +1085,10 @@ def _eval_main(args) -> int:
             raise UsageError(f"--plot-only redraws from {out_dir / (args.name + '.json')}; it takes no run "
                              f"directories (got {args.runs})")
         record = plot_only_json(out_dir, args.name, experiment="lm")
-        atomic_write_text(out_dir / f"{args.name}.md", markdown_table(record))
-        bar_plot(record, out_dir / f"{args.name}.png")
-        print(markdown_table(record))
+        with redrawing(out_dir / f"{args.name}.json"):
+            atomic_write_text(out_dir / f"{args.name}.md", markdown_table(record))
+            bar_plot(record, out_dir / f"{args.name}.png")
+            print(markdown_table(record))
         print(f"redrew {out_dir / (args.name + '.md')} and {args.name}.png")
         return 0
     if not args.runs:
@@ -1104,17 +1127,19 @@ def add_parser(sub) -> None:
     t.add_argument("--mixer", help="token mixer of every layer (bayesian, gated_deltanet, mamba2, ...)")
     t.add_argument("--mixer-kwargs", help='JSON object of extra mixer arguments, e.g. \'{"p0": 1.0}\'')
     t.add_argument("--label", help="the model's name in tables (default: from the mixer)")
-    t.add_argument("--seed", type=int)
-    for name, kind in (("steps", int), ("batch-size", int), ("micro-batch-size", int), ("seq-len", int),
-                       ("lr", float), ("warmup-steps", int), ("mlp-dropout", float), ("hidden-size", int),
-                       ("num-layers", int), ("num-heads", int), ("head-dim", int), ("vocab-size", int),
-                       ("eval-every", int), ("eval-windows", int), ("checkpoint-every", int), ("log-every", int)):
+    t.add_argument("--seed", type=int_arg)
+    for name, kind in (("steps", int_arg), ("batch-size", int_arg), ("micro-batch-size", int_arg),
+                       ("seq-len", int_arg), ("lr", float), ("warmup-steps", int_arg), ("mlp-dropout", float),
+                       ("hidden-size", int_arg), ("num-layers", int_arg), ("num-heads", int_arg),
+                       ("head-dim", int_arg), ("vocab-size", int_arg), ("eval-every", int_arg),
+                       ("eval-windows", int_arg), ("checkpoint-every", int_arg), ("log-every", int_arg)):
         t.add_argument(f"--{name}", type=kind, help="override the preset")
     t.add_argument("--source", help="corpus: python-docs, hf:<name>[:<config>] or a local path")
     t.add_argument("--tokenizer", help="tokenizer.json (or a directory holding one); default: train a BPE")
     t.add_argument("--precision", choices=PRECISIONS, help="autocast: auto = bf16 on a capable GPU, else fp32")
     t.add_argument("--device", type=device_arg, default="auto", help=DEVICE_HELP)
-    t.add_argument("--cache-dir", default=None, help="token cache directory (default $BAYESLAYER_CACHE)")
+    t.add_argument("--cache-dir", type=cache_dir_arg, default=None,
+                       help="token cache directory (default $BAYESLAYER_CACHE)")
     t.add_argument("--out", default=None, help="run directory (default runs/lm/<preset>-<mixer>-seed<seed>)")
     t.add_argument("--stop-after", type=positive_int_arg, default=None,
                    help="stop (checkpointed) after this many total steps")
@@ -1133,7 +1158,7 @@ def add_parser(sub) -> None:
     e.add_argument("--batch-size", type=positive_int_arg, default=4)
     e.add_argument("--precision", choices=PRECISIONS, default="fp32")
     e.add_argument("--device", type=device_arg, default="auto", help=DEVICE_HELP)
-    e.add_argument("--cache-dir", default=None)
+    e.add_argument("--cache-dir", type=cache_dir_arg, default=None)
     e.add_argument("--label", default=None, help="override the model label of every run given")
     e.add_argument("--out", default="results/lm", help="output directory")
     e.add_argument("--name", default="lm", help="file name stem of the outputs")

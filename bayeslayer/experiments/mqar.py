@@ -79,7 +79,14 @@ from ..data.mqar import IGNORE_INDEX, MQARData, MQARDataset, MQARTask, make_pool
 from ..errors import UsageError
 from ..layers import MIXER_LABELS, MIXERS, QKVMixer, ShortConvolution, build_mixer
 from ..training.optim import DECAY_POLICY
-from .cli_checks import PLOT_ONLY_HELP, check_out_dir, plot_only_json, positive_float_arg, positive_int_arg
+from .cli_checks import (
+    PLOT_ONLY_HELP,
+    check_out_dir,
+    plot_only_json,
+    positive_float_arg,
+    positive_int_arg,
+    redrawing,
+)
 from .harness import TrainConfig, results_record, summarize, train_lr_grid, write_json
 from .plotting import RefLine, Series, line_plot, load_json
 from .state_budget import BUDGET_MIXERS, HeadConfig, solve_state_budget
@@ -837,8 +844,9 @@ def _main(args: argparse.Namespace) -> int:
         for stem in stems:
             record = plot_only_json(out_dir, stem, experiment="mqar")
             out = os.path.join(out_dir, f"{stem}.png")
-            plot_mqar(record, out)
-            print(format_table(record))
+            with redrawing(out_dir / f"{stem}.json"):
+                plot_mqar(record, out)
+                print(format_table(record))
             print(f"\nredrew {out}")
         return 0
     config = config_from_args(args)

@@ -46,17 +46,20 @@ from ..data.niah import (
     ruler_prompt,
 )
 from ..errors import UsageError
+from ..training.files import read_json
 from .cli_checks import (
     DEVICE_HELP,
     PLOT_ONLY_HELP,
     check_in_dir,
     check_int,
+    check_memory,
     check_out_dir,
     check_tokenizer,
     device_arg,
     model_arg,
     plot_only_json,
     positive_int_arg,
+    redrawing,
     resolve_device,
 )
 from .lengths import PAPER_LENGTHS, length_label
@@ -350,7 +353,7 @@ def load_model(path: str | os.PathLike, *, device: str = "cpu", dtype: torch.dty
     config_file = path / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"no config.json in model directory {path}")
-    if json.loads(config_file.read_text()).get("model_type") == "gated_deltanet":
+    if read_json(config_file, what="model config").get("model_type") == "gated_deltanet":
         return load_gdn_checkpoint(path, dtype=dtype, device=device)
     from transformers.utils import logging as hf_logging
 
@@ -467,6 +470,17 @@ def check_config(config: NiahConfig) -> None:
             raise UsageError(f"--model {label}={path}: no config.json in that folder (not a model directory)")
         if not config.tokenizer:
             check_tokenizer(path, option=f"--model {label}=")
+        check_memory(niah_memory(config, directory), device=resolve_device(config.device),
+                     what=f"--lengths {max(config.lengths)} (batch {config.batch_size}) with --model {label}")
+
+
+def niah_memory(config: NiahConfig, model_dir: Path) -> int:
+    """A lower bound of the bytes one NIAH prompt of the longest length needs with the model in ``model_dir``:
+    its token ids and two hidden states of the model's width (``hidden_size`` of its ``config.json``)."""
+    model_config = read_json(model_dir / "config.json", what="model config")
+    hidden = model_config.get("hidden_size") if isinstance(model_config, dict) else None
+    hidden = hidden if isinstance(hidden, int) and hidden > 0 else 1
+    return max(config.lengths) * config.batch_size * (8 + 2 * 4 * hidden)
 
 
 def run(config: NiahConfig) -> dict:
@@ -511,7 +525,8 @@ def redraw(out: str | os.PathLike, diff: Sequence[tuple[str, str]] | None = None
     """``bayeslayer niah --plot-only``: redraw the tables and plots in ``out`` from ``<out>/niah.json``."""
     out = check_out_dir(out)
     results = plot_only_json(out, "niah")
-    _report(results, out, None if diff is None else list(diff))
+    with redrawing(out / "niah.json"):
+        _report(results, out, None if diff is None else list(diff))
     return results
 
 

@@ -79,18 +79,49 @@ def save_json(obj: dict, path: str | os.PathLike) -> Path:
     return path
 
 
+class MissingKeyError(KeyError, ValueError):
+    """A results file lacks a key its reader needs: a ``KeyError`` for code that looks keys up, and a
+    ``ValueError`` (an expected failure, one line on the command line) whose message names the file."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class _Record(dict):
+    """A JSON object read from ``path``: a missing key raises :class:`MissingKeyError` naming the file."""
+
+    path: str = ""
+
+    def __missing__(self, key):
+        raise MissingKeyError(f"{self.path} has no key {key!r} where one was expected: it is not a results file "
+                              "this command wrote, or it was edited; rerun the experiment to rewrite it")
+
+
+def _records(obj, path: str):
+    if isinstance(obj, dict):
+        record = _Record({k: _records(v, path) for k, v in obj.items()})
+        record.path = path
+        return record
+    if isinstance(obj, list):
+        return [_records(v, path) for v in obj]
+    return obj
+
+
 def load_json(path: str | os.PathLike) -> dict:
-    """Read a results JSON; a clear error when it is missing or not a JSON object."""
+    """Read a results JSON; a clear error when it is missing, damaged or not a JSON object.
+
+    Every object in it is returned as a ``dict`` whose missing keys raise :class:`MissingKeyError`
+    naming the file, so a reader that meets a file of the wrong shape says which file and key.
+    """
+    from ..training.files import read_json
+
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no results file at {path}; run the experiment with --out first")
-    try:
-        obj = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path} is not valid JSON: {err}") from err
+    obj = read_json(path, what="results file")
     if not isinstance(obj, dict):
         raise ValueError(f"{path} must hold a JSON object, got {type(obj).__name__}")
-    return obj
+    return _records(obj, str(path))
 
 
 def line_plot(

@@ -186,7 +186,14 @@ class HeadConfig:
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of ``n`` in increasing order, in O(√n) steps (``n`` up to :data:`MAX_WIDTH`·expand)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
+
+
+# The widest layer the search takes: far beyond any model, and small enough that the O(√width) search
+# over head counts ends in well under a second.
+MAX_WIDTH = 2**40
 
 
 # -- candidates --------------------------------------------------------------------------------------
@@ -268,7 +275,7 @@ def solve_state_budget(
             names the budget, the mixer and the best configuration found); bad arguments.
     """
     budget = check_int("budget", budget, minimum=1)
-    width = check_int("width", width, minimum=1)
+    width = check_int("width", width, minimum=1, maximum=MAX_WIDTH)
     if not _known(mixer):
         raise ValueError(f"unknown mixer {mixer!r}; known: {', '.join(BUDGET_MIXERS)}, {LOWRANK_MIXER}")
     if num_heads is not None:
@@ -384,7 +391,7 @@ class StateBudgetConfig:
             if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or not values:
                 raise ValueError(f"{name} must be a non-empty sequence, got {values!r}")
             if known is None:
-                values = tuple(check_int(f"{name} entry", w, minimum=1) for w in values)
+                values = tuple(check_int(f"{name} entry", w, minimum=1, maximum=MAX_WIDTH) for w in values)
             elif any(m not in known for m in values):
                 raise ValueError(f"{name} must be names from {list(known)}, got {list(values)}")
             object.__setattr__(self, name, tuple(values))

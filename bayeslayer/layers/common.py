@@ -14,6 +14,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..checks import INT_MAX
+
 # GDN/Mamba-2 initialisation of the step size Δ = softplus(a + dt_bias): log-uniform in [1e-3, 0.1].
 DT_MIN, DT_MAX, DT_FLOOR = 1e-3, 0.1, 1e-4
 # Decays below exp(-60) ≈ 1e-26 are zero for every practical purpose; the clamp keeps α > 0 (the ops
@@ -23,9 +25,12 @@ MIN_LOG_DECAY = -60.0
 
 # -- argument checks used by every mixer's constructor ---------------------------------------------
 def check_positive_int(name: str, value) -> int:
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or not 1 <= value <= INT_MAX:
+        raise ValueError(f"{name} must be a positive integer (at most {INT_MAX}), got {value!r}")
     return int(value)
+
+
+_FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def check_positive_float(name: str, value, *, allow_zero: bool = False) -> float:
@@ -34,6 +39,8 @@ def check_positive_float(name: str, value, *, allow_zero: bool = False) -> float
     val = float(value)
     if not math.isfinite(val) or not (val >= 0 if allow_zero else val > 0):
         raise ValueError(f"{name} must be finite and {'>= 0' if allow_zero else '> 0'}, got {value!r}")
+    if val > _FLOAT32_MAX:  # the layers keep these in float32 buffers and parameters
+        raise ValueError(f"{name} must be at most {_FLOAT32_MAX:.4g} (the largest float32), got {value!r}")
     return val
 
 

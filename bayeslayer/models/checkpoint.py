@@ -14,7 +14,6 @@ lists them all.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from pathlib import Path
@@ -22,6 +21,7 @@ from typing import Any
 
 import torch
 
+from ..training.files import read_json
 from .configuration import BayesLayerConfig
 from .modeling import BayesLayerForCausalLM
 
@@ -159,7 +159,7 @@ def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     def _shards(index_name: str) -> list[Path]:
-        index = json.loads((directory / index_name).read_text())
+        index = read_json(directory / index_name, what="weight index")
         return [directory / f for f in sorted(set(index["weight_map"].values()))]
 
     if (directory / "model.safetensors").is_file():
@@ -211,7 +211,7 @@ def load_gdn_checkpoint(
     config_file = directory / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"no config.json in {directory}")
-    config = gdn_config_to_bayeslayer(json.loads(config_file.read_text()))
+    config = gdn_config_to_bayeslayer(read_json(config_file, what="model config"))
     weights = _read_weights(directory)
 
     model = BayesLayerForCausalLM(config)

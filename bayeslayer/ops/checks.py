@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import NonFiniteError
+
 _VALUE_CHECKS = True
 
 
@@ -46,8 +48,9 @@ def value_checks_enabled() -> bool:
 
 
 def _values_checked(x: torch.Tensor) -> bool:
-    # meta tensors carry shapes only (used to trace shapes and memory); there are no values to check
-    return _VALUE_CHECKS and x.device.type != "meta"
+    # meta tensors carry shapes only (used to trace shapes and memory), and an empty tensor (a batch
+    # of 0) holds none: there are no values to check
+    return _VALUE_CHECKS and x.device.type != "meta" and x.numel() > 0
 
 
 def _shape(x: torch.Tensor) -> str:
@@ -63,7 +66,7 @@ def check_tensor(name: str, x, *, device: torch.device | None = None) -> torch.T
     if device is not None and x.device != device:
         raise ValueError(f"{name} is on {x.device} but q is on {device}; all inputs must share one device")
     if _values_checked(x) and not _all_finite(x):
-        raise ValueError(f"{name} contains NaN or Inf values (shape {_shape(x)})")
+        raise NonFiniteError(f"{name} contains NaN or Inf values (shape {_shape(x)})")
     return x
 
 
@@ -267,6 +270,15 @@ def check_dynamics(alpha, theta, dims: Dims, *, single_step: bool = False) -> Dy
     return Dynamics(kind, _unsq(torch.log(a.to(dims.cdtype))), th)
 
 
+def state_pair_error(name: str, state) -> TypeError:
+    """The error for a ``state`` that is not a pair ``(M, P)``: says what was given (a tuple of 1, a Tensor, ...)."""
+    if isinstance(state, (tuple, list)):
+        got = f"a {type(state).__name__} of {len(state)}"
+    else:
+        got = type(state).__name__
+    return TypeError(f"{name} must be a tuple (M, P) of 2 tensors, got {got}")
+
+
 def check_state(
     initial_state,
     dims: Dims,
@@ -294,7 +306,7 @@ def check_state(
     elif isinstance(initial_state, (tuple, list)) and len(initial_state) == 2:
         M, P = initial_state
     else:
-        raise TypeError(f"{name} must be a tuple (M, P), got {type(initial_state).__name__}")
+        raise state_pair_error(name, initial_state)
     B, H, D, m = dims.B, dims.H, dims.D, dims.m
     M = check_tensor(f"{name}[0] (M)", M, device=dims.device)
     if tuple(M.shape) != (B, H, D, m):

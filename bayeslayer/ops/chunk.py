@@ -39,7 +39,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .checks import WIDE_PRIOR_RATIO, check_chunk_size, check_cu_seqlens, covariance_dtype
+from .checks import WIDE_PRIOR_RATIO, check_chunk_size, check_cu_seqlens, covariance_dtype, state_pair_error
 from .prepare import FilterInputs, FilterOutput, prepare_inputs
 from .write import WriteModel, get_write_model
 
@@ -473,8 +473,8 @@ def _filter_chunk(
     C = chunk_size
     pr = prepare_inputs(q, k, v, write, inputs, p0=p0, initial_state=initial_state, keep_float64_state=True)
     B, T, Hf = pr.q.shape[:3]
-    if T == 0:
-        empty = pr.q.new_zeros(B, 0, Hf)
+    if T == 0 or B == 0:  # nothing to filter: empty outputs, the state as it came (as filter_recurrent)
+        empty = pr.q.new_zeros(B, T, Hf)
         return pr.finish(pr.v.new_zeros(pr.v.shape), empty, empty, pr.M0, pr.P0, output_final_state)
     P = pr.P0
     cd = pr.q.dtype
@@ -519,7 +519,7 @@ def _filter_chunk_varlen(q, k, v, cu_seqlens, write: WriteModel, inputs: FilterI
     n_seq = len(cu) - 1
     if initial_state is not None:
         if not isinstance(initial_state, (tuple, list)) or len(initial_state) != 2:
-            raise TypeError(f"initial_state must be a tuple (M, P), got {type(initial_state).__name__}")
+            raise state_pair_error("initial_state", initial_state)
         if not isinstance(initial_state[0], torch.Tensor) or initial_state[0].shape[0] != n_seq:
             raise ValueError(f"with cu_seqlens, initial_state holds one state per sequence (N={n_seq}) along dim 0")
 

@@ -39,7 +39,7 @@ from typing import NamedTuple
 import torch
 
 from . import groups as grp
-from .checks import check_chunk_size, check_cu_seqlens, check_qkv, check_state
+from .checks import check_chunk_size, check_cu_seqlens, check_qkv, check_state, state_pair_error
 from .chunk import ChunkDynamics, covariance_prework, unit_lower_inverse
 from .prepare import prepare
 
@@ -591,7 +591,7 @@ def bl_chunk_scan(q, k, v, r2, ell2, alpha=None, theta=None, p0=1.0, initial_sta
     check_qkv(q, k, v)
     if initial_state is not None:
         if not isinstance(initial_state, (tuple, list)) or len(initial_state) != 2:
-            raise TypeError(f"initial_state must be a tuple (M, P), got {type(initial_state).__name__}")
+            raise state_pair_error("initial_state", initial_state)
         M0, P0 = initial_state
     else:
         M0 = P0 = None

@@ -52,6 +52,7 @@ from typing import NamedTuple
 import torch
 
 from . import fla_mean, scan
+from .checks import state_pair_error
 from .scan_backward import covariance_scan_backward
 
 
@@ -269,7 +270,7 @@ def bl_scan_autograd(q, k, v, r2, ell2, alpha=None, p0=1.0, initial_state=None, 
     """
     if initial_state is not None:
         if not isinstance(initial_state, (tuple, list)) or len(initial_state) != 2:
-            raise TypeError(f"initial_state must be a tuple (M, P), got {type(initial_state).__name__}")
+            raise state_pair_error("initial_state", initial_state)
         M0, P0 = initial_state
     else:
         M0 = P0 = None

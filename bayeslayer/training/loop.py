@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..errors import NonFiniteError
 from .checkpoint import CheckpointStore
 from .distributed import DistContext, autocast
 from .interrupt import TrainingInterrupted, stop_on_interrupt
@@ -187,6 +188,19 @@ class Checkpoints:
         return self.store.save(step, write)
 
 
+def raise_if_diverged(err: BaseException, params, *, desc: str, step: int) -> None:
+    """Raise ``FloatingPointError`` ("training diverged ... at step N") from ``err`` when an update
+    diverged and ``err`` is only where a forward pass met it: after the first update, a parameter of ``params``
+    is NaN or Inf, or a layer met a non-finite value (:class:`~bayeslayer.errors.NonFiniteError`: huge but
+    finite weights overflow inside a layer).  Otherwise return, and the caller re-raises ``err``."""
+    if step == 0:  # no update has run: the fault is in the inputs or the initial weights
+        return
+    if not isinstance(err, NonFiniteError) and all(bool(torch.isfinite(p.detach()).all()) for p in params):
+        return
+    raise FloatingPointError(f"{desc}: training diverged: the weights, or values computed from them, were NaN or "
+                             f"Inf at step {step} ({' '.join(str(err).split())}); lower the learning rate") from err
+
+
 def train_loop(
     trainee: nn.Module,
     micro_batches: Callable[[int], Sequence[Any]],
@@ -290,7 +304,11 @@ def train_loop(
 
     def run_eval(final: bool) -> None:
         if evaluate is not None:
-            record = evaluate(state, final)
+            try:
+                record = evaluate(state, final)
+            except Exception as err:  # noqa: BLE001 - re-raised as is unless the weights went non-finite
+                raise_if_diverged(err, params, desc=desc, step=state.step)
+                raise
             if record is not None:
                 state.evals.append(record)
 
@@ -332,11 +350,16 @@ def train_loop(
                 for i, batch in enumerate(batches):
                     sync = module is trainee or i == n_micro - 1
                     with contextlib.nullcontext() if sync else module.no_sync():
-                        with autocast(ctx.device, autocast_dtype):
-                            out = loss(module, batch)
-                            value, parts = out if isinstance(out, tuple) else (out, {})
-                            value = value / n_micro
-                        value.backward()
+                        try:
+                            with autocast(ctx.device, autocast_dtype):
+                                out = loss(module, batch)
+                                value, parts = out if isinstance(out, tuple) else (out, {})
+                                value = value / n_micro
+                            value.backward()
+                        except Exception as err:  # noqa: BLE001 - re-raised as is unless the weights went non-finite
+                            # the last update left NaN/Inf weights, which a layer's input check meets first
+                            raise_if_diverged(err, params, desc=desc, step=step)
+                            raise
                     part = value.detach().double()
                     loss_sum = part if loss_sum is None else loss_sum + part
                     for k, v in parts.items():
@@ -346,7 +369,7 @@ def train_loop(
                     loss_sum /= ctx.world_size
                 loss_value = float(loss_sum)
                 if not math.isfinite(loss_value):
-                    raise FloatingPointError(f"{desc}: loss became {loss_value} at step {step}")
+                    raise FloatingPointError(f"{desc}: training diverged: the loss became {loss_value} at step {step}")
                 grad_norm = float(torch.nn.utils.clip_grad_norm_(params, config.grad_clip))
                 lr = scheduler.get_last_lr()[0]
                 optimizer.step()

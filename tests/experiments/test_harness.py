@@ -215,6 +215,34 @@ def test_lr_grid_selects_by_the_validation_metric_and_skips_diverged_rates(tmp_p
                       select_key="val_acc", progress=False)
 
 
+class CheckedToy(Toy):
+    """Toy whose logits go through the ops' finiteness check (as a mixer's inputs do), scaled so that a huge
+    lr overflows them after an update while the weights stay finite."""
+
+    def forward(self, x):
+        from bayeslayer.ops.checks import check_tensor
+
+        return check_tensor("hidden_states", super().forward(x) * 1e28)
+
+
+def test_lr_grid_scores_an_lr_that_overflows_a_layer_nan_and_goes_on():
+    """A diverged lr met by a layer's input check (not by the loss) is scored NaN too; the grid continues."""
+    def accuracy(m):
+        b = sample_copy(0, 64, torch.Generator().manual_seed(7))
+        return {"acc": query_accuracy(m(b.inputs), b.labels)}
+
+    def build(seed):
+        torch.manual_seed(seed)
+        return CheckedToy()
+
+    cfg = TrainConfig(steps=6, batch_size=8, lr=1.0, warmup_steps=0)
+    out = train_lr_grid("grid", build, sample_copy, cfg, [1e12, 1e-3], [0], accuracy, select_key="acc",
+                        progress=False)
+    first, second = out["grid"]
+    assert math.isnan(first["score"]) and "training diverged" in first["diverged"]
+    assert math.isfinite(second["score"]) and out["best_lr"] == 1e-3
+
+
 def test_lr_grid_bad_arguments():
     cfg = TrainConfig(steps=2, batch_size=4)
     ev = lambda m: {"acc": 1.0}  # noqa: E731

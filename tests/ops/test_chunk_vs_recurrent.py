@@ -158,3 +158,13 @@ def test_empty_sequence_passes_the_state_through(fn):
     assert o.shape == (2, 0, 2, 4) and var.shape == (2, 0, 2, 2)
     torch.testing.assert_close(M, inp["initial_state"][0], atol=0, rtol=0)
     torch.testing.assert_close(P, inp["initial_state"][1], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("T", [0, 5])
+@pytest.mark.parametrize("fn", [bl_recurrent, bl_chunk], ids=["recurrent", "chunk"])
+def test_an_empty_batch_gives_empty_outputs(fn, T):
+    """B = 0: both paths return empty outputs and an empty state (the chunked path raised in amax())."""
+    inp = bl_inputs(B=0, T=T, G=2, dynamics="diagonal", initial_state=True)
+    o, var, (M, P) = fn(**inp, output_final_state=True, return_variance=True)
+    assert o.shape == (0, T, 2, 4) and var.shape == (0, T, 2, 2)
+    assert M.shape == (0, 2, 6, 4) and P.shape[0] == 0

@@ -9,8 +9,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from bayeslayer.errors import NonFiniteError
 from bayeslayer.training import CheckpointStore
-from bayeslayer.training.loop import Checkpoints, TrainConfig, train_loop
+from bayeslayer.training.loop import Checkpoints, TrainConfig, raise_if_diverged, train_loop
 
 CFG = TrainConfig(steps=5, batch_size=8, lr=1e-2, weight_decay=0.1, warmup_steps=1, checkpoint_every=2)
 
@@ -113,3 +114,35 @@ def test_bad_arguments_are_named():
     frozen = _model().requires_grad_(False)
     with pytest.raises(ValueError, match="no parameter to train"):
         train_loop(frozen, _split(1), _loss, CFG)
+
+
+class _Checked(nn.Module):
+    """A linear layer whose scaled output goes through the ops' finiteness check, as every mixer's input does."""
+
+    def __init__(self, scale: float = 1e30):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin, self.scale = nn.Linear(4, 3), scale
+
+    def forward(self, x):
+        from bayeslayer.ops.checks import check_tensor
+
+        return check_tensor("hidden_states", self.lin(x) * self.scale)
+
+
+def test_a_diverged_update_is_named_with_its_step():
+    """lr 1e10 makes the weights huge within a few updates; then the layer's output overflows and its input
+    check raises.  The loop reports that as training diverging, at that step, not as a bad input."""
+    cfg = TrainConfig(steps=4, batch_size=8, lr=1e10, warmup_steps=0)
+    with pytest.raises(FloatingPointError, match=r"training diverged: .* at step [1-3] \(hidden_states contains NaN"):
+        train_loop(_Checked(), _split(1), _loss, cfg, progress=False)
+    # the same failure before any update is the input's fault: it stays the layer's ValueError
+    with pytest.raises(ValueError, match="hidden_states contains NaN or Inf") as info:
+        train_loop(_Checked(scale=1e40), _split(1), _loss, cfg, progress=False)
+    assert not isinstance(info.value, FloatingPointError)
+    # after step 0, NaN weights are divergence whatever error meets them; before it, nothing diverged yet
+    nan = [torch.tensor([1.0, float("nan")])]
+    with pytest.raises(FloatingPointError, match="run: training diverged: .* at step 3 \\(a kernel failed\\)"):
+        raise_if_diverged(RuntimeError("a kernel failed"), nan, desc="run", step=3)
+    assert raise_if_diverged(RuntimeError("a kernel failed"), nan, desc="run", step=0) is None
+    assert raise_if_diverged(NonFiniteError("x"), [torch.ones(2)], desc="run", step=0) is None

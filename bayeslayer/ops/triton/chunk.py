@@ -33,7 +33,15 @@ import dataclasses
 import torch
 
 from .. import groups as grp
-from ..checks import check_cu_seqlens, check_dynamics, check_p0, check_positive, check_qkv, check_state
+from ..checks import (
+    check_cu_seqlens,
+    check_dynamics,
+    check_p0,
+    check_positive,
+    check_qkv,
+    check_state,
+    state_pair_error,
+)
 from ..chunk import filter_chunk
 from .support import BackendError, tile_sizes, triton_unavailable, unsupported
 
@@ -491,7 +499,7 @@ def bl_chunk_triton(
         raise ValueError(f"backward must be None or one of {BACKWARDS}, got {backward!r}")
     if initial_state is not None:
         if not isinstance(initial_state, (tuple, list)) or len(initial_state) != 2:
-            raise TypeError(f"initial_state must be a tuple (M, P), got {type(initial_state).__name__}")
+            raise state_pair_error("initial_state", initial_state)
         M0, P0 = initial_state
     else:
         M0 = P0 = None

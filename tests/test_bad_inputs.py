@@ -1,0 +1,523 @@
+"""The bad-input suite: bad command lines and bad API calls as data, each run and classified.
+
+A case is one line of a table: a command line (:class:`Cli`, run in this process through
+``bayeslayer.cli.main``) or a Python call (:class:`Api`), with the text its error must hold.  Each
+run ends in one of five outcomes:
+
+* ``clear``: the CLI exits 2 with exactly one stderr line holding ``error:`` and the text (no
+  traceback); the API raises ``ValueError`` or ``TypeError`` whose message holds the text;
+* ``unclear``: the same exit (or exception type) but a message without the text, or more lines;
+* ``silent``: exit 0, or the call returns: a bad input was accepted;
+* ``traceback``: any other exception, or exit code 1;
+* ``hang``: still running after the case's timeout (a ``SIGALRM`` stops it).
+
+Every case must be ``clear``.  The default test run covers the cases of this file that are not marked
+``slow``; ``python -m tests.test_bad_inputs`` runs every case, these and the tables of
+``tests/test_cli.py``, ``tests/ops/test_bad_input.py`` and ``tests/design/test_design_bad_input.py``
+(run there by their own tests), and prints the counts table of docs/reliability.md, which
+:func:`test_the_docs_table_is_what_the_suite_counts` compares with the docs.
+
+Adding a case is one line in :data:`CLI_CASES` or :data:`API_CASES`.  ``{name}`` in a command line
+is a path from :func:`make_places` (write JSON braces as ``{{`` and ``}}``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import math
+import re
+import shlex
+import signal
+import sys
+import tempfile
+import traceback
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+OUTCOMES = ("clear", "unclear", "silent", "traceback", "hang")
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "reliability.md"
+
+
+@dataclass(frozen=True)
+class Cli:
+    """``bayeslayer <argv>`` must exit 2 with one stderr line holding ``needle``."""
+
+    category: str
+    argv: str  # shell words; {name} is a path of make_places()
+    needle: str
+    slow: bool = False
+    timeout: float = 300.0
+
+    @property
+    def surface(self) -> str:
+        return "CLI"
+
+    @property
+    def label(self) -> str:
+        return self.argv
+
+
+@dataclass(frozen=True)
+class Api:
+    """``call(places)`` must raise ``ValueError`` or ``TypeError`` whose message holds ``needle``
+    (a plain text or a regular expression)."""
+
+    category: str
+    name: str
+    call: Callable[[dict], object]
+    needle: str
+    slow: bool = False
+    timeout: float = 120.0
+
+    @property
+    def surface(self) -> str:
+        return "Python API"
+
+    @property
+    def label(self) -> str:
+        return self.name
+
+
+# ----------------------------------------------------------------------------- the prepared places
+
+RESULT_NAMES = {"niah": "niah", "collision": "collision", "recall": "recall", "crowding": "crowding",
+                "mqar_base": "mqar", "lm": "lm", "heldout": "heldout"}
+
+
+def make_places(root: Path) -> dict[str, str]:
+    """The files and folders the cases name, under ``root``."""
+    from tests.experiments.corpus import write_word_corpus
+
+    root.mkdir(parents=True, exist_ok=True)
+    places = {}
+
+    def folder(name: str) -> Path:
+        path = root / name
+        path.mkdir(parents=True, exist_ok=True)
+        places[name] = str(path)
+        return path
+
+    a_file = root / "a_file"
+    a_file.write_text("x")
+    places.update(file=str(a_file), missing=str(root / "missing"), below_file=str(a_file / "sub"),
+                  new=str(root / "new"), lm_run=str(root / "lm_run"))  # {new} must never be created; a run may be
+    folder("empty")
+    # --plot-only inputs: damaged, an empty object, the right "experiment" and nothing else, wrong types
+    corrupt, shapeless, keyless, mistyped = (folder(name) for name in ("corrupt", "shapeless", "keyless", "mistyped"))
+    for stem, experiment in RESULT_NAMES.items():
+        (corrupt / f"{stem}.json").write_bytes(b"\x80{not json")
+        (shapeless / f"{stem}.json").write_text("{}")
+        (keyless / f"{stem}.json").write_text(f'{{"experiment": "{experiment}"}}')
+        (mistyped / f"{stem}.json").write_text(f'{{"experiment": "{experiment}", "models": 3, "config": 3, '
+                                               '"results": 3, "collision": 3}')
+    # a model folder whose config.json is damaged, and a run whose final/lm_config.json is
+    bad_model = folder("bad_model")
+    (bad_model / "config.json").write_text('{"model_type": "bayeslayer", ')
+    (bad_model / "tokenizer.json").write_text(_tokenizer_json())
+    bad_run = folder("bad_run") / "final"
+    bad_run.mkdir()
+    (bad_run / "lm_config.json").write_bytes(b"\x80\x81")
+    (bad_run / "config.json").write_text("{}")
+    (bad_run / "model.safetensors").write_bytes(b"")
+    # a model folder that loads as far as the size checks (a config.json and a tokenizer)
+    model = folder("model")
+    (model / "config.json").write_text('{"model_type": "bayeslayer", "hidden_size": 64}')
+    (model / "tokenizer.json").write_text(_tokenizer_json())
+    places["tokenizer"] = str(model / "tokenizer.json")
+    places["corpus"] = str(write_word_corpus(root / "corpus", {"train": 4, "validation": 2, "test": 2}, sentences=4))
+    return places
+
+
+def _tokenizer_json() -> str:
+    import tokenizers
+
+    vocab = {"[UNK]": 0, **{w: i + 1 for i, w in enumerate("the cat sat on a mat".split())}}
+    tk = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tk.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    return tk.to_str()
+
+
+# ----------------------------------------------------------------------------- the cases
+
+LM = "lm train --preset tiny --source {corpus} --vocab-size 300"  # a run that would start at once
+BIG = "99999999999999999999"  # > 2**63
+
+CLI_CASES = [
+    # sizes that cannot fit, integers past int64, searches that would not end
+    Cli("size or overflow", "demo --T 100000000000", "needs at least"),
+    Cli("size or overflow", "demo --T 99999999999999999999", "argument --T: expected an integer in"),
+    Cli("size or overflow", "recall --preset tiny --batch-size 1000000000 --out {new}", "needs at least"),
+    Cli("size or overflow", "crowding --preset tiny --batch-size 1000000000 --out {new}", "needs at least"),
+    Cli("size or overflow", "recall --preset tiny --steps 99999999999999999999 --out {new}", "--steps"),
+    Cli("size or overflow", f"{LM} --head-dim 100000000 --out {{new}}", "needs at least", slow=True),
+    Cli("size or overflow", f"{LM} --seed 99999999999999999999 --out {{new}}", "argument --seed"),
+    Cli("size or overflow", f"{LM} --steps 99999999999999999999 --out {{new}}", "argument --steps"),
+    Cli("size or overflow", "niah --model {model} --lengths 10000000000 --out {new}", "needs at least"),
+    Cli("size or overflow", f"niah --model {{model}} --seed {BIG} --out {{new}}", "seed must be an integer <="),
+    Cli("size or overflow", f"heldout --model {{model}} --lengths {BIG} --out {{new}}", "lengths must be an"),
+    Cli("size or overflow", f"crowding --preset tiny --seeds {BIG} --out {{new}}", "argument --seeds"),
+    Cli("size or overflow", f"mqar base --preset tiny --epochs {BIG} --out {{new}}", "argument --epochs"),
+    Cli("size or overflow", f"lm eval {{empty}} --seq-len {BIG} --out {{new}}", "argument --seq-len"),
+    Cli("size or overflow", f"state-budget --budget {BIG}", "argument --budget"),
+    Cli("size or overflow", "mqar base --preset tiny --lr inf --out {new}", "argument --lr: expected a finite number"),
+    Cli("size or overflow", "state-budget --width 100000000000", "cannot hold"),
+    Cli("size or overflow", "state-budget --width 99999999999999", "widths entry must be an integer <="),
+    Cli("size or overflow", f"{LM} --mixer-kwargs '{{{{\"p0\": 1e300}}}}' --out {{new}}", "p0 must be at most",
+        slow=True),
+    # training that diverges: said so, with the step (the run folder is made: training had started)
+    Cli("divergence", f"{LM} --lr 1e6 --steps 30 --no-progress --out {{lm_run}}", "training diverged", slow=True),
+    # damaged JSON: the file is named
+    *[Cli("damaged JSON file", f"{cmd} --plot-only --out {{corrupt}}", f"corrupt/{stem}.json is damaged")
+      for cmd, stem in (("niah", "niah"), ("collision", "collision"), ("recall", "recall"), ("crowding", "crowding"),
+                        ("mqar", "mqar_base"), ("lm eval", "lm"), ("heldout", "heldout"))],
+    Cli("damaged JSON file", "niah --model {bad_model} --out {new}", "bad_model/config.json is damaged"),
+    Cli("damaged JSON file", "lm eval {bad_run} --out {new}", "final/lm_config.json is damaged", slow=True),
+    Cli("damaged JSON file", "heldout --model {bad_run} --out {new}", "final/lm_config.json is damaged", slow=True),
+    # --plot-only on well-formed JSON of the wrong shape: the file (and the key) is named
+    *[Cli("JSON of the wrong shape", f"{cmd} --plot-only --out {{{folder}}}", f"{folder}/{stem}.json")
+      for folder in ("shapeless", "keyless", "mistyped")
+      for cmd, stem in (("niah", "niah"), ("collision", "collision"), ("recall", "recall"), ("crowding", "crowding"),
+                        ("mqar", "mqar_base"), ("lm eval", "lm"), ("heldout", "heldout"))],
+    Cli("JSON of the wrong shape", "niah --plot-only --out {shapeless}", "no key 'models'"),
+    # a file where a folder belongs
+    Cli("a file for a folder", f"{LM} --cache-dir {{file}} --out {{new}}", "argument --cache-dir"),
+    Cli("a file for a folder", "lm eval {empty} --cache-dir {file} --out {new}", "argument --cache-dir"),
+    Cli("a file for a folder", "heldout --model {empty} --cache-dir {below_file}", "argument --cache-dir"),
+    Cli("a file for a folder", "distill train --preset tiny --cache-dir {file}", "argument --cache-dir"),
+    Cli("a file for a folder", "distill eval --out {empty} --cache-dir {file}", "argument --cache-dir"),
+]
+
+
+def _bl(**over):
+    B, T, H, D, m = over.pop("shape", (2, 5, 2, 4, 3))
+    kw = dict(q=torch.randn(B, T, H, D), k=torch.randn(B, T, H, D) / 2, v=torch.randn(B, T, H, m),
+              r2=torch.full((B, T, H), 0.5), ell2=torch.full((B, T, H), 0.1))
+    kw.update(over)
+    return kw
+
+
+def _step(**over):
+    from bayeslayer.ops import initial_bl_state
+
+    B, H, D, m = 2, 2, 4, 3
+    kw = dict(q=torch.randn(B, H, D), k=torch.randn(B, H, D) / 2, v=torch.randn(B, H, m),
+              r2=torch.full((B, H), 0.5), ell2=torch.full((B, H), 0.1), state=initial_bl_state(B, H, D, m))
+    kw.update(over)
+    return kw
+
+
+def _ops():
+    import bayeslayer.ops as ops
+
+    return ops
+
+
+def _mixer(name="bayesian", **kw):
+    from bayeslayer.layers import build_mixer
+
+    return build_mixer(name, 32, num_heads=2, head_dim=8, layer_idx=0, **kw)
+
+
+API_CASES = [
+    Api("state or shape", "bl_step(state=(M,))", lambda p: _ops().bl_step(**_step(state=(torch.zeros(2, 2, 4, 3),))),
+        "must be a tuple (M, P) of 2 tensors, got a tuple of 1"),
+    Api("state or shape", "bl_chunk(initial_state=(M, P, x))",
+        lambda p: _ops().bl_chunk(**_bl(initial_state=(1, 2, 3))), "got a tuple of 3"),
+    Api("state or shape", "bl_step(state=M)", lambda p: _ops().bl_step(**_step(state=torch.zeros(2, 2, 4, 3))),
+        "must be a tuple (M, P)"),
+    Api("size or overflow", "build_mixer(p0=1e300)", lambda p: _mixer(p0=1e300), "p0 must be at most"),
+    Api("size or overflow", "build_mixer(head_dim=2**70)",
+        lambda p: __import__("bayeslayer.layers", fromlist=["x"]).build_mixer("bayesian", 32, num_heads=2,
+                                                                               head_dim=2**70, layer_idx=0),
+        "head_dim must be a positive integer"),
+    Api("size or overflow", "DemoConfig(T=10**20)", lambda p: _demo().DemoConfig(T=10**20), "T must be an integer <="),
+    Api("size or overflow", "demo.run(T=10**11)", lambda p: _demo().run(_demo().DemoConfig(T=10**11)),
+        "needs at least"),
+    Api("size or overflow", "solve_state_budget(width=10**11)",
+        lambda p: _state_budget().solve_state_budget(8192, 10**11, "bayesian"), "cannot hold"),
+    Api("size or overflow", "solve_state_budget(width=10**14)",
+        lambda p: _state_budget().solve_state_budget(8192, 10**14, "bayesian"), "width must be an integer <="),
+    Api("damaged JSON file", "plotting.load_json(damaged)",
+        lambda p: _plotting().load_json(Path(p["corrupt"]) / "niah.json"), "corrupt/niah.json is damaged"),
+    Api("damaged JSON file", "load_run(final/lm_config.json damaged)",
+        lambda p: __import__("bayeslayer.experiments.lm", fromlist=["x"]).load_run(p["bad_run"]),
+        "lm_config.json is damaged", slow=True),
+    Api("JSON of the wrong shape", "niah.redraw({})", lambda p: _niah().redraw(p["shapeless"]), "no key 'models'"),
+    Api("JSON of the wrong shape", "niah.redraw(models: 3)", lambda p: _niah().redraw(p["mistyped"]),
+        "mistyped/niah.json does not have the shape"),
+]
+
+
+def _demo():
+    from bayeslayer.experiments import demo
+
+    return demo
+
+
+def _state_budget():
+    from bayeslayer.experiments import state_budget
+
+    return state_budget
+
+
+def _plotting():
+    from bayeslayer.experiments import plotting
+
+    return plotting
+
+
+def _niah():
+    from bayeslayer.experiments import niah
+
+    return niah
+
+
+def imported_cases() -> list[Cli | Api]:
+    """The bad-input tables of the older test files, as cases of this suite (run there by their own tests)."""
+    from tests import test_cli
+    from tests.design import test_design_bad_input as design
+    from tests.ops import test_bad_input as ops_cases
+
+    cases: list[Cli | Api] = [Cli("common mistakes (tests/test_cli.py)", shlex.join(argv), needle)
+                              for _, argv, needle in test_cli.CASES]
+    for fn in ops_cases.SEQUENCE_OPS:
+        for name, over, _, pattern in (ops_cases.SHAPE_CASES + ops_cases.VALUE_CASES + ops_cases.GROUP_CASES
+                                       + ops_cases.DTYPE_CASES):
+            cases.append(Api("ops arguments (tests/ops/test_bad_input.py)", f"{fn.__name__} {name}",
+                             lambda p, fn=fn, over=over: fn(**ops_cases.good(**over)), pattern))
+    for name, over, _, pattern in ops_cases.STEP_CASES:
+        cases.append(Api("ops arguments (tests/ops/test_bad_input.py)", f"bl_step {name}",
+                         lambda p, over=over: ops_cases.bl_step(**ops_cases.step_args(**over)), pattern))
+    for method in ("recurrent", "chunk"):
+        for name, model, kwargs, _, pattern in design.CASES:
+            cases.append(Api("design arguments (tests/design/test_design_bad_input.py)", f"{method} {name}",
+                             lambda p, model=model, kwargs=kwargs, method=method:
+                             getattr(model, method)(*design.qkv(), **kwargs), pattern))
+    return cases
+
+
+def all_cases() -> list[Cli | Api]:
+    return CLI_CASES + API_CASES + imported_cases()
+
+
+# ----------------------------------------------------------------------------- running and classifying
+
+
+class _Hang(BaseException):
+    """Raised by the alarm; a BaseException, so no ``except Exception`` in the code under test swallows it."""
+
+
+@contextlib.contextmanager
+def _deadline(seconds: float):
+    def ring(signum, frame):
+        raise _Hang()
+
+    previous = signal.signal(signal.SIGALRM, ring)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _holds(text: str, needle: str) -> bool:
+    if needle in text:
+        return True
+    try:
+        return re.search(needle, text) is not None
+    except re.error:
+        return False
+
+
+def run_case(case: Cli | Api, places: dict[str, str]) -> tuple[str, str]:
+    """``(outcome, what was seen)`` of one case."""
+    if isinstance(case, Cli):
+        return _run_cli(case, places)
+    return _run_api(case, places)
+
+
+def _run_cli(case: Cli, places: dict[str, str]) -> tuple[str, str]:
+    from bayeslayer.cli import main
+
+    argv = [word.format(**places) for word in shlex.split(case.argv)]
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with _deadline(case.timeout), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            rc = main(argv)
+    except _Hang:
+        return "hang", f"still running after {case.timeout:g} s"
+    except BaseException:  # noqa: BLE001 - anything that escapes main is a traceback for the user
+        return "traceback", traceback.format_exc(limit=-3)
+    stderr = err.getvalue()
+    lines = stderr.strip().splitlines()
+    if rc == 0:
+        return "silent", f"exit 0; stdout {out.getvalue()[-300:]!r}"
+    if rc != 2 or "Traceback" in stderr:
+        return "traceback", f"exit {rc}: {stderr[-1500:]}"
+    if len(lines) == 1 and "error:" in lines[0] and _holds(lines[0], case.needle.format(**places)):
+        return "clear", lines[0]
+    return "unclear", stderr
+
+
+def _run_api(case: Api, places: dict[str, str]) -> tuple[str, str]:
+    try:
+        with _deadline(case.timeout):
+            case.call(places)
+    except _Hang:
+        return "hang", f"still running after {case.timeout:g} s"
+    except (ValueError, TypeError) as err:
+        text = f"{type(err).__name__}: {err}"
+        return ("clear" if _holds(str(err), case.needle) else "unclear"), text
+    except BaseException:  # noqa: BLE001
+        return "traceback", traceback.format_exc(limit=-3)
+    return "silent", "returned without an error"
+
+
+# ----------------------------------------------------------------------------- the counts table
+
+
+def count_table(outcomes: list[tuple[Cli | Api, str]]) -> str:
+    """The Markdown table of docs/reliability.md: per surface and category, the cases and their outcomes."""
+    rows: dict[tuple[str, str], Counter] = {}
+    for case, outcome in outcomes:
+        rows.setdefault((case.surface, case.category), Counter())[outcome] += 1
+    header = "| surface | category | bad calls | " + " | ".join(
+        "clear (one line, exit 2)" if o == "clear" else o for o in OUTCOMES) + " |"
+    lines = [header, "|" + "---|" * (3 + len(OUTCOMES))]
+    for surface in ("CLI", "Python API"):
+        keys = [k for k in rows if k[0] == surface]
+        for key in keys:
+            c = rows[key]
+            lines.append(f"| {surface} | {key[1]} | {sum(c.values())} | " + " | ".join(str(c[o]) for o in OUTCOMES)
+                         + " |")
+        total = sum((rows[k] for k in keys), Counter())
+        lines.append(f"| **{surface}** | **all** | **{sum(total.values())}** | "
+                     + " | ".join(f"**{total[o]}**" for o in OUTCOMES) + " |")
+    return "\n".join(lines)
+
+
+def _docs_table() -> str:
+    text = DOCS.read_text(encoding="utf-8")
+    start = text.index("| surface | category | bad calls |")
+    end = text.find("\n\n", start)
+    return text[start:end if end >= 0 else len(text)].strip()
+
+
+# ----------------------------------------------------------------------------- the tests
+
+
+@pytest.fixture(scope="module")
+def places(tmp_path_factory) -> dict[str, str]:
+    return make_places(tmp_path_factory.mktemp("bad_inputs"))
+
+
+def _param(case):
+    marks = [pytest.mark.slow] if case.slow else []
+    return pytest.param(case, id=f"{case.surface}-{case.label}"[:100], marks=marks)
+
+
+@pytest.mark.parametrize("case", [_param(c) for c in CLI_CASES + API_CASES])
+def test_every_bad_input_is_clear(case, places):
+    outcome, seen = run_case(case, places)
+    assert outcome == "clear", f"{outcome}: {seen}"
+    if isinstance(case, Cli):
+        assert not Path(places["new"]).exists(), "a bad command created its output folder"
+
+
+def test_the_classifier_tells_each_outcome(places, monkeypatch):
+    """The suite can fail: a traceback, a silent success, an unclear message and a hang are each told."""
+    from bayeslayer import cli
+
+    assert run_case(Api("t", "returns", lambda p: None, "x"), places)[0] == "silent"
+    assert run_case(Api("t", "runtime error", lambda p: torch.empty(2).amax(dim=5), "x"), places)[0] == "traceback"
+    assert run_case(Api("t", "other message", lambda p: int("x"), "needle"), places)[0] == "unclear"
+    assert run_case(Api("t", "loops", lambda p: [0 for _ in iter(int, 1)], "x", timeout=0.2), places)[0] == "hang"
+    assert run_case(Cli("t", "demo --T 0", "--T"), places)[0] == "clear"
+    assert run_case(Cli("t", "demo --T 0", "no such text"), places)[0] == "unclear"
+    assert run_case(Cli("t", "demo --T 8", "x"), places)[0] == "silent"
+    monkeypatch.setattr(cli, "build_parser", lambda: (_ for _ in ()).throw(KeyError("bug")))
+    assert run_case(Cli("t", "demo", "x"), places)[0] == "traceback"
+
+
+def test_out_of_memory_is_one_line_whatever_the_command(monkeypatch, capsys):
+    """The CPU allocator's error (a RuntimeError, not torch.OutOfMemoryError) ends in one line, exit 2."""
+    from bayeslayer.cli import main
+    from bayeslayer.experiments import demo
+
+    def allocate(config):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
+                           "memory: you tried to allocate 51200000000 bytes. Error code 12 (Cannot allocate memory)")
+
+    monkeypatch.setattr(demo, "run", allocate)
+    assert main(["demo", "--T", "8"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("bayeslayer demo: error: out of memory: DefaultCPUAllocator"), err
+    monkeypatch.setattr(demo, "run", lambda config: (_ for _ in ()).throw(RuntimeError("a bug")))
+    with pytest.raises(RuntimeError, match="a bug"):  # any other RuntimeError keeps its traceback
+        main(["demo", "--T", "8"])
+
+
+@pytest.mark.slow
+def test_mqar_scores_a_diverged_lr_nan_and_goes_on(tmp_path, capsys):
+    """``mqar --lr 1e8 1e-3``: the first lr diverges (its weights overflow a layer); it is scored NaN with
+    the reason, and the sweep finishes on the second (it used to stop on "alpha contains NaN")."""
+    import json
+
+    from bayeslayer.cli import main
+
+    argv = ["mqar", "base", "--preset", "tiny", "--mixers", "bayesian", "--lr", "1e8", "1e-3", "--no-progress",
+            "--out", str(tmp_path)]
+    assert main(argv) == 0, capsys.readouterr().err
+    record = json.loads((tmp_path / "mqar_base.json").read_text())
+    grids = [run["lr_grid"] for run in record["models"]["bayesian"]["runs"]]
+    assert grids and all("training diverged" in g[0]["diverged"] and g[1]["lr"] == 1e-3 for g in grids)
+
+
+def test_the_docs_table_is_what_the_suite_counts():
+    """docs/reliability.md's table is :func:`count_table` with every case clear, which is what the tests of
+    every case (here, and the imported tables in their own files) assert; ``python -m tests.test_bad_inputs``
+    measures it."""
+    assert _docs_table() == count_table([(case, "clear") for case in all_cases()])
+
+
+def test_cases_are_well_formed():
+    for case in CLI_CASES + API_CASES:
+        assert case.needle and case.category
+        if isinstance(case, Cli):
+            assert shlex.split(case.argv)[0] in {"demo", "collision", "recall", "crowding", "lm", "state-budget",
+                                                  "mqar", "niah", "heldout", "distill"}, case.argv
+    assert math.isfinite(sum(c.timeout for c in all_cases()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run every case (slow ones and imported tables included), print the failures and the counts table."""
+    argv = sys.argv[1:] if argv is None else argv
+    fast = "--fast" in argv
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        places = make_places(Path(tmp))
+        for case in all_cases():
+            if fast and case.slow:
+                continue
+            outcome, seen = run_case(case, places)
+            results.append((case, outcome))
+            if outcome != "clear":
+                print(f"[{outcome}] {case.surface} {case.label}\n    {' '.join(seen.split())[:600]}", file=sys.stderr)
+            if Path(places["new"]).exists():
+                print(f"[created --out] {case.label}", file=sys.stderr)
+                import shutil
+
+                shutil.rmtree(places["new"])
+    print(count_table(results))
+    return 0 if all(o == "clear" for _, o in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
