@@ -5,6 +5,10 @@ the holder exits or is killed — a crashed run never leaves a folder locked.  T
 pid, host, start time and command line into the file; a second run is refused with
 :class:`FolderBusyError` naming them, before it reads or writes anything else in the folder.
 
+The lock file is opened without following links (``O_NOFOLLOW``) and must be a regular file: a
+``.lock`` that is a symbolic link (to a file the user can write), a FIFO or a folder is refused with
+:class:`~bayeslayer.training.files.UnsafeFileError` naming it, and nothing is truncated.
+
 The lock file itself is never deleted (deleting it would let a third process lock a new file while
 the second still holds the old one).
 """
@@ -18,6 +22,8 @@ import socket
 import sys
 import time
 from pathlib import Path
+
+from .files import open_regular
 
 LOCK_NAME = ".lock"
 
@@ -63,11 +69,11 @@ class OutputLock:
         if self.folder.exists() and not self.folder.is_dir():
             raise NotADirectoryError(f"output folder {self.folder} is a file, not a folder")
         self.folder.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = open_regular(self.path, os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = _holder_description(Path(self.path).read_text(errors="replace"))
+            holder = _holder_description(os.pread(fd, 1 << 16, 0).decode(errors="replace"))
             os.close(fd)
             raise FolderBusyError(f"{self.folder} is in use by another run ({holder}); wait for it to finish, "
                                   "stop it, or use another output folder") from None
