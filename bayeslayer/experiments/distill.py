@@ -464,11 +464,11 @@ def run_distill(
     from ..models import BayesLayerConfig
 
     out = Path(out)
-    teacher_dir = resolve_model_dir(config.teacher)
-    tokenizer = teacher_tokenizer(config, teacher_dir)
     from ..models.loading import read_model_config, verify_model_dir
 
+    teacher_dir = resolve_model_dir(config.teacher)
     verify_model_dir(teacher_dir)  # a damaged teacher folder the package wrote is named before any work
+    tokenizer = teacher_tokenizer(config, teacher_dir)
     raw = read_model_config(teacher_dir)
     if raw.get("model_type") == "gated_deltanet":
         from ..models.checkpoint import gdn_config_to_bayeslayer
