@@ -202,3 +202,9 @@ def test_distill_names_a_damaged_teacher_before_any_work(tmp_path, lm_run, capsy
     one_line_error(["distill", "train", "--teacher", str(lm_run / "final"), "--out", str(tmp_path / "d"),
                     "--device", "cpu"], capsys, "model.safetensors fails its SHA-256 check")
     assert not (tmp_path / "d").exists()
+
+
+def test_state_budget_json_refuses_a_link_before_the_search(tmp_path, target, capsys):
+    link = _link(tmp_path / "out" / "configs.json", target)
+    one_line_error(["state-budget", "--json", str(link)], capsys, "--json", "symbolic link")
+    assert target.read_text() == TARGET_TEXT

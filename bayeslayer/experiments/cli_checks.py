@@ -160,6 +160,9 @@ def check_out_file(path: str | os.PathLike, *, option: str) -> Path:
     path = Path(path)
     if path.is_dir():
         raise UsageError(f"{option} {path} is a folder, not a file")
+    if path.is_symlink() or (path.exists() and not path.is_file()):
+        raise UsageError(f"{option} {path} is a symbolic link or not a regular file; bayeslayer writes only "
+                         "regular files and never through a link")
     if path.exists() and not os.access(path, os.W_OK):
         raise UsageError(f"{option} {path}: the file is not writable")
     check_out_dir(path.parent if str(path.parent) else ".", option=f"{option} {path}: folder")
