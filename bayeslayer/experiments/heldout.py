@@ -846,7 +846,9 @@ def config_from_args(args: argparse.Namespace) -> HeldoutConfig:
 def _main(args: argparse.Namespace) -> dict:
     check_file_name(args.name)
     out = check_out_dir(args.out)
-    with OutputLock(out) if int(os.environ.get("RANK", "0")) == 0 else contextlib.nullcontext():
+    # a refused command leaves no folder behind (remove_if_unused)
+    with OutputLock(out, remove_if_unused=True) if int(os.environ.get("RANK", "0")) == 0 \
+            else contextlib.nullcontext():
         if args.plot_only:  # one writer per output folder, as for training runs
             return redraw(args.out, args.name)
         return run(config_from_args(args))

@@ -1106,7 +1106,9 @@ def _eval_main(args) -> int:
     out_dir = check_out_dir(args.out)
     check_file_name(args.name)
     # two evaluations into one folder would overwrite each other's files: one writer (rank 0) per folder
-    with OutputLock(out_dir) if int(os.environ.get("RANK", "0")) == 0 else contextlib.nullcontext():
+    # a refused command leaves no folder behind (remove_if_unused)
+    with OutputLock(out_dir, remove_if_unused=True) if int(os.environ.get("RANK", "0")) == 0 \
+            else contextlib.nullcontext():
         return _eval_locked(args, out_dir)
 
 

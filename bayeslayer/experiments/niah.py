@@ -610,7 +610,8 @@ def config_from_args(args: argparse.Namespace) -> NiahConfig:
 def _main(args: argparse.Namespace) -> dict:
     """``bayeslayer niah``: :func:`run` on the arguments' config, or :func:`redraw` with ``--plot-only``."""
     out = check_out_dir(args.out)
-    with OutputLock(out):  # one writer per output folder, as for training runs
+    # one writer per output folder, as for training runs; a refused command leaves no folder behind
+    with OutputLock(out, remove_if_unused=True):
         if args.plot_only:
             return redraw(args.out, args.diff)
         return run(config_from_args(args))

@@ -156,3 +156,35 @@ def test_a_damaged_safetensors_file_is_named(tmp_path):
     path.write_bytes(path.read_bytes()[:20])
     with pytest.raises(ValueError, match=f"{path} is damaged or not a safetensors file"):
         read_safetensors(path)
+
+
+def test_an_unused_lock_removes_the_folders_it_made_and_nothing_else(tmp_path):
+    out = tmp_path / "a" / "b"
+    with OutputLock(out, remove_if_unused=True):
+        assert (out / ".lock").is_file()
+    assert not (tmp_path / "a").exists()  # the folder and the parent made for it
+    with OutputLock(out, remove_if_unused=True):
+        (out / "result.json").write_text("{}")
+    assert sorted(p.name for p in out.iterdir()) == [".lock", "result.json"]
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    with OutputLock(existing, remove_if_unused=True):
+        pass
+    assert existing.is_dir()  # not made by the lock: kept
+
+
+def test_a_lock_on_a_file_that_lost_its_name_is_not_held(tmp_path, monkeypatch):
+    """A process that opened .lock just before the holder removed it must not think it holds the folder."""
+    from bayeslayer.training import lock as lock_module
+
+    out = tmp_path / "o"
+    calls = []
+    real = lock_module.OutputLock._still_named
+
+    def first_time_stale(self, fd):
+        calls.append(fd)
+        return False if len(calls) == 1 else real(self, fd)
+
+    monkeypatch.setattr(lock_module.OutputLock, "_still_named", first_time_stale)
+    with OutputLock(out) as held:
+        assert held.held and len(calls) == 2
