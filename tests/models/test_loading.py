@@ -264,3 +264,12 @@ def test_a_gated_deltanet_folder_with_damaged_weights_is_named(tmp_path):
     path.write_bytes(path.read_bytes()[:64])
     with pytest.raises(ValueError, match=f"{path} is damaged or not a safetensors file"):
         load_gdn_checkpoint(directory)
+
+
+def test_the_config_alone_refuses_another_model_type(saved, tmp_path):
+    directory = tmp_path / "m"
+    shutil.copytree(saved["model"], directory)
+    assert BayesLayerConfig.from_pretrained(directory).num_hidden_layers == 2
+    _edit_config(directory, model_type="llama")
+    with pytest.raises(ValueError, match="model_type 'llama', not 'bayeslayer'"):
+        BayesLayerConfig.from_pretrained(directory)
