@@ -516,7 +516,10 @@ def load_essays(source: str, split: str = "test") -> list[str]:
     from .text import corpus_files
 
     files = corpus_files(source)
-    docs = files.splits.get(split) or []
+    if split not in files.splits:
+        raise ValueError(f"haystack split {split!r} is not a split of {source!r}; its splits are "
+                         f"{', '.join(sorted(files.splits)) or 'none'}")
+    docs = files.splits[split]
     texts = [d.read() for d in docs]
     if sum(len(t) for t in texts) < 200_000:  # a small split: use every document
         texts = [d.read() for s in files.splits.values() for d in s]

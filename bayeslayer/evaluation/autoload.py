@@ -61,10 +61,15 @@ def export_auto_map(model_dir: str | os.PathLike) -> Path:
         raise ValueError(f"model_dir {model_dir} holds model_type {config.get('model_type')!r}, not "
                          f"{BayesLayerConfig.model_type!r}; save a BayesLayerForCausalLM there first "
                          "(a Gated DeltaNet checkpoint: load_gdn_checkpoint(dir).save_pretrained(out))")
+    from ..models.loading import verify_model_dir, write_model_manifest
+
+    signed = verify_model_dir(model_dir)  # a damaged folder is not re-signed below
     shim = model_dir / SHIM_FILE
     atomic_write_text(shim, _SHIM)
     config["auto_map"] = dict(AUTO_MAP)
     atomic_write_text(config_file, json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if signed:  # the manifest covers the changed config.json and the shim
+        write_model_manifest(model_dir)
     return shim
 
 

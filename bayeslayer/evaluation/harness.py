@@ -71,6 +71,7 @@ class BayesLayerLM(HFLM):
     """
 
     def __init__(self, pretrained: Any = None, tokenizer: Any = None, **kwargs: Any) -> None:
+        kwargs.setdefault("trust_remote_code", False)  # code from a model folder runs only on explicit request
         tokenizer = _tokenizer_for(tokenizer, pretrained)
         directory = _local_dir(pretrained)
         if directory is not None and (directory / "config.json").is_file():

@@ -11,6 +11,7 @@ A mistake found after an hour of training costs the hour; these run first.  Each
 * :func:`check_out_dir` / :func:`check_out_file`: the output folder (or file) can be created and
   written, checked before the work that fills it.
 * :func:`check_in_file` / :func:`check_in_dir`: an input that must exist.
+* :func:`check_file_name`: an option that becomes a file name (``--name``) stays inside its folder.
 """
 
 from __future__ import annotations
@@ -221,10 +222,27 @@ def check_out_file(path: str | os.PathLike, *, option: str) -> Path:
     path = Path(path)
     if path.is_dir():
         raise UsageError(f"{option} {path} is a folder, not a file")
+    if path.is_symlink() or (path.exists() and not path.is_file()):
+        raise UsageError(f"{option} {path} is a symbolic link or not a regular file; bayeslayer writes only "
+                         "regular files and never through a link")
     if path.exists() and not os.access(path, os.W_OK):
         raise UsageError(f"{option} {path}: the file is not writable")
     check_out_dir(path.parent if str(path.parent) else ".", option=f"{option} {path}: folder")
     return path
+
+
+def check_file_name(name: str, *, option: str = "--name") -> str:
+    """``name`` as one file-name component inside its folder (e.g. the stem of ``<out>/<name>.json``).
+
+    Refuses an empty name, ``.``/``..``, and any name with a path separator or a NUL byte, so that
+    the files made from it cannot land outside the folder they belong in.
+    """
+    if not isinstance(name, str) or not name:
+        raise UsageError(f"{option} must be a non-empty file name, got {name!r}")
+    if any(c in name for c in ("/", "\\", "\0")) or name in (".", "..") or name != name.strip():
+        raise UsageError(f"{option} must be a plain file name (no folder, no '/' or '\\', not '.' or '..', no "
+                         f"surrounding spaces), got {name!r}; choose the folder with --out")
+    return name
 
 
 def check_in_file(path: str | os.PathLike, *, option: str, what: str = "file") -> Path:
@@ -284,7 +302,7 @@ def plot_only_json(out: str | os.PathLike, name: str, *, experiment: str | None 
     from .plotting import load_json
 
     out = check_out_dir(out)
-    path = out / f"{name}.json"
+    path = out / f"{check_file_name(name)}.json"
     if not path.is_file():
         raise UsageError(f"--plot-only redraws from {path}, which does not exist; pass the --out folder "
                          "of an earlier run")
@@ -313,7 +331,8 @@ def redrawing(path: str | os.PathLike):
 
 
 __all__ = [
-    "DEVICE_HELP", "PLOT_ONLY_HELP", "cache_dir_arg", "check_in_dir", "check_in_file", "check_int", "check_memory",
+    "DEVICE_HELP", "PLOT_ONLY_HELP", "cache_dir_arg", "check_file_name", "check_in_dir", "check_in_file", "check_int",
+    "check_memory",
     "check_out_dir", "check_out_file", "check_source", "check_tokenizer", "device_arg", "int_arg", "memory_size",
     "model_arg", "nonnegative_int_arg", "plot_only_json", "positive_float_arg", "positive_int_arg", "redrawing",
     "resolve_device",

@@ -27,6 +27,7 @@ from ..data.collision_tasks import crowding_batch, crowding_projection
 from .core_cli import CorePreset, CoreRunConfig, add_command, print_summary_table, run_command, run_sweep
 from .core_models import CORE_KINDS, build_core_model
 from .harness import masked_cross_entropy, query_accuracy
+from .plotting import save_figure
 
 PAPER_BUDGET = "2,500 steps, batch 256, 3 seeds"
 
@@ -163,8 +164,7 @@ def plot_crowding(record: dict, path: str) -> None:
     nseeds = cfg["seeds"]
     fig.suptitle(f"Random-key crowding — preset '{record['preset']}' ({cfg['steps']} steps, batch "
                  f"{cfg['batch_size']}, {nseeds} seed{'s' * (nseeds > 1)}; shaded: training loads)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)  # atomic, never through a link
     plt.close(fig)
 
 

@@ -52,6 +52,7 @@ import json
 import math
 import numbers
 import os
+import warnings
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -464,17 +465,18 @@ def run_distill(
     from ..models import BayesLayerConfig
 
     out = Path(out)
+    from ..models.loading import read_model_config, verify_model_dir
+
     teacher_dir = resolve_model_dir(config.teacher)
+    verify_model_dir(teacher_dir)  # a damaged teacher folder the package wrote is named before any work
     tokenizer = teacher_tokenizer(config, teacher_dir)
-    config_path = teacher_dir / "config.json"
-    if not config_path.is_file():
-        raise FileNotFoundError(f"no config.json in the teacher directory {teacher_dir}")
-    raw = read_json(config_path, what="teacher config")
+    raw = read_model_config(teacher_dir)
     if raw.get("model_type") == "gated_deltanet":
         from ..models.checkpoint import gdn_config_to_bayeslayer
 
         teacher_config = gdn_config_to_bayeslayer(raw)
     else:
+        read_model_config(teacher_dir, model_type=BayesLayerConfig.model_type)
         teacher_config = BayesLayerConfig.from_pretrained(teacher_dir)
     report: dict = {"config": config.to_json(), "teacher_dir": str(teacher_dir), "tokenizer": tokenizer,
                     "tokens": config.tokens, "stages": {}}
@@ -499,7 +501,7 @@ def _run_stages(config: DistillConfig, out: Path, report: dict, *, stages, teach
         objective = RetrofitObjective(config, stage, teacher_dir, init_dir)
         lm_config = stage_config(config, stage, teacher_config, tokenizer)
         run_dir = out / stage
-        if (run_dir / "train_summary.json").is_file() and (run_dir / "final" / "model.safetensors").is_file():
+        if (run_dir / "train_summary.json").is_file() and _final_intact(run_dir / "final"):
             report["stages"][stage] = read_json(run_dir / "train_summary.json", what="stage summary")
             continue
         result = train_lm(lm_config, run_dir, device=device, cache_dir=cache_dir, progress=progress,
@@ -512,6 +514,21 @@ def _run_stages(config: DistillConfig, out: Path, report: dict, *, stages, teach
         report["stages"][stage] = result.summary
         _write_report(summary_path, report)
     return report
+
+
+def _final_intact(final: Path) -> bool:
+    """Whether a stage's ``final/`` is complete and verifies (else the stage is run again: its last
+    checkpoint rewrites ``final/``)."""
+    from ..models.loading import verify_model_dir
+
+    if not (final / "model.safetensors").is_file():
+        return False
+    try:
+        verify_model_dir(final)
+    except ValueError as exc:
+        warnings.warn(f"{exc}; rewriting {final} from the stage's last checkpoint", RuntimeWarning, stacklevel=2)
+        return False
+    return True
 
 
 def _write_report(path: Path, report: dict) -> None:

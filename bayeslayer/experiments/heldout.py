@@ -43,6 +43,7 @@ per corpus), the last two drawn from the JSON only.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import math
@@ -57,11 +58,13 @@ import numpy as np
 import torch
 
 from ..errors import UsageError
-from ..training.files import read_json
+from ..training.files import atomic_write_text, read_json
+from ..training.lock import OutputLock
 from .cli_checks import (
     DEVICE_HELP,
     PLOT_ONLY_HELP,
     cache_dir_arg,
+    check_file_name,
     check_in_dir,
     check_int,
     check_out_dir,
@@ -705,10 +708,11 @@ def write_report(record: dict, out_dir: str | os.PathLike, name: str = "heldout"
     """Write ``<name>.json``, ``<name>.md`` (Table 7 layout) and ``<name>.png``; the last two from the JSON."""
     _check_record(record)
     out_dir = Path(out_dir)
+    check_file_name(name, option="name")
     paths = {"json": out_dir / f"{name}.json", "table": out_dir / f"{name}.md", "plot": out_dir / f"{name}.png"}
     write_json(str(paths["json"]), record)
     saved = load_json(paths["json"])  # draw from what was written, as a later --plot-only would
-    paths["table"].write_text(table7_markdown(saved))
+    atomic_write_text(paths["table"], table7_markdown(saved))
     plot(saved, paths["plot"])
     return paths
 
@@ -785,8 +789,7 @@ class HeldoutConfig:
             if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
                 raise TypeError(f"{name} must be a sequence, got {type(value).__name__}")
             object.__setattr__(self, name, tuple(value))
-        if not isinstance(self.name, str) or not self.name or "/" in self.name:
-            raise ValueError(f"name must be a file name stem, got {self.name!r}")
+        check_file_name(self.name, option="name")
 
 
 def run(config: HeldoutConfig) -> dict:
@@ -824,7 +827,7 @@ def redraw(out: str | os.PathLike, name: str = "heldout") -> dict:
     record = plot_only_json(out_dir, name, experiment="heldout")
     with redrawing(out_dir / f"{name}.json"):
         _check_record(record)
-        (out_dir / f"{name}.md").write_text(table7_markdown(record))
+        atomic_write_text(out_dir / f"{name}.md", table7_markdown(record))
         plot(record, out_dir / f"{name}.png")
         print(table7_markdown(record))
     return record
@@ -846,9 +849,14 @@ def config_from_args(args: argparse.Namespace) -> HeldoutConfig:
 
 
 def _main(args: argparse.Namespace) -> dict:
-    if args.plot_only:
-        return redraw(args.out, args.name)
-    return run(config_from_args(args))
+    check_file_name(args.name)
+    out = check_out_dir(args.out)
+    # a refused command leaves no folder behind (remove_if_unused)
+    with OutputLock(out, remove_if_unused=True) if int(os.environ.get("RANK", "0")) == 0 \
+            else contextlib.nullcontext():
+        if args.plot_only:  # one writer per output folder, as for training runs
+            return redraw(args.out, args.name)
+        return run(config_from_args(args))
 
 
 def add_parser(sub) -> None:

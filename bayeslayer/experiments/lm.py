@@ -80,12 +80,14 @@ from ..training import (
 )
 from ..training.distributed import PRECISIONS, DistContext, autocast, resolve_precision
 from ..training.distributed import init_distributed as _init_distributed
-from ..training.files import publish_directory, sha256_file
+from ..training.files import append_text, publish_directory, sha256_file
 from ..training.loop import Checkpoints, LoopState, StepInfo, train_loop
+from ..training.state import read_safetensors, write_safetensors
 from .cli_checks import (
     DEVICE_HELP,
     PLOT_ONLY_HELP,
     cache_dir_arg,
+    check_file_name,
     check_in_dir,
     check_memory,
     check_out_dir,
@@ -533,27 +535,28 @@ def save_checkpoint(run_dir: Path, model, trainer_state: dict, *, keep: int = 1)
 
 
 def save_model_dir(model, directory: Path) -> None:
-    """An HF model directory: ``config.json`` and ``model.safetensors`` (a tied head stored once)."""
-    from safetensors.torch import save_model
+    """An HF model directory: ``config.json`` and ``model.safetensors`` (a tied head stored once).
 
+    A failed write (a full disk) is an ``OSError`` naming the file."""
     model.config.save_pretrained(directory)
-    save_model(model, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    write_safetensors(directory / "model.safetensors", model=model, metadata={"format": "pt"})
 
 
 def load_model_weights(model, directory: Path) -> None:
-    """Load ``model.safetensors`` of an HF model directory into ``model`` (strict, tied head allowed)."""
-    from safetensors.torch import load_file
+    """Load ``model.safetensors`` of an HF model directory into ``model`` (strict, tied head allowed).
 
-    weights = load_file(str(directory / "model.safetensors"), device="cpu")
-    missing, unexpected = model.load_state_dict(weights, strict=False)
+    A damaged file, a missing or extra tensor, or a shape that differs from ``model``'s (a config
+    that disagrees with the weights) is one ``ValueError`` naming the file and the tensors."""
+    from ..models.loading import check_state_dict
+
+    path = Path(directory) / "model.safetensors"
+    weights = read_safetensors(path)
     tied: set[str] = set()
     if model.config.tie_word_embeddings:  # safetensors stores a shared tensor under one of its names
         pairs = getattr(model, "_tied_weights_keys", None) or {}
         tied = set(pairs) | set(pairs.values()) if isinstance(pairs, dict) else set(pairs)
-    missing = [k for k in missing if k not in tied]
-    if missing or unexpected:
-        raise ValueError(f"{directory}/model.safetensors does not match the model: missing {missing}, "
-                         f"unexpected {unexpected}")
+    check_state_dict(path, weights, model.state_dict(), optional=tied)
+    model.load_state_dict(weights, strict=False)
 
 
 # --------------------------------------------------------------------------- training
@@ -585,19 +588,30 @@ class _JsonLog:
         """Drop entries logged after ``step`` (a killed run logged past its last checkpoint)."""
         if not self.enabled or not self.path.exists():
             return
-        kept = []
+        kept, damaged, last = [], 0, -1
         for line in self.path.read_text(errors="replace").splitlines():
             try:
                 entry = json.loads(line)
-            except ValueError:  # the half-written last line of a killed run
+            except ValueError:  # the half-written last line of a killed run, or a truncated/edited file
+                damaged += 1
                 continue
-            if isinstance(entry, dict) and entry.get("step", 0) <= step:
+            if not isinstance(entry, dict):
+                damaged += 1
+            elif entry.get("step", 0) <= step:
                 kept.append(line)
+                last = max(last, int(entry.get("step", 0)) if isinstance(entry.get("step", 0), int) else -1)
+        if damaged:
+            warnings.warn(f"{self.path}: {damaged} damaged line(s) dropped (not JSON objects: a half-written last "
+                          "line of a killed run, or a truncated or edited file)", RuntimeWarning, stacklevel=2)
+        if step > 0 and last < step:
+            warnings.warn(f"{self.path}: the log ends at step {max(last, 0)} but the run resumes from step {step}; "
+                          f"the entries of steps {max(last, 0) + 1}..{step} are lost (the file was truncated)",
+                          RuntimeWarning, stacklevel=2)
         atomic_write_text(self.path, "".join(line + "\n" for line in kept))
 
     def write(self, **entry) -> None:
         if self.enabled:
-            with open(self.path, "a") as fh:
+            with append_text(self.path) as fh:  # never through a link planted in the run folder
                 fh.write(json.dumps(entry, allow_nan=True) + "\n")
 
 
@@ -835,9 +849,25 @@ def _finish(run_dir: Path, model, config: LMConfig, result: LMTrainResult, ctx: 
         "rank_weights_sha256": digests, "objective": objective.describe(), **checks,
     }
     if ctx.is_main:
+        _report_damaged_final(run_dir / "final")
         publish_directory(run_dir / "final", lambda tmp: _write_final(tmp, model, config, objective, tokenizer))
         write_json(str(run_dir / "train_summary.json"), summary)
     return summary
+
+
+def _report_damaged_final(final: Path) -> None:
+    """Warn, naming the damage, when a finished run's ``final/`` is about to be rewritten because it is damaged."""
+    from ..models.loading import read_model_config, verify_model_dir
+
+    if not final.is_dir():
+        return
+    try:
+        verify_model_dir(final)
+        read_model_config(final)
+        read_json(final / "lm_config.json", what="the run's configuration")
+    except (OSError, ValueError) as exc:
+        warnings.warn(f"{final} was damaged ({' '.join(str(exc).split())}); rewritten from the last checkpoint",
+                      RuntimeWarning, stacklevel=3)
 
 
 def _write_final(directory: Path, model, config: LMConfig, objective: Objective, tokenizer) -> None:
@@ -846,6 +876,9 @@ def _write_final(directory: Path, model, config: LMConfig, objective: Objective,
     (directory / "objective.json").write_text(json.dumps(objective.describe(), indent=1) + "\n")
     if tokenizer is not None:  # the model directory is self-contained (NIAH, lm-eval, from_pretrained)
         tokenizer.save(str(directory / "tokenizer.json"))
+    from ..models.loading import write_model_manifest
+
+    write_model_manifest(directory)  # last: every loader of the package verifies it
 
 
 # --------------------------------------------------------------------------- evaluation of runs
@@ -858,11 +891,22 @@ def load_run(run_dir: str | os.PathLike, *, device: str | torch.device = "cpu"):
     if not (final / "model.safetensors").is_file() or not (final / "lm_config.json").is_file():
         raise FileNotFoundError(f"{run_dir} has no finished model (final/model.safetensors and "
                                 "final/lm_config.json); train it to the end first")
-    config = LMConfig.from_json(read_json(final / "lm_config.json", what="run config"))
     from ..models import BayesLayerConfig, BayesLayerForCausalLM
+    from ..models.loading import check_finite, read_model_config, verify_model_dir
 
-    model = BayesLayerForCausalLM(BayesLayerConfig.from_pretrained(final))
+    if not verify_model_dir(final):
+        warnings.warn(f"{final} has no manifest.json (written by an older bayeslayer): its files are not "
+                      "verified", RuntimeWarning, stacklevel=2)
+    config = LMConfig.from_json(read_json(final / "lm_config.json", what="the run's configuration"))
+    raw = read_model_config(final, model_type=BayesLayerConfig.model_type)
+    try:
+        model_config = BayesLayerConfig.from_dict(raw)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"model config {final / 'config.json'} is not a valid bayeslayer config "
+                         f"({' '.join(str(exc).split())})") from exc
+    model = BayesLayerForCausalLM(model_config)
     load_model_weights(model, final)
+    check_finite(model, final)
     return config, model.to(device).eval()
 
 
@@ -988,6 +1032,7 @@ def bar_plot(record: dict, path: str | os.PathLike) -> Path:
 def write_report(record: dict, out_dir: str | os.PathLike, name: str = "lm") -> dict[str, Path]:
     """Write ``<name>.json`` (unless it is the source), ``<name>.md`` and ``<name>.png`` from ``record``."""
     out_dir = Path(out_dir)
+    check_file_name(name, option="name")
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {"json": out_dir / f"{name}.json", "table": out_dir / f"{name}.md", "plot": out_dir / f"{name}.png"}
     write_json(str(paths["json"]), record)
@@ -1080,6 +1125,15 @@ def _train_main(args) -> int:
 
 def _eval_main(args) -> int:
     out_dir = check_out_dir(args.out)
+    check_file_name(args.name)
+    # two evaluations into one folder would overwrite each other's files: one writer (rank 0) per folder
+    # a refused command leaves no folder behind (remove_if_unused)
+    with OutputLock(out_dir, remove_if_unused=True) if int(os.environ.get("RANK", "0")) == 0 \
+            else contextlib.nullcontext():
+        return _eval_locked(args, out_dir)
+
+
+def _eval_locked(args, out_dir: Path) -> int:
     if args.plot_only:
         if args.runs:
             raise UsageError(f"--plot-only redraws from {out_dir / (args.name + '.json')}; it takes no run "

@@ -46,7 +46,8 @@ from ..data.niah import (
     ruler_prompt,
 )
 from ..errors import UsageError
-from ..training.files import read_json
+from ..training.files import atomic_write_text, read_json
+from ..training.lock import OutputLock
 from .cli_checks import (
     DEVICE_HELP,
     PLOT_ONLY_HELP,
@@ -341,29 +342,51 @@ def draw(results: dict, out_dir: str | os.PathLike, diffs: Sequence[tuple[str, s
 # ----------------------------------------------------------------------------- models and CLI
 
 
-def load_model(path: str | os.PathLike, *, device: str = "cpu", dtype: torch.dtype = torch.float32):
+def load_model(path: str | os.PathLike, *, device: str = "cpu", dtype: torch.dtype = torch.float32,
+               trust_remote_code: bool = False):
     """A causal LM from a directory: a flash-linear-attention Gated DeltaNet checkpoint
     (``model_type: gated_deltanet``, read by :func:`~bayeslayer.models.load_gdn_checkpoint`)
-    or any ``AutoModelForCausalLM`` (``bayeslayer`` models are registered on import)."""
+    or any ``AutoModelForCausalLM`` (``bayeslayer`` models are registered on import).
+
+    Loading is strict (:mod:`bayeslayer.models.loading`): a folder with a ``manifest.json`` is
+    verified, and missing, unexpected or mis-shaped tensors and NaN/Inf weights are one
+    ``ValueError`` naming the folder.  A config that asks to run code from the folder
+    (``auto_map`` of a model type this installation does not know) is refused unless
+    ``trust_remote_code=True`` — transformers is never left to ask on the terminal.
+    """
+    from huggingface_hub.errors import StrictDataclassError
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
     from ..models import load_gdn_checkpoint
+    from ..models.loading import (
+        check_finite,
+        check_loading_info,
+        check_remote_code,
+        quiet_transformers,
+        read_model_config,
+        safetensors_error,
+        verify_model_dir,
+    )
 
     path = Path(path)
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise FileNotFoundError(f"no config.json in model directory {path}")
-    if read_json(config_file, what="model config").get("model_type") == "gated_deltanet":
+    verify_model_dir(path)
+    raw = read_model_config(path)
+    if raw.get("model_type") == "gated_deltanet":
         return load_gdn_checkpoint(path, dtype=dtype, device=device)
-    from transformers.utils import logging as hf_logging
-
-    bar = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()  # a "Loading weights" bar per model would bury the evaluation's own lines
+    check_remote_code(path, raw, trust_remote_code=trust_remote_code)
     try:
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
-    finally:
-        if bar:
-            hf_logging.enable_progress_bar()
+        with quiet_transformers():  # no "Loading weights" bar per model burying the evaluation's own lines
+            model, info = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
+                                                               ignore_mismatched_sizes=True, output_loading_info=True)
+    except SafetensorError as exc:
+        raise safetensors_error(path, exc) from exc
+    except (TypeError, KeyError, StrictDataclassError) as exc:  # a config transformers cannot build a model from
+        raise ValueError(f"cannot build a model from {path / 'config.json'} (model_type "
+                         f"{raw.get('model_type')!r}): {' '.join(str(exc).split())[:300]}") from exc
+    check_loading_info(path, info)
+    check_finite(model, path)
+    return model.to(device)
 
 
 def _parse_list(kind: type, text: str) -> list:
@@ -388,6 +411,7 @@ class NiahConfig:
     haystack, haystack_split: the essay source (:func:`bayeslayer.data.niah.load_essays`).
     diff: ``(A, B)`` label pairs drawn as A − B heatmaps (``None``: the first model minus each other).
     out: where ``niah.json``, ``niah.md``, the predictions and the figures go.
+    trust_remote_code: let a folder whose ``config.json`` has ``auto_map`` run its own code (off: refused).
     """
 
     models: tuple[tuple[str, str], ...] = ()
@@ -407,6 +431,7 @@ class NiahConfig:
     dtype: str = "float32"
     diff: tuple[tuple[str, str], ...] | None = None
     quiet: bool = False
+    trust_remote_code: bool = False
 
     def __post_init__(self) -> None:
         def pairs(name: str, value) -> tuple[tuple[str, str], ...]:
@@ -468,6 +493,9 @@ def check_config(config: NiahConfig) -> None:
         directory = check_in_dir(path, option=f"--model {label}=", what="model folder")
         if not (directory / "config.json").is_file():
             raise UsageError(f"--model {label}={path}: no config.json in that folder (not a model directory)")
+        from ..models.loading import check_remote_code, read_model_config
+
+        check_remote_code(directory, read_model_config(directory), trust_remote_code=config.trust_remote_code)
         if not config.tokenizer:
             check_tokenizer(path, option=f"--model {label}=")
         check_memory(niah_memory(config, directory), device=resolve_device(config.device),
@@ -504,7 +532,8 @@ def run(config: NiahConfig) -> dict:
     for label, path in config.models:
         tokenizer = config.tokenizer or path
         generator = NiahGenerator(tokenizer, essays, seed=config.seed)
-        model = load_model(path, device=str(resolve_device(config.device)), dtype=dtype)
+        model = load_model(path, device=str(resolve_device(config.device)), dtype=dtype,
+                           trust_remote_code=config.trust_remote_code)
         predictions: list[dict] = []
         cells = evaluate(model, generator, tasks=tasks, lengths=list(config.lengths), depths=list(config.depths),
                          samples_per_cell=config.samples_per_cell, max_new_tokens=config.max_new_tokens,
@@ -512,9 +541,7 @@ def run(config: NiahConfig) -> dict:
                          progress=None if config.quiet else lambda m, _l=label: print(f"[{_l}] {m}", flush=True))
         results["models"][label] = {"path": str(path), "cells": cells, **summarize(cells, config.summary_tasks)}
         out.mkdir(parents=True, exist_ok=True)
-        with open(out / f"predictions_{_safe(label)}.jsonl", "w") as f:
-            for p in predictions:
-                f.write(json.dumps(p) + "\n")
+        atomic_write_text(out / f"predictions_{_safe(label)}.jsonl", "".join(json.dumps(p) + "\n" for p in predictions))
         save_json(results, out / "niah.json")  # after every model: partial results survive
         del model
     _report(results, out, list(config.diff) if config.diff is not None else None)
@@ -534,7 +561,7 @@ def _report(results: dict, out: Path, diff: list[tuple[str, str]] | None) -> Non
     tables = "## NIAH six-task average\n\n" + markdown_summary(results) + "\n\n## Per task\n\n" \
         + markdown_tasks(results) + "\n"
     out.mkdir(parents=True, exist_ok=True)
-    (out / "niah.md").write_text(tables)
+    atomic_write_text(out / "niah.md", tables)
     print(tables)
     for p in draw(results, out, diff):
         print(f"wrote {p}")
@@ -578,6 +605,9 @@ def add_parser(sub) -> None:
     p.add_argument("--out", default="results/niah", help="output directory")
     p.add_argument("--plot-only", action="store_true", help=PLOT_ONLY_HELP)
     p.add_argument("--quiet", action="store_true", help="no per-cell progress lines")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="let a model folder whose config.json has auto_map run its own Python code (only for "
+                        "folders you checked; off by default, such a folder is refused)")
     p.set_defaults(func=_main)
 
 
@@ -588,14 +618,17 @@ def config_from_args(args: argparse.Namespace) -> NiahConfig:
         tasks=args.tasks, summary_tasks=args.summary_tasks, samples_per_cell=args.samples_per_cell,
         max_new_tokens=args.max_new_tokens, haystack=args.haystack, haystack_split=args.haystack_split,
         seed=args.seed, batch_size=args.batch_size, device=args.device, dtype=args.dtype, diff=args.diff,
-        quiet=args.quiet)
+        quiet=args.quiet, trust_remote_code=args.trust_remote_code)
 
 
 def _main(args: argparse.Namespace) -> dict:
     """``bayeslayer niah``: :func:`run` on the arguments' config, or :func:`redraw` with ``--plot-only``."""
-    if args.plot_only:
-        return redraw(args.out, args.diff)
-    return run(config_from_args(args))
+    out = check_out_dir(args.out)
+    # one writer per output folder, as for training runs; a refused command leaves no folder behind
+    with OutputLock(out, remove_if_unused=True):
+        if args.plot_only:
+            return redraw(args.out, args.diff)
+        return run(config_from_args(args))
 
 
 __all__ = [

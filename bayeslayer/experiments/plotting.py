@@ -62,10 +62,12 @@ class RefLine:
 
 def save_figure(fig, path: str | os.PathLike) -> Path:
     """Lay out ``fig`` and write it to ``path`` (PNG, 120 dpi), creating the folder; the caller closes it."""
+    from ..training.files import atomic_write
+
     fig.tight_layout()
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    with atomic_write(path, "wb") as fh:  # never half a figure, never through a link at ``path``
+        fig.savefig(fh, format=path.suffix.lstrip(".").lower() or "png", dpi=120)
     return path
 
 

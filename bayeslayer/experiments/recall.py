@@ -38,6 +38,7 @@ from ..data.collision_tasks import collision_recall_batch
 from .core_cli import CorePreset, CoreRunConfig, add_command, print_summary_table, run_command, run_sweep
 from .core_models import CORE_KINDS, build_core_model
 from .harness import masked_cross_entropy, query_accuracy
+from .plotting import save_figure
 
 PAPER_BUDGET = "2,500 steps, batch 256, 3 seeds"
 
@@ -247,8 +248,7 @@ def plot_recall(record: dict, path: str) -> None:
     fig.suptitle(f"Learned collision recall — preset '{record['preset']}' ({cfg['steps']} steps, "
                  f"batch {cfg['batch_size']}, {nseeds} seed{'s' * (nseeds > 1)}; mean ± std)")
     ax1.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)  # atomic, never through a link
     plt.close(fig)
 
 

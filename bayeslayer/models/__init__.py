@@ -6,6 +6,8 @@
 * :func:`load_gdn_checkpoint`: a flash-linear-attention Gated DeltaNet checkpoint → our model (runs on CPU).
 * :func:`replace_layers`: swap chosen layers' mixers for Bayesian Layers, initialised from the GDN teacher.
 * :func:`count_parameters`: total and non-embedding parameter counts.
+* :mod:`~bayeslayer.models.loading`: what every loader of the package checks (SHA-256 manifest of the
+  folders it saves, no holes in the weights, the right ``model_type``, finite values, no remote code).
 """
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM

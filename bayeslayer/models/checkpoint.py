@@ -156,16 +156,19 @@ def resolve_checkpoint_dir(path_or_repo_id: str | os.PathLike, revision: str | N
 
 def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
     """All tensors of a HF checkpoint directory: (sharded) safetensors preferred, else (sharded) .bin."""
-    from safetensors.torch import load_file
+    from ..training.state import read_safetensors
 
     def _shards(index_name: str) -> list[Path]:
-        index = read_json(directory / index_name, what="weight index")
-        return [directory / f for f in sorted(set(index["weight_map"].values()))]
+        index = read_json(directory / index_name, what="shard index")
+        try:
+            return [directory / f for f in sorted(set(index["weight_map"].values()))]
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"shard index {directory / index_name} has no valid weight_map ({exc})") from exc
 
     if (directory / "model.safetensors").is_file():
-        files, loader = [directory / "model.safetensors"], load_file
+        files, loader = [directory / "model.safetensors"], read_safetensors
     elif (directory / "model.safetensors.index.json").is_file():
-        files, loader = _shards("model.safetensors.index.json"), load_file
+        files, loader = _shards("model.safetensors.index.json"), read_safetensors
     elif (directory / "pytorch_model.bin").is_file():
         files = [directory / "pytorch_model.bin"]
         loader = lambda f: torch.load(f, map_location="cpu", weights_only=True)  # noqa: E731
@@ -179,7 +182,7 @@ def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
         )
     weights: dict[str, torch.Tensor] = {}
     for f in files:
-        for key, tensor in loader(str(f)).items():
+        for key, tensor in loader(f).items():
             if key in weights:
                 raise ValueError(f"tensor {key!r} appears in more than one shard ({f.name})")
             weights[key] = tensor
@@ -207,11 +210,11 @@ def load_gdn_checkpoint(
     """
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+    from .loading import check_finite, read_model_config, verify_model_dir
+
     directory = resolve_checkpoint_dir(path_or_repo_id, revision)
-    config_file = directory / "config.json"
-    if not config_file.is_file():
-        raise FileNotFoundError(f"no config.json in {directory}")
-    config = gdn_config_to_bayeslayer(read_json(config_file, what="model config"))
+    verify_model_dir(directory)
+    config = gdn_config_to_bayeslayer(read_model_config(directory))
     weights = _read_weights(directory)
 
     model = BayesLayerForCausalLM(config)
@@ -239,4 +242,5 @@ def load_gdn_checkpoint(
     state = {k: v for k, v in weights.items() if k not in tied}
     model.load_state_dict(state, strict=not tied)
     model.tie_weights()
+    check_finite(model, directory)
     return model.to(device=device, dtype=dtype).eval()

@@ -194,6 +194,17 @@ class BayesLayerConfig(PretrainedConfig):
             **kwargs,
         )
 
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        """transformers' ``from_pretrained``; a local folder's ``config.json`` must be a readable JSON object
+        with ``model_type: bayeslayer`` (transformers only warns about another type)."""
+        from .loading import local_model_dir, read_model_config
+
+        directory = local_model_dir(pretrained_model_name_or_path)
+        if directory is not None and (directory / "config.json").exists():
+            read_model_config(directory, model_type=cls.model_type)
+        return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+
     # -- derived quantities ------------------------------------------------------------------------
     @property
     def layer_mixers(self) -> list[str]:

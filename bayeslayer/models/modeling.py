@@ -133,6 +133,61 @@ class BayesLayerPreTrainedModel(PreTrainedModel):
     def _supports_default_dynamic_cache(cls) -> bool:
         return False
 
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        """transformers' ``from_pretrained``, strict (:mod:`bayeslayer.models.loading`).
+
+        Before loading, a local folder's ``manifest.json`` (written by :meth:`save_pretrained` and the
+        package's own model folders) is verified and its ``config.json`` must say ``model_type:
+        bayeslayer`` (unless ``config=`` is passed).  After loading, a tensor the model needs that the
+        weights lack, a tensor with no place, a shape that differs, or a NaN/Inf value raises one
+        ``ValueError`` naming the folder and the tensors, where transformers would leave
+        uninitialised memory and log a line.  ``output_loading_info=True`` still returns the report.
+        """
+        from safetensors import SafetensorError
+
+        from .loading import (
+            check_finite,
+            check_loading_info,
+            local_model_dir,
+            quiet_transformers,
+            read_model_config,
+            safetensors_error,
+            verify_model_dir,
+        )
+
+        want_info = kwargs.pop("output_loading_info", False)
+        directory = local_model_dir(pretrained_model_name_or_path)
+        where = directory if directory is not None else pretrained_model_name_or_path
+        if directory is not None:
+            verify_model_dir(directory)
+            read_model_config(directory, model_type=None if kwargs.get("config") is not None else cls.config_class
+                              .model_type)
+        kwargs.setdefault("trust_remote_code", False)
+        strict_sizes = not kwargs.get("ignore_mismatched_sizes", False)
+        kwargs["ignore_mismatched_sizes"] = True  # reported in the loading info, and refused below by name
+        try:
+            with quiet_transformers():  # its load report is a table of warnings; ours is one error
+                model, info = super().from_pretrained(pretrained_model_name_or_path, *model_args,
+                                                      output_loading_info=True, **kwargs)
+        except SafetensorError as exc:
+            raise (safetensors_error(directory, exc) if directory is not None else ValueError(
+                f"{where}: the weights are damaged or not safetensors ({exc})")) from exc
+        # ignore_mismatched_sizes=True (the caller's choice): the report still lists them, for the caller
+        check_loading_info(where, info if strict_sizes else {**info, "mismatched_keys": ()})
+        check_finite(model, where)
+        return (model, info) if want_info else model
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """transformers' ``save_pretrained``, then ``manifest.json`` (SHA-256 of every file the folder
+        holds) last, which :meth:`from_pretrained` verifies."""
+        from .loading import write_model_manifest
+
+        result = super().save_pretrained(save_directory, *args, **kwargs)
+        if kwargs.get("is_main_process", True):
+            write_model_manifest(save_directory)
+        return result
+
     def _init_weights(self, module: nn.Module) -> None:
         """Normal(0, ``initializer_range``) for embeddings, MLPs and the head; ones for the block norms.
 

@@ -40,7 +40,14 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-from .files import TMP_PREFIX, atomic_write_text, fsync_dir, fsync_file, remove_stale_temporaries, sha256_file
+from .files import (
+    TMP_PREFIX,
+    atomic_write_text,
+    fsync_dir,
+    fsync_file,
+    remove_stale_temporaries,
+    sha256_file,
+)
 
 MANIFEST = "manifest.json"
 POINTER = "latest"
@@ -61,11 +68,38 @@ def _order(name: str) -> tuple[int, int] | None:
     return (int(m.group(1)), int(m.group(2) or 0)) if m else None
 
 
-def verify_checkpoint(directory: str | os.PathLike) -> dict:
+def write_manifest(directory: str | os.PathLike, names: list[str] | None = None, *, step: int | None = None) -> Path:
+    """Write ``directory/manifest.json``: the SHA-256 and size of each file (``names``, default every file).
+
+    Each file is ``fsync``-ed first; the manifest is written last and ``fsync``-ed, so its presence
+    means the files it lists are complete.  The one integrity format of the package: training
+    checkpoints (:meth:`CheckpointStore.save`, with their ``step``) and the model folders it saves
+    (``final/``, ``save_pretrained``) both use it, and :func:`verify_checkpoint` checks it.
+    """
+    directory = Path(directory)
+    if names is None:
+        names = sorted(p.name for p in directory.iterdir() if p.name != MANIFEST)
+    files = {}
+    for name in sorted(names):
+        path = directory / name
+        if name == MANIFEST or path.is_symlink() or not path.is_file():
+            raise ValueError(f"a manifest lists plain files other than {MANIFEST}; got {path}")
+        fsync_file(path)
+        files[name] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
+    manifest = {"format": MANIFEST_FORMAT, **({} if step is None else {"step": step}), "files": files,
+                "sha256": _files_digest(files)}
+    target = directory / MANIFEST
+    atomic_write_text(target, json.dumps(manifest, indent=1))  # fsync-ed, then the folder
+    return target
+
+
+def verify_checkpoint(directory: str | os.PathLike, *, allow_unlisted: bool = False) -> dict:
     """Check ``directory``'s manifest and every file's SHA-256; return the manifest.
 
     Raises :class:`CheckpointError` naming the first file that is missing, extra, resized or whose
-    bytes changed (the manifest included).
+    bytes changed (the manifest included).  ``allow_unlisted``: files the manifest does not list
+    are not an error (a model folder a user added a README or a tokenizer to); the listed ones
+    must still match.
     """
     directory = Path(directory)
     manifest_path = directory / MANIFEST
@@ -82,7 +116,7 @@ def verify_checkpoint(directory: str | os.PathLike) -> dict:
         raise CheckpointError(f"{manifest_path} is damaged ({exc})") from exc
     if not ok:
         raise CheckpointError(f"{manifest_path} is damaged (its own checksum does not match)")
-    present = sorted(p.name for p in directory.iterdir() if p.name != MANIFEST)
+    present = [] if allow_unlisted else sorted(p.name for p in directory.iterdir() if p.name != MANIFEST)
     for name in present:
         if name not in files:
             raise CheckpointError(f"{directory / name} is not listed in {manifest_path} (the checkpoint was altered)")
@@ -204,18 +238,10 @@ class CheckpointStore:
         tmp = Path(tempfile.mkdtemp(dir=self.root, prefix=TMP_PREFIX))
         try:
             write(tmp)
-            files = {}
             for path in sorted(tmp.iterdir()):
                 if path.name == MANIFEST or not path.is_file() or path.is_symlink():
                     raise ValueError(f"a checkpoint holds plain files other than {MANIFEST}; got {path.name}")
-                fsync_file(path)
-                files[path.name] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
-            manifest = {"format": MANIFEST_FORMAT, "step": step, "files": files, "sha256": _files_digest(files)}
-            with open(tmp / MANIFEST, "w", encoding="utf-8") as fh:  # last: its presence means complete
-                json.dump(manifest, fh, indent=1)
-                fh.flush()
-                os.fsync(fh.fileno())
-            fsync_dir(tmp)
+            write_manifest(tmp, step=step)  # last: its presence means complete
             name, rev = f"step-{step:08d}", 0
             while (self.root / name).exists() or (self.root / f"damaged-{name}").exists():
                 rev += 1

@@ -12,21 +12,105 @@ On an error (or ``KeyboardInterrupt``) the temporary file is removed; a process 
 1 and 3 leaves it behind, and :func:`remove_stale_temporaries` clears such leftovers — only a
 process that holds the folder's lock (:mod:`bayeslayer.training.lock`) may call it, since a
 running writer's temporary file looks the same.
+
+Links are never written through.  A file the package creates or rewrites in a folder the user gave
+(results, logs, the lock) must be a regular file or not exist yet: a symbolic link, a FIFO or a
+device there is refused with :class:`UnsafeFileError` naming it, so a planted link cannot make a run
+truncate or overwrite the file it points to.  :func:`open_regular` opens with ``O_NOFOLLOW`` for
+the writers that cannot replace the file (appends, the lock).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
 TMP_PREFIX = ".tmp-"
+
+
+class UnsafeFileError(OSError):
+    """A path the package would write is a symbolic link or not a regular file (see the module docstring)."""
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISLNK(mode):
+        return "a symbolic link"
+    if stat.S_ISDIR(mode):
+        return "a folder"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    return "not a regular file"
+
+
+def _refusal(path: Path, kind: str) -> UnsafeFileError:
+    return UnsafeFileError(f"{path} is {kind}; bayeslayer writes only regular files and never through a link "
+                           "— remove it or choose another output folder")
+
+
+def check_writable_file(path: str | os.PathLike) -> Path:
+    """``path`` as a file to create or replace: absent, or a regular file (not a link).  Returns it.
+
+    Raises :class:`UnsafeFileError` naming the path otherwise.
+    """
+    path = Path(path)
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return path
+    if not stat.S_ISREG(mode):
+        raise _refusal(path, _kind(mode))
+    return path
+
+
+def open_regular(path: str | os.PathLike, flags: int, permissions: int = 0o644) -> int:
+    """``os.open(path, flags | O_NOFOLLOW)``, refusing a link or anything but a regular file; returns the fd.
+
+    For writers that keep the file (appends, locks): the check and the open are one system call for
+    a link (``O_NOFOLLOW`` fails on it), and the opened file's own type is checked with ``fstat``.
+    """
+    path = Path(path)
+    extra = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
+    try:
+        fd = os.open(path, flags | extra, permissions)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
+            try:
+                kind = _kind(os.lstat(path).st_mode)
+            except OSError:
+                kind = "not a regular file"
+            raise _refusal(path, kind) from None
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise _refusal(path, _kind(mode))
+        if flags & getattr(os, "O_NONBLOCK", 0) == 0 and hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+@contextlib.contextmanager
+def append_text(path: str | os.PathLike, *, encoding: str = "utf-8") -> Iterator[IO[str]]:
+    """Open ``path`` for appending text (created if absent) with :func:`open_regular`'s checks."""
+    fd = open_regular(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    with os.fdopen(fd, "a", encoding=encoding) as fh:
+        yield fh
 
 
 def sha256_file(path: str | os.PathLike) -> str:
@@ -70,6 +154,7 @@ def atomic_write(path: str | os.PathLike, mode: str = "wb", *, encoding: str | N
         raise ValueError(f"mode must be 'wb' or 'w', got {mode!r}")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    check_writable_file(path)  # a link is refused, not replaced (os.replace would not write through it)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f"{TMP_PREFIX}{path.name}-")
     try:
         with os.fdopen(fd, mode, encoding=(encoding or "utf-8") if mode == "w" else None) as fh:
@@ -124,6 +209,11 @@ def publish_directory(final: str | os.PathLike, write: Callable[[Path], object])
     final = Path(final)
     parent = final.parent
     parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileNotFoundError):
+        mode = os.lstat(final).st_mode
+        if not stat.S_ISDIR(mode):
+            raise UnsafeFileError(f"{final} is {_kind(mode)}, not a folder bayeslayer wrote; remove it or choose "
+                                  "another output folder")
     tmp = Path(tempfile.mkdtemp(dir=parent, prefix=f"{TMP_PREFIX}{final.name}-"))
     old = None
     try:

@@ -5,8 +5,17 @@ the holder exits or is killed — a crashed run never leaves a folder locked.  T
 pid, host, start time and command line into the file; a second run is refused with
 :class:`FolderBusyError` naming them, before it reads or writes anything else in the folder.
 
-The lock file itself is never deleted (deleting it would let a third process lock a new file while
-the second still holds the old one).
+The lock file is opened without following links (``O_NOFOLLOW``) and must be a regular file: a
+``.lock`` that is a symbolic link (to a file the user can write), a FIFO or a folder is refused with
+:class:`~bayeslayer.training.files.UnsafeFileError` naming it, and nothing is truncated.
+
+The lock file of a folder that holds anything else is never deleted.  A lock made with
+``remove_if_unused=True`` (the evaluation commands' output folders) removes the folder it created
+when, at release, it still holds nothing but ``.lock``, so a command refused before it wrote
+anything leaves no folder behind.  A process that opened the old ``.lock`` just before it was
+removed would lock a file without a name; :meth:`OutputLock.acquire` checks, after locking, that
+its file is still the one at ``<folder>/.lock`` and otherwise tries again, so two processes never
+both hold one folder.
 """
 
 from __future__ import annotations
@@ -18,6 +27,8 @@ import socket
 import sys
 import time
 from pathlib import Path
+
+from .files import open_regular
 
 LOCK_NAME = ".lock"
 
@@ -46,11 +57,13 @@ class OutputLock:
     process (or another ``OutputLock`` of this process) holds it.
     """
 
-    def __init__(self, folder: str | os.PathLike) -> None:
+    def __init__(self, folder: str | os.PathLike, *, remove_if_unused: bool = False) -> None:
         self.folder = Path(folder)
         self.path = self.folder / LOCK_NAME
+        self.remove_if_unused = remove_if_unused
         self._fd: int | None = None
         self._depth = 0
+        self._created: list[Path] = []
 
     @property
     def held(self) -> bool:
@@ -62,18 +75,26 @@ class OutputLock:
             return self
         if self.folder.exists() and not self.folder.is_dir():
             raise NotADirectoryError(f"output folder {self.folder} is a file, not a folder")
-        self.folder.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _holder_description(Path(self.path).read_text(errors="replace"))
-            os.close(fd)
-            raise FolderBusyError(f"{self.folder} is in use by another run ({holder}); wait for it to finish, "
-                                  "stop it, or use another output folder") from None
-        except BaseException:
-            os.close(fd)
-            raise
+        for _ in range(100):
+            missing = [d for d in (self.folder, *self.folder.parents) if not d.exists()]  # made here, deepest first
+            self.folder.mkdir(parents=True, exist_ok=True)
+            fd = open_regular(self.path, os.O_RDWR | os.O_CREAT)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _holder_description(os.pread(fd, 1 << 16, 0).decode(errors="replace"))
+                os.close(fd)
+                raise FolderBusyError(f"{self.folder} is in use by another run ({holder}); wait for it to finish, "
+                                      "stop it, or use another output folder") from None
+            except BaseException:
+                os.close(fd)
+                raise
+            if self._still_named(fd):
+                break
+            os.close(fd)  # the holder removed the unused folder meanwhile: lock the new one
+        else:
+            raise FolderBusyError(f"could not lock {self.path}: it keeps being replaced")
+        self._created = missing
         info = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(),
                 "command": " ".join([os.path.basename(sys.executable), *sys.argv])}
         os.ftruncate(fd, 0)
@@ -90,9 +111,29 @@ class OutputLock:
         fd, self._fd = self._fd, None
         try:
             os.ftruncate(fd, 0)  # a stale description must not name a process that has gone
+            if self.remove_if_unused and self._created:
+                self._remove_unused()
         finally:
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
+
+    def _still_named(self, fd: int) -> bool:
+        try:
+            named = os.lstat(self.path)
+        except FileNotFoundError:
+            return False
+        mine = os.fstat(fd)
+        return (named.st_ino, named.st_dev) == (mine.st_ino, mine.st_dev)
+
+    def _remove_unused(self) -> None:
+        """Remove ``.lock`` and the folder this lock created, if nothing else was written there (lock held)."""
+        try:
+            if [p.name for p in self.folder.iterdir()] == [LOCK_NAME]:
+                self.path.unlink()
+                for folder in self._created:  # the folder, then the parents made for it, while empty
+                    folder.rmdir()
+        except OSError:  # another file appeared, or the folder is not ours to remove: keep it
+            pass
 
     def __enter__(self) -> OutputLock:
         return self.acquire()

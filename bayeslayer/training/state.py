@@ -19,8 +19,11 @@ as Python's ``json`` spells them), so a resumed run continues bit for bit.
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import random
+import re
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +89,42 @@ def decode_state(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
     return obj
 
 
+def write_safetensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor] | None = None, *,
+                      model: torch.nn.Module | None = None, metadata: dict[str, str] | None = None) -> None:
+    """Write ``tensors`` (or ``model``'s ``state_dict``, shared tensors once) to the safetensors file ``path``.
+
+    A failed write (a full disk, a missing folder) raises ``OSError`` with its ``errno`` and the path,
+    not safetensors' own error type that names neither.
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file, save_model
+
+    if (tensors is None) == (model is None):
+        raise TypeError("write_safetensors takes tensors or model=, exactly one")
+    try:
+        if model is not None:
+            save_model(model, str(path), metadata=metadata)
+        else:
+            save_file(tensors, str(path), metadata=metadata)
+    except SafetensorError as exc:
+        found = re.search(r"os error (\d+)", str(exc))
+        code = int(found.group(1)) if found else errno.EIO
+        raise OSError(code, f"{os.strerror(code)} (writing a safetensors file)", str(path)) from exc
+
+
+def read_safetensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The tensors of the safetensors file ``path`` on the CPU; a damaged file raises ``ValueError`` naming it."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist (or is not a file)")
+    try:
+        return load_file(str(path), device="cpu")
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types for a bad header or body
+        raise ValueError(f"{path} is damaged or not a safetensors file ({' '.join(str(exc).split())})") from exc
+
+
 def save_state(directory: str | Path, name: str, obj: Any) -> list[Path]:
     """Write ``obj`` as ``directory/<name>.json`` and ``directory/<name>.safetensors``; returns both paths.
 
@@ -93,12 +132,10 @@ def save_state(directory: str | Path, name: str, obj: Any) -> list[Path]:
     <bayeslayer.training.checkpoint.CheckpointStore.save>` fsyncs them and makes the directory
     appear atomically.
     """
-    from safetensors.torch import save_file
-
     directory = Path(directory)
     encoded, tensors = encode_state(obj)
     weights = directory / f"{name}.safetensors"
-    save_file(tensors, str(weights), metadata={"format": "pt"})
+    write_safetensors(weights, tensors, metadata={"format": "pt"})
     meta = directory / f"{name}.json"
     meta.write_text(json.dumps({"format": "bayeslayer-state-1", "state": encoded}) + "\n", encoding="utf-8")
     return [meta, weights]
@@ -106,8 +143,6 @@ def save_state(directory: str | Path, name: str, obj: Any) -> list[Path]:
 
 def load_state(directory: str | Path, name: str) -> Any:
     """Read what :func:`save_state` wrote; a damaged file raises ``ValueError`` naming it."""
-    from safetensors.torch import load_file
-
     directory = Path(directory)
     meta, weights = directory / f"{name}.json", directory / f"{name}.safetensors"
     try:
@@ -116,10 +151,7 @@ def load_state(directory: str | Path, name: str) -> Any:
             raise ValueError("not a bayeslayer state file")
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise ValueError(f"{meta} is damaged or not a training state ({exc})") from exc
-    try:
-        tensors = load_file(str(weights), device="cpu")
-    except Exception as exc:  # safetensors raises its own error types for a bad header
-        raise ValueError(f"{weights} is damaged or not a safetensors file ({exc})") from exc
+    tensors = read_safetensors(weights)
     try:
         return decode_state(doc["state"], tensors)
     except (KeyError, TypeError, ValueError) as exc:

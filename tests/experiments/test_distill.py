@@ -231,6 +231,9 @@ def test_bad_teacher_and_tokenizer(teacher, tmp_path):
     no_tok = tmp_path / "no_tok"
     shutil.copytree(teacher_dir, no_tok)
     (no_tok / "tokenizer.json").unlink()
+    with pytest.raises(ValueError, match="tokenizer.json is missing"):  # the folder's manifest lists it
+        run_distill(_config(no_tok, corpus), tmp_path / "o", device="cpu", cache_dir=cache)
+    (no_tok / "manifest.json").unlink()  # a folder from elsewhere, without a tokenizer
     with pytest.raises(FileNotFoundError, match="tokenizer"):
         run_distill(_config(no_tok, corpus), tmp_path / "o", device="cpu", cache_dir=cache)
     with pytest.raises(ValueError, match="out of range"):

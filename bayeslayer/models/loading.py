@@ -1,0 +1,188 @@
+"""Strict, verified loading of model folders: what every loader of the package checks.
+
+A model folder loads whole or not at all.  Each of the package's loaders
+(:meth:`BayesLayerPreTrainedModel.from_pretrained <bayeslayer.models.BayesLayerPreTrainedModel.from_pretrained>`,
+``bayeslayer.experiments.lm.load_run``, ``bayeslayer.experiments.niah.load_model`` (``niah``, ``heldout``,
+the distillation teacher), :func:`~bayeslayer.models.load_gdn_checkpoint`) refuses, with one message that
+names the folder and the problem:
+
+* a damaged folder the package wrote: ``manifest.json`` (the SHA-256 and size of every file, the format
+  of the training checkpoints, :func:`bayeslayer.training.checkpoint.write_manifest`) does not match
+  — one flipped byte in ``model.safetensors`` is enough;
+* a ``config.json`` that is missing, empty or not JSON, or of another ``model_type``;
+* weights that do not fill the model: a tensor the model needs and the file lacks (a config that
+  claims more layers than the weights hold), a tensor the model has no place for, a shape that differs;
+* weights with NaN or Inf values;
+* a folder whose ``config.json`` asks to run Python code from the folder (``auto_map``) for a model
+  type this installation does not know — unless the caller passed ``trust_remote_code=True``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+
+from ..training.checkpoint import MANIFEST, verify_checkpoint, write_manifest
+from ..training.files import read_json
+
+#: how many names an error message lists before "and N more"
+_SHOWN = 6
+
+
+def _names(items: Iterable[str]) -> str:
+    items = sorted(items)
+    head = ", ".join(items[:_SHOWN])
+    return head + (f" and {len(items) - _SHOWN} more" if len(items) > _SHOWN else "")
+
+
+def local_model_dir(path_or_id) -> Path | None:
+    """``path_or_id`` as a local folder, or ``None`` (a hub id, an object, a missing path)."""
+    if isinstance(path_or_id, (str, os.PathLike)) and str(path_or_id):
+        path = Path(path_or_id).expanduser()
+        if path.is_dir():
+            return path
+    return None
+
+
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """transformers logs errors only, and shows no progress bar, inside the block (its load report is
+    a table of warnings, which the strict checks here turn into one error)."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity, bar = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bar:
+            hf_logging.enable_progress_bar()
+
+
+def write_model_manifest(directory: str | os.PathLike) -> Path:
+    """Write ``directory/manifest.json`` over every regular, non-hidden file of a saved model folder."""
+    directory = Path(directory)
+    names = [p.name for p in directory.iterdir()
+             if p.name != MANIFEST and not p.name.startswith(".") and p.is_file() and not p.is_symlink()]
+    return write_manifest(directory, names)
+
+
+def verify_model_dir(directory: str | os.PathLike) -> bool:
+    """Check ``directory``'s ``manifest.json`` when it has one; ``True`` when it did.
+
+    A folder without a manifest (a hub snapshot, a folder of another library or an older version)
+    is not checked; one with a manifest that does not match raises ``ValueError`` naming the file.
+    Files the manifest does not list are allowed (a tokenizer or a README added later).
+    """
+    directory = Path(directory)
+    if not (directory / MANIFEST).exists():
+        return False
+    verify_checkpoint(directory, allow_unlisted=True)
+    return True
+
+
+def read_model_config(directory: str | os.PathLike, *, model_type: str | None = None) -> dict:
+    """The parsed ``config.json`` of a model folder; missing, damaged or of another ``model_type`` is an error."""
+    path = Path(directory) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no config.json in the model folder {directory}")
+    raw = read_json(path, what="model config")
+    if not isinstance(raw, dict):
+        raise ValueError(f"model config {path} is not a JSON object (got {type(raw).__name__}); the folder is damaged")
+    if model_type is not None and raw.get("model_type") != model_type:
+        raise ValueError(f"model config {path} has model_type {raw.get('model_type')!r}, not {model_type!r}: the "
+                         "folder holds another kind of model")
+    return raw
+
+
+def check_remote_code(directory: str | os.PathLike, raw: dict, *, trust_remote_code: bool = False) -> None:
+    """Refuse a config that needs Python code from the model folder, unless ``trust_remote_code``.
+
+    ``auto_map`` for a ``model_type`` this installation knows (ours once ``bayeslayer.models`` is
+    imported, or one of transformers') is served by the installed code, so nothing from the
+    folder runs and it is allowed.
+    """
+    if trust_remote_code or not raw.get("auto_map"):
+        return
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if raw.get("model_type") in CONFIG_MAPPING:
+        return
+    raise ValueError(f"{Path(directory) / 'config.json'} asks to run Python code from {directory} (auto_map: "
+                     f"{_names(str(v) for v in raw['auto_map'].values())}) for model type "
+                     f"{raw.get('model_type')!r}, which this installation does not know; bayeslayer runs no code "
+                     "from model folders unless you opt in (trust_remote_code=True, --trust-remote-code) for a "
+                     "folder you checked")
+
+
+def check_loading_info(directory, info: dict) -> None:
+    """Raise ``ValueError`` when transformers' ``output_loading_info`` reports any hole in the weights."""
+    parts = []
+    missing = set(info.get("missing_keys") or ())
+    if missing:
+        parts.append(f"{len(missing)} tensor(s) the model needs are missing from the weights ({_names(missing)}; "
+                     "a config that claims more layers than the weights hold, or a damaged file)")
+    unexpected = set(info.get("unexpected_keys") or ())
+    if unexpected:
+        parts.append(f"{len(unexpected)} tensor(s) of the weights have no place in the model ({_names(unexpected)})")
+    mismatched = info.get("mismatched_keys") or ()
+    if mismatched:
+        shown = [f"{k[0]}: weights {tuple(k[1])} vs model {tuple(k[2])}" if isinstance(k, tuple) and len(k) == 3
+                 else str(k) for k in mismatched]
+        parts.append(f"{len(shown)} shape(s) differ between config and weights ({_names(shown)})")
+    errors = info.get("error_msgs") or ()
+    if errors:
+        parts.append(" ".join(" ".join(str(e).split()) for e in errors)[:500])
+    if parts:
+        raise ValueError(f"cannot load the model in {directory}: " + "; ".join(parts))
+
+
+def check_state_dict(directory, weights: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], *,
+                     optional: Iterable[str] = ()) -> None:
+    """Compare a weights file's tensors with a model's ``state_dict``: every hole is one ``ValueError``.
+
+    ``optional``: names the weights may lack (a tied head stored once).
+    """
+    optional = set(optional)
+    info = {
+        "missing_keys": set(expected) - set(weights) - optional,
+        "unexpected_keys": set(weights) - set(expected),
+        "mismatched_keys": [(k, tuple(weights[k].shape), tuple(expected[k].shape))
+                            for k in sorted(set(weights) & set(expected)) if weights[k].shape != expected[k].shape],
+    }
+    check_loading_info(directory, info)
+
+
+def check_finite(model: torch.nn.Module, directory) -> None:
+    """Raise ``ValueError`` naming the tensors of ``model`` that hold NaN or Inf."""
+    bad = []
+    seen: set[int] = set()
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if id(tensor) in seen or not tensor.is_floating_point():
+            continue
+        seen.add(id(tensor))
+        if not bool(torch.isfinite(tensor).all()):
+            bad.append(name)
+    if bad:
+        raise ValueError(f"the model in {directory} has NaN or Inf values in {len(bad)} tensor(s) ({_names(bad)}); "
+                         "the weights are damaged or come from a diverged run")
+
+
+def safetensors_error(directory, exc: BaseException) -> ValueError:
+    """A ``ValueError`` naming the weight files of ``directory`` for safetensors' own error (which names none)."""
+    directory = Path(directory)
+    files = sorted(p.name for p in directory.glob("*.safetensors")) or ["model.safetensors"]
+    return ValueError(f"{', '.join(str(directory / f) for f in files)}: damaged or not a safetensors file "
+                      f"({' '.join(str(exc).split())[:300]})")
+
+
+__all__ = [
+    "check_finite", "check_loading_info", "check_remote_code", "check_state_dict", "local_model_dir",
+    "quiet_transformers", "read_model_config", "safetensors_error", "verify_model_dir", "write_model_manifest",
+]
