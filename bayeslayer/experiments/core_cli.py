@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import ClassVar
@@ -19,7 +20,8 @@ from typing import ClassVar
 from ..training.optim import DECAY_POLICY
 from .cli_checks import PLOT_ONLY_HELP, check_int, check_out_dir, plot_only_json, positive_int_arg
 from .core_models import ALL_KINDS, CORE_KINDS, CORE_LABELS
-from .harness import TrainConfig, results_record, summarize, summarize_curves, train_seeds, write_json
+from .harness import TrainConfig, results_record, summarize, summarize_curves, train_seeds
+from .provenance import write_record
 
 
 @dataclass(frozen=True)
@@ -102,6 +104,7 @@ def run_sweep(name: str, config: CoreRunConfig, *, build_model: Callable, sample
     cfg = preset.train_config()
     run_dir = os.path.join(out_dir, "runs") if out_dir else None
     settings = {**asdict(preset), "train": asdict(cfg), "optimizer_groups": DECAY_POLICY}
+    started = time.perf_counter()
     results = {}
     record = None
     for kind in models:
@@ -121,7 +124,8 @@ def run_sweep(name: str, config: CoreRunConfig, *, build_model: Callable, sample
         record = results_record(name, preset.name, settings, results, paper_budget=paper_budget,
                                 complete=kind == models[-1])
         if out_dir:
-            write_json(os.path.join(out_dir, f"{name}.json"), record)
+            write_record(os.path.join(out_dir, f"{name}.json"), record, seeds=range(preset.seeds),
+                         wall_seconds=time.perf_counter() - started, optimizer_groups=DECAY_POLICY)
             plot(record, os.path.join(out_dir, f"{name}.png"))
     return record
 

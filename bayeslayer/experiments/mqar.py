@@ -80,8 +80,9 @@ from ..errors import UsageError
 from ..layers import MIXER_LABELS, MIXERS, QKVMixer, ShortConvolution, build_mixer
 from ..training.optim import DECAY_POLICY
 from .cli_checks import PLOT_ONLY_HELP, check_out_dir, plot_only_json, positive_float_arg, positive_int_arg
-from .harness import TrainConfig, results_record, summarize, train_lr_grid, write_json
+from .harness import TrainConfig, results_record, summarize, train_lr_grid
 from .plotting import RefLine, Series, line_plot, load_json
+from .provenance import write_record
 from .state_budget import BUDGET_MIXERS, HeadConfig, solve_state_budget
 
 TASK_NAMES = ("base", "update", "block")
@@ -710,7 +711,8 @@ def run(config: MQARConfig, *, log=print) -> dict:
         record["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
         record["finished_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         if path:
-            write_json(path, record)
+            write_record(path, record, device=device, seeds=range(preset.seeds), wall_seconds=record["wall_seconds"],
+                         optimizer_groups=DECAY_POLICY)
             plot_mqar(record, os.path.join(out_dir, f"{stem}.png"))
     return record
 

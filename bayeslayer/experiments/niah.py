@@ -60,7 +60,8 @@ from .cli_checks import (
     resolve_device,
 )
 from .lengths import PAPER_LENGTHS, length_label
-from .plotting import save_figure, save_json
+from .plotting import save_figure
+from .provenance import write_record
 
 #: The six tasks of the summary average.  The paper names niah_single_1, niah_single_2,
 #: niah_multivalue and niah_multiquery among its six and excludes CWE; of the other four
@@ -501,7 +502,8 @@ def run(config: NiahConfig) -> dict:
         with open(out / f"predictions_{_safe(label)}.jsonl", "w") as f:
             for p in predictions:
                 f.write(json.dumps(p) + "\n")
-        save_json(results, out / "niah.json")  # after every model: partial results survive
+        write_record(out / "niah.json", results, device=resolve_device(config.device), seeds=[config.seed],
+                     allow_nan=False)  # after every model: partial results survive
         del model
     _report(results, out, list(config.diff) if config.diff is not None else None)
     return results
