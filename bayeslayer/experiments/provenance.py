@@ -17,25 +17,26 @@ Every experiment writes its numbers with :func:`write_record`, which adds a ``"p
   with ``backfilled: true``, the commits that added and last changed the file, and ``null`` for
   everything that was not recorded at the time (``python -m bayeslayer.results backfill``).
 
-The commit is read from the files of the ``.git`` directory; the dirty flag asks ``git status``
-with hooks and the file-system monitor switched off, and only in a repository owned by the current
-user.  Anything that fails gives ``null``: a record is never refused for want of provenance.
+The commit and the dirty flag are read from the files of the ``.git`` directory (:func:`git_commit`,
+:func:`git_dirty`): no git command, hook or configured filter runs.  Anything that cannot be read gives
+``null``: a record is never refused for want of provenance.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
-import subprocess
+import struct
 import sys
+import zlib
 from collections.abc import Sequence
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 from ..training.files import atomic_write_text
-from .harness import _jsonable
 
 #: Every key of a record's ``"provenance"`` object.
 FIELDS = ("git_commit", "git_dirty", "command", "versions", "device", "cpu_model", "gpu", "threads", "seeds",
@@ -45,6 +46,17 @@ PACKAGES = {"bayeslayer": "bayeslayer", "torch": "torch", "triton": "triton", "f
             "transformers": "transformers"}
 
 _PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the folder holding the bayeslayer package
+
+
+def jsonable(obj: Any) -> Any:
+    """``obj`` with numpy scalars and tensors made plain numbers and lists, tuples lists, keys strings."""
+    if isinstance(obj, dict):
+        return {str(k): jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [jsonable(v) for v in obj]
+    if hasattr(obj, "tolist") and callable(obj.tolist):  # numpy scalars and arrays, torch tensors
+        return obj.tolist()
+    return obj
 
 
 def _git_dir(root: Path) -> Path | None:
@@ -96,29 +108,135 @@ def git_commit(root: str | os.PathLike | None = None) -> str | None:
     return sha
 
 
-def git_dirty(root: str | os.PathLike | None = None) -> bool | None:
-    """Whether tracked files of the checkout ``root`` differ from its commit; None when that cannot be told.
+def _head_tree(git_dir: Path, commit: str) -> str | None:
+    """The tree of ``commit`` read from its object file (loose, or undeltified in a pack); None otherwise."""
+    common = git_dir
+    if (git_dir / "commondir").is_file():
+        common = (git_dir / (git_dir / "commondir").read_text().strip()).resolve()
+    objects = common / "objects"
+    loose = objects / commit[:2] / commit[2:]
+    if loose.is_file():
+        data = zlib.decompress(loose.read_bytes())
+        body = data[data.index(b"\0") + 1:]
+    else:
+        body = _packed_commit(objects / "pack", bytes.fromhex(commit))
+        if body is None:
+            return None
+    first = body.split(b"\n", 1)[0].split()
+    return first[1].decode() if len(first) == 2 and first[0] == b"tree" else None
 
-    Runs ``git status --porcelain --untracked-files=no`` with hooks, the file-system monitor and the
-    system configuration switched off, and only when the repository belongs to the current user.
+
+def _packed_commit(pack_dir: Path, sha: bytes) -> bytes | None:
+    for idx in sorted(pack_dir.glob("*.idx")) if pack_dir.is_dir() else []:
+        data = idx.read_bytes()
+        if data[:4] != b"\xfftOc" or struct.unpack(">I", data[4:8])[0] != 2:
+            continue
+        fanout = struct.unpack(">256I", data[8:8 + 1024])
+        n = fanout[255]
+        lo, hi = (fanout[sha[0] - 1] if sha[0] else 0), fanout[sha[0]]
+        names = 8 + 1024
+        while lo < hi:  # binary search of the sorted object names
+            mid = (lo + hi) // 2
+            name = data[names + 20 * mid:names + 20 * mid + 20]
+            if name < sha:
+                lo = mid + 1
+            elif name > sha:
+                hi = mid
+            else:
+                offsets = names + 20 * n + 4 * n
+                offset = struct.unpack(">I", data[offsets + 4 * mid:offsets + 4 * mid + 4])[0]
+                if offset & 0x80000000:  # a pack over 2 GiB: not read here
+                    return None
+                with open(idx.with_suffix(".pack"), "rb") as fh:
+                    fh.seek(offset)
+                    head = fh.read(32)
+                    kind = (head[0] >> 4) & 7
+                    i = 1
+                    while head[i - 1] & 0x80:
+                        i += 1
+                    if kind != 1:  # a deltified commit: not read here
+                        return None
+                    fh.seek(offset + i)
+                    return zlib.decompressobj().decompress(fh.read(1 << 16))
+    return None
+
+
+def _index_entries(index: bytes) -> tuple[list[tuple[str, int, int, int, int, bytes, int]], str | None] | None:
+    """``([(path, mode, size, mtime_s, mtime_ns, sha1, flags)], root tree of the cache tree or None)``;
+    None for an index this reader does not know (version 4, or damaged)."""
+    if index[:4] != b"DIRC":
+        return None
+    version, count = struct.unpack(">II", index[4:12])
+    if version not in (2, 3):
+        return None
+    entries, pos = [], 12
+    for _ in range(count):
+        (_cs, _cn, ms, mns, _dev, _ino, mode, _uid, _gid, size) = struct.unpack(">10I", index[pos:pos + 40])
+        sha = index[pos + 40:pos + 60]
+        flags = struct.unpack(">H", index[pos + 60:pos + 62])[0]
+        start = pos + 62
+        if version == 3 and flags & 0x4000:  # extended flags (skip-worktree, intent-to-add)
+            flags |= struct.unpack(">H", index[start:start + 2])[0] << 16
+            start += 2
+        end = index.index(b"\0", start)
+        entries.append((index[start:end].decode("utf-8", "surrogateescape"), mode, size, ms, mns, sha, flags))
+        pos += ((start - pos) + (end - start) + 8) // 8 * 8  # 1 to 8 NULs pad an entry to a multiple of 8
+    root = None
+    while pos + 8 <= len(index) - 20:
+        sig, size = index[pos:pos + 4], struct.unpack(">I", index[pos + 4:pos + 8])[0]
+        if sig == b"TREE":
+            data = index[pos + 8:pos + 8 + size]
+            nul = data.index(b"\0")
+            count_text = data[nul + 1:data.index(b"\n", nul)].split()[0]
+            if data[:nul] == b"" and int(count_text) >= 0:
+                root = data[data.index(b"\n", nul) + 1:][:20].hex()
+        pos += 8 + size
+    return entries, root
+
+
+def git_dirty(root: str | os.PathLike | None = None) -> bool | None:
+    """Whether the tracked files of the checkout ``root`` (default: the one holding this package) differ
+    from its commit; None when that cannot be told.
+
+    Reads git's files and runs nothing: a file differs from the index when its bytes hash to another blob
+    (files whose size and modification time match the index are taken as unchanged, as git does), and
+    the index differs from the commit when its cached root tree is another tree than the commit's.  An
+    index whose cached tree is invalid (changes staged since the last commit or checkout), a version-4
+    index or a commit stored as a delta gives None.
     """
     root = Path(root) if root is not None else _PACKAGE_ROOT
+    commit = git_commit(root)
     git_dir = _git_dir(root)
-    if git_dir is None:
+    if commit is None or git_dir is None:
         return None
     try:
-        if hasattr(os, "getuid") and git_dir.stat().st_uid != os.getuid():
+        parsed = _index_entries((git_dir / "index").read_bytes())
+        if parsed is None:
             return None
-        env = {**os.environ, "GIT_CONFIG_NOSYSTEM": "1", "GIT_OPTIONAL_LOCKS": "0", "GIT_TERMINAL_PROMPT": "0"}
-        out = subprocess.run(
-            ["git", "-c", "core.fsmonitor=false", "-c", "core.hooksPath=/dev/null", "-C", str(root), "status",
-             "--porcelain", "--untracked-files=no"],
-            capture_output=True, text=True, timeout=30, env=env, check=False)
-    except (OSError, subprocess.SubprocessError):
+        entries, cached_root = parsed
+        for path, mode, size, mtime_s, mtime_ns, sha, flags in entries:
+            if flags & 0x3000 or flags & (0x4000 << 16) or mode >> 12 == 0o16:  # merge stages, skip-worktree, gitlinks
+                continue
+            file = root / path
+            if mode >> 12 == 0o12:  # a symbolic link: the blob is its target
+                if not file.is_symlink():
+                    return True
+                data = os.readlink(file).encode("utf-8", "surrogateescape")
+            else:
+                if file.is_symlink() or not file.is_file():
+                    return True
+                st = file.stat()
+                if st.st_size == size and int(st.st_mtime) == mtime_s and st.st_mtime_ns % 10**9 == mtime_ns:
+                    continue
+                data = file.read_bytes()
+            if hashlib.sha1(b"blob %d\0" % len(data) + data, usedforsecurity=False).digest() != sha:
+                return True
+        if cached_root is None:
+            return None
+        tree = _head_tree(git_dir, commit)
+        return None if tree is None else tree != cached_root
+    except (OSError, ValueError, IndexError, struct.error, zlib.error):
         return None
-    if out.returncode != 0:
-        return None
-    return bool(out.stdout.strip())
 
 
 def package_versions() -> dict[str, str | None]:
@@ -229,7 +347,7 @@ def write_record(path: str | os.PathLike, record: dict, *, device: Any = "cpu",
         raise TypeError(f"record must be a dict (a JSON object), got {type(record).__name__}")
     prov = provenance(device=device, seeds=seeds, wall_seconds=wall_seconds, optimizer_groups=optimizer_groups)
     obj = {**{k: v for k, v in record.items() if k != "provenance"}, "provenance": prov}
-    text = json.dumps(_jsonable(obj), indent=1, allow_nan=allow_nan)
+    text = json.dumps(jsonable(obj), indent=1, allow_nan=allow_nan)
     path = Path(path)
     atomic_write_text(path, text + "\n")
     return path
@@ -243,5 +361,5 @@ def missing_fields(record: Any) -> list[str]:
     return [k for k in FIELDS if k not in prov]
 
 
-__all__ = ["FIELDS", "PACKAGES", "cpu_model", "git_commit", "git_dirty", "missing_fields", "package_versions",
-           "process_seconds", "provenance", "write_record"]
+__all__ = ["FIELDS", "PACKAGES", "cpu_model", "git_commit", "git_dirty", "jsonable", "missing_fields",
+           "package_versions", "process_seconds", "provenance", "write_record"]

@@ -23,7 +23,8 @@ def test_provenance_fields_and_values():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"device": ""}, "device"), ({"wall_seconds": -1.0}, "wall_seconds"), ({"wall_seconds": float("nan")}, "wall_seconds"),
+    ({"device": ""}, "device"), ({"wall_seconds": -1.0}, "wall_seconds"),
+    ({"wall_seconds": float("nan")}, "wall_seconds"),
     ({"optimizer_groups": 3}, "optimizer_groups"),
 ])
 def test_provenance_rejects_bad_arguments(kwargs, match):
@@ -49,6 +50,7 @@ def test_git_commit_reads_files_of_a_checkout(tmp_path):
 
 
 def test_write_record_adds_provenance_and_replaces_an_old_one(tmp_path):
+    assert prov.jsonable({1: (2, 3)}) == {"1": [2, 3]}
     path = prov.write_record(tmp_path / "sub" / "r.json", {"x": 1, "provenance": {"old": True}}, seeds=[3])
     saved = json.loads(path.read_text())
     assert saved["x"] == 1 and prov.missing_fields(saved) == [] and saved["provenance"]["seeds"] == [3]
@@ -69,3 +71,40 @@ def test_a_tiny_experiment_writes_every_field(tmp_path):
     assert p["command"] == sys.argv and p["seeds"] == [0] and p["optimizer_groups"] == DECAY_POLICY
     assert p["wall_seconds"] > 0 and p["device"] == "cpu" and p["backfilled"] is False
     assert p["versions"]["python"] and (p["cpu_model"] is None or isinstance(p["cpu_model"], str))
+
+
+def _git(repo, *args):
+    import subprocess
+
+    env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t",
+           "HOME": str(repo), "PATH": "/usr/bin:/bin:/usr/local/bin", "GIT_CONFIG_NOSYSTEM": "1"}
+    return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, text=True,
+                          env=env).stdout.strip()
+
+
+def test_git_dirty_reads_the_index_like_git_status(tmp_path):
+    import shutil
+
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    _git(repo, "init", "-q")
+    (repo / "a.txt").write_text("one\n")
+    (repo / "b.txt").write_text("two\n")
+    _git(repo, "add", "a.txt", "b.txt")
+    _git(repo, "commit", "-qm", "first")
+    assert prov.git_commit(repo) == _git(repo, "rev-parse", "HEAD")
+    assert prov.git_dirty(repo) is False
+    (repo / "untracked.txt").write_text("not tracked\n")
+    assert prov.git_dirty(repo) is False  # like `git status --untracked-files=no`
+    (repo / "a.txt").write_text("changed\n")
+    assert prov.git_dirty(repo) is True
+    _git(repo, "add", "a.txt")  # staged, not committed: never reported clean
+    assert prov.git_dirty(repo) is not False
+    _git(repo, "commit", "-qm", "second")
+    _git(repo, "gc", "-q")  # the commit now lives in a pack
+    assert prov.git_commit(repo) == _git(repo, "rev-parse", "HEAD")
+    assert prov.git_dirty(repo) is False
+    (repo / "b.txt").unlink()
+    assert prov.git_dirty(repo) is True
