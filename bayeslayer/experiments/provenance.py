@@ -15,7 +15,7 @@ Every experiment writes its numbers with :func:`write_record`, which adds a ``"p
   :data:`bayeslayer.training.optim.DECAY_POLICY`, or ``null`` for a result that trains nothing);
 * ``backfilled``: ``false``.  Records committed before provenance was recorded carry the same keys
   with ``backfilled: true``, the commits that added and last changed the file, and ``null`` for
-  everything that was not recorded at the time (``python -m bayeslayer.results backfill``).
+  everything that was not recorded at the time.
 
 The commit and the dirty flag are read from the files of the ``.git`` directory (:func:`git_commit`,
 :func:`git_dirty`): no git command, hook or configured filter runs.  Anything that cannot be read gives

@@ -108,3 +108,22 @@ def test_git_dirty_reads_the_index_like_git_status(tmp_path):
     assert prov.git_dirty(repo) is False
     (repo / "b.txt").unlink()
     assert prov.git_dirty(repo) is True
+
+
+def test_every_committed_record_carries_provenance():
+    """Every JSON under results/ has the provenance keys; a backfilled one says so and names its commits."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "results"
+    paths = sorted(root.rglob("*.json"))
+    assert len(paths) >= 57
+    for path in paths:
+        record = json.loads(path.read_text())
+        assert prov.missing_fields(record) == [], f"{path} lacks provenance fields {prov.missing_fields(record)}"
+        p = record["provenance"]
+        assert set(p["versions"]) == {"python", *prov.PACKAGES}, path
+        if p["backfilled"]:
+            assert len(p["record_added_in"]) == 40 and len(p["record_last_changed_in"]) == 40, path
+            assert p["git_commit"] is None and p["backfill_notes"], path  # the code's commit was never recorded
+        else:
+            assert p["versions"]["python"] and p["versions"]["torch"] and p["command"], path
