@@ -268,6 +268,7 @@ class LMConfig:
         """Read :meth:`to_json`'s flat form (every saved run's ``config.json`` and ``lm_config.json``)."""
         if not isinstance(obj, dict):
             raise TypeError(f"an LMConfig is read from a JSON object, got {type(obj).__name__}")
+        obj = {k: v for k, v in obj.items() if k != "provenance"}  # a run directory's config.json records it
         known = set(_PART_OF) | {f.name for f in fields(cls)} - set(_PARTS)
         unknown = sorted(set(obj) - known)
         if unknown:

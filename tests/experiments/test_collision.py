@@ -219,6 +219,7 @@ def test_cli_writes_json_and_figures_then_redraws_from_json(results, tmp_path, c
     printed = capsys.readouterr().out
     assert "collision.json" in printed and "How to read the table" in printed
     saved = json.loads((out / "collision.json").read_text())
+    assert saved.pop("provenance")["backfilled"] is False
     assert saved == results
     assert set(json.loads((out / "collision_extra.json").read_text())) == {
         "angle_vs_reinforcement",
