@@ -103,6 +103,31 @@ def mqar_table(record_path: str, head: str, xs: tuple, x_labels: tuple[str, ...]
     return build
 
 
+# --------------------------------------------------------------------------- recall and crowding sweeps
+
+_CORE_COLUMNS = (("bayesian", "BL"), ("delta", "Delta-style"), ("linear_attention", "LA-style"), ("gla", "GLA-style"))
+
+
+def sweep_table(record_path: str, head: str, axis: str, curve: str, x_format: Callable[[dict, float], str]
+                ) -> Callable[[Path], str]:
+    """One row per point of ``config[axis]``, one column per core model: ``summary[curve]`` mean ± std."""
+
+    def build(root: Path) -> str:
+        rec = _load(root, record_path)
+        lines = [_row([head, *(label for _, label in _CORE_COLUMNS)]), "|" + "---|" * (len(_CORE_COLUMNS) + 1)]
+        for i, x in enumerate(rec["config"][axis]):
+            cells = [_pm(rec["models"][k]["summary"][curve]["mean"][i], rec["models"][k]["summary"][curve]["std"][i],
+                         3) for k, _ in _CORE_COLUMNS]
+            lines.append(_row([x_format(rec["config"], x), *cells]))
+        return "\n".join(lines)
+
+    return build
+
+
+def _load_label(config: dict, load: float) -> str:
+    return f"{load:g} ({int(load * config['address_dim'])})"
+
+
 # --------------------------------------------------------------------------- held-out PPL (Table 7 layout)
 
 def heldout_table(record_path: str) -> Callable[[Path], str]:
@@ -150,6 +175,14 @@ TABLES: dict[str, tuple[str, Callable[[Path], str]]] = {
     "mqar-update-gate-off": ("docs/experiments.md", mqar_table(
         "results/mqar/layouts/mqar_update_gate-off.json", "stacked, gate off", (0, 4, 8, 12, 16),
         ("u = 0", "4", "8", "12", "16"), train_seconds=False, gate=False)),
+    "recall-accuracy-nf": ("docs/experiments.md", sweep_table(
+        "results/recall/recall.json", "n_f", "test_n_f", "accuracy_vs_n_f", lambda c, x: f"{x:g}")),
+    "recall-margin-rho": ("docs/experiments.md", sweep_table(
+        "results/recall/recall.json", "ρ", "test_rho", "margin_vs_rho", lambda c, x: f"{x:.2f}")),
+    "crowding-ce": ("docs/experiments.md", sweep_table(
+        "results/crowding/crowding.json", "n/D (n)", "test_load", "cross_entropy_vs_load", _load_label)),
+    "crowding-accuracy": ("docs/experiments.md", sweep_table(
+        "results/crowding/crowding.json", "n/D (n)", "test_load", "accuracy_vs_load", _load_label)),
     "distill-heldout": ("docs/experiments.md", heldout_table("results/distill/cpu/eval/heldout/heldout.json")),
 }
 
