@@ -128,6 +128,55 @@ def _load_label(config: dict, load: float) -> str:
     return f"{load:g} ({int(load * config['address_dim'])})"
 
 
+# --------------------------------------------------------------------------- deterministic collision
+
+_COLLISION_ROWS = (("bayesian", "Bayesian (BL)"), ("reset", "reset / Delta (λ = 0.05)"),
+                   ("linear_attention", "linear attention (ω = 0.5)"), ("diagonal", "diagonal covariance"))
+
+
+def _f4(value: float) -> str:
+    return f"{value:.4f}".replace("-", "−")
+
+
+def collision_steps_table(root: Path) -> str:
+    """``p^AB`` after steps 12, 52 and 112, the final margin and gain, per model."""
+    rec = _load(root, "results/collision/collision.json")
+    lines = [_row(["model", "t = 12", "t = 52", "t = 112", "margin t = 112", "gain t = 112"]), "|---|---|---|---|---|---|"]
+    for key, label in _COLLISION_ROWS:
+        m = rec["models"][key]
+        lines.append(_row([label, *(_f4(m["p_ab"][t - 1]) for t in (12, 52, 112)), _f4(m["margin"][-1]),
+                           _f4(m["gain"][-1])]))
+    return "\n".join(lines)
+
+
+def collision_fixed_prior_table(root: Path) -> str:
+    """Gain and final ``p^AB`` of the fixed isotropic prior ``c``."""
+    rec = _load(root, "results/collision/collision.json")
+    cs = list(rec["fixed_prior"])
+    lines = [_row(["fixed prior c", *(f"{float(c):g}" if float(c) >= 1 else c for c in cs)]),
+             "|" + "---|" * (len(cs) + 1),
+             _row(["gain c/(r² + c)", *(_f4(rec["fixed_prior"][c]["gain"]) for c in cs)]),
+             _row(["final p^AB", *(_f4(rec["fixed_prior"][c]["final_p_ab"]) for c in cs)])]
+    return "\n".join(lines)
+
+
+def collision_overlap_table(root: Path) -> str:
+    """Final ``p^AB`` at a few key overlaps ρ, and the first ρ of the sweep where it drops below 0.5."""
+    rec = _load(root, "results/collision/collision.json")
+    rhos = rec["overlap"]["rho"]
+    shown = (0.0, 0.5, 0.8, 0.9, 0.92, 0.99)
+    idx = [min(range(len(rhos)), key=lambda i, r=r: abs(rhos[i] - r)) for r in shown]
+    lines = [_row(["final p^AB at ρ =", *(f"{r:.2f}" for r in shown), "first ρ with p^AB < 0.5"]),
+             "|" + "---|" * (len(shown) + 2)]
+    for key, label in _COLLISION_ROWS:
+        values = rec["overlap"][key]
+        first = next((rhos[i] for i, v in enumerate(values) if v < 0.5), None)
+        label = label.split(" (")[0] if key != "bayesian" else label
+        lines.append(_row([label, *(_f4(values[i]) for i in idx),
+                           f"none (≤ {rhos[-1]:.2f})" if first is None else f"{first:.2f}"]))
+    return "\n".join(lines)
+
+
 # --------------------------------------------------------------------------- held-out PPL (Table 7 layout)
 
 def heldout_table(record_path: str) -> Callable[[Path], str]:
@@ -154,6 +203,9 @@ def heldout_table(record_path: str) -> Callable[[Path], str]:
 
 #: name -> (document, generator).  A generator reads records under the root and returns the table's lines.
 TABLES: dict[str, tuple[str, Callable[[Path], str]]] = {
+    "collision-steps": ("docs/experiments.md", collision_steps_table),
+    "collision-fixed-prior": ("docs/experiments.md", collision_fixed_prior_table),
+    "collision-overlap": ("docs/experiments.md", collision_overlap_table),
     "lm-cpu": ("docs/experiments.md", lm_table("results/lm/cpu_test.json", "ours, `cpu`, ", ("BL", "GDN"))),
     "lm-cpu60": ("docs/experiments.md", lm_table("results/lm/cpu60_test.json", "ours, ", ("BL", "GDN", "Mamba-2"))),
     "mqar-update-stacked": ("docs/experiments.md", mqar_table(
