@@ -141,7 +141,8 @@ def _f4(value: float) -> str:
 def collision_steps_table(root: Path) -> str:
     """``p^AB`` after steps 12, 52 and 112, the final margin and gain, per model."""
     rec = _load(root, "results/collision/collision.json")
-    lines = [_row(["model", "t = 12", "t = 52", "t = 112", "margin t = 112", "gain t = 112"]), "|---|---|---|---|---|---|"]
+    lines = [_row(["model", "t = 12", "t = 52", "t = 112", "margin t = 112", "gain t = 112"]),
+             "|---|---|---|---|---|---|"]
     for key, label in _COLLISION_ROWS:
         m = rec["models"][key]
         lines.append(_row([label, *(_f4(m["p_ab"][t - 1]) for t in (12, 52, 112)), _f4(m["margin"][-1]),
