@@ -224,6 +224,7 @@ def test_cli_writes_json_and_figures_then_redraws_from_json(results, tmp_path, c
     assert set(json.loads((out / "collision_extra.json").read_text())) == {
         "angle_vs_reinforcement",
         "rotated_keys",
+        "provenance",
     }
     for name in col.FIGURES:
         assert (out / name).read_bytes()[:8] == PNG_MAGIC
