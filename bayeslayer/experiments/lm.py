@@ -1004,9 +1004,9 @@ def write_report(record: dict, out_dir: str | os.PathLike, name: str = "lm") -> 
     seeds = sorted({r["seed"] for m in record["models"].values() for r in m["seeds"]})
     groups = {(r.get("provenance") or {}).get("optimizer_groups") for m in record["models"].values()
               for r in m["seeds"]}
-    devices = {str((r.get("provenance") or {}).get("device", "cpu")) for m in record["models"].values()
-               for r in m["seeds"]}
-    write_record(paths["json"], record, device=devices.pop() if len(devices) == 1 else ",".join(sorted(devices)),
+    devices = {str(d) for m in record["models"].values() for r in m["seeds"]
+               if (d := (r.get("provenance") or {}).get("device"))} or {"cpu"}
+    write_record(paths["json"], record, device=",".join(sorted(devices)),
                  seeds=seeds, optimizer_groups=groups.pop() if len(groups) == 1 else None)
     atomic_write_text(paths["table"], markdown_table(record))
     bar_plot(record, paths["plot"])
