@@ -178,6 +178,26 @@ def collision_overlap_table(root: Path) -> str:
     return "\n".join(lines)
 
 
+# --------------------------------------------------------------------------- retrofit by distillation
+
+_STAGES = (("phase_a", "Phase A"), ("phase_b", "Phase B"), ("gdn_ft", "GDN-FT"))
+
+
+def distill_stages_table(root: Path) -> str:
+    """Per stage: steps × tokens per step, trainable tensors / elements (MLP share), time, loss, validation PPL."""
+    rec = _load(root, "results/distill/cpu/distill.json")
+    lines = [_row(["stage", "steps × tokens", "trainable (tensors / elements; MLP)", "time",
+                   "final train loss (last 10% of steps)", "validation PPL (L = 512)"]), "|---|---|---|---|---|---|"]
+    for key, label in _STAGES:
+        st = rec["stages"][key]
+        elements = st["trainable_elements"]
+        lines.append(_row([
+            label, f"{st['steps']} × {st['tokens'] // st['steps']:,} = {st['tokens']:,}",
+            f"{st['trainable_parameters']} / {sum(elements.values()):,}; {elements.get('mlp', 0):,}",
+            f"{st['train_seconds']:.0f} s", f"{st['final_train_loss']:.4f}", f"{st['validation']['all']['ppl']:.2f}"]))
+    return "\n".join(lines)
+
+
 # --------------------------------------------------------------------------- held-out PPL (Table 7 layout)
 
 def heldout_table(record_path: str) -> Callable[[Path], str]:
@@ -236,6 +256,7 @@ TABLES: dict[str, tuple[str, Callable[[Path], str]]] = {
         "results/crowding/crowding.json", "n/D (n)", "test_load", "cross_entropy_vs_load", _load_label)),
     "crowding-accuracy": ("docs/experiments.md", sweep_table(
         "results/crowding/crowding.json", "n/D (n)", "test_load", "accuracy_vs_load", _load_label)),
+    "distill-stages": ("docs/experiments.md", distill_stages_table),
     "distill-heldout": ("docs/experiments.md", heldout_table("results/distill/cpu/eval/heldout/heldout.json")),
 }
 
