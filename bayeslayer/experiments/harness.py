@@ -23,7 +23,8 @@ checkpoint stopped.  The folder is locked while a run uses it
 (:class:`bayeslayer.training.OutputLock`).
 
 Results: :func:`summarize` gives ``{"mean", "std", "values"}`` over seeds and
-:func:`write_json` writes a results file atomically.  :func:`train_lr_grid` runs
+:func:`write_json` writes a JSON file (a cache) atomically; results records are written by
+:func:`bayeslayer.experiments.provenance.write_record`, which adds their provenance.  :func:`train_lr_grid` runs
 :func:`train_seeds` at each learning rate of a grid and keeps the one whose
 validation metric (e.g. query accuracy on a held-out split) is highest.
 """
