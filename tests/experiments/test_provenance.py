@@ -64,7 +64,10 @@ def test_write_record_adds_provenance_and_replaces_an_old_one(tmp_path):
 
 def test_a_tiny_experiment_writes_every_field(tmp_path):
     """A real run (crowding, tiny preset, one model) writes its results JSON through the one writer."""
-    run(CrowdingConfig(preset=PRESETS["tiny"], models=("delta",), out=str(tmp_path), progress=False))
+    from dataclasses import replace
+
+    preset = replace(PRESETS["tiny"], steps=2, eval_sequences=4)  # the tiny preset, shorter still
+    run(CrowdingConfig(preset=preset, models=("delta",), out=str(tmp_path), progress=False))
     saved = json.loads((tmp_path / "crowding.json").read_text())
     assert prov.missing_fields(saved) == []
     p = saved["provenance"]
