@@ -82,7 +82,8 @@ from ..design import (
 )
 from ..ops import FilterOutput
 from .cli_checks import PLOT_ONLY_HELP, check_int, check_out_dir, plot_only_json, redrawing
-from .plotting import RefLine, Series, line_plot, load_json, save_json
+from .plotting import RefLine, Series, line_plot, load_json
+from .provenance import write_record
 
 # -- the paper's protocol (docs/theory.md §8.1) -------------------------------------------------------------
 PAPER_CONFIG = {"D": 16, "m": 6, "rho": 0.92, "p0": 3.0, "r2": 0.05, "ell2": 0.05}
@@ -956,10 +957,11 @@ def run(config: CollisionConfig) -> dict:
     record["lowrank"] = lowrank
     if config.out is not None:
         out_dir = check_out_dir(config.out, option="out")
-        save_json(results, out_dir / "collision.json")
+        seeds = list(config.rotation_seeds)
+        write_record(out_dir / "collision.json", results, allow_nan=False)
         paths = plot_collision(results, out_dir)
-        save_json(record["extra"], out_dir / "collision_extra.json")
-        save_json(lowrank, out_dir / "collision_lowrank.json")
+        write_record(out_dir / "collision_extra.json", record["extra"], seeds=seeds, allow_nan=False)
+        write_record(out_dir / "collision_lowrank.json", lowrank, seeds=seeds, allow_nan=False)
         paths += plot_lowrank(lowrank, out_dir)
         record["figures"] = [str(p) for p in paths]
     return record

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import ClassVar
@@ -29,7 +30,8 @@ from .cli_checks import (
     redrawing,
 )
 from .core_models import ALL_KINDS, CORE_KINDS, CORE_LABELS
-from .harness import TrainConfig, results_record, summarize, summarize_curves, train_seeds, write_json
+from .harness import TrainConfig, results_record, summarize, summarize_curves, train_seeds
+from .provenance import write_record
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,7 @@ def run_sweep(name: str, config: CoreRunConfig, *, build_model: Callable, sample
                  what=f"a batch of {max(preset.batch_size, preset.eval_sequences):,} sequences (batch_size)")
     run_dir = os.path.join(out_dir, "runs") if out_dir else None
     settings = {**asdict(preset), "train": asdict(cfg), "optimizer_groups": DECAY_POLICY}
+    started = time.perf_counter()
     results = {}
     record = None
     for kind in models:
@@ -135,7 +138,8 @@ def run_sweep(name: str, config: CoreRunConfig, *, build_model: Callable, sample
         record = results_record(name, preset.name, settings, results, paper_budget=paper_budget,
                                 complete=kind == models[-1])
         if out_dir:
-            write_json(os.path.join(out_dir, f"{name}.json"), record)
+            write_record(os.path.join(out_dir, f"{name}.json"), record, seeds=range(preset.seeds),
+                         wall_seconds=time.perf_counter() - started, optimizer_groups=DECAY_POLICY)
             plot(record, os.path.join(out_dir, f"{name}.png"))
     return record
 

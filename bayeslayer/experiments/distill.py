@@ -533,10 +533,13 @@ def _final_intact(final: Path) -> bool:
 
 def _write_report(path: Path, report: dict) -> None:
     if int(os.environ.get("RANK", "0")) == 0:
-        from .harness import write_json
+        from ..training.optim import DECAY_POLICY
+        from .provenance import write_record
 
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_json(str(path), report)
+        stages = [s for s in report["stages"].values() if "train_seconds" in s]
+        devices = {str(s.get("device", "cpu")) for s in stages} or {"cpu"}
+        write_record(path, report, device=",".join(sorted(devices)), seeds=[report["config"]["seed"]],
+                     wall_seconds=sum(s["train_seconds"] for s in stages), optimizer_groups=DECAY_POLICY)
 
 
 # --------------------------------------------------------------------------- evaluation

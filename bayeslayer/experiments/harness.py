@@ -23,7 +23,8 @@ checkpoint stopped.  The folder is locked while a run uses it
 (:class:`bayeslayer.training.OutputLock`).
 
 Results: :func:`summarize` gives ``{"mean", "std", "values"}`` over seeds and
-:func:`write_json` writes a results file atomically.  :func:`train_lr_grid` runs
+:func:`write_json` writes a JSON file (a cache) atomically; results records are written by
+:func:`bayeslayer.experiments.provenance.write_record`, which adds their provenance.  :func:`train_lr_grid` runs
 :func:`train_seeds` at each learning rate of a grid and keeps the one whose
 validation metric (e.g. query accuracy on a held-out split) is highest.
 """
@@ -48,6 +49,7 @@ import torch.nn.functional as F
 from ..training import CheckpointError, CheckpointStore, OutputLock, atomic_write_json, read_json
 from ..training.loop import Checkpoints, LoopState, TrainConfig, raise_if_diverged, train_loop
 from ..training.loop import lr_lambda as lr_lambda  # the schedule, also imported from here
+from .provenance import jsonable
 
 IGNORE_INDEX = -100
 
@@ -242,21 +244,9 @@ def summarize_curves(curves: Sequence[Sequence[float]]) -> dict[str, list]:
     return {"mean": [c["mean"] for c in cols], "std": [c["std"] for c in cols]}
 
 
-def _jsonable(obj: Any) -> Any:
-    if isinstance(obj, dict):
-        return {str(k): _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_jsonable(v) for v in obj]
-    if isinstance(obj, (np.floating, np.integer)):
-        return obj.item()
-    if isinstance(obj, torch.Tensor):
-        return obj.tolist()
-    return obj
-
-
 def write_json(path: str | os.PathLike, obj: dict) -> None:
     """Write ``obj`` as indented JSON atomically and durably (:func:`bayeslayer.training.atomic_write_json`)."""
-    atomic_write_json(path, _jsonable(obj))
+    atomic_write_json(path, jsonable(obj))
 
 
 def results_record(experiment: str, preset: str, config: dict, models: dict, **extra: Any) -> dict:
@@ -323,15 +313,15 @@ def _train_seed(name, build_model, sample_batch, config: TrainConfig, seed: int,
         if os.path.exists(cache):
             try:
                 cached = read_json(cache, what="cached seed result")
-                if (isinstance(cached, dict) and cached.get("train_config") == _jsonable(asdict(cfg))
-                        and cached.get("fingerprint") == _jsonable(fingerprint)):
+                if (isinstance(cached, dict) and cached.get("train_config") == jsonable(asdict(cfg))
+                        and cached.get("fingerprint") == jsonable(fingerprint)):
                     return cached["record"]
             except (ValueError, KeyError, TypeError) as exc:
                 warnings.warn(f"{exc}; training seed {seed} again", RuntimeWarning, stacklevel=3)
     seed_everything(int(seed))
     model = build_model(int(seed))
     res = train(model, sample_batch, cfg, evaluate=evaluate, checkpoint_path=ckpt, progress=progress,
-                desc=f"{name} seed {seed}", identity={"fingerprint": _jsonable(fingerprint)},
+                desc=f"{name} seed {seed}", identity={"fingerprint": jsonable(fingerprint)},
                 restart_on_mismatch=True)
     model.eval()
     try:
@@ -350,7 +340,7 @@ def _train_seed(name, build_model, sample_batch, config: TrainConfig, seed: int,
     if cache is not None:
         write_json(cache, {"train_config": asdict(cfg), "fingerprint": fingerprint, "record": record})
         shutil.rmtree(ckpt, ignore_errors=True)
-    return _jsonable(record)
+    return jsonable(record)
 
 
 def train_lr_grid(

@@ -87,6 +87,7 @@ from .lm import (
     resolve_precision,
 )
 from .plotting import load_json, save_figure
+from .provenance import write_record
 
 SINGLE_PROCESS = DistContext()
 WINDOW_MODES = ("non-overlapping", "sliding")
@@ -598,7 +599,7 @@ def evaluate_heldout(
               "precision": precision, "resolved_precision": resolved_precision,
               "sources": [{"label": s.label, "source": s.source, "max_documents": s.max_documents,
                            "split": split_of[s.label]} for s in heldout_sources],
-              "world_size": ctx.world_size}
+              "world_size": ctx.world_size, "device": str(ctx.device)}
     return results_record("heldout", windows, config, out_models, reference=reference, target=PAPER_TABLE7)
 
 
@@ -710,7 +711,7 @@ def write_report(record: dict, out_dir: str | os.PathLike, name: str = "heldout"
     out_dir = Path(out_dir)
     check_file_name(name, option="name")
     paths = {"json": out_dir / f"{name}.json", "table": out_dir / f"{name}.md", "plot": out_dir / f"{name}.png"}
-    write_json(str(paths["json"]), record)
+    write_record(paths["json"], record, device=record["config"].get("device", "cpu"))
     saved = load_json(paths["json"])  # draw from what was written, as a later --plot-only would
     atomic_write_text(paths["table"], table7_markdown(saved))
     plot(saved, paths["plot"])

@@ -82,6 +82,7 @@ from ..training.distributed import PRECISIONS, DistContext, autocast, resolve_pr
 from ..training.distributed import init_distributed as _init_distributed
 from ..training.files import append_text, publish_directory, sha256_file
 from ..training.loop import Checkpoints, LoopState, StepInfo, train_loop
+from ..training.optim import DECAY_POLICY
 from ..training.state import read_safetensors, write_safetensors
 from .cli_checks import (
     DEVICE_HELP,
@@ -100,8 +101,9 @@ from .cli_checks import (
     redrawing,
     resolve_device,
 )
-from .harness import TrainConfig, results_record, seed_everything, summarize, write_json
+from .harness import TrainConfig, results_record, seed_everything, summarize
 from .plotting import save_figure
+from .provenance import write_record
 
 WIKITEXT_103 = "hf:Salesforce/wikitext:wikitext-103-raw-v1"
 # Table-2 columns, then the distance buckets, in the order of :meth:`ARHitAnnotation.masks`.
@@ -273,6 +275,7 @@ class LMConfig:
         """Read :meth:`to_json`'s flat form (every saved run's ``config.json`` and ``lm_config.json``)."""
         if not isinstance(obj, dict):
             raise TypeError(f"an LMConfig is read from a JSON object, got {type(obj).__name__}")
+        obj = {k: v for k, v in obj.items() if k != "provenance"}  # a run directory's config.json records it
         known = set(_PART_OF) | {f.name for f in fields(cls)} - set(_PARTS)
         unknown = sorted(set(obj) - known)
         if unknown:
@@ -617,6 +620,7 @@ class _JsonLog:
 
 def _check_resume_config(saved: dict, config: LMConfig, where: Path) -> None:
     current = config.to_json()
+    saved = {k: v for k, v in saved.items() if k != "provenance"}  # who started the run, not what it is
     diff = sorted(k for k in set(saved) | set(current) if k not in _BOOKKEEPING and saved.get(k) != current.get(k))
     if diff:
         detail = ", ".join(f"{k}: {saved.get(k)!r} → {current.get(k)!r}" for k in diff)
@@ -624,18 +628,20 @@ def _check_resume_config(saved: dict, config: LMConfig, where: Path) -> None:
                          "or the same settings")
 
 
-def _check_objective(run_dir: Path, objective: Objective, *, write: bool) -> None:
+def _check_objective(run_dir: Path, objective: Objective, *, write: bool, device: Any = "cpu", seed: int = 0) -> None:
     """A run directory that holds another objective's run is an error; ``write``: record ``objective.json``."""
     path = run_dir / "objective.json"
     current = objective.describe()
     if path.exists():
         saved = read_json(path, what="the run's objective")
+        if isinstance(saved, dict):
+            saved = {k: v for k, v in saved.items() if k != "provenance"}
         if saved != current:
             raise ValueError(f"{run_dir} holds a run of another objective ({saved} → {current}); use another --out")
     elif (run_dir / "checkpoints" / "latest").exists() and current != Objective().describe():
         raise ValueError(f"{run_dir} holds a next-token run; objective {current['name']!r} needs another --out")
     if write:
-        atomic_write_text(path, json.dumps(current, indent=1) + "\n")
+        write_record(path, current, device=device, seeds=[seed], optimizer_groups=DECAY_POLICY)
 
 
 def train_lm(
@@ -747,8 +753,9 @@ def _train_lm(config: LMConfig, run_dir: Path, ctx: DistContext, *, n_micro: int
     if not [p for g in groups for p in g["params"]]:
         raise ValueError(f"objective {objective.name!r} leaves no parameter to train")
     if ctx.is_main:  # the inputs are valid (corpus loaded, model built): record what this run is
-        atomic_write_text(config_path, json.dumps(config.to_json(), indent=1) + "\n")
-        _check_objective(run_dir, objective, write=True)
+        write_record(config_path, config.to_json(), device=ctx.device, seeds=[config.seed],
+                     optimizer_groups=DECAY_POLICY)
+        _check_objective(run_dir, objective, write=True, device=ctx.device, seed=config.seed)
 
     log = _JsonLog(run_dir / "log.jsonl", ctx.is_main)
     checkpoints = _LMCheckpoints(store, model, config, world)
@@ -851,7 +858,8 @@ def _finish(run_dir: Path, model, config: LMConfig, result: LMTrainResult, ctx: 
     if ctx.is_main:
         _report_damaged_final(run_dir / "final")
         publish_directory(run_dir / "final", lambda tmp: _write_final(tmp, model, config, objective, tokenizer))
-        write_json(str(run_dir / "train_summary.json"), summary)
+        write_record(run_dir / "train_summary.json", summary, device=ctx.device, seeds=[config.seed],
+                     wall_seconds=total_seconds, optimizer_groups=DECAY_POLICY)
     return summary
 
 
@@ -941,8 +949,20 @@ def evaluate_run(run_dir: str | os.PathLike, *, split: str = "test", seq_len: in
               "preset": config.preset, "split": split, "seq_len": seq_len, "windows": int(windows.shape[0]),
               "precision": precision, "source": config.source, "groups": groups, "weights_sha256": weights}
     if ctx.is_main:
-        write_json(str(cache), record)
+        write_record(cache, record, device=ctx.device, seeds=[config.seed],
+                     optimizer_groups=trained_with(run_dir))
+        record = json.loads(cache.read_text())
     return record
+
+
+def trained_with(run_dir: str | os.PathLike) -> str | None:
+    """The optimiser grouping rule recorded in a run's ``train_summary.json`` (None when it records none)."""
+    path = Path(run_dir) / "train_summary.json"
+    try:
+        prov = json.loads(path.read_text()).get("provenance")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return prov.get("optimizer_groups") if isinstance(prov, dict) else None
 
 
 def summarize_runs(records: Sequence[dict]) -> dict:
@@ -1035,7 +1055,13 @@ def write_report(record: dict, out_dir: str | os.PathLike, name: str = "lm") -> 
     check_file_name(name, option="name")
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {"json": out_dir / f"{name}.json", "table": out_dir / f"{name}.md", "plot": out_dir / f"{name}.png"}
-    write_json(str(paths["json"]), record)
+    seeds = sorted({r["seed"] for m in record["models"].values() for r in m["seeds"]})
+    groups = {(r.get("provenance") or {}).get("optimizer_groups") for m in record["models"].values()
+              for r in m["seeds"]}
+    devices = {str(d) for m in record["models"].values() for r in m["seeds"]
+               if (d := (r.get("provenance") or {}).get("device"))} or {"cpu"}
+    write_record(paths["json"], record, device=",".join(sorted(devices)),
+                 seeds=seeds, optimizer_groups=groups.pop() if len(groups) == 1 else None)
     atomic_write_text(paths["table"], markdown_table(record))
     bar_plot(record, paths["plot"])
     return paths

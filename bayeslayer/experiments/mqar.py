@@ -87,8 +87,9 @@ from .cli_checks import (
     positive_int_arg,
     redrawing,
 )
-from .harness import TrainConfig, results_record, summarize, train_lr_grid, write_json
+from .harness import TrainConfig, results_record, summarize, train_lr_grid
 from .plotting import RefLine, Series, line_plot, load_json
+from .provenance import write_record
 from .state_budget import BUDGET_MIXERS, HeadConfig, solve_state_budget
 
 TASK_NAMES = ("base", "update", "block")
@@ -717,7 +718,8 @@ def run(config: MQARConfig, *, log=print) -> dict:
         record["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
         record["finished_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         if path:
-            write_json(path, record)
+            write_record(path, record, device=device, seeds=range(preset.seeds), wall_seconds=record["wall_seconds"],
+                         optimizer_groups=DECAY_POLICY)
             plot_mqar(record, os.path.join(out_dir, f"{stem}.png"))
     return record
 

@@ -64,7 +64,8 @@ from .cli_checks import (
     resolve_device,
 )
 from .lengths import PAPER_LENGTHS, length_label
-from .plotting import save_figure, save_json
+from .plotting import save_figure
+from .provenance import write_record
 
 #: The six tasks of the summary average.  The paper names niah_single_1, niah_single_2,
 #: niah_multivalue and niah_multiquery among its six and excludes CWE; of the other four
@@ -542,7 +543,8 @@ def run(config: NiahConfig) -> dict:
         results["models"][label] = {"path": str(path), "cells": cells, **summarize(cells, config.summary_tasks)}
         out.mkdir(parents=True, exist_ok=True)
         atomic_write_text(out / f"predictions_{_safe(label)}.jsonl", "".join(json.dumps(p) + "\n" for p in predictions))
-        save_json(results, out / "niah.json")  # after every model: partial results survive
+        write_record(out / "niah.json", results, device=resolve_device(config.device), seeds=[config.seed],
+                     allow_nan=False)  # after every model: partial results survive
         del model
     _report(results, out, list(config.diff) if config.diff is not None else None)
     return results

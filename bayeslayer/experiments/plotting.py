@@ -1,6 +1,6 @@
 """Figures drawn from saved results: every experiment plots from its JSON, never from live state.
 
-An experiment writes its numbers with :func:`save_json`, then builds figures from
+An experiment writes its numbers with :func:`bayeslayer.experiments.provenance.write_record`, then builds figures from
 the loaded dict with :func:`line_plot`, so ``--plot-only DIR`` can redraw them
 without rerunning anything.  The helpers know nothing about a particular
 experiment: a figure is a list of :class:`Series` plus axis labels and optional
@@ -12,7 +12,6 @@ reference lines (phase boundaries, closed-form values, chance level).
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Sequence
@@ -68,16 +67,6 @@ def save_figure(fig, path: str | os.PathLike) -> Path:
     path = Path(path)
     with atomic_write(path, "wb") as fh:  # never half a figure, never through a link at ``path``
         fig.savefig(fh, format=path.suffix.lstrip(".").lower() or "png", dpi=120)
-    return path
-
-
-def save_json(obj: dict, path: str | os.PathLike) -> Path:
-    """Write ``obj`` as indented JSON (parent folders created).  Rejects NaN/Inf: results must be numbers."""
-    from ..training.files import atomic_write_text
-
-    path = Path(path)
-    text = json.dumps(obj, indent=1, allow_nan=False)
-    atomic_write_text(path, text + "\n")  # a kill never leaves half a results file
     return path
 
 

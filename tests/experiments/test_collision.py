@@ -16,7 +16,8 @@ import torch
 from bayeslayer.cli import main
 from bayeslayer.design import BAYESIAN, DELTANET
 from bayeslayer.experiments import collision as col
-from bayeslayer.experiments.plotting import RefLine, Series, line_plot, load_json, save_json
+from bayeslayer.experiments.plotting import RefLine, Series, line_plot, load_json
+from bayeslayer.experiments.provenance import write_record
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SIGMOID_1 = 1.0 / (1.0 + math.exp(-1.0))
@@ -79,8 +80,10 @@ def test_json_shape_exact_and_reproducible(results, tmp_path):
     }
     again = col.run_collision()
     assert again == results  # bit-for-bit: deterministic, no randomness anywhere
-    path = save_json(results, tmp_path / "collision.json")
-    assert load_json(path) == results  # JSON round trip loses nothing
+    path = write_record(tmp_path / "collision.json", results, allow_nan=False)
+    saved = load_json(path)
+    assert saved.pop("provenance")["backfilled"] is False
+    assert saved == results  # JSON round trip loses nothing
 
 
 def test_metric_definitions(results):
@@ -216,10 +219,12 @@ def test_cli_writes_json_and_figures_then_redraws_from_json(results, tmp_path, c
     printed = capsys.readouterr().out
     assert "collision.json" in printed and "How to read the table" in printed
     saved = json.loads((out / "collision.json").read_text())
+    assert saved.pop("provenance")["backfilled"] is False
     assert saved == results
     assert set(json.loads((out / "collision_extra.json").read_text())) == {
         "angle_vs_reinforcement",
         "rotated_keys",
+        "provenance",
     }
     for name in col.FIGURES:
         assert (out / name).read_bytes()[:8] == PNG_MAGIC
@@ -312,4 +317,4 @@ def test_plotting_helpers(tmp_path):
     with pytest.raises(ValueError, match="xscale"):
         line_plot(tmp_path / "g.png", [Series("a", [1], [1])], xlabel="x", ylabel="y", xscale="symlog")
     with pytest.raises(ValueError, match="NaN|Out of range"):
-        save_json({"x": float("nan")}, tmp_path / "bad.json")
+        write_record(tmp_path / "bad.json", {"x": float("nan")}, allow_nan=False)

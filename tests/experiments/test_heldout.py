@@ -175,6 +175,7 @@ def test_evaluate_writes_table7_cells_with_the_change_vs_the_reference(model_dir
 
     paths = heldout.write_report(record, tmp_path / "out")
     saved = json.loads(paths["json"].read_text())
+    assert saved.pop("provenance")["device"] == "cpu"
     assert saved == json.loads(json.dumps(record))
     md = paths["table"].read_text()
     assert md == table7_markdown(saved)
@@ -309,7 +310,9 @@ def test_heldout_run_is_called_with_a_config(model_dirs, corpus_dir, tmp_path, c
         models=[("BL", model_dirs["BL"])], sources=[str(corpus_dir)], lengths=[16], windows="sliding", stride=8,
         max_windows=2, max_documents=2, source_splits={str(corpus_dir): "validation"}, device="cpu",
         cache_dir=str(tmp_path / "cache"), out=str(tmp_path / "o2"), name="t7", progress=False))
-    assert json.loads((tmp_path / "o2" / "t7.json").read_text()) == json.loads(json.dumps(record))
+    saved = json.loads((tmp_path / "o2" / "t7.json").read_text())
+    assert saved.pop("provenance")["backfilled"] is False
+    assert saved == json.loads(json.dumps(record))
     assert record["config"]["windows"] == "sliding" and record["config"]["stride"] == 8
     assert record["config"]["sources"][0]["max_documents"] == 2
     assert record["config"]["sources"][0]["split"] == "validation"

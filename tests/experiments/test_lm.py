@@ -267,6 +267,17 @@ def test_eval_command_end_to_end(tmp_path, corpus_dir, cache_dir):
     # a second evaluation reads the per-run cache, which holds the weights' hash
     cached = json.loads((tmp_path / "bl0" / "eval-validation-L32-fp32.json").read_text())
     assert cached["groups"] == seeds[0]["groups"]
+    # every file of the run and of the evaluation records where it came from, through the one writer
+    from bayeslayer.experiments.provenance import missing_fields
+    from bayeslayer.training.optim import DECAY_POLICY
+
+    for path in [out / "lm.json", *(tmp_path / "bl0").glob("*.json")]:
+        saved = json.loads(path.read_text())
+        assert missing_fields(saved) == [], path
+        assert saved["provenance"]["optimizer_groups"] == DECAY_POLICY and saved["provenance"]["device"] == "cpu", path
+    assert record["provenance"]["seeds"] == [0, 1]
+    summary = json.loads((tmp_path / "bl1" / "train_summary.json").read_text())["provenance"]
+    assert summary["seeds"] == [1] and summary["wall_seconds"] > 0
 
 
 def test_window_schedule_is_a_permutation_per_epoch_and_ranks_split_the_batch():

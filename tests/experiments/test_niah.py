@@ -323,11 +323,15 @@ def test_niah_run_is_called_with_a_config(tmp_path, tokenizer, capsys):
     config = niah.NiahConfig(models=[("M", model)], out=str(tmp_path / "out"), lengths=[300], depths=[50.0],
                              tasks=["niah_single_1"], samples_per_cell=2, max_new_tokens=3, device="cpu", quiet=True)
     results = niah.run(config)
-    assert json.loads((tmp_path / "out" / "niah.json").read_text()) == json.loads(json.dumps(results))
+    saved = json.loads((tmp_path / "out" / "niah.json").read_text())
+    assert saved.pop("provenance")["seeds"] == [config.seed]
+    assert saved == json.loads(json.dumps(results))
     [cell] = results["models"]["M"]["cells"]
     assert (cell["task"], cell["length"], cell["depth"], cell["n"]) == ("niah_single_1", 300, 50.0, 2)
     assert results["config"]["lengths"] == [300] and results["config"]["tasks"] == ["niah_single_1"]
-    assert niah.redraw(tmp_path / "out") == json.loads(json.dumps(results))
+    redrawn = niah.redraw(tmp_path / "out")
+    assert redrawn.pop("provenance")["backfilled"] is False
+    assert redrawn == json.loads(json.dumps(results))
     with pytest.raises(TypeError, match="NiahConfig"):
         niah.run(argparse.Namespace(**vars(config)))
     with pytest.raises(ValueError, match="samples_per_cell must be an integer >= 1"):

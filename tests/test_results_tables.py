@@ -1,0 +1,123 @@
+"""The results tables of README.md and docs/ are what ``python -m bayeslayer.results tables`` makes from results/."""
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from bayeslayer import results
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_every_marked_table_matches_its_records():
+    assert results.regenerate(ROOT, check=True) == []
+
+
+@pytest.fixture
+def copy(tmp_path):
+    for document in results.DOCUMENTS:
+        if (ROOT / document).is_file():
+            (tmp_path / document).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(ROOT / document, tmp_path / document)
+    shutil.copytree(ROOT / "results", tmp_path / "results", ignore=shutil.ignore_patterns("*.png", "*.jsonl"))
+    return tmp_path
+
+
+def test_a_changed_number_fails_and_tables_puts_it_back(copy):
+    doc = copy / "docs/experiments.md"
+    text = doc.read_text(encoding="utf-8")
+    assert "| BL (ours, `cpu`, 2 seeds) | 219.48 ± 10.04 |" in text
+    doc.write_text(text.replace("| BL (ours, `cpu`, 2 seeds) | 219.48 ± 10.04 |",
+                                "| BL (ours, `cpu`, 2 seeds) | 219.47 ± 10.04 |"), encoding="utf-8")
+    problems = results.regenerate(copy, check=True)
+    assert len(problems) == 1 and "lm-cpu" in problems[0] and "docs/experiments.md" in problems[0]
+    assert doc.read_text(encoding="utf-8") != text  # --check changes nothing
+    assert results.regenerate(copy) == []
+    assert doc.read_text(encoding="utf-8") == text
+
+
+def test_a_changed_record_fails(copy):
+    import json
+
+    path = copy / "results/mqar/layouts/mqar_update.json"
+    record = json.loads(path.read_text())
+    record["models"]["bayesian"]["summary"]["train_seconds"]["mean"] += 100
+    path.write_text(json.dumps(record))
+    problems = results.regenerate(copy, check=True)
+    assert len(problems) == 1 and "mqar-update-stacked" in problems[0]
+
+
+def test_unknown_unclosed_and_unmarked_tables_are_reported(copy):
+    doc = copy / "docs/experiments.md"
+    text = doc.read_text(encoding="utf-8")
+    begin = "<!-- results-table {}: python -m bayeslayer.results tables -->"
+    doc.write_text(text + "\n" + begin.format("no-such") + "\n| a |\n<!-- /results-table no-such -->\n"
+                   + begin.format("lm-cpu") + "\n", encoding="utf-8")
+    problems = results.regenerate(copy, check=True)
+    assert any("'no-such' has no generator" in p for p in problems)
+    assert any("no closing marker" in p for p in problems)
+    doc.write_text(text.replace("<!-- results-table lm-cpu60:", "<!-- not-a-table lm-cpu60:"), encoding="utf-8")
+    assert any("'lm-cpu60'" in p and "marked in no document" in p for p in results.regenerate(copy, check=True))
+
+
+def test_command_line(copy, capsys):
+    assert results.main(["tables", "--check", "--root", str(copy)]) == 0
+    assert results.main(["tables", "--root", str(copy / "docs")]) == 2  # no results/ there: one line, exit 2
+    assert "has no results/ folder" in capsys.readouterr().err
+
+
+# Tables of measured numbers that are not generated yet, by document and the start of their header.  Each
+# should move into bayeslayer.results.TABLES; a new table of numbers outside the markers fails the test below.
+# (README.md and docs/experiments.md, the documents of results; the kernel and reliability pages quote
+# measurements whose records are logs and test output.)
+CHECKED = ("README.md", "docs/experiments.md")
+NOT_GENERATED_YET = {
+    ("docs/experiments.md", "| quantity | predicted | simulated |"),
+    ("docs/experiments.md", "| model | state floats |"),
+    ("docs/experiments.md", "| model | n = 1 | n = 2 |"),
+    ("docs/experiments.md", "| core | state floats / head | acc"),
+    ("docs/experiments.md", "| core | state floats / head | CE"),
+    ("docs/experiments.md", "| mixer | heads × key dim × value dim"),
+    ("docs/experiments.md", "| claim | paper | ours (default preset) |"),
+    ("docs/experiments.md", "| | default: BL | long: BL |"),
+    ("docs/experiments.md", "| claim | paper | stacked | hybrid"),
+}
+# Tables of numbers that are not measurements: the paper's figures, settings, the status of each command.
+NOT_RESULTS = {
+    ("README.md", "| command | what"),
+    ("docs/experiments.md", "| model | 2k | 4k | 8k | 16k |"),
+    ("docs/experiments.md", "| setting | value |"),
+}
+
+
+def _numeric_tables_outside_markers(root):
+    import re
+
+    found = set()
+    for document in CHECKED:
+        lines, inside = (root / document).read_text(encoding="utf-8").split("\n"), False
+        for i, line in enumerate(lines):
+            inside = (inside or line.startswith("<!-- results-table ")) and not line.startswith("<!-- /results-table")
+            if line.startswith("|") and (i == 0 or not lines[i - 1].startswith("|")) and not inside:
+                j = i
+                while j < len(lines) and lines[j].startswith("|"):
+                    j += 1
+                if sum(len(re.findall(r"\d+\.\d+", row)) for row in lines[i + 2:j]) >= 3:
+                    found.add((document, line))
+    return found
+
+
+def test_no_new_table_of_numbers_outside_the_generated_ones():
+    """The ratchet on quoted numbers: a new table of decimals in the results documents must be generated."""
+    known = NOT_GENERATED_YET | NOT_RESULTS
+    found = _numeric_tables_outside_markers(ROOT)
+    unknown = sorted((d, h) for d, h in found if not any(d == kd and h.startswith(kh) for kd, kh in known))
+    assert unknown == []
+
+
+def test_the_ratchet_sees_a_new_table(copy):
+    doc = copy / "docs/experiments.md"
+    doc.write_text(doc.read_text(encoding="utf-8") + "\n| x | y |\n|---|---|\n| 1.5 | 2.5 |\n| 3.5 | 4.5 |\n",
+                   encoding="utf-8")
+    assert ("docs/experiments.md", "| x | y |") in _numeric_tables_outside_markers(copy)
