@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import json
 import os
 import time
@@ -93,7 +92,7 @@ from .cli_checks import (
     positive_int_arg,
     resolve_device,
 )
-from .harness import TrainConfig, results_record, seed_everything, summarize, write_json
+from .harness import TrainConfig, results_record, seed_everything, summarize, weights_digest, write_json
 from .plotting import save_figure
 
 WIKITEXT_103 = "hf:Salesforce/wikitext:wikitext-103-raw-v1"
@@ -434,15 +433,6 @@ class Objective:
     def finish(self, trainee: torch.nn.Module) -> dict:
         """Checks of the trained model (raise on failure) and facts for ``train_summary.json``."""
         return {}
-
-
-def weights_digest(model) -> str:
-    """SHA-256 of every parameter and buffer in ``state_dict`` order: equal digests = equal weights."""
-    h = hashlib.sha256()
-    for name, tensor in model.state_dict().items():
-        h.update(name.encode())
-        h.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 # --------------------------------------------------------------------------- evaluation
