@@ -10,7 +10,17 @@ Prints three tables (relative errors, max over every token, head and batch entry
    subspace of D = 8, r² ≈ 1e-3, ℓ² ≈ 1e-6, α ≈ 0.9995) with a float32 and a float64 state;
 3. ``--forms``: the covariance-update forms the oracle could use, written out here (plain
    ``P̄ − β u uᵀ`` in float32, Joseph ``(I − K kᵀ) P̄ (I − K kᵀ)ᵀ + r² K Kᵀ`` in float32, a
-   square-root update (QR time update, Potter measurement update) in float32).
+   square-root update (QR time update, Potter measurement update) in float32);
+4. ``--ill`` (``--ill-tokens``, default 20,000; B = 1, H = 2, D = m = 16): ill-conditioned regimes of the
+   chunked path, r² ≈ 1e-3, ℓ² ≈ 1e-6, α ≈ 0.9995 with keys spread 1e-3 around one direction
+   (*collinear*) or confined to a 2-dim subspace, at p0 = 1 and 1e8: ``bl_recurrent`` and ``bl_chunk``
+   in float32 against float64, the largest per-token error (``max_t |Δo_t| / max |o_t|``), the chunk
+   groups whose covariance ran in float64 (:func:`bayeslayer.ops.chunk.chunk_group_dtype`), and the same
+   inputs rounded to bfloat16 against the unrounded float64 reference;
+5. ``--cost``: ``bl_chunk`` forward and forward+backward time (one thread, minimum over interleaved
+   repeats) with the float64 group rule as shipped, with it off (every group in float32, the pass before
+   the rule) and with every group in float64, in a typical regime (unit keys, r² ∈ [0.1, 1.1]) and the
+   collinear one.
 
 Run it against another checkout to compare (``PYTHONPATH=/path/to/checkout python benchmarks/numerics.py``).
 Slow by design (the decode is a Python loop over tokens); never a test.
@@ -190,19 +200,142 @@ def table_forms(p0s=(1e4, 1e6, 1e7, 1e8)):
     print("seconds per run: " + ", ".join(f"{f} {str(d)[6:]} {s:.2f}" for (f, d), s in timing.items()))
 
 
+def ill_inputs(keys: str, T: int, B=1, H=2, D=16, m=16, spread=1e-3, seed=0):
+    """Table 4's regimes: unit keys spread ``spread`` around one direction per head (``collinear``) or in a
+    2-dim subspace; r² ≈ 1e-3, ℓ² ≈ 1e-6, α ≈ 0.9995.  float32 values held in float64."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.rand(*shape, generator=g, dtype=F64)
+
+    q = torch.randn(B, T, H, D, generator=g, dtype=F64)
+    v = torch.randn(B, T, H, m, generator=g, dtype=F64)
+    if keys == "collinear":
+        k = torch.randn(H, D, generator=g, dtype=F64) + spread * torch.randn(B, T, H, D, generator=g, dtype=F64)
+    else:
+        basis = torch.linalg.qr(torch.randn(D, 2, generator=g, dtype=F64))[0]
+        k = torch.randn(B, T, H, 2, generator=g, dtype=F64) @ basis.T
+    x = dict(q=q, k=torch.nn.functional.normalize(k, dim=-1), v=v, r2=1e-3 * (0.5 + rand(B, T, H)),
+             ell2=1e-6 * (0.5 + rand(B, T, H)), alpha=0.9995 + 0.0005 * rand(B, T, H))
+    return {name: t.float().double() for name, t in x.items()}
+
+
+def per_token(a: torch.Tensor, ref: torch.Tensor) -> float:
+    """Max over tokens of ``|Δo_t| / max |o_t|`` (each token against its own largest output)."""
+    return float(((a.double() - ref).abs().amax(-1) / ref.abs().amax(-1).clamp_min(1e-30)).max())
+
+
+def key_spread(k: torch.Tensor) -> float:
+    """Mean distance of the keys from their mean direction (per head)."""
+    centre = torch.nn.functional.normalize(k.double().mean(dim=(0, 1), keepdim=True), dim=-1)
+    return float((k.double() - centre).norm(dim=-1).mean())
+
+
+def table_ill(T: int):
+    from bayeslayer.ops import chunk as chunk_module
+
+    args = ("q", "k", "v", "r2", "ell2", "alpha")
+    print(f"\n4. ill-conditioned chunks (B=1, T={T}, H=2, D=m=16; r² ≈ 1e-3, ℓ² ≈ 1e-6, α ≈ 0.9995): max|Δo| / "
+          "max|o| against float64 on the same values")
+    print("   (bf16: the keys, or every input, rounded to bfloat16, against the reference on the unrounded values;"
+          " ‖Δk‖: mean change of a key by that rounding; spread: mean distance of the keys from their mean direction)")
+    print(f"{'keys':>9} {'p0':>5} | {'recurrent':>9} {'per token':>9} | {'chunk':>9} {'per token':>9} "
+          f"{'f64 groups':>10} | {'bf16 k: rec.':>12} {'chunk':>6} {'all bf16: chunk':>15} {'‖Δk‖':>7} {'spread':>7}")
+    counted = []
+    original = getattr(chunk_module, "chunk_group_dtype", None)  # None: a checkout from before the rule
+
+    def counting(*a, **kw):
+        dtype = original(*a, **kw)
+        counted.append(dtype == torch.float64)
+        return dtype
+
+    for keys, p0 in (("collinear", 1.0), ("subspace", 1.0), ("subspace", 1e8)):
+        x = ill_inputs(keys, T)
+        ref, _ = bl_recurrent(*(x[a] for a in args), p0=p0)
+        f32 = [x[a].float() for a in args]
+        o_r, _ = bl_recurrent(*f32, p0=p0)
+        counted.clear()
+        if original is not None:
+            chunk_module.chunk_group_dtype = counting
+        try:
+            o_c, _ = bl_chunk(*f32, p0=p0)
+        finally:
+            if original is not None:
+                chunk_module.chunk_group_dtype = original
+        k_bf = x["k"].to(torch.bfloat16).float()
+        o_rb, _ = bl_recurrent(f32[0], k_bf, *f32[2:], p0=p0)
+        o_cb, _ = bl_chunk(f32[0], k_bf, *f32[2:], p0=p0)
+        o_ab, _ = bl_chunk(*(x[a].to(torch.bfloat16) for a in args), p0=p0)
+        groups = f"{sum(counted)}/{len(counted)}" if original is not None else "-"
+        dk = float((k_bf.double() - x["k"]).norm(dim=-1).mean())
+        print(f"{keys:>9} {p0:>5.0e} | {rel(o_r, ref):>9.1e} {per_token(o_r, ref):>9.1e} | {rel(o_c, ref):>9.1e} "
+              f"{per_token(o_c, ref):>9.1e} {groups:>10} | {rel(o_rb, ref):>12.2g} {rel(o_cb, ref):>6.2g} "
+              f"{rel(o_ab, ref):>15.2g} {dk:>7.1e} {key_spread(x['k']):>7.1e}", flush=True)
+
+
+def table_cost(T: int = 4096, repeats: int = 5):
+    from bayeslayer.ops import chunk as chunk_module
+
+    g = torch.Generator().manual_seed(0)
+    B, H, D = 1, 4, 32
+    typical = dict(q=torch.randn(B, T, H, D, generator=g),
+                   k=torch.nn.functional.normalize(torch.randn(B, T, H, D, generator=g), dim=-1),
+                   v=torch.randn(B, T, H, D, generator=g), r2=0.1 + torch.rand(B, T, H, generator=g),
+                   ell2=1e-3 + 0.01 * torch.rand(B, T, H, generator=g),
+                   alpha=0.9 + 0.1 * torch.rand(B, T, H, generator=g))
+    collinear = {name: t.float() for name, t in ill_inputs("collinear", T, H=H, D=D, m=D).items()}
+    args = ("q", "k", "v", "r2", "ell2", "alpha")
+    rules = {"as shipped": chunk_module.CHUNK_FLOAT32_RATIO, "rule off (all float32)": float("inf"),
+             "all float64": 0.0}
+    print(f"\n5. bl_chunk time (B={B}, T={T}, H={H}, D=m={D}, one thread; min of {repeats} interleaved runs)")
+    print(f"{'regime':>10} {'float64 rule':>24} | {'forward s':>9} {'ratio':>6} | {'fwd+bwd s':>9} {'ratio':>6}")
+    for regime, x in (("typical", typical), ("collinear", collinear)):
+        fwd = dict.fromkeys(rules, float("inf"))
+        both = dict.fromkeys(rules, float("inf"))
+        leaves = [x[a].clone().requires_grad_() for a in ("q", "k", "v")]
+        try:
+            for _ in range(repeats):
+                for name, ratio in rules.items():
+                    chunk_module.CHUNK_FLOAT32_RATIO = ratio
+                    t0 = time.perf_counter()
+                    bl_chunk(*(x[a] for a in args))
+                    fwd[name] = min(fwd[name], time.perf_counter() - t0)
+                    t0 = time.perf_counter()
+                    o, _ = bl_chunk(*leaves, *(x[a] for a in args[3:]))
+                    o.sum().backward()
+                    both[name] = min(both[name], time.perf_counter() - t0)
+        finally:
+            chunk_module.CHUNK_FLOAT32_RATIO = rules["as shipped"]
+        base, base_both = fwd["rule off (all float32)"], both["rule off (all float32)"]
+        for name in rules:
+            print(f"{regime:>10} {name:>24} | {fwd[name]:>9.3f} {fwd[name] / base:>6.2f} | {both[name]:>9.3f} "
+                  f"{both[name] / base_both:>6.2f}", flush=True)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=100_000, help="decoded tokens in table 2 (0: skip it)")
     parser.add_argument("--forms", action="store_true", help="also print table 3 (the update forms)")
+    parser.add_argument("--ill", action="store_true", help="also print table 4 (ill-conditioned chunks, bf16)")
+    parser.add_argument("--ill-tokens", type=int, default=20_000, help="tokens of table 4 (default 20,000)")
+    parser.add_argument("--cost", action="store_true", help="also print table 5 (the float64 rule's cost)")
+    parser.add_argument("--only", action="store_true", help="print only the tables asked for by --forms/--ill/--cost")
     args = parser.parse_args(argv)
     if args.tokens < 0:
         parser.error(f"--tokens must be >= 0, got {args.tokens}")
+    if args.ill_tokens < 1:
+        parser.error(f"--ill-tokens must be >= 1, got {args.ill_tokens}")
     torch.set_num_threads(1)  # tiny matrices: threads only add synchronisation
-    table_p0()
-    if args.tokens:
-        table_decode(args.tokens)
+    if not args.only:
+        table_p0()
+        if args.tokens:
+            table_decode(args.tokens)
     if args.forms:
         table_forms()
+    if args.ill:
+        table_ill(args.ill_tokens)
+    if args.cost:
+        table_cost()
 
 
 if __name__ == "__main__":

@@ -111,7 +111,7 @@ CURVES = ("cross_entropy_vs_load", "accuracy_vs_load")
 @dataclass(frozen=True)
 class CrowdingConfig(CoreRunConfig):
     """One crowding run: ``preset`` (a :class:`CrowdingPreset`; default ``PRESETS["default"]``), ``models``,
-    ``out`` (``None``: write nothing), ``progress``; checked as
+    ``out`` (``None``: write nothing), ``progress``, ``checkpoint_every``; checked as
     :class:`~bayeslayer.experiments.core_cli.CoreRunConfig`."""
 
     preset_type: ClassVar[type] = CrowdingPreset

@@ -31,6 +31,7 @@ validation metric (e.g. query accuracy on a held-out split) is highest.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import random
@@ -52,6 +53,15 @@ from ..training.loop import lr_lambda as lr_lambda  # the schedule, also importe
 from .provenance import jsonable
 
 IGNORE_INDEX = -100
+
+# TrainConfig fields that never change what a run computes (when checkpoints are written): a checkpoint or
+# a cached seed written with another value is resumed or reused all the same
+BOOKKEEPING = frozenset({"checkpoint_every"})
+
+
+def _settings(config: dict) -> dict:
+    """A :class:`TrainConfig` as a dict (``asdict`` or read back from JSON) without its bookkeeping fields."""
+    return {k: v for k, v in config.items() if k not in BOOKKEEPING}
 
 
 @dataclass
@@ -93,6 +103,15 @@ def query_accuracy(logits: torch.Tensor, labels: torch.Tensor) -> float:
     if n == 0:
         raise ValueError("labels have no token with a loss (all -100)")
     return float((logits.argmax(-1)[mask] == labels[mask]).float().mean())
+
+
+def weights_digest(model: nn.Module) -> str:
+    """SHA-256 of every parameter and buffer in ``state_dict`` order: equal digests = equal weights."""
+    h = hashlib.sha256()
+    for name, tensor in model.state_dict().items():
+        h.update(name.encode())
+        h.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def _save_weights(model: nn.Module, path) -> None:
@@ -176,10 +195,11 @@ class _HarnessCheckpoints(Checkpoints):
             return None
 
     def accept(self, checkpoint, state) -> bool:
-        config = asdict(self.config)
-        if state["config"] == config and state.get("identity") == self.identity:
+        config = _settings(asdict(self.config))
+        saved = _settings(state["config"]) if isinstance(state["config"], dict) else state["config"]
+        if saved == config and state.get("identity") == self.identity:
             return True
-        which = ("config", state["config"], config) if state["config"] != config else (
+        which = ("config", saved, config) if saved != config else (
             "task/model settings", state.get("identity"), self.identity)
         message = f"checkpoint {checkpoint} was written with {which[0]} {which[1]}, not {which[2]}"
         if not self.restart:
@@ -313,7 +333,8 @@ def _train_seed(name, build_model, sample_batch, config: TrainConfig, seed: int,
         if os.path.exists(cache):
             try:
                 cached = read_json(cache, what="cached seed result")
-                if (isinstance(cached, dict) and cached.get("train_config") == jsonable(asdict(cfg))
+                saved = cached.get("train_config") if isinstance(cached, dict) else None
+                if (isinstance(saved, dict) and _settings(saved) == _settings(jsonable(asdict(cfg)))
                         and cached.get("fingerprint") == jsonable(fingerprint)):
                     return cached["record"]
             except (ValueError, KeyError, TypeError) as exc:
@@ -323,6 +344,7 @@ def _train_seed(name, build_model, sample_batch, config: TrainConfig, seed: int,
     res = train(model, sample_batch, cfg, evaluate=evaluate, checkpoint_path=ckpt, progress=progress,
                 desc=f"{name} seed {seed}", identity={"fingerprint": jsonable(fingerprint)},
                 restart_on_mismatch=True)
+    digest = weights_digest(model)
     model.eval()
     try:
         with torch.no_grad():
@@ -336,7 +358,7 @@ def _train_seed(name, build_model, sample_batch, config: TrainConfig, seed: int,
     curve = [float(np.mean(res.losses[s - width : s])) for s in curve_steps]
     tail = res.losses[-max(1, n // 10):]
     record = {"seed": int(seed), "train_seconds": res.seconds, "final_train_loss": float(np.mean(tail)),
-              "loss_curve": {"step": curve_steps, "loss": curve}, "evals": res.evals, **final}
+              "loss_curve": {"step": curve_steps, "loss": curve}, "evals": res.evals, "weights_sha256": digest, **final}
     if cache is not None:
         write_json(cache, {"train_config": asdict(cfg), "fingerprint": fingerprint, "record": record})
         shutil.rmtree(ckpt, ignore_errors=True)

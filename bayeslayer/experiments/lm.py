@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import json
 import os
 import time
@@ -101,7 +100,7 @@ from .cli_checks import (
     redrawing,
     resolve_device,
 )
-from .harness import TrainConfig, results_record, seed_everything, summarize
+from .harness import TrainConfig, results_record, seed_everything, summarize, weights_digest
 from .plotting import save_figure
 from .provenance import write_record
 
@@ -444,15 +443,6 @@ class Objective:
     def finish(self, trainee: torch.nn.Module) -> dict:
         """Checks of the trained model (raise on failure) and facts for ``train_summary.json``."""
         return {}
-
-
-def weights_digest(model) -> str:
-    """SHA-256 of every parameter and buffer in ``state_dict`` order: equal digests = equal weights."""
-    h = hashlib.sha256()
-    for name, tensor in model.state_dict().items():
-        h.update(name.encode())
-        h.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 # --------------------------------------------------------------------------- evaluation

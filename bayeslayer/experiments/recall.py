@@ -181,7 +181,7 @@ CURVES = ("accuracy_vs_n_f", "cross_entropy_vs_n_f", "margin_vs_n_f", "margin_vs
 @dataclass(frozen=True)
 class RecallConfig(CoreRunConfig):
     """One recall run: ``preset`` (a :class:`RecallPreset`; default ``PRESETS["default"]``), ``models``,
-    ``out`` (``None``: write nothing), ``progress``; checked as
+    ``out`` (``None``: write nothing), ``progress``, ``checkpoint_every``; checked as
     :class:`~bayeslayer.experiments.core_cli.CoreRunConfig`."""
 
     preset_type: ClassVar[type] = RecallPreset

@@ -194,8 +194,10 @@ def bl_chunk(
     ``cu_seqlens`` (``[N + 1]`` int, B = 1) packs N variable-length sequences along T like
     flash-linear-attention; ``initial_state``/final state are then per sequence (N in place of B).
     A wide prior (``p0·‖k‖²/r² > 1e4``) or a float64 ``P`` runs the covariance pass in float64 and
-    returns ``P`` in float64 (:func:`~bayeslayer.ops.checks.covariance_dtype`); a chunk that is
-    not positive definite even so raises a ``ValueError`` naming p0 and the safe range.
+    returns ``P`` in float64 (:func:`~bayeslayer.ops.checks.covariance_dtype`), a wide prior the mean
+    pass too; on the PyTorch path a group of chunks where ``max diag(P)·‖k‖²/r²`` can exceed 1e2 runs
+    its covariance pass in float64 as well (:func:`~bayeslayer.ops.chunk.chunk_group_dtype`); a chunk
+    that is not positive definite even so raises a ``ValueError`` naming p0 and the safe range.
     ``backend``: ``"auto"`` (Triton kernels for CUDA tensors when Triton is installed and the
     configuration is supported, else PyTorch), ``"torch"``, or ``"triton"`` (the kernels, or a
     :class:`BackendError` saying why not) — see the module docstring.

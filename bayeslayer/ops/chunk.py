@@ -277,6 +277,41 @@ class Chunked:
         return ChunkDynamics(self.log_alpha[s:e], theta)
 
 
+# Below the wide-prior rule the covariance pass runs in float32 chunk by chunk, but in float64 for every
+# group of PROMOTE_GROUP chunks where ``max diag(P) · max ‖k‖² / min r²`` can exceed this ratio (diag(P)
+# bounded over the group by its value at the start, decayed, plus the process noise; writes only lower
+# it).  The pass subtracts writes of size kᵀPk to leave about r² and carries P's small directions next
+# to large ones, so float32 keeps about eps32 · ratio of them, and where the memory is long (α ≈ 1,
+# small ℓ²) those errors stay in the mean.  Measured (benchmarks/numerics.py --ill, T = 20,000): keys
+# spread 1e-3 around one direction or confined to a 2-dim subspace, r² ≈ 1e-3, p0 = 1 (ratio ≈ 2e3)
+# erred about 1e-4 in float32 where the recurrent oracle (float64 covariance) errs about 1e-6.  Unit
+# keys with r² ≥ 0.1 at p0 = 1 stay below it and run in float32 as before.
+CHUNK_FLOAT32_RATIO = 1e2
+PROMOTE_GROUP = 8
+
+
+def chunk_group_dtype(P: torch.Tensor, k: torch.Tensor, r2: torch.Tensor, ell2: torch.Tensor,
+                      log_alpha: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
+    """The covariance pass's dtype for a group of chunks (see :data:`CHUNK_FLOAT32_RATIO`): ``dtype`` or float64.
+
+    P ``[B, H, D, D]`` at the group start; k ``[n, B, H, C, D]``; r2, ell2 ``[n, B, H, C]``; log_alpha
+    ``[n, B, H, C, Da]``.  ``max diag(P)`` inside the group is bounded by ``p_t = α_t² p_{t-1} + ℓ²_t`` from
+    ``p_0 = max diag(P)`` (the weakest decay of the token's channels; writes only lower P), summed in log
+    space.  One host sync.
+    """
+    if P.dtype == torch.float64 or P.device.type == "meta":
+        return P.dtype
+    f64 = torch.float64
+    la = (2 * log_alpha.detach().amax(-1).to(f64)).movedim(0, -2).flatten(-2)  # [B, H, n·C]
+    g = torch.cumsum(la, -1)  # log Π α²
+    log_noise = torch.logcumsumexp(torch.log(ell2.detach().to(f64).movedim(0, -2).flatten(-2)) - g, -1)
+    log_p0 = torch.log(torch.diagonal(P.detach(), dim1=-2, dim2=-1).amax(-1).to(f64))[..., None]
+    pmax = torch.logaddexp(log_p0, log_noise).add(g).exp().amax().maximum(log_p0.exp().amax())
+    kmax = torch.linalg.vector_norm(k.detach(), dim=-1).amax().to(torch.float64) ** 2
+    ratio = pmax * kmax / r2.detach().amin().to(torch.float64)
+    return torch.float64 if bool(ratio > CHUNK_FLOAT32_RATIO) else dtype
+
+
 def _bmm_add(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
     """``c + alpha · a @ b`` for ``[..., i, j]`` batches, as one fused ``baddbmm``."""
     lead = c.shape[:-2]
@@ -479,8 +514,12 @@ def _filter_chunk(
     P = pr.P0
     cd = pr.q.dtype
     # a wide prior (or a float64 state) runs the covariance in float64 (checks.covariance_dtype): in
-    # float32 the pivots of S fall below its rounding at p0 ≈ 1e7 and the results drift before that
+    # float32 the pivots of S fall below its rounding at p0 ≈ 1e7 and the results drift before that;
+    # otherwise the dtype is chosen per group of chunks (chunk_group_dtype)
     pd = covariance_dtype(P, pr.k, pr.r2) if P is not None else cd
+    # a wide prior also runs the mean pass in float64: keys rounded to float32 stray ~1e-8 out of the
+    # directions they were written in, and a prior of 1e8 there turns that into writes of size 1/r²
+    md = torch.float64 if P is not None and P.dtype != torch.float64 and pd == torch.float64 else cd
     if P is not None:
         P = P.to(pd)
     # write keys for the whole sequence, or None: the dense covariance pass gives them block by block
@@ -488,26 +527,38 @@ def _filter_chunk(
     per_block = write_keys is None
     ch = Chunked(pr, C, need_noise=per_block)
     wch = to_chunks(pad_time(write_keys, ch.pad), C) if write_keys is not None else None
-    M = pr.M0
+    M = pr.M0.to(md)
     outs, variances, ws = [], [], []
     for s, e in ch.blocks():
         dyn = ch.dyn(s, e)
         if per_block:
-            qv = ch.q[s:e].to(pd) if return_variance else None
-            dyn_p = dyn if pd == cd else ch.dyn(s, e, pd)
-            w, var_b, P = covariance_pass(dyn_p, qv, ch.k[s:e].to(pd), ch.r2[s:e].to(pd), ch.ell2[s:e].to(pd), P)
-            w = w.to(cd)
-            variances.append(var_b.to(cd) if var_b is not None else None)
+            w = []
+            for a in range(s, e, PROMOTE_GROUP):
+                b = min(a + PROMOTE_GROUP, e)
+                gd = chunk_group_dtype(P, ch.k[a:b], ch.r2[a:b], ch.ell2[a:b], ch.log_alpha[a:b], pd)
+                qv = ch.q[a:b].to(gd) if return_variance else None
+                w_g, var_g, P = covariance_pass(ch.dyn(a, b, None if gd == cd else gd), qv, ch.k[a:b].to(gd),
+                                                ch.r2[a:b].to(gd), ch.ell2[a:b].to(gd), P.to(gd))
+                w.append(w_g.to(cd))
+                variances.append(var_g.to(cd) if var_g is not None else None)
+            w = cat_blocks(w)
         else:
             w = wch[s:e]
-        o, M = mean_pass(dyn, ch.q[s:e], ch.k[s:e], ch.v[s:e], w, M, erase=write.erase)
+        if md == cd:
+            o, M = mean_pass(dyn, ch.q[s:e], ch.k[s:e], ch.v[s:e], w, M, erase=write.erase)
+        else:
+            o, M = mean_pass(ch.dyn(s, e, md), ch.q[s:e].to(md), ch.k[s:e].to(md), ch.v[s:e].to(md), w.to(md), M,
+                             erase=write.erase)
+            o = o.to(cd)
         outs.append(o)
         ws.append((w * ch.k[s:e]).sum(-1))  # the gain kᵀw, per token
     o = from_chunks(cat_blocks(outs), T)
     gain = from_chunks(cat_blocks(ws), T)
     if per_block and return_variance:
         var = from_chunks(cat_blocks(variances), T)
-    return pr.finish(o, var, gain, M, P, output_final_state)
+    if P is not None:
+        P = P.to(pd)  # the state's dtype does not depend on the groups promoted on the way
+    return pr.finish(o, var, gain, M.to(cd), P, output_final_state)
 
 
 def _filter_chunk_varlen(q, k, v, cu_seqlens, write: WriteModel, inputs: FilterInputs, *, initial_state,

@@ -276,3 +276,28 @@ def test_train_seeds_does_not_resume_a_checkpoint_of_other_settings(tmp_path):
         other = train_seeds("toy", lambda s: make_model(s), sample_copy, cfg, [0], final, run_dir=str(tmp_path),
                             progress=False, fingerprint={"task": "b"})
     assert other[0]["loss_curve"] == fresh[0]["loss_curve"]
+
+
+def test_a_checkpoint_or_cached_seed_of_another_checkpoint_interval_is_used(tmp_path, capsys):
+    """When checkpoints are written changes nothing a run computes: a run resumes a checkpoint written at
+    another interval, reuses a seed cached with one, and records the trained weights' SHA-256."""
+    def final(m):
+        return {}
+
+    full = train_seeds("toy", make_model, sample_copy, CFG, [0], final, progress=False)
+    ckpt = str(tmp_path / "toy_seed0.ckpt")
+    train(make_model(), sample_copy, CFG, checkpoint_path=ckpt, stop_after=6, progress=False,
+          identity={"fingerprint": None})
+    other = TrainConfig(**{**CFG.__dict__, "checkpoint_every": 5})
+    built = []
+
+    def build(seed):
+        built.append(seed)
+        return make_model(seed)
+
+    resumed = train_seeds("toy", build, sample_copy, other, [0], final, run_dir=str(tmp_path), progress=False)
+    assert f"resuming from step 6 ({ckpt}" in capsys.readouterr().err
+    assert resumed[0]["weights_sha256"] == full[0]["weights_sha256"] and len(full[0]["weights_sha256"]) == 64
+    assert resumed[0]["loss_curve"] == full[0]["loss_curve"] and resumed[0]["evals"] == full[0]["evals"]
+    again = train_seeds("toy", build, sample_copy, CFG, [0], final, run_dir=str(tmp_path), progress=False)
+    assert built == [0] and again == resumed  # cached with checkpoint_every=5, reused with 3

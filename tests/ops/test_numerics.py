@@ -108,6 +108,60 @@ def test_chunk_refuses_a_prior_beyond_float64_with_a_clear_error():
         bl_chunk(x["q"], k, *(x[a] for a in ("v", "r2", "ell2", "alpha")), p0=1e18, chunk_size=16)
 
 
+def ill_chunk_inputs(keys: str, T: int = 256, H: int = 2, D: int = 16, seed: int = 0):
+    """Unit keys spread 1e-3 around one direction per head (``collinear``) or in a 2-dim ``subspace``;
+    r² ≈ 1e-3, ℓ² ≈ 1e-6, α ≈ 0.9995: float32 values held in float64 (``benchmarks/numerics.py --ill``)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.rand(*shape, generator=g, dtype=F64)
+
+    q, v = torch.randn(1, T, H, D, generator=g, dtype=F64), torch.randn(1, T, H, D, generator=g, dtype=F64)
+    if keys == "collinear":
+        k = torch.randn(H, D, generator=g, dtype=F64) + 1e-3 * torch.randn(1, T, H, D, generator=g, dtype=F64)
+    else:
+        k = torch.randn(1, T, H, 2, generator=g, dtype=F64) @ torch.linalg.qr(torch.randn(D, 2, generator=g,
+                                                                                         dtype=F64))[0].T
+    x = dict(q=q, k=F.normalize(k, dim=-1), v=v, r2=1e-3 * (0.5 + rand(1, T, H)), ell2=1e-6 * (0.5 + rand(1, T, H)),
+             alpha=0.9995 + 0.0005 * rand(1, T, H))
+    return {name: t.float().double() for name, t in x.items()}
+
+
+@pytest.mark.parametrize("keys, p0", [("collinear", 1.0), ("subspace", 1.0), ("subspace", 1e8)])
+def test_chunk_ill_conditioned_float32_within_10x_of_the_recurrent_path(keys, p0):
+    """Before the per-group float64 rule the chunk path erred 4.8e-4 (collinear) and 7.3e-4 (subspace) here,
+    the recurrent path 6.6e-7 and 2.2e-7."""
+    x = ill_chunk_inputs(keys)
+    ref, _ = bl_recurrent(*(x[a] for a in ARGS), p0=p0)
+    o_rec, _ = bl_recurrent(*(x[a].float() for a in ARGS), p0=p0)
+    o, (_, P) = bl_chunk(*(x[a].float() for a in ARGS), p0=p0, output_final_state=True)
+    assert o.dtype == torch.float32
+    assert rel(o, ref) <= 10 * rel(o_rec, ref), (rel(o, ref), rel(o_rec, ref))
+    assert P.dtype == (F64 if p0 > 1e4 else torch.float32)  # the state's dtype follows the wide-prior rule only
+
+
+def test_chunk_group_dtype_rule(monkeypatch):
+    from bayeslayer.ops import chunk as chunk_module
+
+    P = torch.eye(4).expand(1, 1, 4, 4)
+    k = F.normalize(torch.ones(2, 1, 1, 8, 4), dim=-1)
+    r2, ell2, no_decay = torch.full((2, 1, 1, 8), 0.02), torch.zeros(2, 1, 1, 8), torch.zeros(2, 1, 1, 8, 1)
+    group_dtype = chunk_module.chunk_group_dtype
+    assert group_dtype(P, k, r2, ell2, no_decay, torch.float32) == torch.float32  # ratio 50
+    assert group_dtype(P, k, r2 / 4, ell2, no_decay, torch.float32) == F64  # 200
+    # the process noise the group adds counts (P may grow by Σ ℓ² = 1.6 without decay), less with decay
+    assert group_dtype(P, k, r2, ell2 + 0.1, no_decay, torch.float32) == F64
+    assert group_dtype(P, k, r2, ell2 + 0.1, no_decay - 0.5, torch.float32) == torch.float32  # α² = e^-1
+    assert group_dtype(P.double(), k, r2, ell2, no_decay, torch.float32) == F64  # a float64 P stays
+    # unit keys, r² ≥ 0.1, p0 = 1 (the typical regime): every group in float32
+    seen = []
+    original = chunk_module.chunk_group_dtype
+    monkeypatch.setattr(chunk_module, "chunk_group_dtype", lambda *a: seen.append(original(*a)) or seen[-1])
+    x = inputs(1024, regime="wide", D=16)
+    bl_chunk(*(x[a].float() for a in ARGS))
+    assert len(seen) == 2 and set(seen) == {torch.float32}
+
+
 def test_step_wide_prior_decodes_like_float64():
     x = inputs(24, regime="wide")
     ref_o, ref_var, _ = bl_recurrent(*(x[a] for a in ARGS), p0=1e8, return_variance=True)
