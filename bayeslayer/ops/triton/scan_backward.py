@@ -378,7 +378,7 @@ def _chunk_next(Pc, Pn, US, DV_base, PG, PB, pc, g, b, gend, bC, rows, offs_k,
     tl.debug_barrier()
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NS"])
 def scan_segment_adjoint_kernel(
     Q, K, V, R2, ELL2, LA, PG, PB, PBASE, chunk_first,
     DW, DBETA, DLINV, DVAR, DKW, DVU, DG,
@@ -392,7 +392,7 @@ def scan_segment_adjoint_kernel(
     BK: tl.constexpr,
     BM: tl.constexpr,
     BV: tl.constexpr,
-    NS: tl.constexpr,
+    NS,
     DIAG: tl.constexpr,
     VAR: tl.constexpr,
     INPUTS: tl.constexpr,
