@@ -256,8 +256,8 @@ def _decay_block(PG, PB, pc, rows, od, g, b, gend, bC, C: tl.constexpr, D: tl.co
     scalars ``gend``, ``bC`` as ``[C, 1]`` columns that broadcast over the channels (``b_C`` only on ``od < D``).
     """
     if DIAG:
-        g_a = prep_tile(PG, pc, rows, od, C, D)
-        b_a = prep_tile(PB, pc, rows, od, C, D)
+        g_a = prep_tile(PG, pc, rows, od, C, D, PG.dtype.element_ty)
+        b_a = prep_tile(PB, pc, rows, od, C, D, PB.dtype.element_ty)
         ge = row_of(g_a, rows, C - 1)  # padding rows are no-op tokens: row C − 1 is the chunk end
         gam_a = tl.exp(g_a)
         end_a = tl.exp(ge[None, :] - g_a)
