@@ -82,3 +82,50 @@ def triton_only():
     finally:
         for (module, name), value in saved.items():
             setattr(module, name, value)
+
+
+@contextlib.contextmanager
+def compile_keys(arch: int = 90):
+    """Record, for every launch of one of the project's Triton kernels, the key Triton's JIT would look its
+    compiled kernel up by on an ``sm_<arch>`` GPU: ``keys[kernel name]`` is the set of distinct keys, i.e. the
+    number of compiles that kernel would need for what ran.
+
+    Under ``TRITON_INTERPRET=1`` nothing compiles, so the key is computed the way ``JITFunction.run`` does
+    (its argument binder: every ``tl.constexpr`` value, the dtype and 16-byte alignment of every pointer, and
+    for an int argument without ``do_not_specialize`` whether it is 1 or a multiple of 16), for the CUDA backend,
+    from the launch's own arguments; then the interpreted kernel runs as usual.
+    """
+    from collections import defaultdict
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction, create_function_from_signature
+
+    from bayeslayer.ops.triton import kernels, ldl, scan, scan_backward
+
+    backend = make_backend(GPUTarget("cuda", arch, 32))
+    keys: dict[str, set] = defaultdict(set)
+    saved = []
+    for module in (kernels, ldl, scan, scan_backward):
+        for name, fn in vars(module).items():
+            if not isinstance(fn, InterpretedFunction) or fn.fn.__module__ != module.__name__:
+                continue
+            opts = {k: v for k, v in fn.kwargs.items() if k in ("do_not_specialize", "do_not_specialize_on_alignment")}
+            jit = JITFunction(fn.fn, **opts)
+            binder = create_function_from_signature(jit.signature, jit.params, backend)
+
+            def run(*args, _name=name, _binder=binder, _run=fn.run, **kwargs):
+                launch = {k: v for k, v in kwargs.items() if k not in ("grid", "warmup")}
+                _, specialization, options = _binder(*args, **launch)
+                keys[_name].add(str(specialization) + str(sorted(options.items())))
+                return _run(*args, **kwargs)
+
+            saved.append((fn, "run" in vars(fn)))
+            fn.run = run
+    try:
+        yield keys
+    finally:
+        for fn, had in saved:
+            if not had:
+                del fn.run

@@ -43,27 +43,40 @@ from .checks import check_chunk_size, check_cu_seqlens, check_qkv, check_state, 
 from .chunk import ChunkDynamics, covariance_prework, unit_lower_inverse
 from .prepare import prepare
 
-# Phase A and C run one program per (segment, head): aim at about two waves of an H100/H200 (132 SMs)
-TARGET_PROGRAMS = 264
+# Phase A and C run one program per (segment, head).  An H100/H200 has 132 SMs: with at least that many
+# (sequence, head) chains one segment per sequence already fills the GPU and Phase A/B would be pure extra work;
+# below it, aim at about two waves (TARGET_WAVES programs per SM).
+DEFAULT_SMS = 132
+TARGET_WAVES = 2
+TARGET_PROGRAMS = TARGET_WAVES * DEFAULT_SMS
 # up to this many tokens a sequence is one segment: the chain is short and the extra Phase A/B work is not worth it
 ONE_SEGMENT_MAX_T = 4096
 # no segment shorter than this many chunks (Phase A costs about twice Phase C per chunk)
 MIN_SEGMENT_CHUNKS = 4
 
 
-def choose_segment_chunks(n_programs: int, n_chunks: int, T: int, *, target: int = TARGET_PROGRAMS) -> int:
+def device_sms(device) -> int:
+    """Streaming multiprocessors of ``device`` (a CUDA device's own count; :data:`DEFAULT_SMS` otherwise)."""
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return DEFAULT_SMS
+
+
+def choose_segment_chunks(n_programs: int, n_chunks: int, T: int, *, sms: int = DEFAULT_SMS) -> int:
     """Chunks per segment for ``n_programs = (sequences)·H'`` chains of ``n_chunks`` chunks (``T`` tokens).
 
-    One segment when ``T ≤ ONE_SEGMENT_MAX_T``; otherwise ``≈ target / n_programs`` segments per
-    sequence (at least one, and none shorter than :data:`MIN_SEGMENT_CHUNKS` chunks).
+    One segment when ``T ≤ ONE_SEGMENT_MAX_T`` or when the chains alone fill the GPU (``n_programs ≥ sms``,
+    its SM count); otherwise ``≈ TARGET_WAVES·sms / n_programs`` segments per sequence (at least one, and
+    none shorter than :data:`MIN_SEGMENT_CHUNKS` chunks).
     """
-    for name, x in (("n_programs", n_programs), ("n_chunks", n_chunks), ("T", T)):
+    for name, x in (("n_programs", n_programs), ("n_chunks", n_chunks), ("T", T), ("sms", sms)):
         if isinstance(x, bool) or not isinstance(x, int) or x < 0:
             raise ValueError(f"{name} must be a non-negative int, got {x!r}")
     n_chunks = max(n_chunks, 1)
-    if T <= ONE_SEGMENT_MAX_T:
+    if T <= ONE_SEGMENT_MAX_T or n_programs >= max(sms, 1):
         return n_chunks
-    n_seg = max(1, min(n_chunks // MIN_SEGMENT_CHUNKS, round(target / max(n_programs, 1))))
+    n_seg = max(1, min(n_chunks // MIN_SEGMENT_CHUNKS, round(TARGET_WAVES * sms / max(n_programs, 1))))
     return math.ceil(n_chunks / n_seg)
 
 
@@ -530,7 +543,7 @@ def prepare_scan(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, *, n_segm
             segment_chunks = max(1, math.ceil(n_chunks / n_segments))
         else:
             longest = max(b - a for a, b in zip(cu_l[:-1], cu_l[1:], strict=True))
-            segment_chunks = choose_segment_chunks(n_seq * Hf, n_chunks, longest)
+            segment_chunks = choose_segment_chunks(n_seq * Hf, n_chunks, longest, sms=device_sms(q.device))
     return ScanCall(B=B, T=T, G=G, dims=dims, cu=cu_l, C=C, segment_chunks=segment_chunks, q=_pack(pr.q),
                     k=_pack(pr.k), v=_pack(pr.v), r2=_pack(pr.r2), ell2=_pack(pr.ell2), log_alpha=_pack(la),
                     M0=Mi.to(cd).contiguous(), P0=Pi.to(cd).contiguous())

@@ -127,10 +127,19 @@ def test_phase_b_steps_built_on_first_use():
 def test_choose_segment_chunks():
     assert scan.choose_segment_chunks(32, 32, 2048) == 32  # short sequence: one segment
     assert scan.choose_segment_chunks(32, 512, 32768) == 64  # B·H = 32 -> 8 segments
-    assert scan.choose_segment_chunks(128, 128, 8192) == 64  # full occupancy -> 2 segments
+    assert scan.choose_segment_chunks(128, 128, 8192) == 64  # 128 chains < 132 SMs -> 2 segments
+    # as many chains as SMs or more: the chains fill the GPU, one segment per sequence (no Phase A/B)
+    assert scan.choose_segment_chunks(132, 512, 32768) == 512
+    assert scan.choose_segment_chunks(144, 128, 8192) == 128
+    assert scan.choose_segment_chunks(131, 512, 32768) == 256  # one short of filling: 2 segments
+    assert scan.choose_segment_chunks(16, 512, 32768, sms=8) == 512  # a smaller GPU's own SM count
+    assert scan.choose_segment_chunks(16, 512, 32768, sms=64) == 64  # 8 segments = 2 waves of 64 SMs
+    assert scan.device_sms("cpu") == scan.DEFAULT_SMS
     assert scan.choose_segment_chunks(1024, 512, 32768) == 512  # more chains than programs -> 1
     with pytest.raises(ValueError, match="n_programs"):
         scan.choose_segment_chunks(-1, 4, 10)
+    with pytest.raises(ValueError, match="sms"):
+        scan.choose_segment_chunks(4, 4, 10, sms=1.5)
 
 
 def test_scan_bad_input():

@@ -148,8 +148,8 @@ def test_forward_scan_with_prep_equals_bl_chunk_fp64(diagonal, regime):
 
 @pytest.mark.parametrize("diagonal", [False, True])
 def test_forward_scan_with_prep_fp32(diagonal):
-    """fp32 inputs: a float64 prep for Phase A and an fp32 one for Phase C (with qᵀBq); equals the scan
-    without the prep kernel to fp32 rounding."""
+    """fp32 inputs: one fp32 prep (with qᵀBq) read by Phase A's float64 kernel (cast on load) and by Phase C;
+    equals the scan without the prep kernel to fp32 rounding."""
     from bayeslayer.ops.triton.scan import forward_scan_triton
 
     H, D, m, C = 1, 8, 4, 16

@@ -51,7 +51,8 @@ def test_forward_scan_triton_equals_bl_chunk_fp64(diagonal, regime):
 
 @pytest.mark.parametrize(("diagonal", "G"), [(False, 2), (True, 1)])
 def test_forward_scan_triton_fp32_equals_twin(diagonal, G):
-    """fp32 inputs: Phase A in float64 buffers (per-channel decays cast for it), Phase C in fp32."""
+    """fp32 inputs: Phase A's state in float64, its per-token hand-off (W, L⁻¹ rows, L⁻¹(γ⊙K)) and the prep it
+    reads in fp32; Phase C in fp32."""
     from bayeslayer.ops.triton.scan import forward_scan_triton
 
     T, H, D, m, C = 40, 1, 8, 4, 16
@@ -157,3 +158,63 @@ def test_forward_scan_triton_phase_b_kernel_equals_torch_scan(regime, diagonal):
         assert _rel(a, b) <= 1e-12
     with pytest.raises(ValueError, match="phase_b"):
         forward_scan_triton(*args, segment_chunks=2, phase_b="cuda")
+
+
+@pytest.mark.parametrize(("dtype", "diagonal"), [(torch.float32, False), (torch.bfloat16, True)],
+                         ids=["fp32-scalar", "bf16-diagonal"])
+def test_forward_allocates_no_token_sized_float64(dtype, diagonal):
+    """The fp32/bf16 forward (prep, Phase A, B, C, mean pass; 4 segments per sequence, so Phase A and B run)
+    allocates no float64 tensor of NT·H'·D elements or more: float64 is only the D×D state, the segment
+    elements and per-segment scratch.  Every tensor an ATen op returns is recorded (``TorchDispatchMode``),
+    allocations included; before the hand-offs became the compute dtype, Phase A's W and ``L⁻¹(γ⊙K)`` were
+    float64 ``[NT, H', D]`` (and its prep, the per-channel decays, β's ``k`` a float64 copy each)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from bayeslayer.ops.triton.scan import forward_scan_triton
+
+    B, T, H, D, m, C = 1, 256, 1, 16, 8, 16  # T ≫ D: per-segment D×D buffers stay below NT·H'·D
+    q, k, v, r2, ell2, alpha = regime_inputs("longmem", B, T, H, D, m, diagonal=diagonal, seed=5, dtype=dtype,
+                                             device=DEVICE)
+    seen = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for x in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(x, torch.Tensor):
+                    seen.append((str(func), x.dtype, x.numel()))
+            return out
+
+    timings = {}
+    with Record():
+        o, _, M, P = forward_scan_triton(q, k, v, r2, ell2, alpha, 1.0, None, None, None, C, True, n_segments=4,
+                                         timings=timings)
+    assert torch.isfinite(o.float()).all() and torch.isfinite(P).all()
+    assert o.dtype == dtype
+    f64 = [(f, n) for f, dt, n in seen if dt == torch.float64]
+    assert any(n == 4 * H * D * D for _, n in f64)  # the segment starts of Phase B: the check sees float64
+    big = [(f, n) for f, n in f64 if n >= B * T * H * D]
+    assert not big, f"float64 tensors of >= NT·H'·D = {B * T * H * D} elements: {big}"
+
+
+def test_cov_precision_reaches_phase_c():
+    """``cov_precision="tf32x3"`` compiles Phase C's covariance kernel with split-precision products (the compile
+    key says so; Phase A's float64 kernel stays IEEE); the interpreter ignores ``input_precision``, so the outputs
+    equal the IEEE run's here (the error of tf32x3 is measured by emulation: ``benchmarks/scan_precision.py``).
+    A bad value is refused by name."""
+    from bayeslayer.ops.triton.scan import forward_scan_triton
+
+    from ..triton_spy import compile_keys
+
+    q, k, v, r2, ell2, alpha = regime_inputs("longmem", 1, 64, 1, 8, 4, dtype=torch.float32, seed=6, device=DEVICE)
+    args = (q, k, v, r2, ell2, alpha, 1.0, None, None, None, 16, True)
+    with compile_keys() as keys:
+        split = forward_scan_triton(*args, n_segments=2, cov_precision="tf32x3")
+    cov = keys["bl_chunk_cov_kernel"]
+    assert len(cov) == 2  # Phase A (float64 state, IEEE) and Phase C (tf32x3)
+    assert sum("'tf32x3'" in key for key in cov) == 1 and sum("'ieee'" in key for key in cov) == 1
+    ieee = forward_scan_triton(*args, n_segments=2)
+    for a, b in zip(split, ieee, strict=True):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="cov_precision"):
+        forward_scan_triton(*args, cov_precision="tf32")

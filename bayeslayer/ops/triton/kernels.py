@@ -125,9 +125,10 @@ def _save_state(src, dst, offs_r, offs_c, R: tl.constexpr, NC: tl.constexpr, BR:
 
 
 @triton.jit
-def prep_tile(X, pc, rows, od, C: tl.constexpr, D: tl.constexpr):
-    """Columns ``od`` of chunk ``pc``'s ``[C, D]`` prep tile (``[NC·H, C, D]`` buffer) -> ``[C, BK]``, 0 outside."""
-    return tl.load(X + (pc * C + rows[:, None]) * D + od[None, :], mask=od[None, :] < D, other=0.0)
+def prep_tile(X, pc, rows, od, C: tl.constexpr, D: tl.constexpr, DT: tl.constexpr):
+    """Columns ``od`` of chunk ``pc``'s ``[C, D]`` prep tile (``[NC·H, C, D]`` buffer) -> ``[C, BK]`` in ``DT``,
+    0 outside."""
+    return tl.load(X + (pc * C + rows[:, None]) * D + od[None, :], mask=od[None, :] < D, other=0.0).to(DT)
 
 
 @triton.jit
@@ -249,7 +250,9 @@ def bl_chunk_cov_kernel(
 
     With PREP, the P-free terms come from :func:`bl_chunk_prep_kernel` (run before, parallel over
     chunks) instead of being formed here: g, b from PG, PB, the base of S from PBASE, ``qᵀBq`` from PQN
-    (RETURN_VAR), sequence ``i_n``'s chunk ``i_c`` being the prep's chunk ``chunk_first[i_n] + i_c``.  For
+    (RETURN_VAR), read in their own dtype and cast to P's (Phase A's float64 kernel reads the compute-dtype prep
+    of Phase C: no T-sized float64 buffer), sequence ``i_n``'s chunk ``i_c`` being the prep's chunk
+    ``chunk_first[i_n] + i_c``.  For
     diagonal decay that takes ``_decay_noise`` (twice) and ``decay_scores`` for ``N`` out of the serial
     loop; what stays are the P-dependent ``decay_mix`` and (with the variance) ``decay_scores`` of ``QU``.
     """
@@ -294,8 +297,8 @@ def bl_chunk_cov_kernel(
         l2c = tl.load(ell2 + tok * H + i_h, mask=valid, other=0.0).to(dt)
         if not DIAG:
             if PREP:
-                g = tl.load(PG + pc * C + rows)
-                b = tl.load(PB + pc * C + rows)  # [C]
+                g = tl.load(PG + pc * C + rows).to(dt)  # the prep may be in a narrower dtype (Phase A reads fp32)
+                b = tl.load(PB + pc * C + rows).to(dt)  # [C]
                 g_end = tl.sum(tl.where(rows == C - 1, g, 0.0), axis=0)  # padding rows keep g constant
                 b_end = tl.sum(tl.where(rows == C - 1, b, 0.0), axis=0)
                 ratio = tl.where(low, tl.exp(tl.minimum(g[:, None] - g[None, :], 0.0)), 0.0)
@@ -323,7 +326,7 @@ def bl_chunk_cov_kernel(
             k_o = load_tile(k, tok, valid, od, i_h, H, D).to(dt)
             if DIAG:
                 if PREP:
-                    g_o = prep_tile(PG, pc, rows, od, C, D)
+                    g_o = prep_tile(PG, pc, rows, od, C, D, dt)
                 else:
                     g_o = _load_g(la, tok, valid, od, i_h, H, D)
                 kt_o = tl.exp(g_o) * k_o
@@ -341,7 +344,7 @@ def bl_chunk_cov_kernel(
                                 other=0.0)
                 if DIAG:
                     if PREP:
-                        gam_i = tl.exp(prep_tile(PG, pc, rows, od2, C, D))
+                        gam_i = tl.exp(prep_tile(PG, pc, rows, od2, C, D, dt))
                     else:
                         gam_i = tl.exp(_load_g(la, tok, valid, od2, i_h, H, D))
                 else:
@@ -368,9 +371,9 @@ def bl_chunk_cov_kernel(
                     if not PREP:
                         qnoise += b * tl.sum(q_o * q_o, axis=1)
         if PREP:
-            S = S + tl.load(PBASE + (pc * C + rows[:, None]) * C + cols[None, :])  # sym(N) + diag(r²)
+            S = S + tl.load(PBASE + (pc * C + rows[:, None]) * C + cols[None, :]).to(dt)  # sym(N) + diag(r²)
             if RETURN_VAR:
-                qnoise = tl.load(PQN + pc * C + rows)
+                qnoise = tl.load(PQN + pc * C + rows).to(dt)
         else:
             if DIAG:
                 Nl = KK  # already ρ- and b-weighted, lower incl. diagonal
@@ -403,8 +406,8 @@ def bl_chunk_cov_kernel(
             Yb = tl.load(Y_base + rows[:, None] * BD + od[None, :])
             if DIAG:
                 if PREP:
-                    g_o = prep_tile(PG, pc, rows, od, C, D)
-                    b_o = prep_tile(PB, pc, rows, od, C, D)
+                    g_o = prep_tile(PG, pc, rows, od, C, D, dt)
+                    b_o = prep_tile(PB, pc, rows, od, C, D, dt)
                 else:
                     g_o = _load_g(la, tok, valid, od, i_h, H, D)
                     b_o = _decay_noise(l2c, g_o, rows, C)
@@ -436,8 +439,8 @@ def bl_chunk_cov_kernel(
             U1 = tl.load(U_base + rows[:, None] * BD + od[None, :])
             if DIAG:
                 if PREP:
-                    g1 = prep_tile(PG, pc, rows, od, C, D)
-                    b1_end = row_of(prep_tile(PB, pc, rows, od, C, D), rows, C - 1)
+                    g1 = prep_tile(PG, pc, rows, od, C, D, dt)
+                    b1_end = row_of(prep_tile(PB, pc, rows, od, C, D, dt), rows, C - 1)
                 else:
                     g1 = _load_g(la, tok, valid, od, i_h, H, D)
                 g1_end = row_of(g1, rows, C - 1)
@@ -457,7 +460,7 @@ def bl_chunk_cov_kernel(
                 diag = od[:, None] == od2[None, :]
                 if DIAG:
                     if PREP:
-                        g2 = prep_tile(PG, pc, rows, od2, C, D)
+                        g2 = prep_tile(PG, pc, rows, od2, C, D, dt)
                     else:
                         g2 = _load_g(la, tok, valid, od2, i_h, H, D)
                     g2_end = row_of(g2, rows, C - 1)

@@ -43,8 +43,14 @@ from .ldl import ldl_blocked
 from .support import next_pow2, tile_sizes
 
 SUPPORTED_CHUNK_SIZES = (16, 32, 64)
-# fp32 tl.dot products of Phase C stay IEEE (a Kalman gain needs fp32; see ops/triton/chunk.py)
+# fp32 tl.dot products of the mean kernel stay IEEE (a Kalman gain needs fp32; see ops/triton/chunk.py)
 PREC = "ieee"
+# Phase C's fp32 products: "ieee" (FFMA) or "tf32x3" (split precision: three TF32 tensor-core products per
+# product, measured as accurate as IEEE in the typical, long-memory and stress regimes by an emulation, and
+# compiled to HMMA/HGMMA for sm_90; docs/kernels.md "Tensor-core covariance products").  IEEE stays the default
+# until a GPU run has timed both and checked tf32x3's values on the device.
+COV_PRECISIONS = ("ieee", "tf32x3")
+COV_PRECISION = "ieee"
 
 
 @triton.jit
@@ -395,25 +401,30 @@ def phase_a_triton(lay: sc.ScanLayout, q, k, r2, ell2, log_alpha, segs: torch.Te
                    prep: Prep | None = None):
     """Phase A on the GPU: segment elements ``(A_s, C_s, J_s, failed)`` of the segments ``segs``.
 
-    1. the covariance kernel from P = 0 over every segment (float64 buffers: the kernel computes in
-       its state's dtype, whatever the inputs'): ``C_s`` (its end P), W, and the ``L⁻¹`` rows;
-    2. ``β_i = (1 − k_iᵀw_i)/r_i²`` (exact: ``k_iᵀu_i = d_i − r_i²``; in float64 the cancellation
-       costs ≈ ε₆₄/(β r²), negligible), and ``L⁻¹(γ⊙K)``;
-    3. :func:`scan_track_kernel` over ``segs``: ``A_s``, ``J_s``.
+    1. the covariance kernel from P = 0 over every segment, its state (P, hence ``C_s``) in ``dtype``
+       (float64): it writes W and the ``L⁻¹`` rows in the inputs' compute dtype (``k.dtype``);
+    2. ``β_i = (1 − k_iᵀw_i)/r_i²`` (exact: ``k_iᵀu_i = d_i − r_i²``), the dot product in the compute dtype,
+       the rest in ``dtype``, and ``L⁻¹(γ⊙K)`` in the compute dtype;
+    3. :func:`scan_track_kernel` over ``segs``: ``A_s``, ``J_s`` in ``dtype`` from those per-token terms.
+    Only the D×D state, the segment elements and per-segment scratch are ``dtype``: no per-token buffer of
+    T·D elements is (the per-token hand-off's fp32 rounding, measured against float64 in three regimes by
+    ``benchmarks/scan_precision.py``, is docs/kernels.md's "Precision of the hand-offs").
     Packed inputs ``[NT, H', ·]`` as :class:`bayeslayer.ops.scan.ScanCall`'s.  The kernel of step 1
     also runs the last segment of each sequence (whose element is never used): one launch.  ``prep``:
-    the prep kernel's buffers for ``lay`` in ``dtype`` (:func:`prep_triton`), which step 1 then reads
-    instead of forming the P-free terms itself; None: it forms them.
+    the prep kernel's buffers for ``lay`` (:func:`prep_triton`; in the compute dtype: Phase C's, which the
+    kernel reads and casts to ``dtype``), which step 1 then reads instead of forming the P-free terms itself;
+    None: it forms them (per-channel decays are then cast to ``dtype`` first: the kernel accumulates them).
     """
     NT, Hf, D = k.shape
     dev, C, S, n = k.device, lay.C, lay.n_segments, segs.numel()
+    cd = k.dtype
     BD = max(16, next_pow2(D))
     diag = log_alpha.shape[-1] > 1
-    # per-channel decays are accumulated in the kernel without a cast: give them the state's dtype
-    la_k = log_alpha.to(dtype).contiguous() if diag else log_alpha[..., 0].contiguous()
+    la_k = (log_alpha.contiguous() if prep is not None else log_alpha.to(dtype).contiguous()) if diag \
+        else log_alpha[..., 0].contiguous()
     P = torch.zeros(S, Hf, D, D, dtype=dtype, device=dev)
-    W = torch.empty(NT, Hf, D, dtype=dtype, device=dev)
-    linv = torch.empty(NT, Hf, C, dtype=dtype, device=dev)
+    W = torch.empty(NT, Hf, D, dtype=cd, device=dev)
+    linv = torch.empty(NT, Hf, C, dtype=cd, device=dev)
     scr = torch.empty(S, Hf, C, BD, dtype=dtype, device=dev)
     scr2 = torch.empty_like(scr)
     cu_seg = segment_offsets(lay, NT)
@@ -421,15 +432,15 @@ def phase_a_triton(lay: sc.ScanLayout, q, k, r2, ell2, log_alpha, segs: torch.Te
     J = torch.zeros(n, Hf, D, D, dtype=dtype, device=dev)
     if NT == 0 or n == 0:
         return A, P[segs], J, torch.zeros(n, Hf, dtype=torch.bool, device=dev)
-    if prep is not None and prep.base.dtype != dtype:
-        raise TypeError(f"prep must hold {dtype} buffers (the kernel's state dtype), got {prep.base.dtype}")
+    if prep is not None and prep.base.dtype != cd:
+        raise TypeError(f"prep must hold {cd} buffers (the inputs' compute dtype), got {prep.base.dtype}")
     ldl_scr, ldl_fail = ldl_scratch(S, Hf, C, dtype, dev)
     bl_chunk_cov_kernel[(S, Hf)](
         q, k, r2, ell2, la_k, cu_seg, P, W, linv, scr, scr2, W, scr, cu_seg, ldl_scr, ldl_fail,
         H=Hf, D=D, C=C, BD=BD, BK=16, DIAG=diag, HAS_ALPHA=True, RETURN_VAR=False, SAVE_CK=False,
         PREC="ieee", CK_EVERY=1, num_warps=8 if C >= 64 else 4, **(prep.kernel_args() if prep is not None else {}),
     )
-    beta = (1.0 - (k.to(dtype) * W).sum(-1)) / r2.to(dtype)
+    beta = (1.0 - torch.linalg.vecdot(k, W).to(dtype)) / r2.to(dtype)
     kw, _, _ = substituted_inputs(lay, linv, k, None, log_alpha)
     Hscr = torch.empty(n, Hf, C, BD, dtype=dtype, device=dev)
     scan_track_kernel[(n, Hf)](
@@ -467,7 +478,7 @@ def mean_pass_triton(call: sc.ScanCall, W: torch.Tensor, linv: torch.Tensor, wan
 
 def forward_scan_triton(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, want_var, *, n_segments=None,
                         segment_chunks=None, mean=None, timings: dict | None = None, phase_a: str = "triton",
-                        phase_b: str = "triton", prep: bool = True):
+                        phase_b: str = "triton", prep: bool = True, cov_precision: str | None = None):
     """The BL forward, covariance pass as a segment scan with Phase C on Triton; mean pass on fla's kernels.
 
     Same arguments and returns as ``ops/triton/chunk.py::_forward_triton``:
@@ -482,12 +493,13 @@ def forward_scan_triton(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, wa
     ``substitute``, ``mean``) — it synchronises the device once, at the end.
     ``prep``: run the prep kernel (:func:`prep_triton`, parallel over chunks) and let the covariance
     kernel of Phase A and C read its P-free terms; False: the covariance kernel forms them in its
-    serial chunk loop (the path before the prep kernel).  Phase A's prep is float64; with float64
-    inputs Phase C reuses it, otherwise a second prep runs in the compute dtype.
+    serial chunk loop (the path before the prep kernel).  One prep, in the compute dtype, serves both
+    (Phase A's float64 kernel casts what it reads).
     ``phase_a``: ``"triton"`` (:func:`phase_a_triton`) or ``"torch"`` (:func:`bayeslayer.ops.scan.phase_a`),
     both float64.  ``phase_b``: ``"triton"`` (:func:`phase_b_triton`, one kernel) or ``"torch"``
-    (:func:`bayeslayer.ops.scan.phase_b`, a host loop of batched steps).  Forward only: no autograd
-    graph is recorded.
+    (:func:`bayeslayer.ops.scan.phase_b`, a host loop of batched steps).  ``cov_precision``: Phase C's fp32
+    product precision, one of :data:`COV_PRECISIONS` (None: :data:`COV_PRECISION`; float64 inputs always run
+    IEEE).  Forward only: no autograd graph is recorded.
     """
     if chunk_size not in SUPPORTED_CHUNK_SIZES or isinstance(chunk_size, bool):
         raise ValueError(f"the Triton path supports chunk_size in {SUPPORTED_CHUNK_SIZES}, got {chunk_size!r}")
@@ -499,7 +511,7 @@ def forward_scan_triton(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, wa
         call = sc.prepare_scan(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, n_segments=n_segments,
                                segment_chunks=segment_chunks)
         res = scan_packed(call, want_var, out_dtype=call.dims.dtype, mean=mean, timings=timings, phase_a=phase_a,
-                          phase_b=phase_b, prep=prep)
+                          phase_b=phase_b, prep=prep, cov_precision=cov_precision)
         sc.raise_if_failed(res.failed, "forward_scan_triton")
         return sc.finish_scan(call, res.o, res.var, res.M, res.P)
 
@@ -524,7 +536,7 @@ class PackedScan(NamedTuple):
 
 def scan_packed(call: sc.ScanCall, want_var: bool, *, out_dtype: torch.dtype, mean=None,
                 timings: dict | None = None, phase_a: str = "triton", phase_b: str = "triton",
-                prep: bool = True) -> PackedScan:
+                prep: bool = True, cov_precision: str | None = None) -> PackedScan:
     """The launches of the segment-scan forward on :func:`bayeslayer.ops.scan.prepare_scan`'s packed tensors
     (prep, Phase A, B, C, mean pass), shared by :func:`forward_scan_triton` and the autograd forward of
     ``backward="scan"`` (``ops/triton/chunk.py::forward_scan_packed``) so that both run exactly the same
@@ -532,7 +544,9 @@ def scan_packed(call: sc.ScanCall, want_var: bool, *, out_dtype: torch.dtype, me
     kernel.  Failures are left in ``PackedScan.failed`` for the caller to raise once."""
     if not isinstance(prep, bool):
         raise TypeError(f"prep must be a bool, got {prep!r}")
-
+    cov_precision = COV_PRECISION if cov_precision is None else cov_precision
+    if cov_precision not in COV_PRECISIONS:
+        raise ValueError(f"cov_precision must be one of {COV_PRECISIONS}, got {cov_precision!r}")
 
     clock = _Clock(timings, call.k.device)
     NT, Hf, D = call.k.shape
@@ -544,18 +558,14 @@ def scan_packed(call: sc.ScanCall, want_var: bool, *, out_dtype: torch.dtype, me
     last = lay.last_segments
     segs = lay.element_segments  # sized on the host by the layout: no device-to-host sync
     f64 = torch.float64
-    # ---- prep: the P-free per-chunk terms, parallel over chunks (Phase A's in float64, only if it runs) ----
-    prep_a = prep_c = None
-    if prep and phase_a == "triton" and segs.numel() > 0:
-        prep_a = prep_triton(lay, call.q, call.k, call.r2, call.ell2, call.log_alpha, dtype=f64,
-                             want_var=want_var and cd == f64)
-    if prep:
-        prep_c = prep_a if prep_a is not None and cd == f64 else prep_triton(
-            lay, call.q, call.k, call.r2, call.ell2, call.log_alpha, dtype=cd, want_var=want_var)
+    # ---- prep: the P-free per-chunk terms, parallel over chunks, in the compute dtype; Phase A's float64
+    # covariance kernel reads the same buffers (cast on load): no T-sized float64 copy ----
+    prep_c = prep_triton(lay, call.q, call.k, call.r2, call.ell2, call.log_alpha, dtype=cd, want_var=want_var) \
+        if prep else None
     clock.mark("prep")
     if phase_a == "triton":
         A, Cm, J, info_a = phase_a_triton(lay, call.q, call.k, call.r2, call.ell2, call.log_alpha, segs,
-                                          prep=prep_a)
+                                          prep=prep_c)
     elif phase_a == "torch":
         xa = {name: lay.grid(x, fill).to(f64) for name, x, fill in
               (("k", call.k, 0.0), ("r2", call.r2, 1.0), ("ell2", call.ell2, 0.0), ("la", call.log_alpha, 0.0))}
@@ -589,7 +599,7 @@ def scan_packed(call: sc.ScanCall, want_var: bool, *, out_dtype: torch.dtype, me
             call.q, call.k, call.r2, call.ell2, la_k, cu_seg, P, W, linv, Yscr, Uscr, var, Yscr, cu_seg,
             ldl_scr, ldl_fail,
             H=Hf, D=D, C=C, BD=BD, BK=16, DIAG=diag, HAS_ALPHA=True, RETURN_VAR=want_var, SAVE_CK=False,
-            PREC="ieee" if cd == f64 else PREC, CK_EVERY=1, num_warps=8 if C >= 64 else 4,
+            PREC="ieee" if cd == f64 else cov_precision, CK_EVERY=1, num_warps=8 if C >= 64 else 4,
             **(prep_c.kernel_args() if prep_c is not None else {}),
         )
     # a failed LDLᵀ pivot leaves non-finite numbers behind: folded into the same device-side flag

@@ -256,8 +256,8 @@ def _decay_block(PG, PB, pc, rows, od, g, b, gend, bC, C: tl.constexpr, D: tl.co
     scalars ``gend``, ``bC`` as ``[C, 1]`` columns that broadcast over the channels (``b_C`` only on ``od < D``).
     """
     if DIAG:
-        g_a = prep_tile(PG, pc, rows, od, C, D)
-        b_a = prep_tile(PB, pc, rows, od, C, D)
+        g_a = prep_tile(PG, pc, rows, od, C, D, PG.dtype.element_ty)
+        b_a = prep_tile(PB, pc, rows, od, C, D, PB.dtype.element_ty)
         ge = row_of(g_a, rows, C - 1)  # padding rows are no-op tokens: row C − 1 is the chunk end
         gam_a = tl.exp(g_a)
         end_a = tl.exp(ge[None, :] - g_a)
@@ -378,7 +378,7 @@ def _chunk_next(Pc, Pn, US, DV_base, PG, PB, pc, g, b, gend, bC, rows, offs_k,
     tl.debug_barrier()
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NS"])
 def scan_segment_adjoint_kernel(
     Q, K, V, R2, ELL2, LA, PG, PB, PBASE, chunk_first,
     DW, DBETA, DLINV, DVAR, DKW, DVU, DG,
@@ -392,7 +392,7 @@ def scan_segment_adjoint_kernel(
     BK: tl.constexpr,
     BM: tl.constexpr,
     BV: tl.constexpr,
-    NS: tl.constexpr,
+    NS,
     DIAG: tl.constexpr,
     VAR: tl.constexpr,
     INPUTS: tl.constexpr,

@@ -1,0 +1,57 @@
+"""One compile per (D, C, variant): the segment count and the sequence length never reach a kernel's compile key.
+
+Under ``TRITON_INTERPRET=1`` nothing compiles, so :func:`tests.triton_spy.compile_keys` computes, for every
+launch of the project's kernels, the key Triton's JIT would look the compiled kernel up by on an sm_90 GPU (every
+``tl.constexpr``, pointer dtypes and alignment, the 1 / multiple-of-16 specialisation of int arguments).  A
+forward and backward of ``bl_chunk_triton(backward="scan")`` at other segment counts and lengths, same D, C and
+variant, must add no key: on a GPU they reuse the first call's compiles (the device check then compiles each
+kernel once per head dim and chunk size, not once per row of its segment-count sweep).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from bayeslayer.ops import fla_mean
+
+from ..triton_spy import compile_keys
+from .scan_inputs import regime_inputs
+
+pytest.importorskip("triton")
+interpreted = os.environ.get("TRITON_INTERPRET", "0") == "1"
+pytestmark = pytest.mark.skipif(not interpreted, reason="computes compile keys of interpreted launches")
+
+
+def _forward_backward(T: int, n_segments: int, diagonal: bool):
+    from bayeslayer.ops.triton.chunk import bl_chunk_triton
+
+    q, k, v, r2, ell2, alpha = regime_inputs("longmem", 1, T, 1, 16, 8, diagonal=diagonal, seed=T + n_segments,
+                                             dtype=torch.float32)
+    leaves = [x.requires_grad_(True) for x in (q, k, v, r2, ell2, alpha)]
+    with fla_mean.one_autotune_config():  # the interpreter cannot benchmark fla's autotune configs
+        o, var, (M, P) = bl_chunk_triton(*leaves, output_final_state=True, return_variance=True, chunk_size=16,
+                                         n_segments=n_segments, backward="scan")
+        (o.square().sum() + var.sum() + M.sum() + P.sum()).backward()
+    assert all(x.grad is not None and torch.isfinite(x.grad).all() for x in leaves)
+
+
+@pytest.mark.parametrize("diagonal", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["scalar", "diagonal"])
+def test_segment_count_and_length_add_no_compile(diagonal):
+    """Segments of 2 chunks (T = 64, 2 segments: every kernel of the forward and the backward runs), then of 1
+    (T = 48, 3 segments) and 4 (T = 128, 2 segments): every kernel launched keeps the keys of the first call.
+    (While B2/B4 took the chunks per segment as a ``tl.constexpr``, each segment length was a new compile.)"""
+    with compile_keys() as keys:
+        _forward_backward(64, 2, diagonal)
+        first = {name: set(k) for name, k in keys.items()}
+        _forward_backward(48, 3, diagonal)
+        _forward_backward(128, 2, diagonal)
+    for name in ("bl_chunk_cov_kernel", "bl_chunk_prep_kernel", "scan_track_kernel", "scan_phase_b_kernel",
+                 "bl_chunk_mean_kernel", "scan_segment_adjoint_kernel", "scan_reverse_kernel"):
+        assert name in first, f"{name} was not launched: the test no longer covers it"
+    for name, k in keys.items():
+        assert k == first.get(name), f"{name}: {len(k - first.get(name, set()))} new compile key(s) {k - first[name]}"
+    # B2 and B4 are two variants (REPLAY, INPUTS) of one kernel; nothing else may multiply it
+    assert len(first["scan_segment_adjoint_kernel"]) == 2
