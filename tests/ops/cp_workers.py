@@ -175,6 +175,42 @@ def comm_by_length(lengths: list) -> dict:
     return out
 
 
+def halo_case() -> dict:
+    """A causal depthwise convolution (width 4) over the halo + slice against the one-process convolution,
+    varlen (a sequence boundary 2 tokens before rank 1's start), values and gradients."""
+    from bayeslayer.ops.cp import build_cp_context, cp_conv_halo
+
+    T, W, Dm = 24, 4, 3
+    cu = [0, 10, 17, T]
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1, T, Dm, generator=g, dtype=torch.float64)
+    w = torch.randn(Dm, 1, W, generator=g, dtype=torch.float64)
+    wo = torch.randn(1, T, Dm, generator=g, dtype=torch.float64)
+
+    def conv(seq):  # one sequence [1, L, Dm] -> causal conv [1, L, Dm]
+        y = torch.nn.functional.conv1d(torch.nn.functional.pad(seq.transpose(1, 2), (W - 1, 0)), w, groups=Dm)
+        return y.transpose(1, 2)
+
+    xr = x.clone().requires_grad_()
+    ref = torch.cat([conv(xr[:, a:b]) for a, b in zip(cu[:-1], cu[1:], strict=True)], 1)
+    (ref * wo).sum().backward()
+    ctx = build_cp_context(torch.tensor(cu), conv1d_kernel_size=W)
+    a, b = ctx.bounds[ctx.rank], ctx.bounds[ctx.rank + 1]
+    xl = x[:, a:b].clone().requires_grad_()
+    ext = cp_conv_halo(xl, ctx)  # one sequence per local piece, the first one with its halo
+    lc = [c + W - 1 for c in ctx.local_cu]
+    lc[0] = 0
+    y = torch.cat(
+        [
+            conv(ext[:, p:q])[:, (W - 1 if i == 0 else 0) :]
+            for i, (p, q) in enumerate(zip(lc[:-1], lc[1:], strict=True))
+        ],
+        1,
+    )
+    (y * wo[:, a:b]).sum().backward()
+    return {"y": rel(y, ref[:, a:b]), "dx": rel(xl.grad, xr.grad[:, a:b])}
+
+
 def bad_setups() -> dict:
     """Bad set-ups; every rank records the error it got."""
     from bayeslayer.ops import bl_chunk, build_cp_context
@@ -213,6 +249,7 @@ def run_all(rank: int, world: int, init_file: str, out_dir: str, cases64: list, 
             "float32": [check_case(c, torch.float32) for c in cases32],
             "comm": comm_by_length(lengths),
             "bad": bad_setups(),
+            "halo": halo_case(),
         }
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(out))
     finally:

@@ -18,7 +18,7 @@ from bayeslayer.ops.cp import comm_bytes_per_call
 from . import cp_workers
 
 TOL64 = 1e-10
-TOL32 = 1e-3  # float32: the covariance chain runs in float64, the slices in float32 (measured ~1e-5)
+TOL32 = 1e-5  # float32: chains across ranks in float64, slices in float32 (measured 3.5e-7 on 2 ranks, 8.1e-7 on 4)
 
 
 def spawn(tmp_path, world: int, fn, *args) -> list:
@@ -43,6 +43,12 @@ def grid(T: int, R: int) -> list[dict]:
 
 
 def check(results: list, tol: float) -> None:
+    print(
+        f"largest relative error over {len(results)} ranks:",
+        max(  # shown with pytest -s
+            v for per_case in results for err in per_case for k, v in err.items() if k != "comm"
+        ),
+    )
     for rank, per_case in enumerate(results):
         for i, err in enumerate(per_case):
             bad = {k: v for k, v in err.items() if k != "comm" and not v <= tol}
@@ -81,6 +87,11 @@ def test_bad_setups_give_one_clear_error_on_every_rank(two_ranks):
             assert got["member"] == "ok"
         else:
             assert "not a member of group" in got["member"]
+
+
+def test_conv_halo_matches_one_process_convolution(two_ranks):
+    for r in two_ranks:
+        assert r["halo"]["y"] <= TOL64 and r["halo"]["dx"] <= TOL64, r["halo"]
 
 
 @pytest.mark.slow
