@@ -254,3 +254,87 @@ def run_all(rank: int, world: int, init_file: str, out_dir: str, cases64: list, 
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(out))
     finally:
         dist.destroy_process_group()
+
+
+def _tiny_model(mixers: list[str], dtype: torch.dtype):
+    from bayeslayer.models import BayesLayerConfig, BayesLayerForCausalLM
+
+    torch.manual_seed(0)
+    cfg = BayesLayerConfig(
+        vocab_size=50,
+        hidden_size=16,
+        num_hidden_layers=len(mixers),
+        num_heads=2,
+        head_dim=4,
+        mixers=mixers,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+    return BayesLayerForCausalLM(cfg).to(dtype).train()
+
+
+def train_model(steps: int, T: int, dtype: torch.dtype) -> dict:
+    """A two-layer model trained ``steps`` SGD steps on one sequence: context parallel (the loss summed over
+    ranks, gradients all-reduced, as data parallelism would) against one process; losses and weights."""
+    from bayeslayer.ops import build_cp_context
+
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 50, (1, T), generator=g)
+    ref, cp = _tiny_model(["bayesian", "bayesian"], dtype), _tiny_model(["bayesian", "bayesian"], dtype)
+    ctx = build_cp_context(total_len=T, conv1d_kernel_size=4)
+    a, b = ctx.bounds[ctx.rank], ctx.bounds[ctx.rank + 1]
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.5)
+    opt_cp = torch.optim.SGD(cp.parameters(), lr=0.5)
+    losses_ref, losses_cp = [], []
+    for _ in range(steps):
+        opt_ref.zero_grad()
+        # the loss in the model's dtype (the model's own labels= loss is computed in float32)
+        logits = ref(input_ids=ids).logits
+        loss = torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:], reduction="sum") / (T - 1)
+        loss.backward()
+        opt_ref.step()
+        losses_ref.append(loss.item())
+        opt_cp.zero_grad()
+        logits = cp(input_ids=ids[:, a:b], cp_context=ctx).logits
+        n = min(b, T - 1) - a  # positions of this slice that predict a next token
+        local = torch.nn.functional.cross_entropy(logits[0, :n], ids[0, a + 1 : a + 1 + n], reduction="sum") / (T - 1)
+        local.backward()
+        for p in cp.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad)
+        opt_cp.step()
+        total = local.detach().clone()
+        dist.all_reduce(total)
+        losses_cp.append(total.item())
+    weights = max(rel(pc, pr) for pc, pr in zip(cp.parameters(), ref.parameters(), strict=True))
+    loss_err = max(abs(x - y) / abs(y) for x, y in zip(losses_cp, losses_ref, strict=True))
+    return {"weights": weights, "losses": loss_err, "losses_ref": losses_ref}
+
+
+def refused_mixers() -> dict:
+    from bayeslayer.ops import build_cp_context
+
+    ctx = build_cp_context(total_len=16, conv1d_kernel_size=4)
+    got = {}
+    for mixers in (["bayesian", "attention"], ["mamba2"]):
+        model = _tiny_model(mixers, torch.float64)
+        a, b = ctx.bounds[ctx.rank], ctx.bounds[ctx.rank + 1]
+        try:
+            model(input_ids=torch.zeros(1, b - a, dtype=torch.int64), cp_context=ctx)
+            got[mixers[-1]] = "ran"
+        except ValueError as e:
+            got[mixers[-1]] = str(e)
+    return got
+
+
+def run_model(rank: int, world: int, init_file: str, out_dir: str, steps: int, T: int) -> None:
+    init(rank, world, init_file)
+    try:
+        out = {
+            "float64": train_model(steps, T, torch.float64),
+            "float32": train_model(steps, T, torch.float32),
+            "refused": refused_mixers(),
+        }
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(out))
+    finally:
+        dist.destroy_process_group()
