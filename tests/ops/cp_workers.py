@@ -250,6 +250,11 @@ def run_all(rank: int, world: int, init_file: str, out_dir: str, cases64: list, 
             "comm": comm_by_length(lengths),
             "bad": bad_setups(),
             "halo": halo_case(),
+            "model": {
+                "float64": train_model(3, 40, torch.float64),
+                "float32": train_model(3, 40, torch.float32),
+                "refused": refused_mixers(),
+            },
         }
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(out))
     finally:
@@ -325,16 +330,3 @@ def refused_mixers() -> dict:
         except ValueError as e:
             got[mixers[-1]] = str(e)
     return got
-
-
-def run_model(rank: int, world: int, init_file: str, out_dir: str, steps: int, T: int) -> None:
-    init(rank, world, init_file)
-    try:
-        out = {
-            "float64": train_model(steps, T, torch.float64),
-            "float32": train_model(steps, T, torch.float32),
-            "refused": refused_mixers(),
-        }
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(out))
-    finally:
-        dist.destroy_process_group()
