@@ -50,7 +50,7 @@ from .chunk import filter_chunk
 from .prepare import FilterOutput, prepare
 from .scan import apply_element, phase_a, scan_layout
 
-__all__ = ["CPContext", "build_cp_context", "cp_all_gather", "cp_conv_halo", "filter_chunk_cp"]
+__all__ = ["CPContext", "build_cp_context", "comm_bytes_per_call", "cp_all_gather", "cp_conv_halo", "filter_chunk_cp"]
 
 ELEMENT_DTYPE = torch.float64  # the elements and the chains across ranks run in float64
 
