@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from ..design import DesignModel
 from ..ops.checks import check_tensor
+from ..ops.cp import CPContext, cp_conv_halo, filter_chunk_cp
 from .common import (
     GatedRMSNorm,
     ShortConvolution,
@@ -174,11 +175,17 @@ class RecurrentMixer(Mixer):
                 out[name] = torch.where(m, val, torch.full_like(val, torch.finfo(val.dtype).tiny))
         return k, out
 
+    def cp_unsupported(self) -> str | None:
+        """Why this mixer cannot run context-parallel (``cp_context``), or None when it can."""
+        return "it has no context-parallel path"
+
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 state: dict | None = None, use_cache: bool = False,
-                output_variance: bool = False) -> MixerOutput:
+                output_variance: bool = False, cp_context=None) -> MixerOutput:
         x = check_hidden_states(hidden_states, self.hidden_size)
         B, T, _ = x.shape
+        if cp_context is not None:
+            return self._forward_cp(x, attention_mask, state, use_cache, output_variance, cp_context)
         mask = check_attention_mask(attention_mask, B, T, x.device)
         state = check_state_dict(state, ("recurrent", "conv"))
         q, k, v, write, conv_state, extra = self.features(x, mask, state.get("conv"))
@@ -203,6 +210,20 @@ class RecurrentMixer(Mixer):
         o = apply_mask(o, mask)
         new_state = {"recurrent": out.state, "conv": conv_state} if use_cache else None
         return MixerOutput(o, new_state, variance)
+
+    def _forward_cp(self, x, attention_mask, state, use_cache, output_variance, ctx) -> MixerOutput:
+        """This rank's slice of a context-parallel sequence (:mod:`bayeslayer.ops.cp`); x ``[1, T_local, d]``."""
+        reason = self.cp_unsupported()
+        if reason is not None:
+            raise ValueError(f"{type(self).__name__} cannot run with cp_context: {reason}")
+        if attention_mask is not None or state is not None or use_cache:
+            raise ValueError("with cp_context, pass no attention_mask, state or use_cache: the context holds the "
+                             "sequence layout and the state crosses ranks inside the op")
+        q, k, v, write, _, extra = self.features(x, None, ctx)
+        out = filter_chunk_cp(q, k, v, ctx=ctx, p0=self.filter_p0(), return_variance=output_variance,
+                              chunk_size=self.chunk_size, **write)
+        o = self.readout(out.o, x, extra)
+        return MixerOutput(o, None, out.variance if output_variance else None)
 
 
 class QKVMixer(RecurrentMixer):
@@ -267,8 +288,15 @@ class QKVMixer(RecurrentMixer):
             n += W * (2 * K + V) + ((2 * K + V) if self.conv_bias else 0)
         return n
 
-    def _conv(self, name: str, x: torch.Tensor, cache: dict | None, new: dict) -> torch.Tensor:
+    def _conv(self, name: str, x: torch.Tensor, cache, new: dict) -> torch.Tensor:
         conv = getattr(self, f"{name}_conv1d")
+        if isinstance(cache, CPContext):  # context parallel: the previous rank's last W - 1 inputs
+            if cache.conv1d_kernel_size != self.conv_size:
+                raise ValueError(f"cp_context was built with conv1d_kernel_size={cache.conv1d_kernel_size}, but "
+                                 f"this layer's short convolution has width {self.conv_size}")
+            halo = cp_conv_halo(x, cache)[:, : self.conv_size - 1]
+            y, _ = conv(x, halo.transpose(1, 2))
+            return y
         y, new[name] = conv(x, None if cache is None else cache.get(name), output_final_state=True)
         return y
 
@@ -277,7 +305,7 @@ class QKVMixer(RecurrentMixer):
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         new_conv = None
         if self.use_short_conv:
-            if conv_state is not None and not isinstance(conv_state, dict):
+            if conv_state is not None and not isinstance(conv_state, (dict, CPContext)):
                 raise TypeError(f"state['conv'] must be a dict of conv caches, got "
                                 f"{type(conv_state).__name__}")
             # padded inputs are zeroed before the convolution so they never leak into a real token's window

@@ -168,6 +168,13 @@ class BayesianLayer(QKVMixer):
     def filter_p0(self) -> torch.Tensor:
         return self.p0.float()
 
+    def cp_unsupported(self) -> str | None:
+        if self.covariance != "dense":
+            return f"covariance={self.covariance!r} has no context-parallel path (only the dense covariance)"
+        if self.dynamics == "rotation":
+            return "rotations have no context-parallel path (identity, scalar or diagonal decay)"
+        return None
+
     def initial_state(self, batch_size: int, dtype: torch.dtype, device) -> tuple:
         M, P = self.design.initial_state(batch_size, self.num_heads, self.head_dim, self.head_v_dim,
                                          groups=self.groups, dtype=dtype, device=device)

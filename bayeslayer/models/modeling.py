@@ -111,10 +111,19 @@ class BayesLayerBlock(GradientCheckpointingLayer):
         state: dict | None = None,
         use_cache: bool = False,
         output_variance: bool = False,
+        cp_context=None,
     ) -> tuple[torch.Tensor, dict | None, torch.Tensor | None]:
         """``(hidden_states, the mixer's new state or None, its predictive variance or None)``."""
+        cp = {}
+        if cp_context is not None:
+            cp_unsupported = getattr(self.attn, "cp_unsupported", None)
+            reason = cp_unsupported() if cp_unsupported is not None else "it has no context-parallel path"
+            if reason is not None:
+                raise ValueError(f"layer {self.layer_idx}'s mixer {self.mixer_name!r} cannot run with cp_context: "
+                                 f"{reason}")
+            cp = {"cp_context": cp_context}
         out = self.attn(self.attn_norm(hidden_states), attention_mask=attention_mask, state=state,
-                        use_cache=use_cache, output_variance=output_variance)
+                        use_cache=use_cache, output_variance=output_variance, **cp)
         hidden_states = hidden_states + self.mixer_dropout(out.o)
         hidden_states = hidden_states + self.mlp_dropout(self.mlp(self.mlp_norm(hidden_states)))
         return hidden_states, out.state, out.variance
@@ -299,6 +308,7 @@ class BayesLayerModel(BayesLayerPreTrainedModel):
         return_dict: bool | None = None,
         past_key_values: BayesLayerCache | None = None,
         output_variance: bool = False,
+        cp_context=None,
         **kwargs,
     ) -> BayesLayerModelOutput | tuple:
         """Hidden states ``[B, T, hidden]`` after the final norm; with ``use_cache`` also the updated cache.
@@ -307,15 +317,22 @@ class BayesLayerModel(BayesLayerPreTrainedModel):
         columns go to every mixer, which keeps padded tokens out of its memory.
         ``past_key_values`` is accepted as the pre-5.x name of ``cache``.  ``output_variance``
         adds each layer's predictive variance (``None`` for mixers without a covariance).
+        ``cp_context`` (:func:`bayeslayer.ops.build_cp_context`, with the mixers' ``conv_size`` as
+        ``conv1d_kernel_size``): the inputs are this rank's slice of one sequence (B = 1) split along T
+        across the context's group (docs/context_parallel.md); every mixer must have a context-parallel
+        path (the Bayesian Layer with a dense covariance), others are refused by name.
         """
         _check_extra_kwargs(kwargs)
+        if cp_context is not None and (cache is not None or past_key_values is not None or use_cache):
+            raise ValueError("cp_context runs a slice of one sequence: pass no cache and use_cache=False")
         if cache is not None and past_key_values is not None:
             raise ValueError("pass the cache as cache or as past_key_values, not both")
         cache = cache if cache is not None else past_key_values
         output_hidden_states = (
             output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
         )
-        use_cache = use_cache if use_cache is not None else (self.config.use_cache and not self.training)
+        use_cache = use_cache if use_cache is not None else (
+            self.config.use_cache and not self.training and cp_context is None)
         if use_cache and self.training and torch.is_grad_enabled() and any(
             layer.gradient_checkpointing for layer in self.layers
         ):
@@ -340,7 +357,8 @@ class BayesLayerModel(BayesLayerPreTrainedModel):
                 all_hidden += (hidden_states,)
             state = cache[idx] if cache is not None else None
             hidden_states, new_state, variance = layer(hidden_states, attention_mask=mask, state=state,
-                                                       use_cache=use_cache, output_variance=output_variance)
+                                                       use_cache=use_cache, output_variance=output_variance,
+                                                       cp_context=cp_context)
             if use_cache:
                 cache.set_state(idx, new_state, T)
             if output_variance:
@@ -408,6 +426,9 @@ class BayesLayerForCausalLM(BayesLayerPreTrainedModel, GenerationMixin):
         summed cross-entropy divided by it.  ``output_variance`` adds the per-layer predictive
         variances (see :class:`BayesLayerModelOutput`)."""
         return_dict = return_dict if return_dict is not None else self.config.return_dict
+        if labels is not None and kwargs.get("cp_context") is not None:
+            raise ValueError("with cp_context, compute the loss from the logits: the label after a slice's last "
+                             "token is on the next rank (docs/context_parallel.md)")
         if not isinstance(logits_to_keep, int) or isinstance(logits_to_keep, bool) or logits_to_keep < 0:
             raise ValueError(f"logits_to_keep must be a non-negative int, got {logits_to_keep!r}")
         outputs = self.model(

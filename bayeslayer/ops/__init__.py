@@ -15,6 +15,7 @@ or ``"triton"`` forces one.
 from .backend import BACKENDS, BackendError, bl_chunk, bl_step
 from .checks import set_value_checks, value_checks
 from .chunk import filter_chunk
+from .cp import CPContext, build_cp_context
 from .prepare import FilterInputs, FilterOutput
 from .recurrent import bl_recurrent, filter_recurrent, initial_bl_state
 from .triton import set_triton_backward
@@ -24,10 +25,12 @@ __all__ = [
     "BACKENDS",
     "WRITE_MODELS",
     "BackendError",
+    "CPContext",
     "FilterInputs",
     "FilterOutput",
     "WriteModel",
     "bl_chunk",
+    "build_cp_context",
     "bl_recurrent",
     "bl_step",
     "filter_chunk",

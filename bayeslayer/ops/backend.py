@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 
 from .chunk import filter_chunk
+from .cp import filter_chunk_cp
 from .prepare import FilterOutput
 from .recurrent import filter_recurrent
 from .triton import bl_chunk_triton, bl_step_triton  # called under these names (tests/triton_spy.py)
@@ -184,6 +185,7 @@ def bl_chunk(
     cu_seqlens: torch.Tensor | None = None,
     backend: str | None = "auto",
     n_segments: int | None = None,
+    cp_context=None,
 ):
     """The Bayesian Layer, chunked: same contract and results as :func:`bayeslayer.ops.bl_recurrent`.
 
@@ -205,8 +207,24 @@ def bl_chunk(
     sequence split into this many segments (None: chosen from B·H and T, one segment up to 4096
     tokens; segments never cross a ``cu_seqlens`` boundary); the PyTorch path ignores it.
 
+    ``cp_context``: a :class:`~bayeslayer.ops.cp.CPContext` (:func:`~bayeslayer.ops.cp.build_cp_context`)
+    runs this rank's slice of a context-parallel sequence (:mod:`bayeslayer.ops.cp`, PyTorch path): q, k,
+    v, ... hold the slice, ``initial_state`` the global sequences' states, and the final state those
+    of the sequences that end on this rank (``cp_context.final_seqs``); ``cu_seqlens`` goes into the
+    context instead.
+
     Returns ``(o, state)`` or, with ``return_variance``, ``(o, variance [B, T, H, G], state)``.
     """
+    if cp_context is not None:
+        if cu_seqlens is not None:
+            raise ValueError("with cp_context, pass the global cu_seqlens to build_cp_context, not cu_seqlens")
+        if check_backend(backend) == "triton":
+            raise BackendError("backend='triton' cannot run with cp_context: context parallelism runs on the "
+                               "PyTorch path")
+        out = filter_chunk_cp(q, k, v, r2, ell2, ctx=cp_context, alpha=alpha, theta=theta, p0=p0,
+                              initial_state=initial_state, output_final_state=output_final_state,
+                              return_variance=return_variance, chunk_size=chunk_size)
+        return (out.o, out.variance, out.state) if return_variance else (out.o, out.state)
     out = dispatch_chunk(
         q, k, v, write="bayes", r2=r2, ell2=ell2, alpha=alpha, theta=theta, p0=p0,
         initial_state=initial_state, output_final_state=output_final_state,
