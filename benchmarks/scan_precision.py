@@ -4,7 +4,7 @@ Emulated in PyTorch on the CPU (the Triton interpreter ignores ``input_precision
 GPU's tensor cores would compute): TF32 operands are fp32 rounded to nearest to a 10-bit mantissa, as the
 hardware rounds them; ``3xtf32`` splits each operand into a TF32 high part and a TF32 low part and sums the three
 products ``hi·hi + (hi·lo + lo·hi)`` in fp32 (what Triton's ``input_precision="tf32x3"`` emits); ``bf16x3`` the
-same with bf16 parts.  Scalar decay; the chunk step is the Cholesky form of the design note, algebraically the
+same with bf16 parts.  Scalar decay; the chunk step is the Cholesky form of docs/theory.md §5.2, algebraically the
 kernels' LDLᵀ form (``W = βU``, ``Lc = L diag(√d)``).
 
 Phases as :func:`bayeslayer.ops.triton.scan.scan_packed` runs them: Phase A (segment elements, from P = 0) with
@@ -15,7 +15,7 @@ float64; Phase C in fp32 with the given product precision.  Reference: the chunk
 A bf16 hand-off (W, ``L⁻¹``, ``L⁻¹(γ⊙K)`` and the prep rounded to bf16) is the control: it shows that the
 measurement sees what the hand-off's precision does to the segment elements.
 
-Regimes (the design note's ``fp32_scan.py``, same distributions, draw order and seed): typical (α ∈ [0.9, 1],
+Regimes (docs/theory.md §6.6): typical (α ∈ [0.9, 1],
 ℓ² ∈ [1e-3, 1.1e-2], r² ∈ [0.1, 1.1]), long-memory (α ∈ [0.998, 1], ℓ² ≈ 1e-4) and stress (α ∈ [0.999, 1],
 ℓ² ≈ 1e-6, r² ≈ 1e-3, keys in a 16-dim subspace).  H = 4, T = 4096, D = C = 64, segments of 16 chunks.
 Prints the max relative error of β (over every token) and of the final P (max abs / max abs of the reference).
@@ -64,7 +64,7 @@ def matmul(mode: str):
 
 
 def inputs(regime: str, H: int, T: int, D: int):
-    """The design note's inputs (``fp32_scan.py``): ``(k, r2, ell2, log_alpha)`` ``[H, T, ·]`` in float64."""
+    """The three regimes' inputs (docs/theory.md §6.6): ``(k, r2, ell2, log_alpha)`` ``[H, T, ·]`` in float64."""
     torch.manual_seed(0)
     f = dict(dtype=F64)
     k = torch.nn.functional.normalize(torch.randn(H, T, D, **f), dim=-1)
