@@ -142,9 +142,10 @@ def main() -> None:
             f"{r['bytes_received']} | {r['bytes_backward']} |"
         )
     if a.json is not None:
-        a.json.parent.mkdir(parents=True, exist_ok=True)
+        from bayeslayer.experiments.provenance import write_record
+
         record = dict(config=dict(vars(a), json=str(a.json)), cores=os.cpu_count(), torch=torch.__version__, rows=rows)
-        a.json.write_text(json.dumps(record, indent=1) + "\n")
+        write_record(a.json, record)
 
 
 if __name__ == "__main__":

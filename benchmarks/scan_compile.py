@@ -91,7 +91,9 @@ def main(argv=None) -> int:
             print(json.dumps(rec), flush=True)
             rows.append(rec)
     if args.out:
-        Path(args.out).write_text(json.dumps(dict(triton=triton.__version__, rows=rows), indent=1) + "\n")
+        from bayeslayer.experiments.provenance import write_record
+
+        write_record(args.out, dict(triton=triton.__version__, target="sm_90", rows=rows), device="cpu (compile only)")
     return 0 if all("error" not in r for r in rows) else 1
 
 

@@ -27,7 +27,6 @@ Prints the max relative error of β (over every token) and of the final P (max a
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
@@ -229,8 +228,9 @@ def main(argv=None) -> int:
             print(f"{regime:8s} {name:34s} beta {row['beta']:.1e}   P_T {row['P_T']:.1e}", flush=True)
         print(f"  ({time.time() - t0:.0f} s)", flush=True)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(dict(H=H, T=T, D=D, C=C, segment_chunks=args.segment_chunks, rows=rows), f, indent=1)
+        from bayeslayer.experiments.provenance import write_record
+
+        write_record(args.out, dict(H=H, T=T, D=D, C=C, segment_chunks=args.segment_chunks, rows=rows), seeds=[0])
     return 0
 
 
