@@ -739,6 +739,20 @@ def _fwdbwd_row(rec: dict, x: dict, args, device: str, t_start: float) -> None:
 
 
 def run_scan(args, save) -> list[dict]:
+    """:func:`_run_scan` with fla's autotuning as ``args.fla_autotune`` says: ``"pin"`` (every autotuned fla
+    kernel, GDN's and the mean pass's alike, at its first config, :func:`_fla_first_config`: no autotuning on the
+    device, whose lease is shorter than fla's autotuning at two head dims) or ``"warm"`` (fla autotunes on its first
+    call per head dim, the row check; ``TRITON_CACHE_AUTOTUNING=1`` keeps the result for a later machine)."""
+    if not callable(save):
+        raise TypeError(f"save must be a callable taking the rows, got {type(save).__name__}")
+    mode = getattr(args, "fla_autotune", "warm")
+    if mode not in ("pin", "warm"):
+        raise ValueError(f"fla_autotune must be 'pin' or 'warm', got {mode!r}")
+    with _fla_first_config() if mode == "pin" else contextlib.nullcontext():
+        return _run_scan(args, save)
+
+
+def _run_scan(args, save) -> list[dict]:
     """The device check (module docstring), in this order, the JSON rewritten after every row:
 
     1. ``check``: the small value checks of :func:`scan_check`, then one per head dim at the rows' own compile
@@ -780,7 +794,8 @@ def run_scan(args, save) -> list[dict]:
     rows.append({"kind": "setup", "fwdbwd": do_bwd, "bl_leaves": list(BL_LEAVES), "gdn_leaves": list(GDN_LEAVES),
                  "reps": args.reps, "bwd_reps": args.bwd_reps, "blockwise_max_T": args.blockwise_max_T,
                  "budget_s": args.budget_s, "fwd_budget_s": fwd_budget, "dtype": args.dtype,
-                 "chunk_size": args.chunk_size, "H": args.H, "hopper_guard": guard})
+                 "chunk_size": args.chunk_size, "H": args.H, "hopper_guard": guard,
+                 "fla_autotune": getattr(args, "fla_autotune", "warm")})
     save(rows)
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu (dry run)"
     print(f"# {name} | scan v2 | dtype={args.dtype} chunk={args.chunk_size} | fwd+bwd "
@@ -1119,6 +1134,8 @@ def main(argv=None) -> int:
                                                     "rev64"],
                    help="--compile-only: these kernels only (default all)")
     p.add_argument("--scan", action="store_true", help="v2: segment-scan forward vs GDN forward (module docstring)")
+    p.add_argument("--fla-autotune", choices=["pin", "warm"], default="warm",
+                   help="--scan: pin every fla autotuner to its first config, or let fla autotune once per head dim")
     p.add_argument("--dry-run", action="store_true",
                    help="with --scan on a CPU (TRITON_INTERPRET=1): tiny shapes, the same code path")
     p.add_argument("--occ-B", type=int, default=9, help="--scan: batch of the full-occupancy rows (B·H ≥ 132)")
