@@ -10,13 +10,13 @@
 # left.  Binary wheels are refused (--only-binary=:all: with a pure-Python check): the image's platform libraries are
 # not ours to replace.  Not carried, by design: transformers (a requirement of flash-linear-attention's models and
 # layers only; fla's package init treats them as optional, and fla.ops.gated_delta_rule imports without it).
-# Prints the folder's size: the device tool carries at most 64 MiB with the working tree.
+# Prints the folder's size: it travels with the checkout, so small is better.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 FLA_VERSION=${FLA_VERSION:-0.6.0}
 DEST=.whl
-# on the image (the device tool's package list for this machine names these and their own requirements)
+# on the image (the machine's package list names these and their own requirements)
 IMAGE="torch triton pytest pytest-xdist einops packaging numpy filelock typing-extensions sympy networkx jinja2
 fsspec setuptools mpmath markupsafe iniconfig pluggy pygments execnet"
 OPTIONAL="transformers"

@@ -45,7 +45,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-# H200 (SXM): measured on a lent machine where marked, else the vendor's datasheet (H100 rates, H200.md)
+# H200 (SXM): measured on an H200 where marked, else the vendor's datasheet (the H100's rates)
 H200 = {
     "sms": 132,
     "bandwidth": 4.3e12,  # device-to-device copy, measured (bytes read + written per second)

@@ -9,18 +9,20 @@ One short command on a machine with a CUDA GPU::
     python benchmarks/gpu.py --scan               # v2: the segment-scan forward vs GDN's forward (below)
     TRITON_INTERPRET=1 python benchmarks/gpu.py --scan --dry-run   # the same code on CPU, tiny shapes
 
-``--scan`` (the device check of issue 15, sized for 8 minutes): first a value check on the device
-(fla's ``fwd_h`` against its PyTorch twin, the scan forward against ``bl_chunk`` in float64), then
-fla's autotuning is warmed once per head dim on a short sequence (its autotune keys do not
-include T; ``TRITON_CACHE_DIR`` keeps the result for the next session), then rows in order of
+``--scan`` (the device check, sized for 8 minutes; ``benchmarks/gpu_session.sh`` runs it on a bare machine): first
+value checks on the device (fla's ``fwd_h`` against its PyTorch twin, the scan forward against ``bl_chunk`` in
+float64, then one per head dim at the rows' own compile shapes in the rows' dtype, the bf16 hand-off to fla's mean
+pass included), with fla's autotuning pinned to each kernel's first config (``--fla-autotune pin``) or run once per
+head dim in that check (``warm``; its autotune keys do not include T), then the forward rows in order of
 cost: latency (B = 2, H = 16) and full occupancy (``--occ-B`` × H ≥ 132) for T ∈ {2k, 8k, 32k}
 × D ∈ {64, 128, 256}, each with GDN's forward, BL's forward (``ops/triton/scan.py``; with fla's
 mean pass, ``bl_fwd_s``, and with our mean kernel — what ``bl_chunk(backend="triton")`` runs —
 ``bl_own_mean_fwd_s``; that one again without the prep kernel, ``bl_own_mean_noprep_fwd_s``), the
-BL/GDN ratio, per-phase times, peak memory; then a segment-count
+BL/GDN ratio, per-phase times, peak memory (none started after ``--fwd-budget-s``); then the forward+backward
+rows (below); then a segment-count
 sweep.  The JSON is rewritten after every row, and no row starts after ``--budget-s``.
 
-Forward+backward in the same rows (issue 16; ``--no-bwd``: forwards only, as before): time and peak memory
+Forward+backward of the same rows (``--no-bwd``: forwards only): time and peak memory
 (above the inputs; the peak-memory call doubles as the warm-up, then ``--bwd-reps`` timed calls, default 2) of
 BL ``bl_chunk_triton(..., backward="scan")`` (``bl_scan_fwdbwd_*``), BL ``backward="blockwise"`` (the old default,
 host-bound: only at T <= ``--blockwise-max-T``, default 8192, else the row says it was skipped) and fla's
@@ -740,9 +742,10 @@ def _fwdbwd_row(rec: dict, x: dict, args, device: str, t_start: float) -> None:
 
 def run_scan(args, save) -> list[dict]:
     """:func:`_run_scan` with fla's autotuning as ``args.fla_autotune`` says: ``"pin"`` (every autotuned fla
-    kernel, GDN's and the mean pass's alike, at its first config, :func:`_fla_first_config`: no autotuning on the
-    device, whose lease is shorter than fla's autotuning at two head dims) or ``"warm"`` (fla autotunes on its first
-    call per head dim, the row check; ``TRITON_CACHE_AUTOTUNING=1`` keeps the result for a later machine)."""
+    kernel, GDN's and the mean pass's alike, at its first config, :func:`_fla_first_config`: no autotuning in the
+    device check, whose 8 minutes are shorter than fla's autotuning at two head dims) or ``"warm"`` (fla autotunes
+    on its first call per head dim, the row check; ``TRITON_CACHE_AUTOTUNING=1`` keeps the result for a later
+    machine)."""
     if not callable(save):
         raise TypeError(f"save must be a callable taking the rows, got {type(save).__name__}")
     mode = getattr(args, "fla_autotune", "warm")

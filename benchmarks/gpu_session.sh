@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The device check in one command, for a lent GPU machine with a bare image (see docs/kernels.md, "Device check"):
+# The device check in one command, for a GPU machine with a bare image (see docs/kernels.md, "Device check"):
 #
 #   bash benchmarks/build_wheels.sh          # here, once: .whl/ (flash-linear-attention, fla-core), ignored by git
 #   bash benchmarks/gpu_session.sh           # there, with `.whl` carried: the line below, 8 minutes
@@ -18,10 +18,10 @@
 #             tests then check those kernels' values)
 #   census    benchmarks/gpu.py --compile-only: SASS instruction census, registers and spills (CENSUS_ARGS; sm_90
 #             compiles need no GPU, so the dry run compiles too)
-# Older phases, by name in PHASES: tests, bench, variants, profile, scantest, bwdtest (see git history).
+# Older phases, by name in PHASES: tests, bench, variants, profile, scantest, bwdtest (their commands below).
 # PHASES picks and orders them (default "scan gputests census"); each has a time limit in seconds (SCAN_S,
 # GPUTEST_S, CENSUS_S; TEST_S, BWDTEST_S, BENCH_S, VAR_S, PROF_S) and the plan is printed first.
-# Results: $OUT (the device tool's folder) or /tmp/bl_gpu: line.log (everything printed), line.json (each phase's
+# Results: $OUT or /tmp/bl_gpu: line.log (everything printed), line.json (each phase's
 # exit code and seconds, rewritten after each phase), scan.json and census.json (rewritten after each row).
 # fla's autotuning (71 s to over 100 s per head dim on a fresh H200) is pinned: every fla autotuner at its first
 # config, GDN's and BL's mean pass alike (FLA_AUTOTUNE=pin, the default).  FLA_AUTOTUNE=warm lets fla autotune once
@@ -79,7 +79,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if ! err=$("$PY" -c "import sys, torch, triton, fla, fla.ops.gated_delta_rule; print('python', sys.version.split()[0],
 'torch', torch.__version__, 'triton', triton.__version__, 'fla', fla.__version__)" 2>&1); then
   echo "gpu_session.sh: flash-linear-attention is not importable ($(echo "$err" | tail -1)); build .whl/ with" \
-       "benchmarks/build_wheels.sh and carry it (device tool: carry [\".whl\"])"
+       "benchmarks/build_wheels.sh and carry it with the checkout"
   exit 3
 fi
 echo "$err" | tail -1

@@ -8,7 +8,7 @@
 #    Python environment running this script (SOURCE_PYTHON, default python3: its CPU torch and Triton);
 #    flash-linear-attention, transformers and everything else are left out;
 # 2. .whl/ built by benchmarks/build_wheels.sh when missing (the only step that needs the network), copied with the
-#    working tree's tracked files into a scratch checkout, as the device tool carries them;
+#    working tree's tracked and untracked-not-ignored files into a scratch checkout: what travels to the GPU machine;
 # 3. benchmarks/gpu_session.sh with DRY_RUN=1 there, pip offline (PIP_NO_INDEX=1) and no network needed: install
 #    from .whl, the import check, the scan check and rows (TRITON_INTERPRET=1, tiny shapes), the GPU tests collected
 #    and one run, the SASS census (sm_90 compiles work without a GPU);
@@ -62,7 +62,7 @@ if ! ls .whl/*.whl >/dev/null 2>&1; then PYTHON="$SRC_PY" bash benchmarks/build_
 mkdir -p "$SIM/repo"
 git ls-files -z --cached --others --exclude-standard | xargs -0 cp --parents -t "$SIM/repo"
 cp -r .whl "$SIM/repo/.whl"
-echo "  $(du -sk "$SIM/repo" | cut -f1) KiB travel (the device tool's limit: 64 MiB)"
+echo "  $(du -sk "$SIM/repo" | cut -f1) KiB travel"
 echo "== 3. the line, dry run"
 cd "$SIM/repo"
 set +e
