@@ -96,9 +96,12 @@ def test_bad_input(gpu):
         gpu.scan_check(argparse.Namespace(no_bwd=True, dry_run=True), "cpu", guard="off")
     with pytest.raises(TypeError, match="save"):
         gpu.run_scan(argparse.Namespace(), save=None)
+    with pytest.raises(ValueError, match="fla_autotune"):
+        gpu.run_scan(argparse.Namespace(fla_autotune="tuned"), save=lambda rows: None)
     with pytest.raises(ValueError, match="backward"):
         gpu._bl_fwdbwd({"q": torch.zeros(1)}, 16, "fused", None)
-    for argv in (["--scan", "--bwd-reps", "0"], ["--scan", "--reps", "0"], ["--scan", "--blockwise-max-T", "-1"]):
+    for argv in (["--scan", "--bwd-reps", "0"], ["--scan", "--reps", "0"], ["--scan", "--blockwise-max-T", "-1"],
+                 ["--scan", "--fla-autotune", "tuned"]):
         with pytest.raises(SystemExit) as err:
             gpu.main(argv)
         assert err.value.code == 2
