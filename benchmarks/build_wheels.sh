@@ -49,7 +49,8 @@ while [ ${#todo[@]} -gt 0 ]; do
     if [[ " $(echo $IMAGE) " == *" $dname "* ]]; then echo "  $dep: on the image"; continue; fi
     if [[ " $OPTIONAL " == *" $dname "* ]]; then echo "  $dep: not carried (not needed by fla.ops)"; continue; fi
     todo+=("$(echo "$dep" | sed -E 's/ *;.*//; s/ *\((.*)\)/\1/; s/ //g')")
-  done < <(unzip -p "$whl" '*.dist-info/METADATA' | grep '^Requires-Dist:' | grep -v 'extra ==' \
+  done < <("$PY" -c "import sys, zipfile; z = zipfile.ZipFile(sys.argv[1]); print(z.read(next(n for n in z.namelist()
+if n.endswith('.dist-info/METADATA'))).decode())" "$whl" | grep '^Requires-Dist:' | grep -v 'extra ==' \
            | sed 's/^Requires-Dist: *//')
 done
 ls -l "$DEST"
