@@ -9,18 +9,20 @@ One short command on a machine with a CUDA GPU::
     python benchmarks/gpu.py --scan               # v2: the segment-scan forward vs GDN's forward (below)
     TRITON_INTERPRET=1 python benchmarks/gpu.py --scan --dry-run   # the same code on CPU, tiny shapes
 
-``--scan`` (the device check, sized for 8 minutes): first a value check on the device
-(fla's ``fwd_h`` against its PyTorch twin, the scan forward against ``bl_chunk`` in float64), then
-fla's autotuning is warmed once per head dim on a short sequence (its autotune keys do not
-include T; ``TRITON_CACHE_DIR`` keeps the result for the next session), then rows in order of
+``--scan`` (the device check, sized for 8 minutes; ``benchmarks/gpu_session.sh`` runs it on a bare machine): first
+value checks on the device (fla's ``fwd_h`` against its PyTorch twin, the scan forward against ``bl_chunk`` in
+float64, then one per head dim at the rows' own compile shapes in the rows' dtype, the bf16 hand-off to fla's mean
+pass included), with fla's autotuning pinned to each kernel's first config (``--fla-autotune pin``) or run once per
+head dim in that check (``warm``; its autotune keys do not include T), then the forward rows in order of
 cost: latency (B = 2, H = 16) and full occupancy (``--occ-B`` × H ≥ 132) for T ∈ {2k, 8k, 32k}
 × D ∈ {64, 128, 256}, each with GDN's forward, BL's forward (``ops/triton/scan.py``; with fla's
 mean pass, ``bl_fwd_s``, and with our mean kernel — what ``bl_chunk(backend="triton")`` runs —
 ``bl_own_mean_fwd_s``; that one again without the prep kernel, ``bl_own_mean_noprep_fwd_s``), the
-BL/GDN ratio, per-phase times, peak memory; then a segment-count
+BL/GDN ratio, per-phase times, peak memory (none started after ``--fwd-budget-s``); then the forward+backward
+rows (below); then a segment-count
 sweep.  The JSON is rewritten after every row, and no row starts after ``--budget-s``.
 
-Forward+backward in the same rows (``--no-bwd``: forwards only, as before): time and peak memory
+Forward+backward of the same rows (``--no-bwd``: forwards only): time and peak memory
 (above the inputs; the peak-memory call doubles as the warm-up, then ``--bwd-reps`` timed calls, default 2) of
 BL ``bl_chunk_triton(..., backward="scan")`` (``bl_scan_fwdbwd_*``), BL ``backward="blockwise"`` (the old default,
 host-bound: only at T <= ``--blockwise-max-T``, default 8192, else the row says it was skipped) and fla's
@@ -67,6 +69,7 @@ import argparse
 import contextlib
 import json
 import math
+import re
 import statistics
 import subprocess
 import sys
@@ -647,12 +650,125 @@ def _fwdbwd_variants(x, do, args) -> list:
     return out
 
 
-def run_scan(args, save) -> list[dict]:
-    """The v2 device check (module docstring): check, warm fla, rows, segment sweep; JSON after every row.
+def _check_row_values(args, device: str, dtype: torch.dtype, D: int) -> dict:
+    """Values at a row's own compile shape before it is timed: head dim ``D``, chunk ``args.chunk_size``, the rows'
+    dtype (bf16 on the device: BL's fp32 kernels hand w and the substituted tensors to fla's mean pass in bf16, as
+    GDN runs its own), T = the shortest row's, H = ``args.H``, B = 1.  Max relative error of o against float64
+    references on the same (rounded) inputs: BL's scan forward (fla's mean pass) against ``bl_chunk`` in float64,
+    GDN's ``chunk_gated_delta_rule`` against fla's naive recurrent reference in float32.  Their first calls are
+    fla's forward autotuning and the kernels' compiles for this D, which the rows then reuse."""
+    from bayeslayer.ops import bl_chunk
 
-    Each row: the forwards (GDN's, BL's with fla's mean pass, with ours, ours without the prep kernel), then,
-    unless ``args.no_bwd``, forward+backward time and peak memory of GDN, BL ``backward="scan"`` and BL
-    ``backward="blockwise"`` (only at ``T <= args.blockwise_max_T``), and the ratios BL scan / GDN."""
+    T = min(args.T)
+    out: dict = {"kind": "row_check", "D": D, "T": T, "H": args.H, "B": 1, "dtype": str(dtype).split(".")[-1],
+                 "chunk_size": args.chunk_size}
+    t0 = time.time()
+    x = _make_inputs(1, T, args.H, D, dtype, device, seed=7)
+    try:
+        o = _scan_fwd(x, args.chunk_size)()[0]
+        _sync(device)
+        out["bl_first_call_s"] = round(time.time() - t0, 1)
+        x64 = {n: t.double() for n, t in x.items()}
+        ref = bl_chunk(*(x64[n] for n in BL_LEAVES), chunk_size=args.chunk_size, backend="torch")[0]
+        out["bl_fwd_rel_err"] = _rel(o, ref)
+    except Exception as err:  # recorded; the rows still run
+        out["bl_error"] = f"{type(err).__name__}: {str(err)[:300]}"
+    t1 = time.time()
+    try:
+        base = _gdn_inputs(x)
+        got = _gdn_call(*(base[n] for n in GDN_LEAVES), naive=None if device == "cuda" else "chunk")
+        _sync(device)
+        out["gdn_first_call_s"] = round(time.time() - t1, 1)
+        f32 = [base[n].float() for n in GDN_LEAVES]
+        out["gdn_fwd_rel_err"] = _rel(got, _gdn_call(*f32, naive="recurrent"))
+    except Exception as err:
+        out["gdn_error"] = f"{type(err).__name__}: {str(err)[:300]}"
+    if "bl_fwd_rel_err" in out and out.get("gdn_fwd_rel_err"):
+        out["bl_over_gdn_err"] = out["bl_fwd_rel_err"] / out["gdn_fwd_rel_err"]
+    out["seconds"] = round(time.time() - t0, 1)
+    return out
+
+
+def _fwd_row(rec: dict, x: dict, args, device: str) -> None:
+    """A row's forwards (into ``rec``): GDN's, BL's with fla's mean pass (and per phase), with ours, ours without
+    the prep kernel; the ratio BL (fla mean) / GDN and peak memories."""
+    gdn = _gdn_fwd(x)
+    rec["gdn_fwd_s"] = _time_any(gdn, args.reps, args.warmup, device)
+    rec["gdn_mem"] = _peak_any(gdn, device)
+    bl = _scan_fwd(x, args.chunk_size)
+    rec["bl_fwd_s"] = _time_any(bl, args.reps, args.warmup, device)
+    rec["bl_mem"] = _peak_any(bl, device)
+    phases: dict = {}
+    _scan_fwd(x, args.chunk_size, timings=phases)()
+    rec["bl_phases_s"] = phases
+    # the wired default (bl_chunk(backend="triton")): the same scan with our mean kernel
+    rec["bl_own_mean_fwd_s"] = _time_any(_scan_fwd(x, args.chunk_size, mean="triton"), args.reps, args.warmup,
+                                         device)
+    # the same without the prep kernel: does taking the P-free terms out of the chunk loop pay?
+    rec["bl_own_mean_noprep_fwd_s"] = _time_any(_scan_fwd(x, args.chunk_size, mean="triton", prep=False),
+                                                args.reps, args.warmup, device)
+    rec["ratio_fwd"] = rec["bl_fwd_s"] / rec["gdn_fwd_s"]
+    rec["ratio_mem"] = rec["bl_mem"] / rec["gdn_mem"] if rec["gdn_mem"] else None
+    rec["bl_tok_s"] = rec["B"] * rec["T"] / rec["bl_fwd_s"]
+
+
+def _fwdbwd_row(rec: dict, x: dict, args, device: str, t_start: float) -> None:
+    """A row's forward+backward measurements (into ``rec``): :func:`_fwdbwd_variants`, then the ratios."""
+    do = _cotangent(x)
+    for key, make in _fwdbwd_variants(x, do, args):
+        if key == "bl_blockwise" and rec["T"] > args.blockwise_max_T:
+            rec[f"{key}_fwdbwd"] = f"skipped: T > {args.blockwise_max_T} (--blockwise-max-T)"
+            continue
+        if time.time() - t_start > args.budget_s:
+            rec[f"{key}_fwdbwd"] = f"skipped: budget of {args.budget_s:.0f} s spent"
+            continue
+        try:
+            rec[f"{key}_fwdbwd_s"], rec[f"{key}_fwdbwd_mem"] = _measure_fwdbwd(make(), args.bwd_reps, device)
+        except Exception as err:  # an OOM or a refusal of one must not hide the others
+            rec[f"{key}_fwdbwd_error"] = f"{type(err).__name__}: {str(err)[:300]}"
+            rec[f"{key}_fwdbwd_guard_hit"] = _guard_hit(err)
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    if "bl_scan_fwdbwd_s" in rec and "gdn_fwdbwd_s" in rec:
+        rec["ratio_fwdbwd"] = rec["bl_scan_fwdbwd_s"] / rec["gdn_fwdbwd_s"]
+        rec["ratio_fwdbwd_mem"] = (rec["bl_scan_fwdbwd_mem"] / rec["gdn_fwdbwd_mem"]
+                                   if rec["gdn_fwdbwd_mem"] else None)
+        if "bl_blockwise_fwdbwd_s" in rec:
+            rec["ratio_fwdbwd_blockwise"] = rec["bl_blockwise_fwdbwd_s"] / rec["gdn_fwdbwd_s"]
+        if f"bl_scan_c{args.alt_chunk}_fwdbwd_s" in rec:  # the same scan backward at the other chunk size
+            rec["ratio_fwdbwd_alt_chunk"] = rec[f"bl_scan_c{args.alt_chunk}_fwdbwd_s"] / rec["gdn_fwdbwd_s"]
+    rec["bl_scan_fwdbwd_tok_s"] = rec["B"] * rec["T"] / rec["bl_scan_fwdbwd_s"] if "bl_scan_fwdbwd_s" in rec else None
+
+
+def run_scan(args, save) -> list[dict]:
+    """:func:`_run_scan` with fla's autotuning as ``args.fla_autotune`` says: ``"pin"`` (every autotuned fla
+    kernel, GDN's and the mean pass's alike, at its first config, :func:`_fla_first_config`: no autotuning in the
+    device check, whose 8 minutes are shorter than fla's autotuning at two head dims) or ``"warm"`` (fla autotunes
+    on its first call per head dim, the row check; ``TRITON_CACHE_AUTOTUNING=1`` keeps the result for a later
+    machine)."""
+    if not callable(save):
+        raise TypeError(f"save must be a callable taking the rows, got {type(save).__name__}")
+    mode = getattr(args, "fla_autotune", "warm")
+    if mode not in ("pin", "warm"):
+        raise ValueError(f"fla_autotune must be 'pin' or 'warm', got {mode!r}")
+    with _fla_first_config() if mode == "pin" else contextlib.nullcontext():
+        return _run_scan(args, save)
+
+
+def _run_scan(args, save) -> list[dict]:
+    """The device check (module docstring), in this order, the JSON rewritten after every row:
+
+    1. ``check``: the small value checks of :func:`scan_check`, then one per head dim at the rows' own compile
+       shapes (:func:`_check_row_values`, bf16 hand-off included; fla's forward autotuning happens here, once
+       per head dim);
+    2. ``fwd``: every row's forwards (GDN's, BL's with fla's mean pass, with ours, ours without the prep kernel),
+       cheapest first, none started after ``args.fwd_budget_s``;
+    3. ``fwdbwd`` (unless ``args.no_bwd``): the same rows' forward+backward time and peak memory of GDN, BL
+       ``backward="scan"``, BL ``backward="blockwise"`` (only at ``T <= args.blockwise_max_T``) and BL scan at
+       ``args.alt_chunk``, with the ratios BL scan / GDN; the first call per head dim (fla's backward
+       autotuning, the B2–B4 compiles) is timed apart (``warm_bwd`` rows); none started after
+       ``args.budget_s``;
+    4. the segment-count sweep (forwards), while the budget lasts."""
     from bayeslayer.ops import set_value_checks
 
     if not callable(save):
@@ -664,6 +780,7 @@ def run_scan(args, save) -> list[dict]:
     if args.dry_run:
         dtype = torch.float32
     do_bwd = not args.no_bwd
+    fwd_budget = min(getattr(args, "fwd_budget_s", None) or args.budget_s, args.budget_s)
     guard = fla_hopper_guard(bypass=bool(args.gdn_bypass_hopper_guard))
     if guard["bypassed"]:
         print(f"# fla's Hopper guard (Triton {guard['triton']} < 3.7.1) bypassed: the check below measures the "
@@ -671,132 +788,101 @@ def run_scan(args, save) -> list[dict]:
     elif guard["active"] is True and do_bwd:
         print("# fla's Hopper guard is active and not bypassed: GDN's and BL's backward=\"scan\" forward+backward "
               "will fail (--gdn-bypass-hopper-guard runs them)", flush=True)
+    else:
+        print(f"# fla's Hopper guard: {'not active here' if guard['active'] is False else guard['active']} "
+              f"(Triton {guard['triton']}, fla {guard['fla']})", flush=True)
+    print(f"# phase check ({time.time() - t_start:.0f} s)", flush=True)
+    save([{"kind": "started", "hopper_guard": guard}])  # a run killed in its check still leaves a file
     rows: list[dict] = [{"kind": "check", **scan_check(args, device, guard)}]
     rows.append({"kind": "setup", "fwdbwd": do_bwd, "bl_leaves": list(BL_LEAVES), "gdn_leaves": list(GDN_LEAVES),
                  "reps": args.reps, "bwd_reps": args.bwd_reps, "blockwise_max_T": args.blockwise_max_T,
-                 "budget_s": args.budget_s, "dtype": args.dtype, "chunk_size": args.chunk_size, "H": args.H})
+                 "budget_s": args.budget_s, "fwd_budget_s": fwd_budget, "dtype": args.dtype,
+                 "chunk_size": args.chunk_size, "H": args.H, "hopper_guard": guard,
+                 "fla_autotune": getattr(args, "fla_autotune", "warm")})
     save(rows)
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu (dry run)"
     print(f"# {name} | scan v2 | dtype={args.dtype} chunk={args.chunk_size} | fwd+bwd "
           f"{'grads of ' + ','.join(BL_LEAVES) + ' (BL) / ' + ','.join(GDN_LEAVES) + ' (GDN)' if do_bwd else 'off'}"
           f" | {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", flush=True)
-    warmed: set[int] = set()
-    blockwise_rows = args.blockwise_max_T > 0 and min(args.T) <= args.blockwise_max_T
-
-    def warm(D: int) -> None:
-        """fla's autotuner and Triton's compile cache, once per head dim, on a short sequence — just before the
-        first row that needs it, so that a run cut short by its budget still has the cheap rows.  The backward's
-        first calls (fla's GDN and mean-pass backward autotuning, the B2–B4 kernels' compiles) are timed apart."""
-        if D in warmed:
-            return
-        warmed.add(D)
-        t0 = time.time()
-        rec = {"kind": "warm", "D": D}
-        x = _make_inputs(1, args.warm_T, args.H, D, dtype, device)
-        for fn in (_gdn_fwd(x), _scan_fwd(x, args.chunk_size, n_segments=2)):
-            try:
-                fn()
-            except Exception as err:  # recorded in the rows that need it
-                print(f"# warm D={D} failed: {type(err).__name__}: {str(err)[:200]}", flush=True)
-        _sync(device)
-        rec["seconds"] = round(time.time() - t0, 1)
-        if do_bwd:
-            do = _cotangent(x)
-            for key, make in _fwdbwd_variants(x, do, args):
-                if key == "bl_blockwise" and not blockwise_rows:
-                    continue
-                t1 = time.time()
-                try:
-                    make()()
-                    _sync(device)
-                    rec[f"{key}_fwdbwd_first_s"] = round(time.time() - t1, 1)
-                except Exception as err:  # recorded here and again in the rows
-                    rec[f"{key}_fwdbwd_error"] = f"{type(err).__name__}: {str(err)[:200]}"
-                    print(f"# warm D={D} {key} forward+backward failed: {rec[f'{key}_fwdbwd_error']}", flush=True)
-        rows.append(rec)
-        print(f"# warm D={D}: {time.time() - t0:.0f} s (forwards {rec['seconds']:.0f} s"
-              + "".join(f", {k[:-len('_fwdbwd_first_s')]} f+b {v:.0f} s" for k, v in rec.items()
-                        if k.endswith("_fwdbwd_first_s")) + ")", flush=True)
-        save(rows)
     shapes = [("latency", args.B, T, D) for T in args.T for D in args.D]
     shapes += [("occupancy", args.occ_B, T, D) for T in args.T for D in args.D]
     shapes.sort(key=lambda r: r[1] * r[2] * r[3] ** 2)  # cheapest first: a cut-short run keeps the most rows
-    for kind, B, T, D in shapes:
-        if time.time() - t_start > args.budget_s:
-            rows.append({"kind": "skipped", "rows_left": f"{kind} B={B} T={T} D={D} and later"})
-            print(f"# budget of {args.budget_s} s spent: not starting {kind} B={B} T={T} D={D}", flush=True)
+    for D in sorted(set(args.D), key=lambda d: min(s[1] * s[2] * d ** 2 for s in shapes if s[3] == d)):
+        if time.time() - t_start > fwd_budget:
+            rows.append({"kind": "skipped", "rows_left": f"row_check D={D} and later"})
             break
-        warm(D)
+        rec = _check_row_values(args, device, dtype, D)
+        rows.append(rec)
+        print(f"# row check D={D}: {json.dumps(rec)}", flush=True)
+        save(rows)
+
+    print(f"# phase fwd ({time.time() - t_start:.0f} s)", flush=True)
+    measured: list[dict] = []
+    for kind, B, T, D in shapes:
+        if time.time() - t_start > fwd_budget:
+            rows.append({"kind": "skipped", "rows_left": f"forward {kind} B={B} T={T} D={D} and later"})
+            print(f"# forward budget of {fwd_budget:.0f} s spent: not starting {kind} B={B} T={T} D={D}", flush=True)
+            break
         rec = {"kind": kind, "B": B, "H": args.H, "T": T, "D": D, "dtype": args.dtype}
         rows.append(rec)
         head = f"{kind:>9} B={B:<2} T={T:>6} D={D:>4} |"
-        x = None
         try:
-            x = _make_inputs(B, T, args.H, D, dtype, device)
-            gdn = _gdn_fwd(x)
-            rec["gdn_fwd_s"] = _time_any(gdn, args.reps, args.warmup, device)
-            rec["gdn_mem"] = _peak_any(gdn, device)
-            bl = _scan_fwd(x, args.chunk_size)
-            rec["bl_fwd_s"] = _time_any(bl, args.reps, args.warmup, device)
-            rec["bl_mem"] = _peak_any(bl, device)
-            phases: dict = {}
-            _scan_fwd(x, args.chunk_size, timings=phases)()
-            rec["bl_phases_s"] = phases
-            # the wired default (bl_chunk(backend="triton")): the same scan with our mean kernel
-            rec["bl_own_mean_fwd_s"] = _time_any(_scan_fwd(x, args.chunk_size, mean="triton"), args.reps,
-                                                 args.warmup, device)
-            # the same without the prep kernel: does taking the P-free terms out of the chunk loop pay?
-            rec["bl_own_mean_noprep_fwd_s"] = _time_any(_scan_fwd(x, args.chunk_size, mean="triton", prep=False),
-                                                        args.reps, args.warmup, device)
-            rec["ratio_fwd"] = rec["bl_fwd_s"] / rec["gdn_fwd_s"]
-            rec["ratio_mem"] = rec["bl_mem"] / rec["gdn_mem"] if rec["gdn_mem"] else None
-            rec["bl_tok_s"] = B * T / rec["bl_fwd_s"]
+            _fwd_row(rec, _make_inputs(B, T, args.H, D, dtype, device), args, device)
+            measured.append(rec)
             print(f"{head} GDN {rec['gdn_fwd_s'] * 1e3:8.2f} ms | BL "
                   f"{rec['bl_fwd_s'] * 1e3:8.2f} ms (own mean {rec['bl_own_mean_fwd_s'] * 1e3:.2f}, without prep "
-                  f"{rec['bl_own_mean_noprep_fwd_s'] * 1e3:.2f}) | ratio "
-                  f"{rec['ratio_fwd']:6.2f} | mem ratio "
+                  f"{rec['bl_own_mean_noprep_fwd_s'] * 1e3:.2f}) | ratio {rec['ratio_fwd']:6.2f} | mem ratio "
                   f"{rec['ratio_mem'] or float('nan'):5.2f} | phases ms "
-                  f"{json.dumps({n: round(v * 1e3, 2) for n, v in phases.items()})}", flush=True)
+                  f"{json.dumps({n: round(v * 1e3, 2) for n, v in rec['bl_phases_s'].items()})}", flush=True)
         except Exception as err:  # one failing row (OOM, compile error) must not hide the others
             rec["error"] = f"{type(err).__name__}: {str(err)[:300]}"
             print(f"{head} forward failed: {rec['error']}", flush=True)
         if device == "cuda":
             torch.cuda.empty_cache()
-        if do_bwd and x is not None:
-            do = _cotangent(x)
-            for key, make in _fwdbwd_variants(x, do, args):
-                if key == "bl_blockwise" and T > args.blockwise_max_T:
-                    rec[f"{key}_fwdbwd"] = f"skipped: T > {args.blockwise_max_T} (--blockwise-max-T)"
+        save(rows)
+
+    if do_bwd:
+        print(f"# phase fwdbwd ({time.time() - t_start:.0f} s)", flush=True)
+    warmed: set[int] = set()
+    for rec in measured if do_bwd else []:
+        kind, B, T, D = rec["kind"], rec["B"], rec["T"], rec["D"]
+        if time.time() - t_start > args.budget_s:
+            rows.append({"kind": "skipped", "rows_left": f"forward+backward {kind} B={B} T={T} D={D} and later"})
+            print(f"# budget of {args.budget_s:.0f} s spent: no forward+backward from {kind} B={B} T={T} D={D}",
+                  flush=True)
+            break
+        head = f"{kind:>9} B={B:<2} T={T:>6} D={D:>4} |"
+        if D not in warmed:  # first calls per head dim: fla's backward autotuning, the B2-B4 compiles
+            warmed.add(D)
+            w = {"kind": "warm_bwd", "D": D}
+            xw = _make_inputs(1, args.warm_T, args.H, D, dtype, device)
+            for key, make in _fwdbwd_variants(xw, _cotangent(xw), args):
+                if key == "bl_blockwise" and min(args.T) > args.blockwise_max_T:
                     continue
-                if time.time() - t_start > args.budget_s:
-                    rec[f"{key}_fwdbwd"] = f"skipped: budget of {args.budget_s:.0f} s spent"
-                    continue
+                t1 = time.time()
                 try:
-                    rec[f"{key}_fwdbwd_s"], rec[f"{key}_fwdbwd_mem"] = _measure_fwdbwd(make(), args.bwd_reps, device)
-                except Exception as err:  # an OOM or a refusal of one must not hide the others
-                    rec[f"{key}_fwdbwd_error"] = f"{type(err).__name__}: {str(err)[:300]}"
-                    rec[f"{key}_fwdbwd_guard_hit"] = _guard_hit(err)
-                if device == "cuda":
-                    torch.cuda.empty_cache()
-            if "bl_scan_fwdbwd_s" in rec and "gdn_fwdbwd_s" in rec:
-                rec["ratio_fwdbwd"] = rec["bl_scan_fwdbwd_s"] / rec["gdn_fwdbwd_s"]
-                rec["ratio_fwdbwd_mem"] = (rec["bl_scan_fwdbwd_mem"] / rec["gdn_fwdbwd_mem"]
-                                           if rec["gdn_fwdbwd_mem"] else None)
-                if "bl_blockwise_fwdbwd_s" in rec:
-                    rec["ratio_fwdbwd_blockwise"] = rec["bl_blockwise_fwdbwd_s"] / rec["gdn_fwdbwd_s"]
-                if f"bl_scan_c{args.alt_chunk}_fwdbwd_s" in rec:  # the same scan backward at the other chunk size
-                    rec["ratio_fwdbwd_alt_chunk"] = rec[f"bl_scan_c{args.alt_chunk}_fwdbwd_s"] / rec["gdn_fwdbwd_s"]
-            rec["bl_scan_fwdbwd_tok_s"] = B * T / rec["bl_scan_fwdbwd_s"] if "bl_scan_fwdbwd_s" in rec else None
-            print(f"{'f+b':>{len(head) - 1}}| GDN {_fwdbwd_cols(rec, 'gdn')} | BL scan "
-                  f"{_fwdbwd_cols(rec, 'bl_scan')} | blockwise {_fwdbwd_cols(rec, 'bl_blockwise')} | ratio "
-                  f"{rec.get('ratio_fwdbwd') or float('nan'):6.2f} | mem ratio "
-                  f"{rec.get('ratio_fwdbwd_mem') or float('nan'):5.2f}"
-                  + (f" | chunk {args.alt_chunk}: {_fwdbwd_cols(rec, f'bl_scan_c{args.alt_chunk}')}, ratio "
-                     f"{rec.get('ratio_fwdbwd_alt_chunk') or float('nan'):6.2f}" if args.alt_chunk else ""), flush=True)
-            for key in ("gdn", "bl_scan", "bl_blockwise", f"bl_scan_c{args.alt_chunk}"):
-                if f"{key}_fwdbwd_error" in rec:
-                    print(f"{'':>9} {key} forward+backward failed: {rec[f'{key}_fwdbwd_error'][:200]}", flush=True)
-        x = do = None  # this row's inputs and adjoint go before the next row allocates its own
+                    make()()
+                    _sync(device)
+                    w[f"{key}_fwdbwd_first_s"] = round(time.time() - t1, 1)
+                except Exception as err:  # recorded here and again in the rows
+                    w[f"{key}_fwdbwd_error"] = f"{type(err).__name__}: {str(err)[:200]}"
+            rows.append(w)
+            print(f"# warm D={D} forward+backward: {json.dumps(w)}", flush=True)
+            save(rows)
+        x = _make_inputs(B, T, args.H, D, dtype, device)
+        _fwdbwd_row(rec, x, args, device, t_start)
+        x = None  # this row's inputs go before the next row allocates its own
+        print(f"{head} f+b GDN {_fwdbwd_cols(rec, 'gdn')} | BL scan "
+              f"{_fwdbwd_cols(rec, 'bl_scan')} | blockwise {_fwdbwd_cols(rec, 'bl_blockwise')} | ratio "
+              f"{rec.get('ratio_fwdbwd') or float('nan'):6.2f} | mem ratio "
+              f"{rec.get('ratio_fwdbwd_mem') or float('nan'):5.2f}"
+              + (f" | chunk {args.alt_chunk}: {_fwdbwd_cols(rec, f'bl_scan_c{args.alt_chunk}')}, ratio "
+                 f"{rec.get('ratio_fwdbwd_alt_chunk') or float('nan'):6.2f}" if args.alt_chunk else ""), flush=True)
+        for key in ("gdn", "bl_scan", "bl_blockwise", f"bl_scan_c{args.alt_chunk}"):
+            if f"{key}_fwdbwd_error" in rec:
+                print(f"{'':>9} {key} forward+backward failed: {rec[f'{key}_fwdbwd_error'][:200]}", flush=True)
+        if device == "cuda":
+            torch.cuda.empty_cache()
         save(rows)
     # segment-count sweep at the longest latency row that fits the budget (forwards only)
     for D in args.sweep_D:
@@ -804,7 +890,6 @@ def run_scan(args, save) -> list[dict]:
         for n_seg in args.sweep:
             if time.time() - t_start > args.budget_s:
                 break
-            warm(D)
             rec = {"kind": "sweep", "B": args.B, "H": args.H, "T": T, "D": D, "n_segments": n_seg}
             rows.append(rec)
             try:
@@ -849,7 +934,55 @@ def _print_scan_table(rows: list[dict]) -> None:
               f"{gib(rec, 'bl_scan_fwdbwd_mem'):>7.3f} {rec.get('ratio_fwdbwd_mem') or nan:>6.2f}", flush=True)
 
 
-def compile_only(args) -> list[dict]:
+# SASS opcode families counted by the census (``cuobjdump -sass``): the tensor-core matrix instructions
+# (HMMA: fp16/bf16/tf32 mma.sync, HGMMA: Hopper's warpgroup wgmma, DMMA: float64, IMMA: integer) against the
+# scalar multiply-adds on the CUDA cores (FFMA fp32, DFMA float64) and the plain fp32/fp64 multiplies and adds
+SASS_FAMILIES = {"tensor_core": ("HMMA", "HGMMA", "DMMA", "IMMA", "QGMMA", "IGMMA", "BGMMA"),
+                 "FFMA": ("FFMA",), "DFMA": ("DFMA",), "FMUL_FADD": ("FMUL", "FADD"), "DMUL_DADD": ("DMUL", "DADD")}
+_SASS_LINE = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)")
+
+
+def sass_census(sass: str, resources: str = "") -> dict:
+    """Instruction counts of one kernel's SASS (``cuobjdump -sass`` output) by :data:`SASS_FAMILIES`, the tensor-core
+    opcodes one by one, and registers / local-memory stack (spills, bytes) from ``cuobjdump -res-usage``'s line.
+
+    Static counts (instructions in the binary, not executed ones): a loop body counts once."""
+    if not isinstance(sass, str) or not isinstance(resources, str):
+        raise TypeError("sass and resources must be str (cuobjdump's output)")
+    ops: dict[str, int] = {}
+    for line in sass.splitlines():
+        m = _SASS_LINE.match(line)
+        if m:
+            ops[m.group(1)] = ops.get(m.group(1), 0) + 1
+    out = {f"sass_{fam}": sum(ops.get(o, 0) for o in names) for fam, names in SASS_FAMILIES.items()}
+    out["sass_total"] = sum(ops.values())
+    out["sass_tensor_core_ops"] = {o: ops[o] for o in SASS_FAMILIES["tensor_core"] if ops.get(o)}
+    for key, name in (("REG", "registers"), ("STACK", "spill_bytes")):
+        m = re.search(rf"\b{key}:(\d+)", resources)
+        out[name] = int(m.group(1)) if m else None
+    return out
+
+
+def print_census(rows: list[dict]) -> None:
+    """The SASS census of :func:`compile_only`'s rows as a table."""
+    header = (f"{'kernel':>9} {'D':>4} {'decay':>5} {'warps':>5} | {'regs':>4} {'spill B':>7} | {'tensor core':>11} "
+              f"{'FFMA':>6} {'DFMA':>6} {'FMUL+FADD':>9} {'DMUL+DADD':>9} {'total':>6} | tensor-core opcodes")
+    print("# SASS census (static instruction counts in each compiled kernel)")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        decay = "diag" if r.get("diagonal") else "scal"
+        if "error" in r or "sass_total" not in r:
+            print(f"{r['kernel']:>9} {r['D']:>4} {decay:>5} {r.get('num_warps', ''):>5} | failed: "
+                  f"{str(r.get('error', 'no SASS'))[:80]}")
+            continue
+        print(f"{r['kernel']:>9} {r['D']:>4} {decay:>5} {r['num_warps']:>5} | {r['registers'] or '?':>4} "
+              f"{r['spill_bytes'] if r['spill_bytes'] is not None else '?':>7} | {r['sass_tensor_core']:>11} "
+              f"{r['sass_FFMA']:>6} {r['sass_DFMA']:>6} {r['sass_FMUL_FADD']:>9} {r['sass_DMUL_DADD']:>9} "
+              f"{r['sass_total']:>6} | {json.dumps(r['sass_tensor_core_ops'])}", flush=True)
+
+
+def compile_only(args, save=None) -> list[dict]:
     """AOT-compile the kernels for ``--arch`` (no GPU needed); report registers, spills and shared memory."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -957,11 +1090,16 @@ def compile_only(args) -> list[dict]:
             cubin.write_bytes(compiled.asm["cubin"])
             usage = subprocess.run([str(cuobjdump), "-res-usage", str(cubin)], capture_output=True, text=True)
             rec["resources"] = next((ln.strip() for ln in usage.stdout.splitlines() if "REG" in ln), "")
+            sass = subprocess.run([str(cuobjdump), "-sass", str(cubin)], capture_output=True, text=True)
+            rec.update(sass_census(sass.stdout, rec["resources"]))
         except Exception as err:
             rec["error"] = f"{type(err).__name__}: {err}"
         rec["compile_s"] = round(time.time() - t0, 1)
         print(json.dumps(rec), flush=True)
         out.append(rec)
+        if save is not None:
+            save(out)
+    print_census(out)
     return out
 
 
@@ -999,11 +1137,16 @@ def main(argv=None) -> int:
                                                     "rev64"],
                    help="--compile-only: these kernels only (default all)")
     p.add_argument("--scan", action="store_true", help="v2: segment-scan forward vs GDN forward (module docstring)")
+    p.add_argument("--fla-autotune", choices=["pin", "warm"], default="warm",
+                   help="--scan: pin every fla autotuner to its first config, or let fla autotune once per head dim")
     p.add_argument("--dry-run", action="store_true",
                    help="with --scan on a CPU (TRITON_INTERPRET=1): tiny shapes, the same code path")
     p.add_argument("--occ-B", type=int, default=9, help="--scan: batch of the full-occupancy rows (B·H ≥ 132)")
     p.add_argument("--warm-T", type=int, default=1024, help="--scan: sequence length of fla's autotune warm-up")
     p.add_argument("--budget-s", type=float, default=420.0, help="--scan: start no row after this many seconds")
+    p.add_argument("--fwd-budget-s", type=float, default=None,
+                   help="--scan: start no forward row after this many seconds (default --budget-s); the "
+                        "forward+backward rows follow until --budget-s")
     p.add_argument("--sweep", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32], help="--scan: segment counts")
     p.add_argument("--sweep-D", type=int, nargs="*", default=[64, 128], help="--scan: head dims of the sweep")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/gpu.json"))
@@ -1021,7 +1164,7 @@ def main(argv=None) -> int:
         args.warm_T, args.reps, args.warmup, args.sweep, args.sweep_D = 32, 1, 0, [1, 3], [16]
         args.bwd_reps = 1
     if args.compile_only:
-        rows = compile_only(args)
+        rows = compile_only(args, lambda rows: _save(args.out, rows))
     elif args.scan and (args.dry_run or torch.cuda.is_available()):
         rows = run_scan(args, lambda rows: _save(args.out, rows))
     elif args.variants and torch.cuda.is_available():

@@ -96,9 +96,64 @@ def test_bad_input(gpu):
         gpu.scan_check(argparse.Namespace(no_bwd=True, dry_run=True), "cpu", guard="off")
     with pytest.raises(TypeError, match="save"):
         gpu.run_scan(argparse.Namespace(), save=None)
+    with pytest.raises(ValueError, match="fla_autotune"):
+        gpu.run_scan(argparse.Namespace(fla_autotune="tuned"), save=lambda rows: None)
     with pytest.raises(ValueError, match="backward"):
         gpu._bl_fwdbwd({"q": torch.zeros(1)}, 16, "fused", None)
-    for argv in (["--scan", "--bwd-reps", "0"], ["--scan", "--reps", "0"], ["--scan", "--blockwise-max-T", "-1"]):
+    for argv in (["--scan", "--bwd-reps", "0"], ["--scan", "--reps", "0"], ["--scan", "--blockwise-max-T", "-1"],
+                 ["--scan", "--fla-autotune", "tuned"]):
         with pytest.raises(SystemExit) as err:
             gpu.main(argv)
         assert err.value.code == 2
+
+
+SASS = """
+        code for sm_90
+                Function : bl_chunk_cov_kernel
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   HMMA.1688.F32.TF32 R4, R8, R12, R4 ;
+        /*0020*/              @!P0 HMMA.1688.F32.TF32 R4, R8, R12, R4 ;
+        /*0030*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ ;
+        /*0040*/                   DMMA.8x8x4 R0, R2, R4, R0 ;
+        /*0050*/               @P1 FFMA R0, R1, R2, R0 ;
+        /*0060*/                   FFMA R0, R1, R2, R0 ;
+        /*0070*/                   DFMA R0, R2, R4, R0 ;
+        /*0080*/                   FMUL R0, R1, R2 ;
+        /*0090*/                   DADD R0, R2, R4 ;
+        /*00a0*/                   EXIT ;
+"""
+
+
+def test_sass_census(gpu):
+    """Static opcode counts by family (predicated instructions too), registers and spills from -res-usage."""
+    out = gpu.sass_census(SASS, "REG:222 STACK:40 SHARED:1024 LOCAL:0")
+    assert out["sass_tensor_core"] == 4 and out["sass_tensor_core_ops"] == {"HMMA": 2, "HGMMA": 1, "DMMA": 1}
+    assert (out["sass_FFMA"], out["sass_DFMA"], out["sass_FMUL_FADD"], out["sass_DMUL_DADD"]) == (2, 1, 1, 1)
+    assert out["sass_total"] == 11 and out["registers"] == 222 and out["spill_bytes"] == 40
+    empty = gpu.sass_census("", "")
+    assert empty["sass_total"] == 0 and empty["registers"] is None
+    with pytest.raises(TypeError, match="sass"):
+        gpu.sass_census(None)
+
+
+def test_fp32_dot_precision_pinned_on_a_gpu_only():
+    """On a GPU the tests pin fla's fp32 tl.dot to IEEE (its default there is TF32), in a Triton cache of their own;
+    the caller's choices stand; on the CPU nothing changes."""
+    from tests.conftest import pin_fp32_dot_precision
+
+    env: dict = {}
+    assert pin_fp32_dot_precision(env, cuda=False) is None and env == {}
+    assert pin_fp32_dot_precision(env, cuda=True) == "ieee"
+    assert env["TRITON_F32_DEFAULT"] == "ieee" and env["TRITON_CACHE_DIR"].endswith("cache-f32-ieee")
+    env = {"TRITON_F32_DEFAULT": "tf32x3", "TRITON_CACHE_DIR": "/x"}
+    assert pin_fp32_dot_precision(env, cuda=True) == "tf32x3" and env["TRITON_CACHE_DIR"] == "/x"
+
+
+def test_hopper_guard_bypass_for_tests(monkeypatch):
+    """BL_TEST_BYPASS_FLA_HOPPER_GUARD=1 (the device check's test phase) switches fla's guard off; unset: untouched."""
+    from tests.conftest import bypass_fla_hopper_guard
+
+    chunk_o = _simulate(monkeypatch, hopper=True, above_340=True, above_371=False)
+    assert bypass_fla_hopper_guard({}) is None and chunk_o.TRITON_ABOVE_3_7_1 is False
+    state = bypass_fla_hopper_guard({"BL_TEST_BYPASS_FLA_HOPPER_GUARD": "1"})
+    assert state["active"] is True and state["bypassed"] is True and chunk_o.TRITON_ABOVE_3_7_1 is True
