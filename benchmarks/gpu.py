@@ -1197,9 +1197,9 @@ def _save(path: Path, rows: list[dict]) -> None:
         pass
     if torch.cuda.is_available():
         meta["device"] = torch.cuda.get_device_name()
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    tmp.replace(path)
+    from bayeslayer.experiments.provenance import write_record
+
+    write_record(path, {"meta": meta, "rows": rows}, device=meta.get("device", "cpu"))
 
 
 if __name__ == "__main__":
