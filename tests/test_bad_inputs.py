@@ -7,9 +7,12 @@ run ends in one of five outcomes:
 * ``clear``: the CLI exits 2 with exactly one stderr line holding ``error:`` and the text (no
   traceback); the API raises ``ValueError`` or ``TypeError`` whose message holds the text;
 * ``unclear``: the same exit (or exception type) but a message without the text, or more lines;
-* ``silent``: exit 0, or the call returns: a bad input was accepted;
+* ``silent``: exit 0, or the call returns: a bad input was accepted; also a clear refusal after
+  which the case's own check (``after``) finds a trace of the input's effect (the file a planted
+  link points at changed, a folder's code ran, a file written outside ``--out``);
 * ``traceback``: any other exception, or exit code 1;
-* ``hang``: still running after the case's timeout (a ``SIGALRM`` stops it).
+* ``hang``: still running after the case's timeout (a ``SIGALRM`` stops it), or a question asked on
+  the terminal (``input()``), where a batch job would wait for ever.
 
 Every case must be ``clear``.  The default test run covers the cases of this file that are not marked
 ``slow``; ``python -m tests.test_bad_inputs`` runs every case, these and the tables of
@@ -18,7 +21,9 @@ Every case must be ``clear``.  The default test run covers the cases of this fil
 :func:`test_the_docs_table_is_what_the_suite_counts` compares with the docs.
 
 Adding a case is one line in :data:`CLI_CASES` or :data:`API_CASES`.  ``{name}`` in a command line
-is a path from :func:`make_places` (write JSON braces as ``{{`` and ``}}``).
+is a path from :func:`make_places` (write JSON braces as ``{{`` and ``}}``).  The hostile folders
+(planted links, a folder asking to run its own code, damaged model folders) are built by
+``tests/model_folders.py``, shared with ``tests/test_cli_security.py`` and ``tests/models/test_loading.py``.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import shlex
 import signal
 import sys
 import tempfile
+import time
 import traceback
 from collections import Counter
 from collections.abc import Callable
@@ -39,6 +45,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from tests.model_folders import DAMAGES
 
 OUTCOMES = ("clear", "unclear", "silent", "traceback", "hang")
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "reliability.md"
@@ -53,6 +61,7 @@ class Cli:
     needle: str
     slow: bool = False
     timeout: float = 300.0
+    after: Callable[[dict], str | None] | None = None  # a trace of the input's effect, or None
 
     @property
     def surface(self) -> str:
@@ -74,6 +83,7 @@ class Api:
     needle: str
     slow: bool = False
     timeout: float = 120.0
+    after: Callable[[dict], str | None] | None = None
 
     @property
     def surface(self) -> str:
@@ -125,19 +135,108 @@ def make_places(root: Path) -> dict[str, str]:
     (bad_run / "lm_config.json").write_bytes(b"\x80\x81")
     (bad_run / "config.json").write_text("{}")
     (bad_run / "model.safetensors").write_bytes(b"")
+    from bayeslayer.models.loading import write_model_manifest
+
+    write_model_manifest(bad_run)  # signed as it is: the damaged JSON, not the manifest, is what is refused
     # a model folder that loads as far as the size checks (a config.json and a tokenizer)
     model = folder("model")
     (model / "config.json").write_text('{"model_type": "bayeslayer", "hidden_size": 64}')
     (model / "tokenizer.json").write_text(_tokenizer_json())
     places["tokenizer"] = str(model / "tokenizer.json")
     places["corpus"] = str(write_word_corpus(root / "corpus", {"train": 4, "validation": 2, "test": 2}, sentences=4))
+    places.update(make_hostile_places(root), root=str(root), t0=str(time.time() - 1))
     return places
 
 
-def _tokenizer_json() -> str:
+def _fla_model():
+    from tests.models.test_checkpoint import fla_model
+
+    return fla_model()
+
+
+def _gdn_edit(**changes):
+    return lambda d: _model_folders().edit_config(d, **changes)
+
+
+def _gdn_weights(edit):
+    return lambda d: _model_folders().edit_weights(d, edit)
+
+
+# a flash-linear-attention Gated DeltaNet folder has no manifest of ours, so a flipped byte in it cannot be
+# told from a trained weight: damage -> (what it does, the text the error must hold)
+GDN_DAMAGES = {
+    "missing tensor": (_gdn_weights(lambda w: w.pop("model.layers.1.mlp.down_proj.weight")),
+                       "missing from the checkpoint: ['model.layers.1.mlp.down_proj.weight']"),
+    "extra layer in config": (_gdn_edit(num_hidden_layers=3), "missing from the checkpoint: ['model.layers.2."),
+    "config disagrees with weights": (_gdn_edit(vocab_size=60), "checkpoint (80, 32) vs model (60, 32)"),
+    "wrong model_type": (_gdn_edit(model_type="llama"), "model_type 'gated_deltanet', got 'llama'"),
+    "NaN lm_head": (_gdn_weights(lambda w: w["lm_head.weight"].fill_(float("nan"))), "NaN or Inf values"),
+    "truncated weights": (lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:64]),
+                          "damaged or not a safetensors file"),
+}
+
+
+def slug(text: str) -> str:
+    """``text`` as a place name (``{dmg_model_flipped_byte}``)."""
+    return re.sub(r"\W+", "_", text).strip("_")
+
+
+def make_hostile_places(root: Path) -> dict[str, str]:
+    """Planted links, a folder that asks to run its own code, and damaged copies of one tiny model, under
+    ``root``: a model folder (``dmg_model_<damage>``), a run (``dmg_run_<damage>``) and a flash-linear-attention
+    Gated DeltaNet folder (``dmg_gdn_<damage>``) for each damage of :data:`GDN_DAMAGES` and
+    :data:`tests.model_folders.DAMAGES`."""
+    import shutil
+
+    from tests.model_folders import (
+        apply_damage,
+        link,
+        tiny_model,
+        write_lm_results,
+        write_lm_run,
+        write_remote_code_folder,
+        write_target,
+    )
+
+    places = {}
+    target = write_target(root / "elsewhere" / "precious.txt")
+    places["target"] = str(target)
+    # a lock file, a runs lock, a report file and a --json file, each a link to the target
+    places["lock_run"] = str(link(root / "lock_run" / ".lock", target).parent)
+    places["runs_lock"] = str(link(root / "runs_lock" / "runs" / ".lock", target).parents[1])
+    places["linked_results"] = str(write_lm_results(root / "linked_results"))
+    link(root / "linked_results" / "lm.md", target)
+    places["budget_link"] = str(link(root / "budget" / "configs.json", target))
+    places["lm_results"] = str(write_lm_results(root / "lm_results"))
+    places["evil"] = str(write_remote_code_folder(root / "evil", root / "evil-code-ran"))
+    places["evil_marker"] = str(root / "evil-code-ran")
+    # one tiny model, saved as save_pretrained and as lm train write it, then copied and damaged
+    model = tiny_model()
+    model.save_pretrained(root / "tiny_model")
+    # a file added after signing is allowed; heldout and distill need an end-of-text token
+    (root / "tiny_model" / "tokenizer.json").write_text(_tokenizer_json("the cat sat on a mat </s>"))
+    places["tiny_model"] = str(root / "tiny_model")
+    places["tiny_run"] = str(write_lm_run(model, root / "tiny_run"))
+    for damage in DAMAGES:
+        model_dir, run = root / f"dmg_model_{slug(damage)}", root / f"dmg_run_{slug(damage)}"
+        shutil.copytree(root / "tiny_model", model_dir)
+        shutil.copytree(root / "tiny_run", run)
+        apply_damage(model_dir, damage)
+        apply_damage(run / "final", damage)
+        places[model_dir.name], places[run.name] = str(model_dir), str(run)
+    gdn = _fla_model()
+    for damage, (apply, _) in GDN_DAMAGES.items():
+        directory = root / f"dmg_gdn_{slug(damage)}"
+        gdn.save_pretrained(directory)
+        apply(directory)
+        places[directory.name] = str(directory)
+    return places
+
+
+def _tokenizer_json(words: str = "the cat sat on a mat") -> str:
     import tokenizers
 
-    vocab = {"[UNK]": 0, **{w: i + 1 for i, w in enumerate("the cat sat on a mat".split())}}
+    vocab = {"[UNK]": 0, **{w: i + 1 for i, w in enumerate(words.split())}}
     tk = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
     tk.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     return tk.to_str()
@@ -147,6 +246,51 @@ def _tokenizer_json() -> str:
 
 LM = "lm train --preset tiny --source {corpus} --vocab-size 300"  # a run that would start at once
 BIG = "99999999999999999999"  # > 2**63
+
+NAMES = ["../../x", "/tmp/x", "sub/x", ""]  # --name values that would leave --out, or name no file
+
+
+def _every(*texts: str, pattern: str = "") -> str:
+    """A needle (regular expression) that holds when every one of ``texts``, and ``pattern``, is in the message."""
+    return "".join(f"(?=.*{re.escape(t)})" for t in texts) + (f"(?=.*{pattern})" if pattern else "")
+
+
+def _target_kept(places: dict, link_path: str) -> str | None:
+    from tests.model_folders import TARGET_TEXT
+
+    if Path(places["target"]).read_text() != TARGET_TEXT:
+        return "the file the planted link points at was changed"
+    if not (Path(places["root"]) / link_path).is_symlink():
+        return f"{link_path} was replaced"
+    return None
+
+
+def _no_name_written(places: dict) -> str | None:
+    root, since = Path(places["root"]), float(places["t0"])
+    written = [path for path in (*root.rglob("x.*"), *root.parent.glob("x.*"), *Path("/tmp").glob("x.*"),
+                                 *root.rglob(".json"), *root.rglob(".md"))
+               if path.stat().st_mtime >= since]
+    return f"written: {written}" if written else None
+
+
+def _evil_code_not_run(places: dict) -> str | None:
+    return "the folder's code ran" if Path(places["evil_marker"]).exists() else None
+
+
+# command lines that load a model (a run folder or a model folder); {place} is the damaged folder
+MODEL_COMMANDS = (("run", "lm eval {place} --device cpu --out {{new}}"),
+                  ("model", "niah --model {place} --haystack {{corpus}} --device cpu --out {{new}}"),
+                  ("model", "heldout --model {place} --device cpu --out {{new}}"),
+                  ("model", "distill train --teacher {place} --device cpu --out {{new}}"))
+# the CLI reads config.json before it checks the manifest: an empty one is "damaged or not JSON" there
+CLI_NEEDLES = {"empty config.json, manifest kept": r"config\.json (has 0 bytes|is damaged or not JSON)"}
+DAMAGED_MODEL_CASES = [
+    Cli("a damaged model folder", argv.format(place=f"{{dmg_{kind}_{slug(damage)}}}"),
+        _every(f"dmg_{kind}_{slug(damage)}", *([] if damage in CLI_NEEDLES else DAMAGES[damage][2]),
+               pattern=CLI_NEEDLES.get(damage, "")))
+    for damage in DAMAGES
+    for kind, argv in MODEL_COMMANDS
+]
 
 CLI_CASES = [
     # sizes that cannot fit, integers past int64, searches that would not end
@@ -191,6 +335,27 @@ CLI_CASES = [
     Cli("a file for a folder", "heldout --model {empty} --cache-dir {below_file}", "argument --cache-dir"),
     Cli("a file for a folder", "distill train --preset tiny --cache-dir {file}", "argument --cache-dir"),
     Cli("a file for a folder", "distill eval --out {empty} --cache-dir {file}", "argument --cache-dir"),
+    # a planted symbolic link where a command writes: refused, the file it points at unchanged
+    Cli("a planted link", "lm train --preset tiny --source {corpus} --device cpu --out {lock_run}",
+        ".lock is a symbolic link", after=lambda p: _target_kept(p, "lock_run/.lock")),
+    *[Cli("a planted link", f"{cmd} --preset tiny --out {{runs_lock}}", "runs/.lock is a symbolic link",
+          after=lambda p: _target_kept(p, "runs_lock/runs/.lock")) for cmd in ("recall", "crowding")],
+    Cli("a planted link", "lm eval --plot-only --out {linked_results}", "lm.md is a symbolic link",
+        after=lambda p: _target_kept(p, "linked_results/lm.md")),
+    Cli("a planted link", "state-budget --json {budget_link}", "symbolic link",
+        after=lambda p: _target_kept(p, "budget/configs.json")),
+    # --name that would leave --out: refused, no file written under that name anywhere
+    *[Cli("a --name that leaves --out", f"{cmd} --name {shlex.quote(name)}", "--name", after=_no_name_written)
+      for name in NAMES
+      for cmd in ("lm eval {tiny_run} --out {new}", "lm eval --plot-only --out {lm_results}",
+                  "heldout --model {tiny_run} --out {new}", "heldout --plot-only --out {empty}")],
+    # a model folder that asks to run its own Python code: refused, nobody asked, the code not run
+    Cli("a model folder with code", "niah --model {evil} --out {new}", "asks to run Python code",
+        after=_evil_code_not_run),
+    # damaged model folders: each damage named, by every command that loads a model
+    *DAMAGED_MODEL_CASES,
+    Cli("a split that does not exist", "niah --model {tiny_model} --haystack {corpus} --haystack-split nosuch "
+        "--out {new}", "haystack split 'nosuch' is not a split"),
 ]
 
 
@@ -224,6 +389,12 @@ def _mixer(name="bayesian", **kw):
     return build_mixer(name, 32, num_heads=2, head_dim=8, layer_idx=0, **kw)
 
 
+def _damaged_api(name: str, kind: str, load: Callable, damage: str, needle: str) -> Api:
+    """``load`` of the damaged folder ``dmg_<kind>_<damage>`` of make_places."""
+    place = f"dmg_{kind}_{slug(damage)}"
+    return Api("a damaged model folder", f"{name} ({damage})", lambda p: load(p[place]), needle)
+
+
 API_CASES = [
     Api("state or shape", "bl_step(state=(M,))", lambda p: _ops().bl_step(**_step(state=(torch.zeros(2, 2, 4, 3),))),
         "must be a tuple (M, P) of 2 tensors, got a tuple of 1"),
@@ -251,7 +422,45 @@ API_CASES = [
     Api("JSON of the wrong shape", "niah.redraw({})", lambda p: _niah().redraw(p["shapeless"]), "no key 'models'"),
     Api("JSON of the wrong shape", "niah.redraw(models: 3)", lambda p: _niah().redraw(p["mistyped"]),
         "mistyped/niah.json does not have the shape"),
+    Api("a --name that leaves --out", "lm.write_report(name='../x')",
+        lambda p: _lm().write_report(_model_folders().lm_record(), Path(p["root"]) / "o", "../x"), "plain file name",
+        after=_no_name_written),
+    Api("a --name that leaves --out", "HeldoutConfig(name='/tmp/x')",
+        lambda p: _heldout().HeldoutConfig(models=[], name="/tmp/x"), "plain file name"),
+    Api("a model folder with code", "niah.load_model(auto_map + .py)", lambda p: _niah().load_model(p["evil"]),
+        _every("asks to run Python code", "trust_remote_code"), after=_evil_code_not_run),
+    Api("a split that does not exist", "load_essays(split='nosuch')",
+        lambda p: __import__("bayeslayer.data.niah", fromlist=["x"]).load_essays(p["corpus"], "nosuch"),
+        "haystack split 'nosuch' is not a split"),
+    *[_damaged_api(name, kind, load, damage, _every(*DAMAGES[damage][2], f"dmg_{kind}_{slug(damage)}"))
+      for damage in DAMAGES
+      for name, kind, load in (
+          ("BayesLayerForCausalLM.from_pretrained", "model",
+           lambda path: __import__("bayeslayer.models", fromlist=["x"]).BayesLayerForCausalLM.from_pretrained(path)),
+          ("lm.load_run", "run", lambda path: _lm().load_run(path)),
+          ("niah.load_model", "model", lambda path: _niah().load_model(path)))],
+    *[_damaged_api("load_gdn_checkpoint", "gdn", lambda path: __import__("bayeslayer.models", fromlist=["x"])
+                   .load_gdn_checkpoint(path), damage, needle)
+      for damage, (_, needle) in GDN_DAMAGES.items()],
 ]
+
+
+def _lm():
+    from bayeslayer.experiments import lm
+
+    return lm
+
+
+def _heldout():
+    from bayeslayer.experiments import heldout
+
+    return heldout
+
+
+def _model_folders():
+    from tests import model_folders
+
+    return model_folders
 
 
 def _demo():
@@ -336,11 +545,28 @@ def _holds(text: str, needle: str) -> bool:
         return False
 
 
+class _Prompt(BaseException):
+    """Raised by ``input()`` during a case: a question on the terminal, where a batch job would wait."""
+
+
+def _ask(*args, **kwargs):
+    raise _Prompt()
+
+
 def run_case(case: Cli | Api, places: dict[str, str]) -> tuple[str, str]:
     """``(outcome, what was seen)`` of one case."""
-    if isinstance(case, Cli):
-        return _run_cli(case, places)
-    return _run_api(case, places)
+    import builtins
+
+    asked, builtins.input = builtins.input, _ask
+    try:
+        outcome, seen = _run_cli(case, places) if isinstance(case, Cli) else _run_api(case, places)
+    finally:
+        builtins.input = asked
+    if outcome == "clear" and case.after is not None:
+        trace = case.after(places)
+        if trace:
+            return "silent", f"refused, but {trace}: {seen}"
+    return outcome, seen
 
 
 def _run_cli(case: Cli, places: dict[str, str]) -> tuple[str, str]:
@@ -353,6 +579,8 @@ def _run_cli(case: Cli, places: dict[str, str]) -> tuple[str, str]:
             rc = main(argv)
     except _Hang:
         return "hang", f"still running after {case.timeout:g} s"
+    except _Prompt:
+        return "hang", "asked a question on the terminal"
     except BaseException:  # noqa: BLE001 - anything that escapes main is a traceback for the user
         return "traceback", traceback.format_exc(limit=-3)
     stderr = err.getvalue()
@@ -372,6 +600,8 @@ def _run_api(case: Api, places: dict[str, str]) -> tuple[str, str]:
             case.call(places)
     except _Hang:
         return "hang", f"still running after {case.timeout:g} s"
+    except _Prompt:
+        return "hang", "asked a question on the terminal"
     except (ValueError, TypeError) as err:
         text = f"{type(err).__name__}: {err}"
         return ("clear" if _holds(str(err), case.needle) else "unclear"), text
@@ -439,6 +669,11 @@ def test_the_classifier_tells_each_outcome(places, monkeypatch):
     assert run_case(Api("t", "runtime error", lambda p: torch.empty(2).amax(dim=5), "x"), places)[0] == "traceback"
     assert run_case(Api("t", "other message", lambda p: int("x"), "needle"), places)[0] == "unclear"
     assert run_case(Api("t", "loops", lambda p: [0 for _ in iter(int, 1)], "x", timeout=0.2), places)[0] == "hang"
+    assert run_case(Api("t", "asks", lambda p: input("trust? "), "x"), places)[0] == "hang"
+    assert run_case(Api("t", "clear, then a trace", lambda p: int("x"), "invalid literal", after=lambda p: "a trace"),
+                    places)[0] == "silent"
+    assert run_case(Api("t", "clear, no trace", lambda p: int("x"), "invalid literal", after=lambda p: None),
+                    places)[0] == "clear"
     assert run_case(Cli("t", "demo --T 0", "--T"), places)[0] == "clear"
     assert run_case(Cli("t", "demo --T 0", "no such text"), places)[0] == "unclear"
     assert run_case(Cli("t", "demo --T 8", "x"), places)[0] == "silent"

@@ -10,67 +10,39 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
 
 from bayeslayer.cli import main
 from bayeslayer.training import OutputLock
 
+from .model_folders import (
+    TARGET_TEXT,
+    flip_byte,
+    link,
+    lm_record,
+    tiny_model,
+    write_lm_results,
+    write_lm_run,
+    write_remote_code_folder,
+    write_target,
+)
 from .test_cli import one_line_error
-
-TARGET_TEXT = "precious contents\n"
 
 
 @pytest.fixture
 def target(tmp_path) -> Path:
-    path = tmp_path / "elsewhere" / "precious.txt"
-    path.parent.mkdir()
-    path.write_text(TARGET_TEXT)
-    return path
-
-
-def _link(path: Path, target: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    os.symlink(target, path)
-    return path
-
-
-def _lm_record() -> dict:
-    from bayeslayer.experiments.lm import GROUPS, summarize_runs
-
-    groups = {g: {"ppl": 10.0 + i, "mean_ce": 2.0, "n_tokens": 100} for i, g in enumerate(GROUPS)}
-    return summarize_runs([{"run_dir": "r", "label": "m", "mixer": "bayesian", "seed": 0, "preset": "test",
-                            "split": "test", "seq_len": 16, "windows": 2, "precision": "fp32", "source": "s",
-                            "groups": groups, "weights_sha256": "0"}])
+    return write_target(tmp_path / "elsewhere" / "precious.txt")
 
 
 @pytest.fixture
 def lm_results(tmp_path) -> Path:
     """An ``lm eval`` output folder holding a results record, for ``--plot-only``."""
-    out = tmp_path / "results"
-    out.mkdir()
-    (out / "lm.json").write_text(json.dumps(_lm_record()))
-    return out
+    return write_lm_results(tmp_path / "results")
 
 
 @pytest.fixture
 def lm_run(tmp_path) -> Path:
     """A finished ``lm train`` run folder of a tiny model (``final/`` as training writes it, manifest included)."""
-    from bayeslayer.experiments.lm import LMConfig, save_model_dir
-    from bayeslayer.models import BayesLayerConfig, BayesLayerForCausalLM
-    from bayeslayer.models.loading import write_model_manifest
-
-    torch.manual_seed(0)
-    model = BayesLayerForCausalLM(BayesLayerConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_heads=2,
-                                                   head_dim=8))
-    final = tmp_path / "run" / "final"
-    final.mkdir(parents=True)
-    save_model_dir(model, final)
-    config = LMConfig(preset="test", mixer="bayesian", hidden_size=16, num_layers=1, num_heads=2, head_dim=8,
-                      source="python-docs", vocab_size=50, seq_len=16, steps=4, batch_size=2, micro_batch_size=2,
-                      warmup_steps=1, eval_every=0, checkpoint_every=2)
-    (final / "lm_config.json").write_text(json.dumps(config.to_json()))
-    write_model_manifest(final)
-    return tmp_path / "run"
+    return write_lm_run(tiny_model(hidden_size=16, num_hidden_layers=1, head_dim=8), tmp_path / "run")
 
 
 # ----------------------------------------------------------------------------- links
@@ -78,7 +50,7 @@ def lm_run(tmp_path) -> Path:
 
 def test_lm_train_refuses_a_symlinked_lock(tmp_path, target, capsys):
     run = tmp_path / "R"
-    _link(run / ".lock", target)
+    link(run / ".lock", target)
     source = tmp_path / "corpus"
     source.mkdir()
     one_line_error(["lm", "train", "--preset", "tiny", "--source", str(source), "--out", str(run), "--device", "cpu"],
@@ -89,14 +61,14 @@ def test_lm_train_refuses_a_symlinked_lock(tmp_path, target, capsys):
 @pytest.mark.parametrize("command", ["recall", "crowding"])
 def test_core_experiments_refuse_a_symlinked_runs_lock(tmp_path, target, capsys, command):
     out = tmp_path / "R2"
-    _link(out / "runs" / ".lock", target)
+    link(out / "runs" / ".lock", target)
     one_line_error([command, "--preset", "tiny", "--out", str(out)], capsys,
                    "runs/.lock is a symbolic link")
     assert target.read_text() == TARGET_TEXT
 
 
 def test_lm_eval_plot_only_refuses_a_symlinked_output_file(lm_results, target, capsys):
-    _link(lm_results / "lm.md", target)
+    link(lm_results / "lm.md", target)
     one_line_error(["lm", "eval", "--plot-only", "--out", str(lm_results)], capsys, "lm.md is a symbolic link")
     assert target.read_text() == TARGET_TEXT and os.path.islink(lm_results / "lm.md")
 
@@ -133,7 +105,7 @@ def test_write_report_apis_refuse_a_traversing_name(tmp_path):
     from bayeslayer.experiments import heldout, lm
 
     with pytest.raises(ValueError, match="plain file name"):
-        lm.write_report(_lm_record(), tmp_path / "o", "../x")
+        lm.write_report(lm_record(), tmp_path / "o", "../x")
     with pytest.raises(ValueError, match="plain file name"):
         heldout.HeldoutConfig(models=[], name="../x")
     assert not (tmp_path / "x.json").exists()
@@ -160,11 +132,7 @@ def test_a_busy_niah_or_heldout_out_is_refused(tmp_path, capsys):
 
 def test_niah_refuses_remote_code_without_a_prompt(tmp_path, monkeypatch, capsys):
     marker = tmp_path / "code-ran"
-    model = tmp_path / "evil"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps({"model_type": "evil_remote_model",
-                                                   "auto_map": {"AutoModelForCausalLM": "evil.EvilModel"}}))
-    (model / "evil.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    model = write_remote_code_folder(tmp_path / "evil", marker)
     monkeypatch.setattr("builtins.input", lambda *a: pytest.fail("asked on the terminal"))
     one_line_error(["niah", "--model", str(model), "--out", str(tmp_path / "o")], capsys, "asks to run Python code",
                    "--trust-remote-code")
@@ -174,14 +142,8 @@ def test_niah_refuses_remote_code_without_a_prompt(tmp_path, monkeypatch, capsys
 # ----------------------------------------------------------------------------- damaged model folders
 
 
-def _flip(path: Path) -> None:
-    data = bytearray(path.read_bytes())
-    data[-3] ^= 0x10
-    path.write_bytes(bytes(data))
-
-
 def test_lm_eval_names_a_damaged_model_file(tmp_path, lm_run, capsys):
-    _flip(lm_run / "final" / "model.safetensors")
+    flip_byte(lm_run / "final")
     one_line_error(["lm", "eval", str(lm_run), "--out", str(tmp_path / "o"), "--device", "cpu"], capsys,
                    "final/model.safetensors fails its SHA-256 check")
 
@@ -198,13 +160,13 @@ def test_lm_eval_names_a_config_that_disagrees_with_the_weights(tmp_path, lm_run
 
 
 def test_distill_names_a_damaged_teacher_before_any_work(tmp_path, lm_run, capsys):
-    _flip(lm_run / "final" / "model.safetensors")
+    flip_byte(lm_run / "final")
     one_line_error(["distill", "train", "--teacher", str(lm_run / "final"), "--out", str(tmp_path / "d"),
                     "--device", "cpu"], capsys, "model.safetensors fails its SHA-256 check")
     assert not (tmp_path / "d").exists()
 
 
 def test_state_budget_json_refuses_a_link_before_the_search(tmp_path, target, capsys):
-    link = _link(tmp_path / "out" / "configs.json", target)
-    one_line_error(["state-budget", "--json", str(link)], capsys, "--json", "symbolic link")
+    path = link(tmp_path / "out" / "configs.json", target)
+    one_line_error(["state-budget", "--json", str(path)], capsys, "--json", "symbolic link")
     assert target.read_text() == TARGET_TEXT

@@ -478,6 +478,9 @@ def run_distill(
     else:
         read_model_config(teacher_dir, model_type=BayesLayerConfig.model_type)
         teacher_config = BayesLayerConfig.from_pretrained(teacher_dir)
+    # loaded once on the CPU and dropped: a teacher with a missing tensor, NaN weights or a config that disagrees
+    # with its weights is named before the output folder is made or any corpus is prepared
+    load_teacher(teacher_dir)
     report: dict = {"config": config.to_json(), "teacher_dir": str(teacher_dir), "tokenizer": tokenizer,
                     "tokens": config.tokens, "stages": {}}
     # one distillation per folder (each stage's folder is locked by train_lm as well)

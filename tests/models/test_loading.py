@@ -11,42 +11,33 @@ transformers alone would load uninitialised memory with a log line.
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from bayeslayer.models import BayesLayerConfig, BayesLayerForCausalLM
 from bayeslayer.models.loading import verify_model_dir, write_model_manifest
 
-CONFIG = dict(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_heads=2, head_dim=16)
-LM_CONFIG = dict(preset="test", mixer="bayesian", hidden_size=32, num_layers=2, num_heads=2, head_dim=16,
-                 source="python-docs", vocab_size=50, seq_len=16, steps=4, batch_size=2, micro_batch_size=2,
-                 warmup_steps=1, eval_every=0, checkpoint_every=2)
-
-
-def _model(**overrides) -> BayesLayerForCausalLM:
-    torch.manual_seed(0)
-    return BayesLayerForCausalLM(BayesLayerConfig(**{**CONFIG, **overrides})).eval()
+from ..model_folders import (
+    DAMAGES,
+    apply_damage,
+    edit_config,
+    flip_byte,
+    tiny_model,
+    write_lm_run,
+    write_remote_code_folder,
+)
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> dict[str, Path]:
     """A save_pretrained folder and an lm run folder (final/ as `lm train` writes it) of one tiny model."""
-    from bayeslayer.experiments.lm import LMConfig, save_model_dir
-
     root = tmp_path_factory.mktemp("saved")
-    model = _model()
+    model = tiny_model()
     model.save_pretrained(root / "model")
-    final = root / "run" / "final"
-    final.mkdir(parents=True)
-    save_model_dir(model, final)
-    (final / "lm_config.json").write_text(json.dumps(LMConfig(**LM_CONFIG).to_json()))
-    write_model_manifest(final)
+    write_lm_run(model, root / "run")
     return {"model": root / "model", "run": root / "run"}
 
 
@@ -92,48 +83,6 @@ def _model_dir(root: Path, which: str) -> Path:
     return root / "final" if which == "run" else root
 
 
-def _edit_weights(directory: Path, edit) -> None:
-    weights = load_file(str(directory / "model.safetensors"))
-    edit(weights)
-    save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
-
-
-def _edit_config(directory: Path, **changes) -> None:
-    config = json.loads((directory / "config.json").read_text())
-    config.update(changes)
-    (directory / "config.json").write_text(json.dumps(config))
-
-
-def _flip_byte(directory: Path) -> None:
-    data = bytearray((directory / "model.safetensors").read_bytes())
-    data[-3] ^= 0x10
-    (directory / "model.safetensors").write_bytes(bytes(data))
-
-
-# damage -> (what it does to the model folder, re-sign the manifest afterwards, text the error must hold).
-# Re-signing makes the folder consistent, as a folder from elsewhere (no manifest) would be, so that the
-# strict checks behind the manifest are what refuses it.
-DAMAGES = {
-    "missing tensor": (lambda d: _edit_weights(d, lambda w: w.pop("model.layers.1.mlp.down_proj.weight")), True,
-                       ["missing from the weights", "model.layers.1.mlp.down_proj.weight"]),
-    "extra layer in config": (lambda d: _edit_config(d, num_hidden_layers=3), True,
-                              ["missing from the weights", "model.layers.2."]),
-    "fewer layers in config": (lambda d: _edit_config(d, num_hidden_layers=1), True,
-                               ["no place in the model", "model.layers.1."]),
-    "config disagrees with weights": (lambda d: _edit_config(d, vocab_size=60), True,
-                                      ["model.embeddings.weight", "(50, 32)", "(60, 32)"]),
-    "flipped byte": (_flip_byte, False, ["model.safetensors fails its SHA-256 check"]),
-    "wrong model_type": (lambda d: _edit_config(d, model_type="llama"), True, ["llama"]),
-    "NaN lm_head": (lambda d: _edit_weights(d, lambda w: w["lm_head.weight"].fill_(float("nan"))), True,
-                    ["NaN or Inf", "lm_head.weight"]),
-    "empty config.json": (lambda d: (d / "config.json").write_text(""), True, ["config.json"]),
-    "empty config.json, manifest kept": (lambda d: (d / "config.json").write_text(""), False,
-                                         ["config.json has 0 bytes"]),
-    "truncated weights": (lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:40]),
-                          True, ["model.safetensors", "damaged or not a safetensors file"]),
-}
-
-
 @pytest.mark.parametrize("loader", list(LOADERS))
 def test_every_loader_loads_an_intact_folder(saved, tmp_path, loader):
     which, load = LOADERS[loader]
@@ -159,10 +108,7 @@ def test_every_loader_refuses_a_damaged_folder_naming_the_problem(saved, tmp_pat
     root = tmp_path / which
     shutil.copytree(saved[which], root)
     directory = _model_dir(root, which)
-    apply, resign, needles = DAMAGES[damage]
-    apply(directory)
-    if resign:
-        write_model_manifest(directory)
+    needles = apply_damage(directory, damage)
     with pytest.raises((ValueError, OSError)) as info:
         load(root)
     message = str(info.value)
@@ -177,7 +123,7 @@ def test_from_pretrained_keeps_the_loading_report_and_the_caller_can_opt_out_of_
     assert not info["missing_keys"] and not info["unexpected_keys"]
     directory = tmp_path / "m"
     shutil.copytree(saved["model"], directory)
-    _edit_config(directory, vocab_size=60)
+    edit_config(directory, vocab_size=60)
     write_model_manifest(directory)
     with pytest.raises(ValueError, match="shape"):
         BayesLayerForCausalLM.from_pretrained(directory)
@@ -214,7 +160,7 @@ def test_export_auto_map_re_signs_an_intact_folder_and_refuses_a_damaged_one(sav
     export_auto_map(directory)
     assert verify_model_dir(directory)
     BayesLayerForCausalLM.from_pretrained(directory)
-    _flip_byte(directory)
+    flip_byte(directory)
     with pytest.raises(ValueError, match="SHA-256"):
         export_auto_map(directory)
 
@@ -224,12 +170,7 @@ def test_remote_code_is_refused_without_a_prompt(tmp_path, monkeypatch):
     from bayeslayer.experiments.niah import load_model
 
     marker = tmp_path / "code-ran"
-    directory = tmp_path / "evil"
-    directory.mkdir()
-    (directory / "config.json").write_text(json.dumps({
-        "model_type": "evil_remote_model", "auto_map": {"AutoConfig": "evil.EvilConfig",
-                                                         "AutoModelForCausalLM": "evil.EvilModel"}}))
-    (directory / "evil.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    directory = write_remote_code_folder(tmp_path / "evil", marker)
     monkeypatch.setattr("builtins.input", lambda *a: pytest.fail("transformers asked on the terminal"))
     with pytest.raises(ValueError, match="asks to run Python code") as info:
         load_model(directory)
@@ -270,6 +211,6 @@ def test_the_config_alone_refuses_another_model_type(saved, tmp_path):
     directory = tmp_path / "m"
     shutil.copytree(saved["model"], directory)
     assert BayesLayerConfig.from_pretrained(directory).num_hidden_layers == 2
-    _edit_config(directory, model_type="llama")
+    edit_config(directory, model_type="llama")
     with pytest.raises(ValueError, match="model_type 'llama', not 'bayeslayer'"):
         BayesLayerConfig.from_pretrained(directory)
