@@ -68,6 +68,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..checks import check_int
+from ..data.text.sources import SOURCE_HELP, WIKITEXT_103
 from ..errors import UsageError
 from ..training import (
     CheckpointStore,
@@ -93,10 +94,11 @@ from .cli_checks import (
     positive_int_arg,
     resolve_device,
 )
+from .cli_help import override_help, preset_values
 from .harness import TrainConfig, results_record, seed_everything, summarize, write_json
 from .plotting import save_figure
+from .threads import SMALL, TORCH_DEFAULT, add_threads_option
 
-WIKITEXT_103 = "hf:Salesforce/wikitext:wikitext-103-raw-v1"
 # Table-2 columns, then the distance buckets, in the order of :meth:`ARHitAnnotation.masks`.
 GROUPS = ("all", "ar_hit", "other", "ar_hit_1_64", "ar_hit_65_256", "ar_hit_257_1024")
 GROUP_LABELS = {"all": "all", "ar_hit": "AR-hit", "other": "other", "ar_hit_1_64": "AR-hit 1–64",
@@ -292,10 +294,10 @@ PRESETS: dict[str, LMConfig] = {
                     train=replace(LM_TRAIN, steps=200, batch_size=8, lr=1e-3, warmup_steps=20, eval_every=50,
                                   checkpoint_every=25),
                     micro_batch_size=4, eval_windows=16),
-    # A smoke test: seconds on any machine.
+    # A smoke test: seconds on any machine, on the corpus every Python installation has.
     "tiny": LMConfig(preset="tiny",
                      model=LMModelConfig(hidden_size=64, num_layers=2, num_heads=2, head_dim=16, mlp_dropout=0.0),
-                     data=LMDataConfig(source="python-docs", vocab_size=8192, seq_len=128),
+                     data=LMDataConfig(source="python-docstrings", vocab_size=8192, seq_len=128),
                      train=replace(LM_TRAIN, steps=20, batch_size=4, lr=3e-3, warmup_steps=2, eval_every=10,
                                    checkpoint_every=10),
                      micro_batch_size=2, eval_windows=4, log_every=5),
@@ -1089,9 +1091,18 @@ def _eval_main(args) -> int:
     return 0
 
 
+def _train_threads(args: argparse.Namespace) -> int:
+    """``lm train``'s thread default: one thread for the tiny preset's small matrices, else PyTorch's."""
+    return SMALL if args.preset == "tiny" else TORCH_DEFAULT
+
+
 def add_parser(sub) -> None:
-    p = sub.add_parser("lm", help="language modelling with AR-hit evaluation (SPEC §4.5)", description=__doc__,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser("lm", help="language modelling with AR-hit evaluation (SPEC §4.5)",
+                       description="Train language models from scratch (lm train) and compare finished runs by "
+                                   "perplexity over all tokens, over AR-hit tokens (a bigram seen earlier in the "
+                                   "window) and over the rest (lm eval). Held-out perplexity per window length is "
+                                   "bayeslayer heldout. The training loop, run folder and resume rules: python -m "
+                                   "pydoc bayeslayer.experiments.lm.")
     lm_sub = p.add_subparsers(dest="lm_command", metavar="{train,eval}", required=True)
 
     t = lm_sub.add_parser("train", help="train (or resume) one language model run",
@@ -1099,17 +1110,26 @@ def add_parser(sub) -> None:
                                       "Distributed: torchrun --nproc_per_node N -m bayeslayer.cli lm train ...")
     t.add_argument("--preset", choices=sorted(PRESETS), default="cpu",
                    help="'paper' = SPEC §4.5 (WikiText-103, 520M tokens); 'cpu' ≈ 30 min per model on an idle "
-                        "2-core CPU on the python3-doc corpus; 'tiny' = smoke test")
-    t.add_argument("--mixer", help="token mixer of every layer (bayesian, gated_deltanet, mamba2, ...)")
+                        "2-core CPU on the python-docs corpus; 'tiny' = a smoke test of seconds on the "
+                        "python-docstrings corpus, which every Python installation has")
+    t.add_argument("--mixer", help="token mixer of every layer (bayesian, gated_deltanet, mamba2, ...) "
+                                   f"(default: {PRESETS['cpu'].mixer})")
     t.add_argument("--mixer-kwargs", help='JSON object of extra mixer arguments, e.g. \'{"p0": 1.0}\'')
     t.add_argument("--label", help="the model's name in tables (default: from the mixer)")
-    t.add_argument("--seed", type=int)
-    for name, kind in (("steps", int), ("batch-size", int), ("micro-batch-size", int), ("seq-len", int),
-                       ("lr", float), ("warmup-steps", int), ("mlp-dropout", float), ("hidden-size", int),
-                       ("num-layers", int), ("num-heads", int), ("head-dim", int), ("vocab-size", int),
-                       ("eval-every", int), ("eval-windows", int), ("checkpoint-every", int), ("log-every", int)):
-        t.add_argument(f"--{name}", type=kind, help="override the preset")
-    t.add_argument("--source", help="corpus: python-docs, hf:<name>[:<config>] or a local path")
+    t.add_argument("--seed", type=int, help=f"random seed (default: {PRESETS['cpu'].seed})")
+    for name, kind, what in (
+            ("steps", int, "optimiser steps"), ("batch-size", int, "windows per optimiser step"),
+            ("micro-batch-size", int, "windows per forward pass"), ("seq-len", int, "window length in tokens"),
+            ("lr", float, "peak learning rate"), ("warmup-steps", int, "learning-rate warmup steps"),
+            ("mlp-dropout", float, "dropout in the MLPs"), ("hidden-size", int, "model width"),
+            ("num-layers", int, "blocks"), ("num-heads", int, "heads per mixer"), ("head-dim", int, "head dimension"),
+            ("vocab-size", int, "size of the BPE trained when no --tokenizer is given"),
+            ("eval-every", int, "steps between validation evaluations"),
+            ("eval-windows", int, "validation windows per periodic evaluation (0: all)"),
+            ("checkpoint-every", int, "steps between checkpoints"), ("log-every", int, "steps between log lines")):
+        t.add_argument(f"--{name}", type=kind, help=override_help(PRESETS, name.replace("-", "_"), what))
+    t.add_argument("--source", help=f"corpus: {SOURCE_HELP} (default: the preset's: "
+                                    f"{preset_values(PRESETS, 'source')})")
     t.add_argument("--tokenizer", help="tokenizer.json (or a directory holding one); default: train a BPE")
     t.add_argument("--precision", choices=PRECISIONS, help="autocast: auto = bf16 on a capable GPU, else fp32")
     t.add_argument("--device", type=device_arg, default="auto", help=DEVICE_HELP)
@@ -1119,6 +1139,7 @@ def add_parser(sub) -> None:
                    help="stop (checkpointed) after this many total steps")
     t.add_argument("--keep-checkpoints", type=positive_int_arg, default=1, help="newest step checkpoints to keep")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_threads_option(t, _train_threads, default_text="1 with --preset tiny (small matrices), else PyTorch's")
     t.set_defaults(func=_train_main)
 
     e = lm_sub.add_parser("eval", help="grouped PPL of finished runs (Table 2)",
@@ -1137,4 +1158,5 @@ def add_parser(sub) -> None:
     e.add_argument("--out", default="results/lm", help="output directory")
     e.add_argument("--name", default="lm", help="file name stem of the outputs")
     e.add_argument("--plot-only", action="store_true", help=PLOT_ONLY_HELP + " (<out>/<name>.json)")
+    add_threads_option(e, TORCH_DEFAULT)
     e.set_defaults(func=_eval_main)
