@@ -837,12 +837,28 @@ def _finish(run_dir: Path, model, config: LMConfig, result: LMTrainResult, ctx: 
     return summary
 
 
+def write_tokenizer_config(tokenizer, directory: str | os.PathLike) -> None:
+    """``tokenizer_config.json`` and ``special_tokens_map.json`` beside ``tokenizer.json``: they name the
+    end-of-text token, so ``AutoTokenizer.from_pretrained(directory)`` (and lm-eval's ``hf`` model) has an
+    EOS.  ``tokenizer.json`` itself is left as written."""
+    import tempfile
+
+    from ..evaluation.tasks import hf_tokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        hf_tokenizer(tokenizer).save_pretrained(tmp)
+        for name in ("tokenizer_config.json", "special_tokens_map.json"):
+            if (Path(tmp) / name).is_file():
+                (Path(directory) / name).write_bytes((Path(tmp) / name).read_bytes())
+
+
 def _write_final(directory: Path, model, config: LMConfig, objective: Objective, tokenizer) -> None:
     save_model_dir(model, directory)
     (directory / "lm_config.json").write_text(json.dumps(config.to_json(), indent=1) + "\n")
     (directory / "objective.json").write_text(json.dumps(objective.describe(), indent=1) + "\n")
     if tokenizer is not None:  # the model directory is self-contained (NIAH, lm-eval, from_pretrained)
         tokenizer.save(str(directory / "tokenizer.json"))
+        write_tokenizer_config(tokenizer, directory)
 
 
 # --------------------------------------------------------------------------- evaluation of runs
