@@ -681,7 +681,8 @@ def plot_lowrank(results: dict, out_dir: str | Path) -> list[Path]:
         paths.append(line_plot(out_dir / LOWRANK_FIGURES[3], series, xlabel="colliding pairs written at once",
                                ylabel="final p^AB, mean over pairs and 8 key rotations",
                                title=f"n pairs collide at once (rotated keys; {title})", hlines=[tie],
-                               xscale="log", ylim=(0.0, 1.0), legend_loc="lower left", figsize=(7.5, 5.0)))
+                               xscale="log", xticks=multi["pairs"], ylim=(0.0, 1.0), legend_loc="outside",
+                               figsize=(10.5, 5.0)))
     return paths
 
 
