@@ -291,7 +291,7 @@ def test_no_command_prints_help_and_exit_code_2(capsys):
 
 def test_help_exits_0(capsys):
     assert main(["demo", "--help"]) == 0
-    assert "--T" in capsys.readouterr().out
+    assert "--length" in capsys.readouterr().out
 
 
 def test_demo_runs_through_main(capsys):

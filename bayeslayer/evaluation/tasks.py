@@ -88,7 +88,8 @@ def write_perplexity_task(task_dir: str | os.PathLike, documents: Sequence[str],
 
     ``task_dir/<name>.jsonl`` holds ``{"text": document}`` lines and ``task_dir/<name>.yaml`` the
     task (``doc_to_target: "{{text}}"``, an empty ``doc_to_text``, word/byte perplexity and bits
-    per byte).  Documents are scored verbatim.
+    per byte, each with its aggregation and direction, so lm-eval needs no defaults and warns of
+    none).  Documents are scored verbatim.
     """
     name = _check_name(name)
     if isinstance(documents, str) or not documents or not all(isinstance(d, str) and d for d in documents):
@@ -101,10 +102,16 @@ def write_perplexity_task(task_dir: str | os.PathLike, documents: Sequence[str],
              "output_type: loglikelihood_rolling",
              'doc_to_text: ""',
              'doc_to_target: "{{text}}"',
-             "metric_list:",
+             "metric_list:",  # lm-eval's own aggregations of these metrics; lower is better for all three
              "  - metric: word_perplexity",
+             "    aggregation: weighted_perplexity",
+             "    higher_is_better: false",
              "  - metric: byte_perplexity",
+             "    aggregation: weighted_perplexity",
+             "    higher_is_better: false",
              "  - metric: bits_per_byte",
+             "    aggregation: bits_per_byte",
+             "    higher_is_better: false",
              "metadata:",
              "  version: 1.0", ""]
     atomic_write_text(task_dir / f"{name}.yaml", "\n".join(lines))

@@ -266,13 +266,14 @@ def check_in_dir(path: str | os.PathLike, *, option: str, what: str = "folder") 
 
 
 def check_source(source: str, *, option: str = "--source") -> str:
-    """A corpus source: ``python-docs``, ``hf:<name>[:<config>]`` (checked when fetched) or a local path
-    that must exist."""
+    """A corpus source: a name of :data:`bayeslayer.data.text.NAMED_SOURCES`, ``hf:<name>[:<config>]``
+    (checked when fetched) or a local path that must exist."""
+    from ..data.text import NAMED_SOURCES, SOURCE_HELP
+
     if not isinstance(source, str) or not source:
-        raise UsageError(f"{option} must be python-docs, hf:<name>[:<config>] or a local path, got {source!r}")
-    if source != "python-docs" and not source.startswith("hf:") and not Path(source).expanduser().exists():
-        raise UsageError(f"{option} {source}: no such file or folder (sources are python-docs, "
-                         "hf:<name>[:<config>] or a local path)")
+        raise UsageError(f"{option} must be {SOURCE_HELP}, got {source!r}")
+    if source not in NAMED_SOURCES and not source.startswith("hf:") and not Path(source).expanduser().exists():
+        raise UsageError(f"{option} {source}: no such file or folder (sources are {SOURCE_HELP})")
     return source
 
 

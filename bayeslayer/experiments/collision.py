@@ -65,7 +65,8 @@ import argparse
 import math
 import numbers
 import os
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,6 +85,7 @@ from ..ops import FilterOutput
 from .cli_checks import PLOT_ONLY_HELP, check_int, check_out_dir, plot_only_json, redrawing
 from .plotting import RefLine, Series, line_plot, load_json
 from .provenance import write_record
+from .threads import SMALL, add_threads_option
 
 # -- the paper's protocol (docs/theory.md §8.1) -------------------------------------------------------------
 PAPER_CONFIG = {"D": 16, "m": 6, "rho": 0.92, "p0": 3.0, "r2": 0.05, "ell2": 0.05}
@@ -567,12 +569,14 @@ def run_multi_pair(
     ranks: Sequence[int] = LOWRANK_RANKS,
     projections: Sequence[str] = LOWRANK_PROJECTIONS,
     seeds: Sequence[int] = tuple(range(8)),
+    on_pairs_done: Callable[[int], None] | None = None,
 ) -> dict:
     """Final p^AB of every pair when ``n`` pairs collide at once (:func:`multi_pair_inputs`), per model.
 
     How much rank the protection needs as the number of confirmed directions grows.  For each
     model and ``n``: mean and min over pairs on axis-aligned keys like the paper's, and over the
     random rotations of :func:`rotated_keys` (mean over seeds and pairs, min over both).
+    ``on_pairs_done(n)``, when given, is called after each ``n`` (a progress bar's update).
     """
     p0, r2, ell2 = _positive("p0", p0), _positive("r2", r2), _positive("ell2", ell2)
     pairs = [int(n) for n in _nonempty("pairs", pairs)]
@@ -604,6 +608,8 @@ def run_multi_pair(
             e["min_p_ab"].append(p_ab[0].min().item())
             e["rotated_mean_p_ab"].append(p_ab[1:].mean().item())
             e["rotated_min_p_ab"].append(p_ab[1:].min().item())
+        if on_pairs_done is not None:
+            on_pairs_done(n_pairs)
     return out
 
 
@@ -676,7 +682,8 @@ def plot_lowrank(results: dict, out_dir: str | Path) -> list[Path]:
         paths.append(line_plot(out_dir / LOWRANK_FIGURES[3], series, xlabel="colliding pairs written at once",
                                ylabel="final p^AB, mean over pairs and 8 key rotations",
                                title=f"n pairs collide at once (rotated keys; {title})", hlines=[tie],
-                               xscale="log", ylim=(0.0, 1.0), legend_loc="lower left", figsize=(7.5, 5.0)))
+                               xscale="log", xticks=multi["pairs"], ylim=(0.0, 1.0), legend_loc="outside",
+                               figsize=(10.5, 5.0)))
     return paths
 
 
@@ -899,8 +906,9 @@ class CollisionConfig:
     """What ``bayeslayer collision`` runs: the docs/theory.md §8.1 protocol at overlap ``rho`` with prior ``p0`` and
     noises ``r2``, ``ell2``; the sweeps (``fixed_priors``, ``overlap_rhos``, the low-rank ``lowrank_ranks``,
     the key-rotation ``rotation_seeds`` and the reinforcement lengths ``b_repeats`` of the write angle); and
-    ``out``, the folder for the JSON files and figures (``None``: write nothing).  The defaults are the
-    paper's and the command's.  Every field is checked here, with its name in the error.
+    ``out``, the folder for the JSON files and figures (``None``: write nothing); ``progress``, a progress
+    line on stderr, one tick per sweep.  The defaults are the paper's and the command's.  Every field is
+    checked here, with its name in the error.
     """
 
     rho: float = PAPER_CONFIG["rho"]
@@ -913,6 +921,7 @@ class CollisionConfig:
     rotation_seeds: tuple[int, ...] = tuple(range(8))
     b_repeats: tuple[int, ...] = (40, 400, 4000)
     out: str | None = None
+    progress: bool = False
 
     def __post_init__(self):
         _overlap("rho", self.rho)
@@ -946,15 +955,19 @@ def run(config: CollisionConfig) -> dict:
     if not isinstance(config, CollisionConfig):
         raise TypeError(f"config must be a CollisionConfig, got {type(config).__name__}")
     kw = config.noise()
-    results = run_collision(**kw, fixed_priors=config.fixed_priors, overlap_rhos=config.overlap_rhos)
-    record = {
-        "collision": results,
-        "chunk_agreement": chunk_agreement(**kw, overlap_rhos=config.overlap_rhos),
-        "extra": run_extras(**kw, b_repeats=config.b_repeats, seeds=config.rotation_seeds),
-    }
-    lowrank = run_lowrank(**kw, ranks=config.lowrank_ranks, seeds=config.rotation_seeds)
-    lowrank["multi_pair"] = run_multi_pair(**kw, ranks=config.lowrank_ranks, seeds=config.rotation_seeds)
-    record["lowrank"] = lowrank
+    with _sweep_progress(len(MULTI_PAIRS) + 4, config.progress) as tick:
+        tick("collision schedule and sweeps")
+        results = run_collision(**kw, fixed_priors=config.fixed_priors, overlap_rhos=config.overlap_rhos)
+        tick("oracle vs chunked path")
+        record = {"collision": results, "chunk_agreement": chunk_agreement(**kw, overlap_rhos=config.overlap_rhos)}
+        tick("write angle, rotated keys")
+        record["extra"] = run_extras(**kw, b_repeats=config.b_repeats, seeds=config.rotation_seeds)
+        tick("low-rank ranks")
+        lowrank = run_lowrank(**kw, ranks=config.lowrank_ranks, seeds=config.rotation_seeds)
+        tick(f"multi-pair n = {MULTI_PAIRS[0]}")
+        lowrank["multi_pair"] = run_multi_pair(**kw, ranks=config.lowrank_ranks, seeds=config.rotation_seeds,
+                                               on_pairs_done=lambda n: tick(f"multi-pair, n = {n} done"))
+        record["lowrank"] = lowrank
     if config.out is not None:
         out_dir = check_out_dir(config.out, option="out")
         seeds = list(config.rotation_seeds)
@@ -967,10 +980,40 @@ def run(config: CollisionConfig) -> dict:
     return record
 
 
+class _sweep_progress:
+    """``with _sweep_progress(total, on) as tick: tick(label)``: a tqdm line on stderr that counts finished
+    sweeps and names the next; ``tick`` marks the one before it done.  Nothing is shown when ``on`` is false."""
+
+    def __init__(self, total: int, on: bool):
+        self.total, self.on, self.bar, self.started = total, on, None, False
+
+    def __enter__(self):
+        if self.on:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=self.total, desc="collision", unit="sweep", file=sys.stderr, leave=False,
+                            bar_format="{desc}: {n}/{total} sweeps [{elapsed}] {postfix}")
+        return self.tick
+
+    def tick(self, label: str) -> None:
+        if self.bar is None:
+            return
+        if self.started:
+            self.bar.update(1)
+        self.started = True
+        self.bar.set_postfix_str(label)
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.close()
+        return False
+
+
 def config_from_args(args: argparse.Namespace) -> CollisionConfig:
     """The :class:`CollisionConfig` that ``bayeslayer collision`` arguments name (``--out`` checked first)."""
     out_dir = check_out_dir(args.out)
-    return CollisionConfig(rho=args.rho, p0=args.p0, r2=args.r2, ell2=args.ell2, out=str(out_dir))
+    return CollisionConfig(rho=args.rho, p0=args.p0, r2=args.r2, ell2=args.ell2, out=str(out_dir),
+                           progress=not args.no_progress)
 
 
 # -- command line ---------------------------------------------------------------------------------
@@ -1043,4 +1086,6 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--r2", type=float, default=PAPER_CONFIG["r2"], help="observation noise r² (default 0.05)")
     p.add_argument("--ell2", type=float, default=PAPER_CONFIG["ell2"], help="process noise ℓ² (default 0.05)")
+    p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    add_threads_option(p, SMALL)
     p.set_defaults(func=_main)

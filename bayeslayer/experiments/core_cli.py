@@ -10,7 +10,6 @@ JSON in ``--out``, and a printed table of ``mean ± std`` rows per model.  The a
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -21,18 +20,23 @@ import torch
 
 from ..training.optim import DECAY_POLICY
 from .cli_checks import (
+    DEVICE_HELP,
     PLOT_ONLY_HELP,
     check_int,
     check_memory,
     check_out_dir,
+    device_arg,
     nonnegative_int_arg,
     plot_only_json,
     positive_int_arg,
     redrawing,
+    resolve_device,
 )
+from .cli_help import override_help
 from .core_models import ALL_KINDS, CORE_KINDS, CORE_LABELS
 from .harness import TrainConfig, results_record, summarize, summarize_curves, train_seeds
 from .provenance import write_record
+from .threads import SMALL, add_threads_option
 
 # Steps between the periodic checkpoints of a seed's training (``--checkpoint-every``).  Measured with the
 # default preset on a busy 2-core CPU: a save (0.7 MB with the optimiser state, fsync-ed) took 0.06-0.18 s
@@ -75,10 +79,11 @@ class CoreRunConfig:
     """One run of a core-model experiment: ``preset`` (of the experiment's :attr:`preset_type`), the
     ``models`` to train (names from :data:`~bayeslayer.experiments.core_models.ALL_KINDS`), ``out`` (a
     folder for ``<name>.json``, ``<name>.png`` and the per-seed cache ``runs/``; ``None``: write nothing),
-    ``progress`` (a progress bar) and ``checkpoint_every`` (with ``out``: a training checkpoint of the
+    ``progress`` (a progress bar), ``checkpoint_every`` (with ``out``: a training checkpoint of the
     seed in training every that many steps, under ``runs/``, so a killed run resumes from the last one
     bit-identical; 0: only when stopped by Ctrl-C; it never changes the results, and a run resumes a
-    checkpoint written at another interval).  Every field is checked here, with its name in the error."""
+    checkpoint written at another interval) and ``device`` (where models train and are evaluated: ``cpu``,
+    ``cuda``, ``cuda:N`` or ``auto``).  Every field is checked here, with its name in the error."""
 
     preset_type: ClassVar[type] = CorePreset
 
@@ -87,6 +92,7 @@ class CoreRunConfig:
     out: str | None = None
     progress: bool = True
     checkpoint_every: int = CHECKPOINT_EVERY
+    device: str = "cpu"
 
     def __post_init__(self):
         if not isinstance(self.preset, self.preset_type):
@@ -107,6 +113,42 @@ class CoreRunConfig:
         if not isinstance(self.progress, bool):
             raise TypeError(f"progress must be a bool, got {type(self.progress).__name__}")
         object.__setattr__(self, "checkpoint_every", check_int("checkpoint_every", self.checkpoint_every, minimum=0))
+        object.__setattr__(self, "device", str(resolve_device(self.device, option="device")))
+
+
+def model_on_device(model, device: str):
+    """``model`` moved to ``device``.  The evaluation functions build their batches on the CPU and score
+    the logits there, so in eval mode a model on a GPU takes CPU inputs and returns CPU logits (two hooks)."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cpu":
+        return model
+
+    def inputs_to_device(module, args):
+        return tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
+
+    def logits_to_cpu(module, args, output):
+        return output if module.training else output.cpu()
+
+    model = model.to(device)
+    model.register_forward_pre_hook(inputs_to_device)
+    model.register_forward_hook(logits_to_cpu)
+    return model
+
+
+def sampler_on_device(sampler, device: str):
+    """A sampler whose batches (tuples of tensors) are moved to ``device``."""
+    import torch
+
+    if torch.device(device).type == "cpu":
+        return sampler
+
+    def sample_on_device(step, batch_size, generator):
+        batch = sampler(step, batch_size, generator)
+        return type(batch)(*(t.to(device) for t in batch))
+
+    return sample_on_device
 
 
 def run_sweep(name: str, config: CoreRunConfig, *, build_model: Callable, sampler, evaluation,
@@ -137,7 +179,8 @@ def run_sweep(name: str, config: CoreRunConfig, *, build_model: Callable, sample
     for kind in models:
         model_cfg = asdict(build_model(kind).cfg)
         records = train_seeds(
-            f"{name}_{preset.name}_{kind}", lambda seed, kind=kind: build_model(kind), sampler, cfg,
+            f"{name}_{preset.name}_{kind}", lambda seed, kind=kind: model_on_device(build_model(kind), config.device),
+            sampler_on_device(sampler, config.device), cfg,
             list(range(preset.seeds)), evaluation, run_dir=run_dir, progress=progress, evaluate=evaluate,
             fingerprint={"preset": asdict(preset), "model": model_cfg, "optimizer_groups": DECAY_POLICY},
         )
@@ -206,7 +249,8 @@ def config_from_args(args, *, presets: dict, config_type: type[CoreRunConfig]) -
     """The run config that ``bayeslayer recall|crowding`` arguments name (``--out`` checked first)."""
     check_out_dir(args.out)
     return config_type(preset=preset_from_args(presets, args), models=tuple(args.models), out=args.out,
-                       progress=not args.no_progress, checkpoint_every=args.checkpoint_every)
+                       progress=not args.no_progress, checkpoint_every=args.checkpoint_every,
+                       device=args.device)
 
 
 def run_command(args, *, name: str, presets: dict, paper_budget: str, config_type: type[CoreRunConfig],
@@ -243,15 +287,18 @@ def run_command(args, *, name: str, presets: dict, paper_budget: str, config_typ
 
 def add_command(sub, *, name: str, help: str, doc: str, presets: dict, paper_budget: str,
                 func: Callable) -> None:
-    p = sub.add_parser(name, help=help, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    """Register ``bayeslayer <name>``: ``doc`` is its one-paragraph ``--help`` description."""
+    p = sub.add_parser(name, help=help, description=doc)
     p.add_argument("--preset", choices=sorted(presets), default="default",
                    help=f"'paper' = {paper_budget}; 'default' ≈ 15 min on a 2-core CPU; 'tiny' = smoke test")
-    p.add_argument("--models", nargs="+", choices=ALL_KINDS, default=list(CORE_KINDS),
-                   help="models to train (default: the four of the paper; bayesian_lowrank<r> is the "
-                        "low-rank-plus-diagonal BL of rank r)")
-    p.add_argument("--steps", type=positive_int_arg, default=None, help="override the preset's training steps")
-    p.add_argument("--batch-size", type=positive_int_arg, default=None, help="override the preset's batch size")
-    p.add_argument("--seeds", type=positive_int_arg, default=None, help="override the preset's number of seeds")
+    p.add_argument("--models", nargs="+", choices=ALL_KINDS, default=list(CORE_KINDS), metavar="MODEL",
+                   help=f"models to train, of {', '.join(ALL_KINDS)} (default: the four of the paper, "
+                        f"{' '.join(CORE_KINDS)}; bayesian_lowrank<r> is the low-rank-plus-diagonal BL of rank r)")
+    for option, field, what in (("--steps", "steps", "training steps"), ("--batch-size", "batch_size", "batch size"),
+                                ("--seeds", "seeds", "number of seeds")):
+        p.add_argument(option, type=positive_int_arg, default=None, help=override_help(presets, field, what))
+    p.add_argument("--device", type=device_arg, default="cpu", help=DEVICE_HELP)
+    add_threads_option(p, SMALL)
     p.add_argument("--out", default=f"results/{name}", help="output directory (JSON, PNG, per-seed cache)")
     p.add_argument("--checkpoint-every", type=nonnegative_int_arg, default=CHECKPOINT_EVERY, metavar="N",
                    help=f"checkpoint the seed in training every N steps under OUT/runs, so a killed run resumes "

@@ -88,6 +88,7 @@ from .lm import (
 )
 from .plotting import load_json, save_figure
 from .provenance import write_record
+from .threads import TORCH_DEFAULT, add_threads_option
 
 SINGLE_PROCESS = DistContext()
 WINDOW_MODES = ("non-overlapping", "sliding")
@@ -864,7 +865,12 @@ def add_parser(sub) -> None:
     """``bayeslayer heldout``: each option maps onto the :class:`HeldoutConfig` field of its name."""
     p = sub.add_parser("heldout",
                        help="held-out perplexity per corpus and window length (Table 7, docs/theory.md §8.6)",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description="Held-out perplexity of each model on each corpus at each window length, in "
+                                   "the layout of the paper's Table 7, with each model's relative change against "
+                                   "a reference model. Windows are non-overlapping by default (the paper's "
+                                   "protocol) or sliding. Writes OUT/NAME.json, a markdown table and a plot drawn "
+                                   "from it (--plot-only redraws them). The window rules: python -m pydoc "
+                                   "bayeslayer.experiments.heldout.")
     p.add_argument("--model", action="append", type=model_arg, default=None, metavar="[LABEL=]DIR",
                    help="a model directory (HF or fla Gated DeltaNet checkpoint) or an lm run directory; repeat")
     p.add_argument("--source", action="append", default=None, metavar="[LABEL=]SOURCE",
@@ -895,6 +901,7 @@ def add_parser(sub) -> None:
     p.add_argument("--out", default=HeldoutConfig.out, help="output directory")
     p.add_argument("--name", default=HeldoutConfig.name, help="file name stem of the outputs")
     p.add_argument("--plot-only", action="store_true", help=PLOT_ONLY_HELP + " (<out>/<name>.json)")
+    add_threads_option(p, TORCH_DEFAULT)
     p.set_defaults(func=_main)
 
 

@@ -68,6 +68,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..checks import check_int
+from ..data.text.sources import SOURCE_HELP, WIKITEXT_103
 from ..errors import UsageError
 from ..training import (
     CheckpointStore,
@@ -100,11 +101,12 @@ from .cli_checks import (
     redrawing,
     resolve_device,
 )
+from .cli_help import override_help, preset_values
 from .harness import TrainConfig, results_record, seed_everything, summarize, weights_digest
 from .plotting import save_figure
 from .provenance import write_record
+from .threads import SMALL, TORCH_DEFAULT, add_threads_option
 
-WIKITEXT_103 = "hf:Salesforce/wikitext:wikitext-103-raw-v1"
 # Table-2 columns, then the distance buckets, in the order of :meth:`ARHitAnnotation.masks`.
 GROUPS = ("all", "ar_hit", "other", "ar_hit_1_64", "ar_hit_65_256", "ar_hit_257_1024")
 GROUP_LABELS = {"all": "all", "ar_hit": "AR-hit", "other": "other", "ar_hit_1_64": "AR-hit 1–64",
@@ -301,10 +303,10 @@ PRESETS: dict[str, LMConfig] = {
                     train=replace(LM_TRAIN, steps=200, batch_size=8, lr=1e-3, warmup_steps=20, eval_every=50,
                                   checkpoint_every=25),
                     micro_batch_size=4, eval_windows=16),
-    # A smoke test: seconds on any machine.
+    # A smoke test: seconds on any machine, on the corpus every Python installation has.
     "tiny": LMConfig(preset="tiny",
                      model=LMModelConfig(hidden_size=64, num_layers=2, num_heads=2, head_dim=16, mlp_dropout=0.0),
-                     data=LMDataConfig(source="python-docs", vocab_size=8192, seq_len=128),
+                     data=LMDataConfig(source="python-docstrings", vocab_size=8192, seq_len=128),
                      train=replace(LM_TRAIN, steps=20, batch_size=4, lr=3e-3, warmup_steps=2, eval_every=10,
                                    checkpoint_every=10),
                      micro_batch_size=2, eval_windows=4, log_every=5),
@@ -866,6 +868,19 @@ def _report_damaged_final(final: Path) -> None:
     except (OSError, ValueError) as exc:
         warnings.warn(f"{final} was damaged ({' '.join(str(exc).split())}); rewritten from the last checkpoint",
                       RuntimeWarning, stacklevel=3)
+def write_tokenizer_config(tokenizer, directory: str | os.PathLike) -> None:
+    """``tokenizer_config.json`` and ``special_tokens_map.json`` beside ``tokenizer.json``: they name the
+    end-of-text token, so ``AutoTokenizer.from_pretrained(directory)`` (and lm-eval's ``hf`` model) has an
+    EOS.  ``tokenizer.json`` itself is left as written."""
+    import tempfile
+
+    from ..evaluation.tasks import hf_tokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        hf_tokenizer(tokenizer).save_pretrained(tmp)
+        for name in ("tokenizer_config.json", "special_tokens_map.json"):
+            if (Path(tmp) / name).is_file():
+                (Path(directory) / name).write_bytes((Path(tmp) / name).read_bytes())
 
 
 def _write_final(directory: Path, model, config: LMConfig, objective: Objective, tokenizer) -> None:
@@ -874,6 +889,7 @@ def _write_final(directory: Path, model, config: LMConfig, objective: Objective,
     (directory / "objective.json").write_text(json.dumps(objective.describe(), indent=1) + "\n")
     if tokenizer is not None:  # the model directory is self-contained (NIAH, lm-eval, from_pretrained)
         tokenizer.save(str(directory / "tokenizer.json"))
+        write_tokenizer_config(tokenizer, directory)
     from ..models.loading import write_model_manifest
 
     write_model_manifest(directory)  # last: every loader of the package verifies it
@@ -1182,9 +1198,18 @@ def _eval_locked(args, out_dir: Path) -> int:
     return 0
 
 
+def _train_threads(args: argparse.Namespace) -> int:
+    """``lm train``'s thread default: one thread for the tiny preset's small matrices, else PyTorch's."""
+    return SMALL if args.preset == "tiny" else TORCH_DEFAULT
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("lm", help="language modelling with AR-hit evaluation (docs/theory.md §8.5)",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description="Train language models from scratch (lm train) and compare finished runs by "
+                                   "perplexity over all tokens, over AR-hit tokens (a bigram seen earlier in the "
+                                   "window) and over the rest (lm eval). Held-out perplexity per window length is "
+                                   "bayeslayer heldout. The training loop, run folder and resume rules: python -m "
+                                   "pydoc bayeslayer.experiments.lm.")
     lm_sub = p.add_subparsers(dest="lm_command", metavar="{train,eval}", required=True)
 
     t = lm_sub.add_parser("train", help="train (or resume) one language model run",
@@ -1193,18 +1218,28 @@ def add_parser(sub) -> None:
     t.add_argument("--preset", choices=sorted(PRESETS), default="cpu",
                    help="'paper' = the paper's settings (docs/theory.md §8.5; WikiText-103, 520M tokens); "
                         "'cpu' ≈ 30 min per model on an idle "
-                        "2-core CPU on the python3-doc corpus; 'tiny' = smoke test")
-    t.add_argument("--mixer", help="token mixer of every layer (bayesian, gated_deltanet, mamba2, ...)")
+                        "2-core CPU on the python-docs corpus; 'tiny' = a smoke test of seconds on the "
+                        "python-docstrings corpus, which every Python installation has")
+    t.add_argument("--mixer", help="token mixer of every layer (bayesian, gated_deltanet, mamba2, ...) "
+                                   f"(default: {PRESETS['cpu'].mixer})")
     t.add_argument("--mixer-kwargs", help='JSON object of extra mixer arguments, e.g. \'{"p0": 1.0}\'')
     t.add_argument("--label", help="the model's name in tables (default: from the mixer)")
-    t.add_argument("--seed", type=int_arg)
-    for name, kind in (("steps", int_arg), ("batch-size", int_arg), ("micro-batch-size", int_arg),
-                       ("seq-len", int_arg), ("lr", float), ("warmup-steps", int_arg), ("mlp-dropout", float),
-                       ("hidden-size", int_arg), ("num-layers", int_arg), ("num-heads", int_arg),
-                       ("head-dim", int_arg), ("vocab-size", int_arg), ("eval-every", int_arg),
-                       ("eval-windows", int_arg), ("checkpoint-every", int_arg), ("log-every", int_arg)):
-        t.add_argument(f"--{name}", type=kind, help="override the preset")
-    t.add_argument("--source", help="corpus: python-docs, hf:<name>[:<config>] or a local path")
+    t.add_argument("--seed", type=int_arg, help=f"random seed (default: {PRESETS['cpu'].seed})")
+    for name, kind, what in (
+            ("steps", int_arg, "optimiser steps"), ("batch-size", int_arg, "windows per optimiser step"),
+            ("micro-batch-size", int_arg, "windows per forward pass"), ("seq-len", int_arg, "window length in tokens"),
+            ("lr", float, "peak learning rate"), ("warmup-steps", int_arg, "learning-rate warmup steps"),
+            ("mlp-dropout", float, "dropout in the MLPs"), ("hidden-size", int_arg, "model width"),
+            ("num-layers", int_arg, "blocks"), ("num-heads", int_arg, "heads per mixer"),
+            ("head-dim", int_arg, "head dimension"),
+            ("vocab-size", int_arg, "size of the BPE trained when no --tokenizer is given"),
+            ("eval-every", int_arg, "steps between validation evaluations"),
+            ("eval-windows", int_arg, "validation windows per periodic evaluation (0: all)"),
+            ("checkpoint-every", int_arg, "steps between checkpoints"),
+            ("log-every", int_arg, "steps between log lines")):
+        t.add_argument(f"--{name}", type=kind, help=override_help(PRESETS, name.replace("-", "_"), what))
+    t.add_argument("--source", help=f"corpus: {SOURCE_HELP} (default: the preset's: "
+                                    f"{preset_values(PRESETS, 'source')})")
     t.add_argument("--tokenizer", help="tokenizer.json (or a directory holding one); default: train a BPE")
     t.add_argument("--precision", choices=PRECISIONS, help="autocast: auto = bf16 on a capable GPU, else fp32")
     t.add_argument("--device", type=device_arg, default="auto", help=DEVICE_HELP)
@@ -1215,6 +1250,7 @@ def add_parser(sub) -> None:
                    help="stop (checkpointed) after this many total steps")
     t.add_argument("--keep-checkpoints", type=positive_int_arg, default=1, help="newest step checkpoints to keep")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_threads_option(t, _train_threads, default_text="1 with --preset tiny (small matrices), else PyTorch's")
     t.set_defaults(func=_train_main)
 
     e = lm_sub.add_parser("eval", help="grouped PPL of finished runs (Table 2)",
@@ -1233,4 +1269,5 @@ def add_parser(sub) -> None:
     e.add_argument("--out", default="results/lm", help="output directory")
     e.add_argument("--name", default="lm", help="file name stem of the outputs")
     e.add_argument("--plot-only", action="store_true", help=PLOT_ONLY_HELP + " (<out>/<name>.json)")
+    add_threads_option(e, TORCH_DEFAULT)
     e.set_defaults(func=_eval_main)

@@ -80,17 +80,21 @@ from ..errors import UsageError
 from ..layers import MIXER_LABELS, MIXERS, QKVMixer, ShortConvolution, build_mixer
 from ..training.optim import DECAY_POLICY
 from .cli_checks import (
+    DEVICE_HELP,
     PLOT_ONLY_HELP,
     check_out_dir,
+    device_arg,
     plot_only_json,
     positive_float_arg,
     positive_int_arg,
     redrawing,
+    resolve_device,
 )
 from .harness import TrainConfig, results_record, summarize, train_lr_grid
 from .plotting import RefLine, Series, line_plot, load_json
 from .provenance import write_record
 from .state_budget import BUDGET_MIXERS, HeadConfig, solve_state_budget
+from .threads import TORCH_DEFAULT, add_threads_option
 
 TASK_NAMES = ("base", "update", "block")
 DEFAULT_MIXERS = ("bayesian", "gated_deltanet", "gated_deltanet_noconv", "mamba2", "linear_attention")
@@ -826,9 +830,7 @@ def config_from_args(args: argparse.Namespace) -> MQARConfig:
     """The :class:`MQARConfig` that ``bayeslayer mqar`` arguments name (``--device auto``: cuda when available)."""
     if args.task is None:
         raise UsageError("name a task: bayeslayer mqar {base,update,block}")
-    device = args.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = str(resolve_device(args.device))
     return MQARConfig(task=args.task, preset=preset_from_args(args), mixers=tuple(args.mixers),
                       out=str(check_out_dir(args.out)), device=device, progress=not args.no_progress)
 
@@ -864,7 +866,12 @@ def _main(args: argparse.Namespace) -> int:
 
 def add_parser(sub) -> None:
     p = sub.add_parser("mqar", help="Zoology MQAR: base / update / block recall (docs/theory.md §8.4)",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description="Zoology's multi-query associative recall in three tasks: base (key-value pairs, "
+                                   "then every key queried; one model per width), update (later writes of a key "
+                                   "overwrite it) and block (keys and values written in blocks). Trains each mixer "
+                                   "over a learning-rate grid and seeds, and writes OUT/mqar_<task>*.json and a "
+                                   "figure drawn from it (--plot-only redraws it). Results: docs/experiments.md; the "
+                                   "model and its two layouts: python -m pydoc bayeslayer.experiments.mqar.")
     p.add_argument("task", nargs="?", choices=TASK_NAMES, default=None, help="which MQAR task")
     p.add_argument("--preset", choices=sorted(PRESETS), default="default",
                    help="'paper' = the paper's settings (docs/theory.md §8.4); "
@@ -887,7 +894,8 @@ def add_parser(sub) -> None:
     p.add_argument("--epochs", type=positive_int_arg, default=None, help="override the preset's epochs")
     p.add_argument("--max-steps", type=positive_int_arg, default=None,
                    help="stop training after this many steps (a budget cap; the schedule is sized to it)")
-    p.add_argument("--device", default="cpu", help="'cpu', 'cuda', 'cuda:1', or 'auto' (cuda when available)")
+    p.add_argument("--device", type=device_arg, default="cpu", help=DEVICE_HELP)
+    add_threads_option(p, TORCH_DEFAULT)
     p.add_argument("--batch-size", type=positive_int_arg, default=None, help="override the preset's batch size")
     p.add_argument("--seeds", type=positive_int_arg, default=None, help="override the preset's number of seeds")
     p.add_argument("--lr", type=positive_float_arg, nargs="+", default=None, help="override the preset's lr grid")

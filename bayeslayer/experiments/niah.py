@@ -66,6 +66,7 @@ from .cli_checks import (
 from .lengths import PAPER_LENGTHS, length_label
 from .plotting import save_figure
 from .provenance import write_record
+from .threads import TORCH_DEFAULT, add_threads_option
 
 #: The six tasks of the summary average.  The paper names niah_single_1, niah_single_2,
 #: niah_multivalue and niah_multiquery among its six and excludes CWE; of the other four
@@ -578,7 +579,12 @@ def _parse_pair(text: str) -> tuple[str, str]:
 
 def add_parser(sub) -> None:
     p = sub.add_parser("niah", help="RULER needle-in-a-haystack evaluation (docs/theory.md §8.6)",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description="RULER's needle-in-a-haystack tasks: hide key-value needles at each depth of "
+                                   "prompts of each length, decode greedily and score the fraction of needles "
+                                   "recalled, per model, task, length and depth. Writes OUT/niah.json with every "
+                                   "sample's score, markdown tables, a length plot and depth-by-length difference "
+                                   "heatmaps drawn from it (--plot-only redraws them). Prompts and scoring: "
+                                   "python -m pydoc bayeslayer.experiments.niah.")
     p.add_argument("--model", action="append", type=model_arg, default=[], metavar="[LABEL=]DIR",
                    help="a model directory (HF format or an fla Gated DeltaNet checkpoint); repeat for several")
     p.add_argument("--tokenizer", default=None,
@@ -610,6 +616,7 @@ def add_parser(sub) -> None:
     p.add_argument("--trust-remote-code", action="store_true",
                    help="let a model folder whose config.json has auto_map run its own Python code (only for "
                         "folders you checked; off by default, such a folder is refused)")
+    add_threads_option(p, TORCH_DEFAULT)
     p.set_defaults(func=_main)
 
 

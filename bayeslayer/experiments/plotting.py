@@ -128,11 +128,14 @@ def line_plot(
     ylim: tuple[float, float] | None = None,
     legend_loc: str = "best",
     figsize: tuple[float, float] = (6.4, 4.0),
+    xticks: Sequence[float] | None = None,
 ) -> Path:
     """Draw ``series`` as lines (with ``± err`` bands) into a PNG at ``path`` and return the path.
 
     Vertical reference lines (e.g. phase boundaries) are dotted and labelled at the top of
     the axes; horizontal ones (e.g. a closed-form value, chance) are dashed and go in the legend.
+    ``legend_loc="outside"`` puts the legend to the right of the axes, where it hides no point.
+    ``xticks``: the x ticks, labelled as plain numbers (on a log axis too: 1, 2, 4, 8, not 10⁰, 2×10⁰).
     """
     if not series:
         raise ValueError("line_plot needs at least one Series")
@@ -170,6 +173,12 @@ def line_plot(
                     color="0.3",
                 )
         ax.set_xscale(xscale)
+        if xticks is not None:
+            from matplotlib.ticker import NullFormatter, NullLocator
+
+            ax.set_xticks(list(xticks), [f"{t:g}" for t in xticks])
+            ax.xaxis.set_minor_locator(NullLocator())
+            ax.xaxis.set_minor_formatter(NullFormatter())
         if ylim is not None:
             ax.set_ylim(*ylim)
         ax.set_xlabel(xlabel)
@@ -177,7 +186,10 @@ def line_plot(
         if title:
             ax.set_title(title, fontsize=10)
         ax.grid(alpha=0.3)
-        ax.legend(loc=legend_loc, fontsize=8)
+        if legend_loc == "outside":
+            ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0, fontsize=8)
+        else:
+            ax.legend(loc=legend_loc, fontsize=8)
         return save_figure(fig, path)
     finally:
         plt.close(fig)

@@ -66,6 +66,7 @@ from dataclasses import asdict, dataclass
 from ..design import DesignModel, get_design, lowrank_diagonal
 from ..layers import MIXERS
 from .cli_checks import check_int, check_out_file, positive_int_arg
+from .threads import SMALL, add_threads_option
 
 #: the mixers the solver sizes by default: registry layers and design models, every one counted by its
 #: design model's ``state_size`` (:func:`mixer_design`); ``bayesian_lowrank`` needs its rank and is not here
@@ -450,7 +451,12 @@ def _main(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("state-budget", help="head configurations whose recurrent state fits a float budget")
+    p = sub.add_parser("state-budget", help="head configurations whose recurrent state fits a float budget",
+                       description="For each model width and mixer, list the head configurations (number of heads, "
+                                   "head dimension, covariance groups) whose recurrent state per layer fits the "
+                                   "budget in floats and uses at least --min-usage of it, the configuration "
+                                   "nearest --target-head-dim first. Arithmetic only: nothing is trained; "
+                                   "--json also writes the configurations to a file.")
     p.add_argument("--budget", type=positive_int_arg, default=PAPER_BUDGET, help="per-layer state budget in floats")
     p.add_argument("--width", type=positive_int_arg, nargs="+", default=[64], help="model width(s)")
     p.add_argument("--mixers", nargs="+", default=list(BUDGET_MIXERS), choices=(*BUDGET_MIXERS, LOWRANK_MIXER),
@@ -462,6 +468,7 @@ def add_parser(sub) -> None:
     p.add_argument("--min-usage", type=float, default=0.9, help="least fraction of the budget to use")
     p.add_argument("--target-head-dim", type=positive_int_arg, default=64, help="preferred head dim among ties")
     p.add_argument("--json", default=None, help="also write the configurations to this JSON file")
+    add_threads_option(p, SMALL)
     p.set_defaults(func=_main)
 
 

@@ -584,7 +584,7 @@ def test_hf_source_with_a_real_datasets_dataset_dict(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_default_corpus_end_to_end(tmp_path):
-    """The real default corpus (about 75 s on 2 shared cores); needs `apt-get install -y python3-doc`.
+    """The real python-docs corpus (about 75 s on 2 shared cores); needs `apt-get install -y python3-doc`.
 
     Slow, so it runs only on demand (`pytest -m slow`), and then it fails rather than skips without
     the package: a skipped test of the default corpus would report green while testing nothing. The
@@ -592,12 +592,13 @@ def test_default_corpus_end_to_end(tmp_path):
     (`test_python_docs_page_filter_and_layout`).
     """
     if text_mod.python_docs_dir() is None:
-        pytest.fail("the default-corpus test needs Debian's python3-doc: `apt-get install -y python3-doc` (as root)")
-    corpus = load_text_corpus(cache_dir=tmp_path)
+        pytest.fail("the python-docs corpus test needs Debian's python3-doc: "
+                    "`apt-get install -y python3-doc` (as root)")
+    corpus = load_text_corpus("python-docs", cache_dir=tmp_path)
     sizes = {s: len(corpus.tokens(s)) for s in ("train", "validation", "test")}
     assert corpus.vocab_size == 8192 and sizes["train"] > 1_000_000 and min(sizes.values()) > 20_000
     assert "the" in corpus.tokenizer.decode(corpus.windows("validation", 2048)[0].tolist()).split()
-    again = load_text_corpus(cache_dir=tmp_path)
+    again = load_text_corpus("python-docs", cache_dir=tmp_path)
     assert all(s.from_cache for s in again.splits.values())
     masks = again.annotate("validation", 2048).masks()
     assert 0 < masks["ar_hit"].sum() < masks["all"].sum()

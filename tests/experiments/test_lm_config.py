@@ -42,12 +42,13 @@ def test_a_config_is_its_parts_and_reads_flat():
 
 
 def test_the_flat_json_of_older_runs_reads_back_and_resumes(tmp_path: Path):
+    old_tiny = replace(PRESETS["tiny"], source="python-docs")  # the tiny preset's corpus before python-docstrings
     config = LMConfig.from_json(OLD_TINY_JSON)
-    assert config == PRESETS["tiny"] and config.train.betas == (0.9, 0.95)
+    assert config == old_tiny and config.train.betas == (0.9, 0.95)
     assert config.to_json() == OLD_TINY_JSON  # the same keys and values: config.json is unchanged
-    _check_resume_config(OLD_TINY_JSON, PRESETS["tiny"], tmp_path)  # an old run directory resumes
+    _check_resume_config(OLD_TINY_JSON, old_tiny, tmp_path)  # an old run directory resumes
     with pytest.raises(ValueError, match="lr: 0.003 → 0.001"):
-        _check_resume_config(OLD_TINY_JSON, replace(PRESETS["tiny"], lr=1e-3), tmp_path)
+        _check_resume_config(OLD_TINY_JSON, replace(old_tiny, lr=1e-3), tmp_path)
 
 
 def test_bad_parts_and_fields_are_named():

@@ -14,7 +14,7 @@ from bayeslayer.data.arhit import ARHitAnnotation, BigramCounts, annotate_ar_hit
 from bayeslayer.training.files import atomic_write_text
 
 from .cache import FORMAT_VERSION, TokenStream, cache_key, default_cache_dir, tokenize_split
-from .sources import PYTHON_DOCS_INSTALL, SPLITS, CorpusFiles, corpus_files, prepare_default_corpus
+from .sources import PYTHON_DOCS_INSTALL, SOURCE_HELP, SPLITS, CorpusFiles, corpus_files, prepare_default_corpus
 from .tokenizer import DEFAULT_EOS, find_eos_id, load_tokenizer, tokenizers_package, train_bpe_tokenizer
 from .windows import PackedWindows, pack_windows
 
@@ -80,7 +80,7 @@ class TextCorpus:
 
 
 def load_text_corpus(
-    source: str | os.PathLike = "python-docs",
+    source: str | os.PathLike = "python-docstrings",
     *,
     tokenizer: object | str | os.PathLike | None = None,
     vocab_size: int = 8192,
@@ -98,7 +98,8 @@ def load_text_corpus(
     """Load, split, tokenize and cache a corpus; see the module docstring for sources.
 
     Args:
-        source: ``"python-docs"``, ``"hf:<name>[:<config>]"`` or a local path.
+        source: ``"python-docstrings"``, ``"python-docs"``, ``"wikitext-103"``,
+            ``"hf:<name>[:<config>]"`` or a local path.
         tokenizer: a ``tokenizers.Tokenizer``, a ``tokenizer.json`` path or a
             directory with one; ``None`` trains a byte-level BPE of
             ``vocab_size`` on the train split (cached by corpus and size).
@@ -194,9 +195,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m bayeslayer.data.text",
-                                     description="Prepare (tokenize and cache) a text corpus. The default "
-                                     "corpus must be installed first: " + PYTHON_DOCS_INSTALL + " (as root).")
-    parser.add_argument("--source", default="python-docs")
+                                     description="Prepare (tokenize and cache) a text corpus. The default, "
+                                     "python-docstrings, is on every machine; python-docs must be installed first: "
+                                     + PYTHON_DOCS_INSTALL + " (as root).")
+    parser.add_argument("--source", default="python-docstrings", help=SOURCE_HELP)
     parser.add_argument("--vocab-size", type=int, default=8192)
     parser.add_argument("--tokenizer", default=None, help="tokenizer.json or a directory holding one")
     parser.add_argument("--cache-dir", default=None)
