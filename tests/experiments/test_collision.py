@@ -277,7 +277,7 @@ def test_bad_helper_arguments(tmp_path, capsys):
     assert "rho must be a key overlap in [0, 1), got 1.5" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
     (tmp_path / "collision.json").write_text("{not json")
-    with pytest.raises(ValueError, match="not valid JSON"):
+    with pytest.raises(ValueError, match="damaged or not JSON"):
         load_json(tmp_path / "collision.json")
     with pytest.raises(ValueError, match="lack 'closed_form'"):
         col.check_results({"config": {}, "models": {}, "fixed_prior": {}, "overlap": {}})

@@ -198,7 +198,7 @@ def test_max_steps_caps_training_and_keeps_warmup_a_fraction():
     with pytest.raises(ValueError, match="max_steps"):
         replace(TINY, max_steps=0)
     args = build_parser().parse_args(["mqar", "update", "--preset", "paper", "--max-steps", "600", "--layout",
-                                      "hybrid", "--gate", "on", "--device", "cuda", "--num-layers", "4"])
+                                      "hybrid", "--gate", "on", "--device", "cpu", "--num-layers", "4"])
     preset = preset_from_args(args)
     assert (preset.max_steps, preset.layout, preset.gate, preset.num_layers) == (600, "hybrid", "on", 4)
-    assert preset.name == "paper-custom" and args.device == "cuda"
+    assert preset.name == "paper-custom" and args.device == "cpu"

@@ -37,8 +37,10 @@ def test_collision_run(tmp_path):
     assert record["extra"]["angle_vs_reinforcement"]["b_repeats"] == [40]
     assert record["extra"]["rotated_keys"]["seeds"] == [0]
     assert record["lowrank"]["ranks"] == [0, 2] and "multi_pair" in record["lowrank"]
-    assert json.loads((tmp_path / "collision.json").read_text()) == res
-    assert json.loads((tmp_path / "collision_lowrank.json").read_text()) == record["lowrank"]
+    for name, expected in (("collision.json", res), ("collision_lowrank.json", record["lowrank"])):
+        saved = json.loads((tmp_path / name).read_text())  # the record, plus how and where it was made
+        assert set(saved.pop("provenance")) >= {"git_commit", "command", "versions", "device"}
+        assert saved == expected
     assert all((tmp_path / name).stat().st_size > 0 for name in collision.FIGURES + collision.LOWRANK_FIGURES)
     # the same numbers as the function the command called before the config existed
     assert res == collision.run_collision(fixed_priors=(0.05, 1.0), overlap_rhos=(0.5, 0.92))
