@@ -331,8 +331,22 @@ def run(config: VarianceConfig) -> dict:
     return record
 
 
+def coverage_curve(task: dict, score: str) -> dict[str, list[float]]:
+    """Abstention: answer only the ``k/10`` of queries with the lowest ``score`` (``variance_last`` or
+    ``entropy``), k = 1..10; the accuracy of the answered ones, mean ± std over seeds.  Read from the per-seed
+    decile accuracies (equal-count bins), so it needs nothing but the JSON."""
+    curves = []
+    for seed in task["seeds"]:
+        acc = np.array([np.nan if v is None else v for v in seed[f"accuracy_by_{score}_decile"]])
+        curves.append(np.nancumsum(acc) / np.cumsum(~np.isnan(acc)))
+    curves = np.array(curves)
+    return {"coverage": [(k + 1) / QUANTILES for k in range(QUANTILES)], "mean": curves.mean(0).tolist(),
+            "std": (curves.std(0, ddof=1) if len(curves) > 1 else np.zeros(QUANTILES)).tolist()}
+
+
 def plot(record: dict, out) -> Path:
-    """Accuracy per decile of the variance (solid) and of the entropy (dashed), mean ± std over seeds."""
+    """Left: accuracy per decile of the variance (solid) and of the entropy (dashed); right: accuracy against
+    coverage when abstaining on the highest scores (:func:`coverage_curve`); mean ± std over seeds."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -340,26 +354,34 @@ def plot(record: dict, out) -> Path:
 
     from .plotting import save_figure
 
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.4))
     x = (np.arange(QUANTILES) + 0.5) / QUANTILES
     for task in record["models"].values():
         s = task["summary"]
-        for key, style, what in (("accuracy_by_variance_last_decile", "-o", "variance"),
-                                 ("accuracy_by_entropy_decile", "--s", "entropy")):
+        color = None
+        for score, style, what in (("variance_last", "-o", "variance"), ("entropy", "--s", "entropy")):
+            key = f"accuracy_by_{score}_decile"
             mean = np.array([np.nan if v is None else v for v in s[key]["mean"]])
             std = np.array(s[key]["std"])
-            auc = s[f"auroc_{'variance_last' if what == 'variance' else 'entropy'}"]
+            auc = s[f"auroc_{score}"]
             auc_text = f"{auc['mean']:.2f}" if auc else "n/a"
-            line = ax.plot(x, mean, style, ms=3, label=f"{task['label']}: by {what} (AUROC {auc_text})",
-                           color=None if what == "variance" else ax.lines[-1].get_color())
-            ax.fill_between(x, mean - std, mean + std, alpha=0.15, color=line[0].get_color())
-    ax.set_xlabel("quantile of the score (low → high), deciles")
-    ax.set_ylabel("answer accuracy")
+            line = ax.plot(x, mean, style, ms=3, color=color, label=f"{task['label']}: by {what} (AUROC {auc_text})")
+            color = line[0].get_color()
+            ax.fill_between(x, mean - std, mean + std, alpha=0.15, color=color)
+            cov = coverage_curve(task, score)
+            ax2.errorbar(cov["coverage"], cov["mean"], yerr=cov["std"], fmt=style, ms=3, capsize=2, color=color,
+                         label=f"{task['label']}: abstain on high {what}")
+    ax.set_xlabel("decile of the score (low → high)")
+    ax.set_ylabel("answer accuracy in the decile")
     ax.set_ylim(-0.02, 1.02)
+    ax2.set_xlabel("coverage (fraction of queries answered, lowest scores first)")
+    ax2.set_ylabel("accuracy of the answered queries")
+    ax2.set_ylim(-0.02, 1.02)
     cfg = record["config"]
-    ax.set_title(f"Accuracy vs predictive variance — preset '{record['preset']}', {cfg['seeds']} seeds",
-                 fontsize=9)
+    fig.suptitle(f"Predictive variance vs answer correctness — preset '{record['preset']}', {cfg['seeds']} seeds "
+                 "(mean ± std)", fontsize=10)
     ax.legend(fontsize=7)
+    ax2.legend(fontsize=7)
     path = save_figure(fig, Path(out) / f"{NAME}.png")
     plt.close(fig)
     return path
@@ -375,6 +397,12 @@ def print_table(record: dict) -> None:
         print(f"{task['label']:<28}" + "".join(f"{cell(s, key):>{w}}" for key, w in (
             ("accuracy", 16), ("auroc_variance_last", 18), ("auroc_variance_mean", 16), ("auroc_entropy", 16),
             ("auroc_combined", 16))))
+    print("\naccuracy when answering only the lowest-scoring fraction (abstention), mean over seeds")
+    print(f"{'task / score':<40}" + "".join(f"{c:>7.0%}" for c in np.arange(1, QUANTILES + 1) / QUANTILES))
+    for task in record["models"].values():
+        for score in ("variance_last", "entropy"):
+            cov = coverage_curve(task, score)
+            print(f"{task['label'] + ' / ' + score:<40}" + "".join(f"{a:>7.3f}" for a in cov["mean"]))
 
 
 def _main(args):

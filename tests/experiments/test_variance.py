@@ -92,3 +92,12 @@ def test_config_and_cli_errors(tmp_path, capsys):
     assert "--seeds" in capsys.readouterr().err
     assert cli_main(["variance", "--plot-only", "--out", str(tmp_path)]) == 2
     assert "variance.json, which does not exist" in capsys.readouterr().err
+
+
+def test_coverage_curve_is_the_running_mean_of_the_deciles():
+    deciles = [1.0, 1.0, 0.8, 0.6, 0.6, 0.4, 0.2, 0.2, 0.0, None]
+    task = {"seeds": [{"accuracy_by_variance_last_decile": deciles}] * 2}
+    cov = variance.coverage_curve(task, "variance_last")
+    assert cov["coverage"][0] == 0.1 and cov["coverage"][-1] == 1.0
+    assert cov["mean"][:3] == pytest.approx([1.0, 1.0, 2.8 / 3]) and cov["std"] == [0.0] * 10
+    assert cov["mean"][-1] == pytest.approx(4.8 / 9)  # an empty decile is left out
