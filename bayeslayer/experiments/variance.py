@@ -39,9 +39,11 @@ import torch.nn as nn
 
 from ..data.collision_tasks import collision_recall_batch
 from ..data.mqar import IGNORE_INDEX, MQARTask, make_pool
+from ..training.optim import DECAY_POLICY
 from .cli_checks import PLOT_ONLY_HELP, check_out_dir, plot_only_json, positive_int_arg
 from .core_models import CoreMixer
-from .harness import results_record, summarize, train_seeds, write_json
+from .harness import results_record, summarize, train_seeds
+from .provenance import write_record
 
 NAME = "variance"
 TASKS = ("recall", "mqar_update")
@@ -326,7 +328,8 @@ def run(config: VarianceConfig) -> dict:
                             wall_seconds=time.perf_counter() - t0,
                             finished_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     if out is not None:
-        write_json(out / f"{NAME}.json", record)
+        write_record(out / f"{NAME}.json", record, seeds=range(preset.seeds), wall_seconds=record["wall_seconds"],
+                     optimizer_groups=DECAY_POLICY, allow_nan=False)
         plot(plot_only_json(out, NAME, experiment=NAME), out)  # drawn from the saved JSON, as --plot-only
     return record
 

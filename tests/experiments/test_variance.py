@@ -74,6 +74,7 @@ def test_tiny_run_writes_json_and_figure_and_redraws(tmp_path, capsys):
     record = variance.run(VarianceConfig(preset=variance.PRESETS["tiny"], out=str(tmp_path)))
     data = json.loads((tmp_path / "variance.json").read_text())
     assert data["experiment"] == "variance" and set(data["models"]) == set(variance.TASKS)
+    assert data["provenance"]["seeds"] == [0, 1] and data["provenance"]["backfilled"] is False
     for task in data["models"].values():
         assert len(task["seeds"]) == 2 and task["summary"]["accuracy"]["mean"] >= 0
         assert len(task["summary"]["accuracy_by_variance_last_decile"]["mean"]) == variance.QUANTILES
