@@ -324,6 +324,8 @@ def run(config: VarianceConfig) -> dict:
                                     if sum(v is not None for v in c) > 1 else 0.0 for c in cols]}
         tasks[task] = {"label": TASK_LABELS[task], "train": asdict(train_cfg), **info, "seeds": per_seed,
                        "summary": summary, "wall_seconds": time.perf_counter() - t_task}
+        for score in ("variance_last", "entropy"):
+            summary[f"coverage_{score}"] = coverage_curve(tasks[task], score)
     record = results_record(NAME, preset.name, {**asdict(preset), "tasks": list(config.tasks)}, tasks,
                             wall_seconds=time.perf_counter() - t0,
                             finished_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
