@@ -40,10 +40,20 @@ import torch.nn as nn
 from ..data.collision_tasks import collision_recall_batch
 from ..data.mqar import IGNORE_INDEX, MQARTask, make_pool
 from ..training.optim import DECAY_POLICY
-from .cli_checks import PLOT_ONLY_HELP, check_out_dir, plot_only_json, positive_int_arg
+from .cli_checks import (
+    DEVICE_HELP,
+    PLOT_ONLY_HELP,
+    check_out_dir,
+    device_arg,
+    plot_only_json,
+    positive_int_arg,
+    resolve_device,
+)
+from .core_cli import model_on_device, sampler_on_device
 from .core_models import CoreMixer
 from .harness import results_record, summarize, train_seeds
 from .provenance import write_record
+from .threads import SMALL, add_threads_option
 
 NAME = "variance"
 TASKS = ("recall", "mqar_update")
@@ -91,6 +101,7 @@ class VarianceConfig:
     tasks: tuple[str, ...] = TASKS
     out: str | None = "results/variance"
     progress: bool = False
+    device: str = "cpu"  # where models train and are scored
 
     def __post_init__(self):
         if not isinstance(self.preset, VariancePreset):
@@ -107,6 +118,7 @@ class VarianceConfig:
             value = getattr(self.preset, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"preset.{name} must be a positive integer or None, got {value!r}")
+        object.__setattr__(self, "device", str(resolve_device(self.device, option="device")))
 
 
 # -- scores ------------------------------------------------------------------------------------------
@@ -226,10 +238,10 @@ def collect_queries(model: nn.Module, batches) -> dict[str, np.ndarray]:
     rows: dict[str, list] = {k: [] for k in ("correct", "entropy", "variance_last", "variance_mean", "condition")}
     with VarianceProbe(model) as probe:
         for inputs, labels, condition in batches:
-            logits = model(inputs).float()
+            logits = model(inputs).float().cpu()
             mask = labels != IGNORE_INDEX
             logp = torch.log_softmax(logits[mask], -1)
-            var = torch.stack([v.float() for v in probe.variances])  # [L, B, T, H]
+            var = torch.stack([v.float().cpu() for v in probe.variances])  # [L, B, T, H]
             rows["correct"].append((logits[mask].argmax(-1) == labels[mask]).numpy())
             rows["entropy"].append((-(logp.exp() * logp).sum(-1)).numpy())
             rows["variance_last"].append(var[-1][mask].mean(-1).double().numpy())
@@ -239,7 +251,7 @@ def collect_queries(model: nn.Module, batches) -> dict[str, np.ndarray]:
 
 
 # -- the two tasks -----------------------------------------------------------------------------------
-def _recall_setup(preset: VariancePreset):
+def _recall_setup(preset: VariancePreset, device: str = "cpu"):
     from . import recall
 
     source = recall.PRESETS[preset.recall_preset]
@@ -258,11 +270,12 @@ def _recall_setup(preset: VariancePreset):
                                                address_dim=source.address_dim)
                 yield batch.inputs, batch.labels, n_f
 
-    return (lambda seed: recall.build_model("bayesian", source)), recall.sampler(source), source.train_config(), \
+    return (lambda seed: model_on_device(recall.build_model("bayesian", source), device)), \
+        sampler_on_device(recall.sampler(source), device), source.train_config(), \
         batches, {"source_preset": asdict(source), "condition": "n_f (distractor writes, rho = 0.80)"}
 
 
-def _mqar_setup(preset: VariancePreset):
+def _mqar_setup(preset: VariancePreset, device: str = "cpu"):
     from . import mqar
 
     source = replace(mqar.PRESETS[preset.mqar_preset], layout="hybrid", seeds=preset.seeds,
@@ -270,7 +283,7 @@ def _mqar_setup(preset: VariancePreset):
     train_ds, _ = make_pool(mqar.train_tasks("update", source), num_examples=source.pool_size("update"),
                             vocab_size=source.vocab_size, seed=source.data_seed, val_fraction=source.val_fraction,
                             random_non_queries=source.random_non_queries)
-    sampler = mqar.epoch_sampler(train_ds, source.batch_size, source.data_seed)
+    sampler = mqar.epoch_sampler(train_ds, source.batch_size, source.data_seed, device)
     steps = source.epochs * sampler.steps_per_epoch
     if source.max_steps is not None:
         steps = min(steps, source.max_steps)
@@ -284,9 +297,9 @@ def _mqar_setup(preset: VariancePreset):
         for u, data in tests:
             for start in range(0, len(data), source.eval_batch):
                 idx = slice(start, start + source.eval_batch)
-                yield data.inputs[idx], data.labels[idx], u
+                yield data.inputs[idx].to(device), data.labels[idx], u
 
-    return (lambda seed: mqar.build_model("bayesian", source, source.width)), sampler, \
+    return (lambda seed: mqar.build_model("bayesian", source, source.width).to(device)), sampler, \
         mqar.train_config(source, steps), batches, \
         {"source_preset": asdict(source),
          "condition": f"updates of the queried key (length {source.update_test_seq_len}, "
@@ -303,7 +316,8 @@ def run(config: VarianceConfig) -> dict:
     tasks: dict[str, Any] = {}
     for task in config.tasks:
         t_task = time.perf_counter()
-        build, sampler, train_cfg, batches, info = (_recall_setup if task == "recall" else _mqar_setup)(preset)
+        build, sampler, train_cfg, batches, info = (_recall_setup if task == "recall" else _mqar_setup)(preset,
+                                                                                                     config.device)
 
         def final_eval(model, batches=batches):
             return {"queries_scored": score_queries(collect_queries(model, batches()), seed=preset.eval_seed)}
@@ -330,7 +344,8 @@ def run(config: VarianceConfig) -> dict:
                             wall_seconds=time.perf_counter() - t0,
                             finished_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     if out is not None:
-        write_record(out / f"{NAME}.json", record, seeds=range(preset.seeds), wall_seconds=record["wall_seconds"],
+        write_record(out / f"{NAME}.json", record, device=config.device, seeds=range(preset.seeds),
+                     wall_seconds=record["wall_seconds"],
                      optimizer_groups=DECAY_POLICY, allow_nan=False)
         plot(plot_only_json(out, NAME, experiment=NAME), out)  # drawn from the saved JSON, as --plot-only
     return record
@@ -418,7 +433,8 @@ def _main(args):
     preset = PRESETS[args.preset]
     if args.seeds is not None:
         preset = replace(preset, seeds=args.seeds)
-    record = run(VarianceConfig(preset=preset, tasks=tuple(args.tasks), out=args.out, progress=args.progress))
+    record = run(VarianceConfig(preset=preset, tasks=tuple(args.tasks), out=args.out, progress=args.progress,
+                                device=args.device))
     print_table(record)
     print(f"wall time {record['wall_seconds']:.0f} s; wrote {Path(args.out) / (NAME + '.json')}")
     return record
@@ -426,12 +442,18 @@ def _main(args):
 
 def add_parser(sub) -> None:
     p = sub.add_parser("variance", help="does the BL's predictive variance flag wrong answers? (AUROC vs entropy)",
-                       description=__doc__.split("\n\n")[0])
+                       description="Trains the Bayesian-Layer models of learned collision recall and of MQAR "
+                                   "Update (hybrid layout), then reports for every test query the AUROC of the "
+                                   "layer's predictive variance for a wrong answer, against the softmax entropy "
+                                   "of the answer and both combined, over seeds; writes variance.json and the "
+                                   "figure drawn from it.")
     p.add_argument("--preset", choices=sorted(PRESETS), default="default")
     p.add_argument("--tasks", nargs="+", choices=TASKS, default=list(TASKS))
     p.add_argument("--seeds", type=positive_int_arg, default=None, help="number of seeds (default: the preset's)")
     p.add_argument("--out", default=VarianceConfig.out, help="where the JSON and figure go")
     p.add_argument("--progress", action="store_true", help="show a progress bar while training")
+    p.add_argument("--device", type=device_arg, default="cpu", help=DEVICE_HELP)
+    add_threads_option(p, SMALL)
     p.add_argument("--plot-only", action="store_true", help=PLOT_ONLY_HELP)
     p.set_defaults(func=_main)
 
