@@ -39,6 +39,7 @@ _COMMAND_MODULES = [
     "bayeslayer.experiments.niah",
     "bayeslayer.experiments.heldout",
     "bayeslayer.experiments.distill",
+    "bayeslayer.experiments.variance",
 ]
 
 

@@ -223,6 +223,33 @@ def heldout_table(record_path: str) -> Callable[[Path], str]:
 
 
 #: name -> (document, generator).  A generator reads records under the root and returns the table's lines.
+_VARIANCE_RECORD = "results/variance/variance.json"
+
+
+def variance_auroc_table(root: Path) -> str:
+    """Per task: accuracy and the AUROC for a wrong answer of the variance, the entropy and both (mean ± std)."""
+    rec = _load(root, _VARIANCE_RECORD)
+    keys = ("accuracy", "auroc_variance_last", "auroc_variance_mean", "auroc_entropy", "auroc_combined")
+    lines = [_row(["task", "accuracy", "AUROC variance (last layer)", "variance (mean over layers)", "entropy",
+                   "combined"]), "|---|---|---|---|---|---|"]
+    for task in rec["models"].values():
+        s = task["summary"]
+        lines.append(_row([task["label"]] + [_pm(s[k]["mean"], s[k]["std"], 3) if s[k] else "n/a" for k in keys]))
+    return "\n".join(lines)
+
+
+def variance_abstention_table(root: Path) -> str:
+    """MQAR Update: accuracy of the answered queries at a few coverages, abstaining on high variance or entropy."""
+    rec = _load(root, _VARIANCE_RECORD)
+    s = rec["models"]["mqar_update"]["summary"]
+    at = (0, 2, 4, 6, 9)  # coverage 10%, 30%, 50%, 70%, 100%
+    cov = s["coverage_variance_last"]["coverage"]
+    lines = [_row(["MQAR Update, coverage"] + [f"{cov[i]:.0%}" for i in at]), "|---" * (len(at) + 1) + "|"]
+    for score, label in (("variance_last", "abstain on high variance"), ("entropy", "abstain on high entropy")):
+        lines.append(_row([label] + [f"{s[f'coverage_{score}']['mean'][i]:.3f}" for i in at]))
+    return "\n".join(lines)
+
+
 TABLES: dict[str, tuple[str, Callable[[Path], str]]] = {
     "collision-steps": ("docs/experiments.md", collision_steps_table),
     "collision-fixed-prior": ("docs/experiments.md", collision_fixed_prior_table),
@@ -258,6 +285,8 @@ TABLES: dict[str, tuple[str, Callable[[Path], str]]] = {
         "results/crowding/crowding.json", "n/D (n)", "test_load", "accuracy_vs_load", _load_label)),
     "distill-stages": ("docs/experiments.md", distill_stages_table),
     "distill-heldout": ("docs/experiments.md", heldout_table("results/distill/cpu/eval/heldout/heldout.json")),
+    "variance-auroc": ("docs/experiments.md", variance_auroc_table),
+    "variance-abstention": ("docs/experiments.md", variance_abstention_table),
 }
 
 

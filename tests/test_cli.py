@@ -81,6 +81,12 @@ CASES = [
     ("mqar", ["mqar", "base", "--preset", "paper-ish"], "invalid choice"),
     ("mqar", ["mqar", "update", "--preset", "tiny", "--out", "{file}"], "is a file"),
     ("mqar", ["mqar", "--plot-only", "--out", "{empty}"], "holds no mqar_<task>*.json"),
+    # variance
+    ("variance", ["variance", "--preset", "huge"], "invalid choice: 'huge'"),
+    ("variance", ["variance", "--tasks", "niah"], "invalid choice: 'niah'"),
+    ("variance", ["variance", "--seeds", "0", "--out", "{new}"], "--seeds"),
+    ("variance", ["variance", "--preset", "tiny", "--out", "{file}"], "is a file"),
+    ("variance", ["variance", "--plot-only", "--out", "{empty}"], "variance.json, which does not exist"),
     # state-budget
     ("state-budget", ["state-budget", "--budget", "0"], "--budget"),
     ("state-budget", ["state-budget", "--width", "wide"], "--width"),

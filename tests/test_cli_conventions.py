@@ -68,6 +68,7 @@ DEVICE_CUDA = {
     "heldout": ["heldout", "--model", "{empty}", "--out", "{new}"],
     "distill train": ["distill", "train", "--preset", "tiny", "--out", "{new}"],
     "distill eval": ["distill", "eval", "--out", "{empty}"],
+    "variance": ["variance", "--preset", "tiny", "--out", "{new}"],
 }
 # Commands whose work is arithmetic or float64 toys on the CPU: they have no --device.
 CPU_ONLY = {"collision", "state-budget"}

@@ -124,15 +124,28 @@ class CoreMixer(nn.Module):
         else:
             self.coef = nn.Linear(W, H)
 
+    def _noise(self, h: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"r2": F.softplus(self.r2(h)) + 1e-4, "ell2": F.softplus(self.ell2(h)) + 1e-6}
+
+    def predictive_variance(self, h: torch.Tensor, address: torch.Tensor) -> torch.Tensor:
+        """The BL kinds' predictive variance ``1 + q_tᵀ P_t q_t`` ``[B, T, H]`` for the inputs of :meth:`forward`
+        (the filter run again with ``return_variance``; the output is unchanged)."""
+        if not self.kind.startswith("bayesian"):
+            raise ValueError(f"kind {self.kind!r} has no covariance and so no predictive variance")
+        B, T, _ = h.shape
+        qk = address.unsqueeze(2).expand(B, T, self.H, self.D)
+        v = self.value(h).view(B, T, self.H, self.m)
+        out = self.design.chunk(qk, qk, v, **self._noise(h), p0=self.p0, chunk_size=self.chunk_size,
+                                return_variance=True)
+        return out.variance.reshape(B, T, self.H, -1).mean(-1)
+
     def forward(self, h: torch.Tensor, address: torch.Tensor) -> torch.Tensor:
         """``h``: ``[B, T, width]``, ``address``: ``[B, T, D]`` (unit rows) → ``[B, T, width]``."""
         B, T, _ = h.shape
         qk = address.unsqueeze(2).expand(B, T, self.H, self.D)
         v = self.value(h).view(B, T, self.H, self.m)
         if self.kind.startswith("bayesian"):
-            r2 = F.softplus(self.r2(h)) + 1e-4
-            ell2 = F.softplus(self.ell2(h)) + 1e-6
-            out = self.design.chunk(qk, qk, v, r2=r2, ell2=ell2, p0=self.p0, chunk_size=self.chunk_size)
+            out = self.design.chunk(qk, qk, v, **self._noise(h), p0=self.p0, chunk_size=self.chunk_size)
         elif self.kind == "delta":
             beta = torch.sigmoid(self.coef(h)).clamp(min=1e-6)
             out = DELTANET.chunk(qk, qk, v, gain=beta, chunk_size=self.chunk_size)

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as init
 from transformers.generation import GenerationMixin
+from transformers.generation.utils import GenerateBeamDecoderOnlyOutput, GenerateDecoderOnlyOutput
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import PreTrainedModel
@@ -40,7 +41,7 @@ _IGNORED_HF_KWARGS = frozenset({"position_ids", "cache_position", "output_attent
 
 @dataclass
 class BayesLayerModelOutput(BaseModelOutputWithPast):
-    """:class:`BaseModelOutputWithPast` plus ``variances``: with ``output_variance=True``, one entry
+    """:class:`BaseModelOutputWithPast` plus ``variances``: with ``output_variances=True``, one entry
     per layer, the mixer's predictive variance ``1 + q_tᵀ P_t q_t`` ``[B, T, H, G]`` (Bayesian
     Layers) or ``None`` (mixers without a covariance)."""
 
@@ -52,6 +53,43 @@ class BayesLayerCausalLMOutput(CausalLMOutputWithPast):
     """:class:`CausalLMOutputWithPast` plus the per-layer ``variances`` (see :class:`BayesLayerModelOutput`)."""
 
     variances: tuple[torch.Tensor | None, ...] | None = None
+
+
+@dataclass
+class BayesLayerGenerateOutput(GenerateDecoderOnlyOutput):
+    """``generate(..., output_variances=True, return_dict_in_generate=True)`` (greedy or sampling):
+    :class:`GenerateDecoderOnlyOutput` plus ``variances``, one entry per generated token, each the
+    per-layer tuple of the forward that produced it (as ``attentions`` in transformers): the first
+    covers the prompt ``[B, T_prompt, H, G]``, the later ones the token fed in ``[B, 1, H, G]``."""
+
+    variances: tuple[tuple[torch.Tensor | None, ...], ...] | None = None
+
+
+@dataclass
+class BayesLayerGenerateBeamOutput(GenerateBeamDecoderOnlyOutput):
+    """:class:`GenerateBeamDecoderOnlyOutput` plus ``variances`` (see :class:`BayesLayerGenerateOutput`;
+    the batch axis is ``batch · num_beams``, in the beams' order at that step)."""
+
+    variances: tuple[tuple[torch.Tensor | None, ...], ...] | None = None
+
+
+def _check_output_variances(value, model: BayesLayerModel) -> bool:
+    """``output_variances`` must be a bool, and ``True`` only for a model with a layer that has a covariance."""
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise TypeError(f"output_variances must be True or False, got {value!r}")
+    if value and not any(_has_covariance(layer.attn) for layer in model.layers):
+        raise ValueError(
+            "output_variances=True needs a layer with a covariance (a Bayesian Layer), but this model's "
+            f"mixers {list(model.config.layer_mixers)} have none"
+        )
+    return value
+
+
+def _has_covariance(mixer: nn.Module) -> bool:
+    design = getattr(mixer, "design", None)
+    return bool(getattr(design, "has_covariance", False))
 
 
 def _takes_backend(name: str) -> bool:
@@ -263,6 +301,9 @@ def _check_ids_and_mask(input_ids, inputs_embeds, attention_mask, vocab_size: in
 
 def _check_extra_kwargs(kwargs: dict) -> None:
     unknown = set(kwargs) - _IGNORED_HF_KWARGS
+    if "output_variance" in unknown:
+        raise TypeError("unexpected keyword argument 'output_variance': the model's flag is output_variances "
+                        "(one tuple of per-layer variances; a single mixer takes output_variance)")
     if unknown:
         raise TypeError(f"unexpected keyword arguments {sorted(unknown)}")
     if kwargs.get("output_attentions"):
@@ -307,7 +348,7 @@ class BayesLayerModel(BayesLayerPreTrainedModel):
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
         past_key_values: BayesLayerCache | None = None,
-        output_variance: bool = False,
+        output_variances: bool | None = None,
         cp_context=None,
         **kwargs,
     ) -> BayesLayerModelOutput | tuple:
@@ -315,14 +356,16 @@ class BayesLayerModel(BayesLayerPreTrainedModel):
 
         ``attention_mask`` ``[B, T']`` (``T' >= T``; 1 = token, 0 = left padding): the last ``T``
         columns go to every mixer, which keeps padded tokens out of its memory.
-        ``past_key_values`` is accepted as the pre-5.x name of ``cache``.  ``output_variance``
-        adds each layer's predictive variance (``None`` for mixers without a covariance).
+        ``past_key_values`` is accepted as the pre-5.x name of ``cache``.  ``output_variances``
+        adds each layer's predictive variance (``None`` for mixers without a covariance); it is an
+        error for a model without a Bayesian Layer.
         ``cp_context`` (:func:`bayeslayer.ops.build_cp_context`, with the mixers' ``conv_size`` as
         ``conv1d_kernel_size``): the inputs are this rank's slice of one sequence (B = 1) split along T
         across the context's group (docs/context_parallel.md); every mixer must have a context-parallel
         path (the Bayesian Layer with a dense covariance), others are refused by name.
         """
         _check_extra_kwargs(kwargs)
+        output_variances = _check_output_variances(output_variances, self)
         if cp_context is not None and (cache is not None or past_key_values is not None or use_cache):
             raise ValueError("cp_context runs a slice of one sequence: pass no cache and use_cache=False")
         if cache is not None and past_key_values is not None:
@@ -351,17 +394,17 @@ class BayesLayerModel(BayesLayerPreTrainedModel):
         hidden_states = self.embeddings(input_ids) if inputs_embeds is None else inputs_embeds
         hidden_states = self.embedding_dropout(hidden_states)
         all_hidden = () if output_hidden_states else None
-        variances = () if output_variance else None
+        variances = () if output_variances else None
         for idx, layer in enumerate(self.layers):
             if output_hidden_states:
                 all_hidden += (hidden_states,)
             state = cache[idx] if cache is not None else None
             hidden_states, new_state, variance = layer(hidden_states, attention_mask=mask, state=state,
-                                                       use_cache=use_cache, output_variance=output_variance,
+                                                       use_cache=use_cache, output_variance=output_variances,
                                                        cp_context=cp_context)
             if use_cache:
                 cache.set_state(idx, new_state, T)
-            if output_variance:
+            if output_variances:
                 variances += (variance,)
         hidden_states = self.norm(hidden_states)
         if output_hidden_states:
@@ -416,14 +459,14 @@ class BayesLayerForCausalLM(BayesLayerPreTrainedModel, GenerationMixin):
         logits_to_keep: int = 0,
         past_key_values: BayesLayerCache | None = None,
         num_items_in_batch: int | torch.Tensor | None = None,
-        output_variance: bool = False,
+        output_variances: bool | None = None,
         **kwargs,
     ) -> BayesLayerCausalLMOutput | tuple:
         """Logits ``[B, T, V]`` (the last ``logits_to_keep`` positions if > 0) and, with ``labels``
         ``[B, T]``, the mean cross-entropy of predicting ``labels[:, t+1]`` from position ``t``
         (label ``-100`` is ignored, as in transformers).  With ``num_items_in_batch`` (the
         ``Trainer``'s count of labelled tokens over gradient-accumulation steps) the loss is the
-        summed cross-entropy divided by it.  ``output_variance`` adds the per-layer predictive
+        summed cross-entropy divided by it.  ``output_variances`` adds the per-layer predictive
         variances (see :class:`BayesLayerModelOutput`)."""
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         if labels is not None and kwargs.get("cp_context") is not None:
@@ -440,7 +483,7 @@ class BayesLayerForCausalLM(BayesLayerPreTrainedModel, GenerationMixin):
             output_hidden_states=output_hidden_states,
             return_dict=True,
             past_key_values=past_key_values,
-            output_variance=output_variance,
+            output_variances=output_variances,
             **kwargs,
         )
         hidden_states = outputs.last_hidden_state
@@ -470,6 +513,31 @@ class BayesLayerForCausalLM(BayesLayerPreTrainedModel, GenerationMixin):
             return ((loss,) if loss is not None else ()) + (logits,) + rest
         return BayesLayerCausalLMOutput(loss=loss, logits=logits, cache=outputs.cache,
                                         hidden_states=outputs.hidden_states, variances=outputs.variances)
+
+    def generate(self, *args, output_variances: bool | None = None, **kwargs):
+        """transformers' ``generate``; with ``output_variances=True`` (which needs
+        ``return_dict_in_generate=True``) its output also has ``variances``, one per-layer tuple per
+        generated token (:class:`BayesLayerGenerateOutput`).  Through the recurrent cache these are the
+        values a full forward over the same tokens gives."""
+        if not _check_output_variances(output_variances, self.model):
+            return super().generate(*args, **kwargs)
+        config = kwargs.get("generation_config") or self.generation_config
+        if not kwargs.get("return_dict_in_generate", getattr(config, "return_dict_in_generate", False)):
+            raise ValueError("generate(output_variances=True) needs return_dict_in_generate=True (the variances "
+                             "are a field of the returned output)")
+        collected = []
+
+        def collect(module, inputs, output):
+            collected.append(output.variances if isinstance(output, BayesLayerCausalLMOutput) else output[-1])
+
+        handle = self.register_forward_hook(collect)
+        try:
+            out = super().generate(*args, output_variances=True, **kwargs)
+        finally:
+            handle.remove()
+        beam = isinstance(out, GenerateBeamDecoderOnlyOutput)
+        cls = BayesLayerGenerateBeamOutput if beam else BayesLayerGenerateOutput
+        return cls(**out, variances=tuple(collected))
 
 
 class ParameterCount(NamedTuple):

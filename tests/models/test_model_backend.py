@@ -77,10 +77,10 @@ def test_forced_triton_prefill_and_generate_run_the_kernels_and_equal_torch():
     tri, ref = pair(mixers)
     ids = torch.randint(0, V, (2, 9), generator=torch.Generator().manual_seed(1))
     with torch.no_grad(), triton_only() as calls:
-        out = tri(ids, use_cache=True, output_variance=True)
+        out = tri(ids, use_cache=True, output_variances=True)
     assert calls == {"chunk": 2}, f"prefill: Triton entry points called {dict(calls)}"
     with torch.no_grad():
-        exp = ref(ids, use_cache=True, output_variance=True)
+        exp = ref(ids, use_cache=True, output_variances=True)
     torch.testing.assert_close(out.logits, exp.logits, rtol=1e-9, atol=1e-9)
     for a, b in zip(out.variances, exp.variances, strict=True):
         assert (a is None) == (b is None)

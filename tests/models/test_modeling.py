@@ -362,22 +362,6 @@ def test_bad_inputs_raise_clear_errors():
         BayesLayerCache(0)
 
 
-def test_output_variance_gives_the_bayesian_layers_predictive_variance():
-    model = tiny_model()
-    ids = random_ids(2, 6)
-    with torch.no_grad():
-        out = model(ids, output_variance=True)
-        assert torch.equal(out.logits, model(ids).logits)
-        # the same variance the Bayesian Layer itself reports for its input
-        first_input = model.model.layers[0].attn_norm(model.model.embeddings(ids))
-        own = model.model.layers[0].attn(first_input, output_variance=True).variance
-    bl_var, gdn_var, attn_var = out.variances
-    assert bl_var.shape == (2, 6, HEADS, 1) and gdn_var is None and attn_var is None
-    torch.testing.assert_close(bl_var, own)
-    assert (bl_var >= 1).all()  # 1 + qᵀ P q with P positive semi-definite
-    assert model(ids).variances is None
-
-
 def test_base_model_returns_hidden_states():
     torch.manual_seed(0)
     base = BayesLayerModel(tiny_config()).eval()

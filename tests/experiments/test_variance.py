@@ -1,0 +1,104 @@
+"""``bayeslayer variance``: the AUROC and logistic fit, reading the variance out of the trained models,
+and a tiny run's JSON and figure."""
+
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from bayeslayer.cli import main as cli_main
+from bayeslayer.experiments import variance
+from bayeslayer.experiments.variance import VarianceConfig, VarianceProbe, auroc, collect_queries, fit_logistic
+
+
+def test_auroc_counts_pairs_and_half_ties():
+    assert auroc(np.array([0.1, 0.2, 0.8, 0.9]), np.array([False, False, True, True])) == 1.0
+    assert auroc(np.array([0.9, 0.8, 0.2, 0.1]), np.array([False, False, True, True])) == 0.0
+    assert auroc(np.ones(4), np.array([False, True, False, True])) == 0.5
+    # against a brute-force count over all (positive, negative) pairs, ties counting half
+    rng = np.random.default_rng(0)
+    s, y = rng.integers(0, 5, 200).astype(float), rng.random(200) < 0.3
+    pairs = s[y][:, None] - s[~y][None, :]
+    assert auroc(s, y) == pytest.approx(((pairs > 0).sum() + 0.5 * (pairs == 0).sum()) / pairs.size)
+    assert auroc(s, np.zeros(200, bool)) is None
+    with pytest.raises(ValueError, match="1-D"):
+        auroc(s, y[:10])
+
+
+def test_logistic_fit_finds_the_informative_feature():
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(400, 2))
+    y = (x[:, 1] + 0.3 * rng.normal(size=400)) > 0
+    predict = fit_logistic(x[:200], y[:200])
+    assert auroc(predict(x[200:]), y[200:]) > 0.9
+    assert auroc(predict(x[200:]), y[200:]) > auroc(x[200:, 0], y[200:])
+
+
+@pytest.mark.parametrize("setup", ["_recall_setup", "_mqar_setup"])
+def test_probe_reads_each_bayesian_layers_variance_and_leaves_outputs_alone(setup):
+    build, _, _, batches, _ = getattr(variance, setup)(variance.PRESETS["tiny"])
+    torch.manual_seed(0)
+    model = build(0).eval()
+    inputs, labels, _ = next(batches())
+    with torch.no_grad():
+        plain = model(inputs)
+        with VarianceProbe(model) as probe:
+            probed = model(inputs)
+        assert torch.equal(plain, probed)
+        assert all(v.shape == inputs.shape[:2] + (v.shape[-1],) and (v >= 1).all() for v in probe.variances)
+        if setup == "_mqar_setup":  # the registry layer's own variance for the same input
+            (layer,) = probe.layers
+            seen = {}
+            handle = layer.register_forward_pre_hook(lambda m, a: seen.setdefault("x", a[0]))
+            model(inputs)
+            handle.remove()
+            torch.testing.assert_close(probe.variances[0], layer(seen["x"], output_variance=True).variance.mean(-1))
+        else:
+            assert len(probe.variances) == 2  # both core layers are BL
+        rows = collect_queries(model, [(inputs, labels, 7)])
+    n = int((labels != -100).sum())
+    assert {k: v.shape for k, v in rows.items()} == {k: (n,) for k in rows}
+    assert (rows["condition"] == 7).all() and (rows["entropy"] >= 0).all()
+    assert probe.handles == []  # the hooks are gone
+
+
+def test_probe_refuses_a_model_without_a_bayesian_layer():
+    with pytest.raises(ValueError, match="no Bayesian layer"):
+        VarianceProbe(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.slow
+def test_tiny_run_writes_json_and_figure_and_redraws(tmp_path, capsys):
+    record = variance.run(VarianceConfig(preset=variance.PRESETS["tiny"], out=str(tmp_path)))
+    data = json.loads((tmp_path / "variance.json").read_text())
+    assert data["experiment"] == "variance" and set(data["models"]) == set(variance.TASKS)
+    assert data["provenance"]["seeds"] == [0, 1] and data["provenance"]["backfilled"] is False
+    for task in data["models"].values():
+        assert len(task["seeds"]) == 2 and task["summary"]["accuracy"]["mean"] >= 0
+        assert len(task["summary"]["accuracy_by_variance_last_decile"]["mean"]) == variance.QUANTILES
+    assert record["models"]["recall"]["seeds"][0]["queries"] > 0
+    (tmp_path / "variance.png").unlink()
+    assert cli_main(["variance", "--plot-only", "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "variance.png").stat().st_size > 1000
+
+
+def test_config_and_cli_errors(tmp_path, capsys):
+    with pytest.raises(ValueError, match="tasks"):
+        VarianceConfig(tasks=("niah",))
+    with pytest.raises(ValueError, match="preset.seeds"):
+        VarianceConfig(preset=replace(variance.PRESETS["tiny"], seeds=0))
+    assert cli_main(["variance", "--seeds", "0", "--out", str(tmp_path)]) == 2
+    assert "--seeds" in capsys.readouterr().err
+    assert cli_main(["variance", "--plot-only", "--out", str(tmp_path)]) == 2
+    assert "variance.json, which does not exist" in capsys.readouterr().err
+
+
+def test_coverage_curve_is_the_running_mean_of_the_deciles():
+    deciles = [1.0, 1.0, 0.8, 0.6, 0.6, 0.4, 0.2, 0.2, 0.0, None]
+    task = {"seeds": [{"accuracy_by_variance_last_decile": deciles}] * 2}
+    cov = variance.coverage_curve(task, "variance_last")
+    assert cov["coverage"][0] == 0.1 and cov["coverage"][-1] == 1.0
+    assert cov["mean"][:3] == pytest.approx([1.0, 1.0, 2.8 / 3]) and cov["std"] == [0.0] * 10
+    assert cov["mean"][-1] == pytest.approx(4.8 / 9)  # an empty decile is left out
