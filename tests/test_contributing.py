@@ -200,6 +200,7 @@ def test_experiment_recipe(restore_registries, tmp_path, monkeypatch):
     record = mod.run(config)
     assert loops == [3, 3, 3, 3]  # two mixers × two seeds, each trained by the one loop
     saved = json.loads((out / "recall_demo.json").read_text())
+    assert saved.pop("provenance")["seeds"] == [0, 1]  # written by the one results writer, with its provenance
     assert saved == json.loads(json.dumps(record))
     assert saved["experiment"] == "recall_demo" and saved["config"]["train"]["steps"] == 3
     for name in config.mixers:
