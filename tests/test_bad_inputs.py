@@ -655,6 +655,11 @@ def _param(case):
 
 @pytest.mark.parametrize("case", [_param(c) for c in CLI_CASES + API_CASES])
 def test_every_bad_input_is_clear(case, places):
+    if isinstance(case, Cli) and case.argv.startswith("heldout --model {dmg_"):
+        from bayeslayer.data.text.sources import python_docs_dir
+
+        if python_docs_dir() is None:  # heldout checks its default corpus before it loads the model
+            pytest.skip("heldout's default corpus (Debian's python3-doc) is not installed")
     outcome, seen = run_case(case, places)
     assert outcome == "clear", f"{outcome}: {seen}"
     if isinstance(case, Cli):
