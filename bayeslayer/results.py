@@ -38,6 +38,14 @@ def _load(root: Path, rel: str) -> dict:
         raise FileNotFoundError(f"the table needs the record {rel}, which is missing under {root}") from None
 
 
+def _load_text(root: Path, rel: str) -> str:
+    """A record that is a text file (a benchmark's log or printed table)."""
+    try:
+        return (root / rel).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise FileNotFoundError(f"the table needs the record {rel}, which is missing under {root}") from None
+
+
 def _pm(mean: float, std: float, digits: int) -> str:
     return f"{mean:.{digits}f} ± {std:.{digits}f}"
 
@@ -493,6 +501,100 @@ def mqar_claims_table(root: Path) -> str:
     return "\n".join(lines)
 
 
+# --------------------------------------------------------------------------- kernels: precision of the scan, GPU times
+
+def _e1(value: float) -> str:
+    """``3.3e-7``: one decimal, the exponent without its leading zero."""
+    mantissa, exponent = f"{value:.1e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
+_HANDOFF_ROWS = (("A f64 hand-off, C ieee (before)", "float64, IEEE (before)"),
+                 ("A fp32 hand-off, C ieee", "**fp32, IEEE (now)**"),
+                 ("A bf16 hand-off, C ieee (control)", "bf16 (control)"),
+                 ("A fp32 hand-off, C 3xtf32", "fp32, **3xTF32**"),
+                 ("A fp32 hand-off, C bf16x3", "fp32, bf16x3"),
+                 ("A fp32 hand-off, C tf32", "fp32, TF32"))
+
+
+def scan_precision_table(root: Path) -> str:
+    """Max relative error of β / of the final P per hand-off precision and regime (``benchmarks/scan_precision.py``)."""
+    rec = _load(root, "results/gpu/scan_precision.json")
+    regimes = (("typical", "typical"), ("longmem", "long-memory"), ("stress", "stress"))
+    cell = {(r["variant"], r["regime"]): f"{_e1(r['beta'])} / {_e1(r['P_T'])}" for r in rec["rows"]}
+    lines = [_row(["Phase A hand-off, Phase C products", *(label for _, label in regimes)]), "|---|---|---|---|"]
+    lines += [_row([label, *(cell[variant, regime] for regime, _ in regimes)]) for variant, label in _HANDOFF_ROWS]
+    return "\n".join(lines)
+
+
+_H200 = "results/gpu/2026-11-30_h200_{}"
+
+
+def _h200_log_rows(root: Path) -> dict:
+    """The T = 2048 rows of the H200 benchmark's log: BL's measurement (JSON) and GDN's printed row."""
+    rows: dict = {}
+    for line in _load_text(root, _H200.format("bench_t2048.log")).split("\n"):
+        head, _, rest = line.partition("|")
+        key = tuple(int(x) for x in head.split()) if head.split() and head.split()[0].isdigit() else None
+        if key is None:
+            continue
+        if rest.strip().startswith("BL measured in"):
+            rows.setdefault(key, {})["bl"] = json.loads(rest[rest.index("{"):])
+        elif not rest.strip().startswith("GDN measured"):
+            cols = [c.split() for c in rest.split("|")]  # fwd | f+b | Mtok/s | GiB, BL then GDN then ratio
+            rows.setdefault(key, {})["gdn"] = {"fwd_s": float(cols[0][1]) / 1e3, "fwdbwd_s": float(cols[1][1]) / 1e3,
+                                               "fwd_tok_s": float(cols[2][1]) * 1e6,
+                                               "fwdbwd_mem": float(cols[3][1]) * 2 ** 30}
+    return rows
+
+
+def h200_table(root: Path) -> str:
+    """BL against GDN on one H200: forward and forward+backward times, forward throughput, peak memory."""
+    measured = _h200_log_rows(root)
+    sources = {64: "bl_vs_gdn_d64.json", 128: "bl_d64_d128.json", 256: "bl_d256.json"}
+    for d, name in sources.items():
+        for r in _load(root, f"results/gpu/2026-11-30_h200_{name}")["rows"]:
+            if r["D"] == d:
+                measured[r["T"], d] = {k: r[k] for k in ("bl", "gdn") if k in r}
+    lines = [_row(["T", "D", "BL fwd ms", "GDN fwd ms", "ratio", "BL fwd+bwd ms", "GDN fwd+bwd ms", "ratio",
+                   "BL fwd Mtok/s", "GDN fwd Mtok/s", "BL GiB", "GDN GiB", "ratio"]), "|" + "---|" * 13]
+    for t, d in sorted(measured, key=lambda key: (key[1], key[0])):
+        bl, gdn = measured[t, d]["bl"], measured[t, d].get("gdn")
+        gib = 2 ** 30
+        cells = [str(t), str(d), f"{bl['fwd_s'] * 1e3:.2f}", "—" if gdn is None else f"{gdn['fwd_s'] * 1e3:.2f}",
+                 "" if gdn is None else f"{bl['fwd_s'] / gdn['fwd_s']:.1f}", f"{bl['fwdbwd_s'] * 1e3:.1f}",
+                 "—" if gdn is None else f"{gdn['fwdbwd_s'] * 1e3:.2f}",
+                 "" if gdn is None else f"{bl['fwdbwd_s'] / gdn['fwdbwd_s']:.1f}", f"{bl['fwd_tok_s'] / 1e6:.2f}",
+                 "—" if gdn is None else f"{gdn['fwd_tok_s'] / 1e6:.3g}", f"{bl['fwdbwd_mem'] / gib:.2f}",
+                 "—" if gdn is None else f"{gdn['fwdbwd_mem'] / gib:.2f}",
+                 "" if gdn is None else f"{bl['fwdbwd_mem'] / gdn['fwdbwd_mem']:.1f}"]
+        lines.append(_row(cells))
+    return "\n".join(lines)
+
+
+def _grid_half(part: str) -> list[str]:
+    """One half of a cost-model row, ``GDN (measured) built r cuts r 3xbf16-r x``, as seven cells."""
+    tokens = part.split()
+    if len(tokens) > 1 and tokens[1].startswith("("):
+        tokens[0:2] = [f"{tokens[0]} {tokens[1]}"]
+    if len(tokens) != 7:
+        raise ValueError(f"results/cost_model_grid.txt: cannot read the row part {part!r}")
+    return tokens
+
+
+def cost_model_table(root: Path) -> str:
+    """The cost model's predicted ms per variant (``results/cost_model_grid.txt``; measured in brackets)."""
+    text = _load_text(root, "results/cost_model_grid.txt")
+    half = ["built", "r", "cuts", "r", "3xbf16 r", "x"]
+    lines = [_row(["B·H", "D", "T", "segments (built)", "GDN fwd", *half, "GDN f+b", *half]), "|" + "---|" * 18]
+    for line in text.split("\n"):
+        parts = line.split("|")
+        if len(parts) != 3 or not parts[0].split() or not parts[0].split()[0].isdigit():
+            continue
+        lines.append(_row([*parts[0].split(), *_grid_half(parts[1]), *_grid_half(parts[2])]))
+    return "\n".join(lines)
+
+
 TABLES: dict[str, tuple[str, Callable[[Path], str]]] = {
     "collision-steps": ("docs/experiments.md", collision_steps_table),
     "collision-fixed-prior": ("docs/experiments.md", collision_fixed_prior_table),
@@ -539,6 +641,9 @@ TABLES: dict[str, tuple[str, Callable[[Path], str]]] = {
     "recall-claims": ("docs/experiments.md", recall_claims_table),
     "recall-long": ("docs/experiments.md", recall_long_table),
     "mqar-claims": ("docs/experiments.md", mqar_claims_table),
+    "scan-precision": ("docs/kernels.md", scan_precision_table),
+    "h200-bl-gdn": ("docs/kernels.md", h200_table),
+    "cost-model-grid": ("docs/kernels.md", cost_model_table),
 }
 
 
