@@ -595,6 +595,51 @@ def cost_model_table(root: Path) -> str:
     return "\n".join(lines)
 
 
+_SASS_LABELS = (("mean", "`bl_chunk_mean_kernel` fp32"), ("track64", "`scan_track_kernel` fp64 (Phase A)"),
+                ("prep", "`bl_chunk_prep_kernel` fp32"), ("prep64", "`bl_chunk_prep_kernel` fp64"),
+                ("covp", "`bl_chunk_cov_kernel` fp32 + prep (Phase C)"),
+                ("covp64", "`bl_chunk_cov_kernel` fp64 + prep (Phase A)"),
+                ("phaseb64", "`scan_phase_b_kernel` fp64 (Phase B)"),
+                ("segadj", "`scan_segment_adjoint_kernel` fp32 (B2)"),
+                ("segadj4", "`scan_segment_adjoint_kernel` fp32 (B4)"), ("rev64", "`scan_reverse_kernel` fp64 (B3)"))
+
+
+def sass_census_table(root: Path) -> str:
+    """Registers, spills and static SASS instruction counts per kernel (``benchmarks/gpu.py --compile-only``)."""
+    rec = _load(root, "results/sass/sm90_c64_d64_census.json")
+    lines = [_row(["kernel", "decay", "warps", "registers", "spill B", "tensor core", "FFMA", "DFMA", "FMUL+FADD",
+                   "DMUL+DADD", "all"]), "|" + "---|" * 11]
+    for kernel, label in _SASS_LABELS:
+        for r in rec["rows"]:
+            if r["kernel"] != kernel or r["checkpoints"]:
+                continue
+            ops = ", ".join(f"{k} {v}" for k, v in r["sass_tensor_core_ops"].items())
+            tensor = f"{r['sass_tensor_core']}" + (f" ({ops})" if ops else "")
+            lines.append(_row([label, "diagonal" if r["diagonal"] else "scalar", str(r["num_warps"]),
+                               str(r["registers"]), str(r["spill_bytes"]), tensor,
+                               *(str(r[f"sass_{k}"]) for k in ("FFMA", "DFMA", "FMUL_FADD", "DMUL_DADD", "total"))]))
+    return "\n".join(lines)
+
+
+def _scan_compile_label(row: dict) -> str:
+    decay = "diagonal" if row["diagonal"] else "scalar"
+    if row["variant"].startswith("phase_a"):
+        return f"Phase A, {decay}" + ("" if row["diagonal"] else " (float64 state, fp32 hand-off and prep)")
+    precision = "IEEE (default)" if row["precision"] == "ieee" else row["precision"]
+    return f"Phase C, {decay}, {precision}"
+
+
+def scan_compile_table(root: Path) -> str:
+    """Registers / stack / shared and SASS census of the scan's covariance kernel (``benchmarks/scan_compile.py``)."""
+    rec = _load(root, "results/gpu/scan_compile_sm90.json")
+    lines = [_row(["variant", "registers / stack / shared", "HMMA", "HGMMA", "DMMA", "FFMA", "DFMA"]),
+             "|---|---|---|---|---|---|---|"]
+    for r in rec["rows"]:
+        lines.append(_row([_scan_compile_label(r), f"{r['registers']} / {r['stack_bytes']} / {r['shared_bytes']}",
+                           *(str(r[f"sass_{k}"]) for k in ("HMMA", "HGMMA", "DMMA", "FFMA", "DFMA"))]))
+    return "\n".join(lines)
+
+
 TABLES: dict[str, tuple[str, Callable[[Path], str]]] = {
     "collision-steps": ("docs/experiments.md", collision_steps_table),
     "collision-fixed-prior": ("docs/experiments.md", collision_fixed_prior_table),
@@ -644,6 +689,8 @@ TABLES: dict[str, tuple[str, Callable[[Path], str]]] = {
     "scan-precision": ("docs/kernels.md", scan_precision_table),
     "h200-bl-gdn": ("docs/kernels.md", h200_table),
     "cost-model-grid": ("docs/kernels.md", cost_model_table),
+    "sass-census": ("docs/kernels.md", sass_census_table),
+    "scan-compile": ("docs/kernels.md", scan_compile_table),
 }
 
 
