@@ -640,6 +640,22 @@ def scan_compile_table(root: Path) -> str:
     return "\n".join(lines)
 
 
+def recall_long_curves_table(root: Path) -> str:
+    """The ``long`` preset's learning curves (mean of the seeds) at its ten monitoring points."""
+    long = _load(root, "results/recall/long/recall.json")
+    curves = long["models"]["bayesian"]["summary"]["learning_curve"]
+    steps = curves["step"]
+    lines = [_row(["step", *(f"{s:,}" for s in steps)]), "|" + "---|" * (len(steps) + 1)]
+    for key, curve, label in (("bayesian", "margin_rho_0.95", "BL margin at ρ = 0.95"),
+                              ("delta", "accuracy_n_f_256", "Delta accuracy at `n_f = 256`"),
+                              ("delta", "accuracy_n_f_64", "Delta accuracy at `n_f = 64`")):
+        lc = long["models"][key]["summary"]["learning_curve"]
+        if lc["step"] != steps:
+            raise ValueError(f"results/recall/long/recall.json: {key}'s learning curve has other steps than BL's")
+        lines.append(_row([label, *(_minus(f"{v:.2f}") for v in lc[curve]["mean"])]))
+    return "\n".join(lines)
+
+
 TABLES: dict[str, tuple[str, Callable[[Path], str]]] = {
     "collision-steps": ("docs/experiments.md", collision_steps_table),
     "collision-fixed-prior": ("docs/experiments.md", collision_fixed_prior_table),
@@ -685,6 +701,7 @@ TABLES: dict[str, tuple[str, Callable[[Path], str]]] = {
     "mqar-lowrank": ("docs/experiments.md", mqar_lowrank_table),
     "recall-claims": ("docs/experiments.md", recall_claims_table),
     "recall-long": ("docs/experiments.md", recall_long_table),
+    "recall-long-curves": ("docs/experiments.md", recall_long_curves_table),
     "mqar-claims": ("docs/experiments.md", mqar_claims_table),
     "scan-precision": ("docs/kernels.md", scan_precision_table),
     "h200-bl-gdn": ("docs/kernels.md", h200_table),
