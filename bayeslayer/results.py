@@ -306,6 +306,7 @@ TABLES: dict[str, tuple[str, Callable[[Path], str]]] = {
         ("results/mqar/mamba2_lr/lr3e-2/mqar_update_hybrid.json", "mamba2"),
         ("results/mqar/mamba2_budget/mqar_update_hybrid.json", "mamba2"),
         ("results/mqar/layouts/mqar_update.json", "mamba2"),
+        ("results/mqar/mamba2_budget/mqar_update.json", "mamba2"),
     ), (0, 4, 8, 12, 16), ("u = 0", "4", "8", "12", "16"))),
     "recall-accuracy-nf": ("docs/experiments.md", sweep_table(
         "results/recall/recall.json", "n_f", "test_n_f", "accuracy_vs_n_f", lambda c, x: f"{x:g}")),
