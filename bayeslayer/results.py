@@ -111,6 +111,30 @@ def mqar_table(record_path: str, head: str, xs: tuple, x_labels: tuple[str, ...]
     return build
 
 
+def mqar_mixer_rows(rows: tuple[tuple[str, str], ...], xs: tuple, x_labels: tuple[str, ...]
+                    ) -> Callable[[Path], str]:
+    """One mixer across records: a row per ``(record path, mixer)`` with its layout, steps, lr and accuracy."""
+
+    def build(root: Path) -> str:
+        header = ["layout", "steps", "lr", "seeds", *x_labels, "val", "train s"]
+        lines = [_row(header), "|" + "---|" * len(header)]
+        for record_path, mixer in rows:
+            rec = _load(root, record_path)
+            m = rec["models"][mixer]
+            s, run = m["summary"], m["runs"][-1]
+            idx = [s["x"].index(x) for x in xs]
+            cells = [rec["config"].get("layout", "stacked"), f"{rec['config']['train']['steps']:,}",
+                     f"{run['best_lr']:g}", str(len(run["seeds"]))]
+            one = len(run["seeds"]) == 1  # no spread to show
+            mean, std = s["accuracy"]["mean"], s["accuracy"]["std"]
+            cells += [f"{mean[i]:.3f}" if one else _pm(mean[i], std[i], 3) for i in idx]
+            cells += [f"{s['val_accuracy']['mean'][-1]:.3f}", f"{s['train_seconds']['mean']:.0f}"]
+            lines.append(_row(cells))
+        return "\n".join(lines)
+
+    return build
+
+
 # --------------------------------------------------------------------------- recall and crowding sweeps
 
 _CORE_COLUMNS = (("bayesian", "BL"), ("delta", "Delta-style"), ("linear_attention", "LA-style"), ("gla", "GLA-style"))
@@ -681,6 +705,15 @@ TABLES: dict[str, tuple[str, Callable[[Path], str]]] = {
     "mqar-update-gate-off": ("docs/experiments.md", mqar_table(
         "results/mqar/layouts/mqar_update_gate-off.json", "stacked, gate off", (0, 4, 8, 12, 16),
         ("u = 0", "4", "8", "12", "16"), train_seconds=False, gate=False)),
+    "mqar-mamba2-update": ("docs/experiments.md", mqar_mixer_rows((
+        ("results/mqar/mamba2_lr/lr1e-3/mqar_update_hybrid.json", "mamba2"),
+        ("results/mqar/mamba2_lr/lr3e-3/mqar_update_hybrid.json", "mamba2"),
+        ("results/mqar/layouts/mqar_update_hybrid.json", "mamba2"),
+        ("results/mqar/mamba2_lr/lr3e-2/mqar_update_hybrid.json", "mamba2"),
+        ("results/mqar/mamba2_budget/mqar_update_hybrid.json", "mamba2"),
+        ("results/mqar/layouts/mqar_update.json", "mamba2"),
+        ("results/mqar/mamba2_budget/mqar_update.json", "mamba2"),
+    ), (0, 4, 8, 12, 16), ("u = 0", "4", "8", "12", "16"))),
     "recall-accuracy-nf": ("docs/experiments.md", sweep_table(
         "results/recall/recall.json", "n_f", "test_n_f", "accuracy_vs_n_f", lambda c, x: f"{x:g}")),
     "recall-margin-rho": ("docs/experiments.md", sweep_table(
