@@ -16,6 +16,8 @@ parameter groups, linear warmup then cosine, global-norm clipping), and logs:
   ``kᵀP̄k / (r² + kᵀP̄k)``, the Kalman gain's size along the key; GDN: ``β``), ``r²``, ``ℓ²``, ``α``, and the
   covariance's ``tr(P)/D`` (mean over tokens, and at the last token), from the layer's own recurrent step.
 
+``--plot OUT.png FILE.json ...`` draws the smoothed training losses of diagnostic records (nothing is trained).
+
 ``--set name=value`` overrides a mixer constructor keyword (``r2_init``, ``ell2_init``, ``p0``, ``use_gate`` …)
 to test an initialisation.  The JSON goes through :func:`bayeslayer.experiments.provenance.write_record`.
 """
@@ -149,7 +151,35 @@ def write_statistics(model: MQARModel, inputs: torch.Tensor, mask: torch.Tensor)
     return stats, float(hit.sum()) / max(1, int((labels != -100).sum()))
 
 
+def plot(png: str, files: list[str], window: int = 25) -> None:
+    """Training loss (moving mean over ``window`` steps) of each diagnostic record in ``files``."""
+    import json
+
+    from bayeslayer.experiments.plotting import Series, line_plot
+
+    series = []
+    for f in files:
+        with open(f) as fh:
+            r = json.load(fh)
+        loss, steps = r["log"]["loss"], r["log"]["step"]
+        y = [sum(loss[max(0, i - window + 1): i + 1]) / len(loss[max(0, i - window + 1): i + 1])
+             for i in range(len(loss))]
+        over = ", ".join(f"{k}={v}" for k, v in r["overrides"].items()) or "defaults"
+        label = f"{r['mixer']} ({over}), lr {r['lr']:g}"
+        series.append(Series(label, steps, y))
+    line_plot(png, series, xlabel="step", ylabel=f"training loss (mean of {window} steps)",
+              title="MQAR Update, stacked layout: training loss", legend_loc="outside", figsize=(11, 4.5))
+    print(f"wrote {png}")
+
+
 def main(argv=None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv and argv[0] == "--plot":
+        if len(argv) < 3:
+            raise SystemExit("--plot OUT.png FILE.json [FILE.json ...]")
+        plot(argv[1], argv[2:])
+        return 0
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--mixer", default="bayesian")
     p.add_argument("--task", default="update", choices=("update", "block"))
@@ -246,9 +276,13 @@ def main(argv=None) -> int:
                   f"({time.perf_counter() - t0:.0f}s)", flush=True)
             do_probe(step + 1)
     train_seconds = time.perf_counter() - t0
+    layer0 = model.recurrent_mixers()[0]
     record = {"experiment": "mqar_diagnostics", "preset": preset.name, "task": args.task, "mixer": args.mixer,
               "layout": preset.layout, "width": preset.width, "head": head.summary(),
-              "mixer_kwargs": mcfg.mixer_kwargs, "overrides": overrides, "lr": cfg.lr, "steps": steps,
+              "mixer_kwargs": mcfg.mixer_kwargs, "overrides": overrides,
+              "built": {"num_heads": layer0.num_heads, "head_dim": layer0.head_dim, "head_v_dim": layer0.head_v_dim,
+                        "state_per_layer": model.state_size_per_layer(), "use_gate": layer0.use_gate},
+              "lr": cfg.lr, "steps": steps,
               "train_config": {k: getattr(cfg, k) for k in ("steps", "batch_size", "lr", "warmup_steps",
                                                              "weight_decay", "grad_clip", "seed")},
               "probe_task": {"seq_len": probe_task.seq_len, "num_pairs": probe_task.num_pairs,
