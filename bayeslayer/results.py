@@ -250,6 +250,40 @@ def variance_abstention_table(root: Path) -> str:
     return "\n".join(lines)
 
 
+# --------------------------------------------------------------------------- MQAR stacked-Update diagnostics
+
+#: the diagnostic runs of ``benchmarks/mqar_diagnostics.py`` shown in the docs, in table order
+MQAR_DIAGNOSTICS = ("bl_default_400", "gdn_default_400", "gdn_blheads_400", "gdn_h2d32m64_400", "bl_gdnheads_400",
+                    "bl_ell2-1_400", "bl_alpha0.99_400", "bl_lr3e-2_400", "bl_lr3e-3_400")
+
+
+def mqar_diagnostics_table(root: Path) -> str:
+    """Per diagnostic run: head shape, changed settings, final loss, probe accuracy and the second layer's
+    decay and gain at the end (median over the probe's tokens)."""
+    lines = [_row(["mixer", "heads H × (D, m)", "state / layer", "changed", "lr", "steps", "loss (last 50)",
+                   "probe acc.", "layer 2 α", "layer 2 gain", "train s"]), "|---" * 11 + "|"]
+    for name in MQAR_DIAGNOSTICS:
+        rel = f"results/mqar/stacked_bl/diag_{name}.json"
+        if not (root / rel).exists():
+            continue
+        r = _load(root, rel)
+        kw = r["mixer_kwargs"]
+        H, D = kw["num_heads"], kw["head_dim"]
+        m = round(D * kw["expand_v"])
+        state = H * (D * m + D * D) if r["mixer"] == "bayesian" else H * D * m
+        changed = ", ".join(f"{k} = {v}" for k, v in r["overrides"].items()
+                            if k not in ("num_heads", "head_dim", "expand_v")) or "—"
+        loss = r["log"]["loss"][-50:]
+        end = r["probes"][-1]
+        last = end["layers"][-1]
+        lines.append(_row([{"bayesian": "BL", "gated_deltanet": "GDN"}.get(r["mixer"], r["mixer"]),
+                           f"{H} × ({D}, {m})", f"{state:,}", changed, f"{r['lr']:g}", str(r["steps"]),
+                           f"{sum(loss) / len(loss):.3f}", f"{end['probe_accuracy']:.3f}",
+                           f"{last['alpha']['p50']:.3f}", f"{last['gain']['p50']:.3f}",
+                           f"{r['train_seconds']:.0f}"]))
+    return "\n".join(lines)
+
+
 TABLES: dict[str, tuple[str, Callable[[Path], str]]] = {
     "collision-steps": ("docs/experiments.md", collision_steps_table),
     "collision-fixed-prior": ("docs/experiments.md", collision_fixed_prior_table),
@@ -275,6 +309,7 @@ TABLES: dict[str, tuple[str, Callable[[Path], str]]] = {
     "mqar-update-gate-off": ("docs/experiments.md", mqar_table(
         "results/mqar/layouts/mqar_update_gate-off.json", "stacked, gate off", (0, 4, 8, 12, 16),
         ("u = 0", "4", "8", "12", "16"), train_seconds=False, gate=False)),
+    "mqar-stacked-diagnostics": ("docs/experiments.md", mqar_diagnostics_table),
     "recall-accuracy-nf": ("docs/experiments.md", sweep_table(
         "results/recall/recall.json", "n_f", "test_n_f", "accuracy_vs_n_f", lambda c, x: f"{x:g}")),
     "recall-margin-rho": ("docs/experiments.md", sweep_table(

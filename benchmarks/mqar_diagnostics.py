@@ -130,17 +130,19 @@ def write_statistics(model: MQARModel, inputs: torch.Tensor, mask: torch.Tensor)
             gains, traces, kpk = [], [], []
             for t in range(T):
                 M, P = state
-                alpha = write["alpha"][:, t] if "alpha" in write else torch.ones(B, H)
+                # the step may hand back a float64 state; the statistics are computed in float64
+                alpha = write["alpha"][:, t].double() if "alpha" in write else torch.ones(B, H, dtype=torch.float64)
                 a2 = alpha.reshape(B, H, 1, 1) ** 2
-                Pbar = a2 * P + write["ell2"][:, t].reshape(B, H, 1, 1) * torch.eye(D)
-                u = torch.einsum("bhij,bhj->bhi", Pbar, k[:, t])
-                ku = (k[:, t] * u).sum(-1)
-                gains.append(ku / (write["r2"][:, t] + ku))
+                Pbar = a2 * P.double() + write["ell2"][:, t].double().reshape(B, H, 1, 1) * torch.eye(D).double()
+                kt = k[:, t].double()
+                u = torch.einsum("bhij,bhj->bhi", Pbar, kt)
+                ku = (kt * u).sum(-1)
+                gains.append(ku / (write["r2"][:, t].double() + ku))
                 kpk.append(ku)
                 out = layer.design.step(q[:, t], k[:, t], v[:, t], state=state, backend="torch",
                                         **{n: val[:, t] for n, val in write.items()})
                 state = out.state
-                traces.append(torch.diagonal(state[1], dim1=-2, dim2=-1).sum(-1) / D)
+                traces.append(torch.diagonal(state[1].double(), dim1=-2, dim2=-1).sum(-1) / D)
             s["gain"] = quantiles(torch.stack(gains))
             s["kPk"] = quantiles(torch.stack(kpk))
             s["trace_P_over_D"] = quantiles(torch.stack(traces))
@@ -191,6 +193,8 @@ def main(argv=None) -> int:
     p.add_argument("--every", type=int, default=50)
     p.add_argument("--probe", type=int, default=16, help="probe sequences")
     p.add_argument("--set", nargs="*", default=[], metavar="NAME=VALUE")
+    p.add_argument("--init-alpha", type=float, default=None,
+                   help="start every mixer layer's decay at α = exp(−softplus(dt_bias)) = this value (A = 1)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--eval", action="store_true", help="evaluate the test points at the end (slower)")
     p.add_argument("--out", required=True)
@@ -225,6 +229,16 @@ def main(argv=None) -> int:
     mcfg = replace(mcfg, mixer_kwargs={**mcfg.mixer_kwargs, **overrides})
     seed_everything(args.seed)
     model = MQARModel(mcfg)
+    if args.init_alpha is not None:
+        if not 0 < args.init_alpha < 1:
+            raise SystemExit(f"--init-alpha must be in (0, 1), got {args.init_alpha}")
+        from bayeslayer.layers.common import inverse_softplus
+
+        with torch.no_grad():
+            for layer in model.recurrent_mixers():
+                layer.A_log.zero_()
+                layer.dt_bias.copy_(inverse_softplus(torch.full_like(layer.dt_bias, -math.log(args.init_alpha))))
+        overrides["init_alpha"] = args.init_alpha
     names = {id(p): n for n, p in model.named_parameters()}
     groups = sorted({group_of(n) for n in names.values()})
     opt = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
