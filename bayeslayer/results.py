@@ -253,15 +253,17 @@ def variance_abstention_table(root: Path) -> str:
 # --------------------------------------------------------------------------- MQAR stacked-Update diagnostics
 
 #: the diagnostic runs of ``benchmarks/mqar_diagnostics.py`` shown in the docs, in table order
-MQAR_DIAGNOSTICS = ("bl_default_400", "gdn_default_400", "gdn_blheads_400", "gdn_h2d32m64_400", "bl_gdnheads_400",
+MQAR_DIAGNOSTICS = ("bl_default_400", "gdn_default_400", "gdn_blheads_400", "gdn_h2d32m64_400", "gdn_h2d32m64_full",
+                    "bl_gdnheads_400",
                     "bl_ell2-1_400", "bl_alpha0.99_400", "bl_lr3e-2_400", "bl_lr3e-3_400")
 
 
 def mqar_diagnostics_table(root: Path) -> str:
-    """Per diagnostic run: head shape, changed settings, final loss, probe accuracy and the second layer's
-    decay and gain at the end (median over the probe's tokens)."""
+    """Per diagnostic run: head shape, changed settings, final loss, probe accuracy, test accuracy at 16 updates
+    (runs evaluated on the test set only) and the second layer's decay and gain at the end (median over the
+    probe's tokens)."""
     lines = [_row(["mixer", "heads H × (D, m)", "state / layer", "changed", "lr", "steps", "loss (last 50)",
-                   "probe acc.", "layer 2 α", "layer 2 gain", "train s"]), "|---" * 11 + "|"]
+                   "probe acc.", "test u = 16", "layer 2 α", "layer 2 gain", "train s"]), "|---" * 12 + "|"]
     for name in MQAR_DIAGNOSTICS:
         rel = f"results/mqar/stacked_bl/diag_{name}.json"
         if not (root / rel).exists():
@@ -276,9 +278,10 @@ def mqar_diagnostics_table(root: Path) -> str:
         loss = r["log"]["loss"][-50:]
         end = r["probes"][-1]
         last = end["layers"][-1]
+        test = next((f"{t['accuracy']:.3f}" for t in r.get("test") or () if t["x"] == 16), "—")
         lines.append(_row([{"bayesian": "BL", "gated_deltanet": "GDN"}.get(r["mixer"], r["mixer"]),
                            f"{H} × ({D}, {m})", f"{state:,}", changed, f"{r['lr']:g}", str(r["steps"]),
-                           f"{sum(loss) / len(loss):.3f}", f"{end['probe_accuracy']:.3f}",
+                           f"{sum(loss) / len(loss):.3f}", f"{end['probe_accuracy']:.3f}", test,
                            f"{last['alpha']['p50']:.3f}", f"{last['gain']['p50']:.3f}",
                            f"{r['train_seconds']:.0f}"]))
     return "\n".join(lines)
