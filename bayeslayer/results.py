@@ -254,9 +254,8 @@ def variance_abstention_table(root: Path) -> str:
 
 #: the diagnostic runs of ``benchmarks/mqar_diagnostics.py`` shown in the docs, in table order
 MQAR_DIAGNOSTICS = ("bl_default_400", "gdn_default_400", "gdn_blheads_400", "gdn_blheads_full", "gdn_h2d32m64_400",
-                    "gdn_h2d32m64_full",
-                    "bl_gdnheads_400",
-                    "bl_ell2-1_400", "bl_alpha0.99_400", "bl_lr3e-2_400", "bl_lr3e-3_400")
+                    "gdn_h2d32m64_full", "bl_gdnheads_400", "bl_ell2-1_400", "bl_ell2-1_full", "bl_alpha0.99_400",
+                    "bl_lr3e-2_400", "bl_lr3e-3_400")
 
 
 def mqar_diagnostics_table(root: Path) -> str:
