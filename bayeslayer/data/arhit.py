@@ -39,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bayeslayer.training.files import atomic_write
+from bayeslayer.files import atomic_write
 
 MAX_DISTANCE = 1024
 MAX_TRAIN_COUNT = 16
@@ -182,7 +182,7 @@ class BigramCounts:
         return np.where(self.keys[idx] == keys, self.counts[idx], 0).astype(np.int64)
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write to ``path`` (``.npz``) atomically and durably (:func:`bayeslayer.training.files.atomic_write`)."""
+        """Write to ``path`` (``.npz``) atomically and durably (:func:`bayeslayer.files.atomic_write`)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         with atomic_write(path, "wb") as fh:

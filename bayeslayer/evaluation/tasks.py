@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ..data.niah import NiahSample, NiahTokenizer, prompt_template
-from ..training.files import atomic_write, atomic_write_text
+from ..files import atomic_write, atomic_write_text
 
 #: RULER's lm-eval tasks always report the 4096 column (``common_utils.DEFAULT_SEQ_LENGTHS``);
 #: its ``process_results`` fills it with -1 for other lengths, so the metric list must hold it.

@@ -61,8 +61,8 @@ import torch
 from torch import nn
 
 from ..errors import UsageError
-from ..training import OutputLock, read_json
-from ..training.files import sha256_file
+from ..files import read_json, sha256_file
+from ..training import OutputLock
 from .cli_checks import (
     DEVICE_HELP,
     cache_dir_arg,

@@ -70,17 +70,10 @@ import torch.nn.functional as F
 from ..checks import check_int
 from ..data.text.sources import SOURCE_HELP, WIKITEXT_103
 from ..errors import UsageError
-from ..training import (
-    CheckpointStore,
-    OutputLock,
-    atomic_write_text,
-    read_json,
-    remove_stale_temporaries,
-    save_state,
-)
+from ..files import append_text, atomic_write_text, publish_directory, read_json, remove_stale_temporaries, sha256_file
+from ..training import CheckpointStore, OutputLock, save_state
 from ..training.distributed import PRECISIONS, DistContext, autocast, resolve_precision
 from ..training.distributed import init_distributed as _init_distributed
-from ..training.files import append_text, publish_directory, sha256_file
 from ..training.loop import Checkpoints, LoopState, StepInfo, train_loop
 from ..training.optim import DECAY_POLICY
 from ..training.state import read_safetensors, write_safetensors

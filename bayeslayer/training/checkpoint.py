@@ -15,7 +15,7 @@ the new complete one reachable from ``latest``:
    SHA-256 of its own ``files`` entry) is written last and ``fsync``-ed, then the directory;
 3. the directory is renamed to a name no checkpoint has (``step-N``, else ``step-N.1``, ...), and
    the folder is ``fsync``-ed;
-4. ``latest`` is replaced atomically (:func:`~bayeslayer.training.files.atomic_write_text`);
+4. ``latest`` is replaced atomically (:func:`~bayeslayer.files.atomic_write_text`);
 5. only then are older checkpoints beyond ``keep`` deleted.
 
 A kill before 4 leaves ``latest`` naming the previous checkpoint; a kill after it leaves the new one
@@ -40,7 +40,7 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-from .files import (
+from ..files import (
     TMP_PREFIX,
     atomic_write_text,
     fsync_dir,

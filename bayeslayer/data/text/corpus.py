@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from bayeslayer.data.arhit import ARHitAnnotation, BigramCounts, annotate_ar_hits
-from bayeslayer.training.files import atomic_write_text
+from bayeslayer.files import atomic_write_text
 
 from .cache import FORMAT_VERSION, TokenStream, cache_key, default_cache_dir, tokenize_split
 from .sources import PYTHON_DOCS_INSTALL, SOURCE_HELP, SPLITS, CorpusFiles, corpus_files, prepare_default_corpus
