@@ -160,7 +160,8 @@ class GatedRMSNorm(nn.Module):
     ``norm_before_gate=True`` (GDN): ``y = x / rms(x) · weight · silu(g)``;
     ``norm_before_gate=False`` (Mamba-2): ``y = x·silu(g) / rms(x·silu(g)) · weight``;
     ``rms`` over groups of ``group_size`` channels (default: the whole last dim), in fp32.
-    Without a gate it is a plain RMSNorm.  Parameter: ``weight [hidden_size]``.
+    Without a gate it is a plain RMSNorm.  Parameter: ``weight [hidden_size]``, flagged
+    ``_no_weight_decay`` like every normalisation gain.
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-5, *, norm_before_gate: bool = True,
@@ -173,6 +174,7 @@ class GatedRMSNorm(nn.Module):
             raise ValueError(f"group_size={group_size} must divide hidden_size={hidden_size}")
         self.norm_before_gate = norm_before_gate
         self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.weight._no_weight_decay = True  # a gain whose neutral value is 1: decay would pull it to 0
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
         dtype = x.dtype
