@@ -77,7 +77,8 @@ class BayesLayerConfig(PretrainedConfig):
             themselves, since their parameters have their own parametrisations).
         backend: ``"auto"`` (default), ``"torch"`` or ``"triton"``, passed to every mixer that has a
             Triton implementation (the Bayesian Layer; :mod:`bayeslayer.ops.backend`), for training,
-            prefill and cached decoding.  A ``backend`` in ``mixer_kwargs``/``layer_mixer_kwargs`` wins.
+            prefill and cached decoding.  This is the one place a model's backend is set:
+            ``mixer_kwargs``/``layer_mixer_kwargs`` holding ``backend`` raise ``ValueError``.
     """
 
     model_type = "bayeslayer"
@@ -163,6 +164,9 @@ class BayesLayerConfig(PretrainedConfig):
                           *((f"layer_mixer_kwargs[{i}]", k) for i, k in self.layer_mixer_kwargs.items())]:
             if reserved & set(kw):
                 raise ValueError(f"{where} may not set {sorted(reserved & set(kw))}: the model sets them")
+            if "backend" in kw:
+                raise ValueError(f"{where} may not set 'backend': a model has one backend, set it with "
+                                 f"BayesLayerConfig(backend=...) (got backend={backend!r} there)")
 
         if hidden_ratio is not None and not (isinstance(hidden_ratio, numbers.Real) and hidden_ratio > 0):
             raise ValueError(f"hidden_ratio must be a positive number or None, got {hidden_ratio!r}")

@@ -306,3 +306,29 @@ def test_every_registry_mixer_has_one_label():
     assert list(MIXER_LABELS) == list(MIXERS)
     assert len(set(MIXER_LABELS.values())) == len(MIXER_LABELS)
     assert all(isinstance(label, str) and label for label in MIXER_LABELS.values())
+
+
+def test_a_mixer_is_one_registration_and_the_views_are_read_only():
+    from bayeslayer.layers import MIXER_REGISTRY, register_mixer
+
+    saved = dict(MIXER_REGISTRY)
+    try:
+        cls = type("Renamed", (MIXERS["deltanet"],), {})
+        assert register_mixer("renamed_deltanet", cls, label="R-DeltaNet") is cls
+        assert MIXERS["renamed_deltanet"] is cls and MIXER_LABELS["renamed_deltanet"] == "R-DeltaNet"
+        assert type(build_mixer("renamed_deltanet", 16, num_heads=2, head_dim=8)) is cls
+        with pytest.raises(ValueError, match="mixer 'renamed_deltanet' is already registered"):
+            register_mixer("renamed_deltanet", cls, label="other")
+        with pytest.raises(ValueError, match="label 'BL' is already the label of mixer 'bayesian'"):
+            register_mixer("other", cls, label="BL")
+        with pytest.raises(ValueError, match="label must be a non-empty string"):
+            register_mixer("other", cls, label=" ")
+        with pytest.raises(ValueError, match="name must be a mixer name"):
+            register_mixer("no spaces", cls, label="X")
+        with pytest.raises(TypeError, match="cls must be a torch.nn.Module subclass"):
+            register_mixer("other", object, label="X")
+        with pytest.raises(TypeError):
+            MIXERS["other"] = cls  # the views cannot be written around the registration
+    finally:
+        MIXER_REGISTRY.clear()
+        MIXER_REGISTRY.update(saved)
