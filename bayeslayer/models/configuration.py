@@ -14,6 +14,7 @@ from typing import Any
 
 from transformers.configuration_utils import PretrainedConfig
 
+from ..checks import check_int
 from ..ops.backend import check_backend
 
 _DROPOUTS = ("embedding_dropout", "mixer_dropout", "mlp_dropout", "mlp_hidden_dropout")
@@ -26,12 +27,6 @@ def _known_mixers() -> tuple[str, ...] | None:
     except ImportError:
         return None
     return tuple(sorted(MIXERS))
-
-
-def _positive_int(name: str, value: Any) -> int:
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return int(value)
 
 
 def _layer_index_dict(name: str, value: Any, num_layers: int) -> dict[int, Any]:
@@ -122,11 +117,11 @@ class BayesLayerConfig(PretrainedConfig):
                     "mlp_intermediate_size": "pass intermediate_size="}
             raise ValueError(f"{', '.join(derived)} is derived from the other arguments and cannot be set: "
                              + "; ".join(hint.get(k, f"remove {k}") for k in derived))
-        self.vocab_size = _positive_int("vocab_size", vocab_size)
-        self.hidden_size = _positive_int("hidden_size", hidden_size)
-        self.num_hidden_layers = _positive_int("num_hidden_layers", num_hidden_layers)
-        self.num_heads = _positive_int("num_heads", num_heads)
-        self.head_dim = _positive_int("head_dim", head_dim)
+        self.vocab_size = check_int("vocab_size", vocab_size, minimum=1)
+        self.hidden_size = check_int("hidden_size", hidden_size, minimum=1)
+        self.num_hidden_layers = check_int("num_hidden_layers", num_hidden_layers, minimum=1)
+        self.num_heads = check_int("num_heads", num_heads, minimum=1)
+        self.head_dim = check_int("head_dim", head_dim, minimum=1)
 
         known = _known_mixers()
 
@@ -172,7 +167,7 @@ class BayesLayerConfig(PretrainedConfig):
             raise ValueError(f"hidden_ratio must be a positive number or None, got {hidden_ratio!r}")
         self.hidden_ratio = hidden_ratio
         self.intermediate_size = (
-            None if intermediate_size is None else _positive_int("intermediate_size", intermediate_size)
+            None if intermediate_size is None else check_int("intermediate_size", intermediate_size, minimum=1)
         )
         if hidden_act != "swish":
             raise ValueError(f"hidden_act must be 'swish' (a SwiGLU MLP), got {hidden_act!r}")

@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..checks import check_int
 from ..errors import NonFiniteError
 from .checkpoint import CheckpointStore
 from .distributed import DistContext, autocast
@@ -74,13 +75,9 @@ class TrainConfig:
 
     def __post_init__(self):
         for name in ("steps", "batch_size"):
-            val = getattr(self, name)
-            if not isinstance(val, int) or isinstance(val, bool) or val <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {val!r}")
+            check_int(name, getattr(self, name), minimum=1)
         for name in ("warmup_steps", "eval_every", "checkpoint_every", "seed"):
-            val = getattr(self, name)
-            if not isinstance(val, int) or isinstance(val, bool) or val < 0:
-                raise ValueError(f"{name} must be a non-negative integer, got {val!r}")
+            check_int(name, getattr(self, name), minimum=0)
         if self.warmup_steps >= self.steps and self.steps > 1:
             raise ValueError(f"warmup_steps ({self.warmup_steps}) must be < steps ({self.steps})")
         if not (math.isfinite(self.lr) and self.lr > 0):

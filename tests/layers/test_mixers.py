@@ -259,13 +259,13 @@ def test_attention_bad_cache_raises():
 def test_bad_config_raises(name):
     extra = dict(state_size=4) if name == "mamba2" else {}
     for bad, err, match in [
-        (dict(num_heads=0), ValueError, "num_heads must be a positive integer"),
-        (dict(head_dim=2.5), ValueError, "head_dim must be a positive integer"),
+        (dict(num_heads=0), ValueError, "num_heads must be an integer >= 1, got 0"),
+        (dict(head_dim=2.5), ValueError, "head_dim must be an integer, got float 2.5"),
         (dict(chunk_size=0) if name != "attention" else dict(rope_base=-1.0), ValueError, "must be"),
     ]:
         with pytest.raises(err, match=match):
             build_mixer(name, HIDDEN, **{**dict(num_heads=2, head_dim=8, **extra), **bad})
-    with pytest.raises(ValueError, match="hidden_size must be a positive integer"):
+    with pytest.raises(ValueError, match="hidden_size must be an integer >= 1"):
         build_mixer(name, 0)
     with pytest.raises(TypeError):
         build_mixer(name, HIDDEN, not_an_argument=1)
