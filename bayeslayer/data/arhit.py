@@ -39,6 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bayeslayer.checks import check_int
 from bayeslayer.files import atomic_write
 
 MAX_DISTANCE = 1024
@@ -143,8 +144,7 @@ class BigramCounts:
         bigram is lost at a seam); memory stays O(chunk + unique bigrams).
         """
         vocab_size = _check_vocab_size(vocab_size)
-        if not isinstance(chunk_tokens, int) or chunk_tokens < 2:
-            raise ValueError(f"chunk_tokens must be an int >= 2, got {chunk_tokens!r}")
+        chunk_tokens = check_int("chunk_tokens", chunk_tokens, minimum=2)
         tokens = _check_int_array("tokens", tokens, ndim=1, vocab_size=vocab_size)
         n = tokens.shape[0]
         if n < 2:
