@@ -149,7 +149,7 @@ def make_places(root: Path) -> dict[str, str]:
 
 
 def _fla_model():
-    from tests.models.test_checkpoint import fla_model
+    from tests.models.test_fla_import import fla_model
 
     return fla_model()
 
