@@ -8,7 +8,9 @@ our code:
 * :class:`UsageError` (a ``ValueError``): a bad command-line value found before any work starts
   (a malformed number, an unknown name, a bad ``--out``, ``--device cuda`` without a GPU, ...).
 * any other ``ValueError``: every public function of the package validates its arguments and
-  raises ``ValueError`` naming the argument (a bad preset override, a corrupt JSON file, ...).
+  raises ``ValueError`` naming the argument (a bad preset override, a corrupt JSON file, ...);
+  a non-integer where an integer is required is :class:`NotAnIntegerError`, both a ``TypeError``
+  and a ``ValueError``.
 * ``OSError``: a missing or unreadable file, a folder that is a file, a full disk, a busy output
   folder (the lock), ...; ``FileNotFoundError``, ``PermissionError`` and the rest are subclasses.
 * ``FloatingPointError``: training diverged (a non-finite loss, or weights an update made NaN or Inf);
@@ -35,6 +37,14 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a Ctrl-C'd prog
 
 class UsageError(ValueError):
     """A bad command-line value, found before any work starts.  Its message names the option."""
+
+
+class NotAnIntegerError(TypeError, ValueError):
+    """A value that is not an integer where an integer is required (:func:`bayeslayer.checks.check_int`).
+
+    The wrong type, so a ``TypeError``; and a bad argument like any other, so also the ``ValueError``
+    every public function raises for one, which the command line reports as one line.
+    """
 
 
 class NonFiniteError(ValueError):

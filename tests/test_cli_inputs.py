@@ -193,7 +193,7 @@ def test_a_config_json_with_layer_mixers_is_refused(tmp_path):
 
 @pytest.mark.parametrize("bad", [None, 3, ""])
 def test_checkpoint_path_helpers_name_their_argument(bad):
-    from bayeslayer.models.checkpoint import hub_id, resolve_checkpoint_dir
+    from bayeslayer.models.fla_import import hub_id, resolve_checkpoint_dir
 
     with pytest.raises(TypeError, match="path_or_repo_id"):
         hub_id(bad)

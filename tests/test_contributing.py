@@ -43,12 +43,12 @@ def exec_recipe(name: str) -> types.ModuleType:
 
 @pytest.fixture
 def restore_registries():
-    """Put ``MIXERS``, ``MIXER_LABELS``, ``DESIGNS`` and the CLI's command list back."""
+    """Put the mixer registry, ``DESIGNS`` and the CLI's command list back."""
     from bayeslayer import cli
     from bayeslayer.design import DESIGNS
-    from bayeslayer.layers import MIXER_LABELS, MIXERS
+    from bayeslayer.layers import MIXER_REGISTRY
 
-    saved = [(d, dict(d)) for d in (MIXERS, MIXER_LABELS, DESIGNS)]
+    saved = [(d, dict(d)) for d in (MIXER_REGISTRY, DESIGNS)]
     commands = list(cli._COMMAND_MODULES)
     modules = set(sys.modules)
     yield
@@ -78,6 +78,7 @@ def test_mixer_recipe(restore_registries, monkeypatch):
     cls = mod.FixedDecayDeltaNet
     assert MIXERS["fixed_decay_deltanet"] is cls
     assert MIXER_LABELS["fixed_decay_deltanet"] == "FD-DeltaNet"
+    assert mod.register_mixer.__module__ == "bayeslayer.layers.registry"  # the recipe's one registration call
     assert tuple(mod.out.o.shape) == (2, 10, 64)
 
     # builds by name, runs forward, and prefill + one decoding step equals one forward

@@ -39,7 +39,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bayeslayer.training.files import atomic_write
+from bayeslayer.checks import check_int
+from bayeslayer.files import atomic_write
 
 MAX_DISTANCE = 1024
 MAX_TRAIN_COUNT = 16
@@ -143,8 +144,7 @@ class BigramCounts:
         bigram is lost at a seam); memory stays O(chunk + unique bigrams).
         """
         vocab_size = _check_vocab_size(vocab_size)
-        if not isinstance(chunk_tokens, int) or chunk_tokens < 2:
-            raise ValueError(f"chunk_tokens must be an int >= 2, got {chunk_tokens!r}")
+        chunk_tokens = check_int("chunk_tokens", chunk_tokens, minimum=2)
         tokens = _check_int_array("tokens", tokens, ndim=1, vocab_size=vocab_size)
         n = tokens.shape[0]
         if n < 2:
@@ -182,7 +182,7 @@ class BigramCounts:
         return np.where(self.keys[idx] == keys, self.counts[idx], 0).astype(np.int64)
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write to ``path`` (``.npz``) atomically and durably (:func:`bayeslayer.training.files.atomic_write`)."""
+        """Write to ``path`` (``.npz``) atomically and durably (:func:`bayeslayer.files.atomic_write`)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         with atomic_write(path, "wb") as fh:

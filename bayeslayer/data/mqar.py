@@ -49,6 +49,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..checks import check_int
+
 IGNORE_INDEX = -100
 FILLER_TOKEN = 0
 TASKS = ("base", "update", "block")
@@ -113,20 +115,12 @@ class MQARData:
 
 
 # -- argument checks ---------------------------------------------------------------------------------
-def _int_arg(name: str, value, minimum: int) -> int:
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
-        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return int(value)
-
-
 def _check_common(vocab_size, num_examples, seq_len, num_pairs, seed, power_a) -> tuple:
-    vocab_size = _int_arg("vocab_size", vocab_size, 3)
-    num_examples = _int_arg("num_examples", num_examples, 1)
-    seq_len = _int_arg("seq_len", seq_len, 1)
-    num_pairs = _int_arg("num_pairs", num_pairs, 1)
-    seed = _int_arg("seed", seed, 0)
+    vocab_size = check_int("vocab_size", vocab_size, minimum=3)
+    num_examples = check_int("num_examples", num_examples, minimum=1)
+    seq_len = check_int("seq_len", seq_len, minimum=1)
+    num_pairs = check_int("num_pairs", num_pairs, minimum=1)
+    seed = check_int("seed", seed, minimum=0)
     if isinstance(power_a, bool) or not isinstance(power_a, numbers.Real):
         raise TypeError(f"power_a must be a number, got {type(power_a).__name__} {power_a!r}")
     if not (math.isfinite(power_a) and power_a > 0):
@@ -371,7 +365,7 @@ def update_mqar(
     vocab_size, num_examples, seq_len, num_pairs, seed, power_a = _check_common(
         vocab_size, num_examples, seq_len, num_pairs, seed, power_a
     )
-    num_updates = _int_arg("num_updates", num_updates, 0)
+    num_updates = check_int("num_updates", num_updates, minimum=0)
     num_writes = num_pairs + num_updates
     _check_room("update", vocab_size, seq_len, num_pairs, num_writes)
     gen = torch.Generator().manual_seed(seed + 0x5EED)  # the write order; _assemble draws the tokens
@@ -421,7 +415,7 @@ def block_mqar(
     vocab_size, num_examples, seq_len, num_pairs, seed, power_a = _check_common(
         vocab_size, num_examples, seq_len, num_pairs, seed, power_a
     )
-    block_size = _int_arg("block_size", block_size, 1)
+    block_size = check_int("block_size", block_size, minimum=1)
     _check_room("block", vocab_size, seq_len, num_pairs, num_pairs)
     pair = torch.arange(num_pairs)
     start = (pair // block_size) * block_size  # first pair of this pair's block
@@ -520,7 +514,7 @@ class MQARDataset:
         return self.segments[0].vocab_size
 
     def num_batches(self, batch_size: int, *, drop_last: bool = False) -> int:
-        batch_size = _int_arg("batch_size", batch_size, 1)
+        batch_size = check_int("batch_size", batch_size, minimum=1)
         per = (len(s) // batch_size if drop_last else -(-len(s) // batch_size) for s in self.segments)
         return sum(per)
 
@@ -528,8 +522,8 @@ class MQARDataset:
         self, batch_size: int, *, shuffle: bool = False, seed: int = 0, drop_last: bool = False
     ) -> Iterator[MQARBatch]:
         """Yield :class:`MQARBatch` es of at most ``batch_size`` sequences of one segment each."""
-        batch_size = _int_arg("batch_size", batch_size, 1)
-        seed = _int_arg("seed", seed, 0)
+        batch_size = check_int("batch_size", batch_size, minimum=1)
+        seed = check_int("seed", seed, minimum=0)
         gen = torch.Generator().manual_seed(seed)
         plan: list[tuple[int, torch.Tensor]] = []
         for s, seg in enumerate(self.segments):
@@ -572,7 +566,7 @@ def make_pool(
     tasks = list(tasks)
     if not tasks or not all(isinstance(t, MQARTask) for t in tasks):
         raise TypeError(f"tasks must be a non-empty sequence of MQARTask, got {tasks!r}")
-    num_examples = _int_arg("num_examples", num_examples, 2 * len(tasks))
+    num_examples = check_int("num_examples", num_examples, minimum=2 * len(tasks))
     if isinstance(val_fraction, bool) or not isinstance(val_fraction, numbers.Real) \
             or not 0 < val_fraction < 1:
         raise ValueError(f"val_fraction must be a number in (0, 1), got {val_fraction!r}")

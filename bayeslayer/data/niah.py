@@ -54,7 +54,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..checks import check_int
+from ..checks import INT_MAX, check_int
 
 # ----------------------------------------------------------------------------- tasks
 
@@ -286,8 +286,7 @@ class NiahGenerator:
     """
 
     def __init__(self, tokenizer: Any, essays: Any = None, *, seed: int = 0) -> None:
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+        check_int("seed", seed, minimum=-INT_MAX)  # any integer: Python's random takes negative seeds too
         self.tokenizer = NiahTokenizer(tokenizer)
         self.seed = seed
         self.essay_units = _essay_units(_essay_texts(essays)) if essays is not None else []

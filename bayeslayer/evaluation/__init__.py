@@ -1,8 +1,8 @@
 """Evaluate bayeslayer models with EleutherAI's lm-evaluation-harness, load them with plain ``transformers``.
 
-* :mod:`bayeslayer.evaluation.harness` (needs ``lm-eval``, the ``eval`` extra): the ``bayeslayer``
+* :mod:`bayeslayer.evaluation.lm_eval_adapter` (needs ``lm-eval``, the ``eval`` extra): the ``bayeslayer``
   lm-eval model (a ``HFLM``; also reads flash-linear-attention Gated DeltaNet checkpoints) and
-  ``python -m bayeslayer.evaluation.harness ...``, lm-eval's own command line with bayeslayer's
+  ``python -m bayeslayer.evaluation.lm_eval_adapter ...``, lm-eval's own command line with bayeslayer's
   models registered (the way flash-linear-attention's ``evals/harness.py`` does it).
 * :mod:`bayeslayer.evaluation.tasks`: local lm-eval tasks written from our own data, no
   download: a ``loglikelihood_rolling`` perplexity task over given documents and a
@@ -13,7 +13,7 @@
 * :func:`export_auto_map`: opt-in ``auto_map`` so ``AutoModelForCausalLM.from_pretrained(DIR,
   trust_remote_code=True)`` works without ``import bayeslayer`` (docs/models.md weighs it).
 
-Only :mod:`~bayeslayer.evaluation.harness` imports lm-eval; this package and ``tasks`` do not.
+Only :mod:`~bayeslayer.evaluation.lm_eval_adapter` imports lm-eval; this package and ``tasks`` do not.
 """
 
 from .autoload import AUTO_MAP, SHIM_FILE, export_auto_map

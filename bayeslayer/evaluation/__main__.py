@@ -9,7 +9,7 @@ import time
 
 _start = time.perf_counter()
 print("bayeslayer.evaluation: importing lm-eval ...", file=sys.stderr, flush=True)
-from .harness import main  # noqa: E402 - imported after the line above, since the import is the slow part
+from .lm_eval_adapter import main  # noqa: E402 - imported after the line above, since the import is the slow part
 
 print(f"bayeslayer.evaluation: lm-eval imported in {time.perf_counter() - _start:.0f} s; indexing its tasks "
       "(up to a minute) ...", file=sys.stderr, flush=True)

@@ -20,8 +20,8 @@ import json
 import os
 from pathlib import Path
 
+from ..files import atomic_write_text, read_json
 from ..models.configuration import BayesLayerConfig
-from ..training.files import atomic_write_text, read_json
 
 #: The file :func:`export_auto_map` writes next to the weights.
 SHIM_FILE = "bayeslayer_auto.py"

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ..data.niah import NiahSample, NiahTokenizer, prompt_template
-from ..training.files import atomic_write, atomic_write_text
+from ..files import atomic_write, atomic_write_text
 
 #: RULER's lm-eval tasks always report the 4096 column (``common_utils.DEFAULT_SEQ_LENGTHS``);
 #: its ``process_results`` fills it with -1 for other lengths, so the metric list must hold it.
@@ -94,12 +94,7 @@ def write_perplexity_task(task_dir: str | os.PathLike, documents: Sequence[str],
     name = _check_name(name)
     if isinstance(documents, str) or not documents or not all(isinstance(d, str) and d for d in documents):
         raise ValueError("documents must be a non-empty list of non-empty str")
-    task_dir = Path(task_dir)
-    task_dir.mkdir(parents=True, exist_ok=True)
-    jsonl = task_dir / f"{name}.jsonl"
-    _write_jsonl(jsonl, [{"text": d} for d in documents])
-    lines = [f"task: {name}", *_dataset_lines(jsonl, task_dir),
-             "output_type: loglikelihood_rolling",
+    lines = ["output_type: loglikelihood_rolling",
              'doc_to_text: ""',
              'doc_to_target: "{{text}}"',
              "metric_list:",  # lm-eval's own aggregations of these metrics; lower is better for all three
@@ -111,11 +106,8 @@ def write_perplexity_task(task_dir: str | os.PathLike, documents: Sequence[str],
              "    higher_is_better: false",
              "  - metric: bits_per_byte",
              "    aggregation: bits_per_byte",
-             "    higher_is_better: false",
-             "metadata:",
-             "  version: 1.0", ""]
-    atomic_write_text(task_dir / f"{name}.yaml", "\n".join(lines))
-    return name
+             "    higher_is_better: false"]
+    return _write_task(task_dir, name, [{"text": d} for d in documents], lines)
 
 
 def niah_records(samples: Sequence[NiahSample], tokenizer: Any) -> list[dict]:
@@ -162,13 +154,8 @@ def write_niah_task(task_dir: str | os.PathLike, samples: Sequence[NiahSample], 
     if len(budgets) != 1:
         raise ValueError(f"samples must share one max_new_tokens (lm-eval has one max_gen_toks per task), "
                          f"got {budgets}")
-    task_dir = Path(task_dir)
-    task_dir.mkdir(parents=True, exist_ok=True)
-    jsonl = task_dir / f"{name}.jsonl"
-    _write_jsonl(jsonl, records)
     lengths = sorted({_RULER_DEFAULT_LENGTH, *(s.length for s in samples)})
-    lines = [f"task: {name}", *_dataset_lines(jsonl, task_dir),
-             "output_type: generate_until",
+    lines = ["output_type: generate_until",
              'doc_to_text: "{{input}}"',
              'doc_to_target: "{{outputs}}"',
              'gen_prefix: "{{gen_prefix}}"',
@@ -184,9 +171,18 @@ def write_niah_task(task_dir: str | os.PathLike, samples: Sequence[NiahSample], 
               "  temperature: 0.0",
               f"  max_gen_toks: {budgets.pop()}",
               "  until: []",
-              "repeats: 1",
-              "metadata:",
-              "  version: 1.0", ""]
+              "repeats: 1"]
+    return _write_task(task_dir, name, records, lines)
+
+
+def _write_task(task_dir: str | os.PathLike, name: str, records: list[dict], task_lines: list[str]) -> str:
+    """Write ``<name>.jsonl`` (the records) and ``<name>.yaml`` (the dataset, ``task_lines``, the metadata)
+    to ``task_dir``; return ``name``."""
+    task_dir = Path(task_dir)
+    task_dir.mkdir(parents=True, exist_ok=True)
+    jsonl = task_dir / f"{name}.jsonl"
+    _write_jsonl(jsonl, records)
+    lines = [f"task: {name}", *_dataset_lines(jsonl, task_dir), *task_lines, "metadata:", "  version: 1.0", ""]
     atomic_write_text(task_dir / f"{name}.yaml", "\n".join(lines))
     return name
 

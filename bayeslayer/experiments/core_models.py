@@ -39,6 +39,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..checks import check_int
 from ..design import BAYESIAN, DELTANET, GLA, LINEAR_ATTENTION, lowrank_diagonal
 
 CORE_KINDS = ("bayesian", "delta", "linear_attention", "gla")
@@ -79,9 +80,7 @@ class CoreModelConfig:
             raise ValueError(f"kind {self.kind!r}: rank must be <= head_dim = {self.head_dim}")
         for name in ("input_dim", "num_classes", "address_dim", "num_layers", "width", "num_heads",
                      "head_dim", "chunk_size"):
-            val = getattr(self, name)
-            if not isinstance(val, int) or val <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {val!r}")
+            check_int(name, getattr(self, name), minimum=1)
         if self.address_dim != self.head_dim:
             raise ValueError(
                 f"address_dim ({self.address_dim}) must equal head_dim ({self.head_dim}): the address is "

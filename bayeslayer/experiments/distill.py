@@ -61,8 +61,8 @@ import torch
 from torch import nn
 
 from ..errors import UsageError
-from ..training import OutputLock, read_json
-from ..training.files import sha256_file
+from ..files import read_json, sha256_file
+from ..training import OutputLock
 from .cli_checks import (
     DEVICE_HELP,
     cache_dir_arg,
@@ -226,14 +226,14 @@ PRESETS: dict[str, DistillConfig] = {
 
 def is_hub_id(path_or_repo_id: str | os.PathLike) -> bool:
     """Whether :func:`resolve_model_dir` would fetch ``path_or_repo_id`` from the hub."""
-    from ..models.checkpoint import hub_id
+    from ..models.fla_import import hub_id
 
     return hub_id(path_or_repo_id) is not None
 
 
 def resolve_model_dir(path_or_repo_id: str | os.PathLike) -> Path:
     """A model directory: a local path, or a hub id ``owner/name`` fetched with its tokenizer."""
-    from ..models.checkpoint import resolve_checkpoint_dir
+    from ..models.fla_import import resolve_checkpoint_dir
 
     return resolve_checkpoint_dir(path_or_repo_id, None)
 
@@ -473,7 +473,7 @@ def run_distill(
     tokenizer = teacher_tokenizer(config, teacher_dir)
     raw = read_model_config(teacher_dir)
     if raw.get("model_type") == "gated_deltanet":
-        from ..models.checkpoint import gdn_config_to_bayeslayer
+        from ..models.fla_import import gdn_config_to_bayeslayer
 
         teacher_config = gdn_config_to_bayeslayer(raw)
     else:

@@ -47,7 +47,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..training import CheckpointError, CheckpointStore, OutputLock, atomic_write_json, read_json
+from ..files import atomic_write_json, read_json
+from ..training import CheckpointError, CheckpointStore, OutputLock
 from ..training.loop import Checkpoints, LoopState, TrainConfig, raise_if_diverged, train_loop
 from ..training.loop import lr_lambda as lr_lambda  # the schedule, also imported from here
 from .provenance import jsonable
@@ -265,7 +266,7 @@ def summarize_curves(curves: Sequence[Sequence[float]]) -> dict[str, list]:
 
 
 def write_json(path: str | os.PathLike, obj: dict) -> None:
-    """Write ``obj`` as indented JSON atomically and durably (:func:`bayeslayer.training.atomic_write_json`)."""
+    """Write ``obj`` as indented JSON atomically and durably (:func:`bayeslayer.files.atomic_write_json`)."""
     atomic_write_json(path, jsonable(obj))
 
 

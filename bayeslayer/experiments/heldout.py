@@ -58,7 +58,7 @@ import numpy as np
 import torch
 
 from ..errors import UsageError
-from ..training.files import atomic_write_text, read_json
+from ..files import atomic_write_text, read_json
 from ..training.lock import OutputLock
 from .cli_checks import (
     DEVICE_HELP,

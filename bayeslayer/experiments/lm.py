@@ -70,17 +70,11 @@ import torch.nn.functional as F
 from ..checks import check_int
 from ..data.text.sources import SOURCE_HELP, WIKITEXT_103
 from ..errors import UsageError
-from ..training import (
-    CheckpointStore,
-    OutputLock,
-    atomic_write_text,
-    read_json,
-    remove_stale_temporaries,
-    save_state,
-)
+from ..files import append_text, atomic_write_text, publish_directory, read_json, remove_stale_temporaries, sha256_file
+from ..layers import MIXER_LABELS as MODEL_LABELS  # a model is labelled by its mixer
+from ..training import CheckpointStore, OutputLock, save_state
 from ..training.distributed import PRECISIONS, DistContext, autocast, resolve_precision
 from ..training.distributed import init_distributed as _init_distributed
-from ..training.files import append_text, publish_directory, sha256_file
 from ..training.loop import Checkpoints, LoopState, StepInfo, train_loop
 from ..training.optim import DECAY_POLICY
 from ..training.state import read_safetensors, write_safetensors
@@ -111,9 +105,6 @@ from .threads import SMALL, TORCH_DEFAULT, add_threads_option
 GROUPS = ("all", "ar_hit", "other", "ar_hit_1_64", "ar_hit_65_256", "ar_hit_257_1024")
 GROUP_LABELS = {"all": "all", "ar_hit": "AR-hit", "other": "other", "ar_hit_1_64": "AR-hit 1–64",
                 "ar_hit_65_256": "AR-hit 65–256", "ar_hit_257_1024": "AR-hit 257–1,024"}
-MODEL_LABELS = {"bayesian": "BL", "gated_deltanet": "GDN", "gated_deltanet_noconv": "GDN (no conv)",
-                "deltanet": "DeltaNet", "linear_attention": "LA", "gla": "GLA", "mamba2": "Mamba-2",
-                "attention": "Attention"}
 # the paper's Table 2, docs/theory.md §8.5 (mean ± std over 3 seeds, WikiText-103 test, 32k BPE).
 PAPER_TABLE2 = {
     "BL": {"all": (20.01, 0.15), "ar_hit": (18.15, 1.08), "other": (20.03, 0.15)},

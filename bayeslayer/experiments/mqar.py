@@ -75,6 +75,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ..checks import check_int
 from ..data.mqar import IGNORE_INDEX, MQARData, MQARDataset, MQARTask, make_pool
 from ..errors import UsageError
 from ..layers import MIXER_LABELS, MIXERS, QKVMixer, ShortConvolution, build_mixer
@@ -181,8 +182,8 @@ class MQARPreset:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
         if self.gate not in GATES:
             raise ValueError(f"gate must be one of {GATES}, got {self.gate!r}")
-        if self.max_steps is not None and (not isinstance(self.max_steps, int) or self.max_steps < 1):
-            raise ValueError(f"max_steps must be a positive integer or None, got {self.max_steps!r}")
+        if self.max_steps is not None:
+            check_int("max_steps", self.max_steps, minimum=1)
         if self.layout == "hybrid" and self.num_layers < 2:
             raise ValueError(f"the hybrid layout alternates a conv block and a mixer block and needs "
                              f"num_layers >= 2, got {self.num_layers}")
@@ -280,9 +281,7 @@ class MQARModelConfig:
         if self.mixer not in MIXERS:
             raise ValueError(f"unknown mixer {self.mixer!r}; known: {sorted(MIXERS)}")
         for name in ("vocab_size", "width", "num_layers", "conv_size"):
-            val = getattr(self, name)
-            if not isinstance(val, int) or isinstance(val, bool) or val < 1:
-                raise ValueError(f"{name} must be a positive integer, got {val!r}")
+            check_int(name, getattr(self, name), minimum=1)
         if not isinstance(self.mlp_mult, int) or isinstance(self.mlp_mult, bool) or self.mlp_mult < 0:
             raise ValueError(f"mlp_mult must be a non-negative integer (0 = no MLP), got {self.mlp_mult!r}")
         if self.layout not in LAYOUTS:
@@ -813,8 +812,7 @@ def preset_from_args(args: argparse.Namespace) -> MQARPreset:
     for name in ("epochs", "batch_size", "seeds", "num_layers", "max_steps"):
         val = getattr(args, name)
         if val is not None:
-            if val <= 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {val}")
+            check_int(f"--{name.replace('_', '-')}", val, minimum=1)
             over[name] = val
     if args.lr is not None:
         bad = [lr for lr in args.lr if not (math.isfinite(lr) and lr > 0)]

@@ -46,7 +46,7 @@ from ..data.niah import (
     ruler_prompt,
 )
 from ..errors import UsageError
-from ..training.files import atomic_write_text, read_json
+from ..files import atomic_write_text, read_json
 from ..training.lock import OutputLock
 from .cli_checks import (
     DEVICE_HELP,

@@ -61,7 +61,7 @@ class RefLine:
 
 def save_figure(fig, path: str | os.PathLike) -> Path:
     """Lay out ``fig`` and write it to ``path`` (PNG, 120 dpi), creating the folder; the caller closes it."""
-    from ..training.files import atomic_write
+    from ..files import atomic_write
 
     fig.tight_layout()
     path = Path(path)
@@ -104,7 +104,7 @@ def load_json(path: str | os.PathLike) -> dict:
     Every object in it is returned as a ``dict`` whose missing keys raise :class:`MissingKeyError`
     naming the file, so a reader that meets a file of the wrong shape says which file and key.
     """
-    from ..training.files import read_json
+    from ..files import read_json
 
     path = Path(path)
     if not path.is_file():

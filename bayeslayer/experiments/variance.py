@@ -37,6 +37,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from ..checks import check_int
 from ..data.collision_tasks import collision_recall_batch
 from ..data.mqar import IGNORE_INDEX, MQARTask, make_pool
 from ..training.optim import DECAY_POLICY
@@ -111,13 +112,10 @@ class VarianceConfig:
         if len(set(self.tasks)) != len(self.tasks):
             raise ValueError(f"tasks has repeated names: {list(self.tasks)}")
         for name in ("seeds", "recall_sequences", "mqar_examples"):
-            value = getattr(self.preset, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"preset.{name} must be a positive integer, got {value!r}")
+            check_int(f"preset.{name}", getattr(self.preset, name), minimum=1)
         for name in ("recall_steps", "mqar_steps"):
-            value = getattr(self.preset, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise ValueError(f"preset.{name} must be a positive integer or None, got {value!r}")
+            if getattr(self.preset, name) is not None:
+                check_int(f"preset.{name}", getattr(self.preset, name), minimum=1)
         object.__setattr__(self, "device", str(resolve_device(self.device, option="device")))
 
 

@@ -9,12 +9,11 @@
 
 Every mixer follows the contract in :mod:`bayeslayer.layers.base` (``forward(hidden_states,
 attention_mask, state, use_cache, output_variance) -> MixerOutput``).  The recurrent mixers run a
-:mod:`bayeslayer.design` filter; none has a recurrence of its own.
+:mod:`bayeslayer.design` filter; none has a recurrence of its own.  A mixer is added with one
+:func:`register_mixer` call (:mod:`bayeslayer.layers.registry`).
 """
 
 from __future__ import annotations
-
-import torch.nn as nn
 
 from .additive import GLA, LinearAttention
 from .attention import Attention
@@ -23,40 +22,20 @@ from .bayesian import BayesianLayer
 from .common import GatedRMSNorm, ShortConvolution
 from .delta import DeltaNet, GatedDeltaNet, GatedDeltaNetNoConv
 from .mamba2 import Mamba2
+from .registry import MIXER_LABELS, MIXER_REGISTRY, MIXERS, RegisteredMixer, build_mixer, register_mixer
 
-MIXERS: dict[str, type[Mixer]] = {
-    "bayesian": BayesianLayer,
-    "gated_deltanet": GatedDeltaNet,
-    "gated_deltanet_noconv": GatedDeltaNetNoConv,
-    "deltanet": DeltaNet,
-    "linear_attention": LinearAttention,
-    "gla": GLA,
-    "mamba2": Mamba2,
-    "attention": Attention,
-}
-#: each registry mixer's name in tables and plot legends (the paper's abbreviations); experiments that
-#: run something other than a registry mixer label it themselves
-MIXER_LABELS: dict[str, str] = {
-    "bayesian": "BL",
-    "gated_deltanet": "GDN",
-    "gated_deltanet_noconv": "GDN (no conv)",
-    "deltanet": "DeltaNet",
-    "linear_attention": "LA",
-    "gla": "GLA",
-    "mamba2": "Mamba-2",
-    "attention": "Attention",
-}
-
-
-def build_mixer(name: str, hidden_size: int, **kwargs) -> nn.Module:
-    """Build the mixer registered as ``name`` (see :data:`MIXERS`) with its constructor's keywords."""
-    if not isinstance(name, str) or name not in MIXERS:
-        raise ValueError(f"unknown mixer {name!r}; known mixers: {sorted(MIXERS)}")
-    return MIXERS[name](hidden_size, **kwargs)
-
+# Each mixer is one registration: its name, its class and its label in tables and legends.
+register_mixer("bayesian", BayesianLayer, label="BL")
+register_mixer("gated_deltanet", GatedDeltaNet, label="GDN")
+register_mixer("gated_deltanet_noconv", GatedDeltaNetNoConv, label="GDN (no conv)")
+register_mixer("deltanet", DeltaNet, label="DeltaNet")
+register_mixer("linear_attention", LinearAttention, label="LA")
+register_mixer("gla", GLA, label="GLA")
+register_mixer("mamba2", Mamba2, label="Mamba-2")
+register_mixer("attention", Attention, label="Attention")
 
 __all__ = [
-    "GLA", "MIXERS", "MIXER_LABELS", "Attention", "BayesianLayer", "DeltaNet", "GatedDeltaNet", "GatedDeltaNetNoConv",
-    "GatedRMSNorm", "LinearAttention", "Mamba2", "Mixer", "MixerOutput", "QKVMixer", "RecurrentMixer",
-    "ShortConvolution", "build_mixer",
+    "GLA", "MIXERS", "MIXER_LABELS", "MIXER_REGISTRY", "Attention", "BayesianLayer", "DeltaNet", "GatedDeltaNet",
+    "GatedDeltaNetNoConv", "GatedRMSNorm", "LinearAttention", "Mamba2", "Mixer", "MixerOutput", "QKVMixer",
+    "RecurrentMixer", "RegisteredMixer", "ShortConvolution", "build_mixer", "register_mixer",
 ]

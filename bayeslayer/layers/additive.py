@@ -10,10 +10,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..checks import check_int
 from ..design import GLA as GLA_DESIGN
 from ..design import LINEAR_ATTENTION
 from .base import QKVMixer
-from .common import MIN_LOG_DECAY, check_positive_int, gate_dtype
+from .common import MIN_LOG_DECAY, gate_dtype
 
 
 def unit_gain(x: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -81,7 +82,7 @@ class GLA(QKVMixer):
                          conv_size=conv_size, conv_bias=conv_bias, use_gate=use_gate, norm_eps=norm_eps,
                          qk_norm=None, activation_without_conv=False, chunk_size=chunk_size,
                          layer_idx=layer_idx)
-        self.gate_low_rank_dim = check_positive_int("gate_low_rank_dim", gate_low_rank_dim)
+        self.gate_low_rank_dim = check_int("gate_low_rank_dim", gate_low_rank_dim, minimum=1)
         if not gate_logit_normalizer > 0:
             raise ValueError(f"gate_logit_normalizer must be > 0, got {gate_logit_normalizer!r}")
         self.gate_logit_normalizer = float(gate_logit_normalizer)

@@ -6,8 +6,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..checks import check_int
 from .base import Mixer, MixerOutput, check_attention_mask, check_hidden_states, check_state_dict
-from .common import apply_mask, check_positive_float, check_positive_int
+from .common import apply_mask, check_positive_float
 
 
 def rotary(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tensor:
@@ -41,9 +42,9 @@ class Attention(Mixer):
     def __init__(self, hidden_size: int, num_heads: int = 4, head_dim: int = 128, *, qkv_bias: bool = False,
                  rope_base: float = 10000.0, layer_idx: int | None = None) -> None:
         super().__init__()
-        self.hidden_size = check_positive_int("hidden_size", hidden_size)
-        self.num_heads = check_positive_int("num_heads", num_heads)
-        self.head_dim = check_positive_int("head_dim", head_dim)
+        self.hidden_size = check_int("hidden_size", hidden_size, minimum=1)
+        self.num_heads = check_int("num_heads", num_heads, minimum=1)
+        self.head_dim = check_int("head_dim", head_dim, minimum=1)
         if self.head_dim % 2 != 0:
             raise ValueError(f"rotary embeddings need an even head_dim, got {head_dim}")
         self.rope_base = check_positive_float("rope_base", rope_base)

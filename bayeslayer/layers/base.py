@@ -30,6 +30,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..checks import check_int
 from ..design import DesignModel
 from ..ops.checks import check_tensor
 from ..ops.cp import CPContext, cp_conv_halo, filter_chunk_cp
@@ -38,7 +39,6 @@ from .common import (
     ShortConvolution,
     apply_mask,
     check_positive_float,
-    check_positive_int,
     l2norm,
     value_head_dim,
 )
@@ -248,15 +248,15 @@ class QKVMixer(RecurrentMixer):
                  activation_without_conv: bool = True, chunk_size: int = 64,
                  layer_idx: int | None = None) -> None:
         super().__init__()
-        self.hidden_size = check_positive_int("hidden_size", hidden_size)
-        self.num_heads = check_positive_int("num_heads", num_heads)
-        self.head_dim = check_positive_int("head_dim", head_dim)
+        self.hidden_size = check_int("hidden_size", hidden_size, minimum=1)
+        self.num_heads = check_int("num_heads", num_heads, minimum=1)
+        self.head_dim = check_int("head_dim", head_dim, minimum=1)
         self.head_v_dim = value_head_dim(self.head_dim, expand_v)
         self.expand_v = expand_v
         self.key_dim = self.num_heads * self.head_dim
         self.value_dim = self.num_heads * self.head_v_dim
         self.use_short_conv = bool(use_short_conv)
-        self.conv_size = check_positive_int("conv_size", conv_size)
+        self.conv_size = check_int("conv_size", conv_size, minimum=1)
         self.conv_bias = bool(conv_bias)
         self.use_gate = bool(use_gate)
         if qk_norm not in ("l2", None):
@@ -264,7 +264,7 @@ class QKVMixer(RecurrentMixer):
         self.qk_norm = qk_norm
         self.q_scale = self.head_dim ** -0.5 if q_scale is None else check_positive_float("q_scale", q_scale)
         self.activation_without_conv = activation_without_conv
-        self.chunk_size = check_positive_int("chunk_size", chunk_size)
+        self.chunk_size = check_int("chunk_size", chunk_size, minimum=1)
         self.layer_idx = layer_idx
 
         d, K, V = self.hidden_size, self.key_dim, self.value_dim

@@ -6,6 +6,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..checks import check_int
 from ..design import BAYESIAN, DIAGONAL_COVARIANCE, lowrank_diagonal
 from ..ops.backend import BackendError, check_backend
 from ..ops.lowrank import check_rank
@@ -13,7 +14,6 @@ from ..ops.triton.support import unsupported
 from .base import QKVMixer
 from .common import (
     check_positive_float,
-    check_positive_int,
     decay_log,
     gate_dtype,
     init_decay_,
@@ -90,13 +90,13 @@ class BayesianLayer(QKVMixer):
         if covariance == "lowrank":
             if rank is None:
                 raise ValueError("covariance='lowrank' needs rank (an integer in [0, head_dim])")
-            rank = check_rank(rank, check_positive_int("head_dim", head_dim))
+            rank = check_rank(rank, check_int("head_dim", head_dim, minimum=1))
             if dynamics == "rotation":
                 raise ValueError("covariance='lowrank' does not support dynamics='rotation' (a rotation does "
                                  "not keep the diagonal precision diagonal); use scalar, diagonal or identity")
         elif rank is not None:
             raise ValueError(f"rank applies only to covariance='lowrank', got covariance={covariance!r}")
-        check_positive_int("head_dim", head_dim)
+        check_int("head_dim", head_dim, minimum=1)
         if dynamics == "rotation" and head_dim % 2 != 0:
             raise ValueError(
                 f"dynamics='rotation' rotates channel pairs and needs an even head_dim, got {head_dim}"
@@ -104,7 +104,7 @@ class BayesianLayer(QKVMixer):
         super().__init__(hidden_size, num_heads, head_dim, expand_v=expand_v, use_short_conv=use_short_conv,
                          conv_size=conv_size, conv_bias=conv_bias, use_gate=use_gate, norm_eps=norm_eps,
                          qk_norm="l2", q_scale=1.0, chunk_size=chunk_size, layer_idx=layer_idx)
-        self.groups = check_positive_int("groups", groups)
+        self.groups = check_int("groups", groups, minimum=1)
         if self.head_v_dim % self.groups != 0:
             raise ValueError(
                 f"groups={groups} must divide the value head dim m = head_dim·expand_v = {self.head_v_dim}"

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..checks import INT_MAX
+from ..checks import check_int
 
 # GDN/Mamba-2 initialisation of the step size Δ = softplus(a + dt_bias): log-uniform in [1e-3, 0.1].
 DT_MIN, DT_MAX, DT_FLOOR = 1e-3, 0.1, 1e-4
@@ -23,13 +23,7 @@ DT_MIN, DT_MAX, DT_FLOOR = 1e-3, 0.1, 1e-4
 MIN_LOG_DECAY = -60.0
 
 
-# -- argument checks used by every mixer's constructor ---------------------------------------------
-def check_positive_int(name: str, value) -> int:
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or not 1 <= value <= INT_MAX:
-        raise ValueError(f"{name} must be a positive integer (at most {INT_MAX}), got {value!r}")
-    return int(value)
-
-
+# -- argument checks used by every mixer's constructor (integers: bayeslayer.checks.check_int) -----
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
@@ -124,8 +118,8 @@ class ShortConvolution(nn.Conv1d):
 
     def __init__(self, hidden_size: int, kernel_size: int = 4, bias: bool = False,
                  activation: str | None = "silu") -> None:
-        hidden_size = check_positive_int("hidden_size", hidden_size)
-        kernel_size = check_positive_int("conv_size", kernel_size)
+        hidden_size = check_int("hidden_size", hidden_size, minimum=1)
+        kernel_size = check_int("conv_size", kernel_size, minimum=1)
         if activation not in (None, "silu", "swish"):
             raise ValueError(f"activation must be 'silu', 'swish' or None, got {activation!r}")
         super().__init__(hidden_size, hidden_size, kernel_size, groups=hidden_size, padding=0, bias=bias)
@@ -160,19 +154,21 @@ class GatedRMSNorm(nn.Module):
     ``norm_before_gate=True`` (GDN): ``y = x / rms(x) · weight · silu(g)``;
     ``norm_before_gate=False`` (Mamba-2): ``y = x·silu(g) / rms(x·silu(g)) · weight``;
     ``rms`` over groups of ``group_size`` channels (default: the whole last dim), in fp32.
-    Without a gate it is a plain RMSNorm.  Parameter: ``weight [hidden_size]``.
+    Without a gate it is a plain RMSNorm.  Parameter: ``weight [hidden_size]``, flagged
+    ``_no_weight_decay`` like every normalisation gain.
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-5, *, norm_before_gate: bool = True,
                  group_size: int | None = None) -> None:
         super().__init__()
-        self.hidden_size = check_positive_int("hidden_size", hidden_size)
+        self.hidden_size = check_int("hidden_size", hidden_size, minimum=1)
         self.eps = check_positive_float("norm_eps", eps)
-        self.group_size = hidden_size if group_size is None else check_positive_int("group_size", group_size)
+        self.group_size = hidden_size if group_size is None else check_int("group_size", group_size, minimum=1)
         if hidden_size % self.group_size != 0:
             raise ValueError(f"group_size={group_size} must divide hidden_size={hidden_size}")
         self.norm_before_gate = norm_before_gate
         self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.weight._no_weight_decay = True  # a gain whose neutral value is 1: decay would pull it to 0
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
         dtype = x.dtype

@@ -9,9 +9,10 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from ..checks import check_int
 from ..design import DELTANET, GATED_DELTANET
 from .base import QKVMixer
-from .common import check_positive_int, decay_log, gate_dtype, init_decay_, positive
+from .common import decay_log, gate_dtype, init_decay_, positive
 
 
 class GatedDeltaNet(QKVMixer):
@@ -100,7 +101,7 @@ class DeltaNet(QKVMixer):
                          conv_size=conv_size, conv_bias=conv_bias, use_gate=use_gate, norm_eps=norm_eps,
                          qk_norm="l2", chunk_size=chunk_size, layer_idx=layer_idx)
         self.allow_neg_eigval = bool(allow_neg_eigval)
-        self.b_proj = nn.Linear(self.hidden_size, check_positive_int("num_heads", num_heads), bias=False)
+        self.b_proj = nn.Linear(self.hidden_size, check_int("num_heads", num_heads, minimum=1), bias=False)
 
     def write_arguments(self, x: torch.Tensor) -> dict:
         beta = positive(torch.sigmoid(self.b_proj(x).to(gate_dtype(x))))

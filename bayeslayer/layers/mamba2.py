@@ -6,6 +6,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..checks import check_int
 from ..design import MAMBA2
 from .base import RecurrentMixer
 from .common import (
@@ -13,7 +14,6 @@ from .common import (
     GatedRMSNorm,
     ShortConvolution,
     apply_mask,
-    check_positive_int,
     gate_dtype,
     init_decay_,
     positive,
@@ -47,18 +47,18 @@ class Mamba2(RecurrentMixer):
                  A_init_range: tuple[float, float] = (1.0, 16.0), chunk_size: int = 64,
                  layer_idx: int | None = None) -> None:
         super().__init__()
-        self.hidden_size = check_positive_int("hidden_size", hidden_size)
-        self.num_heads = check_positive_int("num_heads", num_heads)
-        self.head_dim = check_positive_int("head_dim", head_dim)
-        self.state_size = check_positive_int("state_size", state_size)
-        self.n_groups = check_positive_int("n_groups", n_groups)
+        self.hidden_size = check_int("hidden_size", hidden_size, minimum=1)
+        self.num_heads = check_int("num_heads", num_heads, minimum=1)
+        self.head_dim = check_int("head_dim", head_dim, minimum=1)
+        self.state_size = check_int("state_size", state_size, minimum=1)
+        self.n_groups = check_int("n_groups", n_groups, minimum=1)
         if self.num_heads % self.n_groups != 0:
             raise ValueError(f"num_heads={num_heads} must be divisible by n_groups={n_groups}")
         if not (len(A_init_range) == 2 and 0 < A_init_range[0] <= A_init_range[1]):
             raise ValueError(f"A_init_range must be (low, high) with 0 < low <= high, got {A_init_range!r}")
-        self.conv_size = check_positive_int("conv_size", conv_size)
+        self.conv_size = check_int("conv_size", conv_size, minimum=1)
         self.conv_bias = bool(conv_bias)
-        self.chunk_size = check_positive_int("chunk_size", chunk_size)
+        self.chunk_size = check_int("chunk_size", chunk_size, minimum=1)
         self.layer_idx = layer_idx
         self.intermediate_size = self.num_heads * self.head_dim
         self.conv_dim = self.intermediate_size + 2 * self.n_groups * self.state_size

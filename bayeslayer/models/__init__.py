@@ -13,8 +13,8 @@
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from .cache import BayesLayerCache
-from .checkpoint import gdn_config_to_bayeslayer, load_gdn_checkpoint
 from .configuration import BayesLayerConfig
+from .fla_import import gdn_config_to_bayeslayer, load_gdn_checkpoint
 from .modeling import (
     BayesLayerBlock,
     BayesLayerCausalLMOutput,

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from ..checks import check_int
+
 
 def _map_tensors(value: Any, fn) -> Any:
     """Apply ``fn`` to every tensor in a nest of dicts/tuples/lists (other leaves pass through)."""
@@ -115,8 +117,7 @@ class BayesLayerCache(Cache):
     is_compileable = False
 
     def __init__(self, num_layers: int) -> None:
-        if not isinstance(num_layers, int) or num_layers < 1:
-            raise ValueError(f"num_layers must be a positive integer, got {num_layers!r}")
+        num_layers = check_int("num_layers", num_layers, minimum=1)
         super().__init__(layers=[MixerStateLayer() for _ in range(num_layers)])
 
     def __getitem__(self, layer_idx: int) -> dict | None:

@@ -14,6 +14,7 @@ from typing import Any
 
 from transformers.configuration_utils import PretrainedConfig
 
+from ..checks import check_int
 from ..ops.backend import check_backend
 
 _DROPOUTS = ("embedding_dropout", "mixer_dropout", "mlp_dropout", "mlp_hidden_dropout")
@@ -26,12 +27,6 @@ def _known_mixers() -> tuple[str, ...] | None:
     except ImportError:
         return None
     return tuple(sorted(MIXERS))
-
-
-def _positive_int(name: str, value: Any) -> int:
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return int(value)
 
 
 def _layer_index_dict(name: str, value: Any, num_layers: int) -> dict[int, Any]:
@@ -77,7 +72,8 @@ class BayesLayerConfig(PretrainedConfig):
             themselves, since their parameters have their own parametrisations).
         backend: ``"auto"`` (default), ``"torch"`` or ``"triton"``, passed to every mixer that has a
             Triton implementation (the Bayesian Layer; :mod:`bayeslayer.ops.backend`), for training,
-            prefill and cached decoding.  A ``backend`` in ``mixer_kwargs``/``layer_mixer_kwargs`` wins.
+            prefill and cached decoding.  This is the one place a model's backend is set:
+            ``mixer_kwargs``/``layer_mixer_kwargs`` holding ``backend`` raise ``ValueError``.
     """
 
     model_type = "bayeslayer"
@@ -112,47 +108,71 @@ class BayesLayerConfig(PretrainedConfig):
         backend: str = "auto",
         **kwargs,
     ):
-        # A derived, read-only property passed as an argument (or found in a config.json) would
-        # reach PretrainedConfig's setattr and fail as "property ... has no setter".
+        self._refuse_derived(kwargs)
+        self.vocab_size = check_int("vocab_size", vocab_size, minimum=1)
+        self.hidden_size = check_int("hidden_size", hidden_size, minimum=1)
+        self.num_hidden_layers = check_int("num_hidden_layers", num_hidden_layers, minimum=1)
+        self.num_heads = check_int("num_heads", num_heads, minimum=1)
+        self.head_dim = check_int("head_dim", head_dim, minimum=1)
+        self._set_layer_mixers(mixer, mixers, mixer_overrides)
+        self._set_mixer_kwargs(mixer_kwargs, layer_mixer_kwargs, backend)
+        self._set_mlp(hidden_ratio, intermediate_size, hidden_act)
+        self._set_norm_dropout_init(norm_eps, (embedding_dropout, mixer_dropout, mlp_dropout, mlp_hidden_dropout),
+                                    initializer_range)
+        self.use_cache = bool(use_cache)
+        self.backend = check_backend(backend)
+        super().__init__(
+            pad_token_id=pad_token_id,
+            bos_token_id=bos_token_id,
+            eos_token_id=eos_token_id,
+            tie_word_embeddings=tie_word_embeddings,
+            **kwargs,
+        )
+
+    # -- the steps of __init__ ---------------------------------------------------------------------
+    @classmethod
+    def _refuse_derived(cls, kwargs: dict[str, Any]) -> None:
+        """A derived, read-only property passed as an argument (or found in a config.json) would reach
+        PretrainedConfig's setattr and fail as "property ... has no setter": say what to pass instead."""
         derived = sorted(k for k in kwargs
-                         if isinstance(getattr(type(self), k, None), property) and getattr(type(self), k).fset is None)
+                         if isinstance(getattr(cls, k, None), property) and getattr(cls, k).fset is None)
         if derived:
             hint = {"layer_mixers": "pass mixers=[one name per layer] (or mixer= and mixer_overrides=)",
                     "mlp_intermediate_size": "pass intermediate_size="}
             raise ValueError(f"{', '.join(derived)} is derived from the other arguments and cannot be set: "
                              + "; ".join(hint.get(k, f"remove {k}") for k in derived))
-        self.vocab_size = _positive_int("vocab_size", vocab_size)
-        self.hidden_size = _positive_int("hidden_size", hidden_size)
-        self.num_hidden_layers = _positive_int("num_hidden_layers", num_hidden_layers)
-        self.num_heads = _positive_int("num_heads", num_heads)
-        self.head_dim = _positive_int("head_dim", head_dim)
 
+    @staticmethod
+    def _mixer_name(where: str, name: Any) -> str:
+        """``name`` when it is a registered mixer (any string while the registry cannot be imported)."""
+        if not isinstance(name, str):
+            raise TypeError(f"{where} must be a mixer name (str), got {type(name).__name__}")
         known = _known_mixers()
+        if known is not None and name not in known:
+            raise ValueError(f"{where} names unknown mixer {name!r}; known mixers: {list(known)}")
+        return name
 
-        def _check_name(where: str, name: Any) -> str:
-            if not isinstance(name, str):
-                raise TypeError(f"{where} must be a mixer name (str), got {type(name).__name__}")
-            if known is not None and name not in known:
-                raise ValueError(f"{where} names unknown mixer {name!r}; known mixers: {list(known)}")
-            return name
-
-        self.mixer = _check_name("mixer", mixer)
+    def _set_layer_mixers(self, mixer: Any, mixers: Any, mixer_overrides: Any) -> None:
+        """``mixer``, ``mixers`` (one name per layer) and ``mixer_overrides`` (``{layer index: name}``)."""
+        self.mixer = self._mixer_name("mixer", mixer)
         if mixers is not None:
             if not isinstance(mixers, (list, tuple)) or len(mixers) != self.num_hidden_layers:
                 got = len(mixers) if isinstance(mixers, (list, tuple)) else type(mixers).__name__
                 raise ValueError(
                     f"mixers must be a list of num_hidden_layers={self.num_hidden_layers} names, got {got}"
                 )
-            mixers = [_check_name(f"mixers[{i}]", m) for i, m in enumerate(mixers)]
+            mixers = [self._mixer_name(f"mixers[{i}]", m) for i, m in enumerate(mixers)]
         self.mixers = mixers
         overrides = _layer_index_dict("mixer_overrides", mixer_overrides, self.num_hidden_layers)
-        self.mixer_overrides = {i: _check_name(f"mixer_overrides[{i}]", m) for i, m in overrides.items()}
+        self.mixer_overrides = {i: self._mixer_name(f"mixer_overrides[{i}]", m) for i, m in overrides.items()}
 
+    def _set_mixer_kwargs(self, mixer_kwargs: Any, layer_mixer_kwargs: Any, backend: Any) -> None:
+        """Per-name and per-layer constructor keywords; none may set what the model sets (or the backend)."""
         mixer_kwargs = {} if mixer_kwargs is None else mixer_kwargs
         if not isinstance(mixer_kwargs, dict) or not all(isinstance(v, dict) for v in mixer_kwargs.values()):
             raise TypeError("mixer_kwargs must be a dict {mixer name: {kwarg: value}}")
         for name in mixer_kwargs:
-            _check_name("mixer_kwargs key", name)
+            self._mixer_name("mixer_kwargs key", name)
         self.mixer_kwargs = {name: dict(kw) for name, kw in mixer_kwargs.items()}
         per_layer = _layer_index_dict("layer_mixer_kwargs", layer_mixer_kwargs, self.num_hidden_layers)
         if not all(isinstance(v, dict) for v in per_layer.values()):
@@ -163,36 +183,32 @@ class BayesLayerConfig(PretrainedConfig):
                           *((f"layer_mixer_kwargs[{i}]", k) for i, k in self.layer_mixer_kwargs.items())]:
             if reserved & set(kw):
                 raise ValueError(f"{where} may not set {sorted(reserved & set(kw))}: the model sets them")
+            if "backend" in kw:
+                raise ValueError(f"{where} may not set 'backend': a model has one backend, set it with "
+                                 f"BayesLayerConfig(backend=...) (got backend={backend!r} there)")
 
+    def _set_mlp(self, hidden_ratio: Any, intermediate_size: Any, hidden_act: Any) -> None:
         if hidden_ratio is not None and not (isinstance(hidden_ratio, numbers.Real) and hidden_ratio > 0):
             raise ValueError(f"hidden_ratio must be a positive number or None, got {hidden_ratio!r}")
         self.hidden_ratio = hidden_ratio
         self.intermediate_size = (
-            None if intermediate_size is None else _positive_int("intermediate_size", intermediate_size)
+            None if intermediate_size is None else check_int("intermediate_size", intermediate_size, minimum=1)
         )
         if hidden_act != "swish":
             raise ValueError(f"hidden_act must be 'swish' (a SwiGLU MLP), got {hidden_act!r}")
         self.hidden_act = hidden_act
+
+    def _set_norm_dropout_init(self, norm_eps: Any, dropouts: tuple, initializer_range: Any) -> None:
         if not (isinstance(norm_eps, numbers.Real) and norm_eps > 0):
             raise ValueError(f"norm_eps must be a positive number, got {norm_eps!r}")
         self.norm_eps = float(norm_eps)
-        for name, p in zip(_DROPOUTS, (embedding_dropout, mixer_dropout, mlp_dropout, mlp_hidden_dropout),
-                           strict=True):
+        for name, p in zip(_DROPOUTS, dropouts, strict=True):
             if not (isinstance(p, numbers.Real) and not isinstance(p, bool) and 0.0 <= p < 1.0):
                 raise ValueError(f"{name} must be a probability in [0, 1), got {p!r}")
             setattr(self, name, float(p))
         if not (isinstance(initializer_range, numbers.Real) and initializer_range > 0):
             raise ValueError(f"initializer_range must be a positive number, got {initializer_range!r}")
         self.initializer_range = float(initializer_range)
-        self.use_cache = bool(use_cache)
-        self.backend = check_backend(backend)
-        super().__init__(
-            pad_token_id=pad_token_id,
-            bos_token_id=bos_token_id,
-            eos_token_id=eos_token_id,
-            tie_word_embeddings=tie_word_embeddings,
-            **kwargs,
-        )
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):

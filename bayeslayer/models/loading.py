@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
+from ..files import read_json
 from ..training.checkpoint import MANIFEST, verify_checkpoint, write_manifest
-from ..training.files import read_json
 
 #: how many names an error message lists before "and N more"
 _SHOWN = 6

@@ -101,12 +101,12 @@ def _takes_backend(name: str) -> bool:
 
 def build_layer_mixer(config: BayesLayerConfig, layer_idx: int) -> nn.Module:
     """The token mixer of layer ``layer_idx``, built from the registry with the config's kwargs
-    (and ``config.backend`` for a mixer with a Triton implementation, unless its kwargs set one)."""
+    (and ``config.backend`` for a mixer with a Triton implementation: the config is its one place)."""
     from ..layers import build_mixer
 
     name, kwargs = config.mixer_arguments(layer_idx)
     if _takes_backend(name):
-        kwargs.setdefault("backend", getattr(config, "backend", "auto"))
+        kwargs["backend"] = getattr(config, "backend", "auto")
     return build_mixer(name, config.hidden_size, layer_idx=layer_idx, **kwargs)
 
 

@@ -1,11 +1,12 @@
 """How the package trains: the one loop and what it keeps on disk.
 
+Its files are written with :mod:`bayeslayer.files`, the package's one atomic, durable writer.
+
 * :mod:`~bayeslayer.training.loop` — :func:`~bayeslayer.training.loop.train_loop`, the one training loop
   (objective, parameter groups, schedule, accumulation, precision, clipping, evaluation hook,
   checkpoints, Ctrl-C, DDP) that every experiment's training calls, and its :class:`TrainConfig`;
 * :mod:`~bayeslayer.training.distributed` — the distributed context and the autocast precision;
 * :mod:`~bayeslayer.training.optim` — AdamW parameter groups (what weight decay may touch);
-* :mod:`~bayeslayer.training.files` — the one atomic, durable file writer and ``sha256_file``;
 * :mod:`~bayeslayer.training.state` — training state as JSON + safetensors (no pickle) and the
   RNG states of Python, NumPy and torch;
 * :mod:`~bayeslayer.training.checkpoint` — crash-safe checkpoint folders with a SHA-256 manifest,
@@ -15,24 +16,12 @@
 """
 
 from .checkpoint import CheckpointError, CheckpointStore, verify_checkpoint
-from .files import (
-    atomic_write,
-    atomic_write_bytes,
-    atomic_write_json,
-    atomic_write_text,
-    fsync_dir,
-    publish_directory,
-    read_json,
-    remove_stale_temporaries,
-    sha256_file,
-)
 from .interrupt import StopRequest, TrainingInterrupted, stop_on_interrupt
 from .lock import FolderBusyError, OutputLock
 from .state import decode_state, encode_state, load_state, rng_state, save_state, set_rng_state
 
 __all__ = [
     "CheckpointError", "CheckpointStore", "FolderBusyError", "OutputLock", "StopRequest", "TrainingInterrupted",
-    "atomic_write", "atomic_write_bytes", "atomic_write_json", "atomic_write_text", "decode_state",
-    "encode_state", "fsync_dir", "load_state", "publish_directory", "read_json", "remove_stale_temporaries",
-    "rng_state", "save_state", "set_rng_state", "sha256_file", "stop_on_interrupt", "verify_checkpoint",
+    "decode_state", "encode_state", "load_state", "rng_state", "save_state", "set_rng_state", "stop_on_interrupt",
+    "verify_checkpoint",
 ]

@@ -15,7 +15,7 @@ the new complete one reachable from ``latest``:
    SHA-256 of its own ``files`` entry) is written last and ``fsync``-ed, then the directory;
 3. the directory is renamed to a name no checkpoint has (``step-N``, else ``step-N.1``, ...), and
    the folder is ``fsync``-ed;
-4. ``latest`` is replaced atomically (:func:`~bayeslayer.training.files.atomic_write_text`);
+4. ``latest`` is replaced atomically (:func:`~bayeslayer.files.atomic_write_text`);
 5. only then are older checkpoints beyond ``keep`` deleted.
 
 A kill before 4 leaves ``latest`` naming the previous checkpoint; a kill after it leaves the new one
@@ -40,7 +40,8 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-from .files import (
+from ..checks import check_int
+from ..files import (
     TMP_PREFIX,
     atomic_write_text,
     fsync_dir,
@@ -142,8 +143,7 @@ class CheckpointStore:
     """
 
     def __init__(self, root: str | os.PathLike, *, keep: int = 2) -> None:
-        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-            raise ValueError(f"keep must be an integer >= 1, got {keep!r}")
+        keep = check_int("keep", keep, minimum=1)
         self.root = Path(root)
         self.keep = keep
 
@@ -232,8 +232,7 @@ class CheckpointStore:
 
     def save(self, step: int, write: Callable[[Path], object]) -> Path:
         """Save checkpoint ``step``: ``write(directory)`` writes the files; returns the final directory."""
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"step must be a non-negative integer, got {step!r}")
+        step = check_int("step", step, minimum=0)
         self.root.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=self.root, prefix=TMP_PREFIX))
         try:

@@ -7,7 +7,7 @@ pid, host, start time and command line into the file; a second run is refused wi
 
 The lock file is opened without following links (``O_NOFOLLOW``) and must be a regular file: a
 ``.lock`` that is a symbolic link (to a file the user can write), a FIFO or a folder is refused with
-:class:`~bayeslayer.training.files.UnsafeFileError` naming it, and nothing is truncated.
+:class:`~bayeslayer.files.UnsafeFileError` naming it, and nothing is truncated.
 
 The lock file of a folder that holds anything else is never deleted.  A lock made with
 ``remove_if_unused=True`` (the evaluation commands' output folders) removes the folder it created
@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from .files import open_regular
+from ..files import open_regular
 
 LOCK_NAME = ".lock"
 

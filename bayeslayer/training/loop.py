@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..checks import check_int
 from ..errors import NonFiniteError
 from .checkpoint import CheckpointStore
 from .distributed import DistContext, autocast
@@ -74,13 +75,9 @@ class TrainConfig:
 
     def __post_init__(self):
         for name in ("steps", "batch_size"):
-            val = getattr(self, name)
-            if not isinstance(val, int) or isinstance(val, bool) or val <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {val!r}")
+            check_int(name, getattr(self, name), minimum=1)
         for name in ("warmup_steps", "eval_every", "checkpoint_every", "seed"):
-            val = getattr(self, name)
-            if not isinstance(val, int) or isinstance(val, bool) or val < 0:
-                raise ValueError(f"{name} must be a non-negative integer, got {val!r}")
+            check_int(name, getattr(self, name), minimum=0)
         if self.warmup_steps >= self.steps and self.steps > 1:
             raise ValueError(f"warmup_steps ({self.warmup_steps}) must be < steps ({self.steps})")
         if not (math.isfinite(self.lr) and self.lr > 0):
@@ -253,6 +250,68 @@ def train_loop(
     Returns:
         the :class:`LoopState` (its ``finished`` says whether all steps are done).
     """
+    _check_loop_arguments(trainee, micro_batches, loss, config, stop_after, checkpoints)
+    ctx = DistContext() if ctx is None else ctx
+    params, optimizer, scheduler = _optimizer_and_schedule(trainee, groups, config, desc)
+    if rank_seed is not None:
+        torch.manual_seed(rank_seed)
+    state = LoopState()
+    _resume(state, checkpoints, optimizer, scheduler, ctx, rank_seed, config, desc)
+    if after_start is not None:
+        after_start(state)
+    keeper = _RunKeeper(state, ctx, checkpoints, optimizer, scheduler, evaluate, params, desc)
+
+    trainee.train()
+    module = _distributed_module(trainee, ctx, find_unused_parameters)
+    end = config.steps if stop_after is None else stop_after
+    bar = _progress_bar(progress, ctx, state, end, config.steps, desc, progress_leave)
+    session_steps = 0
+    try:
+        with stop_on_interrupt() as stop:
+            while state.step < end:
+                step = state.step
+                t0 = time.perf_counter()
+                batches = micro_batches(step)
+                if len(batches) < 1:
+                    raise ValueError(f"{desc}: micro_batches({step}) gave no micro-batch")
+                if hasattr(trainee, "set_step"):
+                    trainee.set_step(step)
+                optimizer.zero_grad(set_to_none=True)
+                loss_value, parts = _accumulate_gradients(module, trainee, batches, loss, ctx, autocast_dtype,
+                                                          params, desc, step)
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(params, config.grad_clip))
+                lr = scheduler.get_last_lr()[0]
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                state.step = step + 1
+                state.losses.append(loss_value)
+                seconds = time.perf_counter() - t0
+                state.seconds += seconds
+                session_steps += 1
+                _show_progress(bar, state, loss_value, session_steps, tokens_per_step)
+                if after_step is not None:
+                    after_step(state, StepInfo(step=state.step, loss=loss_value, parts=parts,
+                                               grad_norm=grad_norm, lr=lr, seconds=seconds))
+                keeper.after_step(config, stop)
+    except TrainingInterrupted:
+        raise
+    except KeyboardInterrupt:  # a second Ctrl-C, mid-step: the last complete checkpoint stands
+        raise _interrupted_mid_step(state, desc) from None
+    finally:
+        if bar is not None:
+            bar.close()
+    keeper.finish(config, final_eval_done)
+    if module is not trainee:
+        # free DDP (its reducer holds the process group) now, not whenever the cyclic GC runs: a DDP
+        # object collected during interpreter shutdown, after destroy_process_group, can abort the process
+        del module
+        gc.collect()
+    return state
+
+
+# -- the steps of train_loop ------------------------------------------------------------------------
+def _check_loop_arguments(trainee, micro_batches, loss, config, stop_after, checkpoints) -> None:
     if not isinstance(trainee, nn.Module):
         raise TypeError(f"trainee must be a torch.nn.Module, got {type(trainee).__name__}")
     if not callable(micro_batches) or not callable(loss):
@@ -265,7 +324,10 @@ def train_loop(
     if checkpoints is not None and not isinstance(checkpoints, Checkpoints):
         raise TypeError(f"checkpoints must be a Checkpoints, got {type(checkpoints).__name__}")
 
-    ctx = DistContext() if ctx is None else ctx
+
+def _optimizer_and_schedule(trainee: nn.Module, groups: Sequence[dict] | None, config: TrainConfig,
+                            desc: str) -> tuple[list[nn.Parameter], torch.optim.Optimizer, Any]:
+    """``(params, AdamW, LambdaLR)``: the parameters clipped (the groups', in order) and the one optimiser."""
     if groups is None:
         groups = [{"params": [p for p in trainee.parameters() if p.requires_grad]}]
     params = [p for g in groups for p in g["params"]]
@@ -274,26 +336,107 @@ def train_loop(
     optimizer = torch.optim.AdamW(param_groups(trainee, config.weight_decay, groups), lr=config.lr,
                                   betas=config.betas, eps=config.eps, weight_decay=config.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config))
-    if rank_seed is not None:
-        torch.manual_seed(rank_seed)
-    state = LoopState()
-    _resume(state, checkpoints, optimizer, scheduler, ctx, rank_seed, config, desc)
-    if after_start is not None:
-        after_start(state)
+    return params, optimizer, scheduler
 
-    def save() -> None:
+
+def _distributed_module(trainee: nn.Module, ctx: DistContext, find_unused_parameters: bool) -> nn.Module:
+    """``trainee`` itself in one process, else its DDP wrapper (what the loss is called with)."""
+    if not ctx.distributed:
+        return trainee
+    return torch.nn.parallel.DistributedDataParallel(
+        trainee, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
+        find_unused_parameters=find_unused_parameters)
+
+
+def _progress_bar(progress: bool, ctx: DistContext, state: LoopState, end: int, steps: int, desc: str,
+                  leave: bool):
+    """A tqdm bar on rank 0 when there are steps left to take, else ``None``."""
+    if not (progress and ctx.is_main and state.step < end):
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=steps, initial=state.step, desc=desc, unit="step", leave=leave, dynamic_ncols=True)
+
+
+def _show_progress(bar, state: LoopState, loss_value: float, session_steps: int,
+                   tokens_per_step: int | None) -> None:
+    if bar is None:
+        return
+    bar.update(1)
+    postfix = {"loss": f"{loss_value:.3f}"}
+    if tokens_per_step:
+        postfix["tok_s"] = f"{session_steps * tokens_per_step / max(state.seconds, 1e-9):,.0f}"
+    bar.set_postfix(**postfix)
+
+
+def _accumulate_gradients(module: nn.Module, trainee: nn.Module, batches: Sequence[Any], loss, ctx: DistContext,
+                          autocast_dtype: torch.dtype | None, params, desc: str,
+                          step: int) -> tuple[float, dict[str, float]]:
+    """Forward and backward every micro-batch of one step; ``(the step's loss, its parts)``, averaged.
+
+    Each loss is divided by the number of micro-batches before its backward pass (DDP synchronises only
+    on the last one); the float64 sum, averaged over ranks, is the step's loss, which must be finite.
+    """
+    n_micro = len(batches)
+    loss_sum = None  # float64, on the device of the loss (a harness model may sit on a GPU)
+    parts_sum: dict[str, float] = {}
+    for i, batch in enumerate(batches):
+        sync = module is trainee or i == n_micro - 1
+        with contextlib.nullcontext() if sync else module.no_sync():
+            try:
+                with autocast(ctx.device, autocast_dtype):
+                    out = loss(module, batch)
+                    value, parts = out if isinstance(out, tuple) else (out, {})
+                    value = value / n_micro
+                value.backward()
+            except Exception as err:  # noqa: BLE001 - re-raised as is unless the weights went non-finite
+                # the last update left NaN/Inf weights, which a layer's input check meets first
+                raise_if_diverged(err, params, desc=desc, step=step)
+                raise
+        part = value.detach().double()
+        loss_sum = part if loss_sum is None else loss_sum + part
+        for k, v in parts.items():
+            parts_sum[k] = parts_sum.get(k, 0.0) + float(v) / n_micro
+    if ctx.distributed:
+        dist.all_reduce(loss_sum)
+        loss_sum /= ctx.world_size
+    loss_value = float(loss_sum)
+    if not math.isfinite(loss_value):
+        raise FloatingPointError(f"{desc}: training diverged: the loss became {loss_value} at step {step}")
+    return loss_value, parts_sum
+
+
+def _interrupted_mid_step(state: LoopState, desc: str) -> TrainingInterrupted:
+    saved = (f"the last complete checkpoint is {state.saved_at}; rerun the same command to resume"
+             if state.saved_at else "no checkpoint was saved")
+    return TrainingInterrupted(f"{desc}: interrupted after step {state.step}; {saved}",
+                               step=state.saved_step if state.saved_at else state.step, checkpoint=state.saved_at)
+
+
+class _RunKeeper:
+    """What :func:`train_loop` does around the steps: evaluations, checkpoints and stopping on Ctrl-C."""
+
+    def __init__(self, state: LoopState, ctx: DistContext, checkpoints: Checkpoints | None, optimizer, scheduler,
+                 evaluate: Callable[[LoopState, bool], dict | None] | None, params, desc: str) -> None:
+        self.state, self.ctx, self.checkpoints = state, ctx, checkpoints
+        self.optimizer, self.scheduler = optimizer, scheduler
+        self.evaluate, self.params, self.desc = evaluate, params, desc
+
+    def save(self) -> None:
+        """Write a checkpoint of the run as it stands (collective: every rank contributes its RNG state)."""
+        checkpoints, ctx, state = self.checkpoints, self.ctx, self.state
         if checkpoints is None:
             return
         rng = rng_state(ctx.device)
-        if ctx.distributed:  # collective: every rank contributes its RNG state
+        if ctx.distributed:
             gathered: list = [None] * ctx.world_size
             dist.all_gather_object(gathered, rng)
             rng = gathered
         else:
             rng = [rng]
         trainer_state = {"step": state.step, "losses": state.losses, "evals": state.evals,
-                         **checkpoints.extra_state(state), "optimizer": optimizer.state_dict(),
-                         "scheduler": scheduler.state_dict(), "rng": rng}
+                         **checkpoints.extra_state(state), "optimizer": self.optimizer.state_dict(),
+                         "scheduler": self.scheduler.state_dict(), "rng": rng}
         if ctx.is_main:
             state.saved_at = str(checkpoints.save(state.step, trainer_state))
         ctx.barrier()
@@ -302,127 +445,48 @@ def train_loop(
             state.saved_at = str(pointed) if pointed is not None else None
         state.saved_step = state.step
 
-    def run_eval(final: bool) -> None:
-        if evaluate is not None:
-            try:
-                record = evaluate(state, final)
-            except Exception as err:  # noqa: BLE001 - re-raised as is unless the weights went non-finite
-                raise_if_diverged(err, params, desc=desc, step=state.step)
-                raise
-            if record is not None:
-                state.evals.append(record)
+    def run_eval(self, final: bool) -> None:
+        if self.evaluate is None:
+            return
+        try:
+            record = self.evaluate(self.state, final)
+        except Exception as err:  # noqa: BLE001 - re-raised as is unless the weights went non-finite
+            raise_if_diverged(err, self.params, desc=self.desc, step=self.state.step)
+            raise
+        if record is not None:
+            self.state.evals.append(record)
 
-    def stop_requested(stop) -> bool:
-        if not ctx.distributed:
+    def stop_requested(self, stop) -> bool:
+        if not self.ctx.distributed:
             return stop.requested
-        flag = torch.tensor([float(stop.requested)], device=ctx.device)
+        flag = torch.tensor([float(stop.requested)], device=self.ctx.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank stops at the same step
         return bool(flag.item())
 
-    trainee.train()
-    module = trainee
-    if ctx.distributed:
-        module = torch.nn.parallel.DistributedDataParallel(
-            trainee, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
-            find_unused_parameters=find_unused_parameters)
-    end = config.steps if stop_after is None else stop_after
-    bar = None
-    if progress and ctx.is_main and state.step < end:
-        from tqdm.auto import tqdm
+    def after_step(self, config: TrainConfig, stop) -> None:
+        """Evaluate and checkpoint when the step is due; on Ctrl-C save and raise ``TrainingInterrupted``."""
+        state = self.state
+        if config.eval_every and state.step % config.eval_every == 0 and state.step < config.steps:
+            self.run_eval(final=False)
+        if config.checkpoint_every and state.step % config.checkpoint_every == 0:
+            self.save()
+        if self.stop_requested(stop):
+            if self.checkpoints is not None and state.saved_step != state.step:
+                self.save()
+            raise TrainingInterrupted(
+                f"{self.desc}: interrupted at step {state.step}; "
+                + (f"saved it to {state.saved_at}; rerun the same command to resume" if state.saved_at
+                   else "no checkpoint was saved"), step=state.step, checkpoint=state.saved_at)
 
-        bar = tqdm(total=config.steps, initial=state.step, desc=desc, unit="step", leave=progress_leave,
-                   dynamic_ncols=True)
-    session_steps = 0
-    try:
-        with stop_on_interrupt() as stop:
-            while state.step < end:
-                step = state.step
-                t0 = time.perf_counter()
-                batches = micro_batches(step)
-                n_micro = len(batches)
-                if n_micro < 1:
-                    raise ValueError(f"{desc}: micro_batches({step}) gave no micro-batch")
-                if hasattr(trainee, "set_step"):
-                    trainee.set_step(step)
-                optimizer.zero_grad(set_to_none=True)
-                loss_sum = None  # float64, on the device of the loss (a harness model may sit on a GPU)
-                parts_sum: dict[str, float] = {}
-                for i, batch in enumerate(batches):
-                    sync = module is trainee or i == n_micro - 1
-                    with contextlib.nullcontext() if sync else module.no_sync():
-                        try:
-                            with autocast(ctx.device, autocast_dtype):
-                                out = loss(module, batch)
-                                value, parts = out if isinstance(out, tuple) else (out, {})
-                                value = value / n_micro
-                            value.backward()
-                        except Exception as err:  # noqa: BLE001 - re-raised as is unless the weights went non-finite
-                            # the last update left NaN/Inf weights, which a layer's input check meets first
-                            raise_if_diverged(err, params, desc=desc, step=step)
-                            raise
-                    part = value.detach().double()
-                    loss_sum = part if loss_sum is None else loss_sum + part
-                    for k, v in parts.items():
-                        parts_sum[k] = parts_sum.get(k, 0.0) + float(v) / n_micro
-                if ctx.distributed:
-                    dist.all_reduce(loss_sum)
-                    loss_sum /= ctx.world_size
-                loss_value = float(loss_sum)
-                if not math.isfinite(loss_value):
-                    raise FloatingPointError(f"{desc}: training diverged: the loss became {loss_value} at step {step}")
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(params, config.grad_clip))
-                lr = scheduler.get_last_lr()[0]
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-                state.step = step + 1
-                state.losses.append(loss_value)
-                seconds = time.perf_counter() - t0
-                state.seconds += seconds
-                session_steps += 1
-                if bar is not None:
-                    bar.update(1)
-                    postfix = {"loss": f"{loss_value:.3f}"}
-                    if tokens_per_step:
-                        postfix["tok_s"] = f"{session_steps * tokens_per_step / max(state.seconds, 1e-9):,.0f}"
-                    bar.set_postfix(**postfix)
-                if after_step is not None:
-                    after_step(state, StepInfo(step=state.step, loss=loss_value, parts=parts_sum,
-                                               grad_norm=grad_norm, lr=lr, seconds=seconds))
-                if config.eval_every and state.step % config.eval_every == 0 and state.step < config.steps:
-                    run_eval(final=False)
-                if config.checkpoint_every and state.step % config.checkpoint_every == 0:
-                    save()
-                if stop_requested(stop):
-                    if checkpoints is not None and state.saved_step != state.step:
-                        save()
-                    raise TrainingInterrupted(
-                        f"{desc}: interrupted at step {state.step}; "
-                        + (f"saved it to {state.saved_at}; rerun the same command to resume" if state.saved_at
-                           else "no checkpoint was saved"), step=state.step, checkpoint=state.saved_at)
-    except TrainingInterrupted:
-        raise
-    except KeyboardInterrupt:  # a second Ctrl-C, mid-step: the last complete checkpoint stands
-        saved = (f"the last complete checkpoint is {state.saved_at}; rerun the same command to resume"
-                 if state.saved_at else "no checkpoint was saved")
-        raise TrainingInterrupted(f"{desc}: interrupted after step {state.step}; {saved}",
-                                  step=state.saved_step if state.saved_at else state.step,
-                                  checkpoint=state.saved_at) from None
-    finally:
-        if bar is not None:
-            bar.close()
-    state.finished = state.step >= config.steps
-    if state.finished and not (final_eval_done is not None and final_eval_done(state)):
-        run_eval(final=True)
-        state.saved_step = -1  # the evaluation is part of the trainer state
-    if checkpoints is not None and state.saved_step != state.step:
-        save()
-    if module is not trainee:
-        # free DDP (its reducer holds the process group) now, not whenever the cyclic GC runs: a DDP
-        # object collected during interpreter shutdown, after destroy_process_group, can abort the process
-        del module
-        gc.collect()
-    return state
+    def finish(self, config: TrainConfig, final_eval_done: Callable[[LoopState], bool] | None) -> None:
+        """After the last step of this call: the final evaluation (once per run) and the last checkpoint."""
+        state = self.state
+        state.finished = state.step >= config.steps
+        if state.finished and not (final_eval_done is not None and final_eval_done(state)):
+            self.run_eval(final=True)
+            state.saved_step = -1  # the evaluation is part of the trainer state
+        if self.checkpoints is not None and state.saved_step != state.step:
+            self.save()
 
 
 def _resume(state: LoopState, checkpoints: Checkpoints | None, optimizer, scheduler, ctx: DistContext,

@@ -7,8 +7,9 @@ for the weight matrices of projections, embeddings and convolutions, and a wrong
   whose value *is* a time scale or a noise level, not a weight: ``A_log`` and ``dt_bias`` (decay
   ``α = exp(−exp(A_log)·softplus(a + dt_bias))``), the Bayesian Layer's noise biases ``r2_bias``,
   ``ell2_bias`` and rotation ``theta_bias``, Mamba-2's skip ``D``.  Decaying ``A_log`` towards 0 pulls
-  every head's decay rate towards ``exp(0) = 1`` — a learned timescale drifts to a fixed one;
-* the weights (and biases) of normalisation layers, whose neutral value is 1, not 0;
+  every head's decay rate towards ``exp(0) = 1`` — a learned timescale drifts to a fixed one; the
+  package's own normalisation gain (``GatedRMSNorm.weight``) carries the same flag;
+* the weights (and biases) of PyTorch's normalisation layers, whose neutral value is 1, not 0;
 * every bias (a shift, not an interaction).
 
 This is the convention the ``_no_weight_decay`` flag comes from — the flash-attention / Mamba training
@@ -29,13 +30,13 @@ from collections.abc import Sequence
 
 import torch.nn as nn
 
-from ..layers.common import GatedRMSNorm
-
-#: Module types whose parameters are never decayed (their weights scale a normalised signal).
+#: PyTorch's normalisation module types, whose parameters are never decayed (their weights scale a
+#: normalised signal).  The package's own norms flag their gains ``_no_weight_decay`` instead, so this
+#: module needs to know no layer class.
 NORM_TYPES: tuple[type[nn.Module], ...] = (
     nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.LocalResponseNorm,
     nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm,
-    nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d, GatedRMSNorm,
+    nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d,
 )
 
 #: Recorded in results configs so a reader (and a run cache) can tell which rule trained a model.

@@ -21,7 +21,7 @@ from lm_eval.tasks import TaskManager
 
 from bayeslayer.data.text import find_eos_id
 from bayeslayer.evaluation import hf_tokenizer, niah_records, write_niah_task, write_perplexity_task
-from bayeslayer.evaluation.harness import BayesLayerLM
+from bayeslayer.evaluation.lm_eval_adapter import BayesLayerLM
 from bayeslayer.experiments import niah
 from bayeslayer.experiments.heldout import evaluate_heldout
 from bayeslayer.models import BayesLayerForCausalLM
@@ -188,7 +188,7 @@ def test_the_command_line_runs_saved_directories(tmp_path, monkeypatch, tokenize
     tasks takes most of a minute here; the fresh-interpreter run below is marked slow)."""
     import lm_eval.tasks
 
-    from bayeslayer.evaluation import harness
+    from bayeslayer.evaluation import lm_eval_adapter
 
     task, expected = _ppl_cli_task(tmp_path, tokenizer, bl_dir)
 
@@ -203,7 +203,7 @@ def test_the_command_line_runs_saved_directories(tmp_path, monkeypatch, tokenize
     for model, model_dir in (("bayeslayer", bl_dir), ("hf", hf_dir)):
         out = tmp_path / f"out_{model}"
         monkeypatch.setattr(sys, "argv", ["lm_eval", *_cli_args(model, model_dir, task, tmp_path / "tasks", out)])
-        harness.main()
+        lm_eval_adapter.main()
         got = _cli_results(out, task)
         for metric in METRICS:
             assert got[metric] == pytest.approx(expected[metric], rel=1e-6), (model, metric)

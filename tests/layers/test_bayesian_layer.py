@@ -148,13 +148,13 @@ def test_state_size_docstring_formula():
     (dict(covariance="lowrank"), "covariance=.lowrank. needs rank"),
     (dict(covariance="lowrank", rank=9), "rank must be <= the key dim D = 8"),
     (dict(groups=3), r"groups=3 must divide the value head dim m = head_dim·expand_v = 16"),
-    (dict(groups=0), "groups must be a positive integer"),
+    (dict(groups=0), "groups must be an integer >= 1"),
     (dict(expand_v=1.3), "non-integer value head dim"),
     (dict(p0=0.0), "p0 must be finite and > 0"),
     (dict(p0=float("nan")), "p0 must be finite and > 0"),
     (dict(r2_init=1e-4), "r2_init=0.0001 must exceed its floor 0.001"),
     (dict(ell2_floor=-1.0), "ell2_floor must be finite and > 0"),
-    (dict(conv_size=0), "conv_size must be a positive integer"),
+    (dict(conv_size=0), "conv_size must be an integer >= 1"),
 ])
 def test_bad_config(bad, match):
     with pytest.raises(ValueError, match=match):

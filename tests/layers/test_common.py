@@ -48,7 +48,7 @@ def test_short_conv_cache(pieces):
 def test_short_conv_bad_config():
     with pytest.raises(ValueError, match="activation must be"):
         ShortConvolution(4, 4, activation="gelu")
-    with pytest.raises(ValueError, match="conv_size must be a positive integer"):
+    with pytest.raises(ValueError, match="conv_size must be an integer >= 1"):
         ShortConvolution(4, 0)
 
 

@@ -259,13 +259,13 @@ def test_attention_bad_cache_raises():
 def test_bad_config_raises(name):
     extra = dict(state_size=4) if name == "mamba2" else {}
     for bad, err, match in [
-        (dict(num_heads=0), ValueError, "num_heads must be a positive integer"),
-        (dict(head_dim=2.5), ValueError, "head_dim must be a positive integer"),
+        (dict(num_heads=0), ValueError, "num_heads must be an integer >= 1, got 0"),
+        (dict(head_dim=2.5), ValueError, "head_dim must be an integer, got float 2.5"),
         (dict(chunk_size=0) if name != "attention" else dict(rope_base=-1.0), ValueError, "must be"),
     ]:
         with pytest.raises(err, match=match):
             build_mixer(name, HIDDEN, **{**dict(num_heads=2, head_dim=8, **extra), **bad})
-    with pytest.raises(ValueError, match="hidden_size must be a positive integer"):
+    with pytest.raises(ValueError, match="hidden_size must be an integer >= 1"):
         build_mixer(name, 0)
     with pytest.raises(TypeError):
         build_mixer(name, HIDDEN, not_an_argument=1)
@@ -306,3 +306,29 @@ def test_every_registry_mixer_has_one_label():
     assert list(MIXER_LABELS) == list(MIXERS)
     assert len(set(MIXER_LABELS.values())) == len(MIXER_LABELS)
     assert all(isinstance(label, str) and label for label in MIXER_LABELS.values())
+
+
+def test_a_mixer_is_one_registration_and_the_views_are_read_only():
+    from bayeslayer.layers import MIXER_REGISTRY, register_mixer
+
+    saved = dict(MIXER_REGISTRY)
+    try:
+        cls = type("Renamed", (MIXERS["deltanet"],), {})
+        assert register_mixer("renamed_deltanet", cls, label="R-DeltaNet") is cls
+        assert MIXERS["renamed_deltanet"] is cls and MIXER_LABELS["renamed_deltanet"] == "R-DeltaNet"
+        assert type(build_mixer("renamed_deltanet", 16, num_heads=2, head_dim=8)) is cls
+        with pytest.raises(ValueError, match="mixer 'renamed_deltanet' is already registered"):
+            register_mixer("renamed_deltanet", cls, label="other")
+        with pytest.raises(ValueError, match="label 'BL' is already the label of mixer 'bayesian'"):
+            register_mixer("other", cls, label="BL")
+        with pytest.raises(ValueError, match="label must be a non-empty string"):
+            register_mixer("other", cls, label=" ")
+        with pytest.raises(ValueError, match="name must be a mixer name"):
+            register_mixer("no spaces", cls, label="X")
+        with pytest.raises(TypeError, match="cls must be a torch.nn.Module subclass"):
+            register_mixer("other", object, label="X")
+        with pytest.raises(TypeError):
+            MIXERS["other"] = cls  # the views cannot be written around the registration
+    finally:
+        MIXER_REGISTRY.clear()
+        MIXER_REGISTRY.update(saved)

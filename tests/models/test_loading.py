@@ -197,7 +197,7 @@ def test_a_known_model_type_with_auto_map_runs_no_folder_code(saved, tmp_path, m
 def test_a_gated_deltanet_folder_with_damaged_weights_is_named(tmp_path):
     from bayeslayer.models import load_gdn_checkpoint
 
-    from .test_checkpoint import fla_model
+    from .test_fla_import import fla_model
 
     directory = tmp_path / "gdn"
     fla_model().save_pretrained(directory)

@@ -58,9 +58,11 @@ def test_backend_is_a_config_field_saved_in_config_json(tmp_path):
 def test_model_passes_the_backend_to_the_mixers_with_a_kernel():
     model = BayesLayerForCausalLM(config(["bayesian", "gated_deltanet", "attention"], backend="torch"))
     assert [getattr(layer.attn, "backend", None) for layer in model.model.layers] == ["torch", "auto", None]
-    # a per-mixer setting wins over the config's
-    cfg = config(["bayesian"], backend="torch", mixer_kwargs={"bayesian": {"chunk_size": 16, "backend": "auto"}})
-    assert BayesLayerForCausalLM(cfg).model.layers[0].attn.backend == "auto"
+    # the config's backend is the one place: a second one in the mixer kwargs is refused, naming both
+    with pytest.raises(ValueError, match=r"mixer_kwargs\['bayesian'\] may not set 'backend'.*backend='torch'"):
+        config(["bayesian"], backend="torch", mixer_kwargs={"bayesian": {"chunk_size": 16, "backend": "auto"}})
+    with pytest.raises(ValueError, match=r"layer_mixer_kwargs\[0\] may not set 'backend'"):
+        config(["bayesian"], layer_mixer_kwargs={0: {"backend": "triton"}})
 
 
 def test_forced_triton_model_without_a_kernel_is_refused():

@@ -13,12 +13,11 @@ import pytest
 import torch
 
 from bayeslayer.experiments.harness import TrainConfig, train
+from bayeslayer.files import atomic_write_text, remove_stale_temporaries
 from bayeslayer.training import (
     CheckpointError,
     CheckpointStore,
-    atomic_write_text,
     load_state,
-    remove_stale_temporaries,
     rng_state,
     save_state,
     set_rng_state,
@@ -102,7 +101,7 @@ def test_stale_temporaries_are_removed_only_on_request(tmp_path):
 def test_atomic_write_keeps_the_old_file_on_error(tmp_path):
     path = tmp_path / "f.txt"
     atomic_write_text(path, "old")
-    from bayeslayer.training import atomic_write
+    from bayeslayer.files import atomic_write
 
     with pytest.raises(RuntimeError), atomic_write(path, "w") as fh:
         fh.write("new, half")

@@ -11,8 +11,16 @@ import os
 import pytest
 import torch
 
-from bayeslayer.training import OutputLock, atomic_write_json, atomic_write_text, publish_directory
-from bayeslayer.training.files import UnsafeFileError, append_text, check_writable_file, open_regular
+from bayeslayer.files import (
+    UnsafeFileError,
+    append_text,
+    atomic_write_json,
+    atomic_write_text,
+    check_writable_file,
+    open_regular,
+    publish_directory,
+)
+from bayeslayer.training import OutputLock
 from bayeslayer.training.state import read_safetensors, write_safetensors
 
 TARGET_TEXT = "precious contents\n"

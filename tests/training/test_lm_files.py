@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from bayeslayer.experiments.lm import load_run, train_lm
+from bayeslayer.files import UnsafeFileError
 from bayeslayer.models.loading import verify_model_dir
-from bayeslayer.training.files import UnsafeFileError
 
 from .faults import single_thread, tiny_lm
 

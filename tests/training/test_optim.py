@@ -66,7 +66,8 @@ def test_groups_exempt_flagged_norm_and_bias_parameters():
     for name in ("bl.A_log", "bl.dt_bias", "bl.r2_bias", "bl.ell2_bias", "bl.theta_bias", "gdn.A_log",
                  "gdn.dt_bias", "m2.A_log", "m2.dt_bias", "m2.D"):
         assert split[name] == "flagged", name
-    assert split["ln.weight"] == split["bl.o_norm.weight"] == split["m2.norm.weight"] == "norm"
+    assert split["ln.weight"] == "norm"
+    assert split["bl.o_norm.weight"] == split["m2.norm.weight"] == "flagged"  # the package's norm flags its gain
     assert split["lin.bias"] == "bias" and split["m2.conv1d.bias"] == "bias"
     for name in ("lin.weight", "emb.weight", "bl.q_proj.weight", "bl.r2_proj.weight", "gdn.a_proj.weight",
                  "m2.in_proj.weight", "m2.conv1d.weight", "bl.q_conv1d.weight"):

@@ -17,7 +17,7 @@ from typing import BinaryIO
 
 import numpy as np
 
-from bayeslayer.training.files import atomic_write, atomic_write_text, sha256_file
+from bayeslayer.files import atomic_write, atomic_write_text, sha256_file
 
 from .sources import DocumentSource, release_parquet_rows
 from .tokenizer import tokenizer_digest

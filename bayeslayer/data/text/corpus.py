@@ -10,8 +10,9 @@ from pathlib import Path
 
 import numpy as np
 
+from bayeslayer.checks import INT_MAX, check_int
 from bayeslayer.data.arhit import ARHitAnnotation, BigramCounts, annotate_ar_hits
-from bayeslayer.training.files import atomic_write_text
+from bayeslayer.files import atomic_write_text
 
 from .cache import FORMAT_VERSION, TokenStream, cache_key, default_cache_dir, tokenize_split
 from .sources import PYTHON_DOCS_INSTALL, SOURCE_HELP, SPLITS, CorpusFiles, corpus_files, prepare_default_corpus
@@ -124,8 +125,7 @@ def load_text_corpus(
     bad = [s for s in splits if s not in SPLITS]
     if bad or not splits:
         raise ValueError(f"splits must be a non-empty subset of {SPLITS}, got {tuple(splits)}")
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int):
-        raise TypeError(f"vocab_size must be an int, got {type(vocab_size).__name__}")
+    check_int("vocab_size", vocab_size, minimum=-INT_MAX)  # its range is the tokenizer's to check
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     files = corpus_files(
         source,

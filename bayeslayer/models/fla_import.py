@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ..training.files import read_json
+from ..files import read_json
 from .configuration import BayesLayerConfig
 from .modeling import BayesLayerForCausalLM
 

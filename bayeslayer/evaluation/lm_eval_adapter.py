@@ -33,8 +33,8 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
 from .. import models as _models  # noqa: F401  (registers model_type "bayeslayer" with the Auto classes)
+from ..files import read_json
 from ..models import load_gdn_checkpoint
-from ..training.files import read_json
 from .tasks import hf_tokenizer
 
 _DTYPES = {"float32": "float32", "fp32": "float32", "float64": "float64", "bfloat16": "bfloat16",
