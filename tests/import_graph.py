@@ -14,7 +14,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "bayeslayer"
 
 
 def module_name(path: Path) -> str:
-    """``bayeslayer/ops/chunk.py`` → ``bayeslayer.ops.chunk``; a package's ``__init__.py`` → the package."""
+    """``bayeslayer/ops/bayesian_layer/chunk.py`` → ``bayeslayer.ops.bayesian_layer.chunk``; a package's
+    ``__init__.py`` → the package."""
     parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()

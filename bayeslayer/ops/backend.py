@@ -2,11 +2,11 @@
 
 Two implementations sit below this module and know nothing of each other or of it:
 
-* ``torch`` — :func:`bayeslayer.ops.chunk.filter_chunk` and
-  :func:`bayeslayer.ops.recurrent.filter_recurrent` (every write model and dynamics, any device);
-* ``triton`` — :func:`bayeslayer.ops.triton.bl_chunk_triton` and
-  :func:`bayeslayer.ops.triton.bl_step_triton` (the exact Kalman filter, write model ``bayes``,
-  identity / scalar / diagonal decay; :mod:`bayeslayer.ops.triton.support` lists what they run).
+* ``torch`` — :func:`bayeslayer.ops.bayesian_layer.chunk.filter_chunk` and
+  :func:`bayeslayer.ops.bayesian_layer.recurrent.filter_recurrent` (every write model and dynamics, any device);
+* ``triton`` — :func:`bayeslayer.ops.bayesian_layer.chunk_triton.bl_chunk_triton` and
+  :func:`bayeslayer.ops.bayesian_layer.step_triton.bl_step_triton` (the exact Kalman filter, write model ``bayes``,
+  identity / scalar / diagonal decay; :mod:`bayeslayer.ops.bayesian_layer.triton_support` lists what they run).
 
 ``backend`` is ``"auto"`` (default), ``"torch"`` or ``"triton"``:
 
@@ -31,15 +31,16 @@ from __future__ import annotations
 
 import torch
 
-from .chunk import filter_chunk
-from .cp import filter_chunk_cp
-from .prepare import FilterOutput
-from .recurrent import filter_recurrent
-from .triton import bl_chunk_triton, bl_step_triton  # called under these names (tests/triton_spy.py)
-from .triton.support import BackendError, triton_unavailable, unsupported
+from .bayesian_layer.chunk import filter_chunk
+from .bayesian_layer.chunk_triton import bl_chunk_triton  # called under this name (tests/triton_spy.py)
+from .bayesian_layer.cp import filter_chunk_cp
+from .bayesian_layer.prepare import FilterOutput
+from .bayesian_layer.recurrent import filter_recurrent
+from .bayesian_layer.step_triton import bl_step_triton  # called under this name (tests/triton_spy.py)
+from .bayesian_layer.triton_support import BackendError, triton_unavailable, unsupported
 
 BACKENDS = ("auto", "torch", "triton")
-# bl_chunk_triton's forward is the segment scan (ops/triton/scan.py; one segment, i.e. the
+# bl_chunk_triton's forward is the segment scan (ops/bayesian_layer/scan_triton.py; one segment, i.e. the
 # chunk-serial covariance kernel, up to 4096 tokens); ``n_segments`` overrides its segment count.
 
 __all__ = ["BACKENDS", "BackendError", "bl_chunk", "bl_step", "check_backend", "dispatch_chunk",
@@ -100,7 +101,7 @@ def dispatch_chunk(
     chunk_size: int = 64, cu_seqlens: torch.Tensor | None = None, backend="auto", n_segments: int | None = None,
 ) -> FilterOutput:
     """The chunked filter of write model ``write`` on the selected backend (arguments of
-    :func:`bayeslayer.ops.chunk.filter_chunk`).  ``n_segments``: the Triton path's segment count
+    :func:`bayeslayer.ops.bayesian_layer.chunk.filter_chunk`).  ``n_segments``: the Triton path's segment count
     (see :func:`bl_chunk`); the PyTorch path has no segments and ignores it.
 
     On the Triton path ``FilterOutput.gain`` is ``None`` (the kernels do not return the per-token
@@ -144,7 +145,7 @@ def dispatch_step(
     backend="auto",
 ) -> FilterOutput:
     """One decoding step of write model ``write`` on the selected backend (shapes without the time
-    axis; ``state`` required; arguments of :func:`bayeslayer.ops.recurrent.filter_recurrent` with
+    axis; ``state`` required; arguments of :func:`bayeslayer.ops.bayesian_layer.recurrent.filter_recurrent` with
     ``single_step=True``).  Returns the variance whenever the write model defines one, and
     ``gain=None`` on the Triton path."""
     if state is None:
@@ -196,9 +197,9 @@ def bl_chunk(
     ``cu_seqlens`` (``[N + 1]`` int, B = 1) packs N variable-length sequences along T like
     flash-linear-attention; ``initial_state``/final state are then per sequence (N in place of B).
     A wide prior (``p0·‖k‖²/r² > 1e4``) or a float64 ``P`` runs the covariance pass in float64 and
-    returns ``P`` in float64 (:func:`~bayeslayer.ops.checks.covariance_dtype`), a wide prior the mean
+    returns ``P`` in float64 (:func:`~bayeslayer.ops.utils.validation.covariance_dtype`), a wide prior the mean
     pass too; on the PyTorch path a group of chunks where ``max diag(P)·‖k‖²/r²`` can exceed 1e2 runs
-    its covariance pass in float64 as well (:func:`~bayeslayer.ops.chunk.chunk_group_dtype`); a chunk
+    its covariance pass in float64 as well (:func:`~bayeslayer.ops.bayesian_layer.chunk.chunk_group_dtype`); a chunk
     that is not positive definite even so raises a ``ValueError`` naming p0 and the safe range.
     ``backend``: ``"auto"`` (Triton kernels for CUDA tensors when Triton is installed and the
     configuration is supported, else PyTorch), ``"torch"``, or ``"triton"`` (the kernels, or a
@@ -207,11 +208,11 @@ def bl_chunk(
     sequence split into this many segments (None: chosen from B·H and T, one segment up to 4096
     tokens; segments never cross a ``cu_seqlens`` boundary); the PyTorch path ignores it.
 
-    ``cp_context``: a :class:`~bayeslayer.ops.cp.CPContext` (:func:`~bayeslayer.ops.cp.build_cp_context`)
-    runs this rank's slice of a context-parallel sequence (:mod:`bayeslayer.ops.cp`, PyTorch path): q, k,
-    v, ... hold the slice, ``initial_state`` the global sequences' states, and the final state those
-    of the sequences that end on this rank (``cp_context.final_seqs``); ``cu_seqlens`` goes into the
-    context instead.
+    ``cp_context``: a :class:`~bayeslayer.ops.bayesian_layer.cp.CPContext`
+    (:func:`~bayeslayer.ops.bayesian_layer.cp.build_cp_context`) runs this rank's slice of a context-parallel sequence
+    (:mod:`bayeslayer.ops.bayesian_layer.cp`, PyTorch path): q, k, v, ... hold the slice, ``initial_state`` the global
+    sequences' states, and the final state those of the sequences that end on this rank (``cp_context.final_seqs``);
+    ``cu_seqlens`` goes into the context instead.
 
     Returns ``(o, state)`` or, with ``return_variance``, ``(o, variance [B, T, H, G], state)``.
     """

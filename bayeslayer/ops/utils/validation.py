@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import NonFiniteError
+from ...errors import NonFiniteError
 
 _VALUE_CHECKS = True
 
