@@ -7,9 +7,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..design import BAYESIAN, DIAGONAL_COVARIANCE, lowrank_diagonal
-from ..ops.backend import BackendError, check_backend
+from ..ops.backend import BackendError, check_backend, unsupported
 from ..ops.bayesian_layer.lowrank import check_rank
-from ..ops.bayesian_layer.triton_support import unsupported
 from .base import QKVMixer
 from .common import (
     check_positive_float,

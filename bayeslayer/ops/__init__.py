@@ -15,7 +15,7 @@ one per job, are in :mod:`.bayesian_layer`; what every op shares is in :mod:`.ut
 
 from .backend import BACKENDS, BackendError, bl_chunk, bl_step
 from .bayesian_layer.chunk import filter_chunk
-from .bayesian_layer.chunk_triton import set_triton_backward
+from .bayesian_layer.chunk_triton import TRITON_BACKWARDS, triton_backward
 from .bayesian_layer.cp import CPContext, build_cp_context
 from .bayesian_layer.prepare import FilterInputs, FilterOutput
 from .bayesian_layer.recurrent import bl_recurrent, filter_recurrent, initial_bl_state
@@ -26,6 +26,7 @@ __all__ = [
     "BACKENDS",
     "WRITE_MODELS",
     "BackendError",
+    "TRITON_BACKWARDS",
     "CPContext",
     "FilterInputs",
     "FilterOutput",
@@ -38,7 +39,7 @@ __all__ = [
     "filter_recurrent",
     "get_write_model",
     "initial_bl_state",
-    "set_triton_backward",
+    "triton_backward",
     "set_value_checks",
     "value_checks",
 ]

@@ -23,11 +23,15 @@ one-token sequence instead of the step kernel, which is not differentiable.
 
 Every caller goes through here: :func:`bl_chunk`, :func:`bl_step`, ``DesignModel.chunk/step``
 (:func:`dispatch_chunk`, :func:`dispatch_step`), the layers and the language model (their
-``backend`` argument / config field).  Import order is one-way: ``checks, prepare → chunk,
-recurrent → triton → backend → design → layers → models``.
+``backend`` argument / config field); the layers ask it (:func:`unsupported`) what the kernels run.
+:data:`IMPLEMENTATIONS` is the registry of what each backend runs.  Import order is one-way:
+``utils → bayesian_layer (prepare → chunk, recurrent → *_triton) → backend → design → layers → models``.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -39,12 +43,11 @@ from .bayesian_layer.recurrent import filter_recurrent
 from .bayesian_layer.step_triton import bl_step_triton  # called under this name (tests/triton_spy.py)
 from .bayesian_layer.triton_support import BackendError, triton_unavailable, unsupported
 
-BACKENDS = ("auto", "torch", "triton")
 # bl_chunk_triton's forward is the segment scan (ops/bayesian_layer/scan_triton.py; one segment, i.e. the
 # chunk-serial covariance kernel, up to 4096 tokens); ``n_segments`` overrides its segment count.
 
-__all__ = ["BACKENDS", "BackendError", "bl_chunk", "bl_step", "check_backend", "dispatch_chunk",
-           "dispatch_step", "select_backend"]
+__all__ = ["BACKENDS", "IMPLEMENTATIONS", "BackendError", "Implementation", "bl_chunk", "bl_step", "check_backend",
+           "dispatch_chunk", "dispatch_step", "select_backend", "unsupported"]
 
 
 def check_backend(backend, name: str = "backend") -> str:
@@ -113,12 +116,21 @@ def dispatch_chunk(
         backend = "torch" if write == "bayes" else backend
     chosen = select_backend(backend, "chunk", device=device, write=write, rotation=theta is not None,
                             head_dim=D, chunk_size=chunk_size, dtype=dtype)
-    if chosen == "torch":
-        return filter_chunk(
-            q, k, v, write=write, r2=r2, ell2=ell2, lam=lam, gain=gain, alpha=alpha, theta=theta, p0=p0,
-            initial_state=initial_state, output_final_state=output_final_state,
-            return_variance=return_variance, chunk_size=chunk_size, cu_seqlens=cu_seqlens,
-        )
+    return IMPLEMENTATIONS[chosen].chunk(
+        q, k, v, write=write, r2=r2, ell2=ell2, lam=lam, gain=gain, alpha=alpha, theta=theta, p0=p0,
+        initial_state=initial_state, output_final_state=output_final_state, return_variance=return_variance,
+        chunk_size=chunk_size, cu_seqlens=cu_seqlens, n_segments=n_segments,
+    )
+
+
+def _chunk_torch(q, k, v, *, n_segments=None, **kwargs) -> FilterOutput:
+    """The PyTorch chunked path (no segments: ``n_segments`` is the Triton path's)."""
+    return filter_chunk(q, k, v, **kwargs)
+
+
+def _chunk_triton(q, k, v, *, write, r2, ell2, lam, gain, alpha, theta, p0, initial_state, output_final_state,
+                  return_variance, chunk_size, cu_seqlens, n_segments) -> FilterOutput:
+    """The Triton kernels (write model ``bayes``; ``select_backend`` has refused anything else)."""
     out = bl_chunk_triton(
         q, k, v, r2, ell2, alpha=alpha, p0=p0, initial_state=initial_state,
         output_final_state=output_final_state, return_variance=return_variance, chunk_size=chunk_size,
@@ -155,9 +167,18 @@ def dispatch_step(
         backend = "torch" if write == "bayes" else backend
     chosen = select_backend(backend, "step", device=device, write=write, rotation=theta is not None,
                             head_dim=D, dtype=dtype)
-    if chosen == "torch":
-        return filter_recurrent(q, k, v, write=write, r2=r2, ell2=ell2, lam=lam, gain=gain, alpha=alpha,
-                                theta=theta, initial_state=state, output_final_state=True, single_step=True)
+    return IMPLEMENTATIONS[chosen].step(q, k, v, write=write, state=state, r2=r2, ell2=ell2, lam=lam, gain=gain,
+                                        alpha=alpha, theta=theta)
+
+
+def _step_torch(q, k, v, *, write, state, r2, ell2, lam, gain, alpha, theta) -> FilterOutput:
+    """One step of the recurrent oracle (every write model and dynamics)."""
+    return filter_recurrent(q, k, v, write=write, r2=r2, ell2=ell2, lam=lam, gain=gain, alpha=alpha,
+                            theta=theta, initial_state=state, output_final_state=True, single_step=True)
+
+
+def _step_triton(q, k, v, *, write, state, r2, ell2, lam, gain, alpha, theta) -> FilterOutput:
+    """The fused step kernel, or (inputs that need gradients) the chunk kernels on a one-token sequence."""
     if _needs_grad(q, k, v, r2, ell2, alpha, state):
         # the step kernel is not differentiable; the chunk forward (and its backward) on one token is
         o, var, new_state = bl_chunk_triton(
@@ -168,6 +189,25 @@ def dispatch_step(
         return FilterOutput(o[:, 0], var[:, 0], None, new_state)
     o, var, new_state = bl_step_triton(q, k, v, r2, ell2, alpha, state=state, return_variance=True)
     return FilterOutput(o, var, None, new_state)
+
+
+class Implementation(NamedTuple):
+    """What a backend runs: ``chunk(q, k, v, *, write, r2, ell2, lam, gain, alpha, theta, p0, initial_state,
+    output_final_state, return_variance, chunk_size, cu_seqlens, n_segments)`` and ``step(q, k, v, *, write,
+    state, r2, ell2, lam, gain, alpha, theta)``, both returning a :class:`FilterOutput`."""
+
+    chunk: Callable[..., FilterOutput]
+    step: Callable[..., FilterOutput]
+
+
+#: the implementations :func:`select_backend` chooses between, by name (``"auto"`` picks one of them per call).
+#: Each looks its entry points up in this module when it runs (so ``tests/triton_spy.py`` can wrap them).
+IMPLEMENTATIONS: dict[str, Implementation] = {
+    "torch": Implementation(chunk=_chunk_torch, step=_step_torch),
+    "triton": Implementation(chunk=_chunk_triton, step=_step_triton),
+}
+#: the names ``backend`` takes: ``"auto"`` and the keys of :data:`IMPLEMENTATIONS`
+BACKENDS = ("auto", *IMPLEMENTATIONS)
 
 
 def bl_chunk(

@@ -390,13 +390,13 @@ def test_bl_chunk_triton_scan_backward_16bit(monkeypatch, dtype, regime, diagona
 
 @runs_triton
 def test_backward_switch(monkeypatch):
-    """``blockwise`` stays the default; ``set_triton_backward`` (``DEFAULT_BACKWARD``, read at call time) or
-    ``backward=`` select the scan; anything else is refused naming the argument; without a gradient to take the
-    plain forward runs (same output)."""
-    from bayeslayer.ops import set_triton_backward
+    """``blockwise`` stays the default; ``with triton_backward("scan"):`` (the default inside the block, restored
+    after it) or ``backward=`` select the scan; anything else is refused naming the argument; without a gradient
+    to take the plain forward runs (same output)."""
+    from bayeslayer.ops import TRITON_BACKWARDS, triton_backward
     from bayeslayer.ops.bayesian_layer import chunk_triton as tc
 
-    assert tc.DEFAULT_BACKWARD == "blockwise"
+    assert tc.default_triton_backward() == "blockwise" and set(TRITON_BACKWARDS) == {"blockwise", "scan"}
     inputs = _case("longmem", False, B=1, T=20, H=1, state=False, device=DEVICE)
     ran = []
     monkeypatch.setattr(scan_grad, "scan_backward", lambda *a, **kw: ran.append(1) or (_ for _ in ()).throw(
@@ -406,18 +406,23 @@ def test_backward_switch(monkeypatch):
     o, _ = tc.bl_chunk_triton(*args, chunk_size=16)
     o.sum().backward()  # blockwise: the scan backward never ran
     assert ran == []
-    with pytest.raises(ValueError, match="backward must be one of"):
-        set_triton_backward("fused")
-    monkeypatch.setattr(tc, "DEFAULT_BACKWARD", "blockwise")  # restored after the test whatever happens
-    assert set_triton_backward("scan") == "blockwise" and tc.DEFAULT_BACKWARD == "scan"
-    o, _ = tc.bl_chunk_triton(*args, chunk_size=16)
+    with pytest.raises(ValueError, match="backward must be one of"), triton_backward("fused"):
+        pass
+    with triton_backward("scan") as chosen:
+        assert chosen == "scan" and tc.default_triton_backward() == "scan"
+        o, _ = tc.bl_chunk_triton(*args, chunk_size=16)
+    assert tc.default_triton_backward() == "blockwise"  # restored on leaving the block
+    with pytest.raises(RuntimeError, match="scan backward ran"):
+        o.sum().backward()  # chosen when the forward ran, inside the block
+    o, _ = tc.bl_chunk_triton(*args, chunk_size=16, backward="scan")
     with pytest.raises(RuntimeError, match="scan backward ran"):
         o.sum().backward()
     with pytest.raises(ValueError, match="backward must be"):
         tc.bl_chunk_triton(*args, chunk_size=16, backward="fused")
     # inference (no gradient can be asked for) runs the plain forward whichever backward is selected
-    monkeypatch.setattr(tc, "_scan_autograd", lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("scan forward")))
-    with torch.no_grad():
+    monkeypatch.setitem(tc.TRITON_BACKWARDS, "scan",
+                        lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("scan forward")))
+    with torch.no_grad(), triton_backward("scan"):
         o2, _ = tc.bl_chunk_triton(*args, chunk_size=16)
     assert torch.equal(o2, o.detach())
 

@@ -13,7 +13,7 @@ differentiating it (:func:`_blockwise_backward`).  Gradients are therefore the
 PyTorch path's; memory is the checkpoints, one block's graph and one gradient
 buffer per input (in its dtype); time is a Python loop over blocks, and inside
 the chunk step over their chunks — host-bound on a GPU (docs/kernels.md).
-``backward="scan"`` (or :data:`DEFAULT_BACKWARD`) instead differentiates the segment scan itself:
+``backward="scan"`` (or the default set by :func:`triton_backward`) instead differentiates the segment scan itself:
 ``prepare_scan`` under plain autograd, :class:`bayeslayer.ops.bayesian_layer.scan_grad.ScanFunction` on
 :func:`forward_scan_packed` (which keeps W, the ``L⁻¹`` rows, the ``P_s`` checkpoints and Phase A's
 elements), ``finish_scan`` under autograd.  Its backward: fla's mean-pass backward kernels, the
@@ -21,14 +21,18 @@ substitution's adjoint (PyTorch, batched over chunks) and the covariance scan's 
 of :mod:`.scan_backward_triton` (``ScanSpec.covariance="triton"``, on the stored Phase A elements; no host loop over
 chunks or segments, one failure check after it).  ``"blockwise"`` stays the default until the scan backward
 has run on a GPU (its kernels are tested under the interpreter and compiled for sm_90, never executed on a
-device); :func:`set_triton_backward` switches what every caller that does not choose gets.
+device); inside ``with triton_backward("scan"):`` every caller that does not choose gets the scan
+backward.  The backwards are a registry, :data:`TRITON_BACKWARDS`.
 Rotations (``theta``) have no kernel: :func:`bl_chunk_triton` refuses them, and
 :mod:`bayeslayer.ops.backend` sends them to the PyTorch path (``backend="auto"``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -49,28 +53,34 @@ from .triton_support import BackendError, tile_sizes, triton_unavailable, unsupp
 # everything that does not depend on the carried state over a block, so fewer, larger kernels run,
 # at the price of one block's autograd graph in memory (instead of one chunk's)
 BACKWARD_BLOCK = 16
-# the backward bl_chunk_triton runs when its caller does not say (``backward=None``), read at call time so
-# that code reaching it through bl_chunk / the layers can switch it:
-#   "blockwise": :func:`_blockwise_backward` (PyTorch chunk-step recompute per block: the PyTorch path's gradients);
-#   "scan": the composed backward of the segment scan (:mod:`bayeslayer.ops.bayesian_layer.scan_grad`: fla's mean-pass
-# backward,
-#           the substitution's adjoint, the covariance scan's B2–B4 on the Triton kernels of .scan_backward — not
-#           the default until it has run on a GPU; docs/kernels.md "Backward v2").
-# Set it with set_triton_backward.
-DEFAULT_BACKWARD = "blockwise"
-BACKWARDS = ("blockwise", "scan")
+# the backward bl_chunk_triton runs when its caller passes ``backward=None``: "blockwise" unless a
+# ``with triton_backward(...)`` block around the call says otherwise (a context variable: scoped to the block,
+# the thread and the asyncio task, restored on exit; no process-wide switch).  The names are the keys of
+# TRITON_BACKWARDS, filled in below the implementations.
+_DEFAULT_BACKWARD: contextvars.ContextVar[str] = contextvars.ContextVar("bayeslayer_triton_backward",
+                                                                      default="blockwise")
 
 
-def set_triton_backward(backward: str) -> str:
-    """Choose the backward :func:`bl_chunk_triton` runs when its caller does not (``backward=None``) — so the one
-    ``bl_chunk(backend="triton")``, the design models, the layers and ``BayesLayerForCausalLM`` train with on the
-    Triton path: ``"blockwise"`` (the default) or ``"scan"`` (the fused backward through the segment scan).
-    Returns the previous choice."""
-    global DEFAULT_BACKWARD
-    if not isinstance(backward, str) or backward not in BACKWARDS:
-        raise ValueError(f"backward must be one of {BACKWARDS}, got {backward!r}")
-    previous, DEFAULT_BACKWARD = DEFAULT_BACKWARD, backward
-    return previous
+def default_triton_backward() -> str:
+    """The backward :func:`bl_chunk_triton` runs here when its caller passes ``backward=None``."""
+    return _DEFAULT_BACKWARD.get()
+
+
+@contextlib.contextmanager
+def triton_backward(backward: str) -> Iterator[str]:
+    """Within the ``with`` block, :func:`bl_chunk_triton` calls that do not choose (``backward=None``) — so
+    ``bl_chunk(backend="triton")``, the design models, the layers and ``BayesLayerForCausalLM`` on the Triton
+    path — train with ``backward``: ``"blockwise"`` (the default outside any block) or ``"scan"`` (the fused
+    backward through the segment scan); any name of :data:`TRITON_BACKWARDS`.  The choice is made when the
+    forward runs, so a ``.backward()`` after the block still runs the backward chosen inside it.  Yields the
+    name; the previous default is restored on exit, also on an error."""
+    if not isinstance(backward, str) or backward not in TRITON_BACKWARDS:
+        raise ValueError(f"backward must be one of {tuple(TRITON_BACKWARDS)}, got {backward!r}")
+    token = _DEFAULT_BACKWARD.set(backward)
+    try:
+        yield backward
+    finally:
+        _DEFAULT_BACKWARD.reset(token)
 
 
 # tl.dot input precision of the fp32 filter arithmetic (fp64 always runs "ieee").  Only
@@ -435,6 +445,16 @@ class _BLChunkTriton(torch.autograd.Function):
         return (*grads, None, None, None, None)
 
 
+#: the backwards of :func:`bl_chunk_triton`, by name: each runs the Triton forward under its own autograd,
+#: ``(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, want_var, n_segments) -> (o, var or None, M, P)``.
+#: ``"blockwise"``: :class:`_BLChunkTriton` (PyTorch chunk-step recompute per block: the PyTorch path's gradients);
+#: ``"scan"``: :func:`_scan_autograd` (the composed backward of the segment scan, :mod:`.scan_grad`: fla's mean-pass
+#: backward, the substitution's adjoint, the covariance scan's B2–B4 on the Triton kernels of
+#: :mod:`.scan_backward_triton` — not the default until it has run on a GPU; docs/kernels.md "Backward v2").
+#: Without a gradient to take every name runs the plain forward (``_BLChunkTriton``).
+TRITON_BACKWARDS: dict[str, Callable] = {"blockwise": _BLChunkTriton.apply, "scan": _scan_autograd}
+
+
 def bl_chunk_triton(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -472,7 +492,8 @@ def bl_chunk_triton(
     (None: chosen from the number of (sequence, head) chains and T, one segment up to 4096 tokens)
     sets how many segments the longest sequence is split into.
 
-    Gradients (``backward``, None: :data:`DEFAULT_BACKWARD`): ``"blockwise"`` recomputes each block of
+    Gradients (``backward``: a name of :data:`TRITON_BACKWARDS`; None: :func:`default_triton_backward`, set by
+    :func:`triton_backward`): ``"blockwise"`` recomputes each block of
     :data:`BACKWARD_BLOCK` chunks with the PyTorch chunk step from state checkpoints
     written by the Triton forward (module docstring); ``"scan"`` runs the composed backward of the
     segment scan (:mod:`bayeslayer.ops.bayesian_layer.scan_grad`) behind :func:`forward_scan_packed`: fla's mean-pass
@@ -496,9 +517,9 @@ def bl_chunk_triton(
     if n_segments is not None and (isinstance(n_segments, bool) or not isinstance(n_segments, int)
                                    or n_segments < 1):
         raise ValueError(f"n_segments must be None or a positive int, got {n_segments!r}")
-    backward = DEFAULT_BACKWARD if backward is None else backward
-    if backward not in BACKWARDS:
-        raise ValueError(f"backward must be None or one of {BACKWARDS}, got {backward!r}")
+    backward = default_triton_backward() if backward is None else backward
+    if not isinstance(backward, str) or backward not in TRITON_BACKWARDS:
+        raise ValueError(f"backward must be None or one of {tuple(TRITON_BACKWARDS)}, got {backward!r}")
     if initial_state is not None:
         if not isinstance(initial_state, (tuple, list)) or len(initial_state) != 2:
             raise state_pair_error("initial_state", initial_state)
@@ -507,13 +528,12 @@ def bl_chunk_triton(
         M0 = P0 = None
     if q.shape[1] == 0:  # nothing to launch; the PyTorch path validates and returns the empty results
         o, var, M, P = _torch_reference(q, k, v, r2, ell2, alpha, None, p0, M0, P0, cu, C, return_variance)
-    elif backward == "scan" and torch.is_grad_enabled() and any(
-            isinstance(x, torch.Tensor) and x.requires_grad for x in (q, k, v, r2, ell2, alpha, p0, M0, P0)):
-        # only when a gradient can be asked for: inference runs the plain forward either way
-        o, var, M, P = _scan_autograd(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, C, return_variance, n_segments)
     else:
-        o, var, M, P = _BLChunkTriton.apply(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, C, return_variance,
-                                            n_segments)
+        # the chosen backward only when a gradient can be asked for: inference runs the plain forward either way
+        wants_grad = torch.is_grad_enabled() and any(
+            isinstance(x, torch.Tensor) and x.requires_grad for x in (q, k, v, r2, ell2, alpha, p0, M0, P0))
+        run = TRITON_BACKWARDS[backward] if wants_grad else _BLChunkTriton.apply
+        o, var, M, P = run(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, C, return_variance, n_segments)
     state = (M, P) if output_final_state else None
     if return_variance:
         return o, var, state

@@ -40,7 +40,7 @@ ops, the covariance twin ≈ 920 per chunk position, against 2357 / 3973 for the
 the Triton forward, ``bl_chunk_triton(backward="scan")``, sets): ``covariance_scan_backward_triton``, the B2, B3,
 B4 kernels on the stored Phase A elements (a launch count independent of T), its failure flag checked once after it
 (:func:`~bayeslayer.ops.bayesian_layer.scan.raise_if_failed`).  The block-wise backward stays ``bl_chunk_triton``'s
-default all the same until this one has run on a GPU (``ops/bayesian_layer/chunk_triton.py::set_triton_backward``
+default all the same until this one has run on a GPU (``with bayeslayer.ops.triton_backward("scan"):``
 switches it).
 """
 
