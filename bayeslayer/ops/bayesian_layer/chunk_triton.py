@@ -43,7 +43,7 @@ from ..utils.validation import (
     check_positive,
     check_qkv,
     check_state,
-    state_pair_error,
+    split_state,
 )
 from . import groups as grp
 from .chunk import filter_chunk
@@ -520,12 +520,7 @@ def bl_chunk_triton(
     backward = default_triton_backward() if backward is None else backward
     if not isinstance(backward, str) or backward not in TRITON_BACKWARDS:
         raise ValueError(f"backward must be None or one of {tuple(TRITON_BACKWARDS)}, got {backward!r}")
-    if initial_state is not None:
-        if not isinstance(initial_state, (tuple, list)) or len(initial_state) != 2:
-            raise state_pair_error("initial_state", initial_state)
-        M0, P0 = initial_state
-    else:
-        M0 = P0 = None
+    M0, P0 = split_state(initial_state)
     if q.shape[1] == 0:  # nothing to launch; the PyTorch path validates and returns the empty results
         o, var, M, P = _torch_reference(q, k, v, r2, ell2, alpha, None, p0, M0, P0, cu, C, return_variance)
     else:

@@ -38,7 +38,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..utils.validation import check_chunk_size, check_cu_seqlens, check_qkv, check_state, state_pair_error
+from ..utils.validation import check_chunk_size, check_cu_seqlens, check_qkv, check_state, split_state
 from . import groups as grp
 from .chunk import ChunkDynamics, covariance_prework, unit_lower_inverse
 from .prepare import prepare
@@ -602,12 +602,7 @@ def bl_chunk_scan(q, k, v, r2, ell2, alpha=None, theta=None, p0=1.0, initial_sta
     if theta is not None:
         raise ValueError("bl_chunk_scan: rotations (theta) are not supported by the segment scan")
     check_qkv(q, k, v)
-    if initial_state is not None:
-        if not isinstance(initial_state, (tuple, list)) or len(initial_state) != 2:
-            raise state_pair_error("initial_state", initial_state)
-        M0, P0 = initial_state
-    else:
-        M0 = P0 = None
+    M0, P0 = split_state(initial_state)
     o, var, M, P = forward_scan(q, k, v, r2, ell2, alpha, p0, M0, P0, cu_seqlens, chunk_size, return_variance,
                                 n_segments=n_segments)
     state = (M, P) if output_final_state else None

@@ -53,6 +53,13 @@ def _sym(X: torch.Tensor) -> torch.Tensor:
     return 0.5 * (X + X.transpose(-1, -2))
 
 
+def cholesky_adjoint(L: torch.Tensor, dL: torch.Tensor) -> torch.Tensor:
+    """The adjoint ``S̄`` of ``S = L Lᵀ`` given ``L̄`` (Murray 2016): ``sym(L⁻ᵀ Φ(Lᵀ L̄) L⁻¹)``, ``Φ`` the lower
+    triangle with half its diagonal (batched over the leading dims)."""
+    Phi = (L.transpose(-1, -2) @ dL).tril()
+    Phi = Phi - 0.5 * torch.diag_embed(torch.diagonal(Phi, dim1=-2, dim2=-1))
+    Sb = torch.linalg.solve_triangular(L.transpose(-1, -2), Phi, upper=True)
+    return _sym(torch.linalg.solve_triangular(L, Sb, upper=False, left=False))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -254,11 +261,7 @@ def chunk_adjoint(terms: dict, saved: dict, dP_next: torch.Tensor, *, q=None, v=
     dLc = dLu / dc[..., None, :]
     ddc = -(dLu * Lc).sum(-2) / (dc * dc) - 2.0 * db / (dc * dc * dc)
     dLc = dLc + torch.diag_embed(ddc)
-    # Cholesky adjoint (Murray 2016): S̄ = sym(Lc⁻ᵀ Φ(Lcᵀ L̄c) Lc⁻¹), Φ = lower triangle with half diagonal
-    Phi = (Lc.transpose(-1, -2) @ dLc).tril()
-    Phi = Phi - 0.5 * torch.diag_embed(torch.diagonal(Phi, dim1=-2, dim2=-1))
-    Sb = torch.linalg.solve_triangular(Lc.transpose(-1, -2), Phi, upper=True)
-    Sb = _sym(torch.linalg.solve_triangular(Lc, Sb, upper=False, left=False))
+    Sb = cholesky_adjoint(Lc, dLc)
     dt["base"] = Sb
     # S = base + Y K̃ᵀ,  Y = K̃ P
     dY = dY + Sb @ kt
@@ -509,11 +512,7 @@ def chunk_adjoint_scalar(dP_next, dw, saved: tuple, kt, gamma, ratio, end, gC2):
     out["NBk"] = dX
     out["gamma"] = (dX * Y).sum(-1, keepdim=True)
     dY = gamma * dX
-    # Cholesky adjoint: S̄ = L⁻ᵀ Φ(Lᵀ L̄) L⁻¹ (Φ: lower triangle, half diagonal), symmetrised
-    Phi = (Lc.transpose(-1, -2) @ dLc).tril()
-    Phi = Phi - 0.5 * torch.diag_embed(torch.diagonal(Phi, dim1=-2, dim2=-1))
-    Sb = torch.linalg.solve_triangular(Lc.transpose(-1, -2), Phi, upper=True)
-    Sb = _sym(torch.linalg.solve_triangular(Lc, Sb, upper=False, left=False))
+    Sb = cholesky_adjoint(Lc, dLc)
     out["base"] = Sb
     dY = dY + Sb @ kt
     out["kt"] = Sb @ Y + dY @ P.transpose(-1, -2)

@@ -35,7 +35,18 @@ from ..utils.ldl_triton import ldl_blocked
 from ..utils.validation import check_shaped
 from . import scan as sc
 from .kernels_triton import decay_mix, decay_scores, load_tile, prep_tile, row_of
-from .scan_triton import Prep, load_block, phase_a_triton, prep_triton, sblock, segment_offsets, times_g
+from .scan_triton import (
+    Prep,
+    load_block,
+    phase_a_triton,
+    prep_triton,
+    sblock,
+    segment_offsets,
+    times_g,
+    times_lm_inv_t,
+    woodbury_factors,
+    woodbury_scratch,
+)
 from .triton_support import next_pow2
 
 # ---------------------------------------------------------------------------------------------------
@@ -67,16 +78,9 @@ def scan_reverse_kernel(
     i_n = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1).to(tl.int64)
     r = tl.arange(0, BLK)
-    eye = r[:, None] == r[None, :]
-    rn = tl.arange(0, BN)
     dt = PB.dtype.element_ty
-    X = SCR + (i_n * H + i_h) * (5 * BN * BN + 2 * BN)
-    LI = X + BN * BN
-    MM = LI + BN * BN
-    TT = MM + BN * BN
+    X, LI, MM, TT, DP, DM = woodbury_scratch(SCR, i_n, i_h, H, BN, 5)
     WW = TT + BN * BN
-    DP = WW + BN * BN
-    DM = DP + BN
     first = tl.load(seq_first + i_n).to(tl.int64)
     nseg = tl.load(seq_nseg + i_n).to(tl.int64)
     fail = tl.sum(tl.zeros([BLK], dtype=tl.int32), axis=0)
@@ -88,26 +92,7 @@ def scan_reverse_kernel(
         Pnext = PB + ((s + 1) * H + i_h) * D * D
         Ae = A + (e * H + i_h) * D * D
         Je = J + (e * H + i_h) * D * D
-        for ib in range(NB):
-            for jb in range(ib + 1):
-                tl.store(sblock(X, ib, jb, r, BN, BLK), load_block(Pin, ib, jb, r, D, BLK, True))
-        tl.store(DP + rn, tl.zeros([BN], dtype=dt))  # floors: a pivot of P must be > 0
-        tl.store(DM + rn, tl.zeros([BN], dtype=dt) + 1.0)  # M = I + GᵀJG ⪰ I: its pivots are ≥ 1
-        tl.debug_barrier()
-        fail += ldl_blocked(X, LI, DP, NB, BLK, PREC)  # X: L_P, DP: D_P
-        times_g(Je, X, DP, TT, r, D, NB, BLK, BN, PREC)  # TT = J G,  G = L_P D_P^½
-        tl.debug_barrier()
-        # M = I + Gᵀ (JG), lower blocks
-        for ib in range(NB):
-            sdi = tl.sqrt(tl.load(DP + ib * BLK + r))
-            for jb in range(ib + 1):
-                acc = tl.where((ib == jb) & eye, 1.0, 0.0).to(dt)
-                for kb in range(ib, NB):
-                    G_ki = tl.load(sblock(X, kb, ib, r, BN, BLK)) * sdi[None, :]
-                    acc += tl.dot(tl.trans(G_ki), tl.load(sblock(TT, kb, jb, r, BN, BLK)), input_precision=PREC)
-                tl.store(sblock(MM, ib, jb, r, BN, BLK), acc)
-        tl.debug_barrier()
-        fail += ldl_blocked(MM, LI, DM, NB, BLK, PREC)  # LI: L_M⁻¹, DM: D_M
+        fail += woodbury_factors(Pin, Je, X, LI, MM, TT, DP, DM, r, D, NB, BLK, BN, PREC)  # TT = J G
         # Q = L_M⁻¹ (JG)ᵀ into MM (L_M itself is no longer needed)
         for ib in range(NB):
             for jb in range(NB):
@@ -119,14 +104,7 @@ def scan_reverse_kernel(
         tl.debug_barrier()
         times_g(Ae, X, DP, TT, r, D, NB, BLK, BN, PREC)  # TT = A G
         tl.debug_barrier()
-        # Z' = (AG) L_M⁻ᵀ D_M⁻¹ into X (L_P is no longer needed)
-        for ib in range(NB):
-            for jb in range(NB):
-                acc = tl.zeros([BLK, BLK], dtype=dt)
-                for kb in range(jb + 1):
-                    Ljk = tl.load(sblock(LI, jb, kb, r, BN, BLK))
-                    acc += tl.dot(tl.load(sblock(TT, ib, kb, r, BN, BLK)), tl.trans(Ljk), input_precision=PREC)
-                tl.store(sblock(X, ib, jb, r, BN, BLK), acc / tl.load(DM + jb * BLK + r)[None, :])
+        times_lm_inv_t(TT, LI, DM, X, r, NB, BLK, BN, PREC, False)  # Z' = (AG) L_M⁻ᵀ D_M⁻¹ (X: L_P no longer needed)
         tl.debug_barrier()
         # Ā = A − Z' Q into TT
         for ib in range(NB):

@@ -52,7 +52,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..utils.validation import state_pair_error
+from ..utils.validation import split_state
 from . import mean_pass_fla, scan
 from .scan_backward import covariance_scan_backward
 
@@ -269,12 +269,7 @@ def bl_scan_autograd(q, k, v, r2, ell2, alpha=None, p0=1.0, initial_state=None, 
     ``forward``: the packed forward (None: :func:`forward_packed_reference`, plain PyTorch); the Triton
     path passes its own (``ops/bayesian_layer/chunk_triton.py``).  Gradients by :func:`scan_backward`.
     """
-    if initial_state is not None:
-        if not isinstance(initial_state, (tuple, list)) or len(initial_state) != 2:
-            raise state_pair_error("initial_state", initial_state)
-        M0, P0 = initial_state
-    else:
-        M0 = P0 = None
+    M0, P0 = split_state(initial_state)
     call = scan.prepare_scan(q, k, v, r2, ell2, alpha, p0, M0, P0, cu_seqlens, chunk_size, n_segments=n_segments)
     spec = ScanSpec(cu=call.cu, C=call.C, segment_chunks=call.segment_chunks, want_var=return_variance,
                     forward=forward or forward_packed_reference, mean_kernels=mean_kernels)

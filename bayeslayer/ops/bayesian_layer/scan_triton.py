@@ -168,6 +168,67 @@ def times_g(Msrc, X, DP, TT, r, D: tl.constexpr, NB: tl.constexpr, BLK: tl.const
 
 
 @triton.jit
+def woodbury_scratch(SCR, i_n, i_h, H, BN: tl.constexpr, N_MATS: tl.constexpr):
+    """The per-program scratch of Phase B and B3 (one (sequence, head) program each): ``N_MATS`` row-major
+    ``[BN, BN]`` matrices, then two ``[BN]`` vectors.  Returns ``(X, LI, MM, TT, DP, DM)``: the first four
+    matrices and the two vectors (a kernel with ``N_MATS > 4`` finds its own after ``TT``)."""
+    X = SCR + (i_n * H + i_h) * (N_MATS * BN * BN + 2 * BN)
+    DP = X + N_MATS * BN * BN
+    return X, X + BN * BN, X + 2 * BN * BN, X + 3 * BN * BN, DP, DP + BN
+
+
+@triton.jit
+def woodbury_factors(Pin, Jm, X, LI, MM, TT, DP, DM, r, D: tl.constexpr, NB: tl.constexpr, BLK: tl.constexpr,
+                     BN: tl.constexpr, PREC: tl.constexpr):
+    """The factorisations Phase B and B3 both start a segment with, in scratch: ``P_s = L_P D_P L_Pᵀ`` (``P_s``,
+    row-major ``[D, D]`` at ``Pin``, padded with the identity; X: L_P's lower blocks, DP: D_P, pivots floored at
+    0), ``TT = J G`` (``J`` at ``Jm``, ``G = L_P D_P^½``) and ``M = I + GᵀJG = L_M D_M L_Mᵀ`` (MM: M's lower
+    blocks, LI: L_M⁻¹, DM: D_M, pivots floored at 1), every product a 16×16-tile ``tl.dot`` in ``Pin``'s dtype.
+    Returns how many pivots were not positive."""
+    dt = Pin.dtype.element_ty
+    rn = tl.arange(0, BN)
+    eye = r[:, None] == r[None, :]
+    for ib in range(NB):
+        for jb in range(ib + 1):
+            tl.store(sblock(X, ib, jb, r, BN, BLK), load_block(Pin, ib, jb, r, D, BLK, True))
+    tl.store(DP + rn, tl.zeros([BN], dtype=dt))  # floors: a pivot of P must be > 0
+    tl.store(DM + rn, tl.zeros([BN], dtype=dt) + 1.0)  # M = I + GᵀJG ⪰ I: its pivots are ≥ 1
+    tl.debug_barrier()
+    fail = ldl_blocked(X, LI, DP, NB, BLK, PREC)  # X: L_P, DP: D_P
+    times_g(Jm, X, DP, TT, r, D, NB, BLK, BN, PREC)  # TT = J G
+    tl.debug_barrier()
+    # M = I + Gᵀ (JG), lower blocks
+    for ib in range(NB):
+        sdi = tl.sqrt(tl.load(DP + ib * BLK + r))
+        for jb in range(ib + 1):
+            acc = tl.where((ib == jb) & eye, 1.0, 0.0).to(dt)
+            for kb in range(ib, NB):
+                G_ki = tl.load(sblock(X, kb, ib, r, BN, BLK)) * sdi[None, :]
+                acc += tl.dot(tl.trans(G_ki), tl.load(sblock(TT, kb, jb, r, BN, BLK)), input_precision=PREC)
+            tl.store(sblock(MM, ib, jb, r, BN, BLK), acc)
+    tl.debug_barrier()
+    fail += ldl_blocked(MM, LI, DM, NB, BLK, PREC)  # LI: L_M⁻¹, DM: D_M
+    return fail
+
+
+@triton.jit
+def times_lm_inv_t(TT, LI, DM, X, r, NB: tl.constexpr, BLK: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr,
+                   HALF: tl.constexpr):
+    """``X = TT L_M⁻ᵀ D_M^-½`` (``HALF``) or ``X = TT L_M⁻ᵀ D_M⁻¹``, in scratch: TT's blocks by the lower
+    blocks of ``L_M⁻¹`` (LI) transposed, each column scaled by the pivots ``D_M`` (DM)."""
+    for ib in range(NB):
+        for jb in range(NB):
+            acc = tl.zeros([BLK, BLK], dtype=TT.dtype.element_ty)
+            for kb in range(jb + 1):
+                Ljk = tl.load(sblock(LI, jb, kb, r, BN, BLK))
+                acc += tl.dot(tl.load(sblock(TT, ib, kb, r, BN, BLK)), tl.trans(Ljk), input_precision=PREC)
+            dm = tl.load(DM + jb * BLK + r)
+            if HALF:
+                dm = tl.sqrt(dm)
+            tl.store(sblock(X, ib, jb, r, BN, BLK), acc / dm[None, :])
+
+
+@triton.jit
 def scan_phase_b_kernel(
     PS, A, CM, J, elem_of_seg, seq_first, seq_nseg, SCR, FAIL,
     H: tl.constexpr,
@@ -192,15 +253,7 @@ def scan_phase_b_kernel(
     i_n = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1).to(tl.int64)
     r = tl.arange(0, BLK)
-    eye = r[:, None] == r[None, :]
-    rn = tl.arange(0, BN)
-    dt = PS.dtype.element_ty
-    X = SCR + (i_n * H + i_h) * (4 * BN * BN + 2 * BN)
-    LI = X + BN * BN
-    MM = LI + BN * BN
-    TT = MM + BN * BN
-    DP = TT + BN * BN
-    DM = DP + BN
+    X, LI, MM, TT, DP, DM = woodbury_scratch(SCR, i_n, i_h, H, BN, 4)
     first = tl.load(seq_first + i_n).to(tl.int64)
     nseg = tl.load(seq_nseg + i_n).to(tl.int64)
     fail = tl.sum(tl.zeros([BLK], dtype=tl.int32), axis=0)
@@ -212,36 +265,10 @@ def scan_phase_b_kernel(
         Ae = A + (e * H + i_h) * D * D
         Je = J + (e * H + i_h) * D * D
         Ce = CM + (e * H + i_h) * D * D
-        for ib in range(NB):
-            for jb in range(ib + 1):
-                tl.store(sblock(X, ib, jb, r, BN, BLK), load_block(Pin, ib, jb, r, D, BLK, True))
-        tl.store(DP + rn, tl.zeros([BN], dtype=dt))  # floors: a pivot of P must be > 0
-        tl.store(DM + rn, tl.zeros([BN], dtype=dt) + 1.0)  # M = I + GᵀJG ⪰ I: its pivots are ≥ 1
-        tl.debug_barrier()
-        fail += ldl_blocked(X, LI, DP, NB, BLK, PREC)  # X: L_P, DP: D_P
-        times_g(Je, X, DP, TT, r, D, NB, BLK, BN, PREC)  # T = J G
-        tl.debug_barrier()
-        # M = I + Gᵀ T, lower blocks
-        for ib in range(NB):
-            sdi = tl.sqrt(tl.load(DP + ib * BLK + r))
-            for jb in range(ib + 1):
-                acc = tl.where((ib == jb) & eye, 1.0, 0.0).to(dt)
-                for kb in range(ib, NB):
-                    G_ki = tl.load(sblock(X, kb, ib, r, BN, BLK)) * sdi[None, :]
-                    acc += tl.dot(tl.trans(G_ki), tl.load(sblock(TT, kb, jb, r, BN, BLK)), input_precision=PREC)
-                tl.store(sblock(MM, ib, jb, r, BN, BLK), acc)
-        tl.debug_barrier()
-        fail += ldl_blocked(MM, LI, DM, NB, BLK, PREC)  # LI: L_M⁻¹, DM: D_M
+        fail += woodbury_factors(Pin, Je, X, LI, MM, TT, DP, DM, r, D, NB, BLK, BN, PREC)  # T = J G
         times_g(Ae, X, DP, TT, r, D, NB, BLK, BN, PREC)  # T = A G
         tl.debug_barrier()
-        # Z = T L_M⁻ᵀ D_M^-½ (into X: L_P is no longer needed)
-        for ib in range(NB):
-            for jb in range(NB):
-                acc = tl.zeros([BLK, BLK], dtype=dt)
-                for kb in range(jb + 1):
-                    Ljk = tl.load(sblock(LI, jb, kb, r, BN, BLK))
-                    acc += tl.dot(tl.load(sblock(TT, ib, kb, r, BN, BLK)), tl.trans(Ljk), input_precision=PREC)
-                tl.store(sblock(X, ib, jb, r, BN, BLK), acc / tl.sqrt(tl.load(DM + jb * BLK + r))[None, :])
+        times_lm_inv_t(TT, LI, DM, X, r, NB, BLK, BN, PREC, True)  # Z = T L_M⁻ᵀ D_M^-½ (X: L_P no longer needed)
         tl.debug_barrier()
         # P_{s+1} = Z Zᵀ + sym(C): lower blocks, each written with its transpose above
         for ib in range(NB):
