@@ -4,8 +4,8 @@
 #
 #   bash benchmarks/build_wheels.sh            # then carry `.whl` with the working tree (benchmarks/gpu_session.sh)
 #
-# It downloads flash-linear-attention and fla-core (FLA_VERSION, default 0.6.0: the range bayeslayer.ops.fla_mean
-# calls) as Python 3.12 wheels without their dependencies, then reads each wheel's METADATA and downloads, the same
+# It downloads flash-linear-attention and fla-core (FLA_VERSION, default 0.6.0: the range
+# bayeslayer.ops.bayesian_layer.mean_pass_fla calls) as Python 3.12 wheels without their dependencies, then reads each wheel's METADATA and downloads, the same
 # way, every requirement that applies without extras and is not already on the image (IMAGE below), until none is
 # left.  Binary wheels are refused (--only-binary=:all: with a pure-Python check): the image's platform libraries are
 # not ours to replace.  Not carried, by design: transformers (a requirement of flash-linear-attention's models and

@@ -24,7 +24,7 @@ Variants (:data:`VARIANTS`):
 - ``v1``: the chunk-serial forward the 2026-11-30 numbers measured (one program per (sequence, head)); for the fit.
 - ``built``: the segment scan as it is (float64 prep and Phase A with T·D-sized float64 W/L⁻¹, fp32 copies of
   q/k/v, IEEE FFMA covariance products, w/kw/vu cast to bf16 for fla's mean pass, segments chosen by
-  ``bayeslayer.ops.scan.choose_segment_chunks``), backward ``"scan"`` (fla's mean-pass backward, the
+  ``bayeslayer.ops.bayesian_layer.scan.choose_segment_chunks``), backward ``"scan"`` (fla's mean-pass backward, the
   substitution's adjoint, B2–B4).
 - ``cuts``: the same after the planned cuts: no T·D float64 tensor (Phase A on the fp32 prep, W/L⁻¹ kept in fp32),
   the covariance products as 3×TF32 ``tl.dot`` (tensor cores, three passes), W and the substituted tensors written
@@ -99,7 +99,7 @@ def _check_shape(B, H, T, D, C):
 
 def segments(N: int, T: int, C: int) -> int:
     """Segments per sequence as the forward chooses them (``choose_segment_chunks``) for N chains."""
-    from bayeslayer.ops.scan import choose_segment_chunks
+    from bayeslayer.ops.bayesian_layer.scan import choose_segment_chunks
 
     nc = math.ceil(T / C)
     return math.ceil(nc / choose_segment_chunks(N, nc, T))

@@ -101,7 +101,7 @@ def main() -> None:
     p.add_argument("--json", type=Path, default=None, help="write the numbers here")
     a = p.parse_args()
     args = dict(T=a.T, H=a.H, D=a.D, C=a.C, repeats=a.repeats, threads=a.threads)
-    from bayeslayer.ops.cp import comm_bytes_per_call
+    from bayeslayer.ops.bayesian_layer.cp import comm_bytes_per_call
 
     rows = []
     for R in a.ranks:

@@ -15,7 +15,7 @@ float64, then one per head dim at the rows' own compile shapes in the rows' dtyp
 pass included), with fla's autotuning pinned to each kernel's first config (``--fla-autotune pin``) or run once per
 head dim in that check (``warm``; its autotune keys do not include T), then the forward rows in order of
 cost: latency (B = 2, H = 16) and full occupancy (``--occ-B`` × H ≥ 132) for T ∈ {2k, 8k, 32k}
-× D ∈ {64, 128, 256}, each with GDN's forward, BL's forward (``ops/triton/scan.py``; with fla's
+× D ∈ {64, 128, 256}, each with GDN's forward, BL's forward (``ops/bayesian_layer/scan_triton.py``; with fla's
 mean pass, ``bl_fwd_s``, and with our mean kernel — what ``bl_chunk(backend="triton")`` runs —
 ``bl_own_mean_fwd_s``; that one again without the prep kernel, ``bl_own_mean_noprep_fwd_s``), the
 BL/GDN ratio, per-phase times, peak memory (none started after ``--fwd-budget-s``); then the forward+backward
@@ -121,7 +121,7 @@ def _peak_bytes(fn) -> int:
 
 
 def _bl_fns(x, chunk_size):
-    from bayeslayer.ops.triton import bl_chunk_triton
+    from bayeslayer.ops.bayesian_layer.chunk_triton import bl_chunk_triton
 
     def fwd():
         with torch.no_grad():
@@ -285,8 +285,8 @@ def variants(args) -> None:
     """Forward time and error of ``bl_chunk_triton`` per chunk size and fp32 product precision
     (``tl.dot`` input_precision), at each D and the first T; error vs the PyTorch path in fp64."""
     from bayeslayer.ops import bl_chunk, set_value_checks
-    from bayeslayer.ops.triton import bl_chunk_triton
-    from bayeslayer.ops.triton import chunk as tchunk
+    from bayeslayer.ops.bayesian_layer import chunk_triton as tchunk
+    from bayeslayer.ops.bayesian_layer.chunk_triton import bl_chunk_triton
 
     set_value_checks(False)
     T = args.T[0]
@@ -349,13 +349,13 @@ def _peak_any(fn, device: str) -> int:
 def _scan_fwd(x, chunk_size, n_segments=None, timings=None, mean="fla", prep=True):
     """The scan forward; ``mean="fla"`` (the design's mean pass) or ``"triton"`` (ours: the wired default);
     ``prep=False``: without the prep kernel (the covariance kernel forms the P-free terms in its chunk loop)."""
-    from bayeslayer.ops import fla_mean
-    from bayeslayer.ops.triton.scan import forward_scan_triton
+    from bayeslayer.ops.bayesian_layer import mean_pass_fla
+    from bayeslayer.ops.bayesian_layer.scan_triton import forward_scan_triton
 
     if mean == "fla" and not torch.cuda.is_available():  # dry run: fla's fwd_h does not run in the interpreter
         def mean(*a):
-            with fla_mean.one_autotune_config():
-                return fla_mean.mean_pass_fla(*a, fwd_h=fla_mean.fwd_h_reference)
+            with mean_pass_fla.one_autotune_config():
+                return mean_pass_fla.mean_pass_fla(*a, fwd_h=mean_pass_fla.fwd_h_reference)
 
     def fwd():
         return forward_scan_triton(x["q"], x["k"], x["v"], x["r2"], x["ell2"], x["alpha"], 1.0, None, None, None,
@@ -390,9 +390,9 @@ def _fla_first_config():
     """Every autotuned fla kernel loaded (GDN's too) pinned to its first config: the value checks use it (one
     compile per kernel instead of fla's autotuning, for minutes on a fresh machine, at a shape no row times), and
     so does the interpreter, which cannot benchmark configs."""
-    from bayeslayer.ops import fla_mean
+    from bayeslayer.ops.bayesian_layer import mean_pass_fla
 
-    return fla_mean.one_autotune_config(("fla.ops.gated_delta_rule", *fla_mean.FLA_MODULES))
+    return mean_pass_fla.one_autotune_config(("fla.ops.gated_delta_rule", *mean_pass_fla.FLA_MODULES))
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -409,7 +409,7 @@ def _cotangent(x: dict, seed: int = 2) -> torch.Tensor:
 
 def _bl_fwdbwd(x, chunk_size, backward: str, do):
     """Forward+backward of ``bl_chunk_triton(..., backward=)`` with the gradients of :data:`BL_LEAVES`."""
-    from bayeslayer.ops.triton import bl_chunk_triton
+    from bayeslayer.ops.bayesian_layer.chunk_triton import bl_chunk_triton
 
     if backward not in ("scan", "blockwise"):
         raise ValueError(f"backward must be 'scan' or 'blockwise', got {backward!r}")
@@ -533,7 +533,7 @@ def _check_bl_backward(device: str, dry_run: bool) -> dict:
     in fp32 (the same against the float64 reference, with fla's mean-pass backward kernels on CUDA — pinned to
     their first config — which fla's Hopper guard may refuse)."""
     from bayeslayer.ops import bl_chunk
-    from bayeslayer.ops.triton import bl_chunk_triton
+    from bayeslayer.ops.bayesian_layer.chunk_triton import bl_chunk_triton
 
     gen = torch.Generator(device=device).manual_seed(5)
     T, H, D, cu, n_seg = (40, 1, 16, [0, 17, 40], 2) if dry_run else (200, 2, 32, [0, 90, 200], 3)
@@ -578,8 +578,9 @@ def scan_check(args, device: str, guard: dict | None = None) -> dict:
     chunk path (:func:`_check_bl_backward`; both skipped with ``args.no_bwd``).  ``guard``: what
     :func:`fla_hopper_guard` returned for this run, recorded with the Triton and fla versions the values were
     checked under."""
-    from bayeslayer.ops import bl_chunk, fla_mean
-    from bayeslayer.ops.triton.scan import forward_scan_triton
+    from bayeslayer.ops import bl_chunk
+    from bayeslayer.ops.bayesian_layer import mean_pass_fla
+    from bayeslayer.ops.bayesian_layer.scan_triton import forward_scan_triton
 
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
@@ -617,7 +618,7 @@ def scan_check(args, device: str, guard: dict | None = None) -> dict:
 
         kw = dict(g=gg, initial_state=h0, output_final_state=True, chunk_size=64, cu_seqlens=cu)
         h1, v1, f1 = chunk_gated_delta_rule_fwd_h(kk, ww, uu, **kw)
-        h2, v2, f2 = fla_mean.fwd_h_reference(kk, ww, uu, **kw)
+        h2, v2, f2 = mean_pass_fla.fwd_h_reference(kk, ww, uu, **kw)
         out["fla_fwd_h_vs_twin_rel_err"] = max(((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
                                                for a, b in ((h1, h2), (v1, v2), (f1, f2)))
     if not args.no_bwd:
@@ -988,20 +989,20 @@ def compile_only(args, save=None) -> list[dict]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from bayeslayer.ops.triton.chunk import BACKWARD_BLOCK, default_num_warps, tile_sizes
-    from bayeslayer.ops.triton.kernels import bl_chunk_cov_kernel, bl_chunk_mean_kernel, bl_step_kernel
-    from bayeslayer.ops.triton.step import step_tiles
+    from bayeslayer.ops.bayesian_layer.chunk_triton import BACKWARD_BLOCK, default_num_warps, tile_sizes
+    from bayeslayer.ops.bayesian_layer.kernels_triton import bl_chunk_cov_kernel, bl_chunk_mean_kernel, bl_step_kernel
+    from bayeslayer.ops.bayesian_layer.step_triton import step_tiles
 
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     C = args.chunk_size
     out = []
-    from bayeslayer.ops.triton.kernels import bl_chunk_prep_kernel
-    from bayeslayer.ops.triton.scan import scan_phase_b_kernel, scan_track_kernel
-    from bayeslayer.ops.triton.scan_backward import (
+    from bayeslayer.ops.bayesian_layer.kernels_triton import bl_chunk_prep_kernel
+    from bayeslayer.ops.bayesian_layer.scan_backward_triton import (
         scan_reverse_kernel,
         scan_segment_adjoint_kernel,
         segment_adjoint_tiles,
     )
+    from bayeslayer.ops.bayesian_layer.scan_triton import scan_phase_b_kernel, scan_track_kernel
 
     configs = [(k, D, g, ck) for k in ("cov", "mean", "step") for D in args.D for g in (False, True)
                for ck in ((False, True) if k != "step" else (False,))]

@@ -15,7 +15,7 @@ Prints three tables (relative errors, max over every token, head and batch entry
    chunked path, r² ≈ 1e-3, ℓ² ≈ 1e-6, α ≈ 0.9995 with keys spread 1e-3 around one direction
    (*collinear*) or confined to a 2-dim subspace, at p0 = 1 and 1e8: ``bl_recurrent`` and ``bl_chunk``
    in float32 against float64, the largest per-token error (``max_t |Δo_t| / max |o_t|``), the chunk
-   groups whose covariance ran in float64 (:func:`bayeslayer.ops.chunk.chunk_group_dtype`), and the same
+   groups whose covariance ran in float64 (:func:`bayeslayer.ops.bayesian_layer.chunk.chunk_group_dtype`), and the same
    inputs rounded to bfloat16 against the unrounded float64 reference;
 5. ``--cost``: ``bl_chunk`` forward and forward+backward time (one thread, minimum over interleaved
    repeats) with the float64 group rule as shipped, with it off (every group in float32, the pass before
@@ -232,7 +232,7 @@ def key_spread(k: torch.Tensor) -> float:
 
 
 def table_ill(T: int):
-    from bayeslayer.ops import chunk as chunk_module
+    from bayeslayer.ops.bayesian_layer import chunk as chunk_module
 
     args = ("q", "k", "v", "r2", "ell2", "alpha")
     print(f"\n4. ill-conditioned chunks (B=1, T={T}, H=2, D=m=16; r² ≈ 1e-3, ℓ² ≈ 1e-6, α ≈ 0.9995): max|Δo| / "
@@ -274,7 +274,7 @@ def table_ill(T: int):
 
 
 def table_cost(T: int = 4096, repeats: int = 5):
-    from bayeslayer.ops import chunk as chunk_module
+    from bayeslayer.ops.bayesian_layer import chunk as chunk_module
 
     g = torch.Generator().manual_seed(0)
     B, H, D = 1, 4, 32

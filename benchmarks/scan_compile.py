@@ -5,8 +5,8 @@ of the PTX (``mma.sync`` / ``wgmma`` tensor-core instructions, ``fma.rn.f32``) a
 (Hopper's warpgroup MMA), ``DMMA``, ``FFMA``, ``DFMA``; ``cuobjdump -sass``, Triton's bundled copy).  Variants:
 
 * ``phase_a``: Phase A's kernel — state (P, the Y/U and LDLᵀ scratch) float64, its per-token outputs (W, the
-  ``L⁻¹`` rows) and the prep it reads in fp32, as ``ops/triton/scan.py::phase_a_triton`` launches it for fp32 /
-  16-bit inputs;
+  ``L⁻¹`` rows) and the prep it reads in fp32, as ``ops/bayesian_layer/scan_triton.py::phase_a_triton`` launches it for
+  fp32 / 16-bit inputs;
 * ``phase_c-<prec>``: Phase C's kernel (all fp32, reading the prep), with its ``tl.dot`` products in
   ``input_precision`` ``ieee`` (what ships), ``tf32x3`` (split precision: three TF32 tensor-core products) or
   ``tf32``.
@@ -54,8 +54,8 @@ def main(argv=None) -> int:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from bayeslayer.ops.triton.kernels import bl_chunk_cov_kernel
-    from bayeslayer.ops.triton.support import tile_sizes
+    from bayeslayer.ops.bayesian_layer.kernels_triton import bl_chunk_cov_kernel
+    from bayeslayer.ops.bayesian_layer.triton_support import tile_sizes
 
     bindir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     rows = []

@@ -7,8 +7,8 @@ products ``hi·hi + (hi·lo + lo·hi)`` in fp32 (what Triton's ``input_precision
 same with bf16 parts.  Scalar decay; the chunk step is the Cholesky form of docs/theory.md §5.2, algebraically the
 kernels' LDLᵀ form (``W = βU``, ``Lc = L diag(√d)``).
 
-Phases as :func:`bayeslayer.ops.triton.scan.scan_packed` runs them: Phase A (segment elements, from P = 0) with
-its state in float64; its per-token hand-off to the tracking recursion either float64 (``f64``) or the compute
+Phases as :func:`bayeslayer.ops.bayesian_layer.scan_triton.scan_packed` runs them: Phase A (segment elements, from P =
+0) with its state in float64; its per-token hand-off to the tracking recursion either float64 (``f64``) or the compute
 dtype (``fp32``: W and the ``L⁻¹`` rows stored in fp32, ``L⁻¹(γ⊙K)`` formed by an fp32 product from them, β
 recovered as ``(1 − kᵀw)/r²`` from an fp32 dot product, the P-free base of S read from the fp32 prep); Phase B in
 float64; Phase C in fp32 with the given product precision.  Reference: the chunk-serial pass in float64.

@@ -2,7 +2,14 @@
 bayeslayer module, at module level or inside a function (a lazy import is still an edge), as
 ``{module: {modules it imports}}``; and the import cycles in it (strongly connected components).
 
-Used by tests/test_import_cycles.py (the whole package) and tests/ops/test_backend.py (the ops layering).
+Importing ``a.b.c`` first runs ``a/__init__.py`` and ``a/b/__init__.py``, so an import of a module is
+also an edge to each package above it (the *parent-package edge*) — except the packages above the
+importer itself, which Python has already imported (or is importing) before the importer runs.  A
+package whose ``__init__`` re-exports can close a loop only through these edges
+(``x → a.b.c`` while ``a/b/__init__`` imports a module that imports ``x``).
+
+Used by tests/test_import_cycles.py (the whole package: cycles and the layering) and
+tests/ops/test_backend.py (the ops layering).
 """
 
 from __future__ import annotations
@@ -12,29 +19,54 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "bayeslayer"
 
+#: the package's rooms (first dotted part below ``bayeslayer``) from the bottom up: a module may import
+#: its own room, rooms on its level and rooms below it, never a room above ("an arrow up").  The
+#: package's own ``__init__`` is the top.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("errors", "checks"),
+    ("ops",),
+    ("design",),
+    ("layers",),
+    ("data", "training"),
+    ("models",),
+    ("evaluation",),
+    ("experiments",),
+    ("results",),
+    ("cli",),
+)
 
-def module_name(path: Path) -> str:
-    """``bayeslayer/ops/chunk.py`` → ``bayeslayer.ops.chunk``; a package's ``__init__.py`` → the package."""
-    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+
+def module_name(path: Path, root: Path = PACKAGE) -> str:
+    """``bayeslayer/ops/bayesian_layer/chunk.py`` → ``bayeslayer.ops.bayesian_layer.chunk``; a package's
+    ``__init__.py`` → the package."""
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
 
 
-def is_module(name: str) -> bool:
-    base = PACKAGE.parent.joinpath(*name.split("."))
+def is_module(name: str, root: Path = PACKAGE) -> bool:
+    base = root.parent.joinpath(*name.split("."))
     return base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()
 
 
-def module_paths(subpackages: tuple[str, ...] | None = None) -> list[Path]:
+def module_paths(subpackages: tuple[str, ...] | None = None, root: Path = PACKAGE) -> list[Path]:
     """Every ``.py`` file of the package (or of the given subpackages of it), sorted."""
-    roots = [PACKAGE] if subpackages is None else [PACKAGE / sub for sub in subpackages]
-    return sorted(p for root in roots for p in root.rglob("*.py"))
+    roots = [root] if subpackages is None else [root / sub for sub in subpackages]
+    return sorted(p for r in roots for p in r.rglob("*.py"))
 
 
-def imported_modules(path: Path) -> set[str]:
-    """The bayeslayer modules ``path`` imports anywhere in its source (functions and classes included)."""
-    name = module_name(path)
+def parents(name: str) -> list[str]:
+    """The packages above a dotted module name: ``a.b.c`` → ``["a", "a.b"]``."""
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def imported_modules(path: Path, root: Path = PACKAGE, parent_edges: bool = True) -> set[str]:
+    """The package's modules ``path`` imports anywhere in its source (functions and classes included),
+    and (``parent_edges``) the packages above each of them whose ``__init__`` that import runs."""
+    name = module_name(path, root)
+    top = root.name
     is_pkg = path.name == "__init__.py"
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
@@ -48,17 +80,47 @@ def imported_modules(path: Path) -> set[str]:
             else:
                 mod = node.module or ""
             # `from pkg import sub` imports the submodule; `from mod import name` the module
-            targets = [f"{mod}.{a.name}" if is_module(f"{mod}.{a.name}") else mod for a in node.names]
+            targets = [f"{mod}.{a.name}" if is_module(f"{mod}.{a.name}", root) else mod for a in node.names]
         else:
             continue
-        found.update(t for t in targets if (t == "bayeslayer" or t.startswith("bayeslayer.")) and is_module(t))
+        found.update(t for t in targets if (t == top or t.startswith(top + ".")) and is_module(t, root))
+    if parent_edges:
+        own = set(parents(name)) | ({name} if is_pkg else set())  # already imported when ``name`` runs
+        found.update(p for t in list(found) for p in parents(t) if p not in own and p.startswith(top))
     found.discard(name)
     return found
 
 
-def import_graph(subpackages: tuple[str, ...] | None = None) -> dict[str, set[str]]:
-    """``{module: bayeslayer modules it imports}`` over the package (or the given subpackages)."""
-    return {module_name(path): imported_modules(path) for path in module_paths(subpackages)}
+def import_graph(subpackages: tuple[str, ...] | None = None, root: Path = PACKAGE,
+                 parent_edges: bool = True) -> dict[str, set[str]]:
+    """``{module: modules it imports}`` over the package (or the given subpackages), parent-package edges
+    included unless ``parent_edges=False``."""
+    return {module_name(path, root): imported_modules(path, root, parent_edges)
+            for path in module_paths(subpackages, root)}
+
+
+def room(name: str) -> str:
+    """The room of a module: its first dotted part below the package (the package itself: ``""``)."""
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def arrows_up(graph: dict[str, set[str]]) -> list[str]:
+    """Every edge of ``graph`` that runs up :data:`LAYERS` (or leaves a room :data:`LAYERS` does not name),
+    as ``"a -> b"``, sorted."""
+    level = {r: i for i, rooms in enumerate(LAYERS) for r in rooms}
+    level[""] = len(LAYERS)
+    bad = []
+    for a, targets in graph.items():
+        for b in targets:
+            ra, rb = room(a), room(b)
+            if ra == rb:
+                continue
+            if ra not in level or rb not in level:
+                bad.append(f"{a} -> {b} (room {ra if ra not in level else rb!r} has no place in LAYERS)")
+            elif level[rb] > level[ra]:
+                bad.append(f"{a} -> {b}")
+    return sorted(bad)
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:

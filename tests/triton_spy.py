@@ -10,7 +10,7 @@ The spy wraps the names :mod:`bayeslayer.ops.backend` calls (``bl_chunk_triton``
 ``bl_step_triton``; the kernels still run) and replaces its PyTorch entry points
 (``filter_chunk``, ``filter_recurrent``) and the PyTorch chunk path's covariance pass (looked up
 in its own module at call time, so it is caught however ``filter_chunk`` was imported) with a
-function that raises; likewise the PyTorch twins of the segment scan (``ops/scan.py``) and the
+function that raises; likewise the PyTorch twins of the segment scan (``ops/bayesian_layer/scan.py``) and the
 chunk-serial Triton forward (``_forward_triton``), while the scan's Triton pieces are counted in
 ``calls.kernels``.  Exact counts catch a caller that bypasses the dispatch altogether.
 Forward only: the Triton backward recomputes blocks with the PyTorch chunk step by design.
@@ -40,10 +40,10 @@ class Calls(Counter):
 @contextlib.contextmanager
 def triton_only():
     from bayeslayer.ops import backend
-    from bayeslayer.ops import chunk as torch_chunk
-    from bayeslayer.ops import scan as torch_scan
-    from bayeslayer.ops.triton import chunk as triton_chunk
-    from bayeslayer.ops.triton import scan as triton_scan
+    from bayeslayer.ops.bayesian_layer import chunk as torch_chunk
+    from bayeslayer.ops.bayesian_layer import chunk_triton as triton_chunk
+    from bayeslayer.ops.bayesian_layer import scan as torch_scan
+    from bayeslayer.ops.bayesian_layer import scan_triton as triton_scan
 
     calls = Calls()
     saved = {}
@@ -68,16 +68,17 @@ def triton_only():
     try:
         patch(backend, "bl_chunk_triton", counting("chunk", backend.bl_chunk_triton))
         patch(backend, "bl_step_triton", counting("step", backend.bl_step_triton))
-        patch(backend, "filter_chunk", forbidden("ops.chunk.filter_chunk"))
-        patch(backend, "filter_recurrent", forbidden("ops.recurrent.filter_recurrent"))
-        patch(torch_chunk, "covariance_pass", forbidden("ops.chunk.covariance_pass"))
+        patch(backend, "filter_chunk", forbidden("ops.bayesian_layer.chunk.filter_chunk"))
+        patch(backend, "filter_recurrent", forbidden("ops.bayesian_layer.recurrent.filter_recurrent"))
+        patch(torch_chunk, "covariance_pass", forbidden("ops.bayesian_layer.chunk.covariance_pass"))
         for name in ("forward_scan_triton", "phase_a_triton", "phase_b_triton", "mean_pass_triton"):
             key = {"forward_scan_triton": "scan", "mean_pass_triton": "mean"}.get(name, name.replace("_triton", ""))
             patch(triton_scan, name, counting(key, getattr(triton_scan, name), calls.kernels))
         # the PyTorch twins of the scan, and the chunk-serial Triton forward the scan replaced
         for name in ("phase_a", "phase_b", "covariance_scan", "mean_pass_reference"):
-            patch(torch_scan, name, forbidden(f"ops.scan.{name}"))
-        patch(triton_chunk, "_forward_triton", forbidden("ops.triton.chunk._forward_triton (the chunk-serial forward)"))
+            patch(torch_scan, name, forbidden(f"ops.bayesian_layer.scan.{name}"))
+        patch(triton_chunk, "_forward_triton",
+              forbidden("ops.bayesian_layer.chunk_triton._forward_triton (the chunk-serial forward)"))
         yield calls
     finally:
         for (module, name), value in saved.items():
@@ -102,7 +103,10 @@ def compile_keys(arch: int = 90):
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction, create_function_from_signature
 
-    from bayeslayer.ops.triton import kernels, ldl, scan, scan_backward
+    from bayeslayer.ops.bayesian_layer import kernels_triton as kernels
+    from bayeslayer.ops.bayesian_layer import scan_backward_triton as scan_backward
+    from bayeslayer.ops.bayesian_layer import scan_triton as scan
+    from bayeslayer.ops.utils import ldl_triton as ldl
 
     backend = make_backend(GPUTarget("cuda", arch, 32))
     keys: dict[str, set] = defaultdict(set)

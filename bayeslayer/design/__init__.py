@@ -10,7 +10,7 @@ A :class:`DesignModel` names its three parts (docs/theory.md §1):
   covariance ablation), ``reset`` (covariance reset ``P̄_t ← λ_t I``: the delta
   rule family), ``latent`` (latent-input write ``φ_t ~ N(0, λ_t I)``: the additive
   family), ``lowrank`` (precision ``diag(υ) + W Wᵀ`` of rank ``r``, projected after every write:
-  :func:`lowrank_diagonal`, :mod:`bayeslayer.ops.lowrank`);
+  :func:`lowrank_diagonal`, :mod:`bayeslayer.ops.bayesian_layer.lowrank`);
 * **readout** — ``y_t = E[Z_t] = M_tᵀ q_t`` with predictive variance ``1 + q_tᵀ P_t q_t``.
 
 Every design runs through the same two pieces of machinery in
@@ -33,8 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..ops.lowrank import check_projection, check_rank
-from ..ops.prepare import FilterInputs, FilterOutput
+from ..ops.bayesian_layer.lowrank import check_projection, check_rank
+from ..ops.bayesian_layer.prepare import FilterInputs, FilterOutput
 from .write import DesignWrite, get_design_write
 
 DYNAMICS = ("identity", "scalar", "diagonal", "rotation", "any")
@@ -222,7 +222,7 @@ def lowrank_diagonal(rank: int, projection: str = "conservative") -> DesignModel
     """Low-rank-plus-diagonal Bayesian Layer: precision ``diag(υ) + W Wᵀ``, ``W`` of ``rank`` columns.
 
     The write and the predict step are exact in this form; after each write the rank-``(r+1)``
-    factor is projected back to ``r`` columns (:mod:`bayeslayer.ops.lowrank`).
+    factor is projected back to ``r`` columns (:mod:`bayeslayer.ops.bayesian_layer.lowrank`).
     ``projection="conservative"`` drops the least-informative whitened direction: never
     overconfident (``P_approx ⪰ P_exact``), ``rank = D`` is dense BL exactly, ``rank = 0`` is the
     covariance reset with the dynamics-propagated prior ``λ_t = α_t² λ_{t−1} + ℓ_t²``.

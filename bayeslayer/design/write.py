@@ -5,21 +5,27 @@ its :meth:`~bayeslayer.design.DesignModel.recurrent`, ``chunk``, ``step``, ``ini
 ``state_size`` call the object here that :data:`DESIGN_WRITES` keeps under its ``write`` name:
 
 * :class:`FilterWrite` — the four write models of the general filter (``bayes``, ``diagonal``,
-  ``reset``, ``latent``: :mod:`bayeslayer.ops.write`), run by the recurrent oracle and, through the
-  backend dispatch (:mod:`bayeslayer.ops.backend`), the chunked path or the Triton kernels;
+  ``reset``, ``latent``: :mod:`bayeslayer.ops.bayesian_layer.write_models`), run by the recurrent oracle and, through
+  the backend dispatch (:mod:`bayeslayer.ops.backend`), the chunked path or the Triton kernels;
 * :class:`LowRankWrite` — ``lowrank``: the low-rank-plus-diagonal precision of
-  :mod:`bayeslayer.ops.lowrank` (PyTorch only).
+  :mod:`bayeslayer.ops.bayesian_layer.lowrank` (PyTorch only).
 
-The filter's per-token inputs travel as one :class:`~bayeslayer.ops.prepare.FilterInputs`.
+The filter's per-token inputs travel as one :class:`~bayeslayer.ops.bayesian_layer.prepare.FilterInputs`.
 """
 
 from __future__ import annotations
 
 from ..ops.backend import BackendError, check_backend, dispatch_chunk, dispatch_step
-from ..ops.lowrank import check_projection, check_rank, initial_lowrank_state, lowrank_chunk, lowrank_recurrent
-from ..ops.prepare import FilterInputs, FilterOutput
-from ..ops.recurrent import filter_recurrent, initial_bl_state
-from ..ops.write import BAYES, DIAGONAL, LATENT, RESET, WriteModel
+from ..ops.bayesian_layer.lowrank import (
+    check_projection,
+    check_rank,
+    initial_lowrank_state,
+    lowrank_chunk,
+    lowrank_recurrent,
+)
+from ..ops.bayesian_layer.prepare import FilterInputs, FilterOutput
+from ..ops.bayesian_layer.recurrent import filter_recurrent, initial_bl_state
+from ..ops.bayesian_layer.write_models import BAYES, DIAGONAL, LATENT, RESET, WriteModel
 
 
 class DesignWrite:
@@ -58,7 +64,7 @@ class DesignWrite:
 
 
 class FilterWrite(DesignWrite):
-    """A write model of the general filter (:class:`bayeslayer.ops.write.WriteModel`)."""
+    """A write model of the general filter (:class:`bayeslayer.ops.bayesian_layer.write_models.WriteModel`)."""
 
     def __init__(self, model: WriteModel, *, takes_fixed_lam: bool = False) -> None:
         self.model = model
@@ -91,7 +97,7 @@ class FilterWrite(DesignWrite):
 
 class LowRankWrite(DesignWrite):
     """Low-rank-plus-diagonal precision ``diag(υ) + W Wᵀ`` of ``design.rank`` columns, projected with
-    ``design.projection`` after every write (:mod:`bayeslayer.ops.lowrank`); no Triton kernel."""
+    ``design.projection`` after every write (:mod:`bayeslayer.ops.bayesian_layer.lowrank`); no Triton kernel."""
 
     name = "lowrank"
     has_covariance = True

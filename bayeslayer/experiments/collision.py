@@ -112,7 +112,7 @@ MODEL_STYLES = {
     "diagonal": {"color": "C3", "linestyle": "-."},
 }
 FIGURES = ("collision_p_ab.png", "collision_gain.png", "collision_overlap.png", "collision_fixed_prior.png")
-# the low-rank-plus-diagonal precision design (bayeslayer.ops.lowrank), written to collision_lowrank.json
+# the low-rank-plus-diagonal precision design (bayeslayer.ops.bayesian_layer.lowrank), written to collision_lowrank.json
 LOWRANK_RANKS = (0, 1, 2, 4, 8, 16)
 LOWRANK_PROJECTIONS = ("conservative", "lofi")
 LOWRANK_REFERENCES = ("bayesian", "diagonal", "reset")

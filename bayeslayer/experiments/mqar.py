@@ -106,7 +106,7 @@ MIXER_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 #: labels of the variants (not registry mixers; a registry mixer's label is bayeslayer.layers.MIXER_LABELS)
 VARIANT_LABELS = {"bayesian_noconv": "BL (no conv)", "deltanet_noconv": "DeltaNet (no conv)"}
-# the low-rank-plus-diagonal BL (bayeslayer.ops.lowrank) of rank r, sized by the state-budget rule for
+# the low-rank-plus-diagonal BL (bayeslayer.ops.bayesian_layer.lowrank) of rank r, sized by the state-budget rule for
 # "bayesian_lowrank" and built as the registry's "bayesian" with covariance="lowrank"; not a default
 LOWRANK_PREFIX = "bayesian_lowrank"
 LOWRANK_MIXERS = tuple(f"{LOWRANK_PREFIX}{r}" for r in (0, 1, 2, 4, 8, 16, 32))

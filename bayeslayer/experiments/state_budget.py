@@ -9,7 +9,7 @@ mixer                                                 state floats per layer
 ``bayesian``                                          ``H·(D·m + G·D²)`` (mean + G covariances)
 ``diagonal_covariance``                               ``H·(D·m + G·D)``
 ``bayesian_lowrank`` (``rank=r``)                     ``H·(D·m + G·D·(r + 1))`` (mean + G precision
-                                                      factors ``[υ, W]``, :mod:`bayeslayer.ops.lowrank`)
+                                                      factors ``[υ, W]``, :mod:`bayeslayer.ops.bayesian_layer.lowrank`)
 ``deltanet``, ``gated_deltanet``,                     ``H·D·m``
 ``gated_deltanet_noconv``, ``kda``,
 ``linear_attention``, ``retnet``, ``gla``
@@ -290,7 +290,7 @@ def solve_state_budget(
     if form == "lowrank":
         if rank is None:
             raise ValueError("mixer 'bayesian_lowrank' needs rank (an integer >= 0)")
-        from ..ops.lowrank import check_rank
+        from ..ops.bayesian_layer.lowrank import check_rank
 
         rank = check_rank(rank)
     elif rank is not None:

@@ -32,8 +32,8 @@ import torch.nn.functional as F
 
 from ..checks import check_int
 from ..design import DesignModel
-from ..ops.checks import check_tensor
-from ..ops.cp import CPContext, cp_conv_halo, filter_chunk_cp
+from ..ops.bayesian_layer.cp import CPContext, cp_conv_halo, filter_chunk_cp
+from ..ops.utils.validation import check_tensor
 from .common import (
     GatedRMSNorm,
     ShortConvolution,
@@ -212,7 +212,8 @@ class RecurrentMixer(Mixer):
         return MixerOutput(o, new_state, variance)
 
     def _forward_cp(self, x, attention_mask, state, use_cache, output_variance, ctx) -> MixerOutput:
-        """This rank's slice of a context-parallel sequence (:mod:`bayeslayer.ops.cp`); x ``[1, T_local, d]``."""
+        """This rank's slice of a context-parallel sequence (:mod:`bayeslayer.ops.bayesian_layer.cp`); x ``[1, T_local,
+        d]``."""
         reason = self.cp_unsupported()
         if reason is not None:
             raise ValueError(f"{type(self).__name__} cannot run with cp_context: {reason}")

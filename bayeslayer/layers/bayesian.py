@@ -8,9 +8,8 @@ import torch.nn.functional as F
 
 from ..checks import check_int
 from ..design import BAYESIAN, DIAGONAL_COVARIANCE, lowrank_diagonal
-from ..ops.backend import BackendError, check_backend
-from ..ops.lowrank import check_rank
-from ..ops.triton.support import unsupported
+from ..ops.backend import BackendError, check_backend, unsupported
+from ..ops.bayesian_layer.lowrank import check_rank
 from .base import QKVMixer
 from .common import (
     check_positive_float,

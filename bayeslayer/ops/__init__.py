@@ -8,23 +8,25 @@ Public contract (sequence-first, like flash-linear-attention)::
     o, state = bl_step(q, k, v, r2, ell2, alpha=None, theta=None, state=(M, P), backend="auto")
 
 ``bl_chunk`` and ``bl_step`` dispatch (:mod:`.backend`): CUDA tensors run the Triton kernels
-(:mod:`.triton`) when Triton is installed, everything else the PyTorch path; ``backend="torch"``
-or ``"triton"`` forces one.
+(:mod:`.bayesian_layer.chunk_triton`, :mod:`.bayesian_layer.step_triton`) when Triton is installed,
+everything else the PyTorch path; ``backend="torch"`` or ``"triton"`` forces one.  The op's files,
+one per job, are in :mod:`.bayesian_layer`; what every op shares is in :mod:`.utils`.
 """
 
 from .backend import BACKENDS, BackendError, bl_chunk, bl_step
-from .checks import set_value_checks, value_checks
-from .chunk import filter_chunk
-from .cp import CPContext, build_cp_context
-from .prepare import FilterInputs, FilterOutput
-from .recurrent import bl_recurrent, filter_recurrent, initial_bl_state
-from .triton import set_triton_backward
-from .write import WRITE_MODELS, WriteModel, get_write_model
+from .bayesian_layer.chunk import filter_chunk
+from .bayesian_layer.chunk_triton import TRITON_BACKWARDS, triton_backward
+from .bayesian_layer.cp import CPContext, build_cp_context
+from .bayesian_layer.prepare import FilterInputs, FilterOutput
+from .bayesian_layer.recurrent import bl_recurrent, filter_recurrent, initial_bl_state
+from .bayesian_layer.write_models import WRITE_MODELS, WriteModel, get_write_model
+from .utils.validation import set_value_checks, value_checks
 
 __all__ = [
     "BACKENDS",
     "WRITE_MODELS",
     "BackendError",
+    "TRITON_BACKWARDS",
     "CPContext",
     "FilterInputs",
     "FilterOutput",
@@ -37,7 +39,7 @@ __all__ = [
     "filter_recurrent",
     "get_write_model",
     "initial_bl_state",
-    "set_triton_backward",
+    "triton_backward",
     "set_value_checks",
     "value_checks",
 ]

@@ -2,11 +2,11 @@
 
 Two implementations sit below this module and know nothing of each other or of it:
 
-* ``torch`` — :func:`bayeslayer.ops.chunk.filter_chunk` and
-  :func:`bayeslayer.ops.recurrent.filter_recurrent` (every write model and dynamics, any device);
-* ``triton`` — :func:`bayeslayer.ops.triton.bl_chunk_triton` and
-  :func:`bayeslayer.ops.triton.bl_step_triton` (the exact Kalman filter, write model ``bayes``,
-  identity / scalar / diagonal decay; :mod:`bayeslayer.ops.triton.support` lists what they run).
+* ``torch`` — :func:`bayeslayer.ops.bayesian_layer.chunk.filter_chunk` and
+  :func:`bayeslayer.ops.bayesian_layer.recurrent.filter_recurrent` (every write model and dynamics, any device);
+* ``triton`` — :func:`bayeslayer.ops.bayesian_layer.chunk_triton.bl_chunk_triton` and
+  :func:`bayeslayer.ops.bayesian_layer.step_triton.bl_step_triton` (the exact Kalman filter, write model ``bayes``,
+  identity / scalar / diagonal decay; :mod:`bayeslayer.ops.bayesian_layer.triton_support` lists what they run).
 
 ``backend`` is ``"auto"`` (default), ``"torch"`` or ``"triton"``:
 
@@ -23,27 +23,31 @@ one-token sequence instead of the step kernel, which is not differentiable.
 
 Every caller goes through here: :func:`bl_chunk`, :func:`bl_step`, ``DesignModel.chunk/step``
 (:func:`dispatch_chunk`, :func:`dispatch_step`), the layers and the language model (their
-``backend`` argument / config field).  Import order is one-way: ``checks, prepare → chunk,
-recurrent → triton → backend → design → layers → models``.
+``backend`` argument / config field); the layers ask it (:func:`unsupported`) what the kernels run.
+:data:`IMPLEMENTATIONS` is the registry of what each backend runs.  Import order is one-way:
+``utils → bayesian_layer (prepare → chunk, recurrent → *_triton) → backend → design → layers → models``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import torch
 
-from .chunk import filter_chunk
-from .cp import filter_chunk_cp
-from .prepare import FilterOutput
-from .recurrent import filter_recurrent
-from .triton import bl_chunk_triton, bl_step_triton  # called under these names (tests/triton_spy.py)
-from .triton.support import BackendError, triton_unavailable, unsupported
+from .bayesian_layer.chunk import filter_chunk
+from .bayesian_layer.chunk_triton import bl_chunk_triton  # called under this name (tests/triton_spy.py)
+from .bayesian_layer.cp import filter_chunk_cp
+from .bayesian_layer.prepare import FilterOutput
+from .bayesian_layer.recurrent import filter_recurrent
+from .bayesian_layer.step_triton import bl_step_triton  # called under this name (tests/triton_spy.py)
+from .bayesian_layer.triton_support import BackendError, triton_unavailable, unsupported
 
-BACKENDS = ("auto", "torch", "triton")
-# bl_chunk_triton's forward is the segment scan (ops/triton/scan.py; one segment, i.e. the
+# bl_chunk_triton's forward is the segment scan (ops/bayesian_layer/scan_triton.py; one segment, i.e. the
 # chunk-serial covariance kernel, up to 4096 tokens); ``n_segments`` overrides its segment count.
 
-__all__ = ["BACKENDS", "BackendError", "bl_chunk", "bl_step", "check_backend", "dispatch_chunk",
-           "dispatch_step", "select_backend"]
+__all__ = ["BACKENDS", "IMPLEMENTATIONS", "BackendError", "Implementation", "bl_chunk", "bl_step", "check_backend",
+           "dispatch_chunk", "dispatch_step", "select_backend", "unsupported"]
 
 
 def check_backend(backend, name: str = "backend") -> str:
@@ -100,7 +104,7 @@ def dispatch_chunk(
     chunk_size: int = 64, cu_seqlens: torch.Tensor | None = None, backend="auto", n_segments: int | None = None,
 ) -> FilterOutput:
     """The chunked filter of write model ``write`` on the selected backend (arguments of
-    :func:`bayeslayer.ops.chunk.filter_chunk`).  ``n_segments``: the Triton path's segment count
+    :func:`bayeslayer.ops.bayesian_layer.chunk.filter_chunk`).  ``n_segments``: the Triton path's segment count
     (see :func:`bl_chunk`); the PyTorch path has no segments and ignores it.
 
     On the Triton path ``FilterOutput.gain`` is ``None`` (the kernels do not return the per-token
@@ -112,12 +116,21 @@ def dispatch_chunk(
         backend = "torch" if write == "bayes" else backend
     chosen = select_backend(backend, "chunk", device=device, write=write, rotation=theta is not None,
                             head_dim=D, chunk_size=chunk_size, dtype=dtype)
-    if chosen == "torch":
-        return filter_chunk(
-            q, k, v, write=write, r2=r2, ell2=ell2, lam=lam, gain=gain, alpha=alpha, theta=theta, p0=p0,
-            initial_state=initial_state, output_final_state=output_final_state,
-            return_variance=return_variance, chunk_size=chunk_size, cu_seqlens=cu_seqlens,
-        )
+    return IMPLEMENTATIONS[chosen].chunk(
+        q, k, v, write=write, r2=r2, ell2=ell2, lam=lam, gain=gain, alpha=alpha, theta=theta, p0=p0,
+        initial_state=initial_state, output_final_state=output_final_state, return_variance=return_variance,
+        chunk_size=chunk_size, cu_seqlens=cu_seqlens, n_segments=n_segments,
+    )
+
+
+def _chunk_torch(q, k, v, *, n_segments=None, **kwargs) -> FilterOutput:
+    """The PyTorch chunked path (no segments: ``n_segments`` is the Triton path's)."""
+    return filter_chunk(q, k, v, **kwargs)
+
+
+def _chunk_triton(q, k, v, *, write, r2, ell2, lam, gain, alpha, theta, p0, initial_state, output_final_state,
+                  return_variance, chunk_size, cu_seqlens, n_segments) -> FilterOutput:
+    """The Triton kernels (write model ``bayes``; ``select_backend`` has refused anything else)."""
     out = bl_chunk_triton(
         q, k, v, r2, ell2, alpha=alpha, p0=p0, initial_state=initial_state,
         output_final_state=output_final_state, return_variance=return_variance, chunk_size=chunk_size,
@@ -144,7 +157,7 @@ def dispatch_step(
     backend="auto",
 ) -> FilterOutput:
     """One decoding step of write model ``write`` on the selected backend (shapes without the time
-    axis; ``state`` required; arguments of :func:`bayeslayer.ops.recurrent.filter_recurrent` with
+    axis; ``state`` required; arguments of :func:`bayeslayer.ops.bayesian_layer.recurrent.filter_recurrent` with
     ``single_step=True``).  Returns the variance whenever the write model defines one, and
     ``gain=None`` on the Triton path."""
     if state is None:
@@ -154,9 +167,18 @@ def dispatch_step(
         backend = "torch" if write == "bayes" else backend
     chosen = select_backend(backend, "step", device=device, write=write, rotation=theta is not None,
                             head_dim=D, dtype=dtype)
-    if chosen == "torch":
-        return filter_recurrent(q, k, v, write=write, r2=r2, ell2=ell2, lam=lam, gain=gain, alpha=alpha,
-                                theta=theta, initial_state=state, output_final_state=True, single_step=True)
+    return IMPLEMENTATIONS[chosen].step(q, k, v, write=write, state=state, r2=r2, ell2=ell2, lam=lam, gain=gain,
+                                        alpha=alpha, theta=theta)
+
+
+def _step_torch(q, k, v, *, write, state, r2, ell2, lam, gain, alpha, theta) -> FilterOutput:
+    """One step of the recurrent oracle (every write model and dynamics)."""
+    return filter_recurrent(q, k, v, write=write, r2=r2, ell2=ell2, lam=lam, gain=gain, alpha=alpha,
+                            theta=theta, initial_state=state, output_final_state=True, single_step=True)
+
+
+def _step_triton(q, k, v, *, write, state, r2, ell2, lam, gain, alpha, theta) -> FilterOutput:
+    """The fused step kernel, or (inputs that need gradients) the chunk kernels on a one-token sequence."""
     if _needs_grad(q, k, v, r2, ell2, alpha, state):
         # the step kernel is not differentiable; the chunk forward (and its backward) on one token is
         o, var, new_state = bl_chunk_triton(
@@ -167,6 +189,25 @@ def dispatch_step(
         return FilterOutput(o[:, 0], var[:, 0], None, new_state)
     o, var, new_state = bl_step_triton(q, k, v, r2, ell2, alpha, state=state, return_variance=True)
     return FilterOutput(o, var, None, new_state)
+
+
+class Implementation(NamedTuple):
+    """What a backend runs: ``chunk(q, k, v, *, write, r2, ell2, lam, gain, alpha, theta, p0, initial_state,
+    output_final_state, return_variance, chunk_size, cu_seqlens, n_segments)`` and ``step(q, k, v, *, write,
+    state, r2, ell2, lam, gain, alpha, theta)``, both returning a :class:`FilterOutput`."""
+
+    chunk: Callable[..., FilterOutput]
+    step: Callable[..., FilterOutput]
+
+
+#: the implementations :func:`select_backend` chooses between, by name (``"auto"`` picks one of them per call).
+#: Each looks its entry points up in this module when it runs (so ``tests/triton_spy.py`` can wrap them).
+IMPLEMENTATIONS: dict[str, Implementation] = {
+    "torch": Implementation(chunk=_chunk_torch, step=_step_torch),
+    "triton": Implementation(chunk=_chunk_triton, step=_step_triton),
+}
+#: the names ``backend`` takes: ``"auto"`` and the keys of :data:`IMPLEMENTATIONS`
+BACKENDS = ("auto", *IMPLEMENTATIONS)
 
 
 def bl_chunk(
@@ -196,9 +237,9 @@ def bl_chunk(
     ``cu_seqlens`` (``[N + 1]`` int, B = 1) packs N variable-length sequences along T like
     flash-linear-attention; ``initial_state``/final state are then per sequence (N in place of B).
     A wide prior (``p0·‖k‖²/r² > 1e4``) or a float64 ``P`` runs the covariance pass in float64 and
-    returns ``P`` in float64 (:func:`~bayeslayer.ops.checks.covariance_dtype`), a wide prior the mean
+    returns ``P`` in float64 (:func:`~bayeslayer.ops.utils.validation.covariance_dtype`), a wide prior the mean
     pass too; on the PyTorch path a group of chunks where ``max diag(P)·‖k‖²/r²`` can exceed 1e2 runs
-    its covariance pass in float64 as well (:func:`~bayeslayer.ops.chunk.chunk_group_dtype`); a chunk
+    its covariance pass in float64 as well (:func:`~bayeslayer.ops.bayesian_layer.chunk.chunk_group_dtype`); a chunk
     that is not positive definite even so raises a ``ValueError`` naming p0 and the safe range.
     ``backend``: ``"auto"`` (Triton kernels for CUDA tensors when Triton is installed and the
     configuration is supported, else PyTorch), ``"torch"``, or ``"triton"`` (the kernels, or a
@@ -207,11 +248,11 @@ def bl_chunk(
     sequence split into this many segments (None: chosen from B·H and T, one segment up to 4096
     tokens; segments never cross a ``cu_seqlens`` boundary); the PyTorch path ignores it.
 
-    ``cp_context``: a :class:`~bayeslayer.ops.cp.CPContext` (:func:`~bayeslayer.ops.cp.build_cp_context`)
-    runs this rank's slice of a context-parallel sequence (:mod:`bayeslayer.ops.cp`, PyTorch path): q, k,
-    v, ... hold the slice, ``initial_state`` the global sequences' states, and the final state those
-    of the sequences that end on this rank (``cp_context.final_seqs``); ``cu_seqlens`` goes into the
-    context instead.
+    ``cp_context``: a :class:`~bayeslayer.ops.bayesian_layer.cp.CPContext`
+    (:func:`~bayeslayer.ops.bayesian_layer.cp.build_cp_context`) runs this rank's slice of a context-parallel sequence
+    (:mod:`bayeslayer.ops.bayesian_layer.cp`, PyTorch path): q, k, v, ... hold the slice, ``initial_state`` the global
+    sequences' states, and the final state those of the sequences that end on this rank (``cp_context.final_seqs``);
+    ``cu_seqlens`` goes into the context instead.
 
     Returns ``(o, state)`` or, with ``return_variance``, ``(o, variance [B, T, H, G], state)``.
     """

@@ -220,7 +220,7 @@ class CheckedToy(Toy):
     lr overflows them after an update while the weights stay finite."""
 
     def forward(self, x):
-        from bayeslayer.ops.checks import check_tensor
+        from bayeslayer.ops.utils.validation import check_tensor
 
         return check_tensor("hidden_states", super().forward(x) * 1e28)
 

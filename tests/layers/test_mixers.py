@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from bayeslayer.layers import MIXER_LABELS, MIXERS, MixerOutput, build_mixer
-from bayeslayer.ops.lowrank import lowrank_covariance
+from bayeslayer.ops.bayesian_layer.lowrank import lowrank_covariance
 
 HIDDEN = 16
 

@@ -13,7 +13,7 @@ import torch
 
 from bayeslayer.models import BayesLayerConfig, BayesLayerForCausalLM
 from bayeslayer.ops import BackendError
-from bayeslayer.ops.triton import support
+from bayeslayer.ops.bayesian_layer import triton_support as support
 
 from ..triton_spy import triton_only
 

@@ -178,7 +178,7 @@ def comm_by_length(lengths: list) -> dict:
 def halo_case() -> dict:
     """A causal depthwise convolution (width 4) over the halo + slice against the one-process convolution,
     varlen (a sequence boundary 2 tokens before rank 1's start), values and gradients."""
-    from bayeslayer.ops.cp import build_cp_context, cp_conv_halo
+    from bayeslayer.ops.bayesian_layer.cp import build_cp_context, cp_conv_halo
 
     T, W, Dm = 24, 4, 3
     cu = [0, 10, 17, T]

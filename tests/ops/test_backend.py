@@ -18,7 +18,7 @@ import torch
 from bayeslayer.design import BAYESIAN, DIAGONAL_COVARIANCE, GATED_DELTANET
 from bayeslayer.ops import BACKENDS, BackendError, bl_chunk, bl_step, initial_bl_state
 from bayeslayer.ops import backend as be
-from bayeslayer.ops.triton import support
+from bayeslayer.ops.bayesian_layer import triton_support as support
 
 from ..import_graph import find_cycle, import_graph, module_name
 from ..triton_spy import TorchPathRan, triton_only
@@ -103,7 +103,7 @@ def test_forced_triton_on_cpu_without_interpreter_says_so(monkeypatch):
         BAYESIAN.step(q[:, 0], k[:, 0], v[:, 0], r2=r2[:, 0], ell2=ell2[:, 0], alpha=alpha[:, 0], state=st,
                       backend="triton")
     # the Triton entry points themselves say the same instead of failing inside Triton
-    from bayeslayer.ops.triton import bl_chunk_triton
+    from bayeslayer.ops.bayesian_layer.chunk_triton import bl_chunk_triton
 
     with pytest.raises(BackendError, match="no CUDA device and TRITON_INTERPRET is not 1"):
         bl_chunk_triton(q, k, v, r2, ell2, alpha, chunk_size=16)
@@ -206,31 +206,31 @@ def test_the_spy_catches_the_pytorch_path():
 
 # -- (d) no import cycle (the whole package: tests/test_import_cycles.py) ---------------------------------
 def test_import_walker_sees_a_cycle():
-    """The walker is not vacuous: the pre-dispatch layout (ops/chunk.py importing the Triton path
-    lazily, and the Triton path importing ops/chunk.py) is a cycle to it."""
+    """The walker is not vacuous: the pre-dispatch layout (ops/bayesian_layer/chunk.py importing the Triton path
+    lazily, and the Triton path importing ops/bayesian_layer/chunk.py) is a cycle to it."""
     graph = import_graph(("ops",))
-    assert "bayeslayer.ops.chunk" in graph["bayeslayer.ops.triton.chunk"]
-    graph["bayeslayer.ops.chunk"].add("bayeslayer.ops.triton")
+    assert "bayeslayer.ops.bayesian_layer.chunk" in graph["bayeslayer.ops.bayesian_layer.chunk_triton"]
+    graph["bayeslayer.ops.bayesian_layer.chunk"].add("bayeslayer.ops.bayesian_layer.chunk_triton")
     cycle = find_cycle(graph)
-    assert cycle is not None and "bayeslayer.ops.chunk" in cycle
+    assert cycle is not None and "bayeslayer.ops.bayesian_layer.chunk" in cycle
 
 
 def test_the_pytorch_path_never_imports_the_triton_path():
     graph = import_graph(("ops",))
-    seen, todo = set(), ["bayeslayer.ops.chunk", "bayeslayer.ops.recurrent"]
+    seen, todo = set(), ["bayeslayer.ops.bayesian_layer.chunk", "bayeslayer.ops.bayesian_layer.recurrent"]
     while todo:
         mod = todo.pop()
         if mod not in seen:
             seen.add(mod)
             todo.extend(graph.get(mod, ()))
-    assert not {m for m in seen if m.startswith("bayeslayer.ops.triton") or m == "bayeslayer.ops.backend"}
+    assert not {m for m in seen if "triton" in m.rsplit(".", 1)[-1] or m == "bayeslayer.ops.backend"}
 
 
 def test_every_ops_module_imports_first_in_a_fresh_interpreter():
     """Each module of bayeslayer.ops imported first (bayeslayer's modules dropped before each, torch
     kept), then Triton itself must not have been imported by anything but the kernel modules."""
-    kernels = ("bayeslayer.ops.triton.kernels", "bayeslayer.ops.triton.ldl",  # they define @triton.jit: last
-               "bayeslayer.ops.triton.scan", "bayeslayer.ops.triton.scan_backward")
+    kernels = ("bayeslayer.ops.bayesian_layer.kernels_triton", "bayeslayer.ops.utils.ldl_triton",  # @triton.jit: last
+               "bayeslayer.ops.bayesian_layer.scan_triton", "bayeslayer.ops.bayesian_layer.scan_backward_triton")
     mods = sorted((module_name(p) for p in (PACKAGE / "ops").rglob("*.py")), key=lambda m: (m in kernels, m))
     script = f"""
 import importlib, sys

@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from bayeslayer.ops import fla_mean
+from bayeslayer.ops.bayesian_layer import mean_pass_fla
 
 from ..triton_spy import compile_keys
 from .scan_inputs import regime_inputs
@@ -26,12 +26,12 @@ pytestmark = pytest.mark.skipif(not interpreted, reason="computes compile keys o
 
 
 def _forward_backward(T: int, n_segments: int, diagonal: bool):
-    from bayeslayer.ops.triton.chunk import bl_chunk_triton
+    from bayeslayer.ops.bayesian_layer.chunk_triton import bl_chunk_triton
 
     q, k, v, r2, ell2, alpha = regime_inputs("longmem", 1, T, 1, 16, 8, diagonal=diagonal, seed=T + n_segments,
                                              dtype=torch.float32)
     leaves = [x.requires_grad_(True) for x in (q, k, v, r2, ell2, alpha)]
-    with fla_mean.one_autotune_config():  # the interpreter cannot benchmark fla's autotune configs
+    with mean_pass_fla.one_autotune_config():  # the interpreter cannot benchmark fla's autotune configs
         o, var, (M, P) = bl_chunk_triton(*leaves, output_final_state=True, return_variance=True, chunk_size=16,
                                          n_segments=n_segments, backward="scan")
         (o.square().sum() + var.sum() + M.sum() + P.sum()).backward()

@@ -3,8 +3,9 @@
 A fused backward kernel has to carry ``P̄`` backwards through the chunks and form
 every gradient from per-chunk matrices, not from an autograd graph.  This module writes that
 adjoint in plain tensor algebra for scalar decay (library code:
-:func:`bayeslayer.ops.scan_backward.covariance_pass_adjoint_scalar`), in the same variables as the loop of
-:func:`bayeslayer.ops.chunk.covariance_pass` (per chunk: ``Y = K̃P``, ``S = base + YK̃ᵀ``,
+:func:`bayeslayer.ops.bayesian_layer.scan_backward.covariance_pass_adjoint_scalar`), in the same variables as the loop
+of
+:func:`bayeslayer.ops.bayesian_layer.chunk.covariance_pass` (per chunk: ``Y = K̃P``, ``S = base + YK̃ᵀ``,
 ``S = L_c L_cᵀ``, ``Ū = (L_c ⊙ R)⁻¹(NBk + γ ⊙ Y)``, ``P' = sym(b_C I + γ_C² P − ŪᵀdiagẼ²Ū)``,
 ``w = Ū / diag(L_c)``), and checks it against autograd in float64 — the reference a kernel
 port is tested against, and a check of the algebra in ``docs/kernels.md``.
@@ -15,9 +16,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bayeslayer.ops.chunk import ChunkDynamics, Chunked, covariance_prework
-from bayeslayer.ops.prepare import prepare
-from bayeslayer.ops.scan_backward import covariance_pass_adjoint_scalar
+from bayeslayer.ops.bayesian_layer.chunk import ChunkDynamics, Chunked, covariance_prework
+from bayeslayer.ops.bayesian_layer.prepare import prepare
+from bayeslayer.ops.bayesian_layer.scan_backward import covariance_pass_adjoint_scalar
 
 
 def _loop(P, kt, base, NBk, gamma, ratio, end, b_end, gC2):
@@ -61,7 +62,7 @@ def _prework(T=150, C=32, seed=0):
 
 def test_loop_matches_covariance_pass():
     """``_loop`` is the same computation as the library's covariance pass (else the check below proves nothing)."""
-    from bayeslayer.ops.chunk import covariance_pass
+    from bayeslayer.ops.bayesian_layer.chunk import covariance_pass
 
     x, _, (dyn, ch) = _prework()
     w, P_end, _ = _loop(**x)

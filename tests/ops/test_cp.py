@@ -1,4 +1,5 @@
-"""Context parallelism (bayeslayer.ops.cp) on gloo, CPU: every rank's slice against one process on the whole sequence.
+"""Context parallelism (bayeslayer.ops.bayesian_layer.cp) on gloo, CPU: every rank's slice against one process on the
+whole sequence.
 
 Ranks are processes started here by ``torch.multiprocessing.spawn`` (the workers are in
 ``tests/ops/cp_workers.py``); one spawn runs a whole grid of cases, since starting the processes costs
@@ -13,7 +14,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from bayeslayer.ops.cp import comm_bytes_per_call
+from bayeslayer.ops.bayesian_layer.cp import comm_bytes_per_call
 
 from . import cp_workers
 

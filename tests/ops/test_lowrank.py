@@ -1,4 +1,5 @@
-"""Low-rank-plus-diagonal precision design (bayeslayer.ops.lowrank): limits, guarantees, paths, errors."""
+"""Low-rank-plus-diagonal precision design (bayeslayer.ops.bayesian_layer.lowrank): limits, guarantees, paths,
+errors."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch.nn.functional as F
 from bayeslayer.design import DIAGONAL_COVARIANCE, get_design, lowrank_diagonal
 from bayeslayer.layers import BayesianLayer
 from bayeslayer.ops import filter_recurrent
-from bayeslayer.ops.lowrank import (
+from bayeslayer.ops.bayesian_layer.lowrank import (
     initial_lowrank_state,
     lowrank_chunk,
     lowrank_covariance,

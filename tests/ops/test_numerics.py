@@ -141,7 +141,7 @@ def test_chunk_ill_conditioned_float32_within_10x_of_the_recurrent_path(keys, p0
 
 
 def test_chunk_group_dtype_rule(monkeypatch):
-    from bayeslayer.ops import chunk as chunk_module
+    from bayeslayer.ops.bayesian_layer import chunk as chunk_module
 
     P = torch.eye(4).expand(1, 1, 4, 4)
     k = F.normalize(torch.ones(2, 1, 1, 8, 4), dim=-1)

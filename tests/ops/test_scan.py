@@ -1,4 +1,4 @@
-"""The covariance pass as a segment scan (``bayeslayer.ops.scan``) against ``bl_chunk``, in float64.
+"""The covariance pass as a segment scan (``bayeslayer.ops.bayesian_layer.scan``) against ``bl_chunk``, in float64.
 
 Exactness (≤ 1e-12 relative) for scalar and diagonal decay, 1, 2 and 3 segments, ragged tails,
 segment boundaries inside packed ``cu_seqlens``, groups, in docs/theory.md §6.6's long-memory and
@@ -11,8 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bayeslayer.ops import bl_chunk, initial_bl_state, scan
-from bayeslayer.ops.prepare import prepare
+from bayeslayer.ops import bl_chunk, initial_bl_state
+from bayeslayer.ops.bayesian_layer import scan
+from bayeslayer.ops.bayesian_layer.prepare import prepare
 
 from .scan_inputs import note_inputs, regime_inputs
 

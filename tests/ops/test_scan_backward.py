@@ -1,11 +1,13 @@
-"""The explicit backward of the covariance segment scan (``bayeslayer.ops.scan_backward``) against autograd, float64.
+"""The explicit backward of the covariance segment scan (``bayeslayer.ops.bayesian_layer.scan_backward``) against
+autograd, float64.
 
-Reference 1: autograd through the scan twin's covariance pass (:func:`bayeslayer.ops.scan.covariance_scan`)
-with random adjoints on every output (w, β, L⁻¹ rows, variance, L⁻¹K̃, L⁻¹V, g, final P).
-Reference 2: autograd through the chunk-serial PyTorch path (:func:`bayeslayer.ops.chunk.covariance_pass`,
-outputs w, variance, final P).  1, 2 and 3 segments, ragged tails, packed ``cu_seqlens`` with segment
-boundaries inside sequences, groups, scalar and diagonal decay, docs/theory.md §6.6's long-memory and stress
-regimes (asserted: the segment transitions are far from 0, else the carried adjoint would test nothing).
+Reference 1: autograd through the scan twin's covariance pass
+(:func:`bayeslayer.ops.bayesian_layer.scan.covariance_scan`) with random adjoints on every output (w, β, L⁻¹ rows,
+variance, L⁻¹K̃, L⁻¹V, g, final P). Reference 2: autograd through the chunk-serial PyTorch path
+(:func:`bayeslayer.ops.bayesian_layer.chunk.covariance_pass`, outputs w, variance, final P).  1, 2 and 3 segments,
+ragged tails, packed ``cu_seqlens`` with segment boundaries inside sequences, groups, scalar and diagonal decay,
+docs/theory.md §6.6's long-memory and stress regimes (asserted: the segment transitions are far from 0, else the
+carried adjoint would test nothing).
 """
 
 from __future__ import annotations
@@ -13,10 +15,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bayeslayer.ops import initial_bl_state, scan
-from bayeslayer.ops import scan_backward as sb
-from bayeslayer.ops.chunk import ChunkDynamics, covariance_pass, from_chunks, pad_time, to_chunks
-from bayeslayer.ops.prepare import prepare
+from bayeslayer.ops import initial_bl_state
+from bayeslayer.ops.bayesian_layer import scan
+from bayeslayer.ops.bayesian_layer import scan_backward as sb
+from bayeslayer.ops.bayesian_layer.chunk import ChunkDynamics, covariance_pass, from_chunks, pad_time, to_chunks
+from bayeslayer.ops.bayesian_layer.prepare import prepare
 
 from .scan_inputs import regime_inputs
 

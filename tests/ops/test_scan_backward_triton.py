@@ -1,8 +1,9 @@
-"""The Triton backward of the covariance segment scan (``ops/triton/scan_backward.py``) against its twin.
+"""The Triton backward of the covariance segment scan (``ops/bayesian_layer/scan_backward_triton.py``) against its twin.
 
 Under ``TRITON_INTERPRET=1`` on CPU tensors (tiny shapes), each kernel against the plain-PyTorch twin
-:mod:`bayeslayer.ops.scan_backward` (itself tested against autograd, ``tests/ops/test_scan_backward.py``),
-in docs/theory.md §6.6's stress / long-memory regimes (asserted: the segment transitions are far from 0).
+:mod:`bayeslayer.ops.bayesian_layer.scan_backward` (itself tested against autograd,
+``tests/ops/test_scan_backward.py``), in docs/theory.md §6.6's stress / long-memory regimes (asserted: the segment
+transitions are far from 0).
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ import os
 import pytest
 import torch
 
-from bayeslayer.ops import scan
-from bayeslayer.ops import scan_backward as sb
+from bayeslayer.ops.bayesian_layer import scan
+from bayeslayer.ops.bayesian_layer import scan_backward as sb
 
 from .scan_inputs import regime_inputs
 
@@ -65,7 +66,7 @@ def test_reverse_segments_triton_equals_twin(regime, D, diagonal):
     """B3 as one kernel == ``reverse_segments(element_transition(...))``, float64 ≤ 1e-12: packed sequences of
     1, 2 and 3 segments (2, 4, 5 chunks of 16, segments of 2 chunks); D = 8, 32, 40 (one, two and a padded
     four 16×16 blocks)."""
-    from bayeslayer.ops.triton.scan_backward import reverse_segments_triton
+    from bayeslayer.ops.bayesian_layer.scan_backward_triton import reverse_segments_triton
 
     _, lay, _, P_starts, A, J = _scan_state(regime, D, diagonal, [0, 20, 70, 150], seed=D)
     assert lay.seq_n_seg.tolist() == [1, 2, 3]
@@ -87,7 +88,7 @@ def test_reverse_segments_triton_equals_twin(regime, D, diagonal):
 
 
 def test_reverse_segments_triton_flags_and_bad_input():
-    from bayeslayer.ops.triton.scan_backward import reverse_segments_triton
+    from bayeslayer.ops.bayesian_layer.scan_backward_triton import reverse_segments_triton
 
     _, lay, _, P_starts, A, J = _scan_state("longmem", 8, False, [0, 20, 70], seed=2)
     G = torch.zeros_like(P_starts)
@@ -140,7 +141,7 @@ def test_segment_adjoint_triton_equals_twin_fp64(D, inputs, diagonal, H):
     """B2 (start adjoints only) and B4 (and every input gradient), scalar and diagonal decay, float64 ≤ 1e-12:
     packed sequences of 40 and 110 tokens (3 and 7 chunks of 16, ragged tails), segments of 3 chunks → 1 + 3
     segments; D = 24 pads the key dim to 32; H' = 1 and 2."""
-    from bayeslayer.ops.triton.scan_backward import segment_adjoint_triton
+    from bayeslayer.ops.bayesian_layer.scan_backward_triton import segment_adjoint_triton
 
     lay, x, adj, P_starts, end_bar = _adjoint_case("stress", D, [0, 40, 150], 3, seed=D, diagonal=diagonal, H=H)
     assert lay.seq_n_seg.tolist() == [1, 3]
@@ -162,7 +163,7 @@ def test_segment_adjoint_triton_fp32(diagonal):
     """float32 inputs and adjoints (B4 in float32, long-memory regime) against the float64 twin: every gradient
     within 5e-6 relative (max error over the largest entry; measured 1.3e-7 – 5.4e-7 scalar, 1.3e-7 – 4.6e-7
     diagonal)."""
-    from bayeslayer.ops.triton.scan_backward import segment_adjoint_triton
+    from bayeslayer.ops.bayesian_layer.scan_backward_triton import segment_adjoint_triton
 
     lay, x64, adj64, P64, end64 = _adjoint_case("longmem", 16, [0, 40, 150], 3, seed=5, diagonal=diagonal)
     lay, x, adj, P_starts, end_bar = _adjoint_case("longmem", 16, [0, 40, 150], 3, seed=5, dtype=torch.float32,
@@ -199,7 +200,7 @@ def test_covariance_scan_backward_triton_equals_autograd(diagonal):
     adjoint reach the start adjoint ``dP0`` amplified (measured without the empty sequence, scalar: twin vs
     autograd 2.4e-12, kernels vs autograd 2.6e-12; every other gradient ≤ 5.5e-13); each kernel alone
     matches its twin to ≤ 1e-12 (the tests above)."""
-    from bayeslayer.ops.triton.scan_backward import covariance_scan_backward_triton
+    from bayeslayer.ops.bayesian_layer.scan_backward_triton import covariance_scan_backward_triton
 
     lay, args, kw = _full_case(None, [0, 40, 40, 150], 3, seed=9, diagonal=diagonal)  # an empty sequence too
     assert lay.seq_n_seg.tolist() == [1, 1, 3]
@@ -234,7 +235,7 @@ def test_backward_launches_do_not_grow_with_chunks(monkeypatch):
     import triton.runtime.interpreter as ti
     import triton.runtime.jit as tj
 
-    from bayeslayer.ops.triton.scan_backward import covariance_scan_backward_triton
+    from bayeslayer.ops.bayesian_layer.scan_backward_triton import covariance_scan_backward_triton
 
     launches = []
     for cls in (ti.InterpretedFunction, tj.JITFunction):
@@ -264,7 +265,7 @@ def test_backward_launches_do_not_grow_with_chunks(monkeypatch):
 def test_segment_adjoint_tiles():
     """The launch constants: D and MV padded to powers of two ≥ 16, 16-wide blocks, 8 warps from C = 32; bad
     arguments refused by name."""
-    from bayeslayer.ops.triton.scan_backward import segment_adjoint_tiles
+    from bayeslayer.ops.bayesian_layer.scan_backward_triton import segment_adjoint_tiles
 
     assert segment_adjoint_tiles(24, 8, 16) == dict(BD=32, BM=16, BK=16, BV=16, num_warps=4)
     assert segment_adjoint_tiles(64, 128, 64) == dict(BD=64, BM=128, BK=16, BV=16, num_warps=8)
@@ -277,7 +278,7 @@ def test_segment_adjoint_tiles():
 
 def test_segment_adjoint_triton_bad_input():
     """Refused before any launch, with the argument named."""
-    from bayeslayer.ops.triton.scan_backward import segment_adjoint_triton
+    from bayeslayer.ops.bayesian_layer.scan_backward_triton import segment_adjoint_triton
 
     lay, x, adj, P_starts, end_bar = _adjoint_case("longmem", 16, [0, 40], 3, seed=1)
     args = [x[n] for n in ("q", "k", "v", "r2", "ell2", "log_alpha")]

@@ -1,4 +1,4 @@
-"""The mean pass on flash-linear-attention's kernels (``bayeslayer.ops.fla_mean``).
+"""The mean pass on flash-linear-attention's kernels (``bayeslayer.ops.bayesian_layer.mean_pass_fla``).
 
 fla's ``chunk_fwd_o``, ``chunk_gla_fwd_intra_gk`` and ``chunk_gla_fwd_o_gk`` run here under the
 Triton interpreter; fla 0.6.0's ``chunk_gated_delta_rule_fwd_h`` does not (its loop index is a
@@ -13,9 +13,10 @@ import os
 import pytest
 import torch
 
-from bayeslayer.ops import bl_chunk, fla_mean, scan
-from bayeslayer.ops.chunk import ChunkDynamics, Chunked, covariance_pass, mean_pass
-from bayeslayer.ops.prepare import prepare
+from bayeslayer.ops import bl_chunk
+from bayeslayer.ops.bayesian_layer import mean_pass_fla, scan
+from bayeslayer.ops.bayesian_layer.chunk import ChunkDynamics, Chunked, covariance_pass, mean_pass
+from bayeslayer.ops.bayesian_layer.prepare import prepare
 
 from .scan_inputs import regime_inputs
 
@@ -66,14 +67,14 @@ def test_fwd_h_reference_equals_twin_state(diagonal):
     cu = [0, 17, 17, 40]
     q, sc, M0 = _scan_outputs(diagonal, torch.float64, cu)
     _, M_twin = scan.mean_pass_reference(q, sc.w, sc.kw, sc.vu, sc.g, M0, cu, 16)
-    g2 = sc.g * fla_mean._RCP_LN2
+    g2 = sc.g * mean_pass_fla._RCP_LN2
     cu_t = torch.tensor(cu)
     if diagonal:
-        w_end = sc.w * torch.exp(sc.g[fla_mean.chunk_last_index(cu, 16, q.device)] - sc.g)
-        _, _, M = fla_mean.fwd_h_reference(w_end[None], sc.kw[None], sc.vu[None], gk=g2[None], initial_state=M0,
+        w_end = sc.w * torch.exp(sc.g[mean_pass_fla.chunk_last_index(cu, 16, q.device)] - sc.g)
+        _, _, M = mean_pass_fla.fwd_h_reference(w_end[None], sc.kw[None], sc.vu[None], gk=g2[None], initial_state=M0,
                                            output_final_state=True, chunk_size=16, cu_seqlens=cu_t)
     else:
-        _, _, M = fla_mean.fwd_h_reference(sc.w[None], sc.kw[None], sc.vu[None], g=g2[None, ..., 0],
+        _, _, M = mean_pass_fla.fwd_h_reference(sc.w[None], sc.kw[None], sc.vu[None], g=g2[None, ..., 0],
                                            initial_state=M0, output_final_state=True, chunk_size=16, cu_seqlens=cu_t)
     assert (M.double() - M_twin).abs().max() <= 1e-5 * M_twin.abs().max()  # fla's state is float32
 
@@ -85,9 +86,9 @@ def test_mean_pass_fla_equals_twin(diagonal):
     cu = [0, 17, 17, 40]
     q, sc, M0 = _scan_outputs(diagonal, torch.float32, cu, device=DEVICE)
     o_ref, M_ref = scan.mean_pass_reference(q, sc.w, sc.kw, sc.vu, sc.g, M0, cu, 16)
-    fwd_h = None if torch.cuda.is_available() else fla_mean.fwd_h_reference
-    with fla_mean.one_autotune_config():
-        o, M = fla_mean.mean_pass_fla(q, sc.w, sc.kw, sc.vu, sc.g, M0, cu, 16, fwd_h=fwd_h)
+    fwd_h = None if torch.cuda.is_available() else mean_pass_fla.fwd_h_reference
+    with mean_pass_fla.one_autotune_config():
+        o, M = mean_pass_fla.mean_pass_fla(q, sc.w, sc.kw, sc.vu, sc.g, M0, cu, 16, fwd_h=fwd_h)
     assert (o - o_ref).abs().max() <= 1e-5 * o_ref.abs().max()
     assert (M - M_ref).abs().max() <= 1e-5 * M_ref.abs().max()
 
@@ -99,12 +100,12 @@ def test_forward_scan_with_fla_mean_equals_bl_chunk():
     q, k, v, r2, ell2, alpha = regime_inputs("longmem", 1, T, 2, 16, 8, G=2, dtype=torch.float32, device=DEVICE)
     cu = torch.tensor([0, 23, 40], device=DEVICE)
     ref = bl_chunk(q, k, v, r2, ell2, alpha, chunk_size=C, cu_seqlens=cu, output_final_state=True, backend="torch")
-    fwd_h = None if torch.cuda.is_available() else fla_mean.fwd_h_reference
+    fwd_h = None if torch.cuda.is_available() else mean_pass_fla.fwd_h_reference
 
     def mean(*a):
-        return fla_mean.mean_pass_fla(*a, fwd_h=fwd_h)
+        return mean_pass_fla.mean_pass_fla(*a, fwd_h=fwd_h)
 
-    with fla_mean.one_autotune_config():
+    with mean_pass_fla.one_autotune_config():
         o, _, M, P = scan.forward_scan(q, k, v, r2, ell2, alpha, 1.0, None, None, cu, C, False, segment_chunks=1,
                                        mean=mean)
     assert (o - ref[0]).abs().max() <= 2e-5 * ref[0].abs().max()
@@ -114,15 +115,15 @@ def test_forward_scan_with_fla_mean_equals_bl_chunk():
 def test_require_fla_checks_the_version(monkeypatch):
     monkeypatch.setattr(fla, "__version__", "0.5.2")
     with pytest.raises(RuntimeError, match="internal functions of flash-linear-attention >=0.6.0,<0.7.0"):
-        fla_mean.require_fla()
+        mean_pass_fla.require_fla()
     monkeypatch.setattr(fla, "__version__", "0.6.3")
-    assert fla_mean.require_fla() is fla
+    assert mean_pass_fla.require_fla() is fla
 
 
 def test_mean_pass_fla_refuses_float64_and_bad_shapes():
     cu = [0, 20]
     q, sc, M0 = _scan_outputs(False, torch.float64, cu, T=20)
     with pytest.raises(TypeError, match="float64"):
-        fla_mean.mean_pass_fla(q, sc.w, sc.kw, sc.vu, sc.g, M0, cu, 16)
+        mean_pass_fla.mean_pass_fla(q, sc.w, sc.kw, sc.vu, sc.g, M0, cu, 16)
     with pytest.raises(ValueError, match="kw must be"):
-        fla_mean.mean_pass_fla(q, sc.w, sc.kw[None], sc.vu, sc.g, M0, cu, 16)
+        mean_pass_fla.mean_pass_fla(q, sc.w, sc.kw[None], sc.vu, sc.g, M0, cu, 16)

@@ -1,4 +1,5 @@
-"""The composed backward of the segment-scan forward (``bayeslayer.ops.scan_grad``) against the PyTorch chunk path.
+"""The composed backward of the segment-scan forward (``bayeslayer.ops.bayesian_layer.scan_grad``) against the PyTorch
+chunk path.
 
 Reference: autograd through ``bl_chunk(..., backend="torch")`` (the chunk-serial PyTorch path), float64, ≤ 1e-10
 relative to each gradient's largest entry, for the gradients of q, k, v, r2 (grouped too), ell2, alpha (scalar and
@@ -24,7 +25,8 @@ import os
 import pytest
 import torch
 
-from bayeslayer.ops import bl_chunk, fla_mean, initial_bl_state, scan, scan_grad
+from bayeslayer.ops import bl_chunk, initial_bl_state
+from bayeslayer.ops.bayesian_layer import mean_pass_fla, scan, scan_grad
 
 from .scan_inputs import regime_inputs
 
@@ -182,7 +184,7 @@ def test_float32_gradients_close_to_float64():
     inputs = _case("longmem", True, T=70, seed=4)
     ref = _torch_ref(inputs)
     got = _grads(scan_grad.bl_scan_autograd, {n: x.float() for n, x in inputs.items()}, n_segments=2,
-                 mean_kernels=fla_mean.TWIN_KERNELS)
+                 mean_kernels=mean_pass_fla.TWIN_KERNELS)
     for n in ref:
         b = ref[n] if n != "P0" else 0.5 * (ref[n] + ref[n].mT)
         assert got[n].dtype == torch.float32
@@ -209,7 +211,7 @@ def test_scan_backward_bad_input():
 
 def test_mean_backward_kernels_choice():
     ks = scan_grad.mean_backward_kernels(torch.float64, "cpu")
-    assert ks == fla_mean.TWIN_KERNELS
+    assert ks == mean_pass_fla.TWIN_KERNELS
 
 
 # ------------------------------------------------------------------ the Triton forward, backward="scan"
@@ -222,7 +224,7 @@ def test_mean_backward_kernels_choice():
 def test_bl_chunk_triton_scan_backward_fp64(regime, diagonal, G, n_segments):
     """``bl_chunk_triton(backward="scan")``: the Triton forward (Phase A/B kernels, Phase C, the mean kernel) keeps
     W, L⁻¹ rows, P_s and Phase A's elements; gradients equal the PyTorch path's.  Packed ragged sequences."""
-    from bayeslayer.ops.triton.chunk import bl_chunk_triton
+    from bayeslayer.ops.bayesian_layer.chunk_triton import bl_chunk_triton
 
     cu = [0, 30, 85]  # 2 + 4 chunks of 16, both ragged
     inputs = _case(regime, diagonal, B=1, T=85, H=1, G=G, cu=cu, seed=11, device=DEVICE)
@@ -250,7 +252,7 @@ def test_gradcheck_triton_scan_backward(diagonal):
     """``torch.autograd.gradcheck`` (fast mode: random projections, so that the interpreted forward runs a few
     times only) of ``bl_chunk_triton(backward="scan")`` in float64 — the Triton forward and the Triton B2–B4 —
     on packed ragged sequences of 2 segments, every input and the initial state (P0 = X Xᵀ + I, as above)."""
-    from bayeslayer.ops.triton.chunk import bl_chunk_triton
+    from bayeslayer.ops.bayesian_layer.chunk_triton import bl_chunk_triton
 
     q, k, v, r2, ell2, alpha = regime_inputs("longmem", 1, 40, 1, 4, 2, diagonal=diagonal, seed=6, device=DEVICE)
     alpha = 0.6 + 0.4 * alpha  # stronger decay: the gate's gradient is not negligible
@@ -276,12 +278,12 @@ def test_bl_chunk_triton_scan_backward_fp32_with_fla_kernels():
 
     Tolerance 1e-5 relative to each gradient's largest entry against the float64 PyTorch path (measured on this
     case under the interpreter: ≤ 5.0e-7, dell2)."""
-    from bayeslayer.ops.triton.chunk import bl_chunk_triton
+    from bayeslayer.ops.bayesian_layer.chunk_triton import bl_chunk_triton
 
     cu = [0, 20, 40]
     inputs = _case("longmem", False, B=1, T=40, H=1, D=16, m=8, cu=cu, seed=12, device=DEVICE)
     ref = _torch_ref(inputs, cu)
-    pin = fla_mean.one_autotune_config() if DEVICE == "cpu" else contextlib.nullcontext()
+    pin = mean_pass_fla.one_autotune_config() if DEVICE == "cpu" else contextlib.nullcontext()
     with pin:  # the interpreter cannot benchmark fla's autotune configs
         got = _grads(bl_chunk_triton, {n: x.float() for n, x in inputs.items()}, torch.tensor(cu, device=DEVICE),
                      n_segments=2, backward="scan")
@@ -347,21 +349,21 @@ def test_bl_chunk_triton_scan_backward_16bit(monkeypatch, dtype, regime, diagona
     Not here: fp16 in the stress regime, where dr2 and dell2 reach 1.4e5 and overflow fp16 to inf (block-wise
     alike: a property of fp16 leaves, not of the path).
     On a GPU fla's fp32 products are TF32 (``docs/kernels.md``): ``arith`` there is unmeasured."""
-    from bayeslayer.ops.triton.chunk import bl_chunk_triton
+    from bayeslayer.ops.bayesian_layer.chunk_triton import bl_chunk_triton
 
     cu = [0, 20, 40]
     cu_t = torch.tensor(cu, device=DEVICE)
     inputs = _case(regime, diagonal, B=1, T=40, H=1, D=16, m=8, cu=cu, seed=12, device=DEVICE)
     low = {n: x.to(dtype) for n, x in inputs.items()}
     seen = []
-    orig = fla_mean.mean_pass_fla_backward
+    orig = mean_pass_fla.mean_pass_fla_backward
 
     def spy(q, *a, kernels=None, **kw):
         seen.append((q.dtype, sorted(kernels or {})))
         return orig(q, *a, kernels=kernels, **kw)
 
-    monkeypatch.setattr(fla_mean, "mean_pass_fla_backward", spy)
-    pin = fla_mean.one_autotune_config() if DEVICE == "cpu" else contextlib.nullcontext()
+    monkeypatch.setattr(mean_pass_fla, "mean_pass_fla_backward", spy)
+    pin = mean_pass_fla.one_autotune_config() if DEVICE == "cpu" else contextlib.nullcontext()
     with pin:  # the interpreter cannot benchmark fla's autotune configs
         g16, W = _weighted_grads(bl_chunk_triton, low, cu_t, seed=12, n_segments=2, backward="scan")
         g32, _ = _weighted_grads(bl_chunk_triton, {n: x.float() for n, x in low.items()}, cu_t, W, n_segments=2,
@@ -369,7 +371,7 @@ def test_bl_chunk_triton_scan_backward_16bit(monkeypatch, dtype, regime, diagona
         gb, _ = _weighted_grads(bl_chunk_triton, low, cu_t, W, n_segments=2, backward="blockwise")
     ref, _ = _weighted_grads(bl_chunk, {n: x.double() for n, x in low.items()}, cu_t, W, backend="torch")
     # fla's kernels ran (but for the twins the interpreter needs) on the packed fp32 operands, in both scan runs
-    twins = sorted(fla_mean.NOT_INTERPRETABLE) if DEVICE == "cpu" else []
+    twins = sorted(mean_pass_fla.NOT_INTERPRETABLE) if DEVICE == "cpu" else []
     assert seen == [(torch.float32, twins)] * 2
     u = UNIT_ROUNDOFF[dtype]
     ref, s16, s32, sb = (_sym_p0(x) for x in (ref, g16, g32, gb))
@@ -388,13 +390,13 @@ def test_bl_chunk_triton_scan_backward_16bit(monkeypatch, dtype, regime, diagona
 
 @runs_triton
 def test_backward_switch(monkeypatch):
-    """``blockwise`` stays the default; ``set_triton_backward`` (``DEFAULT_BACKWARD``, read at call time) or
-    ``backward=`` select the scan; anything else is refused naming the argument; without a gradient to take the
-    plain forward runs (same output)."""
-    from bayeslayer.ops import set_triton_backward
-    from bayeslayer.ops.triton import chunk as tc
+    """``blockwise`` stays the default; ``with triton_backward("scan"):`` (the default inside the block, restored
+    after it) or ``backward=`` select the scan; anything else is refused naming the argument; without a gradient
+    to take the plain forward runs (same output)."""
+    from bayeslayer.ops import TRITON_BACKWARDS, triton_backward
+    from bayeslayer.ops.bayesian_layer import chunk_triton as tc
 
-    assert tc.DEFAULT_BACKWARD == "blockwise"
+    assert tc.default_triton_backward() == "blockwise" and set(TRITON_BACKWARDS) == {"blockwise", "scan"}
     inputs = _case("longmem", False, B=1, T=20, H=1, state=False, device=DEVICE)
     ran = []
     monkeypatch.setattr(scan_grad, "scan_backward", lambda *a, **kw: ran.append(1) or (_ for _ in ()).throw(
@@ -404,18 +406,23 @@ def test_backward_switch(monkeypatch):
     o, _ = tc.bl_chunk_triton(*args, chunk_size=16)
     o.sum().backward()  # blockwise: the scan backward never ran
     assert ran == []
-    with pytest.raises(ValueError, match="backward must be one of"):
-        set_triton_backward("fused")
-    monkeypatch.setattr(tc, "DEFAULT_BACKWARD", "blockwise")  # restored after the test whatever happens
-    assert set_triton_backward("scan") == "blockwise" and tc.DEFAULT_BACKWARD == "scan"
-    o, _ = tc.bl_chunk_triton(*args, chunk_size=16)
+    with pytest.raises(ValueError, match="backward must be one of"), triton_backward("fused"):
+        pass
+    with triton_backward("scan") as chosen:
+        assert chosen == "scan" and tc.default_triton_backward() == "scan"
+        o, _ = tc.bl_chunk_triton(*args, chunk_size=16)
+    assert tc.default_triton_backward() == "blockwise"  # restored on leaving the block
+    with pytest.raises(RuntimeError, match="scan backward ran"):
+        o.sum().backward()  # chosen when the forward ran, inside the block
+    o, _ = tc.bl_chunk_triton(*args, chunk_size=16, backward="scan")
     with pytest.raises(RuntimeError, match="scan backward ran"):
         o.sum().backward()
     with pytest.raises(ValueError, match="backward must be"):
         tc.bl_chunk_triton(*args, chunk_size=16, backward="fused")
     # inference (no gradient can be asked for) runs the plain forward whichever backward is selected
-    monkeypatch.setattr(tc, "_scan_autograd", lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("scan forward")))
-    with torch.no_grad():
+    monkeypatch.setitem(tc.TRITON_BACKWARDS, "scan",
+                        lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("scan forward")))
+    with torch.no_grad(), triton_backward("scan"):
         o2, _ = tc.bl_chunk_triton(*args, chunk_size=16)
     assert torch.equal(o2, o.detach())
 
@@ -425,7 +432,7 @@ def test_backward_switch(monkeypatch):
 
 def _spy_covariance(monkeypatch) -> dict:
     """Count calls into the Triton covariance backward and into its plain-PyTorch twin, both still running."""
-    from bayeslayer.ops.triton import scan_backward as tsb
+    from bayeslayer.ops.bayesian_layer import scan_backward_triton as tsb
 
     calls = {"triton": 0, "twin": 0}
     for mod, name, key in ((tsb, "covariance_scan_backward_triton", "triton"),
@@ -446,7 +453,7 @@ def test_triton_forward_runs_triton_covariance_backward(monkeypatch, diagonal, s
     """``bl_chunk_triton(backward="scan")``: B2–B4 on the Triton kernels (not the twin), gradients of q, k, v, r2,
     ell2, alpha and the initial state (M0, P0) — or, without one, of a per-head ``p0`` — equal the PyTorch path's
     to ≤ 1e-10 in float64.  Stress regime, 2 segments, packed ragged sequences, the segment transition far from 0."""
-    from bayeslayer.ops.triton.chunk import bl_chunk_triton
+    from bayeslayer.ops.bayesian_layer.chunk_triton import bl_chunk_triton
 
     cu = [0, 27, 77]  # 2 + 4 chunks of 16, both ragged; 2 segments: a boundary inside the second sequence
     inputs = _case("stress", diagonal, B=1, T=77, H=2, cu=cu, seed=21, device=DEVICE, state=state)
@@ -504,7 +511,7 @@ def test_scan_backward_launches_do_not_grow_with_chunks(monkeypatch, diagonal, G
     import triton.runtime.jit as tj
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from bayeslayer.ops.triton.chunk import bl_chunk_triton
+    from bayeslayer.ops.bayesian_layer.chunk_triton import bl_chunk_triton
 
     launches, ops, in_twin = [], collections.Counter(), [False]
     for cls in (ti.InterpretedFunction, tj.JITFunction):
@@ -538,19 +545,19 @@ def test_scan_backward_launches_do_not_grow_with_chunks(monkeypatch, diagonal, G
     calls = _spy_covariance(monkeypatch)
     entries = {"mean_pass_fla_backward": 0, "substitution_backward": 0}
     for name in entries:
-        orig = getattr(fla_mean, name)
+        orig = getattr(mean_pass_fla, name)
 
         def spy(*a, _orig=orig, _name=name, **kw):
             entries[_name] += 1
             return _orig(*a, **kw)
 
-        monkeypatch.setattr(fla_mean, name, spy)
+        monkeypatch.setattr(mean_pass_fla, name, spy)
 
     def run(T, n_segments):
         inputs = _case("longmem", diagonal, B=1, T=T, H=1, D=16, m=8, G=G, seed=T, device=DEVICE)
         leaves = [inputs[n].float().requires_grad_(True) for n in ("q", "k", "v", "r2", "ell2", "alpha")]
         M0, P0 = (inputs[n].float().requires_grad_(True) for n in ("M0", "P0"))
-        pin = fla_mean.one_autotune_config() if DEVICE == "cpu" else contextlib.nullcontext()
+        pin = mean_pass_fla.one_autotune_config() if DEVICE == "cpu" else contextlib.nullcontext()
         with pin:
             o, var, (M, P) = bl_chunk_triton(*leaves, initial_state=(M0, P0), output_final_state=True,
                                              return_variance=True, chunk_size=16, n_segments=n_segments,

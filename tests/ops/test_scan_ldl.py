@@ -1,6 +1,6 @@
-"""The blocked 16×16 LDLᵀ of the Triton kernels (``ops/triton/ldl.py``) against its PyTorch twin.
+"""The blocked 16×16 LDLᵀ of the Triton kernels (``ops/utils/ldl_triton.py``) against its PyTorch twin.
 
-The twin (:func:`bayeslayer.ops.scan.ldl_clamped`) is an unblocked clamped elimination; it is
+The twin (:func:`bayeslayer.ops.bayesian_layer.scan.ldl_clamped`) is an unblocked clamped elimination; it is
 checked against ``torch.linalg.cholesky`` first.  The kernel runs under ``TRITON_INTERPRET=1`` on
 CPU: 1, 2 and 4 diagonal blocks (N = 16, 32, 64, and ragged N padded with identity), float64 and
 float32, with the pivot clamp active and with a matrix that is not positive definite.
@@ -15,7 +15,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from bayeslayer.ops import scan  # noqa: E402
+from bayeslayer.ops.bayesian_layer import scan  # noqa: E402
 
 pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(
@@ -36,7 +36,7 @@ def _spd(n, N, *, seed=0, cond=1e3):
 
 
 def _run_kernel(S, floor):
-    from bayeslayer.ops.triton.ldl import BLOCK, ldl_kernel
+    from bayeslayer.ops.utils.ldl_triton import BLOCK, ldl_kernel
 
     n, N = S.shape[:2]
     NB = 1 << (-(-N // BLOCK) - 1).bit_length()  # a power of two (tl.arange)

@@ -1,10 +1,10 @@
 """The prep kernel (docs/theory.md §6.7, F1) and the covariance kernel reading it.
 
-``bl_chunk_prep_kernel`` (``ops/triton/kernels.py``, launched by ``ops/triton/scan.py::prep_triton``)
-computes every chunk's P-free terms — g, the in-chunk noise b, the base of S, qᵀBq — parallel over
-chunks; its plain-PyTorch twin is ``ops/scan.py::prep_reference`` (``chunk_prep`` per chunk).  Under
-``TRITON_INTERPRET=1`` on CPU, tiny shapes: the kernel equals the twin (float64 ≤ 1e-12, float32 ≤ 2e-6
-against the float64 twin) for scalar and diagonal decay, ragged last chunks, an empty sequence and
+``bl_chunk_prep_kernel`` (``ops/bayesian_layer/kernels_triton.py``, launched by
+``ops/bayesian_layer/scan_triton.py::prep_triton``) computes every chunk's P-free terms — g, the in-chunk noise b, the
+base of S, qᵀBq — parallel over chunks; its plain-PyTorch twin is ``ops/bayesian_layer/scan.py::prep_reference``
+(``chunk_prep`` per chunk).  Under ``TRITON_INTERPRET=1`` on CPU, tiny shapes: the kernel equals the twin (float64 ≤
+1e-12, float32 ≤ 2e-6 against the float64 twin) for scalar and diagonal decay, ragged last chunks, an empty sequence and
 packed ``cu_seqlens``; the scan forward with the covariance kernel reading the prep buffers
 (``prep=True``, the default) equals ``bl_chunk`` and the path without them in float64 ≤ 1e-12.
 """
@@ -16,7 +16,8 @@ import os
 import pytest
 import torch
 
-from bayeslayer.ops import bl_chunk, initial_bl_state, scan
+from bayeslayer.ops import bl_chunk, initial_bl_state
+from bayeslayer.ops.bayesian_layer import scan
 
 from .scan_inputs import regime_inputs
 
@@ -51,7 +52,7 @@ def _strong_inputs(NT, H, D, diagonal, seed):
 def test_prep_kernel_equals_twin(diagonal, D, dtype):
     """g, b, base, qᵀBq of every chunk == ``prep_reference``; D = 20 pads the second 16-channel block.
     Sequences of 37, 0 and 43 tokens, C = 16: ragged last chunks (5 and 11 tokens) and an empty one."""
-    from bayeslayer.ops.triton.scan import prep_triton
+    from bayeslayer.ops.bayesian_layer.scan_triton import prep_triton
 
     C, H = 16, 2
     cu = [0, 37, 37, 80]
@@ -82,7 +83,7 @@ def test_prep_kernel_equals_twin(diagonal, D, dtype):
 
 
 def test_prep_triton_bad_input():
-    from bayeslayer.ops.triton.scan import prep_triton
+    from bayeslayer.ops.bayesian_layer.scan_triton import prep_triton
 
     q, k, r2, ell2, la = _strong_inputs(20, 1, 8, False, seed=0)
     lay = scan.scan_layout([0, 20], 16, 1, DEVICE)
@@ -96,7 +97,7 @@ def test_prep_triton_bad_input():
 def test_phase_a_reads_the_prep_buffers(diagonal):
     """Phase A's covariance kernel with the prep buffers == the twin's elements (float64 ≤ 1e-12), and it
     really reads them: a perturbed base changes the elements."""
-    from bayeslayer.ops.triton.scan import phase_a_triton, prep_triton
+    from bayeslayer.ops.bayesian_layer.scan_triton import phase_a_triton, prep_triton
 
     T, H, D, m, C = 75, 2, 8, 4, 16
     q, k, v, r2, ell2, alpha = regime_inputs("stress", 1, T, H, D, m, diagonal=diagonal, seed=5, device=DEVICE)
@@ -124,7 +125,7 @@ def test_forward_scan_with_prep_equals_bl_chunk_fp64(diagonal, regime):
     """The whole scan forward with the prep kernel (Phase A and C read its buffers; float64: one prep
     shared by both) == ``bl_chunk`` and == the scan without the prep kernel, float64 ≤ 1e-12; packed
     sequences of 1, 2 and 3 segments, ragged tails, the variance, an initial state."""
-    from bayeslayer.ops.triton.scan import forward_scan_triton
+    from bayeslayer.ops.bayesian_layer.scan_triton import forward_scan_triton
 
     H, D, m, C = 1, 8, 4, 16
     cu = torch.tensor([0, 20, 70, 150], device=DEVICE)  # 2, 4, 5 chunks -> 1, 2, 3 segments of 2 chunks
@@ -150,7 +151,7 @@ def test_forward_scan_with_prep_equals_bl_chunk_fp64(diagonal, regime):
 def test_forward_scan_with_prep_fp32(diagonal):
     """fp32 inputs: one fp32 prep (with qᵀBq) read by Phase A's float64 kernel (cast on load) and by Phase C;
     equals the scan without the prep kernel to fp32 rounding."""
-    from bayeslayer.ops.triton.scan import forward_scan_triton
+    from bayeslayer.ops.bayesian_layer.scan_triton import forward_scan_triton
 
     H, D, m, C = 1, 8, 4, 16
     cu = torch.tensor([0, 45, 70], device=DEVICE)  # 3 + 2 chunks -> 2 + 1 segments of 2 chunks

@@ -1,4 +1,4 @@
-"""The segment-scan forward with Phase C on the Triton covariance kernel (``ops/triton/scan.py``).
+"""The segment-scan forward with Phase C on the Triton covariance kernel (``ops/bayesian_layer/scan_triton.py``).
 
 Under ``TRITON_INTERPRET=1`` on CPU (tiny shapes: the interpreter runs the kernel's C-step
 elimination in NumPy): float64 equality with ``bl_chunk`` for scalar and diagonal decay, several
@@ -13,7 +13,8 @@ import os
 import pytest
 import torch
 
-from bayeslayer.ops import bl_chunk, initial_bl_state, scan
+from bayeslayer.ops import bl_chunk, initial_bl_state
+from bayeslayer.ops.bayesian_layer import scan
 
 from .scan_inputs import regime_inputs
 
@@ -33,7 +34,7 @@ def _rel(a, b):
 
 @pytest.mark.parametrize(("diagonal", "regime"), [(False, "longmem"), (True, "stress")])
 def test_forward_scan_triton_equals_bl_chunk_fp64(diagonal, regime):
-    from bayeslayer.ops.triton.scan import forward_scan_triton
+    from bayeslayer.ops.bayesian_layer.scan_triton import forward_scan_triton
 
     T, H, D, m, C = 75, 1, 8, 4, 16
     q, k, v, r2, ell2, alpha = regime_inputs(regime, 1, T, H, D, m, diagonal=diagonal, seed=3, device=DEVICE)
@@ -53,7 +54,7 @@ def test_forward_scan_triton_equals_bl_chunk_fp64(diagonal, regime):
 def test_forward_scan_triton_fp32_equals_twin(diagonal, G):
     """fp32 inputs: Phase A's state in float64, its per-token hand-off (W, L⁻¹ rows, L⁻¹(γ⊙K)) and the prep it
     reads in fp32; Phase C in fp32."""
-    from bayeslayer.ops.triton.scan import forward_scan_triton
+    from bayeslayer.ops.bayesian_layer.scan_triton import forward_scan_triton
 
     T, H, D, m, C = 40, 1, 8, 4, 16
     q, k, v, r2, ell2, alpha = regime_inputs("longmem", 1, T, H, D, m, G=G, diagonal=diagonal, dtype=torch.float32,
@@ -66,7 +67,7 @@ def test_forward_scan_triton_fp32_equals_twin(diagonal, G):
 
 
 def test_forward_scan_triton_bad_input():
-    from bayeslayer.ops.triton.scan import forward_scan_triton
+    from bayeslayer.ops.bayesian_layer.scan_triton import forward_scan_triton
 
     q, k, v, r2, ell2, alpha = regime_inputs("longmem", 1, 20, 1, 8, 4, device=DEVICE)
     with pytest.raises(ValueError, match="chunk_size"):
@@ -76,7 +77,7 @@ def test_forward_scan_triton_bad_input():
 @pytest.mark.parametrize("diagonal", [False, True])
 def test_phase_a_triton_equals_twin(diagonal):
     """Phase A on the kernels (covariance kernel from P = 0, β from kᵀw, tracking kernel) == the PyTorch twin."""
-    from bayeslayer.ops.triton.scan import phase_a_triton
+    from bayeslayer.ops.bayesian_layer.scan_triton import phase_a_triton
 
     T, H, D, m, C = 75, 2, 8, 4, 16
     q, k, v, r2, ell2, alpha = regime_inputs("stress", 1, T, H, D, m, diagonal=diagonal, seed=5, device=DEVICE)
@@ -118,7 +119,7 @@ def _elements(regime, D, diagonal, cu, seed):
 def test_phase_b_triton_equals_twin(regime, D, diagonal):
     """Phase B as one kernel (blocked LDLᵀ of P_s and of I + GᵀJG, 16×16 tl.dot tiles) == the PyTorch
     Cholesky form, float64 ≤ 1e-12; sequences with 3, 1 and 4 segments (ragged tails)."""
-    from bayeslayer.ops.triton.scan import phase_b_triton
+    from bayeslayer.ops.bayesian_layer.scan_triton import phase_b_triton
 
     lay, P0, el = _elements(regime, D, diagonal, [0, 70, 90, 210], seed=D)
     assert lay.seq_n_seg.tolist() == [3, 1, 4]
@@ -132,7 +133,7 @@ def test_phase_b_triton_equals_twin(regime, D, diagonal):
 
 
 def test_phase_b_triton_flags_not_positive_definite():
-    from bayeslayer.ops.triton.scan import phase_b_triton
+    from bayeslayer.ops.bayesian_layer.scan_triton import phase_b_triton
 
     lay, P0, el = _elements("longmem", 8, False, [0, 70, 90], seed=1)
     P0[1, 0] = -torch.eye(8, dtype=P0.dtype)  # sequence 1 has one segment: never factored
@@ -143,9 +144,9 @@ def test_phase_b_triton_flags_not_positive_definite():
 
 @pytest.mark.parametrize(("regime", "diagonal"), [("longmem", False), ("stress", True)])
 def test_forward_scan_triton_phase_b_kernel_equals_torch_scan(regime, diagonal):
-    """Phases A, B (one kernel), C on Triton == the PyTorch scan (ops/scan.py), float64 ≤ 1e-12: packed
+    """Phases A, B (one kernel), C on Triton == the PyTorch scan (ops/bayesian_layer/scan.py), float64 ≤ 1e-12: packed
     sequences of 1, 2 and 3 segments (segments of 2 chunks of 16), ragged tails, an initial state."""
-    from bayeslayer.ops.triton.scan import forward_scan_triton
+    from bayeslayer.ops.bayesian_layer.scan_triton import forward_scan_triton
 
     H, D, m, C = 1, 8, 4, 16
     cu = torch.tensor([0, 20, 70, 150], device=DEVICE)  # 2, 4, 5 chunks -> 1, 2, 3 segments
@@ -170,7 +171,7 @@ def test_forward_allocates_no_token_sized_float64(dtype, diagonal):
     float64 ``[NT, H', D]`` (and its prep, the per-channel decays, β's ``k`` a float64 copy each)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from bayeslayer.ops.triton.scan import forward_scan_triton
+    from bayeslayer.ops.bayesian_layer.scan_triton import forward_scan_triton
 
     B, T, H, D, m, C = 1, 256, 1, 16, 8, 16  # T ≫ D: per-segment D×D buffers stay below NT·H'·D
     q, k, v, r2, ell2, alpha = regime_inputs("longmem", B, T, H, D, m, diagonal=diagonal, seed=5, dtype=dtype,
@@ -202,7 +203,7 @@ def test_cov_precision_reaches_phase_c():
     key says so; Phase A's float64 kernel stays IEEE); the interpreter ignores ``input_precision``, so the outputs
     equal the IEEE run's here (the error of tf32x3 is measured by emulation: ``benchmarks/scan_precision.py``).
     A bad value is refused by name."""
-    from bayeslayer.ops.triton.scan import forward_scan_triton
+    from bayeslayer.ops.bayesian_layer.scan_triton import forward_scan_triton
 
     from ..triton_spy import compile_keys
 

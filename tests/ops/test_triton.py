@@ -23,7 +23,8 @@ import torch  # noqa: E402
 pytest.importorskip("triton")
 
 from bayeslayer.ops import BackendError, bl_chunk, bl_step, initial_bl_state  # noqa: E402
-from bayeslayer.ops.triton import bl_chunk_triton, bl_step_triton, triton_available  # noqa: E402
+from bayeslayer.ops.bayesian_layer.chunk_triton import bl_chunk_triton, triton_available
+from bayeslayer.ops.bayesian_layer.step_triton import bl_step_triton  # noqa: E402
 
 from ..triton_spy import triton_only  # noqa: E402
 
@@ -175,7 +176,7 @@ def _grad_check(decay, G, with_state, cu_lens=None, T=21):
     if cu is None:
         g2 = torch.autograd.grad(loss(bl_chunk), leaves)
     else:  # the reference: each packed sequence through the PyTorch path on its own
-        from bayeslayer.ops.triton.chunk import _torch_reference
+        from bayeslayer.ops.bayesian_layer.chunk_triton import _torch_reference
 
         def ref(q, k, v, r2, ell2, alpha, initial_state, **kw):
             M0, P0 = initial_state if initial_state is not None else (None, None)
@@ -234,7 +235,7 @@ def test_gradients_over_several_backward_blocks(monkeypatch, cu_lens):
     """The backward recomputes blocks of chunks; with blocks of 2 chunks, 5 chunks span 3 blocks
     (a partial last one), and packed sequences of 1, 3 and 5 chunks end inside, at and before
     a block boundary."""
-    from bayeslayer.ops.triton import chunk as triton_chunk
+    from bayeslayer.ops.bayesian_layer import chunk_triton as triton_chunk
 
     monkeypatch.setattr(triton_chunk, "BACKWARD_BLOCK", 2)
     _grad_check("scalar", 2, with_state=True, cu_lens=cu_lens, T=75)
@@ -242,7 +243,7 @@ def test_gradients_over_several_backward_blocks(monkeypatch, cu_lens):
 
 def test_checkpoints_are_kept_at_block_starts_only(monkeypatch):
     """The forward the backward re-runs keeps (M, P) at chunks 0, E, 2E, ... and the end (E = the block)."""
-    from bayeslayer.ops.triton import chunk as triton_chunk
+    from bayeslayer.ops.bayesian_layer import chunk_triton as triton_chunk
 
     monkeypatch.setattr(triton_chunk, "BACKWARD_BLOCK", 2)
     C, T = 16, 75  # 5 chunks: checkpoints before chunks 0, 2, 4 and after the last

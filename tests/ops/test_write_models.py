@@ -1,5 +1,5 @@
-"""Write models as objects (bayeslayer.ops.write, bayeslayer.design.write): the registry, what each
-object says of itself, and that a name and its object run the same filter."""
+"""Write models as objects (bayeslayer.ops.bayesian_layer.write_models, bayeslayer.design.write): the registry, what
+each object says of itself, and that a name and its object run the same filter."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from bayeslayer.design import BAYESIAN, DESIGNS, MAMBA2, RETNET, lowrank_diagonal
 from bayeslayer.design.write import DESIGN_WRITES, FilterWrite, LowRankWrite, get_design_write
 from bayeslayer.ops import WRITE_MODELS, filter_chunk, filter_recurrent
-from bayeslayer.ops.write import BAYES, DIAGONAL, LATENT, RESET, get_write_model
+from bayeslayer.ops.bayesian_layer.write_models import BAYES, DIAGONAL, LATENT, RESET, get_write_model
 
 
 def test_registry_and_facts():

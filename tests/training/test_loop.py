@@ -125,7 +125,7 @@ class _Checked(nn.Module):
         self.lin, self.scale = nn.Linear(4, 3), scale
 
     def forward(self, x):
-        from bayeslayer.ops.checks import check_tensor
+        from bayeslayer.ops.utils.validation import check_tensor
 
         return check_tensor("hidden_states", self.lin(x) * self.scale)
 

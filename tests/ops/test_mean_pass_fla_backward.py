@@ -1,8 +1,9 @@
-"""The mean pass's backward on flash-linear-attention's backward kernels (``bayeslayer.ops.fla_mean``).
+"""The mean pass's backward on flash-linear-attention's backward kernels
+(``bayeslayer.ops.bayesian_layer.mean_pass_fla``).
 
-The explicit twin (:func:`fla_mean.mean_pass_backward_reference`: the adapter's steps on the twins of
-fla's kernels, :data:`fla_mean.TWIN_KERNELS`) is checked in float64 against autograd through
-:func:`bayeslayer.ops.scan.mean_pass_reference` (scalar and diagonal decay, G = 1, 2, ragged packed
+The explicit twin (:func:`mean_pass_fla.mean_pass_backward_reference`: the adapter's steps on the twins of
+fla's kernels, :data:`mean_pass_fla.TWIN_KERNELS`) is checked in float64 against autograd through
+:func:`bayeslayer.ops.bayesian_layer.scan.mean_pass_reference` (scalar and diagonal decay, G = 1, 2, ragged packed
 sequences, M0 and dM), and the substitution's adjoint against autograd through ``substituted_inputs``.
 Under the Triton 3.9 interpreter fla 0.6.0's chunk_bwd_dv_local, chunk_bwd_dqkwg, chunk_local_cumsum,
 chunk_gla_fwd_intra_gk, chunk_kda_bwd_dAv, chunk_gla_bwd_dqk_intra and chunk_gla_bwd_dqkg run and are
@@ -17,8 +18,8 @@ import os
 import pytest
 import torch
 
-from bayeslayer.ops import fla_mean, scan
-from bayeslayer.ops.triton.scan import substituted_inputs
+from bayeslayer.ops.bayesian_layer import mean_pass_fla, scan
+from bayeslayer.ops.bayesian_layer.scan_triton import substituted_inputs
 
 from .scan_inputs import regime_inputs
 
@@ -101,7 +102,7 @@ def test_backward_twin_equals_autograd_float64(G, regime, diagonal):
     """The explicit twin chain == autograd through the mean pass, on the scan's outputs (ragged cu, M0, dM)."""
     _, _, ins, do, dM = _scan_case(G, regime=regime, diagonal=diagonal)
     ref = _autograd(ins, do, dM)
-    got = fla_mean.mean_pass_backward_reference(*ins.values(), CU, C, do, dM)
+    got = mean_pass_fla.mean_pass_backward_reference(*ins.values(), CU, C, do, dM)
     for n, a, b in zip(NAMES, got, ref, strict=True):
         assert a.dtype == torch.float64 and a.shape == b.shape, n
         assert _rel(a, b) <= 1e-10, (n, _rel(a, b))
@@ -114,7 +115,7 @@ def test_backward_twin_strong_decay_float64(with_dM, diagonal):
     ins, do, dM = _strong_decay_case(diagonal=diagonal)
     dM = dM if with_dM else None
     ref = _autograd(ins, do, dM)
-    got = fla_mean.mean_pass_backward_reference(*ins.values(), CU, C, do, dM)
+    got = mean_pass_fla.mean_pass_backward_reference(*ins.values(), CU, C, do, dM)
     for n, a, b in zip(NAMES, got, ref, strict=True):
         assert _rel(a, b) <= 1e-10, (n, _rel(a, b))
     assert ref[4].abs().max() > 1e-2  # the gate adjoint is not vanishing: the check has teeth
@@ -135,7 +136,7 @@ def test_substitution_backward_equals_autograd(G, diagonal):
     gen = torch.Generator().manual_seed(5)
     dkw, dvu, dla = (torch.randn(x.shape, generator=gen, dtype=torch.float64) for x in (kw, vu, g))
     ref = torch.autograd.grad((kw * dkw).sum() + (vu * dvu).sum(), xs, retain_graph=True)
-    got = fla_mean.substitution_backward(sc.linv, call.k, call.v, call.log_alpha, CU, C, dkw, dvu, dla)
+    got = mean_pass_fla.substitution_backward(sc.linv, call.k, call.v, call.log_alpha, CU, C, dkw, dvu, dla)
     pos = torch.cat([torch.arange(b - a) % C for a, b in zip(CU[:-1], CU[1:], strict=True)])
     low = (torch.arange(C)[None, :] <= pos[:, None])[:, None, :]  # where a row of L⁻¹ can be non-zero
     assert _rel(got[0], ref[0] * low) <= 1e-12
@@ -143,7 +144,7 @@ def test_substitution_backward_equals_autograd(G, diagonal):
     for n, a, b in zip(("dk", "dv", "dlog_alpha"), got[1:], (ref[1], ref[2], ref[3] + dla), strict=True):
         assert _rel(a, b) <= 1e-12, (n, _rel(a, b))
     # without the mean pass's dlog_alpha the decay's adjoint is the K̃ term alone
-    got0 = fla_mean.substitution_backward(sc.linv, call.k, call.v, call.log_alpha, CU, C, dkw, dvu)
+    got0 = mean_pass_fla.substitution_backward(sc.linv, call.k, call.v, call.log_alpha, CU, C, dkw, dvu)
     assert _rel(got0[3], ref[3]) <= 1e-12
 
 
@@ -159,9 +160,9 @@ def test_mean_and_substitution_backward_compose(diagonal):
     kw, vu, g = substituted_inputs(lay, *xs[2:6])
     o, M = scan.mean_pass_reference(xs[0], xs[1], kw, vu, g, xs[6], CU, C)
     ref = torch.autograd.grad((o * do).sum() + (M * dM).sum(), xs)
-    dq, dw, dkw, dvu, dla, dM0 = fla_mean.mean_pass_backward_reference(call.q, sc.w, sc.kw, sc.vu, sc.g, ins["M0"],
+    dq, dw, dkw, dvu, dla, dM0 = mean_pass_fla.mean_pass_backward_reference(call.q, sc.w, sc.kw, sc.vu, sc.g, ins["M0"],
                                                                        CU, C, do, dM)
-    dlinv, dk, dv, dla = fla_mean.substitution_backward(sc.linv, call.k, call.v, call.log_alpha, CU, C, dkw, dvu,
+    dlinv, dk, dv, dla = mean_pass_fla.substitution_backward(sc.linv, call.k, call.v, call.log_alpha, CU, C, dkw, dvu,
                                                         dla)
     pos = torch.cat([torch.arange(b - a) % C for a, b in zip(CU[:-1], CU[1:], strict=True)])
     low = (torch.arange(C)[None, :] <= pos[:, None])[:, None, :]
@@ -179,19 +180,19 @@ def _kernel_inputs(diagonal):
     do = do.unsqueeze(0).contiguous()
     common = dict(cu_seqlens=cu_t, chunk_size=C)
     if not diagonal:
-        g2 = (g[..., 0] * fla_mean._RCP_LN2).contiguous()
-        h, v_new, _ = fla_mean.fwd_h_reference(w, kw, vu, g=g2, initial_state=M0, **common)
-        dv = fla_mean.bwd_dv_local_reference(q, w, do, g=g2, **common)
-        dh, _, dvu = fla_mean.bwd_dhu_reference(q, w, kw, do, dv, g=g2, h0=M0, dht=dM, **common)
+        g2 = (g[..., 0] * mean_pass_fla._RCP_LN2).contiguous()
+        h, v_new, _ = mean_pass_fla.fwd_h_reference(w, kw, vu, g=g2, initial_state=M0, **common)
+        dv = mean_pass_fla.bwd_dv_local_reference(q, w, do, g=g2, **common)
+        dh, _, dvu = mean_pass_fla.bwd_dhu_reference(q, w, kw, do, dv, g=g2, h0=M0, dht=dM, **common)
         return dict(q=q, w=w, kw=kw, g2=g2, do=do, h=h, v_new=v_new, dh=dh, dvu=dvu, dv=dv, vu=vu, M0=M0, dM=dM), common
-    gk = (g * fla_mean._RCP_LN2).contiguous()
-    last = fla_mean.chunk_last_index(CU, C, q.device)
+    gk = (g * mean_pass_fla._RCP_LN2).contiguous()
+    last = mean_pass_fla.chunk_last_index(CU, C, q.device)
     w_end = (w[0] * torch.exp(g[0][last] - g[0]))[None].contiguous()
-    h, v_new, _ = fla_mean.fwd_h_reference(w_end, kw, vu, gk=gk, initial_state=M0, **common)
-    A = fla_mean.gla_fwd_intra_gk_reference(q, w, gk, 1.0, **common)
-    dA, dv = fla_mean.kda_bwd_dAv_reference(q, w, v_new, do, A=A, **common)
+    h, v_new, _ = mean_pass_fla.fwd_h_reference(w_end, kw, vu, gk=gk, initial_state=M0, **common)
+    A = mean_pass_fla.gla_fwd_intra_gk_reference(q, w, gk, 1.0, **common)
+    dA, dv = mean_pass_fla.kda_bwd_dAv_reference(q, w, v_new, do, A=A, **common)
     qg = (q * torch.exp(g)).contiguous()
-    dh, _, dvu = fla_mean.bwd_dhu_reference(qg, w_end, kw, do, dv, gk=gk, h0=M0, dht=dM, **common)
+    dh, _, dvu = mean_pass_fla.bwd_dhu_reference(qg, w_end, kw, do, dv, gk=gk, h0=M0, dht=dM, **common)
     return dict(q=q, w=w, kw=kw, g2=gk, do=do, h=h, v_new=v_new, dh=dh, dvu=dvu, A=A, dA=dA, dv=dv, vu=vu, M0=M0,
                 dM=dM, qg=qg, w_end=w_end), common
 
@@ -204,8 +205,8 @@ def test_fla_backward_kernels_equal_twins(diagonal):
     chunk_kda_bwd_dAv, chunk_gla_bwd_dqk_intra, chunk_gla_bwd_dqkg and the ungated chunk_bwd_dqkwg (dkw); on a GPU
     also fwd_h and bwd_dhu, whose failure under the interpreter is asserted on CPU."""
     x, common = _kernel_inputs(diagonal)
-    fk = {n: getattr(__import__(m, fromlist=[n]), n) for n, m in fla_mean.FLA_BACKWARD_KERNELS.items()}
-    tw = fla_mean.TWIN_KERNELS
+    fk = {n: getattr(__import__(m, fromlist=[n]), n) for n, m in mean_pass_fla.FLA_BACKWARD_KERNELS.items()}
+    tw = mean_pass_fla.TWIN_KERNELS
     q, w, kw, g2, do, h, v_new, dh, dvu = (x[n] for n in ("q", "w", "kw", "g2", "do", "h", "v_new", "dh", "dvu"))
     if not diagonal:
         calls = {
@@ -235,12 +236,12 @@ def test_fla_backward_kernels_equal_twins(diagonal):
         if torch.cuda.is_available():
             calls[name] = kw_args
         else:
-            with fla_mean.one_autotune_config(), pytest.raises(Exception, match="has no attribute 'to'"):
+            with mean_pass_fla.one_autotune_config(), pytest.raises(Exception, match="has no attribute 'to'"):
                 fk[name](**kw_args, **common)
     pos = torch.cat([torch.arange(b - a) % C for a, b in zip(CU[:-1], CU[1:], strict=True)]).to(DEVICE)
     low = (torch.arange(C, device=DEVICE)[None, :] <= pos[:, None])[None, :, None, :]  # A's defined entries
     for name, kw_args in calls.items():
-        with fla_mean.one_autotune_config():
+        with mean_pass_fla.one_autotune_config():
             got = fk[name](**kw_args, **common)
         ref = tw[name](**kw_args, **common)
         got, ref = (r if isinstance(r, tuple) else (r,) for r in (got, ref))
@@ -265,10 +266,11 @@ def test_mean_pass_fla_backward_equals_autograd(diagonal, dtype, tol):
     _, _, ins64, do64, dM64 = _scan_case(2, diagonal=diagonal)
     ref = _autograd(ins64, do64, dM64)
     ins = {n: x.to(dtype=dtype, device=DEVICE) for n, x in ins64.items()}
-    twins = {} if torch.cuda.is_available() else dict(fwd_h=fla_mean.fwd_h_reference, dhu=fla_mean.bwd_dhu_reference)
-    with fla_mean.one_autotune_config():
-        got = fla_mean.mean_pass_fla_backward(*ins.values(), CU, C, do64.to(dtype=dtype, device=DEVICE),
-                                              dM64.to(dtype=dtype, device=DEVICE), **twins)
+    twins = {} if torch.cuda.is_available() else dict(fwd_h=mean_pass_fla.fwd_h_reference,
+                                                      dhu=mean_pass_fla.bwd_dhu_reference)
+    with mean_pass_fla.one_autotune_config():
+        got = mean_pass_fla.mean_pass_fla_backward(*ins.values(), CU, C, do64.to(dtype=dtype, device=DEVICE),
+                                                   dM64.to(dtype=dtype, device=DEVICE), **twins)
     for n, a, b, x in zip(NAMES, got, ref, ins.values(), strict=True):
         assert a.dtype == x.dtype and a.shape == b.shape, n
         assert _rel(a.double().cpu(), b) <= tol, (n, _rel(a.double().cpu(), b))
@@ -320,11 +322,11 @@ def test_one_autotune_config_pins_and_restores():
     tuners = list(tuners.values())
     assert tuners, "fla.ops.common.chunk_o has no autotuned kernel with > 1 config: the test would be vacuous"
     before = [list(t.configs) for t in tuners]
-    with fla_mean.one_autotune_config():
+    with mean_pass_fla.one_autotune_config():
         assert all(len(t.configs) == 1 for t in tuners)
     assert [list(t.configs) for t in tuners] == before
     with pytest.raises(TypeError, match="modules must be"):
-        with fla_mean.one_autotune_config("fla.ops.common.chunk_o"):
+        with mean_pass_fla.one_autotune_config("fla.ops.common.chunk_o"):
             pass
 
 
@@ -332,26 +334,26 @@ def test_backward_refuses_bad_inputs():
     _, _, ins, do, dM = _scan_case(1)
     a = list(ins.values())
     with pytest.raises(TypeError, match="float64"):
-        fla_mean.mean_pass_fla_backward(*a, CU, C, do, dM)
+        mean_pass_fla.mean_pass_fla_backward(*a, CU, C, do, dM)
     with pytest.raises(ValueError, match="kw must be"):
-        fla_mean.mean_pass_backward_reference(a[0], a[1], a[2][None], *a[3:], CU, C, do, dM)
+        mean_pass_fla.mean_pass_backward_reference(a[0], a[1], a[2][None], *a[3:], CU, C, do, dM)
     with pytest.raises(ValueError, match="do must have vu's shape"):
-        fla_mean.mean_pass_backward_reference(*a, CU, C, do[:-1], dM)
+        mean_pass_fla.mean_pass_backward_reference(*a, CU, C, do[:-1], dM)
     with pytest.raises(ValueError, match="dM must have M0's shape"):
-        fla_mean.mean_pass_backward_reference(*a, CU, C, do, dM[:1])
+        mean_pass_fla.mean_pass_backward_reference(*a, CU, C, do, dM[:1])
     with pytest.raises(ValueError, match="g must be"):
-        fla_mean.mean_pass_backward_reference(*a[:4], a[4].expand(-1, -1, 3), a[5], CU, C, do, dM)
+        mean_pass_fla.mean_pass_backward_reference(*a[:4], a[4].expand(-1, -1, 3), a[5], CU, C, do, dM)
     with pytest.raises(ValueError, match="kernels must be"):
-        fla_mean.mean_pass_fla_backward(*a, CU, C, do, dM, kernels={"no_such_kernel": None})
+        mean_pass_fla.mean_pass_fla_backward(*a, CU, C, do, dM, kernels={"no_such_kernel": None})
     with pytest.raises(ValueError, match="cu must be"):
-        fla_mean.mean_pass_backward_reference(*a, [0, 40], C, do, dM)
+        mean_pass_fla.mean_pass_backward_reference(*a, [0, 40], C, do, dM)
     with pytest.raises(ValueError, match="C must be"):
-        fla_mean.mean_pass_backward_reference(*a, CU, 0, do, dM)
+        mean_pass_fla.mean_pass_backward_reference(*a, CU, 0, do, dM)
     with pytest.raises(ValueError, match="dvu must have v's shape"):
-        fla_mean.substitution_backward(ins["kw"].new_zeros(40, 2, C), ins["kw"], ins["vu"], ins["g"], CU, C,
+        mean_pass_fla.substitution_backward(ins["kw"].new_zeros(40, 2, C), ins["kw"], ins["vu"], ins["g"], CU, C,
                                        ins["kw"], ins["vu"][:, :, :1])
     with pytest.raises(ValueError, match="linv must hold"):
-        fla_mean.substitution_backward(ins["kw"].new_zeros(40, 2, 8), ins["kw"], ins["vu"], ins["g"], CU, C,
+        mean_pass_fla.substitution_backward(ins["kw"].new_zeros(40, 2, 8), ins["kw"], ins["vu"], ins["g"], CU, C,
                                        ins["kw"], ins["vu"])
 
 
@@ -359,12 +361,12 @@ def test_twins_refuse_bad_inputs():
     x = torch.zeros(1, 40, 2, 8)
     cu = torch.tensor(CU)
     with pytest.raises(ValueError, match="chunk_size must be"):
-        fla_mean.bwd_dv_local_reference(x, x, x, chunk_size=0)
+        mean_pass_fla.bwd_dv_local_reference(x, x, x, chunk_size=0)
     with pytest.raises(ValueError, match="do must share q's"):
-        fla_mean.bwd_dv_local_reference(x, x, x[:, :-1], cu_seqlens=cu, chunk_size=C)
+        mean_pass_fla.bwd_dv_local_reference(x, x, x[:, :-1], cu_seqlens=cu, chunk_size=C)
     with pytest.raises(ValueError, match="cu_seqlens must rise from 0 to T=40"):
-        fla_mean.bwd_dhu_reference(x, x, x, x, x, cu_seqlens=torch.tensor([0, 30]), chunk_size=C)
+        mean_pass_fla.bwd_dhu_reference(x, x, x, x, x, cu_seqlens=torch.tensor([0, 30]), chunk_size=C)
     with pytest.raises(ValueError, match="h must be per-chunk states"):
-        fla_mean.bwd_dqkwg_reference(x, x, x, x, x, x, cu_seqlens=cu, chunk_size=C)
+        mean_pass_fla.bwd_dqkwg_reference(x, x, x, x, x, x, cu_seqlens=cu, chunk_size=C)
     with pytest.raises(ValueError, match="dA must be"):
-        fla_mean.gla_bwd_dqk_intra_reference(x, x, x, x[0, 0], cu_seqlens=cu, chunk_size=C)
+        mean_pass_fla.gla_bwd_dqk_intra_reference(x, x, x, x[0, 0], cu_seqlens=cu, chunk_size=C)

@@ -1,8 +1,9 @@
 """Write models: how a token is written into the memory and what the filter keeps of the posterior.
 
 One small object per write model of the design-model family (docs/theory.md §1).  The argument preparation
-(:mod:`bayeslayer.ops.prepare`), the recurrent oracle (:mod:`bayeslayer.ops.recurrent`) and the
-chunked path (:mod:`bayeslayer.ops.chunk`) call its methods; none of them tests a write model's name.
+(:mod:`bayeslayer.ops.bayesian_layer.prepare`), the recurrent oracle (:mod:`bayeslayer.ops.bayesian_layer.recurrent`)
+and the chunked path (:mod:`bayeslayer.ops.bayesian_layer.chunk`) call its methods; none of them tests a write model's
+name.
 
 * :class:`CovarianceWrite` — the filter carries a key covariance ``P`` between tokens and derives the
   gain from ``r2`` and ``ell2``: ``bayes`` (dense ``P``, the exact Kalman filter) and ``diagonal``
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from .checks import check_reset_gain
+from ..utils.validation import check_reset_gain
 from .transition import apply_transition, noise_mask
 
 
@@ -46,7 +47,8 @@ class WriteModel:
         raise NotImplementedError
 
     def chunk_write_keys(self, pr, want_variance: bool, P: torch.Tensor | None):
-        """What the chunked path needs before its mean pass, from a :class:`~bayeslayer.ops.prepare.Prepared`.
+        """What the chunked path needs before its mean pass, from a
+        :class:`~bayeslayer.ops.bayesian_layer.prepare.Prepared`.
 
         Returns ``(w, variance, P)``: the write keys ``w_t`` ``[B, T, H', D]`` (``None``: they come
         block by block from the matmul-form covariance pass), the variance when ``want_variance``

@@ -1,6 +1,6 @@
 """The covariance pass as an exact segment scan (docs/theory.md §6.2–6.3), in plain PyTorch.
 
-The chunk-serial covariance pass (:func:`bayeslayer.ops.chunk.covariance_pass`) is a chain of
+The chunk-serial covariance pass (:func:`bayeslayer.ops.bayesian_layer.chunk.covariance_pass`) is a chain of
 ``T/C`` dependent chunk steps per head.  Here each sequence is split into segments of ``n_s``
 chunks and the chain runs in three phases (Särkkä & García-Fernández 2021, filtering elements)::
 
@@ -20,7 +20,7 @@ Per chunk (the chunk step shared by Phase A and C, ``S = K̃ P K̃ᵀ + base = L
 
 The scan is exact: in float64 it equals :func:`bayeslayer.ops.bl_chunk` to rounding
 (``tests/ops/test_scan.py``).  This module is the plain-PyTorch twin the Triton kernels of
-:mod:`bayeslayer.ops.triton.scan` are tested against; it is not meant to be fast on a CPU.
+:mod:`bayeslayer.ops.bayesian_layer.scan_triton` are tested against; it is not meant to be fast on a CPU.
 
 Layout.  Tokens are packed ``[NT, H', ...]`` (``NT = B·T``; ``H' = H·G`` with observation-noise
 groups folded into heads).  Sequence ``n`` is tokens ``cu[n] .. cu[n+1]-1`` (``cu`` from
@@ -38,8 +38,8 @@ from typing import NamedTuple
 
 import torch
 
+from ..utils.validation import check_chunk_size, check_cu_seqlens, check_qkv, check_state, split_state
 from . import groups as grp
-from .checks import check_chunk_size, check_cu_seqlens, check_qkv, check_state, state_pair_error
 from .chunk import ChunkDynamics, covariance_prework, unit_lower_inverse
 from .prepare import prepare
 
@@ -216,7 +216,7 @@ def chunk_prep(k, r2, ell2, log_alpha, q=None):
 
     Inputs laid out ``[..., C, ·]`` (any leading dims): k ``[..., C, D]``, r2/ell2 ``[..., C]``,
     log_alpha ``[..., C, Da]`` (Da = 1 scalar, D diagonal).  Returns a dict with the dynamics
-    ``dyn`` (:class:`~bayeslayer.ops.chunk.ChunkDynamics`), ``kt = Φᵀk``, ``NBk = B k``, ``base``
+    ``dyn`` (:class:`~bayeslayer.ops.bayesian_layer.chunk.ChunkDynamics`), ``kt = Φᵀk``, ``NBk = B k``, ``base``
     (``S − K̃PK̃ᵀ``), ``BC`` (``diag B_C`` ``[..., 1, Da]``), ``b`` (the in-chunk noise ``diag B_j``
     ``[..., C, Da]``), ``g`` (cumulative log-decay) and, with ``q``, ``qt = Φᵀq`` and ``qBq``.
     """
@@ -249,7 +249,7 @@ def chunk_bounds(cu: list[int], C: int) -> tuple[list[int], list[int], list[int]
 
 
 def prep_reference(k, r2, ell2, log_alpha, bos, eos, C: int, q=None) -> dict:
-    """Plain-PyTorch twin of the prep kernel (``ops/triton/kernels.py::bl_chunk_prep_kernel``).
+    """Plain-PyTorch twin of the prep kernel (``ops/bayesian_layer/kernels_triton.py::bl_chunk_prep_kernel``).
 
     Packed ``[NT, H', ·]`` inputs (k ``[NT, H', D]``, r2, ell2 ``[NT, H']``, log_alpha ``[NT, H', Da]``,
     q as k or None); ``bos``, ``eos`` the chunks (:func:`chunk_bounds`).  Per chunk, padded to ``C``
@@ -315,7 +315,7 @@ def ldl_clamped(S: torch.Tensor, floor: torch.Tensor):
     """``S = L diag(d) Lᵀ`` with every pivot clamped from below, ``d_j = max(raw_j, floor_j)``.
 
     The plain-PyTorch twin of the Triton kernels' blocked factorisation
-    (:func:`bayeslayer.ops.triton.ldl.ldl_blocked`): the clamped elimination is the exact
+    (:func:`bayeslayer.ops.utils.ldl_triton.ldl_blocked`): the clamped elimination is the exact
     ``LDLᵀ`` of ``S + diag(δ)`` (δ ≥ 0 what the clamp adds), so blocking does not change it.
     S ``[..., N, N]`` symmetric, floor ``[..., N]``.  Returns ``(L, d, L⁻¹, failed)``; ``failed``
     ``[...]`` is True where a raw pivot was not positive or not finite.
@@ -512,8 +512,8 @@ class ScanCall(NamedTuple):
 
 def prepare_scan(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, *, n_segments=None,
                  segment_chunks=None) -> ScanCall:
-    """Validate (as :func:`bayeslayer.ops.prepare.prepare`), fold groups into heads, pack ``[NT, H', ...]``,
-    and fix the segment length (``n_segments`` or ``segment_chunks`` override :func:`choose_segment_chunks`)."""
+    """Validate (as :func:`bayeslayer.ops.bayesian_layer.prepare.prepare`), fold groups into heads, pack ``[NT, H',
+    ...]``, and fix the segment length (``n_segments`` or ``segment_chunks`` override :func:`choose_segment_chunks`)."""
     C = check_chunk_size(chunk_size)
     if n_segments is not None and segment_chunks is not None:
         raise ValueError("pass n_segments or segment_chunks, not both")
@@ -571,14 +571,14 @@ def forward_scan(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, want_var,
                  segment_chunks=None, mean=None, element_dtype=torch.float64):
     """The Bayesian Layer forward with the covariance pass as a segment scan; plain PyTorch.
 
-    Same arguments and returns as the Triton forward (``ops/triton/chunk.py::_forward_triton``):
+    Same arguments and returns as the Triton forward (``ops/bayesian_layer/chunk_triton.py::_forward_triton``):
     ``(o [B, T, H, m], variance [B, T, H, G] or None, M, P)``, the final state unfolded
     (``M [N, H, D, m]``, ``P [N, H, D, D]`` or ``[N, H, G, D, D]``; N = B, or the number of packed
     sequences with ``cu``).  Scalar, diagonal and identity decay (no rotations).
     ``n_segments`` (segments of the longest sequence) or ``segment_chunks`` override
     :func:`choose_segment_chunks`.  ``mean``: the mean pass, ``(q, w, kw, vu, g, M0, cu, C) ->
     (o, M)`` on packed tensors; default :func:`mean_pass_reference` (fla's kernels:
-    :func:`bayeslayer.ops.fla_mean.mean_pass_fla`).  ``element_dtype``: see :func:`covariance_scan`.
+    :func:`bayeslayer.ops.bayesian_layer.mean_pass_fla.mean_pass_fla`).  ``element_dtype``: see :func:`covariance_scan`.
     """
     call = prepare_scan(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, n_segments=n_segments,
                         segment_chunks=segment_chunks)
@@ -602,12 +602,7 @@ def bl_chunk_scan(q, k, v, r2, ell2, alpha=None, theta=None, p0=1.0, initial_sta
     if theta is not None:
         raise ValueError("bl_chunk_scan: rotations (theta) are not supported by the segment scan")
     check_qkv(q, k, v)
-    if initial_state is not None:
-        if not isinstance(initial_state, (tuple, list)) or len(initial_state) != 2:
-            raise state_pair_error("initial_state", initial_state)
-        M0, P0 = initial_state
-    else:
-        M0 = P0 = None
+    M0, P0 = split_state(initial_state)
     o, var, M, P = forward_scan(q, k, v, r2, ell2, alpha, p0, M0, P0, cu_seqlens, chunk_size, return_variance,
                                 n_segments=n_segments)
     state = (M, P) if output_final_state else None

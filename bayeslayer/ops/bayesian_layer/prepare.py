@@ -1,6 +1,6 @@
 """Argument preparation shared by the oracle and the chunked paths.
 
-Validates every argument (see :mod:`bayeslayer.ops.checks`), casts to the
+Validates every argument (see :mod:`bayeslayer.ops.utils.validation`), casts to the
 filter's arithmetic dtype, folds observation-noise groups into heads and builds
 the prior state; :meth:`Prepared.finish` undoes the folding on the way out.
 """
@@ -12,8 +12,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import groups as grp
-from .checks import (
+from ..utils.validation import (
     Dims,
     Dynamics,
     check_dynamics,
@@ -22,7 +21,8 @@ from .checks import (
     check_qkv,
     check_state,
 )
-from .write import WriteModel, get_write_model
+from . import groups as grp
+from .write_models import WriteModel, get_write_model
 
 
 @dataclass(frozen=True, eq=False)
@@ -30,7 +30,7 @@ class FilterInputs:
     """The per-token inputs of a filter besides ``q, k, v``: noise and dynamics, as the ops take them.
 
     Which noise arguments a write model needs: :func:`prepare`.  ``alpha``/``theta``: the dynamics
-    (:func:`~bayeslayer.ops.checks.check_dynamics`).  Travels from the design model to the ops as one
+    (:func:`~bayeslayer.ops.utils.validation.check_dynamics`).  Travels from the design model to the ops as one
     value instead of six keywords at every call.
     """
 
@@ -100,7 +100,7 @@ def prepare(
     need either ``lam`` and ``r2`` (the coefficient is derived: ``η = λ/(r² + λ‖k‖²)`` or
     ``ω = λ/(λ + r²)``) or the coefficient itself as ``gain`` (> 0, like GDN's β or Mamba-2's Δ).
     A given reset gain must keep the erase from expanding the memory, ``gain·‖k‖² ≤ 2``
-    (:func:`~bayeslayer.ops.checks.check_reset_gain`); the latent family's ``ω`` has no upper bound
+    (:func:`~bayeslayer.ops.utils.validation.check_reset_gain`); the latent family's ``ω`` has no upper bound
     (its write is additive, the decay does the forgetting, and Mamba-2's step size Δ exceeds 1).
     ``keep_float64_state``: a float64 ``P`` in ``initial_state`` stays float64 in ``P0``.
     """

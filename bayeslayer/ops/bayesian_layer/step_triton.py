@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from .. import groups as grp
-from ..prepare import prepare
-from .support import BackendError, next_pow2, triton_unavailable, unsupported
+from . import groups as grp
+from .prepare import prepare
+from .triton_support import BackendError, next_pow2, triton_unavailable, unsupported
 
 
 def step_tiles(D: int, m: int) -> tuple[int, int, int]:
@@ -76,7 +76,7 @@ def bl_step_triton(
     o = torch.empty(B, Hf, mg, dtype=dims.dtype, device=dims.device)
     var = torch.empty(B, Hf, dtype=cd, device=dims.device)
     Uscr = torch.empty(B, Hf, BD, dtype=cd, device=dims.device)
-    from .kernels import bl_step_kernel
+    from .kernels_triton import bl_step_kernel
 
     bl_step_kernel[(B * Hf,)](
         pr.q.reshape(B, Hf, D).contiguous(), pr.k.reshape(B, Hf, D).contiguous(),

@@ -39,9 +39,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .checks import WIDE_PRIOR_RATIO, check_chunk_size, check_cu_seqlens, covariance_dtype, state_pair_error
+from ..utils.validation import WIDE_PRIOR_RATIO, check_chunk_size, check_cu_seqlens, covariance_dtype, state_pair_error
 from .prepare import FilterInputs, FilterOutput, prepare_inputs
-from .write import WriteModel, get_write_model
+from .write_models import WriteModel, get_write_model
 
 
 def _to_c(x: torch.Tensor) -> torch.Tensor:
@@ -478,7 +478,7 @@ def filter_chunk(
     p0=1.0, initial_state=None, output_final_state: bool = False, return_variance: bool = False,
     chunk_size: int = 64, cu_seqlens: torch.Tensor | None = None,
 ) -> FilterOutput:
-    """Chunked counterpart of :func:`bayeslayer.ops.recurrent.filter_recurrent`.
+    """Chunked counterpart of :func:`bayeslayer.ops.bayesian_layer.recurrent.filter_recurrent`.
 
     ``bayes``: matmul-form covariance pass + mean pass, chunk-sequential.
     ``reset``: ``w = η k``, ``η = λ/(r² + λ‖k‖²)``; ``latent``: ``w = ω k``, ``ω = λ/(λ + r²)``, no erase

@@ -1,22 +1,22 @@
 """The segment-scan forward on a GPU (docs/theory.md §6.3).
 
 :func:`forward_scan_triton` runs the covariance pass as the exact segment scan of
-:mod:`bayeslayer.ops.scan` and the mean pass on flash-linear-attention's kernels:
+:mod:`bayeslayer.ops.bayesian_layer.scan` and the mean pass on flash-linear-attention's kernels:
 
 =========  =====================================================================  =====================
 phase      what runs                                                              grid / order
 =========  =====================================================================  =====================
-prep       :func:`prep_triton`: :func:`bayeslayer.ops.triton.kernels.             (chunks, H'):
+prep       :func:`prep_triton`: :func:`bayeslayer.ops.bayesian_layer.kernels_triton.             (chunks, H'):
            bl_chunk_prep_kernel`, the P-free terms of every chunk (g, b, the      parallel over chunks
            base of S, qᵀBq), read by the covariance kernel of A and C (PREP)
 A          :func:`phase_a_triton`: the covariance kernel from P = 0 over the      (segments, H'):
            segments, then :func:`scan_track_kernel` (float64)                     parallel over segments
 B          :func:`phase_b_triton`: :func:`scan_phase_b_kernel`, the Cholesky      (sequences, H'):
            form in LDLᵀ factors, 16×16 ``tl.dot`` tiles (float64)                 serial over segments
-C          :func:`bayeslayer.ops.triton.kernels.bl_chunk_cov_kernel` launched     (segments, H'):
+C          :func:`bayeslayer.ops.bayesian_layer.kernels_triton.bl_chunk_cov_kernel` launched     (segments, H'):
            with the *segments* as its sequences, each from its ``P_s``            parallel over segments
 C'         ``L⁻¹(γ⊙K)``, ``L⁻¹V`` from the stored ``L⁻¹`` rows (batched matmul)   parallel over chunks
-mean       :func:`bayeslayer.ops.fla_mean.mean_pass_fla` (fla's ``fwd_h`` +       as GDN
+mean       :func:`bayeslayer.ops.bayesian_layer.mean_pass_fla.mean_pass_fla` (fla's ``fwd_h`` +       as GDN
            ``fwd_o``), or the PyTorch twin for float64 / without fla
 =========  =====================================================================  =====================
 
@@ -24,7 +24,7 @@ Phase C reuses the covariance kernel of the chunk-serial path: a segment is a ru
 chunks of one sequence, so launching that kernel over the segment boundaries (``cu_seg``) from
 the scanned segment-start covariances replays exactly the chunks of the chunk-serial pass,
 ``S_g`` times shorter per program.  Every factorisation (the per-chunk ``S``, Phase B's ``P_s``
-and ``I + GᵀJG``) is the blocked LDLᵀ of :mod:`.ldl`; failures go to device-side flags that
+and ``I + GᵀJG``) is the blocked LDLᵀ of :mod:`..utils.ldl_triton`; failures go to device-side flags that
 are checked once, after the pass.  Forward only (no autograd).
 """
 
@@ -37,13 +37,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import scan as sc
-from .kernels import bl_chunk_cov_kernel, bl_chunk_mean_kernel, bl_chunk_prep_kernel
-from .ldl import ldl_blocked
-from .support import next_pow2, tile_sizes
+from ..utils.ldl_triton import ldl_blocked
+from . import scan as sc
+from .kernels_triton import bl_chunk_cov_kernel, bl_chunk_mean_kernel, bl_chunk_prep_kernel
+from .triton_support import next_pow2, tile_sizes
 
 SUPPORTED_CHUNK_SIZES = (16, 32, 64)
-# fp32 tl.dot products of the mean kernel stay IEEE (a Kalman gain needs fp32; see ops/triton/chunk.py)
+# fp32 tl.dot products of the mean kernel stay IEEE (a Kalman gain needs fp32; see ops/bayesian_layer/chunk_triton.py)
 PREC = "ieee"
 # Phase C's fp32 products: "ieee" (FFMA) or "tf32x3" (split precision: three TF32 tensor-core products per
 # product, measured as accurate as IEEE in the typical, long-memory and stress regimes by an emulation, and
@@ -168,6 +168,67 @@ def times_g(Msrc, X, DP, TT, r, D: tl.constexpr, NB: tl.constexpr, BLK: tl.const
 
 
 @triton.jit
+def woodbury_scratch(SCR, i_n, i_h, H, BN: tl.constexpr, N_MATS: tl.constexpr):
+    """The per-program scratch of Phase B and B3 (one (sequence, head) program each): ``N_MATS`` row-major
+    ``[BN, BN]`` matrices, then two ``[BN]`` vectors.  Returns ``(X, LI, MM, TT, DP, DM)``: the first four
+    matrices and the two vectors (a kernel with ``N_MATS > 4`` finds its own after ``TT``)."""
+    X = SCR + (i_n * H + i_h) * (N_MATS * BN * BN + 2 * BN)
+    DP = X + N_MATS * BN * BN
+    return X, X + BN * BN, X + 2 * BN * BN, X + 3 * BN * BN, DP, DP + BN
+
+
+@triton.jit
+def woodbury_factors(Pin, Jm, X, LI, MM, TT, DP, DM, r, D: tl.constexpr, NB: tl.constexpr, BLK: tl.constexpr,
+                     BN: tl.constexpr, PREC: tl.constexpr):
+    """The factorisations Phase B and B3 both start a segment with, in scratch: ``P_s = L_P D_P L_Pᵀ`` (``P_s``,
+    row-major ``[D, D]`` at ``Pin``, padded with the identity; X: L_P's lower blocks, DP: D_P, pivots floored at
+    0), ``TT = J G`` (``J`` at ``Jm``, ``G = L_P D_P^½``) and ``M = I + GᵀJG = L_M D_M L_Mᵀ`` (MM: M's lower
+    blocks, LI: L_M⁻¹, DM: D_M, pivots floored at 1), every product a 16×16-tile ``tl.dot`` in ``Pin``'s dtype.
+    Returns how many pivots were not positive."""
+    dt = Pin.dtype.element_ty
+    rn = tl.arange(0, BN)
+    eye = r[:, None] == r[None, :]
+    for ib in range(NB):
+        for jb in range(ib + 1):
+            tl.store(sblock(X, ib, jb, r, BN, BLK), load_block(Pin, ib, jb, r, D, BLK, True))
+    tl.store(DP + rn, tl.zeros([BN], dtype=dt))  # floors: a pivot of P must be > 0
+    tl.store(DM + rn, tl.zeros([BN], dtype=dt) + 1.0)  # M = I + GᵀJG ⪰ I: its pivots are ≥ 1
+    tl.debug_barrier()
+    fail = ldl_blocked(X, LI, DP, NB, BLK, PREC)  # X: L_P, DP: D_P
+    times_g(Jm, X, DP, TT, r, D, NB, BLK, BN, PREC)  # TT = J G
+    tl.debug_barrier()
+    # M = I + Gᵀ (JG), lower blocks
+    for ib in range(NB):
+        sdi = tl.sqrt(tl.load(DP + ib * BLK + r))
+        for jb in range(ib + 1):
+            acc = tl.where((ib == jb) & eye, 1.0, 0.0).to(dt)
+            for kb in range(ib, NB):
+                G_ki = tl.load(sblock(X, kb, ib, r, BN, BLK)) * sdi[None, :]
+                acc += tl.dot(tl.trans(G_ki), tl.load(sblock(TT, kb, jb, r, BN, BLK)), input_precision=PREC)
+            tl.store(sblock(MM, ib, jb, r, BN, BLK), acc)
+    tl.debug_barrier()
+    fail += ldl_blocked(MM, LI, DM, NB, BLK, PREC)  # LI: L_M⁻¹, DM: D_M
+    return fail
+
+
+@triton.jit
+def times_lm_inv_t(TT, LI, DM, X, r, NB: tl.constexpr, BLK: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr,
+                   HALF: tl.constexpr):
+    """``X = TT L_M⁻ᵀ D_M^-½`` (``HALF``) or ``X = TT L_M⁻ᵀ D_M⁻¹``, in scratch: TT's blocks by the lower
+    blocks of ``L_M⁻¹`` (LI) transposed, each column scaled by the pivots ``D_M`` (DM)."""
+    for ib in range(NB):
+        for jb in range(NB):
+            acc = tl.zeros([BLK, BLK], dtype=TT.dtype.element_ty)
+            for kb in range(jb + 1):
+                Ljk = tl.load(sblock(LI, jb, kb, r, BN, BLK))
+                acc += tl.dot(tl.load(sblock(TT, ib, kb, r, BN, BLK)), tl.trans(Ljk), input_precision=PREC)
+            dm = tl.load(DM + jb * BLK + r)
+            if HALF:
+                dm = tl.sqrt(dm)
+            tl.store(sblock(X, ib, jb, r, BN, BLK), acc / dm[None, :])
+
+
+@triton.jit
 def scan_phase_b_kernel(
     PS, A, CM, J, elem_of_seg, seq_first, seq_nseg, SCR, FAIL,
     H: tl.constexpr,
@@ -179,7 +240,7 @@ def scan_phase_b_kernel(
 
     ``P_{s+1} = Z Zᵀ + C_s`` with ``Z = A_s G R⁻ᵀ``, ``G = chol(P_s)``, ``R = chol(I + GᵀJ_sG)``, in
     LDLᵀ form: ``P_s = L_P D_P L_Pᵀ`` (G = L_P D_P^½), ``M = I + GᵀJG = L_M D_M L_Mᵀ`` (pivots ≥ 1),
-    ``Z = A L_P D_P^½ L_M⁻ᵀ D_M^-½``; both factorisations are :func:`.ldl.ldl_blocked` (16×16 tiles,
+    ``Z = A L_P D_P^½ L_M⁻ᵀ D_M^-½``; both factorisations are :func:`..utils.ldl_triton.ldl_blocked` (16×16 tiles,
     ``tl.dot``), every product is a 16×16-tile ``tl.dot``, and the result is exactly symmetric (each
     lower block is written with its transpose above).  PSD by construction.
     PS ``[S, H, D, D]`` holds ``P`` of each sequence's first segment on entry; A, CM, J
@@ -192,15 +253,7 @@ def scan_phase_b_kernel(
     i_n = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1).to(tl.int64)
     r = tl.arange(0, BLK)
-    eye = r[:, None] == r[None, :]
-    rn = tl.arange(0, BN)
-    dt = PS.dtype.element_ty
-    X = SCR + (i_n * H + i_h) * (4 * BN * BN + 2 * BN)
-    LI = X + BN * BN
-    MM = LI + BN * BN
-    TT = MM + BN * BN
-    DP = TT + BN * BN
-    DM = DP + BN
+    X, LI, MM, TT, DP, DM = woodbury_scratch(SCR, i_n, i_h, H, BN, 4)
     first = tl.load(seq_first + i_n).to(tl.int64)
     nseg = tl.load(seq_nseg + i_n).to(tl.int64)
     fail = tl.sum(tl.zeros([BLK], dtype=tl.int32), axis=0)
@@ -212,36 +265,10 @@ def scan_phase_b_kernel(
         Ae = A + (e * H + i_h) * D * D
         Je = J + (e * H + i_h) * D * D
         Ce = CM + (e * H + i_h) * D * D
-        for ib in range(NB):
-            for jb in range(ib + 1):
-                tl.store(sblock(X, ib, jb, r, BN, BLK), load_block(Pin, ib, jb, r, D, BLK, True))
-        tl.store(DP + rn, tl.zeros([BN], dtype=dt))  # floors: a pivot of P must be > 0
-        tl.store(DM + rn, tl.zeros([BN], dtype=dt) + 1.0)  # M = I + GᵀJG ⪰ I: its pivots are ≥ 1
-        tl.debug_barrier()
-        fail += ldl_blocked(X, LI, DP, NB, BLK, PREC)  # X: L_P, DP: D_P
-        times_g(Je, X, DP, TT, r, D, NB, BLK, BN, PREC)  # T = J G
-        tl.debug_barrier()
-        # M = I + Gᵀ T, lower blocks
-        for ib in range(NB):
-            sdi = tl.sqrt(tl.load(DP + ib * BLK + r))
-            for jb in range(ib + 1):
-                acc = tl.where((ib == jb) & eye, 1.0, 0.0).to(dt)
-                for kb in range(ib, NB):
-                    G_ki = tl.load(sblock(X, kb, ib, r, BN, BLK)) * sdi[None, :]
-                    acc += tl.dot(tl.trans(G_ki), tl.load(sblock(TT, kb, jb, r, BN, BLK)), input_precision=PREC)
-                tl.store(sblock(MM, ib, jb, r, BN, BLK), acc)
-        tl.debug_barrier()
-        fail += ldl_blocked(MM, LI, DM, NB, BLK, PREC)  # LI: L_M⁻¹, DM: D_M
+        fail += woodbury_factors(Pin, Je, X, LI, MM, TT, DP, DM, r, D, NB, BLK, BN, PREC)  # T = J G
         times_g(Ae, X, DP, TT, r, D, NB, BLK, BN, PREC)  # T = A G
         tl.debug_barrier()
-        # Z = T L_M⁻ᵀ D_M^-½ (into X: L_P is no longer needed)
-        for ib in range(NB):
-            for jb in range(NB):
-                acc = tl.zeros([BLK, BLK], dtype=dt)
-                for kb in range(jb + 1):
-                    Ljk = tl.load(sblock(LI, jb, kb, r, BN, BLK))
-                    acc += tl.dot(tl.load(sblock(TT, ib, kb, r, BN, BLK)), tl.trans(Ljk), input_precision=PREC)
-                tl.store(sblock(X, ib, jb, r, BN, BLK), acc / tl.sqrt(tl.load(DM + jb * BLK + r))[None, :])
+        times_lm_inv_t(TT, LI, DM, X, r, NB, BLK, BN, PREC, True)  # Z = T L_M⁻ᵀ D_M^-½ (X: L_P no longer needed)
         tl.debug_barrier()
         # P_{s+1} = Z Zᵀ + sym(C): lower blocks, each written with its transpose above
         for ib in range(NB):
@@ -265,7 +292,7 @@ def scan_phase_b_kernel(
 def phase_b_triton(lay: sc.ScanLayout, P0: torch.Tensor, elements):
     """Phase B as one kernel: P at the start of every segment ``[S, H', D, D]``, and ``failed [N, H']``.
 
-    Arguments and results as :func:`bayeslayer.ops.scan.phase_b` (``P0 [N, H', D, D]``,
+    Arguments and results as :func:`bayeslayer.ops.bayesian_layer.scan.phase_b` (``P0 [N, H', D, D]``,
     ``elements = (A, C, J, segs)``); one launch of :func:`scan_phase_b_kernel` over (sequence, head),
     serial over each sequence's segments inside its program: no host loop, no host sync.
     Arithmetic in P0's dtype (float64 for the scan).
@@ -312,10 +339,11 @@ class Prep(NamedTuple):
 def prep_triton(lay: sc.ScanLayout, q, k, r2, ell2, log_alpha, *, dtype: torch.dtype, want_var: bool) -> Prep:
     """The prep kernel (docs/theory.md §6.7, F1): the P-free terms of every chunk, one program per (chunk, head).
 
-    Packed inputs ``[NT, H', ·]`` as :class:`bayeslayer.ops.scan.ScanCall`'s (log_alpha ``[NT, H', Da]``);
-    the chunks are those of ``lay.cu`` (:func:`bayeslayer.ops.scan.chunk_bounds`; the layout's segments
-    are runs of them).  Buffers in ``dtype`` (the covariance kernel's state dtype); ``want_var``
-    adds ``qᵀBq`` for the predictive variance.  The PyTorch twin is :func:`bayeslayer.ops.scan.prep_reference`.
+    Packed inputs ``[NT, H', ·]`` as :class:`bayeslayer.ops.bayesian_layer.scan.ScanCall`'s (log_alpha ``[NT, H',
+    Da]``); the chunks are those of ``lay.cu`` (:func:`bayeslayer.ops.bayesian_layer.scan.chunk_bounds`; the layout's
+    segments are runs of them).  Buffers in ``dtype`` (the covariance kernel's state dtype); ``want_var``
+    adds ``qᵀBq`` for the predictive variance.  The PyTorch twin is
+    :func:`bayeslayer.ops.bayesian_layer.scan.prep_reference`.
     """
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
@@ -409,7 +437,7 @@ def phase_a_triton(lay: sc.ScanLayout, q, k, r2, ell2, log_alpha, segs: torch.Te
     Only the D×D state, the segment elements and per-segment scratch are ``dtype``: no per-token buffer of
     T·D elements is (the per-token hand-off's fp32 rounding, measured against float64 in three regimes by
     ``benchmarks/scan_precision.py``, is docs/kernels.md's "Precision of the hand-offs").
-    Packed inputs ``[NT, H', ·]`` as :class:`bayeslayer.ops.scan.ScanCall`'s.  The kernel of step 1
+    Packed inputs ``[NT, H', ·]`` as :class:`bayeslayer.ops.bayesian_layer.scan.ScanCall`'s.  The kernel of step 1
     also runs the last segment of each sequence (whose element is never used): one launch.  ``prep``:
     the prep kernel's buffers for ``lay`` (:func:`prep_triton`; in the compute dtype: Phase C's, which the
     kernel reads and casts to ``dtype``), which step 1 then reads instead of forming the P-free terms itself;
@@ -454,7 +482,7 @@ def phase_a_triton(lay: sc.ScanLayout, q, k, r2, ell2, log_alpha, segs: torch.Te
 
 
 def mean_pass_triton(call: sc.ScanCall, W: torch.Tensor, linv: torch.Tensor, want_dtype: torch.dtype):
-    """The mean pass on :func:`bayeslayer.ops.triton.kernels.bl_chunk_mean_kernel` (one program per value
+    """The mean pass on :func:`bayeslayer.ops.bayesian_layer.kernels_triton.bl_chunk_mean_kernel` (one program per value
     block, sequence and head): the generalised delta rule with erase key k and write key ``W``, its UT
     transform the ``L⁻¹`` rows of Phase C.  Returns packed ``(o [NT, H', m'] in want_dtype, M [N, H', D, m'])``."""
     NT, Hf, D = call.k.shape
@@ -481,11 +509,11 @@ def forward_scan_triton(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, wa
                         phase_b: str = "triton", prep: bool = True, cov_precision: str | None = None):
     """The BL forward, covariance pass as a segment scan with Phase C on Triton; mean pass on fla's kernels.
 
-    Same arguments and returns as ``ops/triton/chunk.py::_forward_triton``:
+    Same arguments and returns as ``ops/bayesian_layer/chunk_triton.py::_forward_triton``:
     ``(o [B, T, H, m], variance [B, T, H, G] or None, M [N, H, D, m], P [N, H, D, D] or [N, H, G, D, D])``.
     q, k ``[B, T, H, D]`` (D ≤ 256), v ``[B, T, H, m]``, r2 ``[B, T, H]`` or ``[B, T, H, G]``, ell2
     ``[B, T, H]``, alpha None / ``[B, T, H]`` / ``[B, T, H, D]``; ``cu`` packs sequences (B = 1).
-    ``n_segments`` / ``segment_chunks``: see :func:`bayeslayer.ops.scan.prepare_scan`.  ``mean``:
+    ``n_segments`` / ``segment_chunks``: see :func:`bayeslayer.ops.bayesian_layer.scan.prepare_scan`.  ``mean``:
     the mean pass — ``"triton"`` (default, :func:`mean_pass_triton`: our kernel, on the ``L⁻¹`` rows),
     ``"fla"`` (fla's ``fwd_h`` + ``fwd_o`` on the substituted tensors; not float64), ``"torch"`` (the
     twin) or a callable ``(q, w, kw, vu, g, M0, cu, C) -> (o, M)`` on packed tensors.
@@ -495,11 +523,11 @@ def forward_scan_triton(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, wa
     kernel of Phase A and C read its P-free terms; False: the covariance kernel forms them in its
     serial chunk loop (the path before the prep kernel).  One prep, in the compute dtype, serves both
     (Phase A's float64 kernel casts what it reads).
-    ``phase_a``: ``"triton"`` (:func:`phase_a_triton`) or ``"torch"`` (:func:`bayeslayer.ops.scan.phase_a`),
-    both float64.  ``phase_b``: ``"triton"`` (:func:`phase_b_triton`, one kernel) or ``"torch"``
-    (:func:`bayeslayer.ops.scan.phase_b`, a host loop of batched steps).  ``cov_precision``: Phase C's fp32
-    product precision, one of :data:`COV_PRECISIONS` (None: :data:`COV_PRECISION`; float64 inputs always run
-    IEEE).  Forward only: no autograd graph is recorded.
+    ``phase_a``: ``"triton"`` (:func:`phase_a_triton`) or ``"torch"``
+    (:func:`bayeslayer.ops.bayesian_layer.scan.phase_a`), both float64.  ``phase_b``: ``"triton"``
+    (:func:`phase_b_triton`, one kernel) or ``"torch"`` (:func:`bayeslayer.ops.bayesian_layer.scan.phase_b`, a host
+    loop of batched steps).  ``cov_precision``: Phase C's fp32 product precision, one of :data:`COV_PRECISIONS` (None:
+    :data:`COV_PRECISION`; float64 inputs always run IEEE).  Forward only: no autograd graph is recorded.
     """
     if chunk_size not in SUPPORTED_CHUNK_SIZES or isinstance(chunk_size, bool):
         raise ValueError(f"the Triton path supports chunk_size in {SUPPORTED_CHUNK_SIZES}, got {chunk_size!r}")
@@ -537,9 +565,9 @@ class PackedScan(NamedTuple):
 def scan_packed(call: sc.ScanCall, want_var: bool, *, out_dtype: torch.dtype, mean=None,
                 timings: dict | None = None, phase_a: str = "triton", phase_b: str = "triton",
                 prep: bool = True, cov_precision: str | None = None) -> PackedScan:
-    """The launches of the segment-scan forward on :func:`bayeslayer.ops.scan.prepare_scan`'s packed tensors
-    (prep, Phase A, B, C, mean pass), shared by :func:`forward_scan_triton` and the autograd forward of
-    ``backward="scan"`` (``ops/triton/chunk.py::forward_scan_packed``) so that both run exactly the same
+    """The launches of the segment-scan forward on :func:`bayeslayer.ops.bayesian_layer.scan.prepare_scan`'s packed
+    tensors (prep, Phase A, B, C, mean pass), shared by :func:`forward_scan_triton` and the autograd forward of
+    ``backward="scan"`` (``ops/bayesian_layer/chunk_triton.py::forward_scan_packed``) so that both run exactly the same
     kernels.  Arguments as :func:`forward_scan_triton`; ``out_dtype``: the dtype of ``o`` from the mean
     kernel.  Failures are left in ``PackedScan.failed`` for the caller to raise once."""
     if not isinstance(prep, bool):
@@ -615,7 +643,7 @@ def scan_packed(call: sc.ScanCall, want_var: bool, *, out_dtype: torch.dtype, me
         kw, vu, g = substituted_inputs(lay, linv, call.k, call.v, call.log_alpha)
         clock.mark("substitute")
         if mean == "fla":
-            from ..fla_mean import mean_pass_fla, require_fla
+            from .mean_pass_fla import mean_pass_fla, require_fla
 
             require_fla()
             if cd == f64:

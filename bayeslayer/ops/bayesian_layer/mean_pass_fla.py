@@ -1,6 +1,6 @@
 """The Bayesian Layer's mean pass on flash-linear-attention's GDN/GLA forward kernels (docs/theory.md §6.4).
 
-Given the covariance scan's per-chunk outputs (:class:`bayeslayer.ops.scan.ScanOutput`) the BL
+Given the covariance scan's per-chunk outputs (:class:`bayeslayer.ops.bayesian_layer.scan.ScanOutput`) the BL
 mean pass is fla's gated-delta-rule state/output pass on substituted tensors::
 
     fla k := W = βU (write keys),   fla w := L⁻¹(γ⊙K),   fla u := L⁻¹V,   g := cumulative log-decay
@@ -18,7 +18,7 @@ does not rescale ``k``), ``A`` from GLA's intra-chunk kernel ``chunk_gla_fwd_int
 (its sub-chunk split keeps the C×C×D contraction on ``tl.dot``), then ``chunk_gla_fwd_o_gk``.
 
 Not taken by fla here: float64 (fla keeps its final state in float32; the caller uses
-:func:`bayeslayer.ops.scan.mean_pass_reference` or its own kernel), rotations (no fla kernel).
+:func:`bayeslayer.ops.bayesian_layer.scan.mean_pass_reference` or its own kernel), rotations (no fla kernel).
 G > 1 runs as ``H·G`` heads (the scan folds groups into heads; every group has its own W).
 
 Backward (:func:`mean_pass_fla_backward`, docs/theory.md §6.4): fla's GDN backward minus its WY step
@@ -175,7 +175,8 @@ def fwd_h_reference(k, w, u, g=None, gk=None, initial_state=None, output_final_s
 
 
 def mean_pass_fla(q, w, kw, vu, g, M0, cu: list[int], C: int, *, fwd_h=None):
-    """The BL mean pass on fla's kernels, with :func:`bayeslayer.ops.scan.mean_pass_reference`'s contract.
+    """The BL mean pass on fla's kernels, with :func:`bayeslayer.ops.bayesian_layer.scan.mean_pass_reference`'s
+    contract.
 
     Packed ``[NT, H', ·]``: q, w (βU), kw (``L⁻¹(γ⊙K)``), vu (``L⁻¹V``), g ``[NT, H', Da]``
     (chunk-local cumulative log-decay, natural log; Da = 1 scalar, D diagonal), M0 ``[N, H', D, m]``.
@@ -630,12 +631,12 @@ def mean_pass_fla_backward(q, w, kw, vu, g, M0, cu: list[int], C: int, do, dM=No
 def mean_pass_backward_reference(q, w, kw, vu, g, M0, cu: list[int], C: int, do, dM=None):
     """The explicit plain-PyTorch twin of :func:`mean_pass_fla_backward`: the same steps on the twins of
     fla's kernels (:data:`TWIN_KERNELS`; no autograd; any float dtype, float64 included).  Tested against
-    autograd through :func:`bayeslayer.ops.scan.mean_pass_reference`."""
+    autograd through :func:`bayeslayer.ops.bayesian_layer.scan.mean_pass_reference`."""
     return mean_pass_fla_backward(q, w, kw, vu, g, M0, cu, C, do, dM, kernels=TWIN_KERNELS)
 
 
 def substitution_backward(linv, k, v, log_alpha, cu: list[int], C: int, dkw, dvu, dlog_alpha=None):
-    """Adjoint of the substitution :func:`bayeslayer.ops.triton.scan.substituted_inputs`.
+    """Adjoint of the substitution :func:`bayeslayer.ops.bayesian_layer.scan_triton.substituted_inputs`.
 
     Forward, per chunk (``L⁻¹`` from the per-token rows ``linv [NT, H', C]``, ``g`` the chunk-local
     cumsum of ``log_alpha [NT, H', Da]``, ``K̃ = e^{g} ⊙ K``)::

@@ -73,7 +73,7 @@ import numbers
 
 import torch
 
-from .checks import check_chunk_size, check_tensor
+from ..utils.validation import check_chunk_size, check_tensor
 from .chunk import Chunked, cat_blocks, from_chunks, mean_pass, pad_time, to_chunks
 from .prepare import FilterOutput, Prepared, prepare
 from .transition import apply_transition
@@ -351,7 +351,7 @@ def lowrank_chunk(q, k, v, *, rank: int, r2, ell2, alpha=None, theta=None, p0=1.
     Same arguments and results as :func:`lowrank_recurrent` (the variance only with
     ``return_variance``).  Exact for this approximation: the projection touches only the
     covariance pass, and given the write keys ``w_t = β_t u_t`` the mean recursion is the
-    generalized delta rule of :func:`bayeslayer.ops.chunk.mean_pass`.
+    generalized delta rule of :func:`bayeslayer.ops.bayesian_layer.chunk.mean_pass`.
     """
     C = check_chunk_size(chunk_size)
     projection = check_projection(projection)

@@ -1,7 +1,7 @@
 """The covariance pass's backward through the segment scan, as an explicit plain-PyTorch twin (no autograd).
 
 docs/theory.md §6.5 (the backward through the scan) and §6.7 (kernels B2–B4).  The forward
-is :func:`bayeslayer.ops.scan.covariance_scan`; this module computes the vector–Jacobian product of
+is :func:`bayeslayer.ops.bayesian_layer.scan.covariance_scan`; this module computes the vector–Jacobian product of
 its outputs (``w``, ``beta``, ``linv``, ``variance``, ``kw``, ``vu``, ``g`` and the final ``P``) with
 respect to its inputs (``q``, ``k``, ``v``, ``r2``, ``ell2``, ``log_alpha``, ``P0``) in plain tensor
 algebra, so that the Triton kernels can be ported from it and tested against it::
@@ -15,7 +15,7 @@ algebra, so that the Triton kernels can be ported from it and tested against it:
                                   segment end → the gradients of every input of the pass
 
 ``Ā_s`` is the derivative of the segment map ``P ↦ A (I + PJ)⁻¹ P Aᵀ + C``
-(:func:`bayeslayer.ops.scan.apply_element`): ``dP_{s+1} = Ā dP Āᵀ``.  It is computed from the
+(:func:`bayeslayer.ops.bayesian_layer.scan.apply_element`): ``dP_{s+1} = Ā dP Āᵀ``.  It is computed from the
 factors Phase B already forms (``G = chol(P_s)``, ``M = I + GᵀJG``): ``Ā = A − (AG) M⁻¹ GᵀJ``
 (Woodbury), :func:`element_transition`.  Because the chunks replayed from ``P_s`` end exactly at
 ``P_{s+1}``, the gradients of ``k, r², ℓ², α`` through the segment elements ``(A_s, C_s, J_s)`` are
@@ -27,14 +27,14 @@ scalar decay is the diagonal decay with all channels equal, and its gradient is 
 (:func:`terms_adjoint`: kernel B5's twin).  Gradients of a symmetric matrix (P0, the P_s) are
 returned symmetrised: only that part is defined by a function of a covariance.
 
-Not here: rotations (the scan refuses them); the adjoint of :func:`bayeslayer.ops.prepare.prepare`
+Not here: rotations (the scan refuses them); the adjoint of :func:`bayeslayer.ops.bayesian_layer.prepare.prepare`
 (α → log α, group folding, ``P0 = p0·I``); the mean pass (B1); ``ScanOutput.P_starts`` are
 checkpoints and take no adjoint.  The twin keeps a ``[C, C, D]`` ratio per chunk even for scalar
 decay and Phase A's elements are recomputed unless passed in (``elements=``).
 
 :func:`chunk_adjoint_scalar` (and its sweep :func:`covariance_pass_adjoint_scalar`) is the same
 per-chunk adjoint in the variables of the scalar-decay loop of
-:func:`bayeslayer.ops.chunk.covariance_pass` (``Ū = (L_c ⊙ R)⁻¹ X``, no ``L⁻¹``), the form a
+:func:`bayeslayer.ops.bayesian_layer.chunk.covariance_pass` (``Ū = (L_c ⊙ R)⁻¹ X``, no ``L⁻¹``), the form a
 scalar-decay kernel would specialise to (``tests/ops/test_covariance_adjoint.py``).
 """
 
@@ -44,8 +44,8 @@ from typing import NamedTuple
 
 import torch
 
+from ..utils.validation import check_shaped
 from . import scan
-from .checks import check_shaped
 from .chunk import unit_lower_inverse
 
 
@@ -53,6 +53,13 @@ def _sym(X: torch.Tensor) -> torch.Tensor:
     return 0.5 * (X + X.transpose(-1, -2))
 
 
+def cholesky_adjoint(L: torch.Tensor, dL: torch.Tensor) -> torch.Tensor:
+    """The adjoint ``S̄`` of ``S = L Lᵀ`` given ``L̄`` (Murray 2016): ``sym(L⁻ᵀ Φ(Lᵀ L̄) L⁻¹)``, ``Φ`` the lower
+    triangle with half its diagonal (batched over the leading dims)."""
+    Phi = (L.transpose(-1, -2) @ dL).tril()
+    Phi = Phi - 0.5 * torch.diag_embed(torch.diagonal(Phi, dim1=-2, dim2=-1))
+    Sb = torch.linalg.solve_triangular(L.transpose(-1, -2), Phi, upper=True)
+    return _sym(torch.linalg.solve_triangular(L, Sb, upper=False, left=False))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -66,7 +73,7 @@ def chunk_terms(k, r2, ell2, log_alpha, q=None) -> dict:
     or None.  Returns a dict: ``gamma = Φ_i`` ``[..., C, D]``, ``ratio = Φ_iΦ_j⁻¹`` (``i ≥ j``, else 0)
     ``[..., C, C, D]``, ``end = Φ_CΦ_i⁻¹``, ``gC = Φ_C`` ``[..., D]``, ``b`` (diag of B_j), ``kt = Φᵀk``,
     ``NBk = B k``, ``base = N + Nᵀ − diag N + diag r²`` ``[..., C, C]``, ``bC = diag B_C`` ``[..., D]``
-    and, with q, ``qt = Φᵀq`` and ``qBq``.  Same values as :func:`bayeslayer.ops.scan.chunk_prep`.
+    and, with q, ``qt = Φᵀq`` and ``qBq``.  Same values as :func:`bayeslayer.ops.bayesian_layer.scan.chunk_prep`.
     """
     if not isinstance(k, torch.Tensor) or k.dim() < 2:
         raise ValueError(f"k must be a [..., C, D] tensor, got {getattr(k, 'shape', type(k).__name__)}")
@@ -150,7 +157,7 @@ def terms_adjoint(k, r2, ell2, log_alpha, terms: dict, d: dict, q=None, dg=None)
 # ---------------------------------------------------------------------------------------------------
 
 def chunk_replay(terms: dict, P: torch.Tensor, q=None) -> dict:
-    """One chunk from ``P`` (as :func:`bayeslayer.ops.scan.chunk_step`), keeping what the adjoint needs.
+    """One chunk from ``P`` (as :func:`bayeslayer.ops.bayesian_layer.scan.chunk_step`), keeping what the adjoint needs.
 
     ``terms`` from :func:`chunk_terms` (leading dims ``[...]``), P ``[..., D, D]``, q ``[..., C, D]``
     (for the variance) or None.  Returns a dict with ``P`` (the start), ``Y = K̃P``, ``Lc`` (Cholesky
@@ -254,11 +261,7 @@ def chunk_adjoint(terms: dict, saved: dict, dP_next: torch.Tensor, *, q=None, v=
     dLc = dLu / dc[..., None, :]
     ddc = -(dLu * Lc).sum(-2) / (dc * dc) - 2.0 * db / (dc * dc * dc)
     dLc = dLc + torch.diag_embed(ddc)
-    # Cholesky adjoint (Murray 2016): S̄ = sym(Lc⁻ᵀ Φ(Lcᵀ L̄c) Lc⁻¹), Φ = lower triangle with half diagonal
-    Phi = (Lc.transpose(-1, -2) @ dLc).tril()
-    Phi = Phi - 0.5 * torch.diag_embed(torch.diagonal(Phi, dim1=-2, dim2=-1))
-    Sb = torch.linalg.solve_triangular(Lc.transpose(-1, -2), Phi, upper=True)
-    Sb = _sym(torch.linalg.solve_triangular(Lc, Sb, upper=False, left=False))
+    Sb = cholesky_adjoint(Lc, dLc)
     dt["base"] = Sb
     # S = base + Y K̃ᵀ,  Y = K̃ P
     dY = dY + Sb @ kt
@@ -274,7 +277,7 @@ def chunk_adjoint(terms: dict, saved: dict, dP_next: torch.Tensor, *, q=None, v=
 def element_transition(A: torch.Tensor, J: torch.Tensor, P: torch.Tensor) -> torch.Tensor:
     """``Ā = A (I + P J)⁻¹``, the derivative of the segment map: ``dP_{s+1} = Ā dP_s Āᵀ``.
 
-    In the factors of :func:`bayeslayer.ops.scan.apply_element`: ``G = chol(P)``, ``M = I + GᵀJG``
+    In the factors of :func:`bayeslayer.ops.bayesian_layer.scan.apply_element`: ``G = chol(P)``, ``M = I + GᵀJG``
     (eigenvalues ≥ 1), ``Ā = A − (AG) M⁻¹ GᵀJ``.  All ``[..., D, D]``; P, J symmetric, P positive
     definite.  The adjoint of the map is ``P̄_s = Āᵀ P̄_{s+1} Ā``.
     """
@@ -383,7 +386,8 @@ def covariance_scan_backward(q, k, v, r2, ell2, log_alpha, P0, cu: list[int], C:
                              P_starts: torch.Tensor, dw=None, dbeta=None, dlinv=None, dvariance=None, dkw=None,
                              dvu=None, dg=None, dP=None, elements=None,
                              element_dtype: torch.dtype | None = torch.float64) -> ScanGrads:
-    """Gradients of :func:`bayeslayer.ops.scan.covariance_scan`'s inputs from its outputs' adjoints (B2–B4).
+    """Gradients of :func:`bayeslayer.ops.bayesian_layer.scan.covariance_scan`'s inputs from its outputs' adjoints
+    (B2–B4).
 
     Inputs as the forward (packed ``[NT, H', ...]``, ``P0`` ``[N, H', D, D]``, ``cu``, ``C``,
     ``segment_chunks``) plus its checkpoints ``P_starts`` ``[S, H', D, D]`` (``ScanOutput.P_starts``).
@@ -476,7 +480,7 @@ SCALAR_GRAD_NAMES = ("kt", "base", "NBk", "gamma", "ratio", "end", "b_end", "gC2
 
 
 def chunk_adjoint_scalar(dP_next, dw, saved: tuple, kt, gamma, ratio, end, gC2):
-    """Adjoint of one chunk of the scalar-decay loop of :func:`bayeslayer.ops.chunk.covariance_pass`.
+    """Adjoint of one chunk of the scalar-decay loop of :func:`bayeslayer.ops.bayesian_layer.chunk.covariance_pass`.
 
     Forward (per chunk, leading dims ``[...]``): ``Y = K̃P``, ``S = base + YK̃ᵀ = L_c L_cᵀ``,
     ``Ū = (L_c ⊙ R)⁻¹(NBk + γ ⊙ Y)``, ``P' = sym(b_C I + γ_C² P − ŪᵀdiagẼ²Ū)`` (``Ẽ = end``),
@@ -508,11 +512,7 @@ def chunk_adjoint_scalar(dP_next, dw, saved: tuple, kt, gamma, ratio, end, gC2):
     out["NBk"] = dX
     out["gamma"] = (dX * Y).sum(-1, keepdim=True)
     dY = gamma * dX
-    # Cholesky adjoint: S̄ = L⁻ᵀ Φ(Lᵀ L̄) L⁻¹ (Φ: lower triangle, half diagonal), symmetrised
-    Phi = (Lc.transpose(-1, -2) @ dLc).tril()
-    Phi = Phi - 0.5 * torch.diag_embed(torch.diagonal(Phi, dim1=-2, dim2=-1))
-    Sb = torch.linalg.solve_triangular(Lc.transpose(-1, -2), Phi, upper=True)
-    Sb = _sym(torch.linalg.solve_triangular(Lc, Sb, upper=False, left=False))
+    Sb = cholesky_adjoint(Lc, dLc)
     out["base"] = Sb
     dY = dY + Sb @ kt
     out["kt"] = Sb @ Y + dY @ P.transpose(-1, -2)

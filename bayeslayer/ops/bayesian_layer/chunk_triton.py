@@ -1,7 +1,7 @@
 """``bl_chunk_triton``: the chunked Bayesian Layer on Triton kernels (docs/theory.md §6).
 
 Forward (:func:`forward_chunk`): the covariance pass as an exact segment scan
-(:mod:`.scan`: Phase A and C parallel over segments, Phase B one kernel serial over
+(:mod:`.scan_triton`: Phase A and C parallel over segments, Phase B one kernel serial over
 them; a single segment, i.e. the chunk-serial covariance kernel alone, up to 4096
 tokens), then the mean pass (one program per value block, sequence and head·group).
 
@@ -13,63 +13,74 @@ differentiating it (:func:`_blockwise_backward`).  Gradients are therefore the
 PyTorch path's; memory is the checkpoints, one block's graph and one gradient
 buffer per input (in its dtype); time is a Python loop over blocks, and inside
 the chunk step over their chunks — host-bound on a GPU (docs/kernels.md).
-``backward="scan"`` (or :data:`DEFAULT_BACKWARD`) instead differentiates the segment scan itself:
-``prepare_scan`` under plain autograd, :class:`bayeslayer.ops.scan_grad.ScanFunction` on
+``backward="scan"`` (or the default set by :func:`triton_backward`) instead differentiates the segment scan itself:
+``prepare_scan`` under plain autograd, :class:`bayeslayer.ops.bayesian_layer.scan_grad.ScanFunction` on
 :func:`forward_scan_packed` (which keeps W, the ``L⁻¹`` rows, the ``P_s`` checkpoints and Phase A's
 elements), ``finish_scan`` under autograd.  Its backward: fla's mean-pass backward kernels, the
 substitution's adjoint (PyTorch, batched over chunks) and the covariance scan's B2–B4 on the Triton kernels
-of :mod:`.scan_backward` (``ScanSpec.covariance="triton"``, on the stored Phase A elements; no host loop over
+of :mod:`.scan_backward_triton` (``ScanSpec.covariance="triton"``, on the stored Phase A elements; no host loop over
 chunks or segments, one failure check after it).  ``"blockwise"`` stays the default until the scan backward
 has run on a GPU (its kernels are tested under the interpreter and compiled for sm_90, never executed on a
-device); :func:`set_triton_backward` switches what every caller that does not choose gets.
+device); inside ``with triton_backward("scan"):`` every caller that does not choose gets the scan
+backward.  The backwards are a registry, :data:`TRITON_BACKWARDS`.
 Rotations (``theta``) have no kernel: :func:`bl_chunk_triton` refuses them, and
 :mod:`bayeslayer.ops.backend` sends them to the PyTorch path (``backend="auto"``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
+from collections.abc import Callable, Iterator
 
 import torch
 
-from .. import groups as grp
-from ..checks import (
+from ..utils.validation import (
     check_cu_seqlens,
     check_dynamics,
     check_p0,
     check_positive,
     check_qkv,
     check_state,
-    state_pair_error,
+    split_state,
 )
-from ..chunk import filter_chunk
-from .support import BackendError, tile_sizes, triton_unavailable, unsupported
+from . import groups as grp
+from .chunk import filter_chunk
+from .triton_support import BackendError, tile_sizes, triton_unavailable, unsupported
 
 # chunks recomputed and differentiated together in the backward: the PyTorch chunk step batches
 # everything that does not depend on the carried state over a block, so fewer, larger kernels run,
 # at the price of one block's autograd graph in memory (instead of one chunk's)
 BACKWARD_BLOCK = 16
-# the backward bl_chunk_triton runs when its caller does not say (``backward=None``), read at call time so
-# that code reaching it through bl_chunk / the layers can switch it:
-#   "blockwise": :func:`_blockwise_backward` (PyTorch chunk-step recompute per block: the PyTorch path's gradients);
-#   "scan": the composed backward of the segment scan (:mod:`bayeslayer.ops.scan_grad`: fla's mean-pass backward,
-#           the substitution's adjoint, the covariance scan's B2–B4 on the Triton kernels of .scan_backward — not
-#           the default until it has run on a GPU; docs/kernels.md "Backward v2").
-# Set it with set_triton_backward.
-DEFAULT_BACKWARD = "blockwise"
-BACKWARDS = ("blockwise", "scan")
+# the backward bl_chunk_triton runs when its caller passes ``backward=None``: "blockwise" unless a
+# ``with triton_backward(...)`` block around the call says otherwise (a context variable: scoped to the block,
+# the thread and the asyncio task, restored on exit; no process-wide switch).  The names are the keys of
+# TRITON_BACKWARDS, filled in below the implementations.
+_DEFAULT_BACKWARD: contextvars.ContextVar[str] = contextvars.ContextVar("bayeslayer_triton_backward",
+                                                                      default="blockwise")
 
 
-def set_triton_backward(backward: str) -> str:
-    """Choose the backward :func:`bl_chunk_triton` runs when its caller does not (``backward=None``) — so the one
-    ``bl_chunk(backend="triton")``, the design models, the layers and ``BayesLayerForCausalLM`` train with on the
-    Triton path: ``"blockwise"`` (the default) or ``"scan"`` (the fused backward through the segment scan).
-    Returns the previous choice."""
-    global DEFAULT_BACKWARD
-    if not isinstance(backward, str) or backward not in BACKWARDS:
-        raise ValueError(f"backward must be one of {BACKWARDS}, got {backward!r}")
-    previous, DEFAULT_BACKWARD = DEFAULT_BACKWARD, backward
-    return previous
+def default_triton_backward() -> str:
+    """The backward :func:`bl_chunk_triton` runs here when its caller passes ``backward=None``."""
+    return _DEFAULT_BACKWARD.get()
+
+
+@contextlib.contextmanager
+def triton_backward(backward: str) -> Iterator[str]:
+    """Within the ``with`` block, :func:`bl_chunk_triton` calls that do not choose (``backward=None``) — so
+    ``bl_chunk(backend="triton")``, the design models, the layers and ``BayesLayerForCausalLM`` on the Triton
+    path — train with ``backward``: ``"blockwise"`` (the default outside any block) or ``"scan"`` (the fused
+    backward through the segment scan); any name of :data:`TRITON_BACKWARDS`.  The choice is made when the
+    forward runs, so a ``.backward()`` after the block still runs the backward chosen inside it.  Yields the
+    name; the previous default is restored on exit, also on an error."""
+    if not isinstance(backward, str) or backward not in TRITON_BACKWARDS:
+        raise ValueError(f"backward must be one of {tuple(TRITON_BACKWARDS)}, got {backward!r}")
+    token = _DEFAULT_BACKWARD.set(backward)
+    try:
+        yield backward
+    finally:
+        _DEFAULT_BACKWARD.reset(token)
 
 
 # tl.dot input precision of the fp32 filter arithmetic (fp64 always runs "ieee").  Only
@@ -83,7 +94,7 @@ FP32_PRECISION = "ieee"
 def triton_available() -> bool:
     """True when Triton is installed and can run here: a CUDA device, or ``TRITON_INTERPRET=1`` (CPU).
 
-    Why not, when it cannot: :func:`bayeslayer.ops.triton.support.triton_unavailable`.
+    Why not, when it cannot: :func:`bayeslayer.ops.bayesian_layer.triton_support.triton_unavailable`.
     """
     return triton_unavailable() is None
 
@@ -177,8 +188,8 @@ def _forward_triton(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, want_v
     """
     import triton
 
-    from .kernels import bl_chunk_cov_kernel, bl_chunk_mean_kernel
-    from .scan import ldl_scratch
+    from .kernels_triton import bl_chunk_cov_kernel, bl_chunk_mean_kernel
+    from .scan_triton import ldl_scratch
 
     B, T = q.shape[:2]
     a = _fold_forward(q, k, v, r2, ell2, alpha, p0, M0, P0, cu)
@@ -258,17 +269,17 @@ def _blockwise_backward(args, needs, cu, C, want_var, d_o, d_var, d_M, d_P):
     1. the Triton forward re-runs with checkpoints: the state ``(M, P)`` at every block start;
     2. for blocks of :data:`BACKWARD_BLOCK` chunks, last block first (all sequences at once, each
        gathered from the packed inputs and padded to whole chunks with no-op tokens), the PyTorch
-       chunk step (:func:`bayeslayer.ops.chunk.covariance_pass`, :func:`~bayeslayer.ops.chunk.mean_pass`)
-       is recomputed in the filter dtype from the checkpoint at the block start under autograd and
-       differentiated, carrying ``(dM, dP)`` back to the block start; the block's input gradients
-       are written into per-token gradient buffers;
+       chunk step (:func:`bayeslayer.ops.bayesian_layer.chunk.covariance_pass`,
+       :func:`~bayeslayer.ops.bayesian_layer.chunk.mean_pass`) is recomputed in the filter dtype from the checkpoint at
+       the block start under autograd and differentiated, carrying ``(dM, dP)`` back to the block start; the block's
+       input gradients are written into per-token gradient buffers;
     3. those buffers and ``(dM_0, dP_0)`` go back through the validation/folding graph
        (:func:`_fold_forward`, the kernels' own) to the caller's tensors.
     Memory: the checkpoints, one block's graph, and one gradient buffer per input that needs one,
     in the input's dtype (with G > 1, q, k, v are folded in the filter dtype, so that the gradient
     sum over groups runs in it).  No full-size fp32 copy of q, k, v, dO is made for 16-bit inputs.
     """
-    from ..chunk import ChunkDynamics, covariance_pass, mean_pass
+    from .chunk import ChunkDynamics, covariance_pass, mean_pass
 
     q, k, v, r2, ell2, alpha, p0, M0, P0 = args
     with torch.no_grad():
@@ -357,12 +368,12 @@ def _blockwise_backward(args, needs, cu, C, want_var, d_o, d_var, d_M, d_P):
 
 def forward_chunk(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, want_var, n_segments=None):
     """The forward :func:`bl_chunk_triton` runs: the covariance pass as the segment scan
-    (:func:`bayeslayer.ops.triton.scan.forward_scan_triton`: Phase A, B, C on Triton kernels; one
+    (:func:`bayeslayer.ops.bayesian_layer.scan_triton.forward_scan_triton`: Phase A, B, C on Triton kernels; one
     segment per sequence up to 4096 tokens, so that short sequences run Phase C alone, which is the
-    chunk-serial pass), the mean pass on :func:`~bayeslayer.ops.triton.kernels.bl_chunk_mean_kernel`.
+    chunk-serial pass), the mean pass on :func:`~bayeslayer.ops.bayesian_layer.kernels_triton.bl_chunk_mean_kernel`.
     ``n_segments`` overrides the segment count (segments of the longest sequence; never across a
     ``cu_seqlens`` boundary).  Returns ``(o, var or None, M, P)`` as :func:`_forward_triton`."""
-    from .scan import forward_scan_triton
+    from .scan_triton import forward_scan_triton
 
     return forward_scan_triton(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, want_var,
                                n_segments=n_segments)
@@ -370,20 +381,20 @@ def forward_chunk(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, want_var
 
 def forward_scan_packed(q, k, v, r2, ell2, log_alpha, M0, P0, cu, C, segment_chunks, want_var):
     """The segment-scan forward on the Triton kernels, on packed, folded tensors, keeping what the composed
-    backward needs: the forward of :class:`bayeslayer.ops.scan_grad.ScanFunction` (``backward="scan"``).
+    backward needs: the forward of :class:`bayeslayer.ops.bayesian_layer.scan_grad.ScanFunction` (``backward="scan"``).
 
-    Exactly the launches of :func:`bayeslayer.ops.triton.scan.forward_scan_triton` after its ``prepare_scan``
-    (both call :func:`bayeslayer.ops.triton.scan.scan_packed`: prep, Phase A and B kernels, Phase C on the
-    covariance kernel over the segments, the mean kernel), with the mean pass's output left in the compute
-    dtype (``finish_scan`` casts it, under autograd).  Arguments: :class:`bayeslayer.ops.scan.ScanCall`'s
-    packed tensors, ``cu`` (list), ``C``, ``segment_chunks``.
+    Exactly the launches of :func:`bayeslayer.ops.bayesian_layer.scan_triton.forward_scan_triton` after its
+    ``prepare_scan`` (both call :func:`bayeslayer.ops.bayesian_layer.scan_triton.scan_packed`: prep, Phase A and B
+    kernels, Phase C on the covariance kernel over the segments, the mean kernel), with the mean pass's output left in
+    the compute dtype (``finish_scan`` casts it, under autograd).  Arguments:
+    :class:`bayeslayer.ops.bayesian_layer.scan.ScanCall`'s packed tensors, ``cu`` (list), ``C``, ``segment_chunks``.
     Returns ``(o, variance or None, M, P, ScanSaved)`` packed; the saved tensors are the write keys, the
     ``L⁻¹`` rows, the ``P_s`` checkpoints and Phase A's ``(A_s, J_s)`` (float64) — see
-    :mod:`bayeslayer.ops.scan_grad`.  Failures raise once, after the pass.
+    :mod:`bayeslayer.ops.bayesian_layer.scan_grad`.  Failures raise once, after the pass.
     """
-    from .. import scan as sc
-    from ..scan_grad import ScanSaved
-    from .scan import scan_packed
+    from . import scan as sc
+    from .scan_grad import ScanSaved
+    from .scan_triton import scan_packed
 
     call = sc.ScanCall(B=1, T=k.shape[0], G=1, dims=None, cu=list(cu), C=C, segment_chunks=segment_chunks, q=q, k=k,
                        v=v, r2=r2, ell2=ell2, log_alpha=log_alpha, M0=M0, P0=P0)
@@ -394,10 +405,11 @@ def forward_scan_packed(q, k, v, r2, ell2, log_alpha, M0, P0, cu, C, segment_chu
 
 
 def _scan_autograd(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, want_var, n_segments):
-    """``backward="scan"``: ``prepare_scan`` (plain autograd) → :class:`~bayeslayer.ops.scan_grad.ScanFunction`
-    on :func:`forward_scan_packed` → ``finish_scan`` (plain autograd).  Returns ``(o, var or None, M, P)``."""
-    from .. import scan as sc
-    from ..scan_grad import ScanFunction, ScanSpec
+    """``backward="scan"``: ``prepare_scan`` (plain autograd) →
+    :class:`~bayeslayer.ops.bayesian_layer.scan_grad.ScanFunction` on :func:`forward_scan_packed` → ``finish_scan``
+    (plain autograd).  Returns ``(o, var or None, M, P)``."""
+    from . import scan as sc
+    from .scan_grad import ScanFunction, ScanSpec
 
     if not 1 <= q.shape[-1] <= 256:
         raise ValueError(f"the Triton path supports key dims D in 1..256, got D={q.shape[-1]}")
@@ -431,6 +443,16 @@ class _BLChunkTriton(torch.autograd.Function):
         grads = _blockwise_backward(args, ctx.needs_input_grad[:9], ctx.cu, ctx.chunk_size, ctx.want_var,
                                     d_o, d_var, d_M, d_P)
         return (*grads, None, None, None, None)
+
+
+#: the backwards of :func:`bl_chunk_triton`, by name: each runs the Triton forward under its own autograd,
+#: ``(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, want_var, n_segments) -> (o, var or None, M, P)``.
+#: ``"blockwise"``: :class:`_BLChunkTriton` (PyTorch chunk-step recompute per block: the PyTorch path's gradients);
+#: ``"scan"``: :func:`_scan_autograd` (the composed backward of the segment scan, :mod:`.scan_grad`: fla's mean-pass
+#: backward, the substitution's adjoint, the covariance scan's B2–B4 on the Triton kernels of
+#: :mod:`.scan_backward_triton` — not the default until it has run on a GPU; docs/kernels.md "Backward v2").
+#: Without a gradient to take every name runs the plain forward (``_BLChunkTriton``).
+TRITON_BACKWARDS: dict[str, Callable] = {"blockwise": _BLChunkTriton.apply, "scan": _scan_autograd}
 
 
 def bl_chunk_triton(
@@ -470,10 +492,11 @@ def bl_chunk_triton(
     (None: chosen from the number of (sequence, head) chains and T, one segment up to 4096 tokens)
     sets how many segments the longest sequence is split into.
 
-    Gradients (``backward``, None: :data:`DEFAULT_BACKWARD`): ``"blockwise"`` recomputes each block of
+    Gradients (``backward``: a name of :data:`TRITON_BACKWARDS`; None: :func:`default_triton_backward`, set by
+    :func:`triton_backward`): ``"blockwise"`` recomputes each block of
     :data:`BACKWARD_BLOCK` chunks with the PyTorch chunk step from state checkpoints
     written by the Triton forward (module docstring); ``"scan"`` runs the composed backward of the
-    segment scan (:mod:`bayeslayer.ops.scan_grad`) behind :func:`forward_scan_packed`: fla's mean-pass
+    segment scan (:mod:`bayeslayer.ops.bayesian_layer.scan_grad`) behind :func:`forward_scan_packed`: fla's mean-pass
     backward, the substitution's adjoint and the Triton covariance backward B2–B4 (module docstring).
     The two agree to rounding, except that ``"scan"`` returns the symmetric part of a given ``P``'s
     gradient.
@@ -494,24 +517,18 @@ def bl_chunk_triton(
     if n_segments is not None and (isinstance(n_segments, bool) or not isinstance(n_segments, int)
                                    or n_segments < 1):
         raise ValueError(f"n_segments must be None or a positive int, got {n_segments!r}")
-    backward = DEFAULT_BACKWARD if backward is None else backward
-    if backward not in BACKWARDS:
-        raise ValueError(f"backward must be None or one of {BACKWARDS}, got {backward!r}")
-    if initial_state is not None:
-        if not isinstance(initial_state, (tuple, list)) or len(initial_state) != 2:
-            raise state_pair_error("initial_state", initial_state)
-        M0, P0 = initial_state
-    else:
-        M0 = P0 = None
+    backward = default_triton_backward() if backward is None else backward
+    if not isinstance(backward, str) or backward not in TRITON_BACKWARDS:
+        raise ValueError(f"backward must be None or one of {tuple(TRITON_BACKWARDS)}, got {backward!r}")
+    M0, P0 = split_state(initial_state)
     if q.shape[1] == 0:  # nothing to launch; the PyTorch path validates and returns the empty results
         o, var, M, P = _torch_reference(q, k, v, r2, ell2, alpha, None, p0, M0, P0, cu, C, return_variance)
-    elif backward == "scan" and torch.is_grad_enabled() and any(
-            isinstance(x, torch.Tensor) and x.requires_grad for x in (q, k, v, r2, ell2, alpha, p0, M0, P0)):
-        # only when a gradient can be asked for: inference runs the plain forward either way
-        o, var, M, P = _scan_autograd(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, C, return_variance, n_segments)
     else:
-        o, var, M, P = _BLChunkTriton.apply(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, C, return_variance,
-                                            n_segments)
+        # the chosen backward only when a gradient can be asked for: inference runs the plain forward either way
+        wants_grad = torch.is_grad_enabled() and any(
+            isinstance(x, torch.Tensor) and x.requires_grad for x in (q, k, v, r2, ell2, alpha, p0, M0, P0))
+        run = TRITON_BACKWARDS[backward] if wants_grad else _BLChunkTriton.apply
+        o, var, M, P = run(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, C, return_variance, n_segments)
     state = (M, P) if output_final_state else None
     if return_variance:
         return o, var, state

@@ -1,14 +1,15 @@
 """The transition ``A_t`` of the latent memory, applied one token at a time (docs/theory.md §1.3).
 
-Shared by the recurrent oracle (:mod:`bayeslayer.ops.recurrent`), the write models' token scans
-(:mod:`bayeslayer.ops.write`) and the low-rank filter (:mod:`bayeslayer.ops.lowrank`).
+Shared by the recurrent oracle (:mod:`bayeslayer.ops.bayesian_layer.recurrent`), the write models' token scans
+(:mod:`bayeslayer.ops.bayesian_layer.write_models`) and the low-rank filter
+(:mod:`bayeslayer.ops.bayesian_layer.lowrank`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .checks import Dynamics
+from ..utils.validation import Dynamics
 
 
 def apply_transition(X: torch.Tensor, kind: str, log_alpha_t, theta_t) -> torch.Tensor:

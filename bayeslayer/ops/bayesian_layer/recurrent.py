@@ -27,7 +27,7 @@ Measured alternatives in float32 (``benchmarks/numerics.py --forms``, p0 = 1e8):
 (Cholesky-factor) update reaches 7e-5 but is O(D³) per token and its factor cannot travel in the
 ``(M, P)`` state; the plain form in float64 reaches 5e-7.  The state's ``P`` is returned in
 float32 when it came in float32 (or from ``p0``) and the prior is not wide, else in float64
-(:func:`~bayeslayer.ops.checks.covariance_dtype`), so decoding from a wide prior keeps its
+(:func:`~bayeslayer.ops.utils.validation.covariance_dtype`), so decoding from a wide prior keeps its
 precision.  A covariance that grows ill-conditioned while decoding (keys in a subspace, small
 ``r²``) still loses about 1e-3 to a float32 state between steps: decode from a float64 state then.
 """
@@ -39,10 +39,10 @@ import numbers
 
 import torch
 
-from .checks import Dynamics, covariance_dtype
+from ..utils.validation import Dynamics, covariance_dtype
 from .prepare import FilterInputs, FilterOutput, prepare_inputs
 from .transition import apply_transition, noise_mask
-from .write import WriteModel, get_write_model
+from .write_models import WriteModel, get_write_model
 
 
 def filter_scan(
@@ -192,7 +192,7 @@ def bl_recurrent(
         in the input dtype, ``variance[b,t,h,g] = 1 + q_tᵀ P_t q_t`` ([B, T, H, G], fp32/fp64),
         ``state = (M, P)`` when ``output_final_state`` else ``None``.  The covariance is computed in
         float64; ``P`` is float64 when it came in float64 or the prior is wide
-        (:func:`~bayeslayer.ops.checks.covariance_dtype`), else in the compute dtype.
+        (:func:`~bayeslayer.ops.utils.validation.covariance_dtype`), else in the compute dtype.
     """
     out = filter_recurrent(
         q, k, v, write="bayes", r2=r2, ell2=ell2, alpha=alpha, theta=theta, p0=p0,

@@ -1,20 +1,20 @@
 """The whole backward of the segment-scan forward, composed, and the autograd Function that runs it.
 
 The pieces of docs/theory.md §6.4–6.5 wired together.  The forward (packed, folded tensors after
-:func:`bayeslayer.ops.scan.prepare_scan`) is the covariance scan (Phase A, B, C) followed by the mean
+:func:`bayeslayer.ops.bayesian_layer.scan.prepare_scan`) is the covariance scan (Phase A, B, C) followed by the mean
 pass on the substituted tensors ``kw = L⁻¹(γ⊙K)``, ``vu = L⁻¹V``.  Its backward, :func:`scan_backward`,
 chains three adjoints that exist on their own and are tested on their own::
 
-    B1  mean pass      fla_mean.mean_pass_fla_backward   (do, dM)        -> dq, dW, dkw, dvu, dlog α, dM0
-        substitution   fla_mean.substitution_backward    (dkw, dvu)      -> dL⁻¹, dK, dV, dlog α (+ K̃ term)
+    B1  mean pass      mean_pass_fla.mean_pass_fla_backward   (do, dM)        -> dq, dW, dkw, dvu, dlog α, dM0
+        substitution   mean_pass_fla.substitution_backward    (dkw, dvu)      -> dL⁻¹, dK, dV, dlog α (+ K̃ term)
     B2–B4 covariance   scan_backward.covariance_scan_backward (twin) or
-                       triton/scan_backward.covariance_scan_backward_triton
+                       scan_backward_triton.covariance_scan_backward_triton
                                                          (dW, dL⁻¹, dvar, dP) -> dq, dk, dr², dℓ², dlog α, dP0
 
 and sums what reaches the same input (``q``: variance path + mean pass; ``k``: covariance pass +
 substitution; ``log α``: all three).  :class:`ScanFunction` puts it behind autograd with the forward
 left pluggable (:func:`forward_packed_reference`, the plain-PyTorch twin, or the Triton forward of
-``ops/triton/chunk.py``); ``prepare_scan``'s own ops (α → log α, group folding, ``p0 → P0``, the
+``ops/bayesian_layer/chunk_triton.py``); ``prepare_scan``'s own ops (α → log α, group folding, ``p0 → P0``, the
 packing) and ``finish_scan``'s unfolding stay outside it, so plain autograd differentiates them.
 
 What the forward keeps (:class:`ScanSaved`), chosen for memory — nothing of size ``[T, D, D]``:
@@ -33,14 +33,15 @@ Gradients of the covariance ``P0`` come back symmetrised (only that part is defi
 
 Which covariance backward runs is explicit, ``ScanSpec.covariance`` (:data:`COVARIANCE_BACKWARDS`):
 ``"twin"`` (the default, what :func:`forward_packed_reference` / :func:`bl_scan_autograd` run, and the float64
-reference): the plain-PyTorch :func:`~bayeslayer.ops.scan_backward.covariance_scan_backward`, a Python loop over
-the chunk positions of a segment (all segments and heads batched), twice (B2, B4) — counted under the interpreter
-(T = 128 and 256, C = 16, one segment, D = 16), the whole backward then dispatched 8017 / 15433 PyTorch ops, the
-covariance twin ≈ 920 per chunk position, against 2357 / 3973 for the block-wise backward.  ``"triton"`` (what
+reference): the plain-PyTorch :func:`~bayeslayer.ops.bayesian_layer.scan_backward.covariance_scan_backward`, a Python
+loop over the chunk positions of a segment (all segments and heads batched), twice (B2, B4) — counted under the
+interpreter (T = 128 and 256, C = 16, one segment, D = 16), the whole backward then dispatched 8017 / 15433 PyTorch
+ops, the covariance twin ≈ 920 per chunk position, against 2357 / 3973 for the block-wise backward.  ``"triton"`` (what
 the Triton forward, ``bl_chunk_triton(backward="scan")``, sets): ``covariance_scan_backward_triton``, the B2, B3,
 B4 kernels on the stored Phase A elements (a launch count independent of T), its failure flag checked once after it
-(:func:`~bayeslayer.ops.scan.raise_if_failed`).  The block-wise backward stays ``bl_chunk_triton``'s default all
-the same until this one has run on a GPU (``ops/triton/chunk.py::set_triton_backward`` switches it).
+(:func:`~bayeslayer.ops.bayesian_layer.scan.raise_if_failed`).  The block-wise backward stays ``bl_chunk_triton``'s
+default all the same until this one has run on a GPU (``with bayeslayer.ops.triton_backward("scan"):``
+switches it).
 """
 
 from __future__ import annotations
@@ -51,8 +52,8 @@ from typing import NamedTuple
 
 import torch
 
-from . import fla_mean, scan
-from .checks import state_pair_error
+from ..utils.validation import split_state
+from . import mean_pass_fla, scan
 from .scan_backward import covariance_scan_backward
 
 
@@ -73,7 +74,7 @@ class ScanSaved(NamedTuple):
 def substituted(linv, k, v, log_alpha, cu: list[int], C: int):
     """``(kw = L⁻¹(γ⊙K), vu = L⁻¹V, g)`` packed from the stored ``L⁻¹`` rows, arithmetic in ``linv``'s dtype.
 
-    The same product as ``ops/triton/scan.py::substituted_inputs`` (plain PyTorch kept in the Triton
+    The same product as ``ops/bayesian_layer/scan_triton.py::substituted_inputs`` (plain PyTorch kept in the Triton
     module; here so that the backward does not import Triton).  One batched product per chunk.
     """
     lay = scan.scan_layout(list(cu), C, 1, k.device)
@@ -86,25 +87,25 @@ def substituted(linv, k, v, log_alpha, cu: list[int], C: int):
 
 
 def mean_backward_kernels(dtype: torch.dtype, device) -> dict:
-    """The kernels :func:`bayeslayer.ops.fla_mean.mean_pass_fla_backward` runs by default.
+    """The kernels :func:`bayeslayer.ops.mean_pass_fla.mean_pass_fla_backward` runs by default.
 
     float64, or no flash-linear-attention installed: every kernel its plain-PyTorch twin
-    (:data:`~bayeslayer.ops.fla_mean.TWIN_KERNELS`).  CUDA: fla's own kernels.  CPU under
+    (:data:`~bayeslayer.ops.mean_pass_fla.TWIN_KERNELS`).  CUDA: fla's own kernels.  CPU under
     ``TRITON_INTERPRET=1``: fla's kernels except those the interpreter cannot run
-    (:data:`~bayeslayer.ops.fla_mean.NOT_INTERPRETABLE`: their twins), as the forward tests do.
+    (:data:`~bayeslayer.ops.mean_pass_fla.NOT_INTERPRETABLE`: their twins), as the forward tests do.
     CPU without the interpreter: the twins.
     """
     if dtype == torch.float64:
-        return dict(fla_mean.TWIN_KERNELS)
+        return dict(mean_pass_fla.TWIN_KERNELS)
     try:
-        fla_mean.require_fla()
+        mean_pass_fla.require_fla()
     except RuntimeError:
-        return dict(fla_mean.TWIN_KERNELS)
+        return dict(mean_pass_fla.TWIN_KERNELS)
     if torch.device(device).type == "cuda":
         return {}
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
-        return {n: fla_mean.TWIN_KERNELS[n] for n in fla_mean.NOT_INTERPRETABLE}
-    return dict(fla_mean.TWIN_KERNELS)
+        return {n: mean_pass_fla.TWIN_KERNELS[n] for n in mean_pass_fla.NOT_INTERPRETABLE}
+    return dict(mean_pass_fla.TWIN_KERNELS)
 
 
 # the covariance scan backwards (B2–B4) :func:`scan_backward` can run: the plain-PyTorch twin, or the Triton kernels
@@ -129,17 +130,17 @@ def scan_backward(q, k, v, r2, ell2, log_alpha, M0, P0, cu: list[int], C: int, *
                   element_dtype: torch.dtype | None = torch.float64, covariance: str = "twin") -> ScanGradInputs:
     """Gradients of the packed scan forward's inputs from the adjoints of its outputs (B1 → substitution → B2–B4).
 
-    Inputs as :class:`bayeslayer.ops.scan.ScanCall`'s packed tensors (q, k ``[NT, H', D]``, v ``[NT, H', m]``,
-    r2, ell2 ``[NT, H']``, log_alpha ``[NT, H', Da]``, M0 ``[N, H', D, m]``, P0 ``[N, H', D, D]``), ``cu``,
+    Inputs as :class:`bayeslayer.ops.bayesian_layer.scan.ScanCall`'s packed tensors (q, k ``[NT, H', D]``, v ``[NT, H',
+    m]``, r2, ell2 ``[NT, H']``, log_alpha ``[NT, H', Da]``, M0 ``[N, H', D, m]``, P0 ``[N, H', D, D]``), ``cu``,
     ``C``, ``segment_chunks`` as the forward ran, ``saved`` (:class:`ScanSaved`) from it.  Adjoints (None:
     zero): ``do`` ``[NT, H', m]``, ``dvariance`` ``[NT, H']``, ``dM`` ``[N, H', D, m]``, ``dP`` ``[N, H', D, D]``.
     ``mean_kernels``: ``{fla name: callable}`` for the mean pass's backward (None:
     :func:`mean_backward_kernels`).  ``element_dtype``: as :func:`covariance_scan_backward`.
     ``covariance`` (:data:`COVARIANCE_BACKWARDS`): which B2–B4 runs — ``"twin"``, the plain-PyTorch
-    :func:`~bayeslayer.ops.scan_backward.covariance_scan_backward` (a Python loop over each segment's chunk
-    positions; the float64 reference), or ``"triton"``,
-    ``ops/triton/scan_backward.py::covariance_scan_backward_triton`` (a launch count independent of T; Phase A/B3 in
-    float64, so ``element_dtype`` must be float64), whose failure flag is checked once, after it.
+    :func:`~bayeslayer.ops.bayesian_layer.scan_backward.covariance_scan_backward` (a Python loop over each segment's
+    chunk positions; the float64 reference), or ``"triton"``,
+    ``ops/bayesian_layer/scan_backward_triton.py::covariance_scan_backward_triton`` (a launch count independent of T;
+    Phase A/B3 in float64, so ``element_dtype`` must be float64), whose failure flag is checked once, after it.
     """
     if covariance not in COVARIANCE_BACKWARDS:
         raise ValueError(f"covariance must be one of {COVARIANCE_BACKWARDS}, got {covariance!r}")
@@ -164,10 +165,10 @@ def scan_backward(q, k, v, r2, ell2, log_alpha, M0, P0, cu: list[int], C: int, *
     kernels = mean_kernels if mean_kernels is not None else mean_backward_kernels(q.dtype, q.device)
     kw, vu, g = substituted(saved.linv, k, v, log_alpha, cu, C)
     # B1: the mean pass on the substituted tensors, then the substitution's adjoint
-    dq_m, dw, dkw, dvu, dla_m, dM0 = fla_mean.mean_pass_fla_backward(q, saved.w, kw, vu, g, M0, list(cu), C, do, dM,
-                                                                     kernels=kernels)
-    dlinv, dk_s, dv, dla_s = fla_mean.substitution_backward(saved.linv, k, v, log_alpha, list(cu), C, dkw, dvu,
-                                                            dlog_alpha=dla_m)
+    dq_m, dw, dkw, dvu, dla_m, dM0 = mean_pass_fla.mean_pass_fla_backward(q, saved.w, kw, vu, g, M0, list(cu), C,
+                                                                           do, dM, kernels=kernels)
+    dlinv, dk_s, dv, dla_s = mean_pass_fla.substitution_backward(saved.linv, k, v, log_alpha, list(cu), C, dkw, dvu,
+                                                                 dlog_alpha=dla_m)
     # B2–B4: the covariance scan, with the adjoints of its outputs that the mean pass read
     elements = None
     if saved.elements is not None:
@@ -177,7 +178,7 @@ def scan_backward(q, k, v, r2, ell2, log_alpha, M0, P0, cu: list[int], C: int, *
     cov_kw = dict(segment_chunks=segment_chunks, P_starts=saved.P_starts, dw=dw.to(k.dtype),
                   dlinv=dlinv.to(k.dtype), dvariance=dvariance, dP=dP, elements=elements)
     if covariance == "triton":
-        from .triton.scan_backward import covariance_scan_backward_triton
+        from .scan_backward_triton import covariance_scan_backward_triton
 
         cg, failed = covariance_scan_backward_triton(*cov_args, **cov_kw)
         scan.raise_if_failed(failed, "scan_backward")  # the backward's one host sync, after all of B2–B4
@@ -190,8 +191,8 @@ def scan_backward(q, k, v, r2, ell2, log_alpha, M0, P0, cu: list[int], C: int, *
 
 def forward_packed_reference(q, k, v, r2, ell2, log_alpha, M0, P0, cu: list[int], C: int, segment_chunks: int,
                              want_var: bool, *, element_dtype: torch.dtype | None = torch.float64):
-    """The packed scan forward in plain PyTorch (:func:`~bayeslayer.ops.scan.covariance_scan` +
-    :func:`~bayeslayer.ops.scan.mean_pass_reference`), in :class:`ScanFunction`'s forward contract:
+    """The packed scan forward in plain PyTorch (:func:`~bayeslayer.ops.bayesian_layer.scan.covariance_scan` +
+    :func:`~bayeslayer.ops.bayesian_layer.scan.mean_pass_reference`), in :class:`ScanFunction`'s forward contract:
     ``(o [NT, H', m], variance [NT, H'] or None, M [N, H', D, m], P [N, H', D, D], ScanSaved)``."""
     out = scan.covariance_scan(q, k, v, r2, ell2, log_alpha, P0, list(cu), C, segment_chunks=segment_chunks,
                                want_var=want_var, element_dtype=element_dtype)
@@ -205,9 +206,9 @@ class ScanSpec(NamedTuple):
 
     ``forward``: ``(q, k, v, r2, ell2, log_alpha, M0, P0, cu, C, segment_chunks, want_var) ->
     (o, variance or None, M, P, ScanSaved)`` on packed tensors (:func:`forward_packed_reference`, or the
-    Triton forward ``ops/triton/chunk.py::forward_scan_packed``).  ``covariance``: the B2–B4 the backward runs
-    (:func:`scan_backward`'s argument): ``"twin"`` (plain PyTorch, the default: the reference forward's) or
-    ``"triton"`` (the Triton forward sets it).
+    Triton forward ``ops/bayesian_layer/chunk_triton.py::forward_scan_packed``).  ``covariance``: the B2–B4 the
+    backward runs (:func:`scan_backward`'s argument): ``"twin"`` (plain PyTorch, the default: the reference forward's)
+    or ``"triton"`` (the Triton forward sets it).
     """
 
     cu: list
@@ -225,8 +226,8 @@ class ScanFunction(torch.autograd.Function):
 
     ``ScanFunction.apply(spec, q, k, v, r2, ell2, log_alpha, M0, P0)`` → ``(o, variance, M, P)``, all packed
     (``variance`` is an empty, non-differentiable tensor without ``spec.want_var``).  Apply it to the
-    tensors of :func:`~bayeslayer.ops.scan.prepare_scan` and unfold with
-    :func:`~bayeslayer.ops.scan.finish_scan`: autograd differentiates both.
+    tensors of :func:`~bayeslayer.ops.bayesian_layer.scan.prepare_scan` and unfold with
+    :func:`~bayeslayer.ops.bayesian_layer.scan.finish_scan`: autograd differentiates both.
     """
 
     @staticmethod
@@ -266,14 +267,9 @@ def bl_scan_autograd(q, k, v, r2, ell2, alpha=None, p0=1.0, initial_state=None, 
     """:func:`bayeslayer.ops.bl_chunk`'s contract (no rotations) on :class:`ScanFunction`.
 
     ``forward``: the packed forward (None: :func:`forward_packed_reference`, plain PyTorch); the Triton
-    path passes its own (``ops/triton/chunk.py``).  Gradients by :func:`scan_backward`.
+    path passes its own (``ops/bayesian_layer/chunk_triton.py``).  Gradients by :func:`scan_backward`.
     """
-    if initial_state is not None:
-        if not isinstance(initial_state, (tuple, list)) or len(initial_state) != 2:
-            raise state_pair_error("initial_state", initial_state)
-        M0, P0 = initial_state
-    else:
-        M0 = P0 = None
+    M0, P0 = split_state(initial_state)
     call = scan.prepare_scan(q, k, v, r2, ell2, alpha, p0, M0, P0, cu_seqlens, chunk_size, n_segments=n_segments)
     spec = ScanSpec(cu=call.cu, C=call.C, segment_chunks=call.segment_chunks, want_var=return_variance,
                     forward=forward or forward_packed_reference, mean_kernels=mean_kernels)

@@ -21,7 +21,7 @@ A raw pivot that is not positive or not finite counts as a failure (returned, so
 caller can set its device-side flag): the factorisation is then meaningless and the forward
 raises once, after the whole pass.  The clamped elimination is the exact ``LDLᵀ`` of
 ``X + diag(δ)`` (δ ≥ 0 the clamp's additions), the same whether blocked or not; its plain
-PyTorch twin is :func:`bayeslayer.ops.scan.ldl_clamped`.
+PyTorch twin is :func:`bayeslayer.ops.bayesian_layer.scan.ldl_clamped`.
 
 Layout: ``X``, ``LI`` row-major ``[BN, BN]`` (``BN = NB·BLK``) in global scratch of the calling
 program, ``DV`` ``[BN]``.  Only the lower blocks of ``X`` are read (the diagonal blocks are

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import NonFiniteError
+from ...errors import NonFiniteError
 
 _VALUE_CHECKS = True
 
@@ -41,10 +41,6 @@ def value_checks(enabled: bool) -> Iterator[None]:
         yield
     finally:
         set_value_checks(previous)
-
-
-def value_checks_enabled() -> bool:
-    return _VALUE_CHECKS
 
 
 def _values_checked(x: torch.Tensor) -> bool:
@@ -277,6 +273,16 @@ def state_pair_error(name: str, state) -> TypeError:
     else:
         got = type(state).__name__
     return TypeError(f"{name} must be a tuple (M, P) of 2 tensors, got {got}")
+
+
+def split_state(state, name: str = "initial_state") -> tuple:
+    """``(M, P)`` of a state pair, ``(None, None)`` for ``None``; anything else that is not a pair raises
+    :func:`state_pair_error` (the tensors themselves are checked where their shapes are known)."""
+    if state is None:
+        return None, None
+    if not isinstance(state, (tuple, list)) or len(state) != 2:
+        raise state_pair_error(name, state)
+    return state[0], state[1]
 
 
 def check_state(

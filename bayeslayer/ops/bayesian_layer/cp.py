@@ -32,9 +32,10 @@ own slice and its share of the shared parameters (their sum over ranks is the on
 as with data parallelism).  Every rank must run the forward and the backward of every call (the
 backward runs collectives too).
 
-This is the PyTorch path (:func:`bayeslayer.ops.chunk.filter_chunk` for the local work, the segment
-scan's :func:`~bayeslayer.ops.scan.phase_a` and :func:`~bayeslayer.ops.scan.apply_element` for the
-elements): scalar, diagonal and identity decay, write model ``bayes``, G ≥ 1 groups.
+This is the PyTorch path (:func:`bayeslayer.ops.bayesian_layer.chunk.filter_chunk` for the local work, the segment
+scan's :func:`~bayeslayer.ops.bayesian_layer.scan.phase_a` and
+:func:`~bayeslayer.ops.bayesian_layer.scan.apply_element` for the elements): scalar, diagonal and identity decay, write
+model ``bayes``, G ≥ 1 groups.
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from ..utils.validation import check_chunk_size, check_cu_seqlens
 from . import groups as grp
-from .checks import check_chunk_size, check_cu_seqlens
 from .chunk import filter_chunk
 from .prepare import FilterOutput, prepare
 from .scan import apply_element, phase_a, scan_layout

@@ -1,7 +1,7 @@
 """What the Triton kernels can run, and why not when they cannot (no Triton import here).
 
-One place for these facts: the Triton entry points (:func:`~bayeslayer.ops.triton.bl_chunk_triton`,
-:func:`~bayeslayer.ops.triton.bl_step_triton`) refuse what they cannot run with these messages,
+One place for these facts: the Triton entry points (:func:`~bayeslayer.ops.bayesian_layer.chunk_triton.bl_chunk_triton`,
+:func:`~bayeslayer.ops.bayesian_layer.step_triton.bl_step_triton`) refuse what they cannot run with these messages,
 and :mod:`bayeslayer.ops.backend` asks the same questions to choose a backend.
 
 * :func:`triton_unavailable` — Triton missing, or the tensors' device cannot run Triton

@@ -1,6 +1,6 @@
 """The covariance pass's backward through the segment scan on Triton (docs/theory.md §6.5, §6.7).
 
-Ports of the plain-PyTorch twin :mod:`bayeslayer.ops.scan_backward` (every kernel is tested against it,
+Ports of the plain-PyTorch twin :mod:`bayeslayer.ops.bayesian_layer.scan_backward` (every kernel is tested against it,
 ``tests/ops/test_scan_backward_triton.py``):
 
 * **B2/B4** :func:`segment_adjoint_triton` → :func:`scan_segment_adjoint_kernel`, grid (segments, H'),
@@ -18,8 +18,8 @@ Ports of the plain-PyTorch twin :mod:`bayeslayer.ops.scan_backward` (every kerne
   (``phase_a_triton``) unless the forward kept them, B3, B4 (twin ``covariance_scan_backward``).
 
 Not here: the mean pass (B1), a kernel of its own for the prep's adjoint (B5: folded into B4 per chunk), the
-autograd wiring (``ops/scan_grad.py``).  Compiled for sm_90 every variant builds at D ≤ 256; at C = 64 B2/B4
-spill 1.2–3 KB per thread, at C = 32 ≤ 272 bytes (docs/kernels.md, "B2/B4 blocked").  Scratch written by some
+autograd wiring (``ops/bayesian_layer/scan_grad.py``).  Compiled for sm_90 every variant builds at D ≤ 256; at C = 64
+B2/B4 spill 1.2–3 KB per thread, at C = 32 ≤ 272 bytes (docs/kernels.md, "B2/B4 blocked").  Scratch written by some
 threads of a program and read by others is fenced by ``tl.debug_barrier()``: the interpreter cannot check that.
 
 Every launch count is independent of T: one launch per kernel, whatever the number of chunks or segments.
@@ -31,12 +31,23 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import scan as sc
-from ..checks import check_shaped
-from .kernels import decay_mix, decay_scores, load_tile, prep_tile, row_of
-from .ldl import ldl_blocked
-from .scan import Prep, load_block, phase_a_triton, prep_triton, sblock, segment_offsets, times_g
-from .support import next_pow2
+from ..utils.ldl_triton import ldl_blocked
+from ..utils.validation import check_shaped
+from . import scan as sc
+from .kernels_triton import decay_mix, decay_scores, load_tile, prep_tile, row_of
+from .scan_triton import (
+    Prep,
+    load_block,
+    phase_a_triton,
+    prep_triton,
+    sblock,
+    segment_offsets,
+    times_g,
+    times_lm_inv_t,
+    woodbury_factors,
+    woodbury_scratch,
+)
+from .triton_support import next_pow2
 
 # ---------------------------------------------------------------------------------------------------
 # B3: the reverse pass over segments
@@ -53,7 +64,7 @@ def scan_reverse_kernel(
     """B3 for one (sequence, head): ``P̄_s = G_s + sym(Ā_sᵀ P̄_{s+1} Ā_s)``, serial over its segments in reverse.
 
     ``Ā = A (I + PJ)⁻¹ = A − (AG) M⁻¹ GᵀJ`` (Woodbury) in the LDLᵀ factors of Phase B
-    (:func:`bayeslayer.ops.triton.scan.scan_phase_b_kernel`): ``P_s = L_P D_P L_Pᵀ``, ``G = L_P D_P^½``,
+    (:func:`bayeslayer.ops.bayesian_layer.scan_triton.scan_phase_b_kernel`): ``P_s = L_P D_P L_Pᵀ``, ``G = L_P D_P^½``,
     ``M = I + GᵀJG = L_M D_M L_Mᵀ`` (pivots clamped at 1), so ``Ā = A − Z' Q`` with
     ``Z' = (AG) L_M⁻ᵀ D_M⁻¹`` and ``Q = L_M⁻¹ (JG)ᵀ``.  PB ``[S, H, D, D]`` holds the local adjoints
     ``G_s`` on entry and the totals ``P̄_s`` on exit (the last segment of a sequence is left as it is);
@@ -67,16 +78,9 @@ def scan_reverse_kernel(
     i_n = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1).to(tl.int64)
     r = tl.arange(0, BLK)
-    eye = r[:, None] == r[None, :]
-    rn = tl.arange(0, BN)
     dt = PB.dtype.element_ty
-    X = SCR + (i_n * H + i_h) * (5 * BN * BN + 2 * BN)
-    LI = X + BN * BN
-    MM = LI + BN * BN
-    TT = MM + BN * BN
+    X, LI, MM, TT, DP, DM = woodbury_scratch(SCR, i_n, i_h, H, BN, 5)
     WW = TT + BN * BN
-    DP = WW + BN * BN
-    DM = DP + BN
     first = tl.load(seq_first + i_n).to(tl.int64)
     nseg = tl.load(seq_nseg + i_n).to(tl.int64)
     fail = tl.sum(tl.zeros([BLK], dtype=tl.int32), axis=0)
@@ -88,26 +92,7 @@ def scan_reverse_kernel(
         Pnext = PB + ((s + 1) * H + i_h) * D * D
         Ae = A + (e * H + i_h) * D * D
         Je = J + (e * H + i_h) * D * D
-        for ib in range(NB):
-            for jb in range(ib + 1):
-                tl.store(sblock(X, ib, jb, r, BN, BLK), load_block(Pin, ib, jb, r, D, BLK, True))
-        tl.store(DP + rn, tl.zeros([BN], dtype=dt))  # floors: a pivot of P must be > 0
-        tl.store(DM + rn, tl.zeros([BN], dtype=dt) + 1.0)  # M = I + GᵀJG ⪰ I: its pivots are ≥ 1
-        tl.debug_barrier()
-        fail += ldl_blocked(X, LI, DP, NB, BLK, PREC)  # X: L_P, DP: D_P
-        times_g(Je, X, DP, TT, r, D, NB, BLK, BN, PREC)  # TT = J G,  G = L_P D_P^½
-        tl.debug_barrier()
-        # M = I + Gᵀ (JG), lower blocks
-        for ib in range(NB):
-            sdi = tl.sqrt(tl.load(DP + ib * BLK + r))
-            for jb in range(ib + 1):
-                acc = tl.where((ib == jb) & eye, 1.0, 0.0).to(dt)
-                for kb in range(ib, NB):
-                    G_ki = tl.load(sblock(X, kb, ib, r, BN, BLK)) * sdi[None, :]
-                    acc += tl.dot(tl.trans(G_ki), tl.load(sblock(TT, kb, jb, r, BN, BLK)), input_precision=PREC)
-                tl.store(sblock(MM, ib, jb, r, BN, BLK), acc)
-        tl.debug_barrier()
-        fail += ldl_blocked(MM, LI, DM, NB, BLK, PREC)  # LI: L_M⁻¹, DM: D_M
+        fail += woodbury_factors(Pin, Je, X, LI, MM, TT, DP, DM, r, D, NB, BLK, BN, PREC)  # TT = J G
         # Q = L_M⁻¹ (JG)ᵀ into MM (L_M itself is no longer needed)
         for ib in range(NB):
             for jb in range(NB):
@@ -119,14 +104,7 @@ def scan_reverse_kernel(
         tl.debug_barrier()
         times_g(Ae, X, DP, TT, r, D, NB, BLK, BN, PREC)  # TT = A G
         tl.debug_barrier()
-        # Z' = (AG) L_M⁻ᵀ D_M⁻¹ into X (L_P is no longer needed)
-        for ib in range(NB):
-            for jb in range(NB):
-                acc = tl.zeros([BLK, BLK], dtype=dt)
-                for kb in range(jb + 1):
-                    Ljk = tl.load(sblock(LI, jb, kb, r, BN, BLK))
-                    acc += tl.dot(tl.load(sblock(TT, ib, kb, r, BN, BLK)), tl.trans(Ljk), input_precision=PREC)
-                tl.store(sblock(X, ib, jb, r, BN, BLK), acc / tl.load(DM + jb * BLK + r)[None, :])
+        times_lm_inv_t(TT, LI, DM, X, r, NB, BLK, BN, PREC, False)  # Z' = (AG) L_M⁻ᵀ D_M⁻¹ (X: L_P no longer needed)
         tl.debug_barrier()
         # Ā = A − Z' Q into TT
         for ib in range(NB):
@@ -174,8 +152,8 @@ def reverse_segments_triton(lay: sc.ScanLayout, G: torch.Tensor, P_starts: torch
     ``[len(lay.element_segments), H', D, D]``: Phase A's elements of the segments that are not last.
     One launch of :func:`scan_reverse_kernel`, grid (sequence, head): no host loop, no host sync.
     Arithmetic in G's dtype (float64 for the scan; the others are cast to it).  Twin:
-    :func:`bayeslayer.ops.scan_backward.reverse_segments` with
-    :func:`~bayeslayer.ops.scan_backward.element_transition`.
+    :func:`bayeslayer.ops.bayesian_layer.scan_backward.reverse_segments` with
+    :func:`~bayeslayer.ops.bayesian_layer.scan_backward.element_transition`.
     """
     if not isinstance(lay, sc.ScanLayout):
         raise TypeError(f"lay must be a ScanLayout, got {type(lay).__name__}")
@@ -212,7 +190,7 @@ def reverse_segments_triton(lay: sc.ScanLayout, G: torch.Tensor, P_starts: torch
 @triton.jit
 def _mix(X, RS, x, g, rows, cols, C: tl.constexpr, DIAG: tl.constexpr, PREC: tl.constexpr):
     """``out_i = Σ_{j≤i} X_ij Φ_iΦ_j⁻¹ x_j`` for a ``[C, BK]`` tile x: ``(X ⊙ R) x`` with scalar decay (R the
-    C×C ratio, read from RS), the per-channel column loop :func:`.kernels.decay_mix` with diagonal decay
+    C×C ratio, read from RS), the per-channel column loop :func:`.kernels_triton.decay_mix` with diagonal decay
     (g ``[C, BK]``)."""
     if DIAG:
         out = decay_mix(X, x, g, rows, cols, C)
@@ -303,7 +281,7 @@ def _chunk_factor(K, Q, R2, PG, PB, PBASE, RS, pc, tok, valid, i_h, Pc, YS, US, 
                   DIAG: tl.constexpr, VAR: tl.constexpr, want_gq, PREC: tl.constexpr):
     """One chunk from its start covariance (``Pc``, ``[BD, BD]``), as the forward's covariance kernel computes it,
     keeping what the adjoint reads: ``Y = K̃P`` → YS, ``S = base + YK̃ᵀ`` factored ``L diag(d) Lᵀ`` by
-    :func:`.ldl.ldl_blocked` (pivots clamped at r²; L, L⁻¹, d in the LDLᵀ scratch), ``U = Φ ⊙ (L⁻¹Y) +
+    :func:`..utils.ldl_triton.ldl_blocked` (pivots clamped at r²; L, L⁻¹, d in the LDLᵀ scratch), ``U = Φ ⊙ (L⁻¹Y) +
     mix(L⁻¹, Bk)`` → US, all in BK-column blocks.  Returns ``(failed pivots, Gq)`` with ``Gq_ti = q_tᵀΦ_tΦ_i⁻¹u_i``
     (``i ≤ t``; VAR and ``want_gq`` only, else zeros).  The base of S: from PBASE (diagonal decay, the prep
     kernel's), or formed from ``KKᵀ`` and the ratio in RS (scalar decay)."""
@@ -404,9 +382,10 @@ def scan_segment_adjoint_kernel(
     Forward (REPLAY): from PST ``[S, H, D, D]`` (the checkpoint), each chunk's start ``P`` into PSCR
     ``[S, H, NS, BD, BD]`` (the next one computed from it, :func:`_chunk_next`); without REPLAY, PSCR already
     holds them (B4 reads what B2 wrote).  Reverse, per chunk from the last: :func:`_chunk_factor` again from the
-    stored P, then the adjoint (twin :func:`~bayeslayer.ops.scan_backward.chunk_adjoint` in LDLᵀ factors —
-    ``Lc = L diag(√d)``, ``Lc⁻¹ = diag(1/√d) L⁻¹`` — and :func:`~bayeslayer.ops.scan_backward.terms_adjoint`)
-    in passes over BK-column blocks of the key dim, the D×D adjoint ``P̄`` in a per-program ping-pong buffer:
+    stored P, then the adjoint (twin :func:`~bayeslayer.ops.bayesian_layer.scan_backward.chunk_adjoint` in LDLᵀ factors
+    — ``Lc = L diag(√d)``, ``Lc⁻¹ = diag(1/√d) L⁻¹`` — and
+    :func:`~bayeslayer.ops.bayesian_layer.scan_backward.terms_adjoint`) in passes over BK-column blocks of the key dim,
+    the D×D adjoint ``P̄`` in a per-program ping-pong buffer:
 
     * A1: ``UeP̄`` (``P̄`` symmetrised), ``P̄_start = Φ_C P̄ Φ_C + q̃ᵀ diag(v̄ar) q̃``, ``Ū``, ``β̄``, ``L̄⁻¹``
       (every term a sum over key blocks) and, with INPUTS and VAR, ``q̄`` (GQ) and the variance's share of the
@@ -722,9 +701,9 @@ def segment_adjoint_triton(lay: sc.ScanLayout, q, k, v, r2, ell2, log_alpha, adj
     (:func:`chunk_state_scratch`): where the replay keeps each chunk's start P (allocated here when None);
     ``replay=False`` skips the replay and reads them from ``chunk_states`` as an earlier call from the same
     ``P_starts`` wrote them (B4 after B2).  ``prep``: with diagonal decay, the prep kernel's buffers for ``lay``
-    in k's dtype (:func:`bayeslayer.ops.triton.scan.prep_triton`; computed here when None) — the kernel reads
-    the per-channel g, b and the base of S from them instead of forming them in its serial chunk loop.
-    Twin: :func:`bayeslayer.ops.scan_backward.segment_adjoint`.  Arithmetic in k's dtype.
+    in k's dtype (:func:`bayeslayer.ops.bayesian_layer.scan_triton.prep_triton`; computed here when None) — the kernel
+    reads the per-channel g, b and the base of S from them instead of forming them in its serial chunk loop.
+    Twin: :func:`bayeslayer.ops.bayesian_layer.scan_backward.segment_adjoint`.  Arithmetic in k's dtype.
     """
     if not isinstance(lay, sc.ScanLayout):
         raise TypeError(f"lay must be a ScanLayout, got {type(lay).__name__}")
@@ -816,18 +795,19 @@ def _sym(X: torch.Tensor) -> torch.Tensor:
 def covariance_scan_backward_triton(q, k, v, r2, ell2, log_alpha, P0, cu: list[int], C: int, *, segment_chunks: int,
                                     P_starts: torch.Tensor, dw=None, dbeta=None, dlinv=None, dvariance=None, dkw=None,
                                     dvu=None, dg=None, dP=None, elements=None):
-    """Gradients of :func:`bayeslayer.ops.scan.covariance_scan`'s inputs on Triton (scalar or diagonal decay).
+    """Gradients of :func:`bayeslayer.ops.bayesian_layer.scan.covariance_scan`'s inputs on Triton (scalar or diagonal
+    decay).
 
-    Arguments as :func:`bayeslayer.ops.scan_backward.covariance_scan_backward` (packed ``[NT, H', ...]``
+    Arguments as :func:`bayeslayer.ops.bayesian_layer.scan_backward.covariance_scan_backward` (packed ``[NT, H', ...]``
     inputs, ``P0 [N, H', D, D]``, the forward's checkpoints ``P_starts [S, H', D, D]``, output adjoints
     None for zero, ``elements = (A, C, J)`` of ``lay.element_segments`` if the forward kept them).
     Launches, whatever T: B2 (:func:`segment_adjoint_triton`), Phase A's elements when not given
-    (:func:`bayeslayer.ops.triton.scan.phase_a_triton`, two kernels, float64), B3
+    (:func:`bayeslayer.ops.bayesian_layer.scan_triton.phase_a_triton`, two kernels, float64), B3
     (:func:`reverse_segments_triton`, float64), B4; no host loop over chunks or segments, no host sync.
     Returns ``(ScanGrads, failed [N, H'])``: a factorisation that was not positive definite sets its
     sequence's device-side flag (never checked here).
     """
-    from .. import scan_backward as sbw
+    from . import scan_backward as sbw
 
     if not isinstance(k, torch.Tensor) or k.dim() != 3:
         raise ValueError(f"k must be a packed [NT, H', D] tensor, got {getattr(k, 'shape', type(k).__name__)}")

@@ -41,7 +41,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .ldl import ldl_blocked
+from ..utils.ldl_triton import ldl_blocked
 
 
 @triton.jit
@@ -146,7 +146,7 @@ def bl_chunk_prep_kernel(
     """Prep (docs/theory.md §6.7, F1): the P-free terms of one (chunk ``i_c``, head), parallel over chunks.
 
     What :func:`bl_chunk_cov_kernel` otherwise forms inside its serial chunk loop (its twin:
-    ``ops/scan.py::prep_reference``, built on ``chunk_prep``)::
+    ``ops/bayesian_layer/scan.py::prep_reference``, built on ``chunk_prep``)::
 
         g_i  = Σ_{t≤i} log α_t                        PG   [NC, H, C, Da]  (Da = D diagonal, else 1)
         b_j  = Σ_{l≤j} ℓ_l² ρ_jl²                      PB   [NC, H, C, Da]  (b_{C−1} = the chunk-end noise)
@@ -245,7 +245,7 @@ def bl_chunk_cov_kernel(
     ``[sum_n (cdiv(chunks_n, CK_EVERY) + 1), H, D, D]`` receives ``P`` at the start of
     every CK_EVERY-th chunk (0, CK_EVERY, ...) and at the end, sequence ``n`` from row
     ``ck_offsets[n]`` on (the backward's checkpoints).  LDLscr ``[N, H, 2C² + C]`` is the
-    blocked LDLᵀ's scratch (``S``/``L``, ``L⁻¹``, pivots; :func:`.ldl.ldl_blocked`); FAIL ``[N, H]``
+    blocked LDLᵀ's scratch (``S``/``L``, ``L⁻¹``, pivots; :func:`..utils.ldl_triton.ldl_blocked`); FAIL ``[N, H]``
     int32 receives the number of pivots that were not positive (a device-side flag: 0 when all is well).
 
     With PREP, the P-free terms come from :func:`bl_chunk_prep_kernel` (run before, parallel over
