@@ -23,7 +23,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "bayeslayer"
 #: its own room, rooms on its level and rooms below it, never a room above ("an arrow up").  The
 #: package's own ``__init__`` is the top.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("errors", "checks"),
+    ("errors", "checks", "files"),
     ("ops",),
     ("design",),
     ("layers",),
