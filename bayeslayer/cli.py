@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 from .errors import EXIT_INTERRUPTED, EXIT_USAGE, Interrupted, expected_errors, is_out_of_memory
-from .experiments.threads import apply_threads
+from .experiments.common.threads import apply_threads
 
 # (subcommand module, import path). Add a line here when an experiment lands.
 _COMMAND_MODULES = [

@@ -476,7 +476,7 @@ def _state_budget():
 
 
 def _plotting():
-    from bayeslayer.experiments import plotting
+    from bayeslayer.experiments.common import plotting
 
     return plotting
 

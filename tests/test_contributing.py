@@ -182,7 +182,7 @@ def test_design_recipe(restore_registries):
 
 def test_experiment_recipe(restore_registries, tmp_path, monkeypatch):
     from bayeslayer import cli
-    from bayeslayer.experiments import harness
+    from bayeslayer.experiments.common import harness
     from bayeslayer.training.loop import TrainConfig, train_loop
 
     mod = exec_recipe("experiment")

@@ -23,7 +23,7 @@ def test_the_walker_covers_the_whole_package():
                 "evaluation"):
         assert f"bayeslayer.{sub}" in graph
     # lazy imports are edges: state_budget's command line imports the harness inside a function
-    assert "bayeslayer.experiments.harness" in graph["bayeslayer.experiments.state_budget"]
+    assert "bayeslayer.experiments.common.harness" in graph["bayeslayer.experiments.state_budget"]
 
 
 @pytest.mark.parametrize("path", module_paths(), ids=lambda p: str(p.relative_to(PACKAGE.parent)))

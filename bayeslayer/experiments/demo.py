@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from ..ops import bl_chunk, bl_recurrent
-from .cli_checks import DEVICE_HELP, check_int, check_memory, device_arg, positive_int_arg, resolve_device
-from .threads import SMALL, add_threads_option
+from .common.options import DEVICE_HELP, check_int, check_memory, device_arg, positive_int_arg, resolve_device
+from .common.threads import SMALL, add_threads_option
 
 
 @dataclass(frozen=True)

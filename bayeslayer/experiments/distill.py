@@ -63,7 +63,7 @@ from torch import nn
 from ..errors import UsageError
 from ..training import OutputLock, read_json
 from ..training.files import sha256_file
-from .cli_checks import (
+from .common.options import (
     DEVICE_HELP,
     cache_dir_arg,
     check_in_dir,
@@ -74,6 +74,7 @@ from .cli_checks import (
     device_arg,
     positive_int_arg,
 )
+from .common.threads import TORCH_DEFAULT, add_threads_option
 from .distill_losses import (
     COSINE_WEIGHT,
     MLP_LR_SCALE,
@@ -99,7 +100,6 @@ from .lm import (
     parse_json_object,
     train_lm,
 )
-from .threads import TORCH_DEFAULT, add_threads_option
 
 STAGES = ("phase_a", "phase_b", "gdn_ft")
 STAGE_LABELS = {"phase_a": "BL (Phase A)", "phase_b": "BL", "gdn_ft": "GDN-FT"}
@@ -538,7 +538,7 @@ def _final_intact(final: Path) -> bool:
 def _write_report(path: Path, report: dict) -> None:
     if int(os.environ.get("RANK", "0")) == 0:
         from ..training.optim import DECAY_POLICY
-        from .provenance import write_record
+        from .common.provenance import write_record
 
         stages = [s for s in report["stages"].values() if "train_seconds" in s]
         devices = {str(s.get("device", "cpu")) for s in stages} or {"cpu"}

@@ -60,7 +60,9 @@ import torch
 from ..errors import UsageError
 from ..training.files import atomic_write_text, read_json
 from ..training.lock import OutputLock
-from .cli_checks import (
+from .common.harness import results_record, write_json
+from .common.lengths import PAPER_LENGTHS, length_label
+from .common.options import (
     DEVICE_HELP,
     PLOT_ONLY_HELP,
     cache_dir_arg,
@@ -74,8 +76,9 @@ from .cli_checks import (
     positive_int_arg,
     redrawing,
 )
-from .harness import results_record, write_json
-from .lengths import PAPER_LENGTHS, length_label
+from .common.plotting import load_json, save_figure
+from .common.provenance import write_record
+from .common.threads import TORCH_DEFAULT, add_threads_option
 from .lm import (
     PRECISIONS,
     WIKITEXT_103,
@@ -86,9 +89,6 @@ from .lm import (
     load_corpus,
     resolve_precision,
 )
-from .plotting import load_json, save_figure
-from .provenance import write_record
-from .threads import TORCH_DEFAULT, add_threads_option
 
 SINGLE_PROCESS = DistContext()
 WINDOW_MODES = ("non-overlapping", "sliding")
@@ -447,7 +447,7 @@ def evaluate_heldout(
     A length longer than a split's stream is a *recorded skip*: the cell holds
     ``{"skipped": reason, "split_tokens": T}`` and the table shows "–".
 
-    Returns the results layout of :func:`bayeslayer.experiments.harness.results_record`:
+    Returns the results layout of :func:`bayeslayer.experiments.common.harness.results_record`:
     ``models[label] = {"path", "kind", "tokenizer", "tokenizer_sha256", "weights_sha256",
     "same_tokenizer_as_reference", "cells": {source_label: {str(L): cell}}}`` with
     ``cell = {"ppl", "mean_ce", "n_tokens", "windows", "windows_available", "split_tokens",

@@ -84,7 +84,9 @@ from ..training.files import append_text, publish_directory, sha256_file
 from ..training.loop import Checkpoints, LoopState, StepInfo, train_loop
 from ..training.optim import DECAY_POLICY
 from ..training.state import read_safetensors, write_safetensors
-from .cli_checks import (
+from .common.cli_help import override_help, preset_values
+from .common.harness import TrainConfig, results_record, seed_everything, summarize, weights_digest
+from .common.options import (
     DEVICE_HELP,
     PLOT_ONLY_HELP,
     cache_dir_arg,
@@ -101,11 +103,9 @@ from .cli_checks import (
     redrawing,
     resolve_device,
 )
-from .cli_help import override_help, preset_values
-from .harness import TrainConfig, results_record, seed_everything, summarize, weights_digest
-from .plotting import save_figure
-from .provenance import write_record
-from .threads import SMALL, TORCH_DEFAULT, add_threads_option
+from .common.plotting import save_figure
+from .common.provenance import write_record
+from .common.threads import SMALL, TORCH_DEFAULT, add_threads_option
 
 # Table-2 columns, then the distance buckets, in the order of :meth:`ARHitAnnotation.masks`.
 GROUPS = ("all", "ar_hit", "other", "ar_hit_1_64", "ar_hit_65_256", "ar_hit_257_1024")
@@ -974,7 +974,7 @@ def trained_with(run_dir: str | os.PathLike) -> str | None:
 def summarize_runs(records: Sequence[dict]) -> dict:
     """Group per-run records by model label; mean ± std (ddof 1) of PPL per group over seeds.
 
-    Returns the results layout of :func:`bayeslayer.experiments.harness.results_record` with
+    Returns the results layout of :func:`bayeslayer.experiments.common.harness.results_record` with
     ``models[label] = {"seeds": [records], "summary": {group: {"mean", "std", "values"}}}``.
     """
     if not records:

@@ -46,7 +46,7 @@ every mixer carries the same recurrent-state floats per layer — the Bayesian L
 Mamba-2 fills ``d_state``.  Mixers keep their layer defaults otherwise (BL: short convolution
 on, scalar decay; labels: :func:`mixer_label`).
 
-Training (the shared :func:`~bayeslayer.experiments.harness.train_lr_grid`): a fixed pool of
+Training (the shared :func:`~bayeslayer.experiments.common.harness.train_lr_grid`): a fixed pool of
 sequences (:func:`~bayeslayer.data.mqar.make_pool`) split 90/10 into train and validation,
 ``epochs`` passes over the training split in batches of one length, AdamW β = (0.9, 0.95),
 weight decay 0.1 on weights only (not on ``A_log``, ``dt_bias``, noise biases, norms or biases:
@@ -79,7 +79,8 @@ from ..data.mqar import IGNORE_INDEX, MQARData, MQARDataset, MQARTask, make_pool
 from ..errors import UsageError
 from ..layers import MIXER_LABELS, MIXERS, QKVMixer, ShortConvolution, build_mixer
 from ..training.optim import DECAY_POLICY
-from .cli_checks import (
+from .common.harness import TrainConfig, results_record, summarize, train_lr_grid
+from .common.options import (
     DEVICE_HELP,
     PLOT_ONLY_HELP,
     check_out_dir,
@@ -90,11 +91,10 @@ from .cli_checks import (
     redrawing,
     resolve_device,
 )
-from .harness import TrainConfig, results_record, summarize, train_lr_grid
-from .plotting import RefLine, Series, line_plot, load_json
-from .provenance import write_record
+from .common.plotting import RefLine, Series, line_plot, load_json
+from .common.provenance import write_record
+from .common.threads import TORCH_DEFAULT, add_threads_option
 from .state_budget import BUDGET_MIXERS, HeadConfig, solve_state_budget
-from .threads import TORCH_DEFAULT, add_threads_option
 
 TASK_NAMES = ("base", "update", "block")
 DEFAULT_MIXERS = ("bayesian", "gated_deltanet", "gated_deltanet_noconv", "mamba2", "linear_attention")

@@ -48,7 +48,8 @@ from ..data.niah import (
 from ..errors import UsageError
 from ..training.files import atomic_write_text, read_json
 from ..training.lock import OutputLock
-from .cli_checks import (
+from .common.lengths import PAPER_LENGTHS, length_label
+from .common.options import (
     DEVICE_HELP,
     PLOT_ONLY_HELP,
     check_in_dir,
@@ -63,10 +64,9 @@ from .cli_checks import (
     redrawing,
     resolve_device,
 )
-from .lengths import PAPER_LENGTHS, length_label
-from .plotting import save_figure
-from .provenance import write_record
-from .threads import TORCH_DEFAULT, add_threads_option
+from .common.plotting import save_figure
+from .common.provenance import write_record
+from .common.threads import TORCH_DEFAULT, add_threads_option
 
 #: The six tasks of the summary average.  The paper names niah_single_1, niah_single_2,
 #: niah_multivalue and niah_multiquery among its six and excludes CWE; of the other four

@@ -65,8 +65,8 @@ from dataclasses import asdict, dataclass
 
 from ..design import DesignModel, get_design, lowrank_diagonal
 from ..layers import MIXERS
-from .cli_checks import check_int, check_out_file, positive_int_arg
-from .threads import SMALL, add_threads_option
+from .common.options import check_int, check_out_file, positive_int_arg
+from .common.threads import SMALL, add_threads_option
 
 #: the mixers the solver sizes by default: registry layers and design models, every one counted by its
 #: design model's ``state_size`` (:func:`mixer_design`); ``bayesian_lowrank`` needs its rank and is not here
@@ -426,7 +426,7 @@ def run(config: StateBudgetConfig, *, print_fn: Callable[[str], None] | None = p
         )
         results.extend(c.to_dict() for c in configs.values())
     if config.json:
-        from .harness import write_json
+        from .common.harness import write_json
 
         write_json(config.json, results)  # atomic; creates the folder json names
     return results

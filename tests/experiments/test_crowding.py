@@ -9,7 +9,7 @@ import torch
 from bayeslayer.cli import main as cli_main
 from bayeslayer.data.collision_tasks import crowding_projection
 from bayeslayer.experiments import crowding
-from bayeslayer.experiments.harness import TrainConfig, train
+from bayeslayer.experiments.common.harness import TrainConfig, train
 
 TINY = replace(crowding.PRESETS["tiny"], num_values=8, train_n=(8, 12), test_load=(1, 2), eval_sequences=4,
                steps=3, batch_size=4, num_queries=4)

@@ -1,4 +1,4 @@
-"""One home for the paper's lengths and their labels (bayeslayer.experiments.lengths)."""
+"""One home for the paper's lengths and their labels (bayeslayer.experiments.common.lengths)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import doctest
 
 import pytest
 
-from bayeslayer.experiments import lengths
-from bayeslayer.experiments.lengths import PAPER_LENGTHS, length_label
+from bayeslayer.experiments.common import lengths
+from bayeslayer.experiments.common.lengths import PAPER_LENGTHS, length_label
 
 
 def test_doctests():

@@ -268,7 +268,7 @@ def test_eval_command_end_to_end(tmp_path, corpus_dir, cache_dir):
     cached = json.loads((tmp_path / "bl0" / "eval-validation-L32-fp32.json").read_text())
     assert cached["groups"] == seeds[0]["groups"]
     # every file of the run and of the evaluation records where it came from, through the one writer
-    from bayeslayer.experiments.provenance import missing_fields
+    from bayeslayer.experiments.common.provenance import missing_fields
     from bayeslayer.training.optim import DECAY_POLICY
 
     for path in [out / "lm.json", *(tmp_path / "bl0").glob("*.json")]:

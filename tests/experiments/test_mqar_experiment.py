@@ -9,7 +9,8 @@ import torch
 
 from bayeslayer.cli import main as cli_main
 from bayeslayer.data.mqar import MQARTask, make_pool
-from bayeslayer.experiments.harness import TrainConfig, train
+from bayeslayer.experiments.common.harness import TrainConfig, train
+from bayeslayer.experiments.common.plotting import load_json
 from bayeslayer.experiments.mqar import (
     DEFAULT_MIXERS,
     PRESETS,
@@ -25,7 +26,6 @@ from bayeslayer.experiments.mqar import (
     sweep_points,
     train_tasks,
 )
-from bayeslayer.experiments.plotting import load_json
 
 TINY = PRESETS["tiny"]
 

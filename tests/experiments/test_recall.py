@@ -10,8 +10,8 @@ import torch.nn as nn
 
 from bayeslayer.cli import main as cli_main
 from bayeslayer.experiments import recall
-from bayeslayer.experiments.core_models import CORE_KINDS, CoreModelConfig, build_core_model
-from bayeslayer.experiments.harness import TrainConfig, train
+from bayeslayer.experiments.common.harness import TrainConfig, train
+from bayeslayer.experiments.common.recall_models import CORE_KINDS, CoreModelConfig, build_core_model
 
 TINY = replace(recall.PRESETS["tiny"], num_pairs=2, address_dim=4, n_b=2, train_n_f=(1, 2), test_n_f=(1, 4),
                test_rho=(0.6, 0.9), test_n_f_for_rho=2, eval_sequences=4, steps=3, batch_size=4)

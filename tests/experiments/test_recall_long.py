@@ -11,7 +11,7 @@ import torch
 from bayeslayer.cli import build_parser
 from bayeslayer.cli import main as cli_main
 from bayeslayer.experiments import recall
-from bayeslayer.experiments.core_cli import learning_curve
+from bayeslayer.experiments.common.recall_sweep import learning_curve
 
 TINY = replace(recall.PRESETS["tiny"], num_pairs=2, address_dim=4, n_b=2, train_n_f=(1, 2), test_n_f=(1, 4),
                test_rho=(0.6, 0.9), test_n_f_for_rho=2, eval_sequences=4, steps=4, batch_size=4,

@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from bayeslayer.experiments import collision, crowding, demo, mqar, recall, state_budget
-from bayeslayer.experiments.core_cli import CorePreset
+from bayeslayer.experiments.common.recall_sweep import CorePreset
 
 RECALL_TINY = replace(recall.PRESETS["tiny"], num_pairs=2, address_dim=4, n_b=2, train_n_f=(1, 2),
                       test_n_f=(1, 4), test_rho=(0.6, 0.9), test_n_f_for_rho=2, eval_sequences=4, steps=4,

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from bayeslayer.experiments.harness import TrainConfig, train
+from bayeslayer.experiments.common.harness import TrainConfig, train
 from bayeslayer.training import (
     CheckpointError,
     CheckpointStore,

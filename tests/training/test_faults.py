@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bayeslayer.experiments.harness import TrainConfig, train
+from bayeslayer.experiments.common.harness import TrainConfig, train
 
 from ..experiments.test_harness import make_model, sample_copy
 from .faults import KILLED, run_killed_at, single_thread, tiny_lm

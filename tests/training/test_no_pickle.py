@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bayeslayer.experiments.harness import TrainConfig, train, train_seeds
+from bayeslayer.experiments.common.harness import TrainConfig, train, train_seeds
 from bayeslayer.experiments.lm import load_run, train_lm
 
 from ..experiments.test_harness import make_model, sample_copy

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from bayeslayer.experiments import harness, lm
+from bayeslayer.experiments.common import harness, lm
 from bayeslayer.experiments.mqar import PRESETS as MQAR_PRESETS
 from bayeslayer.experiments.mqar import build_model as build_mqar
 from bayeslayer.layers import build_mixer

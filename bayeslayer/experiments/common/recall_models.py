@@ -39,7 +39,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..design import BAYESIAN, DELTANET, GLA, LINEAR_ATTENTION, lowrank_diagonal
+from ...design import BAYESIAN, DELTANET, GLA, LINEAR_ATTENTION, lowrank_diagonal
 
 CORE_KINDS = ("bayesian", "delta", "linear_attention", "gla")
 # the low-rank-plus-diagonal BL at these ranks (head_dim 16); selectable, not run by default

@@ -1,10 +1,10 @@
 """Figures drawn from saved results: every experiment plots from its JSON, never from live state.
 
-An experiment writes its numbers with :func:`bayeslayer.experiments.provenance.write_record`, then builds figures from
-the loaded dict with :func:`line_plot`, so ``--plot-only DIR`` can redraw them
-without rerunning anything.  The helpers know nothing about a particular
-experiment: a figure is a list of :class:`Series` plus axis labels and optional
-reference lines (phase boundaries, closed-form values, chance level).
+An experiment writes its numbers with
+:func:`bayeslayer.experiments.common.provenance.write_record`, then builds figures from the loaded
+dict with :func:`line_plot`, so ``--plot-only DIR`` can redraw them without rerunning anything.
+The helpers know nothing about a particular experiment: a figure is a list of :class:`Series`
+plus axis labels and optional reference lines (phase boundaries, closed-form values, chance level).
 
 >>> s = Series("model", x=[1, 2, 3], y=[0.5, 0.6, 0.7], err=[0.01, 0.02, 0.01])
 >>> # line_plot("fig.png", [s], xlabel="step", ylabel="accuracy", hlines=[RefLine(0.5, "chance")])
@@ -61,7 +61,7 @@ class RefLine:
 
 def save_figure(fig, path: str | os.PathLike) -> Path:
     """Lay out ``fig`` and write it to ``path`` (PNG, 120 dpi), creating the folder; the caller closes it."""
-    from ..training.files import atomic_write
+    from ...training.files import atomic_write
 
     fig.tight_layout()
     path = Path(path)
@@ -104,7 +104,7 @@ def load_json(path: str | os.PathLike) -> dict:
     Every object in it is returned as a ``dict`` whose missing keys raise :class:`MissingKeyError`
     naming the file, so a reader that meets a file of the wrong shape says which file and key.
     """
-    from ..training.files import read_json
+    from ...training.files import read_json
 
     path = Path(path)
     if not path.is_file():

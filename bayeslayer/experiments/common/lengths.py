@@ -12,7 +12,7 @@ and label them the same way.
 
 from __future__ import annotations
 
-from .cli_checks import check_int
+from .options import check_int
 
 #: the context lengths of the paper's NIAH and held-out tables (Tables 6 and 7)
 PAPER_LENGTHS = (2048, 4096, 8192, 16384)
