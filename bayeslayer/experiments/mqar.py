@@ -40,7 +40,7 @@ Mixers are registry layers or their conv-free variants (:data:`MIXER_VARIANTS`: 
 without their own short convolution, like the registry's ``gated_deltanet_noconv``).
 
 Each mixer comes from the registry (:func:`bayeslayer.layers.build_mixer`) with its head
-configuration from the state-budget solver (:func:`~bayeslayer.experiments.state_budget.solve_state_budget`):
+configuration from the state-budget solver (:func:`~bayeslayer.models.state_budget.solve_state_budget`):
 every mixer carries the same recurrent-state floats per layer — the Bayesian Layer counts
 ``H·(D·m + D²)`` (mean and covariance), Gated DeltaNet widens its value dim to ``H·D·m``,
 Mamba-2 fills ``d_state``.  Mixers keep their layer defaults otherwise (BL: short convolution
@@ -78,6 +78,7 @@ import torch.nn as nn
 from ..data.mqar import IGNORE_INDEX, MQARData, MQARDataset, MQARTask, make_pool
 from ..errors import UsageError
 from ..layers import MIXER_LABELS, MIXERS, QKVMixer, ShortConvolution, build_mixer
+from ..models.state_budget import BUDGET_MIXERS, HeadConfig, solve_state_budget
 from ..training.optim import DECAY_POLICY
 from .common.harness import TrainConfig, results_record, summarize, train_lr_grid
 from .common.options import (
@@ -94,7 +95,6 @@ from .common.options import (
 from .common.plotting import RefLine, Series, line_plot, load_json
 from .common.provenance import write_record
 from .common.threads import TORCH_DEFAULT, add_threads_option
-from .state_budget import BUDGET_MIXERS, HeadConfig, solve_state_budget
 
 TASK_NAMES = ("base", "update", "block")
 DEFAULT_MIXERS = ("bayesian", "gated_deltanet", "gated_deltanet_noconv", "mamba2", "linear_attention")
