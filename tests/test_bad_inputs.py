@@ -427,7 +427,7 @@ API_CASES = [
         after=_no_name_written),
     Api("a --name that leaves --out", "HeldoutConfig(name='/tmp/x')",
         lambda p: _heldout().HeldoutConfig(models=[], name="/tmp/x"), "plain file name"),
-    Api("a model folder with code", "niah.load_model(auto_map + .py)", lambda p: _niah().load_model(p["evil"]),
+    Api("a model folder with code", "load_model(auto_map + .py)", lambda p: _pretrained().load_model(p["evil"]),
         _every("asks to run Python code", "trust_remote_code"), after=_evil_code_not_run),
     Api("a split that does not exist", "load_essays(split='nosuch')",
         lambda p: __import__("bayeslayer.data.niah", fromlist=["x"]).load_essays(p["corpus"], "nosuch"),
@@ -438,7 +438,7 @@ API_CASES = [
           ("BayesLayerForCausalLM.from_pretrained", "model",
            lambda path: __import__("bayeslayer.models", fromlist=["x"]).BayesLayerForCausalLM.from_pretrained(path)),
           ("lm.load_run", "run", lambda path: _lm().load_run(path)),
-          ("niah.load_model", "model", lambda path: _niah().load_model(path)))],
+          ("models.pretrained.load_model", "model", lambda path: _pretrained().load_model(path)))],
     *[_damaged_api("load_gdn_checkpoint", "gdn", lambda path: __import__("bayeslayer.models", fromlist=["x"])
                    .load_gdn_checkpoint(path), damage, needle)
       for damage, (_, needle) in GDN_DAMAGES.items()],
@@ -485,6 +485,12 @@ def _niah():
     from bayeslayer.experiments import niah
 
     return niah
+
+
+def _pretrained():
+    from bayeslayer.models import pretrained
+
+    return pretrained
 
 
 def imported_cases() -> list[Cli | Api]:

@@ -246,7 +246,7 @@ def load_teacher(directory: str | os.PathLike, *, device: str | torch.device = "
     directories (``model_type: bayeslayer``).
     """
     from ..models import BayesLayerForCausalLM
-    from .niah import load_model
+    from ..models.pretrained import load_model
 
     model = load_model(directory, device=str(device), dtype=torch.float32)
     if not isinstance(model, BayesLayerForCausalLM):

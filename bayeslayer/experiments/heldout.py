@@ -308,7 +308,7 @@ class HeldoutModel:
             from .lm import load_run
 
             return load_run(self.path, device=device)[1]
-        from .niah import load_model
+        from ..models.pretrained import load_model
 
         return load_model(self.model_dir, device=device, dtype=torch.float32).eval()
 

@@ -2,7 +2,7 @@
 
 A model folder loads whole or not at all.  Each of the package's loaders
 (:meth:`BayesLayerPreTrainedModel.from_pretrained <bayeslayer.models.BayesLayerPreTrainedModel.from_pretrained>`,
-``bayeslayer.experiments.lm.load_run``, ``bayeslayer.experiments.niah.load_model`` (``niah``, ``heldout``,
+``bayeslayer.experiments.lm.load_run``, ``bayeslayer.models.pretrained.load_model`` (``niah``, ``heldout``,
 the distillation teacher), :func:`~bayeslayer.models.load_gdn_checkpoint`) refuses, with one message that
 names the folder and the problem:
 
