@@ -33,14 +33,14 @@ def test_cuda_gets_an_index(monkeypatch):
 
 
 def test_init_distributed_sets_an_indexed_device(monkeypatch):
-    from bayeslayer.experiments import lm
+    from bayeslayer.experiments.common import lm_run
 
     _fake_gpus(monkeypatch, 1)
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     chosen = []
     monkeypatch.setattr(torch.cuda, "set_device", lambda dev: chosen.append(dev))
-    ctx = lm.init_distributed("cuda")
+    ctx = lm_run.init_distributed("cuda")
     assert ctx.device == torch.device("cuda", 0) and chosen == [torch.device("cuda", 0)]
 
 

@@ -5,9 +5,9 @@ The teacher is a Gated DeltaNet language model (a flash-linear-attention checkpo
 with ``gated_deltanet`` mixers, e.g. the ``final/`` of ``bayeslayer lm train --mixer
 gated_deltanet``).  The student is the teacher with layers ``L`` (default {5, 11, 17, 23})
 swapped for Bayesian Layers by :func:`bayeslayer.models.replace_layers`, which copies every
-projection the two layers share.  Three runs, each an ordinary :func:`~bayeslayer.experiments.lm.train_lm`
+projection the two layers share.  Three runs, each an ordinary :func:`~bayeslayer.experiments.common.lm_run.train_lm`
 run (same loop, checkpoints, exact resume, JSON log, ``torchrun``) with its own
-:class:`~bayeslayer.experiments.lm.Objective`:
+:class:`~bayeslayer.experiments.common.lm_run.Objective`:
 
 ``phase_a``  layer matching, all replaced layers at once.  The teacher runs on the batch; each
              student mixer gets the teacher's input to that layer and must reproduce the teacher
@@ -62,7 +62,10 @@ from torch import nn
 
 from ..errors import UsageError
 from ..training import OutputLock, read_json
+from ..training.distributed import PRECISIONS
 from ..training.files import sha256_file
+from .common.lm_config import LM_TRAIN, LMConfig, LMDataConfig, LMModelConfig
+from .common.lm_run import NextTokenTrainee, Objective, train_lm
 from .common.options import (
     DEVICE_HELP,
     cache_dir_arg,
@@ -72,6 +75,7 @@ from .common.options import (
     check_source,
     check_tokenizer,
     device_arg,
+    parse_json_object,
     positive_int_arg,
 )
 from .common.threads import TORCH_DEFAULT, add_threads_option
@@ -87,18 +91,6 @@ from .distill_losses import (
     mixer_outputs_on,
     phase_b_weights,
     select_trainable,
-)
-from .lm import (
-    LM_TRAIN,
-    PRECISIONS,
-    LMConfig,
-    LMDataConfig,
-    LMModelConfig,
-    NextTokenTrainee,
-    Objective,
-    load_model_weights,
-    parse_json_object,
-    train_lm,
 )
 
 STAGES = ("phase_a", "phase_b", "gdn_ft")
@@ -385,6 +377,8 @@ class RetrofitObjective(Objective):
             model = copy.deepcopy(teacher)
             replace_layers(model, self.config.layers, "bayesian", **self.config.mixer_kwargs)
             if self.init_dir is not None:
+                from ..models.loading import load_model_weights
+
                 load_model_weights(model, Path(self.init_dir))
         _no_dropout(model)
         self.selection = select_trainable(model, self.config.layers, lr=config.lr, mlp_parts=self.mlp_parts,

@@ -57,11 +57,15 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..data.text.sources import WIKITEXT_103
 from ..errors import UsageError
+from ..training.distributed import PRECISIONS, DistContext, resolve_precision
 from ..training.files import atomic_write_text, read_json
 from ..training.lock import OutputLock
 from .common.harness import results_record, write_json
 from .common.lengths import PAPER_LENGTHS, length_label
+from .common.lm_config import LMConfig
+from .common.lm_run import init_distributed, load_corpus
 from .common.options import (
     DEVICE_HELP,
     PLOT_ONLY_HELP,
@@ -79,16 +83,6 @@ from .common.options import (
 from .common.plotting import load_json, save_figure
 from .common.provenance import write_record
 from .common.threads import TORCH_DEFAULT, add_threads_option
-from .lm import (
-    PRECISIONS,
-    WIKITEXT_103,
-    DistContext,
-    LMConfig,
-    grouped_perplexity,
-    init_distributed,
-    load_corpus,
-    resolve_precision,
-)
 
 SINGLE_PROCESS = DistContext()
 WINDOW_MODES = ("non-overlapping", "sliding")
@@ -170,7 +164,7 @@ def heldout_perplexity(model: torch.nn.Module, windows: np.ndarray, *, batch_siz
     ``x_{i,t} | x_{i,<t}`` (``t = 1 … L−1``) all count.  ``scored [N, L−1]`` (boolean) keeps only
     some of them (the sliding rule of :func:`window_plan`).  ``max_windows`` keeps the first
     ``max_windows`` windows.  Sums are float64; windows are shared out across ranks and the sums
-    all-reduced by :func:`bayeslayer.experiments.lm.grouped_perplexity`, so every rank returns the
+    all-reduced by :func:`bayeslayer.evaluation.perplexity.grouped_perplexity`, so every rank returns the
     same numbers.
 
     Returns ``{"ppl", "mean_ce", "n_tokens", "windows"}``.
@@ -190,6 +184,8 @@ def heldout_perplexity(model: torch.nn.Module, windows: np.ndarray, *, batch_siz
                          f"{getattr(scored, 'dtype', type(scored))} {getattr(scored, 'shape', '')}")
     if max_windows is not None:
         windows, scored = windows[:max_windows], scored[:max_windows]
+    from ..evaluation.perplexity import grouped_perplexity
+
     result = grouped_perplexity(model, windows, {"scored": scored}, batch_size=batch_size, ctx=ctx,
                                 precision=precision)["scored"]
     if not result["n_tokens"]:
@@ -305,7 +301,7 @@ class HeldoutModel:
     def load(self, device: torch.device | str = "cpu") -> torch.nn.Module:
         """The model in eval mode on ``device`` (fp32 weights; autocast chooses the compute dtype)."""
         if self.kind == "lm-run":
-            from .lm import load_run
+            from .common.lm_run import load_run
 
             return load_run(self.path, device=device)[1]
         from ..models.pretrained import load_model
@@ -338,7 +334,7 @@ def resolve_model(label: str, path: str | os.PathLike, *, tokenizer=None, cache_
     Tokenizer, first found: ``tokenizer`` (a ``tokenizer.json`` or a directory holding one);
     ``tokenizer.json`` in the model directory (for a run directory: ``final/``, then the run
     directory); for an ``lm`` run, the run's own tokenizer (``LMConfig.tokenizer``, else the BPE
-    trained on its corpus, via :func:`bayeslayer.experiments.lm.load_corpus`).  None of these is
+    trained on its corpus, via :func:`bayeslayer.experiments.common.lm_run.load_corpus`).  None of these is
     a ``ValueError`` that says to pass one.
     """
     from ..data.text import load_tokenizer

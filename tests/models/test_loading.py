@@ -62,7 +62,7 @@ def _teacher(path: Path):
 
 
 def _run(path: Path):
-    from bayeslayer.experiments.lm import load_run
+    from bayeslayer.experiments.common.lm_run import load_run
 
     return load_run(path)[1]
 
@@ -143,7 +143,7 @@ def test_save_pretrained_signs_the_folder_and_a_folder_without_manifest_still_lo
 
 
 def test_load_run_warns_when_final_has_no_manifest(saved, tmp_path):
-    from bayeslayer.experiments.lm import load_run
+    from bayeslayer.experiments.common.lm_run import load_run
 
     root = tmp_path / "run"
     shutil.copytree(saved["run"], root)

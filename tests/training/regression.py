@@ -78,7 +78,7 @@ def _lm_run(result) -> dict:
 
 
 def lm_numbers(root: Path) -> dict:
-    from bayeslayer.experiments.lm import train_lm
+    from bayeslayer.experiments.common.lm_run import train_lm
 
     config, cache = tiny_lm(root, steps=6, eval_every=3)
     one = train_lm(config, root / "one_micro_batch", device="cpu", cache_dir=cache, progress=False)
@@ -88,8 +88,8 @@ def lm_numbers(root: Path) -> dict:
 
 
 def distill_numbers(root: Path) -> dict:
+    from bayeslayer.experiments.common.lm_run import train_lm
     from bayeslayer.experiments.distill import PRESETS, run_distill
-    from bayeslayer.experiments.lm import train_lm
 
     config, cache = tiny_lm(root, mixer="gated_deltanet", num_layers=2, steps=4, mlp_dropout=0.0)
     teacher = train_lm(config, root / "teacher", device="cpu", cache_dir=cache, progress=False)

@@ -55,7 +55,7 @@ def lm_setup(tmp_path_factory):
 
 
 def _lm_run(config, run_dir: Path, cache: str):
-    from bayeslayer.experiments.lm import train_lm
+    from bayeslayer.experiments.common.lm_run import train_lm
 
     return train_lm(config, run_dir, cache_dir=cache, progress=False, keep_checkpoints=1)
 

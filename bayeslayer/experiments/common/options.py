@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import math
 import os
 from pathlib import Path
@@ -338,3 +339,14 @@ __all__ = [
     "model_arg", "nonnegative_int_arg", "plot_only_json", "positive_float_arg", "positive_int_arg", "redrawing",
     "resolve_device",
 ]
+
+
+def parse_json_object(option: str, text: str) -> dict:
+    """The value of a command-line option that takes a JSON object, e.g. ``--mixer-kwargs '{"p0": 1.0}'``."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{option} must be a JSON object, got {text!r}: {err}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{option} must be a JSON object, got {text!r}")
+    return value
