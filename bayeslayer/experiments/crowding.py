@@ -26,7 +26,7 @@ import torch.nn as nn
 from ..data.collision_tasks import crowding_batch, crowding_projection
 from .common.harness import masked_cross_entropy, query_accuracy
 from .common.plotting import save_figure
-from .common.recall_models import CORE_KINDS, build_core_model
+from .common.recall_models import build_core_model
 from .common.recall_sweep import CorePreset, CoreRunConfig, add_command, print_summary_table, run_command, run_sweep
 
 PAPER_BUDGET = "2,500 steps, batch 256, 3 seeds"
@@ -129,12 +129,6 @@ def run(config: CrowdingConfig) -> dict:
     return run_sweep("crowding", config, build_model=lambda kind: build_model(kind, preset),
                      sampler=sampler(preset, projection), evaluation=final_evaluation(preset, projection),
                      curves=CURVES, plot=plot_crowding, paper_budget=PAPER_BUDGET)
-
-
-def run_crowding(preset: CrowdingPreset, models=CORE_KINDS, *, out_dir: str | None = None,
-                 progress: bool = True) -> dict:
-    """``run(CrowdingConfig(preset, models, out_dir, progress))``."""
-    return run(CrowdingConfig(preset=preset, models=models, out=out_dir, progress=progress))
 
 
 def plot_crowding(record: dict, path: str) -> None:

@@ -71,11 +71,6 @@ def run(config: DemoConfig) -> dict:
     }
 
 
-def run_demo(T: int = 512, D: int = 32, m: int = 32, H: int = 2, seed: int = 0) -> dict:
-    """``run(DemoConfig(T, D, m, H, seed))``."""
-    return run(DemoConfig(T=T, D=D, m=m, H=H, seed=seed))
-
-
 def config_from_args(args) -> DemoConfig:
     """The :class:`DemoConfig` that ``bayeslayer demo`` arguments name."""
     return DemoConfig(T=args.length, device=args.device)

@@ -624,14 +624,6 @@ class MQARConfig:
         return tuple(self.preset.base_widths) if self.task == "base" else (self.preset.width,)
 
 
-def run_mqar(task: str, preset: MQARPreset, mixers: Sequence[str] = DEFAULT_MIXERS, *,
-             out_dir: str | None = None, progress: bool = True, log=print,
-             device: torch.device | str = "cpu") -> dict:
-    """``run(MQARConfig(task, preset, mixers, out_dir, device, progress), log=log)``."""
-    return run(MQARConfig(task=task, preset=preset, mixers=mixers, out=out_dir, device=device, progress=progress),
-               log=log)
-
-
 def run(config: MQARConfig, *, log=print) -> dict:
     """Train and test every mixer of ``config`` on its task; returns (and, with ``config.out``, writes) the
     record of ``<stem>.json`` (:func:`results_stem`); ``log`` prints the progress lines.
@@ -910,5 +902,5 @@ __all__ = [
     "DEFAULT_MIXERS", "GATES", "LAYOUTS", "MIXER_VARIANTS", "PRESETS", "TASK_NAMES", "BaseConv", "MQARConfig",
     "MQARModel", "MQARModelConfig", "MQARPreset", "build_model", "epoch_sampler", "format_table", "gate_kwargs",
     "known_mixers", "mixer_kwargs", "model_config", "plot_mqar", "query_counts", "resolve_mixer", "results_stem",
-    "config_from_args", "run", "run_mqar", "sweep_points", "train_tasks",
+    "config_from_args", "run", "sweep_points", "train_tasks",
 ]

@@ -37,7 +37,7 @@ import torch.nn as nn
 from ..data.collision_tasks import collision_recall_batch
 from .common.harness import masked_cross_entropy, query_accuracy
 from .common.plotting import save_figure
-from .common.recall_models import CORE_KINDS, build_core_model
+from .common.recall_models import build_core_model
 from .common.recall_sweep import CorePreset, CoreRunConfig, add_command, print_summary_table, run_command, run_sweep
 
 PAPER_BUDGET = "2,500 steps, batch 256, 3 seeds"
@@ -198,12 +198,6 @@ def run(config: RecallConfig) -> dict:
     return run_sweep("recall", config, build_model=lambda kind: build_model(kind, preset), sampler=sampler(preset),
                      evaluation=final_evaluation(preset), curves=CURVES, plot=plot_recall,
                      paper_budget=PAPER_BUDGET, evaluate=curve_evaluation(preset) if preset.curve_points else None)
-
-
-def run_recall(preset: RecallPreset, models=CORE_KINDS, *, out_dir: str | None = None,
-               progress: bool = True) -> dict:
-    """``run(RecallConfig(preset, models, out_dir, progress))``."""
-    return run(RecallConfig(preset=preset, models=models, out=out_dir, progress=progress))
 
 
 def plot_recall(record: dict, path: str) -> None:

@@ -120,7 +120,8 @@ def test_margin_is_two_p_minus_one_of_target_vs_distractor(monkeypatch):
 
 
 def test_run_recall_writes_json_and_plot(tmp_path):
-    record = recall.run_recall(TINY, ["delta", "linear_attention"], out_dir=str(tmp_path), progress=False)
+    record = recall.run(recall.RecallConfig(preset=TINY, models=["delta", "linear_attention"], out=str(tmp_path),
+                                            progress=False))
     data = json.loads((tmp_path / "recall.json").read_text())
     assert (tmp_path / "recall.png").stat().st_size > 1000
     assert data["experiment"] == "recall" and set(data["models"]) == {"delta", "linear_attention"}
@@ -134,12 +135,12 @@ def test_run_recall_writes_json_and_plot(tmp_path):
 
 
 def test_cli_plot_only_and_bad_arguments(tmp_path, capsys):
-    recall.run_recall(TINY, ["delta"], out_dir=str(tmp_path), progress=False)
+    recall.run(recall.RecallConfig(preset=TINY, models=["delta"], out=str(tmp_path), progress=False))
     (tmp_path / "recall.png").unlink()
     assert cli_main(["recall", "--plot-only", "--out", str(tmp_path)]) == 0
     assert (tmp_path / "recall.png").exists() and "margin vs ρ" in capsys.readouterr().out
     assert cli_main(["recall", "--steps", "0", "--out", str(tmp_path)]) == 2
     assert "--steps" in capsys.readouterr().err
     with pytest.raises(ValueError, match="models"):
-        recall.run_recall(TINY, ["mamba"], progress=False)
+        recall.run(recall.RecallConfig(preset=TINY, models=["mamba"], progress=False))
     assert cli_main(["recall", "--preset", "huge"]) == 2

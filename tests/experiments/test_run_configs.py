@@ -110,7 +110,6 @@ def test_demo_run():
     assert (record["T"], record["D"], record["m"], record["H"]) == (40, 4, 3, 1)
     assert record["max_abs_diff_output"] < 1e-10 and record["max_abs_diff_state"] < 1e-10
     assert 1.0 <= record["variance_min"] <= record["variance_max"]
-    assert demo.run_demo(T=40, D=4, m=3, H=1)["max_abs_diff_output"] == record["max_abs_diff_output"]
 
 
 # -- config checks ------------------------------------------------------------------------------------

@@ -50,24 +50,27 @@ def _seed_records(record: dict) -> dict:
 
 
 def mqar_numbers() -> dict:
-    from bayeslayer.experiments.mqar import PRESETS, run_mqar
+    from bayeslayer.experiments.mqar import PRESETS, MQARConfig, run
 
-    record = run_mqar("update", PRESETS["tiny"], ["bayesian", "gated_deltanet_noconv"], progress=False,
-                      log=lambda *_: None)
+    record = run(MQARConfig(task="update", preset=PRESETS["tiny"], mixers=["bayesian", "gated_deltanet_noconv"],
+                            progress=False),
+                 log=lambda *_: None)
     return numbers(_seed_records(record))
 
 
 def recall_numbers() -> dict:
     from bayeslayer.experiments import recall
 
-    record = recall.run_recall(recall.PRESETS["tiny"], ["delta", "linear_attention"], progress=False)
+    record = recall.run(recall.RecallConfig(preset=recall.PRESETS["tiny"], models=["delta", "linear_attention"],
+                                            progress=False))
     return numbers(_seed_records(record))
 
 
 def crowding_numbers() -> dict:
     from bayeslayer.experiments import crowding
 
-    record = crowding.run_crowding(crowding.PRESETS["tiny"], ["delta", "gla"], progress=False)
+    record = crowding.run(crowding.CrowdingConfig(preset=crowding.PRESETS["tiny"], models=["delta", "gla"],
+                                                  progress=False))
     return numbers(_seed_records(record))
 
 
