@@ -48,7 +48,6 @@ from ..data.niah import (
 from ..errors import UsageError
 from ..training.files import atomic_write_text, read_json
 from ..training.lock import OutputLock
-from .common.lengths import PAPER_LENGTHS, length_label
 from .common.options import (
     DEVICE_HELP,
     PLOT_ONLY_HELP,
@@ -64,7 +63,7 @@ from .common.options import (
     redrawing,
     resolve_device,
 )
-from .common.plotting import save_figure
+from .common.plotting import PAPER_LENGTHS, length_label, save_figure
 from .common.provenance import write_record
 from .common.threads import TORCH_DEFAULT, add_threads_option
 
