@@ -142,7 +142,7 @@ def main() -> None:
             f"{r['bytes_received']} | {r['bytes_backward']} |"
         )
     if a.json is not None:
-        from bayeslayer.experiments.provenance import write_record
+        from bayeslayer.experiments.common.provenance import write_record
 
         record = dict(config=dict(vars(a), json=str(a.json)), cores=os.cpu_count(), torch=torch.__version__, rows=rows)
         write_record(a.json, record)

@@ -1198,7 +1198,7 @@ def _save(path: Path, rows: list[dict]) -> None:
         pass
     if torch.cuda.is_available():
         meta["device"] = torch.cuda.get_device_name()
-    from bayeslayer.experiments.provenance import write_record
+    from bayeslayer.experiments.common.provenance import write_record
 
     write_record(path, {"meta": meta, "rows": rows}, device=meta.get("device", "cpu"))
 

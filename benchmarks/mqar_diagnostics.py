@@ -36,8 +36,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bayeslayer.data.mqar import MQARTask, make_pool  # noqa: E402
 from bayeslayer.experiments.harness import masked_cross_entropy, seed_everything  # noqa: E402
+from bayeslayer.experiments.provenance import write_record  # noqa: E402
+
+from bayeslayer.data.mqar import MQARTask, make_pool  # noqa: E402
 from bayeslayer.experiments.mqar import (  # noqa: E402
     PRESETS,
     MQARModel,
@@ -47,7 +49,6 @@ from bayeslayer.experiments.mqar import (  # noqa: E402
     train_config,
     train_tasks,
 )
-from bayeslayer.experiments.provenance import write_record  # noqa: E402
 from bayeslayer.training.loop import lr_lambda  # noqa: E402
 from bayeslayer.training.optim import DECAY_POLICY, param_groups  # noqa: E402
 

@@ -91,7 +91,7 @@ def main(argv=None) -> int:
             print(json.dumps(rec), flush=True)
             rows.append(rec)
     if args.out:
-        from bayeslayer.experiments.provenance import write_record
+        from bayeslayer.experiments.common.provenance import write_record
 
         write_record(args.out, dict(triton=triton.__version__, target="sm_90", rows=rows), device="cpu (compile only)")
     return 0 if all("error" not in r for r in rows) else 1

@@ -228,7 +228,7 @@ def main(argv=None) -> int:
             print(f"{regime:8s} {name:34s} beta {row['beta']:.1e}   P_T {row['P_T']:.1e}", flush=True)
         print(f"  ({time.time() - t0:.0f} s)", flush=True)
     if args.out:
-        from bayeslayer.experiments.provenance import write_record
+        from bayeslayer.experiments.common.provenance import write_record
 
         write_record(args.out, dict(H=H, T=T, D=D, C=C, segment_chunks=args.segment_chunks, rows=rows), seeds=[0])
     return 0

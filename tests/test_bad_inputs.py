@@ -417,7 +417,7 @@ API_CASES = [
     Api("damaged JSON file", "plotting.load_json(damaged)",
         lambda p: _plotting().load_json(Path(p["corrupt"]) / "niah.json"), "corrupt/niah.json is damaged"),
     Api("damaged JSON file", "load_run(final/lm_config.json damaged)",
-        lambda p: __import__("bayeslayer.experiments.lm", fromlist=["x"]).load_run(p["bad_run"]),
+        lambda p: __import__("bayeslayer.experiments.common.lm_run", fromlist=["x"]).load_run(p["bad_run"]),
         "lm_config.json is damaged", slow=True),
     Api("JSON of the wrong shape", "niah.redraw({})", lambda p: _niah().redraw(p["shapeless"]), "no key 'models'"),
     Api("JSON of the wrong shape", "niah.redraw(models: 3)", lambda p: _niah().redraw(p["mistyped"]),
@@ -427,7 +427,7 @@ API_CASES = [
         after=_no_name_written),
     Api("a --name that leaves --out", "HeldoutConfig(name='/tmp/x')",
         lambda p: _heldout().HeldoutConfig(models=[], name="/tmp/x"), "plain file name"),
-    Api("a model folder with code", "niah.load_model(auto_map + .py)", lambda p: _niah().load_model(p["evil"]),
+    Api("a model folder with code", "load_model(auto_map + .py)", lambda p: _pretrained().load_model(p["evil"]),
         _every("asks to run Python code", "trust_remote_code"), after=_evil_code_not_run),
     Api("a split that does not exist", "load_essays(split='nosuch')",
         lambda p: __import__("bayeslayer.data.niah", fromlist=["x"]).load_essays(p["corpus"], "nosuch"),
@@ -437,8 +437,8 @@ API_CASES = [
       for name, kind, load in (
           ("BayesLayerForCausalLM.from_pretrained", "model",
            lambda path: __import__("bayeslayer.models", fromlist=["x"]).BayesLayerForCausalLM.from_pretrained(path)),
-          ("lm.load_run", "run", lambda path: _lm().load_run(path)),
-          ("niah.load_model", "model", lambda path: _niah().load_model(path)))],
+          ("lm.load_run", "run", lambda path: _lm_run().load_run(path)),
+          ("models.pretrained.load_model", "model", lambda path: _pretrained().load_model(path)))],
     *[_damaged_api("load_gdn_checkpoint", "gdn", lambda path: __import__("bayeslayer.models", fromlist=["x"])
                    .load_gdn_checkpoint(path), damage, needle)
       for damage, (_, needle) in GDN_DAMAGES.items()],
@@ -449,6 +449,12 @@ def _lm():
     from bayeslayer.experiments import lm
 
     return lm
+
+
+def _lm_run():
+    from bayeslayer.experiments.common import lm_run
+
+    return lm_run
 
 
 def _heldout():
@@ -476,7 +482,7 @@ def _state_budget():
 
 
 def _plotting():
-    from bayeslayer.experiments import plotting
+    from bayeslayer.experiments.common import plotting
 
     return plotting
 
@@ -485,6 +491,12 @@ def _niah():
     from bayeslayer.experiments import niah
 
     return niah
+
+
+def _pretrained():
+    from bayeslayer.models import pretrained
+
+    return pretrained
 
 
 def imported_cases() -> list[Cli | Api]:

@@ -17,7 +17,7 @@ import torch
 
 from bayeslayer import cli
 from bayeslayer.cli import main
-from bayeslayer.experiments.threads import SMALL, TORCH_DEFAULT, apply_threads, resolve_threads
+from bayeslayer.experiments.common.threads import SMALL, TORCH_DEFAULT, apply_threads, resolve_threads
 
 NO_GPU = not torch.cuda.is_available()
 
@@ -172,7 +172,7 @@ def test_threads_are_applied_and_checked(capsys):
     before = torch.get_num_threads()
     try:
         assert apply_threads(parse(["collision", "--threads", "1"])) == 1 == torch.get_num_threads()
-        from bayeslayer.experiments import threads as threads_mod
+        from bayeslayer.experiments.common import threads as threads_mod
 
         # --threads 0: PyTorch's own default, as it was when the package was imported (an earlier command in
         # this process may have changed the current count)

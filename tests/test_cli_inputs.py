@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from bayeslayer.errors import UsageError
-from bayeslayer.experiments import cli_checks
-from bayeslayer.experiments.cli_checks import check_out_dir, check_out_file, resolve_device
+from bayeslayer.experiments.common import options
+from bayeslayer.experiments.common.options import check_out_dir, check_out_file, resolve_device
 
 # ----------------------------------------------------------------------------- --device
 
@@ -33,14 +33,14 @@ def test_cuda_gets_an_index(monkeypatch):
 
 
 def test_init_distributed_sets_an_indexed_device(monkeypatch):
-    from bayeslayer.experiments import lm
+    from bayeslayer.experiments.common import lm_run
 
     _fake_gpus(monkeypatch, 1)
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     chosen = []
     monkeypatch.setattr(torch.cuda, "set_device", lambda dev: chosen.append(dev))
-    ctx = lm.init_distributed("cuda")
+    ctx = lm_run.init_distributed("cuda")
     assert ctx.device == torch.device("cuda", 0) and chosen == [torch.device("cuda", 0)]
 
 
@@ -89,7 +89,7 @@ def test_out_in_a_read_only_folder(tmp_path):
 
 def test_read_only_folder_via_access(tmp_path, monkeypatch):
     """The same check on any account: os.access says the folder may not be written."""
-    monkeypatch.setattr(cli_checks.os, "access", lambda path, mode: False)
+    monkeypatch.setattr(options.os, "access", lambda path, mode: False)
     with pytest.raises(UsageError, match="the folder is not writable"):
         check_out_dir(tmp_path)
     with pytest.raises(UsageError, match="is not writable"):
@@ -205,7 +205,7 @@ def test_checkpoint_path_helpers_name_their_argument(bad):
 
 
 def test_check_memory_refuses_what_cannot_fit(monkeypatch, tmp_path):
-    from bayeslayer.experiments.cli_checks import check_memory, memory_size
+    from bayeslayer.experiments.common.options import check_memory, memory_size
 
     assert memory_size() > 2**20
     check_memory(1024, what="a small batch")
@@ -213,7 +213,7 @@ def test_check_memory_refuses_what_cannot_fit(monkeypatch, tmp_path):
         check_memory(1e15, what="--T 9")
     limit = tmp_path / "memory.max"  # a container's limit below the machine's memory counts
     limit.write_text("1000000\n")
-    monkeypatch.setattr(cli_checks, "_CGROUP_LIMITS", (str(limit),))
+    monkeypatch.setattr(options, "_CGROUP_LIMITS", (str(limit),))
     assert memory_size() == 1_000_000
     limit.write_text("max\n")  # no limit
     assert memory_size() > 1_000_000
@@ -223,7 +223,7 @@ def test_integer_arguments_are_bounded_to_int64():
     import argparse
 
     from bayeslayer.checks import INT_MAX
-    from bayeslayer.experiments.cli_checks import int_arg, positive_int_arg
+    from bayeslayer.experiments.common.options import int_arg, positive_int_arg
 
     assert positive_int_arg(str(INT_MAX)) == INT_MAX and int_arg("-5") == -5
     for text, conv in ((str(INT_MAX + 1), positive_int_arg), ("99999999999999999999", int_arg),

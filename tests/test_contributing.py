@@ -70,8 +70,8 @@ def test_every_recipe_marker_has_one_block():
 
 
 def test_mixer_recipe(restore_registries, monkeypatch):
-    from bayeslayer.experiments.state_budget import mixer_design
     from bayeslayer.layers import MIXER_LABELS, MIXERS, build_mixer
+    from bayeslayer.models.state_budget import mixer_design
     from bayeslayer.training.optim import decay_split, param_groups
 
     mod = exec_recipe("mixer")
@@ -118,7 +118,8 @@ def test_mixer_recipe(restore_registries, monkeypatch):
 
     # MQAR sizes it by the state budget once the name is in BUDGET_MIXERS, and the built layer carries
     # exactly the state the solver counted with the design's state_size (build_model checks that)
-    from bayeslayer.experiments import mqar, state_budget
+    from bayeslayer.experiments import mqar
+    from bayeslayer.models import state_budget
 
     assert mixer_design("fixed_decay_deltanet") is cls.design
     budget = (*state_budget.BUDGET_MIXERS, "fixed_decay_deltanet")
@@ -183,7 +184,7 @@ def test_design_recipe(restore_registries):
 
 def test_experiment_recipe(restore_registries, tmp_path, monkeypatch):
     from bayeslayer import cli
-    from bayeslayer.experiments import harness
+    from bayeslayer.experiments.common import harness
     from bayeslayer.training.loop import TrainConfig, train_loop
 
     mod = exec_recipe("experiment")

@@ -25,7 +25,7 @@ def test_the_walker_covers_the_whole_package():
                 "training", "evaluation"):
         assert f"bayeslayer.{sub}" in graph
     # lazy imports are edges: state_budget's command line imports the harness inside a function
-    assert "bayeslayer.experiments.harness" in graph["bayeslayer.experiments.state_budget"]
+    assert "bayeslayer.experiments.common.harness" in graph["bayeslayer.experiments.state_budget"]
     # parent-package edges: the dispatch imports ops.bayesian_layer.chunk, so ops/bayesian_layer/__init__ runs
     assert "bayeslayer.ops.bayesian_layer" in graph["bayeslayer.ops.backend"]
     # ... but not to a package above the importer, which Python has imported before the importer runs

@@ -82,10 +82,10 @@ from ..design import (
     lowrank_diagonal,
 )
 from ..ops import FilterOutput
-from .cli_checks import PLOT_ONLY_HELP, check_int, check_out_dir, plot_only_json, redrawing
-from .plotting import RefLine, Series, line_plot, load_json
-from .provenance import write_record
-from .threads import SMALL, add_threads_option
+from .common.options import PLOT_ONLY_HELP, check_int, check_out_dir, plot_only_json, redrawing
+from .common.plotting import RefLine, Series, line_plot, load_json
+from .common.provenance import write_record
+from .common.threads import SMALL, add_threads_option
 
 # -- the paper's protocol (docs/theory.md §8.1) -------------------------------------------------------------
 PAPER_CONFIG = {"D": 16, "m": 6, "rho": 0.92, "p0": 3.0, "r2": 0.05, "ell2": 0.05}

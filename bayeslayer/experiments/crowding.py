@@ -9,7 +9,7 @@ past capacity at ``n/D ∈ {6, 8, 12, 16}`` (and, for reference, at the training
 ``n/D ∈ {1, 2, 3, 4}``).  Metrics: query cross-entropy (nats) and accuracy vs ``n/D``.
 
 Models: BL and the Delta-, LA- and GLA-style recurrent cores with the address as
-key and query (:mod:`bayeslayer.experiments.core_models`).  Writes
+key and query (:mod:`bayeslayer.experiments.common.recall_models`).  Writes
 ``<out>/crowding.json`` and ``<out>/crowding.png`` drawn from it.
 
 Python: ``run(CrowdingConfig(preset=PRESETS["tiny"], models=("delta",), out=None)) -> record``.
@@ -24,10 +24,10 @@ import torch
 import torch.nn as nn
 
 from ..data.collision_tasks import crowding_batch, crowding_projection
-from .core_cli import CorePreset, CoreRunConfig, add_command, print_summary_table, run_command, run_sweep
-from .core_models import CORE_KINDS, build_core_model
-from .harness import masked_cross_entropy, query_accuracy
-from .plotting import save_figure
+from .common.harness import masked_cross_entropy, query_accuracy
+from .common.plotting import save_figure
+from .common.recall_models import build_core_model
+from .common.recall_sweep import CorePreset, CoreRunConfig, add_command, print_summary_table, run_command, run_sweep
 
 PAPER_BUDGET = "2,500 steps, batch 256, 3 seeds"
 
@@ -38,7 +38,7 @@ class CrowdingPreset(CorePreset):
     §8.2's optimiser budget.
 
     The first fields (name, steps, batch size, seeds, ``eval_sequences``, the optimiser's) and the
-    training config are :class:`~bayeslayer.experiments.core_cli.CorePreset`'s (no learning curves).
+    training config are :class:`~bayeslayer.experiments.common.recall_sweep.CorePreset`'s (no learning curves).
     """
 
     address_dim: int = 16
@@ -112,7 +112,7 @@ CURVES = ("cross_entropy_vs_load", "accuracy_vs_load")
 class CrowdingConfig(CoreRunConfig):
     """One crowding run: ``preset`` (a :class:`CrowdingPreset`; default ``PRESETS["default"]``), ``models``,
     ``out`` (``None``: write nothing), ``progress``, ``checkpoint_every``; checked as
-    :class:`~bayeslayer.experiments.core_cli.CoreRunConfig`."""
+    :class:`~bayeslayer.experiments.common.recall_sweep.CoreRunConfig`."""
 
     preset_type: ClassVar[type] = CrowdingPreset
 
@@ -129,12 +129,6 @@ def run(config: CrowdingConfig) -> dict:
     return run_sweep("crowding", config, build_model=lambda kind: build_model(kind, preset),
                      sampler=sampler(preset, projection), evaluation=final_evaluation(preset, projection),
                      curves=CURVES, plot=plot_crowding, paper_budget=PAPER_BUDGET)
-
-
-def run_crowding(preset: CrowdingPreset, models=CORE_KINDS, *, out_dir: str | None = None,
-                 progress: bool = True) -> dict:
-    """``run(CrowdingConfig(preset, models, out_dir, progress))``."""
-    return run(CrowdingConfig(preset=preset, models=models, out=out_dir, progress=progress))
 
 
 def plot_crowding(record: dict, path: str) -> None:

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from ..ops import bl_chunk, bl_recurrent
-from .cli_checks import DEVICE_HELP, check_int, check_memory, device_arg, positive_int_arg, resolve_device
-from .threads import SMALL, add_threads_option
+from .common.options import DEVICE_HELP, check_int, check_memory, device_arg, positive_int_arg, resolve_device
+from .common.threads import SMALL, add_threads_option
 
 
 @dataclass(frozen=True)
@@ -69,11 +69,6 @@ def run(config: DemoConfig) -> dict:
         "recurrent_s": t1 - t0, "chunk_s": t2 - t1,
         "variance_min": var_c.min().item(), "variance_max": var_c.max().item(),
     }
-
-
-def run_demo(T: int = 512, D: int = 32, m: int = 32, H: int = 2, seed: int = 0) -> dict:
-    """``run(DemoConfig(T, D, m, H, seed))``."""
-    return run(DemoConfig(T=T, D=D, m=m, H=H, seed=seed))
 
 
 def config_from_args(args) -> DemoConfig:

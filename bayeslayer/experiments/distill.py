@@ -5,14 +5,14 @@ The teacher is a Gated DeltaNet language model (a flash-linear-attention checkpo
 with ``gated_deltanet`` mixers, e.g. the ``final/`` of ``bayeslayer lm train --mixer
 gated_deltanet``).  The student is the teacher with layers ``L`` (default {5, 11, 17, 23})
 swapped for Bayesian Layers by :func:`bayeslayer.models.replace_layers`, which copies every
-projection the two layers share.  Three runs, each an ordinary :func:`~bayeslayer.experiments.lm.train_lm`
+projection the two layers share.  Three runs, each an ordinary :func:`~bayeslayer.experiments.common.lm_run.train_lm`
 run (same loop, checkpoints, exact resume, JSON log, ``torchrun``) with its own
-:class:`~bayeslayer.experiments.lm.Objective`:
+:class:`~bayeslayer.experiments.common.lm_run.Objective`:
 
 ``phase_a``  layer matching, all replaced layers at once.  The teacher runs on the batch; each
              student mixer gets the teacher's input to that layer and must reproduce the teacher
              mixer's output: ``loss = mean_l [NMSE_l + 0.05 (1 − cos_l)]``
-             (:func:`~bayeslayer.experiments.distill_losses.layer_matching_loss`).  Trainable:
+             (:func:`~bayeslayer.training.distillation.layer_matching_loss`).  Trainable:
              the replaced mixers (BL recurrence, old and new projections, output gate).
 ``phase_b``  joint training from ``phase_a/final``: ``w_kl · KL(p_teacher ‖ p_student) + w_mse ·
              mean_l NMSE_l`` on full forward passes, ``(w_kl, w_mse) = (0.8, 0.2)`` for the first
@@ -63,18 +63,7 @@ from torch import nn
 from ..errors import UsageError
 from ..files import read_json, sha256_file
 from ..training import OutputLock
-from .cli_checks import (
-    DEVICE_HELP,
-    cache_dir_arg,
-    check_in_dir,
-    check_int,
-    check_out_dir,
-    check_source,
-    check_tokenizer,
-    device_arg,
-    positive_int_arg,
-)
-from .distill_losses import (
+from ..training.distillation import (
     COSINE_WEIGHT,
     MLP_LR_SCALE,
     PAPER_LAYERS,
@@ -87,19 +76,22 @@ from .distill_losses import (
     phase_b_weights,
     select_trainable,
 )
-from .lm import (
-    LM_TRAIN,
-    PRECISIONS,
-    LMConfig,
-    LMDataConfig,
-    LMModelConfig,
-    NextTokenTrainee,
-    Objective,
-    load_model_weights,
+from ..training.distributed import PRECISIONS
+from .common.lm_config import LM_TRAIN, LMConfig, LMDataConfig, LMModelConfig
+from .common.lm_run import NextTokenTrainee, Objective, train_lm
+from .common.options import (
+    DEVICE_HELP,
+    cache_dir_arg,
+    check_in_dir,
+    check_int,
+    check_out_dir,
+    check_source,
+    check_tokenizer,
+    device_arg,
     parse_json_object,
-    train_lm,
+    positive_int_arg,
 )
-from .threads import TORCH_DEFAULT, add_threads_option
+from .common.threads import TORCH_DEFAULT, add_threads_option
 
 STAGES = ("phase_a", "phase_b", "gdn_ft")
 STAGE_LABELS = {"phase_a": "BL (Phase A)", "phase_b": "BL", "gdn_ft": "GDN-FT"}
@@ -246,7 +238,7 @@ def load_teacher(directory: str | os.PathLike, *, device: str | torch.device = "
     directories (``model_type: bayeslayer``).
     """
     from ..models import BayesLayerForCausalLM
-    from .niah import load_model
+    from ..models.pretrained import load_model
 
     model = load_model(directory, device=str(device), dtype=torch.float32)
     if not isinstance(model, BayesLayerForCausalLM):
@@ -316,7 +308,7 @@ class LayerMatchTrainee(_WithTeacher):
 
 class JointTrainee(_WithTeacher):
     """Phase B: ``w_kl · τ² KL(p_teacher ‖ p_student) + w_mse · mean_l NMSE_l`` on full forward passes;
-    the weights follow :func:`~bayeslayer.experiments.distill_losses.phase_b_weights`."""
+    the weights follow :func:`~bayeslayer.training.distillation.phase_b_weights`."""
 
     def __init__(self, student, teacher, layers, switch_step: int, temperature: float = 1.0) -> None:
         super().__init__(student, teacher, layers)
@@ -385,6 +377,8 @@ class RetrofitObjective(Objective):
             model = copy.deepcopy(teacher)
             replace_layers(model, self.config.layers, "bayesian", **self.config.mixer_kwargs)
             if self.init_dir is not None:
+                from ..models.loading import load_model_weights
+
                 load_model_weights(model, Path(self.init_dir))
         _no_dropout(model)
         self.selection = select_trainable(model, self.config.layers, lr=config.lr, mlp_parts=self.mlp_parts,
@@ -538,7 +532,7 @@ def _final_intact(final: Path) -> bool:
 def _write_report(path: Path, report: dict) -> None:
     if int(os.environ.get("RANK", "0")) == 0:
         from ..training.optim import DECAY_POLICY
-        from .provenance import write_record
+        from .common.provenance import write_record
 
         stages = [s for s in report["stages"].values() if "train_seconds" in s]
         devices = {str(s.get("device", "cpu")) for s in stages} or {"cpu"}
@@ -567,36 +561,35 @@ def eval_models(out: str | os.PathLike) -> list[tuple[str, str]]:
     return models
 
 
-def run_eval(args: argparse.Namespace) -> dict:
-    """``bayeslayer distill eval``: NIAH (Table 6 layout + heatmaps) and held-out PPL (Table 7 layout).
+def eval_plan(args: argparse.Namespace) -> dict[str, dict]:
+    """What ``bayeslayer distill eval`` runs: ``{"niah": fields of a NiahConfig, "heldout": fields of a
+    HeldoutConfig}`` (each present unless skipped) for the models of the distillation in ``--out``.
 
-    Calls :func:`bayeslayer.experiments.niah.run` and :func:`bayeslayer.experiments.heldout.run` with
-    their configs; returns ``{"niah": ..., "heldout": ...}`` (each present unless skipped).
+    The command line (:mod:`bayeslayer.cli`) runs :mod:`~bayeslayer.experiments.niah` and
+    :mod:`~bayeslayer.experiments.heldout` with them: an experiment never imports another.
     """
-    from . import heldout, niah
-
     out = check_in_dir(args.out, option="--out", what="distillation folder")
     check_out_dir(out / "eval")
     report = read_json(out / "distill.json", what="the distillation report") if (out / "distill.json").is_file() else {}
     models = eval_models(out)
     labels = [label for label, _ in models]
     tokenizer = args.tokenizer or report.get("tokenizer")
-    results: dict = {}
+    plan: dict[str, dict] = {}
     if not args.skip_niah:
         optional = {"tasks": args.niah_tasks, "max_new_tokens": args.max_new_tokens}
-        results["niah"] = niah.run(niah.NiahConfig(
+        plan["niah"] = dict(
             models=models, out=str(out / "eval" / "niah"), tokenizer=tokenizer, lengths=args.niah_lengths,
             depths=args.niah_depths, samples_per_cell=args.samples_per_cell, seed=args.seed, haystack=args.haystack,
             device=args.device, quiet=args.quiet,
             diff=[("BL", other) for other in ("GDN-zero", "GDN-FT") if "BL" in labels and other in labels] or None,
-            **{k: v for k, v in optional.items() if v}))
+            **{k: v for k, v in optional.items() if v})
     if not args.skip_ppl:
-        results["heldout"] = heldout.run(heldout.HeldoutConfig(
+        plan["heldout"] = dict(
             models=models, sources=args.source or [report.get("config", {}).get("source", "python-docs")],
             lengths=args.ppl_lengths, split=args.split, reference="GDN-zero", tokenizer=tokenizer,
             windows="non-overlapping", max_windows=args.max_windows, device=args.device, cache_dir=args.cache_dir,
-            out=str(out / "eval" / "heldout")))
-    return results
+            out=str(out / "eval" / "heldout"))
+    return plan
 
 
 # --------------------------------------------------------------------------- command line
@@ -683,11 +676,6 @@ def _train_main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _eval_main(args: argparse.Namespace) -> int:
-    run_eval(args)
-    return 0
-
-
 def add_parser(sub) -> None:
     p = sub.add_parser("distill",
                        help="retrofit a pretrained Gated DeltaNet with Bayesian Layers (docs/theory.md §8.6)",
@@ -759,4 +747,4 @@ def add_parser(sub) -> None:
     e.add_argument("--skip-ppl", action="store_true")
     e.add_argument("--quiet", action="store_true", help="no per-cell progress lines")
     add_threads_option(e, TORCH_DEFAULT)
-    e.set_defaults(func=_eval_main)
+    # func: bayeslayer.cli runs niah and heldout on eval_plan(args)

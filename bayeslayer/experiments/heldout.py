@@ -57,10 +57,15 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..data.text.sources import WIKITEXT_103
 from ..errors import UsageError
 from ..files import atomic_write_text, read_json
+from ..training.distributed import PRECISIONS, DistContext, resolve_precision
 from ..training.lock import OutputLock
-from .cli_checks import (
+from .common.harness import results_record, write_json
+from .common.lm_config import LMConfig
+from .common.lm_run import init_distributed, load_corpus
+from .common.options import (
     DEVICE_HELP,
     PLOT_ONLY_HELP,
     cache_dir_arg,
@@ -74,21 +79,9 @@ from .cli_checks import (
     positive_int_arg,
     redrawing,
 )
-from .harness import results_record, write_json
-from .lengths import PAPER_LENGTHS, length_label
-from .lm import (
-    PRECISIONS,
-    WIKITEXT_103,
-    DistContext,
-    LMConfig,
-    grouped_perplexity,
-    init_distributed,
-    load_corpus,
-    resolve_precision,
-)
-from .plotting import load_json, save_figure
-from .provenance import write_record
-from .threads import TORCH_DEFAULT, add_threads_option
+from .common.plotting import PAPER_LENGTHS, length_label, load_json, save_figure
+from .common.provenance import write_record
+from .common.threads import TORCH_DEFAULT, add_threads_option
 
 SINGLE_PROCESS = DistContext()
 WINDOW_MODES = ("non-overlapping", "sliding")
@@ -170,7 +163,7 @@ def heldout_perplexity(model: torch.nn.Module, windows: np.ndarray, *, batch_siz
     ``x_{i,t} | x_{i,<t}`` (``t = 1 … L−1``) all count.  ``scored [N, L−1]`` (boolean) keeps only
     some of them (the sliding rule of :func:`window_plan`).  ``max_windows`` keeps the first
     ``max_windows`` windows.  Sums are float64; windows are shared out across ranks and the sums
-    all-reduced by :func:`bayeslayer.experiments.lm.grouped_perplexity`, so every rank returns the
+    all-reduced by :func:`bayeslayer.evaluation.perplexity.grouped_perplexity`, so every rank returns the
     same numbers.
 
     Returns ``{"ppl", "mean_ce", "n_tokens", "windows"}``.
@@ -190,6 +183,8 @@ def heldout_perplexity(model: torch.nn.Module, windows: np.ndarray, *, batch_siz
                          f"{getattr(scored, 'dtype', type(scored))} {getattr(scored, 'shape', '')}")
     if max_windows is not None:
         windows, scored = windows[:max_windows], scored[:max_windows]
+    from ..evaluation.perplexity import grouped_perplexity
+
     result = grouped_perplexity(model, windows, {"scored": scored}, batch_size=batch_size, ctx=ctx,
                                 precision=precision)["scored"]
     if not result["n_tokens"]:
@@ -305,10 +300,10 @@ class HeldoutModel:
     def load(self, device: torch.device | str = "cpu") -> torch.nn.Module:
         """The model in eval mode on ``device`` (fp32 weights; autocast chooses the compute dtype)."""
         if self.kind == "lm-run":
-            from .lm import load_run
+            from .common.lm_run import load_run
 
             return load_run(self.path, device=device)[1]
-        from .niah import load_model
+        from ..models.pretrained import load_model
 
         return load_model(self.model_dir, device=device, dtype=torch.float32).eval()
 
@@ -338,7 +333,7 @@ def resolve_model(label: str, path: str | os.PathLike, *, tokenizer=None, cache_
     Tokenizer, first found: ``tokenizer`` (a ``tokenizer.json`` or a directory holding one);
     ``tokenizer.json`` in the model directory (for a run directory: ``final/``, then the run
     directory); for an ``lm`` run, the run's own tokenizer (``LMConfig.tokenizer``, else the BPE
-    trained on its corpus, via :func:`bayeslayer.experiments.lm.load_corpus`).  None of these is
+    trained on its corpus, via :func:`bayeslayer.experiments.common.lm_run.load_corpus`).  None of these is
     a ``ValueError`` that says to pass one.
     """
     from ..data.text import load_tokenizer
@@ -406,57 +401,46 @@ def _read_cell(path: Path, key: dict) -> dict | None:
     return cached.get("result")
 
 
-def evaluate_heldout(
-    models: Sequence[tuple[str, str | os.PathLike]],
-    sources: Sequence[str | HeldoutSource],
-    lengths: Sequence[int] = PAPER_LENGTHS,
-    *,
-    split: str = "test",
-    reference: str | None = None,
-    tokenizer=None,
-    windows: str = "non-overlapping",
-    stride: int | None = None,
-    max_windows: int | None = None,
-    max_documents: int | Mapping[str, int] | None = None,
-    source_splits: Mapping[str, str] | None = None,
-    batch_size: int = 1,
-    device: str = "auto",
-    precision: str = "fp32",
-    cache_dir: str | os.PathLike | None = None,
-    progress: bool = True,
-) -> dict:
-    """Held-out PPL of every model on every source × length, and its change vs ``reference``.
+def _cell_key(spec: HeldoutModel, source: HeldoutSource, corpus: str, *, split: str, length: int, windows: str,
+              stride: int | None, max_windows: int | None, precision: str) -> dict:
+    """Everything one cell's number depends on: the key of its entry in the result cache."""
+    return {"format": CACHE_FORMAT, "weights_sha256": spec.weights_sha256, "tokenizer_sha256": spec.tokenizer_sha256,
+            "source": source.source, "corpus": corpus, "max_documents": source.max_documents, "split": split,
+            "length": length, "windows": windows, "stride": stride, "max_windows": max_windows,
+            "precision": precision}
 
-    Args:
-        models: ``(label, path)`` pairs; ``path`` is a model directory with ``config.json`` (a
-            flash-linear-attention Gated DeltaNet checkpoint or a Hugging Face causal LM, ours
-            included) or an ``lm train`` run directory (its ``final/`` is evaluated).
-        sources: corpora, ``"SOURCE"`` or ``"LABEL=SOURCE"`` (``python-docs``,
-            ``hf:<name>[:<config>]`` or a local path) or :class:`HeldoutSource`.
-        lengths: window lengths ``L >= 2``.
-        split: ``train``, ``validation`` or ``test``: the split of every source not in ``source_splits``.
-        reference: label of the model the relative change is against (default: the first).
-        tokenizer: one tokenizer for every model (default: see :func:`resolve_model`).
-        windows, stride: the window rule (module docstring).
-        max_windows: evaluate the first ``max_windows`` windows of each source × length.
-        max_documents: keep the first documents of the split (one cap, or per source label).
-        source_splits: per-source splits (source label or string → split), e.g. PG-19's validation.
-        batch_size, device, precision: forward passes of :func:`heldout_perplexity`.
-        cache_dir: token caches and the per-cell result cache (default ``$BAYESLAYER_CACHE``).
 
-    A length longer than a split's stream is a *recorded skip*: the cell holds
-    ``{"skipped": reason, "split_tokens": T}`` and the table shows "–".
+def _load_with_tokenizer(spec: HeldoutModel, device) -> torch.nn.Module:
+    """``spec``'s model on ``device``; a tokenizer with more ids than the model's vocabulary is refused."""
+    model = spec.load(device)
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if vocab is not None and spec.tokenizer.get_vocab_size(with_added_tokens=True) > vocab:
+        raise ValueError(
+            f"tokenizer ({spec.tokenizer_origin}) has "
+            f"{spec.tokenizer.get_vocab_size(with_added_tokens=True)} ids but model "
+            f"{spec.label} only {vocab}: it is not this model's tokenizer")
+    return model
 
-    Returns the results layout of :func:`bayeslayer.experiments.harness.results_record`:
-    ``models[label] = {"path", "kind", "tokenizer", "tokenizer_sha256", "weights_sha256",
-    "same_tokenizer_as_reference", "cells": {source_label: {str(L): cell}}}`` with
-    ``cell = {"ppl", "mean_ce", "n_tokens", "windows", "windows_available", "split_tokens",
-    "rel_change_pct"}`` (``rel_change_pct`` is ``None`` for the reference and where either cell
-    is skipped), and ``target`` = :data:`PAPER_TABLE7`.
-    """
-    from ..data.text import SPLITS, default_cache_dir
 
-    # ---- every argument checked before anything is loaded
+def _add_relative_changes(out_models: dict[str, dict], reference: str) -> None:
+    """Each cell's ``rel_change_pct`` against the reference model's cell (``None`` for the reference itself and
+    where either cell is skipped), and each model's ``same_tokenizer_as_reference``."""
+    ref = out_models[reference]
+    for m in out_models.values():
+        m["same_tokenizer_as_reference"] = m["tokenizer_sha256"] == ref["tokenizer_sha256"]
+        for source_label, row in m["cells"].items():
+            for L, cell in row.items():
+                ref_cell = ref["cells"][source_label][L]
+                both = "ppl" in cell and "ppl" in ref_cell and m is not ref
+                cell["rel_change_pct"] = relative_change(cell["ppl"], ref_cell["ppl"]) if both else None
+
+
+def _checked_arguments(models, sources, lengths, split, reference, windows, stride, max_windows, max_documents,
+                       source_splits, batch_size, precision) -> dict:
+    """:func:`evaluate_heldout`'s arguments, every one checked (its name in the error) before anything loads;
+    the normalised values by name (``pairs``, ``labels``, ``heldout_sources``, ``split_of``, ...)."""
+    from ..data.text import SPLITS
+
     if isinstance(models, (str, bytes)) or not isinstance(models, Sequence) or not models:
         raise ValueError(f"models must be a non-empty list of (label, path) pairs, got {models!r}")
     pairs = []
@@ -511,6 +495,66 @@ def evaluate_heldout(
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
 
+    return dict(pairs=pairs, reference=reference, heldout_sources=heldout_sources, lengths=lengths,
+                split_of=split_of, stride=stride, max_windows=max_windows, batch_size=batch_size)
+
+
+def evaluate_heldout(
+    models: Sequence[tuple[str, str | os.PathLike]],
+    sources: Sequence[str | HeldoutSource],
+    lengths: Sequence[int] = PAPER_LENGTHS,
+    *,
+    split: str = "test",
+    reference: str | None = None,
+    tokenizer=None,
+    windows: str = "non-overlapping",
+    stride: int | None = None,
+    max_windows: int | None = None,
+    max_documents: int | Mapping[str, int] | None = None,
+    source_splits: Mapping[str, str] | None = None,
+    batch_size: int = 1,
+    device: str = "auto",
+    precision: str = "fp32",
+    cache_dir: str | os.PathLike | None = None,
+    progress: bool = True,
+) -> dict:
+    """Held-out PPL of every model on every source × length, and its change vs ``reference``.
+
+    Args:
+        models: ``(label, path)`` pairs; ``path`` is a model directory with ``config.json`` (a
+            flash-linear-attention Gated DeltaNet checkpoint or a Hugging Face causal LM, ours
+            included) or an ``lm train`` run directory (its ``final/`` is evaluated).
+        sources: corpora, ``"SOURCE"`` or ``"LABEL=SOURCE"`` (``python-docs``,
+            ``hf:<name>[:<config>]`` or a local path) or :class:`HeldoutSource`.
+        lengths: window lengths ``L >= 2``.
+        split: ``train``, ``validation`` or ``test``: the split of every source not in ``source_splits``.
+        reference: label of the model the relative change is against (default: the first).
+        tokenizer: one tokenizer for every model (default: see :func:`resolve_model`).
+        windows, stride: the window rule (module docstring).
+        max_windows: evaluate the first ``max_windows`` windows of each source × length.
+        max_documents: keep the first documents of the split (one cap, or per source label).
+        source_splits: per-source splits (source label or string → split), e.g. PG-19's validation.
+        batch_size, device, precision: forward passes of :func:`heldout_perplexity`.
+        cache_dir: token caches and the per-cell result cache (default ``$BAYESLAYER_CACHE``).
+
+    A length longer than a split's stream is a *recorded skip*: the cell holds
+    ``{"skipped": reason, "split_tokens": T}`` and the table shows "–".
+
+    Returns the results layout of :func:`bayeslayer.experiments.common.harness.results_record`:
+    ``models[label] = {"path", "kind", "tokenizer", "tokenizer_sha256", "weights_sha256",
+    "same_tokenizer_as_reference", "cells": {source_label: {str(L): cell}}}`` with
+    ``cell = {"ppl", "mean_ce", "n_tokens", "windows", "windows_available", "split_tokens",
+    "rel_change_pct"}`` (``rel_change_pct`` is ``None`` for the reference and where either cell
+    is skipped), and ``target`` = :data:`PAPER_TABLE7`.
+    """
+    from ..data.text import default_cache_dir
+
+    args = _checked_arguments(models, sources, lengths, split, reference, windows, stride, max_windows,
+                              max_documents, source_splits, batch_size, precision)
+    pairs, reference, lengths = args["pairs"], args["reference"], args["lengths"]
+    heldout_sources, split_of = args["heldout_sources"], args["split_of"]
+    stride, max_windows, batch_size = args["stride"], args["max_windows"], args["batch_size"]
+
     ctx = init_distributed(device)
     dtype = resolve_precision(precision, ctx.device)
     resolved_precision = "fp32" if dtype is None else "bf16"
@@ -545,11 +589,9 @@ def evaluate_heldout(
         for source in heldout_sources:
             cells[source.label] = {}
             for L in lengths:
-                key = {"format": CACHE_FORMAT, "weights_sha256": spec.weights_sha256,
-                       "tokenizer_sha256": spec.tokenizer_sha256, "source": source.source,
-                       "corpus": files[source.label].fingerprint, "max_documents": source.max_documents,
-                       "split": split_of[source.label], "length": L, "windows": windows, "stride": stride,
-                       "max_windows": max_windows, "precision": resolved_precision}
+                key = _cell_key(spec, source, files[source.label].fingerprint, split=split_of[source.label],
+                                length=L, windows=windows, stride=stride, max_windows=max_windows,
+                                precision=resolved_precision)
                 path = _cell_path(cache_root, key)
                 cell = _read_cell(path, key)
                 ctx.barrier()  # every rank has looked before rank 0 may write: all agree on hit or miss
@@ -564,13 +606,7 @@ def evaluate_heldout(
                     else:
                         if model is None:
                             say(f"loading {spec.label} ({spec.kind}) from {spec.model_dir}")
-                            model = spec.load(ctx.device)
-                            vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-                            if vocab is not None and spec.tokenizer.get_vocab_size(with_added_tokens=True) > vocab:
-                                raise ValueError(
-                                    f"tokenizer ({spec.tokenizer_origin}) has "
-                                    f"{spec.tokenizer.get_vocab_size(with_added_tokens=True)} ids but model "
-                                    f"{spec.label} only {vocab}: it is not this model's tokenizer")
+                            model = _load_with_tokenizer(spec, ctx.device)
                         plan, scored = window_plan(tokens, L, windows=windows, stride=stride)
                         cell = heldout_perplexity(model, plan, batch_size=batch_size, ctx=ctx, precision=precision,
                                                   max_windows=max_windows, scored=scored)
@@ -588,14 +624,7 @@ def evaluate_heldout(
             "tokenizer_sha256": spec.tokenizer_sha256, "weights_sha256": spec.weights_sha256, "cells": cells}
         del model
 
-    ref = out_models[reference]
-    for m in out_models.values():
-        m["same_tokenizer_as_reference"] = m["tokenizer_sha256"] == ref["tokenizer_sha256"]
-        for source_label, row in m["cells"].items():
-            for L, cell in row.items():
-                ref_cell = ref["cells"][source_label][L]
-                both = "ppl" in cell and "ppl" in ref_cell and m is not ref
-                cell["rel_change_pct"] = relative_change(cell["ppl"], ref_cell["ppl"]) if both else None
+    _add_relative_changes(out_models, reference)
     config = {"split": split, "lengths": lengths, "windows": windows, "stride": stride, "max_windows": max_windows,
               "precision": precision, "resolved_precision": resolved_precision,
               "sources": [{"label": s.label, "source": s.source, "max_documents": s.max_documents,

@@ -40,13 +40,13 @@ Mixers are registry layers or their conv-free variants (:data:`MIXER_VARIANTS`: 
 without their own short convolution, like the registry's ``gated_deltanet_noconv``).
 
 Each mixer comes from the registry (:func:`bayeslayer.layers.build_mixer`) with its head
-configuration from the state-budget solver (:func:`~bayeslayer.experiments.state_budget.solve_state_budget`):
+configuration from the state-budget solver (:func:`~bayeslayer.models.state_budget.solve_state_budget`):
 every mixer carries the same recurrent-state floats per layer — the Bayesian Layer counts
 ``H·(D·m + D²)`` (mean and covariance), Gated DeltaNet widens its value dim to ``H·D·m``,
 Mamba-2 fills ``d_state``.  Mixers keep their layer defaults otherwise (BL: short convolution
 on, scalar decay; labels: :func:`mixer_label`).
 
-Training (the shared :func:`~bayeslayer.experiments.harness.train_lr_grid`): a fixed pool of
+Training (the shared :func:`~bayeslayer.experiments.common.harness.train_lr_grid`): a fixed pool of
 sequences (:func:`~bayeslayer.data.mqar.make_pool`) split 90/10 into train and validation,
 ``epochs`` passes over the training split in batches of one length, AdamW β = (0.9, 0.95),
 weight decay 0.1 on weights only (not on ``A_log``, ``dt_bias``, noise biases, norms or biases:
@@ -79,8 +79,10 @@ from ..checks import check_int
 from ..data.mqar import IGNORE_INDEX, MQARData, MQARDataset, MQARTask, make_pool
 from ..errors import UsageError
 from ..layers import MIXER_LABELS, MIXERS, QKVMixer, ShortConvolution, build_mixer
+from ..models.state_budget import BUDGET_MIXERS, HeadConfig, solve_state_budget
 from ..training.optim import DECAY_POLICY
-from .cli_checks import (
+from .common.harness import TrainConfig, results_record, summarize, train_lr_grid
+from .common.options import (
     DEVICE_HELP,
     PLOT_ONLY_HELP,
     check_out_dir,
@@ -91,11 +93,9 @@ from .cli_checks import (
     redrawing,
     resolve_device,
 )
-from .harness import TrainConfig, results_record, summarize, train_lr_grid
-from .plotting import RefLine, Series, line_plot, load_json
-from .provenance import write_record
-from .state_budget import BUDGET_MIXERS, HeadConfig, solve_state_budget
-from .threads import TORCH_DEFAULT, add_threads_option
+from .common.plotting import RefLine, Series, line_plot, load_json
+from .common.provenance import write_record
+from .common.threads import TORCH_DEFAULT, add_threads_option
 
 TASK_NAMES = ("base", "update", "block")
 DEFAULT_MIXERS = ("bayesian", "gated_deltanet", "gated_deltanet_noconv", "mamba2", "linear_attention")
@@ -623,14 +623,6 @@ class MQARConfig:
         return tuple(self.preset.base_widths) if self.task == "base" else (self.preset.width,)
 
 
-def run_mqar(task: str, preset: MQARPreset, mixers: Sequence[str] = DEFAULT_MIXERS, *,
-             out_dir: str | None = None, progress: bool = True, log=print,
-             device: torch.device | str = "cpu") -> dict:
-    """``run(MQARConfig(task, preset, mixers, out_dir, device, progress), log=log)``."""
-    return run(MQARConfig(task=task, preset=preset, mixers=mixers, out=out_dir, device=device, progress=progress),
-               log=log)
-
-
 def run(config: MQARConfig, *, log=print) -> dict:
     """Train and test every mixer of ``config`` on its task; returns (and, with ``config.out``, writes) the
     record of ``<stem>.json`` (:func:`results_stem`); ``log`` prints the progress lines.
@@ -908,5 +900,5 @@ __all__ = [
     "DEFAULT_MIXERS", "GATES", "LAYOUTS", "MIXER_VARIANTS", "PRESETS", "TASK_NAMES", "BaseConv", "MQARConfig",
     "MQARModel", "MQARModelConfig", "MQARPreset", "build_model", "epoch_sampler", "format_table", "gate_kwargs",
     "known_mixers", "mixer_kwargs", "model_config", "plot_mqar", "query_counts", "resolve_mixer", "results_stem",
-    "config_from_args", "run", "run_mqar", "sweep_points", "train_tasks",
+    "config_from_args", "run", "sweep_points", "train_tasks",
 ]

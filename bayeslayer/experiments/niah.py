@@ -48,7 +48,7 @@ from ..data.niah import (
 from ..errors import UsageError
 from ..files import atomic_write_text, read_json
 from ..training.lock import OutputLock
-from .cli_checks import (
+from .common.options import (
     DEVICE_HELP,
     PLOT_ONLY_HELP,
     check_in_dir,
@@ -63,10 +63,9 @@ from .cli_checks import (
     redrawing,
     resolve_device,
 )
-from .lengths import PAPER_LENGTHS, length_label
-from .plotting import save_figure
-from .provenance import write_record
-from .threads import TORCH_DEFAULT, add_threads_option
+from .common.plotting import PAPER_LENGTHS, length_label, save_figure
+from .common.provenance import write_record
+from .common.threads import TORCH_DEFAULT, add_threads_option
 
 #: The six tasks of the summary average.  The paper names niah_single_1, niah_single_2,
 #: niah_multivalue and niah_multiquery among its six and excludes CWE; of the other four
@@ -344,53 +343,6 @@ def draw(results: dict, out_dir: str | os.PathLike, diffs: Sequence[tuple[str, s
 # ----------------------------------------------------------------------------- models and CLI
 
 
-def load_model(path: str | os.PathLike, *, device: str = "cpu", dtype: torch.dtype = torch.float32,
-               trust_remote_code: bool = False):
-    """A causal LM from a directory: a flash-linear-attention Gated DeltaNet checkpoint
-    (``model_type: gated_deltanet``, read by :func:`~bayeslayer.models.load_gdn_checkpoint`)
-    or any ``AutoModelForCausalLM`` (``bayeslayer`` models are registered on import).
-
-    Loading is strict (:mod:`bayeslayer.models.loading`): a folder with a ``manifest.json`` is
-    verified, and missing, unexpected or mis-shaped tensors and NaN/Inf weights are one
-    ``ValueError`` naming the folder.  A config that asks to run code from the folder
-    (``auto_map`` of a model type this installation does not know) is refused unless
-    ``trust_remote_code=True`` — transformers is never left to ask on the terminal.
-    """
-    from huggingface_hub.errors import StrictDataclassError
-    from safetensors import SafetensorError
-    from transformers import AutoModelForCausalLM
-
-    from ..models import load_gdn_checkpoint
-    from ..models.loading import (
-        check_finite,
-        check_loading_info,
-        check_remote_code,
-        quiet_transformers,
-        read_model_config,
-        safetensors_error,
-        verify_model_dir,
-    )
-
-    path = Path(path)
-    verify_model_dir(path)
-    raw = read_model_config(path)
-    if raw.get("model_type") == "gated_deltanet":
-        return load_gdn_checkpoint(path, dtype=dtype, device=device)
-    check_remote_code(path, raw, trust_remote_code=trust_remote_code)
-    try:
-        with quiet_transformers():  # no "Loading weights" bar per model burying the evaluation's own lines
-            model, info = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
-                                                               ignore_mismatched_sizes=True, output_loading_info=True)
-    except SafetensorError as exc:
-        raise safetensors_error(path, exc) from exc
-    except (TypeError, KeyError, StrictDataclassError) as exc:  # a config transformers cannot build a model from
-        raise ValueError(f"cannot build a model from {path / 'config.json'} (model_type "
-                         f"{raw.get('model_type')!r}): {' '.join(str(exc).split())[:300]}") from exc
-    check_loading_info(path, info)
-    check_finite(model, path)
-    return model.to(device)
-
-
 def _parse_list(kind: type, text: str) -> list:
     try:
         return [kind(x) for x in text.split(",") if x.strip()]
@@ -518,6 +470,8 @@ def run(config: NiahConfig) -> dict:
     ``config.out``; return the results (what ``niah.json`` holds)."""
     if not isinstance(config, NiahConfig):
         raise TypeError(f"config must be a NiahConfig, got {type(config).__name__}")
+    from ..models.pretrained import load_model
+
     out = check_out_dir(config.out)
     check_config(config)
     tasks = list(config.tasks)
@@ -644,6 +598,6 @@ __all__ = [
     "DEFAULT_DEPTHS", "DEFAULT_MAX_NEW_TOKENS", "MIN_CELL_SAMPLES", "NEEDLE", "NOISE_PARAGRAPH", "PAPER_LENGTHS",
     "SEPARATORS", "SUMMARY_TASKS", "TASKS", "WORDS", "NiahConfig", "NiahGenerator", "NiahSample", "NiahTask",
     "NiahTokenizer", "check_config", "config_from_args", "depth_length_grid", "draw", "evaluate",
-    "generate_answers", "heatmap_difference", "length_bars", "load_model", "markdown_summary", "markdown_tasks",
+    "generate_answers", "heatmap_difference", "length_bars", "markdown_summary", "markdown_tasks",
     "prompt_template", "redraw", "ruler_prompt", "run", "score_prediction", "score_predictions", "summarize",
 ]

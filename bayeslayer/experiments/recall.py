@@ -3,7 +3,7 @@
 Each sequence holds 8 target/distractor address pairs with overlap ρ; targets are
 written ``n_b = 4`` times, then their distractors ``n_f`` times, then the targets
 are queried (:func:`bayeslayer.data.collision_tasks.collision_recall_batch`).
-Models are recurrent-core only (:mod:`bayeslayer.experiments.core_models`): BL and
+Models are recurrent-core only (:mod:`bayeslayer.experiments.common.recall_models`): BL and
 the Delta-, LA- and GLA-style cores, addresses fed directly as key and query.
 
 Training: ``n_f ∈ {1, 2, 4, 8}`` (one per batch), ``ρ ~ U[0.60, 0.80]`` per sequence.
@@ -35,10 +35,10 @@ import torch
 import torch.nn as nn
 
 from ..data.collision_tasks import collision_recall_batch
-from .core_cli import CorePreset, CoreRunConfig, add_command, print_summary_table, run_command, run_sweep
-from .core_models import CORE_KINDS, build_core_model
-from .harness import masked_cross_entropy, query_accuracy
-from .plotting import save_figure
+from .common.harness import masked_cross_entropy, query_accuracy
+from .common.plotting import save_figure
+from .common.recall_models import build_core_model
+from .common.recall_sweep import CorePreset, CoreRunConfig, add_command, print_summary_table, run_command, run_sweep
 
 PAPER_BUDGET = "2,500 steps, batch 256, 3 seeds"
 
@@ -48,7 +48,7 @@ class RecallPreset(CorePreset):
     """Everything a recall run depends on; ``paper`` is the paper's budget (docs/theory.md §8.2).
 
     The first fields (name, steps, batch size, seeds, ``eval_sequences`` — sequences per evaluation
-    point, 8 queries each — and the optimiser's) are :class:`~bayeslayer.experiments.core_cli.CorePreset`'s.
+    point, 8 queries each — and the optimiser's) are :class:`~bayeslayer.experiments.common.recall_sweep.CorePreset`'s.
     """
 
     n_b: int = 4
@@ -182,7 +182,7 @@ CURVES = ("accuracy_vs_n_f", "cross_entropy_vs_n_f", "margin_vs_n_f", "margin_vs
 class RecallConfig(CoreRunConfig):
     """One recall run: ``preset`` (a :class:`RecallPreset`; default ``PRESETS["default"]``), ``models``,
     ``out`` (``None``: write nothing), ``progress``, ``checkpoint_every``; checked as
-    :class:`~bayeslayer.experiments.core_cli.CoreRunConfig`."""
+    :class:`~bayeslayer.experiments.common.recall_sweep.CoreRunConfig`."""
 
     preset_type: ClassVar[type] = RecallPreset
 
@@ -198,12 +198,6 @@ def run(config: RecallConfig) -> dict:
     return run_sweep("recall", config, build_model=lambda kind: build_model(kind, preset), sampler=sampler(preset),
                      evaluation=final_evaluation(preset), curves=CURVES, plot=plot_recall,
                      paper_budget=PAPER_BUDGET, evaluate=curve_evaluation(preset) if preset.curve_points else None)
-
-
-def run_recall(preset: RecallPreset, models=CORE_KINDS, *, out_dir: str | None = None,
-               progress: bool = True) -> dict:
-    """``run(RecallConfig(preset, models, out_dir, progress))``."""
-    return run(RecallConfig(preset=preset, models=models, out=out_dir, progress=progress))
 
 
 def plot_recall(record: dict, path: str) -> None:

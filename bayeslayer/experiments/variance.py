@@ -41,7 +41,8 @@ from ..checks import check_int
 from ..data.collision_tasks import collision_recall_batch
 from ..data.mqar import IGNORE_INDEX, MQARTask, make_pool
 from ..training.optim import DECAY_POLICY
-from .cli_checks import (
+from .common.harness import results_record, summarize, train_seeds
+from .common.options import (
     DEVICE_HELP,
     PLOT_ONLY_HELP,
     check_out_dir,
@@ -50,11 +51,10 @@ from .cli_checks import (
     positive_int_arg,
     resolve_device,
 )
-from .core_cli import model_on_device, sampler_on_device
-from .core_models import CoreMixer
-from .harness import results_record, summarize, train_seeds
-from .provenance import write_record
-from .threads import SMALL, add_threads_option
+from .common.provenance import write_record
+from .common.recall_models import CoreMixer
+from .common.recall_sweep import model_on_device, sampler_on_device
+from .common.threads import SMALL, add_threads_option
 
 NAME = "variance"
 TASKS = ("recall", "mqar_update")
@@ -193,8 +193,8 @@ class VarianceProbe:
     """Records the predictive variance of every Bayesian layer of ``model`` during its forward passes.
 
     Registry mixers (``output_variance`` on their forward) are asked for it through a pre-hook; the
-    recall core mixers (:class:`~bayeslayer.experiments.core_models.CoreMixer`) run their filter again
-    through :meth:`~bayeslayer.experiments.core_models.CoreMixer.predictive_variance`.  The model's outputs
+    recall core mixers (:class:`~bayeslayer.experiments.common.recall_models.CoreMixer`) run their filter again
+    through :meth:`~bayeslayer.experiments.common.recall_models.CoreMixer.predictive_variance`.  The model's outputs
     are unchanged.  Use as a context manager; :attr:`variances` holds ``[B, T, H]`` per layer of the last
     forward.
     """
@@ -370,7 +370,7 @@ def plot(record: dict, out) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .plotting import save_figure
+    from .common.plotting import save_figure
 
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.4))
     x = (np.arange(QUANTILES) + 0.5) / QUANTILES

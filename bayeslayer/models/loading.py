@@ -2,7 +2,7 @@
 
 A model folder loads whole or not at all.  Each of the package's loaders
 (:meth:`BayesLayerPreTrainedModel.from_pretrained <bayeslayer.models.BayesLayerPreTrainedModel.from_pretrained>`,
-``bayeslayer.experiments.lm.load_run``, ``bayeslayer.experiments.niah.load_model`` (``niah``, ``heldout``,
+``bayeslayer.experiments.common.lm_run.load_run``, ``bayeslayer.models.pretrained.load_model`` (``niah``, ``heldout``,
 the distillation teacher), :func:`~bayeslayer.models.load_gdn_checkpoint`) refuses, with one message that
 names the folder and the problem:
 
@@ -28,6 +28,7 @@ import torch
 
 from ..files import read_json
 from ..training.checkpoint import MANIFEST, verify_checkpoint, write_manifest
+from ..training.state import read_safetensors, write_safetensors
 
 #: how many names an error message lists before "and N more"
 _SHOWN = 6
@@ -186,3 +187,25 @@ __all__ = [
     "check_finite", "check_loading_info", "check_remote_code", "check_state_dict", "local_model_dir",
     "quiet_transformers", "read_model_config", "safetensors_error", "verify_model_dir", "write_model_manifest",
 ]
+
+
+def save_model_dir(model, directory: Path) -> None:
+    """An HF model directory: ``config.json`` and ``model.safetensors`` (a tied head stored once).
+
+    A failed write (a full disk) is an ``OSError`` naming the file."""
+    model.config.save_pretrained(directory)
+    write_safetensors(directory / "model.safetensors", model=model, metadata={"format": "pt"})
+
+def load_model_weights(model, directory: Path) -> None:
+    """Load ``model.safetensors`` of an HF model directory into ``model`` (strict, tied head allowed).
+
+    A damaged file, a missing or extra tensor, or a shape that differs from ``model``'s (a config
+    that disagrees with the weights) is one ``ValueError`` naming the file and the tensors."""
+    path = Path(directory) / "model.safetensors"
+    weights = read_safetensors(path)
+    tied: set[str] = set()
+    if model.config.tie_word_embeddings:  # safetensors stores a shared tensor under one of its names
+        pairs = getattr(model, "_tied_weights_keys", None) or {}
+        tied = set(pairs) | set(pairs.values()) if isinstance(pairs, dict) else set(pairs)
+    check_state_dict(path, weights, model.state_dict(), optional=tied)
+    model.load_state_dict(weights, strict=False)

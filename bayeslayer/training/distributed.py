@@ -45,7 +45,7 @@ def init_distributed(device: torch.device) -> DistContext:
     """Join the ``torchrun`` job described by ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` (if any) on ``device``.
 
     ``device`` is a resolved ``torch.device`` (with its CUDA index; the command line's
-    :func:`bayeslayer.experiments.cli_checks.resolve_device` turns ``auto``/``cuda`` into one).  ``nccl``
+    :func:`bayeslayer.experiments.common.options.resolve_device` turns ``auto``/``cuda`` into one).  ``nccl``
     on CUDA, ``gloo`` on CPU.  Without ``torchrun`` (``WORLD_SIZE`` unset or 1) this is a single process
     and nothing is initialised.
     """

@@ -1,8 +1,8 @@
 """The one training loop: every model the package trains is stepped by :func:`train_loop`.
 
-The synthetic experiments (MQAR, recall, crowding, through :func:`bayeslayer.experiments.harness.train`)
+The synthetic experiments (MQAR, recall, crowding, through :func:`bayeslayer.experiments.common.harness.train`)
 and the language models (``lm train`` and the retrofit's stages, through
-:func:`bayeslayer.experiments.lm.train_lm`) differ only in what they pass in:
+:func:`bayeslayer.experiments.common.lm_run.train_lm`) differ only in what they pass in:
 
 * the **trainee** (an ``nn.Module``) and a **loss** ``loss(trainee, micro_batch) -> loss`` or
   ``(loss, {name: float})`` — the objective;

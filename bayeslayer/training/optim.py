@@ -19,7 +19,7 @@ parameters.  (That code also exempts embeddings; here embeddings are decayed lik
 fla's ``flame`` trainer passes one ``weight_decay`` to every parameter, flags notwithstanding.)
 
 :func:`param_groups` is the one place that rule lives; the one optimiser in bayeslayer, built by
-:func:`bayeslayer.training.loop.train_loop` (which ``harness.train`` and ``lm.train_lm`` call), takes its
+:func:`bayeslayer.training.loop.train_loop` (which ``harness.train`` and ``lm_run.train_lm`` call), takes its
 groups from it.
 """
 

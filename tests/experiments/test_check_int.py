@@ -1,11 +1,11 @@
-"""The experiments' one integer check (bayeslayer.experiments.cli_checks.check_int)."""
+"""The experiments' one integer check (bayeslayer.experiments.common.options.check_int)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from bayeslayer.experiments.cli_checks import check_int
+from bayeslayer.experiments.common.options import check_int
 
 
 @pytest.mark.parametrize("value", [0, 1, 7, np.int64(5), np.int32(0)])

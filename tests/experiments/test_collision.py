@@ -16,8 +16,8 @@ import torch
 from bayeslayer.cli import main
 from bayeslayer.design import BAYESIAN, DELTANET
 from bayeslayer.experiments import collision as col
-from bayeslayer.experiments.plotting import RefLine, Series, line_plot, load_json
-from bayeslayer.experiments.provenance import write_record
+from bayeslayer.experiments.common.plotting import RefLine, Series, line_plot, load_json
+from bayeslayer.experiments.common.provenance import write_record
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SIGMOID_1 = 1.0 / (1.0 + math.exp(-1.0))

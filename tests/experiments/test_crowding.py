@@ -9,7 +9,7 @@ import torch
 from bayeslayer.cli import main as cli_main
 from bayeslayer.data.collision_tasks import crowding_projection
 from bayeslayer.experiments import crowding
-from bayeslayer.experiments.harness import TrainConfig, train
+from bayeslayer.experiments.common.harness import TrainConfig, train
 
 TINY = replace(crowding.PRESETS["tiny"], num_values=8, train_n=(8, 12), test_load=(1, 2), eval_sequences=4,
                steps=3, batch_size=4, num_queries=4)
@@ -28,7 +28,8 @@ def test_tiny_crowding_training_lowers_the_loss(kind):
 
 
 def test_every_model_sees_the_same_projection_and_eval_set(tmp_path):
-    record = crowding.run_crowding(TINY, ["delta", "gla"], out_dir=str(tmp_path), progress=False)
+    record = crowding.run(crowding.CrowdingConfig(preset=TINY, models=["delta", "gla"], out=str(tmp_path),
+                                                  progress=False))
     data = json.loads((tmp_path / "crowding.json").read_text())
     assert (tmp_path / "crowding.png").stat().st_size > 1000
     assert data["config"]["projection_seed"] == TINY.projection_seed
@@ -56,11 +57,11 @@ def test_default_preset_covers_the_paper_loads():
 
 
 def test_cli_plot_only_and_bad_arguments(tmp_path, capsys):
-    crowding.run_crowding(TINY, ["delta"], out_dir=str(tmp_path), progress=False)
+    crowding.run(crowding.CrowdingConfig(preset=TINY, models=["delta"], out=str(tmp_path), progress=False))
     (tmp_path / "crowding.png").unlink()
     assert cli_main(["crowding", "--plot-only", "--out", str(tmp_path)]) == 0
     assert (tmp_path / "crowding.png").exists() and "query accuracy" in capsys.readouterr().out
     assert cli_main(["crowding", "--seeds", "-1", "--out", str(tmp_path)]) == 2
     assert "--seeds" in capsys.readouterr().err
     with pytest.raises(ValueError, match="models"):
-        crowding.run_crowding(TINY, [], progress=False)
+        crowding.run(crowding.CrowdingConfig(preset=TINY, models=[], progress=False))

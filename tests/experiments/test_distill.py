@@ -26,9 +26,10 @@ from safetensors.torch import load_file
 
 from bayeslayer.cli import main as cli_main
 from bayeslayer.experiments import distill, niah
+from bayeslayer.experiments.common.lm_config import LMConfig
+from bayeslayer.experiments.common.lm_run import train_lm
+from bayeslayer.experiments.common.plotting import length_label
 from bayeslayer.experiments.distill import PRESETS, DistillConfig, RetrofitObjective, run_distill
-from bayeslayer.experiments.lengths import length_label
-from bayeslayer.experiments.lm import LMConfig, train_lm
 from bayeslayer.models import BayesLayerConfig
 
 from .corpus import write_word_corpus

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from bayeslayer.experiments.harness import (
+from bayeslayer.experiments.common.harness import (
     TrainConfig,
     lr_lambda,
     masked_cross_entropy,

@@ -23,6 +23,7 @@ from bayeslayer.cli import build_parser
 from bayeslayer.cli import main as cli_main
 from bayeslayer.data.text import train_bpe_tokenizer
 from bayeslayer.experiments import heldout, lm
+from bayeslayer.experiments.common import lm_config, lm_run
 from bayeslayer.experiments.heldout import (
     HeldoutConfig,
     HeldoutSource,
@@ -34,7 +35,7 @@ from bayeslayer.experiments.heldout import (
     table7_markdown,
     window_plan,
 )
-from bayeslayer.models import BayesLayerConfig, BayesLayerForCausalLM
+from bayeslayer.models import BayesLayerConfig, BayesLayerForCausalLM, loading
 
 from .corpus import WORDS, write_word_corpus
 
@@ -240,14 +241,14 @@ def test_a_rerun_is_served_from_the_cache_without_loading_a_model(model_dirs, co
 
 
 def test_an_lm_run_directory_uses_its_final_model_and_its_corpus_tokenizer(corpus_dir, tmp_path):
-    config = lm.LMConfig(preset="test", mixer="bayesian", hidden_size=32, num_layers=1, num_heads=2, head_dim=8,
+    config = lm_config.LMConfig(preset="test", mixer="bayesian", hidden_size=32, num_layers=1, num_heads=2, head_dim=8,
                          mlp_dropout=0.0, source=str(corpus_dir), vocab_size=300, seq_len=16, steps=1,
                          batch_size=2, micro_batch_size=2, warmup_steps=0)
     cache = tmp_path / "cache"
-    corpus = lm.load_corpus(config, cache_dir=str(cache), splits=("validation",))
-    model = lm.build_model(config, corpus.vocab_size, corpus.eos_id)
+    corpus = lm_run.load_corpus(config, cache_dir=str(cache), splits=("validation",))
+    model = lm_run.build_model(config, corpus.vocab_size, corpus.eos_id)
     final = tmp_path / "run" / "final"
-    lm.save_model_dir(model, final)
+    loading.save_model_dir(model, final)
     (final / "lm_config.json").write_text(json.dumps(config.to_json()))
     spec = resolve_model("run", tmp_path / "run", cache_dir=cache)
     assert spec.kind == "lm-run" and spec.model_dir == final

@@ -1,4 +1,4 @@
-"""One home for the paper's lengths and their labels (bayeslayer.experiments.lengths)."""
+"""One home for the paper's lengths and their labels (bayeslayer.experiments.common.plotting)."""
 
 from __future__ import annotations
 
@@ -6,12 +6,12 @@ import doctest
 
 import pytest
 
-from bayeslayer.experiments import lengths
-from bayeslayer.experiments.lengths import PAPER_LENGTHS, length_label
+from bayeslayer.experiments.common import plotting
+from bayeslayer.experiments.common.plotting import PAPER_LENGTHS, length_label
 
 
 def test_doctests():
-    assert doctest.testmod(lengths).failed == 0
+    assert doctest.testmod(plotting).failed == 0
 
 
 def test_labels():

@@ -22,21 +22,14 @@ import torch.nn.functional as F
 
 from bayeslayer.cli import main as cli_main
 from bayeslayer.data.arhit import BigramCounts, annotate_ar_hits
+from bayeslayer.data.text.windows import WindowSchedule
+from bayeslayer.evaluation.perplexity import grouped_perplexity
 from bayeslayer.experiments import lm
-from bayeslayer.experiments.lm import (
-    GROUPS,
-    PRESETS,
-    LMConfig,
-    WindowSchedule,
-    build_model,
-    grouped_perplexity,
-    latest_checkpoint,
-    load_run,
-    markdown_table,
-    summarize_runs,
-    train_lm,
-    weights_digest,
-)
+from bayeslayer.experiments.common.harness import weights_digest
+from bayeslayer.experiments.common.lm_config import LMConfig
+from bayeslayer.experiments.common.lm_run import build_model, latest_checkpoint, load_run, train_lm
+from bayeslayer.experiments.lm import GROUPS, PRESETS, markdown_table, summarize_runs
+from bayeslayer.training.distributed import resolve_precision
 
 from .corpus import write_word_corpus
 
@@ -73,7 +66,8 @@ def _train_losses(run_dir: Path) -> list[tuple[int, float]]:
 _KILL_SCRIPT = """
 import json, os, signal, sys
 import torch
-from bayeslayer.experiments.lm import LMConfig, train_lm
+from bayeslayer.experiments.common.lm_config import LMConfig
+from bayeslayer.experiments.common.lm_run import train_lm
 
 torch.set_num_threads(int(sys.argv[4]))  # the parent's, so float reductions run in the same order
 config = LMConfig.from_json(json.loads(sys.argv[1]))
@@ -147,8 +141,8 @@ def test_bf16_autocast_trains_and_evaluates(tmp_path, corpus_dir, cache_dir):
     assert all(math.isfinite(x) for x in result.losses)
     assert result.losses != fp32.losses  # autocast really ran in bf16 ...
     np.testing.assert_allclose(result.losses, fp32.losses, rtol=2e-2)  # ... and computes the same loss
-    assert lm.resolve_precision("auto", torch.device("cpu")) is None
-    assert lm.resolve_precision("bf16", torch.device("cpu")) is torch.bfloat16
+    assert resolve_precision("auto", torch.device("cpu")) is None
+    assert resolve_precision("bf16", torch.device("cpu")) is torch.bfloat16
 
 
 def test_loss_decreases_on_repetitive_text(tmp_path, corpus_dir, cache_dir):
@@ -268,7 +262,7 @@ def test_eval_command_end_to_end(tmp_path, corpus_dir, cache_dir):
     cached = json.loads((tmp_path / "bl0" / "eval-validation-L32-fp32.json").read_text())
     assert cached["groups"] == seeds[0]["groups"]
     # every file of the run and of the evaluation records where it came from, through the one writer
-    from bayeslayer.experiments.provenance import missing_fields
+    from bayeslayer.experiments.common.provenance import missing_fields
     from bayeslayer.training.optim import DECAY_POLICY
 
     for path in [out / "lm.json", *(tmp_path / "bl0").glob("*.json")]:

@@ -9,7 +9,9 @@ import torch
 
 from bayeslayer.cli import main as cli_main
 from bayeslayer.data.mqar import MQARTask, make_pool
-from bayeslayer.experiments.harness import TrainConfig, train
+from bayeslayer.experiments import mqar
+from bayeslayer.experiments.common.harness import TrainConfig, train
+from bayeslayer.experiments.common.plotting import load_json
 from bayeslayer.experiments.mqar import (
     DEFAULT_MIXERS,
     PRESETS,
@@ -21,11 +23,9 @@ from bayeslayer.experiments.mqar import (
     model_config,
     plot_mqar,
     query_counts,
-    run_mqar,
     sweep_points,
     train_tasks,
 )
-from bayeslayer.experiments.plotting import load_json
 
 TINY = PRESETS["tiny"]
 
@@ -172,7 +172,8 @@ def test_cli_writes_json_of_the_documented_shape(tiny_update):
     assert record["paper_reported"]["x"] == 16
     assert (tiny_update / "mqar_update.png").stat().st_size > 0
     # finished runs are cached: a second call retrains nothing and gives the same numbers
-    again = run_mqar("update", TINY, ["gated_deltanet_noconv"], out_dir=str(tiny_update), progress=False,
+    again = mqar.run(mqar.MQARConfig(task="update", preset=TINY, mixers=["gated_deltanet_noconv"],
+                                     out=str(tiny_update), progress=False),
                      log=lambda *_: None)
     first = record["models"]["gated_deltanet_noconv"]["summary"]["accuracy"]["mean"]
     assert again["models"]["gated_deltanet_noconv"]["summary"]["accuracy"]["mean"] == first
@@ -195,7 +196,8 @@ def test_plot_only_redraws_from_the_json(tiny_update, capsys):
 
 @pytest.mark.parametrize("task", ["base", "block"])
 def test_base_and_block_sweeps_run(task, tmp_path):
-    record = run_mqar(task, TINY, ["linear_attention"], out_dir=str(tmp_path), progress=False,
+    record = mqar.run(mqar.MQARConfig(task=task, preset=TINY, mixers=["linear_attention"], out=str(tmp_path),
+                                      progress=False),
                       log=lambda *_: None)
     s = record["models"]["linear_attention"]["summary"]
     expected = list(TINY.base_widths) if task == "base" else list(TINY.block_test_pairs)
@@ -236,13 +238,13 @@ def test_plot_only_refuses_other_files(tmp_path, capsys):
 
 def test_bad_inputs():
     with pytest.raises(ValueError, match="task"):
-        run_mqar("lookup", TINY, ["bayesian"])
+        mqar.run(mqar.MQARConfig(task="lookup", preset=TINY, mixers=["bayesian"]))
     with pytest.raises(ValueError, match="mixers"):
-        run_mqar("base", TINY, ["bayesian", "bayesian"])
+        mqar.run(mqar.MQARConfig(task="base", preset=TINY, mixers=["bayesian", "bayesian"]))
     with pytest.raises(ValueError, match="mixers"):
-        run_mqar("base", TINY, ["attention"])  # no recurrent state to budget
+        mqar.run(mqar.MQARConfig(task="base", preset=TINY, mixers=["attention"]))  # no recurrent state to budget
     with pytest.raises(TypeError, match="MQARPreset"):
-        run_mqar("base", {"vocab_size": 8}, ["bayesian"])
+        mqar.run(mqar.MQARConfig(task="base", preset={"vocab_size": 8}, mixers=["bayesian"]))
     with pytest.raises(ValueError, match="mixer"):
         MQARModelConfig("nosuch", vocab_size=8, width=8)
     with pytest.raises(ValueError, match="width"):

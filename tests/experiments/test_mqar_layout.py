@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from bayeslayer.cli import build_parser
 from bayeslayer.cli import main as cli_main
+from bayeslayer.experiments.common.plotting import load_json
 from bayeslayer.experiments.mqar import (
     PRESETS,
     BaseConv,
@@ -24,7 +25,6 @@ from bayeslayer.experiments.mqar import (
     results_stem,
     train_config,
 )
-from bayeslayer.experiments.plotting import load_json
 from bayeslayer.layers import BayesianLayer, DeltaNet, GatedDeltaNet, GatedDeltaNetNoConv, Mamba2
 
 TINY = PRESETS["tiny"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bayeslayer.experiments.mqar import PRESETS, build_model, model_config, run_mqar
+from bayeslayer.experiments.mqar import PRESETS, MQARConfig, build_model, model_config, run
 from bayeslayer.layers import BayesianLayer
 
 TINY = PRESETS["tiny"]
@@ -21,7 +21,8 @@ def test_lowrank_model_carries_exactly_the_solved_state(rank):
 
 
 def test_tiny_update_run(tmp_path):
-    record = run_mqar("update", TINY, ["bayesian_lowrank2"], out_dir=str(tmp_path), progress=False,
+    record = run(MQARConfig(task="update", preset=TINY, mixers=["bayesian_lowrank2"], out=str(tmp_path),
+                            progress=False),
                       log=lambda *a: None)
     res = record["models"]["bayesian_lowrank2"]
     assert res["label"] == "BL low-rank r=2"
@@ -31,6 +32,6 @@ def test_tiny_update_run(tmp_path):
 
 def test_bad_names():
     with pytest.raises(ValueError, match="bayesian_lowrank<r>"):
-        run_mqar("update", TINY, ["bayesian_lowrankx"], progress=False, log=lambda *a: None)
+        run(MQARConfig(task="update", preset=TINY, mixers=["bayesian_lowrankx"], progress=False), log=lambda *a: None)
     with pytest.raises(ValueError, match="cannot hold a bayesian_lowrank layer"):
         model_config("bayesian_lowrank17", TINY, 16)

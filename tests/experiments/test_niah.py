@@ -13,6 +13,7 @@ from bayeslayer.data.text import train_bpe_tokenizer
 from bayeslayer.errors import UsageError
 from bayeslayer.experiments import niah
 from bayeslayer.models import BayesLayerConfig, BayesLayerForCausalLM, replace_layers
+from bayeslayer.models.pretrained import load_model
 
 from .corpus import ESSAYS
 
@@ -292,7 +293,7 @@ def test_bad_cli_arguments(tmp_path):
     with pytest.raises(UsageError, match="which does not exist"):
         _run(["--plot-only", "--out", str(tmp_path)])
     with pytest.raises(FileNotFoundError, match="config.json"):
-        niah.load_model(tmp_path)
+        load_model(tmp_path)
 
 
 def test_bos_of_a_llama_style_tokenizer_leads_the_prompt_and_no_eos_is_appended(tokenizer):
@@ -377,7 +378,7 @@ def test_an_fla_gated_deltanet_checkpoint_is_evaluated_as_gdn_zero(tmp_path, tok
         vocab_size=tokenizer.get_vocab_size(), hidden_size=32, num_hidden_layers=2, num_heads=2, head_dim=8,
         expand_v=2, hidden_ratio=2, fuse_norm=False, fuse_swiglu=False, fuse_cross_entropy=False))
     fla.save_pretrained(tmp_path)
-    model = niah.load_model(tmp_path)
+    model = load_model(tmp_path)
     assert isinstance(model, BayesLayerForCausalLM) and model.config.layer_mixers == ["gated_deltanet"] * 2
     cells = niah.evaluate(model, generator, tasks=["niah_single_1"], lengths=[300], depths=[50.0],
                           samples_per_cell=2, max_new_tokens=3, batch_size=2)

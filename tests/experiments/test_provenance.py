@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from bayeslayer.experiments import provenance as prov
+from bayeslayer.experiments.common import provenance as prov
 from bayeslayer.experiments.crowding import PRESETS, CrowdingConfig, run
 from bayeslayer.training.optim import DECAY_POLICY
 

@@ -10,8 +10,8 @@ import torch.nn as nn
 
 from bayeslayer.cli import main as cli_main
 from bayeslayer.experiments import recall
-from bayeslayer.experiments.core_models import CORE_KINDS, CoreModelConfig, build_core_model
-from bayeslayer.experiments.harness import TrainConfig, train
+from bayeslayer.experiments.common.harness import TrainConfig, train
+from bayeslayer.experiments.common.recall_models import CORE_KINDS, CoreModelConfig, build_core_model
 
 TINY = replace(recall.PRESETS["tiny"], num_pairs=2, address_dim=4, n_b=2, train_n_f=(1, 2), test_n_f=(1, 4),
                test_rho=(0.6, 0.9), test_n_f_for_rho=2, eval_sequences=4, steps=3, batch_size=4)
@@ -120,7 +120,8 @@ def test_margin_is_two_p_minus_one_of_target_vs_distractor(monkeypatch):
 
 
 def test_run_recall_writes_json_and_plot(tmp_path):
-    record = recall.run_recall(TINY, ["delta", "linear_attention"], out_dir=str(tmp_path), progress=False)
+    record = recall.run(recall.RecallConfig(preset=TINY, models=["delta", "linear_attention"], out=str(tmp_path),
+                                            progress=False))
     data = json.loads((tmp_path / "recall.json").read_text())
     assert (tmp_path / "recall.png").stat().st_size > 1000
     assert data["experiment"] == "recall" and set(data["models"]) == {"delta", "linear_attention"}
@@ -134,12 +135,12 @@ def test_run_recall_writes_json_and_plot(tmp_path):
 
 
 def test_cli_plot_only_and_bad_arguments(tmp_path, capsys):
-    recall.run_recall(TINY, ["delta"], out_dir=str(tmp_path), progress=False)
+    recall.run(recall.RecallConfig(preset=TINY, models=["delta"], out=str(tmp_path), progress=False))
     (tmp_path / "recall.png").unlink()
     assert cli_main(["recall", "--plot-only", "--out", str(tmp_path)]) == 0
     assert (tmp_path / "recall.png").exists() and "margin vs ρ" in capsys.readouterr().out
     assert cli_main(["recall", "--steps", "0", "--out", str(tmp_path)]) == 2
     assert "--steps" in capsys.readouterr().err
     with pytest.raises(ValueError, match="models"):
-        recall.run_recall(TINY, ["mamba"], progress=False)
+        recall.run(recall.RecallConfig(preset=TINY, models=["mamba"], progress=False))
     assert cli_main(["recall", "--preset", "huge"]) == 2

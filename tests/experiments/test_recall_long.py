@@ -11,7 +11,7 @@ import torch
 from bayeslayer.cli import build_parser
 from bayeslayer.cli import main as cli_main
 from bayeslayer.experiments import recall
-from bayeslayer.experiments.core_cli import learning_curve
+from bayeslayer.experiments.common.recall_sweep import learning_curve
 
 TINY = replace(recall.PRESETS["tiny"], num_pairs=2, address_dim=4, n_b=2, train_n_f=(1, 2), test_n_f=(1, 4),
                test_rho=(0.6, 0.9), test_n_f_for_rho=2, eval_sequences=4, steps=4, batch_size=4,
@@ -32,7 +32,7 @@ def test_long_is_the_default_with_more_steps_and_nothing_else():
 
 
 def test_run_records_learning_curves_in_the_json(tmp_path):
-    recall.run_recall(TINY, ["delta", "bayesian"], out_dir=str(tmp_path), progress=False)
+    recall.run(recall.RecallConfig(preset=TINY, models=["delta", "bayesian"], out=str(tmp_path), progress=False))
     data = json.loads((tmp_path / "recall.json").read_text())
     keys = {"val_accuracy", "val_loss", "accuracy_n_f_4", "accuracy_n_f_8", "margin_rho_0.8", "margin_rho_0.95"}
     assert data["config"]["train"]["eval_every"] == 2 and "_no_weight_decay" in data["config"]["optimizer_groups"]
@@ -71,6 +71,6 @@ def test_cli_takes_the_long_preset_and_prints_the_curves(tmp_path, capsys):
     assert args.preset == "long" and args.models == ["bayesian", "delta"]
     assert cli_main(["recall", "--preset", "longer"]) == 2  # one line on stderr, exit 2 (bayeslayer.errors)
     assert "invalid choice: 'longer'" in capsys.readouterr().err
-    recall.run_recall(TINY, ["delta"], out_dir=str(tmp_path), progress=False)
+    recall.run(recall.RecallConfig(preset=TINY, models=["delta"], out=str(tmp_path), progress=False))
     assert cli_main(["recall", "--plot-only", "--out", str(tmp_path)]) == 0
     assert "learning curve: val_accuracy" in capsys.readouterr().out

@@ -11,7 +11,8 @@ import pytest
 
 from bayeslayer.design import get_design
 from bayeslayer.experiments import state_budget
-from bayeslayer.experiments.state_budget import (
+from bayeslayer.models import state_budget as solver
+from bayeslayer.models.state_budget import (
     BUDGET_MIXERS,
     HeadConfig,
     match_state_budget,
@@ -83,7 +84,7 @@ def check_structure(cfg: HeadConfig, width: int, budget: int) -> None:
 
 
 def test_module_docstring_example_is_literal():
-    tests = doctest.DocTestFinder().find(state_budget)
+    tests = doctest.DocTestFinder().find(solver)
     runner = doctest.DocTestRunner()
     attempted = 0
     for t in tests:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from bayeslayer.experiments.state_budget import BUDGET_MIXERS as MIXERS
-from bayeslayer.experiments.state_budget import match_state_budget, solve_state_budget
 from bayeslayer.layers import BayesianLayer
+from bayeslayer.models.state_budget import BUDGET_MIXERS as MIXERS
+from bayeslayer.models.state_budget import match_state_budget, solve_state_budget
 
 
 @pytest.mark.parametrize("rank,groups", [(0, 1), (4, 1), (16, 2)])

@@ -1,7 +1,7 @@
 """Every loader of the package loads a model folder whole or not at all (bayeslayer.models.loading).
 
 The loaders: ``BayesLayerForCausalLM.from_pretrained``, ``AutoModelForCausalLM.from_pretrained``,
-``niah.load_model`` (``niah``, ``heldout``), ``distill.load_teacher``, ``heldout``'s model handle and
+``models.pretrained.load_model`` (``niah``, ``heldout``), ``distill.load_teacher``, ``heldout``'s model handle and
 ``lm.load_run`` (``lm eval``, ``heldout`` on a run folder).  Each must refuse a folder with a missing
 tensor, a config claiming an extra layer, tensors with no place, a config that disagrees with the
 weights' shapes, a flipped byte (folders the package wrote carry a SHA-256 manifest), a wrong
@@ -50,7 +50,7 @@ def _heldout(kind: str):
 
 
 def _niah(path: Path):
-    from bayeslayer.experiments.niah import load_model
+    from bayeslayer.models.pretrained import load_model
 
     return load_model(path)
 
@@ -62,7 +62,7 @@ def _teacher(path: Path):
 
 
 def _run(path: Path):
-    from bayeslayer.experiments.lm import load_run
+    from bayeslayer.experiments.common.lm_run import load_run
 
     return load_run(path)[1]
 
@@ -71,7 +71,7 @@ def _run(path: Path):
 LOADERS = {
     "from_pretrained": ("model", BayesLayerForCausalLM.from_pretrained),
     "AutoModelForCausalLM": ("model", AutoModelForCausalLM.from_pretrained),
-    "niah.load_model": ("model", _niah),
+    "pretrained.load_model": ("model", _niah),
     "distill.load_teacher": ("model", _teacher),
     "heldout (model folder)": ("model", _heldout("hf")),
     "lm.load_run": ("run", _run),
@@ -95,7 +95,7 @@ def test_every_loader_loads_an_intact_folder(saved, tmp_path, loader):
 
 # transformers' own AutoModelForCausalLM reads config.json before our class is chosen: a llama config builds
 # transformers' Llama (its errors are its own), and an empty config.json is its "not a valid JSON file" error
-# naming the file.  The project's AutoModel path (niah.load_model) refuses both in its own words.
+# naming the file.  The project's AutoModel path (models.pretrained.load_model) refuses both in its own words.
 NOT_OURS = {("AutoModelForCausalLM", "wrong model_type"), ("AutoModelForCausalLM", "empty config.json, manifest kept")}
 
 
@@ -143,7 +143,7 @@ def test_save_pretrained_signs_the_folder_and_a_folder_without_manifest_still_lo
 
 
 def test_load_run_warns_when_final_has_no_manifest(saved, tmp_path):
-    from bayeslayer.experiments.lm import load_run
+    from bayeslayer.experiments.common.lm_run import load_run
 
     root = tmp_path / "run"
     shutil.copytree(saved["run"], root)
@@ -167,7 +167,7 @@ def test_export_auto_map_re_signs_an_intact_folder_and_refuses_a_damaged_one(sav
 
 def test_remote_code_is_refused_without_a_prompt(tmp_path, monkeypatch):
     """A folder whose config maps an unknown model type to its own .py file: nothing runs, nobody is asked."""
-    from bayeslayer.experiments.niah import load_model
+    from bayeslayer.models.pretrained import load_model
 
     marker = tmp_path / "code-ran"
     directory = write_remote_code_folder(tmp_path / "evil", marker)
@@ -181,7 +181,7 @@ def test_remote_code_is_refused_without_a_prompt(tmp_path, monkeypatch):
 def test_a_known_model_type_with_auto_map_runs_no_folder_code(saved, tmp_path, monkeypatch):
     """Our own export_auto_map folder loads through the installed code; its shim is not imported."""
     from bayeslayer.evaluation.autoload import SHIM_FILE, export_auto_map
-    from bayeslayer.experiments.niah import load_model
+    from bayeslayer.models.pretrained import load_model
 
     directory = tmp_path / "m"
     shutil.copytree(saved["model"], directory)

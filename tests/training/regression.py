@@ -50,24 +50,27 @@ def _seed_records(record: dict) -> dict:
 
 
 def mqar_numbers() -> dict:
-    from bayeslayer.experiments.mqar import PRESETS, run_mqar
+    from bayeslayer.experiments.mqar import PRESETS, MQARConfig, run
 
-    record = run_mqar("update", PRESETS["tiny"], ["bayesian", "gated_deltanet_noconv"], progress=False,
-                      log=lambda *_: None)
+    record = run(MQARConfig(task="update", preset=PRESETS["tiny"], mixers=["bayesian", "gated_deltanet_noconv"],
+                            progress=False),
+                 log=lambda *_: None)
     return numbers(_seed_records(record))
 
 
 def recall_numbers() -> dict:
     from bayeslayer.experiments import recall
 
-    record = recall.run_recall(recall.PRESETS["tiny"], ["delta", "linear_attention"], progress=False)
+    record = recall.run(recall.RecallConfig(preset=recall.PRESETS["tiny"], models=["delta", "linear_attention"],
+                                            progress=False))
     return numbers(_seed_records(record))
 
 
 def crowding_numbers() -> dict:
     from bayeslayer.experiments import crowding
 
-    record = crowding.run_crowding(crowding.PRESETS["tiny"], ["delta", "gla"], progress=False)
+    record = crowding.run(crowding.CrowdingConfig(preset=crowding.PRESETS["tiny"], models=["delta", "gla"],
+                                                  progress=False))
     return numbers(_seed_records(record))
 
 
@@ -78,7 +81,7 @@ def _lm_run(result) -> dict:
 
 
 def lm_numbers(root: Path) -> dict:
-    from bayeslayer.experiments.lm import train_lm
+    from bayeslayer.experiments.common.lm_run import train_lm
 
     config, cache = tiny_lm(root, steps=6, eval_every=3)
     one = train_lm(config, root / "one_micro_batch", device="cpu", cache_dir=cache, progress=False)
@@ -88,8 +91,8 @@ def lm_numbers(root: Path) -> dict:
 
 
 def distill_numbers(root: Path) -> dict:
+    from bayeslayer.experiments.common.lm_run import train_lm
     from bayeslayer.experiments.distill import PRESETS, run_distill
-    from bayeslayer.experiments.lm import train_lm
 
     config, cache = tiny_lm(root, mixer="gated_deltanet", num_layers=2, steps=4, mlp_dropout=0.0)
     teacher = train_lm(config, root / "teacher", device="cpu", cache_dir=cache, progress=False)

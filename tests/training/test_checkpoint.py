@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from bayeslayer.experiments.harness import TrainConfig, train
+from bayeslayer.experiments.common.harness import TrainConfig, train
 from bayeslayer.files import atomic_write_text, remove_stale_temporaries
 from bayeslayer.training import (
     CheckpointError,

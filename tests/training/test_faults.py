@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bayeslayer.experiments.harness import TrainConfig, train
+from bayeslayer.experiments.common.harness import TrainConfig, train
 
 from ..experiments.test_harness import make_model, sample_copy
 from .faults import KILLED, run_killed_at, single_thread, tiny_lm
@@ -55,7 +55,7 @@ def lm_setup(tmp_path_factory):
 
 
 def _lm_run(config, run_dir: Path, cache: str):
-    from bayeslayer.experiments.lm import train_lm
+    from bayeslayer.experiments.common.lm_run import train_lm
 
     return train_lm(config, run_dir, cache_dir=cache, progress=False, keep_checkpoints=1)
 

@@ -9,7 +9,7 @@ import signal
 import pytest
 import torch
 
-from bayeslayer.experiments.harness import TrainConfig, train
+from bayeslayer.experiments.common.harness import TrainConfig, train
 from bayeslayer.training import TrainingInterrupted
 
 from ..experiments.test_harness import make_model, sample_copy

@@ -126,7 +126,7 @@ def test_figures_refuse_a_link(tmp_path, target):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from bayeslayer.experiments.plotting import save_figure
+    from bayeslayer.experiments.common.plotting import save_figure
 
     link = _link(tmp_path / "out" / "plot.png", target)
     fig, _ = plt.subplots()

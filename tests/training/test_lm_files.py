@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bayeslayer.experiments.lm import load_run, train_lm
+from bayeslayer.experiments.common.lm_run import load_run, train_lm
 from bayeslayer.files import UnsafeFileError
 from bayeslayer.models.loading import verify_model_dir
 

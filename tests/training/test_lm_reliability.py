@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from bayeslayer.experiments.lm import latest_checkpoint, train_lm
+from bayeslayer.experiments.common.lm_run import latest_checkpoint, train_lm
 from bayeslayer.training import CheckpointError, FolderBusyError, TrainingInterrupted
 
 from .faults import single_thread, tiny_lm

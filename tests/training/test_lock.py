@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from bayeslayer.experiments.harness import TrainConfig, train, train_seeds
+from bayeslayer.experiments.common.harness import TrainConfig, train, train_seeds
 from bayeslayer.training import FolderBusyError, OutputLock
 
 from ..experiments.test_harness import make_model, sample_copy
@@ -34,7 +34,7 @@ import hashlib, os, sys, time
 import torch
 sys.path.insert(0, sys.argv[3])
 from tests.experiments.test_harness import make_model, sample_copy
-from bayeslayer.experiments.harness import TrainConfig, train
+from bayeslayer.experiments.common.harness import TrainConfig, train
 
 go = sys.argv[2]
 def sample(step, batch_size, generator):

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from bayeslayer.experiments.harness import TrainConfig, train, train_seeds
-from bayeslayer.experiments.lm import load_run, train_lm
+from bayeslayer.experiments.common.harness import TrainConfig, train, train_seeds
+from bayeslayer.experiments.common.lm_run import load_run, train_lm
 
 from ..experiments.test_harness import make_model, sample_copy
 from .faults import single_thread

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from bayeslayer.experiments import harness, lm
+from bayeslayer.experiments.common import harness, lm_config, lm_run
 from bayeslayer.experiments.mqar import PRESETS as MQAR_PRESETS
 from bayeslayer.experiments.mqar import build_model as build_mqar
 from bayeslayer.layers import build_mixer
@@ -163,7 +163,7 @@ def test_harness_decays_weights_and_leaves_exempt_parameters_alone():
 def test_lm_optimizer_exempts_the_recurrence_parameters(monkeypatch, tmp_path: Path, mixer):
     """``train_lm`` (from-scratch LM, and the retrofit's objectives) builds its AdamW from the groups too."""
     corpus = write_word_corpus(tmp_path / "text", {"train": 8, "validation": 2, "test": 2}, sentences=6)
-    config = lm.LMConfig(preset="test", mixer=mixer, hidden_size=32, num_layers=1, num_heads=2, head_dim=8,
+    config = lm_config.LMConfig(preset="test", mixer=mixer, hidden_size=32, num_layers=1, num_heads=2, head_dim=8,
                          source=str(corpus), vocab_size=300, seq_len=16, steps=1, batch_size=2,
                          micro_batch_size=2, lr=1e-3, warmup_steps=0, eval_every=0, eval_windows=1,
                          eval_batch_size=2, checkpoint_every=0, log_every=1, seed=0, weight_decay=0.1)
@@ -176,7 +176,7 @@ def test_lm_optimizer_exempts_the_recurrence_parameters(monkeypatch, tmp_path: P
 
     monkeypatch.setattr(training_loop, "param_groups", spy)
     monkeypatch.setattr(torch.optim, "AdamW", _Recording)
-    assert lm.train_lm(config, tmp_path / "run", cache_dir=str(tmp_path / "cache"), progress=False).finished
+    assert lm_run.train_lm(config, tmp_path / "run", cache_dir=str(tmp_path / "cache"), progress=False).finished
     trainee = seen["trainee"]
     decays = _decay_of(_Recording.last, trainee)
     _check_decays(decays, trainee, 0.1)

@@ -67,3 +67,35 @@ class PackedWindows(torch.utils.data.Dataset):
     def __getitem__(self, index: int) -> dict:
         ids = torch.from_numpy(np.asarray(self.windows[index], dtype=np.int64))
         return {"input_ids": ids, "labels": ids.clone()}
+
+
+def epoch_permutation(n_windows: int, seed: int, epoch: int) -> np.ndarray:
+    """The window order of one epoch: a permutation of ``range(n_windows)`` drawn from ``(seed, epoch)``."""
+    return np.random.default_rng([seed, epoch, 0x4C4D]).permutation(n_windows)
+
+class WindowSchedule:
+    """Which train windows each optimiser step reads: a pure function of ``(seed, step)``.
+
+    Global sample ``g = step · batch_size + i`` is window ``perm_e[g mod N]`` of epoch
+    ``e = g div N``.  Rank ``r`` of ``W`` takes the ``r``-th contiguous ``batch_size / W`` share.
+    """
+
+    def __init__(self, n_windows: int, batch_size: int, seed: int) -> None:
+        if n_windows < 1:
+            raise ValueError("the train split has no complete window; use a shorter seq_len or more text")
+        self.n_windows, self.batch_size, self.seed = n_windows, batch_size, seed
+        self._perms: dict[int, np.ndarray] = {}
+
+    def _perm(self, epoch: int) -> np.ndarray:
+        if epoch not in self._perms:
+            self._perms = {epoch: epoch_permutation(self.n_windows, self.seed, epoch)}  # keep one epoch
+        return self._perms[epoch]
+
+    def step_windows(self, step: int, rank: int = 0, world_size: int = 1) -> np.ndarray:
+        share = self.batch_size // world_size
+        g = step * self.batch_size + rank * share + np.arange(share)
+        out = np.empty(share, dtype=np.int64)
+        for epoch in np.unique(g // self.n_windows):
+            sel = g // self.n_windows == epoch
+            out[sel] = self._perm(int(epoch))[g[sel] % self.n_windows]
+        return out

@@ -87,12 +87,12 @@ def substituted(linv, k, v, log_alpha, cu: list[int], C: int):
 
 
 def mean_backward_kernels(dtype: torch.dtype, device) -> dict:
-    """The kernels :func:`bayeslayer.ops.mean_pass_fla.mean_pass_fla_backward` runs by default.
+    """The kernels :func:`bayeslayer.ops.bayesian_layer.mean_pass_fla.mean_pass_fla_backward` runs by default.
 
     float64, or no flash-linear-attention installed: every kernel its plain-PyTorch twin
-    (:data:`~bayeslayer.ops.mean_pass_fla.TWIN_KERNELS`).  CUDA: fla's own kernels.  CPU under
+    (:data:`~bayeslayer.ops.bayesian_layer.mean_pass_fla.TWIN_KERNELS`).  CUDA: fla's own kernels.  CPU under
     ``TRITON_INTERPRET=1``: fla's kernels except those the interpreter cannot run
-    (:data:`~bayeslayer.ops.mean_pass_fla.NOT_INTERPRETABLE`: their twins), as the forward tests do.
+    (:data:`~bayeslayer.ops.bayesian_layer.mean_pass_fla.NOT_INTERPRETABLE`: their twins), as the forward tests do.
     CPU without the interpreter: the twins.
     """
     if dtype == torch.float64:

@@ -36,7 +36,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from ..files import atomic_write_text
+from ...files import atomic_write_text
 
 #: Every key of a record's ``"provenance"`` object.
 FIELDS = ("git_commit", "git_dirty", "command", "versions", "device", "cpu_model", "gpu", "threads", "seeds",

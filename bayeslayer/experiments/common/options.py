@@ -18,14 +18,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import math
 import os
 from pathlib import Path
 
 import torch
 
-from ..checks import INT_MAX, check_int
-from ..errors import UsageError
+from ...checks import INT_MAX, check_int
+from ...errors import UsageError
 
 DEVICE_HELP = "auto (a GPU when there is one, else the CPU), cpu, cuda or cuda:N"
 
@@ -268,7 +269,7 @@ def check_in_dir(path: str | os.PathLike, *, option: str, what: str = "folder") 
 def check_source(source: str, *, option: str = "--source") -> str:
     """A corpus source: a name of :data:`bayeslayer.data.text.NAMED_SOURCES`, ``hf:<name>[:<config>]``
     (checked when fetched) or a local path that must exist."""
-    from ..data.text import NAMED_SOURCES, SOURCE_HELP
+    from ...data.text import NAMED_SOURCES, SOURCE_HELP
 
     if not isinstance(source, str) or not source:
         raise UsageError(f"{option} must be {SOURCE_HELP}, got {source!r}")
@@ -279,7 +280,7 @@ def check_source(source: str, *, option: str = "--source") -> str:
 
 def check_tokenizer(tokenizer: str | os.PathLike, *, option: str = "--tokenizer") -> None:
     """``tokenizer`` (a ``tokenizer.json`` or a folder holding one) exists and parses."""
-    from ..data.text import load_tokenizer
+    from ...data.text import load_tokenizer
 
     try:
         load_tokenizer(tokenizer)
@@ -338,3 +339,14 @@ __all__ = [
     "model_arg", "nonnegative_int_arg", "plot_only_json", "positive_float_arg", "positive_int_arg", "redrawing",
     "resolve_device",
 ]
+
+
+def parse_json_object(option: str, text: str) -> dict:
+    """The value of a command-line option that takes a JSON object, e.g. ``--mixer-kwargs '{"p0": 1.0}'``."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{option} must be a JSON object, got {text!r}: {err}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{option} must be a JSON object, got {text!r}")
+    return value

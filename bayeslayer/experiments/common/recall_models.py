@@ -39,8 +39,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..checks import check_int
-from ..design import BAYESIAN, DELTANET, GLA, LINEAR_ATTENTION, lowrank_diagonal
+from ...checks import check_int
+from ...design import BAYESIAN, DELTANET, GLA, LINEAR_ATTENTION, lowrank_diagonal
 
 CORE_KINDS = ("bayesian", "delta", "linear_attention", "gla")
 # the low-rank-plus-diagonal BL at these ranks (head_dim 16); selectable, not run by default

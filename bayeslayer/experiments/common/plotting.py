@@ -1,13 +1,21 @@
 """Figures drawn from saved results: every experiment plots from its JSON, never from live state.
 
-An experiment writes its numbers with :func:`bayeslayer.experiments.provenance.write_record`, then builds figures from
-the loaded dict with :func:`line_plot`, so ``--plot-only DIR`` can redraw them
-without rerunning anything.  The helpers know nothing about a particular
-experiment: a figure is a list of :class:`Series` plus axis labels and optional
-reference lines (phase boundaries, closed-form values, chance level).
+An experiment writes its numbers with
+:func:`bayeslayer.experiments.common.provenance.write_record`, then builds figures from the loaded
+dict with :func:`line_plot`, so ``--plot-only DIR`` can redraw them without rerunning anything.
+The helpers know nothing about a particular experiment: a figure is a list of :class:`Series`
+plus axis labels and optional reference lines (phase boundaries, closed-form values, chance level).
 
 >>> s = Series("model", x=[1, 2, 3], y=[0.5, 0.6, 0.7], err=[0.01, 0.02, 0.01])
 >>> # line_plot("fig.png", [s], xlabel="step", ylabel="accuracy", hlines=[RefLine(0.5, "chance")])
+
+Lengths are named alike in every table and plot (:func:`length_label`); :data:`PAPER_LENGTHS` are the
+context lengths of the paper's NIAH and held-out tables (docs/theory.md §8.6).
+
+>>> [length_label(n) for n in PAPER_LENGTHS]
+['2k', '4k', '8k', '16k']
+>>> length_label(1000), length_label("3072")
+('1,000', '3k')
 """
 
 from __future__ import annotations
@@ -18,6 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from ...checks import check_int
 
 
 @dataclass(frozen=True)
@@ -61,7 +71,7 @@ class RefLine:
 
 def save_figure(fig, path: str | os.PathLike) -> Path:
     """Lay out ``fig`` and write it to ``path`` (PNG, 120 dpi), creating the folder; the caller closes it."""
-    from ..files import atomic_write
+    from ...files import atomic_write
 
     fig.tight_layout()
     path = Path(path)
@@ -104,7 +114,7 @@ def load_json(path: str | os.PathLike) -> dict:
     Every object in it is returned as a ``dict`` whose missing keys raise :class:`MissingKeyError`
     naming the file, so a reader that meets a file of the wrong shape says which file and key.
     """
-    from ..files import read_json
+    from ...files import read_json
 
     path = Path(path)
     if not path.is_file():
@@ -193,3 +203,21 @@ def line_plot(
         return save_figure(fig, path)
     finally:
         plt.close(fig)
+
+
+#: the context lengths of the paper's NIAH and held-out tables (Tables 6 and 7)
+PAPER_LENGTHS = (2048, 4096, 8192, 16384)
+
+
+def length_label(length: int | str) -> str:
+    """``2048`` → ``"2k"`` (a multiple of 1,024), else the count with thousands separators (``"1,000"``).
+
+    ``length`` may be the string form a JSON key holds (``"2048"``); it must name an integer >= 1.
+    """
+    if isinstance(length, str):
+        try:
+            length = int(length)
+        except ValueError:
+            raise ValueError(f"length must be an integer >= 1, got {length!r}") from None
+    length = check_int("length", length, minimum=1)
+    return f"{length // 1024}k" if length % 1024 == 0 else f"{length:,}"

@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from bayeslayer.experiments import distill_losses as dl
 from bayeslayer.models import BayesLayerConfig, BayesLayerForCausalLM, replace_layers
+from bayeslayer.training import distillation as dl
 
 
 def _t(rows):

@@ -18,8 +18,10 @@ from typing import ClassVar
 
 import torch
 
-from ..training.optim import DECAY_POLICY
-from .cli_checks import (
+from ...training.optim import DECAY_POLICY
+from .cli_help import override_help
+from .harness import TrainConfig, results_record, summarize, summarize_curves, train_seeds
+from .options import (
     DEVICE_HELP,
     PLOT_ONLY_HELP,
     check_int,
@@ -32,10 +34,8 @@ from .cli_checks import (
     redrawing,
     resolve_device,
 )
-from .cli_help import override_help
-from .core_models import ALL_KINDS, CORE_KINDS, CORE_LABELS
-from .harness import TrainConfig, results_record, summarize, summarize_curves, train_seeds
 from .provenance import write_record
+from .recall_models import ALL_KINDS, CORE_KINDS, CORE_LABELS
 from .threads import SMALL, add_threads_option
 
 # Steps between the periodic checkpoints of a seed's training (``--checkpoint-every``).  Measured with the
@@ -77,7 +77,7 @@ class CorePreset:
 @dataclass(frozen=True)
 class CoreRunConfig:
     """One run of a core-model experiment: ``preset`` (of the experiment's :attr:`preset_type`), the
-    ``models`` to train (names from :data:`~bayeslayer.experiments.core_models.ALL_KINDS`), ``out`` (a
+    ``models`` to train (names from :data:`~bayeslayer.experiments.common.recall_models.ALL_KINDS`), ``out`` (a
     folder for ``<name>.json``, ``<name>.png`` and the per-seed cache ``runs/``; ``None``: write nothing),
     ``progress`` (a progress bar), ``checkpoint_every`` (with ``out``: a training checkpoint of the
     seed in training every that many steps, under ``runs/``, so a killed run resumes from the last one

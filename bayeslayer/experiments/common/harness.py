@@ -24,7 +24,7 @@ checkpoint stopped.  The folder is locked while a run uses it
 
 Results: :func:`summarize` gives ``{"mean", "std", "values"}`` over seeds and
 :func:`write_json` writes a JSON file (a cache) atomically; results records are written by
-:func:`bayeslayer.experiments.provenance.write_record`, which adds their provenance.  :func:`train_lr_grid` runs
+:func:`bayeslayer.experiments.common.provenance.write_record`, which adds their provenance.  :func:`train_lr_grid` runs
 :func:`train_seeds` at each learning rate of a grid and keeps the one whose
 validation metric (e.g. query accuracy on a held-out split) is highest.
 """
@@ -47,10 +47,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..files import atomic_write_json, read_json
-from ..training import CheckpointError, CheckpointStore, OutputLock
-from ..training.loop import Checkpoints, LoopState, TrainConfig, raise_if_diverged, train_loop
-from ..training.loop import lr_lambda as lr_lambda  # the schedule, also imported from here
+from ...files import atomic_write_json, read_json
+from ...training import CheckpointError, CheckpointStore, OutputLock
+from ...training.loop import Checkpoints, LoopState, TrainConfig, raise_if_diverged, train_loop
+from ...training.loop import lr_lambda as lr_lambda  # the schedule, also imported from here
 from .provenance import jsonable
 
 IGNORE_INDEX = -100
