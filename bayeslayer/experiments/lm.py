@@ -139,6 +139,7 @@ class LMModelConfig:
     head_dim: int = 128
     mixer_kwargs: dict = field(default_factory=dict)
     mlp_dropout: float = 0.4
+    match: str = "params"  # MATCHES: what BL and the other mixers share at one head shape (state_matched_kwargs)
 
     def __post_init__(self):
         object.__setattr__(self, "mixer_kwargs", dict(self.mixer_kwargs or {}))
@@ -148,6 +149,11 @@ class LMModelConfig:
             raise ValueError(f"mixer must be one of {sorted(MIXERS)}, got {self.mixer!r}")
         for name in ("hidden_size", "num_layers", "num_heads", "head_dim"):
             check_int(name, getattr(self, name), minimum=1)
+        if self.match not in MATCHES:
+            raise ValueError(f"match must be one of {MATCHES}, got {self.match!r}")
+        if self.match == "state":
+            object.__setattr__(self, "mixer_kwargs", _with_matched_state(self.mixer, self.num_heads, self.head_dim,
+                                                                        self.mixer_kwargs))
         if not (isinstance(self.mlp_dropout, (int, float)) and 0.0 <= self.mlp_dropout < 1.0):
             raise ValueError(f"mlp_dropout must be a probability in [0, 1), got {self.mlp_dropout!r}")
 
@@ -168,6 +174,52 @@ class LMDataConfig:
             raise TypeError(f"tokenizer must be a path string or None, got {type(self.tokenizer).__name__}")
         check_int("vocab_size", self.vocab_size, minimum=1)
         check_int("seq_len", self.seq_len, minimum=2)
+
+
+#: ``--match``: ``params`` gives every mixer the preset's head shape (``num_heads`` heads of key dim
+#: ``head_dim``, the mixer's own default value dim), so parameter counts are close and BL, which keeps a
+#: covariance beside its mean, carries more state (1.5× Gated DeltaNet's); ``state`` sizes the mixer's
+#: value dim with the state-budget solver so its recurrent state equals the default BL's at that head shape
+#: (the paper's comparison: Gated DeltaNet's value dim widened to BL's mean plus covariance).
+MATCHES = ("params", "state")
+
+
+def state_budget_per_layer(num_heads: int, head_dim: int) -> int:
+    """The recurrent state (floats per layer) of the default BL layer of ``num_heads`` heads of key dim
+    ``head_dim``: the budget that ``--match state`` gives every mixer."""
+    import inspect
+
+    from ..layers import MIXERS
+    from .state_budget import mixer_design
+
+    num_heads = check_int("num_heads", num_heads, minimum=1)
+    head_dim = check_int("head_dim", head_dim, minimum=1)
+    expand_v = inspect.signature(MIXERS["bayesian"]).parameters["expand_v"].default
+    return num_heads * mixer_design("bayesian").state_size(head_dim, int(head_dim * expand_v), 1)
+
+
+def state_matched_kwargs(mixer: str, num_heads: int, head_dim: int) -> dict:
+    """Mixer keywords (``expand_v``) that give ``mixer``, at ``num_heads`` heads of key dim ``head_dim``, the
+    recurrent state of the default BL layer of that shape, as the state-budget solver sizes it
+    (:func:`~bayeslayer.experiments.state_budget.solve_state_budget` with ``num_heads`` fixed; its usage floor
+    of 90% bounds the rounding).  Mixers the solver sizes by another rule (Mamba-2's ``d_state``) are refused."""
+    from .state_budget import BUDGET_MIXERS, SSD_MIXERS, solve_state_budget
+
+    if mixer not in BUDGET_MIXERS or mixer in SSD_MIXERS:
+        sized = [m for m in BUDGET_MIXERS if m not in SSD_MIXERS]
+        raise ValueError(f"--match state sizes the value dim of {', '.join(sized)}; mixer {mixer!r} is not one")
+    head = solve_state_budget(state_budget_per_layer(num_heads, head_dim), num_heads * head_dim, mixer,
+                              num_heads=num_heads)
+    return {"expand_v": head.value_dim / head.key_dim}
+
+
+def _with_matched_state(mixer: str, num_heads: int, head_dim: int, kwargs: dict) -> dict:
+    matched = state_matched_kwargs(mixer, num_heads, head_dim)
+    clash = {k: v for k, v in matched.items() if k in kwargs and kwargs[k] != v}
+    if clash:
+        raise ValueError(f"--match state sets {matched} for mixer {mixer!r}; mixer_kwargs gives "
+                         f"{ {k: kwargs[k] for k in clash} }: drop it or use --match params")
+    return {**kwargs, **matched}
 
 
 #: The optimisation of an LM run unless told otherwise (``batch_size``: windows per step, all ranks).
@@ -256,7 +308,8 @@ class LMConfig:
 
     @property
     def model_label(self) -> str:
-        return self.label or MODEL_LABELS.get(self.model.mixer, self.model.mixer)
+        label = self.label or MODEL_LABELS.get(self.model.mixer, self.model.mixer)
+        return f"{label} (state-matched)" if self.model.match == "state" and not self.label else label
 
     @property
     def tokens_per_step(self) -> int:
@@ -267,6 +320,8 @@ class LMConfig:
         flat = {"preset": self.preset, "label": self.label}
         for part in _PARTS:
             flat.update(asdict(getattr(self, part)))
+        if flat["match"] == "params":
+            del flat["match"]  # the default is not written: parameter-matched runs keep the config.json they had
         flat.update(micro_batch_size=self.micro_batch_size, precision=self.precision,
                     eval_windows=self.eval_windows, eval_batch_size=self.eval_batch_size, log_every=self.log_every)
         return json.loads(json.dumps(flat))
@@ -841,6 +896,7 @@ def _finish(run_dir: Path, model, config: LMConfig, result: LMTrainResult, ctx: 
     n = len(result.losses)
     summary = {
         "label": config.model_label, "mixer": config.mixer, "preset": config.preset, "seed": config.seed,
+        "match": config.model.match, "mixer_kwargs": config.mixer_kwargs,
         "steps": result.step, "tokens": result.tokens, "world_size": ctx.world_size, "device": str(ctx.device),
         "train_seconds": total_seconds, "tokens_per_second": result.tokens / total_seconds if total_seconds else 0.0,
         "parameters": _param_counts(model), "final_train_loss": float(np.mean(result.losses[-max(1, n // 10):])),
@@ -952,7 +1008,8 @@ def evaluate_run(run_dir: str | os.PathLike, *, split: str = "test", seq_len: in
     masks = corpus.annotate(split, seq_len).masks(shifted=True)
     groups = grouped_perplexity(model, windows, masks, batch_size=batch_size, ctx=ctx, precision=precision)
     record = {"run_dir": str(run_dir), "label": config.model_label, "mixer": config.mixer, "seed": config.seed,
-              "preset": config.preset, "split": split, "seq_len": seq_len, "windows": int(windows.shape[0]),
+              "preset": config.preset, "match": config.model.match,
+              "split": split, "seq_len": seq_len, "windows": int(windows.shape[0]),
               "precision": precision, "source": config.source, "groups": groups, "weights_sha256": weights}
     if ctx.is_main:
         write_record(cache, record, device=ctx.device, seeds=[config.seed],
@@ -1082,11 +1139,18 @@ def config_from_args(args: argparse.Namespace) -> LMConfig:
     overrides = {name: getattr(args, name) for name in (
         "mixer", "label", "seed", "steps", "batch_size", "micro_batch_size", "seq_len", "lr", "warmup_steps",
         "mlp_dropout", "hidden_size", "num_layers", "num_heads", "head_dim", "source", "tokenizer",
-        "vocab_size", "precision", "eval_every", "eval_windows", "checkpoint_every", "log_every")
+        "vocab_size", "precision", "eval_every", "eval_windows", "checkpoint_every", "log_every", "match")
         if getattr(args, name, None) is not None}
     if args.mixer_kwargs is not None:
         overrides["mixer_kwargs"] = parse_json_object("--mixer-kwargs", args.mixer_kwargs)
     return replace(config, **overrides)
+
+
+def match_arg(text: str) -> str:
+    """``--match``: one of :data:`MATCHES` (argparse reports the ValueError as a one-line usage error)."""
+    if text not in MATCHES:
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(MATCHES)}, got {text!r}")
+    return text
 
 
 def parse_json_object(option: str, text: str) -> dict:
@@ -1137,7 +1201,8 @@ def check_train_args(config: LMConfig, args: argparse.Namespace, out: str) -> No
 
 def _train_main(args) -> int:
     config = config_from_args(args)
-    out = args.out or os.path.join("runs", "lm", f"{config.preset}-{config.mixer}-seed{config.seed}")
+    stem = f"{config.preset}-state" if config.model.match == "state" else config.preset
+    out = args.out or os.path.join("runs", "lm", f"{stem}-{config.mixer}-seed{config.seed}")
     check_train_args(config, args, out)
     result = train_lm(config, out, device=args.device, cache_dir=args.cache_dir, stop_after=args.stop_after,
                       progress=not args.no_progress, keep_checkpoints=args.keep_checkpoints)
@@ -1223,6 +1288,10 @@ def add_parser(sub) -> None:
     t.add_argument("--mixer", help="token mixer of every layer (bayesian, gated_deltanet, mamba2, ...) "
                                    f"(default: {PRESETS['cpu'].mixer})")
     t.add_argument("--mixer-kwargs", help='JSON object of extra mixer arguments, e.g. \'{"p0": 1.0}\'')
+    t.add_argument("--match", type=match_arg, default=None,
+                   help="'params' (default): every mixer gets the preset's head shape, so BL (mean plus covariance) "
+                        "carries more recurrent state than the others (1.5× Gated DeltaNet's); 'state': the "
+                        "state-budget solver widens the mixer's value dim so its state equals the default BL's")
     t.add_argument("--label", help="the model's name in tables (default: from the mixer)")
     t.add_argument("--seed", type=int_arg, help=f"random seed (default: {PRESETS['cpu'].seed})")
     for name, kind, what in (
