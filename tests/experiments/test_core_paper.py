@@ -94,3 +94,14 @@ def test_tiny_recall_run_with_the_paper_cores_records_them():
         assert res["model_config"]["kind"] == kind
         acc = res["summary"]["accuracy_vs_n_f"]["mean"]
         assert len(acc) == len(TINY.test_n_f) and all(0.0 <= a <= 1.0 for a in acc)
+
+
+def test_tiny_crowding_run_with_the_paper_cores(tmp_path):
+    from bayeslayer.experiments import crowding
+    from tests.experiments.test_crowding import TINY as CROWDING_TINY
+
+    record = crowding.run_crowding(CROWDING_TINY, models_for_core(["bayesian", "delta"], "paper"),
+                                   out_dir=str(tmp_path), progress=False)
+    assert list(record["models"]) == ["bayesian_paper", "delta_paper"]
+    assert all(len(m["summary"]["cross_entropy_vs_load"]["mean"]) == len(CROWDING_TINY.test_load)
+               for m in record["models"].values())
