@@ -314,6 +314,8 @@ TABLES: dict[str, tuple[str, Callable[[Path], str]]] = {
         "results/recall/recall.json", "ρ", "test_rho", "margin_vs_rho", lambda c, x: f"{x:.2f}")),
     "recall-paper-core": ("docs/experiments.md", core_comparison_table(
         "results/recall/recall.json", "results/recall/paper-core/recall.json")),
+    "recall-paper-core-long": ("docs/experiments.md", core_comparison_table(
+        "results/recall/long/recall.json", "results/recall/paper-core/long/recall.json")),
     "crowding-ce": ("docs/experiments.md", sweep_table(
         "results/crowding/crowding.json", "n/D (n)", "test_load", "cross_entropy_vs_load", _load_label)),
     "crowding-accuracy": ("docs/experiments.md", sweep_table(
