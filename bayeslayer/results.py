@@ -156,6 +156,39 @@ def sweep_table(record_path: str, head: str, axis: str, curve: str, x_format: Ca
     return build
 
 
+def core_comparison_table(ours_path: str, paper_path: str) -> Callable[[Path], str]:
+    """Our cores (per-token noise maps, ``ours_path``) against the paper's (per-head scalars, ``paper_path``,
+    ``--core paper``) for BL and Delta: accuracy at ``n_f ∈ {64, 128, 256}`` (ρ = 0.80) and margin at
+    ρ ∈ {0.80, 0.90, 0.95} (``n_f = 64``), mean ± std over seeds; a model a record lacks is "not run"."""
+    rows = (("accuracy at n_f = 64", "test_n_f", 64, "accuracy_vs_n_f"),
+            ("accuracy at n_f = 128", "test_n_f", 128, "accuracy_vs_n_f"),
+            ("accuracy at n_f = 256", "test_n_f", 256, "accuracy_vs_n_f"),
+            ("margin at ρ = 0.80", "test_rho", 0.80, "margin_vs_rho"),
+            ("margin at ρ = 0.90", "test_rho", 0.90, "margin_vs_rho"),
+            ("margin at ρ = 0.95", "test_rho", 0.95, "margin_vs_rho"))
+    columns = (("BL, ours", "ours", "bayesian"), ("BL, paper core", "paper", "bayesian_paper"),
+               ("Delta, ours", "ours", "delta"), ("Delta, paper core", "paper", "delta_paper"))
+
+    def build(root: Path) -> str:
+        recs = {"ours": _load(root, ours_path), "paper": _load(root, paper_path)}
+        lines = [_row(["", *(label for label, _, _ in columns)]), "|" + "---|" * (len(columns) + 1)]
+        for label, axis, x, curve in rows:
+            cells = []
+            for _, which, kind in columns:
+                rec = recs[which]
+                model = rec["models"].get(kind)
+                if model is None:
+                    cells.append("not run")
+                    continue
+                i = [round(v, 6) for v in rec["config"][axis]].index(round(x, 6))
+                stats = model["summary"][curve]
+                cells.append(_pm(stats["mean"][i], stats["std"][i], 3))
+            lines.append(_row([label, *cells]))
+        return "\n".join(lines)
+
+    return build
+
+
 def _load_label(config: dict, load: float) -> str:
     return f"{load:g} ({int(load * config['address_dim'])})"
 
@@ -767,6 +800,10 @@ TABLES: dict[str, tuple[str, Callable[[Path], str]]] = {
         "results/recall/recall.json", "n_f", "test_n_f", "accuracy_vs_n_f", lambda c, x: f"{x:g}")),
     "recall-margin-rho": ("docs/experiments.md", sweep_table(
         "results/recall/recall.json", "ρ", "test_rho", "margin_vs_rho", lambda c, x: f"{x:.2f}")),
+    "recall-paper-core": ("docs/experiments.md", core_comparison_table(
+        "results/recall/recall.json", "results/recall/paper-core/recall.json")),
+    "recall-paper-core-long": ("docs/experiments.md", core_comparison_table(
+        "results/recall/long/recall.json", "results/recall/paper-core/long/recall.json")),
     "crowding-ce": ("docs/experiments.md", sweep_table(
         "results/crowding/crowding.json", "n/D (n)", "test_load", "cross_entropy_vs_load", _load_label)),
     "crowding-accuracy": ("docs/experiments.md", sweep_table(

@@ -19,7 +19,7 @@ parameter groups, linear warmup then cosine, global-norm clipping), and logs:
 ``--plot OUT.png FILE.json ...`` draws the smoothed training losses of diagnostic records (nothing is trained).
 
 ``--set name=value`` overrides a mixer constructor keyword (``r2_init``, ``ell2_init``, ``p0``, ``use_gate`` …)
-to test an initialisation.  The JSON goes through :func:`bayeslayer.experiments.provenance.write_record`.
+to test an initialisation.  The JSON goes through :func:`bayeslayer.experiments.common.provenance.write_record`.
 """
 
 from __future__ import annotations
@@ -36,10 +36,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bayeslayer.experiments.harness import masked_cross_entropy, seed_everything  # noqa: E402
-from bayeslayer.experiments.provenance import write_record  # noqa: E402
-
 from bayeslayer.data.mqar import MQARTask, make_pool  # noqa: E402
+from bayeslayer.experiments.common.harness import masked_cross_entropy, seed_everything  # noqa: E402
+from bayeslayer.experiments.common.provenance import write_record  # noqa: E402
 from bayeslayer.experiments.mqar import (  # noqa: E402
     PRESETS,
     MQARModel,
@@ -158,7 +157,7 @@ def plot(png: str, files: list[str], window: int = 25) -> None:
     """Training loss (moving mean over ``window`` steps) of each diagnostic record in ``files``."""
     import json
 
-    from bayeslayer.experiments.plotting import Series, line_plot
+    from bayeslayer.experiments.common.plotting import Series, line_plot
 
     series = []
     for f in files:

@@ -34,7 +34,7 @@ from ..training import OutputLock
 from ..training.distributed import PRECISIONS
 from .common.cli_help import override_help, preset_values
 from .common.harness import results_record, summarize
-from .common.lm_config import LM_TRAIN, LMConfig, LMDataConfig, LMModelConfig
+from .common.lm_config import LM_TRAIN, MATCHES, LMConfig, LMDataConfig, LMModelConfig
 from .common.lm_run import build_model, init_distributed, load_corpus, load_run, train_lm
 from .common.options import (
     DEVICE_HELP,
@@ -153,7 +153,8 @@ def evaluate_run(run_dir: str | os.PathLike, *, split: str = "test", seq_len: in
     masks = corpus.annotate(split, seq_len).masks(shifted=True)
     groups = grouped_perplexity(model, windows, masks, batch_size=batch_size, ctx=ctx, precision=precision)
     record = {"run_dir": str(run_dir), "label": config.model_label, "mixer": config.mixer, "seed": config.seed,
-              "preset": config.preset, "split": split, "seq_len": seq_len, "windows": int(windows.shape[0]),
+              "preset": config.preset, "match": config.model.match,
+              "split": split, "seq_len": seq_len, "windows": int(windows.shape[0]),
               "precision": precision, "source": config.source, "groups": groups, "weights_sha256": weights}
     if ctx.is_main:
         write_record(cache, record, device=ctx.device, seeds=[config.seed],
@@ -283,11 +284,19 @@ def config_from_args(args: argparse.Namespace) -> LMConfig:
     overrides = {name: getattr(args, name) for name in (
         "mixer", "label", "seed", "steps", "batch_size", "micro_batch_size", "seq_len", "lr", "warmup_steps",
         "mlp_dropout", "hidden_size", "num_layers", "num_heads", "head_dim", "source", "tokenizer",
-        "vocab_size", "precision", "eval_every", "eval_windows", "checkpoint_every", "log_every")
+        "vocab_size", "precision", "eval_every", "eval_windows", "checkpoint_every", "log_every", "match")
         if getattr(args, name, None) is not None}
     if args.mixer_kwargs is not None:
         overrides["mixer_kwargs"] = parse_json_object("--mixer-kwargs", args.mixer_kwargs)
     return replace(config, **overrides)
+
+
+def match_arg(text: str) -> str:
+    """``--match``: one of :data:`~bayeslayer.experiments.common.lm_config.MATCHES` (argparse reports the
+    error as a one-line usage error)."""
+    if text not in MATCHES:
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(MATCHES)}, got {text!r}")
+    return text
 
 
 def check_mixer_kwargs(mixer: str, kwargs: dict, *, hidden_size: int, num_heads: int, head_dim: int,
@@ -327,7 +336,8 @@ def check_train_args(config: LMConfig, args: argparse.Namespace, out: str) -> No
 
 def _train_main(args) -> int:
     config = config_from_args(args)
-    out = args.out or os.path.join("runs", "lm", f"{config.preset}-{config.mixer}-seed{config.seed}")
+    stem = f"{config.preset}-state" if config.model.match == "state" else config.preset
+    out = args.out or os.path.join("runs", "lm", f"{stem}-{config.mixer}-seed{config.seed}")
     check_train_args(config, args, out)
     result = train_lm(config, out, device=args.device, cache_dir=args.cache_dir, stop_after=args.stop_after,
                       progress=not args.no_progress, keep_checkpoints=args.keep_checkpoints)
@@ -413,6 +423,10 @@ def add_parser(sub) -> None:
     t.add_argument("--mixer", help="token mixer of every layer (bayesian, gated_deltanet, mamba2, ...) "
                                    f"(default: {PRESETS['cpu'].mixer})")
     t.add_argument("--mixer-kwargs", help='JSON object of extra mixer arguments, e.g. \'{"p0": 1.0}\'')
+    t.add_argument("--match", type=match_arg, default=None,
+                   help="'params' (default): every mixer gets the preset's head shape, so BL (mean plus covariance) "
+                        "carries more recurrent state than the others (1.5× Gated DeltaNet's); 'state': the "
+                        "state-budget solver widens the mixer's value dim so its state equals the default BL's")
     t.add_argument("--label", help="the model's name in tables (default: from the mixer)")
     t.add_argument("--seed", type=int_arg, help=f"random seed (default: {PRESETS['cpu'].seed})")
     for name, kind, what in (

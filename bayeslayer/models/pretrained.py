@@ -27,7 +27,7 @@ def load_model(path: str | os.PathLike, *, device: str = "cpu", dtype: torch.dty
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
-    from .checkpoint import load_gdn_checkpoint
+    from .fla_import import load_gdn_checkpoint
     from .loading import (
         check_finite,
         check_loading_info,

@@ -27,6 +27,7 @@ class LMModelConfig:
     head_dim: int = 128
     mixer_kwargs: dict = field(default_factory=dict)
     mlp_dropout: float = 0.4
+    match: str = "params"  # MATCHES: what BL and the other mixers share at one head shape (state_matched_kwargs)
 
     def __post_init__(self):
         object.__setattr__(self, "mixer_kwargs", dict(self.mixer_kwargs or {}))
@@ -36,8 +37,60 @@ class LMModelConfig:
             raise ValueError(f"mixer must be one of {sorted(MIXERS)}, got {self.mixer!r}")
         for name in ("hidden_size", "num_layers", "num_heads", "head_dim"):
             check_int(name, getattr(self, name), minimum=1)
+        if self.match not in MATCHES:
+            raise ValueError(f"match must be one of {MATCHES}, got {self.match!r}")
+        if self.match == "state":
+            object.__setattr__(self, "mixer_kwargs", _with_matched_state(self.mixer, self.num_heads, self.head_dim,
+                                                                        self.mixer_kwargs))
         if not (isinstance(self.mlp_dropout, (int, float)) and 0.0 <= self.mlp_dropout < 1.0):
             raise ValueError(f"mlp_dropout must be a probability in [0, 1), got {self.mlp_dropout!r}")
+
+
+#: ``--match``: ``params`` gives every mixer the preset's head shape (``num_heads`` heads of key dim
+#: ``head_dim``, the mixer's own default value dim), so parameter counts are close and BL, which keeps a
+#: covariance beside its mean, carries more state (1.5× Gated DeltaNet's); ``state`` sizes the mixer's
+#: value dim with the state-budget solver so its recurrent state equals the default BL's at that head shape
+#: (the paper's comparison: Gated DeltaNet's value dim widened to BL's mean plus covariance).
+MATCHES = ("params", "state")
+
+
+def state_budget_per_layer(num_heads: int, head_dim: int) -> int:
+    """The recurrent state (floats per layer) of the default BL layer of ``num_heads`` heads of key dim
+    ``head_dim``: the budget that ``--match state`` gives every mixer."""
+    import inspect
+
+    from ...layers import MIXERS
+    from ...models.state_budget import mixer_design
+
+    num_heads = check_int("num_heads", num_heads, minimum=1)
+    head_dim = check_int("head_dim", head_dim, minimum=1)
+    expand_v = inspect.signature(MIXERS["bayesian"]).parameters["expand_v"].default
+    return num_heads * mixer_design("bayesian").state_size(head_dim, int(head_dim * expand_v), 1)
+
+
+def state_matched_kwargs(mixer: str, num_heads: int, head_dim: int) -> dict:
+    """Mixer keywords (``expand_v``) that give ``mixer``, at ``num_heads`` heads of key dim ``head_dim``, the
+    recurrent state of the default BL layer of that shape, as the state-budget solver sizes it
+    (:func:`~bayeslayer.models.state_budget.solve_state_budget` with ``num_heads`` fixed; its usage floor
+    of 90% bounds the rounding).  Mixers the solver sizes by another rule (Mamba-2's ``d_state``) are refused."""
+    from ...models.state_budget import BUDGET_MIXERS, SSD_MIXERS, solve_state_budget
+
+    if mixer not in BUDGET_MIXERS or mixer in SSD_MIXERS:
+        sized = [m for m in BUDGET_MIXERS if m not in SSD_MIXERS]
+        raise ValueError(f"--match state sizes the value dim of {', '.join(sized)}; mixer {mixer!r} is not one")
+    head = solve_state_budget(state_budget_per_layer(num_heads, head_dim), num_heads * head_dim, mixer,
+                              num_heads=num_heads)
+    return {"expand_v": head.value_dim / head.key_dim}
+
+
+def _with_matched_state(mixer: str, num_heads: int, head_dim: int, kwargs: dict) -> dict:
+    matched = state_matched_kwargs(mixer, num_heads, head_dim)
+    clash = {k: v for k, v in matched.items() if k in kwargs and kwargs[k] != v}
+    if clash:
+        raise ValueError(f"--match state sets {matched} for mixer {mixer!r}; mixer_kwargs gives "
+                         f"{ {k: kwargs[k] for k in clash} }: drop it or use --match params")
+    return {**kwargs, **matched}
+
 
 @dataclass(frozen=True)
 class LMDataConfig:
@@ -143,7 +196,8 @@ class LMConfig:
 
     @property
     def model_label(self) -> str:
-        return self.label or MIXER_LABELS.get(self.model.mixer, self.model.mixer)
+        label = self.label or MIXER_LABELS.get(self.model.mixer, self.model.mixer)
+        return f"{label} (state-matched)" if self.model.match == "state" and not self.label else label
 
     @property
     def tokens_per_step(self) -> int:
@@ -154,6 +208,8 @@ class LMConfig:
         flat = {"preset": self.preset, "label": self.label}
         for part in _PARTS:
             flat.update(asdict(getattr(self, part)))
+        if flat["match"] == "params":
+            del flat["match"]  # the default is not written: parameter-matched runs keep the config.json they had
         flat.update(micro_batch_size=self.micro_batch_size, precision=self.precision,
                     eval_windows=self.eval_windows, eval_batch_size=self.eval_batch_size, log_every=self.log_every)
         return json.loads(json.dumps(flat))

@@ -454,6 +454,7 @@ def _finish(run_dir: Path, model, config: LMConfig, result: LMTrainResult, ctx: 
     n = len(result.losses)
     summary = {
         "label": config.model_label, "mixer": config.mixer, "preset": config.preset, "seed": config.seed,
+        "match": config.model.match, "mixer_kwargs": config.mixer_kwargs,
         "steps": result.step, "tokens": result.tokens, "world_size": ctx.world_size, "device": str(ctx.device),
         "train_seconds": total_seconds, "tokens_per_second": result.tokens / total_seconds if total_seconds else 0.0,
         "parameters": _param_counts(model), "final_train_loss": float(np.mean(result.losses[-max(1, n // 10):])),

@@ -16,6 +16,9 @@ only through learned maps from the residual stream:
   ``β_t = σ(·)``, ``A_t = I`` (the DeltaNet design)
 * LA         latent-input write ``M_t = M_{t-1} + ω_t k_t v_tᵀ``, ``ω_t = σ(·)``, ``A_t = I``
 * GLA        latent-input write with ``A_t = diag(α_t)``, ``log α_t = logσ(·)/16`` (GLA's gate)
+* ``bayesian_paper`` / ``delta_paper`` (``--core paper``, the paper's cores): BL with one learnable scalar per
+  head for each of ``r²`` and ``ℓ²``; the reset write with ``λ = ℓ² = 0.05`` fixed and one learnable ``r²``
+  per head (gain ``η_h = λ/(r_h² + λ‖k‖²)``)
 
 Each mixer runs its design model's chunked path from :mod:`bayeslayer.design`;
 the output is the readout ``y_t = M_tᵀ q_t`` with ``q_t = k_t = address_t``.
@@ -33,6 +36,7 @@ Parameters (recall sizes: 33 inputs, 16 classes): 54.7k BL, 54.2k Delta/LA, 62.5
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 import torch
@@ -46,10 +50,26 @@ CORE_KINDS = ("bayesian", "delta", "linear_attention", "gla")
 # the low-rank-plus-diagonal BL at these ranks (head_dim 16); selectable, not run by default
 LOWRANK_RANKS = (0, 1, 2, 4, 8, 16)
 LOWRANK_KINDS = tuple(f"bayesian_lowrank{r}" for r in LOWRANK_RANKS)
-ALL_KINDS = CORE_KINDS + LOWRANK_KINDS
+# The paper's cores (``--core paper``): BL and the reset (Delta) core with per-head learnable scalar noise
+# levels instead of our per-token maps from the residual stream; see :class:`CoreMixer`.
+PAPER_CORE_KINDS = {"bayesian": "bayesian_paper", "delta": "delta_paper"}
+PAPER_RESET_LAM = 0.05  # the reset core's fixed prior λ = ℓ² (the paper's appendix value)
+ALL_KINDS = CORE_KINDS + LOWRANK_KINDS + tuple(PAPER_CORE_KINDS.values())
 # labels of the recurrent-core kinds (no q/k projections), not of registry mixers (bayeslayer.layers.MIXER_LABELS)
 CORE_LABELS = {"bayesian": "BL", "delta": "Delta-style", "linear_attention": "LA-style", "gla": "GLA-style",
-               **{f"bayesian_lowrank{r}": f"BL r={r}" for r in LOWRANK_RANKS}}
+               **{f"bayesian_lowrank{r}": f"BL r={r}" for r in LOWRANK_RANKS},
+               "bayesian_paper": "BL (paper)", "delta_paper": "Delta (paper)"}
+
+
+def paper_core_kind(kind: str) -> str:
+    """The ``--core paper`` version of ``kind`` (``bayesian`` → ``bayesian_paper``, ``delta`` → ``delta_paper``)."""
+    if kind not in PAPER_CORE_KINDS:
+        raise ValueError(f"--core paper has a paper core only for {sorted(PAPER_CORE_KINDS)}, got model {kind!r}")
+    return PAPER_CORE_KINDS[kind]
+
+
+def _softplus_inverse(y: float) -> float:
+    return math.log(math.expm1(y))
 
 
 @dataclass(frozen=True)
@@ -110,7 +130,9 @@ class CoreMixer(nn.Module):
         self.design = BAYESIAN
         if self.kind in LOWRANK_KINDS:
             self.design = lowrank_diagonal(int(self.kind[len("bayesian_lowrank"):]))
-        if self.kind.startswith("bayesian"):
+        if self.kind in PAPER_CORE_KINDS.values():
+            self._init_paper_core(H)
+        elif self.kind.startswith("bayesian"):
             self.r2 = nn.Linear(W, H)
             self.ell2 = nn.Linear(W, H)
             # No decay: a learned α_t I with α ≈ 0.98 at init forgot targets over the long distractor
@@ -123,7 +145,30 @@ class CoreMixer(nn.Module):
         else:
             self.coef = nn.Linear(W, H)
 
+    def _init_paper_core(self, H: int) -> None:
+        """The paper's cores: one learnable scalar per head for each noise level, the same for every token.
+
+        ``bayesian_paper``: ``r_h² = softplus(a_h) + 1e-4``, ``ℓ_h² = softplus(b_h) + 1e-6`` (initialised at
+        our per-token maps' initial values, 0.31 and 0.018).  ``delta_paper``: the reset write with its
+        prior fixed at ``λ = ℓ² = 0.05`` and a learnable ``r_h² = softplus(a_h) + 1e-4``, so its gain is
+        ``η_h = λ/(r_h² + λ‖k‖²)`` (initialised at ``r² = 0.05``: gain 0.5 for a unit key).
+        """
+        if self.kind == "bayesian_paper":
+            self.r2_head = nn.Parameter(torch.full((H,), -1.0))  # softplus(-1) ≈ 0.31
+            self.ell2_head = nn.Parameter(torch.full((H,), -4.0))  # softplus(-4) ≈ 0.018
+        else:
+            self.r2_head = nn.Parameter(torch.full((H,), _softplus_inverse(PAPER_RESET_LAM - 1e-4)))
+
+    def _paper_noise(self, h: torch.Tensor) -> dict[str, torch.Tensor]:
+        B, T, _ = h.shape
+        r2 = (F.softplus(self.r2_head) + 1e-4).expand(B, T, self.H)
+        if self.kind == "delta_paper":
+            return {"r2": r2, "lam": torch.full_like(r2, PAPER_RESET_LAM)}
+        return {"r2": r2, "ell2": (F.softplus(self.ell2_head) + 1e-6).expand(B, T, self.H)}
+
     def _noise(self, h: torch.Tensor) -> dict[str, torch.Tensor]:
+        if self.kind == "bayesian_paper":
+            return self._paper_noise(h)
         return {"r2": F.softplus(self.r2(h)) + 1e-4, "ell2": F.softplus(self.ell2(h)) + 1e-6}
 
     def predictive_variance(self, h: torch.Tensor, address: torch.Tensor) -> torch.Tensor:
@@ -145,6 +190,8 @@ class CoreMixer(nn.Module):
         v = self.value(h).view(B, T, self.H, self.m)
         if self.kind.startswith("bayesian"):
             out = self.design.chunk(qk, qk, v, **self._noise(h), p0=self.p0, chunk_size=self.chunk_size)
+        elif self.kind == "delta_paper":
+            out = DELTANET.chunk(qk, qk, v, **self._paper_noise(h), chunk_size=self.chunk_size)
         elif self.kind == "delta":
             beta = torch.sigmoid(self.coef(h)).clamp(min=1e-6)
             out = DELTANET.chunk(qk, qk, v, gain=beta, chunk_size=self.chunk_size)

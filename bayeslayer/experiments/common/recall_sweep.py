@@ -35,7 +35,7 @@ from .options import (
     resolve_device,
 )
 from .provenance import write_record
-from .recall_models import ALL_KINDS, CORE_KINDS, CORE_LABELS
+from .recall_models import ALL_KINDS, CORE_KINDS, CORE_LABELS, PAPER_CORE_KINDS, paper_core_kind
 from .threads import SMALL, add_threads_option
 
 # Steps between the periodic checkpoints of a seed's training (``--checkpoint-every``).  Measured with the
@@ -43,6 +43,9 @@ from .threads import SMALL, add_threads_option
 # where a training step of BL or Delta took 0.6-1.1 s, so about 0.2% of the training time; a kill loses at
 # most 100 steps.
 CHECKPOINT_EVERY = 100
+# ``--core``: ``ours`` learns BL's noise and Delta's gain per token from the residual stream; ``paper`` gives
+# BL and the reset (Delta) core per-head learnable scalar noise levels (recall_models.PAPER_CORE_KINDS).
+CORES = ("ours", "paper")
 
 
 @dataclass(frozen=True)
@@ -245,10 +248,24 @@ def print_summary_table(record: dict, key: str, xs: Sequence, x_label: str, x_fm
         print(f"{x:<7{x_fmt}}{row}")
 
 
+def models_for_core(models: Sequence[str], core: str) -> tuple[str, ...]:
+    """The model kinds ``--models`` names under ``--core``: ``ours`` keeps them, ``paper`` maps each to its
+    paper core (``bayesian`` → ``bayesian_paper``, ``delta`` → ``delta_paper``; other models have none)."""
+    if core not in CORES:
+        raise ValueError(f"--core must be one of {CORES}, got {core!r}")
+    if core == "ours":
+        return tuple(models)
+    try:
+        return tuple(paper_core_kind(m) for m in models)
+    except ValueError as err:
+        raise ValueError(f"{err}; pass --models bayesian delta (or one of them) with --core paper") from None
+
+
 def config_from_args(args, *, presets: dict, config_type: type[CoreRunConfig]) -> CoreRunConfig:
     """The run config that ``bayeslayer recall|crowding`` arguments name (``--out`` checked first)."""
     check_out_dir(args.out)
-    return config_type(preset=preset_from_args(presets, args), models=tuple(args.models), out=args.out,
+    return config_type(preset=preset_from_args(presets, args), models=models_for_core(args.models, args.core),
+                       out=args.out,
                        progress=not args.no_progress, checkpoint_every=args.checkpoint_every,
                        device=args.device)
 
@@ -304,6 +321,11 @@ def add_command(sub, *, name: str, help: str, doc: str, presets: dict, paper_bud
                    help=f"checkpoint the seed in training every N steps under OUT/runs, so a killed run resumes "
                         f"where it stopped (default {CHECKPOINT_EVERY}; 0: only on Ctrl-C); the results do not "
                         "depend on it")
+    p.add_argument("--core", choices=CORES, default="ours",
+                   help="'ours' (default): BL's noise and Delta's gain learned per token from the residual stream; "
+                        "'paper': the paper's cores, one learnable scalar per head for BL's r² and ℓ² and for the "
+                        "reset (Delta) core's r² with its ℓ² fixed at 0.05 (models bayesian and delta only; "
+                        f"trained as {' and '.join(PAPER_CORE_KINDS.values())})")
     p.add_argument("--plot-only", action="store_true", help=PLOT_ONLY_HELP)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=func)
