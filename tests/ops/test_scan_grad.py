@@ -154,6 +154,8 @@ def test_grad_of_p0_without_initial_state(decay):
     _assert_grads_equal(out[0], out[1])
 
 
+@pytest.mark.slow  # numerical Jacobians of every input: the slowest default test of the split suite; the grads
+# of the composed path still meet autograd through the chunk path in the default run (tests above)
 def test_gradcheck_tiny():
     """``torch.autograd.gradcheck`` of the whole composed path (prepare → ScanFunction → finish), float64.
 
