@@ -64,9 +64,10 @@ except ImportError:  # hypothesis is a test extra; the property tests skip thems
 
 if settings is not None:
     # No per-example deadline: the first example pays for torch's lazy initialisation, and the
-    # shared CI cores make wall-clock times noisy.  Examples are few; each draws a whole sequence.
+    # shared CI cores make wall-clock times noisy.  Examples are few (10, hypothesis's own default is 100);
+    # each draws a whole sequence, and the thorough profile below runs 500.
     settings.register_profile(
-        "bayeslayer", deadline=None, max_examples=25, suppress_health_check=[HealthCheck.too_slow]
+        "bayeslayer", deadline=None, max_examples=10, suppress_health_check=[HealthCheck.too_slow]
     )
     # On demand: `pytest --hypothesis-profile=bayeslayer-thorough tests/ops/test_properties.py`.
     settings.register_profile(

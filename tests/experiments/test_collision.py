@@ -213,6 +213,7 @@ def test_rotated_keys_change_only_the_diagonal_ablation(results):
     assert all(d < results["models"]["diagonal"]["p_ab"][-1] - 0.1 for d in rot["diagonal"])
 
 
+@pytest.mark.slow  # reruns the whole experiment through the command line (the `results` fixture runs it in-process)
 def test_cli_writes_json_and_figures_then_redraws_from_json(results, tmp_path, capsys):
     out = tmp_path / "collision"
     assert main(["collision", "--out", str(out)]) == 0

@@ -17,6 +17,8 @@ from bayeslayer.ops.bayesian_layer.prepare import prepare
 
 from .scan_inputs import note_inputs, regime_inputs
 
+SLOW = pytest.mark.slow  # the full grid; the default run keeps the cases without it
+
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-300)).item()
@@ -51,9 +53,9 @@ def _segment_transition_norms(q, k, v, r2, ell2, alpha, cu, C, segment_chunks):
     return torch.linalg.matrix_norm(A, ord=2)
 
 
-@pytest.mark.parametrize("regime", ["longmem", "stress"])
+@pytest.mark.parametrize("regime", ["longmem", pytest.param("stress", marks=SLOW)])
 @pytest.mark.parametrize("diagonal", [False, True])
-@pytest.mark.parametrize("n_segments", [1, 2, 3])
+@pytest.mark.parametrize("n_segments", [pytest.param(1, marks=SLOW), pytest.param(2, marks=SLOW), 3])
 def test_scan_equals_bl_chunk(regime, diagonal, n_segments):
     B, T, H, D, m, C = 2, 150, 2, 8, 4, 16  # 10 chunks, the last ragged (6 tokens)
     q, k, v, r2, ell2, alpha = regime_inputs(regime, B, T, H, D, m, diagonal=diagonal)
@@ -66,9 +68,9 @@ def test_scan_equals_bl_chunk(regime, diagonal, n_segments):
         assert norms.numel() > 0 and norms.min() > 0.1  # the carried state matters
 
 
-@pytest.mark.parametrize("regime", ["longmem", "stress"])
+@pytest.mark.parametrize("regime", ["longmem", pytest.param("stress", marks=SLOW)])
 @pytest.mark.parametrize("diagonal", [False, True])
-@pytest.mark.parametrize("G", [1, 2])
+@pytest.mark.parametrize("G", [pytest.param(1, marks=SLOW), 2])
 def test_scan_segments_inside_cu_seqlens(regime, diagonal, G):
     """Packed sequences of 37, 0, 100 and 13 tokens, segments of 2 chunks: boundaries inside sequences."""
     T, H, D, m, C = 150, 2, 8, 4, 16
@@ -184,7 +186,7 @@ def _errors(out, ref):
     return eb, eP
 
 
-@pytest.mark.parametrize("regime", ["longmem", "stress"])
+@pytest.mark.parametrize("regime", ["longmem", pytest.param("stress", marks=SLOW)])
 def test_scan_fp32_precision_within_twice_the_note(regime):
     """fp32 scan (4 segments of 16 chunks; Phase A/B in float64) vs float64, on the note's own inputs.
 

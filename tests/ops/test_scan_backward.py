@@ -23,6 +23,8 @@ from bayeslayer.ops.bayesian_layer.prepare import prepare
 
 from .scan_inputs import regime_inputs
 
+SLOW = pytest.mark.slow  # the full grid; the default run keeps the cases without it
+
 TOL = 1e-10
 OUTPUTS = ("w", "beta", "linv", "variance", "kw", "vu", "g", "P")
 INPUTS = ("q", "k", "v", "r2", "ell2", "log_alpha", "P0")
@@ -89,9 +91,9 @@ def _transition_norms(call) -> torch.Tensor:
     return torch.linalg.matrix_norm(A, ord=2)
 
 
-@pytest.mark.parametrize("regime", ["longmem", "stress"])
+@pytest.mark.parametrize("regime", ["longmem", pytest.param("stress", marks=SLOW)])
 @pytest.mark.parametrize("diagonal", [False, True])
-@pytest.mark.parametrize("n_segments", [1, 2, 3])
+@pytest.mark.parametrize("n_segments", [pytest.param(1, marks=SLOW), pytest.param(2, marks=SLOW), 3])
 def test_backward_equals_autograd_through_the_scan(regime, diagonal, n_segments):
     call = _call(regime, diagonal, n_segments)  # 10 chunks of 16, the last ragged (6 tokens)
     out, cot, auto = _autograd_scan(call)
@@ -105,9 +107,9 @@ def test_backward_equals_autograd_through_the_scan(regime, diagonal, n_segments)
         assert norms.numel() > 0 and norms.min() > 0.1  # the carried adjoint matters
 
 
-@pytest.mark.parametrize("regime", ["longmem", "stress"])
+@pytest.mark.parametrize("regime", ["longmem", pytest.param("stress", marks=SLOW)])
 @pytest.mark.parametrize("diagonal", [False, True])
-@pytest.mark.parametrize("G", [1, 2])
+@pytest.mark.parametrize("G", [pytest.param(1, marks=SLOW), 2])
 def test_backward_segments_inside_cu_seqlens(regime, diagonal, G):
     """Packed sequences of 37, 0, 100 and 13 tokens from their own full P0, segments of 2 chunks."""
     cu = [0, 37, 37, 137, 150]
@@ -132,9 +134,9 @@ def test_backward_segments_inside_cu_seqlens(regime, diagonal, G):
         assert all(torch.equal(a, b) for a, b in zip(kept, mine, strict=True))
 
 
-@pytest.mark.parametrize("regime", ["longmem", "stress"])
+@pytest.mark.parametrize("regime", ["longmem", pytest.param("stress", marks=SLOW)])
 @pytest.mark.parametrize("diagonal", [False, True])
-@pytest.mark.parametrize("n_segments", [1, 2, 3])
+@pytest.mark.parametrize("n_segments", [pytest.param(1, marks=SLOW), pytest.param(2, marks=SLOW), 3])
 def test_backward_equals_autograd_through_the_chunk_path(regime, diagonal, n_segments):
     """Autograd through the chunk-serial covariance pass (w, variance, final P), which knows no segments."""
     B, T, H, D, m, C = 2, 150, 2, 8, 4, 16

@@ -60,8 +60,9 @@ def _scan_state(regime, D, diagonal, cu, seed, *, C=16, n_s=2, H=2):
 # B3
 # ---------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize(("regime", "D", "diagonal"), [("stress", 8, False), ("stress", 32, True),
-                                                       ("longmem", 40, False)])
+@pytest.mark.parametrize(("regime", "D", "diagonal"), [("stress", 8, False),
+                                                       pytest.param("stress", 32, True, marks=pytest.mark.slow),
+                                                       pytest.param("longmem", 40, False, marks=pytest.mark.slow)])
 def test_reverse_segments_triton_equals_twin(regime, D, diagonal):
     """B3 as one kernel == ``reverse_segments(element_transition(...))``, float64 ≤ 1e-12: packed sequences of
     1, 2 and 3 segments (2, 4, 5 chunks of 16, segments of 2 chunks); D = 8, 32, 40 (one, two and a padded
@@ -134,8 +135,10 @@ def _twin_segment_adjoint(lay, x, adj, P_starts, end_bar, inputs):
     return dP, ({name: lay.scatter(t, NT) for name, t in gr.items()} if inputs else None)
 
 
-@pytest.mark.parametrize(("D", "inputs", "diagonal", "H"), [(16, True, False, 2), (24, True, False, 1),
-                                                           (16, False, False, 1), (16, True, True, 1),
+@pytest.mark.parametrize(("D", "inputs", "diagonal", "H"), [pytest.param(16, True, False, 2, marks=pytest.mark.slow),
+                                                           pytest.param(24, True, False, 1, marks=pytest.mark.slow),
+                                                           (16, False, False, 1),
+                                                           pytest.param(16, True, True, 1, marks=pytest.mark.slow),
                                                            (24, True, True, 2)])
 def test_segment_adjoint_triton_equals_twin_fp64(D, inputs, diagonal, H):
     """B2 (start adjoints only) and B4 (and every input gradient), scalar and diagonal decay, float64 ≤ 1e-12:
@@ -158,7 +161,7 @@ def test_segment_adjoint_triton_equals_twin_fp64(D, inputs, diagonal, H):
         assert gr is None
 
 
-@pytest.mark.parametrize("diagonal", [False, True])
+@pytest.mark.parametrize("diagonal", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_segment_adjoint_triton_fp32(diagonal):
     """float32 inputs and adjoints (B4 in float32, long-memory regime) against the float64 twin: every gradient
     within 5e-6 relative (max error over the largest entry; measured 1.3e-7 – 5.4e-7 scalar, 1.3e-7 – 4.6e-7
@@ -190,7 +193,7 @@ def _full_case(T, cu, n_s, seed, D=16, diagonal=False):
     return lay, args, kw
 
 
-@pytest.mark.parametrize("diagonal", [False, True])
+@pytest.mark.parametrize("diagonal", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_covariance_scan_backward_triton_equals_autograd(diagonal):
     """B2 + Phase A (kernels) + B3 + B4 == autograd through ``scan.covariance_scan`` and == the twin
     ``covariance_scan_backward``, float64, stress regime, scalar and diagonal decay, sequences of 1 and 3

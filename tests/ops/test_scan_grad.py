@@ -30,6 +30,8 @@ from bayeslayer.ops.bayesian_layer import mean_pass_fla, scan, scan_grad
 
 from .scan_inputs import regime_inputs
 
+SLOW = pytest.mark.slow  # the full grid; the default run keeps the cases without it
+
 TOL = 1e-10
 NAMES = ("q", "k", "v", "r2", "ell2", "alpha", "M0", "P0")
 interpreted = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -107,9 +109,9 @@ def _torch_ref(inputs, cu=None, seed=0):
 # ------------------------------------------------------------------ the chain on the plain-PyTorch forward
 
 
-@pytest.mark.parametrize("regime", ["longmem", "stress"])
+@pytest.mark.parametrize("regime", ["longmem", pytest.param("stress", marks=SLOW)])
 @pytest.mark.parametrize("diagonal", [False, True])
-@pytest.mark.parametrize("n_segments", [1, 2, 3])
+@pytest.mark.parametrize("n_segments", [pytest.param(1, marks=SLOW), pytest.param(2, marks=SLOW), 3])
 def test_grads_equal_torch_chunk_path(regime, diagonal, n_segments):
     """B = 2, T = 150 (10 chunks of 16, the last ragged), a full initial state; 1, 2, 3 segments."""
     inputs = _case(regime, diagonal)
@@ -121,9 +123,9 @@ def test_grads_equal_torch_chunk_path(regime, diagonal, n_segments):
         assert norms.numel() > 0 and norms.min() > 0.1  # the carried state (and B3's adjoint) matters
 
 
-@pytest.mark.parametrize("regime", ["longmem", "stress"])
+@pytest.mark.parametrize("regime", ["longmem", pytest.param("stress", marks=SLOW)])
 @pytest.mark.parametrize("diagonal", [False, True])
-@pytest.mark.parametrize("G", [1, 2])
+@pytest.mark.parametrize("G", [pytest.param(1, marks=SLOW), 2])
 def test_grads_packed_cu_seqlens_and_groups(regime, diagonal, G):
     """Packed sequences of 37, 0, 100 and 13 tokens (segments of 3 chunks: boundaries inside the longest),
     each from its own initial state; r2 ``[B, T, H, G]`` with G = 2."""
@@ -154,6 +156,8 @@ def test_grad_of_p0_without_initial_state(decay):
     _assert_grads_equal(out[0], out[1])
 
 
+@pytest.mark.slow  # numerical Jacobians of every input: the slowest default test of the split suite; the grads
+# of the composed path still meet autograd through the chunk path in the default run (tests above)
 def test_gradcheck_tiny():
     """``torch.autograd.gradcheck`` of the whole composed path (prepare → ScanFunction → finish), float64.
 
@@ -219,8 +223,9 @@ def test_mean_backward_kernels_choice():
 
 @runs_triton
 @pytest.mark.parametrize(("regime", "diagonal", "G", "n_segments"),
-                         [("stress", False, 2, 2), ("longmem", True, 1, 3), ("longmem", False, 1, 1),
-                          ("stress", True, 2, 2)])
+                         [("stress", False, 2, 2), ("longmem", True, 1, 3),
+                          pytest.param("longmem", False, 1, 1, marks=SLOW),
+                          pytest.param("stress", True, 2, 2, marks=SLOW)])
 def test_bl_chunk_triton_scan_backward_fp64(regime, diagonal, G, n_segments):
     """``bl_chunk_triton(backward="scan")``: the Triton forward (Phase A/B kernels, Phase C, the mean kernel) keeps
     W, L⁻¹ rows, P_s and Phase A's elements; gradients equal the PyTorch path's.  Packed ragged sequences."""
@@ -321,10 +326,10 @@ def _sym_p0(grads: dict) -> dict:
 
 @runs_triton
 @pytest.mark.parametrize(("dtype", "regime", "diagonal", "arith"), [
-    (torch.bfloat16, "longmem", False, 1e-5), (torch.bfloat16, "longmem", True, 1e-5),
-    (torch.float16, "longmem", False, 1e-5), (torch.float16, "longmem", True, 1e-5),
-    (torch.bfloat16, "stress", True, 1e-3)], ids=["bf16-scalar", "bf16-diag", "fp16-scalar", "fp16-diag",
-                                                   "bf16-stress-diag"])
+    (torch.bfloat16, "longmem", False, 1e-5), pytest.param(torch.bfloat16, "longmem", True, 1e-5, marks=SLOW),
+    pytest.param(torch.float16, "longmem", False, 1e-5, marks=SLOW), (torch.float16, "longmem", True, 1e-5),
+    pytest.param(torch.bfloat16, "stress", True, 1e-3, marks=SLOW)],
+    ids=["bf16-scalar", "bf16-diag", "fp16-scalar", "fp16-diag", "bf16-stress-diag"])
 def test_bl_chunk_triton_scan_backward_16bit(monkeypatch, dtype, regime, diagonal, arith):
     """bf16 and fp16 inputs (q, k, v, r2, ell2, alpha, M0, P0 all 16-bit) through ``bl_chunk_triton(backward="scan")``
     against float64 autograd through ``bl_chunk(backend="torch")`` on the same values upcast, both handed the same
@@ -448,7 +453,8 @@ def _spy_covariance(monkeypatch) -> dict:
 
 
 @runs_triton
-@pytest.mark.parametrize(("diagonal", "state"), [(False, True), (True, True), (False, False), (True, False)])
+@pytest.mark.parametrize(("diagonal", "state"), [(False, True), pytest.param(True, True, marks=SLOW),
+                                                 pytest.param(False, False, marks=SLOW), (True, False)])
 def test_triton_forward_runs_triton_covariance_backward(monkeypatch, diagonal, state):
     """``bl_chunk_triton(backward="scan")``: B2–B4 on the Triton kernels (not the twin), gradients of q, k, v, r2,
     ell2, alpha and the initial state (M0, P0) — or, without one, of a per-head ``p0`` — equal the PyTorch path's
@@ -492,7 +498,8 @@ def test_covariance_choice_is_explicit(monkeypatch):
 
 
 @runs_triton
-@pytest.mark.parametrize(("diagonal", "G"), [(False, 1), (True, 1), (False, 2)],
+@pytest.mark.parametrize(("diagonal", "G"), [(False, 1), pytest.param(True, 1, marks=SLOW),
+                                            pytest.param(False, 2, marks=SLOW)],
                          ids=["scalar", "diagonal", "scalar-G2"])
 def test_scan_backward_launches_do_not_grow_with_chunks(monkeypatch, diagonal, G):
     """The whole ``.backward()`` of ``bl_chunk_triton(backward="scan")`` (fp32: fla's mean-pass kernels, the

@@ -76,7 +76,8 @@ def test_twin_clamps_and_flags():
         scan.ldl_clamped(S, torch.zeros(2, 7, dtype=S.dtype))
 
 
-@pytest.mark.parametrize("N", [16, 32, 40, 64])
+@pytest.mark.parametrize("N", [pytest.param(16, marks=pytest.mark.slow), pytest.param(32, marks=pytest.mark.slow), 40,
+                               pytest.param(64, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_ldl_kernel_equals_twin(N, dtype):
     S, floor = _spd(2, N, seed=N)

@@ -47,8 +47,9 @@ def _strong_inputs(NT, H, D, diagonal, seed):
     return tuple(x.to(DEVICE) for x in (q, k, r2, ell2, la))
 
 
-@pytest.mark.parametrize(("diagonal", "D", "dtype"), [(False, 8, torch.float64), (True, 20, torch.float64),
-                                                     (False, 20, torch.float32), (True, 8, torch.float32)])
+@pytest.mark.parametrize(("diagonal", "D", "dtype"), [pytest.param(False, 8, torch.float64, marks=pytest.mark.slow),
+                                                     (True, 20, torch.float64), (False, 20, torch.float32),
+                                                     pytest.param(True, 8, torch.float32, marks=pytest.mark.slow)])
 def test_prep_kernel_equals_twin(diagonal, D, dtype):
     """g, b, base, qᵀBq of every chunk == ``prep_reference``; D = 20 pads the second 16-channel block.
     Sequences of 37, 0 and 43 tokens, C = 16: ragged last chunks (5 and 11 tokens) and an empty one."""
@@ -93,7 +94,7 @@ def test_prep_triton_bad_input():
         scan.chunk_bounds([0, 20], 0)
 
 
-@pytest.mark.parametrize("diagonal", [False, True])
+@pytest.mark.parametrize("diagonal", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_phase_a_reads_the_prep_buffers(diagonal):
     """Phase A's covariance kernel with the prep buffers == the twin's elements (float64 ≤ 1e-12), and it
     really reads them: a perturbed base changes the elements."""
@@ -120,7 +121,8 @@ def test_phase_a_reads_the_prep_buffers(diagonal):
         phase_a_triton(*args, prep=prep_triton(*args[:-1], dtype=torch.float32, want_var=False))
 
 
-@pytest.mark.parametrize(("diagonal", "regime"), [(False, "stress"), (True, "longmem")])
+@pytest.mark.parametrize(("diagonal", "regime"), [(False, "stress"),
+                                                  pytest.param(True, "longmem", marks=pytest.mark.slow)])
 def test_forward_scan_with_prep_equals_bl_chunk_fp64(diagonal, regime):
     """The whole scan forward with the prep kernel (Phase A and C read its buffers; float64: one prep
     shared by both) == ``bl_chunk`` and == the scan without the prep kernel, float64 ≤ 1e-12; packed
@@ -147,7 +149,7 @@ def test_forward_scan_with_prep_equals_bl_chunk_fp64(diagonal, regime):
         forward_scan_triton(*args, segment_chunks=2, prep="yes")
 
 
-@pytest.mark.parametrize("diagonal", [False, True])
+@pytest.mark.parametrize("diagonal", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_forward_scan_with_prep_fp32(diagonal):
     """fp32 inputs: one fp32 prep (with qᵀBq) read by Phase A's float64 kernel (cast on load) and by Phase C;
     equals the scan without the prep kernel to fp32 rounding."""

@@ -32,7 +32,8 @@ def _rel(a, b):
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
-@pytest.mark.parametrize(("diagonal", "regime"), [(False, "longmem"), (True, "stress")])
+@pytest.mark.parametrize(("diagonal", "regime"), [pytest.param(False, "longmem", marks=pytest.mark.slow),
+                                                  (True, "stress")])
 def test_forward_scan_triton_equals_bl_chunk_fp64(diagonal, regime):
     from bayeslayer.ops.bayesian_layer.scan_triton import forward_scan_triton
 
@@ -74,7 +75,7 @@ def test_forward_scan_triton_bad_input():
         forward_scan_triton(q, k, v, r2, ell2, alpha, 1.0, None, None, None, 8, False)
 
 
-@pytest.mark.parametrize("diagonal", [False, True])
+@pytest.mark.parametrize("diagonal", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_phase_a_triton_equals_twin(diagonal):
     """Phase A on the kernels (covariance kernel from P = 0, β from kᵀw, tracking kernel) == the PyTorch twin."""
     from bayeslayer.ops.bayesian_layer.scan_triton import phase_a_triton
@@ -114,8 +115,9 @@ def _elements(regime, D, diagonal, cu, seed):
     return lay, P0, (A, Cm, J, segs)
 
 
-@pytest.mark.parametrize(("regime", "D", "diagonal"), [("stress", 8, False), ("longmem", 40, True),
-                                                       ("stress", 32, True)])
+@pytest.mark.parametrize(("regime", "D", "diagonal"), [("stress", 8, False),
+                                                       pytest.param("longmem", 40, True, marks=pytest.mark.slow),
+                                                       pytest.param("stress", 32, True, marks=pytest.mark.slow)])
 def test_phase_b_triton_equals_twin(regime, D, diagonal):
     """Phase B as one kernel (blocked LDLᵀ of P_s and of I + GᵀJG, 16×16 tl.dot tiles) == the PyTorch
     Cholesky form, float64 ≤ 1e-12; sequences with 3, 1 and 4 segments (ragged tails)."""
@@ -142,7 +144,8 @@ def test_phase_b_triton_flags_not_positive_definite():
     assert failed.tolist() == [[False, True], [False, False]]
 
 
-@pytest.mark.parametrize(("regime", "diagonal"), [("longmem", False), ("stress", True)])
+@pytest.mark.parametrize(("regime", "diagonal"), [pytest.param("longmem", False, marks=pytest.mark.slow),
+                                                  ("stress", True)])
 def test_forward_scan_triton_phase_b_kernel_equals_torch_scan(regime, diagonal):
     """Phases A, B (one kernel), C on Triton == the PyTorch scan (ops/bayesian_layer/scan.py), float64 ≤ 1e-12: packed
     sequences of 1, 2 and 3 segments (segments of 2 chunks of 16), ragged tails, an initial state."""

@@ -203,7 +203,7 @@ def test_gradient_of_p0_and_variance_only():
     assert grads[1].abs().min() > 0
 
 
-@pytest.mark.parametrize("G", [1, 2])
+@pytest.mark.parametrize("G", [pytest.param(1, marks=pytest.mark.slow), 2])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_gradients(dtype, G):
     """16-bit inputs: the backward keeps q, k, v and dO in their dtype (no full fp32 copies) and
@@ -230,7 +230,7 @@ def test_gradients_with_cu_seqlens():
     _grad_check("scalar", 1, with_state=True, cu_lens=[7, 12])
 
 
-@pytest.mark.parametrize("cu_lens", [None, [7, 40, 70]], ids=["batch", "varlen"])
+@pytest.mark.parametrize("cu_lens", [pytest.param(None, marks=pytest.mark.slow), [7, 40, 70]], ids=["batch", "varlen"])
 def test_gradients_over_several_backward_blocks(monkeypatch, cu_lens):
     """The backward recomputes blocks of chunks; with blocks of 2 chunks, 5 chunks span 3 blocks
     (a partial last one), and packed sequences of 1, 3 and 5 chunks end inside, at and before
@@ -407,7 +407,8 @@ def test_long_sequence_fp32_stays_finite_and_psd():
 # ---- the segment-scan forward is what bl_chunk(backend="triton"), the layer and the model run ----
 
 
-@pytest.mark.parametrize(("regime", "diagonal", "n_segments"), [("longmem", False, 2), ("stress", True, 3)])
+@pytest.mark.parametrize(("regime", "diagonal", "n_segments"),
+                         [("longmem", False, 2), pytest.param("stress", True, 3, marks=pytest.mark.slow)])
 def test_bl_chunk_triton_runs_the_segment_scan(regime, diagonal, n_segments):
     """Forced Triton with ``n_segments``: the scan's Phase A, B (kernels) and C, the mean kernel; packed
     ragged sequences (segments never cross them), an initial state; fp64 equal to PyTorch ≤ 1e-12."""
