@@ -761,7 +761,24 @@ def mqar_diagnostics_table(root: Path) -> str:
     return "\n".join(lines)
 
 
+# --------------------------------------------------------------------------- CPU threads
+
+def threads_table(root: Path) -> str:
+    """``benchmarks/threads.py --out``: each workload's median wall time at its default (one thread) and at
+    PyTorch's default, idle and beside a CPU-bound process, with the 1-minute load average at each run's start."""
+    rec = _load(root, "results/threads/threads.json")
+    lines = [_row(["workload", "condition", "default, 1 thread (s)",
+                   f"PyTorch default, {rec['pytorch_default_threads']} threads (s)", "ratio",
+                   "runs (default / PyTorch default, s)", "load at start"]), "|---|---|---:|---:|---:|---|---|"]
+    for r in rec["rows"]:
+        runs = " / ".join(", ".join(f"{t:.1f}" for t in r["runs_s"][k]) for k in ("default", "PyTorch default"))
+        lines.append(_row([r["workload"], r["condition"], f"{r['default_s']:.2f}", f"{r['pytorch_default_s']:.2f}",
+                           f"{r['ratio']:.2f}", runs, f"{r['load_min']:.1f}–{r['load_max']:.1f}"]))
+    return "\n".join(lines)
+
+
 TABLES: dict[str, tuple[str, Callable[[Path], str]]] = {
+    "cpu-threads": ("docs/reliability.md", threads_table),
     "collision-steps": ("docs/experiments.md", collision_steps_table),
     "collision-fixed-prior": ("docs/experiments.md", collision_fixed_prior_table),
     "collision-overlap": ("docs/experiments.md", collision_overlap_table),

@@ -8,7 +8,9 @@ script; ``contended``: ``--competitors`` CPU-bound processes that this script st
 and stops after it; each also stops by itself after ``--competitor-limit`` seconds), the command runs as
 a fresh process twice: at its default (``--threads`` left out: one thread for these workloads) and with
 ``--threads 0`` (PyTorch's default, one thread per core).  Wall-clock seconds are the median over
-``--repeats`` (the language model first runs once untimed, to build its token cache).  The table also
+``--repeats`` (the language model first runs once untimed, to build its token cache).  ``--out FILE``
+also writes every run's time, the medians and the load averages as a JSON results record (with its
+provenance: commit, command, versions, CPU model).  The table also
 prints the 1-minute load average when each cell started: "idle" means only that this script added no
 load, so read the load column beside the times.  ``ratio`` is the PyTorch-default
 time over the default time.  Nothing is asserted.  The table in docs/reliability.md is this script's output.
@@ -82,11 +84,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--competitors", type=int, default=1, help="CPU-bound processes in the contended condition")
     parser.add_argument("--competitor-limit", type=float, default=1200.0,
                         help="seconds after which a competitor stops by itself")
+    parser.add_argument("--out", default=None, help="also write the table as a JSON results record here")
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.competitors < 1:
         parser.error("--repeats and --competitors must be >= 1")
     import torch
 
+    t_start = time.perf_counter()
+    rows = []
     print(f"# {os.cpu_count()} CPUs, torch {torch.__version__}, PyTorch default threads here: "
           f"{torch.get_num_threads()}; {args.repeats} repeat(s), median; contended = {args.competitors} "
           f"CPU-bound process(es)")
@@ -97,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
             if name in NEEDS_WARMUP:
                 run_once(WORKLOADS[name], cache)  # untimed: builds the token cache once
             for condition in args.conditions:
-                times, loads = {}, []
+                times, loads, runs_by_label = {}, [], {}
                 for label, extra in SETTINGS:
                     runs = []
                     for _ in range(args.repeats):
@@ -111,9 +116,20 @@ def main(argv: list[str] | None = None) -> None:
                         print(f"  {name}, {condition}, {label}: {runs[-1]:.2f} s (load {loads[-1]:.1f})",
                               file=sys.stderr, flush=True)  # each run as it ends: a long table shows progress
                     times[label] = statistics.median(runs)
+                    runs_by_label[label] = runs
                 a, b = times["default"], times["PyTorch default"]
+                rows.append({"workload": name, "condition": condition, "default_s": a, "pytorch_default_s": b,
+                             "ratio": b / a, "load_min": min(loads), "load_max": max(loads),
+                             "runs_s": runs_by_label})
                 print(f"| {name} | {condition} | {a:.2f} | {b:.2f} | {b / a:.2f} | "
                       f"{min(loads):.1f}–{max(loads):.1f} |", flush=True)
+    if args.out:
+        from bayeslayer.experiments.common.provenance import write_record
+
+        record = {"benchmark": "threads", "cpus": os.cpu_count(), "pytorch_default_threads": torch.get_num_threads(),
+                  "repeats": args.repeats, "competitors": args.competitors, "rows": rows}
+        write_record(args.out, record, device="cpu", wall_seconds=time.perf_counter() - t_start)
+        print(f"# record: {args.out}")
 
 
 if __name__ == "__main__":

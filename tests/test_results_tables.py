@@ -81,7 +81,6 @@ NOT_GENERATED_YET = {
     ("docs/reliability.md", "| p0 | plain `P̄ − βuuᵀ` |"),
     ("docs/reliability.md", "| keys | p0 | recurrent |"),
     ("docs/reliability.md", "| regime | rule | forward |"),
-    ("docs/reliability.md", "| workload | condition |"),
     # kernels compiled for sm_90: register and spill counts of earlier builds, printed, not kept
     ("docs/kernels.md", "| kernel, tiles | warps | registers |"),
     ("docs/kernels.md", "| kernel (use) | warps | D = 64 |"),
