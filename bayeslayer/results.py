@@ -777,7 +777,19 @@ def threads_table(root: Path) -> str:
     return "\n".join(lines)
 
 
+# --------------------------------------------------------------------------- the test suite's cost
+
+def slowest_tests_table(root: Path) -> str:
+    """The slowest tests of the default suite before its split into default and ``slow``, and where each went."""
+    rec = _load(root, "results/tests/slowest_before_split.json")
+    lines = [_row(["test", "time (s)", "load", "where it went"]), "|---|---:|---:|---|"]
+    for r in rec["rows"]:
+        lines.append(_row([f"`{r['test']}`", f"{r['seconds']:.1f}", f"{r['load']:.1f}", r["where"]]))
+    return "\n".join(lines)
+
+
 TABLES: dict[str, tuple[str, Callable[[Path], str]]] = {
+    "tests-slowest": ("docs/reliability.md", slowest_tests_table),
     "cpu-threads": ("docs/reliability.md", threads_table),
     "collision-steps": ("docs/experiments.md", collision_steps_table),
     "collision-fixed-prior": ("docs/experiments.md", collision_fixed_prior_table),
