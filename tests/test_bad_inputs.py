@@ -476,7 +476,7 @@ def _demo():
 
 
 def _state_budget():
-    from bayeslayer.experiments import state_budget
+    from bayeslayer.models import state_budget
 
     return state_budget
 
