@@ -68,61 +68,74 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item() / (scale if scale > 0 else 1.0)
 
 
-def train_case(rank: int, world: int, init_file: str, out_dir: str, cp_size: int, dtype_name: str, steps: int,
-               batch_size: int, micro_batch_size: int) -> None:
-    """Context-parallel training (``cp_size`` ranks per group, ``world / cp_size`` replicas) against one process."""
+def compare(cp_size: int, dtype_name: str, steps: int, batch_size: int, micro_batch_size: int) -> dict:
+    """Context-parallel training (``cp_size`` ranks per group, ``world / cp_size`` replicas) against one process
+    (rank 0 runs it): losses, weights and whether every rank ended with the same weights."""
     from bayeslayer.training.distributed import DistContext, init_distributed
 
+    dtype = getattr(torch, dtype_name)
+    ctx = init_distributed(torch.device("cpu"), context_parallel=cp_size)
+    losses, weights, _ = _train(ctx, dtype, steps, batch_size, micro_batch_size)
+    out = {"losses": losses}
+    flat = torch.cat([w.reshape(-1).double() for w in weights.values()])
+    got = [torch.empty_like(flat) for _ in range(ctx.world_size)]
+    dist.all_gather(got, flat)
+    out["ranks_agree"] = max(_rel(g, flat) for g in got)
+    if ctx.rank == 0:
+        ref_losses, ref_weights, out["moved"] = _train(DistContext(), dtype, steps, batch_size, batch_size)
+        out["ref_losses"] = ref_losses
+        out["losses_rel"] = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True))
+        out["weights_rel"] = {k: _rel(weights[k], ref_weights[k]) for k in ref_weights}
+    dist.barrier()
+    return out
+
+
+def train_case(rank: int, world: int, init_file: str, out_dir: str, cp_size: int, dtype_name: str, steps: int,
+               batch_size: int, micro_batch_size: int) -> None:
     _init(rank, world, init_file)
     try:
-        dtype = getattr(torch, dtype_name)
-        ctx = init_distributed(torch.device("cpu"), context_parallel=cp_size)
-        losses, weights, _ = _train(ctx, dtype, steps, batch_size, micro_batch_size)
-        out = {"losses": losses}
-        # every rank ends with the same weights
-        digest = torch.cat([w.reshape(-1).double() for w in weights.values()])
-        got = [torch.empty_like(digest) for _ in range(world)]
-        dist.all_gather(got, digest)
-        out["ranks_agree"] = max(_rel(g, digest) for g in got)
-        if rank == 0:
-            ref_losses, ref_weights, out["moved"] = _train(DistContext(), dtype, steps, batch_size, batch_size)
-            out["ref_losses"] = ref_losses
-            out["losses_rel"] = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True))
-            out["weights_rel"] = {k: _rel(weights[k], ref_weights[k]) for k in ref_weights}
-        dist.barrier()
+        out = compare(cp_size, dtype_name, steps, batch_size, micro_batch_size)
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(out))
     finally:
         dist.destroy_process_group()
 
 
-def refusals(rank: int, world: int, init_file: str, out_dir: str) -> None:
+def default_suite(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    """What the default suite checks on 2 ranks, in one group (starting the processes is the slow part):
+    float64 training against one process (3 AdamW steps, 4 windows of 40 tokens per step in 2 micro-batches)
+    and the bad set-ups."""
+    _init(rank, world, init_file)
+    try:
+        out = {"float64": compare(world, "float64", 3, 4, 2), "bad": refusals(world)}
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(out))
+    finally:
+        dist.destroy_process_group()
+
+
+def refusals(world: int) -> dict:
     """Bad context-parallel set-ups of the training path; every rank records the error it got."""
     from bayeslayer.experiments.common.lm_config import LMConfig
     from bayeslayer.experiments.common.lm_run import NextTokenTrainee, Objective
     from bayeslayer.training.distributed import init_distributed
 
-    _init(rank, world, init_file)
     got = {}
-    try:
-        ctx = init_distributed(torch.device("cpu"), context_parallel=world)
-        config = LMConfig(seq_len=T, batch_size=4, micro_batch_size=1)
-        for mixers in (["bayesian", "attention"], ["mamba2"]):
-            try:
-                Objective().context_parallel(NextTokenTrainee(_model(mixers, torch.float32)), config, ctx)
-                got[mixers[-1]] = "ran"
-            except ValueError as e:
-                got[mixers[-1]] = str(e)
+    ctx = init_distributed(torch.device("cpu"), context_parallel=world)
+    config = LMConfig(seq_len=T, batch_size=4, micro_batch_size=1)
+    for mixers in (["bayesian", "attention"], ["mamba2"]):
         try:
-            init_distributed(torch.device("cpu"), context_parallel=world + 1)
-            got["divide"] = "ran"
+            Objective().context_parallel(NextTokenTrainee(_model(mixers, torch.float32)), config, ctx)
+            got[mixers[-1]] = "ran"
         except ValueError as e:
-            got["divide"] = str(e)
-        trainee = Objective().context_parallel(NextTokenTrainee(_model(["bayesian"], torch.float32)), config, ctx)
-        try:  # whole windows instead of this rank's slice
-            trainee(torch.zeros(1, T, dtype=torch.int64))
-            got["slice"] = "ran"
-        except ValueError as e:
-            got["slice"] = str(e)
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(got))
-    finally:
-        dist.destroy_process_group()
+            got[mixers[-1]] = str(e)
+    try:
+        init_distributed(torch.device("cpu"), context_parallel=world + 1)
+        got["divide"] = "ran"
+    except ValueError as e:
+        got["divide"] = str(e)
+    trainee = Objective().context_parallel(NextTokenTrainee(_model(["bayesian"], torch.float32)), config, ctx)
+    try:  # whole windows instead of this rank's slice
+        trainee(torch.zeros(1, T, dtype=torch.int64))
+        got["slice"] = "ran"
+    except ValueError as e:
+        got["slice"] = str(e)
+    return got

@@ -34,15 +34,22 @@ def check(results: list, tol_losses: float, tol_weights: float) -> None:
         assert r["ranks_agree"] == 0.0 and r["losses"] == main["losses"]
 
 
-def test_two_ranks_train_like_one_process_float64(tmp_path):
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    return spawn(tmp_path_factory.mktemp("cp_train"), 2, cp_train_workers.default_suite)
+
+
+def test_two_ranks_train_like_one_process_float64(two_ranks):
     """3 AdamW steps, 4 windows of 40 tokens per step in 2 micro-batches, each window split over 2 ranks."""
-    check(spawn(tmp_path, 2, cp_train_workers.train_case, 2, "float64", 3, 4, 2), TOL64, TOL64)
+    check([r["float64"] for r in two_ranks], TOL64, TOL64)
 
 
 @pytest.mark.slow
 def test_two_ranks_train_like_one_process_float32(tmp_path):
-    # float32: the slices' sums and the gradients' all-reduce add in another order than one process
-    check(spawn(tmp_path, 2, cp_train_workers.train_case, 2, "float32", 3, 4, 2), 1e-5, 1e-4)
+    # float32: the slices' sums and the gradients' all-reduce add in another order than one process, and AdamW
+    # turns gradient entries of rounding size into updates of up to lr (3e-2) in either direction: weights
+    # measured 4.5e-3 of a parameter's largest entry (losses 2.3e-7), where float64 agrees to 7e-12
+    check(spawn(tmp_path, 2, cp_train_workers.train_case, 2, "float32", 3, 4, 2), 1e-5, 1e-2)
 
 
 @pytest.mark.slow
@@ -51,8 +58,8 @@ def test_context_parallel_times_data_parallel_trains_like_one_process(tmp_path):
     check(spawn(tmp_path, 4, cp_train_workers.train_case, 2, "float64", 3, 4, 1), TOL64, TOL64)
 
 
-def test_bad_setups_are_refused_by_name(tmp_path):
-    for got in spawn(tmp_path, 2, cp_train_workers.refusals):
+def test_bad_setups_are_refused_by_name(two_ranks):
+    for got in (r["bad"] for r in two_ranks):
         assert "layer 1's mixer 'attention' cannot run with cp_context" in got["attention"]
         assert "layer 0's mixer 'mamba2' cannot run with cp_context" in got["mamba2"]
         assert "context_parallel=3 must divide the number of ranks (2)" in got["divide"]
