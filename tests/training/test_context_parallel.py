@@ -73,3 +73,28 @@ def test_context_parallel_needs_ranks():
         init_distributed(torch.device("cpu"), context_parallel=2)
     with pytest.raises(ValueError, match="context_parallel must be a positive int"):
         init_distributed(torch.device("cpu"), context_parallel=0)
+
+
+@pytest.mark.parametrize(
+    "mixers, kwargs, expected",
+    [
+        (["bayesian", "bayesian"], None, 4),
+        (["bayesian"], {"bayesian": {"use_short_conv": False}}, None),
+        (["bayesian", "gated_deltanet"], None, "layer 1's mixer 'gated_deltanet' cannot run with cp_context: it has"),
+        (["bayesian"], {"bayesian": {"covariance": "lowrank", "rank": 1}}, "covariance='lowrank' has no context-par"),
+        (["bayesian"], {"bayesian": {"dynamics": "rotation"}},
+         "layer 0's mixer 'bayesian' cannot run with cp_context: rotations"),
+    ],
+)
+def test_the_model_check_names_every_layer_without_a_context_parallel_path(mixers, kwargs, expected):
+    """What the training path checks before it starts: the short convolutions' width, or the layers refused."""
+    from bayeslayer.models import BayesLayerConfig, BayesLayerForCausalLM
+
+    model = BayesLayerForCausalLM(BayesLayerConfig(vocab_size=50, hidden_size=16, num_hidden_layers=len(mixers),
+                                                   num_heads=2, head_dim=4, mixers=mixers, mixer_kwargs=kwargs,
+                                                   bos_token_id=None, eos_token_id=None))
+    if isinstance(expected, str):
+        with pytest.raises(ValueError, match=expected.replace("(", r"\(")):
+            model.context_parallel_conv_size()
+    else:
+        assert model.context_parallel_conv_size() == expected
