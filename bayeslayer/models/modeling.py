@@ -170,7 +170,6 @@ class BayesLayerBlock(GradientCheckpointingLayer):
         hidden_states = hidden_states + self.mlp_dropout(self.mlp(self.mlp_norm(hidden_states)))
         return hidden_states, out.state, out.variance
 
-
     def cp_unsupported(self) -> str | None:
         """Why this block cannot run with a ``cp_context`` (naming the layer and its mixer), or None."""
         cp_unsupported = getattr(self.attn, "cp_unsupported", None)

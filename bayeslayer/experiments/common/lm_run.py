@@ -170,6 +170,10 @@ class NextTokenTrainee(torch.nn.Module):
 def cp_window_slice(windows: torch.Tensor, cp_context) -> torch.Tensor:
     """This rank's part of whole windows ``[b, T]`` for a context-parallel :class:`NextTokenTrainee`: its
     slice ``bounds[r] .. bounds[r+1] − 1`` and the token after it (the last rank has none)."""
+    from ...ops import CPContext
+
+    if not isinstance(cp_context, CPContext):
+        raise TypeError(f"cp_context must be a CPContext (from build_cp_context), got {type(cp_context).__name__}")
     if not isinstance(windows, torch.Tensor) or windows.dim() != 2 or windows.shape[1] != cp_context.bounds[-1]:
         raise ValueError(f"windows must be [b, {cp_context.bounds[-1]}] (the context's length), got "
                          f"{tuple(windows.shape) if isinstance(windows, torch.Tensor) else type(windows).__name__}")
@@ -181,6 +185,16 @@ def rank_micro_batches(windows, schedule: WindowSchedule, step: int, ctx: DistCo
     """This rank's ``n_micro`` micro-batches of optimiser step ``step``: the windows ``schedule`` gives its
     data-parallel replica (``ctx.dp_rank`` of ``ctx.dp_size``), ``micro_batch_size`` per micro-batch, on
     ``ctx.device``; with a ``cp_context``, this rank's slice of each (:func:`cp_window_slice`)."""
+    if not isinstance(schedule, WindowSchedule):
+        raise TypeError(f"schedule must be a WindowSchedule, got {type(schedule).__name__}")
+    if not isinstance(ctx, DistContext):
+        raise TypeError(f"ctx must be a DistContext, got {type(ctx).__name__}")
+    check_int("step", step, minimum=0)
+    check_int("micro_batch_size", micro_batch_size, minimum=1)
+    check_int("n_micro", n_micro, minimum=1)
+    if n_micro * micro_batch_size * ctx.dp_size != schedule.batch_size:
+        raise ValueError(f"n_micro × micro_batch_size × ctx.dp_size ({n_micro} × {micro_batch_size} × {ctx.dp_size}) "
+                         f"must be the schedule's batch_size ({schedule.batch_size})")
     mine = schedule.step_windows(step, ctx.dp_rank, ctx.dp_size)
     batches = [torch.from_numpy(np.asarray(windows[mine[i * micro_batch_size:(i + 1) * micro_batch_size]],
                                            dtype=np.int64)).to(ctx.device)
@@ -222,6 +236,9 @@ class Objective:
         which refuses other mixers by name) is rebuilt with a context; other trainees are refused."""
         from ...ops import build_cp_context
 
+        if not isinstance(ctx, DistContext) or not ctx.context_parallel:
+            raise ValueError("ctx must be a DistContext with a context-parallel group (cp_size > 1, from "
+                             "init_distributed(..., context_parallel=C))")
         if type(trainee) is not NextTokenTrainee or not hasattr(trainee.model, "context_parallel_conv_size"):
             raise ValueError(f"objective {self.name!r} has no context-parallel path (only next-token training of "
                              "a BayesLayerForCausalLM has one); run it without --context-parallel")
@@ -624,5 +641,4 @@ def load_run(run_dir: str | os.PathLike, *, device: str | torch.device = "cpu"):
 
 __all__ = ["SINGLE_PROCESS", "LMTrainResult", "NextTokenTrainee", "Objective", "build_model", "checkpoint_store",
            "cp_window_slice", "init_distributed", "latest_checkpoint", "load_corpus", "load_run", "rank_micro_batches",
-           "train_lm",
-           "write_tokenizer_config"]
+           "train_lm", "write_tokenizer_config"]
