@@ -340,7 +340,8 @@ def _train_main(args) -> int:
     out = args.out or os.path.join("runs", "lm", f"{stem}-{config.mixer}-seed{config.seed}")
     check_train_args(config, args, out)
     result = train_lm(config, out, device=args.device, cache_dir=args.cache_dir, stop_after=args.stop_after,
-                      progress=not args.no_progress, keep_checkpoints=args.keep_checkpoints)
+                      progress=not args.no_progress, keep_checkpoints=args.keep_checkpoints,
+                      context_parallel=args.context_parallel)
     if int(os.environ.get("RANK", "0")) == 0:
         state = "finished" if result.finished else f"stopped at step {result.step}/{config.steps}"
         print(f"lm train {config.model_label} seed {config.seed}: {state}; {result.tokens:,} tokens, "
@@ -447,6 +448,10 @@ def add_parser(sub) -> None:
     t.add_argument("--tokenizer", help="tokenizer.json (or a directory holding one); default: train a BPE")
     t.add_argument("--precision", choices=PRECISIONS, help="autocast: auto = bf16 on a capable GPU, else fp32")
     t.add_argument("--device", type=device_arg, default="auto", help=DEVICE_HELP)
+    t.add_argument("--context-parallel", type=positive_int_arg, default=1, metavar="C",
+                   help="split every window along T over C consecutive ranks of the torchrun job (default 1: "
+                        "none); the groups are data-parallel replicas. Only Bayesian Layers with a dense "
+                        "covariance have a context-parallel path (docs/context_parallel.md)")
     t.add_argument("--cache-dir", type=cache_dir_arg, default=None,
                        help="token cache directory (default $BAYESLAYER_CACHE)")
     t.add_argument("--out", default=None, help="run directory (default runs/lm/<preset>-<mixer>-seed<seed>)")

@@ -73,6 +73,12 @@ class BayesLayerGenerateBeamOutput(GenerateBeamDecoderOnlyOutput):
     variances: tuple[tuple[torch.Tensor | None, ...], ...] | None = None
 
 
+def loss_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the next-token cross-entropy is computed in for logits of ``dtype``: float32 at least (bf16
+    and fp16 logits are upcast), float64 for a float64 model."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _check_output_variances(value, model: BayesLayerModel) -> bool:
     """``output_variances`` must be a bool, and ``True`` only for a model with a layer that has a covariance."""
     if value is None:
@@ -154,17 +160,23 @@ class BayesLayerBlock(GradientCheckpointingLayer):
         """``(hidden_states, the mixer's new state or None, its predictive variance or None)``."""
         cp = {}
         if cp_context is not None:
-            cp_unsupported = getattr(self.attn, "cp_unsupported", None)
-            reason = cp_unsupported() if cp_unsupported is not None else "it has no context-parallel path"
+            reason = self.cp_unsupported()
             if reason is not None:
-                raise ValueError(f"layer {self.layer_idx}'s mixer {self.mixer_name!r} cannot run with cp_context: "
-                                 f"{reason}")
+                raise ValueError(reason)
             cp = {"cp_context": cp_context}
         out = self.attn(self.attn_norm(hidden_states), attention_mask=attention_mask, state=state,
                         use_cache=use_cache, output_variance=output_variance, **cp)
         hidden_states = hidden_states + self.mixer_dropout(out.o)
         hidden_states = hidden_states + self.mlp_dropout(self.mlp(self.mlp_norm(hidden_states)))
         return hidden_states, out.state, out.variance
+
+    def cp_unsupported(self) -> str | None:
+        """Why this block cannot run with a ``cp_context`` (naming the layer and its mixer), or None."""
+        cp_unsupported = getattr(self.attn, "cp_unsupported", None)
+        reason = cp_unsupported() if cp_unsupported is not None else "it has no context-parallel path"
+        if reason is None:
+            return None
+        return f"layer {self.layer_idx}'s mixer {self.mixer_name!r} cannot run with cp_context: {reason}"
 
 
 class BayesLayerPreTrainedModel(PreTrainedModel):
@@ -338,6 +350,20 @@ class BayesLayerModel(BayesLayerPreTrainedModel):
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.embeddings = value
 
+    def context_parallel_conv_size(self) -> int | None:
+        """The ``conv1d_kernel_size`` to build this model's CP context with
+        (:func:`bayeslayer.ops.build_cp_context`): the width of the mixers' short convolutions, None
+        without any.  A mixer without a context-parallel path raises ``ValueError`` naming its layer (check
+        before training starts), as do short convolutions of different widths."""
+        reasons = [r for r in (layer.cp_unsupported() for layer in self.layers) if r is not None]
+        if reasons:
+            raise ValueError("; ".join(reasons))
+        widths = sorted({layer.attn.conv_size for layer in self.layers if getattr(layer.attn, "use_short_conv", False)})
+        if len(widths) > 1:
+            raise ValueError(f"the layers' short convolutions have widths {widths}: one context-parallel context "
+                             "carries one halo width, so context parallelism needs them equal")
+        return widths[0] if widths else None
+
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -443,6 +469,10 @@ class BayesLayerForCausalLM(BayesLayerPreTrainedModel, GenerationMixin):
     def get_decoder(self) -> BayesLayerModel:
         return self.model
 
+    def context_parallel_conv_size(self) -> int | None:
+        """:meth:`BayesLayerModel.context_parallel_conv_size` of the decoder."""
+        return self.model.context_parallel_conv_size()
+
     def set_decoder(self, decoder: BayesLayerModel) -> None:
         self.model = decoder
 
@@ -466,7 +496,8 @@ class BayesLayerForCausalLM(BayesLayerPreTrainedModel, GenerationMixin):
         ``[B, T]``, the mean cross-entropy of predicting ``labels[:, t+1]`` from position ``t``
         (label ``-100`` is ignored, as in transformers).  With ``num_items_in_batch`` (the
         ``Trainer``'s count of labelled tokens over gradient-accumulation steps) the loss is the
-        summed cross-entropy divided by it.  ``output_variances`` adds the per-layer predictive
+        summed cross-entropy divided by it.  The cross-entropy is computed in :func:`loss_dtype` (float32,
+        float64 for a float64 model).  ``output_variances`` adds the per-layer predictive
         variances (see :class:`BayesLayerModelOutput`)."""
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         if labels is not None and kwargs.get("cp_context") is not None:
@@ -496,7 +527,7 @@ class BayesLayerForCausalLM(BayesLayerPreTrainedModel, GenerationMixin):
                 )
             logits = self.lm_head(hidden_states)
             loss = F.cross_entropy(
-                logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
+                logits[:, :-1].reshape(-1, logits.shape[-1]).to(loss_dtype(logits.dtype)),
                 labels[:, 1:].reshape(-1).to(logits.device),
                 ignore_index=-100,
                 reduction="mean" if num_items_in_batch is None else "sum",

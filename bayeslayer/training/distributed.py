@@ -1,7 +1,7 @@
 """Where a training process stands in a (possibly single-process) job, and at which precision it computes.
 
-* :class:`DistContext` — rank, world size, local rank and device of this process;
-  :func:`init_distributed` joins the ``torchrun`` job that ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``
+* :class:`DistContext` — rank, world size, local rank and device of this process, and its context-parallel
+  group; :func:`init_distributed` joins the ``torchrun`` job that ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``
   describe (``nccl`` on CUDA, ``gloo`` on CPU) or, without one, is a single process;
 * :func:`resolve_precision` and :func:`autocast` — ``"auto"``/``"bf16"``/``"fp32"`` as an autocast
   dtype and context (the filters compute in fp32 whatever the input dtype).
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -21,16 +21,49 @@ PRECISIONS = ("auto", "bf16", "fp32")
 
 @dataclass(frozen=True)
 class DistContext:
-    """This process's place in a (possibly single-process) job."""
+    """This process's place in a (possibly single-process) job.
+
+    With context parallelism (``cp_size > 1``) the ``world_size`` ranks form ``world_size / cp_size``
+    data-parallel replicas of ``cp_size`` consecutive ranks each: the ranks of one replica
+    (``cp_group``) share every sequence, split along T (docs/context_parallel.md), and the replicas
+    read different sequences.  ``cp_rank`` is this rank's place in its group, ``dp_rank``/``dp_size``
+    its replica and their number (``rank``/``world_size`` without context parallelism).
+    """
 
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
     device: torch.device = torch.device("cpu")
+    cp_size: int = 1
+    cp_group: object = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self):
+        for name in ("world_size", "cp_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.world_size % self.cp_size != 0:
+            raise ValueError(f"cp_size ({self.cp_size}) must divide world_size ({self.world_size})")
 
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
+
+    @property
+    def context_parallel(self) -> bool:
+        return self.cp_size > 1
+
+    @property
+    def cp_rank(self) -> int:
+        return self.rank % self.cp_size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.cp_size
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size // self.cp_size
 
     @property
     def is_main(self) -> bool:
@@ -41,16 +74,21 @@ class DistContext:
             dist.barrier()
 
 
-def init_distributed(device: torch.device) -> DistContext:
+def init_distributed(device: torch.device, *, context_parallel: int = 1) -> DistContext:
     """Join the ``torchrun`` job described by ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` (if any) on ``device``.
 
     ``device`` is a resolved ``torch.device`` (with its CUDA index; the command line's
     :func:`bayeslayer.experiments.common.options.resolve_device` turns ``auto``/``cuda`` into one).  ``nccl``
     on CUDA, ``gloo`` on CPU.  Without ``torchrun`` (``WORLD_SIZE`` unset or 1) this is a single process
-    and nothing is initialised.
+    and nothing is initialised.  A process group that is already initialised is joined as it is.
+
+    ``context_parallel``: ranks per context-parallel group (1: none); it must divide the world size.
+    Every group of ``context_parallel`` consecutive ranks gets its own process group (``cp_group``).
     """
     if not isinstance(device, torch.device):
         raise TypeError(f"device must be a torch.device, got {type(device).__name__}")
+    if isinstance(context_parallel, bool) or not isinstance(context_parallel, int) or context_parallel < 1:
+        raise ValueError(f"context_parallel must be a positive int, got {context_parallel!r}")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -60,7 +98,19 @@ def init_distributed(device: torch.device) -> DistContext:
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
     if dist.is_initialized():
         rank, world = dist.get_rank(), dist.get_world_size()
-    return DistContext(rank=rank, world_size=world, local_rank=local_rank, device=device)
+    if context_parallel == 1:
+        return DistContext(rank=rank, world_size=world, local_rank=local_rank, device=device)
+    if world % context_parallel != 0:
+        raise ValueError(f"context_parallel={context_parallel} must divide the number of ranks ({world}); "
+                         + ("launch with torchrun --nproc_per_node N, N a multiple of it" if world == 1
+                            else "use another group size or another number of ranks"))
+    cp_group = None
+    for first in range(0, world, context_parallel):  # every rank takes part in creating every group
+        group = dist.new_group(list(range(first, first + context_parallel)))
+        if first <= rank < first + context_parallel:
+            cp_group = group
+    return DistContext(rank=rank, world_size=world, local_rank=local_rank, device=device,
+                       cp_size=context_parallel, cp_group=cp_group)
 
 
 def resolve_precision(precision: str, device: torch.device) -> torch.dtype | None:

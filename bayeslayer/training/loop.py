@@ -21,6 +21,13 @@ its backward pass (DDP synchronises only on the last one); the float64 sum of th
 averaged over ranks, is the step's loss (a non-finite one raises ``FloatingPointError``); clip; step
 the optimiser and the schedule; clear the gradients.
 
+Context parallelism (a :class:`~bayeslayer.training.distributed.DistContext` with ``cp_size > 1``): the
+ranks of a context-parallel group share each sequence, so ``loss`` returns this rank's share of it (its
+slice's summed losses over the global count: the shares add up to the sequence's loss) and the step's
+loss is the sum over the group, averaged over the data-parallel replicas.  The trainee is not wrapped
+in DDP then: after the last micro-batch the gradients are summed over every rank and divided by the
+number of replicas (the group's shares add up, the replicas average), in one all-reduce.
+
 Checkpoints (:class:`Checkpoints`, over a :class:`~bayeslayer.training.CheckpointStore`) hold the
 model, the optimiser and schedule states, the step, the loss history, the evaluations and every
 rank's RNG states (JSON + safetensors, :mod:`bayeslayer.training.state`); a checkpoint is read back
@@ -340,8 +347,9 @@ def _optimizer_and_schedule(trainee: nn.Module, groups: Sequence[dict] | None, c
 
 
 def _distributed_module(trainee: nn.Module, ctx: DistContext, find_unused_parameters: bool) -> nn.Module:
-    """``trainee`` itself in one process, else its DDP wrapper (what the loss is called with)."""
-    if not ctx.distributed:
+    """``trainee`` itself in one process or with context parallelism, else its DDP wrapper (what the loss is
+    called with)."""
+    if not ctx.distributed or ctx.context_parallel:
         return trainee
     return torch.nn.parallel.DistributedDataParallel(
         trainee, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
@@ -397,13 +405,39 @@ def _accumulate_gradients(module: nn.Module, trainee: nn.Module, batches: Sequen
         loss_sum = part if loss_sum is None else loss_sum + part
         for k, v in parts.items():
             parts_sum[k] = parts_sum.get(k, 0.0) + float(v) / n_micro
+    if ctx.context_parallel:
+        _sync_context_parallel_gradients(trainee, ctx)
     if ctx.distributed:
         dist.all_reduce(loss_sum)
-        loss_sum /= ctx.world_size
+        loss_sum /= ctx.dp_size  # context parallel: a group's ranks hold shares of one loss
     loss_value = float(loss_sum)
     if not math.isfinite(loss_value):
         raise FloatingPointError(f"{desc}: training diverged: the loss became {loss_value} at step {step}")
     return loss_value, parts_sum
+
+
+def _sync_context_parallel_gradients(trainee: nn.Module, ctx: DistContext) -> None:
+    """Sum every trainable parameter's gradient over all ranks and divide by the number of data-parallel
+    replicas, in one all-reduce: the shares of a context-parallel group add up, the replicas average.  A
+    parameter that got no gradient on any rank keeps none (as in one process, the optimiser skips it)."""
+    params = [p for p in trainee.parameters() if p.requires_grad]
+    if not params:
+        return
+    dtype = params[0].dtype
+    for p in params[1:]:
+        dtype = torch.promote_types(dtype, p.dtype)
+    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(dtype)
+                      for p in params]
+                     + [torch.tensor([float(p.grad is not None) for p in params], dtype=dtype,
+                                     device=params[0].device)])
+    dist.all_reduce(flat)
+    got = flat[-len(params):]
+    offset = 0
+    for i, p in enumerate(params):
+        n = p.numel()
+        if got[i] > 0:
+            p.grad = (flat[offset:offset + n] / ctx.dp_size).view_as(p).to(p.dtype)
+        offset += n
 
 
 def _interrupted_mid_step(state: LoopState, desc: str) -> TrainingInterrupted:

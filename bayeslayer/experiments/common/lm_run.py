@@ -41,7 +41,10 @@ step appears in it twice.  Ctrl-C stops after the current step with a checkpoint
 (:class:`bayeslayer.training.TrainingInterrupted`).
 
 Distributed: launch with ``torchrun --nproc_per_node N -m bayeslayer.cli lm train ...``; the
-``gloo`` backend is used on CPU, ``nccl`` on CUDA.
+``gloo`` backend is used on CPU, ``nccl`` on CUDA.  With ``--context-parallel C`` (``context_parallel=``)
+each window is split along T over ``C`` consecutive ranks (docs/context_parallel.md): every rank reads
+its slice of the window and the token after it, its loss is its share of the window's loss, and the
+``N / C`` groups are data-parallel replicas of one another.  Evaluation runs whole windows on every rank.
 """
 
 from __future__ import annotations
@@ -79,10 +82,12 @@ from .provenance import write_record
 _BOOKKEEPING = frozenset({"eval_every", "eval_windows", "eval_batch_size", "checkpoint_every", "log_every"})
 SINGLE_PROCESS = DistContext()  # the default context: one process on the CPU
 
-def init_distributed(device: str | torch.device = "auto") -> DistContext:
+def init_distributed(device: str | torch.device = "auto", *, context_parallel: int = 1) -> DistContext:
     """Join the ``torchrun`` job (if any) on ``device``: ``auto`` (``cuda:LOCAL_RANK`` when available, else
-    CPU), ``cpu``, ``cuda``, ``cuda:0``, ... (:func:`bayeslayer.training.distributed.init_distributed`)."""
-    return _init_distributed(resolve_device(device))  # "cuda" -> cuda:LOCAL_RANK; refuses a missing GPU
+    CPU), ``cpu``, ``cuda``, ``cuda:0``, ... (:func:`bayeslayer.training.distributed.init_distributed`, which
+    also forms the groups of ``context_parallel`` ranks)."""
+    # "cuda" -> cuda:LOCAL_RANK; refuses a missing GPU
+    return _init_distributed(resolve_device(device), context_parallel=context_parallel)
 
 def load_corpus(config: LMConfig, ctx: DistContext = SINGLE_PROCESS, *, cache_dir: str | None = None,
                 splits: Sequence[str] = ("train", "validation", "test")):
@@ -116,14 +121,86 @@ class NextTokenTrainee(torch.nn.Module):
     """Wraps a causal LM so that ``forward(input_ids)`` is the training loss (what DDP wraps).
 
     ``loss = mean_t CE(logits_t, x_{t+1})``; ``.model`` is the part that is checkpointed.
+
+    With a ``cp_context`` (:func:`bayeslayer.ops.build_cp_context` over windows of ``T`` tokens) the
+    trainee runs this rank's slice of each window (:func:`cp_window_slice` gives it: the slice and the
+    token after it) and returns this rank's share of the loss: the summed cross-entropy of the slice's
+    predictions divided by the global count ``b·(T − 1)``, so the shares of the group's ranks add up to
+    the one-process loss.  The windows of a micro-batch run one after another (the context holds one
+    sequence).
     """
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, cp_context=None) -> None:
         super().__init__()
         self.model = model
+        if cp_context is not None:
+            from ...ops import CPContext
+
+            if not isinstance(cp_context, CPContext):
+                raise TypeError(f"cp_context must be a CPContext (from build_cp_context), got "
+                                f"{type(cp_context).__name__}")
+            if len(cp_context.cu) != 2:
+                raise ValueError("cp_context must hold one sequence (a window): build it with total_len=seq_len")
+        self.cp_context = cp_context
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=input_ids, labels=input_ids).loss
+        if self.cp_context is None:
+            return self.model(input_ids=input_ids, labels=input_ids).loss
+        return self._cp_loss(input_ids)
+
+    def _cp_loss(self, ids: torch.Tensor) -> torch.Tensor:
+        from ...models.modeling import loss_dtype
+
+        cp = self.cp_context
+        n_in, T = cp.local_len, cp.bounds[-1]
+        n_out = min(cp.bounds[cp.rank + 1], T - 1) - cp.start  # this slice's positions that have a next token
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[1] != n_out + 1:
+            raise ValueError(f"input_ids must be [b, {n_out + 1}] (rank {cp.rank}'s slice of a {T}-token window "
+                             f"and the token after it, from cp_window_slice), got "
+                             f"{tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__}")
+        total = None
+        for window in ids:
+            logits = self.model(input_ids=window[None, :n_in], cp_context=cp).logits
+            ce = torch.nn.functional.cross_entropy(logits[0, :n_out].to(loss_dtype(logits.dtype)),
+                                                   window[1:n_out + 1], reduction="sum")
+            total = ce if total is None else total + ce
+        return total / (ids.shape[0] * (T - 1))
+
+
+def cp_window_slice(windows: torch.Tensor, cp_context) -> torch.Tensor:
+    """This rank's part of whole windows ``[b, T]`` for a context-parallel :class:`NextTokenTrainee`: its
+    slice ``bounds[r] .. bounds[r+1] − 1`` and the token after it (the last rank has none)."""
+    from ...ops import CPContext
+
+    if not isinstance(cp_context, CPContext):
+        raise TypeError(f"cp_context must be a CPContext (from build_cp_context), got {type(cp_context).__name__}")
+    if not isinstance(windows, torch.Tensor) or windows.dim() != 2 or windows.shape[1] != cp_context.bounds[-1]:
+        raise ValueError(f"windows must be [b, {cp_context.bounds[-1]}] (the context's length), got "
+                         f"{tuple(windows.shape) if isinstance(windows, torch.Tensor) else type(windows).__name__}")
+    a, b = cp_context.start, cp_context.bounds[cp_context.rank + 1]
+    return windows[:, a:b + 1]
+
+def rank_micro_batches(windows, schedule: WindowSchedule, step: int, ctx: DistContext, micro_batch_size: int,
+                       n_micro: int, cp_context=None) -> list[torch.Tensor]:
+    """This rank's ``n_micro`` micro-batches of optimiser step ``step``: the windows ``schedule`` gives its
+    data-parallel replica (``ctx.dp_rank`` of ``ctx.dp_size``), ``micro_batch_size`` per micro-batch, on
+    ``ctx.device``; with a ``cp_context``, this rank's slice of each (:func:`cp_window_slice`)."""
+    if not isinstance(schedule, WindowSchedule):
+        raise TypeError(f"schedule must be a WindowSchedule, got {type(schedule).__name__}")
+    if not isinstance(ctx, DistContext):
+        raise TypeError(f"ctx must be a DistContext, got {type(ctx).__name__}")
+    check_int("step", step, minimum=0)
+    check_int("micro_batch_size", micro_batch_size, minimum=1)
+    check_int("n_micro", n_micro, minimum=1)
+    if n_micro * micro_batch_size * ctx.dp_size != schedule.batch_size:
+        raise ValueError(f"n_micro × micro_batch_size × ctx.dp_size ({n_micro} × {micro_batch_size} × {ctx.dp_size}) "
+                         f"must be the schedule's batch_size ({schedule.batch_size})")
+    mine = schedule.step_windows(step, ctx.dp_rank, ctx.dp_size)
+    batches = [torch.from_numpy(np.asarray(windows[mine[i * micro_batch_size:(i + 1) * micro_batch_size]],
+                                           dtype=np.int64)).to(ctx.device)
+               for i in range(n_micro)]
+    return batches if cp_context is None else [cp_window_slice(b, cp_context) for b in batches]
+
 
 class Objective:
     """What a run trains: :func:`train_lm`'s loop is the same for every objective.
@@ -151,6 +228,23 @@ class Objective:
 
     def param_groups(self, trainee: torch.nn.Module, config: LMConfig) -> list[dict]:
         return [{"params": [p for p in trainee.model.parameters() if p.requires_grad]}]
+
+    def context_parallel(self, trainee: torch.nn.Module, config: LMConfig, ctx: DistContext) -> torch.nn.Module:
+        """``trainee`` for this rank's slice of each window of ``ctx``'s context-parallel group (called on
+        every rank of the job, before training starts).  A next-token trainee whose model has a
+        context-parallel path (:meth:`~bayeslayer.models.BayesLayerForCausalLM.context_parallel_conv_size`,
+        which refuses other mixers by name) is rebuilt with a context; other trainees are refused."""
+        from ...ops import build_cp_context
+
+        if not isinstance(ctx, DistContext) or not ctx.context_parallel:
+            raise ValueError("ctx must be a DistContext with a context-parallel group (cp_size > 1, from "
+                             "init_distributed(..., context_parallel=C))")
+        if type(trainee) is not NextTokenTrainee or not hasattr(trainee.model, "context_parallel_conv_size"):
+            raise ValueError(f"objective {self.name!r} has no context-parallel path (only next-token training of "
+                             "a BayesLayerForCausalLM has one); run it without --context-parallel")
+        width = trainee.model.context_parallel_conv_size()
+        cp = build_cp_context(total_len=config.seq_len, group=ctx.cp_group, conv1d_kernel_size=width)
+        return NextTokenTrainee(trainee.model, cp)
 
     def finish(self, trainee: torch.nn.Module) -> dict:
         """Checks of the trained model (raise on failure) and facts for ``train_summary.json``."""
@@ -258,6 +352,7 @@ def train_lm(
     keep_checkpoints: int = 1,
     on_step: Callable[[int, float], None] | None = None,
     objective: Objective | None = None,
+    context_parallel: int = 1,
 ) -> LMTrainResult:
     """Train (or resume) the run in ``run_dir``; see the module docstring.
 
@@ -274,6 +369,10 @@ def train_lm(
         on_step: called as ``on_step(step, loss)`` after every optimiser step (all ranks).
         objective: what is trained (:class:`Objective`); default: next-token CE of a fresh
             :func:`build_model`.  Its :meth:`~Objective.describe` is part of the run's identity.
+        context_parallel: ranks that share each window, split along T (1: none; docs/context_parallel.md).
+            The job's ranks form groups of this many consecutive ranks; the groups are data-parallel
+            replicas (``batch_size`` must be a multiple of ``micro_batch_size`` × the number of groups).
+            Every mixer must have a context-parallel path: others are refused by name before training.
 
     Returns:
         :class:`LMTrainResult`; ``train_summary.json`` and ``final/`` once all steps are done.
@@ -287,12 +386,14 @@ def train_lm(
     objective = Objective() if objective is None else objective
     if not isinstance(objective, Objective):
         raise TypeError(f"objective must be an Objective, got {type(objective).__name__}")
-    ctx = init_distributed(device)
-    world = ctx.world_size
-    if config.batch_size % (config.micro_batch_size * world) != 0:
-        raise ValueError(f"batch_size ({config.batch_size}) must be a multiple of micro_batch_size × world size "
-                         f"({config.micro_batch_size} × {world})")
-    n_micro = config.batch_size // (config.micro_batch_size * world)
+    check_int("context_parallel", context_parallel, minimum=1)
+    ctx = init_distributed(device, context_parallel=context_parallel)
+    replicas = ctx.dp_size
+    if config.batch_size % (config.micro_batch_size * replicas) != 0:
+        what = "world size" if not ctx.context_parallel else "data-parallel replicas (world size / context_parallel)"
+        raise ValueError(f"batch_size ({config.batch_size}) must be a multiple of micro_batch_size × {what} "
+                         f"({config.micro_batch_size} × {replicas})")
+    n_micro = config.batch_size // (config.micro_batch_size * replicas)
     autocast_dtype = resolve_precision(config.precision, ctx.device)
     run_dir = Path(run_dir)
     # one run per folder: the lock is taken (rank 0) before anything in the folder is read or written
@@ -309,6 +410,7 @@ class _LMCheckpoints(Checkpoints):
     def __init__(self, store: CheckpointStore, model, config: LMConfig, world_size: int) -> None:
         super().__init__(store)
         self.model, self.config, self.world_size = model, config, world_size
+        self.context_parallel = 1
         self.seconds_before = 0.0  # training time of earlier calls (from the checkpoint)
 
     def accept(self, checkpoint: Path, state: dict) -> bool:
@@ -327,7 +429,8 @@ class _LMCheckpoints(Checkpoints):
 
     def extra_state(self, state: LoopState) -> dict:
         return {"train_seconds": self.seconds_before + state.seconds, "config": json.dumps(self.config.to_json()),
-                "world_size": self.world_size, "tokens": state.step * self.config.tokens_per_step}
+                "world_size": self.world_size, "context_parallel": self.context_parallel,
+                "tokens": state.step * self.config.tokens_per_step}
 
     def restore(self, trainer_state: dict) -> None:
         self.seconds_before = float(trainer_state["train_seconds"])
@@ -357,6 +460,8 @@ def _train_lm(config: LMConfig, run_dir: Path, ctx: DistContext, *, n_micro: int
     groups = objective.param_groups(trainee, config)
     if not [p for g in groups for p in g["params"]]:
         raise ValueError(f"objective {objective.name!r} leaves no parameter to train")
+    if ctx.context_parallel:  # refuses a mixer without a context-parallel path before anything is written
+        trainee = objective.context_parallel(trainee, config, ctx)
     if ctx.is_main:  # the inputs are valid (corpus loaded, model built): record what this run is
         write_record(config_path, config.to_json(), device=ctx.device, seeds=[config.seed],
                      optimizer_groups=DECAY_POLICY)
@@ -364,14 +469,12 @@ def _train_lm(config: LMConfig, run_dir: Path, ctx: DistContext, *, n_micro: int
 
     log = _JsonLog(run_dir / "log.jsonl", ctx.is_main)
     checkpoints = _LMCheckpoints(store, model, config, world)
+    checkpoints.context_parallel = ctx.cp_size
+    cp = getattr(trainee, "cp_context", None)
     window_losses: list[float] = []
 
     def micro_batches(step: int) -> list[torch.Tensor]:
-        mine = schedule.step_windows(step, ctx.rank, world)
-        return [torch.from_numpy(np.asarray(train_windows[mine[i * config.micro_batch_size:
-                                                                (i + 1) * config.micro_batch_size]],
-                                            dtype=np.int64)).to(ctx.device)
-                for i in range(n_micro)]
+        return rank_micro_batches(train_windows, schedule, step, ctx, config.micro_batch_size, n_micro, cp)
 
     def after_start(state: LoopState) -> None:
         if state.resumed_from is not None:
@@ -379,8 +482,8 @@ def _train_lm(config: LMConfig, run_dir: Path, ctx: DistContext, *, n_micro: int
             log.write(event="resume", step=state.step, world_size=world, time=time.time())
         else:
             log.truncate_after(-1)
-            log.write(event="start", step=0, world_size=world, device=str(ctx.device), time=time.time(),
-                      parameters=_param_counts(model), config=config.to_json())
+            log.write(event="start", step=0, world_size=world, context_parallel=ctx.cp_size, device=str(ctx.device),
+                      time=time.time(), parameters=_param_counts(model), config=config.to_json())
 
     def after_step(state: LoopState, info: StepInfo) -> None:
         window_losses.append(info.loss)
@@ -455,7 +558,8 @@ def _finish(run_dir: Path, model, config: LMConfig, result: LMTrainResult, ctx: 
     summary = {
         "label": config.model_label, "mixer": config.mixer, "preset": config.preset, "seed": config.seed,
         "match": config.model.match, "mixer_kwargs": config.mixer_kwargs,
-        "steps": result.step, "tokens": result.tokens, "world_size": ctx.world_size, "device": str(ctx.device),
+        "steps": result.step, "tokens": result.tokens, "world_size": ctx.world_size,
+        "context_parallel": ctx.cp_size, "device": str(ctx.device),
         "train_seconds": total_seconds, "tokens_per_second": result.tokens / total_seconds if total_seconds else 0.0,
         "parameters": _param_counts(model), "final_train_loss": float(np.mean(result.losses[-max(1, n // 10):])),
         "validation": result.evals[-1]["groups"] if result.evals else {}, "weights_sha256": digest,
@@ -536,4 +640,5 @@ def load_run(run_dir: str | os.PathLike, *, device: str | torch.device = "cpu"):
 
 
 __all__ = ["SINGLE_PROCESS", "LMTrainResult", "NextTokenTrainee", "Objective", "build_model", "checkpoint_store",
-           "init_distributed", "latest_checkpoint", "load_corpus", "load_run", "train_lm", "write_tokenizer_config"]
+           "cp_window_slice", "init_distributed", "latest_checkpoint", "load_corpus", "load_run", "rank_micro_batches",
+           "train_lm", "write_tokenizer_config"]
