@@ -87,6 +87,11 @@ from .common.plotting import RefLine, Series, line_plot, load_json
 from .common.provenance import write_record
 from .common.threads import SMALL, add_threads_option
 
+DESCRIPTION = (
+    "Write A..F twice, reinforce B 40×, then write the overlapping A 60×; read at B's key "
+    "after every step.  Writes DIR/collision.json and PNG figures drawn from it."
+)
+
 # -- the paper's protocol (docs/theory.md §8.1) -------------------------------------------------------------
 PAPER_CONFIG = {"D": 16, "m": 6, "rho": 0.92, "p0": 3.0, "r2": 0.05, "ell2": 0.05}
 RESET_LAM = 0.05  # reset prior λ: gain λ/(r² + λ) = 0.5 at r² = 0.05
@@ -1068,8 +1073,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser(
         "collision",
         help="deterministic key-collision experiment (docs/theory.md §8.1): BL vs Delta, LA, diagonal; seconds",
-        description="Write A..F twice, reinforce B 40×, then write the overlapping A 60×; read at B's key "
-        "after every step.  Writes DIR/collision.json and PNG figures drawn from it.",
+        description=DESCRIPTION,
     )
     p.add_argument(
         "--out",

@@ -29,6 +29,14 @@ from .common.plotting import save_figure
 from .common.recall_models import build_core_model
 from .common.recall_sweep import CorePreset, CoreRunConfig, add_command, print_summary_table, run_command, run_sweep
 
+DESCRIPTION = (
+    "Random-key crowding: each sequence writes n associations of random unit addresses (16-dimensional) and 64 "
+    "value labels, then queries 8 of them. Trains BL and the Delta-, LA- and GLA-style recurrent cores at loads "
+    "n/D up to 4 and reports query cross-entropy and accuracy past capacity (n/D up to 16), mean and std over "
+    "seeds. Writes OUT/crowding.json and OUT/crowding.png drawn from it (--plot-only redraws the figure). See "
+    "docs/experiments.md."
+)
+
 PAPER_BUDGET = "2,500 steps, batch 256, 3 seeds"
 
 
@@ -172,15 +180,6 @@ def print_table(record: dict) -> None:
 def _main(args) -> int:
     return run_command(args, name="crowding", presets=PRESETS, paper_budget=PAPER_BUDGET,
                        config_type=CrowdingConfig, run=run, plot=plot_crowding, print_table=print_table)
-
-
-DESCRIPTION = (
-    "Random-key crowding: each sequence writes n associations of random unit addresses (16-dimensional) and 64 "
-    "value labels, then queries 8 of them. Trains BL and the Delta-, LA- and GLA-style recurrent cores at loads "
-    "n/D up to 4 and reports query cross-entropy and accuracy past capacity (n/D up to 16), mean and std over "
-    "seeds. Writes OUT/crowding.json and OUT/crowding.png drawn from it (--plot-only redraws the figure). See "
-    "docs/experiments.md."
-)
 
 
 def add_parser(sub) -> None:

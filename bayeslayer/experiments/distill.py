@@ -93,6 +93,25 @@ from .common.options import (
 )
 from .common.threads import TORCH_DEFAULT, add_threads_option
 
+DESCRIPTION = (
+    "Retrofit a pretrained Gated DeltaNet language model: swap some of its layers "
+    "for Bayesian Layers, train them to match the teacher's layers (Phase A), then "
+    "the whole model against the teacher's outputs (Phase B), beside a control that "
+    "fine-tunes the unmodified teacher on the same tokens (distill train); then "
+    "compare the three by needle-in-a-haystack recall and held-out perplexity "
+    "(distill eval). The phases and their losses: python -m pydoc "
+    "bayeslayer.experiments.distill."
+)
+TRAIN_DESCRIPTION = (
+    "Run Phase A, Phase B and the GDN-FT control (or the --stages named) into "
+    "--out; rerun the same command to resume where it stopped."
+)
+EVAL_DESCRIPTION = (
+    "Evaluate the teacher (GDN-zero), the GDN-FT control and the retrofitted "
+    "model of a finished distill train folder by needle-in-a-haystack recall and "
+    "held-out perplexity; writes the results into that folder."
+)
+
 STAGES = ("phase_a", "phase_b", "gdn_ft")
 STAGE_LABELS = {"phase_a": "BL (Phase A)", "phase_b": "BL", "gdn_ft": "GDN-FT"}
 _MLP_PARTS = ("gate_proj", "up_proj", "down_proj")
@@ -679,17 +698,10 @@ def _train_main(args: argparse.Namespace) -> int:
 def add_parser(sub) -> None:
     p = sub.add_parser("distill",
                        help="retrofit a pretrained Gated DeltaNet with Bayesian Layers (docs/theory.md §8.6)",
-                       description="Retrofit a pretrained Gated DeltaNet language model: swap some of its layers "
-                                   "for Bayesian Layers, train them to match the teacher's layers (Phase A), then "
-                                   "the whole model against the teacher's outputs (Phase B), beside a control that "
-                                   "fine-tunes the unmodified teacher on the same tokens (distill train); then "
-                                   "compare the three by needle-in-a-haystack recall and held-out perplexity "
-                                   "(distill eval). The phases and their losses: python -m pydoc "
-                                   "bayeslayer.experiments.distill.")
+                       description=DESCRIPTION)
     d_sub = p.add_subparsers(dest="distill_command", metavar="{train,eval}", required=True)
     t = d_sub.add_parser("train", help="Phase A, Phase B and the GDN-FT control (rerun to resume)",
-                         description="Run Phase A, Phase B and the GDN-FT control (or the --stages named) into "
-                                     "--out; rerun the same command to resume where it stopped.")
+                         description=TRAIN_DESCRIPTION)
     t.add_argument("--preset", choices=sorted(PRESETS), default="cpu",
                    help="'paper' = the paper's settings (docs/theory.md §8.6; 340M teacher, ≈100M + 300M tokens); "
                         "'cpu' = a pipeline check with a "
@@ -720,9 +732,7 @@ def add_parser(sub) -> None:
     t.set_defaults(func=_train_main)
 
     e = d_sub.add_parser("eval", help="NIAH and held-out PPL of GDN-zero, GDN-FT and BL",
-                         description="Evaluate the teacher (GDN-zero), the GDN-FT control and the retrofitted "
-                                     "model of a finished distill train folder by needle-in-a-haystack recall and "
-                                     "held-out perplexity; writes the results into that folder.")
+                         description=EVAL_DESCRIPTION)
     e.add_argument("--out", required=True, help="the directory `distill train` wrote")
     e.add_argument("--niah-lengths", type=_list_arg(int, "integers"), default="2048,4096,8192,16384")
     e.add_argument("--niah-depths", type=_list_arg(float, "numbers"), default="0,10,20,30,40,50,60,70,80,90,100",

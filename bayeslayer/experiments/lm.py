@@ -58,6 +58,23 @@ from .common.plotting import save_figure
 from .common.provenance import write_record
 from .common.threads import SMALL, TORCH_DEFAULT, add_threads_option
 
+DESCRIPTION = (
+    "Train language models from scratch (lm train) and compare finished runs by "
+    "perplexity over all tokens, over AR-hit tokens (a bigram seen earlier in the "
+    "window) and over the rest (lm eval). Held-out perplexity per window length is "
+    "bayeslayer heldout. The training loop, run folder and resume rules: python -m "
+    "pydoc bayeslayer.experiments.lm."
+)
+TRAIN_DESCRIPTION = (
+    "Train a BayesLayerForCausalLM; rerun the same command to resume. "
+    "Distributed: torchrun --nproc_per_node N -m bayeslayer.cli lm train ..."
+)
+EVAL_DESCRIPTION = (
+    "Table 2: evaluate finished runs; runs sharing a label (default: the mixer) "
+    "are seeds of one model. Writes <out>/<name>.json, .md, .png. Held-out PPL "
+    "per length (Table 7, formerly `lm eval --lengths ...`) is `bayeslayer heldout`."
+)
+
 # Table-2 columns, then the distance buckets, in the order of :meth:`ARHitAnnotation.masks`.
 GROUPS = ("all", "ar_hit", "other", "ar_hit_1_64", "ar_hit_65_256", "ar_hit_257_1024")
 GROUP_LABELS = {"all": "all", "ar_hit": "AR-hit", "other": "other", "ar_hit_1_64": "AR-hit 1–64",
@@ -405,16 +422,11 @@ def _train_threads(args: argparse.Namespace) -> int:
 
 def add_parser(sub) -> None:
     p = sub.add_parser("lm", help="language modelling with AR-hit evaluation (docs/theory.md §8.5)",
-                       description="Train language models from scratch (lm train) and compare finished runs by "
-                                   "perplexity over all tokens, over AR-hit tokens (a bigram seen earlier in the "
-                                   "window) and over the rest (lm eval). Held-out perplexity per window length is "
-                                   "bayeslayer heldout. The training loop, run folder and resume rules: python -m "
-                                   "pydoc bayeslayer.experiments.lm.")
+                       description=DESCRIPTION)
     lm_sub = p.add_subparsers(dest="lm_command", metavar="{train,eval}", required=True)
 
     t = lm_sub.add_parser("train", help="train (or resume) one language model run",
-                          description="Train a BayesLayerForCausalLM; rerun the same command to resume. "
-                                      "Distributed: torchrun --nproc_per_node N -m bayeslayer.cli lm train ...")
+                          description=TRAIN_DESCRIPTION)
     t.add_argument("--preset", choices=sorted(PRESETS), default="cpu",
                    help="'paper' = the paper's settings (docs/theory.md §8.5; WikiText-103, 520M tokens); "
                         "'cpu' ≈ 30 min per model on an idle "
@@ -458,9 +470,7 @@ def add_parser(sub) -> None:
     t.set_defaults(func=_train_main)
 
     e = lm_sub.add_parser("eval", help="grouped PPL of finished runs (Table 2)",
-                          description="Table 2: evaluate finished runs; runs sharing a label (default: the mixer) "
-                                      "are seeds of one model. Writes <out>/<name>.json, .md, .png. Held-out PPL "
-                                      "per length (Table 7, formerly `lm eval --lengths ...`) is `bayeslayer heldout`.")
+                          description=EVAL_DESCRIPTION)
     e.add_argument("runs", nargs="*", help="run directories (each with final/)")
     e.add_argument("--split", choices=("validation", "test"), default="test")
     e.add_argument("--seq-len", type=positive_int_arg, default=None,
