@@ -158,6 +158,12 @@ def _repeats(name: str, x) -> int:
     return int(x)
 
 
+def _protocol(rho, D, m, p0, r2, ell2) -> tuple[float, int, int, float, float, float]:
+    """The collision protocol's scalars, checked (each error names its argument) and as float / int."""
+    return (_overlap("rho", rho), _dim("D", D, len(IDENTITIES)), _dim("m", m, len(IDENTITIES)),
+            _positive("p0", p0), _positive("r2", r2), _positive("ell2", ell2))
+
+
 def prior_key(c: float) -> str:
     """JSON key of a fixed prior ``c``: two decimals (``"0.10"``, ``"1.00"``), more only when needed."""
     return f"{c:.2f}" if abs(c * 100 - round(c * 100)) < 1e-9 else f"{c:g}"
@@ -214,6 +220,7 @@ def model_designs(r2: float, ell2: float, p0: float) -> dict[str, tuple[DesignMo
     The reset filter derives its gain from its design, ``λ/(r² + λ‖k‖²)``; linear attention is
     given its write coefficient ``ω`` directly (``gain``), as the paper states it.
     """
+    r2, ell2, p0 = _positive("r2", r2), _positive("ell2", ell2), _positive("p0", p0)
     return {
         "bayesian": (BAYESIAN, {"r2": r2, "ell2": ell2, "p0": p0}),
         "reset": (DELTANET, {"r2": r2, "lam": RESET_LAM}),
@@ -222,15 +229,8 @@ def model_designs(r2: float, ell2: float, p0: float) -> dict[str, tuple[DesignMo
     }
 
 
-def simulate(
-    design: DesignModel,
-    noise: dict,
-    inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    *,
-    steps: int | None = None,
-    path: str = "recurrent",
-    output_final_state: bool = False,
-) -> FilterOutput:
+def simulate(design: DesignModel, noise: dict, inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor], *,
+             steps: int | None = None, path: str = "recurrent", output_final_state: bool = False) -> FilterOutput:
     """Run ``design`` on the first ``steps`` tokens of ``inputs`` with the oracle or the chunked path."""
     q, k, v = inputs
     if steps is not None:
@@ -282,17 +282,8 @@ def _write_angle_deg(design: DesignModel, noise: dict, inputs, step: int) -> flo
 
 
 # -- the experiment -------------------------------------------------------------------------------
-def run_collision(
-    *,
-    rho: float = 0.92,
-    D: int = 16,
-    m: int = 6,
-    p0: float = 3.0,
-    r2: float = 0.05,
-    ell2: float = 0.05,
-    fixed_priors: Sequence[float] = FIXED_PRIORS,
-    overlap_rhos: Sequence[float] = OVERLAP_RHOS,
-) -> dict:
+def run_collision(*, rho: float = 0.92, D: int = 16, m: int = 6, p0: float = 3.0, r2: float = 0.05, ell2: float = 0.05,
+                  fixed_priors: Sequence[float] = FIXED_PRIORS, overlap_rhos: Sequence[float] = OVERLAP_RHOS) -> dict:
     """Run the deterministic collision experiment and return its results (the ``collision.json`` dict).
 
     Lists are indexed by step: entry ``t − 1`` is the value after step ``t``.  Keys:
@@ -300,9 +291,7 @@ def run_collision(
     {gain, final_p_ab, final_margin}`` (gain of a unit key, ``c/(r² + c)``, as the filter reports it);
     ``overlap = {rho, <model>: final p_ab per ρ}``; ``closed_form`` (module docstring).
     """
-    rho = _overlap("rho", rho)
-    D, m = _dim("D", D, len(IDENTITIES)), _dim("m", m, len(IDENTITIES))
-    p0, r2, ell2 = _positive("p0", p0), _positive("r2", r2), _positive("ell2", ell2)
+    rho, D, m, p0, r2, ell2 = _protocol(rho, D, m, p0, r2, ell2)
     priors = [_positive("fixed_priors entry", c) for c in _nonempty("fixed_priors", fixed_priors)]
     if len({prior_key(c) for c in priors}) != len(priors):
         raise ValueError(f"fixed_priors must be distinct, got {list(fixed_priors)}")
@@ -391,61 +380,33 @@ def _closed_form(results: dict, designs: dict, inputs, bayes_out: FilterOutput) 
     }
 
 
-def chunk_agreement(
-    *,
-    rho: float = 0.92,
-    D: int = 16,
-    m: int = 6,
-    p0: float = 3.0,
-    r2: float = 0.05,
-    ell2: float = 0.05,
-    overlap_rhos: Sequence[float] = OVERLAP_RHOS,
-) -> dict[str, float]:
+def chunk_agreement(*, rho: float = 0.92, D: int = 16, m: int = 6, p0: float = 3.0, r2: float = 0.05,
+                    ell2: float = 0.05, overlap_rhos: Sequence[float] = OVERLAP_RHOS) -> dict[str, float]:
     """Max |oracle − chunked| over readouts and gains, per model, on the main run and the overlap sweep."""
     rhos = sorted({_overlap("rho", rho)} | {_overlap("overlap_rhos entry", r) for r in overlap_rhos})
     inputs = collision_inputs(rhos, D=D, m=m)
     diffs = {}
-    for name, (design, noise) in model_designs(
-        _positive("r2", r2), _positive("ell2", ell2), _positive("p0", p0)
-    ).items():
+    for name, (design, noise) in model_designs(r2, ell2, p0).items():
         ref = simulate(design, noise, inputs, path="recurrent")
         fast = simulate(design, noise, inputs, path="chunk")
         diffs[name] = max((ref.o - fast.o).abs().max().item(), (ref.gain - fast.gain).abs().max().item())
     return diffs
 
 
-def write_angle(
-    rho: float,
-    b_repeats: int,
-    *,
-    D: int = 16,
-    m: int = 6,
-    p0: float = 3.0,
-    r2: float = 0.05,
-    ell2: float = 0.05,
-) -> float:
+def write_angle(rho: float, b_repeats: int, *, D: int = 16, m: int = 6, p0: float = 3.0, r2: float = 0.05,
+                ell2: float = 0.05) -> float:
     """Angle (degrees) between ``k_A`` and the Bayesian filter's write of A after ``b_repeats`` writes of B.
 
     Shows how slowly the docs/theory.md §4.4 limit ``arcsin ρ`` (``b_repeats → ∞``) is approached.
     """
     inputs = collision_inputs([rho], D=D, m=m, b_repeats=b_repeats, a_repeats=1)
-    design, noise = model_designs(_positive("r2", r2), _positive("ell2", ell2), _positive("p0", p0))[
-        "bayesian"
-    ]
+    design, noise = model_designs(r2, ell2, p0)["bayesian"]
     T = inputs[0].shape[1]
     return _write_angle_deg(design, noise, inputs, T)
 
 
-def rotated_keys(
-    rho: float = 0.92,
-    seeds: Sequence[int] = tuple(range(8)),
-    *,
-    D: int = 16,
-    m: int = 6,
-    p0: float = 3.0,
-    r2: float = 0.05,
-    ell2: float = 0.05,
-) -> dict:
+def rotated_keys(rho: float = 0.92, seeds: Sequence[int] = tuple(range(8)), *, D: int = 16, m: int = 6, p0: float = 3.0,
+                 r2: float = 0.05, ell2: float = 0.05) -> dict:
     """Final ``p^{AB}`` of each model when all keys are turned by a random orthogonal ``Q`` (one per seed).
 
     The paper's geometry puts ``k_A`` on a coordinate axis, the best case for a *diagonal*
@@ -455,7 +416,7 @@ def rotated_keys(
     """
     seeds = [int(s) for s in _nonempty("seeds", seeds)]
     q, k, v = collision_inputs([rho], D=D, m=m)
-    designs = model_designs(_positive("r2", r2), _positive("ell2", ell2), _positive("p0", p0))
+    designs = model_designs(r2, ell2, p0)
     out: dict = {"rho": float(rho), "seeds": seeds, **{n: [] for n in MODELS}}
     for seed in seeds:
         turned = _turn((q, k, v), seed)
@@ -473,22 +434,30 @@ def _turn(inputs, seed: int):
     return q @ Q.T, k @ Q.T, v
 
 
+def _with_turns(inputs, seeds: Sequence[int]):
+    """Batch row 0: ``inputs`` (the paper's keys); row ``1 + i``: the keys turned by ``seeds[i]``."""
+    turned = [_turn(inputs, seed) for seed in seeds]
+    return tuple(torch.cat([inputs[j]] + [t[j] for t in turned], 0) for j in range(3))
+
+
 def lowrank_key(projection: str, rank: int) -> str:
     return f"{projection}/{rank}"
 
 
-def run_lowrank(
-    *,
-    rho: float = 0.92,
-    D: int = 16,
-    m: int = 6,
-    p0: float = 3.0,
-    r2: float = 0.05,
-    ell2: float = 0.05,
-    ranks: Sequence[int] = LOWRANK_RANKS,
-    projections: Sequence[str] = LOWRANK_PROJECTIONS,
-    seeds: Sequence[int] = tuple(range(8)),
-) -> dict:
+def lowrank_designs(r2: float, ell2: float, p0: float, projections: Sequence[str],
+                    ranks: Sequence[int]) -> dict[str, tuple[DesignModel, dict]]:
+    """The references of :data:`LOWRANK_REFERENCES`, then the low-rank design of every projection and rank
+    (:func:`lowrank_key` names them), as (design model, noise keywords)."""
+    designs = {n: d for n, d in model_designs(r2, ell2, p0).items() if n in LOWRANK_REFERENCES}
+    for proj in projections:
+        for r in ranks:
+            designs[lowrank_key(proj, r)] = (lowrank_diagonal(r, proj), {"r2": r2, "ell2": ell2, "p0": p0})
+    return designs
+
+
+def run_lowrank(*, rho: float = 0.92, D: int = 16, m: int = 6, p0: float = 3.0, r2: float = 0.05, ell2: float = 0.05,
+                ranks: Sequence[int] = LOWRANK_RANKS, projections: Sequence[str] = LOWRANK_PROJECTIONS,
+                seeds: Sequence[int] = tuple(range(8))) -> dict:
     """The rank sweep of the low-rank-plus-diagonal precision design on the collision schedule.
 
     For each projection and rank ``r``: ``p_ab`` and ``gain`` per step (the paper's keys) and the
@@ -498,20 +467,14 @@ def run_lowrank(
     the max |oracle − chunked| of readouts and gains over every low-rank run.  The result is
     ``collision_lowrank.json``.
     """
-    rho = _overlap("rho", rho)
-    D, m = _dim("D", D, len(IDENTITIES)), _dim("m", m, len(IDENTITIES))
-    p0, r2, ell2 = _positive("p0", p0), _positive("r2", r2), _positive("ell2", ell2)
+    rho, D, m, p0, r2, ell2 = _protocol(rho, D, m, p0, r2, ell2)
     ranks = [int(r) for r in _nonempty("ranks", ranks)]
     projections = list(_nonempty("projections", projections))
     seeds = [int(s) for s in _nonempty("seeds", seeds)]
-    designs = {n: d for n, d in model_designs(r2, ell2, p0).items() if n in LOWRANK_REFERENCES}
-    for proj in projections:
-        for r in ranks:
-            designs[lowrank_key(proj, r)] = (lowrank_diagonal(r, proj), {"r2": r2, "ell2": ell2, "p0": p0})
+    designs = lowrank_designs(r2, ell2, p0, projections, ranks)
     inputs = collision_inputs([rho], D=D, m=m)
     # batch row 0: the paper's keys; row 1 + i: keys turned by seed i (one filter call per design)
-    turned = [_turn(inputs, seed) for seed in seeds]
-    batch = tuple(torch.cat([inputs[j]] + [t[j] for t in turned], 0) for j in range(3))
+    batch = _with_turns(inputs, seeds)
     results: dict = {
         "config": {"D": D, "m": m, "rho": rho, "p0": p0, "r2": r2, "ell2": ell2, "steps": inputs[0].shape[1]},
         "ranks": ranks, "projections": projections, "seeds": seeds,
@@ -563,19 +526,10 @@ def multi_pair_inputs(pairs: int, rho: float, *, D: int = 16, b_repeats: int = B
     return (k.clone(), k, v), keys
 
 
-def run_multi_pair(
-    *,
-    rho: float = 0.92,
-    D: int = 16,
-    p0: float = 3.0,
-    r2: float = 0.05,
-    ell2: float = 0.05,
-    pairs: Sequence[int] = MULTI_PAIRS,
-    ranks: Sequence[int] = LOWRANK_RANKS,
-    projections: Sequence[str] = LOWRANK_PROJECTIONS,
-    seeds: Sequence[int] = tuple(range(8)),
-    on_pairs_done: Callable[[int], None] | None = None,
-) -> dict:
+def run_multi_pair(*, rho: float = 0.92, D: int = 16, p0: float = 3.0, r2: float = 0.05, ell2: float = 0.05,
+                   pairs: Sequence[int] = MULTI_PAIRS, ranks: Sequence[int] = LOWRANK_RANKS,
+                   projections: Sequence[str] = LOWRANK_PROJECTIONS, seeds: Sequence[int] = tuple(range(8)),
+                   on_pairs_done: Callable[[int], None] | None = None) -> dict:
     """Final p^AB of every pair when ``n`` pairs collide at once (:func:`multi_pair_inputs`), per model.
 
     How much rank the protection needs as the number of confirmed directions grows.  For each
@@ -587,17 +541,13 @@ def run_multi_pair(
     pairs = [int(n) for n in _nonempty("pairs", pairs)]
     ranks = [int(r) for r in _nonempty("ranks", ranks)]
     seeds = [int(sd) for sd in _nonempty("seeds", seeds)]
-    designs = {n: d for n, d in model_designs(r2, ell2, p0).items() if n in LOWRANK_REFERENCES}
-    for proj in _nonempty("projections", projections):
-        for r in ranks:
-            designs[lowrank_key(proj, r)] = (lowrank_diagonal(r, proj), {"r2": r2, "ell2": ell2, "p0": p0})
+    designs = lowrank_designs(r2, ell2, p0, _nonempty("projections", projections), ranks)
     out: dict = {"pairs": pairs, "b_repeats": B_REPEATS, "a_repeats": A_REPEATS, "seeds": seeds,
                  "models": {n: {"state_floats": [], "mean_p_ab": [], "min_p_ab": [], "rotated_mean_p_ab": [],
                                 "rotated_min_p_ab": []} for n in designs}}
     for n_pairs in pairs:
         inputs, keys = multi_pair_inputs(n_pairs, rho, D=D)
-        turned = [_turn(inputs, seed) for seed in seeds]
-        batch = tuple(torch.cat([inputs[j]] + [t[j] for t in turned], 0) for j in range(3))
+        batch = _with_turns(inputs, seeds)
         # the B keys each batch row is read at: [N, n, D]
         kb = torch.cat([keys[1::2][None]] + [_turn((keys[1::2][None, None], keys[1::2][None, None], None),
                                                    seed)[0][0] for seed in seeds], 0)
@@ -716,15 +666,8 @@ def format_lowrank_table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def run_extras(
-    *,
-    rho: float = 0.92,
-    p0: float = 3.0,
-    r2: float = 0.05,
-    ell2: float = 0.05,
-    b_repeats: Sequence[int] = (40, 400, 4000),
-    seeds: Sequence[int] = tuple(range(8)),
-) -> dict:
+def run_extras(*, rho: float = 0.92, p0: float = 3.0, r2: float = 0.05, ell2: float = 0.05,
+               b_repeats: Sequence[int] = (40, 400, 4000), seeds: Sequence[int] = tuple(range(8))) -> dict:
     """Checks beyond ``collision.json``: the write angle vs the length of B's reinforcement, and
     the models under randomly rotated keys (one rotation per seed).  Written to ``collision_extra.json``."""
     kw = {"p0": p0, "r2": r2, "ell2": ell2}
@@ -775,45 +718,22 @@ def plot_collision(results: dict, out_dir: str | Path) -> list[Path]:
     one_hot = 1.0 / (1.0 + math.exp(-1.0))
     tie = RefLine(0.5, "tie (0.5)", {"color": "0.6"})
     title = f"ρ = {cfg['rho']:g}, p0 = {cfg['p0']:g}, r² = {cfg['r2']:g}, ℓ² = {cfg['ell2']:g}"
+    over_steps = {"xlabel": "step t", "vlines": phases, "ylim": (0.0, 1.0), "legend_loc": "lower left"}
     paths = [
-        line_plot(
-            out_dir / FIGURES[0],
-            [Series(MODEL_LABELS[n], steps, models[n]["p_ab"], style=MODEL_STYLES[n]) for n in MODELS],
-            xlabel="step t",
-            ylabel="p^AB at B's key (B's class vs A's)",
-            title=f"Retrieval of B while A is written ({title})",
-            vlines=phases,
-            hlines=[tie, RefLine(one_hot, "one-hot margin 1: sigmoid(1)", {"color": "0.75"})],
-            ylim=(0.0, 1.0),
-            legend_loc="lower left",
-        ),
-        line_plot(
-            out_dir / FIGURES[1],
-            [Series(MODEL_LABELS[n], steps, models[n]["gain"], style=MODEL_STYLES[n]) for n in MODELS],
-            xlabel="step t",
-            ylabel="gain g_t = k_tᵀ K_t",
-            title=f"Effective gain ({title})",
-            vlines=phases,
-            hlines=[RefLine(cf["g_inf"], f"closed-form floor g_∞ = {cf['g_inf']:.4f}")],
-            ylim=(0.0, 1.0),
-            legend_loc="lower left",
-        ),
-        line_plot(
-            out_dir / FIGURES[2],
-            [
-                Series(
-                    MODEL_LABELS[n], results["overlap"]["rho"], results["overlap"][n], style=MODEL_STYLES[n]
-                )
-                for n in MODELS
-            ],
-            xlabel="key overlap ρ = k_Aᵀ k_B",
-            ylabel="final p^AB (step 112)",
-            title="Final retrieval of B vs key overlap",
-            vlines=[RefLine(cfg["rho"], f"ρ = {cfg['rho']:g}")],
-            hlines=[tie],
-            ylim=(0.0, 1.0),
-            legend_loc="lower left",
-        ),
+        line_plot(out_dir / FIGURES[0],
+                  [Series(MODEL_LABELS[n], steps, models[n]["p_ab"], style=MODEL_STYLES[n]) for n in MODELS],
+                  ylabel="p^AB at B's key (B's class vs A's)", title=f"Retrieval of B while A is written ({title})",
+                  hlines=[tie, RefLine(one_hot, "one-hot margin 1: sigmoid(1)", {"color": "0.75"})], **over_steps),
+        line_plot(out_dir / FIGURES[1],
+                  [Series(MODEL_LABELS[n], steps, models[n]["gain"], style=MODEL_STYLES[n]) for n in MODELS],
+                  ylabel="gain g_t = k_tᵀ K_t", title=f"Effective gain ({title})",
+                  hlines=[RefLine(cf["g_inf"], f"closed-form floor g_∞ = {cf['g_inf']:.4f}")], **over_steps),
+        line_plot(out_dir / FIGURES[2],
+                  [Series(MODEL_LABELS[n], results["overlap"]["rho"], results["overlap"][n], style=MODEL_STYLES[n])
+                   for n in MODELS],
+                  xlabel="key overlap ρ = k_Aᵀ k_B", ylabel="final p^AB (step 112)",
+                  title="Final retrieval of B vs key overlap", vlines=[RefLine(cfg["rho"], f"ρ = {cfg['rho']:g}")],
+                  hlines=[tie], ylim=(0.0, 1.0), legend_loc="lower left"),
     ]
     cs = sorted(results["fixed_prior"], key=float)
     xs = [float(c) for c in cs]

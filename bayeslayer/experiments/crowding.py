@@ -118,9 +118,7 @@ CURVES = ("cross_entropy_vs_load", "accuracy_vs_load")
 
 @dataclass(frozen=True)
 class CrowdingConfig(CoreRunConfig):
-    """One crowding run: ``preset`` (a :class:`CrowdingPreset`; default ``PRESETS["default"]``), ``models``,
-    ``out`` (``None``: write nothing), ``progress``, ``checkpoint_every``; checked as
-    :class:`~bayeslayer.experiments.common.recall_sweep.CoreRunConfig`."""
+    """One crowding run: a :class:`CoreRunConfig` whose ``preset`` is a :class:`CrowdingPreset`."""
 
     preset_type: ClassVar[type] = CrowdingPreset
 
@@ -128,8 +126,7 @@ class CrowdingConfig(CoreRunConfig):
 
 
 def run(config: CrowdingConfig) -> dict:
-    """Train and evaluate every model of ``config`` over ``preset.seeds`` seeds; returns (and, with
-    ``config.out``, writes) the record of ``crowding.json``."""
+    """Train and test every model of ``config`` over its seeds; returns (with ``out``, writes) ``crowding.json``."""
     if not isinstance(config, CrowdingConfig):
         raise TypeError(f"config must be a CrowdingConfig, got {type(config).__name__}")
     preset = config.preset

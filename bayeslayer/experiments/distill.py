@@ -81,6 +81,7 @@ from .common.lm_config import LM_TRAIN, LMConfig, LMDataConfig, LMModelConfig
 from .common.lm_run import NextTokenTrainee, Objective, train_lm
 from .common.options import (
     DEVICE_HELP,
+    add_train_eval,
     cache_dir_arg,
     check_in_dir,
     check_int,
@@ -696,12 +697,11 @@ def _train_main(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("distill",
-                       help="retrofit a pretrained Gated DeltaNet with Bayesian Layers (docs/theory.md §8.6)",
-                       description=DESCRIPTION)
-    d_sub = p.add_subparsers(dest="distill_command", metavar="{train,eval}", required=True)
-    t = d_sub.add_parser("train", help="Phase A, Phase B and the GDN-FT control (rerun to resume)",
-                         description=TRAIN_DESCRIPTION)
+    t, e = add_train_eval(
+        sub, "distill", help="retrofit a pretrained Gated DeltaNet with Bayesian Layers (docs/theory.md §8.6)",
+        description=DESCRIPTION,
+        train=("Phase A, Phase B and the GDN-FT control (rerun to resume)", TRAIN_DESCRIPTION),
+        evaluate=("NIAH and held-out PPL of GDN-zero, GDN-FT and BL", EVAL_DESCRIPTION))
     t.add_argument("--preset", choices=sorted(PRESETS), default="cpu",
                    help="'paper' = the paper's settings (docs/theory.md §8.6; 340M teacher, ≈100M + 300M tokens); "
                         "'cpu' = a pipeline check with a "
@@ -731,8 +731,6 @@ def add_parser(sub) -> None:
     add_threads_option(t, TORCH_DEFAULT)
     t.set_defaults(func=_train_main)
 
-    e = d_sub.add_parser("eval", help="NIAH and held-out PPL of GDN-zero, GDN-FT and BL",
-                         description=EVAL_DESCRIPTION)
     e.add_argument("--out", required=True, help="the directory `distill train` wrote")
     e.add_argument("--niah-lengths", type=_list_arg(int, "integers"), default="2048,4096,8192,16384")
     e.add_argument("--niah-depths", type=_list_arg(float, "numbers"), default="0,10,20,30,40,50,60,70,80,90,100",

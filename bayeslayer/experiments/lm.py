@@ -39,6 +39,7 @@ from .common.lm_run import build_model, init_distributed, load_corpus, load_run,
 from .common.options import (
     DEVICE_HELP,
     PLOT_ONLY_HELP,
+    add_train_eval,
     cache_dir_arg,
     check_file_name,
     check_in_dir,
@@ -421,12 +422,10 @@ def _train_threads(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("lm", help="language modelling with AR-hit evaluation (docs/theory.md §8.5)",
-                       description=DESCRIPTION)
-    lm_sub = p.add_subparsers(dest="lm_command", metavar="{train,eval}", required=True)
-
-    t = lm_sub.add_parser("train", help="train (or resume) one language model run",
-                          description=TRAIN_DESCRIPTION)
+    t, e = add_train_eval(sub, "lm", help="language modelling with AR-hit evaluation (docs/theory.md §8.5)",
+                          description=DESCRIPTION,
+                          train=("train (or resume) one language model run", TRAIN_DESCRIPTION),
+                          evaluate=("grouped PPL of finished runs (Table 2)", EVAL_DESCRIPTION))
     t.add_argument("--preset", choices=sorted(PRESETS), default="cpu",
                    help="'paper' = the paper's settings (docs/theory.md §8.5; WikiText-103, 520M tokens); "
                         "'cpu' ≈ 30 min per model on an idle "
@@ -469,8 +468,6 @@ def add_parser(sub) -> None:
     add_threads_option(t, _train_threads, default_text="1 with --preset tiny (small matrices), else PyTorch's")
     t.set_defaults(func=_train_main)
 
-    e = lm_sub.add_parser("eval", help="grouped PPL of finished runs (Table 2)",
-                          description=EVAL_DESCRIPTION)
     e.add_argument("runs", nargs="*", help="run directories (each with final/)")
     e.add_argument("--split", choices=("validation", "test"), default="test")
     e.add_argument("--seq-len", type=positive_int_arg, default=None,

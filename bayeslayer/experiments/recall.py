@@ -123,9 +123,7 @@ CURVES = ("accuracy_vs_n_f", "cross_entropy_vs_n_f", "margin_vs_n_f", "margin_vs
 
 @dataclass(frozen=True)
 class RecallConfig(CoreRunConfig):
-    """One recall run: ``preset`` (a :class:`RecallPreset`; default ``PRESETS["default"]``), ``models``,
-    ``out`` (``None``: write nothing), ``progress``, ``checkpoint_every``; checked as
-    :class:`~bayeslayer.experiments.common.recall_sweep.CoreRunConfig`."""
+    """One recall run: a :class:`CoreRunConfig` whose ``preset`` is a :class:`RecallPreset`."""
 
     preset_type: ClassVar[type] = RecallPreset
 
@@ -133,8 +131,7 @@ class RecallConfig(CoreRunConfig):
 
 
 def run(config: RecallConfig) -> dict:
-    """Train and evaluate every model of ``config`` over ``preset.seeds`` seeds; returns (and, with
-    ``config.out``, writes) the record of ``recall.json``."""
+    """Train and test every model of ``config`` over its seeds; returns (with ``out``, writes) ``recall.json``."""
     if not isinstance(config, RecallConfig):
         raise TypeError(f"config must be a RecallConfig, got {type(config).__name__}")
     preset = config.preset
