@@ -232,6 +232,12 @@ PRESETS: dict[str, DistillConfig] = {
                           checkpoint_every=2, log_every=1),
 }
 
+PRESET_HELP = (  # bayeslayer distill train --preset
+    "'paper' = the paper's settings (docs/theory.md §8.6; 340M teacher, ≈100M + 300M tokens); "
+    "'cpu' = a pipeline check with a "
+    "teacher from `lm train --preset cpu --mixer gated_deltanet`; 'tiny' = smoke test"
+)
+
 
 # --------------------------------------------------------------------------- teacher
 
@@ -701,11 +707,8 @@ def add_parser(sub) -> None:
         sub, "distill", help="retrofit a pretrained Gated DeltaNet with Bayesian Layers (docs/theory.md §8.6)",
         description=DESCRIPTION,
         train=("Phase A, Phase B and the GDN-FT control (rerun to resume)", TRAIN_DESCRIPTION),
-        evaluate=("NIAH and held-out PPL of GDN-zero, GDN-FT and BL", EVAL_DESCRIPTION))
-    t.add_argument("--preset", choices=sorted(PRESETS), default="cpu",
-                   help="'paper' = the paper's settings (docs/theory.md §8.6; 340M teacher, ≈100M + 300M tokens); "
-                        "'cpu' = a pipeline check with a "
-                        "teacher from `lm train --preset cpu --mixer gated_deltanet`; 'tiny' = smoke test")
+        evaluate=("NIAH and held-out PPL of GDN-zero, GDN-FT and BL", EVAL_DESCRIPTION),
+        presets=PRESETS, preset_help=PRESET_HELP)
     t.add_argument("--teacher", help="teacher: a Gated DeltaNet checkpoint directory, one of our model "
                                      "directories, or a hub id owner/name")
     t.add_argument("--layers", type=_parse_ints, help="layers to swap, e.g. 5,11,17,23")

@@ -119,6 +119,13 @@ PRESETS: dict[str, LMConfig] = {
                      micro_batch_size=2, eval_windows=4, log_every=5),
 }
 
+PRESET_HELP = (  # bayeslayer lm train --preset
+    "'paper' = the paper's settings (docs/theory.md §8.5; WikiText-103, 520M tokens); "
+    "'cpu' ≈ 30 min per model on an idle "
+    "2-core CPU on the python-docs corpus; 'tiny' = a smoke test of seconds on the "
+    "python-docstrings corpus, which every Python installation has"
+)
+
 
 # --------------------------------------------------------------------------- distributed context
 
@@ -425,12 +432,8 @@ def add_parser(sub) -> None:
     t, e = add_train_eval(sub, "lm", help="language modelling with AR-hit evaluation (docs/theory.md §8.5)",
                           description=DESCRIPTION,
                           train=("train (or resume) one language model run", TRAIN_DESCRIPTION),
-                          evaluate=("grouped PPL of finished runs (Table 2)", EVAL_DESCRIPTION))
-    t.add_argument("--preset", choices=sorted(PRESETS), default="cpu",
-                   help="'paper' = the paper's settings (docs/theory.md §8.5; WikiText-103, 520M tokens); "
-                        "'cpu' ≈ 30 min per model on an idle "
-                        "2-core CPU on the python-docs corpus; 'tiny' = a smoke test of seconds on the "
-                        "python-docstrings corpus, which every Python installation has")
+                          evaluate=("grouped PPL of finished runs (Table 2)", EVAL_DESCRIPTION),
+                          presets=PRESETS, preset_help=PRESET_HELP)
     t.add_argument("--mixer", help="token mixer of every layer (bayesian, gated_deltanet, mamba2, ...) "
                                    f"(default: {PRESETS['cpu'].mixer})")
     t.add_argument("--mixer-kwargs", help='JSON object of extra mixer arguments, e.g. \'{"p0": 1.0}\'')

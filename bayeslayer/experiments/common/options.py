@@ -21,6 +21,7 @@ import contextlib
 import json
 import math
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -333,16 +334,19 @@ def redrawing(path: str | os.PathLike):
 
 
 def add_train_eval(sub, name: str, *, help: str, description: str, train: tuple[str, str],
-                   evaluate: tuple[str, str]) -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+                   evaluate: tuple[str, str], presets: Mapping[str, object],
+                   preset_help: str) -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     """``bayeslayer <name> {train,eval}``: the command and its two subcommands; returns their parsers.
 
     ``train`` and ``evaluate`` are each subcommand's ``(help, description)``; the subcommand the user
-    named is ``args.<name>_command``.
+    named is ``args.<name>_command``.  ``train`` takes ``--preset`` (one of ``presets``, default ``cpu``).
     """
     p = sub.add_parser(name, help=help, description=description)
     commands = p.add_subparsers(dest=f"{name}_command", metavar="{train,eval}", required=True)
-    return (commands.add_parser("train", help=train[0], description=train[1]),
-            commands.add_parser("eval", help=evaluate[0], description=evaluate[1]))
+    t = commands.add_parser("train", help=train[0], description=train[1])
+    e = commands.add_parser("eval", help=evaluate[0], description=evaluate[1])
+    t.add_argument("--preset", choices=sorted(presets), default="cpu", help=preset_help)
+    return t, e
 
 
 __all__ = [
