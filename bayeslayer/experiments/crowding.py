@@ -18,7 +18,6 @@ Python: ``run(CrowdingConfig(preset=PRESETS["tiny"], models=("delta",), out=None
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 import torch.nn as nn
@@ -120,16 +119,12 @@ CURVES = ("cross_entropy_vs_load", "accuracy_vs_load")
 class CrowdingConfig(CoreRunConfig):
     """One crowding run: a :class:`CoreRunConfig` whose ``preset`` is a :class:`CrowdingPreset`."""
 
-    preset_type: ClassVar[type] = CrowdingPreset
-
     preset: CrowdingPreset = PRESETS["default"]
 
 
 def run(config: CrowdingConfig) -> dict:
     """Train and test every model of ``config`` over its seeds; returns (with ``out``, writes) ``crowding.json``."""
-    if not isinstance(config, CrowdingConfig):
-        raise TypeError(f"config must be a CrowdingConfig, got {type(config).__name__}")
-    preset = config.preset
+    preset = CrowdingConfig.checked(config).preset
     projection = crowding_projection(preset.address_dim, preset.source_dim, preset.projection_seed)
     return run_sweep("crowding", config, build_model=lambda kind: build_model(kind, preset),
                      sampler=sampler(preset, projection), evaluation=final_evaluation(preset, projection),

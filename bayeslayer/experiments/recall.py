@@ -30,7 +30,6 @@ and ``<out>/recall.png`` drawn from that JSON (``--plot-only`` redraws it).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 import torch.nn as nn
@@ -125,16 +124,12 @@ CURVES = ("accuracy_vs_n_f", "cross_entropy_vs_n_f", "margin_vs_n_f", "margin_vs
 class RecallConfig(CoreRunConfig):
     """One recall run: a :class:`CoreRunConfig` whose ``preset`` is a :class:`RecallPreset`."""
 
-    preset_type: ClassVar[type] = RecallPreset
-
     preset: RecallPreset = PRESETS["default"]
 
 
 def run(config: RecallConfig) -> dict:
     """Train and test every model of ``config`` over its seeds; returns (with ``out``, writes) ``recall.json``."""
-    if not isinstance(config, RecallConfig):
-        raise TypeError(f"config must be a RecallConfig, got {type(config).__name__}")
-    preset = config.preset
+    preset = RecallConfig.checked(config).preset
     return run_sweep("recall", config, build_model=lambda kind: build_model(kind, preset), sampler=sampler(preset),
                      evaluation=final_evaluation(preset), curves=CURVES, plot=plot_recall,
                      paper_budget=PAPER_BUDGET, evaluate=curve_evaluation(preset) if preset.curve_points else None)
