@@ -95,28 +95,25 @@ PRESETS: dict[str, LMConfig] = {
     # docs/theory.md §8.5: width 512, 4 layers, 4 heads × 128, 7,935 steps × 65,536 tokens (520M), length
     # 2,048, lr 6e-4, MLP dropout 0.4, WikiText-103 with a 32k BPE.  Betas, weight decay, warmup
     # and the final lr ratio are not in the paper: flash-linear-attention's usual values (LM_TRAIN).
-    "paper": LMConfig(preset="paper",
+    "paper": LMConfig(preset="paper", micro_batch_size=8, eval_windows=64,
                       model=LMModelConfig(hidden_size=512, num_layers=4, num_heads=4, head_dim=128, mlp_dropout=0.4),
                       data=LMDataConfig(source=WIKITEXT_103, vocab_size=32000, seq_len=2048),
                       train=replace(LM_TRAIN, steps=7935, batch_size=32, lr=6e-4, warmup_steps=400, eval_every=500,
-                                    checkpoint_every=250),
-                      micro_batch_size=8, eval_windows=64),
+                                    checkpoint_every=250)),
     # Sized from tokens/s measured on the 2-core CPU (docs/experiments.md, lm section): about
     # 30 minutes each for BL and GDN on an idle machine, ~1 epoch of the python3-doc corpus
     # (1.79M train tokens with the 8k BPE).  Length 1,024 covers every AR-hit distance bucket.
-    "cpu": LMConfig(preset="cpu",
+    "cpu": LMConfig(preset="cpu", micro_batch_size=4, eval_windows=16,
                     model=LMModelConfig(hidden_size=256, num_layers=4, num_heads=4, head_dim=64, mlp_dropout=0.1),
                     data=LMDataConfig(source="python-docs", vocab_size=8192, seq_len=1024),
                     train=replace(LM_TRAIN, steps=200, batch_size=8, lr=1e-3, warmup_steps=20, eval_every=50,
-                                  checkpoint_every=25),
-                    micro_batch_size=4, eval_windows=16),
+                                  checkpoint_every=25)),
     # A smoke test: seconds on any machine, on the corpus every Python installation has.
-    "tiny": LMConfig(preset="tiny",
+    "tiny": LMConfig(preset="tiny", micro_batch_size=2, eval_windows=4, log_every=5,
                      model=LMModelConfig(hidden_size=64, num_layers=2, num_heads=2, head_dim=16, mlp_dropout=0.0),
                      data=LMDataConfig(source="python-docstrings", vocab_size=8192, seq_len=128),
                      train=replace(LM_TRAIN, steps=20, batch_size=4, lr=3e-3, warmup_steps=2, eval_every=10,
-                                   checkpoint_every=10),
-                     micro_batch_size=2, eval_windows=4, log_every=5),
+                                   checkpoint_every=10)),
 }
 
 PRESET_HELP = (  # bayeslayer lm train --preset
