@@ -69,8 +69,9 @@ class GatedDeltaNet(_DeltaRule):
         init_decay_(self.A_log, self.dt_bias)
 
     def write_arguments(self, x: torch.Tensor) -> dict:
+        beta = self.beta(x)  # before alpha: the order of the graph fixes the order gradients are summed in
         alpha = torch.exp(decay_log(self.a_proj(x), self.A_log, self.dt_bias)[..., 0])
-        return {"gain": self.beta(x), "alpha": alpha}
+        return {"gain": beta, "alpha": alpha}
 
     def num_parameters_formula(self) -> int:
         return self._body_parameters() + 2 * self.hidden_size * self.num_heads + 2 * self.num_heads
