@@ -118,15 +118,15 @@ def test_mixer_recipe(restore_registries, monkeypatch):
 
     # MQAR sizes it by the state budget once the name is in BUDGET_MIXERS, and the built layer carries
     # exactly the state the solver counted with the design's state_size (build_model checks that)
-    from bayeslayer.experiments import mqar
+    from bayeslayer.experiments.common import mqar_setup
     from bayeslayer.models import state_budget
 
     assert mixer_design("fixed_decay_deltanet") is cls.design
     budget = (*state_budget.BUDGET_MIXERS, "fixed_decay_deltanet")
     monkeypatch.setattr(state_budget, "BUDGET_MIXERS", budget)
-    monkeypatch.setattr(mqar, "BUDGET_MIXERS", budget)
-    preset = mqar.PRESETS["tiny"]
-    model = mqar.build_model("fixed_decay_deltanet", preset, preset.width)
+    monkeypatch.setattr(mqar_setup, "BUDGET_MIXERS", budget)
+    preset = mqar_setup.PRESETS["tiny"]
+    model = mqar_setup.build_model("fixed_decay_deltanet", preset, preset.width)
     head = state_budget.solve_state_budget(preset.budget, preset.width, "fixed_decay_deltanet")
     assert model.state_size_per_layer() == head.state_size <= preset.budget
     assert any(isinstance(mx, cls) for mx in model.modules())

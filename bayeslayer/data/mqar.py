@@ -274,16 +274,8 @@ def _interleaved_positions(num_writes: int) -> tuple[torch.Tensor, torch.Tensor]
 
 
 # -- the three tasks ---------------------------------------------------------------------------------
-def multiquery_ar(
-    *,
-    vocab_size: int,
-    num_examples: int,
-    seq_len: int,
-    num_pairs: int,
-    seed: int,
-    power_a: float = 0.01,
-    random_non_queries: bool = True,
-) -> MQARData:
+def multiquery_ar(*, vocab_size: int, num_examples: int, seq_len: int, num_pairs: int, seed: int, power_a: float = 0.01,
+                  random_non_queries: bool = True) -> MQARData:
     """Base MQAR with a shared vocabulary: ``n`` pairs ``k_1 v_1 … k_n v_n``, then each key queried once.
 
     Keys and values are ``2n`` distinct tokens of ``1..V-1`` (a token is never a key and a value of
@@ -325,17 +317,8 @@ def multiquery_ar(
     )
 
 
-def update_mqar(
-    *,
-    vocab_size: int,
-    num_examples: int,
-    seq_len: int,
-    num_pairs: int,
-    num_updates: int,
-    seed: int,
-    power_a: float = 0.01,
-    random_non_queries: bool = True,
-) -> MQARData:
+def update_mqar(*, vocab_size: int, num_examples: int, seq_len: int, num_pairs: int, num_updates: int, seed: int,
+                power_a: float = 0.01, random_non_queries: bool = True) -> MQARData:
     """Update-MQAR: ``n + u`` writes, ``u`` of them overwrite a written key; answer the latest value.
 
     The writes are ``K V`` pairs: every key once plus ``u`` extra writes of keys drawn uniformly (a key
@@ -380,17 +363,8 @@ def update_mqar(
     )
 
 
-def block_mqar(
-    *,
-    vocab_size: int,
-    num_examples: int,
-    seq_len: int,
-    num_pairs: int,
-    seed: int,
-    block_size: int = 2,
-    power_a: float = 0.01,
-    random_non_queries: bool = True,
-) -> MQARData:
+def block_mqar(*, vocab_size: int, num_examples: int, seq_len: int, num_pairs: int, seed: int, block_size: int = 2,
+               power_a: float = 0.01, random_non_queries: bool = True) -> MQARData:
     """Block-MQAR: a block of ``b`` keys, then a block of their ``b`` values, binding them in order.
 
     ``A B 4 5`` binds ``A→4, B→5`` (``b = 2``, the paper's block size).  Pairs are cut into blocks of

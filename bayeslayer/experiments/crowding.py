@@ -18,7 +18,6 @@ Python: ``run(CrowdingConfig(preset=PRESETS["tiny"], models=("delta",), out=None
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 import torch.nn as nn
@@ -28,6 +27,14 @@ from .common.harness import masked_cross_entropy, query_accuracy
 from .common.plotting import save_figure
 from .common.recall_models import build_core_model
 from .common.recall_sweep import CorePreset, CoreRunConfig, add_command, print_summary_table, run_command, run_sweep
+
+DESCRIPTION = (
+    "Random-key crowding: each sequence writes n associations of random unit addresses (16-dimensional) and 64 "
+    "value labels, then queries 8 of them. Trains BL and the Delta-, LA- and GLA-style recurrent cores at loads "
+    "n/D up to 4 and reports query cross-entropy and accuracy past capacity (n/D up to 16), mean and std over "
+    "seeds. Writes OUT/crowding.json and OUT/crowding.png drawn from it (--plot-only redraws the figure). See "
+    "docs/experiments.md."
+)
 
 PAPER_BUDGET = "2,500 steps, batch 256, 3 seeds"
 
@@ -110,21 +117,14 @@ CURVES = ("cross_entropy_vs_load", "accuracy_vs_load")
 
 @dataclass(frozen=True)
 class CrowdingConfig(CoreRunConfig):
-    """One crowding run: ``preset`` (a :class:`CrowdingPreset`; default ``PRESETS["default"]``), ``models``,
-    ``out`` (``None``: write nothing), ``progress``, ``checkpoint_every``; checked as
-    :class:`~bayeslayer.experiments.common.recall_sweep.CoreRunConfig`."""
-
-    preset_type: ClassVar[type] = CrowdingPreset
+    """One crowding run: a :class:`CoreRunConfig` whose ``preset`` is a :class:`CrowdingPreset`."""
 
     preset: CrowdingPreset = PRESETS["default"]
 
 
 def run(config: CrowdingConfig) -> dict:
-    """Train and evaluate every model of ``config`` over ``preset.seeds`` seeds; returns (and, with
-    ``config.out``, writes) the record of ``crowding.json``."""
-    if not isinstance(config, CrowdingConfig):
-        raise TypeError(f"config must be a CrowdingConfig, got {type(config).__name__}")
-    preset = config.preset
+    """Train and test every model of ``config`` over its seeds; returns (with ``out``, writes) ``crowding.json``."""
+    preset = CrowdingConfig.checked(config).preset
     projection = crowding_projection(preset.address_dim, preset.source_dim, preset.projection_seed)
     return run_sweep("crowding", config, build_model=lambda kind: build_model(kind, preset),
                      sampler=sampler(preset, projection), evaluation=final_evaluation(preset, projection),
@@ -172,15 +172,6 @@ def print_table(record: dict) -> None:
 def _main(args) -> int:
     return run_command(args, name="crowding", presets=PRESETS, paper_budget=PAPER_BUDGET,
                        config_type=CrowdingConfig, run=run, plot=plot_crowding, print_table=print_table)
-
-
-DESCRIPTION = (
-    "Random-key crowding: each sequence writes n associations of random unit addresses (16-dimensional) and 64 "
-    "value labels, then queries 8 of them. Trains BL and the Delta-, LA- and GLA-style recurrent cores at loads "
-    "n/D up to 4 and reports query cross-entropy and accuracy past capacity (n/D up to 16), mean and std over "
-    "seeds. Writes OUT/crowding.json and OUT/crowding.png drawn from it (--plot-only redraws the figure). See "
-    "docs/experiments.md."
-)
 
 
 def add_parser(sub) -> None:

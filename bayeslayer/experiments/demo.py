@@ -17,6 +17,13 @@ from ..ops import bl_chunk, bl_recurrent
 from .common.options import DEVICE_HELP, check_int, check_memory, device_arg, positive_int_arg, resolve_device
 from .common.threads import SMALL, add_threads_option
 
+DESCRIPTION = (
+    "Run the Bayesian Layer on random float64 inputs twice, token by token (the "
+    "exact Kalman filter) and with the chunked path, and print their largest "
+    "difference in outputs and final state, the time of each and the range of the "
+    "predictive variance. No downloads, no training, no files written."
+)
+
 
 @dataclass(frozen=True)
 class DemoConfig:
@@ -89,10 +96,7 @@ def _main(args) -> int:
 
 def add_parser(sub) -> None:
     p = sub.add_parser("demo", help="seconds-long check: chunked Bayesian Layer == exact Kalman filter",
-                       description="Run the Bayesian Layer on random float64 inputs twice, token by token (the "
-                                   "exact Kalman filter) and with the chunked path, and print their largest "
-                                   "difference in outputs and final state, the time of each and the range of the "
-                                   "predictive variance. No downloads, no training, no files written.")
+                       description=DESCRIPTION)
     p.add_argument("--length", type=positive_int_arg, default=512, metavar="T", help="sequence length T")
     p.add_argument("--T", dest="length", type=positive_int_arg, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     p.add_argument("--device", type=device_arg, default="cpu", help=DEVICE_HELP)

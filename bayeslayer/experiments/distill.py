@@ -81,6 +81,7 @@ from .common.lm_config import LM_TRAIN, LMConfig, LMDataConfig, LMModelConfig
 from .common.lm_run import NextTokenTrainee, Objective, train_lm
 from .common.options import (
     DEVICE_HELP,
+    add_train_eval,
     cache_dir_arg,
     check_in_dir,
     check_int,
@@ -92,6 +93,25 @@ from .common.options import (
     positive_int_arg,
 )
 from .common.threads import TORCH_DEFAULT, add_threads_option
+
+DESCRIPTION = (
+    "Retrofit a pretrained Gated DeltaNet language model: swap some of its layers "
+    "for Bayesian Layers, train them to match the teacher's layers (Phase A), then "
+    "the whole model against the teacher's outputs (Phase B), beside a control that "
+    "fine-tunes the unmodified teacher on the same tokens (distill train); then "
+    "compare the three by needle-in-a-haystack recall and held-out perplexity "
+    "(distill eval). The phases and their losses: python -m pydoc "
+    "bayeslayer.experiments.distill."
+)
+TRAIN_DESCRIPTION = (
+    "Run Phase A, Phase B and the GDN-FT control (or the --stages named) into "
+    "--out; rerun the same command to resume where it stopped."
+)
+EVAL_DESCRIPTION = (
+    "Evaluate the teacher (GDN-zero), the GDN-FT control and the retrofitted "
+    "model of a finished distill train folder by needle-in-a-haystack recall and "
+    "held-out perplexity; writes the results into that folder."
+)
 
 STAGES = ("phase_a", "phase_b", "gdn_ft")
 STAGE_LABELS = {"phase_a": "BL (Phase A)", "phase_b": "BL", "gdn_ft": "GDN-FT"}
@@ -211,6 +231,12 @@ PRESETS: dict[str, DistillConfig] = {
                           lr_b=1e-3, warmup_steps=1, mlp_parts=("down_proj",), eval_every=0, eval_windows=4,
                           checkpoint_every=2, log_every=1),
 }
+
+PRESET_HELP = (  # bayeslayer distill train --preset
+    "'paper' = the paper's settings (docs/theory.md §8.6; 340M teacher, ≈100M + 300M tokens); "
+    "'cpu' = a pipeline check with a "
+    "teacher from `lm train --preset cpu --mixer gated_deltanet`; 'tiny' = smoke test"
+)
 
 
 # --------------------------------------------------------------------------- teacher
@@ -677,23 +703,12 @@ def _train_main(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("distill",
-                       help="retrofit a pretrained Gated DeltaNet with Bayesian Layers (docs/theory.md §8.6)",
-                       description="Retrofit a pretrained Gated DeltaNet language model: swap some of its layers "
-                                   "for Bayesian Layers, train them to match the teacher's layers (Phase A), then "
-                                   "the whole model against the teacher's outputs (Phase B), beside a control that "
-                                   "fine-tunes the unmodified teacher on the same tokens (distill train); then "
-                                   "compare the three by needle-in-a-haystack recall and held-out perplexity "
-                                   "(distill eval). The phases and their losses: python -m pydoc "
-                                   "bayeslayer.experiments.distill.")
-    d_sub = p.add_subparsers(dest="distill_command", metavar="{train,eval}", required=True)
-    t = d_sub.add_parser("train", help="Phase A, Phase B and the GDN-FT control (rerun to resume)",
-                         description="Run Phase A, Phase B and the GDN-FT control (or the --stages named) into "
-                                     "--out; rerun the same command to resume where it stopped.")
-    t.add_argument("--preset", choices=sorted(PRESETS), default="cpu",
-                   help="'paper' = the paper's settings (docs/theory.md §8.6; 340M teacher, ≈100M + 300M tokens); "
-                        "'cpu' = a pipeline check with a "
-                        "teacher from `lm train --preset cpu --mixer gated_deltanet`; 'tiny' = smoke test")
+    t, e = add_train_eval(
+        sub, "distill", help="retrofit a pretrained Gated DeltaNet with Bayesian Layers (docs/theory.md §8.6)",
+        description=DESCRIPTION,
+        train=("Phase A, Phase B and the GDN-FT control (rerun to resume)", TRAIN_DESCRIPTION),
+        evaluate=("NIAH and held-out PPL of GDN-zero, GDN-FT and BL", EVAL_DESCRIPTION),
+        presets=PRESETS, preset_help=PRESET_HELP)
     t.add_argument("--teacher", help="teacher: a Gated DeltaNet checkpoint directory, one of our model "
                                      "directories, or a hub id owner/name")
     t.add_argument("--layers", type=_parse_ints, help="layers to swap, e.g. 5,11,17,23")
@@ -719,10 +734,6 @@ def add_parser(sub) -> None:
     add_threads_option(t, TORCH_DEFAULT)
     t.set_defaults(func=_train_main)
 
-    e = d_sub.add_parser("eval", help="NIAH and held-out PPL of GDN-zero, GDN-FT and BL",
-                         description="Evaluate the teacher (GDN-zero), the GDN-FT control and the retrofitted "
-                                     "model of a finished distill train folder by needle-in-a-haystack recall and "
-                                     "held-out perplexity; writes the results into that folder.")
     e.add_argument("--out", required=True, help="the directory `distill train` wrote")
     e.add_argument("--niah-lengths", type=_list_arg(int, "integers"), default="2048,4096,8192,16384")
     e.add_argument("--niah-depths", type=_list_arg(float, "numbers"), default="0,10,20,30,40,50,60,70,80,90,100",

@@ -83,6 +83,15 @@ from .common.plotting import PAPER_LENGTHS, length_label, load_json, save_figure
 from .common.provenance import write_record
 from .common.threads import TORCH_DEFAULT, add_threads_option
 
+DESCRIPTION = (
+    "Held-out perplexity of each model on each corpus at each window length, in "
+    "the layout of the paper's Table 7, with each model's relative change against "
+    "a reference model. Windows are non-overlapping by default (the paper's "
+    "protocol) or sliding. Writes OUT/NAME.json, a markdown table and a plot drawn "
+    "from it (--plot-only redraws them). The window rules: python -m pydoc "
+    "bayeslayer.experiments.heldout."
+)
+
 SINGLE_PROCESS = DistContext()
 WINDOW_MODES = ("non-overlapping", "sliding")
 # Bump when anything that changes a cached cell's numbers changes (window rule, CE definition).
@@ -636,7 +645,6 @@ def evaluate_heldout(
 # --------------------------------------------------------------------------- table and plot (from the JSON)
 
 
-
 def _check_record(record: dict) -> None:
     if not isinstance(record, dict) or record.get("experiment") != "heldout" or not record.get("models"):
         seen = sorted(record) if isinstance(record, dict) else type(record).__name__
@@ -894,12 +902,7 @@ def add_parser(sub) -> None:
     """``bayeslayer heldout``: each option maps onto the :class:`HeldoutConfig` field of its name."""
     p = sub.add_parser("heldout",
                        help="held-out perplexity per corpus and window length (Table 7, docs/theory.md §8.6)",
-                       description="Held-out perplexity of each model on each corpus at each window length, in "
-                                   "the layout of the paper's Table 7, with each model's relative change against "
-                                   "a reference model. Windows are non-overlapping by default (the paper's "
-                                   "protocol) or sliding. Writes OUT/NAME.json, a markdown table and a plot drawn "
-                                   "from it (--plot-only redraws them). The window rules: python -m pydoc "
-                                   "bayeslayer.experiments.heldout.")
+                       description=DESCRIPTION)
     p.add_argument("--model", action="append", type=model_arg, default=None, metavar="[LABEL=]DIR",
                    help="a model directory (HF or fla Gated DeltaNet checkpoint) or an lm run directory; repeat")
     p.add_argument("--source", action="append", default=None, metavar="[LABEL=]SOURCE",

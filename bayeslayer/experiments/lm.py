@@ -39,6 +39,7 @@ from .common.lm_run import build_model, init_distributed, load_corpus, load_run,
 from .common.options import (
     DEVICE_HELP,
     PLOT_ONLY_HELP,
+    add_train_eval,
     cache_dir_arg,
     check_file_name,
     check_in_dir,
@@ -57,6 +58,23 @@ from .common.options import (
 from .common.plotting import save_figure
 from .common.provenance import write_record
 from .common.threads import SMALL, TORCH_DEFAULT, add_threads_option
+
+DESCRIPTION = (
+    "Train language models from scratch (lm train) and compare finished runs by "
+    "perplexity over all tokens, over AR-hit tokens (a bigram seen earlier in the "
+    "window) and over the rest (lm eval). Held-out perplexity per window length is "
+    "bayeslayer heldout. The training loop, run folder and resume rules: python -m "
+    "pydoc bayeslayer.experiments.lm."
+)
+TRAIN_DESCRIPTION = (
+    "Train a BayesLayerForCausalLM; rerun the same command to resume. "
+    "Distributed: torchrun --nproc_per_node N -m bayeslayer.cli lm train ..."
+)
+EVAL_DESCRIPTION = (
+    "Table 2: evaluate finished runs; runs sharing a label (default: the mixer) "
+    "are seeds of one model. Writes <out>/<name>.json, .md, .png. Held-out PPL "
+    "per length (Table 7, formerly `lm eval --lengths ...`) is `bayeslayer heldout`."
+)
 
 # Table-2 columns, then the distance buckets, in the order of :meth:`ARHitAnnotation.masks`.
 GROUPS = ("all", "ar_hit", "other", "ar_hit_1_64", "ar_hit_65_256", "ar_hit_257_1024")
@@ -77,29 +95,33 @@ PRESETS: dict[str, LMConfig] = {
     # docs/theory.md §8.5: width 512, 4 layers, 4 heads × 128, 7,935 steps × 65,536 tokens (520M), length
     # 2,048, lr 6e-4, MLP dropout 0.4, WikiText-103 with a 32k BPE.  Betas, weight decay, warmup
     # and the final lr ratio are not in the paper: flash-linear-attention's usual values (LM_TRAIN).
-    "paper": LMConfig(preset="paper",
+    "paper": LMConfig(preset="paper", micro_batch_size=8, eval_windows=64,
                       model=LMModelConfig(hidden_size=512, num_layers=4, num_heads=4, head_dim=128, mlp_dropout=0.4),
                       data=LMDataConfig(source=WIKITEXT_103, vocab_size=32000, seq_len=2048),
                       train=replace(LM_TRAIN, steps=7935, batch_size=32, lr=6e-4, warmup_steps=400, eval_every=500,
-                                    checkpoint_every=250),
-                      micro_batch_size=8, eval_windows=64),
+                                    checkpoint_every=250)),
     # Sized from tokens/s measured on the 2-core CPU (docs/experiments.md, lm section): about
     # 30 minutes each for BL and GDN on an idle machine, ~1 epoch of the python3-doc corpus
     # (1.79M train tokens with the 8k BPE).  Length 1,024 covers every AR-hit distance bucket.
-    "cpu": LMConfig(preset="cpu",
+    "cpu": LMConfig(preset="cpu", micro_batch_size=4, eval_windows=16,
                     model=LMModelConfig(hidden_size=256, num_layers=4, num_heads=4, head_dim=64, mlp_dropout=0.1),
                     data=LMDataConfig(source="python-docs", vocab_size=8192, seq_len=1024),
                     train=replace(LM_TRAIN, steps=200, batch_size=8, lr=1e-3, warmup_steps=20, eval_every=50,
-                                  checkpoint_every=25),
-                    micro_batch_size=4, eval_windows=16),
+                                  checkpoint_every=25)),
     # A smoke test: seconds on any machine, on the corpus every Python installation has.
-    "tiny": LMConfig(preset="tiny",
+    "tiny": LMConfig(preset="tiny", micro_batch_size=2, eval_windows=4, log_every=5,
                      model=LMModelConfig(hidden_size=64, num_layers=2, num_heads=2, head_dim=16, mlp_dropout=0.0),
                      data=LMDataConfig(source="python-docstrings", vocab_size=8192, seq_len=128),
                      train=replace(LM_TRAIN, steps=20, batch_size=4, lr=3e-3, warmup_steps=2, eval_every=10,
-                                   checkpoint_every=10),
-                     micro_batch_size=2, eval_windows=4, log_every=5),
+                                   checkpoint_every=10)),
 }
+
+PRESET_HELP = (  # bayeslayer lm train --preset
+    "'paper' = the paper's settings (docs/theory.md §8.5; WikiText-103, 520M tokens); "
+    "'cpu' ≈ 30 min per model on an idle "
+    "2-core CPU on the python-docs corpus; 'tiny' = a smoke test of seconds on the "
+    "python-docstrings corpus, which every Python installation has"
+)
 
 
 # --------------------------------------------------------------------------- distributed context
@@ -405,22 +427,11 @@ def _train_threads(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("lm", help="language modelling with AR-hit evaluation (docs/theory.md §8.5)",
-                       description="Train language models from scratch (lm train) and compare finished runs by "
-                                   "perplexity over all tokens, over AR-hit tokens (a bigram seen earlier in the "
-                                   "window) and over the rest (lm eval). Held-out perplexity per window length is "
-                                   "bayeslayer heldout. The training loop, run folder and resume rules: python -m "
-                                   "pydoc bayeslayer.experiments.lm.")
-    lm_sub = p.add_subparsers(dest="lm_command", metavar="{train,eval}", required=True)
-
-    t = lm_sub.add_parser("train", help="train (or resume) one language model run",
-                          description="Train a BayesLayerForCausalLM; rerun the same command to resume. "
-                                      "Distributed: torchrun --nproc_per_node N -m bayeslayer.cli lm train ...")
-    t.add_argument("--preset", choices=sorted(PRESETS), default="cpu",
-                   help="'paper' = the paper's settings (docs/theory.md §8.5; WikiText-103, 520M tokens); "
-                        "'cpu' ≈ 30 min per model on an idle "
-                        "2-core CPU on the python-docs corpus; 'tiny' = a smoke test of seconds on the "
-                        "python-docstrings corpus, which every Python installation has")
+    t, e = add_train_eval(sub, "lm", help="language modelling with AR-hit evaluation (docs/theory.md §8.5)",
+                          description=DESCRIPTION,
+                          train=("train (or resume) one language model run", TRAIN_DESCRIPTION),
+                          evaluate=("grouped PPL of finished runs (Table 2)", EVAL_DESCRIPTION),
+                          presets=PRESETS, preset_help=PRESET_HELP)
     t.add_argument("--mixer", help="token mixer of every layer (bayesian, gated_deltanet, mamba2, ...) "
                                    f"(default: {PRESETS['cpu'].mixer})")
     t.add_argument("--mixer-kwargs", help='JSON object of extra mixer arguments, e.g. \'{"p0": 1.0}\'')
@@ -462,10 +473,6 @@ def add_parser(sub) -> None:
     add_threads_option(t, _train_threads, default_text="1 with --preset tiny (small matrices), else PyTorch's")
     t.set_defaults(func=_train_main)
 
-    e = lm_sub.add_parser("eval", help="grouped PPL of finished runs (Table 2)",
-                          description="Table 2: evaluate finished runs; runs sharing a label (default: the mixer) "
-                                      "are seeds of one model. Writes <out>/<name>.json, .md, .png. Held-out PPL "
-                                      "per length (Table 7, formerly `lm eval --lengths ...`) is `bayeslayer heldout`.")
     e.add_argument("runs", nargs="*", help="run directories (each with final/)")
     e.add_argument("--split", choices=("validation", "test"), default="test")
     e.add_argument("--seq-len", type=positive_int_arg, default=None,

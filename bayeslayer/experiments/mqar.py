@@ -11,30 +11,12 @@ Keys and values share one vocabulary (:mod:`bayeslayer.data.mqar`).  Three tasks
 * **block** — ``A B 4 5`` binds ``A→4, B→5`` (block size 2); train at length 128 with 2/4/6/8
   pairs, test at length 128 over the number of pairs (to 16).
 
-Model (:class:`MQARModel`), in one of two layouts (``--layout``)::
-
-    h = Embedding(x)                                        x: [B, T] token ids
-    stacked (today's default; num_layers mixer blocks, each the same mixer):
-        h = h + mixer_l(LayerNorm(h))      ┐ l = 1..num_layers (paper: 2)
-        h = h + MLP_l(LayerNorm(h))        ┘ only with mlp_mult > 0 (Zoology's default: none)
-    hybrid (Zoology's standard MQAR model; blocks alternate, a short-conv block first):
-        s_l = BaseConv (l odd) or mixer (l even)        l = 1..num_layers (Zoology: 2 = conv, mixer)
-        h = h + s_l(LayerNorm(h))
-        h = h + F_l(LayerNorm(h))          F_l = MLP_l with mlp_mult > 0, else the identity
-        BaseConv(u) = conv_3(u) ⊙ (W u + b) + u          depthwise causal conv, kernel 3, with bias
-    logits = W_head LayerNorm(h)                            [B, T, V]
-
-The hybrid block is Zoology's ``TransformerBlock`` around ``Hybrid([BaseConv, mixer])``
-(``zoology/model.py``, ``mixers/hybrid.py``, ``mixers/base_conv.py``, ``experiments/models_repo.py``):
-block ``i`` holds ``configs[i mod 2]``, so ``n_layers = 2`` is one short-conv block then one mixer
-block.  Its state mixer is ``torch.nn.Identity`` in the MQAR configs, and its fused residual
-(``residual = hidden + residual`` at the next block) therefore adds ``LayerNorm(h)`` to the stream
-after every block — reproduced here as ``F_l = identity``.  Not reproduced (the same in both layouts):
-Zoology's embedding dropout 0.1, its head tied to the embedding without bias, and its N(0, 0.02)
-initialisation.  Zoology runs its GDN and DeltaNet with ``use_gate=False`` (no output gate): the
-``gate`` setting ``default`` keeps each layer's own default in the stacked layout and turns the gate
-off for every mixer that has one (BL, GDN, DeltaNet, linear attention) in the hybrid layout; ``on`` /
-``off`` force it.  Mamba-2's SiLU(z) gate is part of its SSD block and is never changed.
+Model: :class:`~bayeslayer.models.mqar_model.MQARModel`, in one of two layouts (``--layout``):
+``stacked`` (today's default: ``num_layers`` blocks of the same mixer) or ``hybrid`` (Zoology's
+standard MQAR model: blocks alternate, a short-convolution block first); its module docstring has the
+equations and what of Zoology's model is and is not reproduced.  Zoology runs its GDN and DeltaNet
+without an output gate; the ``--gate`` setting follows it in the hybrid layout
+(:mod:`bayeslayer.experiments.common.mqar_setup`).
 
 Mixers are registry layers or their conv-free variants (:data:`MIXER_VARIANTS`: BL and DeltaNet
 without their own short convolution, like the registry's ``gated_deltanet_noconv``).
@@ -69,7 +51,7 @@ import math
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -78,10 +60,29 @@ import torch.nn as nn
 from ..checks import check_int
 from ..data.mqar import IGNORE_INDEX, MQARData, MQARDataset, MQARTask, make_pool
 from ..errors import UsageError
-from ..layers import MIXER_LABELS, MIXERS, QKVMixer, ShortConvolution, build_mixer
-from ..models.state_budget import BUDGET_MIXERS, HeadConfig, solve_state_budget
+from ..models.mqar_model import LAYOUTS, BaseConv, MQARModel, MQARModelConfig
 from ..training.optim import DECAY_POLICY
-from .common.harness import TrainConfig, results_record, summarize, train_lr_grid
+from .common.harness import results_record, summarize, train_lr_grid
+from .common.mqar_setup import (
+    GATES,
+    LOWRANK_MIXERS,
+    LOWRANK_PREFIX,
+    MIXER_VARIANTS,
+    PRESETS,
+    TASK_NAMES,
+    MQARPreset,
+    build_model,
+    epoch_sampler,
+    gate_kwargs,
+    known_mixers,
+    lowrank_rank,
+    mixer_kwargs,
+    mixer_label,
+    model_config,
+    resolve_mixer,
+    train_config,
+    train_tasks,
+)
 from .common.options import (
     DEVICE_HELP,
     PLOT_ONLY_HELP,
@@ -97,24 +98,17 @@ from .common.plotting import RefLine, Series, line_plot, load_json
 from .common.provenance import write_record
 from .common.threads import TORCH_DEFAULT, add_threads_option
 
-TASK_NAMES = ("base", "update", "block")
+DESCRIPTION = (
+    "Zoology's multi-query associative recall in three tasks: base (key-value pairs, "
+    "then every key queried; one model per width), update (later writes of a key "
+    "overwrite it) and block (keys and values written in blocks). Trains each mixer "
+    "over a learning-rate grid and seeds, and writes OUT/mqar_<task>*.json and a "
+    "figure drawn from it (--plot-only redraws it). Results: docs/experiments.md; the "
+    "model and its two layouts: python -m pydoc bayeslayer.models.mqar_model."
+)
+
 DEFAULT_MIXERS = ("bayesian", "gated_deltanet", "gated_deltanet_noconv", "mamba2", "linear_attention")
-#: MQAR mixer names that are a registry layer with other constructor settings: name → (layer, keywords).
-MIXER_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
-    "bayesian_noconv": ("bayesian", {"use_short_conv": False}),
-    "deltanet_noconv": ("deltanet", {"use_short_conv": False}),
-}
-#: labels of the variants (not registry mixers; a registry mixer's label is bayeslayer.layers.MIXER_LABELS)
-VARIANT_LABELS = {"bayesian_noconv": "BL (no conv)", "deltanet_noconv": "DeltaNet (no conv)"}
-# the low-rank-plus-diagonal BL (bayeslayer.ops.bayesian_layer.lowrank) of rank r, sized by the state-budget rule for
-# "bayesian_lowrank" and built as the registry's "bayesian" with covariance="lowrank"; not a default
-LOWRANK_PREFIX = "bayesian_lowrank"
-LOWRANK_MIXERS = tuple(f"{LOWRANK_PREFIX}{r}" for r in (0, 1, 2, 4, 8, 16, 32))
-LAYOUTS = ("stacked", "hybrid")
-GATES = ("default", "on", "off")
 SWEEP_AXES = {"base": "model width", "update": "number of updates", "block": "number of pairs"}
-# Zoology's MQAR learning-rate sweep: np.logspace(-4, -2, 4).
-ZOOLOGY_LRS = (1e-4, 4.6415888e-4, 2.1544347e-3, 1e-2)
 
 # The paper's reported accuracies (docs/theory.md §8.4, one run per curve), printed beside ours.
 PAPER_POINTS = {
@@ -124,339 +118,7 @@ PAPER_POINTS = {
 }
 
 
-# -- presets -----------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class MQARPreset:
-    """Everything an MQAR run depends on; ``paper`` is the paper's setting (docs/theory.md §8.4).
-
-    Pools (``pool_*``) are the total sequences generated for training + validation; the test sets
-    (``test_examples`` per sweep point) are generated separately from ``test_seed``.
-    """
-
-    name: str
-    vocab_size: int
-    pool_base: int
-    pool_update: int
-    pool_block: int
-    epochs: int
-    batch_size: int
-    lrs: tuple[float, ...]
-    seeds: int
-    budget: int
-    width: int  # update and block
-    base_widths: tuple[int, ...]
-    base_seq_len: int  # the Base test length and number of pairs
-    base_num_pairs: int
-    test_examples: int
-    base_train: tuple[tuple[int, int], ...] | None = None  # (seq_len, pairs) mixture; None: the test task
-    num_layers: int = 2
-    mlp_mult: int = 0
-    warmup_steps: int | None = None  # None: warmup_fraction of the steps
-    warmup_fraction: float = 0.05
-    weight_decay: float = 0.1
-    betas: tuple[float, float] = (0.9, 0.95)
-    grad_clip: float = 1.0
-    val_fraction: float = 0.1
-    update_train: tuple[tuple[int, int, tuple[int, ...]], ...] = (
-        (64, 4, (0, 1, 2, 4)), (128, 16, (0, 2, 4, 8, 16)))  # (seq_len, pairs, update counts)
-    update_test_seq_len: int = 128
-    update_test_pairs: int = 16
-    update_test_updates: tuple[int, ...] = (0, 1, 2, 4, 6, 8, 10, 12, 14, 16)
-    block_size: int = 2
-    block_seq_len: int = 128
-    block_train_pairs: tuple[int, ...] = (2, 4, 6, 8)
-    block_test_pairs: tuple[int, ...] = (2, 4, 6, 8, 10, 12, 14, 16)
-    random_non_queries: bool = True  # Zoology's default: random tokens between the queries
-    chunk_size: int = 64
-    eval_batch: int = 128
-    data_seed: int = 0
-    test_seed: int = 10_000
-    checkpoint_every: int = 100
-    layout: str = "stacked"  # see the module docstring; "hybrid" = Zoology's conv-block + mixer-block model
-    gate: str = "default"  # output gate of the mixers that have one: layout's default, "on" or "off"
-    hybrid_conv_size: int = 3  # Zoology's BaseConv kernel
-    max_steps: int | None = None  # cap on the training steps (epochs × batches per epoch); None: no cap
-
-    def __post_init__(self):
-        if self.layout not in LAYOUTS:
-            raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
-        if self.gate not in GATES:
-            raise ValueError(f"gate must be one of {GATES}, got {self.gate!r}")
-        if self.max_steps is not None:
-            check_int("max_steps", self.max_steps, minimum=1)
-        if self.layout == "hybrid" and self.num_layers < 2:
-            raise ValueError(f"the hybrid layout alternates a conv block and a mixer block and needs "
-                             f"num_layers >= 2, got {self.num_layers}")
-
-    def pool_size(self, task: str) -> int:
-        return {"base": self.pool_base, "update": self.pool_update, "block": self.pool_block}[task]
-
-
-PRESETS: dict[str, MQARPreset] = {
-    # docs/theory.md §8.4.  The paper names no widths for Base; these are Zoology's.
-    "paper": MQARPreset(
-        "paper", vocab_size=8192, pool_base=100_000, pool_update=160_000, pool_block=120_000, epochs=40,
-        batch_size=256, lrs=ZOOLOGY_LRS, seeds=1, budget=8192, width=128, base_widths=(64, 128, 256, 512),
-        base_seq_len=512, base_num_pairs=64, test_examples=3000, warmup_steps=1024, checkpoint_every=500,
-    ),
-    # Sized from step times measured on the 2-core CPU (docs/experiments.md): the five default mixers,
-    # one seed, one learning rate (1e-2), about 20 minutes per task when the machine is idle.  Same
-    # task structure and sweeps; smaller vocabulary (64, about the least Update's 16 keys + 32 values
-    # allow), pools, widths and state budget; Base at length 128 with 16 pairs (the paper's 512/64 has
-    # the same 1:8 ratio); non-query positions hold token 0 instead of random tokens, because with
-    # random fillers no mixer left chance level within a CPU budget (measured, docs/experiments.md).
-    # Base trains on a Zoology-style mixture of easier and test-sized sequences: trained on 128/16
-    # alone, BL stayed at chance (0.019) after 504 steps.
-    "default": MQARPreset(
-        "default", vocab_size=64, pool_base=6_000, pool_update=12_000, pool_block=12_000, epochs=3,
-        batch_size=32, lrs=(1e-2,), seeds=1, budget=4096, width=64, base_widths=(16, 32, 64),
-        base_seq_len=128, base_num_pairs=16, test_examples=256, chunk_size=32, random_non_queries=False,
-        base_train=((64, 4), (128, 8), (128, 16)),
-    ),
-    # The CPU preset on the paper's data: vocabulary 8,192 and Zoology's random fillers (everything else
-    # as "default").  It shows how far a CPU gets on Update at 16 updates.
-    "cpu-paper-data": MQARPreset(
-        "cpu-paper-data", vocab_size=8192, pool_base=6_000, pool_update=12_000, pool_block=12_000, epochs=3,
-        batch_size=32, lrs=(1e-2,), seeds=1, budget=4096, width=64, base_widths=(16, 32, 64),
-        base_seq_len=128, base_num_pairs=16, test_examples=256, chunk_size=32, random_non_queries=True,
-        base_train=((64, 4), (128, 8), (128, 16)),
-    ),
-    # Seconds-long smoke run (tests, trying the command out).
-    "tiny": MQARPreset(
-        "tiny", vocab_size=32, pool_base=64, pool_update=80, pool_block=64, epochs=1, batch_size=16,
-        lrs=(3e-3,), seeds=1, budget=256, width=16, base_widths=(16, 32), base_seq_len=32, base_num_pairs=4,
-        test_examples=16, update_train=((32, 4, (0, 2)),), update_test_seq_len=32, update_test_pairs=4,
-        update_test_updates=(0, 2, 4), block_seq_len=32, block_train_pairs=(2, 4), block_test_pairs=(2, 4, 6),
-        chunk_size=16, eval_batch=16, checkpoint_every=0,
-    ),
-}
-
-
-# -- the model ---------------------------------------------------------------------------------------
-def mixer_kwargs(head: HeadConfig) -> dict[str, Any]:
-    """Constructor keywords of the registry mixer ``head.mixer`` for a solved head configuration."""
-    if head.form == "ssd":
-        return {"num_heads": head.num_heads, "head_dim": head.value_dim, "state_size": head.key_dim}
-    kwargs = {"num_heads": head.num_heads, "head_dim": head.key_dim, "expand_v": head.value_dim / head.key_dim}
-    if head.form in ("bayes", "diagonal", "lowrank") and head.groups != 1:
-        kwargs["groups"] = head.groups
-    if head.form == "lowrank":
-        kwargs.update(covariance="lowrank", rank=head.rank)
-    return kwargs
-
-
-def _lowrank_rank(mixer: str) -> int | None:
-    """``r`` of a ``bayesian_lowrank<r>`` name, else ``None``."""
-    if isinstance(mixer, str) and mixer.startswith(LOWRANK_PREFIX) and mixer[len(LOWRANK_PREFIX):].isdigit():
-        return int(mixer[len(LOWRANK_PREFIX):])
-    return None
-
-
-def mixer_label(mixer: str) -> str:
-    """A mixer's name in tables and legends: the registry's label, a variant's or a low-rank BL's."""
-    rank = _lowrank_rank(mixer)
-    if rank is not None:
-        return f"BL low-rank r={rank}"
-    return VARIANT_LABELS.get(mixer) or MIXER_LABELS.get(mixer, mixer)
-
-
-@dataclass(frozen=True)
-class MQARModelConfig:
-    """Sizes of an :class:`MQARModel`; ``mixer_kwargs`` go to :func:`~bayeslayer.layers.build_mixer`.
-
-    ``layout``: ``"stacked"`` or ``"hybrid"`` (module docstring); ``conv_size``: the hybrid layout's
-    BaseConv kernel.
-    """
-
-    mixer: str
-    vocab_size: int
-    width: int
-    num_layers: int = 2
-    mlp_mult: int = 0
-    mixer_kwargs: dict[str, Any] = field(default_factory=dict)
-    layout: str = "stacked"
-    conv_size: int = 3
-
-    def __post_init__(self):
-        if self.mixer not in MIXERS:
-            raise ValueError(f"unknown mixer {self.mixer!r}; known: {sorted(MIXERS)}")
-        for name in ("vocab_size", "width", "num_layers", "conv_size"):
-            check_int(name, getattr(self, name), minimum=1)
-        if not isinstance(self.mlp_mult, int) or isinstance(self.mlp_mult, bool) or self.mlp_mult < 0:
-            raise ValueError(f"mlp_mult must be a non-negative integer (0 = no MLP), got {self.mlp_mult!r}")
-        if self.layout not in LAYOUTS:
-            raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
-        if self.layout == "hybrid" and self.num_layers < 2:
-            raise ValueError(f"the hybrid layout needs num_layers >= 2 (a conv block, then a mixer block), "
-                             f"got {self.num_layers}")
-
-
-class BaseConv(nn.Module):
-    """Zoology's short-convolution sequence mixer: ``y = conv_W(u) ⊙ (W u + b) + u``, ``u [B, T, d]``.
-
-    ``conv_W`` is a depthwise causal convolution of width ``W`` (Zoology: 3) with a bias and no
-    activation (:class:`~bayeslayer.layers.ShortConvolution`); ``W u + b`` a full ``d × d`` projection;
-    the ``+ u`` is the block's own skip, on top of the residual stream's.  Parameters:
-    ``d² + d`` (projection) ``+ W·d + d`` (convolution).
-    """
-
-    def __init__(self, width: int, kernel_size: int = 3):
-        super().__init__()
-        self.conv = ShortConvolution(width, kernel_size, bias=True, activation=None)
-        self.projection = nn.Linear(width, width)
-
-    def forward(self, u: torch.Tensor) -> torch.Tensor:
-        return self.conv(u)[0] * self.projection(u) + u
-
-
-class MQARModel(nn.Module):
-    """Token ids ``[B, T]`` → logits ``[B, T, V]``: embedding, the blocks of ``config.layout``, head.
-
-    See the module docstring for the equations.  Parameters: ``2·V·d + V`` (embedding, head) ``+ 2d``
-    (final LayerNorm) plus, per block,
-
-    * stacked: the mixer's (each mixer's docstring has its formula) ``+ 2d`` (its LayerNorm), and with
-      an MLP ``2·mult·d² + (mult + 1)·d + 2d``;
-    * hybrid: ``4d`` (two LayerNorms) plus the mixer's or :class:`BaseConv`'s parameters, and with an MLP
-      ``2·mult·d² + (mult + 1)·d``.
-    """
-
-    def __init__(self, config: MQARModelConfig):
-        super().__init__()
-        if not isinstance(config, MQARModelConfig):
-            raise TypeError(f"config must be an MQARModelConfig, got {type(config).__name__}")
-        self.config = config
-        d, L = config.width, config.num_layers
-        self.embed = nn.Embedding(config.vocab_size, d)
-
-        def mlp() -> nn.Module:
-            hidden = config.mlp_mult * d
-            return nn.Sequential(nn.Linear(d, hidden), nn.GELU(), nn.Linear(hidden, d))
-
-        if config.layout == "stacked":
-            self.mixer_norms = nn.ModuleList(nn.LayerNorm(d) for _ in range(L))
-            self.mixers = nn.ModuleList(
-                build_mixer(config.mixer, d, layer_idx=i, **config.mixer_kwargs) for i in range(L))
-            if config.mlp_mult:
-                self.mlp_norms = nn.ModuleList(nn.LayerNorm(d) for _ in range(L))
-                self.mlps = nn.ModuleList(mlp() for _ in range(L))
-        else:
-            # Zoology's Hybrid picks configs[layer_idx % 2]: even blocks convolve, odd blocks mix
-            self.sequence_mixers = nn.ModuleList(
-                BaseConv(d, config.conv_size) if i % 2 == 0
-                else build_mixer(config.mixer, d, layer_idx=i, **config.mixer_kwargs) for i in range(L))
-            self.norms1 = nn.ModuleList(nn.LayerNorm(d) for _ in range(L))
-            self.norms2 = nn.ModuleList(nn.LayerNorm(d) for _ in range(L))
-            self.state_mixers = nn.ModuleList(mlp() if config.mlp_mult else nn.Identity() for _ in range(L))
-        self.norm = nn.LayerNorm(d)
-        self.head = nn.Linear(d, config.vocab_size)
-
-    def recurrent_mixers(self) -> list[nn.Module]:
-        """The registry mixers of the model, in order (the hybrid layout's BaseConv blocks left out)."""
-        if self.config.layout == "stacked":
-            return list(self.mixers)
-        return [m for m in self.sequence_mixers if not isinstance(m, BaseConv)]
-
-    def state_size_per_layer(self) -> int:
-        """Recurrent-state floats of one mixer layer (all heads)."""
-        mixer = self.recurrent_mixers()[0]
-        return mixer.state_size_per_head() * mixer.num_heads
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if not isinstance(input_ids, torch.Tensor) or input_ids.dtype != torch.int64:
-            raise TypeError(f"input_ids must be an int64 tensor of token ids, got "
-                            f"{getattr(input_ids, 'dtype', type(input_ids).__name__)}")
-        if input_ids.dim() != 2 or 0 in input_ids.shape:
-            raise ValueError(f"input_ids must be a non-empty [B, T] tensor, got {tuple(input_ids.shape)}")
-        V = self.config.vocab_size
-        if bool((input_ids < 0).any()) or bool((input_ids >= V).any()):
-            raise ValueError(f"input_ids must lie in [0, vocab_size={V}), got values in "
-                             f"[{int(input_ids.min())}, {int(input_ids.max())}]")
-        h = self.embed(input_ids)
-        if self.config.layout == "stacked":
-            for i, mixer in enumerate(self.mixers):
-                h = h + mixer(self.mixer_norms[i](h)).o
-                if self.config.mlp_mult:
-                    h = h + self.mlps[i](self.mlp_norms[i](h))
-        else:
-            for seq, norm1, norm2, state in zip(self.sequence_mixers, self.norms1, self.norms2,
-                                                self.state_mixers, strict=True):
-                y = seq(norm1(h))
-                h = h + (y if isinstance(seq, BaseConv) else y.o)
-                h = h + state(norm2(h))
-        return self.head(self.norm(h))
-
-
-def resolve_mixer(mixer: str) -> tuple[str, dict[str, Any]]:
-    """``(registry layer, extra constructor keywords)`` of an MQAR mixer name (:data:`MIXER_VARIANTS`)."""
-    if mixer in MIXER_VARIANTS:
-        layer, extra = MIXER_VARIANTS[mixer]
-        return layer, dict(extra)
-    return mixer, {}
-
-
-def gate_kwargs(layer: str, gate: str, layout: str) -> dict[str, Any]:
-    """The ``use_gate`` keyword for ``layer`` under the ``gate`` setting (module docstring); ``{}``: the default."""
-    if gate not in GATES:
-        raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    if not issubclass(MIXERS[layer], QKVMixer):  # Mamba-2: its gate belongs to the SSD block
-        return {}
-    if gate == "default":
-        return {"use_gate": False} if layout == "hybrid" else {}
-    return {"use_gate": gate == "on"}
-
-
-def model_config(mixer: str, preset: MQARPreset, width: int) -> tuple[MQARModelConfig, HeadConfig]:
-    """The model of ``mixer`` at ``width`` whose per-layer state fills ``preset.budget`` (solver's rule)."""
-    rank = _lowrank_rank(mixer)
-    if rank is not None:
-        layer, extra = "bayesian", {}
-        head = solve_state_budget(preset.budget, width, LOWRANK_PREFIX, rank=rank)
-    else:
-        layer, extra = resolve_mixer(mixer)
-        if layer not in BUDGET_MIXERS or layer not in MIXERS:
-            raise ValueError(f"mixer {mixer!r} has no state-budget rule or no layer; use one of {known_mixers()} "
-                             f"or {LOWRANK_PREFIX}<r>")
-        head = solve_state_budget(preset.budget, width, layer)
-    kwargs = {**mixer_kwargs(head), "chunk_size": preset.chunk_size, **extra,
-              **gate_kwargs(layer, preset.gate, preset.layout)}
-    cfg = MQARModelConfig(layer, preset.vocab_size, width, preset.num_layers, preset.mlp_mult, kwargs,
-                          layout=preset.layout, conv_size=preset.hybrid_conv_size)
-    return cfg, head
-
-
-def build_model(mixer: str, preset: MQARPreset, width: int) -> MQARModel:
-    """:func:`model_config` → :class:`MQARModel`, checking the built mixer carries the solved state."""
-    cfg, head = model_config(mixer, preset, width)
-    model = MQARModel(cfg)
-    if model.state_size_per_layer() != head.state_size:
-        raise RuntimeError(f"{mixer}: built layer carries {model.state_size_per_layer()} state floats but the "
-                           f"solver counted {head.state_size} ({head.summary()})")
-    return model
-
-
-def known_mixers() -> list[str]:
-    """Every name ``bayeslayer mqar --mixers`` takes: registry layers with a state rule, and the variants."""
-    return sorted((set(BUDGET_MIXERS) & set(MIXERS)) | set(MIXER_VARIANTS))
-
-
 # -- data --------------------------------------------------------------------------------------------
-def train_tasks(task: str, preset: MQARPreset) -> list[MQARTask]:
-    """The training mixture of ``task`` (each entry one pool segment of equal size)."""
-    if task == "base":
-        mixture = preset.base_train or ((preset.base_seq_len, preset.base_num_pairs),)
-        return [MQARTask("base", seq_len, pairs) for seq_len, pairs in mixture]
-    if task == "update":
-        return [MQARTask("update", seq_len, pairs, u)
-                for seq_len, pairs, updates in preset.update_train for u in updates]
-    if task == "block":
-        return [MQARTask("block", preset.block_seq_len, n, block_size=preset.block_size)
-                for n in preset.block_train_pairs]
-    raise ValueError(f"task must be one of {TASK_NAMES}, got {task!r}")
-
-
 def sweep_points(task: str, preset: MQARPreset) -> list[tuple[int, MQARTask]]:
     """``(x, test task)`` per sweep point (Base: one test task, x = each width)."""
     if task == "base":
@@ -468,33 +130,6 @@ def sweep_points(task: str, preset: MQARPreset) -> list[tuple[int, MQARTask]]:
         return [(n, MQARTask("block", preset.block_seq_len, n, block_size=preset.block_size))
                 for n in preset.block_test_pairs]
     raise ValueError(f"task must be one of {TASK_NAMES}, got {task!r}")
-
-
-def epoch_sampler(train: MQARDataset, batch_size: int, data_seed: int, device: torch.device | str = "cpu"):
-    """``sample_batch(step, batch_size, generator)`` for the harness: step ``s`` is a pure function of ``s``.
-
-    Epoch ``e = s // n`` (``n`` full batches per epoch) shuffles the pool with seed ``(data_seed, e)``
-    and step ``s`` takes its ``s mod n``-th batch, so a resumed run sees exactly the batches it would
-    have seen (the harness's generator is not needed).  Batches are moved to ``device`` once per epoch.
-    """
-    per_epoch = train.num_batches(batch_size, drop_last=True)
-    if per_epoch == 0:
-        raise ValueError(f"batch_size={batch_size} is larger than every training segment "
-                         f"({[len(s) for s in train.segments]} sequences)")
-    cache: dict[int, list] = {}
-
-    def sample_batch(step: int, size: int, generator: torch.Generator):
-        if size != batch_size:
-            raise ValueError(f"sampler built for batch_size={batch_size}, asked for {size}")
-        epoch = step // per_epoch
-        if epoch not in cache:
-            cache.clear()
-            cache[epoch] = [b.to(device) for b in train.batches(batch_size, shuffle=True,
-                                                                seed=data_seed * 100_003 + epoch, drop_last=True)]
-        return cache[epoch][step % per_epoch]
-
-    sample_batch.steps_per_epoch = per_epoch
-    return sample_batch
 
 
 def query_counts(model: nn.Module, data: MQARData, batch: int,
@@ -555,21 +190,10 @@ def final_evaluation(task: str, preset: MQARPreset, val: MQARDataset, tests: lis
     return evaluate
 
 
-# -- the sweep ---------------------------------------------------------------------------------------
-def train_config(preset: MQARPreset, steps: int) -> TrainConfig:
-    warmup = preset.warmup_steps if preset.warmup_steps is not None else int(preset.warmup_fraction * steps)
-    if preset.max_steps is not None and steps == preset.max_steps:  # capped: keep the warmup a fraction
-        warmup = min(warmup, int(preset.warmup_fraction * steps))
-    warmup = min(warmup, steps - 1) if steps > 1 else 0
-    return TrainConfig(steps=steps, batch_size=preset.batch_size, lr=preset.lrs[0], betas=preset.betas,
-                       weight_decay=preset.weight_decay, grad_clip=preset.grad_clip, warmup_steps=warmup,
-                       checkpoint_every=preset.checkpoint_every)
-
-
 def _check_mixers(mixers: Sequence[str]) -> list[str]:
     mixers = list(mixers)
     known = known_mixers()
-    bad = [m for m in mixers if m not in known and _lowrank_rank(m) is None]
+    bad = [m for m in mixers if m not in known and lowrank_rank(m) is None]
     if not mixers or bad or len(set(mixers)) != len(mixers):
         raise ValueError(f"mixers must be distinct names from {known} or {LOWRANK_PREFIX}<r>; got {mixers}")
     return mixers
@@ -856,12 +480,7 @@ def _main(args: argparse.Namespace) -> int:
 
 def add_parser(sub) -> None:
     p = sub.add_parser("mqar", help="Zoology MQAR: base / update / block recall (docs/theory.md §8.4)",
-                       description="Zoology's multi-query associative recall in three tasks: base (key-value pairs, "
-                                   "then every key queried; one model per width), update (later writes of a key "
-                                   "overwrite it) and block (keys and values written in blocks). Trains each mixer "
-                                   "over a learning-rate grid and seeds, and writes OUT/mqar_<task>*.json and a "
-                                   "figure drawn from it (--plot-only redraws it). Results: docs/experiments.md; the "
-                                   "model and its two layouts: python -m pydoc bayeslayer.experiments.mqar.")
+                       description=DESCRIPTION)
     p.add_argument("task", nargs="?", choices=TASK_NAMES, default=None, help="which MQAR task")
     p.add_argument("--preset", choices=sorted(PRESETS), default="default",
                    help="'paper' = the paper's settings (docs/theory.md §8.4); "

@@ -67,6 +67,15 @@ from .common.plotting import PAPER_LENGTHS, length_label, save_figure
 from .common.provenance import write_record
 from .common.threads import TORCH_DEFAULT, add_threads_option
 
+DESCRIPTION = (
+    "RULER's needle-in-a-haystack tasks: hide key-value needles at each depth of "
+    "prompts of each length, decode greedily and score the fraction of needles "
+    "recalled, per model, task, length and depth. Writes OUT/niah.json with every "
+    "sample's score, markdown tables, a length plot and depth-by-length difference "
+    "heatmaps drawn from it (--plot-only redraws them). Prompts and scoring: "
+    "python -m pydoc bayeslayer.experiments.niah."
+)
+
 #: The six tasks of the summary average.  The paper names niah_single_1, niah_single_2,
 #: niah_multivalue and niah_multiquery among its six and excludes CWE; of the other four
 #: NIAH variants we keep the two that share the essay haystack (niah_single_3,
@@ -209,7 +218,6 @@ def depth_length_grid(cells: Sequence[dict], summary_tasks: Sequence[str] = SUMM
 
 
 # ----------------------------------------------------------------------------- tables and plots
-
 
 
 def markdown_summary(results: dict) -> str:
@@ -533,12 +541,7 @@ def _parse_pair(text: str) -> tuple[str, str]:
 
 def add_parser(sub) -> None:
     p = sub.add_parser("niah", help="RULER needle-in-a-haystack evaluation (docs/theory.md §8.6)",
-                       description="RULER's needle-in-a-haystack tasks: hide key-value needles at each depth of "
-                                   "prompts of each length, decode greedily and score the fraction of needles "
-                                   "recalled, per model, task, length and depth. Writes OUT/niah.json with every "
-                                   "sample's score, markdown tables, a length plot and depth-by-length difference "
-                                   "heatmaps drawn from it (--plot-only redraws them). Prompts and scoring: "
-                                   "python -m pydoc bayeslayer.experiments.niah.")
+                       description=DESCRIPTION)
     p.add_argument("--model", action="append", type=model_arg, default=[], metavar="[LABEL=]DIR",
                    help="a model directory (HF format or an fla Gated DeltaNet checkpoint); repeat for several")
     p.add_argument("--tokenizer", default=None,

@@ -4,7 +4,8 @@ Each sequence holds 8 target/distractor address pairs with overlap ρ; targets a
 written ``n_b = 4`` times, then their distractors ``n_f`` times, then the targets
 are queried (:func:`bayeslayer.data.collision_tasks.collision_recall_batch`).
 Models are recurrent-core only (:mod:`bayeslayer.experiments.common.recall_models`): BL and
-the Delta-, LA- and GLA-style cores, addresses fed directly as key and query.
+the Delta-, LA- and GLA-style cores, addresses fed directly as key and query.  The presets, the
+training sampler and the model builder are :mod:`bayeslayer.experiments.common.recall_task`'s.
 
 Training: ``n_f ∈ {1, 2, 4, 8}`` (one per batch), ``ρ ~ U[0.60, 0.80]`` per sequence.
 Tests (fixed evaluation sets, identical for every model and seed):
@@ -28,8 +29,7 @@ and ``<out>/recall.png`` drawn from that JSON (``--plot-only`` redraws it).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import ClassVar
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -37,70 +37,18 @@ import torch.nn as nn
 from ..data.collision_tasks import collision_recall_batch
 from .common.harness import masked_cross_entropy, query_accuracy
 from .common.plotting import save_figure
-from .common.recall_models import build_core_model
-from .common.recall_sweep import CorePreset, CoreRunConfig, add_command, print_summary_table, run_command, run_sweep
+from .common.recall_sweep import CoreRunConfig, add_command, print_summary_table, run_command, run_sweep
+from .common.recall_task import PRESETS, RecallPreset, build_model, sampler
+
+DESCRIPTION = (
+    "Learned controlled collision recall: each sequence writes 8 target addresses 4 times, then a distractor "
+    "overlapping each target (overlap rho) n_f times, then queries the targets. Trains BL and the Delta-, LA- and "
+    "GLA-style recurrent cores on n_f in {1, 2, 4, 8} and reports accuracy against n_f up to 256 and the "
+    "target-versus-distractor margin against rho, mean and std over seeds. Writes OUT/recall.json and "
+    "OUT/recall.png drawn from it (--plot-only redraws the figure). See docs/experiments.md."
+)
 
 PAPER_BUDGET = "2,500 steps, batch 256, 3 seeds"
-
-
-@dataclass(frozen=True)
-class RecallPreset(CorePreset):
-    """Everything a recall run depends on; ``paper`` is the paper's budget (docs/theory.md §8.2).
-
-    The first fields (name, steps, batch size, seeds, ``eval_sequences`` — sequences per evaluation
-    point, 8 queries each — and the optimiser's) are :class:`~bayeslayer.experiments.common.recall_sweep.CorePreset`'s.
-    """
-
-    n_b: int = 4
-    num_pairs: int = 8
-    address_dim: int = 16
-    train_n_f: tuple[int, ...] = (1, 2, 4, 8)
-    train_rho: tuple[float, float] = (0.60, 0.80)
-    test_n_f: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-    test_rho_for_n_f: float = 0.80
-    test_rho: tuple[float, ...] = (0.60, 0.65, 0.70, 0.75, 0.80, 0.85, 0.90, 0.95)
-    test_n_f_for_rho: int = 64
-    eval_batch: int = 32  # sequences per forward pass at evaluation (memory)
-    eval_seed: int = 1234
-    curve_points: int = 10  # evaluations during training (0: none); every steps // curve_points steps
-    curve_sequences: int = 32  # sequences per monitoring point
-    curve_n_f: tuple[int, ...] = (64, 128, 256)
-    curve_rho: tuple[float, ...] = (0.80, 0.90, 0.95)
-
-    def eval_every(self) -> int:
-        """Every ``steps // curve_points`` steps (at least 1); 0 (only at the end) without learning curves."""
-        return max(1, self.steps // self.curve_points) if self.curve_points else 0
-
-
-_DEFAULT = RecallPreset("default", steps=600, batch_size=64, seeds=2, eval_sequences=64)
-PRESETS = {
-    "paper": RecallPreset("paper", steps=2500, batch_size=256, seeds=3, eval_sequences=256),
-    # Sized from step times measured on the idle 2-core CPU (batch 64, T ≈ 70, one thread: BL 0.13 s,
-    # Delta 0.07 s, LA 0.05 s, GLA 0.2 s): all four models, two seeds, training and the test sweeps
-    # in roughly 10-15 minutes when the machine is idle (BL fits the training range in ~200 steps).
-    "default": _DEFAULT,
-    # The default with 3× the steps and nothing else changed: does the default budget limit recall?
-    # (An independent check moved Delta's recall at n_f = 256 from 0.26 to 0.36 at 3× the steps.)
-    "long": replace(_DEFAULT, name="long", steps=3 * _DEFAULT.steps),
-    # Seconds-long smoke run (tests, trying the command out).
-    "tiny": RecallPreset("tiny", steps=20, batch_size=16, seeds=1, eval_sequences=8,
-                         test_n_f=(1, 8, 32), test_rho=(0.6, 0.95), test_n_f_for_rho=8, curve_points=2,
-                         curve_sequences=4, curve_n_f=(8,), curve_rho=(0.95,)),
-}
-
-
-def sampler(preset: RecallPreset):
-    """Training batches: one ``n_f`` from ``train_n_f`` per batch, ``ρ ~ U[train_rho]`` per sequence."""
-    lo, hi = preset.train_rho
-
-    def sample_batch(step: int, batch_size: int, generator: torch.Generator):
-        idx = int(torch.randint(len(preset.train_n_f), (1,), generator=generator))
-        rho = lo + (hi - lo) * torch.rand(batch_size, generator=generator)
-        return collision_recall_batch(batch_size, n_f=preset.train_n_f[idx], rho=rho, generator=generator,
-                                      n_b=preset.n_b, num_pairs=preset.num_pairs,
-                                      address_dim=preset.address_dim)
-
-    return sample_batch
 
 
 def evaluate_point(model: nn.Module, preset: RecallPreset, n_f: int, rho, point_seed: int,
@@ -169,32 +117,19 @@ def curve_evaluation(preset: RecallPreset):
     return evaluate
 
 
-def build_model(kind: str, preset: RecallPreset) -> nn.Module:
-    return build_core_model(kind, input_dim=1 + preset.address_dim + 2 * preset.num_pairs,
-                            num_classes=2 * preset.num_pairs, address_start=1, address_dim=preset.address_dim,
-                            head_dim=preset.address_dim)
-
-
 CURVES = ("accuracy_vs_n_f", "cross_entropy_vs_n_f", "margin_vs_n_f", "margin_vs_rho", "accuracy_vs_rho")
 
 
 @dataclass(frozen=True)
 class RecallConfig(CoreRunConfig):
-    """One recall run: ``preset`` (a :class:`RecallPreset`; default ``PRESETS["default"]``), ``models``,
-    ``out`` (``None``: write nothing), ``progress``, ``checkpoint_every``; checked as
-    :class:`~bayeslayer.experiments.common.recall_sweep.CoreRunConfig`."""
+    """One recall run: a :class:`CoreRunConfig` whose ``preset`` is a :class:`RecallPreset`."""
 
-    preset_type: ClassVar[type] = RecallPreset
-
-    preset: RecallPreset = _DEFAULT
+    preset: RecallPreset = PRESETS["default"]
 
 
 def run(config: RecallConfig) -> dict:
-    """Train and evaluate every model of ``config`` over ``preset.seeds`` seeds; returns (and, with
-    ``config.out``, writes) the record of ``recall.json``."""
-    if not isinstance(config, RecallConfig):
-        raise TypeError(f"config must be a RecallConfig, got {type(config).__name__}")
-    preset = config.preset
+    """Train and test every model of ``config`` over its seeds; returns (with ``out``, writes) ``recall.json``."""
+    preset = RecallConfig.checked(config).preset
     return run_sweep("recall", config, build_model=lambda kind: build_model(kind, preset), sampler=sampler(preset),
                      evaluation=final_evaluation(preset), curves=CURVES, plot=plot_recall,
                      paper_budget=PAPER_BUDGET, evaluate=curve_evaluation(preset) if preset.curve_points else None)
@@ -266,15 +201,6 @@ def print_table(record: dict) -> None:
 def _main(args) -> int:
     return run_command(args, name="recall", presets=PRESETS, paper_budget=PAPER_BUDGET, config_type=RecallConfig,
                        run=run, plot=plot_recall, print_table=print_table)
-
-
-DESCRIPTION = (
-    "Learned controlled collision recall: each sequence writes 8 target addresses 4 times, then a distractor "
-    "overlapping each target (overlap rho) n_f times, then queries the targets. Trains BL and the Delta-, LA- and "
-    "GLA-style recurrent cores on n_f in {1, 2, 4, 8} and reports accuracy against n_f up to 256 and the "
-    "target-versus-distractor margin against rho, mean and std over seeds. Writes OUT/recall.json and "
-    "OUT/recall.png drawn from it (--plot-only redraws the figure). See docs/experiments.md."
-)
 
 
 def add_parser(sub) -> None:

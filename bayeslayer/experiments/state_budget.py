@@ -22,6 +22,14 @@ from ..models.state_budget import (
 from .common.options import check_int, check_out_file, positive_int_arg
 from .common.threads import SMALL, add_threads_option
 
+DESCRIPTION = (
+    "For each model width and mixer, list the head configurations (number of heads, "
+    "head dimension, covariance groups) whose recurrent state per layer fits the "
+    "budget in floats and uses at least --min-usage of it, the configuration "
+    "nearest --target-head-dim first. Arithmetic only: nothing is trained; "
+    "--json also writes the configurations to a file."
+)
+
 
 # -- the command as config -> record ----------------------------------------------------------------
 @dataclass(frozen=True)
@@ -108,11 +116,7 @@ def _main(args: argparse.Namespace) -> int:
 
 def add_parser(sub) -> None:
     p = sub.add_parser("state-budget", help="head configurations whose recurrent state fits a float budget",
-                       description="For each model width and mixer, list the head configurations (number of heads, "
-                                   "head dimension, covariance groups) whose recurrent state per layer fits the "
-                                   "budget in floats and uses at least --min-usage of it, the configuration "
-                                   "nearest --target-head-dim first. Arithmetic only: nothing is trained; "
-                                   "--json also writes the configurations to a file.")
+                       description=DESCRIPTION)
     p.add_argument("--budget", type=positive_int_arg, default=PAPER_BUDGET, help="per-layer state budget in floats")
     p.add_argument("--width", type=positive_int_arg, nargs="+", default=[64], help="model width(s)")
     p.add_argument("--mixers", nargs="+", default=list(BUDGET_MIXERS), choices=(*BUDGET_MIXERS, LOWRANK_MIXER),

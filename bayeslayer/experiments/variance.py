@@ -41,6 +41,7 @@ from ..checks import check_int
 from ..data.collision_tasks import collision_recall_batch
 from ..data.mqar import IGNORE_INDEX, MQARTask, make_pool
 from ..training.optim import DECAY_POLICY
+from .common import mqar_setup, recall_task
 from .common.harness import results_record, summarize, train_seeds
 from .common.options import (
     DEVICE_HELP,
@@ -55,6 +56,14 @@ from .common.provenance import write_record
 from .common.recall_models import CoreMixer
 from .common.recall_sweep import model_on_device, sampler_on_device
 from .common.threads import SMALL, add_threads_option
+
+DESCRIPTION = (
+    "Trains the Bayesian-Layer models of learned collision recall and of MQAR "
+    "Update (hybrid layout), then reports for every test query the AUROC of the "
+    "layer's predictive variance for a wrong answer, against the softmax entropy "
+    "of the answer and both combined, over seeds; writes variance.json and the "
+    "figure drawn from it."
+)
 
 NAME = "variance"
 TASKS = ("recall", "mqar_update")
@@ -250,9 +259,7 @@ def collect_queries(model: nn.Module, batches) -> dict[str, np.ndarray]:
 
 # -- the two tasks -----------------------------------------------------------------------------------
 def _recall_setup(preset: VariancePreset, device: str = "cpu"):
-    from . import recall
-
-    source = recall.PRESETS[preset.recall_preset]
+    source = recall_task.PRESETS[preset.recall_preset]
     source = replace(source, curve_points=0, seeds=preset.seeds,
                      steps=preset.recall_steps if preset.recall_steps is not None else source.steps)
 
@@ -268,20 +275,18 @@ def _recall_setup(preset: VariancePreset, device: str = "cpu"):
                                                address_dim=source.address_dim)
                 yield batch.inputs, batch.labels, n_f
 
-    return (lambda seed: model_on_device(recall.build_model("bayesian", source), device)), \
-        sampler_on_device(recall.sampler(source), device), source.train_config(), \
+    return (lambda seed: model_on_device(recall_task.build_model("bayesian", source), device)), \
+        sampler_on_device(recall_task.sampler(source), device), source.train_config(), \
         batches, {"source_preset": asdict(source), "condition": "n_f (distractor writes, rho = 0.80)"}
 
 
 def _mqar_setup(preset: VariancePreset, device: str = "cpu"):
-    from . import mqar
-
-    source = replace(mqar.PRESETS[preset.mqar_preset], layout="hybrid", seeds=preset.seeds,
+    source = replace(mqar_setup.PRESETS[preset.mqar_preset], layout="hybrid", seeds=preset.seeds,
                      max_steps=preset.mqar_steps)
-    train_ds, _ = make_pool(mqar.train_tasks("update", source), num_examples=source.pool_size("update"),
+    train_ds, _ = make_pool(mqar_setup.train_tasks("update", source), num_examples=source.pool_size("update"),
                             vocab_size=source.vocab_size, seed=source.data_seed, val_fraction=source.val_fraction,
                             random_non_queries=source.random_non_queries)
-    sampler = mqar.epoch_sampler(train_ds, source.batch_size, source.data_seed, device)
+    sampler = mqar_setup.epoch_sampler(train_ds, source.batch_size, source.data_seed, device)
     steps = source.epochs * sampler.steps_per_epoch
     if source.max_steps is not None:
         steps = min(steps, source.max_steps)
@@ -297,8 +302,8 @@ def _mqar_setup(preset: VariancePreset, device: str = "cpu"):
                 idx = slice(start, start + source.eval_batch)
                 yield data.inputs[idx].to(device), data.labels[idx], u
 
-    return (lambda seed: mqar.build_model("bayesian", source, source.width).to(device)), sampler, \
-        mqar.train_config(source, steps), batches, \
+    return (lambda seed: mqar_setup.build_model("bayesian", source, source.width).to(device)), sampler, \
+        mqar_setup.train_config(source, steps), batches, \
         {"source_preset": asdict(source),
          "condition": f"updates of the queried key (length {source.update_test_seq_len}, "
                       f"{source.update_test_pairs} pairs)"}
@@ -440,11 +445,7 @@ def _main(args):
 
 def add_parser(sub) -> None:
     p = sub.add_parser("variance", help="does the BL's predictive variance flag wrong answers? (AUROC vs entropy)",
-                       description="Trains the Bayesian-Layer models of learned collision recall and of MQAR "
-                                   "Update (hybrid layout), then reports for every test query the AUROC of the "
-                                   "layer's predictive variance for a wrong answer, against the softmax entropy "
-                                   "of the answer and both combined, over seeds; writes variance.json and the "
-                                   "figure drawn from it.")
+                       description=DESCRIPTION)
     p.add_argument("--preset", choices=sorted(PRESETS), default="default")
     p.add_argument("--tasks", nargs="+", choices=TASKS, default=list(TASKS))
     p.add_argument("--seeds", type=positive_int_arg, default=None, help="number of seeds (default: the preset's)")

@@ -15,7 +15,23 @@ from .base import QKVMixer
 from .common import decay_log, gate_dtype, init_decay_, positive
 
 
-class GatedDeltaNet(QKVMixer):
+class _DeltaRule(QKVMixer):
+    """What DeltaNet and Gated DeltaNet share: ``l2``-normalised queries and keys, and the write strength
+    ``β_t = sigmoid(b_proj(x_t))`` (× 2 with ``allow_neg_eigval``) as the reset design's gain."""
+
+    def __init__(self, hidden_size: int, num_heads: int, head_dim: int, *, allow_neg_eigval: bool,
+                 **kwargs) -> None:
+        super().__init__(hidden_size, num_heads, head_dim, qk_norm="l2", **kwargs)
+        # β ∈ (0, 2) lets the transition I − β k kᵀ have a negative eigenvalue (Grazzi et al. 2024)
+        self.allow_neg_eigval = bool(allow_neg_eigval)
+
+    def beta(self, x: torch.Tensor) -> torch.Tensor:
+        """``β_t`` ``[B, T, H]`` of the inputs ``x`` ``[B, T, d]`` (``self.b_proj`` is the subclass's)."""
+        beta = positive(torch.sigmoid(self.b_proj(x).to(gate_dtype(x))))
+        return 2 * beta if self.allow_neg_eigval else beta
+
+
+class GatedDeltaNet(_DeltaRule):
     """Gated DeltaNet (Yang et al. 2024), flash-linear-attention's ``fla.layers.GatedDeltaNet``.
 
     Same parameter names, shapes, defaults and math, so an fla GDN layer's ``state_dict`` loads with
@@ -44,9 +60,7 @@ class GatedDeltaNet(QKVMixer):
                  chunk_size: int = 64, layer_idx: int | None = None) -> None:
         super().__init__(hidden_size, num_heads, head_dim, expand_v=expand_v, use_short_conv=use_short_conv,
                          conv_size=conv_size, conv_bias=conv_bias, use_gate=use_gate, norm_eps=norm_eps,
-                         qk_norm="l2", chunk_size=chunk_size, layer_idx=layer_idx)
-        # β ∈ (0, 2) lets the transition I − β k kᵀ have a negative eigenvalue (Grazzi et al. 2024)
-        self.allow_neg_eigval = bool(allow_neg_eigval)
+                         chunk_size=chunk_size, layer_idx=layer_idx, allow_neg_eigval=allow_neg_eigval)
         d, H = self.hidden_size, self.num_heads
         self.a_proj = nn.Linear(d, H, bias=False)
         self.b_proj = nn.Linear(d, H, bias=False)
@@ -55,8 +69,7 @@ class GatedDeltaNet(QKVMixer):
         init_decay_(self.A_log, self.dt_bias)
 
     def write_arguments(self, x: torch.Tensor) -> dict:
-        beta = positive(torch.sigmoid(self.b_proj(x).to(gate_dtype(x))))
-        beta = 2 * beta if self.allow_neg_eigval else beta
+        beta = self.beta(x)  # before alpha: the order of the graph fixes the order gradients are summed in
         alpha = torch.exp(decay_log(self.a_proj(x), self.A_log, self.dt_bias)[..., 0])
         return {"gain": beta, "alpha": alpha}
 
@@ -76,7 +89,7 @@ class GatedDeltaNetNoConv(GatedDeltaNet):
         super().__init__(hidden_size, num_heads, head_dim, use_short_conv=False, **kwargs)
 
 
-class DeltaNet(QKVMixer):
+class DeltaNet(_DeltaRule):
     """DeltaNet (Schlag et al. 2021; Yang et al. 2024), shaped like ``fla.layers.DeltaNet``.
 
     ::
@@ -99,13 +112,11 @@ class DeltaNet(QKVMixer):
                  chunk_size: int = 64, layer_idx: int | None = None) -> None:
         super().__init__(hidden_size, num_heads, head_dim, expand_v=expand_v, use_short_conv=use_short_conv,
                          conv_size=conv_size, conv_bias=conv_bias, use_gate=use_gate, norm_eps=norm_eps,
-                         qk_norm="l2", chunk_size=chunk_size, layer_idx=layer_idx)
-        self.allow_neg_eigval = bool(allow_neg_eigval)
+                         chunk_size=chunk_size, layer_idx=layer_idx, allow_neg_eigval=allow_neg_eigval)
         self.b_proj = nn.Linear(self.hidden_size, check_int("num_heads", num_heads, minimum=1), bias=False)
 
     def write_arguments(self, x: torch.Tensor) -> dict:
-        beta = positive(torch.sigmoid(self.b_proj(x).to(gate_dtype(x))))
-        return {"gain": 2 * beta if self.allow_neg_eigval else beta}
+        return {"gain": self.beta(x)}
 
     def num_parameters_formula(self) -> int:
         return self._body_parameters() + self.hidden_size * self.num_heads

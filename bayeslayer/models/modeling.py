@@ -148,15 +148,9 @@ class BayesLayerBlock(GradientCheckpointingLayer):
         self.mixer_dropout = nn.Dropout(config.mixer_dropout)
         self.mlp_dropout = nn.Dropout(config.mlp_dropout)
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        state: dict | None = None,
-        use_cache: bool = False,
-        output_variance: bool = False,
-        cp_context=None,
-    ) -> tuple[torch.Tensor, dict | None, torch.Tensor | None]:
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                state: dict | None = None, use_cache: bool = False, output_variance: bool = False,
+                cp_context=None) -> tuple[torch.Tensor, dict | None, torch.Tensor | None]:
         """``(hidden_states, the mixer's new state or None, its predictive variance or None)``."""
         cp = {}
         if cp_context is not None:
@@ -364,20 +358,11 @@ class BayesLayerModel(BayesLayerPreTrainedModel):
                              "carries one halo width, so context parallelism needs them equal")
         return widths[0] if widths else None
 
-    def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        cache: BayesLayerCache | None = None,
-        use_cache: bool | None = None,
-        output_hidden_states: bool | None = None,
-        return_dict: bool | None = None,
-        past_key_values: BayesLayerCache | None = None,
-        output_variances: bool | None = None,
-        cp_context=None,
-        **kwargs,
-    ) -> BayesLayerModelOutput | tuple:
+    def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
+                inputs_embeds: torch.Tensor | None = None, cache: BayesLayerCache | None = None,
+                use_cache: bool | None = None, output_hidden_states: bool | None = None,
+                return_dict: bool | None = None, past_key_values: BayesLayerCache | None = None,
+                output_variances: bool | None = None, cp_context=None, **kwargs) -> BayesLayerModelOutput | tuple:
         """Hidden states ``[B, T, hidden]`` after the final norm; with ``use_cache`` also the updated cache.
 
         ``attention_mask`` ``[B, T']`` (``T' >= T``; 1 = token, 0 = left padding): the last ``T``
@@ -476,22 +461,12 @@ class BayesLayerForCausalLM(BayesLayerPreTrainedModel, GenerationMixin):
     def set_decoder(self, decoder: BayesLayerModel) -> None:
         self.model = decoder
 
-    def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        cache: BayesLayerCache | None = None,
-        labels: torch.LongTensor | None = None,
-        use_cache: bool | None = None,
-        output_hidden_states: bool | None = None,
-        return_dict: bool | None = None,
-        logits_to_keep: int = 0,
-        past_key_values: BayesLayerCache | None = None,
-        num_items_in_batch: int | torch.Tensor | None = None,
-        output_variances: bool | None = None,
-        **kwargs,
-    ) -> BayesLayerCausalLMOutput | tuple:
+    def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
+                inputs_embeds: torch.Tensor | None = None, cache: BayesLayerCache | None = None,
+                labels: torch.LongTensor | None = None, use_cache: bool | None = None,
+                output_hidden_states: bool | None = None, return_dict: bool | None = None, logits_to_keep: int = 0,
+                past_key_values: BayesLayerCache | None = None, num_items_in_batch: int | torch.Tensor | None = None,
+                output_variances: bool | None = None, **kwargs) -> BayesLayerCausalLMOutput | tuple:
         """Logits ``[B, T, V]`` (the last ``logits_to_keep`` positions if > 0) and, with ``labels``
         ``[B, T]``, the mean cross-entropy of predicting ``labels[:, t+1]`` from position ``t``
         (label ``-100`` is ignored, as in transformers).  With ``num_items_in_batch`` (the

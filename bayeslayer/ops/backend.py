@@ -210,24 +210,10 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
 BACKENDS = ("auto", *IMPLEMENTATIONS)
 
 
-def bl_chunk(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    r2,
-    ell2,
-    alpha=None,
-    theta=None,
-    p0=1.0,
-    initial_state=None,
-    output_final_state: bool = False,
-    return_variance: bool = False,
-    chunk_size: int = 64,
-    cu_seqlens: torch.Tensor | None = None,
-    backend: str | None = "auto",
-    n_segments: int | None = None,
-    cp_context=None,
-):
+def bl_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r2, ell2, alpha=None, theta=None, p0=1.0,
+             initial_state=None, output_final_state: bool = False, return_variance: bool = False, chunk_size: int = 64,
+             cu_seqlens: torch.Tensor | None = None, backend: str | None = "auto", n_segments: int | None = None,
+             cp_context=None):
     """The Bayesian Layer, chunked: same contract and results as :func:`bayeslayer.ops.bl_recurrent`.
 
     Cost per token ≈ 2D² (``K̃ P_0`` and the ``P_C`` update) + O(C(D + m)) + O(Dm)
@@ -277,18 +263,8 @@ def bl_chunk(
     return out.o, out.state
 
 
-def bl_step(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    r2,
-    ell2,
-    alpha=None,
-    theta=None,
-    state=None,
-    return_variance: bool = False,
-    backend: str | None = "auto",
-):
+def bl_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r2, ell2, alpha=None, theta=None, state=None,
+            return_variance: bool = False, backend: str | None = "auto"):
     """One decoding step of the Bayesian Layer.
 
     Shapes are those of :func:`bayeslayer.ops.bl_recurrent` without the time axis: q, k ``[B, H, D]``,

@@ -279,20 +279,11 @@ def results_record(experiment: str, preset: str, config: dict, models: dict, **e
     return {"experiment": experiment, "preset": preset, "config": config, "models": models, **extra}
 
 
-def train_seeds(
-    name: str,
-    build_model: Callable[[int], nn.Module],
-    sample_batch: Callable[[int, int, torch.Generator], Any],
-    config: TrainConfig,
-    seeds: Sequence[int],
-    final_eval: Callable[[nn.Module], dict[str, Any]],
-    *,
-    run_dir: str | None = None,
-    evaluate: Callable[[nn.Module], dict[str, float]] | None = None,
-    progress: bool = True,
-    loss_curve_points: int = 100,
-    fingerprint: dict[str, Any] | None = None,
-) -> list[dict[str, Any]]:
+def train_seeds(name: str, build_model: Callable[[int], nn.Module],
+                sample_batch: Callable[[int, int, torch.Generator], Any], config: TrainConfig, seeds: Sequence[int],
+                final_eval: Callable[[nn.Module], dict[str, Any]], *, run_dir: str | None = None,
+                evaluate: Callable[[nn.Module], dict[str, float]] | None = None, progress: bool = True,
+                loss_curve_points: int = 100, fingerprint: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """Train one model per seed and evaluate it; one record per seed.
 
     For seed ``s``: :func:`seed_everything(s)`, ``build_model(s)``, :func:`train` with
@@ -366,21 +357,11 @@ def _train_seed(name, build_model, sample_batch, config: TrainConfig, seed: int,
     return jsonable(record)
 
 
-def train_lr_grid(
-    name: str,
-    build_model: Callable[[int], nn.Module],
-    sample_batch: Callable[[int, int, torch.Generator], Any],
-    config: TrainConfig,
-    lrs: Sequence[float],
-    seeds: Sequence[int],
-    final_eval: Callable[[nn.Module], dict[str, Any]],
-    *,
-    select_key: str,
-    run_dir: str | None = None,
-    evaluate: Callable[[nn.Module], dict[str, float]] | None = None,
-    progress: bool = True,
-    fingerprint: dict[str, Any] | None = None,
-) -> dict[str, Any]:
+def train_lr_grid(name: str, build_model: Callable[[int], nn.Module],
+                  sample_batch: Callable[[int, int, torch.Generator], Any], config: TrainConfig, lrs: Sequence[float],
+                  seeds: Sequence[int], final_eval: Callable[[nn.Module], dict[str, Any]], *, select_key: str,
+                  run_dir: str | None = None, evaluate: Callable[[nn.Module], dict[str, float]] | None = None,
+                  progress: bool = True, fingerprint: dict[str, Any] | None = None) -> dict[str, Any]:
     """:func:`train_seeds` at every learning rate of ``lrs``; select the lr by a validation metric.
 
     For each ``lr`` the seeds run with ``config`` (its ``lr`` replaced) under the name

@@ -21,6 +21,7 @@ import contextlib
 import json
 import math
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -332,9 +333,25 @@ def redrawing(path: str | os.PathLike):
                          f"({type(err).__name__}: {detail}); rerun the experiment to rewrite it") from err
 
 
+def add_train_eval(sub, name: str, *, help: str, description: str, train: tuple[str, str],
+                   evaluate: tuple[str, str], presets: Mapping[str, object],
+                   preset_help: str) -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    """``bayeslayer <name> {train,eval}``: the command and its two subcommands; returns their parsers.
+
+    ``train`` and ``evaluate`` are each subcommand's ``(help, description)``; the subcommand the user
+    named is ``args.<name>_command``.  ``train`` takes ``--preset`` (one of ``presets``, default ``cpu``).
+    """
+    p = sub.add_parser(name, help=help, description=description)
+    commands = p.add_subparsers(dest=f"{name}_command", metavar="{train,eval}", required=True)
+    t = commands.add_parser("train", help=train[0], description=train[1])
+    e = commands.add_parser("eval", help=evaluate[0], description=evaluate[1])
+    t.add_argument("--preset", choices=sorted(presets), default="cpu", help=preset_help)
+    return t, e
+
+
 __all__ = [
-    "DEVICE_HELP", "PLOT_ONLY_HELP", "cache_dir_arg", "check_file_name", "check_in_dir", "check_in_file", "check_int",
-    "check_memory",
+    "DEVICE_HELP", "PLOT_ONLY_HELP", "add_train_eval", "cache_dir_arg", "check_file_name", "check_in_dir",
+    "check_in_file", "check_int", "check_memory",
     "check_out_dir", "check_out_file", "check_source", "check_tokenizer", "device_arg", "int_arg", "memory_size",
     "model_arg", "nonnegative_int_arg", "plot_only_json", "positive_float_arg", "positive_int_arg", "redrawing",
     "resolve_device",

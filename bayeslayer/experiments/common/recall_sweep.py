@@ -14,7 +14,6 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
-from typing import ClassVar
 
 import torch
 
@@ -79,7 +78,7 @@ class CorePreset:
 
 @dataclass(frozen=True)
 class CoreRunConfig:
-    """One run of a core-model experiment: ``preset`` (of the experiment's :attr:`preset_type`), the
+    """One run of a core-model experiment: ``preset`` (of the experiment's :meth:`preset_type`), the
     ``models`` to train (names from :data:`~bayeslayer.experiments.common.recall_models.ALL_KINDS`), ``out`` (a
     folder for ``<name>.json``, ``<name>.png`` and the per-seed cache ``runs/``; ``None``: write nothing),
     ``progress`` (a progress bar), ``checkpoint_every`` (with ``out``: a training checkpoint of the
@@ -88,8 +87,6 @@ class CoreRunConfig:
     checkpoint written at another interval) and ``device`` (where models train and are evaluated: ``cpu``,
     ``cuda``, ``cuda:N`` or ``auto``).  Every field is checked here, with its name in the error."""
 
-    preset_type: ClassVar[type] = CorePreset
-
     preset: CorePreset
     models: tuple[str, ...] = CORE_KINDS
     out: str | None = None
@@ -97,9 +94,22 @@ class CoreRunConfig:
     checkpoint_every: int = CHECKPOINT_EVERY
     device: str = "cpu"
 
+    @classmethod
+    def preset_type(cls) -> type:
+        """The presets the experiment takes: the type of its default ``preset`` (without one, :class:`CorePreset`)."""
+        default = cls.__dataclass_fields__["preset"].default
+        return type(default) if isinstance(default, CorePreset) else CorePreset
+
+    @classmethod
+    def checked(cls, config: CoreRunConfig) -> CoreRunConfig:
+        """``config``, which must be a ``cls`` (a :class:`TypeError` naming the argument otherwise)."""
+        if not isinstance(config, cls):
+            raise TypeError(f"config must be a {cls.__name__}, got {type(config).__name__}")
+        return config
+
     def __post_init__(self):
-        if not isinstance(self.preset, self.preset_type):
-            raise TypeError(f"preset must be a {self.preset_type.__name__}, got {type(self.preset).__name__}")
+        if not isinstance(self.preset, self.preset_type()):
+            raise TypeError(f"preset must be a {self.preset_type().__name__}, got {type(self.preset).__name__}")
         for name in ("steps", "batch_size", "seeds", "eval_sequences"):
             check_int(f"preset.{name}", getattr(self.preset, name), minimum=1)
         if isinstance(self.models, str):

@@ -210,6 +210,15 @@ def _unbind(*xs: torch.Tensor | None) -> list:
     return [x.unbind(0) if x is not None else None for x in xs]
 
 
+def variance_output(ctx, o: torch.Tensor, var: torch.Tensor | None) -> torch.Tensor:
+    """The variance an autograd ``Function.forward`` of the op returns: ``var``, or without one an empty
+    tensor (``ctx`` marks it non-differentiable), since a ``Function`` returns tensors only."""
+    if var is None:
+        var = o.new_zeros(0)
+        ctx.mark_non_differentiable(var)
+    return var
+
+
 def pad_time(x: torch.Tensor | None, pad: int, value: float = 0.0) -> torch.Tensor | None:
     """Pad ``[B, T, ...]`` along T at the end."""
     if x is None or pad == 0:

@@ -46,7 +46,7 @@ from ..utils.validation import (
     split_state,
 )
 from . import groups as grp
-from .chunk import filter_chunk
+from .chunk import filter_chunk, variance_output
 from .triton_support import BackendError, tile_sizes, triton_unavailable, unsupported
 
 # chunks recomputed and differentiated together in the backward: the PyTorch chunk step batches
@@ -432,10 +432,7 @@ class _BLChunkTriton(torch.autograd.Function):
         ctx.save_for_backward(*[x if isinstance(x, torch.Tensor) else None for x in inputs])
         ctx.plain = [None if isinstance(x, torch.Tensor) else x for x in inputs]
         ctx.cu, ctx.chunk_size, ctx.want_var = cu, chunk_size, want_var
-        if var is None:
-            var = o.new_zeros(0)
-            ctx.mark_non_differentiable(var)
-        return o, var, M, P
+        return o, variance_output(ctx, o, var), M, P
 
     @staticmethod
     def backward(ctx, d_o, d_var, d_M, d_P):

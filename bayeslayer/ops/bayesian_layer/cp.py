@@ -320,22 +320,9 @@ def _select(x, idx: list[int]):
     return None if x is None else x[idx]
 
 
-def filter_chunk_cp(
-    q,
-    k,
-    v,
-    r2,
-    ell2,
-    *,
-    ctx: CPContext,
-    alpha=None,
-    theta=None,
-    p0=1.0,
-    initial_state=None,
-    output_final_state: bool = False,
-    return_variance: bool = False,
-    chunk_size: int = 64,
-) -> FilterOutput:
+def filter_chunk_cp(q, k, v, r2, ell2, *, ctx: CPContext, alpha=None, theta=None, p0=1.0, initial_state=None,
+                    output_final_state: bool = False, return_variance: bool = False,
+                    chunk_size: int = 64) -> FilterOutput:
     """The Bayesian Layer on this rank's slice of a context-parallel sequence (module docstring).
 
     q, k ``[1, T_local, H, D]``, v ``[1, T_local, H, m]``, r2 ``[1, T_local, H]`` or ``[.., H, G]``, ell2,

@@ -121,23 +121,9 @@ def filter_scan(
     return o, var, gain, M, P
 
 
-def filter_recurrent(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    write: str | WriteModel = "bayes",
-    r2=None,
-    ell2=None,
-    lam=None,
-    gain=None,
-    alpha=None,
-    theta=None,
-    p0=1.0,
-    initial_state=None,
-    output_final_state: bool = False,
-    single_step: bool = False,
-) -> FilterOutput:
+def filter_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, write: str | WriteModel = "bayes", r2=None,
+                     ell2=None, lam=None, gain=None, alpha=None, theta=None, p0=1.0, initial_state=None,
+                     output_final_state: bool = False, single_step: bool = False) -> FilterOutput:
     """Validate, fold groups, run :func:`filter_scan`, unfold. The general oracle.
 
     ``write`` picks the write model (module docstring).  ``bayes``/``diagonal``
@@ -160,19 +146,8 @@ def filter_recurrent(
     return pr.finish(o, var, g, M, P, output_final_state)
 
 
-def bl_recurrent(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    r2,
-    ell2,
-    alpha=None,
-    theta=None,
-    p0=1.0,
-    initial_state=None,
-    output_final_state: bool = False,
-    return_variance: bool = False,
-):
+def bl_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r2, ell2, alpha=None, theta=None, p0=1.0,
+                 initial_state=None, output_final_state: bool = False, return_variance: bool = False):
     """The Bayesian Layer, token by token (exact Kalman filter, docs/theory.md §2.1).
 
     Args:
@@ -203,17 +178,8 @@ def bl_recurrent(
     return out.o, out.state
 
 
-def initial_bl_state(
-    batch_size: int,
-    num_heads: int,
-    key_dim: int,
-    value_dim: int,
-    *,
-    p0: float = 1.0,
-    groups: int = 1,
-    dtype: torch.dtype = torch.float32,
-    device=None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def initial_bl_state(batch_size: int, num_heads: int, key_dim: int, value_dim: int, *, p0: float = 1.0, groups: int = 1,
+                     dtype: torch.dtype = torch.float32, device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """The prior state ``(M_0 = 0, P_0 = p0·I)`` in the layout the ops accept."""
     for name, val in (("batch_size", batch_size), ("num_heads", num_heads), ("key_dim", key_dim),
                       ("value_dim", value_dim), ("groups", groups)):

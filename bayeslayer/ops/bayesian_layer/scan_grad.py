@@ -54,6 +54,7 @@ import torch
 
 from ..utils.validation import split_state
 from . import mean_pass_fla, scan
+from .chunk import variance_output
 from .scan_backward import covariance_scan_backward
 
 
@@ -243,10 +244,7 @@ class ScanFunction(torch.autograd.Function):
         el = saved.elements if saved.elements is not None else ()
         ctx.save_for_backward(q, k, v, r2, ell2, log_alpha, M0, P0, saved.w, saved.linv, saved.P_starts, *el)
         ctx.spec = spec
-        if var is None:
-            var = o.new_zeros(0)
-            ctx.mark_non_differentiable(var)
-        return o, var, M, P
+        return o, variance_output(ctx, o, var), M, P
 
     @staticmethod
     def backward(ctx, d_o, d_var, d_M, d_P):
