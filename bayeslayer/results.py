@@ -803,6 +803,9 @@ TABLES: dict[str, tuple[str, Callable[[Path], str]]] = {
     "mqar-update-hybrid4": ("docs/experiments.md", mqar_table(
         "results/mqar/hybrid4/mqar_update_hybrid.json", "hybrid, 4 layers", (0, 4, 8, 12, 16),
         ("u = 0", "4", "8", "12", "16"))),
+    "mqar-block-hybrid4": ("docs/experiments.md", mqar_table(
+        "results/mqar/hybrid4/mqar_block_hybrid.json", "hybrid, 4 layers", (2, 8, 10, 12, 14, 16),
+        ("2 pairs", "8", "10", "12", "14", "16"))),
     "mqar-block-stacked": ("docs/experiments.md", mqar_table(
         "results/mqar/layouts/mqar_block.json", "stacked", (2, 8, 10, 12, 14, 16),
         ("2 pairs", "8", "10", "12", "14", "16"))),
