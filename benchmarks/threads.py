@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
             if name in NEEDS_WARMUP:
                 run_once(WORKLOADS[name], cache)  # untimed: builds the token cache once
             for condition in args.conditions:
-                times, loads, runs_by_label = {}, [], {}
+                loads, runs_by_label = [], {}
                 for label, extra in SETTINGS:
                     runs = []
                     for _ in range(args.repeats):
@@ -115,9 +115,8 @@ def main(argv: list[str] | None = None) -> None:
                             runs.append(run_once(WORKLOADS[name] + extra, cache))
                         print(f"  {name}, {condition}, {label}: {runs[-1]:.2f} s (load {loads[-1]:.1f})",
                               file=sys.stderr, flush=True)  # each run as it ends: a long table shows progress
-                    times[label] = statistics.median(runs)
                     runs_by_label[label] = runs
-                a, b = times["default"], times["PyTorch default"]
+                a, b = (statistics.median(runs_by_label[k]) for k in ("default", "PyTorch default"))
                 rows.append({"workload": name, "condition": condition, "default_s": a, "pytorch_default_s": b,
                              "ratio": b / a, "load_min": min(loads), "load_max": max(loads),
                              "runs_s": runs_by_label})
