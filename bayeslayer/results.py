@@ -59,14 +59,22 @@ def _row(cells) -> str:
 _LM_GROUPS = ("all", "ar_hit", "other", "ar_hit_1_64", "ar_hit_65_256", "ar_hit_257_1024")
 
 
-def lm_table(record_path: str, ours: str, paper: tuple[str, ...]) -> Callable[[Path], str]:
-    """Our models' grouped PPL (mean ± std over seeds) with the paper's Table 2 rows below them."""
+def _paths(record_path: str | tuple[str, ...]) -> tuple[str, ...]:
+    return (record_path,) if isinstance(record_path, str) else tuple(record_path)
+
+
+def lm_table(record_path: str | tuple[str, ...], ours: str, paper: tuple[str, ...]) -> Callable[[Path], str]:
+    """Our models' grouped PPL (mean ± std over seeds) with the paper's Table 2 rows below them.
+
+    Several records (evaluations of the same split written by separate commands) give one table;
+    the paper's rows come from the first."""
 
     def build(root: Path) -> str:
-        rec = _load(root, record_path)
+        recs = [_load(root, rel) for rel in _paths(record_path)]
+        rec = recs[0]
         lines = [_row(["model", "all", "AR-hit", "other", "AR-hit 1–64", "AR-hit 65–256", "AR-hit 257–1,024"]),
                  "|---|---|---|---|---|---|---|"]
-        for label, m in rec["models"].items():
+        for label, m in [item for r in recs for item in r["models"].items()]:
             n = len(m["seeds"])
             cells = [_pm(m["summary"][g]["mean"], m["summary"][g]["std"], 2) for g in _LM_GROUPS]
             lines.append(_row([f"{label} ({ours}{n} seeds)", *cells]))
@@ -85,16 +93,19 @@ def _on_off(value, on: str, off: str) -> str:
     return "—" if value is None else (on if value else off)
 
 
-def mqar_table(record_path: str, head: str, xs: tuple, x_labels: tuple[str, ...], *, val_label: str = "val",
-               train_seconds: bool = True, gate: bool = True) -> Callable[[Path], str]:
-    """Query accuracy (mean ± std over seeds) at the points ``xs`` of the sweep, per mixer of the record."""
+def mqar_table(record_path: str | tuple[str, ...], head: str, xs: tuple, x_labels: tuple[str, ...], *,
+               val_label: str = "val", train_seconds: bool = True, gate: bool = True) -> Callable[[Path], str]:
+    """Query accuracy (mean ± std over seeds) at the points ``xs`` of the sweep, per mixer of the record(s).
+
+    Several records (runs of the same task and preset made by separate commands) give one table,
+    their mixers in the order of the records."""
 
     def build(root: Path) -> str:
-        rec = _load(root, record_path)
+        models = [m for rel in _paths(record_path) for m in _load(root, rel)["models"].values()]
         header = [head] + (["gate"] if gate else []) + ["conv", *x_labels, val_label] + (["train s"] if train_seconds
                                                                                          else [])
         lines = [_row(header), "|" + "---|" * len(header)]
-        for m in rec["models"].values():
+        for m in models:
             s, run = m["summary"], m["runs"][-1]
             idx = [s["x"].index(x) for x in xs]
             cells = [m["label"]]
@@ -804,7 +815,8 @@ TABLES: dict[str, tuple[str, Callable[[Path], str]]] = {
         "results/mqar/hybrid4/mqar_update_hybrid.json", "hybrid, 4 layers", (0, 4, 8, 12, 16),
         ("u = 0", "4", "8", "12", "16"))),
     "mqar-block-hybrid4": ("docs/experiments.md", mqar_table(
-        "results/mqar/hybrid4/mqar_block_hybrid.json", "hybrid, 4 layers", (2, 8, 10, 12, 14, 16),
+        ("results/mqar/hybrid4/mqar_block_hybrid.json", "results/mqar/hybrid4_bl_noconv/mqar_block_hybrid.json"),
+        "hybrid, 4 layers", (2, 8, 10, 12, 14, 16),
         ("2 pairs", "8", "10", "12", "14", "16"))),
     "mqar-block-stacked": ("docs/experiments.md", mqar_table(
         "results/mqar/layouts/mqar_block.json", "stacked", (2, 8, 10, 12, 14, 16),

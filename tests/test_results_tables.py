@@ -48,6 +48,18 @@ def test_a_changed_record_fails(copy):
     assert len(problems) == 1 and "mqar-update-stacked" in problems[0]
 
 
+def test_a_table_of_two_records_reads_both(copy):
+    """The four-layer Block table joins two commands' records: a change in the second is caught too."""
+    import json
+
+    path = copy / "results/mqar/hybrid4_bl_noconv/mqar_block_hybrid.json"
+    record = json.loads(path.read_text())
+    record["models"]["bayesian_noconv"]["summary"]["accuracy"]["mean"][-1] -= 0.5
+    path.write_text(json.dumps(record))
+    problems = results.regenerate(copy, check=True)
+    assert len(problems) == 1 and "mqar-block-hybrid4" in problems[0]
+
+
 def test_unknown_unclosed_and_unmarked_tables_are_reported(copy):
     doc = copy / "docs/experiments.md"
     text = doc.read_text(encoding="utf-8")
