@@ -812,7 +812,8 @@ TABLES: dict[str, tuple[str, Callable[[Path], str]]] = {
     "mqar-update-hybrid": ("docs/experiments.md", mqar_table(
         "results/mqar/layouts/mqar_update_hybrid.json", "hybrid", (0, 4, 8, 12, 16), ("u = 0", "4", "8", "12", "16"))),
     "mqar-update-hybrid4": ("docs/experiments.md", mqar_table(
-        "results/mqar/hybrid4/mqar_update_hybrid.json", "hybrid, 4 layers", (0, 4, 8, 12, 16),
+        ("results/mqar/hybrid4/mqar_update_hybrid.json", "results/mqar/hybrid4_bl_noconv/mqar_update_hybrid.json"),
+        "hybrid, 4 layers", (0, 4, 8, 12, 16),
         ("u = 0", "4", "8", "12", "16"))),
     "mqar-block-hybrid4": ("docs/experiments.md", mqar_table(
         ("results/mqar/hybrid4/mqar_block_hybrid.json", "results/mqar/hybrid4_bl_noconv/mqar_block_hybrid.json"),
