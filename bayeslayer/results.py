@@ -799,8 +799,18 @@ def slowest_tests_table(root: Path) -> str:
     return "\n".join(lines)
 
 
+def slowest_now_table(root: Path) -> str:
+    """The slowest tests of a later run (``benchmarks/slowest_tests.py``), and whether each is in the default run."""
+    rec = _load(root, "results/tests/slowest_second_split.json")
+    lines = [_row(["test", "time (s)", "now", "why"]), "|---|---:|---|---|"]
+    for r in rec["rows"]:
+        lines.append(_row([f"`{r['test']}`", f"{r['seconds']:.1f}", r["where"], r["note"]]))
+    return "\n".join(lines)
+
+
 TABLES: dict[str, tuple[str, Callable[[Path], str]]] = {
     "tests-slowest": ("docs/reliability.md", slowest_tests_table),
+    "tests-slowest-now": ("docs/reliability.md", slowest_now_table),
     "cpu-threads": ("docs/reliability.md", threads_table),
     "collision-steps": ("docs/experiments.md", collision_steps_table),
     "collision-fixed-prior": ("docs/experiments.md", collision_fixed_prior_table),

@@ -244,6 +244,7 @@ def test_bad_teacher_and_tokenizer(teacher, tmp_path):
         distill.eval_models(tmp_path / "nothing")
 
 
+@pytest.mark.slow  # a two-rank spawn; the LM's two-rank run stays in the default suite
 def test_torchrun_two_ranks_agree_and_match_one_process(teacher, tmp_path):
     """`torchrun --nproc_per_node 2 -m bayeslayer.cli distill train` (gloo, CPU): every stage ends with the
     same weights on both ranks and equals one process with the same global batch."""

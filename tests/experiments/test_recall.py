@@ -78,7 +78,7 @@ def test_core_model_rejects_bad_input():
         model(torch.zeros(2, 5, 33, dtype=torch.long))
 
 
-@pytest.mark.parametrize("kind", ["bayesian", "delta"])
+@pytest.mark.parametrize("kind", ["bayesian", pytest.param("delta", marks=pytest.mark.slow)])
 def test_tiny_recall_training_lowers_the_loss(kind):
     preset = replace(TINY, num_pairs=4, address_dim=8)
     torch.manual_seed(0)

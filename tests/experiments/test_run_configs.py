@@ -46,6 +46,7 @@ def test_collision_run(tmp_path):
     assert res == collision.run_collision(fixed_priors=(0.05, 1.0), overlap_rhos=(0.5, 0.92))
 
 
+@pytest.mark.slow  # a second collision run; test_collision_run above covers the run itself
 def test_collision_run_without_out_writes_nothing(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     config = collision.CollisionConfig(fixed_priors=(1.0,), overlap_rhos=(0.9,), lowrank_ranks=(1,),

@@ -43,7 +43,8 @@ def assert_states_close(a: dict, b: dict):
 
 
 @interpreter
-@pytest.mark.parametrize("dynamics, groups", [("scalar", 1), ("diagonal", 2), ("identity", 1)])
+@pytest.mark.parametrize("dynamics, groups", [("scalar", 1), pytest.param("diagonal", 2, marks=pytest.mark.slow),
+                                              ("identity", 1)])
 def test_forced_triton_layer_runs_the_kernels_and_equals_torch(dynamics, groups):
     tri, ref = pair(dynamics=dynamics, groups=groups)
     x = torch.randn(2, 19, D_MODEL, dtype=torch.float64)

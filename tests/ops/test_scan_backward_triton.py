@@ -139,7 +139,7 @@ def _twin_segment_adjoint(lay, x, adj, P_starts, end_bar, inputs):
                                                            pytest.param(24, True, False, 1, marks=pytest.mark.slow),
                                                            (16, False, False, 1),
                                                            pytest.param(16, True, True, 1, marks=pytest.mark.slow),
-                                                           (24, True, True, 2)])
+                                                           pytest.param(24, True, True, 2, marks=pytest.mark.slow)])
 def test_segment_adjoint_triton_equals_twin_fp64(D, inputs, diagonal, H):
     """B2 (start adjoints only) and B4 (and every input gradient), scalar and diagonal decay, float64 ≤ 1e-12:
     packed sequences of 40 and 110 tokens (3 and 7 chunks of 16, ragged tails), segments of 3 chunks → 1 + 3

@@ -223,7 +223,7 @@ def test_mean_backward_kernels_choice():
 
 @runs_triton
 @pytest.mark.parametrize(("regime", "diagonal", "G", "n_segments"),
-                         [("stress", False, 2, 2), ("longmem", True, 1, 3),
+                         [pytest.param("stress", False, 2, 2, marks=SLOW), ("longmem", True, 1, 3),
                           pytest.param("longmem", False, 1, 1, marks=SLOW),
                           pytest.param("stress", True, 2, 2, marks=SLOW)])
 def test_bl_chunk_triton_scan_backward_fp64(regime, diagonal, G, n_segments):
@@ -252,6 +252,7 @@ def test_bl_chunk_triton_scan_backward_fp64(regime, diagonal, G, n_segments):
 
 
 @runs_triton
+@SLOW  # gradcheck re-runs the interpreted forward per projection: minutes; the fp64 comparisons above stay
 @pytest.mark.parametrize("diagonal", [False, True])
 def test_gradcheck_triton_scan_backward(diagonal):
     """``torch.autograd.gradcheck`` (fast mode: random projections, so that the interpreted forward runs a few
@@ -327,7 +328,8 @@ def _sym_p0(grads: dict) -> dict:
 @runs_triton
 @pytest.mark.parametrize(("dtype", "regime", "diagonal", "arith"), [
     (torch.bfloat16, "longmem", False, 1e-5), pytest.param(torch.bfloat16, "longmem", True, 1e-5, marks=SLOW),
-    pytest.param(torch.float16, "longmem", False, 1e-5, marks=SLOW), (torch.float16, "longmem", True, 1e-5),
+    pytest.param(torch.float16, "longmem", False, 1e-5, marks=SLOW),
+    pytest.param(torch.float16, "longmem", True, 1e-5, marks=SLOW),
     pytest.param(torch.bfloat16, "stress", True, 1e-3, marks=SLOW)],
     ids=["bf16-scalar", "bf16-diag", "fp16-scalar", "fp16-diag", "bf16-stress-diag"])
 def test_bl_chunk_triton_scan_backward_16bit(monkeypatch, dtype, regime, diagonal, arith):
@@ -454,7 +456,8 @@ def _spy_covariance(monkeypatch) -> dict:
 
 @runs_triton
 @pytest.mark.parametrize(("diagonal", "state"), [(False, True), pytest.param(True, True, marks=SLOW),
-                                                 pytest.param(False, False, marks=SLOW), (True, False)])
+                                                 pytest.param(False, False, marks=SLOW),
+                                                 pytest.param(True, False, marks=SLOW)])
 def test_triton_forward_runs_triton_covariance_backward(monkeypatch, diagonal, state):
     """``bl_chunk_triton(backward="scan")``: B2–B4 on the Triton kernels (not the twin), gradients of q, k, v, r2,
     ell2, alpha and the initial state (M0, P0) — or, without one, of a per-head ``p0`` — equal the PyTorch path's
@@ -498,7 +501,7 @@ def test_covariance_choice_is_explicit(monkeypatch):
 
 
 @runs_triton
-@pytest.mark.parametrize(("diagonal", "G"), [(False, 1), pytest.param(True, 1, marks=SLOW),
+@pytest.mark.parametrize(("diagonal", "G"), [pytest.param(False, 1, marks=SLOW), pytest.param(True, 1, marks=SLOW),
                                             pytest.param(False, 2, marks=SLOW)],
                          ids=["scalar", "diagonal", "scalar-G2"])
 def test_scan_backward_launches_do_not_grow_with_chunks(monkeypatch, diagonal, G):

@@ -164,7 +164,8 @@ def test_forward_scan_triton_phase_b_kernel_equals_torch_scan(regime, diagonal):
         forward_scan_triton(*args, segment_chunks=2, phase_b="cuda")
 
 
-@pytest.mark.parametrize(("dtype", "diagonal"), [(torch.float32, False), (torch.bfloat16, True)],
+@pytest.mark.parametrize(("dtype", "diagonal"), [(torch.float32, False),
+                                                 pytest.param(torch.bfloat16, True, marks=pytest.mark.slow)],
                          ids=["fp32-scalar", "bf16-diagonal"])
 def test_forward_allocates_no_token_sized_float64(dtype, diagonal):
     """The fp32/bf16 forward (prep, Phase A, B, C, mean pass; 4 segments per sequence, so Phase A and B run)

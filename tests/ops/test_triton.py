@@ -204,7 +204,7 @@ def test_gradient_of_p0_and_variance_only():
 
 
 @pytest.mark.parametrize("G", [pytest.param(1, marks=pytest.mark.slow), 2])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, pytest.param(torch.float16, marks=pytest.mark.slow)])
 def test_low_precision_gradients(dtype, G):
     """16-bit inputs: the backward keeps q, k, v and dO in their dtype (no full fp32 copies) and
     recomputes each block in fp32; gradients come back in the input dtype and equal the PyTorch

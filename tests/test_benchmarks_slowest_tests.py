@@ -1,0 +1,64 @@
+"""benchmarks/slowest_tests.py: a JUnit report becomes the record of the slowest tests and where each is now."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def slowest():
+    spec = importlib.util.spec_from_file_location("benchmarks_slowest_tests", ROOT / "benchmarks" / "slowest_tests.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_node_ids_from_junit_classes(slowest):
+    assert slowest.node_id("tests.ops.test_numerics", "test_x[a-1]") == "tests/ops/test_numerics.py::test_x[a-1]"
+    assert slowest.node_id("tests.test_results_tables.TestX", "test_y") == "tests/test_results_tables.py::TestX::test_y"
+    with pytest.raises(ValueError, match="no test file"):
+        slowest.node_id("tests.no_such_module", "test_z")
+
+
+def test_record_marks_slow_and_default_tests(slowest, tmp_path, monkeypatch):
+    junit = tmp_path / "suite.xml"
+    junit.write_text(
+        '<testsuites><testsuite name="pytest">'
+        '<testcase classname="tests.ops.test_numerics" name="test_step_long_decode_ill_conditioned_float64_state[1500]"'
+        ' time="44.5"/>'
+        '<testcase classname="tests.ops.test_numerics" name="test_step_long_decode_ill_conditioned_float64_state[200]"'
+        ' time="1.5"/>'
+        '<testcase classname="tests.ops.test_numerics" name="test_step_refuses_an_indefinite_state" time="0.1"/>'
+        '</testsuite></testsuites>')
+    default = {"tests/ops/test_numerics.py::test_step_long_decode_ill_conditioned_float64_state[200]",
+               "tests/ops/test_numerics.py::test_step_refuses_an_indefinite_state"}
+    monkeypatch.setattr(slowest, "default_suite", lambda: default)
+    notes = tmp_path / "notes.json"
+    notes.write_text(json.dumps({"tests/ops/test_numerics.py::test_step_long_decode_ill_conditioned_float64_state"
+                                 "[1500]": "the 200-token case stays"}))
+    out = tmp_path / "slowest.json"
+    assert slowest.main([str(junit), "--top", "2", "--how", "a test", "--notes", str(notes), "--out", str(out)]) == 0
+    rec = json.loads(out.read_text())
+    assert [r["where"] for r in rec["rows"]] == ["slow", "default"]
+    assert rec["rows"][0]["note"] == "the 200-token case stays" and rec["rows"][1]["note"] == ""
+    assert rec["seconds_total"] == pytest.approx(46.1) and rec["seconds_in_default_now"] == pytest.approx(1.6)
+    assert "provenance" in rec
+
+
+def test_the_default_suite_leaves_out_slow_tests(slowest):
+    ids = slowest.default_suite(paths=("tests/ops/test_numerics.py",))
+    assert "tests/ops/test_numerics.py::test_step_long_decode_ill_conditioned_float64_state[200]" in ids
+    assert "tests/ops/test_numerics.py::test_step_long_decode_ill_conditioned_float64_state[1500]" not in ids
+
+
+def test_bad_arguments(slowest, tmp_path):
+    with pytest.raises(SystemExit):
+        slowest.main([str(tmp_path / "missing.xml"), "--how", "x", "--out", str(tmp_path / "o.json")])
+    with pytest.raises(SystemExit):
+        slowest.main([str(tmp_path / "missing.xml"), "--top", "0", "--how", "x", "--out", str(tmp_path / "o.json")])
