@@ -2,9 +2,11 @@
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 
+import bayeslayer
 from bayeslayer.experiments.common import provenance as prov
 from bayeslayer.experiments.crowding import PRESETS, CrowdingConfig, run
 from bayeslayer.training.optim import DECAY_POLICY
@@ -30,6 +32,23 @@ def test_provenance_fields_and_values():
 def test_provenance_rejects_bad_arguments(kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):
         prov.provenance(**kwargs)
+
+
+def test_the_default_checkout_is_the_one_holding_the_package():
+    """Without ``root``, the commit is read from the checkout the package was imported from (a record
+    written from a git checkout carries its commit)."""
+    root = Path(bayeslayer.__file__).resolve().parents[1]
+    assert prov._PACKAGE_ROOT == root
+    if (root / ".git").exists():
+        assert prov.git_commit() is not None and prov.git_commit() == prov.git_commit(root)
+
+
+def test_the_command_names_a_program_in_the_checkout_relative_to_it():
+    cli = str(prov._PACKAGE_ROOT / "bayeslayer" / "cli.py")
+    assert prov.provenance(command=[cli, "mqar", "--out", "/abs/out"])["command"] == [
+        "bayeslayer/cli.py", "mqar", "--out", "/abs/out"]  # only the program is rewritten
+    assert prov.provenance(command=["/usr/bin/tool", "x"])["command"] == ["/usr/bin/tool", "x"]
+    assert prov.provenance(command=["-c"])["command"] == ["-c"]
 
 
 def test_git_commit_reads_files_of_a_checkout(tmp_path):

@@ -6,7 +6,7 @@ Every experiment writes its numbers with :func:`write_record`, which adds a ``"p
 * ``git_commit``, ``git_dirty``: the commit of the checkout the ``bayeslayer`` package was imported
   from and whether tracked files differ from it (``null`` for both when the package is not in a git
   checkout, e.g. installed from a wheel);
-* ``command``: the full command line (``sys.argv``);
+* ``command``: the full command line (``sys.argv``; a program inside the checkout is named relative to it);
 * ``versions``: Python, bayeslayer, torch, triton, fla (``flash-linear-attention``) and
   transformers (``null`` for a package that is not installed);
 * ``device`` (what the run used, e.g. ``"cpu"``, ``"cuda:0"``), ``cpu_model``, ``gpu`` (the GPU's
@@ -45,7 +45,9 @@ FIELDS = ("git_commit", "git_dirty", "command", "versions", "device", "cpu_model
 PACKAGES = {"bayeslayer": "bayeslayer", "torch": "torch", "triton": "triton", "fla": "flash-linear-attention",
             "transformers": "transformers"}
 
-_PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the folder holding the bayeslayer package
+# The folder holding the bayeslayer package: one level up per dotted part of this module's name, so that
+# moving this module inside the package cannot silently point it at a folder without a checkout.
+_PACKAGE_ROOT = Path(__file__).resolve().parents[len(__name__.split(".")) - 1]
 
 
 def jsonable(obj: Any) -> Any:
@@ -290,6 +292,20 @@ def process_seconds() -> float | None:
         return None
 
 
+def _command(argv: Sequence[str]) -> list[str]:
+    """The command line, its program named relative to the checkout when it lies inside it
+    (``python -m bayeslayer.cli`` gives ``bayeslayer/cli.py``, not the folder the checkout happens to be in)."""
+    argv = [str(a) for a in argv]
+    if argv:
+        program = Path(argv[0])
+        if program.is_absolute():
+            try:
+                argv[0] = program.resolve().relative_to(_PACKAGE_ROOT).as_posix()
+            except ValueError:
+                pass  # a program outside the checkout keeps its path
+    return argv
+
+
 def provenance(*, device: Any = "cpu", seeds: Sequence[int] | None = None, wall_seconds: float | None = None,
                optimizer_groups: str | None = None, command: Sequence[str] | None = None) -> dict[str, Any]:
     """The provenance of a result made now in this process (keys :data:`FIELDS`; see the module docstring).
@@ -322,7 +338,7 @@ def provenance(*, device: Any = "cpu", seeds: Sequence[int] | None = None, wall_
     return {
         "git_commit": git_commit(),
         "git_dirty": git_dirty(),
-        "command": list(sys.argv if command is None else command),
+        "command": _command(sys.argv if command is None else command),
         "versions": package_versions(),
         "device": device,
         "cpu_model": cpu_model(),
