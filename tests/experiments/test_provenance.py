@@ -20,7 +20,7 @@ def test_provenance_fields_and_values():
     assert p["optimizer_groups"] == DECAY_POLICY and p["backfilled"] is False
     assert set(p["versions"]) == {"python", *prov.PACKAGES} and p["versions"]["torch"]
     assert p["device"] == "cpu" and p["gpu"] is None and p["threads"] >= 1
-    assert prov.provenance()["command"] == sys.argv
+    assert prov.provenance()["command"] == prov._command(sys.argv)
     assert prov.provenance()["wall_seconds"] is None or prov.provenance()["wall_seconds"] >= 0
 
 
@@ -90,7 +90,7 @@ def test_a_tiny_experiment_writes_every_field(tmp_path):
     saved = json.loads((tmp_path / "crowding.json").read_text())
     assert prov.missing_fields(saved) == []
     p = saved["provenance"]
-    assert p["command"] == sys.argv and p["seeds"] == [0] and p["optimizer_groups"] == DECAY_POLICY
+    assert p["command"] == prov._command(sys.argv) and p["seeds"] == [0] and p["optimizer_groups"] == DECAY_POLICY
     assert p["wall_seconds"] > 0 and p["device"] == "cpu" and p["backfilled"] is False
     assert p["versions"]["python"] and (p["cpu_model"] is None or isinstance(p["cpu_model"], str))
 
