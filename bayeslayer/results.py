@@ -816,6 +816,8 @@ TABLES: dict[str, tuple[str, Callable[[Path], str]]] = {
     "collision-fixed-prior": ("docs/experiments.md", collision_fixed_prior_table),
     "collision-overlap": ("docs/experiments.md", collision_overlap_table),
     "lm-cpu": ("docs/experiments.md", lm_table("results/lm/cpu_test.json", "ours, `cpu`, ", ("BL", "GDN"))),
+    "lm-cpu-state": ("docs/experiments.md", lm_table(("results/lm/cpu_test.json", "results/lm/cpu_state_test.json"),
+                                                    "ours, `cpu`, ", ("BL", "GDN"))),
     "lm-cpu60": ("docs/experiments.md", lm_table("results/lm/cpu60_test.json", "ours, ", ("BL", "GDN", "Mamba-2"))),
     "mqar-update-stacked": ("docs/experiments.md", mqar_table(
         "results/mqar/layouts/mqar_update.json", "stacked", (0, 4, 8, 12, 16), ("u = 0", "4", "8", "12", "16"))),
