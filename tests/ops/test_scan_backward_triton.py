@@ -233,6 +233,7 @@ def test_covariance_scan_backward_triton_equals_autograd(diagonal):
         covariance_scan_backward_triton(*bad, **kw)
 
 
+@pytest.mark.slow  # a launch count, not a value: the backward's results are checked by the default cases above
 def test_backward_launches_do_not_grow_with_chunks(monkeypatch):
     """The Triton backward launches the same kernels, once each, for 4 and for 16 chunks (2 and 4 segments)."""
     import triton.runtime.interpreter as ti

@@ -327,7 +327,8 @@ def _sym_p0(grads: dict) -> dict:
 
 @runs_triton
 @pytest.mark.parametrize(("dtype", "regime", "diagonal", "arith"), [
-    (torch.bfloat16, "longmem", False, 1e-5), pytest.param(torch.bfloat16, "longmem", True, 1e-5, marks=SLOW),
+    pytest.param(torch.bfloat16, "longmem", False, 1e-5, marks=SLOW),
+    pytest.param(torch.bfloat16, "longmem", True, 1e-5, marks=SLOW),
     pytest.param(torch.float16, "longmem", False, 1e-5, marks=SLOW),
     pytest.param(torch.float16, "longmem", True, 1e-5, marks=SLOW),
     pytest.param(torch.bfloat16, "stress", True, 1e-3, marks=SLOW)],
@@ -455,7 +456,8 @@ def _spy_covariance(monkeypatch) -> dict:
 
 
 @runs_triton
-@pytest.mark.parametrize(("diagonal", "state"), [(False, True), pytest.param(True, True, marks=SLOW),
+@pytest.mark.parametrize(("diagonal", "state"), [pytest.param(False, True, marks=SLOW),
+                                                 pytest.param(True, True, marks=SLOW),
                                                  pytest.param(False, False, marks=SLOW),
                                                  pytest.param(True, False, marks=SLOW)])
 def test_triton_forward_runs_triton_covariance_backward(monkeypatch, diagonal, state):

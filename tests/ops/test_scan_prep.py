@@ -94,7 +94,8 @@ def test_prep_triton_bad_input():
         scan.chunk_bounds([0, 20], 0)
 
 
-@pytest.mark.parametrize("diagonal", [pytest.param(False, marks=pytest.mark.slow), True])
+@pytest.mark.parametrize("diagonal", [pytest.param(False, marks=pytest.mark.slow),
+                                      pytest.param(True, marks=pytest.mark.slow)])
 def test_phase_a_reads_the_prep_buffers(diagonal):
     """Phase A's covariance kernel with the prep buffers == the twin's elements (float64 ≤ 1e-12), and it
     really reads them: a perturbed base changes the elements."""
@@ -149,7 +150,8 @@ def test_forward_scan_with_prep_equals_bl_chunk_fp64(diagonal, regime):
         forward_scan_triton(*args, segment_chunks=2, prep="yes")
 
 
-@pytest.mark.parametrize("diagonal", [pytest.param(False, marks=pytest.mark.slow), True])
+@pytest.mark.parametrize("diagonal", [pytest.param(False, marks=pytest.mark.slow),
+                                      pytest.param(True, marks=pytest.mark.slow)])
 def test_forward_scan_with_prep_fp32(diagonal):
     """fp32 inputs: one fp32 prep (with qᵀBq) read by Phase A's float64 kernel (cast on load) and by Phase C;
     equals the scan without the prep kernel to fp32 rounding."""

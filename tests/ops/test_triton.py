@@ -230,7 +230,8 @@ def test_gradients_with_cu_seqlens():
     _grad_check("scalar", 1, with_state=True, cu_lens=[7, 12])
 
 
-@pytest.mark.parametrize("cu_lens", [pytest.param(None, marks=pytest.mark.slow), [7, 40, 70]], ids=["batch", "varlen"])
+@pytest.mark.parametrize("cu_lens", [pytest.param(None, marks=pytest.mark.slow),
+                                     pytest.param([7, 40, 70], marks=pytest.mark.slow)], ids=["batch", "varlen"])
 def test_gradients_over_several_backward_blocks(monkeypatch, cu_lens):
     """The backward recomputes blocks of chunks; with blocks of 2 chunks, 5 chunks span 3 blocks
     (a partial last one), and packed sequences of 1, 3 and 5 chunks end inside, at and before

@@ -86,11 +86,11 @@ def _lm_grid(tmp_path, lm_setup, points) -> int:
     return total
 
 
-def test_lm_kill_at_every_fifth_disk_step_resumes_bit_identical(tmp_path, lm_setup):
-    """Every fifth disk operation of a 4-step run (checkpoints at steps 2 and 4, keep=1, final/);
+def test_lm_kill_at_every_tenth_disk_step_resumes_bit_identical(tmp_path, lm_setup):
+    """Every tenth disk operation of a 4-step run (checkpoints at steps 2 and 4, keep=1, final/);
     the slow test below kills at every one."""
-    total = _lm_grid(tmp_path, lm_setup, lambda total: list(range(0, total, 5)))
-    print(f"lm: {len(range(0, total, 5))} kill points of {total}, all resumed bit-identical")
+    total = _lm_grid(tmp_path, lm_setup, lambda total: list(range(0, total, 10)))
+    print(f"lm: {len(range(0, total, 10))} kill points of {total}, all resumed bit-identical")
 
 
 @pytest.mark.slow
