@@ -40,14 +40,9 @@ def bypass_fla_hopper_guard(environ) -> dict | None:
     of stopping at the refusal; returns what ``benchmarks/gpu.py::fla_hopper_guard`` reports (None: not asked)."""
     if environ.get("BL_TEST_BYPASS_FLA_HOPPER_GUARD") != "1":
         return None
-    import importlib.util
-    from pathlib import Path
+    from .benchmark_scripts import load_benchmark
 
-    spec = importlib.util.spec_from_file_location(
-        "benchmarks_gpu", Path(__file__).resolve().parents[1] / "benchmarks" / "gpu.py")
-    gpu = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu)
-    return gpu.fla_hopper_guard(bypass=True)
+    return load_benchmark("gpu").fla_hopper_guard(bypass=True)
 
 
 FLA_HOPPER_GUARD = bypass_fla_hopper_guard(os.environ)

@@ -3,24 +3,19 @@ the calibration reproducing the measurements it was fitted on, and argument vali
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from .benchmark_scripts import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def cm():
-    spec = importlib.util.spec_from_file_location("benchmarks_cost_model", ROOT / "benchmarks" / "cost_model.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
+    module = load_benchmark("cost_model")
     yield module
-    sys.modules.pop(spec.name, None)
+    sys.modules.pop(module.__name__, None)
 
 
 def test_step_counts_by_hand(cm):

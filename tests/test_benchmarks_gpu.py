@@ -8,22 +8,17 @@ a minute); these tests keep the parts a GPU run depends on from breaking silentl
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from .benchmark_scripts import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def gpu():
-    spec = importlib.util.spec_from_file_location("benchmarks_gpu", ROOT / "benchmarks" / "gpu.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("gpu")
 
 
 def _simulate(monkeypatch, hopper: bool, above_340: bool, above_371: bool):

@@ -2,21 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from .benchmark_scripts import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def slowest():
-    spec = importlib.util.spec_from_file_location("benchmarks_slowest_tests", ROOT / "benchmarks" / "slowest_tests.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("slowest_tests")
 
 
 def test_node_ids_from_junit_classes(slowest):
