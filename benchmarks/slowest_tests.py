@@ -63,7 +63,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--top must be a positive integer, got {args.top}")
     if not args.junit.is_file():
         p.error(f"junit: no such file {args.junit}")
+    if args.notes is not None and not args.notes.is_file():
+        p.error(f"--notes: no such file {args.notes}")
     notes = json.loads(args.notes.read_text()) if args.notes else {}
+    if not isinstance(notes, dict):
+        p.error(f"--notes must hold a JSON object (test id -> text), got {type(notes).__name__}")
     rows = timings(args.junit)
     default = default_suite()
     total = sum(s for _, s in rows)

@@ -52,8 +52,16 @@ def test_the_default_suite_leaves_out_slow_tests(slowest):
     assert "tests/ops/test_numerics.py::test_step_long_decode_ill_conditioned_float64_state[1500]" not in ids
 
 
-def test_bad_arguments(slowest, tmp_path):
-    with pytest.raises(SystemExit):
-        slowest.main([str(tmp_path / "missing.xml"), "--how", "x", "--out", str(tmp_path / "o.json")])
-    with pytest.raises(SystemExit):
-        slowest.main([str(tmp_path / "missing.xml"), "--top", "0", "--how", "x", "--out", str(tmp_path / "o.json")])
+def test_bad_arguments(slowest, tmp_path, capsys):
+    junit = tmp_path / "suite.xml"
+    junit.write_text('<testsuites><testsuite name="pytest"></testsuite></testsuites>')
+    (tmp_path / "list.json").write_text("[]")
+    out = ["--out", str(tmp_path / "o.json")]
+    for argv, name in [([str(tmp_path / "missing.xml"), "--how", "x"], "junit"),
+                       ([str(junit), "--top", "0", "--how", "x"], "--top"),
+                       ([str(junit), "--how", "x", "--notes", str(tmp_path / "none.json")], "--notes"),
+                       ([str(junit), "--how", "x", "--notes", str(tmp_path / "list.json")], "--notes")]:
+        with pytest.raises(SystemExit) as e:
+            slowest.main(argv + out)
+        assert e.value.code == 2 and name in capsys.readouterr().err.splitlines()[-1]
+    assert not (tmp_path / "o.json").exists()
