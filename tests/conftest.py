@@ -34,6 +34,23 @@ def pin_fp32_dot_precision(environ, cuda: bool) -> str | None:
 FP32_DOT_PRECISION = pin_fp32_dot_precision(os.environ, torch.cuda.is_available())
 
 
+def one_thread_per_worker(environ) -> int | None:
+    """Under pytest-xdist, give each worker one intra-op thread (and its child processes one OpenMP thread);
+    return the count set (None: not a worker, left alone).
+
+    Each worker would otherwise start as many threads as the machine has cores, so two workers on two cores
+    run four busy threads that wait on each other; tests compare results, never thread counts, and the
+    bit-identical checks compare runs made under the same setting."""
+    if "PYTEST_XDIST_WORKER" not in environ:
+        return None
+    environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    return 1
+
+
+THREADS_PER_WORKER = one_thread_per_worker(os.environ)
+
+
 def bypass_fla_hopper_guard(environ) -> dict | None:
     """With ``BL_TEST_BYPASS_FLA_HOPPER_GUARD=1`` (the device check sets it), switch off fla's refusal of its gated
     backward on Hopper with Triton < 3.7.1 (fla issue #640), so that the tests check those kernels' values instead
