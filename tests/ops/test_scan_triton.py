@@ -144,24 +144,29 @@ def test_phase_b_triton_flags_not_positive_definite():
     assert failed.tolist() == [[False, True], [False, False]]
 
 
-@pytest.mark.parametrize(("regime", "diagonal"), [pytest.param("longmem", False, marks=pytest.mark.slow),
-                                                  ("stress", True)])
-def test_forward_scan_triton_phase_b_kernel_equals_torch_scan(regime, diagonal):
+# Sequences of 2, 4, 5 chunks in segments of 2, or (the default case) 1, 2, 3 chunks in segments of 1; the
+# diagonal decay's Phase B runs by default in test_forward_scan_triton_equals_bl_chunk_fp64.
+@pytest.mark.parametrize(("regime", "diagonal", "cu", "segment_chunks"), [
+    pytest.param("longmem", False, [0, 20, 70, 150], 2, marks=pytest.mark.slow),
+    pytest.param("stress", True, [0, 20, 70, 150], 2, marks=pytest.mark.slow),
+    ("stress", False, [0, 10, 30, 70], 1)], ids=["longmem-scalar-long", "stress-diagonal-long", "stress-scalar-short"])
+def test_forward_scan_triton_phase_b_kernel_equals_torch_scan(regime, diagonal, cu, segment_chunks):
     """Phases A, B (one kernel), C on Triton == the PyTorch scan (ops/bayesian_layer/scan.py), float64 ≤ 1e-12: packed
-    sequences of 1, 2 and 3 segments (segments of 2 chunks of 16), ragged tails, an initial state."""
+    sequences of 1, 2 and 3 segments, ragged tails, an initial state."""
     from bayeslayer.ops.bayesian_layer.scan_triton import forward_scan_triton
 
     H, D, m, C = 1, 8, 4, 16
-    cu = torch.tensor([0, 20, 70, 150], device=DEVICE)  # 2, 4, 5 chunks -> 1, 2, 3 segments
-    q, k, v, r2, ell2, alpha = regime_inputs(regime, 1, 150, H, D, m, diagonal=diagonal, seed=7, device=DEVICE)
+    T = cu[-1]
+    cu = torch.tensor(cu, device=DEVICE)
+    q, k, v, r2, ell2, alpha = regime_inputs(regime, 1, T, H, D, m, diagonal=diagonal, seed=7, device=DEVICE)
     M0, P0 = initial_bl_state(3, H, D, m, p0=0.5, dtype=torch.float64, device=DEVICE)
     args = (q, k, v, r2, ell2, alpha, 1.0, M0 + 0.1, P0, cu, C, True)
-    ref = scan.forward_scan(*args, segment_chunks=2)
-    out = forward_scan_triton(*args, segment_chunks=2, phase_b="triton")
+    ref = scan.forward_scan(*args, segment_chunks=segment_chunks)
+    out = forward_scan_triton(*args, segment_chunks=segment_chunks, phase_b="triton")
     for a, b in zip(out, ref, strict=True):
         assert _rel(a, b) <= 1e-12
     with pytest.raises(ValueError, match="phase_b"):
-        forward_scan_triton(*args, segment_chunks=2, phase_b="cuda")
+        forward_scan_triton(*args, segment_chunks=segment_chunks, phase_b="cuda")
 
 
 @pytest.mark.parametrize(("dtype", "diagonal"), [(torch.float32, False),

@@ -32,18 +32,33 @@ def _harness_run(ckpt: Path) -> tuple[str, list[float]]:
     return _digest(model), res.losses
 
 
-def test_harness_kill_at_every_disk_step_resumes_bit_identical(tmp_path):
+def _harness_grid(tmp_path, points) -> tuple[int, list[int]]:
+    """Kill the recall harness before each chosen disk operation (``points(total)``), resume, compare."""
     with single_thread():
         reference, ref_losses = _harness_run(tmp_path / "reference")
         code, total = run_killed_at(lambda: _harness_run(tmp_path / "count"), None)
         assert code == 0 and total > 40  # 3 checkpoint saves + 1 final, each ~13 steps
-        for i in range(total):
+        chosen = points(total)
+        for i in chosen:
             ckpt = tmp_path / f"kill{i}"
             code, _ = run_killed_at(lambda ckpt=ckpt: _harness_run(ckpt), i)
             assert code == KILLED, f"the child was not killed at operation {i}"
             digest, losses = _harness_run(ckpt)
             assert digest == reference, f"kill before disk operation {i}: the resumed run's weights differ"
             assert losses == ref_losses, f"kill before disk operation {i}: the loss history differs"
+    return total, chosen
+
+
+def test_harness_kill_at_every_third_disk_step_resumes_bit_identical(tmp_path):
+    """Every third disk operation of the harness's run and its last one (checkpoints at steps 2, 4 and 6, then
+    the final save); the slow test below kills at every one."""
+    total, chosen = _harness_grid(tmp_path, lambda total: sorted({*range(0, total, 3), total - 1}))
+    print(f"harness: {len(chosen)} kill points of {total}, all resumed bit-identical")
+
+
+@pytest.mark.slow
+def test_harness_kill_at_every_disk_step_resumes_bit_identical(tmp_path):
+    total, _ = _harness_grid(tmp_path, lambda total: list(range(total)))
     print(f"harness: {total} kill points, all resumed bit-identical")
 
 
