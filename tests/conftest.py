@@ -50,6 +50,13 @@ def one_thread_per_worker(environ) -> int | None:
 
 THREADS_PER_WORKER = one_thread_per_worker(os.environ)
 
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from .triton_interpreter import skip_repeated_patching
+
+    TRITON_INTERPRETER_FAST_CALLS = skip_repeated_patching(os.environ)
+else:
+    TRITON_INTERPRETER_FAST_CALLS = False
+
 
 def bypass_fla_hopper_guard(environ) -> dict | None:
     """With ``BL_TEST_BYPASS_FLA_HOPPER_GUARD=1`` (the device check sets it), switch off fla's refusal of its gated
@@ -67,7 +74,8 @@ FLA_HOPPER_GUARD = bypass_fla_hopper_guard(os.environ)
 
 def pytest_report_header(config):
     return [f"fp32 tl.dot default: {FP32_DOT_PRECISION or 'Triton default (not pinned)'}; fla Hopper guard: "
-            f"{FLA_HOPPER_GUARD if FLA_HOPPER_GUARD is not None else 'left alone'}"]
+            f"{FLA_HOPPER_GUARD if FLA_HOPPER_GUARD is not None else 'left alone'}; Triton interpreter: "
+            f"{'device-function calls skip re-patching' if TRITON_INTERPRETER_FAST_CALLS else 'as shipped'}"]
 
 try:
     from hypothesis import HealthCheck, settings
