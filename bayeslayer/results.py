@@ -808,9 +808,21 @@ def slowest_now_table(root: Path) -> str:
     return "\n".join(lines)
 
 
+def slowest_default_table(root: Path) -> str:
+    """The slowest tests of the default suite as it is now (a fresh clone's run), and why each stays."""
+    rec = _load(root, "results/tests/slowest_default_now.json")
+    lines = [_row(["test", "time (s)", "why it stays"]), "|---|---:|---|"]
+    for r in rec["rows"]:
+        if r["where"] != "default":
+            raise ValueError(f"results/tests/slowest_default_now.json: {r['test']} is not in the default suite")
+        lines.append(_row([f"`{r['test']}`", f"{r['seconds']:.1f}", r["note"].removeprefix("stays: ")]))
+    return "\n".join(lines)
+
+
 TABLES: dict[str, tuple[str, Callable[[Path], str]]] = {
     "tests-slowest": ("docs/reliability.md", slowest_tests_table),
     "tests-slowest-now": ("docs/reliability.md", slowest_now_table),
+    "tests-slowest-default": ("docs/reliability.md", slowest_default_table),
     "cpu-threads": ("docs/reliability.md", threads_table),
     "collision-steps": ("docs/experiments.md", collision_steps_table),
     "collision-fixed-prior": ("docs/experiments.md", collision_fixed_prior_table),
