@@ -33,6 +33,9 @@ def test_the_shortcut_gives_bit_identical_results_with_fewer_patches(monkeypatch
 
     from .triton_interpreter import skip_repeated_patching
 
+    # whatever this process runs with (the stock interpreter under BL_TEST_STOCK_TRITON_INTERPRETER=1) comes back
+    # after the test: monkeypatch restores the value it first saw
+    monkeypatch.setattr(interpreter, "_patch_lang", interpreter._patch_lang)
     assert skip_repeated_patching({}), "the shortcut is not installed: Triton's interpreter internals changed"
     fast = interpreter._patch_lang
     patches = {"n": 0}
