@@ -34,21 +34,19 @@ def pin_fp32_dot_precision(environ, cuda: bool) -> str | None:
 FP32_DOT_PRECISION = pin_fp32_dot_precision(os.environ, torch.cuda.is_available())
 
 
-def one_thread_per_worker(environ) -> int | None:
+def one_thread_per_worker(environ) -> None:
     """Under pytest-xdist, give each worker one intra-op thread (and its child processes one OpenMP thread);
-    return the count set (None: not a worker, left alone).
+    outside a worker, leave the thread count alone.
 
     Each worker would otherwise start as many threads as the machine has cores, so two workers on two cores
     run four busy threads that wait on each other; tests compare results, never thread counts, and the
     bit-identical checks compare runs made under the same setting."""
-    if "PYTEST_XDIST_WORKER" not in environ:
-        return None
-    environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
-    return 1
+    if "PYTEST_XDIST_WORKER" in environ:
+        environ.setdefault("OMP_NUM_THREADS", "1")
+        torch.set_num_threads(1)
 
 
-THREADS_PER_WORKER = one_thread_per_worker(os.environ)
+one_thread_per_worker(os.environ)
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     from .triton_interpreter import skip_repeated_patching
