@@ -1,9 +1,10 @@
 """The slowest tests of one suite run, and whether each is in the default suite now.
 
-Run the suite with a JUnit report, then make the record from it::
+Run the suite with a JUnit report, then make the record from it (paths inside the checkout, so that the
+command the record keeps names no folder of this machine)::
 
-    .venv/bin/python -m pytest -q --junitxml=/tmp/suite.xml
-    .venv/bin/python benchmarks/slowest_tests.py /tmp/suite.xml --top 20 \
+    .venv/bin/python -m pytest -q --junitxml=out/tests/suite.xml
+    .venv/bin/python benchmarks/slowest_tests.py out/tests/suite.xml --top 20 \
         --how "pytest -n 2 on a 2-core CPU beside three training jobs" --out results/tests/slowest.json
 
 Each row is a test's time in the report (set-up, call and tear-down) and where it is now: ``default``
