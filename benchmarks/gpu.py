@@ -81,6 +81,8 @@ import torch
 # the checkout this script lives in, not whichever bayeslayer happens to be installed
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bayeslayer.ops.bayesian_layer.mean_pass_fla import fla_hopper_guard  # noqa: E402
+
 
 def _make_inputs(B, T, H, D, dtype, device, seed=0):
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -162,39 +164,6 @@ def _measure(fns, tokens, reps, warmup, do_bwd):
         row["fwdbwd_mem"] = _peak_bytes(fwd_bwd)
         row["fwdbwd_tok_s"] = tokens / row["fwdbwd_s"]
     return row
-
-
-def fla_hopper_guard(bypass: bool) -> dict:
-    """fla's refusal of its gated ``chunk_bwd_dqkwg`` on Hopper with Triton 3.4 <= v < 3.7.1 (fla issue #640:
-    wrong gradient values): whether it is active here and, with ``bypass``, switch it off.
-
-    The guard reads module globals of ``fla.ops.common.chunk_o`` at call time, so setting its
-    ``TRITON_ABOVE_3_7_1`` lets the kernels run (their times are what a user gets; their values are what
-    :func:`scan_check` measures).  It also gates BL's ``backward="scan"``, whose scalar-decay mean-pass backward
-    calls the same fla function.  Returns ``{"active", "bypassed", "triton", "fla"}`` (``active``: the guard
-    would refuse here; None when fla is not installed).
-    """
-    if not isinstance(bypass, bool):
-        raise TypeError(f"bypass must be a bool, got {type(bypass).__name__}")
-    import triton
-
-    out = {"active": None, "bypassed": False, "triton": triton.__version__, "fla": None}
-    try:
-        import fla
-        import fla.ops.common.chunk_o as fla_chunk_o
-    except ImportError:
-        return out
-    out["fla"] = getattr(fla, "__version__", None)
-    flags = [getattr(fla_chunk_o, n, None) for n in ("IS_NVIDIA_HOPPER", "TRITON_ABOVE_3_4_0", "TRITON_ABOVE_3_7_1")]
-    if None in flags:  # another fla: the guard is not the one this function knows
-        out["active"] = "unknown: fla.ops.common.chunk_o lacks IS_NVIDIA_HOPPER / TRITON_ABOVE_3_* (another fla?)"
-        return out
-    hopper, above_340, above_371 = (bool(f) for f in flags)
-    out["active"] = hopper and above_340 and not above_371
-    if bypass and out["active"]:
-        fla_chunk_o.TRITON_ABOVE_3_7_1 = True
-        out["bypassed"] = True
-    return out
 
 
 def run_benchmark(args, save) -> list[dict]:

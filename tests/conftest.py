@@ -59,12 +59,13 @@ else:
 def bypass_fla_hopper_guard(environ) -> dict | None:
     """With ``BL_TEST_BYPASS_FLA_HOPPER_GUARD=1`` (the device check sets it), switch off fla's refusal of its gated
     backward on Hopper with Triton < 3.7.1 (fla issue #640), so that the tests check those kernels' values instead
-    of stopping at the refusal; returns what ``benchmarks/gpu.py::fla_hopper_guard`` reports (None: not asked)."""
+    of stopping at the refusal; returns what :func:`bayeslayer.ops.bayesian_layer.mean_pass_fla.fla_hopper_guard`
+    reports (None: not asked)."""
     if environ.get("BL_TEST_BYPASS_FLA_HOPPER_GUARD") != "1":
         return None
-    from .benchmark_scripts import load_benchmark
+    from bayeslayer.ops.bayesian_layer.mean_pass_fla import fla_hopper_guard
 
-    return load_benchmark("gpu").fla_hopper_guard(bypass=True)
+    return fla_hopper_guard(bypass=True)
 
 
 FLA_HOPPER_GUARD = bypass_fla_hopper_guard(os.environ)

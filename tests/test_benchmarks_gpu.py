@@ -1,4 +1,5 @@
-"""``benchmarks/gpu.py --scan`` pieces that run without a GPU: fla's Hopper guard handling, the backward value check
+"""``benchmarks/gpu.py --scan`` pieces that run without a GPU: fla's Hopper guard handling (the library's
+``fla_hopper_guard`` and the script's recognition of the guard's refusal), the backward value check
 on fla's naive references, argument validation.
 
 The whole device check is dry-run by hand (``TRITON_INTERPRET=1 python benchmarks/gpu.py --scan --dry-run``, about
@@ -12,6 +13,8 @@ import os
 
 import pytest
 import torch
+
+from bayeslayer.ops.bayesian_layer.mean_pass_fla import fla_hopper_guard
 
 from .benchmark_scripts import load_benchmark
 
@@ -40,14 +43,14 @@ def test_hopper_guard_detected_hit_and_bypassed(gpu, monkeypatch):
     """Hopper with Triton 3.4 <= v < 3.7.1: the guard is active, fla's refusal is recognised as the guard's, and
     the bypass lets the call past the guard."""
     chunk_o = _simulate(monkeypatch, hopper=True, above_340=True, above_371=False)
-    state = gpu.fla_hopper_guard(bypass=False)
+    state = fla_hopper_guard(bypass=False)
     assert state["active"] is True and state["bypassed"] is False
     assert state["triton"] and state["fla"]
     with pytest.raises(RuntimeError, match="#640") as err:
         _gated_dqkwg(chunk_o)
     assert gpu._guard_hit(err.value)
     assert not gpu._guard_hit(RuntimeError("CUDA out of memory")) and not gpu._guard_hit(ValueError("#640"))
-    state = gpu.fla_hopper_guard(bypass=True)
+    state = fla_hopper_guard(bypass=True)
     assert state["active"] is True and state["bypassed"] is True and chunk_o.TRITON_ABOVE_3_7_1 is True
     with pytest.raises(Exception) as err:  # past the guard: fails later (no GPU), not with the guard's refusal
         _gated_dqkwg(chunk_o)
@@ -58,7 +61,7 @@ def test_hopper_guard_detected_hit_and_bypassed(gpu, monkeypatch):
                                                                 (True, False, False)])
 def test_hopper_guard_inactive_is_left_alone(gpu, monkeypatch, hopper, above_340, above_371):
     chunk_o = _simulate(monkeypatch, hopper, above_340, above_371)
-    state = gpu.fla_hopper_guard(bypass=True)
+    state = fla_hopper_guard(bypass=True)
     assert state["active"] is False and state["bypassed"] is False
     assert chunk_o.TRITON_ABOVE_3_7_1 is above_371
 
@@ -84,7 +87,7 @@ def test_bl_backward_check_interpreted(gpu):
 
 def test_bad_input(gpu):
     with pytest.raises(TypeError, match="bypass"):
-        gpu.fla_hopper_guard(bypass="yes")
+        fla_hopper_guard(bypass="yes")
     with pytest.raises(ValueError, match="device"):
         gpu.scan_check(argparse.Namespace(no_bwd=True, dry_run=True), "tpu")
     with pytest.raises(TypeError, match="guard"):
