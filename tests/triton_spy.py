@@ -1,18 +1,18 @@
-"""A spy on the backend dispatch: counts calls into the Triton entry points and makes the PyTorch
-path raise, so that a test fails if anything silently runs on PyTorch when Triton was selected.
+"""A spy on the backend registry: counts the calls the dispatch makes into one backend and makes every other
+registered backend raise, so that a test fails if anything silently runs on PyTorch when Triton was selected.
 
     with triton_only() as calls:
         model.generate(...)
     assert calls == {"chunk": n_layers, "step": n_layers * (new_tokens - 1)}
     assert calls.kernels["scan"] == n_layers  # each chunk call ran the segment-scan forward
 
-The spy wraps the names :mod:`bayeslayer.ops.backend` calls (``bl_chunk_triton``,
-``bl_step_triton``; the kernels still run) and replaces its PyTorch entry points
-(``filter_chunk``, ``filter_recurrent``) and the PyTorch chunk path's covariance pass (looked up
-in its own module at call time, so it is caught however ``filter_chunk`` was imported) with a
-function that raises; likewise the PyTorch twins of the segment scan (``ops/bayesian_layer/scan.py``) and the
-chunk-serial Triton forward (``_forward_triton``), while the scan's Triton pieces are counted in
-``calls.kernels``.  Exact counts catch a caller that bypasses the dispatch altogether.
+:func:`backend_only` wraps the ``chunk`` and ``step`` of each entry of
+:data:`bayeslayer.ops.backend.BACKEND_REGISTRY` (on the registered object, so a backend's own call of
+``self.chunk`` is counted too: a Triton step that needs gradients counts ``{"step": 1, "chunk": 1}``).
+:func:`triton_only` adds the Triton chain's pieces: the PyTorch chunk path's covariance pass (looked up in its own
+module at call time, so it is caught however ``filter_chunk`` was called), the PyTorch twins of the segment scan
+(``ops/bayesian_layer/scan.py``) and the chunk-serial Triton forward (``_forward_triton``) raise, while the scan's
+Triton pieces are counted in ``calls.kernels``.  Exact counts catch a caller that bypasses the dispatch altogether.
 Forward only: the Triton backward recomputes blocks with the PyTorch chunk step by design.
 """
 
@@ -23,11 +23,11 @@ from collections import Counter
 
 
 class TorchPathRan(AssertionError):
-    pass
+    """A backend other than the selected one ran (for the Triton spy: the PyTorch path)."""
 
 
 class Calls(Counter):
-    """Calls into the dispatch's Triton entry points (``"chunk"``, ``"step"``: compare with a dict), and in
+    """Calls the dispatch made into the spied backend (``"chunk"``, ``"step"``: compare with a dict), and in
     ``kernels`` the pieces of the segment-scan forward they reached: ``"scan"`` (the forward),
     ``"phase_a"``, ``"phase_b"`` (the Triton phases; called for every forward, launching only when a
     sequence has more than one segment), ``"mean"`` (the mean kernel)."""
@@ -37,52 +37,88 @@ class Calls(Counter):
         self.kernels: Counter = Counter()
 
 
+class _Patches:
+    """Attributes replaced for the length of a ``with`` block, put back (or removed) on exit."""
+
+    _MISSING = object()
+
+    def __init__(self):
+        self._saved = []
+
+    def set(self, owner, name, value):
+        if not hasattr(owner, name):
+            raise AttributeError(f"{owner!r} has no {name}: update tests/triton_spy.py")
+        self._saved.append((owner, name, vars(owner).get(name, self._MISSING)))
+        setattr(owner, name, value)
+
+    def restore(self):
+        for owner, name, value in reversed(self._saved):
+            if value is self._MISSING:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, value)
+        self._saved.clear()
+
+
+def _counting(counter, key, fn):
+    def spy(*args, **kwargs):
+        counter[key] += 1
+        return fn(*args, **kwargs)
+    return spy
+
+
+def _forbidden(what, selected):
+    def raise_(*args, **kwargs):
+        raise TorchPathRan(f"{what} ran although backend={selected!r} was selected")
+    return raise_
+
+
+@contextlib.contextmanager
+def backend_only(name: str):
+    """Count the dispatch's ``chunk`` / ``step`` calls into the registered backend ``name``; any other registered
+    backend's ``chunk`` or ``step`` raises :class:`TorchPathRan`."""
+    from bayeslayer.ops.backend import BACKEND_REGISTRY, get_backend
+
+    get_backend(name)
+    calls, patches = Calls(), _Patches()
+    try:
+        for entry in BACKEND_REGISTRY.values():
+            for op in ("chunk", "step"):
+                if entry.name == name:
+                    patches.set(entry, op, _counting(calls, op, getattr(entry, op)))
+                else:
+                    patches.set(entry, op, _forbidden(f"the {entry.label} backend's {op}", name))
+        yield calls
+    finally:
+        patches.restore()
+
+
 @contextlib.contextmanager
 def triton_only():
-    from bayeslayer.ops import backend
+    """:func:`backend_only` for ``"triton"``, plus the segment-scan pieces (module docstring)."""
     from bayeslayer.ops.bayesian_layer import chunk as torch_chunk
     from bayeslayer.ops.bayesian_layer import chunk_triton as triton_chunk
     from bayeslayer.ops.bayesian_layer import scan as torch_scan
     from bayeslayer.ops.bayesian_layer import scan_triton as triton_scan
 
-    calls = Calls()
-    saved = {}
-
-    def patch(module, name, value):
-        if not hasattr(module, name):
-            raise AttributeError(f"{module.__name__} has no {name}: update tests/triton_spy.py")
-        saved[(module, name)] = getattr(module, name)
-        setattr(module, name, value)
-
-    def counting(key, fn, into=None):
-        def spy(*args, **kwargs):
-            (calls if into is None else into)[key] += 1
-            return fn(*args, **kwargs)
-        return spy
-
-    def forbidden(name):
-        def raise_(*args, **kwargs):
-            raise TorchPathRan(f"the PyTorch path ({name}) ran although backend='triton' was selected")
-        return raise_
-
-    try:
-        patch(backend, "bl_chunk_triton", counting("chunk", backend.bl_chunk_triton))
-        patch(backend, "bl_step_triton", counting("step", backend.bl_step_triton))
-        patch(backend, "filter_chunk", forbidden("ops.bayesian_layer.chunk.filter_chunk"))
-        patch(backend, "filter_recurrent", forbidden("ops.bayesian_layer.recurrent.filter_recurrent"))
-        patch(torch_chunk, "covariance_pass", forbidden("ops.bayesian_layer.chunk.covariance_pass"))
-        for name in ("forward_scan_triton", "phase_a_triton", "phase_b_triton", "mean_pass_triton"):
-            key = {"forward_scan_triton": "scan", "mean_pass_triton": "mean"}.get(name, name.replace("_triton", ""))
-            patch(triton_scan, name, counting(key, getattr(triton_scan, name), calls.kernels))
-        # the PyTorch twins of the scan, and the chunk-serial Triton forward the scan replaced
-        for name in ("phase_a", "phase_b", "covariance_scan", "mean_pass_reference"):
-            patch(torch_scan, name, forbidden(f"ops.bayesian_layer.scan.{name}"))
-        patch(triton_chunk, "_forward_triton",
-              forbidden("ops.bayesian_layer.chunk_triton._forward_triton (the chunk-serial forward)"))
-        yield calls
-    finally:
-        for (module, name), value in saved.items():
-            setattr(module, name, value)
+    patches = _Patches()
+    with backend_only("triton") as calls:
+        try:
+            patches.set(torch_chunk, "covariance_pass",
+                        _forbidden("the PyTorch path (ops.bayesian_layer.chunk.covariance_pass)", "triton"))
+            for name in ("forward_scan_triton", "phase_a_triton", "phase_b_triton", "mean_pass_triton"):
+                key = {"forward_scan_triton": "scan", "mean_pass_triton": "mean"}.get(name, name.replace("_triton", ""))
+                patches.set(triton_scan, name, _counting(calls.kernels, key, getattr(triton_scan, name)))
+            # the PyTorch twins of the scan, and the chunk-serial Triton forward the scan replaced
+            for name in ("phase_a", "phase_b", "covariance_scan", "mean_pass_reference"):
+                patches.set(torch_scan, name,
+                            _forbidden(f"the PyTorch path (ops.bayesian_layer.scan.{name})", "triton"))
+            patches.set(triton_chunk, "_forward_triton",
+                        _forbidden("ops.bayesian_layer.chunk_triton._forward_triton (the chunk-serial forward)",
+                                   "triton"))
+            yield calls
+        finally:
+            patches.restore()
 
 
 @contextlib.contextmanager

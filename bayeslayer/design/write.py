@@ -15,7 +15,7 @@ The filter's per-token inputs travel as one :class:`~bayeslayer.ops.bayesian_lay
 
 from __future__ import annotations
 
-from ..ops.backend import BackendError, check_backend, dispatch_chunk, dispatch_step
+from ..ops.backend import BackendError, dispatch_chunk, dispatch_step, forced_backend
 from ..ops.bayesian_layer.lowrank import (
     check_projection,
     check_rank,
@@ -119,9 +119,10 @@ class LowRankWrite(DesignWrite):
                     alpha=inputs.alpha, theta=inputs.theta)
 
     def _torch_only(self, design, backend) -> None:
-        """The low-rank covariance has no Triton kernel: a forced ``"triton"`` says so."""
-        if check_backend(backend) == "triton":
-            raise BackendError(f"write model {self.name!r} ({design.name}) has no Triton kernel; "
+        """The low-rank covariance runs on the PyTorch path only: a forced backend other than it says so."""
+        forced = forced_backend(backend)
+        if forced is not None and not forced.reference:
+            raise BackendError(f"write model {self.name!r} ({design.name}) has no {forced.label} kernel; "
                                "use backend='auto' or 'torch'")
 
     def recurrent(self, design, q, k, v, inputs, *, p0, initial_state, output_final_state):

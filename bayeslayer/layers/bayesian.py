@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from ..checks import check_int
 from ..design import BAYESIAN, DIAGONAL_COVARIANCE, lowrank_diagonal
-from ..ops.backend import BackendError, check_backend, unsupported
+from ..ops.backend import BackendError, backend_unsupported, check_backend
 from ..ops.bayesian_layer.lowrank import check_rank
 from .base import QKVMixer
 from .common import (
@@ -119,11 +119,10 @@ class BayesianLayer(QKVMixer):
                 raise ValueError(f"{name}={init} must exceed its floor {floor}")
         p0 = check_positive_float("p0", p0)
         self.backend = check_backend(backend)
-        if self.backend == "triton":
-            reason = unsupported("chunk", write=self.design.write, rotation=dynamics == "rotation",
-                                 head_dim=self.head_dim, chunk_size=self.chunk_size)
-            if reason is not None:
-                raise BackendError(f"BayesianLayer(backend='triton') cannot run this layer: {reason}")
+        reason = backend_unsupported(self.backend, "chunk", write=self.design.write, rotation=dynamics == "rotation",
+                                     head_dim=self.head_dim, chunk_size=self.chunk_size)
+        if reason is not None:
+            raise BackendError(f"BayesianLayer(backend={self.backend!r}) cannot run this layer: {reason}")
 
         d, H, D = self.hidden_size, self.num_heads, self.head_dim
         self.decay_dim = {"identity": 0, "scalar": 1, "rotation": 1, "diagonal": D}[dynamics]

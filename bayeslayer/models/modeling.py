@@ -30,7 +30,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import PreTrainedModel
 
-from ..ops.backend import BackendError
+from ..ops.backend import BackendError, forced_backend
 from .cache import BayesLayerCache
 from .configuration import BayesLayerConfig
 
@@ -99,7 +99,7 @@ def _has_covariance(mixer: nn.Module) -> bool:
 
 
 def _takes_backend(name: str) -> bool:
-    """Whether mixer ``name`` has a Triton implementation (its constructor takes ``backend``)."""
+    """Whether mixer ``name`` runs on the backend its ``backend`` argument chooses (its constructor takes one)."""
     from ..layers import MIXERS
 
     return "backend" in inspect.signature(MIXERS[name]).parameters
@@ -324,12 +324,13 @@ class BayesLayerModel(BayesLayerPreTrainedModel):
         self.padding_idx = config.pad_token_id
         self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=self.padding_idx)
         self.embedding_dropout = nn.Dropout(config.embedding_dropout)
-        if getattr(config, "backend", "auto") == "triton" and not any(
+        forced = forced_backend(getattr(config, "backend", "auto"))
+        if forced is not None and not forced.reference and not any(
             _takes_backend(name) for name in config.layer_mixers
         ):
             raise BackendError(
-                f"backend='triton' but none of the model's mixers {sorted(set(config.layer_mixers))} has a "
-                "Triton implementation (the Bayesian Layer has)"
+                f"backend={forced.name!r} but none of the model's mixers {sorted(set(config.layer_mixers))} has a "
+                f"{forced.label} implementation (the Bayesian Layer has)"
             )
         self.layers = nn.ModuleList([BayesLayerBlock(config, i) for i in range(config.num_hidden_layers)])
         for layer in self.layers:

@@ -9,11 +9,12 @@ Public contract (sequence-first, like flash-linear-attention)::
 
 ``bl_chunk`` and ``bl_step`` dispatch (:mod:`.backend`): CUDA tensors run the Triton kernels
 (:mod:`.bayesian_layer.chunk_triton`, :mod:`.bayesian_layer.step_triton`) when Triton is installed,
-everything else the PyTorch path; ``backend="torch"`` or ``"triton"`` forces one.  The op's files,
+everything else the PyTorch path; ``backend="torch"`` or ``"triton"`` forces one.  The backends are objects
+(:class:`~.backend.Backend`) in a registry; :func:`~.backend.register_backend` adds one.  The op's files,
 one per job, are in :mod:`.bayesian_layer`; what every op shares is in :mod:`.utils`.
 """
 
-from .backend import BACKENDS, BackendError, bl_chunk, bl_step
+from .backend import Backend, BackendCall, BackendError, backend_names, bl_chunk, bl_step, register_backend
 from .bayesian_layer.chunk import filter_chunk
 from .bayesian_layer.chunk_triton import TRITON_BACKWARDS, triton_backward
 from .bayesian_layer.cp import CPContext, build_cp_context
@@ -23,14 +24,16 @@ from .bayesian_layer.write_models import WRITE_MODELS, WriteModel, get_write_mod
 from .utils.validation import set_value_checks, value_checks
 
 __all__ = [
-    "BACKENDS",
     "WRITE_MODELS",
+    "Backend",
+    "BackendCall",
     "BackendError",
     "TRITON_BACKWARDS",
     "CPContext",
     "FilterInputs",
     "FilterOutput",
     "WriteModel",
+    "backend_names",
     "bl_chunk",
     "build_cp_context",
     "bl_recurrent",
@@ -39,6 +42,7 @@ __all__ = [
     "filter_recurrent",
     "get_write_model",
     "initial_bl_state",
+    "register_backend",
     "triton_backward",
     "set_value_checks",
     "value_checks",

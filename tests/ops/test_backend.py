@@ -1,5 +1,5 @@
-"""Backend dispatch (bayeslayer.ops.backend): the rules, the errors of a forced backend, the design
-models' routing, and no import cycle between the PyTorch path and the Triton path.
+"""Backend dispatch (bayeslayer.ops.backend): the registry of backend objects, the rules, the errors of a
+forced backend, the design models' routing, and no import cycle between the PyTorch path and the Triton path.
 
 Kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set by tests/conftest.py on a machine
 without a GPU); shapes are tiny because the interpreter is slow.
@@ -7,6 +7,7 @@ without a GPU); shapes are tiny because the interpreter is slow.
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
@@ -16,11 +17,11 @@ import pytest
 import torch
 
 from bayeslayer.design import BAYESIAN, DIAGONAL_COVARIANCE, GATED_DELTANET
-from bayeslayer.ops import BACKENDS, BackendError, bl_chunk, bl_step, initial_bl_state
+from bayeslayer.ops import BackendError, backend_names, bl_chunk, bl_step, initial_bl_state
 from bayeslayer.ops import backend as be
 from bayeslayer.ops.bayesian_layer import triton_support as support
 
-from ..import_graph import find_cycle, import_graph, module_name
+from ..import_graph import find_cycle, import_graph, module_name, module_paths
 from ..triton_spy import TorchPathRan, triton_only
 
 PACKAGE = Path(__file__).resolve().parents[2] / "bayeslayer"
@@ -56,10 +57,126 @@ def test_backend_argument_is_validated_by_name(bad):
 
 
 def test_backends_and_none_means_auto():
-    assert BACKENDS == ("auto", "torch", "triton")
+    assert backend_names() == ("auto", "torch", "triton")
     assert be.check_backend(None) == "auto"
-    for name in BACKENDS:
+    for name in backend_names():
         assert be.check_backend(name) == name
+
+
+# -- the registry ---------------------------------------------------------------------------------------
+@pytest.fixture
+def registry():
+    """The backend registry, put back after the test."""
+    saved = dict(be.BACKEND_REGISTRY)
+    yield be.BACKEND_REGISTRY
+    be.BACKEND_REGISTRY.clear()
+    be.BACKEND_REGISTRY.update(saved)
+
+
+class Fake(be.Backend):
+    """A backend that runs nothing: what the dispatch asks it is all these tests look at."""
+
+    def __init__(self, name, priority, *, available=True, refuse=None, auto_devices=None):
+        self.name, self.label, self.priority, self.auto_devices = name, f"{name} backend", priority, auto_devices
+        self._available, self._refuse = available, refuse
+
+    def available(self):
+        return self._available
+
+    def unsupported(self, call):
+        return self._refuse(call) if self._refuse else None
+
+
+def test_the_registered_backends_are_objects():
+    assert list(be.BACKEND_REGISTRY) == ["torch", "triton"]
+    torch_b, triton_b = be.get_backend("torch"), be.get_backend("triton")
+    assert isinstance(torch_b, be.TorchBackend) and isinstance(triton_b, be.TritonBackend)
+    assert torch_b.reference and not triton_b.reference and triton_b.priority < torch_b.priority
+    assert torch_b.available() and triton_b.available() == support.triton_installed()
+    call = be.BackendCall("chunk", write="reset", chunk_size=8)
+    assert torch_b.unsupported(call) is None
+    assert "write model 'reset' has no Triton kernel" in triton_b.unsupported(call)
+    assert be.forced_backend(None) is None and be.forced_backend("auto") is None
+    assert be.forced_backend("triton") is triton_b
+    assert be.backend_unsupported("auto", "chunk", rotation=True) is None
+    assert be.backend_unsupported("torch", "chunk", rotation=True) is None
+    assert "rotation dynamics" in be.backend_unsupported("triton", "chunk", rotation=True)
+    # a configuration question does not ask about the device (a layer is built before it sees a tensor)
+    assert be.backend_unsupported("triton", "chunk", head_dim=64, chunk_size=64) is None
+
+
+def test_auto_asks_the_backends_in_priority_order(registry):
+    refuse_reset = lambda call: "no reset" if call.write == "reset" else None  # noqa: E731
+    be.register_backend(Fake("late", 200))
+    be.register_backend(Fake("early", 1, refuse=refuse_reset))
+    be.register_backend(Fake("gone", 0, available=False))
+    be.register_backend(Fake("gpu_only", -1, auto_devices=("cuda",)))
+    assert be.backend_names() == ("auto", "torch", "triton", "late", "early", "gone", "gpu_only")
+    sel = be.select_backend
+    assert sel("auto", "chunk", device="cpu") == "early"  # gone: unavailable; gpu_only: not for CPU tensors
+    assert sel("auto", "chunk", device="cuda") == "gpu_only"
+    assert sel("auto", "step", device="cpu", write="reset") == "torch"  # early refuses, torch (100) before late
+    assert sel("late", "chunk", device="cpu") == "late"
+    with pytest.raises(BackendError, match="backend='early' cannot run this step: no reset"):
+        sel("early", "step", device="cpu", write="reset")
+    assert be.backend_unsupported("early", "chunk", write="reset") == "no reset"
+    with pytest.raises(ValueError, match=r"backend must be one of \('auto', 'torch', 'triton', 'late', "):
+        be.check_backend("later")
+
+
+def test_a_call_no_backend_takes_says_so(registry):
+    registry.clear()
+    be.register_backend(Fake("only", 0, refuse=lambda call: "never"))
+    with pytest.raises(BackendError, match="no registered backend can run this chunk"):
+        be.select_backend("auto", "chunk", device="cpu")
+
+
+def test_register_backend_checks_its_argument(registry):
+    with pytest.raises(TypeError, match="backend must be a bayeslayer.ops.backend.Backend instance"):
+        be.register_backend(be.TorchBackend)
+    for bad in ("auto", "", "two words", 3):
+        with pytest.raises(ValueError, match="backend.name must be a name"):
+            be.register_backend(Fake(bad, 0))
+    fake = Fake("z", 0)
+    fake.label = " "
+    with pytest.raises(ValueError, match="backend.label must be a non-empty string"):
+        be.register_backend(fake)
+    for bad in (1.5, True, None):
+        fake = Fake("z", bad)
+        with pytest.raises(TypeError, match="backend.priority must be an int"):
+            be.register_backend(fake)
+    with pytest.raises(ValueError, match="backend 'triton' is already registered"):
+        be.register_backend(be.TritonBackend())
+    assert list(registry) == ["torch", "triton"]  # nothing refused was registered
+    with pytest.raises(ValueError, match="op must be one of"):
+        be.BackendCall("prefill")
+    with pytest.raises(ValueError, match="name must be a registered backend"):
+        be.get_backend("auto")
+
+
+def backend_name_tests(source: str) -> list[str]:
+    """The comparisons in ``source`` that test a backend argument against a backend's name (``backend ==
+    "triton"``, ``config.backend in ("torch", "triton")``): what the registry is there to answer."""
+    names = set(be.backend_names())
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Compare):
+            continue
+        operands = [node.left, *node.comparators]
+        constants = {c.value for o in operands for c in ast.walk(o) if isinstance(c, ast.Constant)}
+        if constants & names and "backend" in ast.unparse(node).lower():
+            found.append(ast.unparse(node))
+    return found
+
+
+def test_only_the_dispatch_tests_backend_names():
+    """Layers, models and design models ask the registry (``backend_unsupported``, ``forced_backend``)."""
+    assert backend_name_tests('if check_backend(backend) == "triton": pass') == ["check_backend(backend) == 'triton'"]
+    assert backend_name_tests('ok = getattr(config, "backend", "auto") in ("torch",)')
+    assert not backend_name_tests('if phase_a == "triton": pass')  # a piece's option, not a backend
+    found = {module_name(p): backend_name_tests(p.read_text(encoding="utf-8")) for p in module_paths()
+             if module_name(p) != "bayeslayer.ops.backend"}
+    assert not {m: f for m, f in found.items() if f}
 
 
 # -- the rules (no kernel runs) ------------------------------------------------------------------------
@@ -180,7 +297,8 @@ def test_a_step_that_needs_gradients_runs_the_differentiable_chunk_kernel():
 
     with triton_only() as calls:
         out = run("triton")
-    assert calls == {"chunk": 1}
+    assert calls == {"step": 1, "chunk": 1}  # the Triton step ran its chunk forward on one token
+    assert calls.kernels["scan"] == 1
     g1 = torch.autograd.grad(out, leaves)  # the backward recomputes with the PyTorch chunk step: outside the spy
     g2 = torch.autograd.grad(run("torch"), leaves)
     for a, b in zip(g1, g2, strict=True):
@@ -188,7 +306,7 @@ def test_a_step_that_needs_gradients_runs_the_differentiable_chunk_kernel():
         assert b.abs().max() > 0
     with torch.no_grad(), triton_only() as calls:
         run("triton")
-    assert calls == {"step": 1}
+    assert calls == {"step": 1} and not calls.kernels  # the step kernel: no chunk forward
 
 
 @interpreter
