@@ -4,8 +4,9 @@ Each recipe is the fenced ``python`` block right after ``<!-- recipe: NAME -->``
 test executes it in a fresh module namespace (as if it were a file of the package) and then checks the
 result through the package's own entry points: the mixer through ``build_mixer``, the optimiser groups
 and the state-budget solver; the design model's chunked path against its recurrent oracle in float64;
-the experiment through ``run(config)``, the one training loop, its JSON and ``--plot-only`` on the CLI.
-Registry entries a recipe adds are removed again after each test.
+the experiment through ``run(config)``, the one training loop, its JSON and ``--plot-only`` on the CLI;
+the backend through ``backend=`` and ``"auto"`` on the ops, the design models, a layer and the language model,
+against the PyTorch backend.  Registry entries a recipe adds are removed again after each test.
 """
 
 from __future__ import annotations
@@ -43,12 +44,13 @@ def exec_recipe(name: str) -> types.ModuleType:
 
 @pytest.fixture
 def restore_registries():
-    """Put the mixer registry, ``DESIGNS`` and the CLI's command list back."""
+    """Put the mixer registry, ``DESIGNS``, the backend registry and the CLI's command list back."""
     from bayeslayer import cli
     from bayeslayer.design import DESIGNS
     from bayeslayer.layers import MIXER_REGISTRY
+    from bayeslayer.ops.backend import BACKEND_REGISTRY
 
-    saved = [(d, dict(d)) for d in (MIXER_REGISTRY, DESIGNS)]
+    saved = [(d, dict(d)) for d in (MIXER_REGISTRY, DESIGNS, BACKEND_REGISTRY)]
     commands = list(cli._COMMAND_MODULES)
     modules = set(sys.modules)
     yield
@@ -62,7 +64,7 @@ def restore_registries():
 
 
 def test_every_recipe_marker_has_one_block():
-    for name in ("mixer", "design", "experiment"):
+    for name in ("mixer", "design", "experiment", "backend"):
         assert recipe(name).strip()
 
 
@@ -234,3 +236,90 @@ def test_experiment_recipe(restore_registries, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="mixers"):
         mod.RecallDemoConfig(mixers=("no_such_mixer",))
 
+
+
+# -- (d) a backend ---------------------------------------------------------------------------------
+
+
+def test_backend_recipe(restore_registries):
+    from bayeslayer.design import BAYESIAN, GATED_DELTANET
+    from bayeslayer.layers import BayesianLayer
+    from bayeslayer.models import BayesLayerConfig, BayesLayerForCausalLM
+    from bayeslayer.ops import BackendError, backend_names, bl_step, initial_bl_state
+    from bayeslayer.ops.backend import BACKEND_REGISTRY, check_backend
+
+    from .triton_spy import TorchPathRan, backend_only
+
+    mod = exec_recipe("backend")
+    counting = mod.counting
+    assert BACKEND_REGISTRY["counting"] is counting and backend_names() == ("auto", "torch", "triton", "counting")
+    assert mod.register_backend.__module__ == "bayeslayer.ops.backend"  # the recipe's one registration call
+    assert torch.equal(mod.o, mod.ref) and counting.calls == {"chunk": 1, "step": 0}
+
+    # float64, the variance and the state too: forced, and chosen by "auto" for CPU tensors, equal to PyTorch
+    dt = torch.float64
+    B, T, H, D, m = 2, 21, 2, 8, 4
+    q, k, v = torch.randn(B, T, H, D, dtype=dt), torch.randn(B, T, H, D, dtype=dt) / D**0.5, torch.randn(
+        B, T, H, m, dtype=dt)
+    r2, ell2 = 0.1 + torch.rand(B, T, H, dtype=dt), 0.01 * torch.rand(B, T, H, dtype=dt)
+    alpha = 0.9 + 0.1 * torch.rand(B, T, H, dtype=dt)
+    kw = dict(r2=r2, ell2=ell2, alpha=alpha, output_final_state=True, return_variance=True, chunk_size=16)
+    ref = BAYESIAN.chunk(q, k, v, backend="torch", **kw)
+    for backend in ("counting", "auto"):
+        with backend_only("counting") as calls:
+            out = BAYESIAN.chunk(q, k, v, backend=backend, **kw)
+        assert calls == {"chunk": 1}
+        for a, b in ((out.o, ref.o), (out.variance, ref.variance), (out.state[0], ref.state[0]),
+                     (out.state[1], ref.state[1])):
+            assert torch.equal(a, b)
+    st = initial_bl_state(B, H, D, m, dtype=dt)
+    with backend_only("counting") as calls:
+        o1, s1 = bl_step(q[:, 0], k[:, 0], v[:, 0], r2[:, 0], ell2[:, 0], alpha[:, 0], state=st, backend="counting")
+    assert calls == {"step": 1}
+    o2, s2 = bl_step(q[:, 0], k[:, 0], v[:, 0], r2[:, 0], ell2[:, 0], alpha[:, 0], state=st, backend="torch")
+    assert torch.equal(o1, o2) and torch.equal(s1[0], s2[0]) and torch.equal(s1[1], s2[1])
+
+    # what it does not take: "auto" falls back to PyTorch; forcing it says its reason
+    with pytest.raises(TorchPathRan), backend_only("counting"):
+        GATED_DELTANET.chunk(q, k, v, gain=r2, alpha=alpha, chunk_size=16)
+    with pytest.raises(BackendError, match="backend='counting' cannot run this chunk: write model 'reset' is not "
+                                           "forwarded"):
+        GATED_DELTANET.chunk(q, k, v, gain=r2, alpha=alpha, chunk_size=16, backend="counting")
+
+    # a layer and the language model take it by name, check their configuration against it, and equal PyTorch
+    torch.manual_seed(0)
+    layer = BayesianLayer(16, num_heads=2, head_dim=8, chunk_size=16, backend="counting").double()
+    ref_layer = BayesianLayer(16, num_heads=2, head_dim=8, chunk_size=16, backend="torch").double()
+    ref_layer.load_state_dict(layer.state_dict())
+    x = torch.randn(2, 9, 16, dtype=dt)
+    with torch.no_grad(), backend_only("counting") as calls:
+        pre = layer(x[:, :8], use_cache=True)
+        nxt = layer(x[:, 8:], state=pre.state, use_cache=True)
+    assert calls == {"chunk": 1, "step": 1}
+    with torch.no_grad():
+        ref_pre = ref_layer(x[:, :8], use_cache=True)
+        ref_nxt = ref_layer(x[:, 8:], state=ref_pre.state, use_cache=True)
+    assert torch.equal(pre.o, ref_pre.o) and torch.equal(nxt.o, ref_nxt.o)
+    with pytest.raises(BackendError, match=r"BayesianLayer\(backend='counting'\) cannot run this layer: write "
+                                           "model 'diagonal' is not forwarded"):
+        BayesianLayer(16, num_heads=2, head_dim=8, covariance="diagonal", backend="counting")
+    config = BayesLayerConfig(vocab_size=32, hidden_size=16, num_hidden_layers=2, num_heads=2, head_dim=8,
+                              mixers=["bayesian", "attention"], mixer_kwargs={"bayesian": {"chunk_size": 16}},
+                              backend="counting")
+    lm = BayesLayerForCausalLM(config).eval()
+    with torch.no_grad(), backend_only("counting") as calls:
+        lm(torch.randint(0, 32, (1, 7)))
+    assert calls == {"chunk": 1}
+    with pytest.raises(BackendError, match="backend='counting' but none of the model's mixers"):
+        BayesLayerForCausalLM(BayesLayerConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_heads=2,
+                                               head_dim=8, mixers=["attention"], backend="counting"))
+    with pytest.raises(ValueError, match=r"backend must be one of \('auto', 'torch', 'triton', 'counting'\)"):
+        check_backend("count")
+
+
+def test_backend_recipe_is_registered_only_while_the_test_runs():
+    from bayeslayer.ops import backend_names
+    from bayeslayer.ops.backend import select_backend
+
+    assert backend_names() == ("auto", "torch", "triton")
+    assert select_backend("auto", "chunk", device="cpu") == "torch"
