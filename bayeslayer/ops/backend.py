@@ -3,7 +3,7 @@
 A backend is an object (:class:`Backend`) in the registry :data:`BACKEND_REGISTRY`, as in
 flash-linear-attention's backend registry: it says whether it can run at all here (``available()``),
 why it cannot run one call (``unsupported(call) -> reason | None``), and runs it (``chunk``, ``step``).
-Two are registered, and know nothing of each other or of this module's dispatch:
+Two are registered; the functions they run know nothing of each other or of this module:
 
 * ``torch`` (:class:`TorchBackend`) — :func:`bayeslayer.ops.bayesian_layer.chunk.filter_chunk` and
   :func:`bayeslayer.ops.bayesian_layer.recurrent.filter_recurrent` (every write model and dynamics, any device);
