@@ -1,4 +1,4 @@
-"""Durable, atomic file writes and file digests: the package's one writer.
+"""Durable, atomic file writes, file digests and the formats every saved folder shares: the package's one writer.
 
 A reader of ``path`` sees the old file or the new one, never half of one, and after a crash (a kill,
 a power cut) the disk holds one of the two:
@@ -18,6 +18,11 @@ Links are never written through.  A file the package creates or rewrites in a fo
 device there is refused with :class:`UnsafeFileError` naming it, so a planted link cannot make a run
 truncate or overwrite the file it points to.  :func:`open_regular` opens with ``O_NOFOLLOW`` for
 the writers that cannot replace the file (appends, the lock).
+
+Two formats every folder the package saves shares (training checkpoints, model folders):
+``manifest.json`` (:func:`write_manifest`, checked by :func:`verify_checkpoint`: the SHA-256 and size
+of each file) and safetensors files (:func:`write_safetensors`, :func:`read_safetensors`: tensors
+without pickle).
 """
 
 from __future__ import annotations
@@ -27,18 +32,28 @@ import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 import stat
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 TMP_PREFIX = ".tmp-"
+MANIFEST = "manifest.json"
+MANIFEST_FORMAT = "bayeslayer-checkpoint-1"
 
 
 class UnsafeFileError(OSError):
     """A path the package would write is a symbolic link or not a regular file (see the module docstring)."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is damaged or incomplete; the message names the file."""
 
 
 def _kind(mode: int) -> str:
@@ -250,3 +265,108 @@ def remove_stale_temporaries(directory: str | os.PathLike) -> list[Path]:
             stale.unlink(missing_ok=True)
         removed.append(stale)
     return removed
+
+
+def _files_digest(files: dict) -> str:
+    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+
+
+def write_manifest(directory: str | os.PathLike, names: list[str] | None = None, *, step: int | None = None) -> Path:
+    """Write ``directory/manifest.json``: the SHA-256 and size of each file (``names``, default every file).
+
+    Each file is ``fsync``-ed first; the manifest is written last and ``fsync``-ed, so its presence
+    means the files it lists are complete.  The one integrity format of the package: training
+    checkpoints (:meth:`bayeslayer.training.CheckpointStore.save`, with their ``step``) and the model folders it saves
+    (``final/``, ``save_pretrained``) both use it, and :func:`verify_checkpoint` checks it.
+    """
+    directory = Path(directory)
+    if names is None:
+        names = sorted(p.name for p in directory.iterdir() if p.name != MANIFEST)
+    files = {}
+    for name in sorted(names):
+        path = directory / name
+        if name == MANIFEST or path.is_symlink() or not path.is_file():
+            raise ValueError(f"a manifest lists plain files other than {MANIFEST}; got {path}")
+        fsync_file(path)
+        files[name] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
+    manifest = {"format": MANIFEST_FORMAT, **({} if step is None else {"step": step}), "files": files,
+                "sha256": _files_digest(files)}
+    target = directory / MANIFEST
+    atomic_write_text(target, json.dumps(manifest, indent=1))  # fsync-ed, then the folder
+    return target
+
+
+def verify_checkpoint(directory: str | os.PathLike, *, allow_unlisted: bool = False) -> dict:
+    """Check ``directory``'s manifest and every file's SHA-256; return the manifest.
+
+    Raises :class:`CheckpointError` naming the first file that is missing, extra, resized or whose
+    bytes changed (the manifest included).  ``allow_unlisted``: files the manifest does not list
+    are not an error (a model folder a user added a README or a tokenizer to); the listed ones
+    must still match.
+    """
+    directory = Path(directory)
+    manifest_path = directory / MANIFEST
+    if not manifest_path.is_file():
+        raise CheckpointError(f"{manifest_path} is missing: {directory} is not a complete checkpoint of this "
+                              "version (a checkpoint written by an older bayeslayer, with a pickle "
+                              "trainer_state.pt, is not loaded)")
+    try:
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+        files = manifest["files"]
+        ok = (manifest.get("format") == MANIFEST_FORMAT and isinstance(files, dict)
+              and manifest.get("sha256") == _files_digest(files))
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{manifest_path} is damaged ({exc})") from exc
+    if not ok:
+        raise CheckpointError(f"{manifest_path} is damaged (its own checksum does not match)")
+    present = [] if allow_unlisted else sorted(p.name for p in directory.iterdir() if p.name != MANIFEST)
+    for name in present:
+        if name not in files:
+            raise CheckpointError(f"{directory / name} is not listed in {manifest_path} (the checkpoint was altered)")
+    for name, entry in sorted(files.items()):
+        path = directory / name
+        if not path.is_file():
+            raise CheckpointError(f"{path} is missing (listed in {manifest_path})")
+        size = path.stat().st_size
+        if size != entry["bytes"]:
+            raise CheckpointError(f"{path} has {size} bytes, its manifest says {entry['bytes']} (truncated or "
+                                  "overwritten)")
+        if sha256_file(path) != entry["sha256"]:
+            raise CheckpointError(f"{path} fails its SHA-256 check (the file is corrupt)")
+    return manifest
+
+
+def write_safetensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor] | None = None, *,
+                      model: torch.nn.Module | None = None, metadata: dict[str, str] | None = None) -> None:
+    """Write ``tensors`` (or ``model``'s ``state_dict``, shared tensors once) to the safetensors file ``path``.
+
+    A failed write (a full disk, a missing folder) raises ``OSError`` with its ``errno`` and the path,
+    not safetensors' own error type that names neither.
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file, save_model
+
+    if (tensors is None) == (model is None):
+        raise TypeError("write_safetensors takes tensors or model=, exactly one")
+    try:
+        if model is not None:
+            save_model(model, str(path), metadata=metadata)
+        else:
+            save_file(tensors, str(path), metadata=metadata)
+    except SafetensorError as exc:
+        found = re.search(r"os error (\d+)", str(exc))
+        code = int(found.group(1)) if found else errno.EIO
+        raise OSError(code, f"{os.strerror(code)} (writing a safetensors file)", str(path)) from exc
+
+
+def read_safetensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The tensors of the safetensors file ``path`` on the CPU; a damaged file raises ``ValueError`` naming it."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist (or is not a file)")
+    try:
+        return load_file(str(path), device="cpu")
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types for a bad header or body
+        raise ValueError(f"{path} is damaged or not a safetensors file ({' '.join(str(exc).split())})") from exc

@@ -156,7 +156,7 @@ def resolve_checkpoint_dir(path_or_repo_id: str | os.PathLike, revision: str | N
 
 def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
     """All tensors of a HF checkpoint directory: (sharded) safetensors preferred, else (sharded) .bin."""
-    from ..training.state import read_safetensors
+    from ..files import read_safetensors
 
     def _shards(index_name: str) -> list[Path]:
         index = read_json(directory / index_name, what="shard index")

@@ -7,7 +7,7 @@ the distillation teacher), :func:`~bayeslayer.models.load_gdn_checkpoint`) refus
 names the folder and the problem:
 
 * a damaged folder the package wrote: ``manifest.json`` (the SHA-256 and size of every file, the format
-  of the training checkpoints, :func:`bayeslayer.training.checkpoint.write_manifest`) does not match
+  of the training checkpoints, :func:`bayeslayer.files.write_manifest`) does not match
   — one flipped byte in ``model.safetensors`` is enough;
 * a ``config.json`` that is missing, empty or not JSON, or of another ``model_type``;
 * weights that do not fill the model: a tensor the model needs and the file lacks (a config that
@@ -26,9 +26,7 @@ from pathlib import Path
 
 import torch
 
-from ..files import read_json
-from ..training.checkpoint import MANIFEST, verify_checkpoint, write_manifest
-from ..training.state import read_safetensors, write_safetensors
+from ..files import MANIFEST, read_json, read_safetensors, verify_checkpoint, write_manifest, write_safetensors
 
 #: how many names an error message lists before "and N more"
 _SHOWN = 6

@@ -30,8 +30,6 @@ renamed ``damaged-<name>`` so it is never loaded or mistaken for the newest agai
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import re
 import shutil
@@ -42,96 +40,23 @@ from pathlib import Path
 
 from ..checks import check_int
 from ..files import (
+    MANIFEST,
     TMP_PREFIX,
+    CheckpointError,
     atomic_write_text,
     fsync_dir,
-    fsync_file,
     remove_stale_temporaries,
-    sha256_file,
+    verify_checkpoint,
+    write_manifest,
 )
 
-MANIFEST = "manifest.json"
 POINTER = "latest"
-MANIFEST_FORMAT = "bayeslayer-checkpoint-1"
 _NAME = re.compile(r"^step-(\d{8,})(?:\.(\d+))?$")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint is damaged or incomplete; the message names the file."""
-
-
-def _files_digest(files: dict) -> str:
-    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
 
 
 def _order(name: str) -> tuple[int, int] | None:
     m = _NAME.match(name)
     return (int(m.group(1)), int(m.group(2) or 0)) if m else None
-
-
-def write_manifest(directory: str | os.PathLike, names: list[str] | None = None, *, step: int | None = None) -> Path:
-    """Write ``directory/manifest.json``: the SHA-256 and size of each file (``names``, default every file).
-
-    Each file is ``fsync``-ed first; the manifest is written last and ``fsync``-ed, so its presence
-    means the files it lists are complete.  The one integrity format of the package: training
-    checkpoints (:meth:`CheckpointStore.save`, with their ``step``) and the model folders it saves
-    (``final/``, ``save_pretrained``) both use it, and :func:`verify_checkpoint` checks it.
-    """
-    directory = Path(directory)
-    if names is None:
-        names = sorted(p.name for p in directory.iterdir() if p.name != MANIFEST)
-    files = {}
-    for name in sorted(names):
-        path = directory / name
-        if name == MANIFEST or path.is_symlink() or not path.is_file():
-            raise ValueError(f"a manifest lists plain files other than {MANIFEST}; got {path}")
-        fsync_file(path)
-        files[name] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
-    manifest = {"format": MANIFEST_FORMAT, **({} if step is None else {"step": step}), "files": files,
-                "sha256": _files_digest(files)}
-    target = directory / MANIFEST
-    atomic_write_text(target, json.dumps(manifest, indent=1))  # fsync-ed, then the folder
-    return target
-
-
-def verify_checkpoint(directory: str | os.PathLike, *, allow_unlisted: bool = False) -> dict:
-    """Check ``directory``'s manifest and every file's SHA-256; return the manifest.
-
-    Raises :class:`CheckpointError` naming the first file that is missing, extra, resized or whose
-    bytes changed (the manifest included).  ``allow_unlisted``: files the manifest does not list
-    are not an error (a model folder a user added a README or a tokenizer to); the listed ones
-    must still match.
-    """
-    directory = Path(directory)
-    manifest_path = directory / MANIFEST
-    if not manifest_path.is_file():
-        raise CheckpointError(f"{manifest_path} is missing: {directory} is not a complete checkpoint of this "
-                              "version (a checkpoint written by an older bayeslayer, with a pickle "
-                              "trainer_state.pt, is not loaded)")
-    try:
-        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-        files = manifest["files"]
-        ok = (manifest.get("format") == MANIFEST_FORMAT and isinstance(files, dict)
-              and manifest.get("sha256") == _files_digest(files))
-    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"{manifest_path} is damaged ({exc})") from exc
-    if not ok:
-        raise CheckpointError(f"{manifest_path} is damaged (its own checksum does not match)")
-    present = [] if allow_unlisted else sorted(p.name for p in directory.iterdir() if p.name != MANIFEST)
-    for name in present:
-        if name not in files:
-            raise CheckpointError(f"{directory / name} is not listed in {manifest_path} (the checkpoint was altered)")
-    for name, entry in sorted(files.items()):
-        path = directory / name
-        if not path.is_file():
-            raise CheckpointError(f"{path} is missing (listed in {manifest_path})")
-        size = path.stat().st_size
-        if size != entry["bytes"]:
-            raise CheckpointError(f"{path} has {size} bytes, its manifest says {entry['bytes']} (truncated or "
-                                  "overwritten)")
-        if sha256_file(path) != entry["sha256"]:
-            raise CheckpointError(f"{path} fails its SHA-256 check (the file is corrupt)")
-    return manifest
 
 
 class CheckpointStore:

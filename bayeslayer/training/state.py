@@ -19,16 +19,15 @@ as Python's ``json`` spells them), so a resumed run continues bit for bit.
 
 from __future__ import annotations
 
-import errno
 import json
-import os
 import random
-import re
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+from ..files import read_safetensors, write_safetensors
 
 _MARKERS = ("__tensor__", "__tuple__", "__ndarray__", "__items__")
 
@@ -87,42 +86,6 @@ def decode_state(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
             return {decode_state(k, tensors): decode_state(v, tensors) for k, v in obj["__items__"]}
         return {k: decode_state(v, tensors) for k, v in obj.items()}
     return obj
-
-
-def write_safetensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor] | None = None, *,
-                      model: torch.nn.Module | None = None, metadata: dict[str, str] | None = None) -> None:
-    """Write ``tensors`` (or ``model``'s ``state_dict``, shared tensors once) to the safetensors file ``path``.
-
-    A failed write (a full disk, a missing folder) raises ``OSError`` with its ``errno`` and the path,
-    not safetensors' own error type that names neither.
-    """
-    from safetensors import SafetensorError
-    from safetensors.torch import save_file, save_model
-
-    if (tensors is None) == (model is None):
-        raise TypeError("write_safetensors takes tensors or model=, exactly one")
-    try:
-        if model is not None:
-            save_model(model, str(path), metadata=metadata)
-        else:
-            save_file(tensors, str(path), metadata=metadata)
-    except SafetensorError as exc:
-        found = re.search(r"os error (\d+)", str(exc))
-        code = int(found.group(1)) if found else errno.EIO
-        raise OSError(code, f"{os.strerror(code)} (writing a safetensors file)", str(path)) from exc
-
-
-def read_safetensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """The tensors of the safetensors file ``path`` on the CPU; a damaged file raises ``ValueError`` naming it."""
-    from safetensors.torch import load_file
-
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist (or is not a file)")
-    try:
-        return load_file(str(path), device="cpu")
-    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types for a bad header or body
-        raise ValueError(f"{path} is damaged or not a safetensors file ({' '.join(str(exc).split())})") from exc
 
 
 def save_state(directory: str | Path, name: str, obj: Any) -> list[Path]:
