@@ -9,7 +9,8 @@ import torch
 
 from bayeslayer.errors import UsageError
 from bayeslayer.experiments.common import options
-from bayeslayer.experiments.common.options import check_out_dir, check_out_file, resolve_device
+from bayeslayer.experiments.common.options import check_out_dir, check_out_file
+from bayeslayer.training.distributed import resolve_device
 
 # ----------------------------------------------------------------------------- --device
 
@@ -33,14 +34,14 @@ def test_cuda_gets_an_index(monkeypatch):
 
 
 def test_init_distributed_sets_an_indexed_device(monkeypatch):
-    from bayeslayer.experiments.common import lm_run
+    from bayeslayer.training.distributed import init_distributed
 
     _fake_gpus(monkeypatch, 1)
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     chosen = []
     monkeypatch.setattr(torch.cuda, "set_device", lambda dev: chosen.append(dev))
-    ctx = lm_run.init_distributed("cuda")
+    ctx = init_distributed("cuda")
     assert ctx.device == torch.device("cuda", 0) and chosen == [torch.device("cuda", 0)]
 
 

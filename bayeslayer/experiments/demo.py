@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from ..ops import bl_chunk, bl_recurrent
-from .common.options import DEVICE_HELP, check_int, check_memory, device_arg, positive_int_arg, resolve_device
+from ..training.distributed import resolve_device
+from .common.options import DEVICE_HELP, check_int, check_memory, device_arg, positive_int_arg
 from .common.threads import SMALL, add_threads_option
 
 DESCRIPTION = (

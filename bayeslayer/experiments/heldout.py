@@ -60,11 +60,11 @@ import torch
 from ..data.text.sources import WIKITEXT_103
 from ..errors import UsageError
 from ..files import atomic_write_text, read_json
-from ..training.distributed import PRECISIONS, DistContext, resolve_precision
+from ..training.distributed import PRECISIONS, DistContext, init_distributed, resolve_precision
 from ..training.lock import OutputLock
 from .common.harness import results_record, write_json
 from .common.lm_config import LMConfig
-from .common.lm_run import init_distributed, load_corpus
+from .common.lm_run import load_corpus
 from .common.options import (
     DEVICE_HELP,
     PLOT_ONLY_HELP,

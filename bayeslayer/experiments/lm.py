@@ -31,11 +31,11 @@ from ..data.text.sources import SOURCE_HELP, WIKITEXT_103
 from ..errors import UsageError
 from ..files import atomic_write_text, read_json, sha256_file
 from ..training import OutputLock
-from ..training.distributed import PRECISIONS
+from ..training.distributed import PRECISIONS, init_distributed, resolve_device
 from .common.cli_help import override_help, preset_values
 from .common.harness import results_record, summarize
 from .common.lm_config import LM_TRAIN, MATCHES, LMConfig, LMDataConfig, LMModelConfig
-from .common.lm_run import build_model, init_distributed, load_corpus, load_run, train_lm
+from .common.lm_run import build_model, load_corpus, load_run, train_lm
 from .common.options import (
     DEVICE_HELP,
     PLOT_ONLY_HELP,
@@ -53,7 +53,6 @@ from .common.options import (
     plot_only_json,
     positive_int_arg,
     redrawing,
-    resolve_device,
 )
 from .common.plotting import save_figure
 from .common.provenance import write_record

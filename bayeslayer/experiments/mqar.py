@@ -61,6 +61,7 @@ from ..checks import check_int
 from ..data.mqar import IGNORE_INDEX, MQARData, MQARDataset, MQARTask, make_pool
 from ..errors import UsageError
 from ..models.mqar_model import LAYOUTS, BaseConv, MQARModel, MQARModelConfig
+from ..training.distributed import resolve_device
 from ..training.optim import DECAY_POLICY
 from .common.harness import results_record, summarize, train_lr_grid
 from .common.mqar_setup import (
@@ -92,7 +93,6 @@ from .common.options import (
     positive_float_arg,
     positive_int_arg,
     redrawing,
-    resolve_device,
 )
 from .common.plotting import RefLine, Series, line_plot, load_json
 from .common.provenance import write_record

@@ -47,6 +47,7 @@ from ..data.niah import (
 )
 from ..errors import UsageError
 from ..files import atomic_write_text, read_json
+from ..training.distributed import resolve_device
 from ..training.lock import OutputLock
 from .common.options import (
     DEVICE_HELP,
@@ -61,7 +62,6 @@ from .common.options import (
     plot_only_json,
     positive_int_arg,
     redrawing,
-    resolve_device,
 )
 from .common.plotting import PAPER_LENGTHS, length_label, save_figure
 from .common.provenance import write_record

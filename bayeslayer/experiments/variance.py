@@ -40,6 +40,7 @@ import torch.nn as nn
 from ..checks import check_int
 from ..data.collision_tasks import collision_recall_batch
 from ..data.mqar import IGNORE_INDEX, MQARTask, make_pool
+from ..training.distributed import resolve_device
 from ..training.optim import DECAY_POLICY
 from .common import mqar_setup, recall_task
 from .common.harness import results_record, summarize, train_seeds
@@ -50,7 +51,6 @@ from .common.options import (
     device_arg,
     plot_only_json,
     positive_int_arg,
-    resolve_device,
 )
 from .common.provenance import write_record
 from .common.recall_models import CoreMixer

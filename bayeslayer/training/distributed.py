@@ -2,7 +2,8 @@
 
 * :class:`DistContext` — rank, world size, local rank and device of this process, and its context-parallel
   group; :func:`init_distributed` joins the ``torchrun`` job that ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``
-  describe (``nccl`` on CUDA, ``gloo`` on CPU) or, without one, is a single process;
+  describe (``nccl`` on CUDA, ``gloo`` on CPU) or, without one, is a single process, on the device
+  :func:`resolve_device` names (``auto``, ``cpu``, ``cuda``, ``cuda:N``);
 * :func:`resolve_precision` and :func:`autocast` — ``"auto"``/``"bf16"``/``"fp32"`` as an autocast
   dtype and context (the filters compute in fp32 whatever the input dtype).
 """
@@ -16,7 +17,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from ..errors import UsageError
+
 PRECISIONS = ("auto", "bf16", "fp32")
+DEVICE_HELP = "auto (a GPU when there is one, else the CPU), cpu, cuda or cuda:N"
 
 
 @dataclass(frozen=True)
@@ -74,19 +78,51 @@ class DistContext:
             dist.barrier()
 
 
-def init_distributed(device: torch.device, *, context_parallel: int = 1) -> DistContext:
+def resolve_device(spec: str | torch.device, *, option: str = "--device") -> torch.device:
+    """The ``torch.device`` that ``spec`` names, with a CUDA index; refuses a GPU that is not there.
+
+    ``auto`` is ``cuda:$LOCAL_RANK`` when PyTorch sees a GPU, else ``cpu``; ``cuda`` is
+    ``cuda:$LOCAL_RANK`` (``torch.cuda.set_device`` and distributed runs need the index).
+    """
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if isinstance(spec, torch.device):
+        dev = spec
+    elif not isinstance(spec, str):
+        raise UsageError(f"{option} must be a device name ({DEVICE_HELP}), got {type(spec).__name__}")
+    elif spec == "auto":
+        dev = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+    else:
+        try:
+            dev = torch.device(spec)
+        except (RuntimeError, ValueError):
+            raise UsageError(f"{option} must be {DEVICE_HELP}, got {spec!r}") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError(f"{option} {spec}: no CUDA GPU is visible to PyTorch on this machine "
+                             f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'no'}); "
+                             "use --device cpu")
+        if dev.index is None:
+            dev = torch.device("cuda", local_rank)
+        if dev.index >= torch.cuda.device_count():
+            raise UsageError(f"{option} {spec}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                             f"numbered 0..{torch.cuda.device_count() - 1}")
+    elif dev.type not in ("cpu", "cuda"):
+        raise UsageError(f"{option} must be {DEVICE_HELP}, got {spec!r}")
+    return dev
+
+
+def init_distributed(device: str | torch.device = "auto", *, context_parallel: int = 1) -> DistContext:
     """Join the ``torchrun`` job described by ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` (if any) on ``device``.
 
-    ``device`` is a resolved ``torch.device`` (with its CUDA index; the command line's
-    :func:`bayeslayer.experiments.common.options.resolve_device` turns ``auto``/``cuda`` into one).  ``nccl``
+    ``device``: ``auto`` (``cuda:LOCAL_RANK`` when PyTorch sees a GPU, else the CPU), ``cpu``, ``cuda``,
+    ``cuda:N`` or a ``torch.device`` (:func:`resolve_device` gives it its CUDA index).  ``nccl``
     on CUDA, ``gloo`` on CPU.  Without ``torchrun`` (``WORLD_SIZE`` unset or 1) this is a single process
     and nothing is initialised.  A process group that is already initialised is joined as it is.
 
     ``context_parallel``: ranks per context-parallel group (1: none); it must divide the world size.
     Every group of ``context_parallel`` consecutive ranks gets its own process group (``cp_group``).
     """
-    if not isinstance(device, torch.device):
-        raise TypeError(f"device must be a torch.device, got {type(device).__name__}")
+    device = resolve_device(device)
     if isinstance(context_parallel, bool) or not isinstance(context_parallel, int) or context_parallel < 1:
         raise ValueError(f"context_parallel must be a positive int, got {context_parallel!r}")
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -133,4 +169,5 @@ def autocast(device: torch.device, dtype: torch.dtype | None):
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
-__all__ = ["PRECISIONS", "DistContext", "autocast", "init_distributed", "resolve_precision"]
+__all__ = ["DEVICE_HELP", "PRECISIONS", "DistContext", "autocast", "init_distributed", "resolve_device",
+           "resolve_precision"]

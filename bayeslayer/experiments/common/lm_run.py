@@ -67,27 +67,16 @@ from ...checks import check_int
 from ...data.text.windows import WindowSchedule
 from ...files import append_text, atomic_write_text, publish_directory, read_json, remove_stale_temporaries
 from ...training import CheckpointStore, OutputLock
-from ...training.distributed import DistContext, resolve_precision
-from ...training.distributed import init_distributed as _init_distributed
+from ...training.distributed import DistContext, init_distributed, resolve_precision
 from ...training.loop import Checkpoints, LoopState, StepInfo, train_loop
 from ...training.optim import DECAY_POLICY
 from .harness import seed_everything, weights_digest
 from .lm_config import LMConfig
-from .options import (
-    resolve_device,
-)
 from .provenance import write_record
 
 # Fields that may change when a run is resumed: they never change the loss trajectory.
 _BOOKKEEPING = frozenset({"eval_every", "eval_windows", "eval_batch_size", "checkpoint_every", "log_every"})
 SINGLE_PROCESS = DistContext()  # the default context: one process on the CPU
-
-def init_distributed(device: str | torch.device = "auto", *, context_parallel: int = 1) -> DistContext:
-    """Join the ``torchrun`` job (if any) on ``device``: ``auto`` (``cuda:LOCAL_RANK`` when available, else
-    CPU), ``cpu``, ``cuda``, ``cuda:0``, ... (:func:`bayeslayer.training.distributed.init_distributed`, which
-    also forms the groups of ``context_parallel`` ranks)."""
-    # "cuda" -> cuda:LOCAL_RANK; refuses a missing GPU
-    return _init_distributed(resolve_device(device), context_parallel=context_parallel)
 
 def load_corpus(config: LMConfig, ctx: DistContext = SINGLE_PROCESS, *, cache_dir: str | None = None,
                 splits: Sequence[str] = ("train", "validation", "test")):
@@ -640,5 +629,5 @@ def load_run(run_dir: str | os.PathLike, *, device: str | torch.device = "cpu"):
 
 
 __all__ = ["SINGLE_PROCESS", "LMTrainResult", "NextTokenTrainee", "Objective", "build_model", "checkpoint_store",
-           "cp_window_slice", "init_distributed", "latest_checkpoint", "load_corpus", "load_run", "rank_micro_batches",
+           "cp_window_slice", "latest_checkpoint", "load_corpus", "load_run", "rank_micro_batches",
            "train_lm", "write_tokenizer_config"]

@@ -5,9 +5,9 @@ A mistake found after an hour of training costs the hour; these run first.  Each
 ``bayeslayer.cli.main`` prints as one line (exit code 2).  The ``*_arg`` functions are argparse
 ``type=`` converters: their errors reach the user as ``argument --x: <message>``.
 
-* :func:`resolve_device` / :func:`device_arg`: ``auto``, ``cpu``, ``cuda``, ``cuda:N``.  A bare
-  ``cuda`` means this process's GPU (``cuda:$LOCAL_RANK``, 0 outside ``torchrun``); a CUDA device
-  on a machine where PyTorch sees none is refused at once.
+* :func:`device_arg`: ``auto``, ``cpu``, ``cuda``, ``cuda:N``
+  (:func:`bayeslayer.training.distributed.resolve_device`); a CUDA device on a machine where PyTorch
+  sees none is refused at once.
 * :func:`check_out_dir` / :func:`check_out_file`: the output folder (or file) can be created and
   written, checked before the work that fills it.
 * :func:`check_in_file` / :func:`check_in_dir`: an input that must exist.
@@ -28,44 +28,9 @@ import torch
 
 from ...checks import INT_MAX, check_int
 from ...errors import UsageError
-
-DEVICE_HELP = "auto (a GPU when there is one, else the CPU), cpu, cuda or cuda:N"
-
+from ...training.distributed import DEVICE_HELP, resolve_device
 
 # --------------------------------------------------------------------------- devices
-
-
-def resolve_device(spec: str | torch.device, *, option: str = "--device") -> torch.device:
-    """The ``torch.device`` that ``spec`` names, with a CUDA index; refuses a GPU that is not there.
-
-    ``auto`` is ``cuda:$LOCAL_RANK`` when PyTorch sees a GPU, else ``cpu``; ``cuda`` is
-    ``cuda:$LOCAL_RANK`` (``torch.cuda.set_device`` and distributed runs need the index).
-    """
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if isinstance(spec, torch.device):
-        dev = spec
-    elif not isinstance(spec, str):
-        raise UsageError(f"{option} must be a device name ({DEVICE_HELP}), got {type(spec).__name__}")
-    elif spec == "auto":
-        dev = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
-    else:
-        try:
-            dev = torch.device(spec)
-        except (RuntimeError, ValueError):
-            raise UsageError(f"{option} must be {DEVICE_HELP}, got {spec!r}") from None
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise UsageError(f"{option} {spec}: no CUDA GPU is visible to PyTorch on this machine "
-                             f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'no'}); "
-                             "use --device cpu")
-        if dev.index is None:
-            dev = torch.device("cuda", local_rank)
-        if dev.index >= torch.cuda.device_count():
-            raise UsageError(f"{option} {spec}: this machine has {torch.cuda.device_count()} CUDA device(s), "
-                             f"numbered 0..{torch.cuda.device_count() - 1}")
-    elif dev.type not in ("cpu", "cuda"):
-        raise UsageError(f"{option} must be {DEVICE_HELP}, got {spec!r}")
-    return dev
 
 
 def device_arg(text: str) -> str:
@@ -354,7 +319,6 @@ __all__ = [
     "check_in_file", "check_int", "check_memory",
     "check_out_dir", "check_out_file", "check_source", "check_tokenizer", "device_arg", "int_arg", "memory_size",
     "model_arg", "nonnegative_int_arg", "plot_only_json", "positive_float_arg", "positive_int_arg", "redrawing",
-    "resolve_device",
 ]
 
 

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
+from ...training.distributed import resolve_device
 from ...training.optim import DECAY_POLICY
 from .cli_help import override_help
 from .harness import TrainConfig, results_record, summarize, summarize_curves, train_seeds
@@ -31,7 +32,6 @@ from .options import (
     plot_only_json,
     positive_int_arg,
     redrawing,
-    resolve_device,
 )
 from .provenance import write_record
 from .recall_models import ALL_KINDS, CORE_KINDS, CORE_LABELS, PAPER_CORE_KINDS, paper_core_kind
