@@ -60,8 +60,8 @@ def tiny_model(**overrides):
 
 def write_lm_run(model, run: Path) -> Path:
     """``run/final/`` as ``lm train`` writes it for ``model`` (weights, config, lm_config.json, manifest)."""
-    from bayeslayer.experiments.common.lm_config import LMConfig
     from bayeslayer.models.loading import save_model_dir, write_model_manifest
+    from bayeslayer.training.lm_config import LMConfig
 
     c = model.config
     final = run / "final"

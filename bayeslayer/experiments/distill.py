@@ -7,7 +7,7 @@ gated_deltanet``).  The student is the teacher with layers ``L`` (default {5, 11
 swapped for Bayesian Layers by :func:`bayeslayer.models.replace_layers`, which copies every
 projection the two layers share.  Three runs, each an ordinary :func:`~bayeslayer.experiments.common.lm_run.train_lm`
 run (same loop, checkpoints, exact resume, JSON log, ``torchrun``) with its own
-:class:`~bayeslayer.experiments.common.lm_run.Objective`:
+:class:`~bayeslayer.training.lm.Objective`:
 
 ``phase_a``  layer matching, all replaced layers at once.  The teacher runs on the batch; each
              student mixer gets the teacher's input to that layer and must reproduce the teacher
@@ -77,8 +77,9 @@ from ..training.distillation import (
     select_trainable,
 )
 from ..training.distributed import PRECISIONS
-from .common.lm_config import LM_TRAIN, LMConfig, LMDataConfig, LMModelConfig
-from .common.lm_run import NextTokenTrainee, Objective, train_lm
+from ..training.lm import NextTokenTrainee, Objective
+from ..training.lm_config import LM_TRAIN, LMConfig, LMDataConfig, LMModelConfig
+from .common.lm_run import train_lm
 from .common.options import (
     DEVICE_HELP,
     add_train_eval,

@@ -61,10 +61,10 @@ from ..data.text.sources import WIKITEXT_103
 from ..errors import UsageError
 from ..files import atomic_write_text, read_json
 from ..training.distributed import PRECISIONS, DistContext, init_distributed, resolve_precision
+from ..training.lm import load_corpus
+from ..training.lm_config import LMConfig
 from ..training.lock import OutputLock
 from .common.harness import results_record, write_json
-from .common.lm_config import LMConfig
-from .common.lm_run import load_corpus
 from .common.options import (
     DEVICE_HELP,
     PLOT_ONLY_HELP,
@@ -342,7 +342,7 @@ def resolve_model(label: str, path: str | os.PathLike, *, tokenizer=None, cache_
     Tokenizer, first found: ``tokenizer`` (a ``tokenizer.json`` or a directory holding one);
     ``tokenizer.json`` in the model directory (for a run directory: ``final/``, then the run
     directory); for an ``lm`` run, the run's own tokenizer (``LMConfig.tokenizer``, else the BPE
-    trained on its corpus, via :func:`bayeslayer.experiments.common.lm_run.load_corpus`).  None of these is
+    trained on its corpus, via :func:`bayeslayer.training.lm.load_corpus`).  None of these is
     a ``ValueError`` that says to pass one.
     """
     from ..data.text import load_tokenizer

@@ -9,7 +9,7 @@ writes a Table-2-layout markdown table and a bar plot, both drawn from the saved
 What one optimiser step does, how the data position follows the step, the run directory
 (``--out``), its crash-safe checkpoints and the distributed launch (``torchrun``):
 :mod:`bayeslayer.experiments.common.lm_run`, which ``distill train`` trains with too.  The run's
-configuration: :class:`~bayeslayer.experiments.common.lm_config.LMConfig`.
+configuration: :class:`~bayeslayer.training.lm_config.LMConfig`.
 """
 
 from __future__ import annotations
@@ -32,10 +32,11 @@ from ..errors import UsageError
 from ..files import atomic_write_text, read_json, sha256_file
 from ..training import OutputLock
 from ..training.distributed import PRECISIONS, init_distributed, resolve_device
+from ..training.lm import build_model, load_corpus
+from ..training.lm_config import LM_TRAIN, MATCHES, LMConfig, LMDataConfig, LMModelConfig
 from .common.cli_help import override_help, preset_values
 from .common.harness import results_record, summarize
-from .common.lm_config import LM_TRAIN, MATCHES, LMConfig, LMDataConfig, LMModelConfig
-from .common.lm_run import build_model, load_corpus, load_run, train_lm
+from .common.lm_run import load_run, train_lm
 from .common.options import (
     DEVICE_HELP,
     PLOT_ONLY_HELP,
@@ -313,7 +314,7 @@ def config_from_args(args: argparse.Namespace) -> LMConfig:
 
 
 def match_arg(text: str) -> str:
-    """``--match``: one of :data:`~bayeslayer.experiments.common.lm_config.MATCHES` (argparse reports the
+    """``--match``: one of :data:`~bayeslayer.training.lm_config.MATCHES` (argparse reports the
     error as a one-line usage error)."""
     if text not in MATCHES:
         raise argparse.ArgumentTypeError(f"must be one of {', '.join(MATCHES)}, got {text!r}")

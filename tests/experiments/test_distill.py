@@ -26,11 +26,11 @@ from safetensors.torch import load_file
 
 from bayeslayer.cli import main as cli_main
 from bayeslayer.experiments import distill, niah
-from bayeslayer.experiments.common.lm_config import LMConfig
 from bayeslayer.experiments.common.lm_run import train_lm
 from bayeslayer.experiments.common.plotting import length_label
 from bayeslayer.experiments.distill import PRESETS, DistillConfig, RetrofitObjective, run_distill
 from bayeslayer.models import BayesLayerConfig
+from bayeslayer.training.lm_config import LMConfig
 
 from .corpus import write_word_corpus
 

@@ -23,7 +23,6 @@ from bayeslayer.cli import build_parser
 from bayeslayer.cli import main as cli_main
 from bayeslayer.data.text import train_bpe_tokenizer
 from bayeslayer.experiments import heldout, lm
-from bayeslayer.experiments.common import lm_config, lm_run
 from bayeslayer.experiments.heldout import (
     HeldoutConfig,
     HeldoutSource,
@@ -36,6 +35,8 @@ from bayeslayer.experiments.heldout import (
     window_plan,
 )
 from bayeslayer.models import BayesLayerConfig, BayesLayerForCausalLM, loading
+from bayeslayer.training import lm as training_lm
+from bayeslayer.training import lm_config
 
 from .corpus import WORDS, write_word_corpus
 
@@ -245,8 +246,8 @@ def test_an_lm_run_directory_uses_its_final_model_and_its_corpus_tokenizer(corpu
                          mlp_dropout=0.0, source=str(corpus_dir), vocab_size=300, seq_len=16, steps=1,
                          batch_size=2, micro_batch_size=2, warmup_steps=0)
     cache = tmp_path / "cache"
-    corpus = lm_run.load_corpus(config, cache_dir=str(cache), splits=("validation",))
-    model = lm_run.build_model(config, corpus.vocab_size, corpus.eos_id)
+    corpus = training_lm.load_corpus(config, cache_dir=str(cache), splits=("validation",))
+    model = training_lm.build_model(config, corpus.vocab_size, corpus.eos_id)
     final = tmp_path / "run" / "final"
     loading.save_model_dir(model, final)
     (final / "lm_config.json").write_text(json.dumps(config.to_json()))

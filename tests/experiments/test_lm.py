@@ -26,10 +26,11 @@ from bayeslayer.data.text.windows import WindowSchedule
 from bayeslayer.evaluation.perplexity import grouped_perplexity
 from bayeslayer.experiments import lm
 from bayeslayer.experiments.common.harness import weights_digest
-from bayeslayer.experiments.common.lm_config import LMConfig
-from bayeslayer.experiments.common.lm_run import build_model, latest_checkpoint, load_run, train_lm
+from bayeslayer.experiments.common.lm_run import latest_checkpoint, load_run, train_lm
 from bayeslayer.experiments.lm import GROUPS, PRESETS, markdown_table, summarize_runs
 from bayeslayer.training.distributed import resolve_precision
+from bayeslayer.training.lm import build_model
+from bayeslayer.training.lm_config import LMConfig
 
 from .corpus import write_word_corpus
 
@@ -66,7 +67,7 @@ def _train_losses(run_dir: Path) -> list[tuple[int, float]]:
 _KILL_SCRIPT = """
 import json, os, signal, sys
 import torch
-from bayeslayer.experiments.common.lm_config import LMConfig
+from bayeslayer.training.lm_config import LMConfig
 from bayeslayer.experiments.common.lm_run import train_lm
 
 torch.set_num_threads(int(sys.argv[4]))  # the parent's, so float reductions run in the same order

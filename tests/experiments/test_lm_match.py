@@ -9,10 +9,11 @@ from dataclasses import replace
 import pytest
 
 from bayeslayer.cli import main as cli_main
-from bayeslayer.experiments.common.lm_config import LMConfig, state_budget_per_layer, state_matched_kwargs
-from bayeslayer.experiments.common.lm_run import build_model, train_lm
+from bayeslayer.experiments.common.lm_run import train_lm
 from bayeslayer.experiments.lm import PRESETS, evaluate_run
 from bayeslayer.models.state_budget import mixer_design
+from bayeslayer.training.lm import build_model
+from bayeslayer.training.lm_config import LMConfig, state_budget_per_layer, state_matched_kwargs
 from tests.training.faults import tiny_lm
 
 MATCHED = ("bayesian", "gated_deltanet", "gated_deltanet_noconv", "deltanet", "linear_attention")

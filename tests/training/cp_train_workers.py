@@ -1,9 +1,9 @@
 """Worker processes of the context-parallel training tests: each runs one rank of a gloo group on the CPU.
 
 The tests start them with ``torch.multiprocessing.spawn``.  Every rank trains a two-layer
-``BayesLayerForCausalLM`` through the package's training path (:func:`bayeslayer.training.loop.train_loop`
-with a context-parallel :class:`~bayeslayer.training.distributed.DistContext`, the LM run's micro-batches
-and next-token trainee); rank 0 also trains the same model in one process on whole windows, and each
+``BayesLayerForCausalLM`` through the package's LM training path (:func:`bayeslayer.training.lm.train_on_windows`
+with a context-parallel :class:`~bayeslayer.training.distributed.DistContext` and next-token trainee);
+rank 0 also trains the same model in one process on whole windows, and each
 rank writes what it got to ``out_dir/rank{r}.json`` for the test to compare.
 """
 
@@ -36,27 +36,19 @@ def _model(mixers: list[str], dtype: torch.dtype):
 
 
 def _train(ctx, dtype: torch.dtype, steps: int, batch_size: int, micro_batch_size: int) -> tuple[list, dict]:
-    """``(losses, final weights)`` of ``steps`` AdamW steps through the LM run's training path on ``ctx``."""
-    from bayeslayer.data.text.windows import WindowSchedule
-    from bayeslayer.experiments.common.lm_config import LMConfig
-    from bayeslayer.experiments.common.lm_run import NextTokenTrainee, Objective, rank_micro_batches
-    from bayeslayer.training.loop import TrainConfig, train_loop
+    """``(losses, final weights)`` of ``steps`` AdamW steps through the public LM training path on ``ctx``
+    (:func:`bayeslayer.training.lm.train_on_windows`, the one ``lm train`` runs)."""
+    from bayeslayer.training.lm import NextTokenTrainee, context_parallel, train_on_windows
+    from bayeslayer.training.loop import TrainConfig
 
     windows = np.random.default_rng(3).integers(0, VOCAB, size=(N_WINDOWS, T))
-    schedule = WindowSchedule(N_WINDOWS, batch_size, 0)
-    n_micro = batch_size // (micro_batch_size * ctx.dp_size)
     trainee = NextTokenTrainee(_model(["bayesian", "bayesian"], dtype))
     init = {k: v.detach().clone() for k, v in trainee.model.state_dict().items()}
-    cp = None
     if ctx.context_parallel:
-        config = LMConfig(seq_len=T, batch_size=batch_size, micro_batch_size=micro_batch_size)
-        trainee = Objective().context_parallel(trainee, config, ctx)
-        cp = trainee.cp_context
+        trainee = context_parallel(trainee, T, ctx)
     config = TrainConfig(steps=steps, batch_size=batch_size, lr=3e-2, betas=(0.9, 0.95), weight_decay=0.1,
                          grad_clip=1.0, warmup_steps=1, seed=0)
-    state = train_loop(trainee, lambda step: rank_micro_batches(windows, schedule, step, ctx, micro_batch_size,
-                                                                n_micro, cp),
-                       lambda module, ids: module(ids), config, ctx=ctx, progress=False)
+    state = train_on_windows(trainee, windows, config, ctx=ctx, micro_batch_size=micro_batch_size, progress=False)
     weights = {k: v.detach().clone() for k, v in trainee.model.state_dict().items()}
     # the training moved every weight by a visible amount (else agreeing weights would show nothing)
     moved = min(_rel(p.detach(), init[k]) for k, p in trainee.model.named_parameters())
@@ -102,21 +94,33 @@ def train_case(rank: int, world: int, init_file: str, out_dir: str, cp_size: int
 
 def default_suite(rank: int, world: int, init_file: str, out_dir: str) -> None:
     """What the default suite checks on 2 ranks, in one group (starting the processes is the slow part):
-    float64 training against one process (3 AdamW steps, 4 windows of 40 tokens per step in 2 micro-batches)
-    and the bad set-ups."""
+    float64 training against one process (3 AdamW steps, 4 windows of 40 tokens per step in 2 micro-batches),
+    the bad set-ups and README's context-parallel training recipe."""
     _init(rank, world, init_file)
     try:
         out = {"float64": compare(world, "float64", 3, 4, 2), "bad": refusals(world)}
+        out["readme"] = readme_recipe()  # last: the recipe ends the process group
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(out))
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def readme_recipe() -> dict:
+    """README's context-parallel training recipe, run as written on this job's ranks (it joins their group)."""
+    from tests.test_contributing import recipe
+
+    name = "context-parallel-training"
+    namespace = {"__name__": "bayeslayer_recipe_cp"}
+    exec(compile(recipe(name), f"<README recipe {name}>", "exec"), namespace)
+    return {"losses": namespace["state"].losses, "steps": namespace["state"].step, "cp_size": namespace["ctx"].cp_size}
 
 
 def refusals(world: int) -> dict:
     """Bad context-parallel set-ups of the training path; every rank records the error it got."""
-    from bayeslayer.experiments.common.lm_config import LMConfig
-    from bayeslayer.experiments.common.lm_run import NextTokenTrainee, Objective
     from bayeslayer.training.distributed import init_distributed
+    from bayeslayer.training.lm import NextTokenTrainee, Objective, context_parallel
+    from bayeslayer.training.lm_config import LMConfig
 
     got = {}
     ctx = init_distributed(torch.device("cpu"), context_parallel=world)
@@ -127,6 +131,11 @@ def refusals(world: int) -> dict:
             got[mixers[-1]] = "ran"
         except ValueError as e:
             got[mixers[-1]] = str(e)
+    try:  # a trainee other than next-token training of our model
+        context_parallel(torch.nn.Linear(2, 2), T, ctx)
+        got["trainee"] = "ran"
+    except ValueError as e:
+        got["trainee"] = str(e)
     try:
         init_distributed(torch.device("cpu"), context_parallel=world + 1)
         got["divide"] = "ran"

@@ -80,7 +80,7 @@ def tiny_lm(root: Path, **overrides):
 
     The LM reliability and fault tests share it; ``overrides`` set their steps and evaluation.
     """
-    from bayeslayer.experiments.common.lm_config import LMConfig
+    from bayeslayer.training.lm_config import LMConfig
 
     from ..experiments.corpus import write_word_corpus
 

@@ -5,6 +5,7 @@ process training on whole windows."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -58,11 +59,21 @@ def test_context_parallel_times_data_parallel_trains_like_one_process(tmp_path):
     check(spawn(tmp_path, 4, cp_train_workers.train_case, 2, "float64", 3, 4, 1), TOL64, TOL64)
 
 
+def test_the_readme_recipe_trains_on_two_ranks(two_ranks):
+    """README's context-parallel training recipe runs as written: 3 steps, one group of 2 ranks sharing every
+    window, so both ranks report the same finite losses."""
+    got = [r["readme"] for r in two_ranks]
+    assert all(g["steps"] == 3 and g["cp_size"] == 2 and len(g["losses"]) == 3 for g in got)
+    assert all(math.isfinite(x) and x > 0 for x in got[0]["losses"])
+    assert got[0]["losses"] == got[1]["losses"]
+
+
 def test_bad_setups_are_refused_by_name(two_ranks):
     for got in (r["bad"] for r in two_ranks):
         assert "layer 1's mixer 'attention' cannot run with cp_context" in got["attention"]
         assert "layer 0's mixer 'mamba2' cannot run with cp_context" in got["mamba2"]
         assert "context_parallel=3 must divide the number of ranks (2)" in got["divide"]
+        assert "trainee must be a NextTokenTrainee" in got["trainee"] and "Linear" in got["trainee"]
         assert "input_ids must be [b, " in got["slice"] and "cp_window_slice" in got["slice"]
 
 

@@ -9,10 +9,11 @@ import pytest
 import torch
 import torch.nn as nn
 
-from bayeslayer.experiments.common import harness, lm_config, lm_run
+from bayeslayer.experiments.common import harness, lm_run
 from bayeslayer.experiments.mqar import PRESETS as MQAR_PRESETS
 from bayeslayer.experiments.mqar import build_model as build_mqar
 from bayeslayer.layers import build_mixer
+from bayeslayer.training import lm_config
 from bayeslayer.training import loop as training_loop
 from bayeslayer.training.optim import decay_split, param_groups
 

@@ -54,7 +54,7 @@ import json
 import os
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -68,176 +68,15 @@ from ...data.text.windows import WindowSchedule
 from ...files import append_text, atomic_write_text, publish_directory, read_json, remove_stale_temporaries
 from ...training import CheckpointStore, OutputLock
 from ...training.distributed import DistContext, init_distributed, resolve_precision
-from ...training.loop import Checkpoints, LoopState, StepInfo, train_loop
+from ...training.lm import Objective, load_corpus, micro_batches_per_step, train_on_windows
+from ...training.lm_config import LMConfig
+from ...training.loop import Checkpoints, LoopState, StepInfo
 from ...training.optim import DECAY_POLICY
 from .harness import seed_everything, weights_digest
-from .lm_config import LMConfig
 from .provenance import write_record
 
 # Fields that may change when a run is resumed: they never change the loss trajectory.
 _BOOKKEEPING = frozenset({"eval_every", "eval_windows", "eval_batch_size", "checkpoint_every", "log_every"})
-SINGLE_PROCESS = DistContext()  # the default context: one process on the CPU
-
-def load_corpus(config: LMConfig, ctx: DistContext = SINGLE_PROCESS, *, cache_dir: str | None = None,
-                splits: Sequence[str] = ("train", "validation", "test")):
-    """The run's tokenized corpus; rank 0 tokenizes (or finds the cache) first, then every rank reads it."""
-    from ...data.text import load_text_corpus
-
-    def load():
-        return load_text_corpus(config.source, tokenizer=config.tokenizer, vocab_size=config.vocab_size,
-                                cache_dir=cache_dir, splits=splits)
-
-    if ctx.distributed:
-        if ctx.is_main:
-            load()
-        ctx.barrier()
-    return load()
-
-def build_model(config: LMConfig, vocab_size: int, eos_id: int | None = None):
-    """A freshly initialised :class:`BayesLayerForCausalLM` for ``config`` (seed torch first)."""
-    from ...models import BayesLayerConfig, BayesLayerForCausalLM
-
-    mixer_kwargs = {config.mixer: dict(config.mixer_kwargs)} if config.mixer_kwargs else None
-    model_config = BayesLayerConfig(
-        vocab_size=vocab_size, hidden_size=config.hidden_size, num_hidden_layers=config.num_layers,
-        num_heads=config.num_heads, head_dim=config.head_dim, mixer=config.mixer, mixer_kwargs=mixer_kwargs,
-        mlp_dropout=config.mlp_dropout, bos_token_id=None, eos_token_id=eos_id, pad_token_id=None,
-        use_cache=False,
-    )
-    return BayesLayerForCausalLM(model_config)
-
-class NextTokenTrainee(torch.nn.Module):
-    """Wraps a causal LM so that ``forward(input_ids)`` is the training loss (what DDP wraps).
-
-    ``loss = mean_t CE(logits_t, x_{t+1})``; ``.model`` is the part that is checkpointed.
-
-    With a ``cp_context`` (:func:`bayeslayer.ops.build_cp_context` over windows of ``T`` tokens) the
-    trainee runs this rank's slice of each window (:func:`cp_window_slice` gives it: the slice and the
-    token after it) and returns this rank's share of the loss: the summed cross-entropy of the slice's
-    predictions divided by the global count ``b·(T − 1)``, so the shares of the group's ranks add up to
-    the one-process loss.  The windows of a micro-batch run one after another (the context holds one
-    sequence).
-    """
-
-    def __init__(self, model: torch.nn.Module, cp_context=None) -> None:
-        super().__init__()
-        self.model = model
-        if cp_context is not None:
-            from ...ops import CPContext
-
-            if not isinstance(cp_context, CPContext):
-                raise TypeError(f"cp_context must be a CPContext (from build_cp_context), got "
-                                f"{type(cp_context).__name__}")
-            if len(cp_context.cu) != 2:
-                raise ValueError("cp_context must hold one sequence (a window): build it with total_len=seq_len")
-        self.cp_context = cp_context
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.cp_context is None:
-            return self.model(input_ids=input_ids, labels=input_ids).loss
-        return self._cp_loss(input_ids)
-
-    def _cp_loss(self, ids: torch.Tensor) -> torch.Tensor:
-        from ...models.modeling import loss_dtype
-
-        cp = self.cp_context
-        n_in, T = cp.local_len, cp.bounds[-1]
-        n_out = min(cp.bounds[cp.rank + 1], T - 1) - cp.start  # this slice's positions that have a next token
-        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[1] != n_out + 1:
-            raise ValueError(f"input_ids must be [b, {n_out + 1}] (rank {cp.rank}'s slice of a {T}-token window "
-                             f"and the token after it, from cp_window_slice), got "
-                             f"{tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__}")
-        total = None
-        for window in ids:
-            logits = self.model(input_ids=window[None, :n_in], cp_context=cp).logits
-            ce = torch.nn.functional.cross_entropy(logits[0, :n_out].to(loss_dtype(logits.dtype)),
-                                                   window[1:n_out + 1], reduction="sum")
-            total = ce if total is None else total + ce
-        return total / (ids.shape[0] * (T - 1))
-
-
-def cp_window_slice(windows: torch.Tensor, cp_context) -> torch.Tensor:
-    """This rank's part of whole windows ``[b, T]`` for a context-parallel :class:`NextTokenTrainee`: its
-    slice ``bounds[r] .. bounds[r+1] − 1`` and the token after it (the last rank has none)."""
-    from ...ops import CPContext
-
-    if not isinstance(cp_context, CPContext):
-        raise TypeError(f"cp_context must be a CPContext (from build_cp_context), got {type(cp_context).__name__}")
-    if not isinstance(windows, torch.Tensor) or windows.dim() != 2 or windows.shape[1] != cp_context.bounds[-1]:
-        raise ValueError(f"windows must be [b, {cp_context.bounds[-1]}] (the context's length), got "
-                         f"{tuple(windows.shape) if isinstance(windows, torch.Tensor) else type(windows).__name__}")
-    a, b = cp_context.start, cp_context.bounds[cp_context.rank + 1]
-    return windows[:, a:b + 1]
-
-def rank_micro_batches(windows, schedule: WindowSchedule, step: int, ctx: DistContext, micro_batch_size: int,
-                       n_micro: int, cp_context=None) -> list[torch.Tensor]:
-    """This rank's ``n_micro`` micro-batches of optimiser step ``step``: the windows ``schedule`` gives its
-    data-parallel replica (``ctx.dp_rank`` of ``ctx.dp_size``), ``micro_batch_size`` per micro-batch, on
-    ``ctx.device``; with a ``cp_context``, this rank's slice of each (:func:`cp_window_slice`)."""
-    if not isinstance(schedule, WindowSchedule):
-        raise TypeError(f"schedule must be a WindowSchedule, got {type(schedule).__name__}")
-    if not isinstance(ctx, DistContext):
-        raise TypeError(f"ctx must be a DistContext, got {type(ctx).__name__}")
-    check_int("step", step, minimum=0)
-    check_int("micro_batch_size", micro_batch_size, minimum=1)
-    check_int("n_micro", n_micro, minimum=1)
-    if n_micro * micro_batch_size * ctx.dp_size != schedule.batch_size:
-        raise ValueError(f"n_micro × micro_batch_size × ctx.dp_size ({n_micro} × {micro_batch_size} × {ctx.dp_size}) "
-                         f"must be the schedule's batch_size ({schedule.batch_size})")
-    mine = schedule.step_windows(step, ctx.dp_rank, ctx.dp_size)
-    batches = [torch.from_numpy(np.asarray(windows[mine[i * micro_batch_size:(i + 1) * micro_batch_size]],
-                                           dtype=np.int64)).to(ctx.device)
-               for i in range(n_micro)]
-    return batches if cp_context is None else [cp_window_slice(b, cp_context) for b in batches]
-
-
-class Objective:
-    """What a run trains: :func:`train_lm`'s loop is the same for every objective.
-
-    An objective builds the *trainee*, an ``nn.Module`` whose ``forward(input_ids [b, L])``
-    returns the loss (or ``(loss, {name: float})`` with parts to log) and whose ``.model``
-    is the causal LM that is checkpointed, evaluated and saved in ``final/``; it names the
-    optimiser's parameter groups; it may check the trained model at the end
-    (:meth:`finish`).  This default is from-scratch next-token training of
-    :func:`build_model`; :mod:`bayeslayer.experiments.distill` adds the retrofit's Phase A,
-    Phase B and the GDN-FT control.  A trainee with ``set_step(step)`` is told the step
-    before each optimiser step (schedules inside the loss).
-    """
-
-    name = "next_token"
-    #: DDP must look for parameters the loss does not reach (e.g. frozen paths).
-    find_unused_parameters = False
-
-    def describe(self) -> dict:
-        """What the objective depends on; stored in ``objective.json`` and checked on resume."""
-        return {"name": self.name}
-
-    def build(self, config: LMConfig, corpus, device: torch.device) -> torch.nn.Module:
-        return NextTokenTrainee(build_model(config, corpus.vocab_size, corpus.eos_id).to(device))
-
-    def param_groups(self, trainee: torch.nn.Module, config: LMConfig) -> list[dict]:
-        return [{"params": [p for p in trainee.model.parameters() if p.requires_grad]}]
-
-    def context_parallel(self, trainee: torch.nn.Module, config: LMConfig, ctx: DistContext) -> torch.nn.Module:
-        """``trainee`` for this rank's slice of each window of ``ctx``'s context-parallel group (called on
-        every rank of the job, before training starts).  A next-token trainee whose model has a
-        context-parallel path (:meth:`~bayeslayer.models.BayesLayerForCausalLM.context_parallel_conv_size`,
-        which refuses other mixers by name) is rebuilt with a context; other trainees are refused."""
-        from ...ops import build_cp_context
-
-        if not isinstance(ctx, DistContext) or not ctx.context_parallel:
-            raise ValueError("ctx must be a DistContext with a context-parallel group (cp_size > 1, from "
-                             "init_distributed(..., context_parallel=C))")
-        if type(trainee) is not NextTokenTrainee or not hasattr(trainee.model, "context_parallel_conv_size"):
-            raise ValueError(f"objective {self.name!r} has no context-parallel path (only next-token training of "
-                             "a BayesLayerForCausalLM has one); run it without --context-parallel")
-        width = trainee.model.context_parallel_conv_size()
-        cp = build_cp_context(total_len=config.seq_len, group=ctx.cp_group, conv1d_kernel_size=width)
-        return NextTokenTrainee(trainee.model, cp)
-
-    def finish(self, trainee: torch.nn.Module) -> dict:
-        """Checks of the trained model (raise on failure) and facts for ``train_summary.json``."""
-        return {}
 
 def _rank_seed(seed: int, rank: int) -> int:
     # dropout masks must differ between ranks, and not depend on how the model was initialised
@@ -377,17 +216,12 @@ def train_lm(
         raise TypeError(f"objective must be an Objective, got {type(objective).__name__}")
     check_int("context_parallel", context_parallel, minimum=1)
     ctx = init_distributed(device, context_parallel=context_parallel)
-    replicas = ctx.dp_size
-    if config.batch_size % (config.micro_batch_size * replicas) != 0:
-        what = "world size" if not ctx.context_parallel else "data-parallel replicas (world size / context_parallel)"
-        raise ValueError(f"batch_size ({config.batch_size}) must be a multiple of micro_batch_size × {what} "
-                         f"({config.micro_batch_size} × {replicas})")
-    n_micro = config.batch_size // (config.micro_batch_size * replicas)
+    micro_batches_per_step(config.batch_size, config.micro_batch_size, ctx)  # checked before the folder is touched
     autocast_dtype = resolve_precision(config.precision, ctx.device)
     run_dir = Path(run_dir)
     # one run per folder: the lock is taken (rank 0) before anything in the folder is read or written
     with OutputLock(run_dir) if ctx.is_main else contextlib.nullcontext():
-        return _train_lm(config, run_dir, ctx, n_micro=n_micro, autocast_dtype=autocast_dtype, cache_dir=cache_dir,
+        return _train_lm(config, run_dir, ctx, autocast_dtype=autocast_dtype, cache_dir=cache_dir,
                          stop_after=stop_after, progress=progress, keep_checkpoints=keep_checkpoints,
                          on_step=on_step, objective=objective)
 
@@ -424,7 +258,7 @@ class _LMCheckpoints(Checkpoints):
     def restore(self, trainer_state: dict) -> None:
         self.seconds_before = float(trainer_state["train_seconds"])
 
-def _train_lm(config: LMConfig, run_dir: Path, ctx: DistContext, *, n_micro: int, autocast_dtype, cache_dir,
+def _train_lm(config: LMConfig, run_dir: Path, ctx: DistContext, *, autocast_dtype, cache_dir,
               stop_after, progress: bool, keep_checkpoints: int, on_step, objective: Objective) -> LMTrainResult:
     world = ctx.world_size
     config_path = run_dir / "config.json"
@@ -441,7 +275,7 @@ def _train_lm(config: LMConfig, run_dir: Path, ctx: DistContext, *, n_micro: int
     train_windows = corpus.windows("train", config.seq_len)
     val_windows = corpus.windows("validation", config.seq_len)
     val_masks = corpus.annotate("validation", config.seq_len).masks(shifted=True)
-    schedule = WindowSchedule(train_windows.shape[0], config.batch_size, config.seed)
+    WindowSchedule(train_windows.shape[0], config.batch_size, config.seed)  # an empty split fails before any write
 
     seed_everything(config.seed)
     trainee = objective.build(config, corpus, ctx.device)
@@ -459,11 +293,7 @@ def _train_lm(config: LMConfig, run_dir: Path, ctx: DistContext, *, n_micro: int
     log = _JsonLog(run_dir / "log.jsonl", ctx.is_main)
     checkpoints = _LMCheckpoints(store, model, config, world)
     checkpoints.context_parallel = ctx.cp_size
-    cp = getattr(trainee, "cp_context", None)
     window_losses: list[float] = []
-
-    def micro_batches(step: int) -> list[torch.Tensor]:
-        return rank_micro_batches(train_windows, schedule, step, ctx, config.micro_batch_size, n_micro, cp)
 
     def after_start(state: LoopState) -> None:
         if state.resumed_from is not None:
@@ -507,9 +337,9 @@ def _train_lm(config: LMConfig, run_dir: Path, ctx: DistContext, *, n_micro: int
         start[0] = state.step
         after_start(state)
 
-    state = train_loop(
-        trainee, micro_batches, lambda module, ids: module(ids), config.train_config(), groups=groups, ctx=ctx,
-        autocast_dtype=autocast_dtype, checkpoints=checkpoints, evaluate=evaluate,
+    state = train_on_windows(
+        trainee, train_windows, config.train_config(), ctx=ctx, micro_batch_size=config.micro_batch_size,
+        groups=groups, autocast_dtype=autocast_dtype, checkpoints=checkpoints, evaluate=evaluate,
         final_eval_done=lambda s: bool(s.evals) and bool(s.evals[-1].get("final")), after_start=started,
         after_step=after_step, stop_after=stop_after, rank_seed=_rank_seed(config.seed, ctx.rank),
         find_unused_parameters=objective.find_unused_parameters, progress=progress,
@@ -628,6 +458,5 @@ def load_run(run_dir: str | os.PathLike, *, device: str | torch.device = "cpu"):
     return config, model.to(device).eval()
 
 
-__all__ = ["SINGLE_PROCESS", "LMTrainResult", "NextTokenTrainee", "Objective", "build_model", "checkpoint_store",
-           "cp_window_slice", "latest_checkpoint", "load_corpus", "load_run", "rank_micro_batches",
+__all__ = ["LMTrainResult", "checkpoint_store", "latest_checkpoint", "load_run",
            "train_lm", "write_tokenizer_config"]

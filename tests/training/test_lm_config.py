@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from bayeslayer.experiments.common.lm_config import LM_TRAIN, LMConfig, LMDataConfig, LMModelConfig
 from bayeslayer.experiments.common.lm_run import _check_resume_config
 from bayeslayer.experiments.lm import PRESETS
+from bayeslayer.training.lm_config import LM_TRAIN, LMConfig, LMDataConfig, LMModelConfig
 from bayeslayer.training.loop import TrainConfig
 
 # `bayeslayer lm train --preset tiny`'s config.json as runs wrote it before LMConfig was composed (flat)

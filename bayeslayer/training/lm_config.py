@@ -10,10 +10,10 @@ import json
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-from ...checks import check_int
-from ...layers import MIXER_LABELS
-from ...training.distributed import PRECISIONS
-from .harness import TrainConfig
+from ..checks import check_int
+from ..layers import MIXER_LABELS
+from .distributed import PRECISIONS
+from .loop import TrainConfig
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class LMModelConfig:
 
     def __post_init__(self):
         object.__setattr__(self, "mixer_kwargs", dict(self.mixer_kwargs or {}))
-        from ...layers import MIXERS
+        from ..layers import MIXERS
 
         if self.mixer not in MIXERS:
             raise ValueError(f"mixer must be one of {sorted(MIXERS)}, got {self.mixer!r}")
@@ -59,8 +59,8 @@ def state_budget_per_layer(num_heads: int, head_dim: int) -> int:
     ``head_dim``: the budget that ``--match state`` gives every mixer."""
     import inspect
 
-    from ...layers import MIXERS
-    from ...models.state_budget import mixer_design
+    from ..layers import MIXERS
+    from ..models.state_budget import mixer_design
 
     num_heads = check_int("num_heads", num_heads, minimum=1)
     head_dim = check_int("head_dim", head_dim, minimum=1)
@@ -73,7 +73,7 @@ def state_matched_kwargs(mixer: str, num_heads: int, head_dim: int) -> dict:
     recurrent state of the default BL layer of that shape, as the state-budget solver sizes it
     (:func:`~bayeslayer.models.state_budget.solve_state_budget` with ``num_heads`` fixed; its usage floor
     of 90% bounds the rounding).  Mixers the solver sizes by another rule (Mamba-2's ``d_state``) are refused."""
-    from ...models.state_budget import BUDGET_MIXERS, SSD_MIXERS, solve_state_budget
+    from ..models.state_budget import BUDGET_MIXERS, SSD_MIXERS, solve_state_budget
 
     if mixer not in BUDGET_MIXERS or mixer in SSD_MIXERS:
         sized = [m for m in BUDGET_MIXERS if m not in SSD_MIXERS]
