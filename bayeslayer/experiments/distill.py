@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import json
 import math
 import numbers
@@ -57,27 +56,22 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-import torch
-from torch import nn
-
 from ..errors import UsageError
-from ..files import read_json, sha256_file
+from ..files import read_json
+from ..models.fla_import import hub_id
 from ..training import OutputLock
 from ..training.distillation import (
-    COSINE_WEIGHT,
     MLP_LR_SCALE,
     PAPER_LAYERS,
-    MixerOutputCapture,
-    ParameterSnapshot,
-    freeze_and_snapshot,
-    joint_loss,
-    layer_matching_loss,
-    mixer_outputs_on,
-    phase_b_weights,
-    select_trainable,
+    STAGES,
+    RetrofitObjective,
+    check_retrofit,
+    load_teacher,
+    resolve_teacher,
+    teacher_config,
+    teacher_tokenizer,
 )
 from ..training.distributed import PRECISIONS
-from ..training.lm import NextTokenTrainee, Objective
 from ..training.lm_config import LM_TRAIN, LMConfig, LMDataConfig, LMModelConfig
 from .common.lm_run import train_lm
 from .common.options import (
@@ -114,10 +108,7 @@ EVAL_DESCRIPTION = (
     "held-out perplexity; writes the results into that folder."
 )
 
-STAGES = ("phase_a", "phase_b", "gdn_ft")
 STAGE_LABELS = {"phase_a": "BL (Phase A)", "phase_b": "BL", "gdn_ft": "GDN-FT"}
-_MLP_PARTS = ("gate_proj", "up_proj", "down_proj")
-_TOKENIZER_FILES = ("tokenizer.json",)
 
 
 # --------------------------------------------------------------------------- configuration
@@ -164,12 +155,7 @@ class DistillConfig:
         object.__setattr__(self, "mixer_kwargs", dict(self.mixer_kwargs or {}))
         if not isinstance(self.teacher, str):
             raise TypeError(f"teacher must be a path or hub id string, got {type(self.teacher).__name__}")
-        if not self.layers or any(isinstance(i, bool) or not isinstance(i, numbers.Integral) or i < 0
-                                  for i in self.layers) or len(set(self.layers)) != len(self.layers):
-            raise ValueError(f"layers must be distinct non-negative layer indices, got {self.layers!r}")
-        bad = [p for p in self.mlp_parts if p not in _MLP_PARTS]
-        if bad:
-            raise ValueError(f"mlp_parts must be drawn from {_MLP_PARTS}, got {list(self.mlp_parts)}")
+        check_retrofit(self.layers, self.mlp_parts)
         check_int("seq_len", self.seq_len, minimum=2)
         for name in ("batch_size", "micro_batch_size", "phase_a_steps", "phase_b_steps", "log_every"):
             check_int(name, getattr(self, name), minimum=1)
@@ -240,206 +226,19 @@ PRESET_HELP = (  # bayeslayer distill train --preset
 )
 
 
-# --------------------------------------------------------------------------- teacher
+# --------------------------------------------------------------------------- the stages
 
 
-def is_hub_id(path_or_repo_id: str | os.PathLike) -> bool:
-    """Whether :func:`resolve_model_dir` would fetch ``path_or_repo_id`` from the hub."""
-    from ..models.fla_import import hub_id
-
-    return hub_id(path_or_repo_id) is not None
-
-
-def resolve_model_dir(path_or_repo_id: str | os.PathLike) -> Path:
-    """A model directory: a local path, or a hub id ``owner/name`` fetched with its tokenizer."""
-    from ..models.fla_import import resolve_checkpoint_dir
-
-    return resolve_checkpoint_dir(path_or_repo_id, None)
+def stage_objective(config: DistillConfig, stage: str, teacher_dir: Path, init_dir: Path | None = None
+                    ) -> RetrofitObjective:
+    """The :class:`~bayeslayer.training.distillation.RetrofitObjective` of one stage of ``config``."""
+    return RetrofitObjective(stage, teacher_dir, init_dir, teacher=config.teacher, layers=config.layers,
+                             mixer_kwargs=config.mixer_kwargs, mlp_parts=config.mlp_parts,
+                             mlp_lr_scale=config.mlp_lr_scale, switch_step=config.switch_step,
+                             temperature=config.temperature)
 
 
-def load_teacher(directory: str | os.PathLike, *, device: str | torch.device = "cpu") -> nn.Module:
-    """The teacher as a frozen float32 :class:`BayesLayerForCausalLM` in eval mode.
-
-    ``directory`` holds a flash-linear-attention Gated DeltaNet checkpoint (``model_type:
-    gated_deltanet``, via :func:`~bayeslayer.models.load_gdn_checkpoint`) or one of our model
-    directories (``model_type: bayeslayer``).
-    """
-    from ..models import BayesLayerForCausalLM
-    from ..models.pretrained import load_model
-
-    model = load_model(directory, device=str(device), dtype=torch.float32)
-    if not isinstance(model, BayesLayerForCausalLM):
-        raise TypeError(f"the teacher at {directory} loaded as {type(model).__name__}; a Gated DeltaNet "
-                        "checkpoint or a BayesLayerForCausalLM directory is needed")
-    model.requires_grad_(False)
-    return model.eval()
-
-
-def teacher_tokenizer(config: DistillConfig, teacher_dir: Path) -> str:
-    """The tokenizer file: ``config.tokenizer`` or the teacher's own ``tokenizer.json``."""
-    if config.tokenizer is not None:
-        path = Path(config.tokenizer)
-        if path.is_dir():
-            path = path / "tokenizer.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"tokenizer {config.tokenizer!r} is not a tokenizer.json file or a directory "
-                                    "holding one")
-        return str(path)
-    for name in _TOKENIZER_FILES:
-        if (teacher_dir / name).is_file():
-            return str(teacher_dir / name)
-    raise FileNotFoundError(f"the teacher directory {teacher_dir} has no tokenizer.json; pass --tokenizer (the "
-                            "student must read text exactly as the teacher was trained to)")
-
-
-def _no_dropout(model: nn.Module) -> None:
-    for m in model.modules():
-        if isinstance(m, nn.Dropout):
-            m.p = 0.0
-    for name in ("embedding_dropout", "mixer_dropout", "mlp_dropout", "mlp_hidden_dropout"):
-        if hasattr(model.config, name):
-            setattr(model.config, name, 0.0)
-
-
-# --------------------------------------------------------------------------- trainees and objectives
-
-
-class _WithTeacher(nn.Module):
-    """A student and a frozen teacher; the teacher stays in eval mode whatever ``train()`` says."""
-
-    def __init__(self, student: nn.Module, teacher: nn.Module, layers: tuple[int, ...]) -> None:
-        super().__init__()
-        self.model, self.teacher, self.layers = student, teacher, list(layers)
-
-    def train(self, mode: bool = True):
-        super().train(mode)
-        self.teacher.eval()
-        return self
-
-
-class LayerMatchTrainee(_WithTeacher):
-    """Phase A: each replaced student mixer, fed the teacher's input to that layer, matches the
-    teacher mixer's output; ``loss = mean_l [NMSE_l + cosine_weight · (1 − cos_l)]``."""
-
-    def __init__(self, student, teacher, layers, cosine_weight: float = COSINE_WEIGHT) -> None:
-        super().__init__(student, teacher, layers)
-        self.cosine_weight = cosine_weight
-
-    def forward(self, input_ids: torch.Tensor):
-        with torch.no_grad(), MixerOutputCapture(self.teacher, self.layers) as t:
-            self.teacher(input_ids=input_ids)
-            targets, inputs = dict(t.outputs), dict(t.inputs)
-        outputs = mixer_outputs_on(self.model, inputs)
-        return layer_matching_loss(outputs, targets, cosine_weight=self.cosine_weight)
-
-
-class JointTrainee(_WithTeacher):
-    """Phase B: ``w_kl · τ² KL(p_teacher ‖ p_student) + w_mse · mean_l NMSE_l`` on full forward passes;
-    the weights follow :func:`~bayeslayer.training.distillation.phase_b_weights`."""
-
-    def __init__(self, student, teacher, layers, switch_step: int, temperature: float = 1.0) -> None:
-        super().__init__(student, teacher, layers)
-        self.switch_step, self.temperature, self.step = switch_step, temperature, 0
-
-    def set_step(self, step: int) -> None:
-        self.step = step
-
-    def forward(self, input_ids: torch.Tensor):
-        with torch.no_grad(), MixerOutputCapture(self.teacher, self.layers) as t:
-            teacher_logits = self.teacher(input_ids=input_ids).logits
-            targets = dict(t.outputs)
-        with MixerOutputCapture(self.model, self.layers) as s:
-            student_logits = self.model(input_ids=input_ids).logits
-            outputs = dict(s.outputs)
-        return joint_loss(teacher_logits, student_logits, outputs, targets,
-                          weights=phase_b_weights(self.step, self.switch_step), temperature=self.temperature)
-
-
-class RetrofitObjective(Objective):
-    """One stage of the retrofit (``phase_a``, ``phase_b`` or ``gdn_ft``) as a training objective."""
-
-    find_unused_parameters = True  # frozen layers and (Phase A) the MLPs are off the loss path
-
-    def __init__(self, config: DistillConfig, stage: str, teacher_dir: Path, init_dir: Path | None = None) -> None:
-        if stage not in STAGES:
-            raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
-        if stage == "phase_b" and init_dir is None:
-            raise ValueError("phase_b starts from Phase A's model: give init_dir (phase_a/final)")
-        self.config, self.stage, self.teacher_dir, self.init_dir = config, stage, Path(teacher_dir), init_dir
-        self.name = f"distill_{stage}"
-        self.selection = self.frozen = self.trainable = self.teacher_digest = None
-
-    @property
-    def mlp_parts(self) -> tuple[str, ...]:
-        return () if self.stage == "phase_a" else self.config.mlp_parts  # Phase A's loss never reaches the MLPs
-
-    def describe(self) -> dict:
-        c = self.config
-        out = {"name": self.name, "teacher": c.teacher, "layers": list(c.layers), "mlp_parts": list(self.mlp_parts),
-               "mlp_lr_scale": c.mlp_lr_scale}
-        if self.stage != "gdn_ft":
-            out["mixer_kwargs"] = c.mixer_kwargs
-        if self.stage == "phase_a":
-            out["cosine_weight"] = COSINE_WEIGHT
-        if self.stage == "phase_b":
-            # the Phase A model by content, so a resume from another working directory still matches
-            out.update(switch_step=c.switch_step, temperature=c.temperature,
-                       init_sha256=sha256_file(Path(self.init_dir) / "model.safetensors"))
-        return out
-
-    def build(self, config: LMConfig, corpus, device: torch.device) -> nn.Module:
-        from ..models import replace_layers
-
-        teacher = load_teacher(self.teacher_dir, device=device)
-        if corpus.vocab_size > teacher.config.vocab_size:
-            raise ValueError(f"the tokenizer has {corpus.vocab_size} ids but the teacher's embedding only "
-                             f"{teacher.config.vocab_size}: not the teacher's tokenizer")
-        n_layers = teacher.config.num_hidden_layers
-        if max(self.config.layers) >= n_layers:
-            raise ValueError(f"layers {list(self.config.layers)} are out of range for the teacher's {n_layers} layers")
-        if self.stage == "gdn_ft":
-            model = teacher  # the control fine-tunes this fresh copy of the teacher itself; no target model
-        else:
-            self.teacher_digest = ParameterSnapshot(teacher)  # the target must stay untouched
-            model = copy.deepcopy(teacher)
-            replace_layers(model, self.config.layers, "bayesian", **self.config.mixer_kwargs)
-            if self.init_dir is not None:
-                from ..models.loading import load_model_weights
-
-                load_model_weights(model, Path(self.init_dir))
-        _no_dropout(model)
-        self.selection = select_trainable(model, self.config.layers, lr=config.lr, mlp_parts=self.mlp_parts,
-                                          mlp_lr_scale=self.config.mlp_lr_scale, weight_decay=config.weight_decay)
-        self.frozen = freeze_and_snapshot(model, self.selection)
-        self.trainable = ParameterSnapshot(model, self.selection.trainable)
-        model.train()
-        if self.stage == "gdn_ft":
-            return NextTokenTrainee(model)
-        if self.stage == "phase_a":
-            return LayerMatchTrainee(model, teacher, self.config.layers)
-        return JointTrainee(model, teacher, self.config.layers, self.config.switch_step, self.config.temperature)
-
-    def param_groups(self, trainee: nn.Module, config: LMConfig) -> list[dict]:
-        return self.selection.param_groups
-
-    def finish(self, trainee: nn.Module) -> dict:
-        """Frozen parameters bit-identical, the teacher untouched, trainable ones moved (else raise)."""
-        model = trainee.model
-        self.frozen.assert_unchanged(model)
-        if hasattr(trainee, "teacher"):
-            self.teacher_digest.assert_unchanged(trainee.teacher)
-        moved = self.trainable.changed(model)
-        if not moved:
-            raise AssertionError(f"{self.stage}: no trainable parameter changed during training")
-        names = self.selection.names
-        return {"frozen_parameters": len(self.selection.frozen), "frozen_unchanged": True,
-                "trainable_parameters": len(self.selection.trainable), "trainable_changed": len(moved),
-                "trainable_unchanged": sorted(set(self.selection.trainable) - set(moved)),
-                "trainable_elements": {part: sum(dict(model.named_parameters())[n].numel() for n in ns)
-                                       for part, ns in names.items()}}
-
-
-def stage_config(config: DistillConfig, stage: str, teacher_config: Any, tokenizer: str) -> LMConfig:
+def stage_config(config: DistillConfig, stage: str, teacher: Any, tokenizer: str) -> LMConfig:
     """The :class:`LMConfig` of one stage: the shared loop's data, schedule and bookkeeping."""
     steps = {"phase_a": config.phase_a_steps, "phase_b": config.phase_b_steps,
              "gdn_ft": config.phase_a_steps + config.phase_b_steps}[stage]
@@ -447,9 +246,9 @@ def stage_config(config: DistillConfig, stage: str, teacher_config: Any, tokeniz
     return LMConfig(
         preset=f"distill-{config.preset}", label=STAGE_LABELS[stage],
         model=LMModelConfig(mixer="gated_deltanet" if stage == "gdn_ft" else "bayesian",
-                            hidden_size=teacher_config.hidden_size, num_layers=teacher_config.num_hidden_layers,
-                            num_heads=teacher_config.num_heads, head_dim=teacher_config.head_dim, mlp_dropout=0.0),
-        data=LMDataConfig(source=config.source, tokenizer=tokenizer, vocab_size=teacher_config.vocab_size,
+                            hidden_size=teacher.hidden_size, num_layers=teacher.num_hidden_layers,
+                            num_heads=teacher.num_heads, head_dim=teacher.head_dim, mlp_dropout=0.0),
+        data=LMDataConfig(source=config.source, tokenizer=tokenizer, vocab_size=teacher.vocab_size,
                           seq_len=config.seq_len),
         train=replace(LM_TRAIN, steps=steps, batch_size=config.batch_size, lr=lr, weight_decay=config.weight_decay,
                       warmup_steps=min(config.warmup_steps, steps), min_lr_ratio=0.1, eval_every=config.eval_every,
@@ -484,22 +283,10 @@ def run_distill(
     bad = [s for s in stages if s not in STAGES]
     if bad or not stages:
         raise ValueError(f"stages must be a non-empty subset of {STAGES}, got {list(stages)}")
-    from ..models import BayesLayerConfig
-
     out = Path(out)
-    from ..models.loading import read_model_config, verify_model_dir
-
-    teacher_dir = resolve_model_dir(config.teacher)
-    verify_model_dir(teacher_dir)  # a damaged teacher folder the package wrote is named before any work
-    tokenizer = teacher_tokenizer(config, teacher_dir)
-    raw = read_model_config(teacher_dir)
-    if raw.get("model_type") == "gated_deltanet":
-        from ..models.fla_import import gdn_config_to_bayeslayer
-
-        teacher_config = gdn_config_to_bayeslayer(raw)
-    else:
-        read_model_config(teacher_dir, model_type=BayesLayerConfig.model_type)
-        teacher_config = BayesLayerConfig.from_pretrained(teacher_dir)
+    teacher_dir = resolve_teacher(config.teacher)
+    teacher = teacher_config(teacher_dir)  # a damaged teacher folder the package wrote is named before any work
+    tokenizer = teacher_tokenizer(teacher_dir, config.tokenizer)
     # loaded once on the CPU and dropped: a teacher with a missing tensor, NaN weights or a config that disagrees
     # with its weights is named before the output folder is made or any corpus is prepared
     load_teacher(teacher_dir)
@@ -507,12 +294,12 @@ def run_distill(
                     "tokens": config.tokens, "stages": {}}
     # one distillation per folder (each stage's folder is locked by train_lm as well)
     with OutputLock(out) if int(os.environ.get("RANK", "0")) == 0 else contextlib.nullcontext():
-        return _run_stages(config, out, report, stages=stages, teacher_dir=teacher_dir, teacher_config=teacher_config,
+        return _run_stages(config, out, report, stages=stages, teacher_dir=teacher_dir, teacher=teacher,
                            tokenizer=tokenizer, device=device, cache_dir=cache_dir, progress=progress,
                            stop_after=stop_after)
 
 
-def _run_stages(config: DistillConfig, out: Path, report: dict, *, stages, teacher_dir: Path, teacher_config,
+def _run_stages(config: DistillConfig, out: Path, report: dict, *, stages, teacher_dir: Path, teacher,
                 tokenizer: str, device: str, cache_dir, progress: bool, stop_after) -> dict:
     summary_path = out / "distill.json"
     if summary_path.is_file():
@@ -523,8 +310,8 @@ def _run_stages(config: DistillConfig, out: Path, report: dict, *, stages, teach
             init_dir = out / "phase_a" / "final"
             if not (init_dir / "model.safetensors").is_file():
                 raise FileNotFoundError(f"phase_b starts from {init_dir}, which does not exist: run phase_a first")
-        objective = RetrofitObjective(config, stage, teacher_dir, init_dir)
-        lm_config = stage_config(config, stage, teacher_config, tokenizer)
+        objective = stage_objective(config, stage, teacher_dir, init_dir)
+        lm_config = stage_config(config, stage, teacher, tokenizer)
         run_dir = out / stage
         if (run_dir / "train_summary.json").is_file() and _final_intact(run_dir / "final"):
             report["stages"][stage] = read_json(run_dir / "train_summary.json", what="stage summary")
@@ -674,8 +461,8 @@ def check_train_args(config: DistillConfig, out: str) -> None:
     check_source(config.source)
     if config.tokenizer is not None:
         check_tokenizer(config.tokenizer)
-    if not is_hub_id(config.teacher):
-        resolve_model_dir(config.teacher)  # a missing local folder fails here, at once (a hub id is fetched later)
+    if hub_id(config.teacher) is None:
+        resolve_teacher(config.teacher)  # a missing local folder fails here, at once (a hub id is fetched later)
 
 
 def _train_main(args: argparse.Namespace) -> int:

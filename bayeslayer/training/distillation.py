@@ -28,20 +28,32 @@ tokens (``mask``):
 Also here: :class:`MixerOutputCapture` (forward hooks on ``model.model.layers[i].attn``),
 :func:`mixer_outputs_on` (Phase A on the teacher's inputs to each replaced layer),
 :func:`select_trainable` (the paper's trainable set, as optimizer parameter groups; also
-the GDN-FT control's) and :class:`ParameterSnapshot` (freeze, then verify frozen).
+the GDN-FT control's) and :class:`ParameterSnapshot` (freeze, then verify frozen); the teacher
+(:func:`resolve_teacher`, :func:`load_teacher`, :func:`teacher_config`, :func:`teacher_tokenizer`); the
+trainees of the two phases (:class:`LayerMatchTrainee`, :class:`JointTrainee`) and
+:class:`RetrofitObjective`, each stage as an :class:`~bayeslayer.training.lm.Objective` that an LM run folder
+trains (``bayeslayer distill train``).
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import math
 import numbers
+import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ..checks import check_int
+from ..files import sha256_file
+from .lm import NextTokenTrainee, Objective
+from .lm_config import LMConfig
 
 #: Weight of the cosine term in the Phase A loss.
 COSINE_WEIGHT = 0.05
@@ -51,6 +63,8 @@ PHASE_B_WEIGHTS = ((0.8, 0.2), (0.9, 0.1))
 PAPER_LAYERS = (5, 11, 17, 23)
 #: Learning-rate multiplier of the selected MLP parts.
 MLP_LR_SCALE = 0.1
+#: The retrofit's stages: Phase A, Phase B and the GDN-FT control.
+STAGES = ("phase_a", "phase_b", "gdn_ft")
 _EPS = 1e-8
 
 
@@ -333,7 +347,7 @@ def mixer_outputs_on(
 _RECURRENCE = ("A_log", "dt_bias", "a_proj.", "b_proj.", "r2_bias", "ell2_bias", "theta_bias", "p0")
 _OLD_PROJECTIONS = ("q_proj.", "k_proj.", "v_proj.", "q_conv1d.", "k_conv1d.", "v_conv1d.", "o_proj.")
 _OUTPUT_GATE = ("g_proj.", "o_norm.")
-_MLP_PARTS = ("gate_proj", "up_proj", "down_proj")
+MLP_PARTS = ("gate_proj", "up_proj", "down_proj")
 
 
 def _mixer_part(name: str) -> str:
@@ -397,8 +411,8 @@ def select_trainable(
         ok = isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
         if not ok or (v <= 0 if positive else v < 0):
             raise ValueError(f"{name} must be a finite number {'> 0' if positive else '>= 0'}, got {v!r}")
-    if isinstance(mlp_parts, str) or not all(p in _MLP_PARTS for p in mlp_parts):
-        raise ValueError(f"mlp_parts must be a list drawn from {_MLP_PARTS}, got {mlp_parts!r}")
+    if isinstance(mlp_parts, str) or not all(p in MLP_PARTS for p in mlp_parts):
+        raise ValueError(f"mlp_parts must be a list drawn from {MLP_PARTS}, got {mlp_parts!r}")
 
     names: dict[str, list[str]] = {"recurrence": [], "old_projections": [], "new_projections": [],
                                    "output_gate": [], "mlp": []}
@@ -484,3 +498,245 @@ def freeze_and_snapshot(model: nn.Module, selection: TrainableSelection) -> Para
     if wrong:
         raise AssertionError(f"requires_grad does not match the selection for {wrong[:10]}")
     return ParameterSnapshot(model, selection.frozen)
+
+
+# ----------------------------------------------------------------------------- the teacher
+
+
+def check_retrofit(layers: Sequence[int], mlp_parts: Sequence[str] = ()) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """``(layers, mlp_parts)`` as tuples once checked: distinct non-negative layer indices, MLP parts drawn
+    from :data:`MLP_PARTS`."""
+    layers, mlp_parts = tuple(layers), tuple(mlp_parts)
+    if not layers or any(isinstance(i, bool) or not isinstance(i, numbers.Integral) or i < 0 for i in layers) \
+            or len(set(layers)) != len(layers):
+        raise ValueError(f"layers must be distinct non-negative layer indices, got {layers!r}")
+    bad = [p for p in mlp_parts if p not in MLP_PARTS]
+    if bad:
+        raise ValueError(f"mlp_parts must be drawn from {MLP_PARTS}, got {list(mlp_parts)}")
+    return layers, mlp_parts
+
+
+def resolve_teacher(path_or_repo_id: str | os.PathLike) -> Path:
+    """The teacher's model directory: a local path, or a hub id ``owner/name`` fetched with its tokenizer
+    (:func:`~bayeslayer.models.fla_import.resolve_checkpoint_dir`)."""
+    from ..models.fla_import import resolve_checkpoint_dir
+
+    return resolve_checkpoint_dir(path_or_repo_id, None)
+
+
+def load_teacher(directory: str | os.PathLike, *, device: str | torch.device = "cpu") -> nn.Module:
+    """The teacher as a frozen float32 :class:`BayesLayerForCausalLM` in eval mode.
+
+    ``directory`` holds a flash-linear-attention Gated DeltaNet checkpoint (``model_type:
+    gated_deltanet``, via :func:`~bayeslayer.models.load_gdn_checkpoint`) or one of our model
+    directories (``model_type: bayeslayer``).
+    """
+    from ..models import BayesLayerForCausalLM
+    from ..models.pretrained import load_model
+
+    model = load_model(directory, device=str(device), dtype=torch.float32)
+    if not isinstance(model, BayesLayerForCausalLM):
+        raise TypeError(f"the teacher at {directory} loaded as {type(model).__name__}; a Gated DeltaNet "
+                        "checkpoint or a BayesLayerForCausalLM directory is needed")
+    model.requires_grad_(False)
+    return model.eval()
+
+
+def teacher_config(directory: str | os.PathLike):
+    """The teacher's :class:`~bayeslayer.models.BayesLayerConfig`, read from its ``config.json`` without loading
+    weights: a Gated DeltaNet checkpoint's (converted) or one of our model directories'.  A damaged folder the
+    package wrote is named first (its manifest)."""
+    from ..models import BayesLayerConfig
+    from ..models.loading import read_model_config, verify_model_dir
+
+    verify_model_dir(directory)
+    raw = read_model_config(directory)
+    if raw.get("model_type") == "gated_deltanet":
+        from ..models.fla_import import gdn_config_to_bayeslayer
+
+        return gdn_config_to_bayeslayer(raw)
+    read_model_config(directory, model_type=BayesLayerConfig.model_type)
+    return BayesLayerConfig.from_pretrained(directory)
+
+
+def teacher_tokenizer(teacher_dir: str | os.PathLike, tokenizer: str | os.PathLike | None = None) -> str:
+    """The tokenizer file: ``tokenizer`` (a ``tokenizer.json`` or a directory holding one) or the teacher's own
+    ``tokenizer.json``."""
+    if tokenizer is not None:
+        path = Path(tokenizer)
+        if path.is_dir():
+            path = path / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"tokenizer {str(tokenizer)!r} is not a tokenizer.json file or a directory "
+                                    "holding one")
+        return str(path)
+    if (Path(teacher_dir) / "tokenizer.json").is_file():
+        return str(Path(teacher_dir) / "tokenizer.json")
+    raise FileNotFoundError(f"the teacher directory {teacher_dir} has no tokenizer.json; pass --tokenizer (the "
+                            "student must read text exactly as the teacher was trained to)")
+
+
+def _no_dropout(model: nn.Module) -> None:
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+    for name in ("embedding_dropout", "mixer_dropout", "mlp_dropout", "mlp_hidden_dropout"):
+        if hasattr(model.config, name):
+            setattr(model.config, name, 0.0)
+
+
+# ----------------------------------------------------------------------------- trainees and objectives
+
+
+class _WithTeacher(nn.Module):
+    """A student and a frozen teacher; the teacher stays in eval mode whatever ``train()`` says."""
+
+    def __init__(self, student: nn.Module, teacher: nn.Module, layers: tuple[int, ...]) -> None:
+        super().__init__()
+        self.model, self.teacher, self.layers = student, teacher, list(layers)
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        self.teacher.eval()
+        return self
+
+
+class LayerMatchTrainee(_WithTeacher):
+    """Phase A: each replaced student mixer, fed the teacher's input to that layer, matches the
+    teacher mixer's output; ``loss = mean_l [NMSE_l + cosine_weight · (1 − cos_l)]``."""
+
+    def __init__(self, student, teacher, layers, cosine_weight: float = COSINE_WEIGHT) -> None:
+        super().__init__(student, teacher, layers)
+        self.cosine_weight = cosine_weight
+
+    def forward(self, input_ids: torch.Tensor):
+        with torch.no_grad(), MixerOutputCapture(self.teacher, self.layers) as t:
+            self.teacher(input_ids=input_ids)
+            targets, inputs = dict(t.outputs), dict(t.inputs)
+        outputs = mixer_outputs_on(self.model, inputs)
+        return layer_matching_loss(outputs, targets, cosine_weight=self.cosine_weight)
+
+
+class JointTrainee(_WithTeacher):
+    """Phase B: ``w_kl · τ² KL(p_teacher ‖ p_student) + w_mse · mean_l NMSE_l`` on full forward passes;
+    the weights follow :func:`phase_b_weights`."""
+
+    def __init__(self, student, teacher, layers, switch_step: int, temperature: float = 1.0) -> None:
+        super().__init__(student, teacher, layers)
+        self.switch_step, self.temperature, self.step = switch_step, temperature, 0
+
+    def set_step(self, step: int) -> None:
+        self.step = step
+
+    def forward(self, input_ids: torch.Tensor):
+        with torch.no_grad(), MixerOutputCapture(self.teacher, self.layers) as t:
+            teacher_logits = self.teacher(input_ids=input_ids).logits
+            targets = dict(t.outputs)
+        with MixerOutputCapture(self.model, self.layers) as s:
+            student_logits = self.model(input_ids=input_ids).logits
+            outputs = dict(s.outputs)
+        return joint_loss(teacher_logits, student_logits, outputs, targets,
+                          weights=phase_b_weights(self.step, self.switch_step), temperature=self.temperature)
+
+
+class RetrofitObjective(Objective):
+    """One stage of the retrofit (``phase_a``, ``phase_b`` or ``gdn_ft``) as a training objective.
+
+    ``teacher_dir``: the teacher's model directory (:func:`resolve_teacher`); ``teacher``: how it was named
+    (a path or hub id, recorded in :meth:`describe`; default the directory).  ``init_dir``: the model Phase B
+    starts from (Phase A's ``final/``).  ``layers`` are swapped for Bayesian Layers built with
+    ``mixer_kwargs``; ``mlp_parts`` of the same layers' MLPs train in Phase B and the control at
+    ``mlp_lr_scale`` × the learning rate; Phase B's loss weights switch at ``switch_step`` and its KL term
+    uses ``temperature``.
+    """
+
+    find_unused_parameters = True  # frozen layers and (Phase A) the MLPs are off the loss path
+
+    def __init__(self, stage: str, teacher_dir: str | os.PathLike, init_dir: str | os.PathLike | None = None, *,
+                 teacher: str | None = None, layers: Sequence[int] = PAPER_LAYERS, mixer_kwargs: dict | None = None,
+                 mlp_parts: Sequence[str] = (), mlp_lr_scale: float = MLP_LR_SCALE, switch_step: int = 0,
+                 temperature: float = 1.0) -> None:
+        if stage not in STAGES:
+            raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
+        if stage == "phase_b" and init_dir is None:
+            raise ValueError("phase_b starts from Phase A's model: give init_dir (phase_a/final)")
+        layers, mlp_parts = check_retrofit(layers, mlp_parts)
+        for name, value in (("mlp_lr_scale", mlp_lr_scale), ("temperature", temperature)):
+            if not (isinstance(value, numbers.Real) and math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        self.stage, self.teacher_dir, self.init_dir = stage, Path(teacher_dir), init_dir
+        self.teacher = str(teacher_dir) if teacher is None else teacher
+        self.layers, self.mixer_kwargs = layers, dict(mixer_kwargs or {})
+        self._mlp_parts, self.mlp_lr_scale = mlp_parts, mlp_lr_scale
+        self.switch_step = check_int("switch_step", switch_step, minimum=0)
+        self.temperature = temperature
+        self.name = f"distill_{stage}"
+        self.selection = self.frozen = self.trainable = self.teacher_digest = None
+
+    @property
+    def mlp_parts(self) -> tuple[str, ...]:
+        return () if self.stage == "phase_a" else self._mlp_parts  # Phase A's loss never reaches the MLPs
+
+    def describe(self) -> dict:
+        out = {"name": self.name, "teacher": self.teacher, "layers": list(self.layers),
+               "mlp_parts": list(self.mlp_parts), "mlp_lr_scale": self.mlp_lr_scale}
+        if self.stage != "gdn_ft":
+            out["mixer_kwargs"] = self.mixer_kwargs
+        if self.stage == "phase_a":
+            out["cosine_weight"] = COSINE_WEIGHT
+        if self.stage == "phase_b":
+            # the Phase A model by content, so a resume from another working directory still matches
+            out.update(switch_step=self.switch_step, temperature=self.temperature,
+                       init_sha256=sha256_file(Path(self.init_dir) / "model.safetensors"))
+        return out
+
+    def build(self, config: LMConfig, corpus, device: torch.device) -> nn.Module:
+        from ..models import replace_layers
+
+        teacher = load_teacher(self.teacher_dir, device=device)
+        if corpus.vocab_size > teacher.config.vocab_size:
+            raise ValueError(f"the tokenizer has {corpus.vocab_size} ids but the teacher's embedding only "
+                             f"{teacher.config.vocab_size}: not the teacher's tokenizer")
+        n_layers = teacher.config.num_hidden_layers
+        if max(self.layers) >= n_layers:
+            raise ValueError(f"layers {list(self.layers)} are out of range for the teacher's {n_layers} layers")
+        if self.stage == "gdn_ft":
+            model = teacher  # the control fine-tunes this fresh copy of the teacher itself; no target model
+        else:
+            self.teacher_digest = ParameterSnapshot(teacher)  # the target must stay untouched
+            model = copy.deepcopy(teacher)
+            replace_layers(model, self.layers, "bayesian", **self.mixer_kwargs)
+            if self.init_dir is not None:
+                from ..models.loading import load_model_weights
+
+                load_model_weights(model, Path(self.init_dir))
+        _no_dropout(model)
+        self.selection = select_trainable(model, self.layers, lr=config.lr, mlp_parts=self.mlp_parts,
+                                          mlp_lr_scale=self.mlp_lr_scale, weight_decay=config.weight_decay)
+        self.frozen = freeze_and_snapshot(model, self.selection)
+        self.trainable = ParameterSnapshot(model, self.selection.trainable)
+        model.train()
+        if self.stage == "gdn_ft":
+            return NextTokenTrainee(model)
+        if self.stage == "phase_a":
+            return LayerMatchTrainee(model, teacher, self.layers)
+        return JointTrainee(model, teacher, self.layers, self.switch_step, self.temperature)
+
+    def param_groups(self, trainee: nn.Module, config: LMConfig) -> list[dict]:
+        return self.selection.param_groups
+
+    def finish(self, trainee: nn.Module) -> dict:
+        """Frozen parameters bit-identical, the teacher untouched, trainable ones moved (else raise)."""
+        model = trainee.model
+        self.frozen.assert_unchanged(model)
+        if hasattr(trainee, "teacher"):
+            self.teacher_digest.assert_unchanged(trainee.teacher)
+        moved = self.trainable.changed(model)
+        if not moved:
+            raise AssertionError(f"{self.stage}: no trainable parameter changed during training")
+        names = self.selection.names
+        return {"frozen_parameters": len(self.selection.frozen), "frozen_unchanged": True,
+                "trainable_parameters": len(self.selection.trainable), "trainable_changed": len(moved),
+                "trainable_unchanged": sorted(set(self.selection.trainable) - set(moved)),
+                "trainable_elements": {part: sum(dict(model.named_parameters())[n].numel() for n in ns)
+                                       for part, ns in names.items()}}

@@ -28,8 +28,9 @@ from bayeslayer.cli import main as cli_main
 from bayeslayer.experiments import distill, niah
 from bayeslayer.experiments.common.lm_run import train_lm
 from bayeslayer.experiments.common.plotting import length_label
-from bayeslayer.experiments.distill import PRESETS, DistillConfig, RetrofitObjective, run_distill
+from bayeslayer.experiments.distill import PRESETS, DistillConfig, run_distill, stage_objective
 from bayeslayer.models import BayesLayerConfig
+from bayeslayer.training.distillation import load_teacher
 from bayeslayer.training.lm_config import LMConfig
 
 from .corpus import write_word_corpus
@@ -196,11 +197,11 @@ def test_a_stopped_stage_resumes_to_the_same_weights(teacher, tmp_path):
     # phase_b refuses to start without Phase A's model; another objective in the same directory is refused
     with pytest.raises(FileNotFoundError, match="phase_a"):
         run_distill(config, tmp_path / "c", stages=("phase_b",), device="cpu", cache_dir=cache, progress=False)
-    lm_config = distill.stage_config(config, "phase_a", distill.load_teacher(teacher_dir).config,
+    lm_config = distill.stage_config(config, "phase_a", load_teacher(teacher_dir).config,
                                      str(teacher_dir / "tokenizer.json"))
     with pytest.raises(ValueError, match="another objective"):
         train_lm(lm_config, tmp_path / "b" / "phase_a", device="cpu", cache_dir=cache, progress=False,
-                 objective=RetrofitObjective(config, "gdn_ft", teacher_dir))
+                 objective=stage_objective(config, "gdn_ft", teacher_dir))
 
 
 def test_presets_and_bad_config():

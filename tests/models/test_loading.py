@@ -1,10 +1,10 @@
 """Every loader of the package loads a model folder whole or not at all (bayeslayer.models.loading).
 
 The loaders: ``BayesLayerForCausalLM.from_pretrained``, ``AutoModelForCausalLM.from_pretrained``,
-``models.pretrained.load_model`` (``niah``, ``heldout``), ``distill.load_teacher``, ``heldout``'s model handle and
-``lm.load_run`` (``lm eval``, ``heldout`` on a run folder).  Each must refuse a folder with a missing
-tensor, a config claiming an extra layer, tensors with no place, a config that disagrees with the
-weights' shapes, a flipped byte (folders the package wrote carry a SHA-256 manifest), a wrong
+``models.pretrained.load_model`` (``niah``, ``heldout``), ``training.distillation.load_teacher``,
+``heldout``'s model handle and ``lm.load_run`` (``lm eval``, ``heldout`` on a run folder).  Each must refuse a
+folder with a missing tensor, a config claiming an extra layer, tensors with no place, a config that disagrees
+with the weights' shapes, a flipped byte (folders the package wrote carry a SHA-256 manifest), a wrong
 ``model_type``, NaN weights and an empty ``config.json`` — with a message naming the problem — where
 transformers alone would load uninitialised memory with a log line.
 """
@@ -56,7 +56,7 @@ def _niah(path: Path):
 
 
 def _teacher(path: Path):
-    from bayeslayer.experiments.distill import load_teacher
+    from bayeslayer.training.distillation import load_teacher
 
     return load_teacher(path)
 
