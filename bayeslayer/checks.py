@@ -35,4 +35,9 @@ def check_int(name: str, value, *, minimum: int, maximum: int = INT_MAX) -> int:
     return int(value)
 
 
-__all__ = ["INT_MAX", "check_int"]
+def check_optional_int(name: str, value, *, minimum: int, maximum: int = INT_MAX) -> int | None:
+    """``None`` as it is, else :func:`check_int` (an optional count: a cap that may be absent)."""
+    return None if value is None else check_int(name, value, minimum=minimum, maximum=maximum)
+
+
+__all__ = ["INT_MAX", "check_int", "check_optional_int"]

@@ -280,7 +280,7 @@ def heldout_table(record_path: str) -> Callable[[Path], str]:
     """Held-out PPL per model and window length, with the change against the reference model."""
 
     def build(root: Path) -> str:
-        from .experiments.common.plotting import length_label
+        from .evaluation.lengths import length_label
 
         rec = _load(root, record_path)
         source = rec["config"]["sources"][0]["label"]

@@ -417,7 +417,7 @@ API_CASES = [
     Api("damaged JSON file", "plotting.load_json(damaged)",
         lambda p: _plotting().load_json(Path(p["corrupt"]) / "niah.json"), "corrupt/niah.json is damaged"),
     Api("damaged JSON file", "load_run(final/lm_config.json damaged)",
-        lambda p: __import__("bayeslayer.experiments.common.lm_run", fromlist=["x"]).load_run(p["bad_run"]),
+        lambda p: __import__("bayeslayer.training.lm", fromlist=["x"]).load_run(p["bad_run"]),
         "lm_config.json is damaged", slow=True),
     Api("JSON of the wrong shape", "niah.redraw({})", lambda p: _niah().redraw(p["shapeless"]), "no key 'models'"),
     Api("JSON of the wrong shape", "niah.redraw(models: 3)", lambda p: _niah().redraw(p["mistyped"]),
@@ -437,7 +437,7 @@ API_CASES = [
       for name, kind, load in (
           ("BayesLayerForCausalLM.from_pretrained", "model",
            lambda path: __import__("bayeslayer.models", fromlist=["x"]).BayesLayerForCausalLM.from_pretrained(path)),
-          ("lm.load_run", "run", lambda path: _lm_run().load_run(path)),
+          ("lm.load_run", "run", lambda path: _training_lm().load_run(path)),
           ("models.pretrained.load_model", "model", lambda path: _pretrained().load_model(path)))],
     *[_damaged_api("load_gdn_checkpoint", "gdn", lambda path: __import__("bayeslayer.models", fromlist=["x"])
                    .load_gdn_checkpoint(path), damage, needle)
@@ -451,10 +451,10 @@ def _lm():
     return lm
 
 
-def _lm_run():
-    from bayeslayer.experiments.common import lm_run
+def _training_lm():
+    from bayeslayer.training import lm
 
-    return lm_run
+    return lm
 
 
 def _heldout():

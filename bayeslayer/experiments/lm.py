@@ -32,11 +32,11 @@ from ..errors import UsageError
 from ..files import atomic_write_text, read_json, sha256_file
 from ..training import OutputLock
 from ..training.distributed import PRECISIONS, init_distributed, resolve_device
-from ..training.lm import build_model, load_corpus
+from ..training.lm import build_model, load_corpus, load_run
 from ..training.lm_config import LM_TRAIN, MATCHES, LMConfig, LMDataConfig, LMModelConfig
 from .common.cli_help import override_help, preset_values
 from .common.harness import results_record, summarize
-from .common.lm_run import load_run, train_lm
+from .common.lm_run import train_lm
 from .common.options import (
     DEVICE_HELP,
     PLOT_ONLY_HELP,

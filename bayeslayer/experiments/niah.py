@@ -46,6 +46,7 @@ from ..data.niah import (
     ruler_prompt,
 )
 from ..errors import UsageError
+from ..evaluation.lengths import PAPER_LENGTHS, length_label
 from ..files import atomic_write_text, read_json
 from ..training.distributed import resolve_device
 from ..training.lock import OutputLock
@@ -63,7 +64,7 @@ from .common.options import (
     positive_int_arg,
     redrawing,
 )
-from .common.plotting import PAPER_LENGTHS, length_label, save_figure
+from .common.plotting import save_figure
 from .common.provenance import write_record
 from .common.threads import TORCH_DEFAULT, add_threads_option
 

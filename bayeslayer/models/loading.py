@@ -2,7 +2,7 @@
 
 A model folder loads whole or not at all.  Each of the package's loaders
 (:meth:`BayesLayerPreTrainedModel.from_pretrained <bayeslayer.models.BayesLayerPreTrainedModel.from_pretrained>`,
-``bayeslayer.experiments.common.lm_run.load_run``, ``bayeslayer.models.pretrained.load_model`` (``niah``, ``heldout``,
+``bayeslayer.training.lm.load_run``, ``bayeslayer.models.pretrained.load_model`` (``niah``, ``heldout``,
 the distillation teacher), :func:`~bayeslayer.models.load_gdn_checkpoint`) refuses, with one message that
 names the folder and the problem:
 
@@ -20,6 +20,7 @@ names the folder and the problem:
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -181,9 +182,51 @@ def safetensors_error(directory, exc: BaseException) -> ValueError:
                       f"({' '.join(str(exc).split())[:300]})")
 
 
+#: The files of a model folder whose bytes are its weights (what :func:`model_files_digest` hashes).
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+def find_model(path: str | os.PathLike, *, name: str | None = None) -> tuple[str, Path]:
+    """``(kind, model_dir)`` of a folder that holds a causal LM, found from its files without loading it.
+
+    ``kind``: ``"lm-run"`` (an ``lm train`` run folder; the model is its ``final/``), ``"gated_deltanet"`` (a
+    flash-linear-attention checkpoint) or ``"hf"`` (any other ``AutoModelForCausalLM`` folder, ours
+    included).  ``name`` is how errors call the folder (default: its path).
+    """
+    path = Path(path)
+    name = str(path) if name is None else name
+    if not path.is_dir():
+        raise ValueError(f"{name} is not a directory")
+    if (path / "final" / "lm_config.json").is_file():
+        return "lm-run", path / "final"
+    if (path / "config.json").is_file():
+        model_type = read_json(path / "config.json", what="model config").get("model_type")
+        return ("gated_deltanet" if model_type == "gated_deltanet" else "hf"), path
+    raise ValueError(f"{name} has neither config.json (a model directory) nor "
+                     "final/lm_config.json (a finished `lm train` run directory)")
+
+
+def model_files_digest(model_dir: str | os.PathLike) -> str:
+    """SHA-256 over ``config.json`` and every weight file (:data:`WEIGHT_SUFFIXES`; names and bytes, sorted by
+    name): equal digests, equal models.  A folder without a weight file raises ``ValueError``."""
+    model_dir = Path(model_dir)
+    files = [model_dir / "config.json"] + sorted(p for p in model_dir.iterdir()
+                                                   if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES))
+    if len(files) == 1:
+        raise ValueError(f"models: {model_dir} has config.json but no weight file ({', '.join(WEIGHT_SUFFIXES)})")
+    h = hashlib.sha256()
+    for path in files:
+        h.update(path.name.encode() + b"\0")
+        with open(path, "rb") as fh:
+            for block in iter(lambda fh=fh: fh.read(1 << 24), b""):
+                h.update(block)
+    return h.hexdigest()
+
+
 __all__ = [
-    "check_finite", "check_loading_info", "check_remote_code", "check_state_dict", "local_model_dir",
-    "quiet_transformers", "read_model_config", "safetensors_error", "verify_model_dir", "write_model_manifest",
+    "WEIGHT_SUFFIXES", "check_finite", "check_loading_info", "check_remote_code", "check_state_dict", "find_model",
+    "local_model_dir", "model_files_digest", "quiet_transformers", "read_model_config", "safetensors_error",
+    "verify_model_dir", "write_model_manifest",
 ]
 
 

@@ -24,18 +24,23 @@ the run folder of :mod:`bayeslayer.experiments.common.lm_run`, and any script of
   :mod:`bayeslayer.training.distillation` adds the retrofit's stages.
 
 A run's configuration is :class:`~bayeslayer.training.lm_config.LMConfig`; :func:`load_corpus` and
-:func:`build_model` turn it into the tokenized corpus and the fresh model.
+:func:`build_model` turn it into the tokenized corpus and the fresh model, and :func:`load_run` reads a finished
+run's model back.
 """
 
 from __future__ import annotations
 
+import os
+import warnings
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from ..checks import check_int
 from ..data.text.windows import WindowSchedule
+from ..files import read_json
 from .distributed import DistContext
 from .lm_config import LMConfig
 from .loop import LoopState, TrainConfig, train_loop
@@ -272,5 +277,32 @@ class Objective:
         return {}
 
 
+
+def load_run(run_dir: str | os.PathLike, *, device: str | torch.device = "cpu"):
+    """``(LMConfig, model)`` of a finished LM run (its ``final/`` folder: an HF model folder and the run's
+    ``lm_config.json``, written by :func:`bayeslayer.experiments.common.lm_run.train_lm`), model in eval mode."""
+    run_dir = Path(run_dir)
+    final = run_dir / "final"
+    if not (final / "model.safetensors").is_file() or not (final / "lm_config.json").is_file():
+        raise FileNotFoundError(f"{run_dir} has no finished model (final/model.safetensors and "
+                                "final/lm_config.json); train it to the end first")
+    from ..models import BayesLayerConfig, BayesLayerForCausalLM
+    from ..models.loading import check_finite, load_model_weights, read_model_config, verify_model_dir
+
+    if not verify_model_dir(final):
+        warnings.warn(f"{final} has no manifest.json (written by an older bayeslayer): its files are not "
+                      "verified", RuntimeWarning, stacklevel=2)
+    config = LMConfig.from_json(read_json(final / "lm_config.json", what="the run's configuration"))
+    raw = read_model_config(final, model_type=BayesLayerConfig.model_type)
+    try:
+        model_config = BayesLayerConfig.from_dict(raw)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"model config {final / 'config.json'} is not a valid bayeslayer config "
+                         f"({' '.join(str(exc).split())})") from exc
+    model = BayesLayerForCausalLM(model_config)
+    load_model_weights(model, final)
+    check_finite(model, final)
+    return config, model.to(device).eval()
+
 __all__ = ["SINGLE_PROCESS", "NextTokenTrainee", "Objective", "build_model", "context_parallel", "cp_window_slice",
-           "load_corpus", "micro_batches_per_step", "rank_micro_batches", "train_on_windows"]
+           "load_corpus", "load_run", "micro_batches_per_step", "rank_micro_batches", "train_on_windows"]

@@ -21,9 +21,9 @@ from lm_eval.tasks import TaskManager
 
 from bayeslayer.data.text import find_eos_id
 from bayeslayer.evaluation import hf_tokenizer, niah_records, write_niah_task, write_perplexity_task
+from bayeslayer.evaluation.heldout import evaluate_heldout
 from bayeslayer.evaluation.lm_eval_adapter import BayesLayerLM
 from bayeslayer.experiments import niah
-from bayeslayer.experiments.heldout import evaluate_heldout
 from bayeslayer.models import BayesLayerForCausalLM
 
 from .conftest import ESSAYS, OFFLINE, WORDS

@@ -25,9 +25,9 @@ import torch
 from safetensors.torch import load_file
 
 from bayeslayer.cli import main as cli_main
+from bayeslayer.evaluation.lengths import length_label
 from bayeslayer.experiments import distill, niah
 from bayeslayer.experiments.common.lm_run import train_lm
-from bayeslayer.experiments.common.plotting import length_label
 from bayeslayer.experiments.distill import PRESETS, DistillConfig, run_distill, stage_objective
 from bayeslayer.models import BayesLayerConfig
 from bayeslayer.training.distillation import load_teacher

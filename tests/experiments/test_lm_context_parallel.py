@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from bayeslayer.cli import main as cli_main
-from bayeslayer.experiments.common.lm_run import load_run, train_lm
+from bayeslayer.experiments.common.lm_run import train_lm
+from bayeslayer.training.lm import load_run
 from bayeslayer.training.lm_config import LMConfig
 
 from .corpus import write_word_corpus

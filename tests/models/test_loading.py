@@ -42,7 +42,7 @@ def saved(tmp_path_factory) -> dict[str, Path]:
 
 
 def _heldout(kind: str):
-    from bayeslayer.experiments.heldout import HeldoutModel
+    from bayeslayer.evaluation.heldout import HeldoutModel
 
     def load(path: Path):
         return HeldoutModel("m", path, kind, path / "final" if kind == "lm-run" else path, None, "", "", "").load()
@@ -62,7 +62,7 @@ def _teacher(path: Path):
 
 
 def _run(path: Path):
-    from bayeslayer.experiments.common.lm_run import load_run
+    from bayeslayer.training.lm import load_run
 
     return load_run(path)[1]
 
@@ -143,7 +143,7 @@ def test_save_pretrained_signs_the_folder_and_a_folder_without_manifest_still_lo
 
 
 def test_load_run_warns_when_final_has_no_manifest(saved, tmp_path):
-    from bayeslayer.experiments.common.lm_run import load_run
+    from bayeslayer.training.lm import load_run
 
     root = tmp_path / "run"
     shutil.copytree(saved["run"], root)

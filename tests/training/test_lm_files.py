@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from bayeslayer.experiments.common.lm_run import load_run, train_lm
+from bayeslayer.experiments.common.lm_run import train_lm
 from bayeslayer.files import UnsafeFileError
 from bayeslayer.models.loading import verify_model_dir
+from bayeslayer.training.lm import load_run
 
 from .faults import single_thread, tiny_lm
 

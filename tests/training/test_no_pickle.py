@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from bayeslayer.experiments.common.harness import TrainConfig, train, train_seeds
-from bayeslayer.experiments.common.lm_run import load_run, train_lm
+from bayeslayer.experiments.common.lm_run import train_lm
+from bayeslayer.training.lm import load_run
 
 from ..experiments.test_harness import make_model, sample_copy
 from .faults import single_thread

@@ -60,7 +60,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 import torch.distributed as dist
 
 from ...checks import check_int
@@ -432,31 +431,6 @@ def _write_final(directory: Path, model, config: LMConfig, objective: Objective,
 
     write_model_manifest(directory)  # last: every loader of the package verifies it
 
-def load_run(run_dir: str | os.PathLike, *, device: str | torch.device = "cpu"):
-    """``(LMConfig, model)`` of a finished run (its ``final/`` directory), model in eval mode."""
-    run_dir = Path(run_dir)
-    final = run_dir / "final"
-    if not (final / "model.safetensors").is_file() or not (final / "lm_config.json").is_file():
-        raise FileNotFoundError(f"{run_dir} has no finished model (final/model.safetensors and "
-                                "final/lm_config.json); train it to the end first")
-    from ...models import BayesLayerConfig, BayesLayerForCausalLM
-    from ...models.loading import check_finite, load_model_weights, read_model_config, verify_model_dir
 
-    if not verify_model_dir(final):
-        warnings.warn(f"{final} has no manifest.json (written by an older bayeslayer): its files are not "
-                      "verified", RuntimeWarning, stacklevel=2)
-    config = LMConfig.from_json(read_json(final / "lm_config.json", what="the run's configuration"))
-    raw = read_model_config(final, model_type=BayesLayerConfig.model_type)
-    try:
-        model_config = BayesLayerConfig.from_dict(raw)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"model config {final / 'config.json'} is not a valid bayeslayer config "
-                         f"({' '.join(str(exc).split())})") from exc
-    model = BayesLayerForCausalLM(model_config)
-    load_model_weights(model, final)
-    check_finite(model, final)
-    return config, model.to(device).eval()
-
-
-__all__ = ["LMTrainResult", "checkpoint_store", "latest_checkpoint", "load_run",
+__all__ = ["LMTrainResult", "checkpoint_store", "latest_checkpoint",
            "train_lm", "write_tokenizer_config"]

@@ -9,13 +9,7 @@ plus axis labels and optional reference lines (phase boundaries, closed-form val
 >>> s = Series("model", x=[1, 2, 3], y=[0.5, 0.6, 0.7], err=[0.01, 0.02, 0.01])
 >>> # line_plot("fig.png", [s], xlabel="step", ylabel="accuracy", hlines=[RefLine(0.5, "chance")])
 
-Lengths are named alike in every table and plot (:func:`length_label`); :data:`PAPER_LENGTHS` are the
-context lengths of the paper's NIAH and held-out tables (docs/theory.md §8.6).
-
->>> [length_label(n) for n in PAPER_LENGTHS]
-['2k', '4k', '8k', '16k']
->>> length_label(1000), length_label("3072")
-('1,000', '3k')
+Lengths are named alike in every table and plot by :func:`bayeslayer.evaluation.lengths.length_label`.
 """
 
 from __future__ import annotations
@@ -26,8 +20,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-from ...checks import check_int
 
 
 @dataclass(frozen=True)
@@ -203,21 +195,3 @@ def line_plot(
         return save_figure(fig, path)
     finally:
         plt.close(fig)
-
-
-#: the context lengths of the paper's NIAH and held-out tables (Tables 6 and 7)
-PAPER_LENGTHS = (2048, 4096, 8192, 16384)
-
-
-def length_label(length: int | str) -> str:
-    """``2048`` → ``"2k"`` (a multiple of 1,024), else the count with thousands separators (``"1,000"``).
-
-    ``length`` may be the string form a JSON key holds (``"2048"``); it must name an integer >= 1.
-    """
-    if isinstance(length, str):
-        try:
-            length = int(length)
-        except ValueError:
-            raise ValueError(f"length must be an integer >= 1, got {length!r}") from None
-    length = check_int("length", length, minimum=1)
-    return f"{length // 1024}k" if length % 1024 == 0 else f"{length:,}"

@@ -1,4 +1,4 @@
-"""One home for the paper's lengths and their labels (bayeslayer.experiments.common.plotting)."""
+"""One home for the paper's lengths and their labels (bayeslayer.evaluation.lengths)."""
 
 from __future__ import annotations
 
@@ -6,12 +6,12 @@ import doctest
 
 import pytest
 
-from bayeslayer.experiments.common import plotting
-from bayeslayer.experiments.common.plotting import PAPER_LENGTHS, length_label
+from bayeslayer.evaluation import lengths
+from bayeslayer.evaluation.lengths import PAPER_LENGTHS, length_label
 
 
 def test_doctests():
-    assert doctest.testmod(plotting).failed == 0
+    assert doctest.testmod(lengths).failed == 0
 
 
 def test_labels():

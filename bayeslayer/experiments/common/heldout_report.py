@@ -1,0 +1,131 @@
+"""The held-out record's table (the paper's Table 7 layout) and figure, drawn from the JSON alone.
+
+What ``bayeslayer heldout`` and ``bayeslayer distill eval`` write beside the record of
+:func:`bayeslayer.evaluation.heldout.evaluate_heldout`: ``<name>.json``, ``<name>.md`` and ``<name>.png``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ...evaluation.lengths import length_label
+from ...files import atomic_write_text
+from .options import check_file_name
+from .plotting import load_json, save_figure
+from .provenance import write_record
+
+
+def check_record(record: dict) -> None:
+    """Raise ``ValueError`` unless ``record`` is a held-out record (what ``evaluate_heldout`` returns)."""
+    if not isinstance(record, dict) or record.get("experiment") != "heldout" or not record.get("models"):
+        seen = sorted(record) if isinstance(record, dict) else type(record).__name__
+        raise ValueError("record must be the JSON written by evaluate_heldout / `bayeslayer heldout` "
+                         f"(experiment 'heldout' with models), got {seen}")
+
+
+def table7_markdown(record: dict) -> str:
+    """Table 7's layout: one row per model, one column per corpus × length, cells ``PPL (+x.x%)``.
+
+    The percentage is the change against the reference model (its own row shows the PPL only);
+    "–" marks a skipped cell, "†" a model whose tokenizer differs from the reference's.
+    """
+    check_record(record)
+    cfg = record.get("config", {})
+    models = record["models"]
+    reference = record.get("reference")
+    sources = [s["label"] for s in cfg.get("sources", [])] or list(next(iter(models.values()))["cells"])
+    lengths = [str(L) for L in cfg.get("lengths", [])]
+    columns = [(s, L) for s in sources for L in lengths]
+    rule = cfg.get("windows", "non-overlapping")
+    if rule == "sliding":
+        rule = f"sliding (stride {cfg.get('stride')})"
+    splits = {s["label"]: s.get("split", cfg.get("split")) for s in cfg.get("sources", [])}
+    where = (f"the {cfg.get('split')} split" if set(splits.values()) <= {cfg.get("split")}
+             else "splits " + ", ".join(f"{k} {v}" for k, v in splits.items()))
+    lines = [f"Held-out PPL on {where}, {rule} windows"
+             + (f", first {cfg['max_windows']} windows per cell" if cfg.get("max_windows") else "")
+             + f"; change vs {reference} in parentheses.", "",
+             "| model | " + " | ".join(f"{s} {length_label(L)}" for s, L in columns) + " |",
+             "|---|" + "---|" * len(columns)]
+    for label, m in models.items():
+        cells = []
+        for s, L in columns:
+            cell = m["cells"].get(s, {}).get(L, {})
+            if cell.get("ppl") is None:
+                cells.append("–")
+            elif cell.get("rel_change_pct") is None:
+                cells.append(f"{cell['ppl']:.2f}")
+            else:
+                cells.append(f"{cell['ppl']:.2f} ({cell['rel_change_pct']:+.1f}%)")
+        mark = "" if m.get("same_tokenizer_as_reference", True) else " †"
+        lines.append(f"| {label}{mark} | " + " | ".join(cells) + " |")
+    ref_cells = models[reference]["cells"] if reference in models else {}
+    counts = [f"{s} {length_label(L)}: {c['windows']} windows, {c['n_tokens']:,} tokens"
+              for s, L in columns if (c := ref_cells.get(s, {}).get(L, {})).get("ppl") is not None]
+    lines.append("")
+    if counts:
+        lines.append(f"Scored ({reference}): " + "; ".join(counts) + ".")
+    skipped = sorted({c["skipped"] for m in models.values() for row in m["cells"].values() for c in row.values()
+                      if "skipped" in c})
+    if skipped:
+        lines.append("Skipped (–): " + "; ".join(skipped) + ".")
+    if any(not m.get("same_tokenizer_as_reference", True) for m in models.values()):
+        lines.append("† tokenizer differs from the reference's: different windows and tokens, so the PPLs "
+                     "are not directly comparable.")
+    target = record.get("target") or {}
+    if target.get("statement"):
+        lines.append(f"Paper target (docs/theory.md §8.6): {target['statement']}.")
+    return "\n".join(lines) + "\n"
+
+
+def plot(record: dict, path: str | os.PathLike) -> Path:
+    """PPL vs window length (log-2 x axis), one panel per corpus, one line per model; from the JSON only."""
+    check_record(record)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cfg = record.get("config", {})
+    models = record["models"]
+    sources = [s["label"] for s in cfg.get("sources", [])] or list(next(iter(models.values()))["cells"])
+    fig, axes = plt.subplots(1, len(sources), figsize=(4.2 * len(sources), 3.6), squeeze=False)
+    try:
+        for ax, source in zip(axes[0], sources, strict=True):
+            for label, m in models.items():
+                row = m["cells"].get(source, {})
+                points = sorted((int(L), c["ppl"]) for L, c in row.items() if c.get("ppl") is not None)
+                if points:
+                    xs, ys = zip(*points, strict=True)
+                    ax.plot(xs, ys, marker="o", label=label)
+            lengths = sorted(int(L) for L in cfg.get("lengths", []))
+            ax.set_xscale("log", base=2)
+            if lengths:
+                ax.set_xticks(lengths, [length_label(L) for L in lengths])
+                ax.minorticks_off()
+            ax.set_xlabel("window length (tokens)")
+            ax.set_ylabel("perplexity")
+            split = next((s.get("split") for s in cfg.get("sources", []) if s.get("label") == source), None)
+            ax.set_title(f"{source} ({split or cfg.get('split')})", fontsize=10)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+        return save_figure(fig, path)
+    finally:
+        plt.close(fig)
+
+
+def write_report(record: dict, out_dir: str | os.PathLike, name: str = "heldout") -> dict[str, Path]:
+    """Write ``<name>.json``, ``<name>.md`` (Table 7 layout) and ``<name>.png``; the last two from the JSON."""
+    check_record(record)
+    out_dir = Path(out_dir)
+    check_file_name(name, option="name")
+    paths = {"json": out_dir / f"{name}.json", "table": out_dir / f"{name}.md", "plot": out_dir / f"{name}.png"}
+    write_record(paths["json"], record, device=record["config"].get("device", "cpu"))
+    saved = load_json(paths["json"])  # draw from what was written, as a later --plot-only would
+    atomic_write_text(paths["table"], table7_markdown(saved))
+    plot(saved, paths["plot"])
+    return paths
+
+
+__all__ = ["check_record", "plot", "table7_markdown", "write_report"]
