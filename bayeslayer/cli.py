@@ -43,31 +43,6 @@ _COMMAND_MODULES = [
 ]
 
 
-def _distill_eval(args: argparse.Namespace) -> dict:
-    """``bayeslayer distill eval``: the ``niah`` and ``heldout`` experiments on a distillation's models
-    (:func:`bayeslayer.experiments.distill.eval_plan`); ``{"niah": ..., "heldout": ...}``.
-
-    Chaining experiments is the command line's job: no experiment imports another.
-    """
-    from .experiments import distill, heldout, niah
-
-    plan = distill.eval_plan(args)
-    results: dict = {}
-    if "niah" in plan:
-        results["niah"] = niah.run(niah.NiahConfig(**plan["niah"]))
-    if "heldout" in plan:
-        results["heldout"] = heldout.run(heldout.HeldoutConfig(**plan["heldout"]))
-    return results
-
-
-def _subcommand(sub: argparse._SubParsersAction, *names: str) -> argparse.ArgumentParser:
-    """The parser of ``bayeslayer <names...>`` (``"distill", "eval"``), as the modules registered it."""
-    parser = sub.choices[names[0]]
-    for name in names[1:]:
-        parser = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[name]
-    return parser
-
-
 class _HelpFormatter(argparse.HelpFormatter):
     """Plain-text help: every option with a value shows its default, unless its help already says it."""
 
@@ -109,7 +84,6 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for path in _COMMAND_MODULES:
         importlib.import_module(path).add_parser(sub)
-    _subcommand(sub, "distill", "eval").set_defaults(func=_distill_eval)
     return parser
 
 

@@ -40,8 +40,8 @@ the unit boundary nearest to ``depth`` percent of the other context tokens;
 the realised depth is measured by locating the needle's token ids in the prompt
 and stored with each sample.  Distractor needles go to random boundaries.
 
-The evaluation (greedy decoding, scoring, tables, plots, ``bayeslayer niah``) is
-:mod:`bayeslayer.experiments.niah`.
+The evaluation (greedy decoding, scoring) is :mod:`bayeslayer.evaluation.niah`; tables, plots and
+``bayeslayer niah``: :mod:`bayeslayer.experiments.niah`.
 """
 
 from __future__ import annotations

@@ -73,7 +73,11 @@ from ..training.distillation import (
 )
 from ..training.distributed import PRECISIONS
 from ..training.lm_config import LM_TRAIN, LMConfig, LMDataConfig, LMModelConfig
+from .common.heldout_run import HeldoutConfig
+from .common.heldout_run import run as run_heldout
 from .common.lm_run import train_lm
+from .common.niah_run import NiahConfig
+from .common.niah_run import run as run_niah
 from .common.options import (
     DEVICE_HELP,
     add_train_eval,
@@ -84,6 +88,7 @@ from .common.options import (
     check_source,
     check_tokenizer,
     device_arg,
+    list_arg,
     parse_json_object,
     positive_int_arg,
 )
@@ -377,11 +382,9 @@ def eval_models(out: str | os.PathLike) -> list[tuple[str, str]]:
 
 def eval_plan(args: argparse.Namespace) -> dict[str, dict]:
     """What ``bayeslayer distill eval`` runs: ``{"niah": fields of a NiahConfig, "heldout": fields of a
-    HeldoutConfig}`` (each present unless skipped) for the models of the distillation in ``--out``.
-
-    The command line (:mod:`bayeslayer.cli`) runs :mod:`~bayeslayer.experiments.niah` and
-    :mod:`~bayeslayer.experiments.heldout` with them: an experiment never imports another.
-    """
+    HeldoutConfig}`` (each present unless skipped) for the models of the distillation in ``--out``: the NIAH and
+    held-out runs that ``bayeslayer niah`` and ``bayeslayer heldout`` make (:mod:`~bayeslayer.experiments.common`'s
+    ``niah_run`` and ``heldout_run``)."""
     out = check_in_dir(args.out, option="--out", what="distillation folder")
     check_out_dir(out / "eval")
     report = read_json(out / "distill.json", what="the distillation report") if (out / "distill.json").is_file() else {}
@@ -406,39 +409,19 @@ def eval_plan(args: argparse.Namespace) -> dict[str, dict]:
     return plan
 
 
+def _eval_main(args: argparse.Namespace) -> dict:
+    """``bayeslayer distill eval``: the NIAH and held-out runs of :func:`eval_plan`;
+    ``{"niah": ..., "heldout": ...}``."""
+    plan = eval_plan(args)
+    results: dict = {}
+    if "niah" in plan:
+        results["niah"] = run_niah(NiahConfig(**plan["niah"]))
+    if "heldout" in plan:
+        results["heldout"] = run_heldout(HeldoutConfig(**plan["heldout"]))
+    return results
+
+
 # --------------------------------------------------------------------------- command line
-
-
-def _parse_ints(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from err
-
-
-def _parse_names(text: str) -> tuple[str, ...]:
-    return tuple(x.strip() for x in text.split(",") if x.strip())
-
-
-def _parse_stages(text: str) -> tuple[str, ...]:
-    stages = _parse_names(text)
-    bad = [s for s in stages if s not in STAGES]
-    if bad or not stages:
-        raise argparse.ArgumentTypeError(f"expected a comma-separated subset of {','.join(STAGES)}, got {text!r}")
-    return stages
-
-
-def _list_arg(kind: type, what: str):
-    """argparse ``type=`` for a non-empty comma-separated list of ``kind``: a tuple of them."""
-    def parse(text: str) -> tuple:
-        try:
-            values = tuple(kind(x) for x in text.split(",") if x.strip())
-        except ValueError:
-            values = ()
-        if not values:
-            raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got {text!r}")
-        return values
-    return parse
 
 
 def config_from_args(args: argparse.Namespace) -> DistillConfig:
@@ -499,10 +482,13 @@ def add_parser(sub) -> None:
         presets=PRESETS, preset_help=PRESET_HELP)
     t.add_argument("--teacher", help="teacher: a Gated DeltaNet checkpoint directory, one of our model "
                                      "directories, or a hub id owner/name")
-    t.add_argument("--layers", type=_parse_ints, help="layers to swap, e.g. 5,11,17,23")
-    t.add_argument("--stages", type=_parse_stages, default=STAGES, help="subset of phase_a,phase_b,gdn_ft")
-    t.add_argument("--mlp-parts", type=_parse_names, help="MLP parts of the swapped layers to train in Phase B "
-                                                          "and GDN-FT (gate_proj,up_proj,down_proj; '' for none)")
+    t.add_argument("--layers", type=list_arg(int, "integers", allow_empty=True),
+                   help="layers to swap, e.g. 5,11,17,23")
+    t.add_argument("--stages", type=list_arg(str, "stages", choices=STAGES), default=STAGES,
+                   help="subset of phase_a,phase_b,gdn_ft")
+    t.add_argument("--mlp-parts", type=list_arg(str, "MLP parts", allow_empty=True),
+                   help="MLP parts of the swapped layers to train in Phase B and GDN-FT "
+                        "(gate_proj,up_proj,down_proj; '' for none)")
     t.add_argument("--mixer-kwargs", help="JSON object of Bayesian Layer arguments, e.g. '{\"p0\": 1.0}'")
     for name, kind in (("seq-len", int), ("batch-size", int), ("micro-batch-size", int), ("phase-a-steps", int),
                        ("phase-b-steps", int), ("lr-a", float), ("lr-b", float), ("warmup-steps", int),
@@ -523,16 +509,16 @@ def add_parser(sub) -> None:
     t.set_defaults(func=_train_main)
 
     e.add_argument("--out", required=True, help="the directory `distill train` wrote")
-    e.add_argument("--niah-lengths", type=_list_arg(int, "integers"), default="2048,4096,8192,16384")
-    e.add_argument("--niah-depths", type=_list_arg(float, "numbers"), default="0,10,20,30,40,50,60,70,80,90,100",
+    e.add_argument("--niah-lengths", type=list_arg(int, "integers"), default="2048,4096,8192,16384")
+    e.add_argument("--niah-depths", type=list_arg(float, "numbers"), default="0,10,20,30,40,50,60,70,80,90,100",
                    help="needle depths in percent")
     e.add_argument("--max-new-tokens", type=positive_int_arg, default=None,
                    help="NIAH answer budget (default: niah's)")
-    e.add_argument("--niah-tasks", type=_parse_names, default=None,
+    e.add_argument("--niah-tasks", type=list_arg(str, "task names", allow_empty=True), default=None,
                    help="comma-separated NIAH tasks (default: all eight)")
     e.add_argument("--samples-per-cell", type=positive_int_arg, default=30)
     e.add_argument("--haystack", default="python-docs", help="corpus the essay haystacks come from")
-    e.add_argument("--ppl-lengths", type=_list_arg(int, "integers"), default="2048,4096,8192,16384")
+    e.add_argument("--ppl-lengths", type=list_arg(int, "integers"), default="2048,4096,8192,16384")
     e.add_argument("--source", action="append", default=None, help="held-out corpus (repeatable; default: the "
                                                                      "distillation corpus)")
     e.add_argument("--split", default="test")
@@ -546,4 +532,4 @@ def add_parser(sub) -> None:
     e.add_argument("--skip-ppl", action="store_true")
     e.add_argument("--quiet", action="store_true", help="no per-cell progress lines")
     add_threads_option(e, TORCH_DEFAULT)
-    # func: bayeslayer.cli runs niah and heldout on eval_plan(args)
+    e.set_defaults(func=_eval_main)

@@ -1,8 +1,9 @@
 """``bayeslayer heldout``: held-out perplexity per corpus and window length, the paper's Table 7 (docs/theory.md §8.6).
 
-The evaluation (window rules, the cell cache, model folders) is :mod:`bayeslayer.evaluation.heldout`; this
-command maps its options onto a :class:`HeldoutConfig`, runs it (:func:`run`) and writes the record, its table and
-its figure (:mod:`bayeslayer.experiments.common.heldout_report`)::
+The evaluation (window rules, the cell cache, model folders) is :mod:`bayeslayer.evaluation.heldout`; the run
+(its :class:`~bayeslayer.experiments.common.heldout_run.HeldoutConfig`, the record, its table and figure) is the
+one ``distill eval`` shares, :mod:`bayeslayer.experiments.common.heldout_run`.  This command maps its options
+onto a ``HeldoutConfig`` (:func:`config_from_args`) and runs it::
 
     bayeslayer heldout --windows non-overlapping --lengths 2048,4096,8192,16384 \\
         --model GDN=ckpt/gdn --model BL=runs/distill/bl/final \\
@@ -19,29 +20,24 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 from ..errors import UsageError
-from ..evaluation.heldout import PAPER_TABLE7, evaluate_heldout
+from ..evaluation.heldout import PAPER_TABLE7
 from ..evaluation.lengths import PAPER_LENGTHS
 from ..evaluation.perplexity import WINDOW_MODES
-from ..files import atomic_write_text
 from ..training.distributed import PRECISIONS
 from ..training.lock import OutputLock
-from .common.heldout_report import check_record, plot, table7_markdown, write_report
+from .common.heldout_run import HeldoutConfig, plot, redraw, run, table7_markdown, write_report
 from .common.options import (
     DEVICE_HELP,
     PLOT_ONLY_HELP,
     cache_dir_arg,
     check_file_name,
-    check_in_dir,
     check_out_dir,
     device_arg,
+    list_arg,
     model_arg,
-    plot_only_json,
     positive_int_arg,
-    redrawing,
 )
 from .common.threads import TORCH_DEFAULT, add_threads_option
 
@@ -53,16 +49,6 @@ DESCRIPTION = (
     "from it (--plot-only redraws them). The window rules: python -m pydoc "
     "bayeslayer.evaluation.heldout."
 )
-
-
-def _parse_lengths(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--lengths takes comma-separated integers, got {text!r}") from None
-    if not values:
-        raise argparse.ArgumentTypeError(f"--lengths takes comma-separated integers, got {text!r}")
-    return values
 
 
 def _parse_max_documents(text: str) -> tuple[str | None, int]:
@@ -79,93 +65,6 @@ def _parse_source_split(text: str) -> tuple[str, str]:
     if not sep or not name or not split:
         raise argparse.ArgumentTypeError(f"--source-split takes SOURCE=SPLIT, got {text!r}")
     return name, split
-
-
-@dataclass(frozen=True)
-class HeldoutConfig:
-    """One held-out evaluation (``bayeslayer heldout``); each field is the option of the same name.
-
-    models: ``(label, directory)`` pairs (a model directory or an ``lm train`` run directory).
-    sources: corpora, ``"SOURCE"`` or ``"LABEL=SOURCE"``; lengths: window lengths.
-    max_documents: one cap for every source, or ``{source: cap}``; source_splits: ``{source: split}``.
-    out, name: the report is ``<out>/<name>.json``, ``.md`` and ``.png``.
-    The rest are :func:`evaluate_heldout`'s arguments of the same name.
-    """
-
-    models: tuple[tuple[str, str], ...] = ()
-    sources: tuple[str, ...] = ("python-docs",)
-    lengths: tuple[int, ...] = PAPER_LENGTHS
-    split: str = "test"
-    reference: str | None = None
-    tokenizer: str | None = None
-    windows: str = "non-overlapping"
-    stride: int | None = None
-    max_windows: int | None = None
-    max_documents: int | Mapping[str, int] | None = None
-    source_splits: Mapping[str, str] | None = None
-    batch_size: int = 4
-    device: str = "auto"
-    precision: str = "fp32"
-    cache_dir: str | None = None
-    out: str = "results/heldout"
-    name: str = "heldout"
-    progress: bool = True
-
-    def __post_init__(self) -> None:
-        models = self.models
-        if isinstance(models, (str, bytes)) or not isinstance(models, Sequence):
-            raise TypeError(f"models must be a sequence of (label, path) pairs, got {type(models).__name__}")
-        for item in models:
-            if not (isinstance(item, (tuple, list)) and len(item) == 2):
-                raise ValueError(f"models: each entry must be a (label, path) pair, got {item!r}")
-        object.__setattr__(self, "models", tuple((label, str(path)) for label, path in models))
-        for name in ("sources", "lengths"):
-            value = getattr(self, name)
-            if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
-                raise TypeError(f"{name} must be a sequence, got {type(value).__name__}")
-            object.__setattr__(self, name, tuple(value))
-        check_file_name(self.name, option="name")
-
-
-def run(config: HeldoutConfig) -> dict:
-    """Evaluate ``config``; write ``<out>/<name>.json``, ``.md`` (Table 7 layout) and ``.png``; return the record.
-
-    Checks the output folder and every model folder before any corpus is resolved or a model loaded.
-    """
-    if not isinstance(config, HeldoutConfig):
-        raise TypeError(f"config must be a HeldoutConfig, got {type(config).__name__}")
-    check_out_dir(config.out)
-    if not config.models:
-        raise UsageError("give at least one --model [LABEL=]DIR")
-    for label, path in config.models:  # before the corpora are resolved or a model is loaded
-        check_in_dir(path, option=f"--model {label}=", what="model or run folder")
-    record = evaluate_heldout(
-        list(config.models), list(config.sources), list(config.lengths), split=config.split,
-        reference=config.reference, tokenizer=config.tokenizer, windows=config.windows, stride=config.stride,
-        max_windows=config.max_windows, max_documents=config.max_documents, source_splits=config.source_splits,
-        batch_size=config.batch_size, device=config.device, precision=config.precision, cache_dir=config.cache_dir,
-        progress=config.progress)
-    if int(os.environ.get("RANK", "0")) == 0:
-        paths = write_report(record, config.out, config.name)
-        print(table7_markdown(record))
-        print(f"wrote {paths['json']}, {paths['table']}, {paths['plot']}")
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    return record
-
-
-def redraw(out: str | os.PathLike, name: str = "heldout") -> dict:
-    """``bayeslayer heldout --plot-only``: redraw ``<out>/<name>.md`` and ``.png`` from ``<out>/<name>.json``."""
-    out_dir = check_out_dir(out)
-    record = plot_only_json(out_dir, name, experiment="heldout")
-    with redrawing(out_dir / f"{name}.json"):
-        check_record(record)
-        atomic_write_text(out_dir / f"{name}.md", table7_markdown(record))
-        plot(record, out_dir / f"{name}.png")
-        print(table7_markdown(record))
-    return record
 
 
 def config_from_args(args: argparse.Namespace) -> HeldoutConfig:
@@ -203,7 +102,7 @@ def add_parser(sub) -> None:
                    help="a model directory (HF or fla Gated DeltaNet checkpoint) or an lm run directory; repeat")
     p.add_argument("--source", action="append", default=None, metavar="[LABEL=]SOURCE",
                    help="corpus: python-docs, hf:<name>[:<config>] or a local path; repeat (default python-docs)")
-    p.add_argument("--lengths", type=_parse_lengths, default=None,
+    p.add_argument("--lengths", type=list_arg(int, "integers"), default=None,
                    help="window lengths (default 2048,4096,8192,16384)")
     p.add_argument("--windows", choices=WINDOW_MODES, default="non-overlapping",
                    help="non-overlapping: each token scored once, context resets every L tokens (the paper's "
@@ -233,8 +132,5 @@ def add_parser(sub) -> None:
     p.set_defaults(func=_main)
 
 
-#: The record's table, as every experiment names it beside :func:`plot`.
-table = table7_markdown
-
-__all__ = ["PAPER_TABLE7", "HeldoutConfig", "add_parser", "config_from_args", "plot", "redraw", "run", "table",
+__all__ = ["PAPER_TABLE7", "HeldoutConfig", "add_parser", "config_from_args", "plot", "redraw", "run",
            "table7_markdown", "write_report"]

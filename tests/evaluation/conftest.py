@@ -48,7 +48,7 @@ def word_text(rng: np.random.Generator, n: int) -> str:
 def tokenizer():
     rng = np.random.default_rng(0)
     texts = [word_text(rng, 40) + "." for _ in range(60)] + ESSAYS * 4
-    from bayeslayer.experiments.niah import NOISE_PARAGRAPH, TASKS, prompt_template
+    from bayeslayer.data.niah import NOISE_PARAGRAPH, TASKS, prompt_template
 
     texts += [NOISE_PARAGRAPH] * 4 + [" ".join(prompt_template(t, ["calm-river"] * TASKS[t].num_queries))
                                       for t in TASKS] * 4

@@ -19,7 +19,7 @@ from bayeslayer.evaluation.heldout import (
     resolve_model,
 )
 from bayeslayer.evaluation.perplexity import heldout_perplexity, window_plan
-from bayeslayer.experiments.common.heldout_report import table7_markdown
+from bayeslayer.experiments.common.heldout_run import table7_markdown
 from bayeslayer.models import loading
 from bayeslayer.training import lm as training_lm
 from bayeslayer.training import lm_config

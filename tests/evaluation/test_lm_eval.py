@@ -19,11 +19,11 @@ import torch
 from lm_eval import simple_evaluate
 from lm_eval.tasks import TaskManager
 
+from bayeslayer.data.niah import NiahGenerator
 from bayeslayer.data.text import find_eos_id
-from bayeslayer.evaluation import hf_tokenizer, niah_records, write_niah_task, write_perplexity_task
+from bayeslayer.evaluation import hf_tokenizer, niah, niah_records, write_niah_task, write_perplexity_task
 from bayeslayer.evaluation.heldout import evaluate_heldout
 from bayeslayer.evaluation.lm_eval_adapter import BayesLayerLM
-from bayeslayer.experiments import niah
 from bayeslayer.models import BayesLayerForCausalLM
 
 from .conftest import ESSAYS, OFFLINE, WORDS
@@ -94,7 +94,7 @@ def test_rolling_perplexity_equals_heldout_perplexity(tmp_path, tokenizer, model
 
 
 def _niah_samples(tokenizer):
-    generator = niah.NiahGenerator(tokenizer, ESSAYS, seed=0)
+    generator = NiahGenerator(tokenizer, ESSAYS, seed=0)
     tasks, depths, per_cell = ("niah_single_2", "niah_multivalue", "niah_multikey_2"), (0.0, 60.0), 1
     samples = [generator.sample(t, 256, d, i, max_new_tokens=8) for t in tasks for d in depths
                for i in range(per_cell)]
@@ -234,7 +234,7 @@ def test_bad_task_arguments(tmp_path, tokenizer):
         write_perplexity_task(tmp_path, ["a"], name="bad name/")
     with pytest.raises(ValueError, match="samples"):
         niah_records([], tokenizer)
-    generator = niah.NiahGenerator(tokenizer, ESSAYS, seed=0)
+    generator = NiahGenerator(tokenizer, ESSAYS, seed=0)
     a = generator.sample("niah_single_1", 128, 50.0, max_new_tokens=8)
     b = generator.sample("niah_single_1", 128, 50.0, max_new_tokens=4)
     with pytest.raises(ValueError, match="max_new_tokens"):

@@ -22,9 +22,9 @@ import types
 
 import pytest
 
+from bayeslayer.data import niah
 from bayeslayer.data import niah as data_niah
 from bayeslayer.evaluation import hf_tokenizer
-from bayeslayer.experiments import niah
 
 from .conftest import ESSAYS
 

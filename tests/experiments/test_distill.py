@@ -25,8 +25,9 @@ import torch
 from safetensors.torch import load_file
 
 from bayeslayer.cli import main as cli_main
+from bayeslayer.data import niah
 from bayeslayer.evaluation.lengths import length_label
-from bayeslayer.experiments import distill, niah
+from bayeslayer.experiments import distill
 from bayeslayer.experiments.common.lm_run import train_lm
 from bayeslayer.experiments.distill import PRESETS, DistillConfig, run_distill, stage_objective
 from bayeslayer.models import BayesLayerConfig

@@ -1,68 +1,29 @@
-"""RULER NIAH: scoring on hand-made answers, exact length and located depth for every variant,
-determinism, an end-to-end `bayeslayer niah` run on tiny random models, bad arguments."""
+"""``bayeslayer niah``: exact length and located depth of every prompt variant, determinism, an end-to-end run
+on tiny random models (JSON, tables, plots, --plot-only), the heatmap, bad arguments.  Scoring and decoding:
+tests/evaluation/test_niah.py."""
 
 import argparse
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
 from bayeslayer.cli import main as cli_main
 from bayeslayer.data import niah as data_niah
-from bayeslayer.data.text import train_bpe_tokenizer
 from bayeslayer.errors import UsageError
+from bayeslayer.evaluation import niah as niah_eval
 from bayeslayer.experiments import niah
+from bayeslayer.experiments.common import niah_run
 from bayeslayer.models import BayesLayerConfig, BayesLayerForCausalLM, replace_layers
 from bayeslayer.models.pretrained import load_model
+from tests.evaluation import niah_setup
+from tests.evaluation.niah_setup import TEMPLATE
 
 from .corpus import ESSAYS
 
-TEMPLATE = ("Some special magic numbers are hidden within the following text. Make sure to memorize it. "
-            "I will quiz you about the numbers afterwards. What are all the special magic numbers for "
-            "calm-river mentioned in the provided text? The special magic uuids for it mentioned in the "
-            "provided text are: One of the special magic numbers for calm-river is: 1234567. A number is.")
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    texts = ESSAYS * 4 + [niah.NOISE_PARAGRAPH] * 4 + [TEMPLATE] * 8 + [" ".join(niah.WORDS[::7])] * 2 \
-        + ["0123456789 abcdef 4a1f-9b2c-e3d0 " * 10]
-    return train_bpe_tokenizer(texts, 1000)
-
-
-@pytest.fixture(scope="module")
-def generator(tokenizer):
-    return niah.NiahGenerator(tokenizer, ESSAYS, seed=0)
-
-
-# ----------------------------------------------------------------------------- scoring
-
-
-def test_scoring_follows_ruler_string_match_all():
-    assert niah.score_prediction(" 1234567.", ["1234567"]) == 1.0
-    assert niah.score_prediction(" 123456", ["1234567"]) == 0.0
-    assert niah.score_prediction("it is 7654321 or maybe 1234567", ["1234567"]) == 1.0
-    uuid = "8F2C0A1E-0000-4000-8000-000000000000"
-    assert niah.score_prediction(f"the code is {uuid.lower()}", [uuid]) == 1.0  # case-insensitive
-    four = ["1111111", "2222222", "3333333", "4444444"]
-    assert niah.score_prediction("2222222, 4444444 and 9999999", four) == 0.5
-    assert niah.score_prediction("", four) == 0.0
-    assert niah.score_predictions(["1111111 2222222 3333333 4444444", "1111111"], [four, four]) == pytest.approx(62.5)
-
-
-def test_summary_averages_the_six_tasks_per_length():
-    cells = [{"task": t, "length": L, "depth": d, "n": 2, "score": s}
-             for t, s in (("niah_single_1", 100.0), ("niah_single_2", 50.0), ("niah_multikey_2", 0.0))
-             for L in (2048, 4096) for d in (0.0, 100.0)]
-    cells.append({"task": "niah_single_1", "length": 2048, "depth": 50.0, "n": 2, "score": 40.0})
-    out = niah.summarize(cells)
-    assert out["task_length"]["niah_single_1"]["2048"] == pytest.approx(80.0)  # (100 + 100 + 40) / 3
-    assert out["summary"]["2048"] == pytest.approx((80.0 + 50.0) / 2)        # multikey_2 is not in the six
-    assert out["summary"]["4096"] == pytest.approx(75.0)
-    assert out["summary_tasks"] == ["niah_single_1", "niah_single_2"]
-    assert "niah_multivalue" in out["missing"]
-    assert len(niah.SUMMARY_TASKS) == 6
-    assert {"niah_single_1", "niah_single_2", "niah_multivalue", "niah_multiquery"} <= set(niah.SUMMARY_TASKS)
+# the shared module-scoped fixtures
+tokenizer, generator = niah_setup.tokenizer, niah_setup.generator
 
 
 # ----------------------------------------------------------------------------- generators
@@ -70,18 +31,18 @@ def test_summary_averages_the_six_tasks_per_length():
 
 def _max_unit_tokens(gen, task, sample):
     """The longest context unit (haystack sentence, needle line) the sample can contain, in tokens."""
-    spec = niah.TASKS[task]
+    spec = data_niah.TASKS[task]
     enc = gen.tokenizer.encode
-    needle = max(len(enc(" " + niah.NEEDLE.format(vtype=spec.value_type, key=k, value=a)))
+    needle = max(len(enc(" " + data_niah.NEEDLE.format(vtype=spec.value_type, key=k, value=a)))
                  for k in sample.queries for a in sample.answers)
     if spec.haystack == "essay":
         return max(needle, max(len(enc(" " + u)) for u in gen.essay_units))
     if spec.haystack == "noise":
-        return max(needle, len(enc("\n" + niah.NOISE_PARAGRAPH)))
+        return max(needle, len(enc("\n" + data_niah.NOISE_PARAGRAPH)))
     return 2 * needle  # key-value lines: needles of other random keys
 
 
-@pytest.mark.parametrize("task", list(niah.TASKS))
+@pytest.mark.parametrize("task", list(data_niah.TASKS))
 def test_every_variant_has_the_exact_length_and_the_needle_at_the_depth(generator, task):
     gen = generator
     for length in (640, 1024):
@@ -89,18 +50,19 @@ def test_every_variant_has_the_exact_length_and_the_needle_at_the_depth(generato
             s = gen.sample(task, length, depth, index=depth, max_new_tokens=16)
             assert len(s.input_ids) == length - 16
             text = gen.tokenizer.decode(s.input_ids)
-            spec = niah.TASKS[task]
+            spec = data_niah.TASKS[task]
             assert len(s.answers) == spec.num_values * spec.num_queries
             for key in s.queries:
                 assert text.count(key) >= 2, (key, text[-300:])  # in its needle and in the question
             for value in s.answers:
                 assert value in text
             # locate every answer needle by its own token ids: they form one contiguous block
-            sep = niah.SEPARATORS[spec.haystack]
+            sep = data_niah.SEPARATORS[spec.haystack]
             found = []
             for key in s.queries:
                 for value in s.answers:
-                    ids = gen.tokenizer.encode(sep + niah.NEEDLE.format(vtype=spec.value_type, key=key, value=value))
+                    needle = data_niah.NEEDLE.format(vtype=spec.value_type, key=key, value=value)
+                    ids = gen.tokenizer.encode(sep + needle)
                     at = data_niah._find(s.input_ids, ids)
                     if at >= 0:
                         found.append((at, len(ids)))
@@ -124,11 +86,11 @@ def test_every_variant_has_the_exact_length_and_the_needle_at_the_depth(generato
 
 
 def test_samples_are_deterministic_and_vary_with_index(tokenizer, generator):
-    again = niah.NiahGenerator(tokenizer, ESSAYS, seed=0)
+    again = data_niah.NiahGenerator(tokenizer, ESSAYS, seed=0)
     a = generator.sample("niah_multiquery", 512, 40, 3, max_new_tokens=8)
     assert again.sample("niah_multiquery", 512, 40, 3, max_new_tokens=8) == a
     assert generator.sample("niah_multiquery", 512, 40, 4, max_new_tokens=8).answers != a.answers
-    other_seed = niah.NiahGenerator(tokenizer, ESSAYS, seed=1).sample("niah_multiquery", 512, 40, 3,
+    other_seed = data_niah.NiahGenerator(tokenizer, ESSAYS, seed=1).sample("niah_multiquery", 512, 40, 3,
                                                                       max_new_tokens=8)
     assert other_seed.answers != a.answers
 
@@ -148,7 +110,7 @@ def test_text_corpus_haystack(tmp_path, tokenizer):
     for split, text in (("train", ESSAYS[0]), ("validation", ESSAYS[1]), ("test", ESSAYS[2])):
         (tmp_path / f"{split}.txt").write_text(text)
     corpus = load_text_corpus(tmp_path, tokenizer=tokenizer, eos_token="<|endoftext|>", cache_dir=tmp_path / "c")
-    gen = niah.NiahGenerator(tokenizer, corpus, seed=0)
+    gen = data_niah.NiahGenerator(tokenizer, corpus, seed=0)
     assert gen.essay_units and "freezes" in " ".join(gen.essay_units)
     assert len(gen.sample("niah_single_2", 400, 50, max_new_tokens=8).input_ids) == 392
 
@@ -193,7 +155,7 @@ def test_end_to_end_niah_run_writes_json_tables_and_plots(tmp_path, tokenizer, c
         assert len(m["cells"]) == 8 * 2
         assert all(c["n"] == 2 and len(c["scores"]) == 2 and 0 <= c["score"] <= 100 for c in m["cells"])
         assert set(m["summary"]) == {"512"}
-        assert m["summary_tasks"] == list(niah.SUMMARY_TASKS)
+        assert m["summary_tasks"] == list(niah_eval.SUMMARY_TASKS)
     lines = (out / "predictions_BL.jsonl").read_text().splitlines()
     assert len(lines) == 8 * 2 * 2 and "prediction" in json.loads(lines[0])
     assert (out / "niah_length.png").stat().st_size > 1000
@@ -209,37 +171,19 @@ def test_end_to_end_niah_run_writes_json_tables_and_plots(tmp_path, tokenizer, c
     assert (out / "niah_diff_GDN-zero_minus_BL.png").stat().st_size > 1000
 
 
-def test_greedy_answers_equal_a_manual_argmax_loop(tmp_path, tokenizer, generator):
-    torch.manual_seed(0)
-    config = BayesLayerConfig(vocab_size=tokenizer.get_vocab_size(), hidden_size=32, num_hidden_layers=2,
-                              num_heads=2, head_dim=16, mixer="bayesian")
-    model = BayesLayerForCausalLM(config).eval()
-    s = generator.sample("niah_single_1", 300, 50, max_new_tokens=5)
-    [answer] = niah.generate_answers(model, [s], generator.tokenizer)
-    ids = torch.tensor([s.input_ids])
-    with torch.no_grad():
-        for _ in range(5):
-            ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
-    expected = ids[0, len(s.input_ids):].tolist()
-    eos = generator.tokenizer.eos_id()
-    if eos in expected:
-        expected = expected[: expected.index(eos)]
-    assert answer == generator.tokenizer.decode(expected)
-
-
 def test_heatmap_marks_cells_with_few_samples(tmp_path):
     def cells(score, n):
         return [{"task": t, "length": L, "depth": d, "n": n, "score": score}
-                for t in niah.SUMMARY_TASKS for L in (2048, 4096) for d in (0.0, 50.0)]
+                for t in niah_eval.SUMMARY_TASKS for L in (2048, 4096) for d in (0.0, 50.0)]
 
-    results = {"config": {"summary_tasks": list(niah.SUMMARY_TASKS)},
+    results = {"config": {"summary_tasks": list(niah_eval.SUMMARY_TASKS)},
                "models": {"BL": {"cells": cells(60.0, 30)}, "GDN-FT": {"cells": cells(50.0, 12)}}}
-    grid = niah.depth_length_grid(results["models"]["GDN-FT"]["cells"])
+    grid = niah_eval.depth_length_grid(results["models"]["GDN-FT"]["cells"])
     assert grid[(0.0, 2048)] == (50.0, 12)
-    path = niah.heatmap_difference(tmp_path / "h.png", results, "BL", "GDN-FT")
+    path = niah_run.heatmap_difference(tmp_path / "h.png", results, "BL", "GDN-FT")
     assert path.stat().st_size > 1000
     with pytest.raises(ValueError, match="no model 'GDN'"):
-        niah.heatmap_difference(tmp_path / "x.png", results, "BL", "GDN")
+        niah_run.heatmap_difference(tmp_path / "x.png", results, "BL", "GDN")
 
 
 # ----------------------------------------------------------------------------- bad arguments
@@ -256,27 +200,16 @@ def test_bad_generator_arguments(tokenizer, generator):
         generator.sample("niah_multiquery", 120, 50, max_new_tokens=8)
     with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 1"):
         generator.sample("niah_single_1", 512, 50, max_new_tokens=0)
-    no_essay = niah.NiahGenerator(tokenizer, None)
+    no_essay = data_niah.NiahGenerator(tokenizer, None)
     assert len(no_essay.sample("niah_single_1", 300, 50, max_new_tokens=8).input_ids) == 292
     with pytest.raises(ValueError, match="needs an essay haystack"):
         no_essay.sample("niah_single_2", 300, 50)
     with pytest.raises(TypeError, match="essays must all be str"):
-        niah.NiahGenerator(tokenizer, ["text", 3])
+        data_niah.NiahGenerator(tokenizer, ["text", 3])
     with pytest.raises(TypeError, match="sequence of str"):
-        niah.NiahGenerator(tokenizer, "one long string")
+        data_niah.NiahGenerator(tokenizer, "one long string")
     with pytest.raises(TypeError, match="tokenizer"):
-        niah.NiahGenerator(42, ESSAYS)
-
-
-def test_bad_scoring_arguments():
-    with pytest.raises(ValueError, match="answers"):
-        niah.score_prediction("x", [])
-    with pytest.raises(ValueError, match="answers"):
-        niah.score_prediction("x", "1234567")
-    with pytest.raises(TypeError, match="prediction"):
-        niah.score_prediction(None, ["1"])
-    with pytest.raises(ValueError, match="as many predictions"):
-        niah.score_predictions(["a"], [["1"], ["2"]])
+        data_niah.NiahGenerator(42, ESSAYS)
 
 
 def test_bad_cli_arguments(tmp_path):
@@ -304,7 +237,7 @@ def test_bos_of_a_llama_style_tokenizer_leads_the_prompt_and_no_eos_is_appended(
     tk.add_special_tokens(["<s>", "</s>"])
     bos, eos = tk.token_to_id("<s>"), tk.token_to_id("</s>")
     tk.post_processor = TemplateProcessing(single="<s> $A </s>", special_tokens=[("<s>", bos), ("</s>", eos)])
-    gen = niah.NiahGenerator(tk, ESSAYS, seed=0)
+    gen = data_niah.NiahGenerator(tk, ESSAYS, seed=0)
     s = gen.sample("niah_single_2", 400, 50, max_new_tokens=8)
     assert len(s.input_ids) == 392
     assert s.input_ids[0] == bos and s.input_ids.count(bos) == 1 and eos not in s.input_ids
@@ -342,8 +275,10 @@ def test_niah_run_is_called_with_a_config(tmp_path, tokenizer, capsys):
 
 
 def test_the_generator_lives_in_the_data_layer():
-    assert niah.NiahGenerator is data_niah.NiahGenerator and niah.TASKS is data_niah.TASKS
-    assert niah.prompt_template is data_niah.prompt_template and niah.NiahTokenizer is data_niah.NiahTokenizer
+    """One generator: the evaluation and the command take data.niah's, neither defines its own."""
+    assert niah_eval.NiahGenerator is data_niah.NiahGenerator
+    for module in (niah_eval, niah, niah_run):
+        assert "class NiahGenerator" not in Path(module.__file__).read_text()
 
 
 def test_sentencepiece_style_pieces_are_encoded_in_context():
@@ -354,32 +289,15 @@ def test_sentencepiece_style_pieces_are_encoded_in_context():
     tk = Tokenizer(models.BPE(unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
     tk.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
-    texts = ESSAYS * 4 + [TEMPLATE + "\n"] * 8 + [niah.NOISE_PARAGRAPH] * 4 + [" ".join(niah.WORDS[::5]) + "-:"]
+    texts = (ESSAYS * 4 + [TEMPLATE + "\n"] * 8 + [data_niah.NOISE_PARAGRAPH] * 4
+             + [" ".join(data_niah.WORDS[::5]) + "-:"])
     tk.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=900, special_tokens=["<unk>", "</s>"],
                                                       show_progress=False))
     assert tk.encode("\nWhat").tokens[0] == "▁"  # encoded alone, a piece gets a word marker
-    gen = niah.NiahGenerator(tk, ESSAYS, seed=0)
+    gen = data_niah.NiahGenerator(tk, ESSAYS, seed=0)
     for task in ("niah_single_2", "niah_multikey_2"):
         s = gen.sample(task, 600, 50, max_new_tokens=8)
         assert len(s.input_ids) == 592
         text = gen.tokenizer.decode(s.input_ids)
         assert "  " not in text and " \n" not in text, text[:300]
         assert f"\nWhat is the special magic number for {s.queries[0]} mentioned" in text
-
-
-def test_an_fla_gated_deltanet_checkpoint_is_evaluated_as_gdn_zero(tmp_path, tokenizer, generator):
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "Triton is not supported on current platform"
-        from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM
-    torch.manual_seed(0)
-    fla = GatedDeltaNetForCausalLM(GatedDeltaNetConfig(
-        vocab_size=tokenizer.get_vocab_size(), hidden_size=32, num_hidden_layers=2, num_heads=2, head_dim=8,
-        expand_v=2, hidden_ratio=2, fuse_norm=False, fuse_swiglu=False, fuse_cross_entropy=False))
-    fla.save_pretrained(tmp_path)
-    model = load_model(tmp_path)
-    assert isinstance(model, BayesLayerForCausalLM) and model.config.layer_mixers == ["gated_deltanet"] * 2
-    cells = niah.evaluate(model, generator, tasks=["niah_single_1"], lengths=[300], depths=[50.0],
-                          samples_per_cell=2, max_new_tokens=3, batch_size=2)
-    assert cells[0]["n"] == 2 and 0 <= cells[0]["score"] <= 100

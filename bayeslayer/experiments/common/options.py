@@ -21,8 +21,9 @@ import contextlib
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -117,6 +118,25 @@ def check_memory(nbytes: float, *, what: str, device: str | torch.device = "cpu"
         where = "this machine's memory" if torch.device(device).type == "cpu" else f"the memory of {device}"
         raise UsageError(f"{what} needs at least {_bytes(nbytes)} of memory, more than {where} "
                          f"({_bytes(total)}); use smaller sizes")
+
+
+def list_arg(kind: Callable[[str], Any] = str, what: str = "values", *, allow_empty: bool = False,
+             choices: Sequence | None = None) -> Callable[[str], tuple]:
+    """argparse ``type=`` for a comma-separated list (``--lengths 2048,4096``): the tuple of ``kind`` of its items,
+    blanks skipped.  An empty list only with ``allow_empty``; with ``choices``, every item must be one.  The
+    command line's one list parser."""
+    def parse(text: str) -> tuple:
+        try:
+            values = tuple(kind(x.strip()) for x in text.split(",") if x.strip())
+        except ValueError:
+            values = None
+        if values is None or (not values and not allow_empty):
+            raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got {text!r}")
+        if choices is not None and any(v not in choices for v in values):
+            raise argparse.ArgumentTypeError(f"expected comma-separated {what} from {','.join(map(str, choices))}, "
+                                             f"got {text!r}")
+        return values
+    return parse
 
 
 def model_arg(text: str) -> tuple[str, str]:
@@ -316,9 +336,9 @@ def add_train_eval(sub, name: str, *, help: str, description: str, train: tuple[
 
 __all__ = [
     "DEVICE_HELP", "PLOT_ONLY_HELP", "add_train_eval", "cache_dir_arg", "check_file_name", "check_in_dir",
-    "check_in_file", "check_int", "check_memory",
-    "check_out_dir", "check_out_file", "check_source", "check_tokenizer", "device_arg", "int_arg", "memory_size",
-    "model_arg", "nonnegative_int_arg", "plot_only_json", "positive_float_arg", "positive_int_arg", "redrawing",
+    "check_in_file", "check_int", "check_memory", "check_out_dir", "check_out_file", "check_source", "check_tokenizer",
+    "device_arg", "int_arg", "list_arg", "memory_size", "model_arg", "nonnegative_int_arg", "plot_only_json",
+    "positive_float_arg", "positive_int_arg", "redrawing",
 ]
 
 

@@ -1,17 +1,21 @@
-"""The held-out record's table (the paper's Table 7 layout) and figure, drawn from the JSON alone.
-
-What ``bayeslayer heldout`` and ``bayeslayer distill eval`` write beside the record of
-:func:`bayeslayer.evaluation.heldout.evaluate_heldout`: ``<name>.json``, ``<name>.md`` and ``<name>.png``.
+"""The held-out run that ``bayeslayer heldout`` and ``bayeslayer distill eval`` share: its configuration
+(:class:`HeldoutConfig`), :func:`run` (:func:`bayeslayer.evaluation.heldout.evaluate_heldout`, then the record),
+and the record's table (the paper's Table 7 layout) and figure drawn from the JSON alone: ``<name>.json``,
+``<name>.md`` and ``<name>.png``.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
-from ...evaluation.lengths import length_label
+from ...errors import UsageError
+from ...evaluation.heldout import evaluate_heldout
+from ...evaluation.lengths import PAPER_LENGTHS, length_label
 from ...files import atomic_write_text
-from .options import check_file_name
+from .options import check_file_name, check_in_dir, check_out_dir, plot_only_json, redrawing
 from .plotting import load_json, save_figure
 from .provenance import write_record
 
@@ -128,4 +132,91 @@ def write_report(record: dict, out_dir: str | os.PathLike, name: str = "heldout"
     return paths
 
 
-__all__ = ["check_record", "plot", "table7_markdown", "write_report"]
+
+@dataclass(frozen=True)
+class HeldoutConfig:
+    """One held-out evaluation (``bayeslayer heldout``); each field is the option of the same name.
+
+    models: ``(label, directory)`` pairs (a model directory or an ``lm train`` run directory).
+    sources: corpora, ``"SOURCE"`` or ``"LABEL=SOURCE"``; lengths: window lengths.
+    max_documents: one cap for every source, or ``{source: cap}``; source_splits: ``{source: split}``.
+    out, name: the report is ``<out>/<name>.json``, ``.md`` and ``.png``.
+    The rest are :func:`evaluate_heldout`'s arguments of the same name.
+    """
+
+    models: tuple[tuple[str, str], ...] = ()
+    sources: tuple[str, ...] = ("python-docs",)
+    lengths: tuple[int, ...] = PAPER_LENGTHS
+    split: str = "test"
+    reference: str | None = None
+    tokenizer: str | None = None
+    windows: str = "non-overlapping"
+    stride: int | None = None
+    max_windows: int | None = None
+    max_documents: int | Mapping[str, int] | None = None
+    source_splits: Mapping[str, str] | None = None
+    batch_size: int = 4
+    device: str = "auto"
+    precision: str = "fp32"
+    cache_dir: str | None = None
+    out: str = "results/heldout"
+    name: str = "heldout"
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        models = self.models
+        if isinstance(models, (str, bytes)) or not isinstance(models, Sequence):
+            raise TypeError(f"models must be a sequence of (label, path) pairs, got {type(models).__name__}")
+        for item in models:
+            if not (isinstance(item, (tuple, list)) and len(item) == 2):
+                raise ValueError(f"models: each entry must be a (label, path) pair, got {item!r}")
+        object.__setattr__(self, "models", tuple((label, str(path)) for label, path in models))
+        for name in ("sources", "lengths"):
+            value = getattr(self, name)
+            if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+                raise TypeError(f"{name} must be a sequence, got {type(value).__name__}")
+            object.__setattr__(self, name, tuple(value))
+        check_file_name(self.name, option="name")
+
+
+def run(config: HeldoutConfig) -> dict:
+    """Evaluate ``config``; write ``<out>/<name>.json``, ``.md`` (Table 7 layout) and ``.png``; return the record.
+
+    Checks the output folder and every model folder before any corpus is resolved or a model loaded.
+    """
+    if not isinstance(config, HeldoutConfig):
+        raise TypeError(f"config must be a HeldoutConfig, got {type(config).__name__}")
+    check_out_dir(config.out)
+    if not config.models:
+        raise UsageError("give at least one --model [LABEL=]DIR")
+    for label, path in config.models:  # before the corpora are resolved or a model is loaded
+        check_in_dir(path, option=f"--model {label}=", what="model or run folder")
+    record = evaluate_heldout(
+        list(config.models), list(config.sources), list(config.lengths), split=config.split,
+        reference=config.reference, tokenizer=config.tokenizer, windows=config.windows, stride=config.stride,
+        max_windows=config.max_windows, max_documents=config.max_documents, source_splits=config.source_splits,
+        batch_size=config.batch_size, device=config.device, precision=config.precision, cache_dir=config.cache_dir,
+        progress=config.progress)
+    if int(os.environ.get("RANK", "0")) == 0:
+        paths = write_report(record, config.out, config.name)
+        print(table7_markdown(record))
+        print(f"wrote {paths['json']}, {paths['table']}, {paths['plot']}")
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return record
+
+
+def redraw(out: str | os.PathLike, name: str = "heldout") -> dict:
+    """``bayeslayer heldout --plot-only``: redraw ``<out>/<name>.md`` and ``.png`` from ``<out>/<name>.json``."""
+    out_dir = check_out_dir(out)
+    record = plot_only_json(out_dir, name, experiment="heldout")
+    with redrawing(out_dir / f"{name}.json"):
+        check_record(record)
+        atomic_write_text(out_dir / f"{name}.md", table7_markdown(record))
+        plot(record, out_dir / f"{name}.png")
+        print(table7_markdown(record))
+    return record
+
+__all__ = ["HeldoutConfig", "check_record", "plot", "redraw", "run", "table7_markdown", "write_report"]
