@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bayeslayer.data.mqar import MQARTask, make_pool  # noqa: E402
-from bayeslayer.experiments.common.harness import masked_cross_entropy, seed_everything  # noqa: E402
+from bayeslayer.experiments.common.harness import masked_cross_entropy  # noqa: E402
 from bayeslayer.experiments.common.provenance import write_record  # noqa: E402
 from bayeslayer.experiments.mqar import (  # noqa: E402
     PRESETS,
@@ -50,6 +50,7 @@ from bayeslayer.experiments.mqar import (  # noqa: E402
 )
 from bayeslayer.training.loop import lr_lambda  # noqa: E402
 from bayeslayer.training.optim import DECAY_POLICY, param_groups  # noqa: E402
+from bayeslayer.training.state import seed_everything  # noqa: E402
 
 PART_OF = (  # (name fragment, group) in order; the first match wins
     ("r2_", "noise"), ("ell2_", "noise"), ("b_proj", "beta"), ("a_proj", "decay"), ("A_log", "decay"),

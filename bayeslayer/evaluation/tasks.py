@@ -187,4 +187,17 @@ def _write_task(task_dir: str | os.PathLike, name: str, records: list[dict], tas
     return name
 
 
-__all__ = ["hf_tokenizer", "niah_records", "write_niah_task", "write_perplexity_task"]
+def write_tokenizer_config(tokenizer, directory: str | os.PathLike) -> None:
+    """``tokenizer_config.json`` and ``special_tokens_map.json`` beside ``tokenizer.json``: they name the
+    end-of-text token, so ``AutoTokenizer.from_pretrained(directory)`` (and lm-eval's ``hf`` model) has an
+    EOS.  ``tokenizer.json`` itself is left as written."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        hf_tokenizer(tokenizer).save_pretrained(tmp)
+        for name in ("tokenizer_config.json", "special_tokens_map.json"):
+            if (Path(tmp) / name).is_file():
+                (Path(directory) / name).write_bytes((Path(tmp) / name).read_bytes())
+
+
+__all__ = ["hf_tokenizer", "niah_records", "write_niah_task", "write_perplexity_task", "write_tokenizer_config"]

@@ -7,12 +7,16 @@ Its files are written with :mod:`bayeslayer.files`, the package's one atomic, du
   checkpoints, Ctrl-C, DDP) that every experiment's training calls, and its :class:`TrainConfig`;
 * :mod:`~bayeslayer.training.distributed` — the distributed context and the autocast precision;
 * :mod:`~bayeslayer.training.optim` — AdamW parameter groups (what weight decay may touch);
-* :mod:`~bayeslayer.training.state` — training state as JSON + safetensors (no pickle) and the
-  RNG states of Python, NumPy and torch;
+* :mod:`~bayeslayer.training.state` — training state as JSON + safetensors (no pickle), the
+  RNG states of Python, NumPy and torch, seeding and a model's weights digest;
 * :mod:`~bayeslayer.training.checkpoint` — crash-safe checkpoint folders with a SHA-256 manifest,
   verified on load, falling back to an older checkpoint when the newest is damaged;
 * :mod:`~bayeslayer.training.lock` — one run per output folder (``fcntl`` lock naming the holder);
-* :mod:`~bayeslayer.training.interrupt` — Ctrl-C stops after the step with a checkpoint.
+* :mod:`~bayeslayer.training.interrupt` — Ctrl-C stops after the step with a checkpoint;
+* :mod:`~bayeslayer.training.lm` — causal-LM training on windows of tokens with data and context parallelism
+  (:func:`~bayeslayer.training.lm.train_on_windows`, the trainees and objectives), and
+  :mod:`~bayeslayer.training.lm_config` its run configuration;
+* :mod:`~bayeslayer.training.distillation` — the retrofit's losses, trainees, objective and teacher.
 """
 
 from .checkpoint import CheckpointError, CheckpointStore, verify_checkpoint

@@ -7,6 +7,7 @@ What ``lm train`` and ``distill train`` run, and what a run directory's ``config
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
@@ -142,7 +143,7 @@ class LMConfig:
     train: TrainConfig = LM_TRAIN
     micro_batch_size: int = 8
     precision: str = "auto"
-    # bookkeeping: may change when a run is resumed (see lm_run's resume check), with train.eval_every/checkpoint_every
+    # bookkeeping (BOOKKEEPING): may change when a run is resumed, with train.eval_every/checkpoint_every
     eval_windows: int = 0
     eval_batch_size: int = 4
     log_every: int = 10
@@ -227,4 +228,21 @@ class LMConfig:
         return cls(**obj)
 
 
-__all__ = ["LM_TRAIN", "LMConfig", "LMDataConfig", "LMModelConfig"]
+#: Fields that may change when a run is resumed: they never change the loss trajectory.
+BOOKKEEPING = frozenset({"eval_every", "eval_windows", "eval_batch_size", "checkpoint_every", "log_every"})
+
+
+def check_resume_config(saved: dict, config: LMConfig, where: str | os.PathLike) -> None:
+    """Refuse to resume the run in ``where``, whose saved configuration (:meth:`LMConfig.to_json`, with or without
+    its provenance) is ``saved``, with ``config`` when they differ in anything but :data:`BOOKKEEPING`."""
+    current = config.to_json()
+    saved = {k: v for k, v in saved.items() if k != "provenance"}  # who started the run, not what it is
+    diff = sorted(k for k in set(saved) | set(current) if k not in BOOKKEEPING and saved.get(k) != current.get(k))
+    if diff:
+        detail = ", ".join(f"{k}: {saved.get(k)!r} → {current.get(k)!r}" for k in diff)
+        raise ValueError(f"{where} holds a run with a different configuration ({detail}); use another --out "
+                         "or the same settings")
+
+
+__all__ = ["BOOKKEEPING", "LM_TRAIN", "MATCHES", "LMConfig", "LMDataConfig", "LMModelConfig", "check_resume_config",
+           "state_budget_per_layer", "state_matched_kwargs"]

@@ -15,10 +15,14 @@ JSON encoding of what JSON lacks (every other value is itself):
 
 Floats are written with ``repr`` precision (``json`` round-trips them exactly; ``NaN``/``Infinity``
 as Python's ``json`` spells them), so a resumed run continues bit for bit.
+
+Also here: the RNG states of a process (:func:`rng_state`, :func:`set_rng_state`), :func:`seed_everything`
+(Python, NumPy and torch from one seed) and :func:`weights_digest` (a model's weights as one SHA-256).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 from pathlib import Path
@@ -139,6 +143,24 @@ def set_rng_state(state: dict, device: torch.device | str | None = None) -> None
     device = torch.device(device) if device is not None else None
     if device is not None and device.type == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch (call before building a model)."""
+    if not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def weights_digest(model: torch.nn.Module) -> str:
+    """SHA-256 of every parameter and buffer in ``state_dict`` order: equal digests = equal weights."""
+    h = hashlib.sha256()
+    for name, tensor in model.state_dict().items():
+        h.update(name.encode())
+        h.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def _tuples(x: Any) -> Any:

@@ -10,7 +10,7 @@ from lm_eval.tasks import TaskManager
 
 from bayeslayer.evaluation import hf_tokenizer, write_perplexity_task
 from bayeslayer.evaluation.lm_eval_adapter import BayesLayerLM
-from bayeslayer.experiments.common.lm_run import write_tokenizer_config
+from bayeslayer.evaluation.tasks import write_tokenizer_config
 from bayeslayer.models import BayesLayerForCausalLM
 
 

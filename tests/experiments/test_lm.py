@@ -25,12 +25,12 @@ from bayeslayer.data.arhit import BigramCounts, annotate_ar_hits
 from bayeslayer.data.text.windows import WindowSchedule
 from bayeslayer.evaluation.perplexity import grouped_perplexity
 from bayeslayer.experiments import lm
-from bayeslayer.experiments.common.harness import weights_digest
 from bayeslayer.experiments.common.lm_run import latest_checkpoint, train_lm
 from bayeslayer.experiments.lm import GROUPS, PRESETS, markdown_table, summarize_runs
 from bayeslayer.training.distributed import resolve_precision
 from bayeslayer.training.lm import build_model, load_run
 from bayeslayer.training.lm_config import LMConfig
+from bayeslayer.training.state import weights_digest
 
 from .corpus import write_word_corpus
 

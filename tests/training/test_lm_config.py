@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from bayeslayer.experiments.common.lm_run import _check_resume_config
 from bayeslayer.experiments.lm import PRESETS
-from bayeslayer.training.lm_config import LM_TRAIN, LMConfig, LMDataConfig, LMModelConfig
+from bayeslayer.training.lm_config import LM_TRAIN, LMConfig, LMDataConfig, LMModelConfig, check_resume_config
 from bayeslayer.training.loop import TrainConfig
 
 # `bayeslayer lm train --preset tiny`'s config.json as runs wrote it before LMConfig was composed (flat)
@@ -41,9 +40,9 @@ def test_the_flat_json_of_older_runs_reads_back_and_resumes(tmp_path: Path):
     config = LMConfig.from_json(OLD_TINY_JSON)
     assert config == old_tiny and config.train.betas == (0.9, 0.95)
     assert config.to_json() == OLD_TINY_JSON  # the same keys and values: config.json is unchanged
-    _check_resume_config(OLD_TINY_JSON, old_tiny, tmp_path)  # an old run directory resumes
+    check_resume_config(OLD_TINY_JSON, old_tiny, tmp_path)  # an old run directory resumes
     with pytest.raises(ValueError, match="lr: 0.003 → 0.001"):
-        _check_resume_config(OLD_TINY_JSON, replace(old_tiny, lr=1e-3), tmp_path)
+        check_resume_config(OLD_TINY_JSON, replace(old_tiny, lr=1e-3), tmp_path)
 
 
 def test_bad_parts_and_fields_are_named():

@@ -31,10 +31,8 @@ validation metric (e.g. query accuracy on a held-out split) is highest.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import os
-import random
 import shutil
 import time
 import warnings
@@ -51,6 +49,7 @@ from ...files import atomic_write_json, read_json
 from ...training import CheckpointError, CheckpointStore, OutputLock
 from ...training.loop import Checkpoints, LoopState, TrainConfig, raise_if_diverged, train_loop
 from ...training.loop import lr_lambda as lr_lambda  # the schedule, also imported from here
+from ...training.state import seed_everything, weights_digest
 from .provenance import jsonable
 
 IGNORE_INDEX = -100
@@ -76,15 +75,6 @@ class TrainResult:
     finished: bool = False
 
 
-def seed_everything(seed: int) -> None:
-    """Seed Python, NumPy and torch (call before building a model)."""
-    if not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
 def batch_generator(seed: int, step: int) -> torch.Generator:
     """The generator that draws step ``step``'s batch: a pure function of ``(seed, step)``."""
     return torch.Generator().manual_seed(seed * 1_000_003 + step + 1)
@@ -104,15 +94,6 @@ def query_accuracy(logits: torch.Tensor, labels: torch.Tensor) -> float:
     if n == 0:
         raise ValueError("labels have no token with a loss (all -100)")
     return float((logits.argmax(-1)[mask] == labels[mask]).float().mean())
-
-
-def weights_digest(model: nn.Module) -> str:
-    """SHA-256 of every parameter and buffer in ``state_dict`` order: equal digests = equal weights."""
-    h = hashlib.sha256()
-    for name, tensor in model.state_dict().items():
-        h.update(name.encode())
-        h.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 def _save_weights(model: nn.Module, path) -> None:
@@ -286,7 +267,7 @@ def train_seeds(name: str, build_model: Callable[[int], nn.Module],
                 loss_curve_points: int = 100, fingerprint: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """Train one model per seed and evaluate it; one record per seed.
 
-    For seed ``s``: :func:`seed_everything(s)`, ``build_model(s)``, :func:`train` with
+    For seed ``s``: :func:`~bayeslayer.training.state.seed_everything` ``(s)``, ``build_model(s)``, :func:`train` with
     ``config`` (its ``seed`` replaced by ``s``), then ``final_eval(model)`` under
     ``torch.no_grad`` in eval mode.  With ``run_dir`` (locked for the call, see
     :class:`bayeslayer.training.OutputLock`) each finished seed is cached as

@@ -1,22 +1,10 @@
-"""An LM run directory: train a causal LM into it (:func:`train_lm`, resumable) and read its model back
-(:func:`load_run`).  ``lm train`` and ``distill train`` (with its own :class:`Objective`) both train here.
-
-Training (one optimiser step):
-
-* the global batch is ``batch_size`` windows of ``seq_len`` tokens; with ``W`` ranks each rank
-  runs ``batch_size / (W · micro_batch_size)`` micro-batches and accumulates gradients (DDP
-  synchronises only on the last one), so the update does not depend on ``W``;
-* loss ``L = mean_t CE(logits_t, x_{t+1})`` over the ``seq_len − 1`` predictions of each window;
-* AdamW, learning rate ``lr · s(step)`` with the harness's warmup + cosine factor
-  (:func:`bayeslayer.training.loop.lr_lambda`), global-norm gradient clipping — the package's one
-  loop, :func:`bayeslayer.training.loop.train_loop`;
-* bf16 autocast where asked (``precision="auto"``: bf16 on a CUDA device that supports it, else
-  fp32); the filters compute in fp32 whatever the input dtype.
-
-Data position: window order is a fixed permutation of the train windows per epoch, drawn from
-``(seed, epoch)``; the step-``s`` batch is the global sample indices ``[s·B, (s+1)·B)`` of that
-sequence, so the data position is a pure function of the step and a resumed run reads exactly the
-windows an uninterrupted one would.
+"""An LM run directory, shared by ``lm train`` and ``distill train`` (with its own
+:class:`~bayeslayer.training.lm.Objective`): :func:`train_lm` trains a causal LM into it, resumably, through
+:func:`bayeslayer.training.lm.train_on_windows` (batches, micro-batches, data and context parallelism: see
+there), evaluates it on the validation windows and writes its records; :func:`bayeslayer.training.lm.load_run`
+reads the finished model back.  AdamW with the warm-up + cosine schedule and global-norm clipping is the
+package's one loop (:func:`bayeslayer.training.loop.train_loop`); bf16 autocast where asked
+(``precision="auto"``: bf16 on a CUDA device that supports it, else fp32).
 
 Run directory (``--out``)::
 
@@ -64,18 +52,18 @@ import torch.distributed as dist
 
 from ...checks import check_int
 from ...data.text.windows import WindowSchedule
-from ...files import append_text, atomic_write_text, publish_directory, read_json, remove_stale_temporaries
+from ...evaluation.tasks import write_tokenizer_config
+from ...files import publish_directory, read_json, remove_stale_temporaries
 from ...training import CheckpointStore, OutputLock
 from ...training.distributed import DistContext, init_distributed, resolve_precision
 from ...training.lm import Objective, load_corpus, micro_batches_per_step, train_on_windows
-from ...training.lm_config import LMConfig
+from ...training.lm_config import LMConfig, check_resume_config
+from ...training.log import JsonLog
 from ...training.loop import Checkpoints, LoopState, StepInfo
 from ...training.optim import DECAY_POLICY
-from .harness import seed_everything, weights_digest
+from ...training.state import seed_everything, weights_digest
 from .provenance import write_record
 
-# Fields that may change when a run is resumed: they never change the loss trajectory.
-_BOOKKEEPING = frozenset({"eval_every", "eval_windows", "eval_batch_size", "checkpoint_every", "log_every"})
 
 def _rank_seed(seed: int, rank: int) -> int:
     # dropout masks must differ between ranks, and not depend on how the model was initialised
@@ -107,51 +95,6 @@ class LMTrainResult:
     finished: bool = False
     resumed_from: int | None = None
     summary: dict = field(default_factory=dict)
-
-class _JsonLog:
-    """``log.jsonl`` (rank 0 only): one JSON object per line, flushed as written."""
-
-    def __init__(self, path: Path, enabled: bool) -> None:
-        self.path, self.enabled = path, enabled
-
-    def truncate_after(self, step: int) -> None:
-        """Drop entries logged after ``step`` (a killed run logged past its last checkpoint)."""
-        if not self.enabled or not self.path.exists():
-            return
-        kept, damaged, last = [], 0, -1
-        for line in self.path.read_text(errors="replace").splitlines():
-            try:
-                entry = json.loads(line)
-            except ValueError:  # the half-written last line of a killed run, or a truncated/edited file
-                damaged += 1
-                continue
-            if not isinstance(entry, dict):
-                damaged += 1
-            elif entry.get("step", 0) <= step:
-                kept.append(line)
-                last = max(last, int(entry.get("step", 0)) if isinstance(entry.get("step", 0), int) else -1)
-        if damaged:
-            warnings.warn(f"{self.path}: {damaged} damaged line(s) dropped (not JSON objects: a half-written last "
-                          "line of a killed run, or a truncated or edited file)", RuntimeWarning, stacklevel=2)
-        if step > 0 and last < step:
-            warnings.warn(f"{self.path}: the log ends at step {max(last, 0)} but the run resumes from step {step}; "
-                          f"the entries of steps {max(last, 0) + 1}..{step} are lost (the file was truncated)",
-                          RuntimeWarning, stacklevel=2)
-        atomic_write_text(self.path, "".join(line + "\n" for line in kept))
-
-    def write(self, **entry) -> None:
-        if self.enabled:
-            with append_text(self.path) as fh:  # never through a link planted in the run folder
-                fh.write(json.dumps(entry, allow_nan=True) + "\n")
-
-def _check_resume_config(saved: dict, config: LMConfig, where: Path) -> None:
-    current = config.to_json()
-    saved = {k: v for k, v in saved.items() if k != "provenance"}  # who started the run, not what it is
-    diff = sorted(k for k in set(saved) | set(current) if k not in _BOOKKEEPING and saved.get(k) != current.get(k))
-    if diff:
-        detail = ", ".join(f"{k}: {saved.get(k)!r} → {current.get(k)!r}" for k in diff)
-        raise ValueError(f"{where} holds a run with a different configuration ({detail}); use another --out "
-                         "or the same settings")
 
 def _check_objective(run_dir: Path, objective: Objective, *, write: bool, device: Any = "cpu", seed: int = 0) -> None:
     """A run directory that holds another objective's run is an error; ``write``: record ``objective.json``."""
@@ -236,7 +179,7 @@ class _LMCheckpoints(Checkpoints):
         self.seconds_before = 0.0  # training time of earlier calls (from the checkpoint)
 
     def accept(self, checkpoint: Path, state: dict) -> bool:
-        _check_resume_config(json.loads(state["config"]), self.config, checkpoint)
+        check_resume_config(json.loads(state["config"]), self.config, checkpoint)
         return True
 
     def write_weights(self, directory: Path) -> None:
@@ -266,7 +209,7 @@ def _train_lm(config: LMConfig, run_dir: Path, ctx: DistContext, *, autocast_dty
         remove_stale_temporaries(run_dir)  # left by a killed run; safe: this process holds the lock
         store.recover()
         if config_path.exists():
-            _check_resume_config(read_json(config_path, what="the run's configuration"), config, run_dir)
+            check_resume_config(read_json(config_path, what="the run's configuration"), config, run_dir)
         _check_objective(run_dir, objective, write=False)
     ctx.barrier()
 
@@ -289,7 +232,7 @@ def _train_lm(config: LMConfig, run_dir: Path, ctx: DistContext, *, autocast_dty
                      optimizer_groups=DECAY_POLICY)
         _check_objective(run_dir, objective, write=True, device=ctx.device, seed=config.seed)
 
-    log = _JsonLog(run_dir / "log.jsonl", ctx.is_main)
+    log = JsonLog(run_dir / "log.jsonl", ctx.is_main)
     checkpoints = _LMCheckpoints(store, model, config, world)
     checkpoints.context_parallel = ctx.cp_size
     window_losses: list[float] = []
@@ -404,20 +347,6 @@ def _report_damaged_final(final: Path) -> None:
         warnings.warn(f"{final} was damaged ({' '.join(str(exc).split())}); rewritten from the last checkpoint",
                       RuntimeWarning, stacklevel=3)
 
-def write_tokenizer_config(tokenizer, directory: str | os.PathLike) -> None:
-    """``tokenizer_config.json`` and ``special_tokens_map.json`` beside ``tokenizer.json``: they name the
-    end-of-text token, so ``AutoTokenizer.from_pretrained(directory)`` (and lm-eval's ``hf`` model) has an
-    EOS.  ``tokenizer.json`` itself is left as written."""
-    import tempfile
-
-    from ...evaluation.tasks import hf_tokenizer
-
-    with tempfile.TemporaryDirectory() as tmp:
-        hf_tokenizer(tokenizer).save_pretrained(tmp)
-        for name in ("tokenizer_config.json", "special_tokens_map.json"):
-            if (Path(tmp) / name).is_file():
-                (Path(directory) / name).write_bytes((Path(tmp) / name).read_bytes())
-
 def _write_final(directory: Path, model, config: LMConfig, objective: Objective, tokenizer) -> None:
     from ...models.loading import save_model_dir
 
@@ -432,5 +361,4 @@ def _write_final(directory: Path, model, config: LMConfig, objective: Objective,
     write_model_manifest(directory)  # last: every loader of the package verifies it
 
 
-__all__ = ["LMTrainResult", "checkpoint_store", "latest_checkpoint",
-           "train_lm", "write_tokenizer_config"]
+__all__ = ["LMTrainResult", "checkpoint_store", "latest_checkpoint", "train_lm"]
