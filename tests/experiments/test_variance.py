@@ -1,39 +1,15 @@
-"""``bayeslayer variance``: the AUROC and logistic fit, reading the variance out of the trained models,
-and a tiny run's JSON and figure."""
+"""``bayeslayer variance``: reading the variance out of the trained models, and a tiny run's JSON and figure
+(the AUROC and the logistic fit: tests/evaluation/test_variance.py)."""
 
 import json
 from dataclasses import replace
 
-import numpy as np
 import pytest
 import torch
 
 from bayeslayer.cli import main as cli_main
 from bayeslayer.experiments import variance
-from bayeslayer.experiments.variance import VarianceConfig, VarianceProbe, auroc, collect_queries, fit_logistic
-
-
-def test_auroc_counts_pairs_and_half_ties():
-    assert auroc(np.array([0.1, 0.2, 0.8, 0.9]), np.array([False, False, True, True])) == 1.0
-    assert auroc(np.array([0.9, 0.8, 0.2, 0.1]), np.array([False, False, True, True])) == 0.0
-    assert auroc(np.ones(4), np.array([False, True, False, True])) == 0.5
-    # against a brute-force count over all (positive, negative) pairs, ties counting half
-    rng = np.random.default_rng(0)
-    s, y = rng.integers(0, 5, 200).astype(float), rng.random(200) < 0.3
-    pairs = s[y][:, None] - s[~y][None, :]
-    assert auroc(s, y) == pytest.approx(((pairs > 0).sum() + 0.5 * (pairs == 0).sum()) / pairs.size)
-    assert auroc(s, np.zeros(200, bool)) is None
-    with pytest.raises(ValueError, match="1-D"):
-        auroc(s, y[:10])
-
-
-def test_logistic_fit_finds_the_informative_feature():
-    rng = np.random.default_rng(1)
-    x = rng.normal(size=(400, 2))
-    y = (x[:, 1] + 0.3 * rng.normal(size=400)) > 0
-    predict = fit_logistic(x[:200], y[:200])
-    assert auroc(predict(x[200:]), y[200:]) > 0.9
-    assert auroc(predict(x[200:]), y[200:]) > auroc(x[200:, 0], y[200:])
+from bayeslayer.experiments.variance import VarianceConfig, VarianceProbe, collect_queries
 
 
 @pytest.mark.parametrize("setup", ["_recall_setup", "_mqar_setup"])
