@@ -6,10 +6,11 @@
 AR-hit tokens per distance bucket (:mod:`bayeslayer.data.arhit`), mean ± std over seeds, and
 writes a Table-2-layout markdown table and a bar plot, both drawn from the saved JSON.
 
-What one optimiser step does, how the data position follows the step, the run directory
-(``--out``), its crash-safe checkpoints and the distributed launch (``torchrun``):
+What one optimiser step does and how the data position follows the step: :mod:`bayeslayer.training.lm`;
+the run directory (``--out``), its crash-safe checkpoints and the distributed launch (``torchrun``):
 :mod:`bayeslayer.experiments.common.lm_run`, which ``distill train`` trains with too.  The run's
-configuration: :class:`~bayeslayer.training.lm_config.LMConfig`.
+configuration: :class:`~bayeslayer.training.lm_config.LMConfig`; ``lm eval``'s record, table and figure:
+:mod:`bayeslayer.experiments.lm.report`.
 """
 
 from __future__ import annotations
@@ -19,25 +20,23 @@ import contextlib
 import json
 import os
 import warnings
-from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from ..checks import check_int
-from ..data.text.sources import SOURCE_HELP, WIKITEXT_103
-from ..errors import UsageError
-from ..files import atomic_write_text, read_json, sha256_file
-from ..training import OutputLock
-from ..training.distributed import PRECISIONS, init_distributed, resolve_device
-from ..training.lm import build_model, load_corpus, load_run
-from ..training.lm_config import LM_TRAIN, MATCHES, LMConfig, LMDataConfig, LMModelConfig
-from .common.cli_help import override_help, preset_values
-from .common.harness import results_record, summarize
-from .common.lm_run import train_lm
-from .common.options import (
+from ...checks import check_int
+from ...data.text.sources import SOURCE_HELP, WIKITEXT_103
+from ...errors import UsageError
+from ...files import atomic_write_text, read_json, sha256_file
+from ...training import OutputLock
+from ...training.distributed import PRECISIONS, init_distributed, resolve_device
+from ...training.lm import build_model, load_corpus, load_run
+from ...training.lm_config import LM_TRAIN, MATCHES, LMConfig, LMDataConfig, LMModelConfig
+from ..common.cli_help import override_help, preset_values
+from ..common.lm_run import train_lm
+from ..common.options import (
     DEVICE_HELP,
     PLOT_ONLY_HELP,
     add_train_eval,
@@ -55,9 +54,9 @@ from .common.options import (
     positive_int_arg,
     redrawing,
 )
-from .common.plotting import save_figure
-from .common.provenance import write_record
-from .common.threads import SMALL, TORCH_DEFAULT, add_threads_option
+from ..common.provenance import write_record
+from ..common.threads import SMALL, TORCH_DEFAULT, add_threads_option
+from .report import GROUP_LABELS, GROUPS, bar_plot, markdown_table, summarize_runs, write_report
 
 DESCRIPTION = (
     "Train language models from scratch (lm train) and compare finished runs by "
@@ -75,18 +74,6 @@ EVAL_DESCRIPTION = (
     "are seeds of one model. Writes <out>/<name>.json, .md, .png. Held-out PPL "
     "per length (Table 7, formerly `lm eval --lengths ...`) is `bayeslayer heldout`."
 )
-
-# Table-2 columns, then the distance buckets, in the order of :meth:`ARHitAnnotation.masks`.
-GROUPS = ("all", "ar_hit", "other", "ar_hit_1_64", "ar_hit_65_256", "ar_hit_257_1024")
-GROUP_LABELS = {"all": "all", "ar_hit": "AR-hit", "other": "other", "ar_hit_1_64": "AR-hit 1–64",
-                "ar_hit_65_256": "AR-hit 65–256", "ar_hit_257_1024": "AR-hit 257–1,024"}
-# the paper's Table 2, docs/theory.md §8.5 (mean ± std over 3 seeds, WikiText-103 test, 32k BPE).
-PAPER_TABLE2 = {
-    "BL": {"all": (20.01, 0.15), "ar_hit": (18.15, 1.08), "other": (20.03, 0.15)},
-    "GDN": {"all": (18.75, 0.07), "ar_hit": (23.72, 1.76), "other": (18.69, 0.08)},
-    "Mamba-2": {"all": (21.36, 0.27), "ar_hit": (424.8, 120.4), "other": (20.58, 0.19)},
-}
-
 
 # --------------------------------------------------------------------------- configuration
 
@@ -124,24 +111,6 @@ PRESET_HELP = (  # bayeslayer lm train --preset
 )
 
 
-# --------------------------------------------------------------------------- distributed context
-
-
-# --------------------------------------------------------------------------- data
-
-
-# --------------------------------------------------------------------------- model
-
-
-# --------------------------------------------------------------------------- evaluation
-
-
-# --------------------------------------------------------------------------- checkpoints
-
-
-# --------------------------------------------------------------------------- training
-
-
 # --------------------------------------------------------------------------- evaluation of runs
 
 
@@ -168,7 +137,7 @@ def evaluate_run(run_dir: str | os.PathLike, *, split: str = "test", seq_len: in
             cached = None
         if isinstance(cached, dict) and cached.get("weights_sha256") == weights:
             return cached
-    from ..evaluation.perplexity import grouped_perplexity
+    from ...evaluation.perplexity import grouped_perplexity
 
     corpus = load_corpus(config, ctx, cache_dir=cache_dir, splits=("train", split))
     windows = corpus.windows(split, seq_len)
@@ -193,108 +162,6 @@ def trained_with(run_dir: str | os.PathLike) -> str | None:
     except (OSError, ValueError, AttributeError):
         return None
     return prov.get("optimizer_groups") if isinstance(prov, dict) else None
-
-
-def summarize_runs(records: Sequence[dict]) -> dict:
-    """Group per-run records by model label; mean ± std (ddof 1) of PPL per group over seeds.
-
-    Returns the results layout of :func:`bayeslayer.experiments.common.harness.results_record` with
-    ``models[label] = {"seeds": [records], "summary": {group: {"mean", "std", "values"}}}``.
-    """
-    if not records:
-        raise ValueError("summarize_runs needs at least one run record")
-    splits = {(r["split"], r["seq_len"]) for r in records}
-    if len(splits) != 1:
-        raise ValueError(f"runs were evaluated on different splits/lengths {sorted(splits)}; evaluate them alike")
-    split, seq_len = splits.pop()
-    models: dict[str, dict] = {}
-    for rec in records:
-        models.setdefault(rec["label"], {"seeds": [], "summary": {}})["seeds"].append(rec)
-    for label, entry in models.items():
-        seeds = [r["seed"] for r in entry["seeds"]]
-        if len(set(seeds)) != len(seeds):
-            raise ValueError(f"model {label!r} has repeated seeds {seeds}: pass each run once (or set --label)")
-        entry["summary"] = {g: summarize([r["groups"][g]["ppl"] for r in entry["seeds"]])
-                            for g in GROUPS if all(r["groups"].get(g, {}).get("n_tokens", 0) for r in entry["seeds"])}
-    presets = sorted({r.get("preset", "?") for r in records})
-    return results_record("lm", ",".join(presets), {"split": split, "seq_len": seq_len}, models,
-                          groups=list(GROUPS), paper_table2=PAPER_TABLE2)
-
-
-def _cell(stats: dict | None) -> str:
-    if not stats:
-        return "–"
-    n = len(stats["values"])
-    return f"{stats['mean']:.2f} ± {stats['std']:.2f}" if n > 1 else f"{stats['mean']:.2f}"
-
-
-def markdown_table(record: dict) -> str:
-    """Table 2's layout (model | all | AR-hit | other), then AR-hit PPL per distance bucket and token counts."""
-    models = record.get("models")
-    if not isinstance(models, dict) or not models:
-        raise ValueError("record has no models; pass the JSON written by `bayeslayer lm eval`")
-    cfg = record.get("config", {})
-    n_seeds = {label: len(m["seeds"]) for label, m in models.items()}
-    lines = [f"PPL on packed windows of length {cfg.get('seq_len')} of the {cfg.get('split')} split "
-             f"(mean ± std over seeds; seeds per model: "
-             + ", ".join(f"{k} {v}" for k, v in n_seeds.items()) + ").", "",
-             "| model | all | AR-hit | other |", "|---|---|---|---|"]
-    for label, m in models.items():
-        lines.append(f"| {label} | " + " | ".join(_cell(m["summary"].get(g)) for g in GROUPS[:3]) + " |")
-    lines += ["", "| model | " + " | ".join(GROUP_LABELS[g] for g in GROUPS[3:]) + " |", "|---|---|---|---|"]
-    for label, m in models.items():
-        lines.append(f"| {label} | " + " | ".join(_cell(m["summary"].get(g)) for g in GROUPS[3:]) + " |")
-    first = next(iter(models.values()))["seeds"][0]["groups"]
-    lines += ["", "Tokens per group: " + ", ".join(
-        f"{GROUP_LABELS[g]} {first[g]['n_tokens']:,}" for g in GROUPS if g in first) + "."]
-    return "\n".join(lines) + "\n"
-
-
-def bar_plot(record: dict, path: str | os.PathLike) -> Path:
-    """Grouped bars of PPL per group (log scale), one bar per model, error bars = std over seeds."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    models = record["models"]
-    groups = [g for g in GROUPS if any(g in m["summary"] for m in models.values())]
-    width = 0.8 / max(1, len(models))
-    fig, ax = plt.subplots(figsize=(7.5, 4.0))
-    try:
-        for i, (label, m) in enumerate(models.items()):
-            xs = [j + (i - (len(models) - 1) / 2) * width for j in range(len(groups))]
-            means = [m["summary"][g]["mean"] if g in m["summary"] else float("nan") for g in groups]
-            stds = [m["summary"][g]["std"] if g in m["summary"] else 0.0 for g in groups]
-            ax.bar(xs, means, width, yerr=stds, capsize=3, label=f"{label} ({len(m['seeds'])} seed(s))")
-        ax.set_xticks(range(len(groups)), [GROUP_LABELS[g] for g in groups], rotation=15, fontsize=8)
-        ax.set_yscale("log")
-        ax.set_ylabel("perplexity (log scale)")
-        cfg = record.get("config", {})
-        ax.set_title(f"{cfg.get('split')} split, windows of {cfg.get('seq_len')} tokens", fontsize=10)
-        ax.grid(axis="y", alpha=0.3, which="both")
-        ax.legend(fontsize=8)
-        return save_figure(fig, path)
-    finally:
-        plt.close(fig)
-
-
-def write_report(record: dict, out_dir: str | os.PathLike, name: str = "lm") -> dict[str, Path]:
-    """Write ``<name>.json`` (unless it is the source), ``<name>.md`` and ``<name>.png`` from ``record``."""
-    out_dir = Path(out_dir)
-    check_file_name(name, option="name")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = {"json": out_dir / f"{name}.json", "table": out_dir / f"{name}.md", "plot": out_dir / f"{name}.png"}
-    seeds = sorted({r["seed"] for m in record["models"].values() for r in m["seeds"]})
-    groups = {(r.get("provenance") or {}).get("optimizer_groups") for m in record["models"].values()
-              for r in m["seeds"]}
-    devices = {str(d) for m in record["models"].values() for r in m["seeds"]
-               if (d := (r.get("provenance") or {}).get("device"))} or {"cpu"}
-    write_record(paths["json"], record, device=",".join(sorted(devices)),
-                 seeds=seeds, optimizer_groups=groups.pop() if len(groups) == 1 else None)
-    atomic_write_text(paths["table"], markdown_table(record))
-    bar_plot(record, paths["plot"])
-    return paths
 
 
 # --------------------------------------------------------------------------- command line
@@ -325,7 +192,7 @@ def check_mixer_kwargs(mixer: str, kwargs: dict, *, hidden_size: int, num_heads:
                        option: str = "--mixer-kwargs") -> None:
     """Build one ``mixer`` layer with ``kwargs`` so a misspelt or out-of-range argument fails now, not
     after the corpus is tokenized (on the ``meta`` device: no memory is allocated, whatever the sizes)."""
-    from ..layers import build_mixer
+    from ...layers import build_mixer
 
     try:
         with torch.device("meta"):
@@ -487,3 +354,7 @@ def add_parser(sub) -> None:
     e.add_argument("--plot-only", action="store_true", help=PLOT_ONLY_HELP + " (<out>/<name>.json)")
     add_threads_option(e, TORCH_DEFAULT)
     e.set_defaults(func=_eval_main)
+
+
+__all__ = ["GROUPS", "GROUP_LABELS", "PRESETS", "add_parser", "bar_plot", "config_from_args", "evaluate_run",
+           "markdown_table", "summarize_runs", "trained_with", "write_report"]
