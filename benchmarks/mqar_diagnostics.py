@@ -37,6 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bayeslayer.data.mqar import MQARTask, make_pool  # noqa: E402
+from bayeslayer.evaluation.mqar import query_counts  # noqa: E402
 from bayeslayer.experiments.common.harness import masked_cross_entropy  # noqa: E402
 from bayeslayer.experiments.common.provenance import write_record  # noqa: E402
 from bayeslayer.experiments.mqar import (  # noqa: E402
@@ -44,7 +45,6 @@ from bayeslayer.experiments.mqar import (  # noqa: E402
     MQARModel,
     epoch_sampler,
     model_config,
-    query_counts,
     train_config,
     train_tasks,
 )

@@ -22,7 +22,6 @@ from bayeslayer.experiments.mqar import (
     format_table,
     model_config,
     plot_mqar,
-    query_counts,
     sweep_points,
     train_tasks,
 )
@@ -100,21 +99,6 @@ def test_epoch_sampler_is_a_pure_function_of_the_step():
     again = epoch_sampler(train_ds, 4, data_seed=1)
     assert torch.equal(again(n + 2, 4, g).inputs, later)  # a resumed run sees the same batch
     assert torch.equal(again(3, 4, g).inputs, epoch0[3])
-
-
-def test_query_counts_slices_add_up():
-    data = MQARTask("update", 32, 4, 3).generate(10, vocab_size=32, seed=0)
-
-    class Oracle(torch.nn.Module):  # predicts the label wherever there is one, token 0 elsewhere
-        def forward(self, x):
-            idx = data.inputs.eq(x[:1]).all(1).nonzero()[0, 0]
-            lab = data.labels[idx : idx + x.shape[0]].clamp_min(0)
-            return torch.nn.functional.one_hot(lab, 32).float()
-
-    r = query_counts(Oracle(), data, 5, {"writes": data.query_writes})
-    assert r["accuracy"] == 1.0 and r["queries"] == 40
-    assert sum(s["queries"] for s in r["slices"]["writes"].values()) == 40
-    assert 0 not in r["slices"]["writes"]  # only query positions are counted
 
 
 def test_harness_learns_a_tiny_mqar_instance():

@@ -55,16 +55,16 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
-import torch.nn as nn
 
-from ..checks import check_int
-from ..data.mqar import IGNORE_INDEX, MQARData, MQARDataset, MQARTask, make_pool
-from ..errors import UsageError
-from ..models.mqar_model import LAYOUTS, BaseConv, MQARModel, MQARModelConfig
-from ..training.distributed import resolve_device
-from ..training.optim import DECAY_POLICY
-from .common.harness import results_record, summarize, train_lr_grid
-from .common.mqar_setup import (
+from ...checks import check_int
+from ...data.mqar import MQARTask, make_pool
+from ...errors import UsageError
+from ...evaluation.mqar import final_evaluation
+from ...models.mqar_model import LAYOUTS, BaseConv, MQARModel, MQARModelConfig
+from ...training.distributed import resolve_device
+from ...training.optim import DECAY_POLICY
+from ..common.harness import results_record, train_lr_grid
+from ..common.mqar_setup import (
     GATES,
     LOWRANK_MIXERS,
     LOWRANK_PREFIX,
@@ -84,7 +84,7 @@ from .common.mqar_setup import (
     train_config,
     train_tasks,
 )
-from .common.options import (
+from ..common.options import (
     DEVICE_HELP,
     PLOT_ONLY_HELP,
     check_out_dir,
@@ -94,9 +94,10 @@ from .common.options import (
     positive_int_arg,
     redrawing,
 )
-from .common.plotting import RefLine, Series, line_plot, load_json
-from .common.provenance import write_record
-from .common.threads import TORCH_DEFAULT, add_threads_option
+from ..common.plotting import load_json
+from ..common.provenance import write_record
+from ..common.threads import TORCH_DEFAULT, add_threads_option
+from .report import format_table, plot_mqar, results_stem, summarize_mixer
 
 DESCRIPTION = (
     "Zoology's multi-query associative recall in three tasks: base (key-value pairs, "
@@ -130,64 +131,6 @@ def sweep_points(task: str, preset: MQARPreset) -> list[tuple[int, MQARTask]]:
         return [(n, MQARTask("block", preset.block_seq_len, n, block_size=preset.block_size))
                 for n in preset.block_test_pairs]
     raise ValueError(f"task must be one of {TASK_NAMES}, got {task!r}")
-
-
-def query_counts(model: nn.Module, data: MQARData, batch: int,
-                 slice_of: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
-    """Correct and total queries of ``model`` on ``data``, overall and per slice.
-
-    ``slice_of[name]``: ``[N]`` (per sequence) or ``[N, L]`` (per position) values; returns
-    ``{"correct", "queries", "accuracy", "slices": {name: {value: {"correct", "queries", "accuracy"}}}}``.
-    """
-    slice_of = slice_of or {}
-    correct = queries = 0
-    per: dict[str, dict[int, list[int]]] = {name: {} for name in slice_of}
-    for start in range(0, len(data), batch):
-        idx = slice(start, start + batch)
-        device = next(model.parameters(), torch.empty(0)).device  # (a parameterless model: CPU)
-        labels = data.labels[idx].to(device)
-        mask = labels != IGNORE_INDEX
-        hit = (model(data.inputs[idx].to(device)).argmax(-1) == labels) & mask
-        correct += int(hit.sum())
-        queries += int(mask.sum())
-        for name, values in slice_of.items():
-            vals = values[idx].to(device)
-            if vals.dim() == 1:
-                vals = vals[:, None].expand_as(labels)
-            for v in vals[mask].unique().tolist():
-                sel = vals == v
-                c = per[name].setdefault(int(v), [0, 0])
-                c[0] += int((hit & sel).sum())
-                c[1] += int((mask & sel).sum())
-
-    def acc(c: int, n: int) -> float:
-        return c / n if n else float("nan")
-
-    return {"correct": correct, "queries": queries, "accuracy": acc(correct, queries),
-            "slices": {name: {v: {"correct": c, "queries": n, "accuracy": acc(c, n)}
-                              for v, (c, n) in sorted(d.items())} for name, d in per.items()}}
-
-
-def final_evaluation(task: str, preset: MQARPreset, val: MQARDataset, tests: list[tuple[int, MQARData]]):
-    """``final_eval(model)``: validation accuracy (the lr-selection score) and every test point."""
-    val_slices = {"base": "num_pairs", "update": "num_updates", "block": "num_pairs"}[task]
-
-    def evaluate(model: nn.Module) -> dict[str, Any]:
-        correct = queries = 0
-        by_segment = []
-        for seg in val.segments:
-            r = query_counts(model, seg, preset.eval_batch)
-            correct, queries = correct + r["correct"], queries + r["queries"]
-            by_segment.append({"seq_len": seg.seq_len, val_slices: int(seg.slices[val_slices][0]),
-                               "accuracy": r["accuracy"], "queries": r["queries"]})
-        points = []
-        for x, data in tests:
-            r = query_counts(model, data, preset.eval_batch, {"writes_of_queried_key": data.query_writes})
-            points.append({"x": x, "accuracy": r["accuracy"], "queries": r["queries"],
-                           "by_writes_of_queried_key": r["slices"]["writes_of_queried_key"]})
-        return {"val_accuracy": correct / queries, "val_by_segment": by_segment, "test": points}
-
-    return evaluate
 
 
 def _check_mixers(mixers: Sequence[str]) -> list[str]:
@@ -302,8 +245,8 @@ def run(config: MQARConfig, *, log=print) -> dict:
             mcfg, head = model_config(mixer, preset, width)
             log("  " + head.summary())
             # Base: each width is its own model and its own sweep point
-            evaluate = final_evaluation(task, preset, val_ds,
-                                        [tests[widths.index(width)]] if task == "base" else tests)
+            evaluate = final_evaluation(task, val_ds, [tests[widths.index(width)]] if task == "base" else tests,
+                                        preset.eval_batch)
             try:
                 grid = train_lr_grid(
                     f"mqar_{task}_{preset.name}_{preset.layout}_gate-{preset.gate}_{mixer}_w{width}",
@@ -341,84 +284,6 @@ def run(config: MQARConfig, *, log=print) -> dict:
                          optimizer_groups=DECAY_POLICY)
             plot_mqar(record, os.path.join(out_dir, f"{stem}.png"))
     return record
-
-
-def results_stem(task: str, preset: MQARPreset) -> str:
-    """File stem of a run's JSON and PNG: ``mqar_<task>``, plus ``_<layout>`` and ``_gate-<on|off>`` when
-    not the stacked layout / the default gate, so runs of different layouts never overwrite each other."""
-    stem = f"mqar_{task}"
-    if preset.layout != "stacked":
-        stem += f"_{preset.layout}"
-    if preset.gate != "default":
-        stem += f"_gate-{preset.gate}"
-    return stem
-
-
-def summarize_mixer(task: str, runs: list[dict]) -> dict[str, Any]:
-    """Accuracy vs the swept variable (mean ± std over seeds), validation accuracy and train time."""
-    xs, acc, val, secs = [], [], [], []
-    for run in runs:
-        seeds = run["seeds"]
-        for i, point in enumerate(seeds[0]["test"]):
-            xs.append(point["x"])
-            acc.append(summarize([s["test"][i]["accuracy"] for s in seeds]))
-        val.append(summarize([s["val_accuracy"] for s in seeds]))
-        secs.extend(s["train_seconds"] for s in seeds)
-    return {"x": xs, "accuracy": {"mean": [a["mean"] for a in acc], "std": [a["std"] for a in acc]},
-            "val_accuracy": {"mean": [v["mean"] for v in val], "std": [v["std"] for v in val]},
-            "train_seconds": summarize(secs)}
-
-
-# -- plots and tables from the JSON ------------------------------------------------------------------
-_XLABELS = {"base": "model width", "update": "number of updates (length {L}, {n} pairs)",
-            "block": "number of pairs (length {L}, block size {b})"}
-
-
-def plot_mqar(record: dict, path: str) -> str:
-    """Query accuracy vs the swept variable, one line per mixer (± std over seeds), from the results dict."""
-    cfg = record["config"]
-    task = cfg["task"]
-    series = [Series(res["label"], x=res["summary"]["x"], y=res["summary"]["accuracy"]["mean"],
-                     err=res["summary"]["accuracy"]["std"] if cfg["seeds"] > 1 else None,
-                     style={"marker": "o", "markersize": 3})
-              for res in record["models"].values()]
-    if not series:
-        raise ValueError("the results hold no finished mixer to plot")
-    xlabel = _XLABELS[task].format(L=cfg["update_test_seq_len"] if task == "update" else cfg["block_seq_len"],
-                                   n=cfg["update_test_pairs"], b=cfg["block_size"])
-    vlines = []
-    if task == "update":
-        trained = sorted({u for _, _, us in cfg["update_train"] for u in us})
-        vlines = [RefLine(max(trained), "max trained")]
-    elif task == "block":
-        vlines = [RefLine(max(cfg["block_train_pairs"]), "max trained")]
-    layout = cfg.get("layout", "stacked")  # results written before layouts existed are stacked
-    title = (f"MQAR {task} — preset '{record['preset']}', {layout} layout (gate: {cfg.get('gate', 'default')}; "
-             f"V = {cfg['vocab_size']}, state {cfg['budget']}\nfloats/layer, {cfg['epochs']} epochs, "
-             f"{cfg['seeds']} seed{'s' * (cfg['seeds'] > 1)})")
-    chance = [RefLine(1 / cfg["vocab_size"], f"chance (1/{cfg['vocab_size']})")]
-    return str(line_plot(path, series, xlabel=xlabel, ylabel="query accuracy", title=title, vlines=vlines,
-                         hlines=chance, xscale="log" if task == "base" else "linear", ylim=(-0.02, 1.02)))
-
-
-def format_table(record: dict) -> str:
-    """Accuracy per mixer at every sweep point, as a Markdown table."""
-    models = record["models"]
-    if not models:
-        return "(no finished mixer)"
-    xs = next(iter(models.values()))["summary"]["x"]
-    lines = ["| mixer | " + " | ".join(str(x) for x in xs) + " | val acc | lr |",
-             "|---" * (len(xs) + 3) + "|"]
-    for res in models.values():
-        s = res["summary"]
-        lrs = ",".join(f"{r['best_lr']:g}" for r in res["runs"])
-        lines.append(f"| {res['label']} | " + " | ".join(f"{a:.3f}" for a in s["accuracy"]["mean"])
-                     + " | " + "/".join(f"{v:.3f}" for v in s["val_accuracy"]["mean"]) + f" | {lrs} |")
-    paper = record.get("paper_reported")
-    if paper:
-        lines.append(f"\npaper (docs/theory.md §8.4) at {paper['x']}: " + ", ".join(
-            f"{mixer_label(m)} ≈ {v:.2f}" for m, v in paper["values"].items()))
-    return "\n".join(lines)
 
 
 # -- command line ------------------------------------------------------------------------------------
@@ -518,6 +383,6 @@ def add_parser(sub) -> None:
 __all__ = [
     "DEFAULT_MIXERS", "GATES", "LAYOUTS", "MIXER_VARIANTS", "PRESETS", "TASK_NAMES", "BaseConv", "MQARConfig",
     "MQARModel", "MQARModelConfig", "MQARPreset", "build_model", "epoch_sampler", "format_table", "gate_kwargs",
-    "known_mixers", "mixer_kwargs", "model_config", "plot_mqar", "query_counts", "resolve_mixer", "results_stem",
+    "known_mixers", "mixer_kwargs", "model_config", "plot_mqar", "resolve_mixer", "results_stem",
     "config_from_args", "run", "sweep_points", "train_tasks",
 ]
