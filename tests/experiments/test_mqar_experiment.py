@@ -9,6 +9,7 @@ import torch
 
 from bayeslayer.cli import main as cli_main
 from bayeslayer.data.mqar import MQARTask, make_pool
+from bayeslayer.evaluation.mqar import query_counts
 from bayeslayer.experiments import mqar
 from bayeslayer.experiments.common.harness import TrainConfig, train
 from bayeslayer.experiments.common.plotting import load_json
