@@ -53,3 +53,20 @@ def test_the_constraints_pin_the_readme_torch():
 def test_ci_run_checks_the_readme_before_installing():
     text = (ROOT / ".ci" / "run").read_text()
     assert text.index("README.md") < text.index("python3 -m venv")
+
+
+def _test_command() -> str:
+    """The README's test command (the second ```bash block)."""
+    blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    assert len(blocks) >= 2, "README.md has no test command block"
+    return blocks[1].strip()
+
+
+def test_ci_runs_the_readme_test_command_then_the_regression_tests_on_avx2():
+    lines = (ROOT / ".ci" / "run").read_text().splitlines()
+    command = _test_command()
+    assert command in lines, f".ci/run does not run the README's test command: {command}"
+    second = [line for line in lines if line.endswith("-m pytest -q tests/training/test_regression.py")]
+    assert second == ["ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 "
+                      ".venv/bin/python -m pytest -q tests/training/test_regression.py"], second
+    assert lines.index(command) < lines.index(second[0])
