@@ -47,6 +47,11 @@ class NotAnIntegerError(TypeError, ValueError):
     """
 
 
+class SizeError(ValueError):
+    """A size no memory of the machine holds (an argument or a config field, which the message names), refused
+    before anything is allocated."""
+
+
 class NonFiniteError(ValueError):
     """A tensor holds NaN or Inf values where finite ones are required (the ops' input checks).
 
@@ -89,6 +94,6 @@ def is_out_of_memory(err: BaseException) -> bool:
 
 
 __all__ = [
-    "EXIT_INTERRUPTED", "EXIT_USAGE", "Interrupted", "NonFiniteError", "UsageError", "expected_errors",
+    "EXIT_INTERRUPTED", "EXIT_USAGE", "Interrupted", "NonFiniteError", "SizeError", "UsageError", "expected_errors",
     "is_out_of_memory",
 ]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -58,8 +59,9 @@ def tiny_model(**overrides):
     return BayesLayerForCausalLM(BayesLayerConfig(**{**TINY, **overrides})).eval()
 
 
-def write_lm_run(model, run: Path) -> Path:
-    """``run/final/`` as ``lm train`` writes it for ``model`` (weights, config, lm_config.json, manifest)."""
+def write_lm_run(model, run: Path, **settings) -> Path:
+    """``run/final/`` as ``lm train`` writes it for ``model`` (weights, config, lm_config.json, manifest);
+    ``settings`` override the run's :class:`~bayeslayer.training.lm_config.LMConfig` (its corpus)."""
     from bayeslayer.models.loading import save_model_dir, write_model_manifest
     from bayeslayer.training.lm_config import LMConfig
 
@@ -71,6 +73,7 @@ def write_lm_run(model, run: Path) -> Path:
                       num_heads=c.num_heads, head_dim=c.head_dim, source="python-docs", vocab_size=c.vocab_size,
                       seq_len=16, steps=4, batch_size=2, micro_batch_size=2, warmup_steps=1, eval_every=0,
                       checkpoint_every=2)
+    config = replace(config, **settings)
     (final / "lm_config.json").write_text(json.dumps(config.to_json()))
     write_model_manifest(final)
     return run
@@ -108,6 +111,37 @@ def flip_byte(directory: Path) -> None:
     (directory / "model.safetensors").write_bytes(bytes(data))
 
 
+def diverge(model):
+    """``model`` with 64 values of ``lm_head`` times 2¹²⁸: still finite (a diverged run, not a damaged file),
+    but its cross-entropies are ~1e37, far past what ``exp`` can take."""
+    with torch.no_grad():
+        head = model.lm_head.weight.view(-1)
+        head[:64] *= 2.0 ** 64
+        head[:64] *= 2.0 ** 64  # in two steps: 2**128 itself is past float32's largest number
+    assert bool(torch.isfinite(model.lm_head.weight).all())
+    return model
+
+
+def scale_then_drop_manifest(directory: Path) -> None:
+    """The weights of :func:`diverge`, then ``manifest.json`` deleted: the folder's ``config.json`` still says
+    a manifest was written."""
+    def scale(weights):
+        head = weights["lm_head.weight"].view(-1)
+        head[:64] *= 2.0 ** 64
+        head[:64] *= 2.0 ** 64
+    edit_weights(directory, scale)
+    (directory / "manifest.json").unlink()
+
+
+def pickle_weights(directory: Path) -> None:
+    """``model.safetensors`` replaced by a pickle ``pytorch_model.bin`` of the same tensors."""
+    from safetensors.torch import load_file
+
+    weights = load_file(str(directory / "model.safetensors"))
+    torch.save(weights, directory / "pytorch_model.bin")
+    (directory / "model.safetensors").unlink()
+
+
 # damage -> (what it does to a model folder of TINY, re-sign the manifest afterwards, texts the error must
 # hold).  Re-signing makes the folder consistent, as a folder from elsewhere (no manifest) would be, so that
 # the strict checks behind the manifest are what refuses it.
@@ -129,6 +163,16 @@ DAMAGES = {
                                          ["config.json has 0 bytes"]),
     "truncated weights": (lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:40]),
                           True, ["model.safetensors", "damaged or not a safetensors file"]),
+    # a deleted manifest does not switch the verification off: config.json says one was written
+    "manifest deleted, weights scaled": (scale_then_drop_manifest, False, ["manifest.json", "is missing"]),
+    # a pickle is refused before anything reads it (re-signed: a consistent folder, as one from elsewhere)
+    "pickle weights": (pickle_weights, True, ["pytorch_model.bin", "pickle"]),
+    # every mixer tensor differs in shape: reported as shapes, not as the uninitialised memory left in their place
+    "hidden size in config differs": (lambda d: edit_config(d, hidden_size=64), True,
+                                      ["shape(s) differ", "lm_head.weight", "(50, 32)", "(50, 64)"]),
+    # a size no memory holds: refused naming the field and the file, before anything is allocated
+    "vocab_size past memory": (lambda d: edit_config(d, vocab_size=10**12), True,
+                               ["vocab_size", "needs at least", "config.json"]),
 }
 
 

@@ -14,6 +14,11 @@ run ends in one of five outcomes:
 * ``hang``: still running after the case's timeout (a ``SIGALRM`` stops it), or a question asked on
   the terminal (``input()``), where a batch job would wait for ever.
 
+A few cases are unusual but *valid* inputs that once ended in a traceback (a diverged but finite model, an
+empty sequence in ``cu_seqlens``, a ``chunk_size`` past the sequence): such a case has an ``expect`` check
+instead, and is ``clear`` when the command exits 0 (the call returns) and the check finds the right answer,
+``silent`` when it finds a wrong one, ``unclear`` when a CLI refuses it, ``traceback`` on any exception.
+
 Every case must be ``clear``.  The default test run covers the cases of this file that are not marked
 ``slow``; ``python -m tests.test_bad_inputs`` runs every case, these and the tables of
 ``tests/test_cli.py``, ``tests/ops/test_bad_input.py`` and ``tests/design/test_design_bad_input.py``
@@ -62,6 +67,7 @@ class Cli:
     slow: bool = False
     timeout: float = 300.0
     after: Callable[[dict], str | None] | None = None  # a trace of the input's effect, or None
+    expect: Callable[[dict], str | None] | None = None  # a valid input: what is wrong with its output, or None
 
     @property
     def surface(self) -> str:
@@ -84,6 +90,7 @@ class Api:
     slow: bool = False
     timeout: float = 120.0
     after: Callable[[dict], str | None] | None = None
+    expect: Callable[[object], str | None] | None = None  # a valid input: what is wrong with the result, or None
 
     @property
     def surface(self) -> str:
@@ -173,6 +180,7 @@ GDN_DAMAGES = {
     "NaN lm_head": (_gdn_weights(lambda w: w["lm_head.weight"].fill_(float("nan"))), "NaN or Inf values"),
     "truncated weights": (lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:64]),
                           "damaged or not a safetensors file"),
+    "pickle weights": (lambda d: _model_folders().pickle_weights(d), r"pytorch_model\.bin.*pickle"),
 }
 
 
@@ -224,6 +232,15 @@ def make_hostile_places(root: Path) -> dict[str, str]:
         apply_damage(model_dir, damage)
         apply_damage(run / "final", damage)
         places[model_dir.name], places[run.name] = str(model_dir), str(run)
+    # a diverged but finite model, as a model folder and as a run whose corpus is the written one
+    from tests.model_folders import diverge
+
+    diverge(tiny_model()).save_pretrained(root / "div_model")
+    (root / "div_model" / "tokenizer.json").write_text(_tokenizer_json("the cat sat on a mat </s>"))
+    places["div_model"] = str(root / "div_model")
+    places["div_run"] = str(write_lm_run(diverge(tiny_model(vocab_size=300)), root / "div_run",
+                                         source=str(root / "corpus"), vocab_size=300))
+    places["div"] = str(root / "div")  # the evaluations' output folders
     gdn = _fla_model()
     for damage, (apply, _) in GDN_DAMAGES.items():
         directory = root / f"dmg_gdn_{slug(damage)}"
@@ -273,6 +290,35 @@ def _no_name_written(places: dict) -> str | None:
     return f"written: {written}" if written else None
 
 
+def _inf_ppl(record: str, *keys: str) -> Callable[[dict], str | None]:
+    """A check of a valid run: the JSON ``record`` (a path with places) holds ``inf`` under each of ``keys``
+    somewhere, read back as JSON, and every other perplexity is finite."""
+    import json
+
+    def found(obj, key):
+        if isinstance(obj, dict):
+            return [v for k, v in obj.items() if k == key] + [x for v in obj.values() for x in found(v, key)]
+        return [x for v in obj for x in found(v, key)] if isinstance(obj, list) else []
+
+    def check(places: dict) -> str | None:
+        path = Path(record.format(**places))
+        if not path.is_file():
+            return f"{path} was not written"
+        data = json.loads(path.read_text())
+        for key in keys:
+            if math.inf not in found(data, key):
+                return f"no {key} of inf in {path}: {found(data, key)[:6]}"
+        if any(isinstance(v, float) and math.isnan(v) for v in found(data, "ppl")):
+            return f"a perplexity of NaN in {path}"
+        return None
+    return check
+
+
+def _same(pair) -> str | None:
+    got, want = pair
+    return None if torch.allclose(got, want, rtol=1e-5, atol=1e-6) else "a different result"
+
+
 def _evil_code_not_run(places: dict) -> str | None:
     return "the folder's code ran" if Path(places["evil_marker"]).exists() else None
 
@@ -306,6 +352,8 @@ CLI_CASES = [
     Cli("size or overflow", f"niah --model {{model}} --seed {BIG} --out {{new}}", "seed must be an integer <="),
     Cli("size or overflow", f"heldout --model {{model}} --lengths {BIG} --out {{new}}", "lengths must be an"),
     Cli("size or overflow", f"crowding --preset tiny --seeds {BIG} --out {{new}}", "argument --seeds"),
+    *[Cli("size or overflow", f"{cmd} --seeds 1000000000000 --out {{new}}", _every("--seeds", "needs at least"))
+      for cmd in ("crowding --preset tiny", "recall --preset tiny", "mqar base --preset tiny")],
     Cli("size or overflow", f"mqar base --preset tiny --epochs {BIG} --out {{new}}", "argument --epochs"),
     Cli("size or overflow", f"lm eval {{empty}} --seq-len {BIG} --out {{new}}", "argument --seq-len"),
     Cli("size or overflow", f"state-budget --budget {BIG}", "argument --budget"),
@@ -356,6 +404,12 @@ CLI_CASES = [
     *DAMAGED_MODEL_CASES,
     Cli("a split that does not exist", "niah --model {tiny_model} --haystack {corpus} --haystack-split nosuch "
         "--out {new}", "haystack split 'nosuch' is not a split"),
+    # a diverged but finite model is evaluated: perplexities past exp's range are inf, in the JSON too
+    Cli("a diverged but finite model", "lm eval {div_run} --device cpu --seq-len 16 --cache-dir {div}/cache "
+        "--out {div}/lm", "ppl inf", expect=_inf_ppl("{div}/lm/lm.json", "ppl")),
+    Cli("a diverged but finite model", "heldout --model {tiny_model} --model {div_model} --source {corpus} "
+        "--lengths 16 --device cpu --out {div}/heldout", "ppl inf",
+        expect=_inf_ppl("{div}/heldout/heldout.json", "ppl", "rel_change_pct")),
 ]
 
 
@@ -389,6 +443,32 @@ def _mixer(name="bayesian", **kw):
     return build_mixer(name, 32, num_heads=2, head_dim=8, layer_idx=0, **kw)
 
 
+def _models():
+    import bayeslayer.models as models
+
+    return models
+
+
+def _empty_first_sequence():
+    """``bl_chunk`` of one 16-token sequence packed after an empty one, and of the sequence alone."""
+    kw = _bl(shape=(1, 16, 2, 4, 3))
+    o, _ = _ops().bl_chunk(**kw, cu_seqlens=torch.tensor([0, 0, 16]), return_variance=False)
+    return o, _ops().bl_chunk(**kw)[0]
+
+
+def _crowding_seeds(n: int):
+    from dataclasses import replace
+
+    from bayeslayer.experiments import crowding
+
+    return crowding.CrowdingConfig(preset=replace(crowding.PRESETS["tiny"], seeds=n))
+
+
+def _huge_chunk():
+    kw = _bl()
+    return _ops().bl_chunk(**kw, chunk_size=10**9)[0], _ops().bl_chunk(**kw, chunk_size=5)[0]
+
+
 def _damaged_api(name: str, kind: str, load: Callable, damage: str, needle: str) -> Api:
     """``load`` of the damaged folder ``dmg_<kind>_<damage>`` of make_places."""
     place = f"dmg_{kind}_{slug(damage)}"
@@ -414,6 +494,22 @@ API_CASES = [
         lambda p: _state_budget().solve_state_budget(8192, 10**11, "bayesian"), "cannot hold"),
     Api("size or overflow", "solve_state_budget(width=10**14)",
         lambda p: _state_budget().solve_state_budget(8192, 10**14, "bayesian"), "width must be an integer <="),
+    Api("state or shape", "bl_chunk(every tensor on meta)",
+        lambda p: _ops().bl_chunk(**{k: v.to("meta") for k, v in _bl().items()}), _every("q", "meta")),
+    Api("size or overflow", "BayesLayerForCausalLM(vocab_size=10**12)",
+        lambda p: _models().BayesLayerForCausalLM(_models().BayesLayerConfig(vocab_size=10**12, hidden_size=32,
+                                                                             num_heads=2, head_dim=16)),
+        _every("vocab_size", "needs at least")),
+    Api("size or overflow", "CrowdingConfig(preset.seeds=10**12)", lambda p: _crowding_seeds(10**12),
+        _every("seeds", "needs at least")),
+    # valid inputs that once ended in a traceback: each must run and give the right answer
+    Api("a valid edge input", "bl_chunk(cu_seqlens=[0, 0, 16], return_variance=False)",
+        lambda p: _empty_first_sequence(), "runs", expect=_same),
+    Api("a valid edge input", "bl_chunk(chunk_size=10**9)", lambda p: _huge_chunk(), "runs", expect=_same),
+    Api("a diverged but finite model", "ppl_by_group(CE 1e37)",
+        lambda p: __import__("bayeslayer.data.arhit", fromlist=["x"]).ppl_by_group(
+            torch.full((2, 3), 1e37), {"all": torch.ones(2, 3, dtype=torch.bool).numpy()}), "runs",
+        expect=lambda r: None if r["all"]["ppl"] == math.inf else f"ppl {r['all']['ppl']}"),
     Api("damaged JSON file", "plotting.load_json(damaged)",
         lambda p: _plotting().load_json(Path(p["corrupt"]) / "niah.json"), "corrupt/niah.json is damaged"),
     Api("damaged JSON file", "load_run(final/lm_config.json damaged)",
@@ -597,6 +693,11 @@ def _run_cli(case: Cli, places: dict[str, str]) -> tuple[str, str]:
         return "traceback", traceback.format_exc(limit=-3)
     stderr = err.getvalue()
     lines = stderr.strip().splitlines()
+    if case.expect is not None and rc in (0, 2) and "Traceback" not in stderr:
+        if rc == 2:
+            return "unclear", f"a valid input refused: {stderr}"
+        wrong = case.expect(places)
+        return ("silent", f"exit 0, but {wrong}") if wrong else ("clear", "exit 0, output checked")
     if rc == 0:
         return "silent", f"exit 0; stdout {out.getvalue()[-300:]!r}"
     if rc != 2 or "Traceback" in stderr:
@@ -607,6 +708,8 @@ def _run_cli(case: Cli, places: dict[str, str]) -> tuple[str, str]:
 
 
 def _run_api(case: Api, places: dict[str, str]) -> tuple[str, str]:
+    if case.expect is not None:
+        return _run_valid_api(case, places)
     try:
         with _deadline(case.timeout):
             case.call(places)
@@ -620,6 +723,20 @@ def _run_api(case: Api, places: dict[str, str]) -> tuple[str, str]:
     except BaseException:  # noqa: BLE001
         return "traceback", traceback.format_exc(limit=-3)
     return "silent", "returned without an error"
+
+
+def _run_valid_api(case: Api, places: dict[str, str]) -> tuple[str, str]:
+    try:
+        with _deadline(case.timeout):
+            result = case.call(places)
+    except _Hang:
+        return "hang", f"still running after {case.timeout:g} s"
+    except _Prompt:
+        return "hang", "asked a question on the terminal"
+    except BaseException:  # noqa: BLE001 - a valid input must not raise
+        return "traceback", traceback.format_exc(limit=-3)
+    wrong = case.expect(result)
+    return ("silent", f"returned, but {wrong}") if wrong else ("clear", "returned, result checked")
 
 
 # ----------------------------------------------------------------------------- the counts table

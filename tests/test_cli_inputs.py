@@ -206,6 +206,7 @@ def test_checkpoint_path_helpers_name_their_argument(bad):
 
 
 def test_check_memory_refuses_what_cannot_fit(monkeypatch, tmp_path):
+    from bayeslayer import checks
     from bayeslayer.experiments.common.options import check_memory, memory_size
 
     assert memory_size() > 2**20
@@ -214,7 +215,7 @@ def test_check_memory_refuses_what_cannot_fit(monkeypatch, tmp_path):
         check_memory(1e15, what="--T 9")
     limit = tmp_path / "memory.max"  # a container's limit below the machine's memory counts
     limit.write_text("1000000\n")
-    monkeypatch.setattr(options, "_CGROUP_LIMITS", (str(limit),))
+    monkeypatch.setattr(checks, "_CGROUP_LIMITS", (str(limit),))  # the one memory check lives there
     assert memory_size() == 1_000_000
     limit.write_text("max\n")  # no limit
     assert memory_size() > 1_000_000

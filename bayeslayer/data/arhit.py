@@ -391,8 +391,9 @@ class GroupedCE:
         for mask in checked.values():
             selected |= mask
         values = token_ce[selected].astype(np.float64)
-        if not np.all(np.isfinite(values)):
-            raise ValueError("token_ce holds NaN or Inf at selected tokens")
+        if np.isnan(values).any():
+            raise ValueError(f"token_ce holds NaN at {int(np.isnan(values).sum())} selected token(s): the model's "
+                             "outputs are not numbers there (its logits overflowed)")
         if values.size and values.min() < -1e-6:
             raise ValueError(f"token_ce must be >= 0 (a cross-entropy), got min {values.min():.3g}")
         for name, mask in checked.items():
@@ -404,8 +405,17 @@ class GroupedCE:
         for name, total in self.sum_ce.items():
             n = self.n_tokens[name]
             mean = total / n if n else math.nan
-            out[name] = {"ppl": math.exp(mean) if n else math.nan, "mean_ce": mean, "n_tokens": n}
+            out[name] = {"ppl": perplexity(mean) if n else math.nan, "mean_ce": mean, "n_tokens": n}
         return out
+
+
+def perplexity(mean_ce: float) -> float:
+    """``exp(mean_ce)``, and ``inf`` where that is past the largest float (a mean CE above ~709.78 nats: a
+    diverged model), never an ``OverflowError``."""
+    try:
+        return math.exp(mean_ce)
+    except OverflowError:
+        return math.inf
 
 
 def ppl_by_group(token_ce, masks: Mapping[str, object]) -> dict[str, dict[str, float | int]]:
@@ -419,7 +429,9 @@ def ppl_by_group(token_ce, masks: Mapping[str, object]) -> dict[str, dict[str, f
 
     Returns:
         ``{group: {"ppl": exp(sum(ce·mask)/sum(mask)), "mean_ce": ..., "n_tokens": ...}}``;
-        a group selecting no token has ``ppl = mean_ce = nan`` and ``n_tokens = 0``.
+        a group selecting no token has ``ppl = mean_ce = nan`` and ``n_tokens = 0``.  A diverged model's
+        perplexity past the largest float (or a CE of ``inf``, a probability that underflowed to 0) is
+        ``inf`` (:func:`perplexity`); a NaN CE is a ``ValueError``.
     """
     groups = GroupedCE()
     groups.update(token_ce, masks)

@@ -63,11 +63,12 @@ SOURCE_LABELS = {WIKITEXT_103: "WikiText-103", "python-docs": "python-docs"}
 
 
 def relative_change(ppl: float, reference_ppl: float) -> float:
-    """``100 · (ppl / reference_ppl − 1)``: percent change of a PPL against the reference's."""
+    """``100 · (ppl / reference_ppl − 1)``: percent change of a PPL against the reference's (a diverged
+    model's PPL is ``inf``: ``inf`` against a finite reference, −100 for a finite one against it, NaN for two)."""
     for name, value in (("ppl", ppl), ("reference_ppl", reference_ppl)):
-        if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-            raise ValueError(f"{name} must be a finite positive number, got {value!r}")
-    return 100.0 * (ppl / reference_ppl - 1.0)
+        if not isinstance(value, (int, float)) or math.isnan(value) or value <= 0:
+            raise ValueError(f"{name} must be a positive number (inf for a diverged model), got {value!r}")
+    return math.nan if math.isinf(ppl) and math.isinf(reference_ppl) else 100.0 * (ppl / reference_ppl - 1.0)
 
 
 # --------------------------------------------------------------------------- corpora

@@ -49,6 +49,7 @@ from .common.options import (
     DEVICE_HELP,
     PLOT_ONLY_HELP,
     check_out_dir,
+    check_seeds,
     device_arg,
     plot_only_json,
     positive_int_arg,
@@ -122,6 +123,7 @@ class VarianceConfig:
             raise ValueError(f"tasks has repeated names: {list(self.tasks)}")
         for name in ("seeds", "recall_sequences", "mqar_examples"):
             check_int(f"preset.{name}", getattr(self.preset, name), minimum=1)
+        check_seeds(self.preset.seeds)
         for name in ("recall_steps", "mqar_steps"):
             if getattr(self.preset, name) is not None:
                 check_int(f"preset.{name}", getattr(self.preset, name), minimum=1)

@@ -108,6 +108,9 @@ class BayesLayerConfig(PretrainedConfig):
         backend: str = "auto",
         **kwargs,
     ):
+        from .loading import MANIFEST_KEY
+
+        kwargs.pop(MANIFEST_KEY, None)  # a fact of the folder the config was read from (loading.py), not of the model
         self._refuse_derived(kwargs)
         self.vocab_size = check_int("vocab_size", vocab_size, minimum=1)
         self.hidden_size = check_int("hidden_size", hidden_size, minimum=1)

@@ -2,8 +2,8 @@
 
 A checkpoint written by ``fla.models.GatedDeltaNetForCausalLM.save_pretrained`` is a
 ``config.json`` (``model_type: gated_deltanet``) plus ``model.safetensors`` (or
-sharded safetensors, or ``pytorch_model.bin``).  Our :class:`BayesLayerForCausalLM`
-with ``gated_deltanet`` mixers uses the same parameter names and shapes, so the
+sharded safetensors; a pickle ``pytorch_model.bin`` is refused, since reading one can run code).  Our
+:class:`BayesLayerForCausalLM` with ``gated_deltanet`` mixers uses the same parameter names and shapes, so the
 weights map one to one; the recurrence then runs through
 :data:`bayeslayer.design.GATED_DELTANET` in plain PyTorch, on any device.
 
@@ -25,7 +25,7 @@ from ..files import read_json
 from .configuration import BayesLayerConfig
 from .modeling import BayesLayerForCausalLM
 
-_WEIGHT_PATTERNS = ["config.json", "*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json"]
+_WEIGHT_PATTERNS = ["config.json", "*.safetensors", "*.safetensors.index.json"]  # never a pickle (*.bin)
 
 
 def gdn_config_to_bayeslayer(gdn_config: dict[str, Any]) -> BayesLayerConfig:
@@ -155,8 +155,9 @@ def resolve_checkpoint_dir(path_or_repo_id: str | os.PathLike, revision: str | N
 
 
 def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a HF checkpoint directory: (sharded) safetensors preferred, else (sharded) .bin."""
+    """All tensors of a HF checkpoint directory's (sharded) safetensors; pickles are never read."""
     from ..files import read_safetensors
+    from .loading import refuse_pickle_weights
 
     def _shards(index_name: str) -> list[Path]:
         index = read_json(directory / index_name, what="shard index")
@@ -165,21 +166,14 @@ def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
         except (KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"shard index {directory / index_name} has no valid weight_map ({exc})") from exc
 
+    refuse_pickle_weights(directory)
     if (directory / "model.safetensors").is_file():
         files, loader = [directory / "model.safetensors"], read_safetensors
     elif (directory / "model.safetensors.index.json").is_file():
         files, loader = _shards("model.safetensors.index.json"), read_safetensors
-    elif (directory / "pytorch_model.bin").is_file():
-        files = [directory / "pytorch_model.bin"]
-        loader = lambda f: torch.load(f, map_location="cpu", weights_only=True)  # noqa: E731
-    elif (directory / "pytorch_model.bin.index.json").is_file():
-        files = _shards("pytorch_model.bin.index.json")
-        loader = lambda f: torch.load(f, map_location="cpu", weights_only=True)  # noqa: E731
     else:
         found = sorted(p.name for p in directory.iterdir())
-        raise FileNotFoundError(
-            f"no model.safetensors / pytorch_model.bin (or sharded index) in {directory}; found {found}"
-        )
+        raise FileNotFoundError(f"no model.safetensors (or sharded index) in {directory}; found {found}")
     weights: dict[str, torch.Tensor] = {}
     for f in files:
         for key, tensor in loader(f).items():
@@ -210,14 +204,15 @@ def load_gdn_checkpoint(
     """
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
-    from .loading import check_finite, read_model_config, verify_model_dir
+    from .loading import check_finite, naming_config, read_model_config, verify_model_dir
 
     directory = resolve_checkpoint_dir(path_or_repo_id, revision)
     verify_model_dir(directory)
     config = gdn_config_to_bayeslayer(read_model_config(directory))
     weights = _read_weights(directory)
 
-    model = BayesLayerForCausalLM(config)
+    with naming_config(directory):
+        model = BayesLayerForCausalLM(config)
     expected = model.state_dict()
     tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
     unexpected = sorted(set(weights) - set(expected))

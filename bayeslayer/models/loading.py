@@ -9,9 +9,15 @@ names the folder and the problem:
 * a damaged folder the package wrote: ``manifest.json`` (the SHA-256 and size of every file, the format
   of the training checkpoints, :func:`bayeslayer.files.write_manifest`) does not match
   — one flipped byte in ``model.safetensors`` is enough;
-* a ``config.json`` that is missing, empty or not JSON, or of another ``model_type``;
+* a folder the package wrote whose ``manifest.json`` is gone: its ``config.json`` says one was written
+  (:data:`MANIFEST_KEY`), so deleting the manifest does not switch the check off;
+* weights stored as a pickle (``pytorch_model.bin``, ``*.pt``): unpickling can run code, so only
+  safetensors weights are read, and a pickle is refused before anything opens it;
+* a ``config.json`` that is missing, empty or not JSON, or of another ``model_type``, or whose sizes
+  (``vocab_size``, ``hidden_size``, ...) need more memory than the machine has (refused before allocating);
 * weights that do not fill the model: a tensor the model needs and the file lacks (a config that
-  claims more layers than the weights hold), a tensor the model has no place for, a shape that differs;
+  claims more layers than the weights hold), a tensor the model has no place for, a shape that differs —
+  checked before the values, so a config that disagrees with the weights is reported as shapes;
 * weights with NaN or Inf values;
 * a folder whose ``config.json`` asks to run Python code from the folder (``auto_map``) for a model
   type this installation does not know — unless the caller passed ``trust_remote_code=True``.
@@ -21,16 +27,28 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
 
-from ..files import MANIFEST, read_json, read_safetensors, verify_checkpoint, write_manifest, write_safetensors
+from ..errors import SizeError
+from ..files import (
+    MANIFEST,
+    atomic_write_text,
+    read_json,
+    read_safetensors,
+    verify_checkpoint,
+    write_manifest,
+    write_safetensors,
+)
 
 #: how many names an error message lists before "and N more"
 _SHOWN = 6
+#: the key of ``config.json`` that says the folder has a ``manifest.json`` (every model folder the package writes)
+MANIFEST_KEY = "bayeslayer_manifest"
 
 
 def _names(items: Iterable[str]) -> str:
@@ -65,26 +83,94 @@ def quiet_transformers() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
+def _config_object(directory: Path) -> dict | None:
+    """``directory/config.json`` as a dict, or None when it is missing or not a JSON object (reported elsewhere)."""
+    try:
+        raw = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return raw if isinstance(raw, dict) else None
+
+
 def write_model_manifest(directory: str | os.PathLike) -> Path:
-    """Write ``directory/manifest.json`` over every regular, non-hidden file of a saved model folder."""
+    """Write ``directory/manifest.json`` over every regular, non-hidden file of a saved model folder, after
+    recording in its ``config.json`` (when that is a JSON object) that the folder has one (:data:`MANIFEST_KEY`)."""
     directory = Path(directory)
+    raw = _config_object(directory)
+    if raw is not None and raw.get(MANIFEST_KEY) != MANIFEST:
+        atomic_write_text(directory / "config.json", json.dumps({**raw, MANIFEST_KEY: MANIFEST}, indent=2,
+                                                                  sort_keys=True) + "\n")
     names = [p.name for p in directory.iterdir()
              if p.name != MANIFEST and not p.name.startswith(".") and p.is_file() and not p.is_symlink()]
     return write_manifest(directory, names)
+
+
+#: the endings of weight files in pickle format (``torch.save``, ``pytorch_model.bin`` and its shards' index)
+PICKLE_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle", ".bin.index.json")
+
+
+def refuse_pickle_weights(directory: str | os.PathLike) -> None:
+    """Raise ``ValueError`` when ``directory`` holds its weights as a pickle and no safetensors file.
+
+    Unpickling can run code (``torch.load(weights_only=True)`` narrows, but is still an unpickler), so
+    the package reads safetensors weights only; the pickle is never opened.
+    """
+    directory = Path(directory)
+    if not directory.is_dir() or any(directory.glob("*.safetensors")):
+        return
+    pickles = [p.name for p in directory.iterdir() if p.is_file() and p.name.endswith(PICKLE_WEIGHTS)]
+    if pickles:
+        raise ValueError(f"{directory} holds its weights in {_names(pickles)}, a pickle, which can run code when it "
+                         "is read; bayeslayer reads safetensors weights only: convert them where you trust the file "
+                         "(torch.load, then safetensors.torch.save_file to model.safetensors)")
 
 
 def verify_model_dir(directory: str | os.PathLike) -> bool:
     """Check ``directory``'s ``manifest.json`` when it has one; ``True`` when it did.
 
     A folder without a manifest (a hub snapshot, a folder of another library or an older version)
-    is not checked; one with a manifest that does not match raises ``ValueError`` naming the file.
-    Files the manifest does not list are allowed (a tokenizer or a README added later).
+    is not checked, unless its ``config.json`` says the package wrote one (:data:`MANIFEST_KEY`): then the
+    missing manifest is a ``ValueError`` naming the folder.  One with a manifest that does not match raises
+    ``ValueError`` naming the file.  Files the manifest does not list are allowed (a tokenizer or a README
+    added later).  Weights stored as a pickle are refused first (:func:`refuse_pickle_weights`).
     """
     directory = Path(directory)
+    refuse_pickle_weights(directory)
     if not (directory / MANIFEST).exists():
+        if (_config_object(directory) or {}).get(MANIFEST_KEY):
+            raise ValueError(f"{directory / MANIFEST} is missing, but {directory / 'config.json'} says bayeslayer "
+                             f"wrote one ({MANIFEST_KEY}): the folder is incomplete or was changed, and its files "
+                             "cannot be verified; restore it, or save the model again")
         return False
     verify_checkpoint(directory, allow_unlisted=True)
     return True
+
+
+@contextlib.contextmanager
+def naming_config(directory) -> Iterator[None]:
+    """Inside the block, a :class:`~bayeslayer.errors.SizeError` (a config field past the machine's memory)
+    names ``directory``'s ``config.json``."""
+    try:
+        yield
+    except SizeError as exc:
+        raise SizeError(f"{Path(directory) / 'config.json'}: {exc}") from None
+
+
+def initialise_as_new(model: torch.nn.Module, names: Iterable[str]) -> None:
+    """Give ``model``'s tensors ``names`` the values a newly built model of its config has.
+
+    transformers leaves a tensor it could not load (``ignore_mismatched_sizes=True``) to the model's
+    ``_init_weights``, which does not reach the token mixers (each initialises itself in its constructor):
+    without this, those tensors would hold uninitialised memory.
+    """
+    names = list(names)
+    if not names:
+        return
+    fresh = type(model)(model.config).state_dict()
+    own = model.state_dict()
+    with torch.no_grad():
+        for name in names:
+            own[name].copy_(fresh[name].to(dtype=own[name].dtype, device=own[name].device))
 
 
 def read_model_config(directory: str | os.PathLike, *, model_type: str | None = None) -> dict:
@@ -224,9 +310,10 @@ def model_files_digest(model_dir: str | os.PathLike) -> str:
 
 
 __all__ = [
-    "WEIGHT_SUFFIXES", "check_finite", "check_loading_info", "check_remote_code", "check_state_dict", "find_model",
-    "local_model_dir", "model_files_digest", "quiet_transformers", "read_model_config", "safetensors_error",
-    "verify_model_dir", "write_model_manifest",
+    "MANIFEST_KEY", "PICKLE_WEIGHTS", "WEIGHT_SUFFIXES", "check_finite", "check_loading_info", "check_remote_code",
+    "check_state_dict", "find_model", "initialise_as_new", "local_model_dir", "model_files_digest", "naming_config",
+    "quiet_transformers", "read_model_config", "refuse_pickle_weights", "safetensors_error", "verify_model_dir",
+    "write_model_manifest",
 ]
 
 

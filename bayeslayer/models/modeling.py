@@ -30,6 +30,8 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import PreTrainedModel
 
+from ..checks import check_fits
+from ..errors import SizeError
 from ..ops.backend import BackendError, forced_backend
 from .cache import BayesLayerCache
 from .configuration import BayesLayerConfig
@@ -191,18 +193,24 @@ class BayesLayerPreTrainedModel(PreTrainedModel):
         """transformers' ``from_pretrained``, strict (:mod:`bayeslayer.models.loading`).
 
         Before loading, a local folder's ``manifest.json`` (written by :meth:`save_pretrained` and the
-        package's own model folders) is verified and its ``config.json`` must say ``model_type:
-        bayeslayer`` (unless ``config=`` is passed).  After loading, a tensor the model needs that the
-        weights lack, a tensor with no place, a shape that differs, or a NaN/Inf value raises one
-        ``ValueError`` naming the folder and the tensors, where transformers would leave
-        uninitialised memory and log a line.  ``output_loading_info=True`` still returns the report.
+        package's own model folders, whose ``config.json`` says so) is verified, pickle weights are refused
+        (only safetensors are read, ``use_safetensors=True``), and its ``config.json`` must say
+        ``model_type: bayeslayer`` (unless ``config=`` is passed).  A config whose sizes need more memory
+        than the machine has is refused naming the field and the file.  After loading, a tensor the model
+        needs that the weights lack, a tensor with no place, or a shape that differs raises one
+        ``ValueError`` naming the folder and the tensors, and only then are the values checked (NaN/Inf),
+        where transformers would leave uninitialised memory and log a line.  ``ignore_mismatched_sizes=True``
+        (the caller's choice) initialises the tensors whose shapes differ as a new model's.
+        ``output_loading_info=True`` still returns the report.
         """
         from safetensors import SafetensorError
 
         from .loading import (
             check_finite,
             check_loading_info,
+            initialise_as_new,
             local_model_dir,
+            naming_config,
             quiet_transformers,
             read_model_config,
             safetensors_error,
@@ -217,17 +225,22 @@ class BayesLayerPreTrainedModel(PreTrainedModel):
             read_model_config(directory, model_type=None if kwargs.get("config") is not None else cls.config_class
                               .model_type)
         kwargs.setdefault("trust_remote_code", False)
+        kwargs["use_safetensors"] = True  # a pickle can run code when read
         strict_sizes = not kwargs.get("ignore_mismatched_sizes", False)
         kwargs["ignore_mismatched_sizes"] = True  # reported in the loading info, and refused below by name
         try:
-            with quiet_transformers():  # its load report is a table of warnings; ours is one error
+            # transformers' load report is a table of warnings; ours is one error
+            with quiet_transformers(), naming_config(where):
                 model, info = super().from_pretrained(pretrained_model_name_or_path, *model_args,
                                                       output_loading_info=True, **kwargs)
         except SafetensorError as exc:
             raise (safetensors_error(directory, exc) if directory is not None else ValueError(
                 f"{where}: the weights are damaged or not safetensors ({exc})")) from exc
-        # ignore_mismatched_sizes=True (the caller's choice): the report still lists them, for the caller
+        # shapes before values: a tensor whose shape differs holds no loaded value to check
         check_loading_info(where, info if strict_sizes else {**info, "mismatched_keys": ()})
+        # ignore_mismatched_sizes=True (the caller's choice): the report still lists them, for the caller
+        initialise_as_new(model, [k[0] if isinstance(k, (tuple, list)) else k
+                                  for k in info.get("mismatched_keys") or ()])
         check_finite(model, where)
         return (model, info) if want_info else model
 
@@ -316,10 +329,22 @@ def _check_extra_kwargs(kwargs: dict) -> None:
         raise ValueError("output_attentions is not supported: the mixers do not form attention matrices")
 
 
+def check_model_fits(config: BayesLayerConfig, *, head: bool = True) -> None:
+    """Refuse, before anything is allocated, a config whose embeddings, MLPs and (``head``) output head alone
+    need more memory than the machine has: a :class:`~bayeslayer.errors.SizeError` naming the fields
+    (``vocab_size: 1000000000000`` in a ``config.json`` would otherwise end in the allocator's error)."""
+    V, H, L, inner = config.vocab_size, config.hidden_size, config.num_hidden_layers, config.mlp_intermediate_size
+    elements = V * H * (2 if head and not config.tie_word_embeddings else 1) + L * 3 * H * inner
+    check_fits(elements * torch.get_default_dtype().itemsize, error=SizeError,
+               what=f"a model of vocab_size={V:,}, hidden_size={H:,}, num_hidden_layers={L:,} and MLP width "
+                    f"{inner:,} (its embeddings{', head' if head else ''} and MLPs alone)")
+
+
 class BayesLayerModel(BayesLayerPreTrainedModel):
     """Embeddings → ``num_hidden_layers`` pre-norm (mixer, MLP) blocks → final RMSNorm."""
 
     def __init__(self, config: BayesLayerConfig) -> None:
+        check_model_fits(config, head=False)
         super().__init__(config)
         self.padding_idx = config.pad_token_id
         self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=self.padding_idx)
@@ -434,6 +459,7 @@ class BayesLayerForCausalLM(BayesLayerPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embeddings.weight"}
 
     def __init__(self, config: BayesLayerConfig) -> None:
+        check_model_fits(config)
         super().__init__(config)
         self.model = BayesLayerModel(config)
         self.vocab_size = config.vocab_size

@@ -17,9 +17,10 @@ def load_model(path: str | os.PathLike, *, device: str = "cpu", dtype: torch.dty
     (``model_type: gated_deltanet``, read by :func:`~bayeslayer.models.load_gdn_checkpoint`)
     or any ``AutoModelForCausalLM`` (``bayeslayer`` models are registered on import).
 
-    Loading is strict (:mod:`bayeslayer.models.loading`): a folder with a ``manifest.json`` is
-    verified, and missing, unexpected or mis-shaped tensors and NaN/Inf weights are one
-    ``ValueError`` naming the folder.  A config that asks to run code from the folder
+    Loading is strict (:mod:`bayeslayer.models.loading`): a folder with a ``manifest.json`` (or whose
+    ``config.json`` says it had one) is verified, only safetensors weights are read, a config whose sizes
+    cannot fit in memory is refused naming the field, and missing, unexpected or mis-shaped tensors, then
+    NaN/Inf weights, are one ``ValueError`` naming the folder.  A config that asks to run code from the folder
     (``auto_map`` of a model type this installation does not know) is refused unless
     ``trust_remote_code=True`` — transformers is never left to ask on the terminal.
     """
@@ -32,6 +33,7 @@ def load_model(path: str | os.PathLike, *, device: str = "cpu", dtype: torch.dty
         check_finite,
         check_loading_info,
         check_remote_code,
+        naming_config,
         quiet_transformers,
         read_model_config,
         safetensors_error,
@@ -45,15 +47,17 @@ def load_model(path: str | os.PathLike, *, device: str = "cpu", dtype: torch.dty
         return load_gdn_checkpoint(path, dtype=dtype, device=device)
     check_remote_code(path, raw, trust_remote_code=trust_remote_code)
     try:
-        with quiet_transformers():  # no "Loading weights" bar per model burying the evaluation's own lines
+        # no "Loading weights" bar per model burying the evaluation's own lines
+        with quiet_transformers(), naming_config(path):
             model, info = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
-                                                               ignore_mismatched_sizes=True, output_loading_info=True)
+                                                               ignore_mismatched_sizes=True, use_safetensors=True,
+                                                               output_loading_info=True)
     except SafetensorError as exc:
         raise safetensors_error(path, exc) from exc
     except (TypeError, KeyError, StrictDataclassError) as exc:  # a config transformers cannot build a model from
         raise ValueError(f"cannot build a model from {path / 'config.json'} (model_type "
                          f"{raw.get('model_type')!r}): {' '.join(str(exc).split())[:300]}") from exc
-    check_loading_info(path, info)
+    check_loading_info(path, info)  # shapes before values: a tensor of another shape was never loaded
     check_finite(model, path)
     return model.to(device)
 

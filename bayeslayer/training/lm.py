@@ -281,8 +281,11 @@ class Objective:
 def load_run(run_dir: str | os.PathLike, *, device: str | torch.device = "cpu"):
     """``(LMConfig, model)`` of a finished LM run (its ``final/`` folder: an HF model folder and the run's
     ``lm_config.json``, written by :func:`bayeslayer.experiments.common.lm_run.train_lm`), model in eval mode."""
+    from ..models.loading import naming_config, refuse_pickle_weights
+
     run_dir = Path(run_dir)
     final = run_dir / "final"
+    refuse_pickle_weights(final)
     if not (final / "model.safetensors").is_file() or not (final / "lm_config.json").is_file():
         raise FileNotFoundError(f"{run_dir} has no finished model (final/model.safetensors and "
                                 "final/lm_config.json); train it to the end first")
@@ -299,7 +302,8 @@ def load_run(run_dir: str | os.PathLike, *, device: str | torch.device = "cpu"):
     except (TypeError, ValueError) as exc:
         raise ValueError(f"model config {final / 'config.json'} is not a valid bayeslayer config "
                          f"({' '.join(str(exc).split())})") from exc
-    model = BayesLayerForCausalLM(model_config)
+    with naming_config(final):
+        model = BayesLayerForCausalLM(model_config)
     load_model_weights(model, final)
     check_finite(model, final)
     return config, model.to(device).eval()

@@ -286,3 +286,20 @@ def test_ppl_bad_inputs():
         ppl_by_group(np.ones((2, 3), dtype=np.int64), {"a": np.ones((2, 3), dtype=bool)})
     with pytest.raises(TypeError, match="numpy"):
         ppl_by_group([[1.0]], {"a": np.ones((1, 1), dtype=bool)})
+
+
+def test_a_perplexity_past_the_largest_float_is_inf_not_an_overflow():
+    """A diverged but finite model's mean CE (~1e37 nats here) is past exp's range: ppl inf, read back from
+    JSON as such; an inf CE (a probability that underflowed to 0) too; a NaN CE is refused by name."""
+    import json
+
+    from bayeslayer.data.arhit import perplexity, ppl_by_group
+
+    mask = np.ones((2, 3), dtype=bool)
+    out = ppl_by_group(np.full((2, 3), 1e37), {"all": mask})["all"]
+    assert out["ppl"] == math.inf and out["mean_ce"] == 1e37 and out["n_tokens"] == 6
+    assert json.loads(json.dumps(out))["ppl"] == math.inf
+    assert ppl_by_group(np.array([[1.0, math.inf]]), {"all": np.ones((1, 2), bool)})["all"]["ppl"] == math.inf
+    assert perplexity(709.0) == math.exp(709.0) and perplexity(710.0) == math.inf
+    with pytest.raises(ValueError, match="NaN at 1 selected token"):
+        ppl_by_group(np.array([[1.0, math.nan]]), {"all": np.ones((1, 2), bool)})

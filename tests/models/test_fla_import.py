@@ -143,12 +143,15 @@ def test_tied_and_no_conv_checkpoints_load(tmp_path):
     assert torch.equal(ours.model.embeddings.weight, fla.model.embeddings.weight)
 
 
-def test_a_pytorch_bin_checkpoint_loads_with_weights_only(checkpoint, tmp_path):
+def test_a_pytorch_bin_checkpoint_is_refused_before_torch_reads_it(checkpoint, tmp_path, monkeypatch):
+    """A pickle can run code when unpickled (weights_only=True narrows it, but still unpickles): only
+    safetensors weights are read."""
     directory, fla = checkpoint
     (tmp_path / "config.json").write_text((directory / "config.json").read_text())
     torch.save(fla.state_dict(), tmp_path / "pytorch_model.bin")
-    ours = load_gdn_checkpoint(tmp_path)
-    assert torch.equal(ours.lm_head.weight, fla.lm_head.weight)
+    monkeypatch.setattr(torch, "load", lambda *a, **k: pytest.fail("torch.load read the pickle"))
+    with pytest.raises(ValueError, match=r"pytorch_model\.bin, a pickle"):
+        load_gdn_checkpoint(tmp_path)
 
 
 def test_a_sharded_safetensors_checkpoint_loads(checkpoint, tmp_path):

@@ -18,7 +18,7 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from bayeslayer.models import BayesLayerConfig, BayesLayerForCausalLM
-from bayeslayer.models.loading import verify_model_dir, write_model_manifest
+from bayeslayer.models.loading import MANIFEST_KEY, verify_model_dir, write_model_manifest
 
 from ..model_folders import (
     DAMAGES,
@@ -129,11 +129,64 @@ def test_from_pretrained_keeps_the_loading_report_and_the_caller_can_opt_out_of_
         BayesLayerForCausalLM.from_pretrained(directory)
 
 
+def test_sizes_the_caller_opts_out_of_are_freshly_initialised_not_left_as_uninitialised_memory(saved, tmp_path):
+    """``ignore_mismatched_sizes=True``: the tensors whose shapes differ are initialised as a new model's are
+    (a mixer's by its constructor), so the model is finite, and the report lists them."""
+    import torch
+
+    directory = tmp_path / "m"
+    shutil.copytree(saved["model"], directory)
+    edit_config(directory, hidden_size=64)
+    write_model_manifest(directory)
+    model, info = BayesLayerForCausalLM.from_pretrained(directory, ignore_mismatched_sizes=True,
+                                                        output_loading_info=True)
+    assert len(info["mismatched_keys"]) == 29
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    fresh = BayesLayerForCausalLM(model.config).state_dict()
+    loaded = model.state_dict()
+    for name, *_ in info["mismatched_keys"]:  # each spread as a new model's (a constructor's own init)
+        assert loaded[name].shape == fresh[name].shape
+        torch.testing.assert_close(loaded[name].std(), fresh[name].std(), rtol=0.3, atol=1e-6, msg=name)
+
+
+def _as_older_folder(directory: Path) -> None:
+    """``directory`` as a folder of another library or an older version: no manifest, and no word of one."""
+    import json
+
+    (directory / "manifest.json").unlink(missing_ok=True)
+    config = json.loads((directory / "config.json").read_text())
+    del config[MANIFEST_KEY]
+    (directory / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("which", ["model", "run"])
+def test_every_folder_the_package_writes_says_in_its_config_that_it_has_a_manifest(saved, which):
+    import json
+
+    directory = _model_dir(saved[which], which)
+    assert json.loads((directory / "config.json").read_text())[MANIFEST_KEY] == "manifest.json"
+    assert verify_model_dir(directory)
+    assert not hasattr(BayesLayerConfig.from_pretrained(directory), MANIFEST_KEY)  # a fact of the folder only
+
+
+@pytest.mark.parametrize("loader", list(LOADERS))
+def test_a_pickle_weight_file_is_refused_before_torch_reads_it(saved, tmp_path, loader, monkeypatch):
+    import torch
+
+    which, load = LOADERS[loader]
+    root = tmp_path / which
+    shutil.copytree(saved[which], root)
+    apply_damage(_model_dir(root, which), "pickle weights")
+    monkeypatch.setattr(torch, "load", lambda *a, **k: pytest.fail("torch.load read the pickle"))
+    with pytest.raises(ValueError, match="pytorch_model.bin.*pickle"):
+        load(root)
+
+
 def test_save_pretrained_signs_the_folder_and_a_folder_without_manifest_still_loads(saved, tmp_path):
     assert (saved["model"] / "manifest.json").is_file()
     directory = tmp_path / "m"
     shutil.copytree(saved["model"], directory)
-    (directory / "manifest.json").unlink()  # a folder of another library or an older version
+    _as_older_folder(directory)
     assert not verify_model_dir(directory)
     BayesLayerForCausalLM.from_pretrained(directory)
     (directory / "README.md").write_text("added later")
@@ -148,6 +201,9 @@ def test_load_run_warns_when_final_has_no_manifest(saved, tmp_path):
     root = tmp_path / "run"
     shutil.copytree(saved["run"], root)
     (root / "final" / "manifest.json").unlink()
+    with pytest.raises(ValueError, match="manifest.json is missing"):  # the folder says it had one
+        load_run(root)
+    _as_older_folder(root / "final")
     with pytest.warns(RuntimeWarning, match="no manifest.json"):
         load_run(root)
 

@@ -152,6 +152,8 @@ DTYPE_CASES = [
     ("q-list", dict(q=[[0.0]]), TypeError, r"q must be a torch.Tensor"),
     ("r2-bool", dict(r2=True), TypeError, r"r2 must be a torch.Tensor"),
     ("alpha-float", dict(alpha=0.9), TypeError, r"alpha must be a torch.Tensor"),
+    # every tensor on the meta device (shapes without values): refused by name, not at a Tensor.item()
+    ("all-meta", {name: x.to("meta") for name, x in good().items()}, ValueError, r"q is a meta tensor"),
 ]
 
 
@@ -283,6 +285,8 @@ STEP_CASES = [
     ("r2-meta", dict(r2=torch.ones(B, H, device="meta")), ValueError, r"r2 is on meta but q is on cpu"),
     ("state-meta", dict(state=initial_bl_state(B, H, D, m, device="meta")), ValueError,
      r"state\[0\] \(M\) is on meta"),
+    ("all-meta", {name: (tuple(t.to("meta") for t in x) if name == "state" else x.to("meta"))
+                  for name, x in step_args().items()}, ValueError, r"q is a meta tensor"),
 ]
 
 

@@ -128,6 +128,26 @@ def test_low_precision_inputs_compute_in_fp32(dtype):
     assert_close(P1, P2, 1e-5, "final P")
 
 
+@pytest.mark.parametrize("lens", [[0, 16], [16, 0], [0, 0, 9, 0]])
+@pytest.mark.parametrize("return_variance", [False, True])
+def test_empty_sequences_in_cu_seqlens(lens, return_variance):
+    """Empty sequences, first, last or several, with and without the variance: the PyTorch path's results."""
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=DEVICE)
+    q, k, v, r2, ell2, alpha = make_inputs(1, sum(lens), 2, 16, 16, decay="scalar")
+    st = initial_state(len(lens), 2, 16, 16)
+    kw = dict(initial_state=st, output_final_state=True, return_variance=return_variance, chunk_size=16,
+              cu_seqlens=cu)
+    got, want = bl_chunk_triton(q, k, v, r2, ell2, alpha, **kw), bl_chunk(q, k, v, r2, ell2, alpha, **kw)
+    assert len(got) == len(want) == 2 + return_variance
+    names = ("output", "variance", "state") if return_variance else ("output", "state")
+    for name, a, b in zip(names, got, want, strict=True):
+        if name == "state":
+            assert_close(a[0], b[0], 1e-10, "final M")
+            assert_close(a[1], b[1], 1e-10, "final P")
+        else:
+            assert_close(a, b, 1e-10, name)
+
+
 def test_cu_seqlens_equals_separate_sequences():
     lens = [5, 0, 23, 17]
     T = sum(lens)

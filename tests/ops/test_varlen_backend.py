@@ -92,3 +92,49 @@ def test_backend_dispatch():
     torch.testing.assert_close(o_default, o_torch, atol=0, rtol=0)
     with pytest.raises(ValueError, match="backend"):
         bl_chunk(q, k, v, r2, ell2, alpha, backend="cuda")
+
+
+@pytest.mark.parametrize("cu", [[0, 0, 50], [0, 0, 0, 20, 50], [0, 20, 50, 50], [0, 50, 50]])
+@pytest.mark.parametrize("return_variance", [False, True])
+def test_empty_sequences_anywhere_in_cu_seqlens(cu, return_variance):
+    """An empty sequence is valid input (a packing of zero tokens) wherever it stands: its final state is its
+    initial one, and the other sequences' outputs are theirs alone, with or without the variance."""
+    q, k, v, r2, ell2, alpha = _inputs()
+    q.requires_grad_(True)
+    cu_t = torch.tensor(cu)
+    n = cu_t.numel() - 1
+    M0, P0 = initial_bl_state(n, 2, 8, 4, p0=0.5, dtype=torch.float64)
+    M0 = M0 + 0.1 * torch.randn(M0.shape, **F64)
+    out = bl_chunk(q, k, v, r2, ell2, alpha, initial_state=(M0, P0), cu_seqlens=cu_t, output_final_state=True,
+                   return_variance=return_variance, chunk_size=16)
+    o, (M, P) = out[0], out[-1]
+    assert (out[1].shape == (1, 50, 2, 1)) if return_variance else len(out) == 2
+    for i, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
+        if a == b:
+            torch.testing.assert_close(M[i], M0[i], atol=0, rtol=0)
+            torch.testing.assert_close(P[i], P0[i], atol=0, rtol=0)
+            continue
+        o2, (M2, _) = bl_recurrent(q[:, a:b], k[:, a:b], v[:, a:b], r2[:, a:b], ell2[:, a:b], alpha[:, a:b],
+                                   initial_state=(M0[i:i + 1], P0[i:i + 1]), output_final_state=True)
+        torch.testing.assert_close(o[:, a:b], o2, atol=1e-12, rtol=0)
+        torch.testing.assert_close(M[i:i + 1], M2, atol=1e-12, rtol=0)
+    o.sum().backward()  # and the gradients flow through the packing
+    assert torch.isfinite(q.grad).all()
+
+
+@pytest.mark.parametrize("cu", [None, [0, 7, 50]])
+def test_a_chunk_size_past_the_sequence_is_one_chunk_not_padding(cu, monkeypatch):
+    """``chunk_size`` is bounded by the sequence length: 10**9 gives the one-chunk result, and no tensor is
+    padded past T (the call used to allocate for 10**9 tokens)."""
+    import bayeslayer.ops.bayesian_layer.chunk as chunk_module
+
+    q, k, v, r2, ell2, alpha = _inputs()
+    cu_t = None if cu is None else torch.tensor(cu)
+    want, _ = bl_chunk(q, k, v, r2, ell2, alpha, cu_seqlens=cu_t, chunk_size=50)
+    padded = []
+    pad_time = chunk_module.pad_time
+    monkeypatch.setattr(chunk_module, "pad_time",
+                        lambda x, pad, value=0.0: padded.append(pad) or pad_time(x, pad, value))
+    got, _ = bl_chunk(q, k, v, r2, ell2, alpha, cu_seqlens=cu_t, chunk_size=10**9)
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+    assert padded and max(padded) == 0, padded

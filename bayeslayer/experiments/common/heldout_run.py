@@ -6,6 +6,7 @@ and the record's table (the paper's Table 7 layout) and figure drawn from the JS
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -99,7 +100,9 @@ def plot(record: dict, path: str | os.PathLike) -> Path:
         for ax, source in zip(axes[0], sources, strict=True):
             for label, m in models.items():
                 row = m["cells"].get(source, {})
-                points = sorted((int(L), c["ppl"]) for L, c in row.items() if c.get("ppl") is not None)
+                # a diverged model's inf has no point on the axis (the table and the JSON say inf)
+                points = sorted((int(L), c["ppl"]) for L, c in row.items()
+                                if c.get("ppl") is not None and math.isfinite(c["ppl"]))
                 if points:
                     xs, ys = zip(*points, strict=True)
                     ax.plot(xs, ys, marker="o", label=label)

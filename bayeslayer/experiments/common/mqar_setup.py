@@ -25,6 +25,7 @@ from ...layers import MIXER_LABELS, MIXERS, QKVMixer
 from ...models.mqar_model import LAYOUTS, MQARModel, MQARModelConfig
 from ...models.state_budget import BUDGET_MIXERS, HeadConfig, solve_state_budget
 from .harness import TrainConfig
+from .options import check_seeds
 
 TASK_NAMES = ("base", "update", "block")
 #: MQAR mixer names that are a registry layer with other constructor settings: name → (layer, keywords).
@@ -103,6 +104,7 @@ class MQARPreset:
             raise ValueError(f"gate must be one of {GATES}, got {self.gate!r}")
         if self.max_steps is not None:
             check_int("max_steps", self.max_steps, minimum=1)
+        check_seeds(check_int("seeds", self.seeds, minimum=1), name="seeds")
         if self.layout == "hybrid" and self.num_layers < 2:
             raise ValueError(f"the hybrid layout alternates a conv block and a mixer block and needs "
                              f"num_layers >= 2, got {self.num_layers}")

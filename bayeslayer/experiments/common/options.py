@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ...checks import INT_MAX, check_int
+from ...checks import INT_MAX, check_fits, check_int, memory_size
 from ...errors import UsageError
 from ...training.distributed import DEVICE_HELP, resolve_device
 
@@ -75,49 +75,21 @@ def _int_arg(text: str, *, minimum: int) -> int:
         raise argparse.ArgumentTypeError(f"expected an integer in [{minimum}, {INT_MAX}], got {value}") from None
 
 
-def _bytes(n: float) -> str:
-    for unit in ("bytes", "KB", "MB", "GB", "TB"):
-        if n < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
-        n /= 1000
-    raise AssertionError("unreachable")
-
-
-# a container's memory limit (cgroup v2, then v1): past it the kernel kills the process, no error is raised
-_CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
-
-
-def memory_size(device: str | torch.device = "cpu") -> int | None:
-    """Bytes of memory of ``device``: for the CPU the machine's RAM or the container's limit, whichever is
-    smaller; the GPU's for CUDA (None: unknown)."""
-    dev = torch.device(device) if not isinstance(device, torch.device) else device
-    if dev.type == "cuda":
-        return torch.cuda.get_device_properties(dev.index or 0).total_memory
-    sizes = []
-    try:
-        sizes.append(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    except (AttributeError, OSError, ValueError):
-        pass
-    for path in _CGROUP_LIMITS:
-        try:
-            sizes.append(int(Path(path).read_text().strip()))  # "max" (no limit) is not an int
-        except (OSError, ValueError):
-            continue
-    return min(sizes) if sizes else None
-
-
 def check_memory(nbytes: float, *, what: str, device: str | torch.device = "cpu") -> None:
-    """Refuse work whose ``nbytes`` (a lower bound of what it allocates) exceed the memory of ``device``.
+    """:func:`bayeslayer.checks.check_fits` raising :class:`~bayeslayer.errors.UsageError` (``what`` names the
+    options, e.g. ``"--T 100000000"``)."""
+    check_fits(nbytes, what=what, device=device, error=UsageError)
 
-    The estimate runs before the work, so a size that can never fit fails at once with a line naming the
-    option, instead of after minutes, or with the allocator's error.  ``what`` names the sizes, e.g.
-    ``"--T 100000000"``.
-    """
-    total = memory_size(device)
-    if total is not None and nbytes > total:
-        where = "this machine's memory" if torch.device(device).type == "cpu" else f"the memory of {device}"
-        raise UsageError(f"{what} needs at least {_bytes(nbytes)} of memory, more than {where} "
-                         f"({_bytes(total)}); use smaller sizes")
+
+#: a lower bound of the memory each seed of a run keeps until the run ends: its result record (a dict, 64 bytes
+#: when empty) in the list of records (an 8-byte slot)
+SEED_BYTES = 72
+
+
+def check_seeds(seeds: int, *, name: str = "preset.seeds") -> None:
+    """Refuse a number of seeds whose records cannot fit in memory, before the first one trains (the list of
+    seeds used to fail as a bare ``MemoryError``)."""
+    check_memory(SEED_BYTES * seeds, what=f"{name}={seeds:,} (--seeds)")
 
 
 def list_arg(kind: Callable[[str], Any] = str, what: str = "values", *, allow_empty: bool = False,
@@ -336,9 +308,9 @@ def add_train_eval(sub, name: str, *, help: str, description: str, train: tuple[
 
 __all__ = [
     "DEVICE_HELP", "PLOT_ONLY_HELP", "add_train_eval", "cache_dir_arg", "check_file_name", "check_in_dir",
-    "check_in_file", "check_int", "check_memory", "check_out_dir", "check_out_file", "check_source", "check_tokenizer",
-    "device_arg", "int_arg", "list_arg", "memory_size", "model_arg", "nonnegative_int_arg", "plot_only_json",
-    "positive_float_arg", "positive_int_arg", "redrawing",
+    "check_in_file", "check_int", "check_memory", "check_out_dir", "check_out_file", "check_seeds", "check_source",
+    "check_tokenizer", "device_arg", "int_arg", "list_arg", "memory_size", "model_arg", "nonnegative_int_arg",
+    "plot_only_json", "positive_float_arg", "positive_int_arg", "redrawing",
 ]
 
 

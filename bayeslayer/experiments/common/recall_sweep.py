@@ -27,6 +27,7 @@ from .options import (
     check_int,
     check_memory,
     check_out_dir,
+    check_seeds,
     device_arg,
     nonnegative_int_arg,
     plot_only_json,
@@ -112,6 +113,7 @@ class CoreRunConfig:
             raise TypeError(f"preset must be a {self.preset_type().__name__}, got {type(self.preset).__name__}")
         for name in ("steps", "batch_size", "seeds", "eval_sequences"):
             check_int(f"preset.{name}", getattr(self.preset, name), minimum=1)
+        check_seeds(self.preset.seeds)
         if isinstance(self.models, str):
             raise TypeError(f"models must be a sequence of model names, not the string {self.models!r}")
         models = tuple(self.models)

@@ -269,8 +269,11 @@ def _eval_locked(args, out_dir: Path) -> int:
         return 0
     if not args.runs:
         raise UsageError("give at least one run directory (or --plot-only to redraw from --out)")
+    from ...models.loading import refuse_pickle_weights
+
     for run in args.runs:  # every run must be finished before the first is evaluated
         final = check_in_dir(run, option="run", what="run directory") / "final"
+        refuse_pickle_weights(final)
         if not (final / "model.safetensors").is_file() or not (final / "lm_config.json").is_file():
             raise UsageError(f"run {run} has no finished model (final/model.safetensors and "
                              "final/lm_config.json); train it to the end first")

@@ -3,6 +3,7 @@ Table 2 layout as markdown and a bar plot, both drawn from the JSON alone."""
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -80,6 +81,10 @@ def markdown_table(record: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
 def bar_plot(record: dict, path: str | os.PathLike) -> Path:
     """Grouped bars of PPL per group (log scale), one bar per model, error bars = std over seeds."""
     import matplotlib
@@ -90,16 +95,26 @@ def bar_plot(record: dict, path: str | os.PathLike) -> Path:
     models = record["models"]
     groups = [g for g in GROUPS if any(g in m["summary"] for m in models.values())]
     width = 0.8 / max(1, len(models))
+    drawn = False
     fig, ax = plt.subplots(figsize=(7.5, 4.0))
     try:
         for i, (label, m) in enumerate(models.items()):
             xs = [j + (i - (len(models) - 1) / 2) * width for j in range(len(groups))]
             means = [m["summary"][g]["mean"] if g in m["summary"] else float("nan") for g in groups]
             stds = [m["summary"][g]["std"] if g in m["summary"] else 0.0 for g in groups]
-            ax.bar(xs, means, width, yerr=stds, capsize=3, label=f"{label} ({len(m['seeds'])} seed(s))")
+            # a diverged model's inf PPL has no bar (the table and the JSON say inf): marked "inf" instead
+            finite = [v if _finite(v) else float("nan") for v in means]
+            ax.bar(xs, finite, width, yerr=[s if _finite(s) else 0.0 for s in stds], capsize=3,
+                   label=f"{label} ({len(m['seeds'])} seed(s))")
+            drawn = drawn or any(_finite(v) for v in means)
+            for x, v in zip(xs, means, strict=True):
+                if v == math.inf:
+                    ax.annotate("inf", (x, 0.98), xycoords=("data", "axes fraction"), ha="center", va="top",
+                                fontsize=7)
         ax.set_xticks(range(len(groups)), [GROUP_LABELS[g] for g in groups], rotation=15, fontsize=8)
-        ax.set_yscale("log")
-        ax.set_ylabel("perplexity (log scale)")
+        if drawn:  # a log axis needs one positive bar
+            ax.set_yscale("log")
+        ax.set_ylabel("perplexity (log scale)" if drawn else "perplexity")
         cfg = record.get("config", {})
         ax.set_title(f"{cfg.get('split')} split, windows of {cfg.get('seq_len')} tokens", fontsize=10)
         ax.grid(axis="y", alpha=0.3, which="both")

@@ -514,12 +514,13 @@ def _filter_chunk(
     return_variance: bool, chunk_size: int,
 ) -> FilterOutput:
     """:func:`filter_chunk` of one sequence per batch row (``chunk_size`` checked)."""
-    C = chunk_size
     pr = prepare_inputs(q, k, v, write, inputs, p0=p0, initial_state=initial_state, keep_float64_state=True)
     B, T, Hf = pr.q.shape[:3]
     if T == 0 or B == 0:  # nothing to filter: empty outputs, the state as it came (as filter_recurrent)
         empty = pr.q.new_zeros(B, T, Hf)
-        return pr.finish(pr.v.new_zeros(pr.v.shape), empty, empty, pr.M0, pr.P0, output_final_state)
+        return pr.finish(pr.v.new_zeros(pr.v.shape), empty if return_variance else None, empty, pr.M0, pr.P0,
+                         output_final_state)
+    C = min(chunk_size, T)  # one chunk holds the whole sequence: a longer one would only pad it
     P = pr.P0
     cd = pr.q.dtype
     # a wide prior (or a float64 state) runs the covariance in float64 (checks.covariance_dtype): in

@@ -503,6 +503,7 @@ def _raise_if_flagged(flags: torch.Tensor, err, ctx: CPContext, what: str) -> No
 def _element(pr, C: int):
     """Phase A over this rank's whole slice (one segment, from P = 0, in float64): ``(A, C, J)`` ``[H', D, D]``."""
     T = pr.k.shape[1]
+    C = min(C, max(T, 1))  # a chunk longer than the slice would only pad it
     n_chunks = -(-T // C)
     lay = scan_layout([0, T], C, n_chunks, pr.k.device)
     la = pr.dyn.log_alpha if pr.dyn.log_alpha is not None else pr.k.new_zeros(*pr.k.shape[:3], 1)

@@ -110,6 +110,9 @@ def check_qkv(q, k, v, *, single_step: bool = False) -> Dims:
     """Check q, k: [B, T, H, D] and v: [B, T, H, m] (``single_step``: [B, H, D] / [B, H, m])."""
     q = check_tensor("q", q)
     dev = q.device
+    if dev.type == "meta":  # the filter's steps read values (pivots, the float64 promotion): a meta tensor has none
+        raise ValueError(f"q is a meta tensor (a shape {_shape(q)} without values); the filter needs values: "
+                         "pass tensors on the CPU or a GPU")
     k = check_tensor("k", k, device=dev)
     v = check_tensor("v", v, device=dev)
     nd = 3 if single_step else 4
