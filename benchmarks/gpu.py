@@ -1157,7 +1157,8 @@ def main(argv=None) -> int:
 def _save(path: Path, rows: list[dict]) -> None:
     """Write the rows with the run's metadata (atomically: a run killed mid-write keeps the last file)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"argv": sys.argv[1:], "torch": torch.__version__,
+    # the command line is the record's provenance.command (named relative to the checkout), not repeated here
+    meta = {"torch": torch.__version__,
             "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     try:
         import triton

@@ -15,7 +15,7 @@ from bayeslayer.training.optim import DECAY_POLICY
 def test_provenance_fields_and_values():
     p = prov.provenance(device="cpu", seeds=(0, 1), wall_seconds=2.5, optimizer_groups=DECAY_POLICY,
                         command=["bayeslayer", "recall"])
-    assert tuple(p) == prov.FIELDS
+    assert tuple(p)[:len(prov.FIELDS)] == prov.FIELDS and set(p) - set(prov.FIELDS) <= {"record_notes"}
     assert p["command"] == ["bayeslayer", "recall"] and p["seeds"] == [0, 1] and p["wall_seconds"] == 2.5
     assert p["optimizer_groups"] == DECAY_POLICY and p["backfilled"] is False
     assert set(p["versions"]) == {"python", *prov.PACKAGES} and p["versions"]["torch"]
@@ -49,6 +49,20 @@ def test_the_command_names_a_program_in_the_checkout_relative_to_it():
         "bayeslayer/cli.py", "mqar", "--out", "/abs/out"]  # only the program is rewritten
     assert prov.provenance(command=["/usr/bin/tool", "x"])["command"] == ["/usr/bin/tool", "x"]
     assert prov.provenance(command=["-c"])["command"] == ["-c"]
+    inside = str(prov._PACKAGE_ROOT / "results" / "x")  # a path argument inside the checkout, either spelling
+    assert prov.provenance(command=[cli, "recall", "--out", inside, f"--cache-dir={inside}"])["command"] == [
+        "bayeslayer/cli.py", "recall", "--out", "results/x", "--cache-dir=results/x"]
+
+
+def test_a_record_without_a_commit_or_from_a_dirty_checkout_says_so(monkeypatch):
+    monkeypatch.setattr(prov, "git_commit", lambda root=None: None)
+    monkeypatch.setattr(prov, "git_dirty", lambda root=None: None)
+    assert "not imported from a git checkout" in prov.provenance()["record_notes"][0]
+    monkeypatch.setattr(prov, "git_commit", lambda root=None: "a" * 40)
+    monkeypatch.setattr(prov, "git_dirty", lambda root=None: True)
+    assert "uncommitted changes on commit " + "a" * 40 in prov.provenance()["record_notes"][0]
+    monkeypatch.setattr(prov, "git_dirty", lambda root=None: False)
+    assert "record_notes" not in prov.provenance()
 
 
 def test_git_commit_reads_files_of_a_checkout(tmp_path):
@@ -149,3 +163,26 @@ def test_every_committed_record_carries_provenance():
             assert p["git_commit"] is None and p["backfill_notes"], path  # the code's commit was never recorded
         else:
             assert p["versions"]["python"] and p["versions"]["torch"] and p["command"], path
+            # a record without a commit, or from a dirty checkout, says why in the record
+            if p["git_commit"] is None:
+                assert any("git_commit" in note for note in p.get("record_notes", ())), path
+            if p["git_dirty"]:
+                assert any("git_dirty" in note for note in p.get("record_notes", ())), path
+        assert _absolute_paths(record) == [], path  # no folder of the machine that wrote it
+
+
+def _absolute_paths(obj) -> list[str]:
+    """The absolute paths (``/x...``, alone or after a space, ``=`` or a quote) in the strings of ``obj``."""
+    import re
+
+    if isinstance(obj, dict):
+        return [x for v in obj.values() for x in _absolute_paths(v)]
+    if isinstance(obj, list):
+        return [x for v in obj for x in _absolute_paths(v)]
+    return re.findall(r"""(?:^|[\s=('"])(/[A-Za-z][^\s,;)'"]*)""", obj) if isinstance(obj, str) else []
+
+
+def test_the_absolute_path_check_sees_one():
+    assert _absolute_paths({"provenance": {"command": ["bayeslayer/cli.py", "--out", "/tmp/x"]}}) == ["/tmp/x"]
+    assert _absolute_paths(["--notes=/home/u/n.json", "a/b", "x /work/y z"]) == ["/home/u/n.json", "/work/y"]
+    assert _absolute_paths({"how": "pytest -q -n 2 (two workers); 1/2 of the time"}) == []

@@ -6,7 +6,8 @@ Every experiment writes its numbers with :func:`write_record`, which adds a ``"p
 * ``git_commit``, ``git_dirty``: the commit of the checkout the ``bayeslayer`` package was imported
   from and whether tracked files differ from it (``null`` for both when the package is not in a git
   checkout, e.g. installed from a wheel);
-* ``command``: the full command line (``sys.argv``; a program inside the checkout is named relative to it);
+* ``command``: the full command line (``sys.argv``; a program or a path argument inside the checkout is named
+  relative to it, so a record names no folder of the machine that wrote it);
 * ``versions``: Python, bayeslayer, torch, triton, fla (``flash-linear-attention``) and
   transformers (``null`` for a package that is not installed);
 * ``device`` (what the run used, e.g. ``"cpu"``, ``"cuda:0"``), ``cpu_model``, ``gpu`` (the GPU's
@@ -14,8 +15,10 @@ Every experiment writes its numbers with :func:`write_record`, which adds a ``"p
 * ``seeds``, ``wall_seconds`` and ``optimizer_groups`` (the AdamW grouping rule,
   :data:`bayeslayer.training.optim.DECAY_POLICY`, or ``null`` for a result that trains nothing);
 * ``backfilled``: ``false``.  Records committed before provenance was recorded carry the same keys
-  with ``backfilled: true``, the commits that added and last changed the file, and ``null`` for
-  everything that was not recorded at the time.
+  with ``backfilled: true``, the commits that added and last changed the file, ``backfill_notes``, and
+  ``null`` for everything that was not recorded at the time.
+* ``record_notes`` (only when there is something to say): why ``git_commit`` is ``null``, that the
+  checkout was dirty, or what was changed in the record after it was written.
 
 The commit and the dirty flag are read from the files of the ``.git`` directory (:func:`git_commit`,
 :func:`git_dirty`): no git command, hook or configured filter runs.  Anything that cannot be read gives
@@ -296,14 +299,25 @@ def _command(argv: Sequence[str]) -> list[str]:
     """The command line, its program named relative to the checkout when it lies inside it
     (``python -m bayeslayer.cli`` gives ``bayeslayer/cli.py``, not the folder the checkout happens to be in)."""
     argv = [str(a) for a in argv]
-    if argv:
-        program = Path(argv[0])
-        if program.is_absolute():
+    for i, arg in enumerate(argv):  # the program, and any path argument (``--out /x/y`` or ``--out=/x/y``)
+        option, eq, value = arg.partition("=") if i and arg.startswith("-") else ("", "", arg)
+        if Path(value).is_absolute():
             try:
-                argv[0] = program.resolve().relative_to(_PACKAGE_ROOT).as_posix()
-            except ValueError:
-                pass  # a program outside the checkout keeps its path
+                argv[i] = option + eq + Path(value).resolve().relative_to(_PACKAGE_ROOT).as_posix()
+            except (ValueError, OSError):
+                pass  # a path outside the checkout keeps its path (the committed records are checked for it)
     return argv
+
+
+def _notes(commit: str | None, dirty: bool | None) -> list[str]:
+    """The ``record_notes`` a record written now needs: why it has no commit, or that its checkout was dirty."""
+    if commit is None:
+        return ["git_commit is null: the bayeslayer package that wrote this record was not imported from a git "
+                "checkout whose .git could be read (an installed package, or a copy of the files)"]
+    if dirty:
+        return [f"git_dirty is true: the checkout had uncommitted changes on commit {commit} (git_commit), which "
+                "the record does not hold"]
+    return []
 
 
 def provenance(*, device: Any = "cpu", seeds: Sequence[int] | None = None, wall_seconds: float | None = None,
@@ -335,9 +349,11 @@ def provenance(*, device: Any = "cpu", seeds: Sequence[int] | None = None, wall_
         threads: int | None = torch.get_num_threads()
     except ImportError:
         threads = None
+    commit, dirty = git_commit(), git_dirty()
+    notes = _notes(commit, dirty)
     return {
-        "git_commit": git_commit(),
-        "git_dirty": git_dirty(),
+        "git_commit": commit,
+        "git_dirty": dirty,
         "command": _command(sys.argv if command is None else command),
         "versions": package_versions(),
         "device": device,
@@ -348,6 +364,7 @@ def provenance(*, device: Any = "cpu", seeds: Sequence[int] | None = None, wall_
         "wall_seconds": process_seconds() if wall_seconds is None else wall_seconds,
         "optimizer_groups": optimizer_groups,
         "backfilled": False,
+        **({"record_notes": notes} if notes else {}),
     }
 
 
