@@ -11,6 +11,11 @@ sits between two markers naming its generator::
 --check`` rewrites nothing and exits 1, naming each table, when a document differs from what the
 records give (byte for byte) or holds a marker this module does not know.  The test suite runs the
 check, so a number edited by hand, or a record changed without regenerating its table, fails.
+
+A number quoted in running text is marked the same way, inline, and generated from its record by
+:data:`VALUES` (the same command regenerates and checks it)::
+
+    took <!-- value collision-seconds -->32.8–33.4 s<!-- /value --> on an idle CPU
 """
 
 from __future__ import annotations
@@ -902,6 +907,97 @@ TABLES: dict[str, tuple[str, Callable[[Path], str]]] = {
 }
 
 
+# --------------------------------------------------------------------------- numbers in running text
+
+_VALUE = re.compile(r"<!-- value (?P<name>[a-z0-9-]+) -->(?P<text>.*?)<!-- /value -->")
+
+
+def _seconds(value: float) -> str:
+    return f"{value:,.0f} s"
+
+
+def _span(values, fmt: Callable[[float], str]) -> str:
+    lo, hi = fmt(min(values)), fmt(max(values))
+    return lo if lo == hi else f"{lo.removesuffix(' s')}–{hi}"
+
+
+def _collision_seconds(root: Path) -> str:
+    """The collision command's wall time on an idle CPU, one thread: its runs in ``benchmarks/threads.py``'s record."""
+    row = next(r for r in _load(root, "results/threads/threads.json")["rows"]
+               if r["workload"] == "collision" and r["condition"] == "idle")
+    return _span(row["runs_s"]["default"], lambda x: f"{x:.1f} s")
+
+
+def _p_ab(model: str) -> Callable[[Path], str]:
+    def value(root: Path) -> str:
+        return f"{_load(root, 'results/collision/collision.json')['models'][model]['p_ab'][111]:.2g}"
+    return value
+
+
+def _wall_seconds(*rels: str) -> Callable[[Path], str]:
+    """The wall time (``provenance.wall_seconds``) of the records ``rels``: one, or the span of several."""
+    def value(root: Path) -> str:
+        return _span([_load(root, rel)["provenance"]["wall_seconds"] for rel in rels], _seconds)
+    return value
+
+
+def _train_seconds(rel: str, model: str) -> Callable[[Path], str]:
+    """Each seed's ``train_seconds`` in a harness record, ``a / b s``."""
+    def value(root: Path) -> str:
+        seeds = _load(root, rel)["models"][model]["seeds"]
+        return " / ".join(f"{s['train_seconds']:,.0f}" for s in seeds) + " s"
+    return value
+
+
+def _curve(rel: str, model: str, key: str) -> Callable[[Path], str]:
+    """A learning curve of a harness record (mean over seeds, two decimals), comma-separated."""
+    def value(root: Path) -> str:
+        curve = _load(root, rel)["models"][model]["summary"]["learning_curve"][key]["mean"]
+        return ", ".join(f"{x:.2f}" for x in curve)
+    return value
+
+
+_MAMBA2_LR = tuple(f"results/mqar/mamba2_lr/{lr}/mqar_update_hybrid.json" for lr in ("lr1e-3", "lr3e-3", "lr3e-2"))
+_RECALL_PAPER_LONG = "results/recall/paper-core/long/recall.json"
+
+#: Every number of running text generated from a record: name -> (the document that quotes it, its generator).
+VALUES: dict[str, tuple[str, Callable[[Path], str]]] = {
+    "collision-seconds": ("docs/experiments.md", _collision_seconds),
+    "collision-bl-p-ab": ("README.md", _p_ab("bayesian")),
+    "collision-delta-p-ab": ("README.md", _p_ab("reset")),
+    "collision-la-p-ab": ("README.md", _p_ab("linear_attention")),
+    "mamba2-lr-seconds": ("docs/experiments.md", _wall_seconds(*_MAMBA2_LR)),
+    "mamba2-hybrid-2997-seconds": ("docs/experiments.md",
+                                   _wall_seconds("results/mqar/mamba2_budget/mqar_update_hybrid.json")),
+    "mamba2-stacked-2997-seconds": ("docs/experiments.md",
+                                    _wall_seconds("results/mqar/mamba2_budget/mqar_update.json")),
+    "recall-paper-long-delta-train": ("docs/experiments.md", _train_seconds(_RECALL_PAPER_LONG, "delta_paper")),
+    "recall-paper-long-seconds": ("docs/experiments.md", _wall_seconds(_RECALL_PAPER_LONG)),
+    "recall-paper-long-delta-curve": ("docs/experiments.md", _curve(_RECALL_PAPER_LONG, "delta_paper",
+                                                                    "accuracy_n_f_256")),
+    "recall-paper-long-bl-curve": ("docs/experiments.md", _curve(_RECALL_PAPER_LONG, "bayesian_paper",
+                                                                 "accuracy_n_f_256")),
+}
+
+
+def render_values(text: str, root: Path, *, document: str = "") -> tuple[str, list[str]]:
+    """``text`` with every marked number of running text regenerated from :data:`VALUES`, and the problems
+    found (an unknown name, or one that belongs to another document)."""
+    problems: list[str] = []
+
+    def one(match: re.Match) -> str:
+        name = match["name"]
+        if name not in VALUES:
+            problems.append(f"{document}: value {name!r} has no generator in bayeslayer.results.VALUES")
+            return match[0]
+        if VALUES[name][0] != document:
+            problems.append(f"{document}: value {name!r} belongs to {VALUES[name][0]}")
+            return match[0]
+        return f"<!-- value {name} -->{VALUES[name][1](root)}<!-- /value -->"
+
+    return _VALUE.sub(one, text), problems
+
+
 def render(text: str, root: Path, *, document: str = "") -> tuple[str, list[str]]:
     """``text`` with every marked table regenerated, and the problems found (unknown or unclosed markers)."""
     lines = text.split("\n")
@@ -934,35 +1030,49 @@ def render(text: str, root: Path, *, document: str = "") -> tuple[str, list[str]
 
 
 def regenerate(root: str | Path = ".", *, check: bool = False) -> list[str]:
-    """Regenerate (or, with ``check``, compare) every marked table under ``root``; returns the problems.
+    """Regenerate (or, with ``check``, compare) every marked table and number under ``root``; returns the
+    problems.
 
-    A problem is a document whose tables differ from the records (``check``), an unknown or unclosed
-    marker, or a table of :data:`TABLES` that no document marks.
+    A problem is a document whose tables or marked numbers differ from the records (``check``), an unknown
+    or unclosed marker, or a table of :data:`TABLES` or a number of :data:`VALUES` that no document marks.
     """
     root = Path(root)
     if not (root / "results").is_dir():
         raise FileNotFoundError(f"root: {root} has no results/ folder; run from the checkout's root or pass --root")
     problems: list[str] = []
     seen: set[str] = set()
+    seen_values: set[str] = set()
     for document in DOCUMENTS:
         path = root / document
         if not path.is_file():
             continue
         text = path.read_text(encoding="utf-8")
         seen.update(m["name"] for m in map(_BEGIN.match, text.split("\n")) if m)
+        seen_values.update(m["name"] for m in _VALUE.finditer(text))
         new, found = render(text, root, document=document)
         problems += found
-        if new != text:
+        with_values, found = render_values(new, root, document=document)
+        problems += found
+        if with_values != text:
             if check:
                 old_tables = _tables_of(text)
                 new_tables = _tables_of(new)
                 changed = sorted(n for n in new_tables if old_tables.get(n) != new_tables[n])
-                problems.append(f"{document}: tables differ from their records: {', '.join(changed)} "
-                                f"(run `{COMMAND}`)")
+                if changed:
+                    problems.append(f"{document}: tables differ from their records: {', '.join(changed)} "
+                                    f"(run `{COMMAND}`)")
+                old_values = {m["name"]: m["text"] for m in _VALUE.finditer(text)}
+                moved = sorted({m["name"] for m in _VALUE.finditer(with_values)
+                                if old_values.get(m["name"]) != m["text"]})
+                if moved:
+                    problems.append(f"{document}: numbers in the text differ from their records: {', '.join(moved)} "
+                                    f"(run `{COMMAND}`)")
             else:
-                path.write_text(new, encoding="utf-8")
+                path.write_text(with_values, encoding="utf-8")
     problems += [f"table {name!r} of {doc} is marked in no document" for name, (doc, _) in TABLES.items()
                  if name not in seen]
+    problems += [f"value {name!r} of {doc} is marked in no document" for name, (doc, _) in VALUES.items()
+                 if name not in seen_values]
     return problems
 
 
@@ -990,7 +1100,7 @@ def main(argv: list[str] | None = None) -> int:
     for p in problems:
         print(p, file=sys.stderr)
     if not problems and not args.check:
-        print(f"regenerated {len(TABLES)} tables")
+        print(f"regenerated {len(TABLES)} tables and {len(VALUES)} numbers in the text")
     return 1 if problems else 0
 
 

@@ -16,7 +16,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 FLA_VERSION=${FLA_VERSION:-0.6.0}
 DEST=.whl
-# on the image (the machine's package list names these and their own requirements)
+# already on the target image (its package list names these and their own requirements)
 IMAGE="torch triton pytest pytest-xdist einops packaging numpy filelock typing-extensions sympy networkx jinja2
 fsspec setuptools mpmath markupsafe iniconfig pluggy pygments execnet"
 OPTIONAL="transformers"

@@ -20,9 +20,9 @@
 # (600 per run), RUN_S (time limit per run, 75 s), TASKS ("update block"), MIXERS
 # ("gated_deltanet_noconv bayesian gated_deltanet"), OUT (results/mqar/gpu/<date>_<layout>).
 # Sizing: MAX_STEPS × (seconds per step) + data and test time must stay under RUN_S; the JSON's
-# train_seconds per run tells the next session the step time to resize with.  Every run regenerates
-# its pool and test sets on the CPU: measured 40 + 38 s (Update) and 30 + 17 s (Block) on the
-# 2-core development machine at load ≈ 22, so expect a few seconds to ~15 s of each RUN_S for it.
+# train_seconds per run gives the step time to resize with.  Every run regenerates
+# its pool and test sets on the CPU: measured 40 + 38 s (Update) and 30 + 17 s (Block) on
+# a 2-core CPU at load ≈ 22, so expect a few seconds to ~15 s of each RUN_S for it.
 set -u
 export PYTHONUNBUFFERED=1
 DRY=0

@@ -39,6 +39,15 @@ DIARY = {
     "dated narration (a measurement states device and versions, history goes to CHANGELOG.md)": re.compile(
         r"\b(?:[Ss]ince|[Uu]ntil|[Rr]e-?run on|[Rr]un on|[Mm]easured|[Ww]ired|on) \(?20\d\d-\d\d-\d\d"),
 }
+# README.md, docs/ and benchmarks/: a measurement states the hardware and its load ("a 2-core CPU shared
+# with other jobs"), never the machines the project was built on ("the shared 2-core machine").
+MACHINES = {
+    "describes the machine the project was built on": re.compile(
+        r"\bthe shared (?:\d+-core )?(?:machine|CPU)\b|\bshared the machine\b|\b(?:development|dev) machine\b|"
+        r"\bthe machine (?:has|had|that (?:measured|ran|runs))\b|\bthe machine's package list\b|"
+        r"\bthis machine's noise\b|\bthis (?:quiet|idle|busy|loaded|shared) (?:CPU|machine)\b|"
+        r"\b(?:tells|for) the next session\b", re.I),
+}
 EXEMPT = {"CHANGELOG.md", "test_docs_guard.py"}
 
 
@@ -67,6 +76,7 @@ def violations(root: Path) -> list[str]:
 
     scan(_files(root, ("README.md", "docs", "bayeslayer", "tests", "benchmarks")), CITATIONS)
     scan(_files(root, ("README.md", "docs")), DIARY)
+    scan(_files(root, ("README.md", "docs", "benchmarks")), MACHINES)
     return found
 
 
@@ -120,6 +130,17 @@ PLANTED = [
     ("docs/x.md", "Conv-free GDN was stopped at the end of the session."),
     ("docs/x.md", "Measured 2026-11-29 on a 2-core machine."),
     ("docs/x.md", "**Since 2026-12-01 the forward is the segment scan**"),
+    # the phrasing of lines that spoke of the machines the project was built on
+    ("docs/x.md", "Measured with one thread on the shared 2-core machine (load average 9–11)."),
+    ("docs/x.md", "(its issue #640, wrong gradient values); the machine has Triton 3.6, and BL's scan"),
+    ("docs/x.md", "the differences are within this machine's noise; the rule adds one host sync"),
+    ("docs/x.md", "measured while the shared machine ran at load ≈ 9 on its 2 cores: BL 441 ms"),
+    ("docs/x.md", "No training: about 4 s (14 s measured while seven other jobs shared the machine)."),
+    ("docs/x.md", "The times cannot show it: the machine that measured them has 2 cores shared with others."),
+    ("docs/x.md", "showed larger gaps; on this quiet CPU the gap is what the rows show"),
+    ("benchmarks/x.sh", "# measured 40 + 38 s on the 2-core development machine at load 22"),
+    ("benchmarks/x.sh", "# on the image (the machine's package list names these)"),
+    ("benchmarks/x.py", '"""train_seconds per run tells the next session the step time."""'),
 ]
 
 
@@ -140,6 +161,9 @@ def test_guard_passes_what_users_may_read(tmp_path):
         "bayeslayer/x.py": 'cmap = ["#440154", "#414487"]  # tokens/s of this session (since the resume)',
         "tests/x.py": 'with pytest.raises(RuntimeError, match="#640"):',
         "README.md": "Measured on an NVIDIA H200 with torch 2.13 and Triton 3.6: 1.9x GDN.",
+        "docs/y.md": "Measured with one thread on a 2-core x86_64 CPU shared with other jobs (load 9–11); "
+                     "the ranks share this machine's cores; on a loaded machine it takes longer.",
+        "benchmarks/y.py": '"""Measures, in one run on this machine, the step time; see the machine\'s state."""',
     }
     for where, line in lines.items():
         f = tmp_path / where

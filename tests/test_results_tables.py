@@ -195,3 +195,73 @@ def test_every_listed_table_still_exists():
     stale = sorted((d, h) for d, h in NOT_GENERATED_YET | NOT_RESULTS | CHECKED_BY_TESTS
                    if not any(d == fd and fh.startswith(h) for fd, fh in found))
     assert stale == []
+
+
+def test_every_marked_number_of_the_text_fails_when_it_changes_and_tables_puts_it_back(copy):
+    """Each number of running text in :data:`results.VALUES`: a digit changed is caught, naming it, and the
+    command writes the record's number back."""
+    import re
+
+    originals = {}
+    for name, (document, _) in results.VALUES.items():
+        doc = copy / document
+        text = doc.read_text(encoding="utf-8")
+        originals.setdefault(document, text)
+        m = re.search(rf"<!-- value {name} -->(.*?)<!-- /value -->", text)
+        assert m, name
+        digit = re.search(r"\d", m[1])
+        at = m.start(1) + digit.start()
+        doc.write_text(text[:at] + str((int(text[at]) + 1) % 10) + text[at + 1:], encoding="utf-8")
+    named = {}
+    for problem in results.regenerate(copy, check=True):
+        found = re.fullmatch(r"(\S+): numbers in the text differ from their records: (.+) \(run `.+`\)", problem)
+        assert found, problem
+        named[found[1]] = set(found[2].split(", "))
+    expected = {}
+    for name, (document, _) in results.VALUES.items():
+        expected.setdefault(document, set()).add(name)
+    assert named == expected
+    assert results.regenerate(copy) == []
+    for document, text in originals.items():
+        assert (copy / document).read_text(encoding="utf-8") == text
+
+
+def test_an_unknown_or_unused_value_is_reported(copy):
+    doc = copy / "docs/experiments.md"
+    text = doc.read_text(encoding="utf-8")
+    doc.write_text(text.replace("<!-- value collision-seconds -->", "<!-- value no-such -->"), encoding="utf-8")
+    problems = results.regenerate(copy, check=True)
+    assert any("value 'no-such' has no generator" in p for p in problems)
+    assert any("value 'collision-seconds' of docs/experiments.md is marked in no document" in p for p in problems)
+
+
+# Measured times quoted in running text (``12.3 s``, ``441 ms``, ``4–5 min``) without a value marker, per
+# document: each should become a generated number of results.VALUES (or go); the counts may only fall.
+UNMARKED_TIMES = {"README.md": 5, "docs/experiments.md": 62, "docs/kernels.md": 39, "docs/data.md": 9,
+                  "docs/layers.md": 0, "docs/models.md": 2, "docs/reliability.md": 34}
+
+
+def _unmarked_times(text: str) -> int:
+    import re
+
+    text = re.sub(r"<!-- value [a-z0-9-]+ -->.*?<!-- /value -->", "", text)
+    count, inside, code = 0, False, False
+    for line in text.split("\n"):
+        if line.startswith("```"):
+            code = not code
+            continue
+        inside = (inside or line.startswith("<!-- results-table ")) and not line.startswith("<!-- /results-table")
+        if not (inside or code or line.startswith("|")):
+            count += len(re.findall(r"\b\d[\d,]*(?:\.\d+)?(?:–\d[\d,]*(?:\.\d+)?)? (?:s|ms|min)\b", line))
+    return count
+
+
+def test_no_new_unmarked_time_in_the_text():
+    """The ratchet on quoted times: a new measured time in running text must be a generated number."""
+    found = {d: _unmarked_times((ROOT / d).read_text(encoding="utf-8")) for d in results.DOCUMENTS}
+    assert found == UNMARKED_TIMES
+
+
+def test_the_time_ratchet_sees_a_new_time_and_not_a_marked_one():
+    assert _unmarked_times("It took 12.5 s and 4–5 min.\n| 3 s |\n```\n9 s\n```") == 2
+    assert _unmarked_times("It took <!-- value x -->12.5 s<!-- /value -->.") == 0
