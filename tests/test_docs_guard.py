@@ -44,7 +44,8 @@ DIARY = {
 MACHINES = {
     "describes the machine the project was built on": re.compile(
         r"\bthe shared (?:\d+-core )?(?:machine|CPU)\b|\bshared the machine\b|\b(?:development|dev) machine\b|"
-        r"\bthe machine (?:has|had|that (?:measured|ran|runs))\b|\bthe machine's package list\b|"
+        r"\bthe machine (?:has|had) (?:Triton|torch|Python|CUDA|\d)|\bthe machine that (?:measured|ran)\b|"
+        r"\bthe machine's package list\b|"
         r"\bthis machine's noise\b|\bthis (?:quiet|idle|busy|loaded|shared) (?:CPU|machine)\b|"
         r"\b(?:tells|for) the next session\b", re.I),
 }
@@ -162,7 +163,8 @@ def test_guard_passes_what_users_may_read(tmp_path):
         "tests/x.py": 'with pytest.raises(RuntimeError, match="#640"):',
         "README.md": "Measured on an NVIDIA H200 with torch 2.13 and Triton 3.6: 1.9x GDN.",
         "docs/y.md": "Measured with one thread on a 2-core x86_64 CPU shared with other jobs (load 9–11); "
-                     "the ranks share this machine's cores; on a loaded machine it takes longer.",
+                     "the ranks share this machine's cores; on a loaded machine it takes longer; a size "
+                     "needing more memory than the machine has is refused.",
         "benchmarks/y.py": '"""Measures, in one run on this machine, the step time; see the machine\'s state."""',
     }
     for where, line in lines.items():
