@@ -236,7 +236,12 @@ def test_bad_teacher_and_tokenizer(teacher, tmp_path):
     (no_tok / "tokenizer.json").unlink()
     with pytest.raises(ValueError, match="tokenizer.json is missing"):  # the folder's manifest lists it
         run_distill(_config(no_tok, corpus), tmp_path / "o", device="cpu", cache_dir=cache)
-    (no_tok / "manifest.json").unlink()  # a folder from elsewhere, without a tokenizer
+    (no_tok / "manifest.json").unlink()  # its config.json still says the folder had one
+    with pytest.raises(ValueError, match="manifest.json is missing"):
+        run_distill(_config(no_tok, corpus), tmp_path / "o", device="cpu", cache_dir=cache)
+    config = json.loads((no_tok / "config.json").read_text())
+    del config["bayeslayer_manifest"]  # now a folder from elsewhere (or an older version), without a tokenizer
+    (no_tok / "config.json").write_text(json.dumps(config))
     with pytest.raises(FileNotFoundError, match="tokenizer"):
         run_distill(_config(no_tok, corpus), tmp_path / "o", device="cpu", cache_dir=cache)
     with pytest.raises(ValueError, match="out of range"):
