@@ -51,6 +51,9 @@ class LinearAttention(QKVMixer):
     def write_arguments(self, x: torch.Tensor) -> dict:
         return {"gain": unit_gain(x, self.num_heads)}
 
+    def write_argument_flops(self, tally, tokens: int) -> None:
+        """No projection: the write coefficient is 1."""
+
     def num_parameters_formula(self) -> int:
         return self._body_parameters()
 
@@ -93,6 +96,10 @@ class GLA(QKVMixer):
         log_alpha = F.logsigmoid(self.gk_proj(x).to(gate_dtype(x))) / self.gate_logit_normalizer
         alpha = torch.exp(log_alpha.clamp_min(MIN_LOG_DECAY)).unflatten(-1, (self.num_heads, self.head_dim))
         return {"gain": unit_gain(x, self.num_heads), "alpha": alpha}
+
+    def write_argument_flops(self, tally, tokens: int) -> None:
+        tally.linear(tokens, self.hidden_size, self.gate_low_rank_dim)  # gk_proj, low rank
+        tally.linear(tokens, self.gate_low_rank_dim, self.key_dim)
 
     def num_parameters_formula(self) -> int:
         r, K = self.gate_low_rank_dim, self.key_dim

@@ -7,6 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..checks import check_int
+from ..ops.flops import FlopCount, Tally, matmul_flops
 from .base import Mixer, MixerOutput, check_attention_mask, check_hidden_states, check_state_dict
 from .common import apply_mask, check_positive_float
 
@@ -109,6 +110,22 @@ class Attention(Mixer):
 
     def extra_repr(self) -> str:
         return f"num_heads={self.num_heads}, head_dim={self.head_dim}, rope_base={self.rope_base:g}"
+
+    def flops(self, batch_size: int, seq_len: int) -> FlopCount:
+        """q/k/v/o projections and the attention's two products ``QKᵀ`` and ``P V`` over the full ``T × T``
+        score matrix (PyTorch's flop counter does not halve it for causal attention; neither does this); the
+        backward recomputes the scores (flash attention), five products."""
+        B = check_int("batch_size", batch_size, minimum=1)
+        T = check_int("seq_len", seq_len, minimum=1)
+        d, H, D = self.hidden_size, self.num_heads, self.head_dim
+        t = Tally()
+        for _ in range(3):
+            t.linear(B * T, d, H * D)
+        t.matmul(B * H, T, D, T)
+        t.matmul(B * H, T, T, D)
+        t.backward += B * H * matmul_flops(T, D, T)  # the scores again
+        t.linear(B * T, H * D, d)
+        return t.count()
 
     def num_parameters_formula(self) -> int:
         K = self.num_heads * self.head_dim

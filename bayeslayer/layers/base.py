@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from ..checks import check_int
 from ..design import DesignModel
 from ..ops.bayesian_layer.cp import CPContext, cp_conv_halo, filter_chunk_cp
+from ..ops.flops import FlopCount, Tally, chunk_flops
 from ..ops.utils.validation import check_tensor
 from .common import (
     GatedRMSNorm,
@@ -118,6 +119,12 @@ class Mixer(nn.Module):
         """The parameter count from the formula in the class docstring (tests check it against the module)."""
         raise NotImplementedError
 
+    def flops(self, batch_size: int, seq_len: int) -> FlopCount:
+        """FLOPs of one training step's forward and backward through this mixer on ``[batch_size, seq_len]``
+        inputs that need a gradient (:mod:`bayeslayer.ops.flops`' convention: products, convolutions and
+        factorizations; the tests hold it within 10% of ``FlopCounterMode`` on the PyTorch path)."""
+        raise NotImplementedError
+
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 state: dict | None = None, use_cache: bool = False,
                 output_variance: bool = False) -> MixerOutput:
@@ -178,6 +185,14 @@ class RecurrentMixer(Mixer):
     def cp_unsupported(self) -> str | None:
         """Why this mixer cannot run context-parallel (``cp_context``), or None when it can."""
         return "it has no context-parallel path"
+
+    def filter_flops(self, batch_size: int, seq_len: int) -> FlopCount:
+        """FLOPs of the design's chunked filter in a training step (:func:`bayeslayer.ops.flops.chunk_flops`)."""
+        design = self.design
+        return chunk_flops(design.write, getattr(self, "dynamics", design.dynamics), batch_size=batch_size,
+                           seq_len=seq_len, num_heads=self.num_heads, key_dim=self.head_dim,
+                           value_dim=self.head_v_dim, chunk_size=self.chunk_size, groups=getattr(self, "groups", 1),
+                           rank=design.rank, projection=design.projection)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 state: dict | None = None, use_cache: bool = False,
@@ -327,6 +342,27 @@ class QKVMixer(RecurrentMixer):
     def write_arguments(self, x: torch.Tensor) -> dict:
         """The design's per-token write arguments (``gain``, ``alpha``, ``r2``, ...), ``[B, T, H, ...]``."""
         raise NotImplementedError
+
+    def write_argument_flops(self, tally: Tally, tokens: int) -> None:
+        """Add the FLOPs of :meth:`write_arguments`' projections on ``tokens`` tokens to ``tally``."""
+        raise NotImplementedError
+
+    def flops(self, batch_size: int, seq_len: int) -> FlopCount:
+        """The q/k/v (and gate, output) projections, the short convolutions, the write arguments' projections
+        and the filter (see :meth:`Mixer.flops`)."""
+        B = check_int("batch_size", batch_size, minimum=1)
+        T = check_int("seq_len", seq_len, minimum=1)
+        d, K, V, tokens = self.hidden_size, self.key_dim, self.value_dim, B * T
+        t = Tally()
+        for width in (K, K, V):
+            t.linear(tokens, d, width)
+            if self.use_short_conv:
+                t.conv(B, width, T, self.conv_size)
+        self.write_argument_flops(t, tokens)
+        if self.use_gate:
+            t.linear(tokens, d, V)
+        t.linear(tokens, V, d)
+        return t.count() + self.filter_flops(B, T)
 
     def features(self, x, mask, conv_state):
         q, k, v, new_conv = self.project_qkv(x, mask, conv_state)

@@ -163,6 +163,15 @@ class BayesianLayer(QKVMixer):
             args["theta"] = theta.unflatten(-1, (H, self.head_dim // 2))
         return args
 
+    def write_argument_flops(self, tally, tokens: int) -> None:
+        d, H = self.hidden_size, self.num_heads
+        tally.linear(tokens, d, H * self.groups)  # r2_proj
+        tally.linear(tokens, d, H)  # ell2_proj
+        if self.decay_dim:
+            tally.linear(tokens, d, H * self.decay_dim)  # a_proj
+        if self.dynamics == "rotation":
+            tally.linear(tokens, d, H * self.head_dim // 2)  # theta_proj
+
     def filter_p0(self) -> torch.Tensor:
         return self.p0.float()
 

@@ -73,6 +73,10 @@ class GatedDeltaNet(_DeltaRule):
         alpha = torch.exp(decay_log(self.a_proj(x), self.A_log, self.dt_bias)[..., 0])
         return {"gain": beta, "alpha": alpha}
 
+    def write_argument_flops(self, tally, tokens: int) -> None:
+        for _ in ("b_proj", "a_proj"):
+            tally.linear(tokens, self.hidden_size, self.num_heads)
+
     def num_parameters_formula(self) -> int:
         return self._body_parameters() + 2 * self.hidden_size * self.num_heads + 2 * self.num_heads
 
@@ -117,6 +121,9 @@ class DeltaNet(_DeltaRule):
 
     def write_arguments(self, x: torch.Tensor) -> dict:
         return {"gain": self.beta(x)}
+
+    def write_argument_flops(self, tally, tokens: int) -> None:
+        tally.linear(tokens, self.hidden_size, self.num_heads)  # b_proj
 
     def num_parameters_formula(self) -> int:
         return self._body_parameters() + self.hidden_size * self.num_heads

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from ..checks import check_int
 from ..design import MAMBA2
+from ..ops.flops import FlopCount, Tally, chunk_flops
 from .base import RecurrentMixer
 from .common import (
     MIN_LOG_DECAY,
@@ -107,6 +108,22 @@ class Mamba2(RecurrentMixer):
     def extra_repr(self) -> str:
         return (f"num_heads={self.num_heads}, head_dim={self.head_dim}, state_size={self.state_size}, "
                 f"n_groups={self.n_groups}, chunk_size={self.chunk_size}")
+
+    def filter_flops(self, batch_size: int, seq_len: int) -> FlopCount:
+        """The SSD core: the latent write, scalar decay, keys ``B_t`` of size ``N``, values ``x_t`` of size ``P``."""
+        return chunk_flops("latent", "scalar", batch_size=batch_size, seq_len=seq_len, num_heads=self.num_heads,
+                           key_dim=self.state_size, value_dim=self.head_dim, chunk_size=self.chunk_size)
+
+    def flops(self, batch_size: int, seq_len: int) -> FlopCount:
+        """in_proj, the short convolution over ``x, B, C``, the SSD core and out_proj (see ``Mixer.flops``)."""
+        B = check_int("batch_size", batch_size, minimum=1)
+        T = check_int("seq_len", seq_len, minimum=1)
+        d, inner, tokens = self.hidden_size, self.intermediate_size, B * T
+        t = Tally()
+        t.linear(tokens, d, inner + self.conv_dim + self.num_heads)
+        t.conv(B, self.conv_dim, T, self.conv_size)
+        t.linear(tokens, inner, d)
+        return t.count() + self.filter_flops(B, T)
 
     def num_parameters_formula(self) -> int:
         d, H, inner, W = self.hidden_size, self.num_heads, self.intermediate_size, self.conv_size

@@ -30,9 +30,10 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import PreTrainedModel
 
-from ..checks import check_fits
+from ..checks import check_fits, check_int
 from ..errors import SizeError
 from ..ops.backend import BackendError, forced_backend
+from ..ops.flops import FlopCount, Tally
 from .cache import BayesLayerCache
 from .configuration import BayesLayerConfig
 
@@ -130,6 +131,16 @@ class SwiGLUMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.hidden_dropout(F.silu(self.gate_proj(x)) * self.up_proj(x)))
+
+    def flops(self, batch_size: int, seq_len: int) -> FlopCount:
+        """The three projections of a training step (:mod:`bayeslayer.ops.flops`' convention)."""
+        tokens = check_int("batch_size", batch_size, minimum=1) * check_int("seq_len", seq_len, minimum=1)
+        t = Tally()
+        d, inner = self.gate_proj.in_features, self.gate_proj.out_features
+        t.linear(tokens, d, inner)
+        t.linear(tokens, d, inner)
+        t.linear(tokens, inner, d)
+        return t.count()
 
 
 class BayesLayerBlock(GradientCheckpointingLayer):
@@ -370,6 +381,15 @@ class BayesLayerModel(BayesLayerPreTrainedModel):
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.embeddings = value
 
+    def flops(self, batch_size: int, seq_len: int) -> FlopCount:
+        """FLOPs of a training step's forward and backward through the blocks on ``[batch_size, seq_len]``
+        token ids (each mixer's :meth:`~bayeslayer.layers.Mixer.flops` and MLP; embedding lookups and norms
+        are not counted: :mod:`bayeslayer.ops.flops`)."""
+        count = FlopCount()
+        for layer in self.layers:
+            count = count + layer.attn.flops(batch_size, seq_len) + layer.mlp.flops(batch_size, seq_len)
+        return count
+
     def context_parallel_conv_size(self) -> int | None:
         """The ``conv1d_kernel_size`` to build this model's CP context with
         (:func:`bayeslayer.ops.build_cp_context`): the width of the mixers' short convolutions, None
@@ -480,6 +500,17 @@ class BayesLayerForCausalLM(BayesLayerPreTrainedModel, GenerationMixin):
 
     def get_decoder(self) -> BayesLayerModel:
         return self.model
+
+    def flops(self, batch_size: int, seq_len: int) -> FlopCount:
+        """FLOPs of one training step (forward and backward) on ``[batch_size, seq_len]`` token ids: the
+        decoder's (:meth:`BayesLayerModel.flops`) and the output head's, by :mod:`bayeslayer.ops.flops`'
+        convention (matrix products, convolutions and the filters' factorizations; elementwise work not
+        counted), without activation checkpointing.  The tests hold it within 10% of PyTorch's
+        ``FlopCounterMode``."""
+        t = Tally()
+        t.linear(check_int("batch_size", batch_size, minimum=1) * check_int("seq_len", seq_len, minimum=1),
+                 self.config.hidden_size, self.config.vocab_size)
+        return self.model.flops(batch_size, seq_len) + t.count()
 
     def context_parallel_conv_size(self) -> int | None:
         """:meth:`BayesLayerModel.context_parallel_conv_size` of the decoder."""

@@ -37,6 +37,7 @@ import torch.nn as nn
 
 from ..checks import check_int
 from ..layers import MIXERS, ShortConvolution, build_mixer
+from ..ops.flops import FlopCount, Tally
 
 #: the block layouts of :class:`MQARModel` (module docstring)
 LAYOUTS = ("stacked", "hybrid")
@@ -89,6 +90,16 @@ class BaseConv(nn.Module):
 
     def forward(self, u: torch.Tensor) -> torch.Tensor:
         return self.conv(u)[0] * self.projection(u) + u
+
+    def flops(self, batch_size: int, seq_len: int) -> FlopCount:
+        """The convolution and the projection of a training step (:mod:`bayeslayer.ops.flops`)."""
+        B = check_int("batch_size", batch_size, minimum=1)
+        T = check_int("seq_len", seq_len, minimum=1)
+        t = Tally()
+        d = self.projection.in_features
+        t.conv(B, d, T, self.conv.kernel_size[0])
+        t.linear(B * T, d, d)
+        return t.count()
 
 
 class MQARModel(nn.Module):
@@ -143,6 +154,24 @@ class MQARModel(nn.Module):
         """Recurrent-state floats of one mixer layer (all heads)."""
         mixer = self.recurrent_mixers()[0]
         return mixer.state_size_per_head() * mixer.num_heads
+
+    def flops(self, batch_size: int, seq_len: int) -> FlopCount:
+        """FLOPs of one training step (forward and backward) on ``[batch_size, seq_len]`` token ids: every
+        block's mixer (:meth:`~bayeslayer.layers.Mixer.flops`), BaseConv and MLP, and the head, by
+        :mod:`bayeslayer.ops.flops`' convention (embedding lookups and LayerNorms are not counted)."""
+        B = check_int("batch_size", batch_size, minimum=1)
+        T = check_int("seq_len", seq_len, minimum=1)
+        cfg, t = self.config, Tally()
+        d = cfg.width
+        blocks = self.mixers if cfg.layout == "stacked" else self.sequence_mixers
+        count = FlopCount()
+        for block in blocks:
+            count = count + block.flops(B, T)
+            if cfg.mlp_mult:
+                t.linear(B * T, d, cfg.mlp_mult * d)
+                t.linear(B * T, cfg.mlp_mult * d, d)
+        t.linear(B * T, d, cfg.vocab_size)
+        return count + t.count()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if not isinstance(input_ids, torch.Tensor) or input_ids.dtype != torch.int64:

@@ -45,6 +45,7 @@ import torch.nn.functional as F
 
 from ...checks import check_int
 from ...design import BAYESIAN, DELTANET, GLA, LINEAR_ATTENTION, lowrank_diagonal
+from ...ops.flops import FlopCount, Tally, chunk_flops
 
 CORE_KINDS = ("bayesian", "delta", "linear_attention", "gla")
 # the low-rank-plus-diagonal BL at these ranks (head_dim 16); selectable, not run by default
@@ -183,6 +184,27 @@ class CoreMixer(nn.Module):
                                 return_variance=True)
         return out.variance.reshape(B, T, self.H, -1).mean(-1)
 
+    def flops(self, batch_size: int, seq_len: int) -> FlopCount:
+        """FLOPs of a training step through this core (:mod:`bayeslayer.ops.flops`): the value, noise or gain
+        maps, the filter (the address is a fixed input: keys and queries need no gradient) and ``out``."""
+        t = Tally()
+        tokens, W = batch_size * seq_len, self.value.in_features
+        t.linear(tokens, W, self.H * self.m)
+        maps = [mod for mod in (getattr(self, name, None) for name in ("r2", "ell2", "coef", "decay"))
+                if isinstance(mod, nn.Linear)]
+        for mod in maps:
+            t.linear(tokens, W, mod.out_features)
+        t.linear(tokens, self.H * self.m, W)
+        if self.kind.startswith("bayesian"):
+            write, dynamics = self.design.write, "identity"
+        elif self.kind in ("delta", "delta_paper"):
+            write, dynamics = "reset", "identity"
+        else:
+            write, dynamics = "latent", "diagonal" if self.kind == "gla" else "identity"
+        return t.count() + chunk_flops(write, dynamics, batch_size=batch_size, seq_len=seq_len, num_heads=self.H,
+                                       key_dim=self.D, value_dim=self.m, chunk_size=self.chunk_size,
+                                       rank=self.design.rank if write == "lowrank" else None, qk_grad=False)
+
     def forward(self, h: torch.Tensor, address: torch.Tensor) -> torch.Tensor:
         """``h``: ``[B, T, width]``, ``address``: ``[B, T, D]`` (unit rows) → ``[B, T, width]``."""
         B, T, _ = h.shape
@@ -219,6 +241,13 @@ class CoreBlock(nn.Module):
         h = h + self.mixer(self.norm1(h), address)
         return h + self.mlp(self.norm2(h))
 
+    def flops(self, batch_size: int, seq_len: int) -> FlopCount:
+        t = Tally()
+        W = self.mlp[0].in_features
+        t.linear(batch_size * seq_len, W, 2 * W)
+        t.linear(batch_size * seq_len, 2 * W, W)
+        return self.mixer.flops(batch_size, seq_len) + t.count()
+
 
 class CoreModel(nn.Module):
     """Input features ``[B, T, input_dim]`` → logits ``[B, T, num_classes]``; see the module docstring."""
@@ -245,6 +274,19 @@ class CoreModel(nn.Module):
 
     def config_dict(self) -> dict:
         return asdict(self.cfg)
+
+    def flops(self, batch_size: int, seq_len: int) -> FlopCount:
+        """FLOPs of one training step (forward and backward) on ``[batch_size, seq_len]`` inputs: the input map
+        (its input needs no gradient), every block and the head, by :mod:`bayeslayer.ops.flops`' convention."""
+        B = check_int("batch_size", batch_size, minimum=1)
+        T = check_int("seq_len", seq_len, minimum=1)
+        cfg, t = self.cfg, Tally()
+        t.linear(B * T, cfg.input_dim, cfg.width, grad_input=False)
+        t.linear(B * T, cfg.width, cfg.num_classes)
+        count = t.count()
+        for block in self.blocks:
+            count = count + block.flops(B, T)
+        return count
 
 
 def build_core_model(

@@ -162,7 +162,11 @@ class ChunkDynamics:
         return full.reshape(*blocks.shape[:-3], D, D)
 
 
-def unit_lower_inverse(L: torch.Tensor, base: int = 16) -> torch.Tensor:
+#: the diagonal blocks :func:`unit_lower_inverse` inverts by a triangular solve before merging them
+UNIT_INVERSE_BASE = 16
+
+
+def unit_lower_inverse(L: torch.Tensor, base: int = UNIT_INVERSE_BASE) -> torch.Tensor:
     """Inverse of a unit lower-triangular ``[..., C, C]`` matrix, by blocked doubling.
 
     Diagonal blocks of size ``base`` are inverted by a batched triangular solve; then
