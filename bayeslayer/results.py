@@ -779,6 +779,29 @@ def mqar_diagnostics_table(root: Path) -> str:
 
 # --------------------------------------------------------------------------- CPU threads
 
+def flops_mixers_table(root: Path) -> str:
+    """FLOPs per token of a training step per mixer (``benchmarks/flops.py``): counted, the filter's share, the
+    ratio to GDN, and the measurement (``FlopCounterMode``) and the uncounted elementwise work against the count."""
+    rec = _load(root, "results/flops/mixers.json")
+    gdn = next(r for r in rec["rows"] if r["mixer"] == "gated_deltanet" and not r["kwargs"])
+    gdn_per_token = gdn["count"]["total"] / gdn["seq_len"]
+    lines = [f"hidden {rec['hidden']}, {rec['heads']} heads, head dim {rec['head_dim']}, batch 1, T = "
+             f"{gdn['seq_len']:,} (chunks of {gdn['chunk_size']}); MFLOP per token of one training step",
+             "",
+             _row(["mixer", "forward", "backward", "total", "of it the filter", "× GDN", "measured / counted",
+                   "elementwise, % of counted"]),
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rec["rows"]:
+        T, c = r["seq_len"], r["count"]
+        label = r["label"] + (f" (T = {T})" if T != gdn["seq_len"] else "")
+        core = "—" if r["filter"] is None else f"{r['filter']['total'] / T / 1e6:.2f}"
+        lines.append(_row([label, f"{c['forward'] / T / 1e6:.2f}", f"{c['backward'] / T / 1e6:.2f}",
+                           f"{c['total'] / T / 1e6:.2f}", core, f"{c['total'] / T / gdn_per_token:.2f}",
+                           f"{r['measured']['total'] / c['total']:.3f}",
+                           f"{100 * r['elementwise']['total'] / c['total']:.1f}"]))
+    return "\n".join(lines)
+
+
 def threads_table(root: Path) -> str:
     """``benchmarks/threads.py --out``: each workload's median wall time at its default (one thread) and at
     PyTorch's default, idle and beside a CPU-bound process, with the 1-minute load average at each run's start."""
@@ -829,6 +852,7 @@ TABLES: dict[str, tuple[str, Callable[[Path], str]]] = {
     "tests-slowest-now": ("docs/reliability.md", slowest_now_table),
     "tests-slowest-default": ("docs/reliability.md", slowest_default_table),
     "cpu-threads": ("docs/reliability.md", threads_table),
+    "flops-mixers": ("docs/layers.md", flops_mixers_table),
     "collision-steps": ("docs/experiments.md", collision_steps_table),
     "collision-fixed-prior": ("docs/experiments.md", collision_fixed_prior_table),
     "collision-overlap": ("docs/experiments.md", collision_overlap_table),

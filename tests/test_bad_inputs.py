@@ -437,6 +437,12 @@ def _ops():
     return ops
 
 
+def _flops():
+    import bayeslayer.ops.flops as flops
+
+    return flops
+
+
 def _mixer(name="bayesian", **kw):
     from bayeslayer.layers import build_mixer
 
@@ -510,6 +516,16 @@ API_CASES = [
         lambda p: __import__("bayeslayer.data.arhit", fromlist=["x"]).ppl_by_group(
             torch.full((2, 3), 1e37), {"all": torch.ones(2, 3, dtype=torch.bool).numpy()}), "runs",
         expect=lambda r: None if r["all"]["ppl"] == math.inf else f"ppl {r['all']['ppl']}"),
+    Api("size or overflow", "mixer.flops(batch_size=2**70)", lambda p: _mixer().flops(2**70, 8),
+        "batch_size must be an integer <="),
+    Api("FLOP count arguments", "chunk_flops(dynamics='rotation')",
+        lambda p: _flops().chunk_flops("bayes", "rotation", batch_size=1, seq_len=8, num_heads=1, key_dim=8,
+                                       value_dim=8), "dynamics='rotation' has no FLOP count"),
+    Api("FLOP count arguments", "mixer.flops(seq_len=0)", lambda p: _mixer("gated_deltanet").flops(1, 0),
+        "seq_len must be an integer >= 1"),
+    Api("FLOP count arguments", "chunk_flops(write='lowrank') without rank",
+        lambda p: _flops().chunk_flops("lowrank", "scalar", batch_size=1, seq_len=8, num_heads=1, key_dim=8,
+                                       value_dim=8), "needs rank"),
     Api("damaged JSON file", "plotting.load_json(damaged)",
         lambda p: _plotting().load_json(Path(p["corrupt"]) / "niah.json"), "corrupt/niah.json is damaged"),
     Api("damaged JSON file", "load_run(final/lm_config.json damaged)",
