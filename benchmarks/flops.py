@@ -44,7 +44,8 @@ def measure_row(name: str, extra: dict, hidden: int, heads: int, head_dim: int, 
     import torch
 
     from bayeslayer.layers import build_mixer
-    from bayeslayer.ops.flops import Tally, measure_training_flops
+    from bayeslayer.ops.flops import Tally
+    from bayeslayer.training.flop_counter import measure_training_flops
 
     torch.manual_seed(0)
     with warnings.catch_warnings():

@@ -17,9 +17,9 @@ work that dominates and that every accelerator runs on its fast units:
 
 **Not counted:** elementwise work (activations, gates, norms, the decay ratios ``exp(g_i − g_j)``,
 masks, additions, the loss) and data movement (embedding lookups, copies, concatenations).  Its size
-is measured by :func:`measure_training_flops` (``elementwise``: one per output element of every other
-operation) and reported beside the counts (docs/layers.md), so a reader sees what the convention
-leaves out.
+is measured by :func:`bayeslayer.training.flop_counter.measure_training_flops` (``elementwise``: one per
+output element of every other operation) and reported beside the counts (docs/layers.md), so a reader
+sees what the convention leaves out.
 
 A training step is one forward and one backward pass (:class:`FlopCount`); the backward of a product
 computes the gradient of each operand that needs one (``2·M·K·N`` each), the backward of a solve or a
@@ -30,19 +30,17 @@ and results the loss does not reach (the final state) get no backward work, exac
 :func:`chunk_flops` counts the chunked filter (:func:`bayeslayer.ops.bayesian_layer.chunk.filter_chunk`,
 :func:`bayeslayer.ops.bayesian_layer.lowrank.lowrank_chunk`; docs/theory.md §5) operation by operation;
 the mixers add their projections and convolutions (``Mixer.flops``) and the models their blocks.
-:func:`measure_training_flops` measures the same quantity with ``torch.utils.flop_counter.FlopCounterMode``
-(the factorizations registered at the counts above, since the counter knows only products), and the
-tests hold every mixer's count within 10% of the measurement, forward and backward.  The GPU kernels run
+:func:`bayeslayer.training.flop_counter.measure_training_flops` measures the same quantity with
+``torch.utils.flop_counter.FlopCounterMode`` (the factorizations registered at the counts above, since the
+counter knows only products), and the tests hold every mixer's count within 10% of the measurement,
+forward and backward.  The GPU kernels run
 other algorithms; their counts are in ``benchmarks/cost_model.py``.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
-
-import torch
 
 from ..checks import check_int
 from .bayesian_layer.chunk import UNIT_INVERSE_BASE
@@ -321,125 +319,7 @@ def _cholesky_solve(t: Tally, batch: int, n: int, k: int) -> None:
     t.backward += batch * (cholesky_solve_flops(n, k) + matmul_flops(n, k, n) + matmul_flops(n, n, n))
 
 
-# -- measuring the same quantity ----------------------------------------------------------------------
-def flop_counter_formulas() -> dict:
-    """``custom_mapping`` for ``FlopCounterMode``: the factorizations and solves at this module's counts,
-    and PyTorch's CPU attention kernel at the formula the counter uses for its GPU twins."""
-    from torch.utils import flop_counter as fc
-
-    aten = torch.ops.aten
-
-    def cholesky(A, *args, out_shape=None, **kwargs) -> int:
-        *lead, n, _ = A
-        return math.prod(lead) * cholesky_flops(n)
-
-    def solve_triangular(A, Bm, *args, left=True, out_shape=None, **kwargs) -> int:
-        *lead, n, _ = A
-        *lead_b, rows, cols = Bm
-        k = cols if left else rows
-        return math.prod(torch.broadcast_shapes(tuple(lead), tuple(lead_b))) * triangular_solve_flops(n, k)
-
-    def chol_solve(Bm, L, *args, out_shape=None, **kwargs) -> int:
-        *lead, n, k = Bm
-        return math.prod(torch.broadcast_shapes(tuple(lead), tuple(L[:-2]))) * cholesky_solve_flops(n, k)
-
-    def eigh(A, *args, out_shape=None, **kwargs) -> int:
-        *lead, n, _ = A
-        return math.prod(lead) * eigh_flops(n)
-
-    def conv_backward(grad_out, x, w, bias, stride, padding, dilation, transposed, output_padding, groups,
-                      output_mask, out_shape=None, **kwargs) -> int:
-        # PyTorch's own formula prices a grouped (depthwise) convolution's backward as a dense one; each
-        # gradient of a stride-1 convolution takes the forward's multiply-adds, 2 FLOPs each
-        forward = 2 * grad_out[0] * math.prod(grad_out[2:]) * w[0] * w[1] * math.prod(w[2:])
-        return forward * (int(output_mask[0]) + int(output_mask[1]))
-
-    def sdpa_cpu(q, k, v, *args, out_shape=None, **kwargs) -> int:
-        return fc.sdpa_flop_count(q, k, v)
-
-    def sdpa_cpu_backward(grad_out, q, k, v, *args, out_shape=None, **kwargs) -> int:
-        return fc.sdpa_backward_flop_count(grad_out, q, k, v)
-
-    return {
-        aten.linalg_cholesky_ex: cholesky, aten.linalg_solve_triangular: solve_triangular,
-        aten.cholesky_solve: chol_solve, aten._cholesky_solve_helper: chol_solve, aten.linalg_eigh: eigh,
-        aten._linalg_eigh: eigh, aten.convolution_backward: conv_backward,
-        aten._scaled_dot_product_flash_attention_for_cpu: sdpa_cpu,
-        aten._scaled_dot_product_flash_attention_for_cpu_backward: sdpa_cpu_backward,
-    }
-
-
-@dataclass(frozen=True)
-class MeasuredFlops:
-    """What :func:`measure_training_flops` measured: the counted FLOPs (:class:`FlopCount`), the output
-    elements of every other operation (``elementwise``, forward and backward) and the counted FLOPs per
-    operation (``by_op``, forward and backward)."""
-
-    flops: FlopCount
-    elementwise: FlopCount
-    by_op: dict
-
-
-def measure_training_flops(step: Callable[[], torch.Tensor]) -> MeasuredFlops:
-    """Run ``loss = step()`` and ``loss.backward()`` under ``FlopCounterMode`` (with
-    :func:`flop_counter_formulas`) and count, beside the FLOPs, one per output element of every operation
-    the counter does not price (views and factory functions excluded): the elementwise work this module's
-    convention leaves out."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    if not callable(step):
-        raise TypeError(f"step must be a callable returning the loss, got {type(step).__name__}")
-    formulas = flop_counter_formulas()
-    counts, elems, by_op = [], [], []
-    loss = None
-    for phase in ("forward", "backward"):
-        counter = FlopCounterMode(display=False, custom_mapping=formulas)
-        sizes = _ElementCounter(set(counter.flop_registry) | set(formulas))
-        with counter, sizes:
-            if phase == "forward":
-                loss = step()
-                if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                    raise ValueError("step must return the loss, a tensor of one element")
-            else:
-                loss.backward()
-        counts.append(counter.get_total_flops())
-        elems.append(sizes.total)
-        by_op.append({str(op): int(f) for op, f in counter.get_flop_counts().get("Global", {}).items()})
-    return MeasuredFlops(FlopCount(*counts), FlopCount(*elems), {"forward": by_op[0], "backward": by_op[1]})
-
-
-class _ElementCounter(torch.utils._python_dispatch.TorchDispatchMode):
-    """Output elements of every operation outside ``priced`` that computes (views, copies, fills and factory
-    functions are data movement)."""
-
-    _MOVES = {"view", "_unsafe_view", "reshape", "expand", "permute", "transpose", "t", "slice", "select",
-              "unsqueeze", "squeeze", "as_strided", "alias", "detach", "diagonal", "unbind", "split",
-              "split_with_sizes", "clone", "contiguous", "copy_", "_to_copy", "cat", "stack", "zeros",
-              "zeros_like", "ones", "ones_like", "new_zeros", "new_empty", "new_empty_strided", "empty",
-              "empty_like", "empty_strided", "fill_", "eye", "lift_fresh", "_local_scalar_dense",
-              "scalar_tensor", "full", "full_like", "new_full", "arange", "flip", "repeat_interleave",
-              "index_select", "embedding", "lift_fresh_copy", "select_backward", "slice_backward",
-              "diagonal_backward", "unsqueeze_copy", "_reshape_alias", "constant_pad_nd", "masked_fill",
-              "masked_fill_", "tril", "triu", "zero_", "diag_embed", "where", "split_backward",
-              "unbind_backward", "embedding_dense_backward", "new_ones", "set_", "_conj", "resolve_conj"}
-
-    def __init__(self, priced: set) -> None:
-        super().__init__()
-        self.priced = {str(op) for op in priced}
-        self.total = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        name = str(func.overloadpacket)
-        if name not in self.priced and name.split(".")[-1] not in self._MOVES:
-            for o in out if isinstance(out, (tuple, list)) else (out,):
-                if isinstance(o, torch.Tensor) and o.is_floating_point():
-                    self.total += o.numel()
-        return out
-
-
 __all__ = [
-    "DYNAMICS", "WRITES", "FlopCount", "MeasuredFlops", "Tally", "cholesky_flops", "cholesky_solve_flops",
-    "chunk_flops", "eigh_flops", "flop_counter_formulas", "matmul_flops", "measure_training_flops",
-    "triangular_solve_flops",
+    "DYNAMICS", "WRITES", "FlopCount", "Tally", "cholesky_flops", "cholesky_solve_flops", "chunk_flops", "eigh_flops",
+    "matmul_flops", "triangular_solve_flops",
 ]

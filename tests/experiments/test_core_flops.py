@@ -9,7 +9,7 @@ from bayeslayer.experiments import crowding
 from bayeslayer.experiments.common.harness import batch_generator, masked_cross_entropy
 from bayeslayer.experiments.common.recall_models import ALL_KINDS
 from bayeslayer.experiments.common.recall_task import PRESETS, build_model, sampler
-from bayeslayer.ops.flops import measure_training_flops
+from bayeslayer.training.flop_counter import measure_training_flops
 
 
 def check(model, batch):

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from bayeslayer.layers import MIXERS, build_mixer
-from bayeslayer.ops.flops import Tally, measure_training_flops
+from bayeslayer.ops.flops import Tally
+from bayeslayer.training.flop_counter import measure_training_flops
 
 HIDDEN, B, T = 32, 2, 40
 

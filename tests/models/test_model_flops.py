@@ -8,7 +8,7 @@ import torch
 
 from bayeslayer.models import BayesLayerConfig, BayesLayerForCausalLM
 from bayeslayer.models.mqar_model import MQARModel, MQARModelConfig
-from bayeslayer.ops.flops import measure_training_flops
+from bayeslayer.training.flop_counter import measure_training_flops
 
 
 def within(count, meas, rel=0.10):

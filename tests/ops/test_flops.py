@@ -13,11 +13,10 @@ from bayeslayer.ops.flops import (
     Tally,
     cholesky_flops,
     chunk_flops,
-    flop_counter_formulas,
     matmul_flops,
-    measure_training_flops,
     triangular_solve_flops,
 )
+from bayeslayer.training.flop_counter import flop_counter_formulas, measure_training_flops
 
 DESIGNS = {"bayes": BAYESIAN, "diagonal": DIAGONAL_COVARIANCE, "reset": DesignModel("reset_any", "reset"),
            "latent": DesignModel("latent_any", "latent")}
