@@ -29,9 +29,10 @@ in DDP then: after the last micro-batch the gradients are summed over every rank
 number of replicas (the group's shares add up, the replicas average), in one all-reduce.
 
 Checkpoints (:class:`Checkpoints`, over a :class:`~bayeslayer.training.CheckpointStore`) hold the
-model, the optimiser and schedule states, the step, the loss history, the evaluations and every
-rank's RNG states (JSON + safetensors, :mod:`bayeslayer.training.state`); a checkpoint is read back
-before the first step, so a run continues bit for bit where the last one stopped.  Ctrl-C stops
+model, the optimiser and schedule states, the step, the loss history, the evaluations, the wall-clock
+and CPU seconds of the steps so far (:class:`LoopState`) and every rank's RNG states (JSON +
+safetensors, :mod:`bayeslayer.training.state`); a checkpoint is read back before the first step, so
+a run continues bit for bit where the last one stopped.  Ctrl-C stops
 after the current step with a checkpoint (:func:`~bayeslayer.training.stop_on_interrupt`) and raises
 :class:`~bayeslayer.training.TrainingInterrupted`; a second Ctrl-C stops at once with the last complete
 checkpoint standing.
@@ -119,16 +120,37 @@ def lr_lambda(config: TrainConfig) -> Callable[[int], float]:
 
 @dataclass
 class LoopState:
-    """Where a run stands: the whole run's losses and evaluations (resumed parts included)."""
+    """Where a run stands: the whole run's losses and evaluations (resumed parts included).
+
+    Step times: ``seconds`` (wall clock) and ``cpu_seconds`` (this process's CPU time, every thread) of the
+    optimiser steps of this call, evaluations and checkpoints excluded; ``seconds_before`` and
+    ``cpu_seconds_before`` the same of the run's earlier calls, read from the checkpoint (``None`` when it was
+    written by a version that did not record them), so :attr:`step_seconds` and :attr:`step_cpu_seconds`
+    are the whole run's.  With one intra-op thread on an idle machine the two agree; on a shared machine
+    the CPU time is the one other jobs do not inflate.
+    """
 
     step: int = 0
     losses: list[float] = field(default_factory=list)
     evals: list[dict] = field(default_factory=list)
     seconds: float = 0.0  # time spent in optimiser steps during this call (evaluations excluded)
+    cpu_seconds: float = 0.0  # CPU time of this process in those steps
+    seconds_before: float | None = 0.0  # the run's earlier calls (from the checkpoint)
+    cpu_seconds_before: float | None = 0.0
     finished: bool = False
     resumed_from: int | None = None  # the step of the checkpoint this call started from
     saved_step: int = -1  # the step of the last complete checkpoint on disk (-1: none)
     saved_at: str | None = None  # and its folder
+
+    @property
+    def step_seconds(self) -> float | None:
+        """Wall-clock seconds of every optimiser step of the run so far (None: an earlier call's are unknown)."""
+        return None if self.seconds_before is None else self.seconds_before + self.seconds
+
+    @property
+    def step_cpu_seconds(self) -> float | None:
+        """CPU seconds of every optimiser step of the run so far (None: an earlier call's are unknown)."""
+        return None if self.cpu_seconds_before is None else self.cpu_seconds_before + self.cpu_seconds
 
 
 @dataclass(frozen=True)
@@ -141,6 +163,7 @@ class StepInfo:
     grad_norm: float
     lr: float
     seconds: float
+    cpu_seconds: float = 0.0  # this process's CPU time of the step
 
 
 class Checkpoints:
@@ -277,7 +300,7 @@ def train_loop(
         with stop_on_interrupt() as stop:
             while state.step < end:
                 step = state.step
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 batches = micro_batches(step)
                 if len(batches) < 1:
                     raise ValueError(f"{desc}: micro_batches({step}) gave no micro-batch")
@@ -293,13 +316,15 @@ def train_loop(
                 optimizer.zero_grad(set_to_none=True)
                 state.step = step + 1
                 state.losses.append(loss_value)
-                seconds = time.perf_counter() - t0
+                seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
                 state.seconds += seconds
+                state.cpu_seconds += cpu_seconds
                 session_steps += 1
                 _show_progress(bar, state, loss_value, session_steps, tokens_per_step)
                 if after_step is not None:
                     after_step(state, StepInfo(step=state.step, loss=loss_value, parts=parts,
-                                               grad_norm=grad_norm, lr=lr, seconds=seconds))
+                                               grad_norm=grad_norm, lr=lr, seconds=seconds,
+                                               cpu_seconds=cpu_seconds))
                 keeper.after_step(config, stop)
     except TrainingInterrupted:
         raise
@@ -469,6 +494,7 @@ class _RunKeeper:
         else:
             rng = [rng]
         trainer_state = {"step": state.step, "losses": state.losses, "evals": state.evals,
+                         "step_seconds": {"wall": state.step_seconds, "cpu": state.step_cpu_seconds},
                          **checkpoints.extra_state(state), "optimizer": self.optimizer.state_dict(),
                          "scheduler": self.scheduler.state_dict(), "rng": rng}
         if ctx.is_main:
@@ -542,6 +568,8 @@ def _resume(state: LoopState, checkpoints: Checkpoints | None, optimizer, schedu
     optimizer.load_state_dict(saved["optimizer"])
     scheduler.load_state_dict(saved["scheduler"])
     state.step, state.losses, state.evals = saved["step"], list(saved["losses"]), list(saved["evals"])
+    timed = saved.get("step_seconds") or {}  # absent in checkpoints of older versions: unknown
+    state.seconds_before, state.cpu_seconds_before = timed.get("wall"), timed.get("cpu")
     rng = saved["rng"]
     rng = [rng] if isinstance(rng, dict) else list(rng)  # a single-process run of older versions: one dict
     if len(rng) == ctx.world_size:
