@@ -13,6 +13,7 @@ from typing import Any
 
 from ..checks import check_int
 from ..layers import MIXER_LABELS
+from .compute_match import check_mode
 from .distributed import PRECISIONS
 from .loop import TrainConfig
 
@@ -127,7 +128,9 @@ class LMConfig:
     ``train.batch_size`` is the *global* number of windows per optimiser step (tokens per step =
     ``batch_size · seq_len``); ``micro_batch_size`` windows go through one forward pass on one rank
     (the loop accumulates the rest).  ``eval_windows`` caps the validation windows of the periodic
-    evaluation (0: all); the final evaluation always uses every window.
+    evaluation (0: all); the final evaluation always uses every window.  ``compute_match`` (``steps``,
+    ``flops``, ``time``) says how ``train.steps`` was chosen (:mod:`~bayeslayer.training.compute_match`:
+    to spend the reference BL run's FLOPs or CPU time).
 
     The parts' fields may also be given and read flat: ``LMConfig(mixer="mamba2", lr=1e-3)`` is
     ``LMConfig(model=LMModelConfig(mixer="mamba2"), train=replace(LM_TRAIN, lr=1e-3))`` (a flat field
@@ -143,6 +146,7 @@ class LMConfig:
     train: TrainConfig = LM_TRAIN
     micro_batch_size: int = 8
     precision: str = "auto"
+    compute_match: str = "steps"  # compute_match.MODES: train.steps were set to the reference's FLOPs or time
     # bookkeeping (BOOKKEEPING): may change when a run is resumed, with train.eval_every/checkpoint_every
     eval_windows: int = 0
     eval_batch_size: int = 4
@@ -150,8 +154,8 @@ class LMConfig:
 
     def __init__(self, *, preset: str = "custom", label: str = "", model: LMModelConfig | None = None,
                  data: LMDataConfig | None = None, train: TrainConfig | None = None, micro_batch_size: int = 8,
-                 precision: str = "auto", eval_windows: int = 0, eval_batch_size: int = 4, log_every: int = 10,
-                 **flat: Any) -> None:
+                 precision: str = "auto", compute_match: str = "steps", eval_windows: int = 0,
+                 eval_batch_size: int = 4, log_every: int = 10, **flat: Any) -> None:
         unknown = sorted(set(flat) - set(_PART_OF))
         if unknown:
             raise TypeError(f"LMConfig got unknown fields {unknown}")
@@ -167,8 +171,8 @@ class LMConfig:
             if over:
                 parts[name] = replace(parts[name], **over)
         for name, value in dict(preset=preset, label=label, **parts, micro_batch_size=micro_batch_size,
-                                precision=precision, eval_windows=eval_windows, eval_batch_size=eval_batch_size,
-                                log_every=log_every).items():
+                                precision=precision, compute_match=compute_match, eval_windows=eval_windows,
+                                eval_batch_size=eval_batch_size, log_every=log_every).items():
             object.__setattr__(self, name, value)
         self.__post_init__()
 
@@ -178,6 +182,7 @@ class LMConfig:
         check_int("eval_windows", self.eval_windows, minimum=0)
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        check_mode(self.compute_match)
         if not isinstance(self.label, str):
             raise TypeError(f"label must be a string, got {type(self.label).__name__}")
         if self.train.batch_size % self.micro_batch_size != 0:
@@ -213,6 +218,8 @@ class LMConfig:
             del flat["match"]  # the default is not written: parameter-matched runs keep the config.json they had
         flat.update(micro_batch_size=self.micro_batch_size, precision=self.precision,
                     eval_windows=self.eval_windows, eval_batch_size=self.eval_batch_size, log_every=self.log_every)
+        if self.compute_match != "steps":  # the default is not written: step-matched runs keep their config.json
+            flat["compute_match"] = self.compute_match
         return json.loads(json.dumps(flat))
 
     @classmethod

@@ -47,6 +47,7 @@ import torch.nn.functional as F
 
 from ...files import atomic_write_json, read_json
 from ...training import CheckpointError, CheckpointStore, OutputLock
+from ...training.compute_match import CALIBRATION_STEPS, CALIBRATION_WARMUP, Budget
 from ...training.loop import Checkpoints, LoopState, TrainConfig, raise_if_diverged, train_loop
 from ...training.loop import lr_lambda as lr_lambda  # the schedule, also imported from here
 from ...training.state import seed_everything, weights_digest
@@ -66,13 +67,17 @@ def _settings(config: dict) -> dict:
 
 @dataclass
 class TrainResult:
-    """Per-step training losses, the periodic evaluations and the wall time of this call."""
+    """Per-step training losses, the periodic evaluations, the wall time of this call and the wall-clock and
+    CPU seconds of the run's optimiser steps, earlier calls included (``None``: a resumed checkpoint did not
+    record them)."""
 
     losses: list[float] = field(default_factory=list)
     evals: list[dict[str, float]] = field(default_factory=list)  # each has "step"
     step: int = 0
     seconds: float = 0.0
     finished: bool = False
+    step_seconds: float | None = None
+    step_cpu_seconds: float | None = None
 
 
 def batch_generator(seed: int, step: int) -> torch.Generator:
@@ -202,9 +207,7 @@ class _HarnessCheckpoints(Checkpoints):
 def _train(model, sample_batch, config: TrainConfig, evaluate, store: CheckpointStore | None, stop_after,
            progress: bool, desc: str, identity, restart_on_mismatch: bool) -> TrainResult:
     t0 = time.perf_counter()
-
-    def micro_batches(step: int) -> list:  # one micro-batch: the whole batch of the step
-        return [sample_batch(step, config.batch_size, batch_generator(config.seed, step))]
+    micro_batches = _micro_batches(sample_batch, config)
 
     def run_eval(state: LoopState, final: bool) -> dict | None:
         if evaluate is None:
@@ -218,13 +221,14 @@ def _train(model, sample_batch, config: TrainConfig, evaluate, store: Checkpoint
 
     checkpoints = None if store is None else _HarnessCheckpoints(store, model, config, identity, restart_on_mismatch)
     state = train_loop(
-        model, micro_batches, lambda m, batch: masked_cross_entropy(m(batch.inputs), batch.labels), config,
+        model, micro_batches, _harness_loss, config,
         checkpoints=checkpoints, evaluate=run_eval,
         # not again when a finished checkpoint (final evaluation included) was resumed
         final_eval_done=lambda s: evaluate is not None and bool(s.evals) and s.evals[-1]["step"] == s.step,
         stop_after=stop_after, progress=progress, progress_leave=False, desc=desc)
     return TrainResult(losses=state.losses, evals=state.evals, step=state.step,
-                       seconds=time.perf_counter() - t0, finished=state.finished)
+                       seconds=time.perf_counter() - t0, finished=state.finished, step_seconds=state.step_seconds,
+                       step_cpu_seconds=state.step_cpu_seconds)
 
 
 def summarize(values: Sequence[float]) -> dict[str, Any]:
@@ -235,6 +239,17 @@ def summarize(values: Sequence[float]) -> dict[str, Any]:
     arr = np.asarray(vals)
     std = float(arr.std(ddof=1)) if len(vals) > 1 else 0.0
     return {"mean": float(arr.mean()), "std": std, "values": vals}
+
+
+def compute_summary(records: Sequence[dict]) -> dict:
+    """Mean ± std over seeds of a compute-matched model's steps, FLOPs and CPU and wall seconds (``"compute"`` of
+    each seed's record); a number some seed did not record (a resumed checkpoint of an older version) is left out."""
+    out = {}
+    for key in ("steps", "flops", "cpu_seconds", "wall_seconds"):
+        values = [r["compute"].get(key) for r in records]
+        if all(v is not None for v in values):
+            out[key] = summarize(values)
+    return out
 
 
 def summarize_curves(curves: Sequence[Sequence[float]]) -> dict[str, list]:
@@ -264,7 +279,8 @@ def train_seeds(name: str, build_model: Callable[[int], nn.Module],
                 sample_batch: Callable[[int, int, torch.Generator], Any], config: TrainConfig, seeds: Sequence[int],
                 final_eval: Callable[[nn.Module], dict[str, Any]], *, run_dir: str | None = None,
                 evaluate: Callable[[nn.Module], dict[str, float]] | None = None, progress: bool = True,
-                loss_curve_points: int = 100, fingerprint: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+                loss_curve_points: int = 100, fingerprint: dict[str, Any] | None = None,
+                budget: Budget | None = None) -> list[dict[str, Any]]:
     """Train one model per seed and evaluate it; one record per seed.
 
     For seed ``s``: :func:`~bayeslayer.training.state.seed_everything` ``(s)``, ``build_model(s)``, :func:`train` with
@@ -281,20 +297,75 @@ def train_seeds(name: str, build_model: Callable[[int], nn.Module],
     Record: ``{"seed", "train_seconds", "final_train_loss" (mean of the last 10% of steps),
     "loss_curve": {"step": [...], "loss": [...]} (≤ loss_curve_points points, each a window
     mean), "evals", **final_eval(model)}``.
+
+    ``budget`` (a :class:`~bayeslayer.training.compute_match.Budget`, ``--compute-match flops|time``)
+    sets each seed's steps to the reference's FLOPs or CPU time and stretches the schedule to them
+    (:mod:`~bayeslayer.training.compute_match`); the record then holds ``"compute"``: the match, the
+    budget, the steps, the FLOPs and the CPU and wall seconds of the steps.  A ``time`` plan is kept as
+    ``run_dir/<name>_seed<s>.plan.json``, so a resumed seed keeps its steps.
     """
     if not seeds:
         raise ValueError("seeds must be a non-empty list of non-negative integers")
+    if budget is not None and not isinstance(budget, Budget):
+        raise TypeError(f"budget must be a compute_match.Budget or None, got {type(budget).__name__}")
     if run_dir is None:
         return [_train_seed(name, build_model, sample_batch, config, seed, final_eval, None, evaluate, progress,
-                            loss_curve_points, fingerprint) for seed in seeds]
+                            loss_curve_points, fingerprint, budget) for seed in seeds]
     with OutputLock(run_dir):
         return [_train_seed(name, build_model, sample_batch, config, seed, final_eval, run_dir, evaluate, progress,
-                            loss_curve_points, fingerprint) for seed in seeds]
+                            loss_curve_points, fingerprint, budget) for seed in seeds]
+
+
+def _micro_batches(sample_batch, config: TrainConfig) -> Callable[[int], list]:
+    def micro_batches(step: int) -> list:  # one micro-batch: the whole batch of the step
+        return [sample_batch(step, config.batch_size, batch_generator(config.seed, step))]
+
+    return micro_batches
+
+
+def _harness_loss(m: nn.Module, batch) -> torch.Tensor:
+    return masked_cross_entropy(m(batch.inputs), batch.labels)
+
+
+def _calibrate(build_model, sample_batch, config: TrainConfig, flops_of: Callable[[Any], int]) -> tuple[float, int]:
+    """``(cpu_seconds, flops)`` of ``CALIBRATION_STEPS`` training steps of a throwaway model (after
+    ``CALIBRATION_WARMUP`` untimed ones, :mod:`bayeslayer.training.compute_match`) on the run's first batches."""
+    model = build_model(config.seed)
+    n = CALIBRATION_WARMUP + CALIBRATION_STEPS
+    cfg = replace(config, steps=n, warmup_steps=0, eval_every=0, checkpoint_every=0)
+    batches = _micro_batches(sample_batch, cfg)
+    cpu: list[float] = []
+    train_loop(model, batches, _harness_loss, cfg, progress=False, after_step=lambda st, info: cpu.append(
+        info.cpu_seconds), desc="calibration")
+    return sum(cpu[CALIBRATION_WARMUP:]), sum(flops_of(batches(s)[0]) for s in range(CALIBRATION_WARMUP, n))
+
+
+def _plan_seed(name, build_model, sample_batch, cfg: TrainConfig, run_dir, budget: Budget) -> dict:
+    """The seed's compute-matched plan (:meth:`Budget.plan`); a ``time`` plan is written next to its checkpoints
+    and read back by a resumed run."""
+    path = os.path.join(run_dir, f"{name}_seed{cfg.seed}.plan.json") if run_dir is not None else None
+    saved = None
+    if path is not None and budget.mode == "time" and os.path.exists(path):
+        try:
+            saved = read_json(path, what="compute-match plan")
+        except ValueError as exc:
+            warnings.warn(f"{exc}; calibrating seed {cfg.seed} again", RuntimeWarning, stacklevel=4)
+    batches = _micro_batches(sample_batch, cfg)
+    plan = budget.plan(cfg, cfg.seed, lambda step: batches(step)[0], saved=saved,
+                       calibrate=lambda: _calibrate(build_model, sample_batch, cfg, budget.model_flops))
+    if path is not None and budget.mode == "time" and not budget.is_reference:
+        write_json(path, {k: plan["compute"][k] for k in ("budget", "reference_steps", "steps", "calibration")})
+    return plan
 
 
 def _train_seed(name, build_model, sample_batch, config: TrainConfig, seed: int, final_eval, run_dir, evaluate,
-                progress: bool, loss_curve_points: int, fingerprint) -> dict[str, Any]:
+                progress: bool, loss_curve_points: int, fingerprint, budget: Budget | None = None) -> dict[str, Any]:
     cfg = TrainConfig(**{**asdict(config), "seed": int(seed)})
+    compute = None
+    if budget is not None:
+        plan = _plan_seed(name, build_model, sample_batch, cfg, run_dir, budget)
+        cfg, compute = plan["train_config"], plan["compute"]
+        fingerprint = {**(fingerprint or {}), **budget.identity()}
     cache = ckpt = None
     if run_dir is not None:
         cache = os.path.join(run_dir, f"{name}_seed{seed}.json")
@@ -332,6 +403,8 @@ def _train_seed(name, build_model, sample_batch, config: TrainConfig, seed: int,
     tail = res.losses[-max(1, n // 10):]
     record = {"seed": int(seed), "train_seconds": res.seconds, "final_train_loss": float(np.mean(tail)),
               "loss_curve": {"step": curve_steps, "loss": curve}, "evals": res.evals, "weights_sha256": digest, **final}
+    if budget is not None:
+        record["compute"] = budget.finish(compute, res.step_seconds, res.step_cpu_seconds)
     if cache is not None:
         write_json(cache, {"train_config": asdict(cfg), "fingerprint": fingerprint, "record": record})
         shutil.rmtree(ckpt, ignore_errors=True)
@@ -342,12 +415,14 @@ def train_lr_grid(name: str, build_model: Callable[[int], nn.Module],
                   sample_batch: Callable[[int, int, torch.Generator], Any], config: TrainConfig, lrs: Sequence[float],
                   seeds: Sequence[int], final_eval: Callable[[nn.Module], dict[str, Any]], *, select_key: str,
                   run_dir: str | None = None, evaluate: Callable[[nn.Module], dict[str, float]] | None = None,
-                  progress: bool = True, fingerprint: dict[str, Any] | None = None) -> dict[str, Any]:
+                  progress: bool = True, fingerprint: dict[str, Any] | None = None,
+                  budget: Callable[[float], Budget | None] | None = None) -> dict[str, Any]:
     """:func:`train_seeds` at every learning rate of ``lrs``; select the lr by a validation metric.
 
     For each ``lr`` the seeds run with ``config`` (its ``lr`` replaced) under the name
     ``<name>_lr<lr>`` (so each grid point has its own cache and checkpoints and an interrupted grid
-    resumes).  The score of an lr is the mean over seeds of ``record[select_key]`` — a number that
+    resumes; ``budget(lr)``, when given, is each grid point's :class:`Budget` for :func:`train_seeds`).  The
+    score of an lr is the mean over seeds of ``record[select_key]`` — a number that
     ``final_eval`` computes on held-out *validation* data, never the test points; the highest score
     wins (ties: the earlier lr in ``lrs``).  An lr whose training diverges (the harness raises
     ``FloatingPointError``) gets the score NaN and a ``"diverged"`` message; when every lr diverges the
@@ -368,7 +443,7 @@ def train_lr_grid(name: str, build_model: Callable[[int], nn.Module],
         try:
             records = train_seeds(f"{name}_lr{lr:g}", build_model, sample_batch, replace(config, lr=lr), seeds,
                                   final_eval, run_dir=run_dir, evaluate=evaluate, progress=progress,
-                                  fingerprint=fingerprint)
+                                  fingerprint=fingerprint, budget=budget(lr) if budget is not None else None)
         except FloatingPointError as err:  # a diverged lr is an outcome of the grid, not a crash of it
             grid.append({"lr": lr, "score": float("nan"), "diverged": str(err)})
             continue

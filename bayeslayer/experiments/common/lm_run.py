@@ -91,6 +91,7 @@ class LMTrainResult:
     evals: list[dict] = field(default_factory=list)
     tokens: int = 0
     seconds: float = 0.0  # training time of this call (excluding evaluations)
+    step_cpu_seconds: float | None = None  # CPU time of the run's steps, earlier calls included (None: unknown)
     tokens_per_second: float = 0.0  # over this call's steps, all ranks together
     finished: bool = False
     resumed_from: int | None = None
@@ -123,6 +124,7 @@ def train_lm(
     on_step: Callable[[int, float], None] | None = None,
     objective: Objective | None = None,
     context_parallel: int = 1,
+    compute: dict | None = None,
 ) -> LMTrainResult:
     """Train (or resume) the run in ``run_dir``; see the module docstring.
 
@@ -143,6 +145,9 @@ def train_lm(
             The job's ranks form groups of this many consecutive ranks; the groups are data-parallel
             replicas (``batch_size`` must be a multiple of ``micro_batch_size`` × the number of groups).
             Every mixer must have a context-parallel path: others are refused by name before training.
+        compute: a compute-matched run's plan (:func:`bayeslayer.experiments.common.lm_compute.plan_run`: the budget,
+            the steps and their FLOPs), written into ``train_summary.json`` as ``"compute"`` with the CPU and
+            wall seconds the steps took.
 
     Returns:
         :class:`LMTrainResult`; ``train_summary.json`` and ``final/`` once all steps are done.
@@ -165,7 +170,7 @@ def train_lm(
     with OutputLock(run_dir) if ctx.is_main else contextlib.nullcontext():
         return _train_lm(config, run_dir, ctx, autocast_dtype=autocast_dtype, cache_dir=cache_dir,
                          stop_after=stop_after, progress=progress, keep_checkpoints=keep_checkpoints,
-                         on_step=on_step, objective=objective)
+                         on_step=on_step, objective=objective, compute=compute)
 
 class _LMCheckpoints(Checkpoints):
     """An LM run's checkpoints: HF model directories (``config.json``, ``model.safetensors``) with the
@@ -201,7 +206,8 @@ class _LMCheckpoints(Checkpoints):
         self.seconds_before = float(trainer_state["train_seconds"])
 
 def _train_lm(config: LMConfig, run_dir: Path, ctx: DistContext, *, autocast_dtype, cache_dir,
-              stop_after, progress: bool, keep_checkpoints: int, on_step, objective: Objective) -> LMTrainResult:
+              stop_after, progress: bool, keep_checkpoints: int, on_step, objective: Objective,
+              compute: dict | None = None) -> LMTrainResult:
     world = ctx.world_size
     config_path = run_dir / "config.json"
     store = checkpoint_store(run_dir, keep=keep_checkpoints)
@@ -287,14 +293,15 @@ def _train_lm(config: LMConfig, run_dir: Path, ctx: DistContext, *, autocast_dty
         find_unused_parameters=objective.find_unused_parameters, progress=progress,
         tokens_per_step=config.tokens_per_step, desc=f"lm {config.model_label}")
     result = LMTrainResult(run_dir=run_dir, step=state.step, losses=state.losses, evals=state.evals,
-                           seconds=state.seconds, finished=state.finished, resumed_from=state.resumed_from)
+                           seconds=state.seconds, finished=state.finished, resumed_from=state.resumed_from,
+                           step_cpu_seconds=state.step_cpu_seconds)
     steps_done = result.step - start[0]
     result.tokens = result.step * config.tokens_per_step
     result.tokens_per_second = steps_done * config.tokens_per_step / result.seconds if steps_done else 0.0
     if result.finished:
         result.summary = _finish(run_dir, model, config, result, ctx, checkpoints.seconds_before,
                                  objective=objective, checks=objective.finish(trainee),
-                                 tokenizer=corpus.tokenizer)
+                                 tokenizer=corpus.tokenizer, compute=compute)
     ctx.barrier()
     return result
 
@@ -304,7 +311,8 @@ def _param_counts(model) -> dict:
     return count_parameters(model)._asdict()
 
 def _finish(run_dir: Path, model, config: LMConfig, result: LMTrainResult, ctx: DistContext,
-            seconds_before: float, *, objective: Objective, checks: dict, tokenizer=None) -> dict:
+            seconds_before: float, *, objective: Objective, checks: dict, tokenizer=None,
+            compute: dict | None = None) -> dict:
     """Write ``final/`` (HF model dir with ``tokenizer.json``) and ``train_summary.json``; check that
     all ranks agree."""
     digest = weights_digest(model)
@@ -321,11 +329,15 @@ def _finish(run_dir: Path, model, config: LMConfig, result: LMTrainResult, ctx: 
         "match": config.model.match, "mixer_kwargs": config.mixer_kwargs,
         "steps": result.step, "tokens": result.tokens, "world_size": ctx.world_size,
         "context_parallel": ctx.cp_size, "device": str(ctx.device),
-        "train_seconds": total_seconds, "tokens_per_second": result.tokens / total_seconds if total_seconds else 0.0,
+        "train_seconds": total_seconds, "train_cpu_seconds": result.step_cpu_seconds,
+        "tokens_per_second": result.tokens / total_seconds if total_seconds else 0.0,
         "parameters": _param_counts(model), "final_train_loss": float(np.mean(result.losses[-max(1, n // 10):])),
         "validation": result.evals[-1]["groups"] if result.evals else {}, "weights_sha256": digest,
         "rank_weights_sha256": digests, "objective": objective.describe(), **checks,
     }
+    if config.compute_match != "steps":
+        summary["compute_match"] = config.compute_match
+        summary["compute"] = {**(compute or {}), "cpu_seconds": result.step_cpu_seconds, "wall_seconds": total_seconds}
     if ctx.is_main:
         _report_damaged_final(run_dir / "final")
         publish_directory(run_dir / "final", lambda tmp: _write_final(tmp, model, config, objective, tokenizer))

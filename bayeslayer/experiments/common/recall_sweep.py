@@ -17,10 +17,11 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
+from ...training.compute_match import COMPUTE_MATCH_HELP, MODES, Matching, check_mode, shape_flops
 from ...training.distributed import resolve_device
 from ...training.optim import DECAY_POLICY
 from .cli_help import override_help
-from .harness import TrainConfig, results_record, summarize, summarize_curves, train_seeds
+from .harness import TrainConfig, compute_summary, results_record, summarize, summarize_curves, train_seeds
 from .options import (
     DEVICE_HELP,
     PLOT_ONLY_HELP,
@@ -85,8 +86,10 @@ class CoreRunConfig:
     ``progress`` (a progress bar), ``checkpoint_every`` (with ``out``: a training checkpoint of the
     seed in training every that many steps, under ``runs/``, so a killed run resumes from the last one
     bit-identical; 0: only when stopped by Ctrl-C; it never changes the results, and a run resumes a
-    checkpoint written at another interval) and ``device`` (where models train and are evaluated: ``cpu``,
-    ``cuda``, ``cuda:N`` or ``auto``).  Every field is checked here, with its name in the error."""
+    checkpoint written at another interval), ``device`` (where models train and are evaluated: ``cpu``,
+    ``cuda``, ``cuda:N`` or ``auto``) and ``compute_match`` (``steps``, ``flops`` or ``time``: what every model
+    gets of the reference's compute, :mod:`~bayeslayer.training.compute_match`; the reference is
+    :meth:`reference`).  Every field is checked here, with its name in the error."""
 
     preset: CorePreset
     models: tuple[str, ...] = CORE_KINDS
@@ -94,6 +97,7 @@ class CoreRunConfig:
     progress: bool = True
     checkpoint_every: int = CHECKPOINT_EVERY
     device: str = "cpu"
+    compute_match: str = "steps"
 
     @classmethod
     def preset_type(cls) -> type:
@@ -129,6 +133,15 @@ class CoreRunConfig:
             raise TypeError(f"progress must be a bool, got {type(self.progress).__name__}")
         object.__setattr__(self, "checkpoint_every", check_int("checkpoint_every", self.checkpoint_every, minimum=0))
         object.__setattr__(self, "device", str(resolve_device(self.device, option="device")))
+        check_mode(self.compute_match)
+        if self.compute_match == "time" and self.reference() not in self.models:
+            raise ValueError(f"compute_match='time' measures the budget on the reference {self.reference()!r}: "
+                             f"include it in models (got {list(self.models)})")
+
+    def reference(self) -> str:
+        """The model whose run sets the compute budget: the Bayesian Layer core (``bayesian_paper`` when the
+        models are the paper's cores)."""
+        return "bayesian_paper" if any(m in PAPER_CORE_KINDS.values() for m in self.models) else "bayesian"
 
 
 def model_on_device(model, device: str):
@@ -191,6 +204,11 @@ def run_sweep(name: str, config: CoreRunConfig, *, build_model: Callable, sample
     started = time.perf_counter()
     results = {}
     record = None
+    mode, reference = config.compute_match, config.reference()
+    if mode == "time":  # the reference's run sets the budget: it trains first
+        models = [reference] + [m for m in models if m != reference]
+    matched = Matching(mode, reference) if mode != "steps" else None
+    reference_flops = shape_flops(build_model(reference)) if matched else None
     for kind in models:
         model_cfg = asdict(build_model(kind).cfg)
         records = train_seeds(
@@ -198,16 +216,21 @@ def run_sweep(name: str, config: CoreRunConfig, *, build_model: Callable, sample
             sampler_on_device(sampler, config.device), cfg,
             list(range(preset.seeds)), evaluation, run_dir=run_dir, progress=progress, evaluate=evaluate,
             fingerprint={"preset": asdict(preset), "model": model_cfg, "optimizer_groups": DECAY_POLICY},
+            budget=matched.budget(kind, shape_flops(build_model(kind)), reference_flops) if matched else None,
         )
         summary = {c: summarize_curves([r[c] for r in records]) for c in curves}
         summary["final_train_loss"] = summarize([r["final_train_loss"] for r in records])
         summary["train_seconds"] = summarize([r["train_seconds"] for r in records])
         if evaluate is not None:
-            summary["learning_curve"] = learning_curve([r["evals"] for r in records])
+            summary["learning_curve"] = learning_curve([r["evals"] for r in records], same_steps=matched is None)
+        if matched:
+            matched.add(kind, records)
+            summary["compute"] = compute_summary(records)
         results[kind] = {"label": CORE_LABELS[kind], "model_config": model_cfg, "seeds": records,
                          "summary": summary}
+        extra = {"compute_match": matched.describe()} if matched else {}
         record = results_record(name, preset.name, settings, results, paper_budget=paper_budget,
-                                complete=kind == models[-1])
+                                complete=kind == models[-1], **extra)
         if out_dir:
             write_record(os.path.join(out_dir, f"{name}.json"), record, seeds=range(preset.seeds),
                          wall_seconds=time.perf_counter() - started, optimizer_groups=DECAY_POLICY)
@@ -228,14 +251,21 @@ def _tensor_bytes(obj) -> int:
     return 0
 
 
-def learning_curve(evals_per_seed: Sequence[Sequence[dict]]) -> dict:
-    """Mean ± std over seeds of every periodic-evaluation number: ``{"step": [...], name: {"mean", "std"}}``."""
+def learning_curve(evals_per_seed: Sequence[Sequence[dict]], *, same_steps: bool = True) -> dict:
+    """Mean ± std over seeds of every periodic-evaluation number: ``{"step": [...], name: {"mean", "std"}}``.
+
+    ``same_steps=False`` (compute-matched seeds, which train for different numbers of steps and are evaluated at
+    the same fractions of their runs): the seeds need only be evaluated as often; ``"step"`` is then the mean
+    over seeds (rounded) and ``"steps_by_seed"`` each seed's steps."""
     steps = [[e["step"] for e in evals] for evals in evals_per_seed]
-    if not steps or any(s != steps[0] for s in steps) or not steps[0]:
-        raise ValueError(f"every seed must be evaluated at the same (non-empty) steps, got {steps}")
+    if not steps or not steps[0] or any((s != steps[0]) if same_steps else (len(s) != len(steps[0])) for s in steps):
+        raise ValueError(f"every seed must be evaluated at the same (non-empty) steps"
+                         f"{'' if same_steps else ' count'}, got {steps}")
     names = [k for k in evals_per_seed[0][0] if k != "step"]
-    return {"step": steps[0], **{k: summarize_curves([[e[k] for e in evals] for evals in evals_per_seed])
-                                 for k in names}}
+    curve = {"step": steps[0]}
+    if any(s != steps[0] for s in steps):
+        curve = {"step": [round(sum(col) / len(col)) for col in zip(*steps, strict=True)], "steps_by_seed": steps}
+    return {**curve, **{k: summarize_curves([[e[k] for e in evals] for evals in evals_per_seed]) for k in names}}
 
 
 def preset_from_args(presets: dict, args):
@@ -279,7 +309,7 @@ def config_from_args(args, *, presets: dict, config_type: type[CoreRunConfig]) -
     return config_type(preset=preset_from_args(presets, args), models=models_for_core(args.models, args.core),
                        out=args.out,
                        progress=not args.no_progress, checkpoint_every=args.checkpoint_every,
-                       device=args.device)
+                       device=args.device, compute_match=args.compute_match)
 
 
 def run_command(args, *, name: str, presets: dict, paper_budget: str, config_type: type[CoreRunConfig],
@@ -338,6 +368,9 @@ def add_command(sub, *, name: str, help: str, doc: str, presets: dict, paper_bud
                         "'paper': the paper's cores, one learnable scalar per head for BL's r² and ℓ² and for the "
                         "reset (Delta) core's r² with its ℓ² fixed at 0.05 (models bayesian and delta only; "
                         f"trained as {' and '.join(PAPER_CORE_KINDS.values())})")
+    p.add_argument("--compute-match", choices=MODES, default="steps",
+                   help=COMPUTE_MATCH_HELP.format(reference="the BL core (bayesian, or bayesian_paper with --core "
+                                                            "paper)"))
     p.add_argument("--plot-only", action="store_true", help=PLOT_ONLY_HELP)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=func)

@@ -31,10 +31,12 @@ from ...data.text.sources import SOURCE_HELP, WIKITEXT_103
 from ...errors import UsageError
 from ...files import atomic_write_text, read_json, sha256_file
 from ...training import OutputLock
+from ...training.compute_match import COMPUTE_MATCH_HELP, MODES
 from ...training.distributed import PRECISIONS, init_distributed, resolve_device
 from ...training.lm import build_model, load_corpus, load_run
 from ...training.lm_config import LM_TRAIN, MATCHES, LMConfig, LMDataConfig, LMModelConfig
 from ..common.cli_help import override_help, preset_values
+from ..common.lm_compute import calibration, plan_run, read_reference_seconds
 from ..common.lm_run import train_lm
 from ..common.options import (
     DEVICE_HELP,
@@ -145,6 +147,7 @@ def evaluate_run(run_dir: str | os.PathLike, *, split: str = "test", seq_len: in
     groups = grouped_perplexity(model, windows, masks, batch_size=batch_size, ctx=ctx, precision=precision)
     record = {"run_dir": str(run_dir), "label": config.model_label, "mixer": config.mixer, "seed": config.seed,
               "preset": config.preset, "match": config.model.match,
+              **({"compute_match": config.compute_match} if config.compute_match != "steps" else {}),
               "split": split, "seq_len": seq_len, "windows": int(windows.shape[0]),
               "precision": precision, "source": config.source, "groups": groups, "weights_sha256": weights}
     if ctx.is_main:
@@ -173,8 +176,8 @@ def config_from_args(args: argparse.Namespace) -> LMConfig:
     overrides = {name: getattr(args, name) for name in (
         "mixer", "label", "seed", "steps", "batch_size", "micro_batch_size", "seq_len", "lr", "warmup_steps",
         "mlp_dropout", "hidden_size", "num_layers", "num_heads", "head_dim", "source", "tokenizer",
-        "vocab_size", "precision", "eval_every", "eval_windows", "checkpoint_every", "log_every", "match")
-        if getattr(args, name, None) is not None}
+        "vocab_size", "precision", "eval_every", "eval_windows", "checkpoint_every", "log_every", "match",
+        "compute_match") if getattr(args, name, None) is not None}
     if args.mixer_kwargs is not None:
         overrides["mixer_kwargs"] = parse_json_object("--mixer-kwargs", args.mixer_kwargs)
     return replace(config, **overrides)
@@ -223,14 +226,42 @@ def check_train_args(config: LMConfig, args: argparse.Namespace, out: str) -> No
     check_memory(training_memory(config), what=f"training a model of {sizes}", device=resolve_device(args.device))
 
 
+def match_compute(config: LMConfig, args: argparse.Namespace, out: str) -> tuple[LMConfig, dict | None]:
+    """``--compute-match flops|time``: the run's steps from the reference BL run's FLOPs or CPU time
+    (:mod:`~bayeslayer.experiments.common.lm_compute`); ``(config, None)`` for ``steps``."""
+    if config.compute_match == "steps":
+        if args.reference_run is not None:
+            raise UsageError("--reference-run gives the budget of --compute-match time; this run matches steps")
+        return config, None
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise UsageError("--compute-match flops|time plans the run in one process; run it without torchrun")
+    seconds = None
+    if config.compute_match == "time":
+        if args.reference_run is None:
+            raise UsageError("--compute-match time needs --reference-run DIR: the finished BL run whose CPU time is "
+                             "the budget")
+        seconds = read_reference_seconds(check_in_dir(args.reference_run, option="--reference-run",
+                                                      what="run directory"), config)
+    elif args.reference_run is not None:
+        raise UsageError("--reference-run gives the budget of --compute-match time; flops counts the reference")
+    device = resolve_device(args.device)
+    corpus = load_corpus(config, cache_dir=args.cache_dir, splits=("train",))
+    Path(out).mkdir(parents=True, exist_ok=True)
+    return plan_run(config, out, vocab_size=corpus.vocab_size, reference_seconds=seconds,
+                    calibrate=lambda: calibration(config, corpus, device))
+
+
 def _train_main(args) -> int:
     config = config_from_args(args)
     stem = f"{config.preset}-state" if config.model.match == "state" else config.preset
+    if config.compute_match != "steps":
+        stem += f"-{config.compute_match}"
     out = args.out or os.path.join("runs", "lm", f"{stem}-{config.mixer}-seed{config.seed}")
     check_train_args(config, args, out)
+    config, compute = match_compute(config, args, out)
     result = train_lm(config, out, device=args.device, cache_dir=args.cache_dir, stop_after=args.stop_after,
                       progress=not args.no_progress, keep_checkpoints=args.keep_checkpoints,
-                      context_parallel=args.context_parallel)
+                      context_parallel=args.context_parallel, compute=compute)
     if int(os.environ.get("RANK", "0")) == 0:
         state = "finished" if result.finished else f"stopped at step {result.step}/{config.steps}"
         print(f"lm train {config.model_label} seed {config.seed}: {state}; {result.tokens:,} tokens, "
@@ -309,6 +340,11 @@ def add_parser(sub) -> None:
                    help="'params' (default): every mixer gets the preset's head shape, so BL (mean plus covariance) "
                         "carries more recurrent state than the others (1.5× Gated DeltaNet's); 'state': the "
                         "state-budget solver widens the mixer's value dim so its state equals the default BL's")
+    t.add_argument("--compute-match", choices=MODES, default=None,
+                   help=COMPUTE_MATCH_HELP.format(reference="BL run (the same preset with mixer bayesian)")
+                   + "; time needs --reference-run. Not --match, which says what the mixers' shapes share")
+    t.add_argument("--reference-run", default=None, metavar="DIR",
+                   help="--compute-match time: the finished BL run whose CPU time of its steps is the budget")
     t.add_argument("--label", help="the model's name in tables (default: from the mixer)")
     t.add_argument("--seed", type=int_arg, help=f"random seed (default: {PRESETS['cpu'].seed})")
     for name, kind, what in (

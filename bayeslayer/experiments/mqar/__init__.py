@@ -61,9 +61,10 @@ from ...data.mqar import MQARTask, make_pool
 from ...errors import UsageError
 from ...evaluation.mqar import final_evaluation
 from ...models.mqar_model import LAYOUTS, BaseConv, MQARModel, MQARModelConfig
+from ...training.compute_match import COMPUTE_MATCH_HELP, MODES, Matching, check_mode, shape_flops
 from ...training.distributed import resolve_device
 from ...training.optim import DECAY_POLICY
-from ..common.harness import results_record, train_lr_grid
+from ..common.harness import compute_summary, results_record, train_lr_grid
 from ..common.mqar_setup import (
     GATES,
     LOWRANK_MIXERS,
@@ -109,6 +110,8 @@ DESCRIPTION = (
 )
 
 DEFAULT_MIXERS = ("bayesian", "gated_deltanet", "gated_deltanet_noconv", "mamba2", "linear_attention")
+#: the mixer whose run sets the budget of ``--compute-match flops|time``
+REFERENCE = "bayesian"
 SWEEP_AXES = {"base": "model width", "update": "number of updates", "block": "number of pairs"}
 
 # The paper's reported accuracies (docs/theory.md §8.4, one run per curve), printed beside ours.
@@ -148,7 +151,9 @@ class MQARConfig:
     ``PRESETS["default"]``), ``mixers`` (distinct names of :func:`known_mixers` or ``bayesian_lowrank<r>``),
     ``out`` (the folder for ``<stem>.json``, its PNG and the ``runs/`` cache; ``None``: write nothing),
     ``device`` (``"cpu"``, ``"cuda"``, ``"cuda:1"`` or a ``torch.device``: where models, batches and
-    evaluation run) and ``progress`` (a progress bar).
+    evaluation run), ``progress`` (a progress bar) and ``compute_match`` (``steps``, ``flops`` or ``time``: what
+    every mixer gets of the reference :data:`REFERENCE`'s compute at the same width, learning rate and seed,
+    :mod:`~bayeslayer.training.compute_match`).
 
     Every field is checked here, with its name in the error, and every mixer's model is solved at every
     width of the task, so a bad mixer fails before the first one trains.
@@ -160,6 +165,7 @@ class MQARConfig:
     out: str | None = None
     device: str | torch.device = "cpu"
     progress: bool = True
+    compute_match: str = "steps"
 
     def __post_init__(self):
         if self.task not in TASK_NAMES:
@@ -181,6 +187,10 @@ class MQARConfig:
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:<index>', got {self.device!r}") from None
         if not isinstance(self.progress, bool):
             raise TypeError(f"progress must be a bool, got {type(self.progress).__name__}")
+        check_mode(self.compute_match)
+        if self.compute_match == "time" and REFERENCE not in self.mixers:
+            raise ValueError(f"compute_match='time' measures the budget on the reference {REFERENCE!r}: include it "
+                             f"in mixers (got {list(self.mixers)})")
         for mixer in self.mixers:  # every model must be buildable before the first one trains
             for width in self.widths():
                 model_config(mixer, self.preset, width)
@@ -225,10 +235,14 @@ def run(config: MQARConfig, *, log=print) -> dict:
         f"{f', capped at {preset.max_steps}' if preset.max_steps else ''}), lr grid {list(preset.lrs)} on {device}")
     widths = config.widths()
     run_dir = os.path.join(out_dir, "runs") if out_dir else None
+    mode = config.compute_match
+    if mode == "time":  # the reference's runs set the budgets: it trains first
+        mixers = (REFERENCE,) + tuple(m for m in mixers if m != REFERENCE)
+    matched = Matching(mode, REFERENCE) if mode != "steps" else None
     config = {**asdict(preset), "task": task, "train": asdict(cfg), "optimizer_groups": DECAY_POLICY,
               "train_tasks": [asdict(t) for t in train_tasks(task, preset)],
               "test_tasks": [{"x": x, **asdict(t)} for x, t in sweep_points(task, preset)],
-              "sweep_axis": SWEEP_AXES[task]}
+              "sweep_axis": SWEEP_AXES[task], **({"compute_match": mode} if matched else {})}
     results: dict[str, Any] = {}
     stem = results_stem(task, preset)
     path = os.path.join(out_dir, f"{stem}.json") if out_dir else None
@@ -254,7 +268,8 @@ def run(config: MQARConfig, *, log=print) -> dict:
                     sampler, cfg, preset.lrs, list(range(preset.seeds)), evaluate, select_key="val_accuracy",
                     run_dir=run_dir, progress=progress,
                     fingerprint={"preset": asdict(preset), "task": task, "model": asdict(mcfg),
-                                 "optimizer_groups": DECAY_POLICY})
+                                 "optimizer_groups": DECAY_POLICY},
+                    budget=_budgets(matched, mixer, preset, width) if matched else None)
             except FloatingPointError as err:  # every lr diverged: record it, go on with the other mixers
                 log(f"  {mixer} at width {width}: {err}")
                 record.setdefault("failed", {})[f"{mixer}_w{width}"] = str(err)
@@ -268,6 +283,10 @@ def run(config: MQARConfig, *, log=print) -> dict:
                               "use_short_conv": getattr(layer, "use_short_conv", None),
                               "best_lr": grid["best_lr"], "lr_grid": grid["grid"],
                               "seeds": grid["records"]})
+            if matched:
+                for lr, records in grid["all_records"].items():
+                    matched.add(mixer, records, point=_point(width, lr))
+                per_width[-1]["compute"] = compute_summary(grid["records"])
         if not per_width:
             continue
         results[mixer] = {"label": mixer_label(mixer), "runs": per_width,
@@ -276,6 +295,8 @@ def run(config: MQARConfig, *, log=print) -> dict:
         log(f"  {mixer_label(mixer)}: test accuracy "
             + ", ".join(f"{x}: {a:.3f}" for x, a in zip(s["x"], s["accuracy"]["mean"], strict=True))
             + f"  (val {s['val_accuracy']['mean'][-1]:.3f}, {s['train_seconds']['mean']:.0f} s train)")
+        if matched:
+            record["compute_match"] = matched.describe()
         record["wall_seconds"] = time.perf_counter() - t0
         record["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
         record["finished_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
@@ -284,6 +305,26 @@ def run(config: MQARConfig, *, log=print) -> dict:
                          optimizer_groups=DECAY_POLICY)
             plot_mqar(record, os.path.join(out_dir, f"{stem}.png"))
     return record
+
+
+def _point(width: int, lr: float) -> str:
+    """The name of a compute-matched comparison point: a width and a learning rate."""
+    return f"w{width}_lr{lr:g}"
+
+
+def _budgets(matched: Matching, mixer: str, preset: MQARPreset, width: int):
+    """``budget(lr)`` for :func:`train_lr_grid`: ``mixer``'s budget at ``width`` and ``lr`` (``FloatingPointError``,
+    which the grid records as a lost learning rate, where the reference diverged and set none)."""
+    model_flops = shape_flops(build_model(mixer, preset, width))
+    reference_flops = shape_flops(build_model(REFERENCE, preset, width)) if mixer != REFERENCE else model_flops
+
+    def budget(lr: float):
+        point = _point(width, lr)
+        if matched.mode == "time" and mixer != REFERENCE and point not in matched.seconds:
+            raise FloatingPointError(f"no time budget at lr {lr:g}: the reference {REFERENCE!r} diverged there")
+        return matched.budget(mixer, model_flops, reference_flops, point=point)
+
+    return budget
 
 
 # -- command line ------------------------------------------------------------------------------------
@@ -311,7 +352,8 @@ def config_from_args(args: argparse.Namespace) -> MQARConfig:
         raise UsageError("name a task: bayeslayer mqar {base,update,block}")
     device = str(resolve_device(args.device))
     return MQARConfig(task=args.task, preset=preset_from_args(args), mixers=tuple(args.mixers),
-                      out=str(check_out_dir(args.out)), device=device, progress=not args.no_progress)
+                      out=str(check_out_dir(args.out)), device=device, progress=not args.no_progress,
+                      compute_match=args.compute_match)
 
 
 def _main(args: argparse.Namespace) -> int:
@@ -373,6 +415,8 @@ def add_parser(sub) -> None:
     p.add_argument("--batch-size", type=positive_int_arg, default=None, help="override the preset's batch size")
     p.add_argument("--seeds", type=positive_int_arg, default=None, help="override the preset's number of seeds")
     p.add_argument("--lr", type=positive_float_arg, nargs="+", default=None, help="override the preset's lr grid")
+    p.add_argument("--compute-match", choices=MODES, default="steps",
+                   help=COMPUTE_MATCH_HELP.format(reference=f"mixer {REFERENCE} (at the same width and lr)"))
     p.add_argument("--out", default="results/mqar", help="output directory (JSON, PNG, runs/ cache)")
     p.add_argument("--plot-only", action="store_true",
                    help=PLOT_ONLY_HELP + " (the task named, or every task found)")
