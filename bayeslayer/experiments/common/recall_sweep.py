@@ -334,6 +334,9 @@ def run_command(args, *, name: str, presets: dict, paper_budget: str, config_typ
     else:
         print(f"{name}: preset '{preset.name}' = {budget}; a CPU-sized run of the same task, NOT the "
               f"paper's budget ({paper_budget}); use --preset paper for that")
+    if config.compute_match != "steps":
+        print(f"{name}: --compute-match {config.compute_match}: every model trains on the {config.compute_match} "
+              f"budget of {config.reference()}'s {preset.steps}-step run (its steps and schedule stretched to it)")
     runs = os.path.join(args.out, "runs")
     every = f"every {config.checkpoint_every} steps and " if config.checkpoint_every else ""
     print(f"{name}: finished seeds and checkpoints ({every}on Ctrl-C) go to {runs}; if the run stops, "

@@ -232,7 +232,9 @@ def run(config: MQARConfig, *, log=print) -> dict:
     cfg = train_config(preset, steps)
     log(f"mqar {task}: preset '{preset.name}', {len(train_ds)} train / {len(val_ds)} validation sequences, "
         f"{steps} steps ({preset.epochs} epochs × {sampler.steps_per_epoch}"
-        f"{f', capped at {preset.max_steps}' if preset.max_steps else ''}), lr grid {list(preset.lrs)} on {device}")
+        f"{f', capped at {preset.max_steps}' if preset.max_steps else ''}), lr grid {list(preset.lrs)} on {device}"
+        + (f"; --compute-match {config.compute_match}: the other mixers train on {REFERENCE}'s budget"
+           if config.compute_match != "steps" else ""))
     widths = config.widths()
     run_dir = os.path.join(out_dir, "runs") if out_dir else None
     mode = config.compute_match
