@@ -104,3 +104,12 @@ def _seed_and_restore_value_checks():
     previous = set_value_checks(True)
     yield
     set_value_checks(previous)
+
+
+@pytest.fixture
+def no_opt_einsum():
+    """Three-operand einsums contracted left to right, as PyTorch does without the optional ``opt_einsum``
+    package: the FLOP counts (``bayeslayer.ops.flops``) follow that order, and a machine that has the package
+    would otherwise measure another contraction order."""
+    with torch.backends.opt_einsum.flags(enabled=False):
+        yield

@@ -11,6 +11,8 @@ from bayeslayer.experiments.common.recall_models import ALL_KINDS
 from bayeslayer.experiments.common.recall_task import PRESETS, build_model, sampler
 from bayeslayer.training.flop_counter import measure_training_flops
 
+pytestmark = pytest.mark.usefixtures("no_opt_einsum")
+
 
 def check(model, batch):
     meas = measure_training_flops(lambda: masked_cross_entropy(model(batch.inputs), batch.labels))

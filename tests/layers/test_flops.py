@@ -10,6 +10,8 @@ from bayeslayer.layers import MIXERS, build_mixer
 from bayeslayer.ops.flops import Tally
 from bayeslayer.training.flop_counter import measure_training_flops
 
+pytestmark = pytest.mark.usefixtures("no_opt_einsum")
+
 HIDDEN, B, T = 32, 2, 40
 
 # case -> (registry name, constructor keywords): every registered mixer, and what recall, crowding, MQAR and

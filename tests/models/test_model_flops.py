@@ -10,6 +10,8 @@ from bayeslayer.models import BayesLayerConfig, BayesLayerForCausalLM
 from bayeslayer.models.mqar_model import MQARModel, MQARModelConfig
 from bayeslayer.training.flop_counter import measure_training_flops
 
+pytestmark = pytest.mark.usefixtures("no_opt_einsum")
+
 
 def within(count, meas, rel=0.10):
     return all(abs(getattr(count, p) - getattr(meas.flops, p)) <= rel * getattr(meas.flops, p)

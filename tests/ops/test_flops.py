@@ -18,6 +18,8 @@ from bayeslayer.ops.flops import (
 )
 from bayeslayer.training.flop_counter import flop_counter_formulas, measure_training_flops
 
+pytestmark = pytest.mark.usefixtures("no_opt_einsum")
+
 DESIGNS = {"bayes": BAYESIAN, "diagonal": DIAGONAL_COVARIANCE, "reset": DesignModel("reset_any", "reset"),
            "latent": DesignModel("latent_any", "latent")}
 
