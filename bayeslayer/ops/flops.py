@@ -187,7 +187,8 @@ def chunk_flops(write: str, dynamics: str, *, batch_size: int, seq_len: int, num
         write: the write model, ``bayes``, ``diagonal``, ``reset``, ``latent`` or ``lowrank``.
         dynamics: ``identity``, ``scalar`` or ``diagonal`` (``rotation`` raises: see :func:`_check_design`).
         batch_size, seq_len, num_heads: ``B``, ``T``, ``H``; the sequence is padded to whole chunks of
-            ``chunk_size`` tokens (the padding computes like any token).
+            ``chunk_size`` tokens (the padding computes like any token; the chunk is no longer than the
+            sequence, except in the low-rank write's mean pass, as the ops do).
         key_dim, value_dim: ``D`` and ``m`` per head; ``groups`` (``G``) splits the value columns, each
             group with its own covariance (the ops run ``H·G`` heads of ``m/G`` values).
         rank, projection: the low-rank write's ``r`` and projection (``write="lowrank"`` only; the
@@ -224,6 +225,8 @@ def chunk_flops(write: str, dynamics: str, *, batch_size: int, seq_len: int, num
         raise ValueError(f"groups apply to the covariance writes, not write={write!r}")
     Hf, mf = H * G, m // G
     n = B * Hf  # one chunk's batch of products
+    if write != "lowrank":
+        C = min(C, T)  # filter_chunk: a chunk longer than the sequence would only pad it
     N = math.ceil(T / C)
     decay = dynamics != "identity"  # the decays are learned: the transition factors need gradients
     kt_grad = qk_grad or decay  # k̃ = Φᵀk

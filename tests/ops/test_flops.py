@@ -69,6 +69,8 @@ def test_every_write_and_dynamics_within_10_percent(write, dynamics):
     dict(write="reset", dynamics="identity", qk_grad=False),
     dict(write="latent", dynamics="diagonal", qk_grad=False),
     dict(write="bayes", dynamics="scalar", T=64, C=64),  # one chunk: no gradient of P_0, M_0 or the final state
+    dict(write="reset", dynamics="diagonal", T=20, C=64),  # a chunk no longer than the sequence
+    dict(write="lowrank", dynamics="scalar", rank=2, T=10, C=16),  # the low-rank mean pass pads to a whole chunk
     dict(write="bayes", dynamics="diagonal", T=96, C=32),  # the blocked unit-triangular inverse (C = 2·16)
     dict(write="reset", dynamics="scalar", T=130, C=64),
     dict(write="bayes", dynamics="scalar", m=16, G=2),  # value groups: H·G filters
