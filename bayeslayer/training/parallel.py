@@ -238,7 +238,8 @@ def unsharded_copy(model: nn.Module) -> nn.Module | None:
         return None
     with torch.device("meta"):
         copy = _plain_class(model)(model.config)
-    copy.load_state_dict(state, assign=True)
+    # each tensor its own storage: a gathered shard can be a view of a padded buffer, which safetensors refuses
+    copy.load_state_dict({k: v.clone() for k, v in state.items()}, assign=True)
     if getattr(copy.config, "tie_word_embeddings", False):
         copy.tie_weights()
     left = [n for n, t in [*copy.named_parameters(), *copy.named_buffers()] if t.is_meta]

@@ -15,7 +15,10 @@ parameters' names) are not tensors: :func:`save_sharded` returns them for the ca
 
 from __future__ import annotations
 
+import contextlib
 import os
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -39,6 +42,21 @@ def _state_dicts(module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[d
                                 "stores tensors only")
             flat[f"optim.{fqn}.{key}"] = value
     return flat, model_sd, optim_sd
+
+
+def _one_process() -> bool:
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized())
+
+
+@contextlib.contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    """DCP warns on every save and load in one process (it assumes a forgotten process group); here one
+    process is a supported case."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is .*assuming the intent", category=UserWarning)
+        yield
 
 
 def _check(directory, module, optimizer) -> Path:
@@ -65,7 +83,9 @@ def save_sharded(directory: str | os.PathLike, module: nn.Module, optimizer: tor
     if not directory.is_dir():
         raise FileNotFoundError(f"directory {directory} does not exist")
     flat, _, optim_sd = _state_dicts(module, optimizer)
-    dcp.save(flat, storage_writer=HuggingFaceStorageWriter(str(directory), save_distributed=True))
+    writer = HuggingFaceStorageWriter(str(directory), save_distributed=True)
+    with _quiet_single_process():
+        dcp.save(flat, storage_writer=writer, no_dist=_one_process())
     return [dict(group) for group in optim_sd["param_groups"]]
 
 
@@ -115,7 +135,8 @@ def load_sharded(directory: str | os.PathLike, module: nn.Module, optimizer: tor
                if not all(f"optim.{fqn}.{key}" in saved for key in state)}
     flat = {k: v for k, v in flat.items()
             if not (k.startswith("optim.") and k[len("optim."):].rsplit(".", 1)[0] in without)}
-    dcp.load(flat, storage_reader=reader)
+    with _quiet_single_process():
+        dcp.load(flat, storage_reader=reader, no_dist=_one_process())
     set_model_state_dict(module, model_sd)
     optim_sd = {"state": {fqn: s for fqn, s in optim_sd["state"].items() if fqn not in without},
                 "param_groups": [dict(g) for g in param_groups]}

@@ -39,6 +39,7 @@ from ..common.lm_run import train_lm
 from ..common.options import (
     DEVICE_HELP,
     PLOT_ONLY_HELP,
+    add_sharding_options,
     add_train_eval,
     cache_dir_arg,
     check_file_name,
@@ -230,7 +231,8 @@ def _train_main(args) -> int:
     check_train_args(config, args, out)
     result = train_lm(config, out, device=args.device, cache_dir=args.cache_dir, stop_after=args.stop_after,
                       progress=not args.no_progress, keep_checkpoints=args.keep_checkpoints,
-                      context_parallel=args.context_parallel)
+                      context_parallel=args.context_parallel, shard=args.shard,
+                      activation_checkpointing=args.activation_checkpointing)
     if int(os.environ.get("RANK", "0")) == 0:
         state = "finished" if result.finished else f"stopped at step {result.step}/{config.steps}"
         print(f"lm train {config.model_label} seed {config.seed}: {state}; {result.tokens:,} tokens, "
@@ -333,6 +335,7 @@ def add_parser(sub) -> None:
                    help="split every window along T over C consecutive ranks of the torchrun job (default 1: "
                         "none); the groups are data-parallel replicas. Only Bayesian Layers with a dense "
                         "covariance have a context-parallel path (docs/context_parallel.md)")
+    add_sharding_options(t)
     t.add_argument("--cache-dir", type=cache_dir_arg, default=None,
                        help="token cache directory (default $BAYESLAYER_CACHE)")
     t.add_argument("--out", default=None, help="run directory (default runs/lm/<preset>-<mixer>-seed<seed>)")
