@@ -91,6 +91,44 @@ def compare(ctx, dtype_name: str, *, micro_batch_size: int = 1, tied: bool = Fal
     return out
 
 
+def mixed_precision(ctx) -> dict:
+    """bf16 autocast with shard="fsdp": the dtypes a block's parameters have inside its forward, of the sharded
+    parameters and of their gradients, and the losses (for the test to set beside fp32's)."""
+    from bayeslayer.training.lm import NextTokenTrainee, train_on_windows
+    from bayeslayer.training.loop import TrainConfig
+
+    windows = np.random.default_rng(3).integers(0, VOCAB, size=(N_WINDOWS, T))
+    model = _model(torch.float32)
+    seen: dict = {}
+    block = model.model.layers[0]
+
+    def before_forward(module, args) -> None:  # inside the block's forward: its parameters are gathered
+        seen["forward"] = sorted(set(seen.get("forward", [])) | {str(p.dtype) for p in module.parameters()})
+
+    block.mlp.register_forward_pre_hook(before_forward)
+    block.attn.register_forward_pre_hook(before_forward)
+
+    def after_step(state, info):
+        seen.setdefault("sharded", sorted({str(p.dtype) for p in model.parameters()}))
+
+    original = torch.optim.AdamW.step
+
+    def step(self, *args, **kwargs):
+        seen.setdefault("grads", sorted({str(p.grad.dtype) for g in self.param_groups for p in g["params"]
+                                         if p.grad is not None}))
+        return original(self, *args, **kwargs)
+
+    torch.optim.AdamW.step = step
+    try:
+        state = train_on_windows(NextTokenTrainee(model), windows, TrainConfig(steps=3, batch_size=4, lr=3e-2,
+                                                                               warmup_steps=1),
+                                 ctx=ctx, micro_batch_size=1, progress=False, shard="fsdp",
+                                 autocast_dtype=torch.bfloat16, after_step=after_step)
+    finally:
+        torch.optim.AdamW.step = original
+    return {**seen, "losses": state.losses}
+
+
 def lm_config(corpus: str, **overrides):
     """The small LM run the run-folder cases train (fp32, no dropout, a checkpoint every 2 of 4 steps)."""
     from bayeslayer.training.lm_config import LMConfig
@@ -201,13 +239,14 @@ def job(rank: int, world: int, init_file: str, out_dir: str, case: str, *args) -
 
 def _two_ranks(rank: int, world: int, corpus: str, cache_dir: str, out_dir: str) -> dict:
     """The default suite's two-rank job: float64 FSDP training against one process (plain, tied embeddings,
-    activation checkpointing) and the sharded run folder."""
+    activation checkpointing), bf16 mixed precision and the sharded run folder."""
     from bayeslayer.training.distributed import init_distributed
 
     ctx = init_distributed("cpu")
     return {"float64": compare(ctx, "float64", micro_batch_size=1),
             "tied": compare(ctx, "float64", micro_batch_size=2, tied=True),
             "checkpointing": compare(ctx, "float64", micro_batch_size=2, checkpointing=True),
+            "bf16": mixed_precision(ctx),
             "mesh": [list(ctx.mesh.shape), list(ctx.mesh.mesh_dim_names), ctx.shard_mesh.size()],
             "runs": run_folders(rank, corpus, cache_dir, out_dir)}
 

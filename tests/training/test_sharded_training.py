@@ -94,6 +94,18 @@ def test_tied_embeddings_and_activation_checkpointing_shard_too(two_ranks):
         check([r[case] for r in two_ranks[1]], TOL64, TOL64)
 
 
+def test_bf16_gathers_bf16_parameters_and_keeps_fp32_shards_and_gradients(two_ranks):
+    """precision bf16 with shard="fsdp": FSDP's MixedPrecisionPolicy all-gathers the parameters in bf16 for the
+    forward and backward, reduces the gradients in fp32 and keeps the sharded parameters (what AdamW updates) in
+    fp32; the losses stay within bf16's rounding of the fp32 run's."""
+    for r in two_ranks[1]:
+        got = r["bf16"]
+        assert got["forward"] == ["torch.bfloat16"] and got["sharded"] == ["torch.float32"]
+        assert got["grads"] == ["torch.float32"]
+    fp32 = two_ranks[1][0]["float64"]["ref_losses"]
+    np.testing.assert_allclose(two_ranks[1][0]["bf16"]["losses"], fp32, rtol=2e-2)
+
+
 def test_the_job_has_one_mesh(two_ranks):
     for r in two_ranks[1]:
         assert r["mesh"] == [[2, 1], ["dp", "cp"], 2]
