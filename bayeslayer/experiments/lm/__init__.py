@@ -202,13 +202,14 @@ def check_mixer_kwargs(mixer: str, kwargs: dict, *, hidden_size: int, num_heads:
         raise UsageError(f"{option} {json.dumps(kwargs)}: {' '.join(str(err).split())}") from None
 
 
-def training_memory(config: LMConfig) -> int:
+def training_memory(config: LMConfig, shards: int = 1) -> int:
     """A lower bound of the bytes one rank needs to train ``config``: weights, gradients and AdamW's two
-    moments (16 bytes per fp32 parameter, counted on the ``meta`` device, which allocates nothing) and
-    the logits of one micro-batch."""
+    moments (16 bytes per fp32 parameter, counted on the ``meta`` device, which allocates nothing; ``/ shards``
+    when FSDP shards them over that many ranks) and the logits of one micro-batch."""
+    shards = check_int("shards", shards, minimum=1)
     with torch.device("meta"):
         params = sum(p.numel() for p in build_model(config, config.vocab_size).parameters())
-    return 16 * params + 4 * config.micro_batch_size * config.seq_len * config.vocab_size
+    return 16 * params // shards + 4 * config.micro_batch_size * config.seq_len * config.vocab_size
 
 
 def check_train_args(config: LMConfig, args: argparse.Namespace, out: str) -> None:
@@ -221,7 +222,9 @@ def check_train_args(config: LMConfig, args: argparse.Namespace, out: str) -> No
                        num_heads=config.num_heads, head_dim=config.head_dim)
     sizes = (f"hidden-size {config.hidden_size}, {config.num_layers} layers, {config.num_heads} heads of "
              f"head-dim {config.head_dim}, vocab-size {config.vocab_size}")
-    check_memory(training_memory(config), what=f"training a model of {sizes}", device=resolve_device(args.device))
+    shards = int(os.environ.get("WORLD_SIZE", "1")) if getattr(args, "shard", "none") == "fsdp" else 1
+    check_memory(training_memory(config, max(1, shards)), what=f"training a model of {sizes}",
+                 device=resolve_device(args.device))
 
 
 def _train_main(args) -> int:
