@@ -226,7 +226,8 @@ def test_kill_9_of_one_rank_mid_save_leaves_the_last_checkpoint(setup, tmp_path)
         spawn(tmp_path, 2, "kill", setup[1], setup[2], str(run))
     ckpt = latest_checkpoint(run)
     assert ckpt is not None and ckpt.name == "step-00000001"
-    assert any(p.name.startswith(".tmp") for p in (run / "checkpoints").iterdir())  # the save that was cut short
+    # the save that was cut short left its temporary folder, unless rank 0 removed it on the error it got from the
+    # dead rank's collective before it was stopped itself; either way no checkpoint names it
     config = workers.lm_config(setup[1], checkpoint_every=1)
     with pytest.warns(RuntimeWarning, match="written by 2 rank"):
         result = train_lm(config, run, device="cpu", cache_dir=setup[2], progress=False, shard="fsdp")
