@@ -293,6 +293,8 @@ def train_loop(
     if not isinstance(ctx, DistContext):
         raise TypeError(f"ctx must be a DistContext, got {type(ctx).__name__}")
     sharded = shard == "fsdp" and ctx.distributed  # in one process there is nothing to shard
+    if sharded and ctx.shard_mesh is None:
+        raise ValueError("shard='fsdp' needs the DistContext's shard_mesh: build the context with init_distributed")
     prepare = (lambda: shard_trainee(trainee, ctx.shard_mesh, mp_policy=mixed_precision(autocast_dtype),
                                      gradient_divide_factor=ctx.dp_size)) if sharded else None
     params, optimizer, scheduler = _optimizer_and_schedule(trainee, groups, config, desc, prepare)
