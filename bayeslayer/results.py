@@ -29,7 +29,7 @@ from pathlib import Path
 
 #: The documents that may hold generated tables, relative to the checkout's root.
 DOCUMENTS = ("README.md", "docs/experiments.md", "docs/kernels.md", "docs/data.md", "docs/layers.md",
-             "docs/models.md", "docs/reliability.md")
+             "docs/models.md", "docs/reliability.md", "docs/distributed.md")
 COMMAND = "python -m bayeslayer.results tables"
 _BEGIN = re.compile(r"^<!-- results-table (?P<name>[a-z0-9-]+): python -m bayeslayer\.results tables -->$")
 _END = "<!-- /results-table {name} -->"
@@ -816,6 +816,40 @@ def threads_table(root: Path) -> str:
     return "\n".join(lines)
 
 
+# --------------------------------------------------------------------------- distributed training's memory
+
+_SHARDING_RECORD = "results/distributed/sharding_memory.json"
+
+
+def sharding_measured_table(root: Path) -> str:
+    """``benchmarks/sharding_memory.py``: bytes per rank (the largest rank) of parameters, gradients and AdamW
+    state after one step, DDP and FSDP2 at each number of ranks, and the total as a share of DDP's."""
+    rec = _load(root, _SHARDING_RECORD)
+    lines = [_row(["ranks", "engine", "parameters (MB)", "gradients (MB)", "AdamW state (MB)", "total (MB)",
+                   "of DDP's"]), "|---:|---|---:|---:|---:|---:|---:|"]
+    ddp = {r["ranks"]: sum(r["max"].values()) for r in rec["measured"] if r["shard"] == "none"}
+    for r in rec["measured"]:
+        m, total = r["max"], sum(r["max"].values())
+        lines.append(_row([str(r["ranks"]), "DDP" if r["shard"] == "none" else "FSDP2",
+                           *(f"{m[k] / 1e6:.2f}" for k in ("parameters", "gradients", "optimizer")),
+                           f"{total / 1e6:.2f}", f"{total / ddp[r['ranks']]:.3f}"]))
+    return "\n".join(lines)
+
+
+def sharding_formula_table(root: Path) -> str:
+    """The formula (16 bytes per fp32 parameter with AdamW, over N ranks for FSDP2) for the record's large models,
+    GB per rank, with the largest block FSDP gathers at a time."""
+    rec = _load(root, _SHARDING_RECORD)
+    ranks = rec["config"]["ranks"]
+    lines = [_row(["model", "width × layers", "parameters", "DDP (GB)", *(f"FSDP2 × {n} (GB)" for n in ranks),
+                   "largest gathered unit, fp32 (GB)"]), "|---|---|---:|---:|" + "---:|" * len(ranks) + "---:|"]
+    for f in rec["formula"]:
+        lines.append(_row([f["model"], f"{f['hidden_size']} × {f['layers']}", f"{f['parameters'] / 1e9:.2f} B",
+                           f"{f['ddp'] / 1e9:.2f}", *(f"{f['fsdp'][str(n)] / 1e9:.2f}" for n in ranks),
+                           f"{f['gathered_unit_fp32'] / 1e9:.2f}"]))
+    return "\n".join(lines)
+
+
 # --------------------------------------------------------------------------- the test suite's cost
 
 def slowest_tests_table(root: Path) -> str:
@@ -848,6 +882,8 @@ def slowest_default_table(root: Path) -> str:
 
 
 TABLES: dict[str, tuple[str, Callable[[Path], str]]] = {
+    "sharding-memory": ("docs/distributed.md", sharding_measured_table),
+    "sharding-memory-formula": ("docs/distributed.md", sharding_formula_table),
     "tests-slowest": ("docs/reliability.md", slowest_tests_table),
     "tests-slowest-now": ("docs/reliability.md", slowest_now_table),
     "tests-slowest-default": ("docs/reliability.md", slowest_default_table),

@@ -481,6 +481,29 @@ def _damaged_api(name: str, kind: str, load: Callable, damage: str, needle: str)
     return Api("a damaged model folder", f"{name} ({damage})", lambda p: load(p[place]), needle)
 
 
+def _parallel():
+    from bayeslayer.training import parallel
+
+    return parallel
+
+
+def _tiny_lm():
+    from bayeslayer.models import BayesLayerConfig, BayesLayerForCausalLM
+
+    return BayesLayerForCausalLM(BayesLayerConfig(vocab_size=16, hidden_size=8, num_hidden_layers=1, num_heads=1,
+                                                  head_dim=4, bos_token_id=None, eos_token_id=None))
+
+
+def _train_windows(**options):
+    import numpy as np
+
+    from bayeslayer.training.loop import TrainConfig
+
+    lm = _training_lm()
+    return lm.train_on_windows(lm.NextTokenTrainee(_tiny_lm()), np.zeros((2, 4), dtype=np.int64),
+                               TrainConfig(steps=1, batch_size=1), progress=False, **options)
+
+
 API_CASES = [
     Api("state or shape", "bl_step(state=(M,))", lambda p: _ops().bl_step(**_step(state=(torch.zeros(2, 2, 4, 3),))),
         "must be a tuple (M, P) of 2 tensors, got a tuple of 1"),
@@ -554,6 +577,18 @@ API_CASES = [
     *[_damaged_api("load_gdn_checkpoint", "gdn", lambda path: __import__("bayeslayer.models", fromlist=["x"])
                    .load_gdn_checkpoint(path), damage, needle)
       for damage, (_, needle) in GDN_DAMAGES.items()],
+    Api("sharding", "train_on_windows(shard='zero3')", lambda p: _train_windows(shard="zero3"),
+        "shard must be one of ('none', 'fsdp')"),
+    Api("sharding", "shard_model(mesh=None)", lambda p: _parallel().shard_model(_tiny_lm(), None),
+        "mesh must be a 1-D DeviceMesh"),
+    Api("sharding", "shard_trainee(Linear)", lambda p: _parallel().shard_trainee(torch.nn.Linear(2, 2), None),
+        "holds no model with decoder blocks"),
+    Api("sharding", "mixed_precision(torch.int32)", lambda p: _parallel().mixed_precision(torch.int32),
+        "dtype must be a floating-point torch.dtype"),
+    Api("sharding", "load_sharded(param_groups='x')",
+        lambda p: __import__("bayeslayer.training.sharded_state", fromlist=["x"]).load_sharded(
+            p["root"], _tiny_lm(), torch.optim.AdamW(_tiny_lm().parameters()), "x"),
+        "param_groups must be the list"),
 ]
 
 

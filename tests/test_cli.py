@@ -78,6 +78,9 @@ CASES = [
     # mqar
     ("mqar", ["mqar", "--out", "{new}"], "name a task"),
     ("mqar", ["mqar", "recall"], "invalid choice: 'recall'"),
+    ("lm train", ["lm", "train", "--preset", "tiny", "--shard", "zero3", "--out", "{new}"], "invalid choice: 'zero3'"),
+    ("distill train", ["distill", "train", "--preset", "tiny", "--shard", "ddp", "--out", "{new}"],
+     "invalid choice: 'ddp'"),
     ("mqar", ["mqar", "base", "--mixers", "transformer"], "invalid choice: 'transformer'"),
     ("mqar", ["mqar", "base", "--epochs", "0", "--out", "{new}"], "--epochs"),
     ("mqar", ["mqar", "base", "--lr", "-1e-3", "--out", "{new}"], "--lr"),

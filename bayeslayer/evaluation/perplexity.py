@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from ..checks import check_int, check_optional_int
 from ..training.distributed import DistContext, autocast, resolve_precision
+from ..training.parallel import is_sharded
 
 SINGLE_PROCESS = DistContext()  # the default context: one process on the CPU
 WINDOW_MODES = ("non-overlapping", "sliding")
@@ -44,7 +45,8 @@ def grouped_perplexity(model, windows: np.ndarray, masks: dict[str, np.ndarray],
 
     ``masks``: group → boolean ``[N, L−1]`` aligned with the next-token loss
     (``annotation.masks(shifted=True)``).  Windows are shared out across ranks (``rank::world``)
-    and the float64 sums all-reduced, so every rank returns the same numbers.  The model runs in
+    and the float64 sums all-reduced, so every rank returns the same numbers (a model sharded with FSDP is run
+    in lockstep: every rank the same number of batches).  The model runs in
     eval mode under ``torch.no_grad``; its previous mode is restored.  Returns
     ``{group: {"ppl", "mean_ce", "n_tokens"}}``; a group with no token has ``ppl = mean_ce = None``.
     """
@@ -61,17 +63,24 @@ def grouped_perplexity(model, windows: np.ndarray, masks: dict[str, np.ndarray],
     check_int("batch_size", batch_size, minimum=1)
     dtype = resolve_precision(precision, ctx.device)
     mine = np.arange(ctx.rank, windows.shape[0], ctx.world_size)
+    # a sharded model's forward is collective (each block's parameters are gathered from every rank): every
+    # rank runs as many batches as the rank with the most windows, the surplus windows (window 0) unscored
+    share = -(-windows.shape[0] // ctx.world_size) if ctx.distributed and is_sharded(model) else len(mine)
+    rows = np.concatenate([mine, np.zeros(share - len(mine), dtype=mine.dtype)])
     groups = GroupedCE()
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            for start in range(0, len(mine), batch_size):
-                idx = mine[start:start + batch_size]
+            for start in range(0, len(rows), batch_size):
+                idx = rows[start:start + batch_size]
                 ids = torch.from_numpy(np.asarray(windows[idx], dtype=np.int64)).to(ctx.device)
                 with autocast(ctx.device, dtype):
                     ce = token_cross_entropy(model, ids)
-                groups.update(ce.float().cpu(), {k: m[idx] for k, m in masks.items()})
+                scored = max(0, min(len(idx), len(mine) - start))
+                if scored:
+                    idx = idx[:scored]
+                    groups.update(ce[:scored].float().cpu(), {k: m[idx] for k, m in masks.items()})
     finally:
         model.train(was_training)
     names = sorted(masks)

@@ -5,7 +5,11 @@ Its files are written with :mod:`bayeslayer.files`, the package's one atomic, du
 * :mod:`~bayeslayer.training.loop` — :func:`~bayeslayer.training.loop.train_loop`, the one training loop
   (objective, parameter groups, schedule, accumulation, precision, clipping, evaluation hook,
   checkpoints, Ctrl-C, DDP) that every experiment's training calls, and its :class:`TrainConfig`;
-* :mod:`~bayeslayer.training.distributed` — the distributed context and the autocast precision;
+* :mod:`~bayeslayer.training.distributed` — the distributed context (the job's ``(dp, cp)`` DeviceMesh) and the
+  autocast precision;
+* :mod:`~bayeslayer.training.parallel` — sharding with FSDP2 (:func:`~bayeslayer.training.parallel.shard_model`)
+  and its mixed precision, and :mod:`~bayeslayer.training.sharded_state` the sharded checkpoints
+  (``torch.distributed.checkpoint`` in safetensors) that load on any number of ranks;
 * :mod:`~bayeslayer.training.optim` — AdamW parameter groups (what weight decay may touch);
 * :mod:`~bayeslayer.training.state` — training state as JSON + safetensors (no pickle), the
   RNG states of Python, NumPy and torch, seeding and a model's weights digest;

@@ -155,11 +155,22 @@ class CheckpointStore:
 
     # ------------------------------------------------------------------ saving
 
-    def save(self, step: int, write: Callable[[Path], object]) -> Path:
-        """Save checkpoint ``step``: ``write(directory)`` writes the files; returns the final directory."""
-        step = check_int("step", step, minimum=0)
+    def begin(self) -> Path:
+        """A fresh temporary directory for a checkpoint that several processes write (each its shards),
+        before one of them finishes it with ``save(step, write, started=directory)``."""
         self.root.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=self.root, prefix=TMP_PREFIX))
+        return Path(tempfile.mkdtemp(dir=self.root, prefix=TMP_PREFIX))
+
+    def save(self, step: int, write: Callable[[Path], object], *, started: Path | None = None) -> Path:
+        """Save checkpoint ``step``: ``write(directory)`` writes the files; returns the final directory.
+
+        ``started``: a directory from :meth:`begin` that already holds files (other processes' shards): it
+        is finished (``write``, manifest, rename) instead of a new one; it is removed if the save fails."""
+        step = check_int("step", step, minimum=0)
+        if started is not None and (Path(started).parent != self.root or not Path(started).name.startswith(TMP_PREFIX)
+                                    or not Path(started).is_dir()):
+            raise ValueError(f"started must be a directory from this store's begin(), got {started}")
+        tmp = self.begin() if started is None else Path(started)
         try:
             write(tmp)
             for path in sorted(tmp.iterdir()):

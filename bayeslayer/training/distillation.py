@@ -454,6 +454,8 @@ def select_trainable(
 
 
 def _digest(t: torch.Tensor) -> str:
+    full = getattr(t, "full_tensor", None)  # a sharded parameter (FSDP): gathered (collective)
+    t = full() if full is not None else t
     data = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
     return hashlib.sha256(data.tobytes()).hexdigest()
 
@@ -724,6 +726,13 @@ class RetrofitObjective(Objective):
 
     def param_groups(self, trainee: nn.Module, config: LMConfig) -> list[dict]:
         return self.selection.param_groups
+
+    def shard_unsupported(self) -> str | None:
+        if self.stage == "phase_a":
+            return ("Phase A runs the student's replaced mixers one by one outside the model's forward pass, "
+                    "where FSDP gathers no block's parameters; run it with shard='none' (Phase B and the control "
+                    "shard)")
+        return None
 
     def finish(self, trainee: nn.Module) -> dict:
         """Frozen parameters bit-identical, the teacher untouched, trainable ones moved (else raise)."""

@@ -1,9 +1,11 @@
 """Where a training process stands in a (possibly single-process) job, and at which precision it computes.
 
-* :class:`DistContext` — rank, world size, local rank and device of this process, and its context-parallel
-  group; :func:`init_distributed` joins the ``torchrun`` job that ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``
-  describe (``nccl`` on CUDA, ``gloo`` on CPU) or, without one, is a single process, on the device
-  :func:`resolve_device` names (``auto``, ``cpu``, ``cuda``, ``cuda:N``);
+* :class:`DistContext` — rank, world size, local rank and device of this process, and the job's one
+  2-D :class:`~torch.distributed.device_mesh.DeviceMesh` ``(dp, cp)``: data-parallel replicas × the ranks
+  that share each sequence (context parallelism); FSDP shards over both dimensions together
+  (:attr:`DistContext.shard_mesh`).  :func:`init_distributed` joins the ``torchrun`` job that
+  ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` describe (``nccl`` on CUDA, ``gloo`` on CPU) or, without one, is a
+  single process, on the device :func:`resolve_device` names (``auto``, ``cpu``, ``cuda``, ``cuda:N``);
 * :func:`resolve_precision` and :func:`autocast` — ``"auto"``/``"bf16"``/``"fp32"`` as an autocast
   dtype and context (the filters compute in fp32 whatever the input dtype).
 """
@@ -20,6 +22,8 @@ import torch.distributed as dist
 from ..errors import UsageError
 
 PRECISIONS = ("auto", "bf16", "fp32")
+#: The dimensions of the job's DeviceMesh: data-parallel replicas, then the ranks of a context-parallel group.
+MESH_DIMS = ("dp", "cp")
 DEVICE_HELP = "auto (a GPU when there is one, else the CPU), cpu, cuda or cuda:N"
 
 
@@ -32,6 +36,13 @@ class DistContext:
     (``cp_group``) share every sequence, split along T (docs/context_parallel.md), and the replicas
     read different sequences.  ``cp_rank`` is this rank's place in its group, ``dp_rank``/``dp_size``
     its replica and their number (``rank``/``world_size`` without context parallelism).
+
+    ``mesh``: the job's ``DeviceMesh`` of shape ``(dp_size, cp_size)``, dimensions named ``("dp", "cp")``
+    (rank ``r`` at ``(r // cp_size, r % cp_size)``); ``None`` in a single process.  Every process group of
+    the job is a dimension of it: ``cp_group`` is ``mesh["cp"]``'s.  ``shard_mesh``: the 1-D mesh FSDP
+    shards parameters over, every rank of the job (``mesh["dp"]``, or ``dp`` × ``cp`` flattened as ``dp_cp``):
+    the ranks of a context-parallel group hold the same parameters, so they share the sharding as the
+    replicas do (torchtitan's ``dp_shard_cp``).
     """
 
     rank: int = 0
@@ -39,7 +50,8 @@ class DistContext:
     local_rank: int = 0
     device: torch.device = torch.device("cpu")
     cp_size: int = 1
-    cp_group: object = field(default=None, compare=False, repr=False)
+    mesh: object = field(default=None, compare=False, repr=False)
+    shard_mesh: object = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         for name in ("world_size", "cp_size"):
@@ -48,6 +60,22 @@ class DistContext:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if self.world_size % self.cp_size != 0:
             raise ValueError(f"cp_size ({self.cp_size}) must divide world_size ({self.world_size})")
+        if self.mesh is not None:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            expected = (self.world_size // self.cp_size, self.cp_size)
+            if not isinstance(self.mesh, DeviceMesh) or tuple(self.mesh.shape) != expected \
+                    or self.mesh.mesh_dim_names != MESH_DIMS:
+                raise ValueError(f"mesh must be a DeviceMesh of shape {expected} with dimensions {MESH_DIMS}, got "
+                                 f"{self.mesh!r}")
+        elif self.context_parallel:
+            raise ValueError("a context-parallel DistContext needs its mesh (from init_distributed(..., "
+                             "context_parallel=C))")
+
+    @property
+    def cp_group(self):
+        """The process group of this rank's context-parallel group (``None`` without context parallelism)."""
+        return self.mesh.get_group("cp") if self.context_parallel else None
 
     @property
     def distributed(self) -> bool:
@@ -120,7 +148,8 @@ def init_distributed(device: str | torch.device = "auto", *, context_parallel: i
     and nothing is initialised.  A process group that is already initialised is joined as it is.
 
     ``context_parallel``: ranks per context-parallel group (1: none); it must divide the world size.
-    Every group of ``context_parallel`` consecutive ranks gets its own process group (``cp_group``).
+    With more than one rank, the job's ``DeviceMesh`` ``(dp, cp)`` is built (``cp`` = ``context_parallel``;
+    every group of ``context_parallel`` consecutive ranks is one row ``mesh["cp"]``).
     """
     device = resolve_device(device)
     if isinstance(context_parallel, bool) or not isinstance(context_parallel, int) or context_parallel < 1:
@@ -134,19 +163,18 @@ def init_distributed(device: str | torch.device = "auto", *, context_parallel: i
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
     if dist.is_initialized():
         rank, world = dist.get_rank(), dist.get_world_size()
-    if context_parallel == 1:
-        return DistContext(rank=rank, world_size=world, local_rank=local_rank, device=device)
     if world % context_parallel != 0:
         raise ValueError(f"context_parallel={context_parallel} must divide the number of ranks ({world}); "
                          + ("launch with torchrun --nproc_per_node N, N a multiple of it" if world == 1
                             else "use another group size or another number of ranks"))
-    cp_group = None
-    for first in range(0, world, context_parallel):  # every rank takes part in creating every group
-        group = dist.new_group(list(range(first, first + context_parallel)))
-        if first <= rank < first + context_parallel:
-            cp_group = group
+    mesh = shard_mesh = None
+    if world > 1:  # collective: every rank takes part in creating every group of the mesh
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device.type, (world // context_parallel, context_parallel), mesh_dim_names=MESH_DIMS)
+        shard_mesh = mesh["dp"] if context_parallel == 1 else mesh["dp", "cp"]._flatten("dp_cp")
     return DistContext(rank=rank, world_size=world, local_rank=local_rank, device=device,
-                       cp_size=context_parallel, cp_group=cp_group)
+                       cp_size=context_parallel, mesh=mesh, shard_mesh=shard_mesh)
 
 
 def resolve_precision(precision: str, device: torch.device) -> torch.dtype | None:
@@ -169,5 +197,5 @@ def autocast(device: torch.device, dtype: torch.dtype | None):
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
-__all__ = ["DEVICE_HELP", "PRECISIONS", "DistContext", "autocast", "init_distributed", "resolve_device",
+__all__ = ["DEVICE_HELP", "MESH_DIMS", "PRECISIONS", "DistContext", "autocast", "init_distributed", "resolve_device",
            "resolve_precision"]

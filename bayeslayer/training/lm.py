@@ -276,6 +276,11 @@ class Objective:
         """Checks of the trained model (raise on failure) and facts for ``train_summary.json``."""
         return {}
 
+    def shard_unsupported(self) -> str | None:
+        """Why this objective cannot train sharded (``shard="fsdp"``), or ``None``: its trainee must run its
+        models only through their forward passes, where FSDP gathers each block's parameters."""
+        return None
+
 
 
 def load_run(run_dir: str | os.PathLike, *, device: str | torch.device = "cpu"):

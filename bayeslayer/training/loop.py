@@ -28,6 +28,17 @@ loss is the sum over the group, averaged over the data-parallel replicas.  The t
 in DDP then: after the last micro-batch the gradients are summed over every rank and divided by the
 number of replicas (the group's shares add up, the replicas average), in one all-reduce.
 
+Sharding (``shard="fsdp"``, :mod:`bayeslayer.training.parallel`): instead of DDP, the models inside the
+trainee are sharded with FSDP2 over every rank of the job (``ctx.shard_mesh``) before the optimiser is
+built, so each rank holds ``1/N`` of the weights, gradients and AdamW moments; FSDP reduce-scatters the
+gradients of every micro-batch (with context parallelism: summed over the group, averaged over the
+replicas), clipping takes the global norm over the sharded gradients, and a bf16 ``autocast_dtype`` also
+makes FSDP gather the parameters in bf16 and reduce the gradients in fp32
+(:func:`~bayeslayer.training.parallel.mixed_precision`).  Its checkpoints are sharded
+(:mod:`bayeslayer.training.sharded_state`): every rank writes its shards into the checkpoint's folder,
+which loads on any number of ranks.  In one process nothing is sharded, and the checkpoints keep the
+sharded format, so a run moves between one process and N ranks.
+
 Checkpoints (:class:`Checkpoints`, over a :class:`~bayeslayer.training.CheckpointStore`) hold the
 model, the optimiser and schedule states, the step, the loss history, the evaluations, the wall-clock
 and CPU seconds of the steps so far (:class:`LoopState`) and every rank's RNG states (JSON +
@@ -43,6 +54,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
+import shutil
 import sys
 import time
 import warnings
@@ -61,6 +73,8 @@ from .checkpoint import CheckpointStore
 from .distributed import DistContext, autocast
 from .interrupt import TrainingInterrupted, stop_on_interrupt
 from .optim import param_groups
+from .parallel import check_shard, local_tensor, mixed_precision, shard_trainee
+from .sharded_state import load_sharded, save_sharded
 from .state import load_state, rng_state, save_state, set_rng_state
 
 
@@ -177,6 +191,8 @@ class Checkpoints:
     """
 
     state_name = "trainer_state"
+    #: the module whose weights a sharded checkpoint holds (``train_loop(shard="fsdp")``); ``None``: the trainee
+    module: nn.Module | None = None
 
     def __init__(self, store: CheckpointStore) -> None:
         if not isinstance(store, CheckpointStore):
@@ -200,6 +216,10 @@ class Checkpoints:
     def read_weights(self, directory: Path) -> None:
         raise NotImplementedError
 
+    def write_shard_extras(self, directory: Path) -> None:
+        """What a sharded checkpoint holds besides the shards and the trainer state (e.g. the model's
+        config); called on rank 0 in place of :meth:`write_weights`."""
+
     def extra_state(self, state: LoopState) -> dict:
         """More of the trainer state (e.g. the run's config), saved next to the loop's own."""
         return {}
@@ -207,12 +227,17 @@ class Checkpoints:
     def restore(self, trainer_state: dict) -> None:
         """Take back what :meth:`extra_state` saved (called after the loop restored its own part)."""
 
-    def save(self, step: int, trainer_state: dict) -> Path:
+    def save(self, step: int, trainer_state: dict, *, started: Path | None = None) -> Path:
+        """Write checkpoint ``step``; ``started``: the folder (from ``store.begin()``) every rank wrote its shards
+        into (a sharded checkpoint), which gets :meth:`write_shard_extras` instead of :meth:`write_weights`."""
         def write(directory: Path) -> None:
-            self.write_weights(directory)
+            if started is None:
+                self.write_weights(directory)
+            else:
+                self.write_shard_extras(directory)
             save_state(directory, self.state_name, trainer_state)
 
-        return self.store.save(step, write)
+        return self.store.save(step, write, started=started)
 
 
 def raise_if_diverged(err: BaseException, params, *, desc: str, step: int) -> None:
@@ -222,7 +247,9 @@ def raise_if_diverged(err: BaseException, params, *, desc: str, step: int) -> No
     finite weights overflow inside a layer).  Otherwise return, and the caller re-raises ``err``."""
     if step == 0:  # no update has run: the fault is in the inputs or the initial weights
         return
-    if not isinstance(err, NonFiniteError) and all(bool(torch.isfinite(p.detach()).all()) for p in params):
+    # a sharded parameter: this rank's shard (a collective here, on one rank's error path, could hang)
+    if not isinstance(err, NonFiniteError) and all(bool(torch.isfinite(local_tensor(p.detach())).all())
+                                                   for p in params):
         return
     raise FloatingPointError(f"{desc}: training diverged: the weights, or values computed from them, were NaN or "
                              f"Inf at step {step} ({' '.join(str(err).split())}); lower the learning rate") from err
@@ -245,6 +272,7 @@ def train_loop(
     stop_after: int | None = None,
     rank_seed: int | None = None,
     find_unused_parameters: bool = False,
+    shard: str = "none",
     progress: bool = True,
     progress_leave: bool = True,
     tokens_per_step: int | None = None,
@@ -275,24 +303,38 @@ def train_loop(
         rank_seed: seed torch's global RNG with it before training (the dropout stream of this rank), and
             with ``rank_seed + step`` when a checkpoint of another world size is resumed.
         find_unused_parameters: passed to DDP.
+        shard: ``"none"`` (DDP across ranks) or ``"fsdp"`` (FSDP2: the models inside the trainee sharded over
+            every rank, sharded checkpoints; see the module docstring).
         progress, progress_leave, tokens_per_step, desc: the progress bar (rank 0) and the messages.
 
     Returns:
         the :class:`LoopState` (its ``finished`` says whether all steps are done).
     """
     _check_loop_arguments(trainee, micro_batches, loss, config, stop_after, checkpoints)
+    shard = check_shard(shard)
     ctx = DistContext() if ctx is None else ctx
-    params, optimizer, scheduler = _optimizer_and_schedule(trainee, groups, config, desc)
+    if not isinstance(ctx, DistContext):
+        raise TypeError(f"ctx must be a DistContext, got {type(ctx).__name__}")
+    sharded = shard == "fsdp" and ctx.distributed  # in one process there is nothing to shard
+    if sharded and ctx.shard_mesh is None:
+        raise ValueError("shard='fsdp' needs the DistContext's shard_mesh: build the context with init_distributed")
+    prepare = (lambda: shard_trainee(trainee, ctx.shard_mesh, mp_policy=mixed_precision(autocast_dtype),
+                                     gradient_divide_factor=ctx.dp_size)) if sharded else None
+    params, optimizer, scheduler = _optimizer_and_schedule(trainee, groups, config, desc, prepare)
+    shards_of = None
+    if shard == "fsdp" and checkpoints is not None:
+        shards_of = checkpoints.module if checkpoints.module is not None else trainee
+        _check_shards_module(shards_of, optimizer)
     if rank_seed is not None:
         torch.manual_seed(rank_seed)
     state = LoopState()
-    _resume(state, checkpoints, optimizer, scheduler, ctx, rank_seed, config, desc)
+    _resume(state, checkpoints, optimizer, scheduler, ctx, rank_seed, config, desc, shards_of)
     if after_start is not None:
         after_start(state)
-    keeper = _RunKeeper(state, ctx, checkpoints, optimizer, scheduler, evaluate, params, desc)
+    keeper = _RunKeeper(state, ctx, checkpoints, optimizer, scheduler, evaluate, params, desc, shards_of)
 
     trainee.train()
-    module = _distributed_module(trainee, ctx, find_unused_parameters)
+    module = trainee if shard == "fsdp" else _distributed_module(trainee, ctx, find_unused_parameters)
     end = config.steps if stop_after is None else stop_after
     bar = _progress_bar(progress, ctx, state, end, config.steps, desc, progress_leave)
     session_steps = 0
@@ -308,8 +350,8 @@ def train_loop(
                     trainee.set_step(step)
                 optimizer.zero_grad(set_to_none=True)
                 loss_value, parts = _accumulate_gradients(module, trainee, batches, loss, ctx, autocast_dtype,
-                                                          params, desc, step)
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(params, config.grad_clip))
+                                                          params, desc, step, sharded)
+                grad_norm = _clip(params, config.grad_clip)
                 lr = scheduler.get_last_lr()[0]
                 optimizer.step()
                 scheduler.step()
@@ -358,17 +400,44 @@ def _check_loop_arguments(trainee, micro_batches, loss, config, stop_after, chec
 
 
 def _optimizer_and_schedule(trainee: nn.Module, groups: Sequence[dict] | None, config: TrainConfig,
-                            desc: str) -> tuple[list[nn.Parameter], torch.optim.Optimizer, Any]:
-    """``(params, AdamW, LambdaLR)``: the parameters clipped (the groups', in order) and the one optimiser."""
+                            desc: str, prepare: Callable[[], None] | None = None,
+                            ) -> tuple[list[nn.Parameter], torch.optim.Optimizer, Any]:
+    """``(params, AdamW, LambdaLR)``: the parameters clipped (the groups', in order) and the one optimiser.
+
+    ``prepare()``, when given, replaces the trainee's parameters (sharding): the weight-decay split is
+    made before it (it reads flags set on the parameters), and the groups are carried over by name."""
     if groups is None:
         groups = [{"params": [p for p in trainee.parameters() if p.requires_grad]}]
     params = [p for g in groups for p in g["params"]]
     if not params:
         raise ValueError(f"{desc}: no parameter to train")
-    optimizer = torch.optim.AdamW(param_groups(trainee, config.weight_decay, groups), lr=config.lr,
-                                  betas=config.betas, eps=config.eps, weight_decay=config.weight_decay)
+    split = param_groups(trainee, config.weight_decay, groups)
+    if prepare is not None:
+        names = {id(p): n for n, p in trainee.named_parameters()}
+        prepare()
+        now = dict(trainee.named_parameters())
+        params = [now[names[id(p)]] for p in params]
+        split = [{**g, "params": [now[names[id(p)]] for p in g["params"]]} for g in split]
+    optimizer = torch.optim.AdamW(split, lr=config.lr, betas=config.betas, eps=config.eps,
+                                  weight_decay=config.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config))
     return params, optimizer, scheduler
+
+
+def _check_shards_module(module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """A sharded checkpoint names the optimiser's parameters within ``module``: it must hold them all."""
+    inside = {id(p) for p in module.parameters()}
+    if any(id(p) not in inside for g in optimizer.param_groups for p in g["params"]):
+        raise ValueError(f"the checkpoints' module ({type(module).__name__}) must hold every trained parameter "
+                         "for a sharded checkpoint")
+
+
+def _clip(params: Sequence[torch.Tensor], max_norm: float) -> float:
+    """Clip the gradients of ``params`` to the global norm ``max_norm``; their norm before clipping.  Sharded
+    gradients (DTensors) give the norm over every rank's shards."""
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    full = getattr(norm, "full_tensor", None)
+    return float(full() if full is not None else norm)
 
 
 def _distributed_module(trainee: nn.Module, ctx: DistContext, find_unused_parameters: bool) -> nn.Module:
@@ -404,7 +473,7 @@ def _show_progress(bar, state: LoopState, loss_value: float, session_steps: int,
 
 def _accumulate_gradients(module: nn.Module, trainee: nn.Module, batches: Sequence[Any], loss, ctx: DistContext,
                           autocast_dtype: torch.dtype | None, params, desc: str,
-                          step: int) -> tuple[float, dict[str, float]]:
+                          step: int, sharded: bool = False) -> tuple[float, dict[str, float]]:
     """Forward and backward every micro-batch of one step; ``(the step's loss, its parts)``, averaged.
 
     Each loss is divided by the number of micro-batches before its backward pass (DDP synchronises only
@@ -430,7 +499,7 @@ def _accumulate_gradients(module: nn.Module, trainee: nn.Module, batches: Sequen
         loss_sum = part if loss_sum is None else loss_sum + part
         for k, v in parts.items():
             parts_sum[k] = parts_sum.get(k, 0.0) + float(v) / n_micro
-    if ctx.context_parallel:
+    if ctx.context_parallel and not sharded:  # FSDP's reduce-scatter did it
         _sync_context_parallel_gradients(trainee, ctx)
     if ctx.distributed:
         dist.all_reduce(loss_sum)
@@ -476,13 +545,16 @@ class _RunKeeper:
     """What :func:`train_loop` does around the steps: evaluations, checkpoints and stopping on Ctrl-C."""
 
     def __init__(self, state: LoopState, ctx: DistContext, checkpoints: Checkpoints | None, optimizer, scheduler,
-                 evaluate: Callable[[LoopState, bool], dict | None] | None, params, desc: str) -> None:
+                 evaluate: Callable[[LoopState, bool], dict | None] | None, params, desc: str,
+                 shards_of: nn.Module | None = None) -> None:
         self.state, self.ctx, self.checkpoints = state, ctx, checkpoints
         self.optimizer, self.scheduler = optimizer, scheduler
         self.evaluate, self.params, self.desc = evaluate, params, desc
+        self.shards_of = shards_of  # sharded checkpoints: the module whose weights they hold
 
     def save(self) -> None:
-        """Write a checkpoint of the run as it stands (collective: every rank contributes its RNG state)."""
+        """Write a checkpoint of the run as it stands (collective: every rank contributes its RNG state and,
+        sharded, its shards)."""
         checkpoints, ctx, state = self.checkpoints, self.ctx, self.state
         if checkpoints is None:
             return
@@ -495,15 +567,35 @@ class _RunKeeper:
             rng = [rng]
         trainer_state = {"step": state.step, "losses": state.losses, "evals": state.evals,
                          "step_seconds": {"wall": state.step_seconds, "cpu": state.step_cpu_seconds},
-                         **checkpoints.extra_state(state), "optimizer": self.optimizer.state_dict(),
+                         **checkpoints.extra_state(state), "optimizer": None,
                          "scheduler": self.scheduler.state_dict(), "rng": rng}
-        if ctx.is_main:
-            state.saved_at = str(checkpoints.save(state.step, trainer_state))
+        if self.shards_of is None:
+            trainer_state["optimizer"] = self.optimizer.state_dict()
+            if ctx.is_main:
+                state.saved_at = str(checkpoints.save(state.step, trainer_state))
+        else:
+            started = self._shared_folder()
+            try:
+                groups = save_sharded(started, self.shards_of, self.optimizer)  # every rank writes its shards
+            except BaseException:
+                if ctx.is_main:
+                    shutil.rmtree(started, ignore_errors=True)
+                raise
+            trainer_state.update(optimizer={"param_groups": groups}, sharded=True)
+            if ctx.is_main:
+                state.saved_at = str(checkpoints.save(state.step, trainer_state, started=started))
         ctx.barrier()
         if not ctx.is_main:
             pointed = checkpoints.store.pointed()
             state.saved_at = str(pointed) if pointed is not None else None
         state.saved_step = state.step
+
+    def _shared_folder(self) -> Path:
+        """The temporary folder of a sharded checkpoint: rank 0 makes it, every rank learns its name."""
+        name = [str(self.checkpoints.store.begin()) if self.ctx.is_main else None]
+        if self.ctx.distributed:
+            dist.broadcast_object_list(name, src=0)
+        return Path(name[0])
 
     def run_eval(self, final: bool) -> None:
         if self.evaluate is None:
@@ -550,7 +642,7 @@ class _RunKeeper:
 
 
 def _resume(state: LoopState, checkpoints: Checkpoints | None, optimizer, scheduler, ctx: DistContext,
-            rank_seed: int | None, config: TrainConfig, desc: str) -> None:
+            rank_seed: int | None, config: TrainConfig, desc: str, shards_of: nn.Module | None = None) -> None:
     """Load the newest acceptable checkpoint (rank 0 chooses, every rank loads it) into the run."""
     if checkpoints is None:
         return
@@ -564,8 +656,15 @@ def _resume(state: LoopState, checkpoints: Checkpoints | None, optimizer, schedu
     saved = load_state(ckpt, checkpoints.state_name)
     if not checkpoints.accept(ckpt, saved):
         return
-    checkpoints.read_weights(ckpt)
-    optimizer.load_state_dict(saved["optimizer"])
+    written = "fsdp" if saved.get("sharded") else "none"
+    if written != ("none" if shards_of is None else "fsdp"):
+        raise ValueError(f"{ckpt} was written with shard={written!r} and this run has shard="
+                         f"{'none' if shards_of is None else 'fsdp'!r}: resume it with shard={written!r}")
+    if shards_of is None:
+        checkpoints.read_weights(ckpt)
+        optimizer.load_state_dict(saved["optimizer"])
+    else:
+        load_sharded(ckpt, shards_of, optimizer, saved["optimizer"]["param_groups"])
     scheduler.load_state_dict(saved["scheduler"])
     state.step, state.losses, state.evals = saved["step"], list(saved["losses"]), list(saved["evals"])
     timed = saved.get("step_seconds") or {}  # absent in checkpoints of older versions: unknown

@@ -252,9 +252,11 @@ def test_bad_teacher_and_tokenizer(teacher, tmp_path):
 
 
 @pytest.mark.slow  # a two-rank spawn; the LM's two-rank run stays in the default suite
-def test_torchrun_two_ranks_agree_and_match_one_process(teacher, tmp_path):
-    """`torchrun --nproc_per_node 2 -m bayeslayer.cli distill train` (gloo, CPU): every stage ends with the
-    same weights on both ranks and equals one process with the same global batch."""
+@pytest.mark.parametrize("shard", ["none", "fsdp"])
+def test_torchrun_two_ranks_agree_and_match_one_process(teacher, tmp_path, shard):
+    """`torchrun --nproc_per_node 2 -m bayeslayer.cli distill train [--shard fsdp]` (gloo, CPU): every stage ends
+    with the same weights on both ranks (sharded: gathered once) and equals one process with the same global
+    batch; with --shard fsdp, Phase B and GDN-FT shard the student and the teacher and Phase A runs DDP."""
     teacher_dir, corpus, cache = teacher
     config = _config(teacher_dir, corpus, phase_a_steps=3, phase_b_steps=2, batch_size=4, micro_batch_size=1,
                      checkpoint_every=2)
@@ -262,7 +264,7 @@ def test_torchrun_two_ranks_agree_and_match_one_process(teacher, tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            "-m", "bayeslayer.cli", "distill", "train", "--preset", "tiny", "--no-progress", "--out", str(out),
            "--cache-dir", cache, "--device", "cpu", "--teacher", str(teacher_dir), "--layers", "1",
-           "--mlp-parts", "down_proj", "--source", str(corpus)]
+           "--mlp-parts", "down_proj", "--source", str(corpus), "--shard", shard]
     for name in ("seq_len", "batch_size", "micro_batch_size", "phase_a_steps", "phase_b_steps", "lr_a", "lr_b",
                  "warmup_steps", "eval_every", "eval_windows", "checkpoint_every", "log_every", "seed"):
         cmd += [f"--{name.replace('_', '-')}", str(getattr(config, name))]
@@ -275,6 +277,7 @@ def test_torchrun_two_ranks_agree_and_match_one_process(teacher, tmp_path):
         summary = json.loads((out / stage / "train_summary.json").read_text())
         assert summary["world_size"] == 2 and len(set(summary["rank_weights_sha256"])) == 1
         assert summary["frozen_unchanged"]
+        assert summary["shard"] == ("none" if stage == "phase_a" else shard)
         np.testing.assert_allclose(_losses(out / stage), _losses(tmp_path / "single" / stage), rtol=1e-4)
         a = load_file(str(out / stage / "final" / "model.safetensors"))
         b = load_file(str(tmp_path / "single" / stage / "final" / "model.safetensors"))

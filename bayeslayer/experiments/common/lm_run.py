@@ -14,7 +14,9 @@ Run directory (``--out``)::
     log.jsonl                        one JSON object per logged step / evaluation
     checkpoints/latest               name of the newest complete checkpoint
     checkpoints/step-00000100/       HF model dir (config.json, model.safetensors), trainer_state.json
-                                     + trainer_state.safetensors, manifest.json (SHA-256 of each)
+                                     + trainer_state.safetensors, manifest.json (SHA-256 of each);
+                                     sharded (--shard fsdp): config.json, every rank's
+                                     shard-*.safetensors (weights and AdamW moments) and the trainer state
     final/                           HF model dir of the finished model (from_pretrained-able)
     train_summary.json               steps, tokens, tokens/s, final validation PPL by group
 
@@ -33,6 +35,9 @@ Distributed: launch with ``torchrun --nproc_per_node N -m bayeslayer.cli lm trai
 each window is split along T over ``C`` consecutive ranks (docs/context_parallel.md): every rank reads
 its slice of the window and the token after it, its loss is its share of the window's loss, and the
 ``N / C`` groups are data-parallel replicas of one another.  Evaluation runs whole windows on every rank.
+With ``--shard fsdp`` (``shard="fsdp"``) the model is sharded over every rank with FSDP2 instead of
+replicated with DDP (:mod:`bayeslayer.training.parallel`; docs/distributed.md): the checkpoints are
+sharded and load on any number of ranks, and ``final/`` is gathered into the same plain model folder.
 """
 
 from __future__ import annotations
@@ -61,6 +66,7 @@ from ...training.lm_config import LMConfig, check_resume_config
 from ...training.log import JsonLog
 from ...training.loop import Checkpoints, LoopState, StepInfo
 from ...training.optim import DECAY_POLICY
+from ...training.parallel import check_shard, local_bytes, unsharded_copy
 from ...training.state import seed_everything, weights_digest
 from .provenance import write_record
 
@@ -125,6 +131,8 @@ def train_lm(
     objective: Objective | None = None,
     context_parallel: int = 1,
     compute: dict | None = None,
+    shard: str = "none",
+    activation_checkpointing: bool = False,
 ) -> LMTrainResult:
     """Train (or resume) the run in ``run_dir``; see the module docstring.
 
@@ -148,6 +156,11 @@ def train_lm(
         compute: a compute-matched run's plan (:func:`bayeslayer.experiments.common.lm_compute.plan_run`: the budget,
             the steps and their FLOPs), written into ``train_summary.json`` as ``"compute"`` with the CPU and
             wall seconds the steps took.
+        shard: ``"none"`` (DDP: every rank holds the whole model) or ``"fsdp"`` (FSDP2: each decoder block,
+            the embedding and the head sharded over every rank; sharded checkpoints that resume on any number
+            of ranks).  A run resumes with the shard it was started with.
+        activation_checkpointing: recompute each block's activations in the backward pass (less memory,
+            about one more forward pass of time; the losses do not change).
 
     Returns:
         :class:`LMTrainResult`; ``train_summary.json`` and ``final/`` once all steps are done.
@@ -162,6 +175,11 @@ def train_lm(
     if not isinstance(objective, Objective):
         raise TypeError(f"objective must be an Objective, got {type(objective).__name__}")
     check_int("context_parallel", context_parallel, minimum=1)
+    shard = check_shard(shard)
+    if not isinstance(activation_checkpointing, bool):
+        raise TypeError(f"activation_checkpointing must be a bool, got {type(activation_checkpointing).__name__}")
+    if shard == "fsdp" and objective.shard_unsupported() is not None:
+        raise ValueError(f"objective {objective.name!r} cannot be sharded: {objective.shard_unsupported()}")
     ctx = init_distributed(device, context_parallel=context_parallel)
     micro_batches_per_step(config.batch_size, config.micro_batch_size, ctx)  # checked before the folder is touched
     autocast_dtype = resolve_precision(config.precision, ctx.device)
@@ -170,7 +188,8 @@ def train_lm(
     with OutputLock(run_dir) if ctx.is_main else contextlib.nullcontext():
         return _train_lm(config, run_dir, ctx, autocast_dtype=autocast_dtype, cache_dir=cache_dir,
                          stop_after=stop_after, progress=progress, keep_checkpoints=keep_checkpoints,
-                         on_step=on_step, objective=objective, compute=compute)
+                         on_step=on_step, objective=objective, compute=compute, shard=shard,
+                         activation_checkpointing=activation_checkpointing)
 
 class _LMCheckpoints(Checkpoints):
     """An LM run's checkpoints: HF model directories (``config.json``, ``model.safetensors``) with the
@@ -180,6 +199,7 @@ class _LMCheckpoints(Checkpoints):
     def __init__(self, store: CheckpointStore, model, config: LMConfig, world_size: int) -> None:
         super().__init__(store)
         self.model, self.config, self.world_size = model, config, world_size
+        self.module = model  # what a sharded checkpoint holds
         self.context_parallel = 1
         self.seconds_before = 0.0  # training time of earlier calls (from the checkpoint)
 
@@ -197,6 +217,9 @@ class _LMCheckpoints(Checkpoints):
 
         load_model_weights(self.model, directory)
 
+    def write_shard_extras(self, directory: Path) -> None:
+        self.model.config.save_pretrained(directory)  # what model the shards are of
+
     def extra_state(self, state: LoopState) -> dict:
         return {"train_seconds": self.seconds_before + state.seconds, "config": json.dumps(self.config.to_json()),
                 "world_size": self.world_size, "context_parallel": self.context_parallel,
@@ -206,8 +229,8 @@ class _LMCheckpoints(Checkpoints):
         self.seconds_before = float(trainer_state["train_seconds"])
 
 def _train_lm(config: LMConfig, run_dir: Path, ctx: DistContext, *, autocast_dtype, cache_dir,
-              stop_after, progress: bool, keep_checkpoints: int, on_step, objective: Objective,
-              compute: dict | None = None) -> LMTrainResult:
+              stop_after, progress: bool, keep_checkpoints: int, on_step, objective: Objective, shard: str,
+              activation_checkpointing: bool, compute: dict | None = None) -> LMTrainResult:
     world = ctx.world_size
     config_path = run_dir / "config.json"
     store = checkpoint_store(run_dir, keep=keep_checkpoints)
@@ -233,6 +256,8 @@ def _train_lm(config: LMConfig, run_dir: Path, ctx: DistContext, *, autocast_dty
         raise ValueError(f"objective {objective.name!r} leaves no parameter to train")
     if ctx.context_parallel:  # refuses a mixer without a context-parallel path before anything is written
         trainee = objective.context_parallel(trainee, config, ctx)
+    if activation_checkpointing:
+        model.activation_checkpointing_enable({"use_reentrant": False})
     if ctx.is_main:  # the inputs are valid (corpus loaded, model built): record what this run is
         write_record(config_path, config.to_json(), device=ctx.device, seeds=[config.seed],
                      optimizer_groups=DECAY_POLICY)
@@ -249,8 +274,9 @@ def _train_lm(config: LMConfig, run_dir: Path, ctx: DistContext, *, autocast_dty
             log.write(event="resume", step=state.step, world_size=world, time=time.time())
         else:
             log.truncate_after(-1)
-            log.write(event="start", step=0, world_size=world, context_parallel=ctx.cp_size, device=str(ctx.device),
-                      time=time.time(), parameters=_param_counts(model), config=config.to_json())
+            log.write(event="start", step=0, world_size=world, context_parallel=ctx.cp_size, shard=shard,
+                      device=str(ctx.device), time=time.time(), parameters=_param_counts(model),
+                      config=config.to_json())
 
     def after_step(state: LoopState, info: StepInfo) -> None:
         window_losses.append(info.loss)
@@ -290,7 +316,7 @@ def _train_lm(config: LMConfig, run_dir: Path, ctx: DistContext, *, autocast_dty
         groups=groups, autocast_dtype=autocast_dtype, checkpoints=checkpoints, evaluate=evaluate,
         final_eval_done=lambda s: bool(s.evals) and bool(s.evals[-1].get("final")), after_start=started,
         after_step=after_step, stop_after=stop_after, rank_seed=_rank_seed(config.seed, ctx.rank),
-        find_unused_parameters=objective.find_unused_parameters, progress=progress,
+        find_unused_parameters=objective.find_unused_parameters, shard=shard, progress=progress,
         tokens_per_step=config.tokens_per_step, desc=f"lm {config.model_label}")
     result = LMTrainResult(run_dir=run_dir, step=state.step, losses=state.losses, evals=state.evals,
                            seconds=state.seconds, finished=state.finished, resumed_from=state.resumed_from,
@@ -301,7 +327,7 @@ def _train_lm(config: LMConfig, run_dir: Path, ctx: DistContext, *, autocast_dty
     if result.finished:
         result.summary = _finish(run_dir, model, config, result, ctx, checkpoints.seconds_before,
                                  objective=objective, checks=objective.finish(trainee),
-                                 tokenizer=corpus.tokenizer, compute=compute)
+                                 tokenizer=corpus.tokenizer, compute=compute, shard=shard)
     ctx.barrier()
     return result
 
@@ -312,14 +338,23 @@ def _param_counts(model) -> dict:
 
 def _finish(run_dir: Path, model, config: LMConfig, result: LMTrainResult, ctx: DistContext,
             seconds_before: float, *, objective: Objective, checks: dict, tokenizer=None,
-            compute: dict | None = None) -> dict:
+            compute: dict | None = None, shard: str = "none") -> dict:
     """Write ``final/`` (HF model dir with ``tokenizer.json``) and ``train_summary.json``; check that
-    all ranks agree."""
-    digest = weights_digest(model)
+    all ranks agree (replicated weights) or gather the shards (``shard="fsdp"``: rank 0 writes the whole
+    model)."""
+    stored = local_bytes(model.parameters())  # this rank's parameter storage (its shards, when sharded)
+    per_rank = [stored]
+    if ctx.distributed:
+        per_rank = [None] * ctx.world_size
+        dist.all_gather_object(per_rank, stored)
+    whole = unsharded_copy(model)  # collective when sharded; None on the other ranks
+    digest = weights_digest(whole) if whole is not None else None
     digests = [digest]
     if ctx.distributed:
         digests = [None] * ctx.world_size
         dist.all_gather_object(digests, digest)
+    if shard == "fsdp" and ctx.distributed:
+        digest, digests = digests[0], [digests[0]]  # one copy of the weights, gathered on rank 0
     if len(set(digests)) != 1:
         raise RuntimeError(f"ranks ended with different weights (digests {digests}); DDP went out of sync")
     total_seconds = seconds_before + result.seconds
@@ -328,7 +363,8 @@ def _finish(run_dir: Path, model, config: LMConfig, result: LMTrainResult, ctx: 
         "label": config.model_label, "mixer": config.mixer, "preset": config.preset, "seed": config.seed,
         "match": config.model.match, "mixer_kwargs": config.mixer_kwargs,
         "steps": result.step, "tokens": result.tokens, "world_size": ctx.world_size,
-        "context_parallel": ctx.cp_size, "device": str(ctx.device),
+        "context_parallel": ctx.cp_size, "shard": shard, "parameter_bytes_per_rank": per_rank,
+        "device": str(ctx.device),
         "train_seconds": total_seconds, "train_cpu_seconds": result.step_cpu_seconds,
         "tokens_per_second": result.tokens / total_seconds if total_seconds else 0.0,
         "parameters": _param_counts(model), "final_train_loss": float(np.mean(result.losses[-max(1, n // 10):])),
@@ -340,7 +376,7 @@ def _finish(run_dir: Path, model, config: LMConfig, result: LMTrainResult, ctx: 
         summary["compute"] = {**(compute or {}), "cpu_seconds": result.step_cpu_seconds, "wall_seconds": total_seconds}
     if ctx.is_main:
         _report_damaged_final(run_dir / "final")
-        publish_directory(run_dir / "final", lambda tmp: _write_final(tmp, model, config, objective, tokenizer))
+        publish_directory(run_dir / "final", lambda tmp: _write_final(tmp, whole, config, objective, tokenizer))
         write_record(run_dir / "train_summary.json", summary, device=ctx.device, seeds=[config.seed],
                      wall_seconds=total_seconds, optimizer_groups=DECAY_POLICY)
     return summary

@@ -306,9 +306,25 @@ def add_train_eval(sub, name: str, *, help: str, description: str, train: tuple[
     return t, e
 
 
+def add_sharding_options(parser: argparse.ArgumentParser, *, applies: str = "") -> None:
+    """``--shard none|fsdp`` and ``--activation-checkpointing`` of a training command (``applies``: a note on
+    what the sharding applies to, appended to the help)."""
+    from ...training.parallel import SHARDINGS
+
+    parser.add_argument("--shard", choices=SHARDINGS, default="none",
+                        help="data parallelism across the torchrun job's ranks: none = DDP (every rank holds the whole "
+                             "model, its gradients and AdamW state); fsdp = FSDP2 (each decoder block, the embedding "
+                             "and the head sharded over every rank, sharded checkpoints that resume on any number of "
+                             f"ranks; docs/distributed.md){applies}. A run resumes with the one it started with")
+    parser.add_argument("--activation-checkpointing", action="store_true",
+                        help="recompute each block's activations in the backward pass (less memory, about one more "
+                             "forward pass of time; the losses do not change)")
+
+
 __all__ = [
-    "DEVICE_HELP", "PLOT_ONLY_HELP", "add_train_eval", "cache_dir_arg", "check_file_name", "check_in_dir",
-    "check_in_file", "check_int", "check_memory", "check_out_dir", "check_out_file", "check_seeds", "check_source",
+    "DEVICE_HELP", "PLOT_ONLY_HELP", "add_sharding_options", "add_train_eval", "cache_dir_arg", "check_file_name",
+    "check_in_dir", "check_in_file", "check_int", "check_memory", "check_out_dir", "check_out_file", "check_seeds",
+    "check_source",
     "check_tokenizer", "device_arg", "int_arg", "list_arg", "memory_size", "model_arg", "nonnegative_int_arg",
     "plot_only_json", "positive_float_arg", "positive_int_arg", "redrawing",
 ]

@@ -65,6 +65,7 @@ from ...training.distillation import (
     teacher_tokenizer,
 )
 from ...training.distributed import PRECISIONS
+from ...training.parallel import check_shard
 from ..common.heldout_run import HeldoutConfig
 from ..common.heldout_run import run as run_heldout
 from ..common.lm_run import train_lm
@@ -72,6 +73,7 @@ from ..common.niah_run import NiahConfig
 from ..common.niah_run import run as run_niah
 from ..common.options import (
     DEVICE_HELP,
+    add_sharding_options,
     add_train_eval,
     cache_dir_arg,
     check_in_dir,
@@ -117,8 +119,15 @@ def run_distill(
     cache_dir: str | None = None,
     progress: bool = True,
     stop_after: int | None = None,
+    shard: str = "none",
+    activation_checkpointing: bool = False,
 ) -> dict:
     """Train the chosen stages in order (resuming each); write ``<out>/distill.json``.
+
+    ``shard="fsdp"`` shards the student and the teacher with FSDP2 in Phase B and the GDN-FT control
+    (:func:`~bayeslayer.experiments.common.lm_run.train_lm`); Phase A, which runs the student's replaced mixers
+    outside the model's forward pass, runs with DDP.  ``activation_checkpointing``: every stage recomputes the
+    student's blocks in the backward pass.
 
     ``stop_after`` interrupts the first unfinished stage after that many of its steps (a
     checkpointed stop, as ``lm train --stop-after``).  Returns ``{"config", "stages": {stage:
@@ -144,11 +153,13 @@ def run_distill(
     with OutputLock(out) if int(os.environ.get("RANK", "0")) == 0 else contextlib.nullcontext():
         return _run_stages(config, out, report, stages=stages, teacher_dir=teacher_dir, teacher=teacher,
                            tokenizer=tokenizer, device=device, cache_dir=cache_dir, progress=progress,
-                           stop_after=stop_after)
+                           stop_after=stop_after, shard=check_shard(shard),
+                           activation_checkpointing=activation_checkpointing)
 
 
 def _run_stages(config: DistillConfig, out: Path, report: dict, *, stages, teacher_dir: Path, teacher,
-                tokenizer: str, device: str, cache_dir, progress: bool, stop_after) -> dict:
+                tokenizer: str, device: str, cache_dir, progress: bool, stop_after, shard: str = "none",
+                activation_checkpointing: bool = False) -> dict:
     summary_path = out / "distill.json"
     if summary_path.is_file():
         report["stages"] = read_json(summary_path, what="the distillation report").get("stages", {})
@@ -166,7 +177,9 @@ def _run_stages(config: DistillConfig, out: Path, report: dict, *, stages, teach
             continue
         result = train_lm(lm_config, run_dir, device=device, cache_dir=cache_dir, progress=progress,
                           objective=objective, stop_after=None if stop_after is None else min(stop_after,
-                                                                                                lm_config.steps))
+                                                                                                lm_config.steps),
+                          shard=shard if objective.shard_unsupported() is None else "none",
+                          activation_checkpointing=activation_checkpointing)
         if not result.finished:
             report["stages"][stage] = {"stopped_at": result.step, "steps": lm_config.steps}
             _write_report(summary_path, report)
@@ -298,7 +311,8 @@ def _train_main(args: argparse.Namespace) -> int:
     out = args.out or os.path.join("runs", "distill", config.preset)
     check_train_args(config, out)
     report = run_distill(config, out, stages=args.stages, device=args.device, cache_dir=args.cache_dir,
-                         progress=not args.no_progress, stop_after=args.stop_after)
+                         progress=not args.no_progress, stop_after=args.stop_after, shard=args.shard,
+                         activation_checkpointing=args.activation_checkpointing)
     if int(os.environ.get("RANK", "0")) == 0:
         for stage, summary in report["stages"].items():
             if "stopped_at" in summary:
@@ -348,6 +362,7 @@ def add_parser(sub) -> None:
     t.add_argument("--stop-after", type=positive_int_arg, default=None,
                    help="stop the current stage after this many steps")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_sharding_options(t, applies=" in Phase B and the GDN-FT control (Phase A runs with DDP)")
     add_threads_option(t, TORCH_DEFAULT)
     t.set_defaults(func=_train_main)
 

@@ -41,6 +41,7 @@ from ..common.lm_run import train_lm
 from ..common.options import (
     DEVICE_HELP,
     PLOT_ONLY_HELP,
+    add_sharding_options,
     add_train_eval,
     cache_dir_arg,
     check_file_name,
@@ -204,13 +205,14 @@ def check_mixer_kwargs(mixer: str, kwargs: dict, *, hidden_size: int, num_heads:
         raise UsageError(f"{option} {json.dumps(kwargs)}: {' '.join(str(err).split())}") from None
 
 
-def training_memory(config: LMConfig) -> int:
+def training_memory(config: LMConfig, shards: int = 1) -> int:
     """A lower bound of the bytes one rank needs to train ``config``: weights, gradients and AdamW's two
-    moments (16 bytes per fp32 parameter, counted on the ``meta`` device, which allocates nothing) and
-    the logits of one micro-batch."""
+    moments (16 bytes per fp32 parameter, counted on the ``meta`` device, which allocates nothing; ``/ shards``
+    when FSDP shards them over that many ranks) and the logits of one micro-batch."""
+    shards = check_int("shards", shards, minimum=1)
     with torch.device("meta"):
         params = sum(p.numel() for p in build_model(config, config.vocab_size).parameters())
-    return 16 * params + 4 * config.micro_batch_size * config.seq_len * config.vocab_size
+    return 16 * params // shards + 4 * config.micro_batch_size * config.seq_len * config.vocab_size
 
 
 def check_train_args(config: LMConfig, args: argparse.Namespace, out: str) -> None:
@@ -223,7 +225,9 @@ def check_train_args(config: LMConfig, args: argparse.Namespace, out: str) -> No
                        num_heads=config.num_heads, head_dim=config.head_dim)
     sizes = (f"hidden-size {config.hidden_size}, {config.num_layers} layers, {config.num_heads} heads of "
              f"head-dim {config.head_dim}, vocab-size {config.vocab_size}")
-    check_memory(training_memory(config), what=f"training a model of {sizes}", device=resolve_device(args.device))
+    shards = int(os.environ.get("WORLD_SIZE", "1")) if getattr(args, "shard", "none") == "fsdp" else 1
+    check_memory(training_memory(config, max(1, shards)), what=f"training a model of {sizes}",
+                 device=resolve_device(args.device))
 
 
 def match_compute(config: LMConfig, args: argparse.Namespace, out: str) -> tuple[LMConfig, dict | None]:
@@ -261,7 +265,8 @@ def _train_main(args) -> int:
     config, compute = match_compute(config, args, out)
     result = train_lm(config, out, device=args.device, cache_dir=args.cache_dir, stop_after=args.stop_after,
                       progress=not args.no_progress, keep_checkpoints=args.keep_checkpoints,
-                      context_parallel=args.context_parallel, compute=compute)
+                      context_parallel=args.context_parallel, compute=compute, shard=args.shard,
+                      activation_checkpointing=args.activation_checkpointing)
     if int(os.environ.get("RANK", "0")) == 0:
         state = "finished" if result.finished else f"stopped at step {result.step}/{config.steps}"
         print(f"lm train {config.model_label} seed {config.seed}: {state}; {result.tokens:,} tokens, "
@@ -369,6 +374,7 @@ def add_parser(sub) -> None:
                    help="split every window along T over C consecutive ranks of the torchrun job (default 1: "
                         "none); the groups are data-parallel replicas. Only Bayesian Layers with a dense "
                         "covariance have a context-parallel path (docs/context_parallel.md)")
+    add_sharding_options(t)
     t.add_argument("--cache-dir", type=cache_dir_arg, default=None,
                        help="token cache directory (default $BAYESLAYER_CACHE)")
     t.add_argument("--out", default=None, help="run directory (default runs/lm/<preset>-<mixer>-seed<seed>)")
