@@ -119,10 +119,9 @@ class _NewFolders:
     """The folders a command creates, so that a failed start leaves none behind.
 
     Taken before the command runs: the first folder of ``--out`` that does not exist yet, and the
-    entries of the working folder (commands write their default output under ``results/`` or
-    ``runs/``).  After an expected failure, :meth:`remove_unused` deletes each folder that appeared
-    since and holds nothing but empty folders and lock files (``.lock``): never one with a result
-    or a checkpoint in it.
+    entries of the working folder (commands write their default output under ``runs/<command>/``).
+    After an expected failure, :meth:`remove_unused` deletes each folder that appeared since and holds
+    nothing but empty folders and lock files (``.lock``): never one with a result or a checkpoint in it.
     """
 
     def __init__(self, args: argparse.Namespace):

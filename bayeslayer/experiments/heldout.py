@@ -8,7 +8,7 @@ onto a ``HeldoutConfig`` (:func:`config_from_args`) and runs it::
     bayeslayer heldout --windows non-overlapping --lengths 2048,4096,8192,16384 \\
         --model GDN=ckpt/gdn --model BL=runs/distill/bl/final \\
         --source WikiText-103=hf:Salesforce/wikitext:wikitext-103-raw-v1 --split test \\
-        --reference GDN --out results/heldout
+        --reference GDN --out runs/heldout
 
 writes ``heldout.json`` (results), ``heldout.md`` (Table 7 layout) and ``heldout.png`` (PPL vs length
 per corpus), the last two drawn from the JSON only (``--plot-only`` redraws them).  Before it was its own
@@ -18,15 +18,12 @@ command this was ``bayeslayer lm eval --lengths ...``.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
 
 from ..errors import UsageError
 from ..evaluation.heldout import PAPER_TABLE7
 from ..evaluation.lengths import PAPER_LENGTHS
 from ..evaluation.perplexity import WINDOW_MODES
 from ..training.distributed import PRECISIONS
-from ..training.lock import OutputLock
 from .common.heldout_run import HeldoutConfig, plot, redraw, run, table7_markdown, write_report
 from .common.options import (
     DEVICE_HELP,
@@ -84,13 +81,10 @@ def config_from_args(args: argparse.Namespace) -> HeldoutConfig:
 
 def _main(args: argparse.Namespace) -> dict:
     check_file_name(args.name)
-    out = check_out_dir(args.out)
-    # a refused command leaves no folder behind (remove_if_unused)
-    with OutputLock(out, remove_if_unused=True) if int(os.environ.get("RANK", "0")) == 0 \
-            else contextlib.nullcontext():
-        if args.plot_only:  # one writer per output folder, as for training runs
-            return redraw(args.out, args.name)
-        return run(config_from_args(args))
+    check_out_dir(args.out)
+    if args.plot_only:  # each locks --out: one writer per output folder
+        return redraw(args.out, args.name)
+    return run(config_from_args(args))
 
 
 def add_parser(sub) -> None:

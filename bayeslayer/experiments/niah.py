@@ -14,7 +14,6 @@ import argparse
 from ..data.niah import DEFAULT_MAX_NEW_TOKENS, TASKS
 from ..evaluation.lengths import PAPER_LENGTHS
 from ..evaluation.niah import DEFAULT_DEPTHS, SUMMARY_TASKS
-from ..training.lock import OutputLock
 from .common.niah_run import DTYPES, NiahConfig, redraw, run
 from .common.options import (
     DEVICE_HELP,
@@ -72,7 +71,7 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
     p.add_argument("--diff", action="append", type=_parse_pair, default=None, metavar="A,B",
                    help="draw the heatmap of A − B (default: the first model minus each other)")
-    p.add_argument("--out", default="results/niah", help="output directory")
+    p.add_argument("--out", default=NiahConfig.out, help="output directory")
     p.add_argument("--plot-only", action="store_true", help=PLOT_ONLY_HELP)
     p.add_argument("--quiet", action="store_true", help="no per-cell progress lines")
     p.add_argument("--trust-remote-code", action="store_true",
@@ -93,13 +92,12 @@ def config_from_args(args: argparse.Namespace) -> NiahConfig:
 
 
 def _main(args: argparse.Namespace) -> dict:
-    """``bayeslayer niah``: :func:`run` on the arguments' config, or :func:`redraw` with ``--plot-only``."""
-    out = check_out_dir(args.out)
-    # one writer per output folder, as for training runs; a refused command leaves no folder behind
-    with OutputLock(out, remove_if_unused=True):
-        if args.plot_only:
-            return redraw(args.out, args.diff)
-        return run(config_from_args(args))
+    """``bayeslayer niah``: :func:`run` on the arguments' config, or :func:`redraw` with ``--plot-only`` (each
+    locks ``--out``: one writer per output folder)."""
+    check_out_dir(args.out)
+    if args.plot_only:
+        return redraw(args.out, args.diff)
+    return run(config_from_args(args))
 
 
 __all__ = ["NiahConfig", "add_parser", "config_from_args", "redraw", "run"]

@@ -42,6 +42,7 @@ from ..data.collision_tasks import collision_recall_batch
 from ..data.mqar import IGNORE_INDEX, MQARTask, make_pool
 from ..evaluation.variance import QUANTILES, score_queries
 from ..training.distributed import resolve_device
+from ..training.lock import lock_output
 from ..training.optim import DECAY_POLICY
 from .common import mqar_setup, recall_task
 from .common.harness import results_record, summarize, train_seeds
@@ -110,7 +111,7 @@ PRESETS = {
 class VarianceConfig:
     preset: VariancePreset = PRESETS["default"]
     tasks: tuple[str, ...] = TASKS
-    out: str | None = "results/variance"
+    out: str | None = "runs/variance"
     progress: bool = False
     device: str = "cpu"  # where models train and are scored
 
@@ -243,10 +244,15 @@ def _mqar_setup(preset: VariancePreset, device: str = "cpu"):
 
 
 def run(config: VarianceConfig) -> dict:
-    """Train and score every task of ``config``; returns (and, with ``config.out``, writes) the record."""
+    """Train and score every task of ``config``; returns (and, with ``config.out``, locked, writes) the record."""
     if not isinstance(config, VarianceConfig):
         raise TypeError(f"config must be a VarianceConfig, got {type(config).__name__}")
     out = check_out_dir(config.out) if config.out is not None else None
+    with lock_output(out):  # one writer per output folder
+        return _run(config, out)
+
+
+def _run(config: VarianceConfig, out: Path | None) -> dict:
     t0 = time.perf_counter()
     preset = config.preset
     tasks: dict[str, Any] = {}
@@ -363,8 +369,9 @@ def print_table(record: dict) -> None:
 
 def _main(args):
     if args.plot_only:
-        record = plot_only_json(args.out, NAME, experiment=NAME)
-        plot(record, args.out)
+        with lock_output(check_out_dir(args.out)):  # a redraw writes into --out too
+            record = plot_only_json(args.out, NAME, experiment=NAME)
+            plot(record, args.out)
         return record
     preset = PRESETS[args.preset]
     if args.seeds is not None:

@@ -15,7 +15,8 @@ Its files are written with :mod:`bayeslayer.files`, the package's one atomic, du
   RNG states of Python, NumPy and torch, seeding and a model's weights digest;
 * :mod:`~bayeslayer.training.checkpoint` — crash-safe checkpoint folders with a SHA-256 manifest,
   verified on load, falling back to an older checkpoint when the newest is damaged;
-* :mod:`~bayeslayer.training.lock` — one run per output folder (``fcntl`` lock naming the holder);
+* :mod:`~bayeslayer.training.lock` — one writer per output folder (``fcntl`` lock naming the holder), taken by
+  every command that writes (:func:`~bayeslayer.training.lock.lock_output`);
 * :mod:`~bayeslayer.training.interrupt` — Ctrl-C stops after the step with a checkpoint;
 * :mod:`~bayeslayer.training.lm` — causal-LM training on windows of tokens with data and context parallelism
   (:func:`~bayeslayer.training.lm.train_on_windows`, the trainees and objectives), and
@@ -25,11 +26,11 @@ Its files are written with :mod:`bayeslayer.files`, the package's one atomic, du
 
 from .checkpoint import CheckpointError, CheckpointStore, verify_checkpoint
 from .interrupt import StopRequest, TrainingInterrupted, stop_on_interrupt
-from .lock import FolderBusyError, OutputLock
+from .lock import FolderBusyError, OutputLock, lock_output
 from .state import decode_state, encode_state, load_state, rng_state, save_state, set_rng_state
 
 __all__ = [
     "CheckpointError", "CheckpointStore", "FolderBusyError", "OutputLock", "StopRequest", "TrainingInterrupted",
-    "decode_state", "encode_state", "load_state", "rng_state", "save_state", "set_rng_state", "stop_on_interrupt",
-    "verify_checkpoint",
+    "decode_state", "encode_state", "load_state", "lock_output", "rng_state", "save_state", "set_rng_state",
+    "stop_on_interrupt", "verify_checkpoint",
 ]

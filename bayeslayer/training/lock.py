@@ -1,16 +1,23 @@
-"""One run per output folder: an advisory ``fcntl`` lock on ``<folder>/.lock``.
+"""One writer per output folder: an advisory ``fcntl`` lock on ``<folder>/.lock``.
+
+Every command that writes into a folder takes this lock on that folder before it reads or writes
+anything there (:func:`lock_output`): training runs, the experiments and their ``--plot-only``
+redraws, the evaluations.  A command given a folder another one is writing into (``recall --out X``
+while ``lm train --out X`` runs) is refused with :class:`FolderBusyError`, which names the folder
+and the holder (pid, host, start time and command line, written into the file by the holder), and
+writes nothing there.  A command that also keeps files in subfolders (the per-seed cache
+``<out>/runs``, each checkpoint folder) locks each of those as well, with the same lock.
 
 The lock is ``flock(LOCK_EX | LOCK_NB)`` on an open file, so the operating system releases it when
-the holder exits or is killed — a crashed run never leaves a folder locked.  The holder writes its
-pid, host, start time and command line into the file; a second run is refused with
-:class:`FolderBusyError` naming them, before it reads or writes anything else in the folder.
+the holder exits or is killed — a crashed run never leaves a folder locked.  Two locks of one folder
+exclude each other even within one process.
 
 The lock file is opened without following links (``O_NOFOLLOW``) and must be a regular file: a
 ``.lock`` that is a symbolic link (to a file the user can write), a FIFO or a folder is refused with
 :class:`~bayeslayer.files.UnsafeFileError` naming it, and nothing is truncated.
 
 The lock file of a folder that holds anything else is never deleted.  A lock made with
-``remove_if_unused=True`` (the evaluation commands' output folders) removes the folder it created
+``remove_if_unused=True`` (:func:`lock_output`'s default) removes the folder it created
 when, at release, it still holds nothing but ``.lock``, so a command refused before it wrote
 anything leaves no folder behind.  A process that opened the old ``.lock`` just before it was
 removed would lock a file without a name; :meth:`OutputLock.acquire` checks, after locking, that
@@ -20,6 +27,7 @@ both hold one folder.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -140,3 +148,18 @@ class OutputLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def lock_output(folder: str | os.PathLike | None, *,
+                remove_if_unused: bool = True) -> contextlib.AbstractContextManager:
+    """The lock a command takes on the folder it writes into, as a context manager.
+
+    ``OutputLock(folder, remove_if_unused=...)`` in the process that writes: the only one, or rank 0 of a
+    ``torchrun`` job (``RANK`` unset or ``0``; the other ranks write nothing).  No lock where nothing is
+    written: ``folder=None`` (an experiment run without ``out``) and the other ranks.
+    """
+    if folder is None or int(os.environ.get("RANK", "0") or 0) != 0:
+        return contextlib.nullcontext()
+    if not isinstance(folder, (str, os.PathLike)):
+        raise TypeError(f"folder must be a folder path or None, got {type(folder).__name__}")
+    return OutputLock(folder, remove_if_unused=remove_if_unused)

@@ -245,6 +245,7 @@ def test_eval_command_end_to_end(tmp_path, corpus_dir, cache_dir):
         config = _config(corpus_dir, steps=2, warmup_steps=1, seed=seed, checkpoint_every=0, eval_every=0)
         train_lm(config, tmp_path / f"bl{seed}", cache_dir=cache_dir, progress=False)
     out = tmp_path / "results"
+    runs = sorted(p.relative_to(tmp_path) for p in tmp_path.glob("bl*/**/*"))
     argv = ["lm", "eval", str(tmp_path / "bl0"), str(tmp_path / "bl1"), "--split", "validation", "--out", str(out),
             "--cache-dir", cache_dir, "--device", "cpu"]
     assert cli_main(argv) == 0
@@ -259,14 +260,15 @@ def test_eval_command_end_to_end(tmp_path, corpus_dir, cache_dir):
         assert g["ar_hit"]["n_tokens"] > 0
     assert record["models"]["BL"]["summary"]["all"]["values"] == [s["groups"]["all"]["ppl"] for s in seeds]
     assert (out / "lm.md").read_text().startswith("PPL on packed windows of length 32 of the validation split")
-    # a second evaluation reads the per-run cache, which holds the weights' hash
-    cached = json.loads((tmp_path / "bl0" / "eval-validation-L32-fp32.json").read_text())
+    # a second evaluation reads the per-run cache under --out, which holds the weights' hash; the runs are only read
+    cached = json.loads((out / "bl0" / "eval-validation-L32-fp32.json").read_text())
     assert cached["groups"] == seeds[0]["groups"]
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.glob("bl*/**/*")) == runs
     # every file of the run and of the evaluation records where it came from, through the one writer
     from bayeslayer.experiments.common.provenance import missing_fields
     from bayeslayer.training.optim import DECAY_POLICY
 
-    for path in [out / "lm.json", *(tmp_path / "bl0").glob("*.json")]:
+    for path in [out / "lm.json", *(tmp_path / "bl0").glob("*.json"), *(out / "bl0").glob("*.json")]:
         saved = json.loads(path.read_text())
         assert missing_fields(saved) == [], path
         assert saved["provenance"]["optimizer_groups"] == DECAY_POLICY and saved["provenance"]["device"] == "cpu", path

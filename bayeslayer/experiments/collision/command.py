@@ -8,6 +8,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from ...training.lock import lock_output
 from ..common.options import PLOT_ONLY_HELP, check_int, check_out_dir, plot_only_json, redrawing
 from ..common.plotting import load_json
 from ..common.provenance import write_record
@@ -96,10 +97,17 @@ def run(config: CollisionConfig) -> dict:
     ``collision`` is :func:`run_collision`'s dict (``collision.json``), ``chunk_agreement``
     :func:`chunk_agreement`'s, ``extra`` :func:`run_extras`'s (``collision_extra.json``) and ``lowrank``
     :func:`run_lowrank`'s with :func:`run_multi_pair`'s under ``multi_pair`` (``collision_lowrank.json``).
-    With ``config.out`` the three JSON files and the figures are written there and ``figures`` lists them.
+    With ``config.out`` the three JSON files and the figures are written there and ``figures`` lists them; the
+    folder is locked for the call (:func:`~bayeslayer.training.lock.lock_output`).
     """
     if not isinstance(config, CollisionConfig):
         raise TypeError(f"config must be a CollisionConfig, got {type(config).__name__}")
+    out_dir = check_out_dir(config.out, option="out") if config.out is not None else None
+    with lock_output(out_dir):  # one writer per output folder
+        return _run(config, out_dir)
+
+
+def _run(config: CollisionConfig, out_dir: Path | None) -> dict:
     kw = config.noise()
     with _sweep_progress(len(MULTI_PAIRS) + 4, config.progress) as tick:
         tick("collision schedule and sweeps")
@@ -114,8 +122,7 @@ def run(config: CollisionConfig) -> dict:
         lowrank["multi_pair"] = run_multi_pair(**kw, ranks=config.lowrank_ranks, seeds=config.rotation_seeds,
                                                on_pairs_done=lambda n: tick(f"multi-pair, n = {n} done"))
         record["lowrank"] = lowrank
-    if config.out is not None:
-        out_dir = check_out_dir(config.out, option="out")
+    if out_dir is not None:
         seeds = list(config.rotation_seeds)
         write_record(out_dir / "collision.json", results, allow_nan=False)
         paths = plot_collision(results, out_dir)
@@ -163,26 +170,32 @@ def config_from_args(args: argparse.Namespace) -> CollisionConfig:
 
 
 # -- command line ---------------------------------------------------------------------------------
+def _redraw(out_dir: Path) -> int:
+    """``collision --plot-only``: the figures and tables of ``out_dir``'s JSON files, drawn again."""
+    results = plot_only_json(out_dir, "collision")
+    with redrawing(out_dir / "collision.json"):
+        paths = plot_collision(results, out_dir)
+        print(format_table(results))
+    lowrank_paths = []
+    if (out_dir / "collision_lowrank.json").exists():
+        lowrank = load_json(out_dir / "collision_lowrank.json")
+        with redrawing(out_dir / "collision_lowrank.json"):
+            lowrank_paths = plot_lowrank(lowrank, out_dir)
+            print(format_lowrank_table(lowrank))
+    print(
+        f"\nRedrew {len(paths)} figures from {out_dir / 'collision.json'}: "
+        + ", ".join(str(p) for p in paths)
+    )
+    if lowrank_paths:
+        print(f"Redrew {len(lowrank_paths)} low-rank figures from {out_dir / 'collision_lowrank.json'}")
+    return 0
+
+
 def _main(args: argparse.Namespace) -> int:
     out_dir = check_out_dir(args.out)
     if args.plot_only:
-        results = plot_only_json(out_dir, "collision")
-        with redrawing(out_dir / "collision.json"):
-            paths = plot_collision(results, out_dir)
-            print(format_table(results))
-        lowrank_paths = []
-        if (out_dir / "collision_lowrank.json").exists():
-            lowrank = load_json(out_dir / "collision_lowrank.json")
-            with redrawing(out_dir / "collision_lowrank.json"):
-                lowrank_paths = plot_lowrank(lowrank, out_dir)
-                print(format_lowrank_table(lowrank))
-        print(
-            f"\nRedrew {len(paths)} figures from {out_dir / 'collision.json'}: "
-            + ", ".join(str(p) for p in paths)
-        )
-        if lowrank_paths:
-            print(f"Redrew {len(lowrank_paths)} low-rank figures from {out_dir / 'collision_lowrank.json'}")
-        return 0
+        with lock_output(out_dir):  # a redraw writes into --out too: one writer per output folder
+            return _redraw(out_dir)
     record = run(config_from_args(args))
     results, diffs, extras, lowrank = (record[k] for k in ("collision", "chunk_agreement", "extra", "lowrank"))
     print(format_table(results))
@@ -218,9 +231,9 @@ def add_parser(sub) -> None:
     )
     p.add_argument(
         "--out",
-        default="results/collision",
+        default="runs/collision",
         metavar="DIR",
-        help="folder for collision.json and the figures (default: results/collision)",
+        help="folder for collision.json and the figures (default: runs/collision)",
     )
     p.add_argument("--plot-only", action="store_true", help=PLOT_ONLY_HELP)
     p.add_argument(

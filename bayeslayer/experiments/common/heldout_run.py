@@ -16,6 +16,7 @@ from ...errors import UsageError
 from ...evaluation.heldout import evaluate_heldout
 from ...evaluation.lengths import PAPER_LENGTHS, length_label
 from ...files import atomic_write_text
+from ...training.lock import lock_output
 from .options import check_file_name, check_in_dir, check_out_dir, plot_only_json, redrawing
 from .plotting import load_json, save_figure
 from .provenance import write_record
@@ -162,7 +163,7 @@ class HeldoutConfig:
     device: str = "auto"
     precision: str = "fp32"
     cache_dir: str | None = None
-    out: str = "results/heldout"
+    out: str = "runs/heldout"
     name: str = "heldout"
     progress: bool = True
 
@@ -185,7 +186,8 @@ class HeldoutConfig:
 def run(config: HeldoutConfig) -> dict:
     """Evaluate ``config``; write ``<out>/<name>.json``, ``.md`` (Table 7 layout) and ``.png``; return the record.
 
-    Checks the output folder and every model folder before any corpus is resolved or a model loaded.
+    Checks the output folder and every model folder before any corpus is resolved or a model loaded; the
+    output folder is locked for the call (:func:`~bayeslayer.training.lock.lock_output`, rank 0 of a job).
     """
     if not isinstance(config, HeldoutConfig):
         raise TypeError(f"config must be a HeldoutConfig, got {type(config).__name__}")
@@ -194,6 +196,11 @@ def run(config: HeldoutConfig) -> dict:
         raise UsageError("give at least one --model [LABEL=]DIR")
     for label, path in config.models:  # before the corpora are resolved or a model is loaded
         check_in_dir(path, option=f"--model {label}=", what="model or run folder")
+    with lock_output(config.out):  # one writer per output folder
+        return _run(config)
+
+
+def _run(config: HeldoutConfig) -> dict:
     record = evaluate_heldout(
         list(config.models), list(config.sources), list(config.lengths), split=config.split,
         reference=config.reference, tokenizer=config.tokenizer, windows=config.windows, stride=config.stride,
@@ -212,14 +219,17 @@ def run(config: HeldoutConfig) -> dict:
 
 
 def redraw(out: str | os.PathLike, name: str = "heldout") -> dict:
-    """``bayeslayer heldout --plot-only``: redraw ``<out>/<name>.md`` and ``.png`` from ``<out>/<name>.json``."""
+    """``bayeslayer heldout --plot-only``: redraw ``<out>/<name>.md`` and ``.png`` from ``<out>/<name>.json``
+    (``out`` locked)."""
     out_dir = check_out_dir(out)
-    record = plot_only_json(out_dir, name, experiment="heldout")
-    with redrawing(out_dir / f"{name}.json"):
-        check_record(record)
-        atomic_write_text(out_dir / f"{name}.md", table7_markdown(record))
-        plot(record, out_dir / f"{name}.png")
-        print(table7_markdown(record))
+    check_file_name(name, option="name")
+    with lock_output(out_dir):  # a redraw writes into out too: one writer per output folder
+        record = plot_only_json(out_dir, name, experiment="heldout")
+        with redrawing(out_dir / f"{name}.json"):
+            check_record(record)
+            atomic_write_text(out_dir / f"{name}.md", table7_markdown(record))
+            plot(record, out_dir / f"{name}.png")
+            print(table7_markdown(record))
     return record
 
 __all__ = ["HeldoutConfig", "check_record", "plot", "redraw", "run", "table7_markdown", "write_report"]

@@ -24,6 +24,7 @@ from ...evaluation.lengths import PAPER_LENGTHS, length_label
 from ...evaluation.niah import DEFAULT_DEPTHS, SUMMARY_TASKS, depth_length_grid, evaluate, summarize
 from ...files import atomic_write_text, read_json
 from ...training.distributed import resolve_device
+from ...training.lock import lock_output
 from .options import (
     check_in_dir,
     check_int,
@@ -57,7 +58,7 @@ class NiahConfig:
     """
 
     models: tuple[tuple[str, str], ...] = ()
-    out: str = "results/niah"
+    out: str = "runs/niah"
     tokenizer: str | None = None
     lengths: tuple[int, ...] = PAPER_LENGTHS
     depths: tuple[float, ...] = DEFAULT_DEPTHS
@@ -155,13 +156,19 @@ def niah_memory(config: NiahConfig, model_dir: Path) -> int:
 
 def run(config: NiahConfig) -> dict:
     """Evaluate every model of ``config``; write ``niah.json``, the predictions, tables and plots to
-    ``config.out``; return the results (what ``niah.json`` holds)."""
+    ``config.out`` (locked for the call: :func:`~bayeslayer.training.lock.lock_output`); return the results
+    (what ``niah.json`` holds)."""
     if not isinstance(config, NiahConfig):
         raise TypeError(f"config must be a NiahConfig, got {type(config).__name__}")
-    from ...models.pretrained import load_model
-
     out = check_out_dir(config.out)
     check_config(config)
+    with lock_output(out):  # one writer per output folder
+        return _run(config, out)
+
+
+def _run(config: NiahConfig, out: Path) -> dict:
+    from ...models.pretrained import load_model
+
     tasks = list(config.tasks)
     needs_essay = any(TASKS[t].haystack == "essay" for t in tasks)
     essays = load_essays(config.haystack, config.haystack_split) if needs_essay else None
@@ -195,11 +202,12 @@ def run(config: NiahConfig) -> dict:
 
 
 def redraw(out: str | os.PathLike, diff: Sequence[tuple[str, str]] | None = None) -> dict:
-    """``bayeslayer niah --plot-only``: redraw the tables and plots in ``out`` from ``<out>/niah.json``."""
+    """``bayeslayer niah --plot-only``: redraw the tables and plots in ``out`` from ``<out>/niah.json`` (locked)."""
     out = check_out_dir(out)
-    results = plot_only_json(out, "niah")
-    with redrawing(out / "niah.json"):
-        write_tables(results, out, None if diff is None else list(diff))
+    with lock_output(out):  # a redraw writes into out too: one writer per output folder
+        results = plot_only_json(out, "niah")
+        with redrawing(out / "niah.json"):
+            write_tables(results, out, None if diff is None else list(diff))
     return results
 
 

@@ -19,6 +19,7 @@ import torch
 
 from ...training.compute_match import COMPUTE_MATCH_HELP, MODES, Matching, check_mode, shape_flops
 from ...training.distributed import resolve_device
+from ...training.lock import lock_output
 from ...training.optim import DECAY_POLICY
 from .cli_help import override_help
 from .harness import TrainConfig, compute_summary, results_record, summarize, summarize_curves, train_seeds
@@ -187,12 +188,20 @@ def run_sweep(name: str, config: CoreRunConfig, *, build_model: Callable, sample
     summarised as mean ± std.  ``evaluate(model) -> {name: float}``, when given, runs every
     ``eval_every`` steps of the preset's training config and at the end; its numbers become
     ``summary["learning_curve"]`` (``{"step": [...], name: {"mean", "std"}}``, from each seed's ``evals``).
-    With ``config.out``, ``<name>.json`` and ``<name>.png`` are rewritten after every model (a long sweep
-    shows its progress) and per-seed runs are cached under ``out/runs`` so an interrupted sweep resumes;
-    the seed in training is checkpointed there every ``config.checkpoint_every`` steps.
+    With ``config.out`` (locked for the call: :func:`~bayeslayer.training.lock.lock_output`), ``<name>.json``
+    and ``<name>.png`` are rewritten after every model (a long sweep shows its progress) and per-seed runs
+    are cached under ``out/runs`` so an interrupted sweep resumes; the seed in training is checkpointed there
+    every ``config.checkpoint_every`` steps.
     """
     if not isinstance(config, CoreRunConfig):
         raise TypeError(f"config must be a CoreRunConfig, got {type(config).__name__}")
+    with lock_output(config.out):  # one writer per output folder
+        return _run_sweep(name, config, build_model=build_model, sampler=sampler, evaluation=evaluation,
+                          curves=curves, plot=plot, paper_budget=paper_budget, evaluate=evaluate)
+
+
+def _run_sweep(name: str, config: CoreRunConfig, *, build_model: Callable, sampler, evaluation,
+               curves: Sequence[str], plot: Callable, paper_budget: str, evaluate: Callable | None) -> dict:
     preset, models, out_dir, progress = config.preset, list(config.models), config.out, config.progress
     cfg = replace(preset.train_config(), checkpoint_every=config.checkpoint_every)
     # one sequence's bytes times the batch: a batch that cannot fit fails now, not in the allocator
@@ -319,11 +328,12 @@ def run_command(args, *, name: str, presets: dict, paper_budget: str, config_typ
     checked before any training."""
     out_dir = check_out_dir(args.out)
     if args.plot_only:
-        record = plot_only_json(out_dir, name, experiment=name)
-        out = os.path.join(out_dir, f"{name}.png")
-        with redrawing(os.path.join(out_dir, f"{name}.json")):
-            plot(record, out)
-            print_table(record)
+        with lock_output(out_dir):  # a redraw writes into --out too: one writer per output folder
+            record = plot_only_json(out_dir, name, experiment=name)
+            out = os.path.join(out_dir, f"{name}.png")
+            with redrawing(os.path.join(out_dir, f"{name}.json")):
+                plot(record, out)
+                print_table(record)
         print(f"\nredrew {out}")
         return 0
     config = config_from_args(args, presets=presets, config_type=config_type)
@@ -361,7 +371,7 @@ def add_command(sub, *, name: str, help: str, doc: str, presets: dict, paper_bud
         p.add_argument(option, type=positive_int_arg, default=None, help=override_help(presets, field, what))
     p.add_argument("--device", type=device_arg, default="cpu", help=DEVICE_HELP)
     add_threads_option(p, SMALL)
-    p.add_argument("--out", default=f"results/{name}", help="output directory (JSON, PNG, per-seed cache)")
+    p.add_argument("--out", default=f"runs/{name}", help="output directory (JSON, PNG, per-seed cache)")
     p.add_argument("--checkpoint-every", type=nonnegative_int_arg, default=CHECKPOINT_EVERY, metavar="N",
                    help=f"checkpoint the seed in training every N steps under OUT/runs, so a killed run resumes "
                         f"where it stopped (default {CHECKPOINT_EVERY}; 0: only on Ctrl-C); the results do not "

@@ -47,7 +47,6 @@ pipeline check, not a result.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import warnings
 from dataclasses import replace
@@ -56,7 +55,7 @@ from pathlib import Path
 from ...errors import UsageError
 from ...files import read_json
 from ...models.fla_import import hub_id
-from ...training import OutputLock
+from ...training import lock_output
 from ...training.distillation import (
     STAGES,
     load_teacher,
@@ -149,8 +148,8 @@ def run_distill(
     load_teacher(teacher_dir)
     report: dict = {"config": config.to_json(), "teacher_dir": str(teacher_dir), "tokenizer": tokenizer,
                     "tokens": config.tokens, "stages": {}}
-    # one distillation per folder (each stage's folder is locked by train_lm as well)
-    with OutputLock(out) if int(os.environ.get("RANK", "0")) == 0 else contextlib.nullcontext():
+    # one writer per folder (each stage's folder is locked by train_lm as well)
+    with lock_output(out, remove_if_unused=False):
         return _run_stages(config, out, report, stages=stages, teacher_dir=teacher_dir, teacher=teacher,
                            tokenizer=tokenizer, device=device, cache_dir=cache_dir, progress=progress,
                            stop_after=stop_after, shard=check_shard(shard),
@@ -270,10 +269,11 @@ def _eval_main(args: argparse.Namespace) -> dict:
     ``{"niah": ..., "heldout": ...}``."""
     plan = eval_plan(args)
     results: dict = {}
-    if "niah" in plan:
-        results["niah"] = run_niah(NiahConfig(**plan["niah"]))
-    if "heldout" in plan:
-        results["heldout"] = run_heldout(HeldoutConfig(**plan["heldout"]))
+    with lock_output(args.out):  # it writes into the distillation folder: not while `distill train` does
+        if "niah" in plan:
+            results["niah"] = run_niah(NiahConfig(**plan["niah"]))
+        if "heldout" in plan:
+            results["heldout"] = run_heldout(HeldoutConfig(**plan["heldout"]))
     return results
 
 

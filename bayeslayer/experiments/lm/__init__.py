@@ -16,7 +16,6 @@ configuration: :class:`~bayeslayer.training.lm_config.LMConfig`; ``lm eval``'s r
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import warnings
@@ -30,7 +29,7 @@ from ...checks import check_int
 from ...data.text.sources import SOURCE_HELP, WIKITEXT_103
 from ...errors import UsageError
 from ...files import atomic_write_text, read_json, sha256_file
-from ...training import OutputLock
+from ...training import lock_output
 from ...training.compute_match import COMPUTE_MATCH_HELP, MODES
 from ...training.distributed import PRECISIONS, init_distributed, resolve_device
 from ...training.lm import build_model, load_corpus, load_run
@@ -74,7 +73,8 @@ TRAIN_DESCRIPTION = (
 )
 EVAL_DESCRIPTION = (
     "Table 2: evaluate finished runs; runs sharing a label (default: the mixer) "
-    "are seeds of one model. Writes <out>/<name>.json, .md, .png. Held-out PPL "
+    "are seeds of one model. Writes <out>/<name>.json, .md, .png and keeps each "
+    "run's evaluation in <out>/<run folder name>/ (the runs are only read). Held-out PPL "
     "per length (Table 7, formerly `lm eval --lengths ...`) is `bayeslayer heldout`."
 )
 
@@ -119,27 +119,38 @@ PRESET_HELP = (  # bayeslayer lm train --preset
 
 def evaluate_run(run_dir: str | os.PathLike, *, split: str = "test", seq_len: int | None = None,
                  batch_size: int = 4, device: str = "auto", precision: str = "fp32",
-                 cache_dir: str | None = None) -> dict:
-    """Grouped PPL of one finished run on packed windows of ``split`` (cached in the run directory).
+                 cache_dir: str | None = None, out: str | os.PathLike | None = None) -> dict:
+    """Grouped PPL of one finished run on packed windows of ``split``; the run folder is only read.
 
+    With ``out``, the result is kept as ``<out>/<run folder name>/eval-<split>-L<len>-<precision>.json``
+    (that folder locked while it is used, :func:`~bayeslayer.training.lock.lock_output`) and reused while the
+    run's weights are unchanged; without it nothing is written.
     Returns ``{"run_dir", "label", "mixer", "seed", "split", "seq_len", "windows", "groups"}``;
     ``groups`` maps each of :data:`GROUPS` to ``{"ppl", "mean_ce", "n_tokens"}``.
     """
     if split not in ("validation", "test"):
         raise ValueError(f"split must be 'validation' or 'test', got {split!r}")
+    keep = None if out is None else Path(out) / Path(os.path.abspath(run_dir)).name
+    with lock_output(keep):  # one writer per output folder
+        return _evaluate_run(run_dir, keep, split=split, seq_len=seq_len, batch_size=batch_size, device=device,
+                             precision=precision, cache_dir=cache_dir)
+
+
+def _evaluate_run(run_dir, keep: Path | None, *, split: str, seq_len: int | None, batch_size: int, device: str,
+                  precision: str, cache_dir: str | None) -> dict:
     ctx = init_distributed(device)
     config, model = load_run(run_dir, device=ctx.device)
     seq_len = config.seq_len if seq_len is None else check_int("seq_len", seq_len, minimum=2)
-    cache = Path(run_dir) / f"eval-{split}-L{seq_len}-{precision}.json"
+    cache = None if keep is None else keep / f"eval-{split}-L{seq_len}-{precision}.json"
     weights = sha256_file(Path(run_dir) / "final" / "model.safetensors")
-    if cache.is_file():
+    if cache is not None and cache.is_file():
         try:
             cached = read_json(cache, what="evaluation cache")
         except ValueError as err:  # derived data: recompute it
-            warnings.warn(f"{err}; recomputing it", RuntimeWarning, stacklevel=2)
+            warnings.warn(f"{err}; recomputing it", RuntimeWarning, stacklevel=3)
             cached = None
         if isinstance(cached, dict) and cached.get("weights_sha256") == weights:
-            return cached
+            return {**cached, "run_dir": str(run_dir)}
     from ...evaluation.perplexity import grouped_perplexity
 
     corpus = load_corpus(config, ctx, cache_dir=cache_dir, splits=("train", split))
@@ -151,7 +162,7 @@ def evaluate_run(run_dir: str | os.PathLike, *, split: str = "test", seq_len: in
               **({"compute_match": config.compute_match} if config.compute_match != "steps" else {}),
               "split": split, "seq_len": seq_len, "windows": int(windows.shape[0]),
               "precision": precision, "source": config.source, "groups": groups, "weights_sha256": weights}
-    if ctx.is_main:
+    if ctx.is_main and cache is not None:
         write_record(cache, record, device=ctx.device, seeds=[config.seed],
                      optimizer_groups=trained_with(run_dir))
         record = json.loads(cache.read_text())
@@ -284,10 +295,9 @@ def _train_main(args) -> int:
 def _eval_main(args) -> int:
     out_dir = check_out_dir(args.out)
     check_file_name(args.name)
-    # two evaluations into one folder would overwrite each other's files: one writer (rank 0) per folder
-    # a refused command leaves no folder behind (remove_if_unused)
-    with OutputLock(out_dir, remove_if_unused=True) if int(os.environ.get("RANK", "0")) == 0 \
-            else contextlib.nullcontext():
+    # two evaluations into one folder would overwrite each other's files: one writer (rank 0) per folder;
+    # a refused command leaves no folder behind
+    with lock_output(out_dir):
         return _eval_locked(args, out_dir)
 
 
@@ -307,7 +317,13 @@ def _eval_locked(args, out_dir: Path) -> int:
         raise UsageError("give at least one run directory (or --plot-only to redraw from --out)")
     from ...models.loading import refuse_pickle_weights
 
+    names: dict[str, tuple[str, str]] = {}
     for run in args.runs:  # every run must be finished before the first is evaluated
+        path = os.path.abspath(run)
+        first, seen = names.setdefault(Path(path).name, (run, path))  # its evaluation is kept in <out>/<name>/
+        if seen != path:
+            raise UsageError(f"runs {first} and {run} have the same folder name {Path(path).name!r}, under "
+                             f"which {out_dir} keeps each run's evaluation; rename one of them")
         final = check_in_dir(run, option="run", what="run directory") / "final"
         refuse_pickle_weights(final)
         if not (final / "model.safetensors").is_file() or not (final / "lm_config.json").is_file():
@@ -316,7 +332,7 @@ def _eval_locked(args, out_dir: Path) -> int:
     records = []
     for run in args.runs:
         rec = evaluate_run(run, split=args.split, seq_len=args.seq_len, batch_size=args.batch_size,
-                           device=args.device, precision=args.precision, cache_dir=args.cache_dir)
+                           device=args.device, precision=args.precision, cache_dir=args.cache_dir, out=out_dir)
         if args.label:
             rec = {**rec, "label": args.label}
         records.append(rec)
@@ -394,7 +410,8 @@ def add_parser(sub) -> None:
     e.add_argument("--device", type=device_arg, default="auto", help=DEVICE_HELP)
     e.add_argument("--cache-dir", type=cache_dir_arg, default=None)
     e.add_argument("--label", default=None, help="override the model label of every run given")
-    e.add_argument("--out", default="results/lm", help="output directory")
+    e.add_argument("--out", default=os.path.join("runs", "lm-eval"),
+                   help="output directory: <name>.json, .md, .png and each run's evaluation in <run folder name>/")
     e.add_argument("--name", default="lm", help="file name stem of the outputs")
     e.add_argument("--plot-only", action="store_true", help=PLOT_ONLY_HELP + " (<out>/<name>.json)")
     add_threads_option(e, TORCH_DEFAULT)

@@ -63,6 +63,7 @@ from ...evaluation.mqar import final_evaluation
 from ...models.mqar_model import LAYOUTS, BaseConv, MQARModel, MQARModelConfig
 from ...training.compute_match import COMPUTE_MATCH_HELP, MODES, Matching, check_mode, shape_flops
 from ...training.distributed import resolve_device
+from ...training.lock import lock_output
 from ...training.optim import DECAY_POLICY
 from ..common.harness import compute_summary, results_record, train_lr_grid
 from ..common.mqar_setup import (
@@ -205,10 +206,15 @@ def run(config: MQARConfig, *, log=print) -> dict:
     record of ``<stem>.json`` (:func:`results_stem`); ``log`` prints the progress lines.
 
     The device is recorded in the JSON.  The JSON and plot are rewritten after every finished mixer, so a
-    sweep stopped part-way leaves the mixers that finished; rerunning resumes from ``<out>/runs``.
+    sweep stopped part-way leaves the mixers that finished; rerunning resumes from ``<out>/runs``; ``out`` is locked.
     """
     if not isinstance(config, MQARConfig):
         raise TypeError(f"config must be an MQARConfig, got {type(config).__name__}")
+    with lock_output(config.out):  # one writer per output folder
+        return _run(config, log)
+
+
+def _run(config: MQARConfig, log) -> dict:
     task, preset, mixers, out_dir, progress = config.task, config.preset, config.mixers, config.out, config.progress
     device = config.device
     t0 = time.perf_counter()
@@ -358,24 +364,30 @@ def config_from_args(args: argparse.Namespace) -> MQARConfig:
                       compute_match=args.compute_match)
 
 
+def _redraw(out_dir, task: str | None) -> int:
+    """``mqar --plot-only``: redraw the named task's figures and tables, or every task's found in ``out_dir``."""
+    tasks = [task] if task else list(TASK_NAMES)
+    stems = sorted(p.stem for t in tasks for p in out_dir.glob(f"mqar_{t}*.json"))  # every layout/gate
+    if not stems and task:
+        plot_only_json(out_dir, f"mqar_{task}", experiment="mqar")  # raises: names the missing file
+    if not stems:
+        raise UsageError(f"--plot-only: {out_dir} holds no mqar_<task>*.json; pass the --out folder of an "
+                         "earlier run")
+    for stem in stems:
+        record = plot_only_json(out_dir, stem, experiment="mqar")
+        out = os.path.join(out_dir, f"{stem}.png")
+        with redrawing(out_dir / f"{stem}.json"):
+            plot_mqar(record, out)
+            print(format_table(record))
+        print(f"\nredrew {out}")
+    return 0
+
+
 def _main(args: argparse.Namespace) -> int:
     out_dir = check_out_dir(args.out)
     if args.plot_only:  # the named task, or every task whose JSON is in --out
-        tasks = [args.task] if args.task else list(TASK_NAMES)
-        stems = sorted(p.stem for t in tasks for p in out_dir.glob(f"mqar_{t}*.json"))  # every layout/gate
-        if not stems and args.task:
-            plot_only_json(out_dir, f"mqar_{args.task}", experiment="mqar")  # raises: names the missing file
-        if not stems:
-            raise UsageError(f"--plot-only: {out_dir} holds no mqar_<task>*.json; pass the --out folder of an "
-                             "earlier run")
-        for stem in stems:
-            record = plot_only_json(out_dir, stem, experiment="mqar")
-            out = os.path.join(out_dir, f"{stem}.png")
-            with redrawing(out_dir / f"{stem}.json"):
-                plot_mqar(record, out)
-                print(format_table(record))
-            print(f"\nredrew {out}")
-        return 0
+        with lock_output(out_dir):  # a redraw writes into --out too: one writer per output folder
+            return _redraw(out_dir, args.task)
     config = config_from_args(args)
     if config.preset.name != "paper":
         print(f"mqar: preset '{config.preset.name}' is a CPU-sized run of the same task, NOT the paper's budget "
@@ -419,7 +431,7 @@ def add_parser(sub) -> None:
     p.add_argument("--lr", type=positive_float_arg, nargs="+", default=None, help="override the preset's lr grid")
     p.add_argument("--compute-match", choices=MODES, default="steps",
                    help=COMPUTE_MATCH_HELP.format(reference=f"mixer {REFERENCE} (at the same width and lr)"))
-    p.add_argument("--out", default="results/mqar", help="output directory (JSON, PNG, runs/ cache)")
+    p.add_argument("--out", default="runs/mqar", help="output directory (JSON, PNG, runs/ cache)")
     p.add_argument("--plot-only", action="store_true",
                    help=PLOT_ONLY_HELP + " (the task named, or every task found)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
