@@ -241,6 +241,20 @@ def make_hostile_places(root: Path) -> dict[str, str]:
     places["div_run"] = str(write_lm_run(diverge(tiny_model(vocab_size=300)), root / "div_run",
                                          source=str(root / "corpus"), vocab_size=300))
     places["div"] = str(root / "div")  # the evaluations' output folders
+    # a finished run on the written corpus, which `lm eval` must only read
+    places["plain_run"] = str(write_lm_run(tiny_model(vocab_size=300), root / "plain_run",
+                                           source=str(root / "corpus"), vocab_size=300))
+    # output folders another writer holds (this process: two locks of one folder exclude each other in one
+    # process too), one of them a distillation folder for `distill eval`
+    from bayeslayer.training import OutputLock
+
+    busy_distill = root / "busy_distill"
+    shutil.copytree(root / "tiny_model", busy_distill / "phase_b" / "final")
+    (busy_distill / "distill.json").write_text(f'{{"teacher_dir": "{root / "tiny_model"}", "stages": {{}}}}')
+    for name in ("busy", "busy_distill"):
+        _HELD.append(OutputLock(root / name).acquire())
+        places[name] = str(root / name)
+        places[f"{name}_files"] = " ".join(_tree(root / name))
     gdn = _fla_model()
     for damage, (apply, _) in GDN_DAMAGES.items():
         directory = root / f"dmg_gdn_{slug(damage)}"
@@ -248,6 +262,10 @@ def make_hostile_places(root: Path) -> dict[str, str]:
         apply(directory)
         places[directory.name] = str(directory)
     return places
+
+
+# the locks of the busy output folders, held while this process runs the cases
+_HELD: list = []
 
 
 def _tokenizer_json(words: str = "the cat sat on a mat") -> str:
@@ -312,6 +330,26 @@ def _inf_ppl(record: str, *keys: str) -> Callable[[dict], str | None]:
             return f"a perplexity of NaN in {path}"
         return None
     return check
+
+
+def _tree(folder: Path) -> list[str]:
+    """Every path under ``folder``, relative to it, with each file's size."""
+    return sorted(f"{p.relative_to(folder)}:{p.stat().st_size if p.is_file() else '/'}" for p in folder.rglob("*"))
+
+
+def _busy_untouched(place: str) -> Callable[[dict], str | None]:
+    """A check of a refusal: the busy folder ``place`` holds what it held (its lock, a distillation's files)."""
+    def check(places: dict) -> str | None:
+        now = _tree(Path(places[place]))
+        return None if " ".join(now) == places[f"{place}_files"] else f"{places[place]} changed: {now}"
+    return check
+
+
+def _run_only_read(places: dict) -> str | None:
+    """A check of ``lm eval``: the run folder holds only its ``final/`` (no evaluation, no lock file)."""
+    run = Path(places["plain_run"])
+    extra = [p.name for p in run.iterdir() if p.name != "final"]
+    return f"written into the run folder {run}: {extra}" if extra else None
 
 
 def _same(pair) -> str | None:
@@ -404,6 +442,20 @@ CLI_CASES = [
     *DAMAGED_MODEL_CASES,
     Cli("a split that does not exist", "niah --model {tiny_model} --haystack {corpus} --haystack-split nosuch "
         "--out {new}", "haystack split 'nosuch' is not a split"),
+    # an output folder another writer holds: refused naming the folder, nothing written into it
+    *[Cli("a busy output folder", f"{cmd} --out {{busy}}", "/busy is in use by another run (pid ",
+          after=_busy_untouched("busy"))
+      for cmd in ("collision", "collision --plot-only", "recall --preset tiny", "recall --plot-only",
+                  "crowding --preset tiny", "crowding --plot-only", "mqar base --preset tiny", "mqar --plot-only",
+                  "variance --preset tiny", "variance --plot-only",
+                  "niah --model {tiny_model} --haystack {corpus}", "niah --plot-only",
+                  "heldout --model {tiny_model} --source {corpus}", "heldout --plot-only",
+                  "lm eval {tiny_run}", "lm eval --plot-only", f"{LM}")],
+    Cli("a busy output folder", "distill eval --out {busy_distill} --skip-niah",
+        "/busy_distill is in use by another run (pid ", after=_busy_untouched("busy_distill")),
+    # lm eval only reads the runs: each run's evaluation is kept under --out
+    Cli("nothing written outside --out", "lm eval {plain_run} --device cpu --seq-len 16 --cache-dir {div}/cache "
+        "--out {div}/plain", "runs", expect=_run_only_read),
     # a diverged but finite model is evaluated: perplexities past exp's range are inf, in the JSON too
     Cli("a diverged but finite model", "lm eval {div_run} --device cpu --seq-len 16 --cache-dir {div}/cache "
         "--out {div}/lm", "ppl inf", expect=_inf_ppl("{div}/lm/lm.json", "ppl")),
@@ -912,7 +964,7 @@ def test_cases_are_well_formed():
         assert case.needle and case.category
         if isinstance(case, Cli):
             assert shlex.split(case.argv)[0] in {"demo", "collision", "recall", "crowding", "lm", "state-budget",
-                                                  "mqar", "niah", "heldout", "distill"}, case.argv
+                                                  "mqar", "niah", "heldout", "distill", "variance"}, case.argv
     assert math.isfinite(sum(c.timeout for c in all_cases()))
 
 
