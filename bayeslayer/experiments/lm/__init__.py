@@ -9,7 +9,8 @@ writes a Table-2-layout markdown table and a bar plot, both drawn from the saved
 What one optimiser step does and how the data position follows the step: :mod:`bayeslayer.training.lm`;
 the run directory (``--out``), its crash-safe checkpoints and the distributed launch (``torchrun``):
 :mod:`bayeslayer.experiments.common.lm_run`, which ``distill train`` trains with too.  The run's
-configuration: :class:`~bayeslayer.training.lm_config.LMConfig`; ``lm eval``'s record, table and figure:
+configuration: :class:`~bayeslayer.training.lm_config.LMConfig`; ``lm eval``'s evaluation of one run (kept
+under its ``--out``): :mod:`bayeslayer.experiments.lm.evaluation`; its record, table and figure:
 :mod:`bayeslayer.experiments.lm.report`.
 """
 
@@ -18,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import warnings
 from dataclasses import replace
 from pathlib import Path
 
@@ -28,11 +28,11 @@ import torch.distributed as dist
 from ...checks import check_int
 from ...data.text.sources import SOURCE_HELP, WIKITEXT_103
 from ...errors import UsageError
-from ...files import atomic_write_text, read_json, sha256_file
+from ...files import atomic_write_text
 from ...training import lock_output
 from ...training.compute_match import COMPUTE_MATCH_HELP, MODES
-from ...training.distributed import PRECISIONS, init_distributed, resolve_device
-from ...training.lm import build_model, load_corpus, load_run
+from ...training.distributed import PRECISIONS, resolve_device
+from ...training.lm import build_model, load_corpus
 from ...training.lm_config import LM_TRAIN, MATCHES, LMConfig, LMDataConfig, LMModelConfig
 from ..common.cli_help import override_help, preset_values
 from ..common.lm_compute import calibration, plan_run, read_reference_seconds
@@ -56,8 +56,8 @@ from ..common.options import (
     positive_int_arg,
     redrawing,
 )
-from ..common.provenance import write_record
 from ..common.threads import SMALL, TORCH_DEFAULT, add_threads_option
+from .evaluation import evaluate_run, trained_with
 from .report import GROUP_LABELS, GROUPS, bar_plot, markdown_table, summarize_runs, write_report
 
 DESCRIPTION = (
@@ -112,71 +112,6 @@ PRESET_HELP = (  # bayeslayer lm train --preset
     "2-core CPU on the python-docs corpus; 'tiny' = a smoke test of seconds on the "
     "python-docstrings corpus, which every Python installation has"
 )
-
-
-# --------------------------------------------------------------------------- evaluation of runs
-
-
-def evaluate_run(run_dir: str | os.PathLike, *, split: str = "test", seq_len: int | None = None,
-                 batch_size: int = 4, device: str = "auto", precision: str = "fp32",
-                 cache_dir: str | None = None, out: str | os.PathLike | None = None) -> dict:
-    """Grouped PPL of one finished run on packed windows of ``split``; the run folder is only read.
-
-    With ``out``, the result is kept as ``<out>/<run folder name>/eval-<split>-L<len>-<precision>.json``
-    (that folder locked while it is used, :func:`~bayeslayer.training.lock.lock_output`) and reused while the
-    run's weights are unchanged; without it nothing is written.
-    Returns ``{"run_dir", "label", "mixer", "seed", "split", "seq_len", "windows", "groups"}``;
-    ``groups`` maps each of :data:`GROUPS` to ``{"ppl", "mean_ce", "n_tokens"}``.
-    """
-    if split not in ("validation", "test"):
-        raise ValueError(f"split must be 'validation' or 'test', got {split!r}")
-    keep = None if out is None else Path(out) / Path(os.path.abspath(run_dir)).name
-    with lock_output(keep):  # one writer per output folder
-        return _evaluate_run(run_dir, keep, split=split, seq_len=seq_len, batch_size=batch_size, device=device,
-                             precision=precision, cache_dir=cache_dir)
-
-
-def _evaluate_run(run_dir, keep: Path | None, *, split: str, seq_len: int | None, batch_size: int, device: str,
-                  precision: str, cache_dir: str | None) -> dict:
-    ctx = init_distributed(device)
-    config, model = load_run(run_dir, device=ctx.device)
-    seq_len = config.seq_len if seq_len is None else check_int("seq_len", seq_len, minimum=2)
-    cache = None if keep is None else keep / f"eval-{split}-L{seq_len}-{precision}.json"
-    weights = sha256_file(Path(run_dir) / "final" / "model.safetensors")
-    if cache is not None and cache.is_file():
-        try:
-            cached = read_json(cache, what="evaluation cache")
-        except ValueError as err:  # derived data: recompute it
-            warnings.warn(f"{err}; recomputing it", RuntimeWarning, stacklevel=3)
-            cached = None
-        if isinstance(cached, dict) and cached.get("weights_sha256") == weights:
-            return {**cached, "run_dir": str(run_dir)}
-    from ...evaluation.perplexity import grouped_perplexity
-
-    corpus = load_corpus(config, ctx, cache_dir=cache_dir, splits=("train", split))
-    windows = corpus.windows(split, seq_len)
-    masks = corpus.annotate(split, seq_len).masks(shifted=True)
-    groups = grouped_perplexity(model, windows, masks, batch_size=batch_size, ctx=ctx, precision=precision)
-    record = {"run_dir": str(run_dir), "label": config.model_label, "mixer": config.mixer, "seed": config.seed,
-              "preset": config.preset, "match": config.model.match,
-              **({"compute_match": config.compute_match} if config.compute_match != "steps" else {}),
-              "split": split, "seq_len": seq_len, "windows": int(windows.shape[0]),
-              "precision": precision, "source": config.source, "groups": groups, "weights_sha256": weights}
-    if ctx.is_main and cache is not None:
-        write_record(cache, record, device=ctx.device, seeds=[config.seed],
-                     optimizer_groups=trained_with(run_dir))
-        record = json.loads(cache.read_text())
-    return record
-
-
-def trained_with(run_dir: str | os.PathLike) -> str | None:
-    """The optimiser grouping rule recorded in a run's ``train_summary.json`` (None when it records none)."""
-    path = Path(run_dir) / "train_summary.json"
-    try:
-        prov = json.loads(path.read_text()).get("provenance")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return prov.get("optimizer_groups") if isinstance(prov, dict) else None
 
 
 # --------------------------------------------------------------------------- command line

@@ -91,15 +91,13 @@ from ..common.options import (
     PLOT_ONLY_HELP,
     check_out_dir,
     device_arg,
-    plot_only_json,
     positive_float_arg,
     positive_int_arg,
-    redrawing,
 )
 from ..common.plotting import load_json
 from ..common.provenance import write_record
 from ..common.threads import TORCH_DEFAULT, add_threads_option
-from .report import format_table, plot_mqar, results_stem, summarize_mixer
+from .report import format_table, plot_mqar, redraw, results_stem, summarize_mixer
 
 DESCRIPTION = (
     "Zoology's multi-query associative recall in three tasks: base (key-value pairs, "
@@ -364,30 +362,11 @@ def config_from_args(args: argparse.Namespace) -> MQARConfig:
                       compute_match=args.compute_match)
 
 
-def _redraw(out_dir, task: str | None) -> int:
-    """``mqar --plot-only``: redraw the named task's figures and tables, or every task's found in ``out_dir``."""
-    tasks = [task] if task else list(TASK_NAMES)
-    stems = sorted(p.stem for t in tasks for p in out_dir.glob(f"mqar_{t}*.json"))  # every layout/gate
-    if not stems and task:
-        plot_only_json(out_dir, f"mqar_{task}", experiment="mqar")  # raises: names the missing file
-    if not stems:
-        raise UsageError(f"--plot-only: {out_dir} holds no mqar_<task>*.json; pass the --out folder of an "
-                         "earlier run")
-    for stem in stems:
-        record = plot_only_json(out_dir, stem, experiment="mqar")
-        out = os.path.join(out_dir, f"{stem}.png")
-        with redrawing(out_dir / f"{stem}.json"):
-            plot_mqar(record, out)
-            print(format_table(record))
-        print(f"\nredrew {out}")
-    return 0
-
-
 def _main(args: argparse.Namespace) -> int:
     out_dir = check_out_dir(args.out)
     if args.plot_only:  # the named task, or every task whose JSON is in --out
         with lock_output(out_dir):  # a redraw writes into --out too: one writer per output folder
-            return _redraw(out_dir, args.task)
+            return redraw(out_dir, args.task)
     config = config_from_args(args)
     if config.preset.name != "paper":
         print(f"mqar: preset '{config.preset.name}' is a CPU-sized run of the same task, NOT the paper's budget "

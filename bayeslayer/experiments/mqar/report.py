@@ -3,10 +3,14 @@ from the JSON alone."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
+from ...errors import UsageError
 from ..common.harness import summarize
-from ..common.mqar_setup import MQARPreset, mixer_label
+from ..common.mqar_setup import TASK_NAMES, MQARPreset, mixer_label
+from ..common.options import plot_only_json, redrawing
 from ..common.plotting import RefLine, Series, line_plot
 
 
@@ -87,4 +91,24 @@ def format_table(record: dict) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["format_table", "plot_mqar", "results_stem", "summarize_mixer"]
+def redraw(out_dir: Path, task: str | None) -> int:
+    """``mqar --plot-only``: redraw the named task's figures and tables, or every task's found in ``out_dir``
+    (``mqar_<task>*.json``, every layout and gate), from the JSON alone."""
+    tasks = [task] if task else list(TASK_NAMES)
+    stems = sorted(p.stem for t in tasks for p in out_dir.glob(f"mqar_{t}*.json"))  # every layout/gate
+    if not stems and task:
+        plot_only_json(out_dir, f"mqar_{task}", experiment="mqar")  # raises: names the missing file
+    if not stems:
+        raise UsageError(f"--plot-only: {out_dir} holds no mqar_<task>*.json; pass the --out folder of an "
+                         "earlier run")
+    for stem in stems:
+        record = plot_only_json(out_dir, stem, experiment="mqar")
+        out = os.path.join(out_dir, f"{stem}.png")
+        with redrawing(out_dir / f"{stem}.json"):
+            plot_mqar(record, out)
+            print(format_table(record))
+        print(f"\nredrew {out}")
+    return 0
+
+
+__all__ = ["format_table", "plot_mqar", "redraw", "results_stem", "summarize_mixer"]
