@@ -59,6 +59,11 @@ class NonFiniteError(ValueError):
     """
 
 
+class PrecisionWarning(UserWarning):
+    """A result is computed, but in a precision that loses part of it (a float32 state holding a prior too
+    wide for float32); the message says what to pass instead."""
+
+
 class Interrupted(KeyboardInterrupt):
     """Ctrl-C after the work saved its state; ``checkpoint`` is the folder a rerun resumes from.
 
@@ -94,6 +99,6 @@ def is_out_of_memory(err: BaseException) -> bool:
 
 
 __all__ = [
-    "EXIT_INTERRUPTED", "EXIT_USAGE", "Interrupted", "NonFiniteError", "SizeError", "UsageError", "expected_errors",
-    "is_out_of_memory",
+    "EXIT_INTERRUPTED", "EXIT_USAGE", "Interrupted", "NonFiniteError", "PrecisionWarning", "SizeError", "UsageError",
+    "expected_errors", "is_out_of_memory",
 ]

@@ -151,16 +151,19 @@ class DesignModel:
     def chunk(
         self, q, k, v, *, r2=None, ell2=None, lam=None, gain=None, alpha=None, theta=None, p0=1.0,
         initial_state=None, output_final_state=False, return_variance=False, chunk_size=64, backend="auto",
+        cu_seqlens=None,
     ) -> FilterOutput:
         """Chunked path (training/prefill); same results as :meth:`recurrent`.
 
         ``backend``: ``"auto"``, ``"torch"`` or ``"triton"`` (:mod:`bayeslayer.ops.backend`); on the
-        Triton path ``gain`` is ``None``.
+        Triton path ``gain`` is ``None``.  ``cu_seqlens`` (``[N + 1]`` int offsets, B = 1) runs N sequences
+        packed along T, each from its own state, like flash-linear-attention (``initial_state`` and the
+        final state then hold one sequence per row).
         """
         inputs = self._sequence_inputs(v, r2, ell2, lam, gain, alpha, theta)
         return self.write_model.chunk(self, q, k, v, inputs, p0=p0, initial_state=initial_state,
                                       output_final_state=output_final_state, return_variance=return_variance,
-                                      chunk_size=chunk_size, backend=backend)
+                                      chunk_size=chunk_size, backend=backend, cu_seqlens=cu_seqlens)
 
     def step(self, q, k, v, *, state, r2=None, ell2=None, lam=None, gain=None, alpha=None, theta=None,
              backend="auto") -> FilterOutput:

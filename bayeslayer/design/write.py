@@ -50,7 +50,7 @@ class DesignWrite:
         raise NotImplementedError
 
     def chunk(self, design, q, k, v, inputs: FilterInputs, *, p0, initial_state, output_final_state: bool,
-              return_variance: bool, chunk_size, backend) -> FilterOutput:
+              return_variance: bool, chunk_size, backend, cu_seqlens=None) -> FilterOutput:
         raise NotImplementedError
 
     def step(self, design, q, k, v, inputs: FilterInputs, *, state, backend) -> FilterOutput:
@@ -80,11 +80,11 @@ class FilterWrite(DesignWrite):
                                 output_final_state=output_final_state)
 
     def chunk(self, design, q, k, v, inputs, *, p0, initial_state, output_final_state, return_variance,
-              chunk_size, backend):
+              chunk_size, backend, cu_seqlens=None):
         # the backend dispatch takes the write model's name (the Triton kernels' support table is by name)
         return dispatch_chunk(q, k, v, write=self.name, **inputs.kwargs(), p0=p0, initial_state=initial_state,
                               output_final_state=output_final_state, return_variance=return_variance,
-                              chunk_size=chunk_size, backend=backend)
+                              chunk_size=chunk_size, backend=backend, cu_seqlens=cu_seqlens)
 
     def step(self, design, q, k, v, inputs, *, state, backend):
         return dispatch_step(q, k, v, write=self.name, **inputs.kwargs(), state=state, backend=backend)
@@ -130,11 +130,11 @@ class LowRankWrite(DesignWrite):
                                  output_final_state=output_final_state)
 
     def chunk(self, design, q, k, v, inputs, *, p0, initial_state, output_final_state, return_variance,
-              chunk_size, backend):
+              chunk_size, backend, cu_seqlens=None):
         self._torch_only(design, backend)
         return lowrank_chunk(q, k, v, **self._arguments(design, inputs), p0=p0, initial_state=initial_state,
                              output_final_state=output_final_state, return_variance=return_variance,
-                             chunk_size=chunk_size)
+                             chunk_size=chunk_size, cu_seqlens=cu_seqlens)
 
     def step(self, design, q, k, v, inputs, *, state, backend):
         self._torch_only(design, backend)

@@ -369,11 +369,10 @@ def bl_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r2, ell2, alpha=
 
     ``cu_seqlens`` (``[N + 1]`` int, B = 1) packs N variable-length sequences along T like
     flash-linear-attention; ``initial_state``/final state are then per sequence (N in place of B).
-    A wide prior (``p0·‖k‖²/r² > 1e4``) or a float64 ``P`` runs the covariance pass in float64 and
-    returns ``P`` in float64 (:func:`~bayeslayer.ops.utils.validation.covariance_dtype`), a wide prior the mean
-    pass too; on the PyTorch path a group of chunks where ``max diag(P)·‖k‖²/r²`` can exceed 1e2 runs
-    its covariance pass in float64 as well (:func:`~bayeslayer.ops.bayesian_layer.chunk.chunk_group_dtype`); a chunk
-    that is not positive definite even so raises a ``ValueError`` naming p0 and the safe range.
+    Precision is static (:mod:`bayeslayer.ops.utils.validation`): the PyTorch path carries the covariance in
+    float64 whatever the input dtype and returns ``P`` in the dtype it came in (a float32 state asked to hold
+    a wide prior, ``p0·‖k‖²/r² > 1e4``, warns in eager mode: pass a float64 state); a chunk that is not
+    positive definite even so raises a ``ValueError`` naming p0 and the safe range (an eager value check).
     ``backend``: ``"auto"`` (Triton kernels for CUDA tensors when Triton is installed and the
     configuration is supported, else PyTorch), ``"torch"``, or ``"triton"`` (the kernels, or a
     :class:`BackendError` saying why not) — see the module docstring.
@@ -420,8 +419,8 @@ def bl_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r2, ell2, alpha=N
     ``[B, H, D]`` (``[B, H, D/2]`` with theta), theta ``[B, H, D/2]``.  ``state = (M, P)``
     is required (start from :func:`bayeslayer.ops.initial_bl_state`) and not modified; on the PyTorch
     path its ``P`` is validated like :func:`bayeslayer.ops.bl_recurrent`'s (symmetric, one Cholesky)
-    while value checks are on, and the new ``P`` is float64 when the given one was or the prior is wide
-    (decoding then continues in float64).  Returns
+    while value checks are on; the covariance is computed in float64 and the new ``P`` has the given one's
+    dtype (decode from a float64 state for a wide prior: a float32 one warns).  Returns
     ``(o [B, H, m], new_state)`` or ``(o, variance [B, H, G], new_state)``.  ``backend`` as in
     :func:`bl_chunk`; on Triton this is the fused step kernel (:func:`bl_step_triton`).
     """

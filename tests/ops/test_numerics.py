@@ -4,6 +4,9 @@ Tolerance: every float32 result here is within ``TOL = 1e-5`` (max relative erro
 heads and batch entries, against the same float32 values run in float64) and the state's ``P``
 passes a Cholesky at every decoded token.  Before the covariance was carried in float64, ``p0 =
 1e8`` gave errors above 100% and negative variances (``benchmarks/numerics.py`` prints the table).
+The precision is static: the covariance runs in float64 whatever the data, the state's ``P`` keeps its
+dtype, and a float32 state asked to hold a wide prior warns (``PrecisionWarning``) instead of being
+promoted.
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from bayeslayer.design import GATED_DELTANET, KDA, LONGHORN, MAMBA2
-from bayeslayer.ops import bl_chunk, bl_recurrent, bl_step, initial_bl_state
+from bayeslayer.errors import PrecisionWarning
+from bayeslayer.ops import bl_chunk, bl_recurrent, bl_step, initial_bl_state, value_checks
 
 TOL = 1e-5
 F64 = torch.float64
@@ -80,24 +84,54 @@ def decode(x: dict, *, p0: float = 1.0, state_dtype=torch.float32):
 def test_recurrent_wide_prior_float32_matches_float64(p0):
     x = inputs(40, regime="wide")
     ref_o, ref_var, _ = bl_recurrent(*(x[a] for a in ARGS), p0=p0, return_variance=True)
-    o, var, (_, P) = bl_recurrent(*(x[a].float() for a in ARGS), p0=p0, return_variance=True,
-                                  output_final_state=True)
+    with pytest.warns(PrecisionWarning, match=r"float64 state"):
+        o, var, (_, P) = bl_recurrent(*(x[a].float() for a in ARGS), p0=p0, return_variance=True,
+                                      output_final_state=True)
     assert o.dtype == torch.float32 and var.dtype == torch.float32
     assert rel(o, ref_o) <= TOL and rel_each(var, ref_var) <= TOL
     assert float(var.min()) >= 1.0
+    assert P.dtype == torch.float32  # the state keeps its dtype: the warning said what to pass instead
+    _, _, (_, P) = bl_recurrent(*(x[a].float() for a in ARGS), return_variance=True, output_final_state=True,
+                                initial_state=initial_bl_state(1, 2, 8, 4, p0=p0, dtype=F64))
+    assert P.dtype == F64
     assert_psd(P, "the end")
 
 
 @pytest.mark.parametrize("p0", [1e7, 1e8])
 def test_chunk_wide_prior_float32_matches_float64(p0):
     x = inputs(40, regime="wide")
-    ref_o, ref_var, _ = bl_recurrent(*(x[a] for a in ARGS), p0=p0, return_variance=True)
-    o, var, (_, P) = bl_chunk(*(x[a].float() for a in ARGS), p0=p0, return_variance=True,
-                              output_final_state=True, chunk_size=16)
-    assert o.dtype == torch.float32
+    ref_o, ref_var, (_, ref_P) = bl_recurrent(*(x[a] for a in ARGS), p0=p0, return_variance=True,
+                                              output_final_state=True)
+    with pytest.warns(PrecisionWarning, match=r"the initial state \(or p0·I\)'s P is torch.float32"):
+        o, var, (_, P) = bl_chunk(*(x[a].float() for a in ARGS), p0=p0, return_variance=True,
+                                  output_final_state=True, chunk_size=16)
+    assert o.dtype == torch.float32 and P.dtype == torch.float32
     assert rel(o, ref_o) <= TOL and rel_each(var, ref_var) <= TOL
-    assert P.dtype == F64  # a wide prior's covariance is carried, and returned, in float64
+    # from a float64 state: no warning, the covariance is returned in float64 and matches the oracle's
+    with value_checks(True), warnings_as_errors():
+        o, var, (_, P) = bl_chunk(*(x[a].float() for a in ARGS), return_variance=True, output_final_state=True,
+                                  chunk_size=16, initial_state=initial_bl_state(1, 2, 8, 4, p0=p0, dtype=F64))
+    assert P.dtype == F64 and rel(o, ref_o) <= TOL and rel_each(var, ref_var) <= TOL
+    assert rel(P, ref_P) <= TOL
     assert_psd(P, "the end")
+
+
+def warnings_as_errors():
+    import warnings
+
+    ctx = warnings.catch_warnings()
+    ctx.__enter__()
+    warnings.simplefilter("error", PrecisionWarning)
+
+    class _Exit:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            ctx.__exit__(*exc)
+            return False
+
+    return _Exit()
 
 
 def test_chunk_refuses_a_prior_beyond_float64_with_a_clear_error():
@@ -128,46 +162,55 @@ def ill_chunk_inputs(keys: str, T: int = 256, H: int = 2, D: int = 16, seed: int
 
 
 @pytest.mark.parametrize("keys, p0", [("collinear", 1.0), ("subspace", 1.0), ("subspace", 1e8)])
+@pytest.mark.filterwarnings("ignore::bayeslayer.errors.PrecisionWarning")
 def test_chunk_ill_conditioned_float32_within_10x_of_the_recurrent_path(keys, p0):
-    """Before the per-group float64 rule the chunk path erred 4.8e-4 (collinear) and 7.3e-4 (subspace) here,
-    the recurrent path 6.6e-7 and 2.2e-7."""
+    """Before the covariance pass ran in float64 the chunk path erred 4.8e-4 (collinear) and 7.3e-4 (subspace)
+    here, the recurrent path 6.6e-7 and 2.2e-7."""
     x = ill_chunk_inputs(keys)
     ref, _ = bl_recurrent(*(x[a] for a in ARGS), p0=p0)
     o_rec, _ = bl_recurrent(*(x[a].float() for a in ARGS), p0=p0)
     o, (_, P) = bl_chunk(*(x[a].float() for a in ARGS), p0=p0, output_final_state=True)
     assert o.dtype == torch.float32
     assert rel(o, ref) <= 10 * rel(o_rec, ref), (rel(o, ref), rel(o_rec, ref))
-    assert P.dtype == (F64 if p0 > 1e4 else torch.float32)  # the state's dtype follows the wide-prior rule only
+    assert P.dtype == torch.float32  # the state's dtype is the input's: the rule reads no data
 
 
-def test_chunk_group_dtype_rule(monkeypatch):
+def test_chunk_precision_is_static_and_reads_no_value(monkeypatch):
+    """The PyTorch chunk path's covariance pass runs in float64 for float32 inputs whatever their values,
+    and with value checks off a forward and backward read no tensor value on the host (no ``.item()``,
+    ``bool()``, ``.tolist()``), so a compiled graph has nothing to break on."""
     from bayeslayer.ops.bayesian_layer import chunk as chunk_module
 
-    P = torch.eye(4).expand(1, 1, 4, 4)
-    k = F.normalize(torch.ones(2, 1, 1, 8, 4), dim=-1)
-    r2, ell2, no_decay = torch.full((2, 1, 1, 8), 0.02), torch.zeros(2, 1, 1, 8), torch.zeros(2, 1, 1, 8, 1)
-    group_dtype = chunk_module.chunk_group_dtype
-    assert group_dtype(P, k, r2, ell2, no_decay, torch.float32) == torch.float32  # ratio 50
-    assert group_dtype(P, k, r2 / 4, ell2, no_decay, torch.float32) == F64  # 200
-    # the process noise the group adds counts (P may grow by Σ ℓ² = 1.6 without decay), less with decay
-    assert group_dtype(P, k, r2, ell2 + 0.1, no_decay, torch.float32) == F64
-    assert group_dtype(P, k, r2, ell2 + 0.1, no_decay - 0.5, torch.float32) == torch.float32  # α² = e^-1
-    assert group_dtype(P.double(), k, r2, ell2, no_decay, torch.float32) == F64  # a float64 P stays
-    # unit keys, r² ≥ 0.1, p0 = 1 (the typical regime): every group in float32
     seen = []
-    original = chunk_module.chunk_group_dtype
-    monkeypatch.setattr(chunk_module, "chunk_group_dtype", lambda *a: seen.append(original(*a)) or seen[-1])
-    x = inputs(1024, regime="wide", D=16)
-    bl_chunk(*(x[a].float() for a in ARGS))
-    assert len(seen) == 2 and set(seen) == {torch.float32}
+    original = chunk_module.covariance_pass
+    monkeypatch.setattr(chunk_module, "covariance_pass", lambda *a: seen.append(a[-1].dtype) or original(*a))
+    x = ill_chunk_inputs("collinear", T=80)
+    leaves = {a: x[a].float().requires_grad_() for a in ARGS}
+
+    def refuse(*_a, **_k):
+        raise AssertionError("a tensor value was read on the host")
+
+    with value_checks(False), monkeypatch.context() as host:
+        for name in ("item", "__bool__", "tolist"):
+            host.setattr(torch.Tensor, name, refuse)
+        o, var, _ = bl_chunk(*(leaves[a] for a in ARGS), p0=1e8, return_variance=True, output_final_state=True,
+                             chunk_size=16)
+        (o.sum() + var.sum()).backward()
+    assert seen and set(seen) == {F64}
+    assert all(bool(torch.isfinite(leaves[a].grad).all()) for a in ARGS)
 
 
 def test_step_wide_prior_decodes_like_float64():
     x = inputs(24, regime="wide")
     ref_o, ref_var, _ = bl_recurrent(*(x[a] for a in ARGS), p0=1e8, return_variance=True)
-    o, var, state = decode(x, p0=1e8)
+    o, var, state = decode(x, p0=1e8, state_dtype=F64)
     assert rel(o, ref_o) <= TOL and rel_each(var, ref_var) <= TOL
-    assert state[1].dtype == F64  # promoted: a float32 P cannot hold p0 = 1e8 next to r² ≈ 1
+    assert state[1].dtype == F64
+    # a float32 state cannot hold p0 = 1e8 next to r² ≈ 1: the step says what to pass instead of promoting
+    state = initial_bl_state(1, 2, 8, 4, p0=1e8)
+    with pytest.warns(PrecisionWarning, match=r"state's P is torch.float32.*dtype=torch.float64"):
+        _, state = bl_step(*(x[a][:, 0].float() for a in ARGS), state=state)
+    assert state[1].dtype == torch.float32
 
 
 @pytest.mark.parametrize("T", [200, pytest.param(1500, marks=pytest.mark.slow)])

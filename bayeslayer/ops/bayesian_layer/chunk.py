@@ -39,7 +39,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..utils.validation import WIDE_PRIOR_RATIO, check_chunk_size, check_cu_seqlens, covariance_dtype, state_pair_error
+from ..utils.validation import (
+    COVARIANCE_DTYPE,
+    check_chunk_size,
+    check_cu_seqlens,
+    check_state_precision,
+    state_pair_error,
+    values_checked,
+)
 from .prepare import FilterInputs, FilterOutput, prepare_inputs
 from .write_models import WriteModel, get_write_model
 
@@ -285,44 +292,9 @@ class Chunked:
 
     def dyn(self, s: int, e: int, dtype: torch.dtype | None = None) -> ChunkDynamics:
         theta = self.theta[s:e] if self.theta is not None else None
-        if dtype is not None:  # the covariance pass of a wide prior runs in float64
+        if dtype is not None:  # the covariance pass runs in float64
             return ChunkDynamics(self.log_alpha[s:e].to(dtype), theta.to(dtype) if theta is not None else None)
         return ChunkDynamics(self.log_alpha[s:e], theta)
-
-
-# Below the wide-prior rule the covariance pass runs in float32 chunk by chunk, but in float64 for every
-# group of PROMOTE_GROUP chunks where ``max diag(P) · max ‖k‖² / min r²`` can exceed this ratio (diag(P)
-# bounded over the group by its value at the start, decayed, plus the process noise; writes only lower
-# it).  The pass subtracts writes of size kᵀPk to leave about r² and carries P's small directions next
-# to large ones, so float32 keeps about eps32 · ratio of them, and where the memory is long (α ≈ 1,
-# small ℓ²) those errors stay in the mean.  Measured (benchmarks/numerics.py --ill, T = 20,000): keys
-# spread 1e-3 around one direction or confined to a 2-dim subspace, r² ≈ 1e-3, p0 = 1 (ratio ≈ 2e3)
-# erred about 1e-4 in float32 where the recurrent oracle (float64 covariance) errs about 1e-6.  Unit
-# keys with r² ≥ 0.1 at p0 = 1 stay below it and run in float32 as before.
-CHUNK_FLOAT32_RATIO = 1e2
-PROMOTE_GROUP = 8
-
-
-def chunk_group_dtype(P: torch.Tensor, k: torch.Tensor, r2: torch.Tensor, ell2: torch.Tensor,
-                      log_alpha: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
-    """The covariance pass's dtype for a group of chunks (see :data:`CHUNK_FLOAT32_RATIO`): ``dtype`` or float64.
-
-    P ``[B, H, D, D]`` at the group start; k ``[n, B, H, C, D]``; r2, ell2 ``[n, B, H, C]``; log_alpha
-    ``[n, B, H, C, Da]``.  ``max diag(P)`` inside the group is bounded by ``p_t = α_t² p_{t-1} + ℓ²_t`` from
-    ``p_0 = max diag(P)`` (the weakest decay of the token's channels; writes only lower P), summed in log
-    space.  One host sync.
-    """
-    if P.dtype == torch.float64 or P.device.type == "meta":
-        return P.dtype
-    f64 = torch.float64
-    la = (2 * log_alpha.detach().amax(-1).to(f64)).movedim(0, -2).flatten(-2)  # [B, H, n·C]
-    g = torch.cumsum(la, -1)  # log Π α²
-    log_noise = torch.logcumsumexp(torch.log(ell2.detach().to(f64).movedim(0, -2).flatten(-2)) - g, -1)
-    log_p0 = torch.log(torch.diagonal(P.detach(), dim1=-2, dim2=-1).amax(-1).to(f64))[..., None]
-    pmax = torch.logaddexp(log_p0, log_noise).add(g).exp().amax().maximum(log_p0.exp().amax())
-    kmax = torch.linalg.vector_norm(k.detach(), dim=-1).amax().to(torch.float64) ** 2
-    ratio = pmax * kmax / r2.detach().amin().to(torch.float64)
-    return torch.float64 if bool(ratio > CHUNK_FLOAT32_RATIO) else dtype
 
 
 def _bmm_add(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
@@ -428,13 +400,13 @@ def covariance_pass(
         # symmetrise every chunk: P's value and the gradients it passes back then do not depend on
         # how the sequence is split into blocks (the Triton backward recomputes block by block)
         P = torch.add(P_next, P_next.transpose(-1, -2)).mul_(0.5)
-    if bool(torch.stack(infos).any()):
+    failed = torch.stack(infos)
+    if values_checked(failed) and bool(failed.any()):  # an eager value check: a compiled graph has none
         raise ValueError(
             f"bl_chunk: a chunk's prior observation covariance S = K̃ P K̃ᵀ + N + diag(r2) is not positive "
             f"definite in {P.dtype} (the prior variance p0 or the initial P reaches {float(P0_max):.3g}, r2 "
-            f"goes down to {float(r2.detach().amin()):.3g}); the chunked path is accurate for "
-            f"p0·‖k‖²/r2 up to about {WIDE_PRIOR_RATIO:.0e} in float32 (wider priors run in float64) "
-            f"and about 1e12 in float64: use a smaller p0, a larger r2 or float64 inputs"
+            f"goes down to {float(r2.detach().amin()):.3g}); the chunked path, whose covariance runs in "
+            f"float64, is accurate for p0·‖k‖²/r2 up to about 1e12: use a smaller p0 or a larger r2"
         )
     var = torch.stack(variances) if q is not None else None
     return torch.stack(ws), var, P
@@ -527,43 +499,33 @@ def _filter_chunk(
     C = min(chunk_size, T)  # one chunk holds the whole sequence: a longer one would only pad it
     P = pr.P0
     cd = pr.q.dtype
-    # a wide prior (or a float64 state) runs the covariance in float64 (checks.covariance_dtype): in
-    # float32 the pivots of S fall below its rounding at p0 ≈ 1e7 and the results drift before that;
-    # otherwise the dtype is chosen per group of chunks (chunk_group_dtype)
-    pd = covariance_dtype(P, pr.k, pr.r2) if P is not None else cd
-    # a wide prior also runs the mean pass in float64: keys rounded to float32 stray ~1e-8 out of the
-    # directions they were written in, and a prior of 1e8 there turns that into writes of size 1/r²
-    md = torch.float64 if P is not None and P.dtype != torch.float64 and pd == torch.float64 else cd
+    # the covariance runs in float64 whatever the inputs (validation.COVARIANCE_DTYPE): a static choice,
+    # where float32 would lose small directions of P next to large ones (docs/reliability.md); the mean
+    # pass runs in the compute dtype, and the state's P goes back in the dtype it came in
+    pd = COVARIANCE_DTYPE if P is not None else cd
     if P is not None:
+        state_dtype = P.dtype
+        if output_final_state:
+            check_state_precision(P, pr.k, pr.r2, name="the initial state (or p0·I)")
         P = P.to(pd)
     # write keys for the whole sequence, or None: the dense covariance pass gives them block by block
     write_keys, var, P = write.chunk_write_keys(pr, return_variance, P)
     per_block = write_keys is None
     ch = Chunked(pr, C, need_noise=per_block)
     wch = to_chunks(pad_time(write_keys, ch.pad), C) if write_keys is not None else None
-    M = pr.M0.to(md)
+    M = pr.M0
     outs, variances, ws = [], [], []
     for s, e in ch.blocks():
         dyn = ch.dyn(s, e)
         if per_block:
-            w = []
-            for a in range(s, e, PROMOTE_GROUP):
-                b = min(a + PROMOTE_GROUP, e)
-                gd = chunk_group_dtype(P, ch.k[a:b], ch.r2[a:b], ch.ell2[a:b], ch.log_alpha[a:b], pd)
-                qv = ch.q[a:b].to(gd) if return_variance else None
-                w_g, var_g, P = covariance_pass(ch.dyn(a, b, None if gd == cd else gd), qv, ch.k[a:b].to(gd),
-                                                ch.r2[a:b].to(gd), ch.ell2[a:b].to(gd), P.to(gd))
-                w.append(w_g.to(cd))
-                variances.append(var_g.to(cd) if var_g is not None else None)
-            w = cat_blocks(w)
+            qv = ch.q[s:e].to(pd) if return_variance else None
+            w, var_b, P = covariance_pass(dyn if pd == cd else ch.dyn(s, e, pd), qv, ch.k[s:e].to(pd),
+                                          ch.r2[s:e].to(pd), ch.ell2[s:e].to(pd), P)
+            w = w.to(cd)
+            variances.append(var_b.to(cd) if var_b is not None else None)
         else:
             w = wch[s:e]
-        if md == cd:
-            o, M = mean_pass(dyn, ch.q[s:e], ch.k[s:e], ch.v[s:e], w, M, erase=write.erase)
-        else:
-            o, M = mean_pass(ch.dyn(s, e, md), ch.q[s:e].to(md), ch.k[s:e].to(md), ch.v[s:e].to(md), w.to(md), M,
-                             erase=write.erase)
-            o = o.to(cd)
+        o, M = mean_pass(dyn, ch.q[s:e], ch.k[s:e], ch.v[s:e], w, M, erase=write.erase)
         outs.append(o)
         ws.append((w * ch.k[s:e]).sum(-1))  # the gain kᵀw, per token
     o = from_chunks(cat_blocks(outs), T)
@@ -571,13 +533,24 @@ def _filter_chunk(
     if per_block and return_variance:
         var = from_chunks(cat_blocks(variances), T)
     if P is not None:
-        P = P.to(pd)  # the state's dtype does not depend on the groups promoted on the way
+        P = P.to(state_dtype)
     return pr.finish(o, var, gain, M.to(cd), P, output_final_state)
 
 
 def _filter_chunk_varlen(q, k, v, cu_seqlens, write: WriteModel, inputs: FilterInputs, *, initial_state,
                          output_final_state, **kw) -> FilterOutput:
     """Packed variable-length sequences: each segment of ``cu_seqlens`` is filtered on its own."""
+    return run_packed(lambda q, k, v, inputs, initial_state: _filter_chunk(
+        q, k, v, write, inputs, initial_state=initial_state, output_final_state=True, **kw),
+        q, k, v, inputs, cu_seqlens, initial_state=initial_state, output_final_state=output_final_state)
+
+
+def run_packed(run, q, k, v, inputs: FilterInputs, cu_seqlens, *, initial_state,
+               output_final_state: bool) -> FilterOutput:
+    """Run ``run(q, k, v, inputs, initial_state) -> FilterOutput`` (with its final state) on each of the N
+    sequences that ``cu_seqlens`` packs along T (B = 1), and put the results back together: outputs,
+    variances and gains along T, states along dim 0 (``initial_state`` and the final state hold one
+    sequence per row).  The offsets are read on the host once."""
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
         raise ValueError(f"q must be [B, T, H, D], got {getattr(q, 'shape', type(q).__name__)}")
     cu = check_cu_seqlens(cu_seqlens, q.shape[0], q.shape[1], q.device).tolist()
@@ -603,11 +576,10 @@ def _filter_chunk_varlen(q, k, v, cu_seqlens, write: WriteModel, inputs: FilterI
     outs = []
     for n in range(n_seq):
         st = (M0s[n], P0s[n]) if initial_state is not None else None
-        outs.append(_filter_chunk(qs[n], ks[n], vs[n], write, per_seq.map(lambda val: val[n]),  # noqa: B023
-                                  initial_state=st, output_final_state=True, **kw))
+        outs.append(run(qs[n], ks[n], vs[n], per_seq.map(lambda val: val[n]), st))  # noqa: B023
     o = torch.cat([x.o for x in outs], 1)
     var = torch.cat([x.variance for x in outs], 1) if outs[0].variance is not None else None
-    gain = torch.cat([x.gain for x in outs], 1)
+    gain = torch.cat([x.gain for x in outs], 1) if outs[0].gain is not None else None
     state = None
     if output_final_state:
         Ps = [x.state[1] for x in outs]

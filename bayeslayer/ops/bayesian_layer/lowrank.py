@@ -74,8 +74,8 @@ import numbers
 import torch
 
 from ..utils.validation import check_chunk_size, check_tensor
-from .chunk import Chunked, cat_blocks, from_chunks, mean_pass, pad_time, to_chunks
-from .prepare import FilterOutput, Prepared, prepare
+from .chunk import Chunked, cat_blocks, from_chunks, mean_pass, pad_time, run_packed, to_chunks
+from .prepare import FilterInputs, FilterOutput, Prepared, prepare
 from .transition import apply_transition
 
 PROJECTIONS = ("conservative", "lofi")
@@ -345,15 +345,25 @@ def lowrank_recurrent(q, k, v, *, rank: int, r2, ell2, alpha=None, theta=None, p
 
 def lowrank_chunk(q, k, v, *, rank: int, r2, ell2, alpha=None, theta=None, p0=1.0,
                   projection: str = "conservative", initial_state=None, output_final_state: bool = False,
-                  return_variance: bool = False, chunk_size: int = 64) -> FilterOutput:
+                  return_variance: bool = False, chunk_size: int = 64, cu_seqlens=None) -> FilterOutput:
     """Training/prefill path: the covariance pass token by token, the mean pass chunked (WY/UT).
 
     Same arguments and results as :func:`lowrank_recurrent` (the variance only with
     ``return_variance``).  Exact for this approximation: the projection touches only the
     covariance pass, and given the write keys ``w_t = β_t u_t`` the mean recursion is the
     generalized delta rule of :func:`bayeslayer.ops.bayesian_layer.chunk.mean_pass`.
+    ``cu_seqlens`` (``[N + 1]``, B = 1) runs N packed sequences, each from its own state (states then
+    have N in place of B), as :func:`bayeslayer.ops.bayesian_layer.chunk.filter_chunk`.
     """
     C = check_chunk_size(chunk_size)
+    if cu_seqlens is not None:
+        def one(q, k, v, inputs, state):
+            return lowrank_chunk(q, k, v, rank=rank, r2=inputs.r2, ell2=inputs.ell2, alpha=inputs.alpha,
+                                 theta=inputs.theta, p0=p0, projection=projection, initial_state=state,
+                                 output_final_state=True, return_variance=return_variance, chunk_size=C)
+
+        return run_packed(one, q, k, v, FilterInputs(r2=r2, ell2=ell2, alpha=alpha, theta=theta), cu_seqlens,
+                          initial_state=initial_state, output_final_state=output_final_state)
     projection = check_projection(projection)
     pr, rank, F0 = _prepare(q, k, v, rank=rank, r2=r2, ell2=ell2, alpha=alpha, theta=theta, p0=p0,
                             initial_state=initial_state, single_step=False)

@@ -25,11 +25,13 @@ about ``eps32·kᵀP̄k/r²`` of it, so ``p0 = 1e8`` gave negative variances and
 Measured alternatives in float32 (``benchmarks/numerics.py --forms``, p0 = 1e8): the Joseph form
 ``(I − K kᵀ) P̄ (I − K kᵀ)ᵀ + r² K Kᵀ`` is no better (7e0: the same cancellation); a square-root
 (Cholesky-factor) update reaches 7e-5 but is O(D³) per token and its factor cannot travel in the
-``(M, P)`` state; the plain form in float64 reaches 5e-7.  The state's ``P`` is returned in
-float32 when it came in float32 (or from ``p0``) and the prior is not wide, else in float64
-(:func:`~bayeslayer.ops.utils.validation.covariance_dtype`), so decoding from a wide prior keeps its
-precision.  A covariance that grows ill-conditioned while decoding (keys in a subspace, small
-``r²``) still loses about 1e-3 to a float32 state between steps: decode from a float64 state then.
+``(M, P)`` state; the plain form in float64 reaches 5e-7.  The state's ``P`` is returned in the
+dtype it came in (the prior ``p0·I``: the compute dtype), a static rule: a float32 state asked to
+hold a wide prior warns in eager mode
+(:func:`~bayeslayer.ops.utils.validation.check_state_precision`), and a float64 state
+(``initial_bl_state(..., dtype=torch.float64)``) keeps its precision.  A covariance that grows
+ill-conditioned while decoding (keys in a subspace, small ``r²``) also loses about 1e-3 to a float32
+state between steps: decode from a float64 state then.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import numbers
 
 import torch
 
-from ..utils.validation import Dynamics, covariance_dtype
+from ..utils.validation import COVARIANCE_DTYPE, Dynamics, check_state_precision
 from .prepare import FilterInputs, FilterOutput, prepare_inputs
 from .transition import apply_transition, noise_mask
 from .write_models import WriteModel, get_write_model
@@ -135,14 +137,15 @@ def filter_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, write
     pr = prepare_inputs(q, k, v, write, FilterInputs(r2, ell2, lam, gain, alpha, theta), p0=p0,
                         initial_state=initial_state, single_step=single_step, keep_float64_state=True)
     P0 = pr.P0
-    # the covariance runs in float64 (module docstring); the state's P keeps float32 unless the prior is wide
-    P_out_dtype = covariance_dtype(P0, pr.k, pr.r2) if P0 is not None and output_final_state else None
+    # the covariance runs in float64 (module docstring); the state's P goes back in the dtype it came in
+    if P0 is not None and output_final_state:
+        check_state_precision(P0, pr.k, pr.r2, name="state" if single_step else "the initial state (or p0·I)")
     o, var, g, M, P = filter_scan(
         pr.q, pr.k, pr.v, write=write, r2=pr.r2, ell2=pr.ell2, lam=pr.lam, coef=pr.coef, dyn=pr.dyn,
-        M=pr.M0, P=P0.to(torch.float64) if P0 is not None else None,
+        M=pr.M0, P=P0.to(COVARIANCE_DTYPE) if P0 is not None else None,
     )
-    if P_out_dtype is not None:
-        P = P.to(P_out_dtype)
+    if P0 is not None:
+        P = P.to(P0.dtype)
     return pr.finish(o, var, g, M, P, output_final_state)
 
 
@@ -166,8 +169,9 @@ def bl_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r2, ell2, al
         ``(o, state)`` or, with ``return_variance``, ``(o, variance, state)``: ``o[b,t,h] = M_tᵀ q_t``
         in the input dtype, ``variance[b,t,h,g] = 1 + q_tᵀ P_t q_t`` ([B, T, H, G], fp32/fp64),
         ``state = (M, P)`` when ``output_final_state`` else ``None``.  The covariance is computed in
-        float64; ``P`` is float64 when it came in float64 or the prior is wide
-        (:func:`~bayeslayer.ops.utils.validation.covariance_dtype`), else in the compute dtype.
+        float64; ``P`` is returned in the dtype it came in (the prior ``p0·I``: the compute dtype;
+        :func:`~bayeslayer.ops.utils.validation.check_state_precision` warns when a float32 ``P`` is
+        asked to hold a wide prior).
     """
     out = filter_recurrent(
         q, k, v, write="bayes", r2=r2, ell2=ell2, alpha=alpha, theta=theta, p0=p0,

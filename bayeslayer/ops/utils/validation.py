@@ -3,38 +3,64 @@
 Every public op funnels its arguments through these helpers so that a bad
 shape, dtype, device or value raises a ``ValueError``/``TypeError`` that names
 the argument and the shapes seen, instead of broadcasting into a silently wrong
-answer.  Value checks (finiteness, ranges) need one pass over each tensor and,
-on a GPU, a host sync; :func:`set_value_checks` turns them off for production
-training once a pipeline is known to be sound.
+answer.
+
+Two kinds of checks, and where each runs:
+
+* **Structure** (shapes, dtypes, devices, Python numbers): always; they read no tensor data.
+* **Values** (finite, ranges, positive definite): they read tensor data, which on a GPU is a host sync
+  and inside ``torch.compile`` or ``torch.func.vmap`` is impossible.  :func:`values_checked` says whether
+  they run for a call: never while ``torch.compile`` traces or a ``torch.func`` transform runs (the
+  compiled graph and the vmapped function then contain no check), never on meta tensors, and otherwise by
+  the setting of :func:`set_value_checks`: ``"auto"`` (the default) checks CPU tensors in eager mode,
+  where reading a value costs no device sync, and leaves CUDA tensors unchecked, so nothing on the CUDA
+  path waits for the device; ``True`` checks every eager call, CUDA included (one host sync per check);
+  ``False`` checks nothing.  Code that would branch on a tensor's value (a fast path, a promotion)
+  asks :func:`can_read_values` first; when it says no, the code takes the branch that is right for
+  every value.
+
+**Precision is static.**  Which dtype a computation runs in is decided by the inputs' dtypes (and the
+state's), never by their values: the PyTorch paths carry the covariance in float64 whatever the input
+dtype (:data:`COVARIANCE_DTYPE`), the mean in the compute dtype (:func:`compute_dtype`), and return the
+state's ``P`` in the dtype it came in.  What a float32 state cannot hold (a wide prior,
+:data:`WIDE_PRIOR_RATIO`) is reported by an eager value check, :func:`check_state_precision`, which
+says what to pass instead.
 """
 
 from __future__ import annotations
 
 import contextlib
 import numbers
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
-from ...errors import NonFiniteError
+from ...errors import NonFiniteError, PrecisionWarning
 
-_VALUE_CHECKS = True
+VALUE_CHECK_MODES = ("auto", True, False)
+_VALUE_CHECKS: bool | str = "auto"
 
 
-def set_value_checks(enabled: bool) -> bool:
-    """Enable or disable value checks (finite, range); returns the previous setting.
+def set_value_checks(enabled: bool | str) -> bool | str:
+    """Value checks (finite, ranges): ``"auto"`` (default: CPU tensors in eager mode), ``True`` (every
+    eager call, CUDA tensors included, at one host sync per check) or ``False``; returns the previous
+    setting.
 
-    Shape, dtype and device checks are always on: they cost nothing.
+    Shape, dtype and device checks are always on: they cost nothing.  Inside ``torch.compile`` and
+    ``torch.func`` transforms no value check runs whatever the setting (:func:`values_checked`).
     """
     global _VALUE_CHECKS
+    if enabled not in VALUE_CHECK_MODES or not isinstance(enabled, (bool, str)):
+        raise ValueError(f"set_value_checks takes True, False or 'auto', got {enabled!r}")
     previous = _VALUE_CHECKS
-    _VALUE_CHECKS = bool(enabled)
+    _VALUE_CHECKS = enabled
     return previous
 
 
 @contextlib.contextmanager
-def value_checks(enabled: bool) -> Iterator[None]:
+def value_checks(enabled: bool | str) -> Iterator[None]:
     """Context manager form of :func:`set_value_checks`."""
     previous = set_value_checks(enabled)
     try:
@@ -43,10 +69,29 @@ def value_checks(enabled: bool) -> Iterator[None]:
         set_value_checks(previous)
 
 
+def can_read_values() -> bool:
+    """Whether Python may read tensor values now: not while ``torch.compile`` traces (a read would break
+    the graph) nor inside a ``torch.func`` transform such as ``vmap`` (a batched tensor has no single
+    value).  Code that branches on a value must take the branch that is right for every value otherwise."""
+    if torch.compiler.is_compiling() or torch.jit.is_tracing():
+        return False
+    return torch._C._functorch.maybe_current_level() is None
+
+
+def values_checked(*tensors: torch.Tensor | None) -> bool:
+    """Whether the value checks of a call on ``tensors`` run (module docstring): the setting of
+    :func:`set_value_checks`, only when :func:`can_read_values`, never for meta or empty tensors, and under
+    ``"auto"`` only when every tensor is on the CPU."""
+    if _VALUE_CHECKS is False or not can_read_values():
+        return False
+    xs = [x for x in tensors if x is not None]
+    if not xs or any(x.device.type == "meta" or x.numel() == 0 for x in xs):
+        return False
+    return _VALUE_CHECKS is True or all(x.device.type == "cpu" for x in xs)
+
+
 def _values_checked(x: torch.Tensor) -> bool:
-    # meta tensors carry shapes only (used to trace shapes and memory), and an empty tensor (a batch
-    # of 0) holds none: there are no values to check
-    return _VALUE_CHECKS and x.device.type != "meta" and x.numel() > 0
+    return values_checked(x)
 
 
 def _shape(x: torch.Tensor) -> str:
@@ -304,7 +349,7 @@ def check_state(
     a rounding jitter): O(D³) per call, the same test for a sequence and a decoding step, so a
     state the chunked path would refuse is never filtered on silently by the oracle.
     M is returned in the compute dtype; P too, unless ``keep_float64`` and P is float64 (a
-    float64 covariance state then stays float64: see :func:`covariance_dtype`).
+    float64 covariance state then stays float64: see :func:`check_state_precision`).
     """
     if initial_state is None:
         return None
@@ -358,6 +403,10 @@ def check_state(
 # 1e4 gives relative errors ≈ 3e-4 in the variance with a float32 covariance, 1e6 ≈ 2e-2, 1e8 > 100%.
 WIDE_PRIOR_RATIO = 1e4
 
+#: the dtype the PyTorch paths carry the covariance in (``P̄``, ``S`` and its factor, the write keys,
+#: the variance), whatever the input dtype: a static choice, so no call reads its data to decide it
+COVARIANCE_DTYPE = torch.float64
+
 
 def prior_noise_ratio(P: torch.Tensor, k: torch.Tensor, r2: torch.Tensor) -> torch.Tensor:
     """A cheap measure of ``max kᵀ P k / r²``: ``max diag(P) · max ‖k‖² / min r²`` (a 0-dim tensor).
@@ -370,16 +419,26 @@ def prior_noise_ratio(P: torch.Tensor, k: torch.Tensor, r2: torch.Tensor) -> tor
     return pmax * kmax / r2.detach().amin().to(torch.float64)
 
 
-def covariance_dtype(P: torch.Tensor, k: torch.Tensor, r2: torch.Tensor) -> torch.dtype:
-    """float64 when P is float64 or the prior is wide (:data:`WIDE_PRIOR_RATIO`), else float32.
+def check_state_precision(P: torch.Tensor | None, k: torch.Tensor, r2: torch.Tensor | None, *,
+                          name: str = "the state") -> None:
+    """Warn (:class:`~bayeslayer.errors.PrecisionWarning`) when a float32 covariance state is asked to hold a
+    wide prior, ``max diag(P)·max ‖k‖²/min r² > WIDE_PRIOR_RATIO``, and say what to pass instead.
 
-    One host sync.  A float32 P that would be written along a direction of relative variance
-    above the ratio is promoted, so p0 = 1e8 in float32 filters as accurately as in float64
-    instead of returning negative variances; a float64 P stays float64 (decoding from it).
+    An eager value check (:func:`values_checked`): it decides nothing.  The call's own arithmetic is
+    unaffected (the covariance runs in :data:`COVARIANCE_DTYPE`); only the ``P`` it returns, rounded to
+    float32, loses the written directions, so decoding on from it drifts.  A float64 ``P`` (from
+    ``initial_bl_state(..., dtype=torch.float64)`` or float64 inputs) stays float64 and holds it.
     """
-    if P.dtype == torch.float64 or k.numel() == 0 or P.device.type == "meta":
-        return P.dtype
-    return torch.float64 if bool(prior_noise_ratio(P, k, r2) > WIDE_PRIOR_RATIO) else P.dtype
+    if P is None or r2 is None or P.dtype == torch.float64 or not values_checked(P, k, r2):
+        return
+    if bool(prior_noise_ratio(P, k, r2) > WIDE_PRIOR_RATIO):
+        # one message per call site (no value in it), so a decoding loop warns once, not at every token
+        warnings.warn(
+            f"{name}'s P is {P.dtype} but the prior is wide (max diag(P)·‖k‖²/r² above {WIDE_PRIOR_RATIO:.0e}), "
+            f"where a {P.dtype} covariance loses the written directions; this call computes in float64, but "
+            "the P it returns is rounded to its dtype. Pass a float64 state (initial_bl_state(..., "
+            "dtype=torch.float64), or the returned state with P.double()) or float64 inputs to keep it",
+            PrecisionWarning, stacklevel=3)
 
 
 # The reset family's erase ``I − η k kᵀ`` scales the memory along k by ``1 − η‖k‖²``.  Its design
@@ -416,6 +475,8 @@ def check_cu_seqlens(cu_seqlens, batch: int, total: int, device: torch.device) -
 
     Packs N variable-length sequences along T like flash-linear-attention: sequence n is
     tokens ``cu_seqlens[n] .. cu_seqlens[n+1] - 1`` and starts from its own initial state.
+    The offsets' values are checked only where :func:`values_checked` allows (the packed paths read
+    them on the host to split the sequences anyway).
     """
     if cu_seqlens is None:
         return None
@@ -430,8 +491,10 @@ def check_cu_seqlens(cu_seqlens, batch: int, total: int, device: torch.device) -
     if batch != 1:
         raise ValueError(f"cu_seqlens packs the sequences along T, so the batch size must be 1, got B={batch}")
     cu = cu_seqlens.to(torch.int64)
-    if int(cu[0]) != 0 or int(cu[-1]) != total:
-        raise ValueError(f"cu_seqlens must start at 0 and end at T={total}, got {int(cu[0])} .. {int(cu[-1])}")
-    if bool((cu[1:] < cu[:-1]).any()):
-        raise ValueError("cu_seqlens must be non-decreasing")
+    if values_checked(cu):
+        offsets = cu.tolist()
+        if offsets[0] != 0 or offsets[-1] != total:
+            raise ValueError(f"cu_seqlens must start at 0 and end at T={total}, got {offsets[0]} .. {offsets[-1]}")
+        if any(b < a for a, b in zip(offsets[:-1], offsets[1:], strict=True)):
+            raise ValueError(f"cu_seqlens must be non-decreasing, got {offsets}")
     return cu
