@@ -16,6 +16,12 @@ one-token call its ``.step``, each on the mixer's ``backend`` (:mod:`bayeslayer.
 Bayesian Layer) its process noise is the smallest positive float, so neither ``M`` nor ``P`` moves;
 its output is zero.
 
+``cu_seqlens`` (``[N + 1]`` int offsets, ``B = 1``, as flash-linear-attention's layers take it) packs N
+sequences along T with no padding: every sequence starts from its own state (the prior, or row ``n``
+of ``state``), short convolutions restart at every sequence start, and with ``use_cache`` the returned
+state holds one row per sequence, so decoding continues each one with a batch of N.  The result equals
+running the sequences one by one.  ``attention_mask`` and ``cu_seqlens`` are exclusive.
+
 Layers: :class:`Mixer` (interface, input checks), :class:`RecurrentMixer` (drives a
 :class:`~bayeslayer.design.DesignModel`: masking, prefill/decode, cache), :class:`QKVMixer`
 (q/k/v projections, short convolutions, gated output norm, output projection — the body of GDN,
@@ -34,7 +40,7 @@ from ..checks import check_int
 from ..design import DesignModel
 from ..ops.bayesian_layer.cp import CPContext, cp_conv_halo, filter_chunk_cp
 from ..ops.flops import FlopCount, Tally, chunk_flops
-from ..ops.utils.validation import check_tensor
+from ..ops.utils.validation import check_cu_seqlens, check_tensor, values_checked
 from .common import (
     GatedRMSNorm,
     ShortConvolution,
@@ -87,10 +93,20 @@ def check_attention_mask(mask, B: int, T: int, device: torch.device) -> torch.Te
         raise ValueError(f"attention_mask is on {mask.device} but hidden_states is on {device}")
     mask = mask[:, mask.shape[1] - T:]
     if mask.dtype != torch.bool:
-        if bool(((mask != 0) & (mask != 1)).any()):
+        if values_checked(mask) and bool(((mask != 0) & (mask != 1)).any()):
             raise ValueError("attention_mask must contain only 0 (padding) and 1 (token)")
         mask = mask != 0
     return mask
+
+
+def check_packing(cu_seqlens, attention_mask, x: torch.Tensor) -> torch.Tensor | None:
+    """``cu_seqlens`` checked for a mixer's input ``x [1, T, ·]`` (int64 offsets back), or None."""
+    if cu_seqlens is None:
+        return None
+    if attention_mask is not None:
+        raise ValueError("pass attention_mask or cu_seqlens, not both: packed sequences (cu_seqlens) have no "
+                         "padding to mask")
+    return check_cu_seqlens(cu_seqlens, x.shape[0], x.shape[1], x.device)
 
 
 def check_state_dict(state, keys: tuple[str, ...]) -> dict:
@@ -127,7 +143,7 @@ class Mixer(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 state: dict | None = None, use_cache: bool = False,
-                output_variance: bool = False) -> MixerOutput:
+                output_variance: bool = False, cu_seqlens: torch.Tensor | None = None) -> MixerOutput:
         raise NotImplementedError
 
 
@@ -146,10 +162,12 @@ class RecurrentMixer(Mixer):
     # "auto" | "torch" | "triton" (bayeslayer.ops.backend); mixers with a Triton kernel take it as an argument
     backend: str = "auto"
 
-    def features(self, x: torch.Tensor, mask: torch.Tensor | None, conv_state: dict | None):
+    def features(self, x: torch.Tensor, mask: torch.Tensor | None, conv_state: dict | None,
+                 cu_seqlens: torch.Tensor | None = None):
         """``(q, k, v, write, new_conv_state, extra)``: filter inputs ``[B, T, H, ·]``, the design's
         write arguments (``gain``/``alpha``/``theta``/``r2``/``ell2``), the conv cache to return and
-        whatever :meth:`readout` needs besides ``x``."""
+        whatever :meth:`readout` needs besides ``x``.  With ``cu_seqlens`` (checked int64 offsets) any
+        convolution over time restarts at every sequence start."""
         raise NotImplementedError
 
     def readout(self, o: torch.Tensor, x: torch.Tensor, extra) -> torch.Tensor:
@@ -196,18 +214,24 @@ class RecurrentMixer(Mixer):
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 state: dict | None = None, use_cache: bool = False,
-                output_variance: bool = False, cp_context=None) -> MixerOutput:
+                output_variance: bool = False, cp_context=None,
+                cu_seqlens: torch.Tensor | None = None) -> MixerOutput:
         x = check_hidden_states(hidden_states, self.hidden_size)
         B, T, _ = x.shape
         if cp_context is not None:
+            if cu_seqlens is not None:
+                raise ValueError("with cp_context, pass the global cu_seqlens to build_cp_context, not cu_seqlens")
             return self._forward_cp(x, attention_mask, state, use_cache, output_variance, cp_context)
+        cu = check_packing(cu_seqlens, attention_mask, x)
         mask = check_attention_mask(attention_mask, B, T, x.device)
         state = check_state_dict(state, ("recurrent", "conv"))
-        q, k, v, write, conv_state, extra = self.features(x, mask, state.get("conv"))
+        # a subclass written before packing may take three arguments: pass the offsets only when packing
+        q, k, v, write, conv_state, extra = (self.features(x, mask, state.get("conv")) if cu is None
+                                             else self.features(x, mask, state.get("conv"), cu))
         if mask is not None:
             k, write = self.mask_writes(k, write, mask)
         rec = state.get("recurrent")
-        if T == 1:
+        if T == 1 and cu is None:
             # decoding: one step (design.step: the fused Triton step kernel or the recurrent oracle)
             if rec is None:
                 rec = self.initial_state(B, torch.float64 if x.dtype == torch.float64 else torch.float32,
@@ -219,7 +243,7 @@ class RecurrentMixer(Mixer):
         else:
             out = self.design.chunk(q, k, v, p0=self.filter_p0(), initial_state=rec,
                                     output_final_state=use_cache, return_variance=output_variance,
-                                    chunk_size=self.chunk_size, backend=self.backend, **write)
+                                    chunk_size=self.chunk_size, backend=self.backend, cu_seqlens=cu, **write)
             o, variance = out.o, out.variance if output_variance else None
         o = self.readout(o, x, extra)
         o = apply_mask(o, mask)
@@ -304,7 +328,7 @@ class QKVMixer(RecurrentMixer):
             n += W * (2 * K + V) + ((2 * K + V) if self.conv_bias else 0)
         return n
 
-    def _conv(self, name: str, x: torch.Tensor, cache, new: dict) -> torch.Tensor:
+    def _conv(self, name: str, x: torch.Tensor, cache, new: dict, cu_seqlens=None) -> torch.Tensor:
         conv = getattr(self, f"{name}_conv1d")
         if isinstance(cache, CPContext):  # context parallel: the previous rank's last W - 1 inputs
             if cache.conv1d_kernel_size != self.conv_size:
@@ -313,11 +337,14 @@ class QKVMixer(RecurrentMixer):
             halo = cp_conv_halo(x, cache)[:, : self.conv_size - 1]
             y, _ = conv(x, halo.transpose(1, 2))
             return y
-        y, new[name] = conv(x, None if cache is None else cache.get(name), output_final_state=True)
+        y, new[name] = conv(x, None if cache is None else cache.get(name), output_final_state=True,
+                            cu_seqlens=cu_seqlens)
         return y
 
-    def project_qkv(self, x: torch.Tensor, mask: torch.Tensor | None, conv_state: dict | None):
-        """``(q, k [B, T, H, D], v [B, T, H, m], new conv cache or None)``."""
+    def project_qkv(self, x: torch.Tensor, mask: torch.Tensor | None, conv_state: dict | None,
+                    cu_seqlens: torch.Tensor | None = None):
+        """``(q, k [B, T, H, D], v [B, T, H, m], new conv cache or None)``; the short convolutions restart
+        at every start of a packed sequence (``cu_seqlens``)."""
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         new_conv = None
         if self.use_short_conv:
@@ -327,9 +354,9 @@ class QKVMixer(RecurrentMixer):
             # padded inputs are zeroed before the convolution so they never leak into a real token's window
             q, k, v = apply_mask(q, mask), apply_mask(k, mask), apply_mask(v, mask)
             new_conv = {}
-            q = self._conv("q", q, conv_state, new_conv)
-            k = self._conv("k", k, conv_state, new_conv)
-            v = self._conv("v", v, conv_state, new_conv)
+            q = self._conv("q", q, conv_state, new_conv, cu_seqlens)
+            k = self._conv("k", k, conv_state, new_conv, cu_seqlens)
+            v = self._conv("v", v, conv_state, new_conv, cu_seqlens)
         elif self.activation_without_conv:
             q, k, v = F.silu(q), F.silu(k), F.silu(v)
         q = q.unflatten(-1, (self.num_heads, self.head_dim))
@@ -364,8 +391,8 @@ class QKVMixer(RecurrentMixer):
         t.linear(tokens, V, d)
         return t.count() + self.filter_flops(B, T)
 
-    def features(self, x, mask, conv_state):
-        q, k, v, new_conv = self.project_qkv(x, mask, conv_state)
+    def features(self, x, mask, conv_state, cu_seqlens=None):
+        q, k, v, new_conv = self.project_qkv(x, mask, conv_state, cu_seqlens)
         return q, k, v, self.write_arguments(x), new_conv, None
 
     def readout(self, o: torch.Tensor, x: torch.Tensor, extra) -> torch.Tensor:

@@ -113,7 +113,9 @@ class ShortConvolution(nn.Conv1d):
     flash-linear-attention's ``ShortConvolution``.
 
     The cache is the last ``W − 1`` inputs, ``[B, C, W − 1]``; feeding a sequence in pieces with the
-    returned cache gives the same outputs as one call.
+    returned cache gives the same outputs as one call.  With ``cu_seqlens`` (``[N + 1]`` offsets, B = 1)
+    the window restarts at every sequence start, so no sequence sees another's inputs; the cache then
+    holds one row per sequence, ``[N, C, W − 1]``, in and out.
     """
 
     def __init__(self, hidden_size: int, kernel_size: int = 4, bias: bool = False,
@@ -127,8 +129,12 @@ class ShortConvolution(nn.Conv1d):
         self.activation = activation
 
     def forward(self, x: torch.Tensor, cache: torch.Tensor | None = None,
-                output_final_state: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``x [B, T, C]`` → ``(y [B, T, C], new cache [B, C, W−1] or None)``."""
+                output_final_state: bool = False,
+                cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``x [B, T, C]`` → ``(y [B, T, C], new cache [B, C, W−1] or None)``; with ``cu_seqlens``
+        (int64 offsets ``[N + 1]``, already checked by the caller) ``B = 1`` and the caches are ``[N, C, W−1]``."""
+        if cu_seqlens is not None:
+            return self._forward_packed(x, cache, output_final_state, cu_seqlens)
         B, T, C = x.shape
         W = self.kernel_size[0]
         xt = x.transpose(1, 2)
@@ -147,7 +153,52 @@ class ShortConvolution(nn.Conv1d):
         new_cache = full[..., full.shape[-1] - (W - 1):] if output_final_state else None
         return y, new_cache
 
+    def _forward_packed(self, x, cache, output_final_state, cu):
+        """Each sequence ``n`` of the packed ``x [1, T, C]`` sees ``cache[n]`` (or zeros) before its first token.
 
+        Token ``t`` of sequence ``n`` (``cu[n] ≤ t < cu[n+1]``) reads tap ``j`` at ``s = t − W + 1 + j``:
+        ``x[s]`` when ``s ≥ cu[n]``, else column ``W − 1 + s − cu[n]`` of sequence ``n``'s cache.  All
+        gathers: no offset is read on the host, so this also runs inside ``torch.compile``.
+        """
+        _, T, C = x.shape
+        W = self.kernel_size[0]
+        N = cu.shape[0] - 1
+        if cache is not None and tuple(cache.shape) != (N, C, W - 1):
+            raise ValueError(f"with cu_seqlens the conv cache holds one row per sequence, [N, C, W-1] = "
+                             f"{(N, C, W - 1)}, got {tuple(cache.shape)}")
+        dev = x.device
+        t = torch.arange(T, device=dev)
+        seq = torch.searchsorted(cu[1:], t, right=True).clamp_max(N - 1)  # the sequence of each token
+        start = cu[seq]
+        taps = torch.arange(W, device=dev) - (W - 1)  # s − t per tap
+        src = t[:, None] + taps  # [T, W]
+        own = src >= start[:, None]
+        xs = x[0].index_select(0, src.clamp_min(0).flatten()).view(T, W, C)
+        past = self._past(cache, seq[:, None].expand(T, W), src - start[:, None], x)  # [T, W, C] or None
+        xs = torch.where(own[..., None], xs, xs.new_zeros(()) if past is None else past)
+        y = torch.einsum("twc,cw->tc", xs, self.weight[:, 0, :].to(xs.dtype))
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        if self.activation is not None:
+            y = F.silu(y)
+        if not output_final_state:
+            return y[None], None
+        # sequence n's cache: its last W − 1 inputs, reaching back into its own cache (or zeros)
+        ends = cu[1:, None] + torch.arange(W - 1, device=dev) - (W - 1)  # [N, W-1] positions
+        own = ends >= cu[:-1, None]
+        last = x[0].index_select(0, ends.clamp(0, max(T - 1, 0)).flatten()).view(N, W - 1, C)
+        past = self._past(cache, torch.arange(N, device=dev)[:, None].expand(N, W - 1), ends - cu[:-1, None], x)
+        new = torch.where(own[..., None], last, last.new_zeros(()) if past is None else past)
+        return y[None], new.transpose(1, 2)
+
+    @staticmethod
+    def _past(cache, rows, offset, x):
+        """``cache[rows, :, W − 1 + offset]`` as ``[..., C]`` (offset < 0 reaches back into the cache), or None."""
+        W1 = 0 if cache is None else cache.shape[-1]
+        if W1 == 0:  # no cache, or width 1: nothing before a sequence's first token but zeros
+            return None
+        cols = (offset + W1).clamp(0, W1 - 1)
+        return cache.to(x.dtype).transpose(1, 2)[rows, cols]
 class GatedRMSNorm(nn.Module):
     """RMSNorm with an optional SiLU output gate (flash-linear-attention's ``FusedRMSNormGated``).
 

@@ -76,13 +76,13 @@ class Mamba2(RecurrentMixer):
                                  group_size=inner // self.n_groups)
         self.out_proj = nn.Linear(inner, d, bias=False)
 
-    def features(self, x, mask, conv_state):
+    def features(self, x, mask, conv_state, cu_seqlens=None):
         inner, H, N, n = self.intermediate_size, self.num_heads, self.state_size, self.n_groups
         z, xBC, dt = self.in_proj(x).split([inner, self.conv_dim, H], dim=-1)
         if conv_state is not None and not isinstance(conv_state, dict):
             raise TypeError(f"state['conv'] must be a dict of conv caches, got {type(conv_state).__name__}")
         xBC, cache = self.conv1d(apply_mask(xBC, mask), None if conv_state is None else conv_state.get("xBC"),
-                                 output_final_state=True)
+                                 output_final_state=True, cu_seqlens=cu_seqlens)
         xs, Bk, Cq = xBC.split([inner, n * N, n * N], dim=-1)
         xs = xs.unflatten(-1, (H, self.head_dim))
         Bk = Bk.unflatten(-1, (n, N)).repeat_interleave(H // n, dim=-2)

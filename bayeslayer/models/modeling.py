@@ -34,12 +34,16 @@ from ..checks import check_fits, check_int
 from ..errors import SizeError
 from ..ops.backend import BackendError, forced_backend
 from ..ops.flops import FlopCount, Tally
+from ..ops.utils.validation import can_read_values, values_checked
 from .cache import BayesLayerCache
 from .configuration import BayesLayerConfig
+from .packing import document_starts, resolve_packing, take_flash_attention_kwargs
 
-# Keyword arguments that ``generate()`` (or HF tooling) may pass and that a model
-# without positions or attention weights has no use for.
-_IGNORED_HF_KWARGS = frozenset({"position_ids", "cache_position", "output_attentions", "token_type_ids"})
+# Keyword arguments that ``generate()`` (or HF tooling) may pass and that carry nothing this model
+# uses: the cache position (the cache counts its own tokens), attention weights (refused when asked
+# for) and token types.  ``position_ids`` is not among them: it is read for packed documents
+# (:mod:`bayeslayer.models.packing`).
+_IGNORED_HF_KWARGS = frozenset({"cache_position", "output_attentions", "token_type_ids"})
 
 
 @dataclass
@@ -49,6 +53,9 @@ class BayesLayerModelOutput(BaseModelOutputWithPast):
     Layers) or ``None`` (mixers without a covariance)."""
 
     variances: tuple[torch.Tensor | None, ...] | None = None
+    #: the offsets of the packed documents over the row-major flattened ``[B·T]`` tokens (from
+    #: ``cu_seqlens`` or flattening ``position_ids``), or None when nothing was packed
+    cu_seqlens: torch.Tensor | None = None
 
 
 @dataclass
@@ -163,14 +170,18 @@ class BayesLayerBlock(GradientCheckpointingLayer):
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 state: dict | None = None, use_cache: bool = False, output_variance: bool = False,
-                cp_context=None) -> tuple[torch.Tensor, dict | None, torch.Tensor | None]:
-        """``(hidden_states, the mixer's new state or None, its predictive variance or None)``."""
+                cp_context=None, cu_seqlens: torch.Tensor | None = None,
+                ) -> tuple[torch.Tensor, dict | None, torch.Tensor | None]:
+        """``(hidden_states, the mixer's new state or None, its predictive variance or None)``; ``cu_seqlens``
+        (packed documents, ``B = 1``) goes to the mixer."""
         cp = {}
         if cp_context is not None:
             reason = self.cp_unsupported()
             if reason is not None:
                 raise ValueError(reason)
             cp = {"cp_context": cp_context}
+        if cu_seqlens is not None:
+            cp["cu_seqlens"] = cu_seqlens
         out = self.attn(self.attn_norm(hidden_states), attention_mask=attention_mask, state=state,
                         use_cache=use_cache, output_variance=output_variance, **cp)
         hidden_states = hidden_states + self.mixer_dropout(out.o)
@@ -296,10 +307,11 @@ def _check_ids_and_mask(input_ids, inputs_embeds, attention_mask, vocab_size: in
                             f"{getattr(input_ids, 'dtype', type(input_ids).__name__)}")
         if input_ids.dim() != 2 or input_ids.shape[1] == 0:
             raise ValueError(f"input_ids must be [B, T] with T >= 1, got shape {tuple(input_ids.shape)}")
-        lo, hi = int(input_ids.min()), int(input_ids.max())
-        if lo < 0 or hi >= vocab_size:
-            raise ValueError(f"input_ids must lie in [0, vocab_size={vocab_size}), got values in "
-                             f"[{lo}, {hi}]")
+        if values_checked(input_ids):
+            lo, hi = (int(x) for x in torch.stack((input_ids.min(), input_ids.max())).tolist())
+            if lo < 0 or hi >= vocab_size:
+                raise ValueError(f"input_ids must lie in [0, vocab_size={vocab_size}), got values in "
+                                 f"[{lo}, {hi}]")
         B, T = input_ids.shape
     else:
         if not isinstance(inputs_embeds, torch.Tensor) or not inputs_embeds.is_floating_point():
@@ -320,12 +332,14 @@ def _check_ids_and_mask(input_ids, inputs_embeds, attention_mask, vocab_size: in
                 f"attention_mask must be [B, >= T] = [{B}, >= {T}] (generate() passes the whole history), "
                 f"got {tuple(attention_mask.shape)}"
             )
-        if bool(((attention_mask != 0) & (attention_mask != 1)).any()):
+        if values_checked(attention_mask) and bool(((attention_mask != 0) & (attention_mask != 1)).any()):
             raise ValueError("attention_mask must contain only 0 and 1")
         # generate() keeps the mask of the whole history; a mixer sees the rows of this call.
         attention_mask = attention_mask[:, -T:]
-        if bool(attention_mask.all()):
-            attention_mask = None  # nothing masked: let mixers take their fast path
+        # nothing masked: let mixers take their fast path (decided where reading the mask costs no device sync;
+        # elsewhere the mask goes on, which gives the same values)
+        if attention_mask.device.type == "cpu" and can_read_values() and bool(attention_mask.all()):
+            attention_mask = None
     return B, T, attention_mask
 
 
@@ -408,11 +422,18 @@ class BayesLayerModel(BayesLayerPreTrainedModel):
                 inputs_embeds: torch.Tensor | None = None, cache: BayesLayerCache | None = None,
                 use_cache: bool | None = None, output_hidden_states: bool | None = None,
                 return_dict: bool | None = None, past_key_values: BayesLayerCache | None = None,
-                output_variances: bool | None = None, cp_context=None, **kwargs) -> BayesLayerModelOutput | tuple:
+                output_variances: bool | None = None, cp_context=None, cu_seqlens: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, **kwargs) -> BayesLayerModelOutput | tuple:
         """Hidden states ``[B, T, hidden]`` after the final norm; with ``use_cache`` also the updated cache.
 
         ``attention_mask`` ``[B, T']`` (``T' >= T``; 1 = token, 0 = left padding): the last ``T``
         columns go to every mixer, which keeps padded tokens out of its memory.
+        Packed documents (:mod:`bayeslayer.models.packing`): ``cu_seqlens`` (``[N + 1]`` offsets, ``B = 1``, as
+        flash-linear-attention's models take them; ``cu_seq_lens_q``/``cu_seq_lens_k`` are accepted too), or
+        ``position_ids`` that restart at 0 at every document (Hugging Face's ``DataCollatorWithFlattening``):
+        every document starts from the prior state in every layer, as if run alone, and with ``use_cache`` the
+        returned cache holds one row per document.  ``position_ids`` that count up by 1 (``generate()``, plain
+        batches) change nothing; any other pattern is refused.
         ``past_key_values`` is accepted as the pre-5.x name of ``cache``.  ``output_variances``
         adds each layer's predictive variance (``None`` for mixers without a covariance); it is an
         error for a model without a Bayesian Layer.
@@ -421,6 +442,7 @@ class BayesLayerModel(BayesLayerPreTrainedModel):
         across the context's group (docs/context_parallel.md); every mixer must have a context-parallel
         path (the Bayesian Layer with a dense covariance), others are refused by name.
         """
+        cu_seqlens = take_flash_attention_kwargs(kwargs, cu_seqlens)
         _check_extra_kwargs(kwargs)
         output_variances = _check_output_variances(output_variances, self)
         if cp_context is not None and (cache is not None or past_key_values is not None or use_cache):
@@ -439,38 +461,50 @@ class BayesLayerModel(BayesLayerPreTrainedModel):
             # a checkpointed block is replayed in the backward pass, so it cannot also write a cache
             raise ValueError("use_cache=True cannot be combined with activation checkpointing in training")
         return_dict = return_dict if return_dict is not None else self.config.return_dict
-        _, T, mask = _check_ids_and_mask(input_ids, inputs_embeds, attention_mask, self.config.vocab_size,
+        B, T, mask = _check_ids_and_mask(input_ids, inputs_embeds, attention_mask, self.config.vocab_size,
                                          self.config.hidden_size)
         if cache is not None and not isinstance(cache, BayesLayerCache):
             raise TypeError(f"cache must be a BayesLayerCache (or None), got {type(cache).__name__}")
         if cache is not None and len(cache.layers) != len(self.layers):
             raise ValueError(f"cache has {len(cache.layers)} layers but the model has {len(self.layers)}")
+        device = (input_ids if inputs_embeds is None else inputs_embeds).device
+        cu = None
+        if cu_seqlens is not None or position_ids is not None:
+            if cp_context is not None:
+                raise ValueError("with cp_context, pass the global cu_seqlens to build_cp_context, not cu_seqlens or "
+                                 "position_ids")
+            cu = resolve_packing(cu_seqlens, position_ids, batch=B, length=T, device=device,
+                                 valid=None if mask is None else mask.bool(),
+                                 continuing=cache is not None and cache.get_seq_length() > 0)
         if use_cache and cache is None:
             cache = BayesLayerCache(len(self.layers))
 
         hidden_states = self.embeddings(input_ids) if inputs_embeds is None else inputs_embeds
         hidden_states = self.embedding_dropout(hidden_states)
+        if cu is not None:  # the documents of every row, one after another in one packed row
+            hidden_states, mask = hidden_states.reshape(1, B * T, -1), None
+        unpack = (lambda x: x) if cu is None else (lambda x: None if x is None else x.reshape(B, T, *x.shape[2:]))
         all_hidden = () if output_hidden_states else None
         variances = () if output_variances else None
         for idx, layer in enumerate(self.layers):
             if output_hidden_states:
-                all_hidden += (hidden_states,)
+                all_hidden += (unpack(hidden_states),)
             state = cache[idx] if cache is not None else None
             hidden_states, new_state, variance = layer(hidden_states, attention_mask=mask, state=state,
                                                        use_cache=use_cache, output_variance=output_variances,
-                                                       cp_context=cp_context)
+                                                       cp_context=cp_context, cu_seqlens=cu)
             if use_cache:
                 cache.set_state(idx, new_state, T)
             if output_variances:
-                variances += (variance,)
-        hidden_states = self.norm(hidden_states)
+                variances += (unpack(variance),)
+        hidden_states = unpack(self.norm(hidden_states))
         if output_hidden_states:
             all_hidden += (hidden_states,)
         cache = cache if use_cache else None
         if not return_dict:
             return tuple(x for x in (hidden_states, cache, all_hidden, variances) if x is not None)
         return BayesLayerModelOutput(last_hidden_state=hidden_states, cache=cache, hidden_states=all_hidden,
-                                     variances=variances)
+                                     variances=variances, cu_seqlens=cu)
 
 
 class BayesLayerForCausalLM(BayesLayerPreTrainedModel, GenerationMixin):
@@ -524,14 +558,17 @@ class BayesLayerForCausalLM(BayesLayerPreTrainedModel, GenerationMixin):
                 labels: torch.LongTensor | None = None, use_cache: bool | None = None,
                 output_hidden_states: bool | None = None, return_dict: bool | None = None, logits_to_keep: int = 0,
                 past_key_values: BayesLayerCache | None = None, num_items_in_batch: int | torch.Tensor | None = None,
-                output_variances: bool | None = None, **kwargs) -> BayesLayerCausalLMOutput | tuple:
+                output_variances: bool | None = None, cu_seqlens: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, **kwargs) -> BayesLayerCausalLMOutput | tuple:
         """Logits ``[B, T, V]`` (the last ``logits_to_keep`` positions if > 0) and, with ``labels``
         ``[B, T]``, the mean cross-entropy of predicting ``labels[:, t+1]`` from position ``t``
         (label ``-100`` is ignored, as in transformers).  With ``num_items_in_batch`` (the
         ``Trainer``'s count of labelled tokens over gradient-accumulation steps) the loss is the
         summed cross-entropy divided by it.  The cross-entropy is computed in :func:`loss_dtype` (float32,
         float64 for a float64 model).  ``output_variances`` adds the per-layer predictive
-        variances (see :class:`BayesLayerModelOutput`)."""
+        variances (see :class:`BayesLayerModelOutput`).  Packed documents (``cu_seqlens`` or flattening
+        ``position_ids``, see :meth:`BayesLayerModel.forward`) give the loss of the documents run one by one:
+        a document's first token is never the target of the previous document's last."""
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         if labels is not None and kwargs.get("cp_context") is not None:
             raise ValueError("with cp_context, compute the loss from the logits: the label after a slice's last "
@@ -548,6 +585,8 @@ class BayesLayerForCausalLM(BayesLayerPreTrainedModel, GenerationMixin):
             return_dict=True,
             past_key_values=past_key_values,
             output_variances=output_variances,
+            cu_seqlens=cu_seqlens,
+            position_ids=position_ids,
             **kwargs,
         )
         hidden_states = outputs.last_hidden_state
@@ -559,6 +598,8 @@ class BayesLayerForCausalLM(BayesLayerPreTrainedModel, GenerationMixin):
                     f"{tuple(labels.shape) if isinstance(labels, torch.Tensor) else type(labels).__name__}"
                 )
             logits = self.lm_head(hidden_states)
+            if outputs.cu_seqlens is not None:  # no target across a document boundary
+                labels = labels.masked_fill(document_starts(outputs.cu_seqlens, *labels.shape).to(labels.device), -100)
             loss = F.cross_entropy(
                 logits[:, :-1].reshape(-1, logits.shape[-1]).to(loss_dtype(logits.dtype)),
                 labels[:, 1:].reshape(-1).to(logits.device),
