@@ -56,6 +56,12 @@ def _to_c(x: torch.Tensor) -> torch.Tensor:
     return torch.complex(x[..., 0::2].contiguous(), x[..., 1::2].contiguous())
 
 
+def _conj(z: torch.Tensor) -> torch.Tensor:
+    """The complex conjugate, computed (``z.conj()`` is a lazily negated view, which ``torch.func.vmap`` cannot
+    batch; ``conj_physical`` has no batching rule either)."""
+    return torch.complex(z.real, -z.imag)
+
+
 def _from_c(z: torch.Tensor) -> torch.Tensor:
     return torch.stack((z.real, z.imag), dim=-1).flatten(-2)
 
@@ -110,7 +116,7 @@ class ChunkDynamics:
 
     def adj(self, x):
         """``Φ_iᵀ x_i``."""
-        return self._mul(self.gamma.conj() if self.rot else self.gamma, x)
+        return self._mul(_conj(self.gamma) if self.rot else self.gamma, x)
 
     def to_end(self, x):
         """``Φ_C Φ_i⁻¹ x_i``."""
@@ -126,7 +132,7 @@ class ChunkDynamics:
         if self.scalar:
             return (a @ b.transpose(-1, -2)) * self.ratio[..., 0]
         if self.rot:
-            return torch.einsum("...ic,...ijc,...jc->...ij", _to_c(a).conj(), self.ratio, _to_c(b)).real
+            return torch.einsum("...ic,...ijc,...jc->...ij", _conj(_to_c(a)), self.ratio, _to_c(b)).real
         return torch.einsum("...id,...ijd,...jd->...ij", a, self.ratio, b)
 
     def mix(self, L: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -146,7 +152,7 @@ class ChunkDynamics:
         """``B_j x_j`` for x ``[B,H,C,D]``."""
         if not self.rot:
             return b * x
-        proj = (self.ratio.conj() * _to_c(x)[..., :, None, :]).real  # Σ keeps the real part
+        proj = (_conj(self.ratio) * _to_c(x)[..., :, None, :]).real  # Σ keeps the real part
         z = torch.einsum("...jlc,...jlc,...l->...jc", self.ratio, proj.to(self.ratio.dtype), ell2.to(self.ratio.dtype))
         return _from_c(z)
 
@@ -154,7 +160,7 @@ class ChunkDynamics:
         """``x_jᵀ B_j x_j`` -> ``[B,H,C]``."""
         if not self.rot:
             return (b * x * x).sum(-1)
-        proj = (self.ratio.conj() * _to_c(x)[..., :, None, :]).real
+        proj = (_conj(self.ratio) * _to_c(x)[..., :, None, :]).real
         return torch.einsum("...jlc,...l->...j", proj * proj, ell2)
 
     def noise_end(self, ell2: torch.Tensor, b: torch.Tensor | None, D: int) -> torch.Tensor:

@@ -186,22 +186,29 @@ class _SmallestEigvec(torch.autograd.Function):
     (there the dropped precision ``(W̃e)(W̃e)ᵀ`` does not depend on which eigenvector is picked).
     """
 
-    @staticmethod
-    def forward(ctx, G):
-        lam, V = torch.linalg.eigh(G)
-        ctx.save_for_backward(lam, V)
-        return V[..., :, 0]
+    generate_vmap_rule = True  # plain tensor code both ways: torch.func.vmap batches it
 
     @staticmethod
-    def backward(ctx, ge):
+    def forward(G):
+        lam, V = torch.linalg.eigh(G)
+        return V[..., :, 0], lam, V
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, lam, V = output
+        ctx.mark_non_differentiable(lam, V)
+        ctx.save_for_backward(lam, V)
+
+    @staticmethod
+    def backward(ctx, ge, _glam=None, _gV=None):
         lam, V = ctx.saved_tensors
         e = V[..., :, 0]
         gap = lam[..., :1] - lam  # λ_0 − λ_i ≤ 0
         tol = (1e-6 if lam.dtype == torch.float32 else 1e-12) * lam.abs().amax(-1, keepdim=True).clamp_min(1e-30)
         c = (V.transpose(-1, -2) @ ge[..., None])[..., 0]  # v_iᵀ ḡ
         safe = gap.abs() > tol
+        safe[..., 0] = False  # i ≠ 0 only
         f = torch.where(safe, c / torch.where(safe, gap, torch.ones_like(gap)), torch.zeros_like(c))
-        f[..., 0] = 0.0
         g = (V @ f[..., None]) @ e[..., None, :]
         return 0.5 * (g + g.transpose(-1, -2))
 
@@ -214,7 +221,7 @@ def _drop_one(Wt: torch.Tensor, ups_bar: torch.Tensor, projection: str):
     else:
         Gm = Wt.transpose(-1, -2) @ Wt
     Gm = 0.5 * (Gm + Gm.transpose(-1, -2))
-    e = _SmallestEigvec.apply(Gm)  # [.., n]
+    e = _SmallestEigvec.apply(Gm)[0]  # [.., n]
     x = (Wt @ e[..., None])[..., 0]
     # Householder H = I − 2 w wᵀ/(wᵀw), w = e + s ê_n, maps e to −s ê_n: its first n−1 columns span e⊥
     s = torch.where(e[..., -1:] >= 0, 1.0, -1.0).to(e.dtype)
