@@ -847,6 +847,22 @@ def sharding_formula_table(root: Path) -> str:
         lines.append(_row([f["model"], f"{f['hidden_size']} × {f['layers']}", f"{f['parameters'] / 1e9:.2f} B",
                            f"{f['ddp'] / 1e9:.2f}", *(f"{f['fsdp'][str(n)] / 1e9:.2f}" for n in ranks),
                            f"{f['gathered_unit_fp32'] / 1e9:.2f}"]))
+# --------------------------------------------------------------------------- torch.compile on the CPU
+
+def compile_table(root: Path) -> str:
+    """``benchmarks/compile.py --out``: per workload, eager (value checks on, then off), compiled (steady) and the
+    first compiled call from a cold cache, with the sizes and the 1-minute load average while it ran."""
+    rec = _load(root, "results/compile/cpu.json")
+    z = rec["sizes"]
+    size = (f"hidden {z['hidden']}, {z['num_heads']} heads of {z['head_dim']}, B = {z['batch']}, "
+            f"T = {z['length']}")
+    lines = [_row(["workload", "eager (ms)", "eager, checks off (ms)", "compiled (ms)", "speed-up", "first compiled "
+                   "call (s)", "load"]), "|---|---:|---:|---:|---:|---:|---|"]
+    for r in rec["rows"]:
+        lines.append(_row([f"{r['workload']} ({size})", f"{r['eager_s'] * 1e3:.1f}",
+                           f"{r['eager_checks_off_s'] * 1e3:.1f}", f"{r['compiled_s'] * 1e3:.1f}",
+                           f"{r['speedup']:.2f}×", f"{r['first_compiled_call_s']:.0f}",
+                           f"{r['load_start']:.1f}–{r['load_end']:.1f}"]))
     return "\n".join(lines)
 
 
@@ -889,6 +905,7 @@ TABLES: dict[str, tuple[str, Callable[[Path], str]]] = {
     "tests-slowest-default": ("docs/reliability.md", slowest_default_table),
     "cpu-threads": ("docs/reliability.md", threads_table),
     "flops-mixers": ("docs/layers.md", flops_mixers_table),
+    "compile-cpu": ("README.md", compile_table),
     "collision-steps": ("docs/experiments.md", collision_steps_table),
     "collision-fixed-prior": ("docs/experiments.md", collision_fixed_prior_table),
     "collision-overlap": ("docs/experiments.md", collision_overlap_table),

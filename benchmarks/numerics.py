@@ -4,7 +4,8 @@ Prints three tables (relative errors, max over every token, head and batch entry
 
 1. ``p0`` in {1e4, 1e6, 1e7, 1e8}: ``bl_recurrent``, ``bl_chunk`` and a ``bl_step`` decode, float32
    inputs against the same inputs in float64, with the smallest predictive variance and whether the
-   state's ``P`` passed a Cholesky at every decoded token;
+   state's ``P`` passed a Cholesky at every decoded token, for a decode from a float64 state (what the
+   ``PrecisionWarning`` of a float32 state at a wide prior asks for) and from a float32 one;
 2. long decoding with ``bl_step`` (``--tokens``, default 100,000) in two regimes: *benign* (random
    unit keys, α ∈ [0.999, 1]) with a float32 state, and *ill-conditioned* (keys in a 2-dim
    subspace of D = 8, r² ≈ 1e-3, ℓ² ≈ 1e-6, α ≈ 0.9995) with a float32 and a float64 state;
@@ -14,13 +15,11 @@ Prints three tables (relative errors, max over every token, head and batch entry
 4. ``--ill`` (``--ill-tokens``, default 20,000; B = 1, H = 2, D = m = 16): ill-conditioned regimes of the
    chunked path, r² ≈ 1e-3, ℓ² ≈ 1e-6, α ≈ 0.9995 with keys spread 1e-3 around one direction
    (*collinear*) or confined to a 2-dim subspace, at p0 = 1 and 1e8: ``bl_recurrent`` and ``bl_chunk``
-   in float32 against float64, the largest per-token error (``max_t |Δo_t| / max |o_t|``), the chunk
-   groups whose covariance ran in float64 (:func:`bayeslayer.ops.bayesian_layer.chunk.chunk_group_dtype`), and the same
+   in float32 against float64, the largest per-token error (``max_t |Δo_t| / max |o_t|``), and the same
    inputs rounded to bfloat16 against the unrounded float64 reference;
 5. ``--cost``: ``bl_chunk`` forward and forward+backward time (one thread, minimum over interleaved
-   repeats) with the float64 group rule as shipped, with it off (every group in float32, the pass before
-   the rule) and with every group in float64, in a typical regime (unit keys, r² ∈ [0.1, 1.1]) and the
-   collinear one.
+   repeats) with the covariance pass in float64 as shipped (``ops.utils.validation.COVARIANCE_DTYPE``) and
+   in float32, in a typical regime (unit keys, r² ∈ [0.1, 1.1]) and the collinear one.
 
 Run it against another checkout to compare (``PYTHONPATH=/path/to/checkout python benchmarks/numerics.py``).
 Slow by design (the decode is a Python loop over tokens); never a test.
@@ -30,9 +29,11 @@ from __future__ import annotations
 
 import argparse
 import time
+import warnings
 
 import torch
 
+from bayeslayer.errors import PrecisionWarning
 from bayeslayer.ops import bl_chunk, bl_recurrent, bl_step, initial_bl_state
 
 F64 = torch.float64
@@ -108,7 +109,7 @@ def table_p0(p0s=(1e4, 1e6, 1e7, 1e8)):
     args = ("q", "k", "v", "r2", "ell2", "alpha")
     print("1. wide prior p0 (B=2, T=64, H=2, D=16, m=8; float32 vs float64, max relative error)")
     print(f"{'p0':>6} | {'recurrent o':>11} {'variance':>9} {'min var':>8} | {'chunk o':>9} {'variance':>9} | "
-          f"{'step o':>9} {'variance':>9} {'P chol':>6} {'min eig/|P|':>11}")
+          f"{'step o':>9} {'variance':>9} {'P chol':>6} {'min eig/|P|':>11} | {'f32 state: o':>12} {'P chol':>6}")
     for p0 in p0s:
         ref_o, ref_var, _ = bl_recurrent(*(x[a] for a in args), p0=p0, return_variance=True)
         f32 = [x[a].float() for a in args]
@@ -120,8 +121,15 @@ def table_p0(p0s=(1e4, 1e6, 1e7, 1e8)):
         except Exception as exc:  # noqa: BLE001 - the table reports what the path does
             row += f"{type(exc).__name__:>19.19} | "
         try:
-            os_, vs, ok, worst = decode(x, torch.float32, torch.float32, p0=p0)
-            row += f"{rel(os_, ref_o):>9.1e} {rel_each(vs, ref_var):>9.1e} {str(ok):>6} {worst:>11.1e}"
+            os_, vs, ok, worst = decode(x, torch.float32, F64, p0=p0)
+            row += f"{rel(os_, ref_o):>9.1e} {rel_each(vs, ref_var):>9.1e} {str(ok):>6} {worst:>11.1e} | "
+        except Exception as exc:  # noqa: BLE001
+            row += f"{type(exc).__name__}: {str(exc)[:60]} | "
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", PrecisionWarning)  # the table shows what it warns about
+                os_, vs, ok, worst = decode(x, torch.float32, torch.float32, p0=p0)
+            row += f"{rel(os_, ref_o):>12.1e} {str(ok):>6}"
         except Exception as exc:  # noqa: BLE001
             row += f"{type(exc).__name__}: {str(exc)[:60]}"
         print(row)
@@ -232,44 +240,26 @@ def key_spread(k: torch.Tensor) -> float:
 
 
 def table_ill(T: int):
-    from bayeslayer.ops.bayesian_layer import chunk as chunk_module
-
     args = ("q", "k", "v", "r2", "ell2", "alpha")
     print(f"\n4. ill-conditioned chunks (B=1, T={T}, H=2, D=m=16; r² ≈ 1e-3, ℓ² ≈ 1e-6, α ≈ 0.9995): max|Δo| / "
           "max|o| against float64 on the same values")
     print("   (bf16: the keys, or every input, rounded to bfloat16, against the reference on the unrounded values;"
           " ‖Δk‖: mean change of a key by that rounding; spread: mean distance of the keys from their mean direction)")
     print(f"{'keys':>9} {'p0':>5} | {'recurrent':>9} {'per token':>9} | {'chunk':>9} {'per token':>9} "
-          f"{'f64 groups':>10} | {'bf16 k: rec.':>12} {'chunk':>6} {'all bf16: chunk':>15} {'‖Δk‖':>7} {'spread':>7}")
-    counted = []
-    original = getattr(chunk_module, "chunk_group_dtype", None)  # None: a checkout from before the rule
-
-    def counting(*a, **kw):
-        dtype = original(*a, **kw)
-        counted.append(dtype == torch.float64)
-        return dtype
-
+          f"| {'bf16 k: rec.':>12} {'chunk':>6} {'all bf16: chunk':>15} {'‖Δk‖':>7} {'spread':>7}")
     for keys, p0 in (("collinear", 1.0), ("subspace", 1.0), ("subspace", 1e8)):
         x = ill_inputs(keys, T)
         ref, _ = bl_recurrent(*(x[a] for a in args), p0=p0)
         f32 = [x[a].float() for a in args]
         o_r, _ = bl_recurrent(*f32, p0=p0)
-        counted.clear()
-        if original is not None:
-            chunk_module.chunk_group_dtype = counting
-        try:
-            o_c, _ = bl_chunk(*f32, p0=p0)
-        finally:
-            if original is not None:
-                chunk_module.chunk_group_dtype = original
+        o_c, _ = bl_chunk(*f32, p0=p0)
         k_bf = x["k"].to(torch.bfloat16).float()
         o_rb, _ = bl_recurrent(f32[0], k_bf, *f32[2:], p0=p0)
         o_cb, _ = bl_chunk(f32[0], k_bf, *f32[2:], p0=p0)
         o_ab, _ = bl_chunk(*(x[a].to(torch.bfloat16) for a in args), p0=p0)
-        groups = f"{sum(counted)}/{len(counted)}" if original is not None else "-"
         dk = float((k_bf.double() - x["k"]).norm(dim=-1).mean())
         print(f"{keys:>9} {p0:>5.0e} | {rel(o_r, ref):>9.1e} {per_token(o_r, ref):>9.1e} | {rel(o_c, ref):>9.1e} "
-              f"{per_token(o_c, ref):>9.1e} {groups:>10} | {rel(o_rb, ref):>12.2g} {rel(o_cb, ref):>6.2g} "
+              f"{per_token(o_c, ref):>9.1e} | {rel(o_rb, ref):>12.2g} {rel(o_cb, ref):>6.2g} "
               f"{rel(o_ab, ref):>15.2g} {dk:>7.1e} {key_spread(x['k']):>7.1e}", flush=True)
 
 
@@ -285,18 +275,17 @@ def table_cost(T: int = 4096, repeats: int = 5):
                    alpha=0.9 + 0.1 * torch.rand(B, T, H, generator=g))
     collinear = {name: t.float() for name, t in ill_inputs("collinear", T, H=H, D=D, m=D).items()}
     args = ("q", "k", "v", "r2", "ell2", "alpha")
-    rules = {"as shipped": chunk_module.CHUNK_FLOAT32_RATIO, "rule off (all float32)": float("inf"),
-             "all float64": 0.0}
+    rules = {"as shipped (float64)": chunk_module.COVARIANCE_DTYPE, "covariance in float32": torch.float32}
     print(f"\n5. bl_chunk time (B={B}, T={T}, H={H}, D=m={D}, one thread; min of {repeats} interleaved runs)")
-    print(f"{'regime':>10} {'float64 rule':>24} | {'forward s':>9} {'ratio':>6} | {'fwd+bwd s':>9} {'ratio':>6}")
+    print(f"{'regime':>10} {'covariance pass':>24} | {'forward s':>9} {'ratio':>6} | {'fwd+bwd s':>9} {'ratio':>6}")
     for regime, x in (("typical", typical), ("collinear", collinear)):
         fwd = dict.fromkeys(rules, float("inf"))
         both = dict.fromkeys(rules, float("inf"))
         leaves = [x[a].clone().requires_grad_() for a in ("q", "k", "v")]
         try:
             for _ in range(repeats):
-                for name, ratio in rules.items():
-                    chunk_module.CHUNK_FLOAT32_RATIO = ratio
+                for name, dtype in rules.items():
+                    chunk_module.COVARIANCE_DTYPE = dtype
                     t0 = time.perf_counter()
                     bl_chunk(*(x[a] for a in args))
                     fwd[name] = min(fwd[name], time.perf_counter() - t0)
@@ -305,8 +294,8 @@ def table_cost(T: int = 4096, repeats: int = 5):
                     o.sum().backward()
                     both[name] = min(both[name], time.perf_counter() - t0)
         finally:
-            chunk_module.CHUNK_FLOAT32_RATIO = rules["as shipped"]
-        base, base_both = fwd["rule off (all float32)"], both["rule off (all float32)"]
+            chunk_module.COVARIANCE_DTYPE = rules["as shipped (float64)"]
+        base, base_both = fwd["covariance in float32"], both["covariance in float32"]
         for name in rules:
             print(f"{regime:>10} {name:>24} | {fwd[name]:>9.3f} {fwd[name] / base:>6.2f} | {both[name]:>9.3f} "
                   f"{both[name] / base_both:>6.2f}", flush=True)

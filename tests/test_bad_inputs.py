@@ -525,6 +525,58 @@ def _crowding_seeds(n: int):
 def _huge_chunk():
     kw = _bl()
     return _ops().bl_chunk(**kw, chunk_size=10**9)[0], _ops().bl_chunk(**kw, chunk_size=5)[0]
+def _packed_mixer(name="bayesian", T=6, B=1, **kw):
+    """A mixer called on ``[B, T, 32]`` with ``kw`` (cu_seqlens, attention_mask, state)."""
+    return _mixer(name)(torch.randn(B, T, 32), **kw)
+
+
+def _packed_model(T=6, cache_tokens=0, **kw):
+    """The tiny language model called on ``[1, T]`` token ids with ``kw`` (position_ids, cu_seqlens, ...)."""
+    model = _model_folders().tiny_model()
+    if cache_tokens:
+        kw["cache"] = model(input_ids=torch.zeros(1, cache_tokens, dtype=torch.long), use_cache=True).cache
+    return model(input_ids=torch.zeros(1, T, dtype=torch.long), **kw)
+
+
+def _offsets(*lengths):
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+
+
+PACKED_CASES = [
+    Api("packed sequences", "mixer(cu_seqlens=..., attention_mask=...)",
+        lambda p: _packed_mixer(cu_seqlens=_offsets(2, 4), attention_mask=torch.ones(1, 6)),
+        "pass attention_mask or cu_seqlens, not both"),
+    Api("packed sequences", "mixer(cu_seqlens ending before T)", lambda p: _packed_mixer(cu_seqlens=_offsets(2, 3)),
+        "cu_seqlens must start at 0 and end at T=6"),
+    Api("packed sequences", "mixer(cu_seqlens decreasing)",
+        lambda p: _packed_mixer(cu_seqlens=torch.tensor([0, 4, 2, 6])), "cu_seqlens must be non-decreasing"),
+    Api("packed sequences", "mixer(cu_seqlens float)", lambda p: _packed_mixer(cu_seqlens=_offsets(2, 4).float()),
+        "cu_seqlens must have dtype int32 or int64"),
+    Api("packed sequences", "mixer(cu_seqlens, batch 2)", lambda p: _packed_mixer(B=2, cu_seqlens=_offsets(2, 4)),
+        "the batch size must be 1"),
+    Api("packed sequences", "attention(cu_seqlens, a cache of 3 rows for 2 sequences)",
+        lambda p: _packed_mixer("attention", cu_seqlens=_offsets(2, 4),
+                                state=_mixer("attention")(torch.randn(3, 2, 32), use_cache=True).state),
+        "state['k'] must be [B, S, H, D] with B=2"),
+    Api("packed sequences", "model(position_ids that skip)",
+        lambda p: _packed_model(position_ids=torch.tensor([[0, 1, 3, 4, 5, 6]])),
+        "position_ids must count up by 1 within a document and restart at 0"),
+    Api("packed sequences", "model(position_ids restarting, with padding)",
+        lambda p: _packed_model(position_ids=torch.tensor([[0, 1, 2, 0, 1, 2]]),
+                                attention_mask=torch.tensor([[0, 1, 1, 1, 1, 1]])), "attention_mask marks padding"),
+    Api("packed sequences", "model(position_ids and cu_seqlens that disagree)",
+        lambda p: _packed_model(position_ids=torch.tensor([[0, 1, 2, 0, 1, 2]]), cu_seqlens=_offsets(2, 4)),
+        "position_ids mark documents at [0, 3, 6] but cu_seqlens gives [0, 2, 6]"),
+    Api("packed sequences", "model(position_ids of the wrong length)",
+        lambda p: _packed_model(position_ids=torch.arange(5)[None]), "position_ids must be [B, T] = [1, 6]"),
+    Api("packed sequences", "model(position_ids float)",
+        lambda p: _packed_model(position_ids=torch.arange(6.0)[None]), "position_ids must be an integer"),
+    Api("packed sequences", "model(packed documents after a cache)",
+        lambda p: _packed_model(cu_seqlens=_offsets(2, 4), cache_tokens=3), "cannot continue a cache"),
+    Api("packed sequences", "model(cu_seq_lens_q != cu_seq_lens_k)",
+        lambda p: _packed_model(cu_seq_lens_q=_offsets(3, 3), cu_seq_lens_k=_offsets(2, 4)),
+        "cu_seq_lens_q and cu_seq_lens_k must be the same"),
+]
 
 
 def _damaged_api(name: str, kind: str, load: Callable, damage: str, needle: str) -> Api:
@@ -641,6 +693,7 @@ API_CASES = [
         lambda p: __import__("bayeslayer.training.sharded_state", fromlist=["x"]).load_sharded(
             p["root"], _tiny_lm(), torch.optim.AdamW(_tiny_lm().parameters()), "x"),
         "param_groups must be the list"),
+    *PACKED_CASES,
 ]
 
 
