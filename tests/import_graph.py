@@ -28,7 +28,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("design",),
     ("layers",),
     ("data",),
-    ("models",),
+    ("models", "autoregister"),  # autoregister: imports models when transformers loads its Auto classes
     ("training",),
     ("evaluation",),
     ("experiments",),
