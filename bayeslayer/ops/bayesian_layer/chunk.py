@@ -92,7 +92,9 @@ class ChunkDynamics:
             end = end * torch.polar(torch.ones_like(ang), ang[..., -1:, :] - ang)
             gamma = gamma * torch.polar(torch.ones_like(ang), ang)
         self.ratio, self.end, self.gamma = ratio, end, gamma
-        self.gamma_C = gamma[..., -1:, :]  # [B,H,1,Dd]
+        # a copy, not a view of gamma: Inductor (torch 2.13) miscompiles the backward when both gamma and a view
+        # of it are unbound per chunk (tests/layers/test_compile.py, diagonal decay, gradients 30-90% off)
+        self.gamma_C = gamma[..., -1:, :].clone()  # [B,H,1,Dd]
 
     def unbind(self) -> list[ChunkDynamics]:
         """The factors of every chunk of a block, as views (one autograd node per factor, see :func:`_unbind`)."""
