@@ -8,8 +8,8 @@ registry Bayesian Layer after a short-convolution block) — with their own samp
 learning rates (fewer steps in the CPU preset), then, for every query of fixed test sets spanning
 easy to hard, records
 
-* the variance at the query token: the last Bayesian layer's (mean over heads) and the mean over
-  heads and Bayesian layers;
+* the variance at the query token (:func:`~bayeslayer.evaluation.variance.token_variance`): the last
+  Bayesian layer's (mean over heads and groups) and the mean of the Bayesian layers' means;
 * the softmax entropy of the model's answer distribution (the baseline: what any model has);
 * whether the arg-max answer is right.
 
@@ -40,7 +40,7 @@ import torch.nn as nn
 from ..checks import check_int
 from ..data.collision_tasks import collision_recall_batch
 from ..data.mqar import IGNORE_INDEX, MQARTask, make_pool
-from ..evaluation.variance import QUANTILES, score_queries
+from ..evaluation.variance import QUANTILES, score_queries, token_variance
 from ..training.distributed import resolve_device
 from ..training.lock import lock_output
 from ..training.optim import DECAY_POLICY
@@ -138,8 +138,9 @@ class VarianceProbe:
     Registry mixers (``output_variance`` on their forward) are asked for it through a pre-hook; the
     recall core mixers (:class:`~bayeslayer.experiments.common.recall_models.CoreMixer`) run their filter again
     through :meth:`~bayeslayer.experiments.common.recall_models.CoreMixer.predictive_variance`.  The model's outputs
-    are unchanged.  Use as a context manager; :attr:`variances` holds ``[B, T, H]`` per layer of the last
-    forward.
+    are unchanged.  Use as a context manager; :attr:`variances` holds ``[B, T, H, G]`` per layer of the last
+    forward (``G = 1`` for a core mixer, whose variance comes averaged over its groups), the layout
+    :func:`~bayeslayer.evaluation.variance.token_variance` reduces.
     """
 
     def __init__(self, model: nn.Module):
@@ -155,12 +156,12 @@ class VarianceProbe:
         for i, layer in enumerate(self.layers):
             if isinstance(layer, CoreMixer):
                 self.handles.append(layer.register_forward_hook(
-                    lambda mod, args, out, i=i: self._store(i, mod.predictive_variance(*args))))
+                    lambda mod, args, out, i=i: self._store(i, mod.predictive_variance(*args).unsqueeze(-1))))
             else:
                 self.handles.append(layer.register_forward_pre_hook(
                     lambda mod, args, kwargs: (args, {**kwargs, "output_variance": True}), with_kwargs=True))
                 self.handles.append(layer.register_forward_hook(
-                    lambda mod, args, out, i=i: self._store(i, out.variance.mean(-1))))  # [B, T, H, G] → [B, T, H]
+                    lambda mod, args, out, i=i: self._store(i, out.variance)))  # [B, T, H, G]
         return self
 
     def _store(self, i: int, variance: torch.Tensor) -> None:
@@ -174,19 +175,20 @@ class VarianceProbe:
 
 def collect_queries(model: nn.Module, batches) -> dict[str, np.ndarray]:
     """Per query (label ≠ -100) of ``batches`` (``(inputs, labels, condition)``): ``correct``, ``entropy`` of the
-    softmax, ``variance_last`` (last Bayesian layer, mean over heads), ``variance_mean`` (over heads and layers)
-    and ``condition``."""
+    softmax, ``variance_last`` (last Bayesian layer, mean over heads and groups) and ``variance_mean`` (the mean
+    of the Bayesian layers' means), both :func:`~bayeslayer.evaluation.variance.token_variance`, and
+    ``condition``."""
     rows: dict[str, list] = {k: [] for k in ("correct", "entropy", "variance_last", "variance_mean", "condition")}
     with VarianceProbe(model) as probe:
         for inputs, labels, condition in batches:
             logits = model(inputs).float().cpu()
             mask = labels != IGNORE_INDEX
             logp = torch.log_softmax(logits[mask], -1)
-            var = torch.stack([v.float().cpu() for v in probe.variances])  # [L, B, T, H]
+            var = [v.float().cpu() for v in probe.variances]  # [B, T, H, G] per Bayesian layer
             rows["correct"].append((logits[mask].argmax(-1) == labels[mask]).numpy())
             rows["entropy"].append((-(logp.exp() * logp).sum(-1)).numpy())
-            rows["variance_last"].append(var[-1][mask].mean(-1).double().numpy())
-            rows["variance_mean"].append(var[:, mask].mean((0, -1)).double().numpy())
+            rows["variance_last"].append(token_variance(var, layers="last")[mask].double().numpy())
+            rows["variance_mean"].append(token_variance(var, layers="all")[mask].double().numpy())
             rows["condition"].append(np.full(int(mask.sum()), condition))
     return {k: np.concatenate(v) for k, v in rows.items()}
 
