@@ -140,6 +140,7 @@ def smoke_note(preset: VariancePreset) -> str | None:
 
 
 def _duration(seconds: float) -> str:
+    """``"7 s"``, ``"21 min"``, ``"2.5 h"``: a measured time as ``--help`` prints it."""
     return f"{seconds:.0f} s" if seconds < 100 else f"{seconds / 60:.0f} min" if seconds < 6000 else \
         f"{seconds / 3600:.1f} h"
 
@@ -156,7 +157,8 @@ def preset_help() -> str:
         kind = " (a smoke test: its numbers mean nothing)" if p.smoke_test else ""
         parts.append(f"'{name}'{kind}: {p.seeds} seeds; training steps recall {recall_steps:,}, MQAR Update "
                      f"{mqar_steps}; {recall_queries(p):,} + {mqar_queries(p):,} scored queries per seed; "
-                     f"≈ {_duration(took['cpu_seconds'])} ({_duration(took['wall_seconds'])} at load {took['load']})")
+                     f"≈ {_duration(took['cpu_seconds'])} ({_duration(took['wall_seconds'])} at load "
+                     f"{took['load']})")
     return ("the run's size (default: default). " + ". ".join(parts) + ". Times: the whole command with one "
             "thread, as CPU time (about the wall time on an idle machine) and in brackets the wall time measured "
             f"on a shared 2-core CPU ({MEASURED_RECORD})")
