@@ -120,8 +120,10 @@ def task_manager(include_path: str | os.PathLike | list | None = None, **kwargs:
     return TaskManager(include_path=_with_package_tasks(include_path), **kwargs)
 
 
-def _with_package_tasks(include_path: Any) -> list[str]:
-    """``[our task folder, *include_path]``."""
+def _with_package_tasks(include_path: Any, *, required: bool = True) -> list[str]:
+    """``[our task folder, *include_path]``; without ``required``, a task folder that cannot be written (no
+    standard library to read, a cache folder that is not writable) is a warning and only ``include_path``
+    is returned, so tasks that do not need ours still run."""
     if include_path is None:
         theirs = []
     elif isinstance(include_path, (str, os.PathLike)):
@@ -130,7 +132,17 @@ def _with_package_tasks(include_path: Any) -> list[str]:
         theirs = [str(p) for p in include_path]
     else:
         raise TypeError(f"include_path must be a folder path, a list of them or None, got {include_path!r}")
-    return [str(default_task_dir()), *theirs]
+    try:
+        ours = default_task_dir()
+    except (OSError, ValueError) as exc:
+        if required:
+            raise
+        import warnings
+
+        warnings.warn(f"bayeslayer's lm-eval tasks (bayeslayer_perplexity) are not available: {exc}", RuntimeWarning,
+                      stacklevel=2)
+        return theirs
+    return [str(ours), *theirs]
 
 
 def _git_hash_from_files() -> str | None:
@@ -180,7 +192,7 @@ def main() -> None:
             from lm_eval.config.evaluate_config import EvaluatorConfig
 
             include_path = EvaluatorConfig.load_yaml_config(args.config).get("include_path")
-        args.include_path = _with_package_tasks(include_path)
+        args.include_path = _with_package_tasks(include_path, required=False) or None
     with _git_hash_without_git():
         parser.execute(args)
 

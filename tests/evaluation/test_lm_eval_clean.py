@@ -125,6 +125,19 @@ def test_task_manager_and_the_git_hash_of_a_checkout(tmp_path, monkeypatch):
     assert _git_hash_from_files() == "0123456789abcdef0123456789abcdef01234567"
 
 
+def test_the_command_line_still_runs_other_tasks_when_ours_cannot_be_written(tmp_path, monkeypatch):
+    """A cache folder that is a file: the command line warns that bayeslayer_perplexity is not available and
+    keeps the user's task path; an explicit ``task_manager()`` raises."""
+    from bayeslayer.evaluation.lm_eval_adapter import _with_package_tasks, task_manager
+
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("BAYESLAYER_CACHE", str(tmp_path / "file"))
+    with pytest.warns(RuntimeWarning, match="bayeslayer_perplexity.*is a file"):
+        assert _with_package_tasks(str(tmp_path / "mine"), required=False) == [str(tmp_path / "mine")]
+    with pytest.raises(ValueError, match="is a file"):
+        task_manager(include_defaults=False)
+
+
 def test_lm_eval_marks_our_model_type_as_causal():
     from lm_eval.models.huggingface import HFLM
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
