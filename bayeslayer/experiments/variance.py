@@ -92,12 +92,12 @@ class VariancePreset:
     smoke_test: bool = False  # too small to mean anything: the output and the record say so
 
 
-def recall_queries(preset: VariancePreset) -> int:
+def _recall_queries(preset: VariancePreset) -> int:
     """Recall queries scored per seed: ``len(recall_test_n_f) × recall_sequences × num_pairs``."""
     return len(preset.recall_test_n_f) * preset.recall_sequences * recall_task.PRESETS[preset.recall_preset].num_pairs
 
 
-def mqar_queries(preset: VariancePreset) -> int:
+def _mqar_queries(preset: VariancePreset) -> int:
     """MQAR Update queries scored per seed: ``len(mqar_test_updates) × mqar_examples × update_test_pairs``."""
     return (len(preset.mqar_test_updates) * preset.mqar_examples
             * mqar_setup.PRESETS[preset.mqar_preset].update_test_pairs)
@@ -131,7 +131,7 @@ MEASURED = {
 MEASURED_RECORD = "results/variance/presets.json"
 
 
-def smoke_note(preset: VariancePreset) -> str | None:
+def _smoke_note(preset: VariancePreset) -> str | None:
     """The warning a smoke-test preset's output and record carry; ``None`` for the others."""
     if not preset.smoke_test:
         return None
@@ -145,7 +145,7 @@ def _duration(seconds: float) -> str:
         f"{seconds / 3600:.1f} h"
 
 
-def preset_help() -> str:
+def _preset_help() -> str:
     """``--preset``'s help: each preset's seeds, training steps, scored queries and measured time."""
     parts = []
     for name in sorted(PRESETS, key=lambda n: MEASURED[n]["cpu_seconds"]):
@@ -156,13 +156,12 @@ def preset_help() -> str:
         took = MEASURED[name]
         kind = " (a smoke test: its numbers mean nothing)" if p.smoke_test else ""
         parts.append(f"'{name}'{kind}: {p.seeds} seeds; training steps recall {recall_steps:,}, MQAR Update "
-                     f"{mqar_steps}; {recall_queries(p):,} + {mqar_queries(p):,} scored queries per seed; "
+                     f"{mqar_steps}; {_recall_queries(p):,} + {_mqar_queries(p):,} scored queries per seed; "
                      f"≈ {_duration(took['cpu_seconds'])} ({_duration(took['wall_seconds'])} at load "
                      f"{took['load']})")
     return ("the run's size (default: default). " + ". ".join(parts) + ". Times: the whole command with one "
             "thread, as CPU time (about the wall time on an idle machine) and in brackets the wall time measured "
             f"on a shared 2-core CPU ({MEASURED_RECORD})")
-
 
 
 @dataclass(frozen=True)
@@ -342,7 +341,7 @@ def _run(config: VarianceConfig, out: Path | None) -> dict:
                        "summary": summary, "wall_seconds": time.perf_counter() - t_task}
         for score in ("variance_last", "entropy"):
             summary[f"coverage_{score}"] = coverage_curve(tasks[task], score)
-    note = {"note": smoke_note(preset)} if preset.smoke_test else {}
+    note = {"note": _smoke_note(preset)} if preset.smoke_test else {}
     record = results_record(NAME, preset.name, {**asdict(preset), "tasks": list(config.tasks)}, tasks,
                             smoke_test=preset.smoke_test, **note, wall_seconds=time.perf_counter() - t0,
                             finished_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
@@ -438,7 +437,7 @@ def _main(args):
     preset = PRESETS[args.preset]
     if args.seeds is not None:
         preset = replace(preset, seeds=args.seeds)
-    note = smoke_note(preset)
+    note = _smoke_note(preset)
     if note:
         print(f"note: {note}", flush=True)
     record = run(VarianceConfig(preset=preset, tasks=tuple(args.tasks), out=args.out, progress=args.progress,
@@ -453,7 +452,7 @@ def _main(args):
 def add_parser(sub) -> None:
     p = sub.add_parser("variance", help="does the BL's predictive variance flag wrong answers? (AUROC vs entropy)",
                        description=DESCRIPTION)
-    p.add_argument("--preset", choices=sorted(PRESETS), default="default", help=preset_help())
+    p.add_argument("--preset", choices=sorted(PRESETS), default="default", help=_preset_help())
     p.add_argument("--tasks", nargs="+", choices=TASKS, default=list(TASKS))
     p.add_argument("--seeds", type=positive_int_arg, default=None, help="number of seeds (default: the preset's)")
     p.add_argument("--out", default=VarianceConfig.out, help="where the JSON and figure go")
