@@ -331,6 +331,25 @@ def variance_abstention_table(root: Path) -> str:
     return "\n".join(lines)
 
 
+_VARIANCE_PRESETS_RECORD = "results/variance/presets.json"
+
+
+def variance_presets_table(root: Path) -> str:
+    """Per preset and task of ``benchmarks/variance_presets.py``'s record: the size, what the run measured (mean
+    over seeds) and the whole command's CPU and wall time (one thread) with the load beside it."""
+    rec = _load(root, _VARIANCE_PRESETS_RECORD)
+    lines = [_row(["preset", "task", "seeds", "training steps", "queries per seed", "accuracy", "AUROC variance",
+                   "AUROC entropy", "command CPU s", "command wall s (load)"]), "|---" * 10 + "|"]
+    for row in rec["rows"]:
+        for name, task in row["tasks"].items():
+            cells = [f"{task[k]['mean']:.3f}" if task[k] else "n/a"
+                     for k in ("accuracy", "auroc_variance_last", "auroc_entropy")]
+            lines.append(_row([f"`{row['preset']}`", name, str(row["seeds"]), f"{task['train_steps']:,}",
+                               f"{task['queries_per_seed']:,}", *cells, f"{row['command_cpu_seconds']:,.0f}",
+                               f"{row['command_seconds']:,.0f} ({row['load_start']:.0f}–{row['load_end']:.0f})"]))
+    return "\n".join(lines)
+
+
 # --------------------------------------------------------------------------- helpers of the tables below
 
 def _minus(text: str) -> str:
@@ -967,6 +986,7 @@ TABLES: dict[str, tuple[str, Callable[[Path], str]]] = {
     "distill-heldout": ("docs/experiments.md", heldout_table("results/distill/cpu/eval/heldout/heldout.json")),
     "variance-auroc": ("docs/experiments.md", variance_auroc_table),
     "variance-abstention": ("docs/experiments.md", variance_abstention_table),
+    "variance-presets": ("docs/experiments.md", variance_presets_table),
     "collision-closed-form": ("docs/experiments.md", collision_closed_form_table),
     "collision-lowrank": ("docs/experiments.md", collision_lowrank_table),
     "collision-pairs": ("docs/experiments.md", collision_pairs_table),

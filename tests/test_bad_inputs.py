@@ -671,6 +671,28 @@ API_CASES = [
     Api("a split that does not exist", "load_essays(split='nosuch')",
         lambda p: __import__("bayeslayer.data.niah", fromlist=["x"]).load_essays(p["corpus"], "nosuch"),
         "haystack split 'nosuch' is not a split"),
+    # one variance score per token from a model's per-layer variances
+    Api("state or shape", "token_variance((v[B, T, H],))",
+        lambda p: _variance().token_variance((torch.ones(2, 3, 4),)), "must be a float tensor [B, T, H, G]"),
+    Api("state or shape", "token_variance(v) (one tensor, not a tuple)",
+        lambda p: _variance().token_variance(torch.ones(2, 3, 4, 1)), "tuple of per-layer tensors"),
+    Api("state or shape", "token_variance((None, None))", lambda p: _variance().token_variance((None, None)),
+        "no layer with a variance"),
+    Api("state or shape", "token_variance(layers=5)",
+        lambda p: _variance().token_variance((torch.ones(2, 3, 4, 1),), layers=5), "indices of the 1 layers"),
+    Api("state or shape", "token_variance(reduction='median')",
+        lambda p: _variance().token_variance((torch.ones(2, 3, 4, 1),), reduction="median"),
+        "reduction must be one of"),
+    # the lm-eval task folder the package writes, and lm-eval's task manager with it
+    Api("a file for a folder", "default_task_dir(cache_dir=a file)",
+        lambda p: __import__("bayeslayer.evaluation", fromlist=["x"]).default_task_dir(p["file"]),
+        "a_file is a file, not a folder"),
+    Api("a file for a folder", "default_task_dir(cache_dir=3)",
+        lambda p: __import__("bayeslayer.evaluation", fromlist=["x"]).default_task_dir(3),
+        "cache_dir must be a folder path"),
+    Api("a file for a folder", "lm_eval_adapter.task_manager(include_path=3)",
+        lambda p: __import__("bayeslayer.evaluation.lm_eval_adapter", fromlist=["x"]).task_manager(3),
+        "include_path must be a folder path"),
     *[_damaged_api(name, kind, load, damage, _every(*DAMAGES[damage][2], f"dmg_{kind}_{slug(damage)}"))
       for damage in DAMAGES
       for name, kind, load in (
@@ -701,6 +723,12 @@ def _lm():
     from bayeslayer.experiments import lm
 
     return lm
+
+
+def _variance():
+    from bayeslayer.evaluation import variance
+
+    return variance
 
 
 def _training_lm():

@@ -60,9 +60,10 @@ def score_predictions(predictions: Sequence[str], answers: Sequence[Sequence[str
 @torch.no_grad()
 def generate_answers(model: torch.nn.Module, samples: Sequence[NiahSample], tokenizer: Any,
                      *, batch_size: int = 1) -> list[str]:
-    """Greedy continuations (``model.generate(do_sample=False)``, the recurrent cache) of
-    ``samples``, decoded up to the first end-of-text token.  Samples of one batch must have
-    the same length (a cell's samples do), so no padding is needed."""
+    """Greedy continuations (``model.generate(do_sample=False, use_cache=True)``: one prefill, then one token
+    per step on the recurrent cache, also for a model folder whose config says ``use_cache: false``, as
+    ``lm train`` wrote them before) of ``samples``, decoded up to the first end-of-text token.  Samples of
+    one batch must have the same length (a cell's samples do), so no padding is needed."""
     tok = tokenizer if isinstance(tokenizer, NiahTokenizer) else NiahTokenizer(tokenizer)
     batch_size = check_int("batch_size", batch_size, minimum=1)
     eos = tok.eos_id()
@@ -77,7 +78,7 @@ def generate_answers(model: torch.nn.Module, samples: Sequence[NiahSample], toke
         ids = torch.tensor([s.input_ids for s in batch], dtype=torch.long, device=device)
         kwargs = {"eos_token_id": eos, "pad_token_id": eos} if eos is not None else {"pad_token_id": 0}
         gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens.pop(),
-                             do_sample=False, **kwargs)
+                             do_sample=False, use_cache=True, **kwargs)
         for row in gen[:, ids.shape[1]:].tolist():
             if eos is not None and eos in row:
                 row = row[: row.index(eos)]

@@ -33,8 +33,9 @@ WINDOW_MODES = ("non-overlapping", "sliding")
 
 
 def token_cross_entropy(model, input_ids: torch.Tensor) -> torch.Tensor:
-    """Per-token CE ``[b, L−1]`` (fp32) of predicting ``input_ids[:, 1:]`` from the prefix."""
-    logits = model(input_ids=input_ids).logits
+    """Per-token CE ``[b, L−1]`` (fp32) of predicting ``input_ids[:, 1:]`` from the prefix (every window from an
+    empty state; no cache is kept, whatever the model's ``use_cache``)."""
+    logits = model(input_ids=input_ids, use_cache=False).logits
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), input_ids[:, 1:].flatten(),
                            reduction="none").view(input_ids.shape[0], -1)
 

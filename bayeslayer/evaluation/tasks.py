@@ -12,6 +12,9 @@ Both writers produce a task directory for lm-eval's ``TaskManager(include_path=D
   when each document is one window whose first token is lm-eval's prefix token: a window
   ``[EOS, d, EOS]`` of the token stream is the document text of ``d`` followed by the EOS string.
   docs/models.md shows the construction; ``tests/evaluation/test_lm_eval.py`` checks it.
+* :func:`default_task_dir`: the tasks the package ships, written on first use from what every machine
+  has: ``bayeslayer_perplexity`` (:data:`PERPLEXITY_TASK`), :func:`write_perplexity_task` over the test
+  split of the default corpus.  ``python -m bayeslayer.evaluation`` puts the folder on lm-eval's task path.
 * :func:`write_niah_task`: ``generate_until`` over :class:`~bayeslayer.data.niah.NiahSample`
   prompts in the record layout of lm-eval's RULER tasks (``input``, ``gen_prefix``, ``outputs``,
   ``max_length``), scored by lm-eval's own ``ruler.common_utils.process_results``
@@ -110,6 +113,62 @@ def write_perplexity_task(task_dir: str | os.PathLike, documents: Sequence[str],
     return _write_task(task_dir, name, [{"text": d} for d in documents], lines)
 
 
+#: The perplexity task the package ships: ``--tasks bayeslayer_perplexity`` (:func:`default_task_dir`).
+PERPLEXITY_TASK = "bayeslayer_perplexity"
+#: Bump when what :func:`default_task_dir` writes changes, so that folders written before are rewritten.
+_DEFAULT_TASKS_VERSION = 1
+
+
+def default_task_dir(cache_dir: str | os.PathLike | None = None) -> Path:
+    """The folder of the lm-eval tasks the package ships, written on first use; returns it.
+
+    It holds :data:`PERPLEXITY_TASK` (``bayeslayer_perplexity``): :func:`write_perplexity_task` over the
+    documents of the **test split of the package's default corpus**, ``python-docstrings`` (the docstrings
+    of the running Python's standard library, one document per module, hash-split as
+    :func:`bayeslayer.data.text.load_text_corpus` splits it: the documents ``lm train --preset tiny`` holds
+    out), each document verbatim, empty ones left out.  Nothing is downloaded: it works with
+    ``HF_DATASETS_OFFLINE=1`` / ``HF_HUB_OFFLINE=1`` on any machine with Python.
+
+    ``python -m bayeslayer.evaluation`` adds the folder to lm-eval's task path, so ``--tasks
+    bayeslayer_perplexity`` needs no ``--include_path``; in Python, pass it as lm-eval's
+    ``TaskManager(include_path=...)`` (or use :func:`bayeslayer.evaluation.lm_eval_adapter.task_manager`).
+
+    The folder is ``<cache_dir>/lm_eval_tasks`` (``cache_dir`` default:
+    :func:`~bayeslayer.data.text.default_cache_dir`, ``$BAYESLAYER_CACHE`` or ``~/.cache/bayeslayer``).  It
+    is rewritten only when the corpus's fingerprint (its files' names, sizes and times, the Python version)
+    or the folder's place changes (the YAML names its data file by absolute path), which
+    ``<task>.source.json`` beside the task records.
+    """
+    import hashlib
+
+    from ..data.text import PYTHON_DOCSTRINGS, corpus_files, default_cache_dir
+    from ..files import read_json
+
+    if cache_dir is not None and not isinstance(cache_dir, (str, os.PathLike)):
+        raise TypeError(f"cache_dir must be a folder path or None, got {type(cache_dir).__name__}")
+    root = default_cache_dir() if cache_dir is None else Path(cache_dir).expanduser()
+    if root.exists() and not root.is_dir():
+        raise ValueError(f"cache_dir {root} is a file, not a folder")
+    task_dir = root / "lm_eval_tasks"
+    files = corpus_files(PYTHON_DOCSTRINGS)
+    source = {"task": PERPLEXITY_TASK, "version": _DEFAULT_TASKS_VERSION, "source": PYTHON_DOCSTRINGS,
+              "split": "test", "corpus": files.description, "folder": str(task_dir.resolve()),
+              "fingerprint_sha256": hashlib.sha256(json.dumps(files.fingerprint, sort_keys=True).encode()).hexdigest()}
+    stamp = task_dir / f"{PERPLEXITY_TASK}.source.json"
+    written = [task_dir / f"{PERPLEXITY_TASK}{suffix}" for suffix in (".yaml", ".jsonl")]
+    if stamp.is_file() and all(p.is_file() for p in written):
+        try:
+            saved = read_json(stamp, what="the default task's source")
+        except ValueError:
+            saved = None  # a damaged stamp: write the task again
+        if isinstance(saved, dict) and {k: saved.get(k) for k in source} == source:
+            return task_dir
+    documents = [text for text in (doc.read() for doc in files.splits["test"]) if text.strip()]
+    write_perplexity_task(task_dir, documents, name=PERPLEXITY_TASK)
+    atomic_write_text(stamp, json.dumps({**source, "documents": len(documents)}, indent=1) + "\n")
+    return task_dir
+
+
 def niah_records(samples: Sequence[NiahSample], tokenizer: Any) -> list[dict]:
     """lm-eval RULER records of NIAH samples (the layout of ``ruler/prepare_niah.generate_samples``).
 
@@ -200,4 +259,5 @@ def write_tokenizer_config(tokenizer, directory: str | os.PathLike) -> None:
                 (Path(directory) / name).write_bytes((Path(tmp) / name).read_bytes())
 
 
-__all__ = ["hf_tokenizer", "niah_records", "write_niah_task", "write_perplexity_task", "write_tokenizer_config"]
+__all__ = ["PERPLEXITY_TASK", "default_task_dir", "hf_tokenizer", "niah_records", "write_niah_task",
+           "write_perplexity_task", "write_tokenizer_config"]

@@ -1,6 +1,9 @@
 """Does a score flag a wrong answer?  The analysis of ``bayeslayer variance`` (docs/theory.md: the Bayesian Layer's
 predictive variance ``1 + q_tᵀ P_t q_t``), for any per-query scores.
 
+* :func:`token_variance`: one variance score per token ``[B, T]`` from a model's per-layer variances
+  (``output_variances=True`` gives ``[B, T, H, G]`` per layer): the mean over heads, groups and layers,
+  the last layer's, or the largest;
 * :func:`auroc`: the area under the ROC curve of a score for a boolean label (ties count half);
 * :func:`fit_logistic`: a logistic regression on standardised features (Newton steps, a small ridge);
 * :func:`score_queries`: each score's AUROC for a wrong answer on a held-out half of the queries, a logistic
@@ -10,12 +13,77 @@ predictive variance ``1 + q_tᵀ P_t q_t``), for any per-query scores.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import torch
 
 #: The accuracy is shown per decile of a score.
 QUANTILES = 10
+#: How :func:`token_variance` reduces over layers, heads and groups.
+REDUCTIONS = ("mean", "max")
+
+
+def token_variance(variances: Sequence[torch.Tensor | None], *, layers: str | int | Sequence[int] = "all",
+                   reduction: str = "mean") -> torch.Tensor:
+    """One predictive-variance score per token, ``[B, T]``, from a model's per-layer variances.
+
+    ``variances``: one entry per layer, the layer's predictive variance ``v_l = 1 + q_tᵀ P_t q_t``
+    ``[B, T, H, G]`` (a Bayesian Layer: ``H`` heads, ``G`` groups of value columns) or ``None`` (a layer
+    without a covariance) — the ``variances`` of ``model(ids, output_variances=True)``, or one entry of
+    ``generate(..., output_variances=True, return_dict_in_generate=True).variances`` (the forward that
+    produced a token: the prompt, then ``T = 1``).  ``layers``: ``"all"`` (every layer with a variance),
+    ``"last"`` (the last of them), or model layer indices (an int or a list; ``None`` layers count).
+    ``reduction``:
+
+    * ``"mean"``: per layer the mean over heads and groups, then the mean over the chosen layers ``L``
+      (each layer weighs the same whatever its heads)::
+
+          s[b, t] = (1/|L|) Σ_{l∈L} (1/(H_l·G_l)) Σ_{h,g} v_l[b, t, h, g]
+
+    * ``"max"``: the largest ``v_l[b, t, h, g]`` over the chosen layers, heads and groups (the least
+      certain head).
+
+    A larger score: the memory knows the queried direction less well.  ``bayeslayer variance`` scores a
+    query token by ``layers="last"`` (``variance_last``) and ``layers="all"`` (``variance_mean``), both
+    with ``"mean"``.  Returns a tensor of the variances' dtype and device; gradients flow through it.
+    """
+    if isinstance(variances, torch.Tensor) or not isinstance(variances, (list, tuple)):
+        raise TypeError("variances must be a tuple of per-layer tensors [B, T, H, G] or None (the .variances of "
+                        f"an output with output_variances=True), got {type(variances).__name__}")
+    for i, v in enumerate(variances):
+        if v is not None and not (isinstance(v, torch.Tensor) and v.dim() == 4 and v.is_floating_point()):
+            got = f"shape {tuple(v.shape)}, {v.dtype}" if isinstance(v, torch.Tensor) else type(v).__name__
+            raise ValueError(f"variances[{i}] must be a float tensor [B, T, H, G] or None, got {got}")
+    present = [i for i, v in enumerate(variances) if v is not None]
+    if not present:
+        raise ValueError("variances holds no layer with a variance (all None): the model has no Bayesian Layer")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if isinstance(layers, str):
+        if layers not in ("all", "last"):
+            raise ValueError(f"layers must be 'all', 'last' or layer indices, got {layers!r}")
+        chosen = present if layers == "all" else present[-1:]
+    else:
+        chosen = [layers] if isinstance(layers, int) and not isinstance(layers, bool) else layers
+        if (not isinstance(chosen, (list, tuple)) or not chosen
+                or not all(isinstance(i, int) and not isinstance(i, bool) for i in chosen)):
+            raise ValueError(f"layers must be 'all', 'last' or layer indices (an int or a non-empty list), "
+                             f"got {layers!r}")
+        n = len(variances)
+        if any(not -n <= i < n for i in chosen):
+            raise ValueError(f"layers {list(chosen)} must be indices of the {n} layers")
+        chosen = sorted({i % n for i in chosen})
+        missing = [i for i in chosen if variances[i] is None]
+        if missing:
+            raise ValueError(f"layers {missing} have no variance (no covariance); layers with one: {present}")
+    picked = [variances[i] for i in chosen]
+    if len({tuple(v.shape[:2]) for v in picked}) != 1:
+        raise ValueError(f"the layers' variances must share [B, T], got {[tuple(v.shape) for v in picked]}")
+    if reduction == "mean":
+        return torch.stack([v.mean(dim=(-2, -1)) for v in picked]).mean(0)
+    return torch.stack([v.amax(dim=(-2, -1)) for v in picked]).amax(0)
 
 
 def auroc(score: np.ndarray, positive: np.ndarray) -> float | None:
@@ -86,4 +154,4 @@ def score_queries(queries: dict[str, np.ndarray], seed: int) -> dict[str, Any]:
     return result
 
 
-__all__ = ["QUANTILES", "auroc", "fit_logistic", "score_queries"]
+__all__ = ["QUANTILES", "REDUCTIONS", "auroc", "fit_logistic", "score_queries", "token_variance"]

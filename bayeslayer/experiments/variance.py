@@ -8,8 +8,8 @@ registry Bayesian Layer after a short-convolution block) — with their own samp
 learning rates (fewer steps in the CPU preset), then, for every query of fixed test sets spanning
 easy to hard, records
 
-* the variance at the query token: the last Bayesian layer's (mean over heads) and the mean over
-  heads and Bayesian layers;
+* the variance at the query token (:func:`~bayeslayer.evaluation.variance.token_variance`): the last
+  Bayesian layer's (mean over heads and groups) and the mean of the Bayesian layers' means;
 * the softmax entropy of the model's answer distribution (the baseline: what any model has);
 * whether the arg-max answer is right.
 
@@ -40,7 +40,7 @@ import torch.nn as nn
 from ..checks import check_int
 from ..data.collision_tasks import collision_recall_batch
 from ..data.mqar import IGNORE_INDEX, MQARTask, make_pool
-from ..evaluation.variance import QUANTILES, score_queries
+from ..evaluation.variance import QUANTILES, score_queries, token_variance
 from ..training.distributed import resolve_device
 from ..training.lock import lock_output
 from ..training.optim import DECAY_POLICY
@@ -89,6 +89,18 @@ class VariancePreset:
     recall_preset: str = "long"
     mqar_preset: str = "default"
     eval_seed: int = 4242
+    smoke_test: bool = False  # too small to mean anything: the output and the record say so
+
+
+def _recall_queries(preset: VariancePreset) -> int:
+    """Recall queries scored per seed: ``len(recall_test_n_f) × recall_sequences × num_pairs``."""
+    return len(preset.recall_test_n_f) * preset.recall_sequences * recall_task.PRESETS[preset.recall_preset].num_pairs
+
+
+def _mqar_queries(preset: VariancePreset) -> int:
+    """MQAR Update queries scored per seed: ``len(mqar_test_updates) × mqar_examples × update_test_pairs``."""
+    return (len(preset.mqar_test_updates) * preset.mqar_examples
+            * mqar_setup.PRESETS[preset.mqar_preset].update_test_pairs)
 
 
 PRESETS = {
@@ -100,11 +112,56 @@ PRESETS = {
     "full": VariancePreset("full", seeds=3, recall_steps=None, mqar_steps=None,
                            recall_test_n_f=(1, 4, 16, 64, 128, 256), recall_sequences=128,
                            mqar_test_updates=(0, 2, 4, 8, 12, 16), mqar_examples=256),
-    # Seconds-long smoke run (tests, trying the command out).
+    # Seconds-long smoke run (tests, trying the command out): untrained models, numbers without meaning.
     "tiny": VariancePreset("tiny", seeds=2, recall_steps=4, mqar_steps=4, recall_test_n_f=(1, 8),
                            recall_sequences=8, mqar_test_updates=(0, 4), mqar_examples=8,
-                           recall_preset="tiny", mqar_preset="tiny"),
+                           recall_preset="tiny", mqar_preset="tiny", smoke_test=True),
 }
+
+#: What each preset's whole command cost with one thread (``bayeslayer variance --preset P --threads 1``), from
+#: the committed record results/variance/presets.json (``python benchmarks/variance_presets.py --out ...``):
+#: ``cpu_seconds`` (the process's CPU time: about the wall time on an idle machine), ``wall_seconds`` and the
+#: 1-minute load average over the run on the shared 2-core CPU that measured them.  ``variance --help`` shows
+#: them; tests/experiments/test_variance.py checks them against the record.
+MEASURED = {
+    "tiny": {"cpu_seconds": 7.0, "wall_seconds": 23.0, "load": "17–18"},
+    "default": {"cpu_seconds": 300.0, "wall_seconds": 1264.0, "load": "9–14"},
+    "full": {"cpu_seconds": 3000.0, "wall_seconds": 9000.0, "load": "15"},
+}
+MEASURED_RECORD = "results/variance/presets.json"
+
+
+def _smoke_note(preset: VariancePreset) -> str | None:
+    """The warning a smoke-test preset's output and record carry; ``None`` for the others."""
+    if not preset.smoke_test:
+        return None
+    return (f"preset '{preset.name}' is a smoke test (a few training steps, untrained models): it checks that "
+            "the command runs, and its accuracies and AUROCs mean nothing; use the default preset for results")
+
+
+def _duration(seconds: float) -> str:
+    """``"7 s"``, ``"21 min"``, ``"2.5 h"``: a measured time as ``--help`` prints it."""
+    return f"{seconds:.0f} s" if seconds < 100 else f"{seconds / 60:.0f} min" if seconds < 6000 else \
+        f"{seconds / 3600:.1f} h"
+
+
+def _preset_help() -> str:
+    """``--preset``'s help: each preset's seeds, training steps, scored queries and measured time."""
+    parts = []
+    for name in sorted(PRESETS, key=lambda n: MEASURED[n]["cpu_seconds"]):
+        p = PRESETS[name]
+        recall_steps = p.recall_steps if p.recall_steps is not None else recall_task.PRESETS[p.recall_preset].steps
+        mqar_steps = (f"{p.mqar_steps:,}" if p.mqar_steps is not None
+                      else f"{mqar_setup.PRESETS[p.mqar_preset].epochs} epochs")
+        took = MEASURED[name]
+        kind = " (a smoke test: its numbers mean nothing)" if p.smoke_test else ""
+        parts.append(f"'{name}'{kind}: {p.seeds} seeds; training steps recall {recall_steps:,}, MQAR Update "
+                     f"{mqar_steps}; {_recall_queries(p):,} + {_mqar_queries(p):,} scored queries per seed; "
+                     f"≈ {_duration(took['cpu_seconds'])} ({_duration(took['wall_seconds'])} at load "
+                     f"{took['load']})")
+    return ("the run's size (default: default). " + ". ".join(parts) + ". Times: the whole command with one "
+            "thread, as CPU time (about the wall time on an idle machine) and in brackets the wall time measured "
+            f"on a shared 2-core CPU ({MEASURED_RECORD})")
 
 
 @dataclass(frozen=True)
@@ -138,8 +195,9 @@ class VarianceProbe:
     Registry mixers (``output_variance`` on their forward) are asked for it through a pre-hook; the
     recall core mixers (:class:`~bayeslayer.experiments.common.recall_models.CoreMixer`) run their filter again
     through :meth:`~bayeslayer.experiments.common.recall_models.CoreMixer.predictive_variance`.  The model's outputs
-    are unchanged.  Use as a context manager; :attr:`variances` holds ``[B, T, H]`` per layer of the last
-    forward.
+    are unchanged.  Use as a context manager; :attr:`variances` holds ``[B, T, H, G]`` per layer of the last
+    forward (``G = 1`` for a core mixer, whose variance comes averaged over its groups), the layout
+    :func:`~bayeslayer.evaluation.variance.token_variance` reduces.
     """
 
     def __init__(self, model: nn.Module):
@@ -155,12 +213,12 @@ class VarianceProbe:
         for i, layer in enumerate(self.layers):
             if isinstance(layer, CoreMixer):
                 self.handles.append(layer.register_forward_hook(
-                    lambda mod, args, out, i=i: self._store(i, mod.predictive_variance(*args))))
+                    lambda mod, args, out, i=i: self._store(i, mod.predictive_variance(*args).unsqueeze(-1))))
             else:
                 self.handles.append(layer.register_forward_pre_hook(
                     lambda mod, args, kwargs: (args, {**kwargs, "output_variance": True}), with_kwargs=True))
                 self.handles.append(layer.register_forward_hook(
-                    lambda mod, args, out, i=i: self._store(i, out.variance.mean(-1))))  # [B, T, H, G] → [B, T, H]
+                    lambda mod, args, out, i=i: self._store(i, out.variance)))  # [B, T, H, G]
         return self
 
     def _store(self, i: int, variance: torch.Tensor) -> None:
@@ -174,19 +232,20 @@ class VarianceProbe:
 
 def collect_queries(model: nn.Module, batches) -> dict[str, np.ndarray]:
     """Per query (label ≠ -100) of ``batches`` (``(inputs, labels, condition)``): ``correct``, ``entropy`` of the
-    softmax, ``variance_last`` (last Bayesian layer, mean over heads), ``variance_mean`` (over heads and layers)
-    and ``condition``."""
+    softmax, ``variance_last`` (last Bayesian layer, mean over heads and groups) and ``variance_mean`` (the mean
+    of the Bayesian layers' means), both :func:`~bayeslayer.evaluation.variance.token_variance`, and
+    ``condition``."""
     rows: dict[str, list] = {k: [] for k in ("correct", "entropy", "variance_last", "variance_mean", "condition")}
     with VarianceProbe(model) as probe:
         for inputs, labels, condition in batches:
             logits = model(inputs).float().cpu()
             mask = labels != IGNORE_INDEX
             logp = torch.log_softmax(logits[mask], -1)
-            var = torch.stack([v.float().cpu() for v in probe.variances])  # [L, B, T, H]
+            var = [v.float().cpu() for v in probe.variances]  # [B, T, H, G] per Bayesian layer
             rows["correct"].append((logits[mask].argmax(-1) == labels[mask]).numpy())
             rows["entropy"].append((-(logp.exp() * logp).sum(-1)).numpy())
-            rows["variance_last"].append(var[-1][mask].mean(-1).double().numpy())
-            rows["variance_mean"].append(var[:, mask].mean((0, -1)).double().numpy())
+            rows["variance_last"].append(token_variance(var, layers="last")[mask].double().numpy())
+            rows["variance_mean"].append(token_variance(var, layers="all")[mask].double().numpy())
             rows["condition"].append(np.full(int(mask.sum()), condition))
     return {k: np.concatenate(v) for k, v in rows.items()}
 
@@ -282,8 +341,9 @@ def _run(config: VarianceConfig, out: Path | None) -> dict:
                        "summary": summary, "wall_seconds": time.perf_counter() - t_task}
         for score in ("variance_last", "entropy"):
             summary[f"coverage_{score}"] = coverage_curve(tasks[task], score)
+    note = {"note": _smoke_note(preset)} if preset.smoke_test else {}
     record = results_record(NAME, preset.name, {**asdict(preset), "tasks": list(config.tasks)}, tasks,
-                            wall_seconds=time.perf_counter() - t0,
+                            smoke_test=preset.smoke_test, **note, wall_seconds=time.perf_counter() - t0,
                             finished_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     if out is not None:
         write_record(out / f"{NAME}.json", record, device=config.device, seeds=range(preset.seeds),
@@ -340,8 +400,9 @@ def plot(record: dict, out) -> Path:
     ax2.set_ylabel("accuracy of the answered queries")
     ax2.set_ylim(-0.02, 1.02)
     cfg = record["config"]
+    smoke = " — SMOKE TEST: these numbers mean nothing" if record.get("smoke_test") else ""
     fig.suptitle(f"Predictive variance vs answer correctness — preset '{record['preset']}', {cfg['seeds']} seeds "
-                 "(mean ± std)", fontsize=10)
+                 f"(mean ± std){smoke}", fontsize=10)
     ax.legend(fontsize=7)
     ax2.legend(fontsize=7)
     path = save_figure(fig, Path(out) / f"{NAME}.png")
@@ -376,9 +437,14 @@ def _main(args):
     preset = PRESETS[args.preset]
     if args.seeds is not None:
         preset = replace(preset, seeds=args.seeds)
+    note = _smoke_note(preset)
+    if note:
+        print(f"note: {note}", flush=True)
     record = run(VarianceConfig(preset=preset, tasks=tuple(args.tasks), out=args.out, progress=args.progress,
                                 device=args.device))
     print_table(record)
+    if note:
+        print(f"\nnote: {note}")
     print(f"wall time {record['wall_seconds']:.0f} s; wrote {Path(args.out) / (NAME + '.json')}")
     return record
 
@@ -386,7 +452,7 @@ def _main(args):
 def add_parser(sub) -> None:
     p = sub.add_parser("variance", help="does the BL's predictive variance flag wrong answers? (AUROC vs entropy)",
                        description=DESCRIPTION)
-    p.add_argument("--preset", choices=sorted(PRESETS), default="default")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="default", help=_preset_help())
     p.add_argument("--tasks", nargs="+", choices=TASKS, default=list(TASKS))
     p.add_argument("--seeds", type=positive_int_arg, default=None, help="number of seeds (default: the preset's)")
     p.add_argument("--out", default=VarianceConfig.out, help="where the JSON and figure go")

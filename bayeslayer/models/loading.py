@@ -320,8 +320,15 @@ __all__ = [
 def save_model_dir(model, directory: Path) -> None:
     """An HF model directory: ``config.json`` and ``model.safetensors`` (a tied head stored once).
 
-    A failed write (a full disk) is an ``OSError`` naming the file."""
-    model.config.save_pretrained(directory)
+    The saved config has ``use_cache: true`` whatever ``model.config`` says (a model copied from an older
+    folder may say false): ``generate()``, ``pipeline`` and lm-eval read it, and without it every new token
+    re-runs the whole prefix.  ``model`` itself is left as it is.  A failed write (a full disk) is an
+    ``OSError`` naming the file."""
+    import copy
+
+    config = copy.deepcopy(model.config)
+    config.use_cache = True
+    config.save_pretrained(directory)
     write_safetensors(directory / "model.safetensors", model=model, metadata={"format": "pt"})
 
 def load_model_weights(model, directory: Path) -> None:

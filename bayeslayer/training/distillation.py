@@ -613,7 +613,7 @@ class LayerMatchTrainee(_WithTeacher):
 
     def forward(self, input_ids: torch.Tensor):
         with torch.no_grad(), MixerOutputCapture(self.teacher, self.layers) as t:
-            self.teacher(input_ids=input_ids)
+            self.teacher(input_ids=input_ids, use_cache=False)
             targets, inputs = dict(t.outputs), dict(t.inputs)
         outputs = mixer_outputs_on(self.model, inputs)
         return layer_matching_loss(outputs, targets, cosine_weight=self.cosine_weight)
@@ -632,7 +632,7 @@ class JointTrainee(_WithTeacher):
 
     def forward(self, input_ids: torch.Tensor):
         with torch.no_grad(), MixerOutputCapture(self.teacher, self.layers) as t:
-            teacher_logits = self.teacher(input_ids=input_ids).logits
+            teacher_logits = self.teacher(input_ids=input_ids, use_cache=False).logits
             targets = dict(t.outputs)
         with MixerOutputCapture(self.model, self.layers) as s:
             student_logits = self.model(input_ids=input_ids).logits

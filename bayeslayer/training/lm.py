@@ -65,7 +65,10 @@ def load_corpus(config: LMConfig, ctx: DistContext = SINGLE_PROCESS, *, cache_di
 
 
 def build_model(config: LMConfig, vocab_size: int, eos_id: int | None = None):
-    """A freshly initialised :class:`BayesLayerForCausalLM` for ``config`` (seed torch first)."""
+    """A freshly initialised :class:`BayesLayerForCausalLM` for ``config`` (seed torch first).
+
+    Its config keeps ``use_cache=True`` (the default), so ``generate()`` on the saved model decodes on the
+    recurrent cache; training is not affected (a model in training mode keeps no cache unless asked)."""
     from ..models import BayesLayerConfig, BayesLayerForCausalLM
 
     mixer_kwargs = {config.mixer: dict(config.mixer_kwargs)} if config.mixer_kwargs else None
@@ -73,7 +76,6 @@ def build_model(config: LMConfig, vocab_size: int, eos_id: int | None = None):
         vocab_size=vocab_size, hidden_size=config.hidden_size, num_hidden_layers=config.num_layers,
         num_heads=config.num_heads, head_dim=config.head_dim, mixer=config.mixer, mixer_kwargs=mixer_kwargs,
         mlp_dropout=config.mlp_dropout, bos_token_id=None, eos_token_id=eos_id, pad_token_id=None,
-        use_cache=False,
     )
     return BayesLayerForCausalLM(model_config)
 

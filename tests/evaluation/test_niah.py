@@ -63,6 +63,21 @@ def test_greedy_answers_equal_a_manual_argmax_loop(tmp_path, tokenizer, generato
     assert answer == generator.tokenizer.decode(expected)
 
 
+def test_answers_decode_on_the_cache_even_when_the_config_says_use_cache_false(tokenizer, generator):
+    """Folders that ``lm train`` wrote before it saved ``use_cache: true``: one prefill, then one token per
+    forward call, not the whole prefix again at every step."""
+    torch.manual_seed(0)
+    config = BayesLayerConfig(vocab_size=tokenizer.get_vocab_size(), hidden_size=32, num_hidden_layers=1,
+                              num_heads=2, head_dim=16, mixer="bayesian", use_cache=False)
+    model = BayesLayerForCausalLM(config).eval()
+    samples = [generator.sample("niah_single_1", 300, 50, max_new_tokens=4)]
+    seen: list[int] = []
+    model.register_forward_pre_hook(lambda m, args, kwargs: seen.append(kwargs["input_ids"].shape[1]),
+                                    with_kwargs=True)
+    niah_eval.generate_answers(model, samples, generator.tokenizer)
+    assert seen[0] == len(samples[0].input_ids) and set(seen[1:]) <= {1} and len(seen) >= 2
+
+
 def test_bad_scoring_arguments():
     with pytest.raises(ValueError, match="answers"):
         niah_eval.score_prediction("x", [])

@@ -133,6 +133,8 @@ def test_retrofit_end_to_end(teacher, tmp_path):
         assert ("model.layers.1.mlp.down_proj.weight" in moved) == (stage != "phase_a")
         mixers = BayesLayerConfig.from_pretrained(out / stage / "final").layer_mixers
         assert mixers == ["gated_deltanet", "gated_deltanet" if stage == "gdn_ft" else "bayesian"]
+        # every stage's model folder is written for generation on the cache
+        assert json.loads((out / stage / "final" / "config.json").read_text())["use_cache"] is True
     # the trainable set: no MLP in Phase A (its loss never reaches them), down_proj in Phase B and GDN-FT
     assert report["stages"]["phase_a"]["trainable_elements"]["mlp"] == 0
     assert report["stages"]["phase_b"]["trainable_elements"]["mlp"] > 0

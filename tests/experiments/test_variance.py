@@ -1,5 +1,6 @@
-"""``bayeslayer variance``: reading the variance out of the trained models, and a tiny run's JSON and figure
-(the AUROC and the logistic fit: tests/evaluation/test_variance.py)."""
+"""``bayeslayer variance``: reading the variance out of the trained models, a tiny run's JSON and figure and its
+smoke-test note, and ``--help``'s preset sizes and times against the committed record (the AUROC, the logistic
+fit and the per-token reduction: tests/evaluation/test_variance.py)."""
 
 import json
 from dataclasses import replace
@@ -23,14 +24,14 @@ def test_probe_reads_each_bayesian_layers_variance_and_leaves_outputs_alone(setu
         with VarianceProbe(model) as probe:
             probed = model(inputs)
         assert torch.equal(plain, probed)
-        assert all(v.shape == inputs.shape[:2] + (v.shape[-1],) and (v >= 1).all() for v in probe.variances)
+        assert all(v.dim() == 4 and v.shape[:2] == inputs.shape[:2] and (v >= 1).all() for v in probe.variances)
         if setup == "_mqar_setup":  # the registry layer's own variance for the same input
             (layer,) = probe.layers
             seen = {}
             handle = layer.register_forward_pre_hook(lambda m, a: seen.setdefault("x", a[0]))
             model(inputs)
             handle.remove()
-            torch.testing.assert_close(probe.variances[0], layer(seen["x"], output_variance=True).variance.mean(-1))
+            torch.testing.assert_close(probe.variances[0], layer(seen["x"], output_variance=True).variance)
         else:
             assert len(probe.variances) == 2  # both core layers are BL
         rows = collect_queries(model, [(inputs, labels, 7)])
@@ -55,6 +56,7 @@ def test_tiny_run_writes_json_and_figure_and_redraws(tmp_path, capsys):
         assert len(task["seeds"]) == 2 and task["summary"]["accuracy"]["mean"] >= 0
         assert len(task["summary"]["accuracy_by_variance_last_decile"]["mean"]) == variance.QUANTILES
     assert record["models"]["recall"]["seeds"][0]["queries"] > 0
+    assert data["smoke_test"] is True and "mean nothing" in data["note"]
     (tmp_path / "variance.png").unlink()
     assert cli_main(["variance", "--plot-only", "--out", str(tmp_path)]) == 0
     assert (tmp_path / "variance.png").stat().st_size > 1000
@@ -78,3 +80,48 @@ def test_coverage_curve_is_the_running_mean_of_the_deciles():
     assert cov["coverage"][0] == 0.1 and cov["coverage"][-1] == 1.0
     assert cov["mean"][:3] == pytest.approx([1.0, 1.0, 2.8 / 3]) and cov["std"] == [0.0] * 10
     assert cov["mean"][-1] == pytest.approx(4.8 / 9)  # an empty decile is left out
+
+
+def test_tiny_says_it_is_a_smoke_test_in_the_output_the_record_and_the_figure(tmp_path, capsys):
+    assert cli_main(["variance", "--preset", "tiny", "--tasks", "recall", "--seeds", "1", "--out",
+                     str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    note = variance._smoke_note(variance.PRESETS["tiny"])
+    assert "smoke test" in note and "mean nothing" in note
+    assert out.count(f"note: {note}") == 2  # before the run and under the table
+    data = json.loads((tmp_path / "variance.json").read_text())
+    assert data["smoke_test"] is True and data["note"] == note and data["config"]["smoke_test"] is True
+    assert variance._smoke_note(variance.PRESETS["default"]) is None
+    assert not any(p.smoke_test for name, p in variance.PRESETS.items() if name != "tiny")
+
+
+def test_help_shows_each_presets_size_and_the_times_of_the_committed_record():
+    """The times come from results/variance/presets.json (benchmarks/variance_presets.py), the sizes from the
+    presets, and both agree with what the record's runs did."""
+    from pathlib import Path
+
+    from bayeslayer.cli import build_parser
+
+    record = json.loads((Path(__file__).resolve().parents[2] / variance.MEASURED_RECORD).read_text())
+    rows = {row["preset"]: row for row in record["rows"]}
+    assert set(rows) == set(variance.PRESETS) == set(variance.MEASURED) and record["threads"] == 1
+    for name, row in rows.items():
+        took = variance.MEASURED[name]
+        assert took["cpu_seconds"] == round(row["command_cpu_seconds"])
+        assert took["wall_seconds"] == round(row["command_seconds"])
+        low, high = sorted((row["load_start"], row["load_end"]))
+        assert took["load"] == (f"{low:.0f}" if f"{low:.0f}" == f"{high:.0f}" else f"{low:.0f}–{high:.0f}")
+        preset = variance.PRESETS[name]
+        assert row["seeds"] == preset.seeds
+        assert row["tasks"]["recall"]["queries_per_seed"] == variance._recall_queries(preset)
+        assert row["tasks"]["mqar_update"]["queries_per_seed"] == variance._mqar_queries(preset)
+        if preset.recall_steps is not None:
+            assert row["tasks"]["recall"]["train_steps"] == preset.recall_steps
+    parser = build_parser()
+    sub = next(a for a in parser._actions if hasattr(a, "choices") and isinstance(a.choices, dict))
+    text = " ".join(sub.choices["variance"].format_help().split())
+    for name in variance.PRESETS:
+        assert f"'{name}'" in text
+    assert "'tiny' (a smoke test: its numbers mean nothing)" in text
+    assert f"≈ {variance._duration(variance.MEASURED['default']['cpu_seconds'])}" in text
+    assert variance.MEASURED_RECORD in " ".join(text.split())

@@ -195,6 +195,22 @@ def test_save_pretrained_signs_the_folder_and_a_folder_without_manifest_still_lo
     BayesLayerForCausalLM.from_pretrained(directory)
 
 
+def test_the_package_writes_model_folders_for_generation_on_the_cache(saved, tmp_path):
+    """``save_model_dir`` (``lm train``'s and the retrofit's checkpoints and final/) writes ``use_cache: true``
+    even for a model whose config says false (one copied from an older folder), and leaves the model alone;
+    ``save_pretrained`` of a default config says true as well."""
+    import json
+
+    from bayeslayer.models.loading import save_model_dir
+
+    model = tiny_model(use_cache=False)
+    save_model_dir(model, tmp_path / "dir")
+    assert json.loads((tmp_path / "dir" / "config.json").read_text())["use_cache"] is True
+    assert model.config.use_cache is False
+    assert BayesLayerForCausalLM.from_pretrained(tmp_path / "dir").generation_config.use_cache is True
+    assert json.loads((saved["model"] / "config.json").read_text())["use_cache"] is True
+
+
 def test_load_run_warns_when_final_has_no_manifest(saved, tmp_path):
     from bayeslayer.training.lm import load_run
 
