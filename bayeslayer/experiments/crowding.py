@@ -8,8 +8,8 @@ Training draws ``n ∈ {16, 32, 48, 64}`` (``n/D ≤ 4``, one ``n`` per batch); 
 past capacity at ``n/D ∈ {6, 8, 12, 16}`` (and, for reference, at the training loads
 ``n/D ∈ {1, 2, 3, 4}``).  Metrics: query cross-entropy (nats) and accuracy vs ``n/D``.
 
-Models: BL and the Delta-, LA- and GLA-style recurrent cores with the address as
-key and query (:mod:`bayeslayer.experiments.common.recall_models`).  Writes
+Models: BL and the Delta-, LA- and GLA-style recurrent cores (``--models gated_deltanet`` adds the
+GDN-style one) with the address as key and query (:mod:`bayeslayer.experiments.common.recall_models`).  Writes
 ``<out>/crowding.json`` and ``<out>/crowding.png`` drawn from it.
 
 Python: ``run(CrowdingConfig(preset=PRESETS["tiny"], models=("delta",), out=None)) -> record``.

@@ -4,7 +4,8 @@ Each sequence holds 8 target/distractor address pairs with overlap ρ; targets a
 written ``n_b = 4`` times, then their distractors ``n_f`` times, then the targets
 are queried (:func:`bayeslayer.data.collision_tasks.collision_recall_batch`).
 Models are recurrent-core only (:mod:`bayeslayer.experiments.common.recall_models`): BL and
-the Delta-, LA- and GLA-style cores, addresses fed directly as key and query.  The presets, the
+the Delta-, LA- and GLA-style cores (``--models gated_deltanet`` adds the GDN-style one), addresses fed
+directly as key and query.  The presets, the
 training sampler and the model builder are :mod:`bayeslayer.experiments.common.recall_task`'s.
 
 Training: ``n_f ∈ {1, 2, 4, 8}`` (one per batch), ``ρ ~ U[0.60, 0.80]`` per sequence.

@@ -135,6 +135,27 @@ def test_crowding_command(tmp_path, mode):
                 if kind == "delta" else c["budget"]["cpu_seconds"] == c["cpu_seconds"]
 
 
+@pytest.mark.parametrize("mode", ["flops", pytest.param("time", marks=pytest.mark.slow)])
+def test_recall_command_with_gdn(tmp_path, mode):
+    """The GDN core in a compute-matched recall comparison: it takes BL's budget like the Delta core
+    (test_recall_flops_match_within_one_step, test_recall_time_match_and_a_resumed_plan)."""
+    out = tmp_path / mode
+    assert cli_main(["recall", "--preset", "tiny", "--steps", "10", "--models", "bayesian", "gated_deltanet",
+                     "--compute-match", mode, "--out", str(out), "--no-progress"]) == 0
+    record = json.loads((out / "recall.json").read_text())
+    assert record["compute_match"]["mode"] == mode and record["models"]["gated_deltanet"]["label"] == "GDN-style"
+    ref = _seeds(record, "bayesian")[0]
+    c = _seeds(record, "gated_deltanet")[0]
+    assert c["budget"] == ref["budget"]
+    if mode == "flops":
+        assert abs(c["flops"] - c["budget"]["flops"]) <= c["max_step_flops"]
+        assert c["steps"] > ref["steps"] == 10  # 1.11x cheaper than BL per step: more steps
+    else:
+        assert abs(c["predicted_cpu_seconds"] - c["budget"]["cpu_seconds"]) <= c["predicted_max_step_cpu_seconds"]
+    gdn, delta = build_model("gated_deltanet", RECALL["tiny"]), build_model("delta", RECALL["tiny"])
+    assert gdn.flops(4, 64).total > delta.flops(4, 64).total  # the decay's gate and its gradients cost FLOPs
+
+
 def test_recall_command_refuses_time_without_the_reference(tmp_path, capsys):
     assert cli_main(["recall", "--preset", "tiny", "--models", "delta", "--compute-match", "time",
                      "--out", str(tmp_path)]) == 2

@@ -11,13 +11,21 @@ import torch.nn as nn
 from bayeslayer.cli import main as cli_main
 from bayeslayer.experiments import recall
 from bayeslayer.experiments.common.harness import TrainConfig, train
-from bayeslayer.experiments.common.recall_models import CORE_KINDS, CoreModelConfig, build_core_model
+from bayeslayer.experiments.common.recall_models import (
+    CORE_KINDS,
+    CORE_LABELS,
+    EXTRA_CORE_KINDS,
+    GDN_INIT_STEP,
+    CoreModelConfig,
+    build_core_model,
+)
+from bayeslayer.training.optim import decay_split
 
 TINY = replace(recall.PRESETS["tiny"], num_pairs=2, address_dim=4, n_b=2, train_n_f=(1, 2), test_n_f=(1, 4),
                test_rho=(0.6, 0.9), test_n_f_for_rho=2, eval_sequences=4, steps=3, batch_size=4)
 
 
-@pytest.mark.parametrize("kind", CORE_KINDS)
+@pytest.mark.parametrize("kind", CORE_KINDS + EXTRA_CORE_KINDS)
 def test_core_model_shapes_and_gradients(kind):
     model = build_core_model(kind, input_dim=9, num_classes=4, address_start=1, address_dim=4, head_dim=4,
                              num_layers=1, width=8, num_heads=2)
@@ -29,7 +37,7 @@ def test_core_model_shapes_and_gradients(kind):
     assert all(p.grad is not None and bool(torch.isfinite(p.grad).all()) for p in model.parameters())
 
 
-@pytest.mark.parametrize("kind", ["delta", "linear_attention", "gla"])
+@pytest.mark.parametrize("kind", ["delta", "gated_deltanet", "linear_attention", "gla"])
 def test_readout_uses_the_address_as_key_and_query(kind):
     """What a token writes at address e_1 is invisible to a readout at the orthogonal address e_2.
 
@@ -52,6 +60,54 @@ def test_readout_uses_the_address_as_key_and_query(kind):
     mixer(h2, addr)
     assert torch.allclose(captured["o"][0, 1], captured2["o"][0, 1], atol=1e-6)
     assert not torch.allclose(captured["o"][0, 0], captured2["o"][0, 0])
+
+
+def _small_core(kind, seed=0):
+    torch.manual_seed(seed)
+    return build_core_model(kind, input_dim=9, num_classes=4, address_start=1, address_dim=4, head_dim=4,
+                            num_layers=1, width=8, num_heads=2).blocks[0].mixer
+
+
+def _gdn_alpha(mixer, h):
+    return torch.exp(-torch.exp(mixer.A_log) * torch.nn.functional.softplus(mixer.a_proj(h) + mixer.dt_bias))
+
+
+def test_gdn_core_is_the_delta_core_with_a_learned_scalar_decay():
+    """With its decay switched off (A = 0: α = 1) the GDN core computes what the Delta core with the same value,
+    gain and output maps does; with a decay, a write fades from the readout by the product of the α's after it."""
+    gdn, delta = _small_core("gated_deltanet"), _small_core("delta", seed=1)
+    assert CORE_LABELS["gated_deltanet"] == "GDN-style"
+    assert set(dict(gdn.named_parameters())) == set(dict(delta.named_parameters())) | {"a_proj.weight", "A_log",
+                                                                                          "dt_bias"}
+    split = decay_split(gdn)  # the gate's own parameters are not weight-decayed, as in the GDN layer
+    assert split["A_log"] is not None and split["dt_bias"] is not None and split["a_proj.weight"] is None
+    h = torch.randn(2, 37, 8)
+    addr = torch.nn.functional.normalize(torch.randn(2, 37, 4), dim=-1)
+    alpha = _gdn_alpha(gdn, h)
+    # the initial decay: α within GDN_INIT_STEP·e^3 of 1 for this width's gate pre-activations, never 1 exactly
+    assert bool((alpha < 1).all()) and bool((1 - alpha < GDN_INIT_STEP * math.e**3).all())
+    delta.load_state_dict({k: v for k, v in gdn.state_dict().items() if k in delta.state_dict()})
+    with torch.no_grad():
+        gdn.A_log.fill_(-200.0)  # exp(-200) underflows: α = 1 exactly
+    assert bool((_gdn_alpha(gdn, h) == 1).all())
+    torch.testing.assert_close(gdn(h, addr), delta(h, addr), rtol=1e-5, atol=1e-6)
+    # a write at e_1, four at the orthogonal e_2, a write at e_1: the first write reaches the last readout at
+    # e_1 decayed by α_2 ⋯ α_6, and the reset write corrects that prediction towards v_6
+    with torch.no_grad():
+        gdn.A_log.fill_(0.0)
+        gdn.dt_bias.fill_(0.0)  # Δ ≈ softplus(a_t): α of a few tenths
+    e1, e2 = torch.eye(4)[0], torch.eye(4)[1]
+    h = torch.randn(1, 6, 8)
+    captured = []
+    gdn.out.register_forward_hook(lambda mod, inp, out: captured.append(inp[0]))
+    gdn(h, torch.stack([e1, e2, e2, e2, e2, e1])[None])
+    readout = captured[0].view(6, 2, 4)  # M_tᵀ q_t per token and head
+    alpha, beta, v = _gdn_alpha(gdn, h)[0], torch.sigmoid(gdn.coef(h))[0], gdn.value(h).view(6, 2, 4)
+    first = beta[0, :, None] * v[0]
+    torch.testing.assert_close(readout[0], first, rtol=1e-5, atol=1e-6)
+    decayed = alpha[1:].prod(0)[:, None] * first
+    assert bool((alpha[1:].prod(0) < 0.9).all())  # the decay is not negligible here
+    torch.testing.assert_close(readout[5], decayed + beta[5, :, None] * (v[5] - decayed), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize(
@@ -78,7 +134,7 @@ def test_core_model_rejects_bad_input():
         model(torch.zeros(2, 5, 33, dtype=torch.long))
 
 
-@pytest.mark.parametrize("kind", ["bayesian", pytest.param("delta", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("kind", ["bayesian", "gated_deltanet", pytest.param("delta", marks=pytest.mark.slow)])
 def test_tiny_recall_training_lowers_the_loss(kind):
     preset = replace(TINY, num_pairs=4, address_dim=8)
     torch.manual_seed(0)

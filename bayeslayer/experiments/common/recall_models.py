@@ -14,6 +14,9 @@ only through learned maps from the residual stream:
   ``A_t = I`` (as in the deterministic study, docs/theory.md §8.1: process noise is the only forgetting)
 * Delta      covariance-reset write ``M_t = M_{t-1} + β_t k_t (v_t − M_{t-1}ᵀ k_t)ᵀ``,
   ``β_t = σ(·)``, ``A_t = I`` (the DeltaNet design)
+* GDN        the same reset write after a scalar decay ``A_t = α_t I`` (the Gated DeltaNet design),
+  ``β_t = σ(·)`` as Delta's, ``α_t = exp(−A_h·softplus(a_t + b_h))`` with ``a_t`` a bias-free map of the
+  residual stream (GDN's gate), initialised near ``α = 1`` (:data:`GDN_INIT_STEP`; not in the default model list)
 * LA         latent-input write ``M_t = M_{t-1} + ω_t k_t v_tᵀ``, ``ω_t = σ(·)``, ``A_t = I``
 * GLA        latent-input write with ``A_t = diag(α_t)``, ``log α_t = logσ(·)/16`` (GLA's gate)
 * ``bayesian_paper`` / ``delta_paper`` (``--core paper``, the paper's cores): BL with one learnable scalar per
@@ -30,7 +33,7 @@ Model (docs/theory.md §8.2: 2 layers, width 64, 4 heads × 16 dims)::
     h = h + MLP(LN(h))                    ┘ (MLP width 2·width, GELU)
     logits = W_head LN(h)                         [B, T, num_classes]
 
-Parameters (recall sizes: 33 inputs, 16 classes): 54.7k BL, 54.2k Delta/LA, 62.5k GLA
+Parameters (recall sizes: 33 inputs, 16 classes): 54.7k BL, 54.2k Delta/LA, 54.7k GDN, 62.5k GLA
 (its decay map is per channel); the memory state is ``H·D·m`` (+ ``H·D²`` for BL) per layer.
 """
 
@@ -44,10 +47,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ...checks import check_int
-from ...design import BAYESIAN, DELTANET, GLA, LINEAR_ATTENTION, lowrank_diagonal
+from ...design import BAYESIAN, DELTANET, GATED_DELTANET, GLA, LINEAR_ATTENTION, lowrank_diagonal
+from ...layers.common import decay_log
 from ...ops.flops import FlopCount, Tally, chunk_flops
 
 CORE_KINDS = ("bayesian", "delta", "linear_attention", "gla")
+# cores beyond the paper's four: selectable, not run by default
+EXTRA_CORE_KINDS = ("gated_deltanet",)
 # the low-rank-plus-diagonal BL at these ranks (head_dim 16); selectable, not run by default
 LOWRANK_RANKS = (0, 1, 2, 4, 8, 16)
 LOWRANK_KINDS = tuple(f"bayesian_lowrank{r}" for r in LOWRANK_RANKS)
@@ -55,9 +61,16 @@ LOWRANK_KINDS = tuple(f"bayesian_lowrank{r}" for r in LOWRANK_RANKS)
 # levels instead of our per-token maps from the residual stream; see :class:`CoreMixer`.
 PAPER_CORE_KINDS = {"bayesian": "bayesian_paper", "delta": "delta_paper"}
 PAPER_RESET_LAM = 0.05  # the reset core's fixed prior λ = ℓ² (the paper's appendix value)
-ALL_KINDS = CORE_KINDS + LOWRANK_KINDS + tuple(PAPER_CORE_KINDS.values())
+# The GDN core's step size Δ = softplus(dt_bias) at initialisation (with A = 1): α ≈ exp(−1e-5) per token, so the
+# core starts as the Delta core (A_t = I, where BL and Delta stay) and keeps ≈ 98% of a target over the ≈ 2,100
+# tokens between its write and its query at n_f = 256.  GDN's language-model initialisation (A ~ U(0, 16),
+# Δ log-uniform in [1e-3, 0.1], so α from ≈ 0.2 to ≈ 1) would start it forgetting the targets over the long
+# distractor runs, the failure that made BL's core go without decay (see CoreMixer).  The gate stays learnable.
+GDN_INIT_STEP = 1e-5
+ALL_KINDS = CORE_KINDS + EXTRA_CORE_KINDS + LOWRANK_KINDS + tuple(PAPER_CORE_KINDS.values())
 # labels of the recurrent-core kinds (no q/k projections), not of registry mixers (bayeslayer.layers.MIXER_LABELS)
 CORE_LABELS = {"bayesian": "BL", "delta": "Delta-style", "linear_attention": "LA-style", "gla": "GLA-style",
+               "gated_deltanet": "GDN-style",
                **{f"bayesian_lowrank{r}": f"BL r={r}" for r in LOWRANK_RANKS},
                "bayesian_paper": "BL (paper)", "delta_paper": "Delta (paper)"}
 
@@ -143,6 +156,14 @@ class CoreMixer(nn.Module):
         elif self.kind == "gla":
             self.coef = nn.Linear(W, H)
             self.decay = nn.Linear(W, H * self.D)
+        elif self.kind == "gated_deltanet":
+            self.coef = nn.Linear(W, H)
+            # GDN's gate: a bias-free map, then α = exp(−exp(A_log)·softplus(· + dt_bias)), per head
+            self.a_proj = nn.Linear(W, H, bias=False)
+            self.A_log = nn.Parameter(torch.zeros(H))  # A = 1
+            self.dt_bias = nn.Parameter(torch.full((H,), _softplus_inverse(GDN_INIT_STEP)))
+            self.A_log._no_weight_decay = True  # the recurrence's own parameters, as in the GDN layer
+            self.dt_bias._no_weight_decay = True
         else:
             self.coef = nn.Linear(W, H)
 
@@ -190,7 +211,7 @@ class CoreMixer(nn.Module):
         t = Tally()
         tokens, W = batch_size * seq_len, self.value.in_features
         t.linear(tokens, W, self.H * self.m)
-        maps = [mod for mod in (getattr(self, name, None) for name in ("r2", "ell2", "coef", "decay"))
+        maps = [mod for mod in (getattr(self, name, None) for name in ("r2", "ell2", "coef", "decay", "a_proj"))
                 if isinstance(mod, nn.Linear)]
         for mod in maps:
             t.linear(tokens, W, mod.out_features)
@@ -199,6 +220,8 @@ class CoreMixer(nn.Module):
             write, dynamics = self.design.write, "identity"
         elif self.kind in ("delta", "delta_paper"):
             write, dynamics = "reset", "identity"
+        elif self.kind == "gated_deltanet":
+            write, dynamics = "reset", "scalar"
         else:
             write, dynamics = "latent", "diagonal" if self.kind == "gla" else "identity"
         return t.count() + chunk_flops(write, dynamics, batch_size=batch_size, seq_len=seq_len, num_heads=self.H,
@@ -217,6 +240,10 @@ class CoreMixer(nn.Module):
         elif self.kind == "delta":
             beta = torch.sigmoid(self.coef(h)).clamp(min=1e-6)
             out = DELTANET.chunk(qk, qk, v, gain=beta, chunk_size=self.chunk_size)
+        elif self.kind == "gated_deltanet":
+            beta = torch.sigmoid(self.coef(h)).clamp(min=1e-6)
+            alpha = torch.exp(decay_log(self.a_proj(h), self.A_log, self.dt_bias)[..., 0])  # [B, T, H]
+            out = GATED_DELTANET.chunk(qk, qk, v, gain=beta, alpha=alpha, chunk_size=self.chunk_size)
         elif self.kind == "linear_attention":
             omega = torch.sigmoid(self.coef(h)).clamp(min=1e-6)
             out = LINEAR_ATTENTION.chunk(qk, qk, v, gain=omega, chunk_size=self.chunk_size)

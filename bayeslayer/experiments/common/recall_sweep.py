@@ -365,7 +365,8 @@ def add_command(sub, *, name: str, help: str, doc: str, presets: dict, paper_bud
                    help=f"'paper' = {paper_budget}; 'default' ≈ 15 min on a 2-core CPU; 'tiny' = smoke test")
     p.add_argument("--models", nargs="+", choices=ALL_KINDS, default=list(CORE_KINDS), metavar="MODEL",
                    help=f"models to train, of {', '.join(ALL_KINDS)} (default: the four of the paper, "
-                        f"{' '.join(CORE_KINDS)}; bayesian_lowrank<r> is the low-rank-plus-diagonal BL of rank r)")
+                        f"{' '.join(CORE_KINDS)}; gated_deltanet is the Delta core with GDN's learned scalar decay; "
+                        "bayesian_lowrank<r> is the low-rank-plus-diagonal BL of rank r)")
     for option, field, what in (("--steps", "steps", "training steps"), ("--batch-size", "batch_size", "batch size"),
                                 ("--seeds", "seeds", "number of seeds")):
         p.add_argument(option, type=positive_int_arg, default=None, help=override_help(presets, field, what))
