@@ -33,6 +33,7 @@ import contextlib
 import contextvars
 import dataclasses
 from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import torch
 
@@ -440,6 +441,145 @@ class _BLChunkTriton(torch.autograd.Function):
         grads = _blockwise_backward(args, ctx.needs_input_grad[:9], ctx.cu, ctx.chunk_size, ctx.want_var,
                                     d_o, d_var, d_M, d_P)
         return (*grads, None, None, None, None)
+
+
+class ChainSpec(NamedTuple):
+    """The non-tensor arguments of :class:`ChainFunction`: the layout (:func:`.chain_triton.chain_layout`), whether
+    the variance is returned, the dtype the mean pass reads ``W``, ``kw``, ``vu`` in (:func:`mean_operand_dtype`), the
+    mean pass's implementation (:func:`mean_pass_impl`) and the product precision of the chain kernels (None: their
+    default)."""
+
+    layout: object
+    want_var: bool
+    mean_dtype: torch.dtype
+    mean: str
+    prec: str | None = None
+
+
+def mean_operand_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the mean pass's operands ``W``, ``kw``, ``vu`` for inputs of ``dtype``: the inputs' own for
+    16-bit inputs (as flash-linear-attention's GDN runs its ``w``, ``u``), fp32 for fp32, float64 for float64."""
+    return dtype if dtype in (torch.bfloat16, torch.float16, torch.float64) else torch.float32
+
+
+def mean_pass_impl(dtype: torch.dtype, device) -> str:
+    """Which mean pass runs: ``"fla"`` (flash-linear-attention's kernels: CUDA tensors, and fp32 under Triton's
+    interpreter, where fla's ``fwd_h``/``bwd_dhu``, which it cannot run, are replaced by their PyTorch twins) or
+    ``"twin"`` (the PyTorch twins of those kernels: float64, which fla does not compute in, and 16-bit inputs under
+    the interpreter, whose 16-bit ``tl.dot`` is not usable)."""
+    if dtype == torch.float64:
+        return "twin"
+    if torch.device(device).type == "cuda":
+        return "fla"
+    return "fla" if dtype == torch.float32 else "twin"
+
+
+def _host_offsets(layout, n_tokens: int) -> list[int]:
+    """The sequence offsets as a host list: the PyTorch twins of the mean pass index on the host (float64, and
+    16-bit inputs under the interpreter only)."""
+    return [int(x) for x in layout.cu.cpu()]
+
+
+def _mean_forward(spec: ChainSpec, q, w, kw, vu, g, M0, cu):
+    """The mean pass on the chain's outputs -> ``(o [NT, H', m] in the work dtype, M [N, H', D, m])``."""
+    from . import mean_pass_fla as mpf
+    from .scan import mean_pass_reference
+
+    work = M0.dtype
+    if spec.mean == "twin":
+        f = (lambda x: x.to(work))
+        return mean_pass_reference(f(q), f(w), f(kw), f(vu), g, M0, _host_offsets(spec.layout, q.shape[0]),
+                                   spec.layout.C)
+    fwd_h = None if q.device.type == "cuda" else mpf.fwd_h_reference
+    md = spec.mean_dtype
+    with mpf.one_autotune_config() if q.device.type != "cuda" else contextlib.nullcontext():
+        o, M = mpf.mean_pass_fla(q.to(md), w, kw, vu, g, M0, cu, spec.layout.C, fwd_h=fwd_h)
+    return o.to(work), M
+
+
+def _mean_backward(spec: ChainSpec, q, w, kw, vu, g, M0, cu, do, dM):
+    """Adjoint of :func:`_mean_forward`: ``(dq, dw, dkw, dvu, dlog_alpha, dM0)``."""
+    from . import mean_pass_fla as mpf
+    from .scan_grad import mean_backward_kernels
+
+    work = M0.dtype
+    if spec.mean == "twin":
+        f = (lambda x: x.to(work))
+        return mpf.mean_pass_fla_backward(f(q), f(w), f(kw), f(vu), g, M0, cu, spec.layout.C, f(do), dM,
+                                          kernels=mpf.TWIN_KERNELS)
+    md = spec.mean_dtype
+    kernels = mean_backward_kernels(md, q.device)
+    with mpf.one_autotune_config() if q.device.type != "cuda" else contextlib.nullcontext():
+        return mpf.mean_pass_fla_backward(q.to(md), w, kw, vu, g, M0, cu, spec.layout.C, do.to(md), dM,
+                                          kernels=kernels)
+
+
+class ChainFunction(torch.autograd.Function):
+    """Autograd of the packed chain path: the covariance chain (:func:`.chain_triton.chain_forward`) and the mean
+    pass on its outputs; backward: the mean pass's adjoint, then the reverse chain
+    (:func:`.chain_triton.chain_backward`), which also takes the substitution's adjoint (``kw = L⁻¹K̃``,
+    ``vu = L⁻¹V``).  ``ChainFunction.apply(spec, cu, q, k, v, r2, ell2, log_alpha, M0, P0)`` on packed, folded
+    tensors (q, k, v in their own dtype; ``M0``, ``P0`` in the working dtype) -> ``(o, variance, M, P)``
+    packed.  Nothing is read on the host: the failure flags stay on the device (``ctx``/the returned
+    ``failed`` attribute) and a failure shows as NaN in its (sequence, head)'s outputs."""
+
+    @staticmethod
+    def forward(ctx, spec: ChainSpec, cu, q, k, v, r2, ell2, log_alpha, M0, P0):
+        from .chain_triton import chain_forward
+
+        save = any(ctx.needs_input_grad[2:])
+        fw = chain_forward(q, k, v, r2, ell2, log_alpha, P0, spec.layout, want_var=spec.want_var, save_p=save,
+                           out_dtype=spec.mean_dtype, prec=spec.prec)
+        o, M = _mean_forward(spec, q, fw.w, fw.kw, fw.vu, fw.g, M0, cu)
+        ctx.save_for_backward(q, k, v, r2, ell2, log_alpha, M0, fw.w, fw.kw, fw.vu, fw.g, fw.checkpoints)
+        ctx.spec, ctx.cu = spec, cu
+        ChainFunction.last_failed = fw.failed
+        var = fw.var if fw.var is not None else o.new_empty(0)
+        if fw.var is None:
+            ctx.mark_non_differentiable(var)
+        return o, var, M, fw.P
+
+    @staticmethod
+    def backward(ctx, d_o, d_var, d_M, d_P):
+        from .chain_triton import chain_backward
+
+        spec, cu = ctx.spec, ctx.cu
+        q, k, v, r2, ell2, la, M0, w, kw, vu, g, ck = ctx.saved_tensors
+        work = M0.dtype
+        do = d_o if d_o is not None else torch.zeros(v.shape, dtype=work, device=v.device)
+        dq_m, dw, dkw, dvu, dla_m, dM0 = _mean_backward(spec, q, w, kw, vu, g, M0, cu, do, d_M)
+        dvar = d_var if spec.want_var and d_var is not None and d_var.numel() > 0 else None
+        gr = chain_backward(q, k, v, r2, ell2, la, spec.layout, ck, dw=dw, dkw=dkw, dvu=dvu, dvar=dvar, dP=d_P,
+                            prec=spec.prec)
+        ChainFunction.last_failed = gr.failed
+        dq = dq_m.to(work) if gr.q is None else dq_m.to(work) + gr.q
+        return (None, None, dq, gr.k, gr.v, gr.r2, gr.ell2, gr.log_alpha + dla_m.to(work), dM0.to(work), gr.P0)
+
+
+def chain_chunk(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, want_var, *, prec=None):
+    """The chunked Bayesian Layer on the chain kernels: validate and fold (``_fold_forward``'s graph, under autograd),
+    :class:`ChainFunction`, unfold.  Returns ``(o [B, T, H, m], variance [B, T, H, G] or None, M, P)`` like
+    :func:`_forward_triton`.  Reads nothing on the host beyond what validation reads (nothing with value checks off).
+    """
+    from .chain_triton import chain_layout
+
+    B, T = q.shape[:2]
+    grads = torch.is_grad_enabled() and any(
+        isinstance(x, torch.Tensor) and x.requires_grad for x in (q, k, v, r2, ell2, alpha, p0, M0, P0))
+    grouped = isinstance(r2, torch.Tensor) and r2.dim() == 4 and r2.shape[-1] > 1
+    if grouped and grads and q.dtype in (torch.bfloat16, torch.float16):
+        # groups repeat q and k: their gradients are summed over the groups in fp32, then rounded once
+        q, k, v = q.float(), k.float(), v.float()
+    a = _fold_forward(q, k, v, r2, ell2, alpha, p0, M0, P0, cu)
+    dims, G = a["dims"], a["G"]
+    la = a["la"] if a["diag"] else a["la"][..., None]
+    layout = chain_layout(cu, B, T, chunk_size, q.device)
+    spec = ChainSpec(layout=layout, want_var=want_var, mean_dtype=mean_operand_dtype(dims.dtype),
+                     mean=mean_pass_impl(dims.dtype, q.device), prec=prec)
+    o, var, M, P = ChainFunction.apply(spec, cu, a["q"], a["k"], a["v"], a["r2"], a["ell2"], la, a["M"], a["P"])
+    o = grp.unfold_values(o.reshape(B, T, a["Hf"], a["mg"]), G).to(dims.dtype)
+    var_out = grp.unfold_per_token(var.reshape(B, T, a["Hf"]), G) if want_var else None
+    return o, var_out, grp.unfold_state_mean(M, G), grp.unfold_state_cov(P, G)
 
 
 #: the backwards of :func:`bl_chunk_triton`, by name: each runs the Triton forward under its own autograd,

@@ -1,0 +1,120 @@
+"""The covariance chain kernels against the float64 oracle (``bl_recurrent``), forward and backward.
+
+Under ``TRITON_INTERPRET=1`` on CPU tensors (or compiled, on a GPU): the chain forward
+(``ops/bayesian_layer/chain_triton.py::chain_forward_kernel``), the mean pass on its outputs and the reverse chain
+(``chain_backward_kernel``) through :func:`bayeslayer.ops.bayesian_layer.chunk_triton.chain_chunk`, in float64,
+must equal the token-by-token Kalman filter to 1e-12 relative: the outputs, the variance, the final state and the
+gradient of every input (the initial state's included).  The default run has one small case per kernel; the grid
+(odd lengths, packed sequences with ragged and empty ones, scalar and diagonal decay, G = 1 and 2, D = 16..128,
+chunk sizes 16, 32, 64) is slow.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from bayeslayer.ops.bayesian_layer.recurrent import bl_recurrent
+
+from .inputs import bl_inputs, fixed_weights, random_psd
+
+pytest.importorskip("triton")
+pytestmark = pytest.mark.skipif(
+    not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") == "1"),
+    reason="Triton kernels need a CUDA device or TRITON_INTERPRET=1",
+)
+DEVICE = "cuda" if os.environ.get("TRITON_INTERPRET", "0") != "1" else "cpu"
+TOL = 1e-12
+
+
+def _inputs(B, T, H, D, m, G, dynamics, init, cu, seed=0):
+    torch.manual_seed(seed)
+    if cu is not None:
+        B, T = 1, cu[-1]
+    x = bl_inputs(B=B, T=T, H=H, D=D, m=m, G=G, dynamics=dynamics, initial_state=False)
+    N = B if cu is None else len(cu) - 1
+    if init:
+        P0 = random_psd(N, H, D=D) if G == 1 else random_psd(N, H, G, D=D)
+        x["initial_state"] = (torch.randn(N, H, D, m, dtype=torch.float64), P0)
+    return x, N
+
+
+def _reference(x, cu, init):
+    """``(o, variance, M, P)`` of ``bl_recurrent``, one call per packed sequence."""
+    names = ("q", "k", "v", "r2", "ell2", "alpha")
+    if cu is None:
+        o, var, (M, P) = bl_recurrent(*(x[n] for n in names), None, 1.0, x["initial_state"],
+                                      output_final_state=True, return_variance=True)
+        return o, var, M, P
+    outs = []
+    for n in range(len(cu) - 1):
+        sl = slice(cu[n], cu[n + 1])
+        st = (x["initial_state"][0][n:n + 1], x["initial_state"][1][n:n + 1]) if init else None
+        outs.append(bl_recurrent(*(x[k][:, sl] if x[k] is not None else None for k in names), None, 1.0, st,
+                                 output_final_state=True, return_variance=True))
+    o = torch.cat([r[0] for r in outs], 1)
+    var = torch.cat([r[1] for r in outs], 1)
+    return o, var, torch.cat([r[2][0] for r in outs]), torch.cat([r[2][1] for r in outs])
+
+
+def _check(B=2, T=40, H=2, D=16, m=8, G=1, dynamics="scalar", init=True, cu=None, C=32, grads=True):
+    from bayeslayer.ops.bayesian_layer.chunk_triton import chain_chunk
+
+    x, N = _inputs(B, T, H, D, m, G, dynamics, init, cu)
+    names = [n for n in ("q", "k", "v", "r2", "ell2", "alpha") if x[n] is not None]
+    leaves = {n: x[n].clone().requires_grad_(grads) for n in names}
+    if init:
+        leaves["M0"] = x["initial_state"][0].clone().requires_grad_(grads)
+        leaves["P0"] = x["initial_state"][1].clone().requires_grad_(grads)
+    ref_x = dict(leaves, alpha=leaves.get("alpha"), initial_state=(leaves["M0"], leaves["P0"]) if init else None)
+    ref = _reference(ref_x, cu, init)
+    dev = {n: t.to(DEVICE) for n, t in leaves.items()}
+    cu_t = torch.tensor(cu, dtype=torch.int64, device=DEVICE) if cu is not None else None
+    out = chain_chunk(dev["q"], dev["k"], dev["v"], dev["r2"], dev["ell2"], dev.get("alpha"), 1.0, dev.get("M0"),
+                      dev.get("P0"), cu_t, C, True)
+    for name, a, b in zip(("o", "variance", "M", "P"), out, ref, strict=True):
+        err = ((a.cpu() - b).abs().max() / b.abs().max()).item()
+        assert err <= TOL, f"{name}: {err:.2e}"
+    if not grads:
+        return
+    w = fixed_weights(ref)
+    g = torch.autograd.grad(sum((a.cpu() * wi).sum() for a, wi in zip(out, w, strict=True)), list(leaves.values()))
+    g_ref = torch.autograd.grad(sum((a * wi).sum() for a, wi in zip(ref, w, strict=True)), list(leaves.values()))
+    for name, a, b in zip(leaves, g, g_ref, strict=True):
+        if name == "P0":  # a covariance's gradient is defined up to its antisymmetric part
+            a, b = 0.5 * (a + a.transpose(-1, -2)), 0.5 * (b + b.transpose(-1, -2))
+        err = ((a - b).abs().max() / b.abs().max()).item()
+        assert err <= TOL, f"d{name}: {err:.2e}"
+
+
+def test_chain_forward_and_backward_equal_the_oracle_fp64():
+    """One small case per kernel: scalar decay, two sequences of 40 tokens (a ragged second chunk), an initial
+    state, the variance, every gradient."""
+    _check()
+
+
+def test_chain_forward_diagonal_packed_fp64():
+    """The forward kernel with per-channel decay over packed sequences (an empty one among them), G = 2."""
+    _check(dynamics="diagonal", cu=[0, 9, 9, 41], G=2, m=4, grads=False)
+
+
+GRID = [
+    dict(dynamics="scalar", T=63, D=16, C=16),
+    dict(dynamics="diagonal", T=63, D=16, C=32),
+    dict(dynamics="identity", T=70, D=24, G=2, m=6, C=64),
+    dict(dynamics="diagonal", T=33, D=20, G=2, m=4, C=16, init=False),
+    dict(dynamics="scalar", cu=[0, 5, 5, 40, 47], D=16, C=16),
+    dict(dynamics="diagonal", cu=[0, 17, 17, 50], D=16, G=2, m=4, C=32),
+    dict(dynamics="scalar", T=65, D=64, m=16, H=1, C=32),
+    dict(dynamics="diagonal", T=37, D=32, m=8, H=1, C=32, cu=[0, 0, 37]),
+    dict(dynamics="scalar", T=40, D=128, m=8, H=1, B=1, C=32),
+    dict(dynamics="scalar", T=100, D=16, G=2, m=4, C=32, init=False),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", GRID, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_chain_grid_fp64(case):
+    _check(**case)
