@@ -92,6 +92,56 @@ def _dot(a, b, PREC: tl.constexpr, INTERP: tl.constexpr):
 
 
 @triton.jit
+def _split(x, PREC: tl.constexpr):
+    """The high and low parts of ``x`` for a split-precision product (TF32 or bf16 parts)."""
+    if PREC == "tf32x3":
+        h = _tf32(x)
+        lo = _tf32(x - h)
+    else:
+        h = x.to(tl.bfloat16)
+        lo = (x - h.to(tl.float32)).to(tl.bfloat16)
+    return h, lo
+
+
+@triton.jit
+def _mm(a, b, acc, PREC: tl.constexpr, INTERP: tl.constexpr):
+    """One tensor-core product of split parts, accumulated in fp32."""
+    if PREC == "tf32x3":
+        acc = tl.dot(a, b, acc, input_precision="tf32")
+    elif INTERP:
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc, out_dtype=tl.float32)
+    return acc
+
+
+@triton.jit
+def _dotx(a, b, AX: tl.constexpr, BX: tl.constexpr, PREC: tl.constexpr, INTERP: tl.constexpr):
+    """:func:`_dot` knowing that ``a`` (``AX``) or ``b`` (``BX``) holds values the high part represents exactly
+    (bf16 inputs, or fp16 inputs with TF32 parts): their low part is zero, so its products are skipped — two
+    products instead of three, one when both are exact."""
+    if PREC == "ieee" or PREC == "tf32":
+        acc = _dot(a, b, PREC, INTERP)
+    elif AX and BX:
+        ah, al = _split(a, PREC)
+        bh, bl = _split(b, PREC)
+        acc = _mm(ah, bh, tl.zeros([a.shape[0], b.shape[1]], dtype=tl.float32), PREC, INTERP)
+    elif AX:
+        ah, al = _split(a, PREC)
+        bh, bl = _split(b, PREC)
+        acc = _mm(ah, bl, tl.zeros([a.shape[0], b.shape[1]], dtype=tl.float32), PREC, INTERP)
+        acc = _mm(ah, bh, acc, PREC, INTERP)
+    elif BX:
+        ah, al = _split(a, PREC)
+        bh, bl = _split(b, PREC)
+        acc = _mm(al, bh, tl.zeros([a.shape[0], b.shape[1]], dtype=tl.float32), PREC, INTERP)
+        acc = _mm(ah, bh, acc, PREC, INTERP)
+    else:
+        acc = _dot(a, b, PREC, INTERP)
+    return acc
+
+
+@triton.jit
 def _tri(i, j):
     """Position of lower block ``(i, j)``, ``j ≤ i``, in a flat tuple of a block-lower-triangular matrix."""
     return i * (i + 1) // 2 + j
@@ -177,12 +227,13 @@ def _ratio(gI, gJ, SAME: tl.constexpr, r):
 
 
 @triton.jit
-def _scores(a, x, gI, gJ, glJ, SAME: tl.constexpr, DIAG: tl.constexpr, PREC: tl.constexpr,
-            INTERP: tl.constexpr, r):
+def _scores(a, x, gI, gJ, glJ, SAME: tl.constexpr, DIAG: tl.constexpr, AX: tl.constexpr, XX: tl.constexpr,
+            PREC: tl.constexpr, INTERP: tl.constexpr, r):
     """``[i, j] = Σ_d a_id ρ_ij,d x_jd`` for ``i`` in block I, ``j`` in block J (zero for ``j > i`` when ``SAME``).
 
     ``a`` ``[BLK, N]`` rows of block I, ``x`` rows of block J; ``gI``, ``gJ`` their cumulative log-decays
-    (``[BLK]`` scalar, ``[BLK, N]`` diagonal), ``glJ`` the last row of ``gJ`` (diagonal decay only)."""
+    (``[BLK]`` scalar, ``[BLK, N]`` diagonal), ``glJ`` the last row of ``gJ`` (diagonal decay only); ``AX``, ``XX``:
+    whether ``a``, ``x`` are exact in the products' high parts (:func:`_dotx`)."""
     if DIAG:
         if SAME:
             out = tl.zeros([a.shape[0], x.shape[0]], dtype=a.dtype)
@@ -194,12 +245,24 @@ def _scores(a, x, gI, gJ, glJ, SAME: tl.constexpr, DIAG: tl.constexpr, PREC: tl.
         else:
             out = _dot(a * tl.exp(gI - glJ[None, :]), tl.trans(x * tl.exp(glJ[None, :] - gJ)), PREC, INTERP)
     else:
-        out = _dot(a, tl.trans(x), PREC, INTERP) * _ratio(gI, gJ, SAME, r)
+        out = _dotx(a, tl.trans(x), AX, XX, PREC, INTERP) * _ratio(gI, gJ, SAME, r)
     return out
 
 
 @triton.jit
-def _mix(Mb, x, gI, gJ, glJ, SAME: tl.constexpr, DIAG: tl.constexpr, PREC: tl.constexpr,
+def _scores_b(a, k, bJ, gI, gJ, glJ, SAME: tl.constexpr, DIAG: tl.constexpr, AX: tl.constexpr, KX: tl.constexpr,
+              PREC: tl.constexpr, INTERP: tl.constexpr, r):
+    """:func:`_scores` of ``a`` with ``b ⊙ k`` (``bJ`` the noise of block J's tokens): the noise scales the
+    columns, so the keys enter the product as they are (exact when ``KX``)."""
+    if DIAG:
+        out = _scores(a, bJ * k, gI, gJ, glJ, SAME, DIAG, False, False, PREC, INTERP, r)
+    else:
+        out = _dotx(a, tl.trans(k), AX, KX, PREC, INTERP) * (_ratio(gI, gJ, SAME, r) * bJ[None, :])
+    return out
+
+
+@triton.jit
+def _mix(Mb, x, gI, gJ, glJ, SAME: tl.constexpr, DIAG: tl.constexpr, XX: tl.constexpr, PREC: tl.constexpr,
          INTERP: tl.constexpr, r):
     """``out_i = Σ_j M_ij ρ_ij ⊙ x_j`` (``i`` in block I, ``j`` in block J; ``Mb`` the ``[BLK, BLK]`` block,
     lower triangular when ``SAME``) -> ``[BLK, N]``."""
@@ -215,12 +278,23 @@ def _mix(Mb, x, gI, gJ, glJ, SAME: tl.constexpr, DIAG: tl.constexpr, PREC: tl.co
         else:
             out = tl.exp(gI - glJ[None, :]) * _dot(Mb, x * tl.exp(glJ[None, :] - gJ), PREC, INTERP)
     else:
-        out = _dot(Mb * _ratio(gI, gJ, SAME, r), x, PREC, INTERP)
+        out = _dotx(Mb * _ratio(gI, gJ, SAME, r), x, False, XX, PREC, INTERP)
     return out
 
 
 @triton.jit
-def _mix_t(Mb, x, gI, gJ, glJ, SAME: tl.constexpr, DIAG: tl.constexpr, PREC: tl.constexpr,
+def _mix_b(Mb, k, bJ, gI, gJ, glJ, SAME: tl.constexpr, DIAG: tl.constexpr, KX: tl.constexpr, PREC: tl.constexpr,
+           INTERP: tl.constexpr, r):
+    """:func:`_mix` of ``b ⊙ k`` (the noise scales ``M``'s columns; the keys enter as they are)."""
+    if DIAG:
+        out = _mix(Mb, bJ * k, gI, gJ, glJ, SAME, DIAG, False, PREC, INTERP, r)
+    else:
+        out = _dotx(Mb * _ratio(gI, gJ, SAME, r) * bJ[None, :], k, False, KX, PREC, INTERP)
+    return out
+
+
+@triton.jit
+def _mix_t(Mb, x, gI, gJ, glJ, SAME: tl.constexpr, DIAG: tl.constexpr, XX: tl.constexpr, PREC: tl.constexpr,
            INTERP: tl.constexpr, r):
     """``out_j = Σ_i M_ij ρ_ij ⊙ x_i`` (the transpose of :func:`_mix`: ``x`` rows of block I, result rows of
     block J) -> ``[BLK, N]``."""
@@ -236,7 +310,49 @@ def _mix_t(Mb, x, gI, gJ, glJ, SAME: tl.constexpr, DIAG: tl.constexpr, PREC: tl.
         else:
             out = tl.exp(glJ[None, :] - gJ) * _dot(tl.trans(Mb), x * tl.exp(gI - glJ[None, :]), PREC, INTERP)
     else:
-        out = _dot(tl.trans(Mb * _ratio(gI, gJ, SAME, r)), x, PREC, INTERP)
+        out = _dotx(tl.trans(Mb * _ratio(gI, gJ, SAME, r)), x, False, XX, PREC, INTERP)
+    return out
+
+
+# products with K̃ = γ ⊙ K: with scalar decay γ scales rows, so the keys enter the products as they are (exact
+# in the high part when KX) and γ is applied to the smaller operand or the result
+@triton.jit
+def _kt_p(k, g, P, DIAG: tl.constexpr, KX: tl.constexpr, PREC: tl.constexpr, INTERP: tl.constexpr):
+    """``K̃ P`` for one row block -> ``[BLK, BD]``."""
+    if DIAG:
+        out = _dot(tl.exp(g) * k, P, PREC, INTERP)
+    else:
+        out = tl.exp(g)[:, None] * _dotx(k, P, KX, False, PREC, INTERP)
+    return out
+
+
+@triton.jit
+def _x_ktt(x, k, g, DIAG: tl.constexpr, KX: tl.constexpr, PREC: tl.constexpr, INTERP: tl.constexpr):
+    """``x K̃ᵀ`` (``K̃`` one row block) -> ``[rows of x, BLK]``."""
+    if DIAG:
+        out = _dot(x, tl.trans(tl.exp(g) * k), PREC, INTERP)
+    else:
+        out = _dotx(x, tl.trans(k), False, KX, PREC, INTERP) * tl.exp(g)[None, :]
+    return out
+
+
+@triton.jit
+def _m_kt(Mb, k, g, DIAG: tl.constexpr, KX: tl.constexpr, PREC: tl.constexpr, INTERP: tl.constexpr):
+    """``Mb K̃`` (``K̃`` one row block; ``Mb`` ``[rows, BLK]``) -> ``[rows, BD]``."""
+    if DIAG:
+        out = _dot(Mb, tl.exp(g) * k, PREC, INTERP)
+    else:
+        out = _dotx(Mb * tl.exp(g)[None, :], k, False, KX, PREC, INTERP)
+    return out
+
+
+@triton.jit
+def _ktt_x(k, g, x, DIAG: tl.constexpr, KX: tl.constexpr, PREC: tl.constexpr, INTERP: tl.constexpr):
+    """``K̃ᵀ x`` (``K̃`` one row block, ``x`` ``[BLK, N]``) -> ``[BD, N]``."""
+    if DIAG:
+        out = _dot(tl.trans(tl.exp(g) * k), x, PREC, INTERP)
+    else:
+        out = _dotx(tl.trans(k), tl.exp(g)[:, None] * x, KX, False, PREC, INTERP)
     return out
 
 
@@ -252,17 +368,14 @@ def _load_rows(X, tok, valid, i_h, cols, H: tl.constexpr, N: tl.constexpr, other
 
 
 @triton.jit
-def _chunk_inputs(K, V, Q, R2, ELL2, LA, t0, eos, i_h, r, od, ov,
-                  H: tl.constexpr, D: tl.constexpr, MV: tl.constexpr, NB: tl.constexpr, DIAG: tl.constexpr,
-                  WANT_V: tl.constexpr, WANT_Q: tl.constexpr, dt):
-    """The chunk's inputs and P-free terms, as tuples of ``NB`` row blocks (16 tokens each, no-op tokens past
-    ``eos``): ``tok, valid, k, v, q, r2, ell2, g`` (cumulative log-decay), ``gl`` (its last row), ``b`` (the process
-    noise accrued since the chunk start) and the chunk-end ``g_end``, ``b_end``."""
+def _chunk_inputs(R2, ELL2, LA, t0, eos, i_h, r, od, H: tl.constexpr, D: tl.constexpr, NB: tl.constexpr,
+                  DIAG: tl.constexpr, dt):
+    """The chunk's per-token noise and decay terms, as tuples of ``NB`` row blocks (no-op tokens past ``eos``):
+    ``tok, valid, r2, ell2, g`` (cumulative log-decay), ``gl`` (its last row), ``b`` (the process noise accrued
+    since the chunk start) and the chunk-end ``g_end``, ``b_end``.  The keys, values and queries are loaded where
+    they are used (:func:`_rows_of`): re-reading them costs loads, holding them costs registers."""
     toks = ()
     vals = ()
-    ks = ()
-    vs = ()
-    qs = ()
     r2s = ()
     l2s = ()
     gs = ()
@@ -278,11 +391,6 @@ def _chunk_inputs(K, V, Q, R2, ELL2, LA, t0, eos, i_h, r, od, ov,
     for I in tl.static_range(NB):
         tok = t0 + I * BLK + r
         valid = tok < eos
-        ks = ks + (_load_rows(K, tok, valid, i_h, od, H, D, 0.0, dt),)
-        if WANT_V:
-            vs = vs + (_load_rows(V, tok, valid, i_h, ov, H, MV, 0.0, dt),)
-        if WANT_Q:
-            qs = qs + (_load_rows(Q, tok, valid, i_h, od, H, D, 0.0, dt),)
         r2 = tl.load(R2 + tok * H + i_h, mask=valid, other=1.0).to(dt)
         l2 = tl.load(ELL2 + tok * H + i_h, mask=valid, other=0.0).to(dt)
         if DIAG:
@@ -306,53 +414,94 @@ def _chunk_inputs(K, V, Q, R2, ELL2, LA, t0, eos, i_h, r, od, ov,
         gs = gs + (g,)
         gls = gls + (gc,)
         bs = bs + (b,)
-    return toks, vals, ks, vs, qs, r2s, l2s, gs, gls, bs, gc, bc
+    return toks, vals, r2s, l2s, gs, gls, bs, gc, bc
 
 
 @triton.jit
-def _factor(ks, kts, ys, r2s, gs, gls, bs, r, NB: tl.constexpr, DIAG: tl.constexpr, PREC: tl.constexpr,
-            INTERP: tl.constexpr):
-    """``S = K̃PK̃ᵀ + sym(N) + diag(r²)`` from ``Y = K̃P`` (row blocks), factored ``L diag(d) Lᵀ`` on 16×16 pivots.
+def _rows_of(X, toks, vals, i_h, cols, H: tl.constexpr, N: tl.constexpr, NB: tl.constexpr, dt):
+    """Rows of a packed ``[NT, H, N]`` input for the chunk's ``NB`` row blocks, freshly loaded."""
+    xs = ()
+    for I in tl.static_range(NB):
+        xs = xs + (_load_rows(X, toks[I], vals[I], i_h, cols, H, N, 0.0, dt),)
+    return xs
 
-    Returns ``(L, M = L⁻¹, d, failed pivots)``: ``L`` and ``M`` as flat tuples of lower blocks (:func:`_tri`),
-    ``d`` a tuple of ``[BLK]`` pivot vectors (clamped at r²)."""
+
+@triton.jit
+def _factor(ks, P, r2s, gs, gls, bs, r, NB: tl.constexpr, DIAG: tl.constexpr, KX: tl.constexpr, PREC: tl.constexpr,
+            INTERP: tl.constexpr):
+    """``S = K̃PK̃ᵀ + sym(N) + diag(r²)`` factored ``L diag(d) Lᵀ`` on ``BLK × BLK`` pivots, left-looking (block row by
+    block row); ``Y = K̃P`` is formed one row block at a time and dropped.
+
+    Returns ``(M, d, failed pivots)``: ``M = L⁻¹`` as a flat tuple of its lower blocks (:func:`_tri`), ``d`` a tuple
+    of pivot vectors (clamped at r²).  ``L`` itself is not kept: everything downstream reads ``M``."""
     eye = r[:, None] == r[None, :]
     strict = r[:, None] > r[None, :]
     Lt = ()
-    for I in tl.static_range(NB):
-        for J in tl.static_range(I + 1):
-            nbk = _rs(bs[J], DIAG) * ks[J]
-            Nb = _scores(ks[I], nbk, gs[I], gs[J], gls[J], I == J, DIAG, PREC, INTERP, r)
-            if I == J:
-                Ns = tl.where(strict, Nb, 0.0)
-                Nb = Ns + tl.trans(Ns) + tl.where(eye, Nb + r2s[I][:, None], 0.0)
-            Lt = Lt + (Nb + _dot(ys[I], tl.trans(kts[J]), PREC, INTERP),)
-    Mi = ()
+    Mt = ()
     ds = ()
     fail = tl.sum(tl.zeros(r.shape, dtype=tl.int32), axis=0)
-    for kb in tl.static_range(NB):
-        Lkk, Likk, dk, f = _ldl_block(Lt[_tri(kb, kb)], r2s[kb], r)
-        fail += f
-        Lt = _set(Lt, _tri(kb, kb), Lkk)
-        Mi = Mi + (Likk,)
-        ds = ds + (dk,)
-        for ib in tl.static_range(kb + 1, NB):
-            Lt = _set(Lt, _tri(ib, kb), _dot(Lt[_tri(ib, kb)], tl.trans(Likk), PREC, INTERP) / dk[None, :])
-        for ib in tl.static_range(kb + 1, NB):
-            Wi = Lt[_tri(ib, kb)] * dk[None, :]
-            for jb in tl.static_range(kb + 1, ib + 1):
-                Lt = _set(Lt, _tri(ib, jb), Lt[_tri(ib, jb)] - _dot(Wi, tl.trans(Lt[_tri(jb, kb)]), PREC, INTERP))
-    # L⁻¹ by block rows: M_ij = −M_ii Σ_{j≤m<i} L_im M_mj
-    Mt = ()
     for I in tl.static_range(NB):
-        row = ()
+        y = _kt_p(ks[I], gs[I], P, DIAG, KX, PREC, INTERP)
+        for J in tl.static_range(I + 1):
+            sb = _scores_b(ks[I], ks[J], bs[J], gs[I], gs[J], gls[J], I == J, DIAG, KX, KX, PREC, INTERP, r)
+            if I == J:
+                ns = tl.where(strict, sb, 0.0)
+                sb = ns + tl.trans(ns) + tl.where(eye, sb + r2s[I][:, None], 0.0)
+            sb += _x_ktt(y, ks[J], gs[J], DIAG, KX, PREC, INTERP)
+            for m in tl.static_range(J):
+                sb -= _dot(Lt[_tri(I, m)] * ds[m][None, :], tl.trans(Lt[_tri(J, m)]), PREC, INTERP)
+            if J < I:
+                Lt = Lt + (_dot(sb, tl.trans(Mt[_tri(J, J)]), PREC, INTERP) / ds[J][None, :],)
+            else:
+                Lkk, Likk, dk, f = _ldl_block(sb, r2s[I], r)
+                fail += f
+                Lt = Lt + (Lkk,)
+                ds = ds + (dk,)
+        # row I of M = L⁻¹: M_IJ = −M_II Σ_{J≤m<I} L_Im M_mJ
         for J in tl.static_range(I):
-            acc = _dot(Lt[_tri(I, J)], Mi[J], PREC, INTERP)
+            acc = _dot(Lt[_tri(I, J)], Mt[_tri(J, J)], PREC, INTERP)
             for m in tl.static_range(J + 1, I):
                 acc += _dot(Lt[_tri(I, m)], Mt[_tri(m, J)], PREC, INTERP)
-            row = row + (-_dot(Mi[I], acc, PREC, INTERP),)
-        Mt = Mt + row + (Mi[I],)
-    return Lt, Mt, ds, fail
+            Mt = Mt + (-_dot(Likk, acc, PREC, INTERP),)
+        Mt = Mt + (Likk,)
+    return Mt, ds, fail
+
+
+@triton.jit
+def _factor_adjoint(Mb, Mt, ds, betas, bbars, r, NB: tl.constexpr, PREC: tl.constexpr, INTERP: tl.constexpr):
+    """The adjoint of ``S = L diag(d) Lᵀ`` given those of ``M = L⁻¹`` (``M̄``, lower blocks) and of ``β = 1/d``
+    (``β̄``): ``S̄ = sym(Mᵀ Ψ M)`` with ``Ψ = stril(−M̄ Mᵀ) diag(d)⁻¹ + diag(−β² β̄)`` (lower blocks of ``S̄``)."""
+    eye = r[:, None] == r[None, :]
+    strict = r[:, None] > r[None, :]
+    Ps = ()
+    for I in tl.static_range(NB):
+        for J in tl.static_range(I + 1):
+            x = _dot(Mb[_tri(I, 0)], tl.trans(Mt[_tri(J, 0)]), PREC, INTERP)
+            for K2 in tl.static_range(1, J + 1):
+                x += _dot(Mb[_tri(I, K2)], tl.trans(Mt[_tri(J, K2)]), PREC, INTERP)
+            x = -x / ds[J][None, :]
+            if I == J:
+                dbar = -betas[I] * betas[I] * bbars[I]
+                x = tl.where(strict, x, tl.where(eye, dbar[:, None], 0.0))
+            Ps = Ps + (x,)
+    Ts = ()
+    for A in tl.static_range(NB):
+        for J in tl.static_range(A + 1):
+            x = _dot(Ps[_tri(A, J)], Mt[_tri(J, J)], PREC, INTERP)
+            for B2 in tl.static_range(J + 1, A + 1):
+                x += _dot(Ps[_tri(A, B2)], Mt[_tri(B2, J)], PREC, INTERP)
+            Ts = Ts + (x,)
+    Sb = ()
+    for I in tl.static_range(NB):
+        for J in tl.static_range(I + 1):
+            # R_IJ = Σ_{A ≥ I} M_AIᵀ T_AJ and R_JI = Σ_{A ≥ I} M_AJᵀ T_AI (I ≥ J); S̄_IJ = (R_IJ + R_JIᵀ) / 2
+            rij = _dot(tl.trans(Mt[_tri(I, I)]), Ts[_tri(I, J)], PREC, INTERP)
+            rji = _dot(tl.trans(Mt[_tri(I, J)]), Ts[_tri(I, I)], PREC, INTERP)
+            for A in tl.static_range(I + 1, NB):
+                rij += _dot(tl.trans(Mt[_tri(A, I)]), Ts[_tri(A, J)], PREC, INTERP)
+                rji += _dot(tl.trans(Mt[_tri(A, J)]), Ts[_tri(A, I)], PREC, INTERP)
+            Sb = Sb + (0.5 * (rij + tl.trans(rji)),)
+    return Sb
 
 
 @triton.jit
@@ -368,18 +517,20 @@ def chain_forward_kernel(
     DIAG: tl.constexpr,
     WANT_VAR: tl.constexpr,
     SAVE_P: tl.constexpr,
+    KX: tl.constexpr,
     PREC: tl.constexpr,
     INTERP: tl.constexpr,
 ):
     """The covariance chain of one (sequence ``program_id(0)``, head ``program_id(1)``), P on chip throughout.
 
     Packed inputs (``NT`` tokens, ``H`` folded heads): Q, K ``[NT, H, D]``, V ``[NT, H, MV]``, R2, ELL2 ``[NT, H]``,
-    LA ``[NT, H]`` (scalar decay) or ``[NT, H, D]`` (``DIAG``), in any float dtype (cast on load); CU ``[N + 1]``
-    sequence offsets; CKO ``[N]`` the first per-chunk checkpoint row of each sequence; P0 ``[N, H, D, D]`` (the
-    working dtype: fp32 or float64).  Writes W, KW ``[NT, H, D]``, VU ``[NT, H, MV]`` (their dtype), GOUT ``[NT,
-    H, 1 or D]`` (chunk-local cumulative log-decay), VAR ``[NT, H]`` (``WANT_VAR``), PT ``[N, H, D, D]`` (the final
-    covariance), PCK ``[·, H, D, D]`` the covariance at the start of every chunk (``SAVE_P``: the backward's
-    checkpoints), FAIL ``[N, H]`` int32 (pivots that were not positive).
+    LA ``[NT, H]`` (scalar decay) or ``[NT, H, D]`` (``DIAG``), in any float dtype (cast on load; ``KX``: q, k, v
+    are exact in the products' high parts, :func:`_dotx`); CU ``[N + 1]`` sequence offsets; CKO ``[N]`` the first
+    per-chunk checkpoint row of each sequence; P0 ``[N, H, D, D]`` (the working dtype: fp32 or float64).  Writes
+    W, KW ``[NT, H, D]``, VU ``[NT, H, MV]`` (their dtype), GOUT ``[NT, H, 1 or D]`` (chunk-local cumulative
+    log-decay), VAR ``[NT, H]`` (``WANT_VAR``), PT ``[N, H, D, D]`` (the final covariance), PCK ``[·, H, D, D]``
+    the covariance at the start of every chunk (``SAVE_P``: the backward's checkpoints), FAIL ``[N, H]`` int32
+    (pivots that were not positive; from the first one on, the program's outputs are NaN).
     """
     BLK: tl.constexpr = 32 if C > 32 else C
     NB: tl.constexpr = C // BLK
@@ -393,69 +544,39 @@ def chain_forward_kernel(
     r = tl.arange(0, BLK)
     od = tl.arange(0, BD)
     ov = tl.arange(0, BMV)
-    eye = r[:, None] == r[None, :]
-    strict = r[:, None] > r[None, :]
     pmask = (od[:, None] < D) & (od[None, :] < D)
+    eyeD = (od[:, None] == od[None, :]) & (od[:, None] < D)
     P = tl.load(P0 + (i_n * H + i_h) * D * D + od[:, None] * D + od[None, :], mask=pmask, other=0.0).to(dt)
     fail = tl.sum(tl.zeros(r.shape, dtype=tl.int32), axis=0)
-    eyeD = (od[:, None] == od[None, :]) & (od[:, None] < D)
     for c in range(n_chunks):
         if SAVE_P:
             tl.store(PCK + ((ck0 + c) * H + i_h) * D * D + od[:, None] * D + od[None, :], P, mask=pmask)
-        t0 = bos + c * C
-        toks, vals, ks, vs, qs, r2s, l2s, gs, gls, bs, g_end, b_end = _chunk_inputs(
-            K, V, Q, R2, ELL2, LA, t0, eos, i_h, r, od, ov, H, D, MV, NB, DIAG, True, WANT_VAR, dt)
-        kts = ()
-        nbks = ()
-        for I in tl.static_range(NB):
-            kts = kts + (tl.exp(_rs(gs[I], DIAG)) * ks[I],)
-            nbks = nbks + (_rs(bs[I], DIAG) * ks[I],)
+        toks, vals, r2s, l2s, gs, gls, bs, g_end, b_end = _chunk_inputs(
+            R2, ELL2, LA, bos + c * C, eos, i_h, r, od, H, D, NB, DIAG, dt)
+        Mt, ds, f = _factor(_rows_of(K, toks, vals, i_h, od, H, D, NB, dt), P, r2s, gs, gls, bs, r, NB, DIAG, KX,
+                            PREC, INTERP)
+        fail += f
+        # a failed pivot poisons the chain: from its chunk on, every output of this (sequence, head) is NaN
+        poison = tl.where(fail > 0, float("nan"), 1.0)
         # the end update's P-free part; the rank-C downdate is added row block by row block
         if DIAG:
             gC = tl.exp(g_end)
             Pn = P * gC[:, None] * gC[None, :] + tl.where(eyeD, b_end[:, None], 0.0)
         else:
             Pn = P * tl.exp(2.0 * g_end) + tl.where(eyeD, b_end, 0.0)
-        # left-looking, one row block of 16 tokens at a time: row I of S = L diag(d) Lᵀ, row I of M = L⁻¹, then
-        # the tokens' outputs (kw = M K̃, Z = M K̃ P = kw P, U = γ ⊙ Z + mix(M, bK), vu = M V)
-        Lt = ()
-        Mt = ()
-        ds = ()
+        ks = _rows_of(K, toks, vals, i_h, od, H, D, NB, dt)
+        vs = _rows_of(V, toks, vals, i_h, ov, H, MV, NB, dt)
         us = ()
         betas = ()
         for I in tl.static_range(NB):
-            y = _dot(kts[I], P, PREC, INTERP)
-            for J in tl.static_range(I + 1):
-                sb = _scores(ks[I], nbks[J], gs[I], gs[J], gls[J], I == J, DIAG, PREC, INTERP, r)
-                if I == J:
-                    ns = tl.where(strict, sb, 0.0)
-                    sb = ns + tl.trans(ns) + tl.where(eye, sb + r2s[I][:, None], 0.0)
-                sb += _dot(y, tl.trans(kts[J]), PREC, INTERP)
-                for m in tl.static_range(J):
-                    sb -= _dot(Lt[_tri(I, m)] * ds[m][None, :], tl.trans(Lt[_tri(J, m)]), PREC, INTERP)
-                if J < I:
-                    Lt = Lt + (_dot(sb, tl.trans(Mt[_tri(J, J)]), PREC, INTERP) / ds[J][None, :],)
-                else:
-                    Lkk, Likk, dk, f = _ldl_block(sb, r2s[I], r)
-                    fail += f
-                    Lt = Lt + (Lkk,)
-                    ds = ds + (dk,)
-            Mii = Likk
-            for J in tl.static_range(I):
-                acc = _dot(Lt[_tri(I, J)], Mt[_tri(J, J)], PREC, INTERP)
-                for m in tl.static_range(J + 1, I):
-                    acc += _dot(Lt[_tri(I, m)], Mt[_tri(m, J)], PREC, INTERP)
-                Mt = Mt + (-_dot(Mii, acc, PREC, INTERP),)
-            Mt = Mt + (Mii,)
-            # a failed pivot poisons the chain: from its chunk on, every output of this (sequence, head) is NaN
-            poison = tl.where(fail > 0, float("nan"), 1.0)
-            kw = _dot(Mt[_tri(I, 0)], kts[0], PREC, INTERP)
-            vu = _dot(Mt[_tri(I, 0)], vs[0], PREC, INTERP)
-            mx = _mix(Mt[_tri(I, 0)], nbks[0], gs[I], gs[0], gls[0], I == 0, DIAG, PREC, INTERP, r)
+            # kw = M K̃, U = γ ⊙ (kw P) + mix(M, bK), vu = M V
+            kw = _m_kt(Mt[_tri(I, 0)], ks[0], gs[0], DIAG, KX, PREC, INTERP)
+            vu = _dotx(Mt[_tri(I, 0)], vs[0], False, KX, PREC, INTERP)
+            mx = _mix_b(Mt[_tri(I, 0)], ks[0], bs[0], gs[I], gs[0], gls[0], I == 0, DIAG, KX, PREC, INTERP, r)
             for J in tl.static_range(1, I + 1):
-                kw += _dot(Mt[_tri(I, J)], kts[J], PREC, INTERP)
-                vu += _dot(Mt[_tri(I, J)], vs[J], PREC, INTERP)
-                mx += _mix(Mt[_tri(I, J)], nbks[J], gs[I], gs[J], gls[J], I == J, DIAG, PREC, INTERP, r)
+                kw += _m_kt(Mt[_tri(I, J)], ks[J], gs[J], DIAG, KX, PREC, INTERP)
+                vu += _dotx(Mt[_tri(I, J)], vs[J], False, KX, PREC, INTERP)
+                mx += _mix_b(Mt[_tri(I, J)], ks[J], bs[J], gs[I], gs[J], gls[J], I == J, DIAG, KX, PREC, INTERP, r)
             u = (tl.exp(_rs(gs[I], DIAG)) * _dot(kw, P, PREC, INTERP) + mx) * poison
             beta = 1.0 / ds[I]
             tok = toks[I]
@@ -476,18 +597,19 @@ def chain_forward_kernel(
             if WANT_VAR:
                 us = us + (u,)
                 betas = betas + (beta,)
-                qt = tl.exp(_rs(gs[I], DIAG)) * qs[I]
-                qq = qs[I] * qs[I]
+                q = _load_rows(Q, tok, valid, i_h, od, H, D, 0.0, dt)
+                qq = q * q
                 if DIAG:
-                    qbq = tl.sum(bs[I] * qq, axis=1)
+                    qt = tl.exp(gs[I]) * q
+                    v = 1.0 + tl.sum(_dot(qt, P, PREC, INTERP) * qt, axis=1) + tl.sum(bs[I] * qq, axis=1)
                 else:
-                    qbq = bs[I] * tl.sum(qq, axis=1)
-                v = 1.0 + tl.sum(_dot(qt, P, PREC, INTERP) * qt, axis=1) + qbq
+                    v = (1.0 + tl.exp(2.0 * gs[I]) * tl.sum(_dotx(q, P, KX, False, PREC, INTERP) * q, axis=1)
+                         + bs[I] * tl.sum(qq, axis=1))
                 for J in tl.static_range(I + 1):
-                    gq = _scores(qs[I], us[J], gs[I], gs[J], gls[J], I == J, DIAG, PREC, INTERP, r)
+                    gq = _scores(q, us[J], gs[I], gs[J], gls[J], I == J, DIAG, KX, False, PREC, INTERP, r)
                     v -= tl.sum(gq * gq * betas[J][None, :], axis=1)
                 tl.store(VAR + tok * H + i_h, v.to(VAR.dtype.element_ty), mask=valid)
-        P = 0.5 * (Pn + tl.trans(Pn)) * tl.where(fail > 0, float("nan"), 1.0)
+        P = 0.5 * (Pn + tl.trans(Pn)) * poison
     tl.store(PT + (i_n * H + i_h) * D * D + od[:, None] * D + od[None, :], P, mask=pmask)
     tl.store(FAIL + i_n * H + i_h, fail)
 
@@ -539,6 +661,7 @@ def chain_backward_kernel(
     DIAG: tl.constexpr,
     WANT_VAR: tl.constexpr,
     HAS_DPT: tl.constexpr,
+    KX: tl.constexpr,
     PREC: tl.constexpr,
     INTERP: tl.constexpr,
 ):
@@ -553,12 +676,12 @@ def chain_backward_kernel(
     ``[NT, H, 1 or D]`` (the covariance pass's and the substitution's part of the log-decay's gradient), and at
     the sequence start DP0 ``[N, H, D, D]`` (symmetrised).  Arguments otherwise as the forward's.
 
-    Per chunk, with ``Ḡ = sym(dP_end)`` and ``M = L⁻¹``::
+    Per chunk, with ``Ḡ = sym(dP_end)``, ``M = L⁻¹`` and ``U = γ ⊙ (kw P) + mix(M, bK)``::
 
-        dP  = Φ_C Ḡ Φ_C + K̃ᵀ dY (+ Q̃ᵀ diag(dvar) Q̃),     dUe = −2 diag(β) Ue Ḡ,    β̄ = −rowsum(Ue Ḡ ⊙ Ue) + …
-        M̄   = tril(dU ⊙ρ (bK)ᵀ + dZ Yᵀ + dkw K̃ᵀ + dvu Vᵀ),  d̄ = −β² β̄
-        Ψ   = stril(−M̄ Mᵀ) diag(d)⁻¹ + diag(d̄),          S̄ = sym(Mᵀ Ψ M)        (the adjoint of S = L diag(d) Lᵀ)
-        dY += S̄ K̃,  dK̃ += S̄ Y + dY P,  dr² = diag S̄,  dN = 2 S̄ − diag S̄  (lower)
+        dP  = Φ_C Ḡ Φ_C + kwᵀ dZ + K̃ᵀ S̄ K̃ (+ Q̃ᵀ diag(dvar) Q̃),   dUe = −2 diag(β) Ue Ḡ,   β̄ = −rowsum(Ue Ḡ ⊙ Ue) + …
+        d(kw) += dZ P (dZ = γ ⊙ dU),   M̄ = tril(dU ⊙ρ (bK)ᵀ + d(kw) K̃ᵀ + dvu Vᵀ),   d̄ = −β² β̄
+        Ψ   = stril(−M̄ Mᵀ) diag(d)⁻¹ + diag(d̄),   S̄ = sym(Mᵀ Ψ M)          (the adjoint of S = L diag(d) Lᵀ)
+        dK̃ += Mᵀ d(kw) + 2 S̄ K̃ P,   dr² = diag S̄,   dN = 2 S̄ − diag S̄  (lower)
 
     and the decay's adjoint collected per token (``dG``) and reverse-summed within the chunk.
     """
@@ -588,214 +711,178 @@ def chain_backward_kernel(
         c = n_chunks - 1 - cc
         P = tl.load(PCK + ((ck0 + c) * H + i_h) * D * D + od[:, None] * D + od[None, :], mask=pmask, other=0.0)
         P = P.to(dt)
-        t0 = bos + c * C
-        toks, vals, ks, vs, qs, r2s, l2s, gs, gls, bs, g_end, b_end = _chunk_inputs(
-            K, V, Q, R2, ELL2, LA, t0, eos, i_h, r, od, ov, H, D, MV, NB, DIAG, True, WANT_VAR, dt)
-        # ---- replay the chunk ----
-        kts = ()
-        ys = ()
-        nbks = ()
-        for I in tl.static_range(NB):
-            kt = tl.exp(_rs(gs[I], DIAG)) * ks[I]
-            kts = kts + (kt,)
-            ys = ys + (_dot(kt, P, PREC, INTERP),)
-            nbks = nbks + (_rs(bs[I], DIAG) * ks[I],)
-        Lt, Mt, ds, f = _factor(ks, kts, ys, r2s, gs, gls, bs, r, NB, DIAG, PREC, INTERP)
+        toks, vals, r2s, l2s, gs, gls, bs, g_end, b_end = _chunk_inputs(
+            R2, ELL2, LA, bos + c * C, eos, i_h, r, od, H, D, NB, DIAG, dt)
+        # ---- replay the chunk: S, its factors (only M = L⁻¹ and d are kept), kw = M K̃, U ----
+        Mt, ds, f = _factor(_rows_of(K, toks, vals, i_h, od, H, D, NB, dt), P, r2s, gs, gls, bs, r, NB, DIAG, KX,
+                            PREC, INTERP)
         fail += f
         poison = tl.where(fail > 0, float("nan"), 1.0)
-        zs = ()
-        mxs = ()
+        ks = _rows_of(K, toks, vals, i_h, od, H, D, NB, dt)
+        kws = ()
         us = ()
-        ues = ()
         betas = ()
         for I in tl.static_range(NB):
-            z = _dot(Mt[_tri(I, 0)], ys[0], PREC, INTERP)
-            mx = _mix(Mt[_tri(I, 0)], nbks[0], gs[I], gs[0], gls[0], I == 0, DIAG, PREC, INTERP, r)
+            kw = _m_kt(Mt[_tri(I, 0)], ks[0], gs[0], DIAG, KX, PREC, INTERP)
+            mx = _mix_b(Mt[_tri(I, 0)], ks[0], bs[0], gs[I], gs[0], gls[0], I == 0, DIAG, KX, PREC, INTERP, r)
             for J in tl.static_range(1, I + 1):
-                z += _dot(Mt[_tri(I, J)], ys[J], PREC, INTERP)
-                mx += _mix(Mt[_tri(I, J)], nbks[J], gs[I], gs[J], gls[J], I == J, DIAG, PREC, INTERP, r)
-            z = tl.exp(_rs(gs[I], DIAG)) * z
-            u = z + mx
-            if DIAG:
-                ue = tl.exp(g_end[None, :] - gs[I]) * u
-            else:
-                ue = tl.exp(g_end - gs[I])[:, None] * u
-            zs = zs + (z,)
-            mxs = mxs + (mx,)
-            us = us + (u,)
-            ues = ues + (ue,)
+                kw += _m_kt(Mt[_tri(I, J)], ks[J], gs[J], DIAG, KX, PREC, INTERP)
+                mx += _mix_b(Mt[_tri(I, J)], ks[J], bs[J], gs[I], gs[J], gls[J], I == J, DIAG, KX, PREC, INTERP, r)
+            kws = kws + (kw,)
+            us = us + (tl.exp(_rs(gs[I], DIAG)) * _dot(kw, P, PREC, INTERP) + mx,)
             betas = betas + (1.0 / ds[I],)
-        # ---- the adjoint ----
+        # ---- the adjoint of P' = sym(Φ_C P Φ_C + diag(b_C) − Ueᵀ diag(β) Ue) ----
         Gs = 0.5 * (dP + tl.trans(dP)) * poison
         if DIAG:
             gC = tl.exp(g_end)
-            dPs = Gs * gC[:, None] * gC[None, :]
             dgl = 2.0 * gC * tl.sum(Gs * P * gC[None, :], axis=1)
             dbC = tl.sum(tl.where(eyeD, Gs, 0.0), axis=1)
         else:
             gC2 = tl.exp(2.0 * g_end)
-            dPs = Gs * gC2
             dgl = 2.0 * gC2 * tl.sum(tl.sum(Gs * P, axis=1), axis=0)
             dbC = tl.sum(tl.sum(tl.where(eyeD, Gs, 0.0), axis=1), axis=0)
         dUs = ()
         bbars = ()
         dGs = ()
-        dqs = ()
         for I in tl.static_range(NB):
-            ueg = _dot(ues[I], Gs, PREC, INTERP)
-            due = -2.0 * betas[I][:, None] * ueg
-            bbar = -tl.sum(ueg * ues[I], axis=1)
             if DIAG:
-                du = tl.exp(g_end[None, :] - gs[I]) * due
+                end = tl.exp(g_end[None, :] - gs[I])
             else:
-                du = tl.exp(g_end - gs[I])[:, None] * due
-            x = due * ues[I]
-            dG = -_chs(x, DIAG)
+                end = tl.exp(g_end - gs[I])[:, None]
+            ue = end * us[I]
+            ueg = _dot(ue, Gs, PREC, INTERP)
+            bbar = -tl.sum(ueg * ue, axis=1)
+            due = -2.0 * betas[I][:, None] * ueg
+            x = due * ue
             dgl += tl.sum(_chs(x, DIAG), axis=0)
             pk = (toks[I][:, None] * H + i_h) * D + od[None, :]
             mk = vals[I][:, None] & (od[None, :] < D)
             dw = tl.load(DW + pk, mask=mk, other=0.0).to(dt)
-            du += betas[I][:, None] * dw
             bbar += tl.sum(dw * us[I], axis=1)
-            dUs = dUs + (du,)
+            dUs = dUs + (end * due + betas[I][:, None] * dw,)
             bbars = bbars + (bbar,)
-            dGs = dGs + (dG,)
-            dqs = dqs + (tl.zeros(ks[I].shape, dtype=dt),)
+            dGs = dGs + (-_chs(x, DIAG),)
+        if DIAG:
+            dPs = Gs * gC[:, None] * gC[None, :]
+        else:
+            dPs = Gs * gC2
+        # ---- the variance 1 + q̃ᵀPq̃ + qᵀBq − Σ_{i≤t} β_i (q_tᵀΦ_tΦ_i⁻¹u_i)² ----
+        dqs = ()
         if WANT_VAR:
             dvars = ()
             for I in tl.static_range(NB):
                 dvars = dvars + (tl.load(DVAR + toks[I] * H + i_h, mask=vals[I], other=0.0).to(dt),)
+            qs = _rows_of(Q, toks, vals, i_h, od, H, D, NB, dt)
             for I in tl.static_range(NB):
-                qt = tl.exp(_rs(gs[I], DIAG)) * qs[I]
                 dv_ = dvars[I]
-                dPs += _dot(tl.trans(qt * dv_[:, None]), qt, PREC, INTERP)
-                dqt = 2.0 * dv_[:, None] * _dot(qt, P, PREC, INTERP)
-                dqs = _add(dqs, I, tl.exp(_rs(gs[I], DIAG)) * dqt)
-                dGs = _add(dGs, I, _chs(dqt * qt, DIAG))
+                gam = tl.exp(_rs(gs[I], DIAG))
+                # q̃ᵀPq̃: dP += Q̃ᵀ diag(dvar) Q̃, dq̃ = 2 dvar P q̃
+                dPs += _ktt_x(qs[I], gs[I], gam * qs[I] * dv_[:, None], DIAG, KX, PREC, INTERP)
+                dqt = 2.0 * dv_[:, None] * _kt_p(qs[I], gs[I], P, DIAG, KX, PREC, INTERP)
+                dq = gam * dqt
+                dG = _chs(dqt * gam * qs[I], DIAG)
                 for J in tl.static_range(I + 1):
-                    gq = _scores(qs[I], us[J], gs[I], gs[J], gls[J], I == J, DIAG, PREC, INTERP, r)
+                    gq = _scores(qs[I], us[J], gs[I], gs[J], gls[J], I == J, DIAG, KX, False, PREC, INTERP, r)
                     bbars = _add(bbars, J, -tl.sum(dv_[:, None] * gq * gq, axis=0))
                     dgq = -2.0 * dv_[:, None] * betas[J][None, :] * gq
-                    xq = _mix(dgq, us[J], gs[I], gs[J], gls[J], I == J, DIAG, PREC, INTERP, r)
-                    xu = _mix_t(dgq, qs[I], gs[I], gs[J], gls[J], I == J, DIAG, PREC, INTERP, r)
-                    dqs = _add(dqs, I, xq)
+                    xq = _mix(dgq, us[J], gs[I], gs[J], gls[J], I == J, DIAG, False, PREC, INTERP, r)
+                    xu = _mix_t(dgq, qs[I], gs[I], gs[J], gls[J], I == J, DIAG, KX, PREC, INTERP, r)
+                    dq += xq
                     dUs = _add(dUs, J, xu)
-                    dGs = _add(dGs, I, _chs(qs[I] * xq, DIAG))
+                    dG += _chs(qs[I] * xq, DIAG)
                     dGs = _add(dGs, J, -_chs(us[J] * xu, DIAG))
-        # U = γ ⊙ Z + mix(M, bK),  Z = M Y,  kw = M K̃,  vu = M V
+                # qᵀBq
+                dq += 2.0 * dv_[:, None] * _rs(bs[I], DIAG) * qs[I]
+                dqs = dqs + (dq,)
+                dGs = _add(dGs, I, dG)
+        # ---- U = γ ⊙ (kw P) + mix(M, bK): dP from kw P, d(kw) += dZ P; the decay through U is dU ⊙ U ----
         dkws = ()
-        dvus = ()
         for I in tl.static_range(NB):
             pk = (toks[I][:, None] * H + i_h) * D + od[None, :]
             mk = vals[I][:, None] & (od[None, :] < D)
-            dkws = dkws + (tl.load(DKW + pk, mask=mk, other=0.0).to(dt),)
-            dvus = dvus + (tl.load(DVU + (toks[I][:, None] * H + i_h) * MV + ov[None, :],
-                                   mask=vals[I][:, None] & (ov[None, :] < MV), other=0.0).to(dt),)
-            dGs = _add(dGs, I, _chs(dUs[I] * (zs[I] + mxs[I]), DIAG))
+            dz = tl.exp(_rs(gs[I], DIAG)) * dUs[I]
+            dPs += _dot(tl.trans(kws[I]), dz, PREC, INTERP)
+            dkws = dkws + (tl.load(DKW + pk, mask=mk, other=0.0).to(dt) + _dot(dz, P, PREC, INTERP),)
+            dGs = _add(dGs, I, _chs(dUs[I] * us[I], DIAG))
+        # ---- kw = M K̃, vu = M V, mix(M, bK): M̄, dK̃, dV, d(bK) ----
+        ks = _rows_of(K, toks, vals, i_h, od, H, D, NB, dt)
+        vs = _rows_of(V, toks, vals, i_h, ov, H, MV, NB, dt)
         Mb = ()
         for I in tl.static_range(NB):
-            dz = tl.exp(_rs(gs[I], DIAG)) * dUs[I]
+            dvu = tl.load(DVU + (toks[I][:, None] * H + i_h) * MV + ov[None, :],
+                          mask=vals[I][:, None] & (ov[None, :] < MV), other=0.0).to(dt)
             for J in tl.static_range(I + 1):
-                m_ = _scores(dUs[I], nbks[J], gs[I], gs[J], gls[J], I == J, DIAG, PREC, INTERP, r)
-                m_ += _dot(dz, tl.trans(ys[J]), PREC, INTERP)
-                m_ += _dot(dkws[I], tl.trans(kts[J]), PREC, INTERP)
-                m_ += _dot(dvus[I], tl.trans(vs[J]), PREC, INTERP)
+                m_ = _scores_b(dUs[I], ks[J], bs[J], gs[I], gs[J], gls[J], I == J, DIAG, False, KX, PREC, INTERP, r)
+                m_ += _x_ktt(dkws[I], ks[J], gs[J], DIAG, KX, PREC, INTERP)
+                m_ += _dotx(dvu, tl.trans(vs[J]), False, KX, PREC, INTERP)
                 if I == J:
                     m_ = tl.where(low, m_, 0.0)
                 Mb = Mb + (m_,)
-        dYs = ()
-        dKts = ()
-        dNBks = ()
+        # dK̃ = Mᵀ d(kw) and d(bK) = mixᵀ(M, dU), folded at once into dk, the noise's adjoint db and dG
+        dks = ()
+        dbs = ()
         for J in tl.static_range(NB):
-            dy = tl.zeros(ks[J].shape, dtype=dt)
-            dkt = tl.zeros(ks[J].shape, dtype=dt)
-            dvv = tl.zeros(vs[J].shape, dtype=dt)
-            dnb = tl.zeros(ks[J].shape, dtype=dt)
+            dkt = tl.zeros([BLK, BD], dtype=dt)
+            dvv = tl.zeros([BLK, BMV], dtype=dt)
+            dnb = tl.zeros([BLK, BD], dtype=dt)
             for I in tl.static_range(J, NB):
                 MtT = tl.trans(Mt[_tri(I, J)])
-                dy += _dot(MtT, tl.exp(_rs(gs[I], DIAG)) * dUs[I], PREC, INTERP)
                 dkt += _dot(MtT, dkws[I], PREC, INTERP)
-                dvv += _dot(MtT, dvus[I], PREC, INTERP)
-                dnb += _mix_t(Mt[_tri(I, J)], dUs[I], gs[I], gs[J], gls[J], I == J, DIAG, PREC, INTERP, r)
-            dGs = _add(dGs, J, -_chs(nbks[J] * dnb, DIAG))
+                dvv += _dot(MtT, tl.load(DVU + (toks[I][:, None] * H + i_h) * MV + ov[None, :],
+                                         mask=vals[I][:, None] & (ov[None, :] < MV), other=0.0).to(dt), PREC, INTERP)
+                dnb += _mix_t(Mt[_tri(I, J)], dUs[I], gs[I], gs[J], gls[J], I == J, DIAG, False, PREC, INTERP, r)
             tl.store(DV + (toks[J][:, None] * H + i_h) * MV + ov[None, :], dvv.to(DV.dtype.element_ty),
                      mask=vals[J][:, None] & (ov[None, :] < MV))
-            dYs = dYs + (dy,)
-            dKts = dKts + (dkt,)
-            dNBks = dNBks + (dnb,)
-        # the pivots and the factorisation: Ψ = stril(−M̄ Mᵀ) diag(d)⁻¹ + diag(d̄),  S̄ = sym(Mᵀ Ψ M)
-        Ps = ()
-        for I in tl.static_range(NB):
-            for J in tl.static_range(I + 1):
-                x = _dot(Mb[_tri(I, 0)], tl.trans(Mt[_tri(J, 0)]), PREC, INTERP)
-                for K2 in tl.static_range(1, J + 1):
-                    x += _dot(Mb[_tri(I, K2)], tl.trans(Mt[_tri(J, K2)]), PREC, INTERP)
-                x = -x / ds[J][None, :]
-                if I == J:
-                    dbar = -betas[I] * betas[I] * bbars[I]
-                    x = tl.where(strict, x, tl.where(eye, dbar[:, None], 0.0))
-                Ps = Ps + (x,)
-        Ts = ()
-        for A in tl.static_range(NB):
-            for J in tl.static_range(A + 1):
-                x = _dot(Ps[_tri(A, J)], Mt[_tri(J, J)], PREC, INTERP)
-                for B2 in tl.static_range(J + 1, A + 1):
-                    x += _dot(Ps[_tri(A, B2)], Mt[_tri(B2, J)], PREC, INTERP)
-                Ts = Ts + (x,)
-        Sb = ()
-        for I in tl.static_range(NB):
-            for J in tl.static_range(I + 1):
-                # R_IJ = Σ_{A ≥ I} M_AIᵀ T_AJ and R_JI = Σ_{A ≥ I} M_AJᵀ T_AI (I ≥ J)
-                rij = _dot(tl.trans(Mt[_tri(I, I)]), Ts[_tri(I, J)], PREC, INTERP)
-                rji = _dot(tl.trans(Mt[_tri(I, J)]), Ts[_tri(I, I)], PREC, INTERP)
-                for A in tl.static_range(I + 1, NB):
-                    rij += _dot(tl.trans(Mt[_tri(A, I)]), Ts[_tri(A, J)], PREC, INTERP)
-                    rji += _dot(tl.trans(Mt[_tri(A, J)]), Ts[_tri(A, I)], PREC, INTERP)
-                Sb = Sb + (0.5 * (rij + tl.trans(rji)),)
-        # S = base + Y K̃ᵀ,  Y = K̃ P,  base = sym(N) + diag(r²)
-        dks = ()
-        for I in tl.static_range(NB):
-            dks = dks + (tl.zeros(ks[I].shape, dtype=dt),)
+            gam = tl.exp(_rs(gs[J], DIAG))
+            bb = _rs(bs[J], DIAG)
+            dks = dks + (gam * dkt + bb * dnb,)
+            dbs = dbs + (_chs(dnb * ks[J], DIAG),)
+            dGs = _add(dGs, J, _chs(dkt * gam * ks[J], DIAG) - _chs(bb * ks[J] * dnb, DIAG))
+        # ---- the factorisation: Ψ = stril(−M̄ Mᵀ) diag(d)⁻¹ + diag(d̄),  S̄ = sym(Mᵀ Ψ M) ----
+        Sb = _factor_adjoint(Mb, Mt, ds, betas, bbars, r, NB, PREC, INTERP)
+        # ---- S = K̃ P K̃ᵀ + sym(N) + diag(r²) ----
+        xs = ()
+        for _I in tl.static_range(NB):
+            xs = xs + (tl.zeros([BLK, BD], dtype=dt),)
         for I in tl.static_range(NB):
             for J in tl.static_range(I + 1):
                 sb = Sb[_tri(I, J)]
                 if I == J:
                     tl.store(DR2 + toks[I] * H + i_h, tl.sum(tl.where(eye, sb, 0.0), axis=1).to(DR2.dtype.element_ty),
                              mask=vals[I])
-                    sbf = tl.where(low, sb, tl.trans(sb))
-                    dYs = _add(dYs, I, _dot(sbf, kts[I], PREC, INTERP))
-                    dKts = _add(dKts, I, _dot(sbf, ys[I], PREC, INTERP))
+                    xs = _add(xs, I, _m_kt(sb, ks[I], gs[I], DIAG, KX, PREC, INTERP))
                     dn = tl.where(strict, 2.0 * sb, tl.where(eye, sb, 0.0))
                 else:
-                    dYs = _add(dYs, I, _dot(sb, kts[J], PREC, INTERP))
-                    dYs = _add(dYs, J, _dot(tl.trans(sb), kts[I], PREC, INTERP))
-                    dKts = _add(dKts, I, _dot(sb, ys[J], PREC, INTERP))
-                    dKts = _add(dKts, J, _dot(tl.trans(sb), ys[I], PREC, INTERP))
+                    xs = _add(xs, I, _m_kt(sb, ks[J], gs[J], DIAG, KX, PREC, INTERP))
+                    xs = _add(xs, J, _m_kt(tl.trans(sb), ks[I], gs[I], DIAG, KX, PREC, INTERP))
                     dn = 2.0 * sb
-                xk = _mix(dn, nbks[J], gs[I], gs[J], gls[J], I == J, DIAG, PREC, INTERP, r)
-                xb = _mix_t(dn, ks[I], gs[I], gs[J], gls[J], I == J, DIAG, PREC, INTERP, r)
+                xk = _mix_b(dn, ks[J], bs[J], gs[I], gs[J], gls[J], I == J, DIAG, KX, PREC, INTERP, r)
+                xb = _mix_t(dn, ks[I], gs[I], gs[J], gls[J], I == J, DIAG, KX, PREC, INTERP, r)
+                bb = _rs(bs[J], DIAG)
                 dks = _add(dks, I, xk)
-                dNBks = _add(dNBks, J, xb)
+                dks = _add(dks, J, bb * xb)
+                dbs = _add(dbs, J, _chs(xb * ks[J], DIAG))
                 dGs = _add(dGs, I, _chs(ks[I] * xk, DIAG))
-                dGs = _add(dGs, J, -_chs(nbks[J] * xb, DIAG))
+                dGs = _add(dGs, J, -_chs(bb * ks[J] * xb, DIAG))
         for I in tl.static_range(NB):
-            dKts = _add(dKts, I, _dot(dYs[I], P, PREC, INTERP))
-            dPs += _dot(tl.trans(kts[I]), dYs[I], PREC, INTERP)
-        # K̃ = γ K, NB k = b ⊙ k, qᵀBq; then b_j = Σ_{l≤j} ℓ_l² ρ_jl²
-        dbs = ()
+            # S = K̃ P K̃ᵀ: dK̃ += 2 S̄ K̃ P, dP += K̃ᵀ S̄ K̃
+            gam = tl.exp(_rs(gs[I], DIAG))
+            dkt = 2.0 * _dot(xs[I], P, PREC, INTERP)
+            dks = _add(dks, I, gam * dkt)
+            dGs = _add(dGs, I, _chs(dkt * gam * ks[I], DIAG))
+            dPs += _ktt_x(ks[I], gs[I], xs[I], DIAG, KX, PREC, INTERP)
+        # ---- qᵀBq and the chunk-end noise b_C; then b_j = Σ_{l≤j} ℓ_l² ρ_jl² ----
         for I in tl.static_range(NB):
-            dks = _add(dks, I, tl.exp(_rs(gs[I], DIAG)) * dKts[I] + _rs(bs[I], DIAG) * dNBks[I])
-            dGs = _add(dGs, I, _chs(dKts[I] * kts[I], DIAG))
-            db = _chs(dNBks[I] * ks[I], DIAG)
+            db = dbs[I]
             if WANT_VAR:
-                db += _chs(dvars[I][:, None] * qs[I] * qs[I], DIAG)
-                dqs = _add(dqs, I, 2.0 * dvars[I][:, None] * _rs(bs[I], DIAG) * qs[I])
+                q = _load_rows(Q, toks[I], vals[I], i_h, od, H, D, 0.0, dt)
+                db += _chs(dvars[I][:, None] * q * q, DIAG)
             if I == NB - 1:
                 if DIAG:
                     db = tl.where(r[:, None] == BLK - 1, db + dbC[None, :], db)
                 else:
                     db = tl.where(r == BLK - 1, db + dbC, db)
-            dbs = dbs + (db,)
+            dbs = _set(dbs, I, db)
         for J in tl.static_range(NB):
             tb = tl.zeros(dbs[J].shape, dtype=dt)
             for I in tl.static_range(J, NB):
@@ -813,8 +900,7 @@ def chain_backward_kernel(
         else:
             dGs = _add(dGs, NB - 1, tl.where(r == BLK - 1, dgl, 0.0))
             carry = tl.sum(tl.zeros(r.shape, dtype=dt), axis=0)
-        for Ir in tl.static_range(NB):
-            I = NB - 1 - Ir
+        for I in tl.static_range(NB - 1, -1, -1):
             dG = dGs[I]
             pk = (toks[I][:, None] * H + i_h) * D + od[None, :]
             mk = vals[I][:, None] & (od[None, :] < D)
@@ -904,6 +990,13 @@ def _precision(work: torch.dtype, prec: str | None) -> str:
     return prec
 
 
+def _exact_inputs(q, k, v, prec: str) -> bool:
+    """Whether q, k, v hold values the high part of a split product represents exactly (their low part is zero,
+    so the kernels skip its products): bf16 inputs (bf16 ⊂ TF32 ⊂ fp32), or fp16 with TF32 parts."""
+    dts = {q.dtype, k.dtype, v.dtype}
+    return dts == {torch.bfloat16} or (dts == {torch.float16} and prec == "tf32x3")
+
+
 def _tiles(D: int, MV: int, C: int) -> dict:
     from .triton_support import next_pow2
 
@@ -964,7 +1057,8 @@ def chain_forward(q, k, v, r2, ell2, log_alpha, P0, layout: ChainLayout, *, want
             q.contiguous(), k.contiguous(), v.contiguous(), r2.contiguous(), ell2.contiguous(), la, layout.cu,
             layout.chunk_first, P0.contiguous(), w, kw, vu, g, var, P, ck, failed,
             H=Hf, D=D, MV=MV, C=layout.C, DIAG=diag, WANT_VAR=want_var, SAVE_P=save_p,
-            PREC=_precision(work, prec), INTERP=_interpreting(), num_warps=nw, **tiles,
+            KX=_exact_inputs(q, k, v, _precision(work, prec)), PREC=_precision(work, prec), INTERP=_interpreting(),
+            num_warps=nw, **tiles,
         )
     return ChainForward(w, kw, vu, g, var if want_var else None, P, ck if save_p else None, failed != 0)
 
@@ -1021,6 +1115,7 @@ def chain_backward(q, k, v, r2, ell2, log_alpha, layout: ChainLayout, checkpoint
             dvar.contiguous() if want_var else r2, dP.contiguous() if dP is not None else dP0,
             out["q"] if want_var else dP0, out["k"], out["v"], out["r2"], out["ell2"], out["log_alpha"], dP0, failed,
             H=Hf, D=D, MV=MV, C=layout.C, DIAG=diag, WANT_VAR=want_var, HAS_DPT=dP is not None,
-            PREC=_precision(work, prec), INTERP=_interpreting(), num_warps=nw, **tiles,
+            KX=_exact_inputs(q, k, v, _precision(work, prec)), PREC=_precision(work, prec), INTERP=_interpreting(),
+            num_warps=nw, **tiles,
         )
     return ChainGrads(failed=failed != 0, P0=dP0, **out)
