@@ -95,9 +95,9 @@ def test_chain_forward_and_backward_equal_the_oracle_fp64():
     _check()
 
 
-def test_chain_forward_diagonal_packed_fp64():
-    """The forward kernel with per-channel decay over packed sequences (an empty one among them), G = 2."""
-    _check(dynamics="diagonal", cu=[0, 9, 9, 41], G=2, m=4, grads=False)
+def test_chain_diagonal_packed_fp64():
+    """Per-channel decay over packed sequences (an empty one among them), G = 2, forward and backward."""
+    _check(dynamics="diagonal", cu=[0, 9, 9, 23], H=1, G=2, m=4, C=16)
 
 
 GRID = [
@@ -118,3 +118,31 @@ GRID = [
 @pytest.mark.parametrize("case", GRID, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
 def test_chain_grid_fp64(case):
     _check(**case)
+
+
+def test_default_path_never_syncs_with_the_host(monkeypatch):
+    """Forward and backward of the default path (``bl_chunk(backend="triton")``: the covariance chain, fla's mean
+    pass and their backwards), fp32, value checks off: no ``Tensor.item``, ``bool(tensor)``, ``Tensor.tolist``,
+    ``int(tensor)`` or ``float(tensor)`` anywhere — on a GPU each would stall the launch queue and break graph
+    capture."""
+    from bayeslayer.ops import bl_chunk, value_checks
+    from bayeslayer.ops.bayesian_layer import mean_pass_fla
+
+    x, _ = _inputs(2, 40, 2, 16, 8, 1, "scalar", True, None)
+    leaves = [t.float().to(DEVICE).requires_grad_(True)
+              for t in (x["q"], x["k"], x["v"], x["r2"], x["ell2"], x["alpha"], *x["initial_state"])]
+    q, k, v, r2, ell2, alpha, M0, P0 = leaves
+
+    def forbidden(name):
+        def raise_(*args, **kwargs):
+            raise AssertionError(f"Tensor.{name} read a tensor on the host")
+        return raise_
+
+    with value_checks(False), mean_pass_fla.one_autotune_config():
+        for name in ("item", "__bool__", "tolist", "__int__", "__float__"):
+            monkeypatch.setattr(torch.Tensor, name, forbidden(name))
+        o, var, (M, P) = bl_chunk(q, k, v, r2, ell2, alpha, initial_state=(M0, P0), output_final_state=True,
+                                  return_variance=True, backend="triton")
+        (o.square().sum() + var.sum() + M.sum() + P.sum()).backward()
+        monkeypatch.undo()
+    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in leaves)

@@ -641,7 +641,7 @@ def _noise_adj(db, gI, gJ, glJ, SAME: tl.constexpr, DIAG: tl.constexpr, PREC: tl
             ones = tl.where(r[:, None] >= r[None, :], 1.0, 0.0).to(db.dtype)
         else:
             ones = tl.zeros([r.shape[0], r.shape[0]], dtype=db.dtype) + 1.0
-        out = _mix_t(ones, db, 2.0 * gI, 2.0 * gJ, 2.0 * glJ, SAME, DIAG, PREC, INTERP, r)
+        out = _mix_t(ones, db, 2.0 * gI, 2.0 * gJ, 2.0 * glJ, SAME, DIAG, False, PREC, INTERP, r)
     else:
         out = tl.sum(_ratio(2.0 * gI, 2.0 * gJ, SAME, r) * db[:, None], axis=0)
     return out
