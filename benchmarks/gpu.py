@@ -984,6 +984,9 @@ def compile_only(args, save=None) -> list[dict]:
     # fp32 as the backward of fp32/16-bit inputs runs them; B3 (rev64: float64, no decay variants)
     configs += [(k, D, g, False) for k in ("segadj", "segadj4", "segadj4v") for D in args.D for g in (False, True)]
     configs += [("rev64", D, False, False) for D in args.D]
+    # the default path: the covariance chain's forward and backward as bf16 inputs launch them (q, k, v bf16, the
+    # mean pass's operands and the state fp32, the variance on, the backward's checkpoints kept)
+    configs += [(k, D, g, False) for k in ("chain", "chainb") for D in args.D for g in (False, True)]
     configs = [c for c in configs if not args.kernels or c[0] in args.kernels]
     prep_names = ["PG", "PB", "PBASE", "PQN", "chunk_first"]
     for kernel, D, diag, save_ck in configs:
@@ -991,7 +994,8 @@ def compile_only(args, save=None) -> list[dict]:
         common = dict(H=16, D=D, BD=BD, BK=BK, DIAG=diag, HAS_ALPHA=True)
         ck_every = 16 if save_ck else 1  # the old block-wise backward's checkpoint spacing
         nw = 8 if C >= 64 else 4
-        fp64 = ()
+        stages = None
+        fp64 = bf16 = ()
         if kernel in ("cov", "cov64", "covp", "covp64"):
             fn = bl_chunk_cov_kernel
             names = ["q", "k", "r2", "ell2", "la", "cu_seqlens", "P", "W", "LINV", "Yscr", "Uscr", "VAR", "CKP",
@@ -1035,6 +1039,25 @@ def compile_only(args, save=None) -> list[dict]:
             names = ["PB", "PS", "A", "J", "elem_of_seg", "seq_first", "seq_nseg", "SCR", "FAIL"]
             consts = dict(H=16, D=D, NB=BD // 16, PREC="ieee")
             fp64 = ("PB", "PS", "A", "J", "SCR")
+        elif kernel in ("chain", "chainb"):
+            from bayeslayer.ops.bayesian_layer import chain_triton as tchain
+            from bayeslayer.ops.bayesian_layer.chunk_triton import CHAIN_CHUNK_SIZE
+
+            tiles = tchain.launch_options(D, D, CHAIN_CHUNK_SIZE)
+            nw, stages = tiles.pop("num_warps"), tiles.pop("num_stages")
+            consts = dict(H=16, D=D, MV=D, C=CHAIN_CHUNK_SIZE, DIAG=diag, WANT_VAR=True, KX=True,
+                          PREC=tchain.FP32_PRECISION, INTERP=False, **tiles)
+            bf16 = ("Q", "K", "V")
+            if kernel == "chain":
+                fn = tchain.chain_forward_kernel
+                names = ["Q", "K", "V", "R2", "ELL2", "LA", "CU", "CKO", "P0", "W", "KW", "VU", "GOUT", "VAR", "PT",
+                         "PCK", "FAIL"]
+                consts["SAVE_P"] = True
+            else:
+                fn = tchain.chain_backward_kernel
+                names = ["Q", "K", "V", "R2", "ELL2", "LA", "CU", "CKO", "PCK", "DW", "DKW", "DVU", "DVAR", "DPT",
+                         "DQ", "DK", "DV", "DR2", "DELL2", "DLA", "DP0", "FAIL"]
+                consts["HAS_DPT"] = True
         elif kernel == "mean":
             fn = bl_chunk_mean_kernel
             names = ["q", "k", "v", "W", "LINV", "la", "cu_seqlens", "M", "O", "CKM", "ck_offsets"]
@@ -1045,14 +1068,16 @@ def compile_only(args, save=None) -> list[dict]:
             BK_step, BV_step = step_tiles(D, D)[1:]
             consts = dict(common, BK=BK_step, MV=D, BMV=BD, BV=BV_step)
         sig = {n: ("*i64" if n in ("cu_seqlens", "ck_offsets", "cu_seg", "segs", "elem_of_seg", "seq_first",
-                                   "seq_nseg", "chunk_bos", "chunk_eos", "chunk_first") else "*i32" if n == "FAIL" else
-                   "*fp64" if n in fp64 else "*fp32") for n in names}
+                                   "seq_nseg", "chunk_bos", "chunk_eos", "chunk_first", "CU", "CKO") else
+                   "*i32" if n == "FAIL" else "*fp64" if n in fp64 else "*bf16" if n in bf16 else "*fp32")
+               for n in names}
         sig.update({n: "constexpr" for n in consts})
         t0 = time.time()
         rec = {"kernel": kernel, "D": D, "diagonal": diag, "checkpoints": save_ck, "chunk_size": C, "num_warps": nw}
         try:
+            opts = {"num_warps": nw} if stages is None else {"num_warps": nw, "num_stages": stages}
             compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
-                                      target=GPUTarget("cuda", args.arch, 32), options={"num_warps": nw})
+                                      target=GPUTarget("cuda", args.arch, 32), options=opts)
             rec["shared_bytes"] = compiled.metadata.shared
             cubin = Path("/tmp") / f"bl_{kernel}_{D}_{int(diag)}_{int(save_ck)}.cubin"
             cubin.write_bytes(compiled.asm["cubin"])
@@ -1103,7 +1128,7 @@ def main(argv=None) -> int:
     p.add_argument("--arch", type=int, default=90, help="CUDA compute capability for --compile-only")
     p.add_argument("--kernels", nargs="*", choices=["cov", "mean", "step", "cov64", "track64", "phaseb64", "prep",
                                                     "prep64", "covp", "covp64", "segadj", "segadj4", "segadj4v",
-                                                    "rev64"],
+                                                    "rev64", "chain", "chainb"],
                    help="--compile-only: these kernels only (default all)")
     p.add_argument("--scan", action="store_true", help="v2: segment-scan forward vs GDN forward (module docstring)")
     p.add_argument("--fla-autotune", choices=["pin", "warm"], default="warm",

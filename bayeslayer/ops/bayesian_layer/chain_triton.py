@@ -558,16 +558,11 @@ def chain_forward_kernel(
         fail += f
         # a failed pivot poisons the chain: from its chunk on, every output of this (sequence, head) is NaN
         poison = tl.where(fail > 0, float("nan"), 1.0)
-        # the end update's P-free part; the rank-C downdate is added row block by row block
-        if DIAG:
-            gC = tl.exp(g_end)
-            Pn = P * gC[:, None] * gC[None, :] + tl.where(eyeD, b_end[:, None], 0.0)
-        else:
-            Pn = P * tl.exp(2.0 * g_end) + tl.where(eyeD, b_end, 0.0)
         ks = _rows_of(K, toks, vals, i_h, od, H, D, NB, dt)
         vs = _rows_of(V, toks, vals, i_h, ov, H, MV, NB, dt)
         us = ()
         betas = ()
+        ues = ()
         for I in tl.static_range(NB):
             # kw = M K̃, U = γ ⊙ (kw P) + mix(M, bK), vu = M V
             kw = _m_kt(Mt[_tri(I, 0)], ks[0], gs[0], DIAG, KX, PREC, INTERP)
@@ -593,10 +588,10 @@ def chain_forward_kernel(
             else:
                 tl.store(GOUT + tok * H + i_h, gs[I].to(GOUT.dtype.element_ty), mask=valid)
                 ue = tl.exp(g_end - gs[I])[:, None] * u
-            Pn -= _dot(tl.trans(ue * beta[:, None]), ue, PREC, INTERP)
+            ues = ues + (ue,)
+            us = us + (u,)
+            betas = betas + (beta,)
             if WANT_VAR:
-                us = us + (u,)
-                betas = betas + (beta,)
                 q = _load_rows(Q, tok, valid, i_h, od, H, D, 0.0, dt)
                 qq = q * q
                 if DIAG:
@@ -609,6 +604,14 @@ def chain_forward_kernel(
                     gq = _scores(q, us[J], gs[I], gs[J], gls[J], I == J, DIAG, KX, False, PREC, INTERP, r)
                     v -= tl.sum(gq * gq * betas[J][None, :], axis=1)
                 tl.store(VAR + tok * H + i_h, v.to(VAR.dtype.element_ty), mask=valid)
+        # P ← sym(Φ_C P Φ_C + diag(b_C) − Ueᵀ diag(β) Ue), once every row block's U is known
+        if DIAG:
+            gC = tl.exp(g_end)
+            Pn = P * gC[:, None] * gC[None, :] + tl.where(eyeD, b_end[:, None], 0.0)
+        else:
+            Pn = P * tl.exp(2.0 * g_end) + tl.where(eyeD, b_end, 0.0)
+        for I in tl.static_range(NB):
+            Pn -= _dot(tl.trans(ues[I] * betas[I][:, None]), ues[I], PREC, INTERP)
         P = 0.5 * (Pn + tl.trans(Pn)) * poison
     tl.store(PT + (i_n * H + i_h) * D * D + od[:, None] * D + od[None, :], P, mask=pmask)
     tl.store(FAIL + i_n * H + i_h, fail)
@@ -997,12 +1000,20 @@ def _exact_inputs(q, k, v, prec: str) -> bool:
     return dts == {torch.bfloat16} or (dts == {torch.float16} and prec == "tf32x3")
 
 
-def _tiles(D: int, MV: int, C: int) -> dict:
+def launch_options(D: int, MV: int, C: int) -> dict:
+    """The launch constants of the chain kernels for key dim ``D``, value dim ``MV``, chunk ``C``: ``BD``, ``BMV``
+    (padded to a power of two ≥ 16), ``num_warps`` (8 from C = 32: the C×D tiles of a 32-token chunk take 8 warps'
+    registers) and ``num_stages`` = 1 (software-pipelining the chunk loop would hold two chunks' loads: compiled
+    for sm_90 it only adds registers).  One place for the wrappers and the compile check
+    (``benchmarks/gpu.py --compile-only``)."""
     from .triton_support import next_pow2
 
-    if not 1 <= D <= MAX_HEAD_DIM:
+    for name, x in (("D", D), ("MV", MV), ("C", C)):
+        if isinstance(x, bool) or not isinstance(x, int) or x < 1:
+            raise ValueError(f"{name} must be a positive int, got {x!r}")
+    if D > MAX_HEAD_DIM:
         raise ValueError(f"the chain kernels hold P on chip for key dims D = 1..{MAX_HEAD_DIM}, got D={D}")
-    return dict(BD=max(16, next_pow2(D)), BMV=max(16, next_pow2(MV)), num_warps=4 if C < 64 else 8)
+    return dict(BD=max(16, next_pow2(D)), BMV=max(16, next_pow2(MV)), num_warps=8 if C >= 32 else 4, num_stages=1)
 
 
 class ChainForward(NamedTuple):
@@ -1040,7 +1051,7 @@ def chain_forward(q, k, v, r2, ell2, log_alpha, P0, layout: ChainLayout, *, want
     if tuple(P0.shape) != (N, Hf, D, D):
         raise ValueError(f"P0 must be [N={N}, H'={Hf}, D={D}, D], got {tuple(P0.shape)}")
     diag = log_alpha.shape[-1] > 1
-    tiles = _tiles(D, MV, layout.C)
+    tiles = launch_options(D, MV, layout.C)
     dev = k.device
     w = torch.empty(NT, Hf, D, dtype=out_dtype, device=dev)
     kw = torch.empty(NT, Hf, D, dtype=out_dtype, device=dev)
@@ -1052,13 +1063,12 @@ def chain_forward(q, k, v, r2, ell2, log_alpha, P0, layout: ChainLayout, *, want
     failed = torch.zeros(N, Hf, dtype=torch.int32, device=dev)
     if N > 0 and Hf > 0:
         la = log_alpha.contiguous() if diag else log_alpha[..., 0].contiguous()
-        nw = tiles.pop("num_warps")
         chain_forward_kernel[(N, Hf)](
             q.contiguous(), k.contiguous(), v.contiguous(), r2.contiguous(), ell2.contiguous(), la, layout.cu,
             layout.chunk_first, P0.contiguous(), w, kw, vu, g, var, P, ck, failed,
             H=Hf, D=D, MV=MV, C=layout.C, DIAG=diag, WANT_VAR=want_var, SAVE_P=save_p,
             KX=_exact_inputs(q, k, v, _precision(work, prec)), PREC=_precision(work, prec), INTERP=_interpreting(),
-            num_warps=nw, **tiles,
+            **tiles,
         )
     return ChainForward(w, kw, vu, g, var if want_var else None, P, ck if save_p else None, failed != 0)
 
@@ -1095,7 +1105,7 @@ def chain_backward(q, k, v, r2, ell2, log_alpha, layout: ChainLayout, checkpoint
         raise ValueError(f"checkpoints must be [{layout.n_checkpoints}, {Hf}, {D}, {D}], got "
                          f"{tuple(checkpoints.shape)}")
     diag = log_alpha.shape[-1] > 1
-    tiles = _tiles(D, MV, layout.C)
+    tiles = launch_options(D, MV, layout.C)
     dev = k.device
     want_var = dvar is not None
     out = dict(q=torch.zeros(NT, Hf, D, dtype=work, device=dev) if want_var else None,
@@ -1108,7 +1118,6 @@ def chain_backward(q, k, v, r2, ell2, log_alpha, layout: ChainLayout, checkpoint
         raise ValueError(f"dP must be [N={N}, H'={Hf}, D={D}, D], got {tuple(dP.shape)}")
     if N > 0 and Hf > 0:
         la = log_alpha.contiguous() if diag else log_alpha[..., 0].contiguous()
-        nw = tiles.pop("num_warps")
         chain_backward_kernel[(N, Hf)](
             q.contiguous(), k.contiguous(), v.contiguous(), r2.contiguous(), ell2.contiguous(), la, layout.cu,
             layout.chunk_first, checkpoints, dw.contiguous(), dkw.contiguous(), dvu.contiguous(),
@@ -1116,6 +1125,6 @@ def chain_backward(q, k, v, r2, ell2, log_alpha, layout: ChainLayout, checkpoint
             out["q"] if want_var else dP0, out["k"], out["v"], out["r2"], out["ell2"], out["log_alpha"], dP0, failed,
             H=Hf, D=D, MV=MV, C=layout.C, DIAG=diag, WANT_VAR=want_var, HAS_DPT=dP is not None,
             KX=_exact_inputs(q, k, v, _precision(work, prec)), PREC=_precision(work, prec), INTERP=_interpreting(),
-            num_warps=nw, **tiles,
+            **tiles,
         )
     return ChainGrads(failed=failed != 0, P0=dP0, **out)
