@@ -992,7 +992,7 @@ def compile_only(args, save=None) -> list[dict]:
     for kernel, D, diag, save_ck in configs:
         BD, BK, BV = tile_sizes(D, D)
         common = dict(H=16, D=D, BD=BD, BK=BK, DIAG=diag, HAS_ALPHA=True)
-        ck_every = 16 if save_ck else 1  # the old block-wise backward's checkpoint spacing
+        ck_every = 16 if save_ck else 1  # the checkpoint variants' spacing (a retired backward's)
         nw = 8 if C >= 64 else 4
         stages = None
         fp64 = bf16 = ()
@@ -1073,7 +1073,8 @@ def compile_only(args, save=None) -> list[dict]:
                for n in names}
         sig.update({n: "constexpr" for n in consts})
         t0 = time.time()
-        rec = {"kernel": kernel, "D": D, "diagonal": diag, "checkpoints": save_ck, "chunk_size": C, "num_warps": nw}
+        rec = {"kernel": kernel, "D": D, "diagonal": diag, "checkpoints": save_ck, "chunk_size": consts.get("C", C),
+               "num_warps": nw}
         try:
             opts = {"num_warps": nw} if stages is None else {"num_warps": nw, "num_stages": stages}
             compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),

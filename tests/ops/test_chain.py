@@ -128,7 +128,7 @@ def test_default_path_never_syncs_with_the_host(monkeypatch):
     from bayeslayer.ops import bl_chunk, value_checks
     from bayeslayer.ops.bayesian_layer import mean_pass_fla
 
-    x, _ = _inputs(2, 40, 2, 16, 8, 1, "scalar", True, None)
+    x, _ = _inputs(2, 20, 1, 16, 8, 1, "scalar", True, None)
     leaves = [t.float().to(DEVICE).requires_grad_(True)
               for t in (x["q"], x["k"], x["v"], x["r2"], x["ell2"], x["alpha"], *x["initial_state"])]
     q, k, v, r2, ell2, alpha, M0, P0 = leaves

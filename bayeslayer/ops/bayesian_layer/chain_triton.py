@@ -8,33 +8,35 @@ chunk-local cumulative log-decay, ``γ = e^g``, ``ρ_ij = e^{g_i − g_j}`` for 
 the process noise accrued in the chunk, ``K̃ = γ ⊙ K``)::
 
     Y  = K̃ P                                       S = Y K̃ᵀ + sym(N) + diag(r²),  N_ij = k_iᵀ ρ_ij b_j k_j (i ≥ j)
-    S  = L diag(d) Lᵀ                              blocked on 16×16 pivots: each diagonal block eliminated in
-                                                   registers (pivots clamped at r²), panels and Schur updates by
-                                                   tl.dot; L⁻¹ by block rows
-    U  = γ ⊙ (L⁻¹ Y) + (L⁻¹ ⊙ ρ)(b ⊙ K)              W = β ⊙ U (β = 1/d),  kw = L⁻¹ K̃,  vu = L⁻¹ V  → HBM, once
+    S  = L diag(d) Lᵀ                              left-looking, blocked on BLK×BLK pivots (BLK = min(C, 32)):
+                                                   each diagonal block eliminated in registers (pivots clamped
+                                                   at r²), panels and Schur updates by tl.dot; M = L⁻¹ by rows
+    kw = M K̃,  U = γ ⊙ (kw P) + (M ⊙ ρ)(b ⊙ K),  vu = M V,  W = β ⊙ U (β = 1/d)           → HBM, once
     P ← sym(Φ_C P Φ_C + diag(b_C) − Ueᵀ diag(β) Ue),  Ue_i = Φ_CΦ_i⁻¹ u_i
 
 (and, when asked, the predictive variance ``1 + q̃ᵀPq̃ + qᵀB q − Σ_{i≤t} β_i (q_tᵀΦ_tΦ_i⁻¹u_i)²``).  ``W``, ``kw``,
 ``vu`` and ``g`` are exactly what the mean pass on flash-linear-attention's gated-delta-rule kernels reads
-(:mod:`.mean_pass_fla`, docs/theory.md §6.4), written in the dtype it reads them in.
+(:mod:`.mean_pass_fla`, docs/theory.md §6.4), written in the dtype it is handed them in.
+:func:`chain_backward_kernel` is its adjoint, walking the chunks in reverse with the adjoint of ``P`` on chip.
 
-Every ``C×·`` quantity is held as ``C/16`` row blocks of 16 tokens and every ``C×C`` one as its lower 16×16
-blocks (Triton tuples, indexed at compile time), so that the factorisation needs no slicing of register tiles.
-Every product is a ``tl.dot`` in the precision ``PREC`` names (:func:`_dot`): ``"tf32x3"`` (three TF32
+Every ``C×·`` quantity is held as ``C/BLK`` row blocks and every ``C×C`` one as its lower ``BLK×BLK`` blocks
+(Triton tuples, indexed at compile time), so that the factorisation needs no slicing of register tiles.  Every
+product is a ``tl.dot`` in the precision ``PREC`` names (:func:`_dot`, :func:`_dotx`): ``"tf32x3"`` (three TF32
 tensor-core products of the split operands, fp32 accumulation), ``"bf16x3"`` (the same with bf16 halves), or
 ``"ieee"`` (fp32 on CUDA cores; float64 always runs it, on the float64 tensor cores of sm_80+).  The splits are
 written out here rather than left to ``tl.dot``'s own ``input_precision`` so that Triton's interpreter, which
-ignores that argument, computes exactly the rounded operands a GPU multiplies.
+ignores that argument, computes exactly the rounded operands a GPU multiplies; an operand the high part holds
+exactly (bf16 inputs) skips its low part's products.
 
-Diagonal decay: every ``ρ`` becomes per channel.  Between two different 16-token blocks ``I > J`` the contraction
+Diagonal decay: every ``ρ`` becomes per channel.  Between two different blocks ``I > J`` the contraction
 ``Σ_d a_id e^{g_id − g_jd} x_jd`` is a ``tl.dot`` of ``a ⊙ e^{g_I − ĝ}`` and ``x ⊙ e^{ĝ − g_J}`` with ``ĝ`` the
 cumulative decay at the end of block J (both exponents ≤ 0: no overflow for any decay, as in GLA's secondary
-split); inside a block it is a loop over the block's 16 tokens (every exponent ≤ 0).
+split); inside a block it is a loop over the block's tokens (every exponent ≤ 0).
 
 Padding — the ragged tail of a sequence, and ``D``, ``m`` up to a power of two — is an exact no-op by the masked
 load values ``k = q = v = 0``, ``log α = 0``, ``ℓ² = 0``, ``r² = 1``.  A pivot that is not positive or not finite
-(the inputs are too extreme for the working precision) is counted into a device-side ``[N, H']`` flag; nothing
-reads it on the host during the call (see :func:`chain_forward`).
+(the inputs are too extreme for the working precision) is counted into a device-side ``[N, H']`` flag and makes
+the rest of its program's outputs NaN; nothing reads it on the host during the call (see :func:`chain_forward`).
 """
 
 from __future__ import annotations
@@ -213,7 +215,7 @@ def _ldl_block(A, floor, r):
 
 
 # ---------------------------------------------------------------------------------------------------
-# decay-weighted contractions between two 16-token blocks I ≥ J (scalar or per-channel decay)
+# decay-weighted contractions between two token blocks I ≥ J (scalar or per-channel decay)
 # ---------------------------------------------------------------------------------------------------
 
 @triton.jit
@@ -558,11 +560,16 @@ def chain_forward_kernel(
         fail += f
         # a failed pivot poisons the chain: from its chunk on, every output of this (sequence, head) is NaN
         poison = tl.where(fail > 0, float("nan"), 1.0)
+        # the end update's P-free part; the rank-C downdate is added row block by row block
+        if DIAG:
+            gC = tl.exp(g_end)
+            Pn = P * gC[:, None] * gC[None, :] + tl.where(eyeD, b_end[:, None], 0.0)
+        else:
+            Pn = P * tl.exp(2.0 * g_end) + tl.where(eyeD, b_end, 0.0)
         ks = _rows_of(K, toks, vals, i_h, od, H, D, NB, dt)
         vs = _rows_of(V, toks, vals, i_h, ov, H, MV, NB, dt)
         us = ()
         betas = ()
-        ues = ()
         for I in tl.static_range(NB):
             # kw = M K̃, U = γ ⊙ (kw P) + mix(M, bK), vu = M V
             kw = _m_kt(Mt[_tri(I, 0)], ks[0], gs[0], DIAG, KX, PREC, INTERP)
@@ -588,7 +595,7 @@ def chain_forward_kernel(
             else:
                 tl.store(GOUT + tok * H + i_h, gs[I].to(GOUT.dtype.element_ty), mask=valid)
                 ue = tl.exp(g_end - gs[I])[:, None] * u
-            ues = ues + (ue,)
+            Pn -= _dot(tl.trans(ue * beta[:, None]), ue, PREC, INTERP)
             us = us + (u,)
             betas = betas + (beta,)
             if WANT_VAR:
@@ -604,14 +611,6 @@ def chain_forward_kernel(
                     gq = _scores(q, us[J], gs[I], gs[J], gls[J], I == J, DIAG, KX, False, PREC, INTERP, r)
                     v -= tl.sum(gq * gq * betas[J][None, :], axis=1)
                 tl.store(VAR + tok * H + i_h, v.to(VAR.dtype.element_ty), mask=valid)
-        # P ← sym(Φ_C P Φ_C + diag(b_C) − Ueᵀ diag(β) Ue), once every row block's U is known
-        if DIAG:
-            gC = tl.exp(g_end)
-            Pn = P * gC[:, None] * gC[None, :] + tl.where(eyeD, b_end[:, None], 0.0)
-        else:
-            Pn = P * tl.exp(2.0 * g_end) + tl.where(eyeD, b_end, 0.0)
-        for I in tl.static_range(NB):
-            Pn -= _dot(tl.trans(ues[I] * betas[I][:, None]), ues[I], PREC, INTERP)
         P = 0.5 * (Pn + tl.trans(Pn)) * poison
     tl.store(PT + (i_n * H + i_h) * D * D + od[:, None] * D + od[None, :], P, mask=pmask)
     tl.store(FAIL + i_n * H + i_h, fail)

@@ -168,7 +168,7 @@ def _fold_forward(q, k, v, r2, ell2, alpha, p0, M0, P0, cu) -> dict:
 
 def forward_scan_packed(q, k, v, r2, ell2, log_alpha, M0, P0, cu, C, segment_chunks, want_var):
     """The segment-scan forward on the Triton kernels, on packed, folded tensors, keeping what the composed
-    backward needs: the forward of :class:`bayeslayer.ops.bayesian_layer.scan_grad.ScanFunction` (``backward="scan"``).
+    backward needs: the forward of :class:`bayeslayer.ops.bayesian_layer.scan_grad.ScanFunction` (the scan path).
 
     Exactly the launches of :func:`bayeslayer.ops.bayesian_layer.scan_triton.forward_scan_triton` after its
     ``prepare_scan`` (both call :func:`bayeslayer.ops.bayesian_layer.scan_triton.scan_packed`: prep, Phase A and B
@@ -192,7 +192,7 @@ def forward_scan_packed(q, k, v, r2, ell2, log_alpha, M0, P0, cu, C, segment_chu
 
 
 def _scan_autograd(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, want_var, n_segments):
-    """``backward="scan"``: ``prepare_scan`` (plain autograd) →
+    """The scan path with a gradient: ``prepare_scan`` (plain autograd) →
     :class:`~bayeslayer.ops.bayesian_layer.scan_grad.ScanFunction` on :func:`forward_scan_packed` → ``finish_scan``
     (plain autograd).  Returns ``(o, var or None, M, P)``."""
     from . import scan as sc

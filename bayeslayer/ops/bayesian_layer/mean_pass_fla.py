@@ -79,10 +79,10 @@ def fla_hopper_guard(bypass: bool) -> dict:
 
     The guard reads module globals of ``fla.ops.common.chunk_o`` at call time, so setting its
     ``TRITON_ABOVE_3_7_1`` lets the kernels run (their times are what a user gets; their values are what
-    ``benchmarks/gpu.py --scan`` checks).  It also gates BL's ``backward="scan"``, whose scalar-decay mean-pass
-    backward (:func:`mean_pass_fla_backward`) calls the same fla function.  Returns ``{"active", "bypassed",
-    "triton", "fla"}`` (``active``: the guard would refuse here; None when fla is not installed; the versions
-    None when not installed).
+    ``benchmarks/gpu.py --scan`` checks).  It also gates BL's backward (the chain's and the scan's), whose
+    scalar-decay mean-pass backward (:func:`mean_pass_fla_backward`) calls the same fla function.  Returns
+    ``{"active", "bypassed", "triton", "fla"}`` (``active``: the guard would refuse here; None when fla is not
+    installed; the versions None when not installed).
     """
     if not isinstance(bypass, bool):
         raise TypeError(f"bypass must be a bool, got {type(bypass).__name__}")

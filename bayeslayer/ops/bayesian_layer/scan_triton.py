@@ -567,7 +567,7 @@ def scan_packed(call: sc.ScanCall, want_var: bool, *, out_dtype: torch.dtype, me
                 prep: bool = True, cov_precision: str | None = None) -> PackedScan:
     """The launches of the segment-scan forward on :func:`bayeslayer.ops.bayesian_layer.scan.prepare_scan`'s packed
     tensors (prep, Phase A, B, C, mean pass), shared by :func:`forward_scan_triton` and the autograd forward of
-    ``backward="scan"`` (``ops/bayesian_layer/chunk_triton.py::forward_scan_packed``) so that both run exactly the same
+    the scan path (``ops/bayesian_layer/chunk_triton.py::forward_scan_packed``) so that both run exactly the same
     kernels.  Arguments as :func:`forward_scan_triton`; ``out_dtype``: the dtype of ``o`` from the mean
     kernel.  Failures are left in ``PackedScan.failed`` for the caller to raise once."""
     if not isinstance(prep, bool):
