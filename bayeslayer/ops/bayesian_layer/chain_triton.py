@@ -144,12 +144,6 @@ def _dotx(a, b, AX: tl.constexpr, BX: tl.constexpr, PREC: tl.constexpr, INTERP: 
 
 
 @triton.jit
-def _tri(i, j):
-    """Position of lower block ``(i, j)``, ``j ≤ i``, in a flat tuple of a block-lower-triangular matrix."""
-    return i * (i + 1) // 2 + j
-
-
-@triton.jit
 def _set(t, i: tl.constexpr, x):
     """The tuple ``t`` with element ``i`` replaced by ``x``."""
     out = ()
@@ -434,8 +428,10 @@ def _factor(ks, P, r2s, gs, gls, bs, r, NB: tl.constexpr, DIAG: tl.constexpr, KX
     """``S = K̃PK̃ᵀ + sym(N) + diag(r²)`` factored ``L diag(d) Lᵀ`` on ``BLK × BLK`` pivots, left-looking (block row by
     block row); ``Y = K̃P`` is formed one row block at a time and dropped.
 
-    Returns ``(M, d, failed pivots)``: ``M = L⁻¹`` as a flat tuple of its lower blocks (:func:`_tri`), ``d`` a tuple
-    of pivot vectors (clamped at r²).  ``L`` itself is not kept: everything downstream reads ``M``."""
+    Returns ``(M, d, failed pivots)``: ``M = L⁻¹`` as a flat tuple of its lower blocks (block ``(I, J)``,
+    ``J ≤ I``, at ``I(I+1)/2 + J``; written out at every index, since Triton 3.6 does not carry a jit function's
+    constant result into a tuple index), ``d`` a tuple of pivot vectors (clamped at r²).  ``L`` itself is not
+    kept: everything downstream reads ``M``."""
     eye = r[:, None] == r[None, :]
     strict = r[:, None] > r[None, :]
     Lt = ()
@@ -451,9 +447,9 @@ def _factor(ks, P, r2s, gs, gls, bs, r, NB: tl.constexpr, DIAG: tl.constexpr, KX
                 sb = ns + tl.trans(ns) + tl.where(eye, sb + r2s[I][:, None], 0.0)
             sb += _x_ktt(y, ks[J], gs[J], DIAG, KX, PREC, INTERP)
             for m in tl.static_range(J):
-                sb -= _dot(Lt[_tri(I, m)] * ds[m][None, :], tl.trans(Lt[_tri(J, m)]), PREC, INTERP)
+                sb -= _dot(Lt[I * (I + 1) // 2 + m] * ds[m][None, :], tl.trans(Lt[J * (J + 1) // 2 + m]), PREC, INTERP)
             if J < I:
-                Lt = Lt + (_dot(sb, tl.trans(Mt[_tri(J, J)]), PREC, INTERP) / ds[J][None, :],)
+                Lt = Lt + (_dot(sb, tl.trans(Mt[J * (J + 1) // 2 + J]), PREC, INTERP) / ds[J][None, :],)
             else:
                 Lkk, Likk, dk, f = _ldl_block(sb, r2s[I], r)
                 fail += f
@@ -461,9 +457,9 @@ def _factor(ks, P, r2s, gs, gls, bs, r, NB: tl.constexpr, DIAG: tl.constexpr, KX
                 ds = ds + (dk,)
         # row I of M = L⁻¹: M_IJ = −M_II Σ_{J≤m<I} L_Im M_mJ
         for J in tl.static_range(I):
-            acc = _dot(Lt[_tri(I, J)], Mt[_tri(J, J)], PREC, INTERP)
+            acc = _dot(Lt[I * (I + 1) // 2 + J], Mt[J * (J + 1) // 2 + J], PREC, INTERP)
             for m in tl.static_range(J + 1, I):
-                acc += _dot(Lt[_tri(I, m)], Mt[_tri(m, J)], PREC, INTERP)
+                acc += _dot(Lt[I * (I + 1) // 2 + m], Mt[m * (m + 1) // 2 + J], PREC, INTERP)
             Mt = Mt + (-_dot(Likk, acc, PREC, INTERP),)
         Mt = Mt + (Likk,)
     return Mt, ds, fail
@@ -478,9 +474,9 @@ def _factor_adjoint(Mb, Mt, ds, betas, bbars, r, NB: tl.constexpr, PREC: tl.cons
     Ps = ()
     for I in tl.static_range(NB):
         for J in tl.static_range(I + 1):
-            x = _dot(Mb[_tri(I, 0)], tl.trans(Mt[_tri(J, 0)]), PREC, INTERP)
+            x = _dot(Mb[I * (I + 1) // 2 + 0], tl.trans(Mt[J * (J + 1) // 2 + 0]), PREC, INTERP)
             for K2 in tl.static_range(1, J + 1):
-                x += _dot(Mb[_tri(I, K2)], tl.trans(Mt[_tri(J, K2)]), PREC, INTERP)
+                x += _dot(Mb[I * (I + 1) // 2 + K2], tl.trans(Mt[J * (J + 1) // 2 + K2]), PREC, INTERP)
             x = -x / ds[J][None, :]
             if I == J:
                 dbar = -betas[I] * betas[I] * bbars[I]
@@ -489,19 +485,19 @@ def _factor_adjoint(Mb, Mt, ds, betas, bbars, r, NB: tl.constexpr, PREC: tl.cons
     Ts = ()
     for A in tl.static_range(NB):
         for J in tl.static_range(A + 1):
-            x = _dot(Ps[_tri(A, J)], Mt[_tri(J, J)], PREC, INTERP)
+            x = _dot(Ps[A * (A + 1) // 2 + J], Mt[J * (J + 1) // 2 + J], PREC, INTERP)
             for B2 in tl.static_range(J + 1, A + 1):
-                x += _dot(Ps[_tri(A, B2)], Mt[_tri(B2, J)], PREC, INTERP)
+                x += _dot(Ps[A * (A + 1) // 2 + B2], Mt[B2 * (B2 + 1) // 2 + J], PREC, INTERP)
             Ts = Ts + (x,)
     Sb = ()
     for I in tl.static_range(NB):
         for J in tl.static_range(I + 1):
             # R_IJ = Σ_{A ≥ I} M_AIᵀ T_AJ and R_JI = Σ_{A ≥ I} M_AJᵀ T_AI (I ≥ J); S̄_IJ = (R_IJ + R_JIᵀ) / 2
-            rij = _dot(tl.trans(Mt[_tri(I, I)]), Ts[_tri(I, J)], PREC, INTERP)
-            rji = _dot(tl.trans(Mt[_tri(I, J)]), Ts[_tri(I, I)], PREC, INTERP)
+            rij = _dot(tl.trans(Mt[I * (I + 1) // 2 + I]), Ts[I * (I + 1) // 2 + J], PREC, INTERP)
+            rji = _dot(tl.trans(Mt[I * (I + 1) // 2 + J]), Ts[I * (I + 1) // 2 + I], PREC, INTERP)
             for A in tl.static_range(I + 1, NB):
-                rij += _dot(tl.trans(Mt[_tri(A, I)]), Ts[_tri(A, J)], PREC, INTERP)
-                rji += _dot(tl.trans(Mt[_tri(A, J)]), Ts[_tri(A, I)], PREC, INTERP)
+                rij += _dot(tl.trans(Mt[A * (A + 1) // 2 + I]), Ts[A * (A + 1) // 2 + J], PREC, INTERP)
+                rji += _dot(tl.trans(Mt[A * (A + 1) // 2 + J]), Ts[A * (A + 1) // 2 + I], PREC, INTERP)
             Sb = Sb + (0.5 * (rij + tl.trans(rji)),)
     return Sb
 
@@ -572,13 +568,14 @@ def chain_forward_kernel(
         betas = ()
         for I in tl.static_range(NB):
             # kw = M K̃, U = γ ⊙ (kw P) + mix(M, bK), vu = M V
-            kw = _m_kt(Mt[_tri(I, 0)], ks[0], gs[0], DIAG, KX, PREC, INTERP)
-            vu = _dotx(Mt[_tri(I, 0)], vs[0], False, KX, PREC, INTERP)
-            mx = _mix_b(Mt[_tri(I, 0)], ks[0], bs[0], gs[I], gs[0], gls[0], I == 0, DIAG, KX, PREC, INTERP, r)
+            kw = _m_kt(Mt[I * (I + 1) // 2 + 0], ks[0], gs[0], DIAG, KX, PREC, INTERP)
+            vu = _dotx(Mt[I * (I + 1) // 2 + 0], vs[0], False, KX, PREC, INTERP)
+            mx = _mix_b(Mt[I * (I + 1) // 2 + 0], ks[0], bs[0], gs[I], gs[0], gls[0], I == 0, DIAG, KX, PREC, INTERP, r)
             for J in tl.static_range(1, I + 1):
-                kw += _m_kt(Mt[_tri(I, J)], ks[J], gs[J], DIAG, KX, PREC, INTERP)
-                vu += _dotx(Mt[_tri(I, J)], vs[J], False, KX, PREC, INTERP)
-                mx += _mix_b(Mt[_tri(I, J)], ks[J], bs[J], gs[I], gs[J], gls[J], I == J, DIAG, KX, PREC, INTERP, r)
+                mij = Mt[I * (I + 1) // 2 + J]
+                kw += _m_kt(mij, ks[J], gs[J], DIAG, KX, PREC, INTERP)
+                vu += _dotx(mij, vs[J], False, KX, PREC, INTERP)
+                mx += _mix_b(mij, ks[J], bs[J], gs[I], gs[J], gls[J], I == J, DIAG, KX, PREC, INTERP, r)
             u = (tl.exp(_rs(gs[I], DIAG)) * _dot(kw, P, PREC, INTERP) + mx) * poison
             beta = 1.0 / ds[I]
             tok = toks[I]
@@ -725,11 +722,12 @@ def chain_backward_kernel(
         us = ()
         betas = ()
         for I in tl.static_range(NB):
-            kw = _m_kt(Mt[_tri(I, 0)], ks[0], gs[0], DIAG, KX, PREC, INTERP)
-            mx = _mix_b(Mt[_tri(I, 0)], ks[0], bs[0], gs[I], gs[0], gls[0], I == 0, DIAG, KX, PREC, INTERP, r)
+            kw = _m_kt(Mt[I * (I + 1) // 2 + 0], ks[0], gs[0], DIAG, KX, PREC, INTERP)
+            mx = _mix_b(Mt[I * (I + 1) // 2 + 0], ks[0], bs[0], gs[I], gs[0], gls[0], I == 0, DIAG, KX, PREC, INTERP, r)
             for J in tl.static_range(1, I + 1):
-                kw += _m_kt(Mt[_tri(I, J)], ks[J], gs[J], DIAG, KX, PREC, INTERP)
-                mx += _mix_b(Mt[_tri(I, J)], ks[J], bs[J], gs[I], gs[J], gls[J], I == J, DIAG, KX, PREC, INTERP, r)
+                mij = Mt[I * (I + 1) // 2 + J]
+                kw += _m_kt(mij, ks[J], gs[J], DIAG, KX, PREC, INTERP)
+                mx += _mix_b(mij, ks[J], bs[J], gs[I], gs[J], gls[J], I == J, DIAG, KX, PREC, INTERP, r)
             kws = kws + (kw,)
             us = us + (tl.exp(_rs(gs[I], DIAG)) * _dot(kw, P, PREC, INTERP) + mx,)
             betas = betas + (1.0 / ds[I],)
@@ -828,11 +826,12 @@ def chain_backward_kernel(
             dvv = tl.zeros([BLK, BMV], dtype=dt)
             dnb = tl.zeros([BLK, BD], dtype=dt)
             for I in tl.static_range(J, NB):
-                MtT = tl.trans(Mt[_tri(I, J)])
+                MtT = tl.trans(Mt[I * (I + 1) // 2 + J])
                 dkt += _dot(MtT, dkws[I], PREC, INTERP)
                 dvv += _dot(MtT, tl.load(DVU + (toks[I][:, None] * H + i_h) * MV + ov[None, :],
                                          mask=vals[I][:, None] & (ov[None, :] < MV), other=0.0).to(dt), PREC, INTERP)
-                dnb += _mix_t(Mt[_tri(I, J)], dUs[I], gs[I], gs[J], gls[J], I == J, DIAG, False, PREC, INTERP, r)
+                dnb += _mix_t(Mt[I * (I + 1) // 2 + J], dUs[I], gs[I], gs[J], gls[J], I == J, DIAG, False, PREC,
+                              INTERP, r)
             tl.store(DV + (toks[J][:, None] * H + i_h) * MV + ov[None, :], dvv.to(DV.dtype.element_ty),
                      mask=vals[J][:, None] & (ov[None, :] < MV))
             gam = tl.exp(_rs(gs[J], DIAG))
@@ -848,7 +847,7 @@ def chain_backward_kernel(
             xs = xs + (tl.zeros([BLK, BD], dtype=dt),)
         for I in tl.static_range(NB):
             for J in tl.static_range(I + 1):
-                sb = Sb[_tri(I, J)]
+                sb = Sb[I * (I + 1) // 2 + J]
                 if I == J:
                     tl.store(DR2 + toks[I] * H + i_h, tl.sum(tl.where(eye, sb, 0.0), axis=1).to(DR2.dtype.element_ty),
                              mask=vals[I])
