@@ -146,3 +146,35 @@ def test_default_path_never_syncs_with_the_host(monkeypatch):
         (o.square().sum() + var.sum() + M.sum() + P.sum()).backward()
         monkeypatch.undo()
     assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in leaves)
+
+
+def test_covariance_path_rule():
+    """One function decides: the chain wherever the chains fill the SMs or the sequence is too short to split, the
+    scan above the chain's key dims, for an explicit n_segments, and for few long chains (crossover SCAN_STEP_RATIO)."""
+    from bayeslayer.ops.bayesian_layer import chunk_triton as ct
+
+    assert ct.covariance_path(132, 32768, 64) == "chain"  # one chain per SM
+    assert ct.covariance_path(32, 4096, 64) == "chain"  # T too short for the scan to split
+    assert ct.covariance_path(32, 32768, 64) == "chain"  # 4 segments per chain do not pay for the scan's slower step
+    few = 132 // (ct.SCAN_STEP_RATIO + 1)
+    assert ct.covariance_path(few, 32768, 64) == "scan" and ct.covariance_path(few + 1, 32768, 64) == "chain"
+    assert ct.covariance_path(512, 2048, 256) == "scan"  # P of D = 256 does not stay on chip
+    assert ct.covariance_path(512, 2048, 64, n_segments=2) == "scan"
+    with pytest.raises(ValueError, match="n_chains"):
+        ct.covariance_path(-1, 10, 64)
+
+
+def test_first_cuda_call_of_a_never_run_path_warns_once(monkeypatch):
+    from bayeslayer.ops.bayesian_layer import chunk_triton as ct
+
+    monkeypatch.setattr(ct, "_WARNED", set())
+    with pytest.warns(RuntimeWarning, match="'chain' kernels have never run on a GPU"):
+        ct._warn_never_run("chain", torch.device("cuda"))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ct._warn_never_run("chain", torch.device("cuda"))  # once per process
+        ct._warn_never_run("scan", torch.device("cpu"))  # the interpreter: no warning
+        monkeypatch.setitem(ct.RUN_ON_DEVICE, "scan", ("NVIDIA H200",))
+        ct._warn_never_run("scan", torch.device("cuda"))  # a path that has run: no warning
