@@ -971,8 +971,7 @@ def compile_only(args, save=None) -> list[dict]:
     )
     from bayeslayer.ops.bayesian_layer.scan_triton import scan_phase_b_kernel, scan_track_kernel
 
-    configs = [(k, D, g, ck) for k in ("cov", "mean", "step") for D in args.D for g in (False, True)
-               for ck in ((False, True) if k != "step" else (False,))]
+    configs = [(k, D, g, False) for k in ("cov", "mean", "step") for D in args.D for g in (False, True)]
     # the segment scan's kernels: Phase A runs the covariance kernel in float64, then the tracking kernel;
     # the prep kernel (float64 for Phase A, fp32 for Phase C, which reads qᵀBq too) and the covariance
     # kernel reading its buffers (covp: Phase C, fp32; covp64: Phase A, float64)
@@ -992,23 +991,22 @@ def compile_only(args, save=None) -> list[dict]:
     for kernel, D, diag, save_ck in configs:
         BD, BK, BV = tile_sizes(D, D)
         common = dict(H=16, D=D, BD=BD, BK=BK, DIAG=diag, HAS_ALPHA=True)
-        ck_every = 16 if save_ck else 1  # the checkpoint variants' spacing (a retired backward's)
         nw = 8 if C >= 64 else 4
         stages = None
         fp64 = bf16 = ()
         if kernel in ("cov", "cov64", "covp", "covp64"):
             fn = bl_chunk_cov_kernel
-            names = ["q", "k", "r2", "ell2", "la", "cu_seqlens", "P", "W", "LINV", "Yscr", "Uscr", "VAR", "CKP",
-                     "ck_offsets", "LDLscr", "FAIL"]
+            names = ["q", "k", "r2", "ell2", "la", "cu_seqlens", "P", "W", "LINV", "Yscr", "Uscr", "VAR", "LDLscr",
+                     "FAIL"]
             # without the variance, as the cov/cov64 rows, so that the registers and spills compare
-            consts = dict(common, C=C, RETURN_VAR=False, SAVE_CK=save_ck, PREC="ieee", CK_EVERY=ck_every)
+            consts = dict(common, C=C, RETURN_VAR=False, PREC="ieee")
             if kernel in ("covp", "covp64"):
                 names += prep_names
                 consts["PREP"] = True
             else:  # every parameter needs a type, the defaulted ones too
                 consts.update({n: None for n in prep_names}, PREP=False)
             if kernel in ("cov64", "covp64"):  # as phase_a_triton launches it (per-channel decays in float64 too)
-                fp64 = ("P", "W", "LINV", "Yscr", "Uscr", "VAR", "CKP", "LDLscr", "PG", "PB", "PBASE", "PQN") + (
+                fp64 = ("P", "W", "LINV", "Yscr", "Uscr", "VAR", "LDLscr", "PG", "PB", "PBASE", "PQN") + (
                     ("la",) if diag else ())
         elif kernel in ("prep", "prep64"):
             fn, nw = bl_chunk_prep_kernel, 4
@@ -1060,14 +1058,14 @@ def compile_only(args, save=None) -> list[dict]:
                 consts["HAS_DPT"] = True
         elif kernel == "mean":
             fn = bl_chunk_mean_kernel
-            names = ["q", "k", "v", "W", "LINV", "la", "cu_seqlens", "M", "O", "CKM", "ck_offsets"]
-            consts = dict(common, MV=D, C=C, BV=BV, SAVE_CK=save_ck, PREC="ieee", CK_EVERY=ck_every)
+            names = ["q", "k", "v", "W", "LINV", "la", "cu_seqlens", "M", "O"]
+            consts = dict(common, MV=D, C=C, BV=BV, PREC="ieee")
         else:
             fn, nw = bl_step_kernel, 4
             names = ["q", "k", "v", "r2", "ell2", "la", "P_in", "M_in", "P_out", "M_out", "Uscr", "O", "VAR"]
             BK_step, BV_step = step_tiles(D, D)[1:]
             consts = dict(common, BK=BK_step, MV=D, BMV=BD, BV=BV_step)
-        sig = {n: ("*i64" if n in ("cu_seqlens", "ck_offsets", "cu_seg", "segs", "elem_of_seg", "seq_first",
+        sig = {n: ("*i64" if n in ("cu_seqlens", "cu_seg", "segs", "elem_of_seg", "seq_first",
                                    "seq_nseg", "chunk_bos", "chunk_eos", "chunk_first", "CU", "CKO") else
                    "*i32" if n == "FAIL" else "*fp64" if n in fp64 else "*bf16" if n in bf16 else "*fp32")
                for n in names}
