@@ -724,6 +724,46 @@ def sass_census_table(root: Path) -> str:
     return "\n".join(lines)
 
 
+def chain_precision_table(root: Path) -> str:
+    """Error against float64 of the segment scan and of the covariance chain per product precision
+    (``benchmarks/chain_precision.py``): max over o, variance, M, P / max over every input's gradient."""
+    rec = _load(root, "results/gpu/chain_precision.json")
+    outs, grads = ("o", "variance", "M", "P"), ("dq", "dk", "dv", "dr2", "dell2", "dalpha", "dM0", "dP0")
+    lines = [_row(["regime", "decay", "inputs", "scan (IEEE)", "chain tf32x3 (default)", "chain bf16x3",
+                   "chain IEEE"]), "|---|---|---|---|---|---|---|"]
+    cells: dict = {}
+    for r in rec["rows"]:
+        key = (r["regime"], r["decay"], r["dtype"])
+        col = "scan" if r["path"] == "scan" else r["prec"]
+        cells.setdefault(key, {})[col] = (f"{_e1(max(r[n] for n in outs))} / "
+                                          f"{_e1(max(r[n] for n in grads if n in r))}")
+    regimes = {"longmem": "long-memory", "stress": "stress"}
+    for (regime, decay, dtype), c in cells.items():
+        lines.append(_row([regimes.get(regime, regime), decay, dtype, c.get("scan", "—"), c.get("tf32x3", "—"),
+                           c.get("bf16x3", "—"), c.get("ieee", "—")]))
+    return "\n".join(lines)
+
+
+def chain_compile_table(root: Path) -> str:
+    """Registers, spills, shared memory and tensor-core instructions of the chain kernels compiled for sm_90 by
+    two Triton versions (``benchmarks/gpu.py --compile-only --kernels chain chainb``)."""
+    lines = [_row(["Triton", "kernel", "D", "decay", "registers", "spill B", "shared KiB", "tensor core"]),
+             "|---|---|---|---|---|---|---|---|"]
+    names = {"chain": "forward", "chainb": "backward"}
+    for version in ("3.9", "3.6"):
+        rec = _load(root, f"results/sass/chain_compile_sm90_triton{version}.json")
+        for r in rec["rows"]:
+            if "error" in r:
+                lines.append(_row([version, names[r["kernel"]], str(r["D"]), "diagonal" if r["diagonal"] else
+                                   "scalar", "failed", "", "", r["error"][:60]]))
+                continue
+            ops = ", ".join(f"{k} {v}" for k, v in r["sass_tensor_core_ops"].items())
+            lines.append(_row([version, names[r["kernel"]], str(r["D"]), "diagonal" if r["diagonal"] else "scalar",
+                               str(r["registers"]), str(r["spill_bytes"]), f"{r['shared_bytes'] / 1024:.0f}",
+                               f"{r['sass_tensor_core']} ({ops})"]))
+    return "\n".join(lines)
+
+
 def _scan_compile_label(row: dict) -> str:
     decay = "diagonal" if row["diagonal"] else "scalar"
     if row["variant"].startswith("phase_a"):
@@ -1002,6 +1042,8 @@ TABLES: dict[str, tuple[str, Callable[[Path], str]]] = {
     "cost-model-grid": ("docs/kernels.md", cost_model_table),
     "sass-census": ("docs/kernels.md", sass_census_table),
     "scan-compile": ("docs/kernels.md", scan_compile_table),
+    "chain-precision": ("docs/kernels.md", chain_precision_table),
+    "chain-compile": ("docs/kernels.md", chain_compile_table),
 }
 
 

@@ -24,14 +24,14 @@ sweep.  The JSON is rewritten after every row, and no row starts after ``--budge
 
 Forward+backward of the same rows (``--no-bwd``: forwards only): time and peak memory
 (above the inputs; the peak-memory call doubles as the warm-up, then ``--bwd-reps`` timed calls, default 2) of
-BL ``bl_chunk_triton(..., backward="scan")`` (``bl_scan_fwdbwd_*``), BL ``backward="blockwise"`` (the old default,
-host-bound: only at T <= ``--blockwise-max-T``, default 8192, else the row says it was skipped) and fla's
+BL ``bl_chunk_triton(..., path="scan")`` (``bl_scan_fwdbwd_*``: the segment scan), BL ``path="chain"``
+(``bl_chain_fwdbwd_*``: the covariance chain, the default; ``ratio_fwdbwd_chain``) and fla's
 ``chunk_gated_delta_rule`` (``gdn_fwdbwd_*``), with ``ratio_fwdbwd`` and ``ratio_fwdbwd_mem`` (BL scan / GDN),
 and BL's scan forward+backward again at chunk ``--alt-chunk`` (default 32; 0: not), ``ratio_fwdbwd_alt_chunk``.
 Gradients: BL's of q, k, v, r2, ell2, alpha, GDN's of q, k, v, g = log α, β — what a layer, whose projections
 produce all of them, needs; the adjoint of o is a fixed N(0, 1) draw.  A measurement is not started once the
 budget is spent.  The check first compares fla's GDN backward (fp32, packed, first autotune config) with autograd
-through fla's naive recurrent reference and BL's ``backward="scan"`` (float64, and fp32 with fla's mean-pass
+through fla's naive recurrent reference and BL's segment-scan backward (float64, and fp32 with fla's mean-pass
 kernels) with the PyTorch chunk path, recording the Triton and fla versions and whether fla's Hopper guard
 (Triton < 3.7.1, fla issue #640) is active, was bypassed (``--gdn-bypass-hopper-guard``; it gates BL's scan
 backward too, whose mean pass calls the same fla kernel) or refused a call.  In the dry run fla's naive
@@ -254,6 +254,7 @@ def variants(args) -> None:
     """Forward time and error of ``bl_chunk_triton`` per chunk size and fp32 product precision
     (``tl.dot`` input_precision), at each D and the first T; error vs the PyTorch path in fp64."""
     from bayeslayer.ops import bl_chunk, set_value_checks
+    from bayeslayer.ops.bayesian_layer import chain_triton as tchain
     from bayeslayer.ops.bayesian_layer import chunk_triton as tchunk
     from bayeslayer.ops.bayesian_layer.chunk_triton import bl_chunk_triton
 
@@ -269,8 +270,8 @@ def variants(args) -> None:
                                  output_final_state=True, backend="torch")
         print(f"D={D}: fp64 reference {time.time() - t0:.1f} s", flush=True)
         for C in (16, 32, 64):
-            for prec in ("ieee", "tf32x3", "tf32"):
-                tchunk.FP32_PRECISION = prec
+            for prec in tchain.PRECISIONS:
+                tchain.FP32_PRECISION, tchunk.CHAIN_CHUNK_SIZE = prec, C
                 t0 = time.time()
 
                 def fwd(x=x, C=C):
@@ -287,7 +288,7 @@ def variants(args) -> None:
                           flush=True)
                 except Exception as err:
                     print(f"  C={C:>2} {prec:>6}: failed {type(err).__name__}: {str(err)[:150]}", flush=True)
-        tchunk.FP32_PRECISION = "ieee"
+        tchain.FP32_PRECISION, tchunk.CHAIN_CHUNK_SIZE = "tf32x3", 32
         del x, x64, ref, P64
         torch.cuda.empty_cache()
 
@@ -376,19 +377,20 @@ def _cotangent(x: dict, seed: int = 2) -> torch.Tensor:
     return torch.randn(v.shape, device=v.device, generator=gen).to(v.dtype)
 
 
-def _bl_fwdbwd(x, chunk_size, backward: str, do):
-    """Forward+backward of ``bl_chunk_triton(..., backward=)`` with the gradients of :data:`BL_LEAVES`."""
-    from bayeslayer.ops.bayesian_layer.chunk_triton import bl_chunk_triton
+def _bl_fwdbwd(x, chunk_size, path: str, do):
+    """Forward+backward of ``bl_chunk_triton(..., path=)`` (``"scan"``: the segment scan and its backward;
+    ``"chain"``: the covariance chain, the default) with the gradients of :data:`BL_LEAVES`."""
+    from bayeslayer.ops.bayesian_layer.chunk_triton import PATHS, bl_chunk_triton
 
-    if backward not in ("scan", "blockwise"):
-        raise ValueError(f"backward must be 'scan' or 'blockwise', got {backward!r}")
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
     # the interpreter cannot benchmark fla's configs (the scan backward's mean pass runs fla's kernels)
     pin = _fla_first_config if x["q"].device.type == "cpu" else contextlib.nullcontext
 
     def fn():
         leaves = {n: x[n].detach().requires_grad_(True) for n in BL_LEAVES}
         with pin():
-            o, _ = bl_chunk_triton(*(leaves[n] for n in BL_LEAVES), chunk_size=chunk_size, backward=backward)
+            o, _ = bl_chunk_triton(*(leaves[n] for n in BL_LEAVES), chunk_size=chunk_size, path=path)
             o.backward(do)
         return leaves
 
@@ -496,7 +498,7 @@ def _check_gdn_backward(device: str, dry_run: bool) -> dict:
 
 
 def _check_bl_backward(device: str, dry_run: bool) -> dict:
-    """BL's ``backward="scan"`` gradients (of o and the final M, P) against the PyTorch chunk path's autograd in
+    """BL's segment-scan gradients (of o and the final M, P) against the PyTorch chunk path's autograd in
     float64, on packed ragged sequences with segment boundaries inside them: max relative error per input of
     :data:`BL_LEAVES`, in float64 (the Triton B2–B4 kernels; fla's mean-pass kernels are twins in float64) and
     in fp32 (the same against the float64 reference, with fla's mean-pass backward kernels on CUDA — pinned to
@@ -523,7 +525,7 @@ def _check_bl_backward(device: str, dry_run: bool) -> dict:
 
     def scan_path(**kw):
         o, (M, P) = bl_chunk_triton(*(kw[n] for n in BL_LEAVES), chunk_size=16, cu_seqlens=cu_t,
-                                    output_final_state=True, n_segments=n_seg, backward="scan")
+                                    output_final_state=True, n_segments=n_seg)
         return o, M, P
 
     ref = _grads_of(torch_path, {n: x[n].clone().requires_grad_(True) for n in BL_LEAVES}, seed=6)
@@ -543,7 +545,7 @@ def _check_bl_backward(device: str, dry_run: bool) -> dict:
 
 def scan_check(args, device: str, guard: dict | None = None) -> dict:
     """Values on the device before any timing: fla's fwd_h vs its twin, the scan forward vs ``bl_chunk``, fla's
-    GDN backward vs its naive reference (:func:`_check_gdn_backward`), BL's ``backward="scan"`` vs the PyTorch
+    GDN backward vs its naive reference (:func:`_check_gdn_backward`), BL's segment-scan backward vs the PyTorch
     chunk path (:func:`_check_bl_backward`; both skipped with ``args.no_bwd``).  ``guard``: what
     :func:`fla_hopper_guard` returned for this run, recorded with the Triton and fla versions the values were
     checked under."""
@@ -609,12 +611,13 @@ def _fwdbwd_cols(rec: dict, key: str) -> str:
 
 
 def _fwdbwd_variants(x, do, args) -> list:
-    """The forward+backward measurements of a row, in order: GDN, BL ``backward="scan"``, BL block-wise and, with
-    ``--alt-chunk``, BL ``backward="scan"`` at that chunk size (compiled for sm_90, B2/B4 spill 1.2–3 KB per thread
-    at C = 64 and ≤ 272 bytes at C = 32: which costs more, the spills or twice the chunk steps, only a GPU says)."""
+    """The forward+backward measurements of a row, in order: GDN, BL's segment scan (``path="scan"``), BL's
+    covariance chain (``path="chain"``, the default) and, with ``--alt-chunk``, BL's scan at that chunk size
+    (compiled for sm_90, B2/B4 spill 1.2–3 KB per thread at C = 64 and ≤ 272 bytes at C = 32: which costs more,
+    the spills or twice the chunk steps, only a GPU says)."""
     out = [("gdn", lambda: _gdn_fwdbwd(x, do)),
            ("bl_scan", lambda: _bl_fwdbwd(x, args.chunk_size, "scan", do)),
-           ("bl_blockwise", lambda: _bl_fwdbwd(x, args.chunk_size, "blockwise", do))]
+           ("bl_chain", lambda: _bl_fwdbwd(x, args.chunk_size, "chain", do))]
     if args.alt_chunk and args.alt_chunk != args.chunk_size:
         out.append((f"bl_scan_c{args.alt_chunk}", lambda: _bl_fwdbwd(x, args.alt_chunk, "scan", do)))
     return out
@@ -686,9 +689,6 @@ def _fwdbwd_row(rec: dict, x: dict, args, device: str, t_start: float) -> None:
     """A row's forward+backward measurements (into ``rec``): :func:`_fwdbwd_variants`, then the ratios."""
     do = _cotangent(x)
     for key, make in _fwdbwd_variants(x, do, args):
-        if key == "bl_blockwise" and rec["T"] > args.blockwise_max_T:
-            rec[f"{key}_fwdbwd"] = f"skipped: T > {args.blockwise_max_T} (--blockwise-max-T)"
-            continue
         if time.time() - t_start > args.budget_s:
             rec[f"{key}_fwdbwd"] = f"skipped: budget of {args.budget_s:.0f} s spent"
             continue
@@ -703,8 +703,8 @@ def _fwdbwd_row(rec: dict, x: dict, args, device: str, t_start: float) -> None:
         rec["ratio_fwdbwd"] = rec["bl_scan_fwdbwd_s"] / rec["gdn_fwdbwd_s"]
         rec["ratio_fwdbwd_mem"] = (rec["bl_scan_fwdbwd_mem"] / rec["gdn_fwdbwd_mem"]
                                    if rec["gdn_fwdbwd_mem"] else None)
-        if "bl_blockwise_fwdbwd_s" in rec:
-            rec["ratio_fwdbwd_blockwise"] = rec["bl_blockwise_fwdbwd_s"] / rec["gdn_fwdbwd_s"]
+        if "bl_chain_fwdbwd_s" in rec:
+            rec["ratio_fwdbwd_chain"] = rec["bl_chain_fwdbwd_s"] / rec["gdn_fwdbwd_s"]
         if f"bl_scan_c{args.alt_chunk}_fwdbwd_s" in rec:  # the same scan backward at the other chunk size
             rec["ratio_fwdbwd_alt_chunk"] = rec[f"bl_scan_c{args.alt_chunk}_fwdbwd_s"] / rec["gdn_fwdbwd_s"]
     rec["bl_scan_fwdbwd_tok_s"] = rec["B"] * rec["T"] / rec["bl_scan_fwdbwd_s"] if "bl_scan_fwdbwd_s" in rec else None
@@ -734,7 +734,7 @@ def _run_scan(args, save) -> list[dict]:
     2. ``fwd``: every row's forwards (GDN's, BL's with fla's mean pass, with ours, ours without the prep kernel),
        cheapest first, none started after ``args.fwd_budget_s``;
     3. ``fwdbwd`` (unless ``args.no_bwd``): the same rows' forward+backward time and peak memory of GDN, BL
-       ``backward="scan"``, BL ``backward="blockwise"`` (only at ``T <= args.blockwise_max_T``) and BL scan at
+       ``path="scan"``, BL ``path="chain"`` and BL scan at
        ``args.alt_chunk``, with the ratios BL scan / GDN; the first call per head dim (fla's backward
        autotuning, the B2–B4 compiles) is timed apart (``warm_bwd`` rows); none started after
        ``args.budget_s``;
@@ -827,8 +827,6 @@ def _run_scan(args, save) -> list[dict]:
             w = {"kind": "warm_bwd", "D": D}
             xw = _make_inputs(1, args.warm_T, args.H, D, dtype, device)
             for key, make in _fwdbwd_variants(xw, _cotangent(xw), args):
-                if key == "bl_blockwise" and min(args.T) > args.blockwise_max_T:
-                    continue
                 t1 = time.time()
                 try:
                     make()()
@@ -843,12 +841,12 @@ def _run_scan(args, save) -> list[dict]:
         _fwdbwd_row(rec, x, args, device, t_start)
         x = None  # this row's inputs go before the next row allocates its own
         print(f"{head} f+b GDN {_fwdbwd_cols(rec, 'gdn')} | BL scan "
-              f"{_fwdbwd_cols(rec, 'bl_scan')} | blockwise {_fwdbwd_cols(rec, 'bl_blockwise')} | ratio "
+              f"{_fwdbwd_cols(rec, 'bl_scan')} | chain {_fwdbwd_cols(rec, 'bl_chain')} | ratio "
               f"{rec.get('ratio_fwdbwd') or float('nan'):6.2f} | mem ratio "
               f"{rec.get('ratio_fwdbwd_mem') or float('nan'):5.2f}"
               + (f" | chunk {args.alt_chunk}: {_fwdbwd_cols(rec, f'bl_scan_c{args.alt_chunk}')}, ratio "
                  f"{rec.get('ratio_fwdbwd_alt_chunk') or float('nan'):6.2f}" if args.alt_chunk else ""), flush=True)
-        for key in ("gdn", "bl_scan", "bl_blockwise", f"bl_scan_c{args.alt_chunk}"):
+        for key in ("gdn", "bl_scan", "bl_chain", f"bl_scan_c{args.alt_chunk}"):
             if f"{key}_fwdbwd_error" in rec:
                 print(f"{'':>9} {key} forward+backward failed: {rec[f'{key}_fwdbwd_error'][:200]}", flush=True)
         if device == "cuda":
@@ -899,7 +897,7 @@ def _print_scan_table(rows: list[dict]) -> None:
             continue
         print(f"{rec['kind']:>9} {rec['B']:>2} {rec['T']:>6} {rec['D']:>4} | {ms(rec, 'gdn_fwd_s'):>8.2f} "
               f"{ms(rec, 'bl_fwd_s'):>8.2f} {rec.get('ratio_fwd') or nan:>6.2f} | {ms(rec, 'gdn_fwdbwd_s'):>8.2f} "
-              f"{ms(rec, 'bl_scan_fwdbwd_s'):>8.2f} {ms(rec, 'bl_blockwise_fwdbwd_s'):>8.2f} "
+              f"{ms(rec, 'bl_scan_fwdbwd_s'):>8.2f} {ms(rec, 'bl_chain_fwdbwd_s'):>8.2f} "
               f"{rec.get('ratio_fwdbwd') or nan:>6.2f} | {gib(rec, 'gdn_fwdbwd_mem'):>7.3f} "
               f"{gib(rec, 'bl_scan_fwdbwd_mem'):>7.3f} {rec.get('ratio_fwdbwd_mem') or nan:>6.2f}", flush=True)
 
@@ -958,9 +956,9 @@ def compile_only(args, save=None) -> list[dict]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from bayeslayer.ops.bayesian_layer.chunk_triton import BACKWARD_BLOCK, default_num_warps, tile_sizes
     from bayeslayer.ops.bayesian_layer.kernels_triton import bl_chunk_cov_kernel, bl_chunk_mean_kernel, bl_step_kernel
     from bayeslayer.ops.bayesian_layer.step_triton import step_tiles
+    from bayeslayer.ops.bayesian_layer.triton_support import tile_sizes
 
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     C = args.chunk_size
@@ -973,8 +971,7 @@ def compile_only(args, save=None) -> list[dict]:
     )
     from bayeslayer.ops.bayesian_layer.scan_triton import scan_phase_b_kernel, scan_track_kernel
 
-    configs = [(k, D, g, ck) for k in ("cov", "mean", "step") for D in args.D for g in (False, True)
-               for ck in ((False, True) if k != "step" else (False,))]
+    configs = [(k, D, g, False) for k in ("cov", "mean", "step") for D in args.D for g in (False, True)]
     # the segment scan's kernels: Phase A runs the covariance kernel in float64, then the tracking kernel;
     # the prep kernel (float64 for Phase A, fp32 for Phase C, which reads qᵀBq too) and the covariance
     # kernel reading its buffers (covp: Phase C, fp32; covp64: Phase A, float64)
@@ -986,27 +983,30 @@ def compile_only(args, save=None) -> list[dict]:
     # fp32 as the backward of fp32/16-bit inputs runs them; B3 (rev64: float64, no decay variants)
     configs += [(k, D, g, False) for k in ("segadj", "segadj4", "segadj4v") for D in args.D for g in (False, True)]
     configs += [("rev64", D, False, False) for D in args.D]
+    # the default path: the covariance chain's forward and backward as bf16 inputs launch them (q, k, v bf16, the
+    # mean pass's operands and the state fp32, the variance on, the backward's checkpoints kept)
+    configs += [(k, D, g, False) for k in ("chain", "chainb") for D in args.D for g in (False, True)]
     configs = [c for c in configs if not args.kernels or c[0] in args.kernels]
     prep_names = ["PG", "PB", "PBASE", "PQN", "chunk_first"]
     for kernel, D, diag, save_ck in configs:
         BD, BK, BV = tile_sizes(D, D)
         common = dict(H=16, D=D, BD=BD, BK=BK, DIAG=diag, HAS_ALPHA=True)
-        ck_every = BACKWARD_BLOCK if save_ck else 1
-        nw = default_num_warps(C)
-        fp64 = ()
+        nw = 8 if C >= 64 else 4
+        stages = None
+        fp64 = bf16 = ()
         if kernel in ("cov", "cov64", "covp", "covp64"):
             fn = bl_chunk_cov_kernel
-            names = ["q", "k", "r2", "ell2", "la", "cu_seqlens", "P", "W", "LINV", "Yscr", "Uscr", "VAR", "CKP",
-                     "ck_offsets", "LDLscr", "FAIL"]
+            names = ["q", "k", "r2", "ell2", "la", "cu_seqlens", "P", "W", "LINV", "Yscr", "Uscr", "VAR", "LDLscr",
+                     "FAIL"]
             # without the variance, as the cov/cov64 rows, so that the registers and spills compare
-            consts = dict(common, C=C, RETURN_VAR=False, SAVE_CK=save_ck, PREC="ieee", CK_EVERY=ck_every)
+            consts = dict(common, C=C, RETURN_VAR=False, PREC="ieee")
             if kernel in ("covp", "covp64"):
                 names += prep_names
                 consts["PREP"] = True
             else:  # every parameter needs a type, the defaulted ones too
                 consts.update({n: None for n in prep_names}, PREP=False)
             if kernel in ("cov64", "covp64"):  # as phase_a_triton launches it (per-channel decays in float64 too)
-                fp64 = ("P", "W", "LINV", "Yscr", "Uscr", "VAR", "CKP", "LDLscr", "PG", "PB", "PBASE", "PQN") + (
+                fp64 = ("P", "W", "LINV", "Yscr", "Uscr", "VAR", "LDLscr", "PG", "PB", "PBASE", "PQN") + (
                     ("la",) if diag else ())
         elif kernel in ("prep", "prep64"):
             fn, nw = bl_chunk_prep_kernel, 4
@@ -1037,24 +1037,46 @@ def compile_only(args, save=None) -> list[dict]:
             names = ["PB", "PS", "A", "J", "elem_of_seg", "seq_first", "seq_nseg", "SCR", "FAIL"]
             consts = dict(H=16, D=D, NB=BD // 16, PREC="ieee")
             fp64 = ("PB", "PS", "A", "J", "SCR")
+        elif kernel in ("chain", "chainb"):
+            from bayeslayer.ops.bayesian_layer import chain_triton as tchain
+            from bayeslayer.ops.bayesian_layer.chunk_triton import CHAIN_CHUNK_SIZE
+
+            tiles = tchain.launch_options(D, D, CHAIN_CHUNK_SIZE)
+            nw, stages = tiles.pop("num_warps"), tiles.pop("num_stages")
+            consts = dict(H=16, D=D, MV=D, C=CHAIN_CHUNK_SIZE, DIAG=diag, WANT_VAR=True, KX=True,
+                          PREC=tchain.FP32_PRECISION, INTERP=False, **tiles)
+            bf16 = ("Q", "K", "V")
+            if kernel == "chain":
+                fn = tchain.chain_forward_kernel
+                names = ["Q", "K", "V", "R2", "ELL2", "LA", "CU", "CKO", "P0", "W", "KW", "VU", "GOUT", "VAR", "PT",
+                         "PCK", "FAIL"]
+                consts["SAVE_P"] = True
+            else:
+                fn = tchain.chain_backward_kernel
+                names = ["Q", "K", "V", "R2", "ELL2", "LA", "CU", "CKO", "PCK", "DW", "DKW", "DVU", "DVAR", "DPT",
+                         "DQ", "DK", "DV", "DR2", "DELL2", "DLA", "DP0", "FAIL"]
+                consts["HAS_DPT"] = True
         elif kernel == "mean":
             fn = bl_chunk_mean_kernel
-            names = ["q", "k", "v", "W", "LINV", "la", "cu_seqlens", "M", "O", "CKM", "ck_offsets"]
-            consts = dict(common, MV=D, C=C, BV=BV, SAVE_CK=save_ck, PREC="ieee", CK_EVERY=ck_every)
+            names = ["q", "k", "v", "W", "LINV", "la", "cu_seqlens", "M", "O"]
+            consts = dict(common, MV=D, C=C, BV=BV, PREC="ieee")
         else:
             fn, nw = bl_step_kernel, 4
             names = ["q", "k", "v", "r2", "ell2", "la", "P_in", "M_in", "P_out", "M_out", "Uscr", "O", "VAR"]
             BK_step, BV_step = step_tiles(D, D)[1:]
             consts = dict(common, BK=BK_step, MV=D, BMV=BD, BV=BV_step)
-        sig = {n: ("*i64" if n in ("cu_seqlens", "ck_offsets", "cu_seg", "segs", "elem_of_seg", "seq_first",
-                                   "seq_nseg", "chunk_bos", "chunk_eos", "chunk_first") else "*i32" if n == "FAIL" else
-                   "*fp64" if n in fp64 else "*fp32") for n in names}
+        sig = {n: ("*i64" if n in ("cu_seqlens", "cu_seg", "segs", "elem_of_seg", "seq_first",
+                                   "seq_nseg", "chunk_bos", "chunk_eos", "chunk_first", "CU", "CKO") else
+                   "*i32" if n == "FAIL" else "*fp64" if n in fp64 else "*bf16" if n in bf16 else "*fp32")
+               for n in names}
         sig.update({n: "constexpr" for n in consts})
         t0 = time.time()
-        rec = {"kernel": kernel, "D": D, "diagonal": diag, "checkpoints": save_ck, "chunk_size": C, "num_warps": nw}
+        rec = {"kernel": kernel, "D": D, "diagonal": diag, "checkpoints": save_ck, "chunk_size": consts.get("C", C),
+               "num_warps": nw}
         try:
+            opts = {"num_warps": nw} if stages is None else {"num_warps": nw, "num_stages": stages}
             compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
-                                      target=GPUTarget("cuda", args.arch, 32), options={"num_warps": nw})
+                                      target=GPUTarget("cuda", args.arch, 32), options=opts)
             rec["shared_bytes"] = compiled.metadata.shared
             cubin = Path("/tmp") / f"bl_{kernel}_{D}_{int(diag)}_{int(save_ck)}.cubin"
             cubin.write_bytes(compiled.asm["cubin"])
@@ -1090,7 +1112,8 @@ def main(argv=None) -> int:
     p.add_argument("--alt-chunk", type=int, default=32, choices=[0, 16, 32, 64],
                    help="--scan: also time BL's scan forward+backward at this chunk size (0: not)")
     p.add_argument("--blockwise-max-T", type=int, default=8192,
-                   help="--scan: time BL's backward=\"blockwise\" (host-bound, slow) only at T <= this; 0: never")
+                   help="--scan: no longer used (the block-wise backward it limited is gone); kept so that older "
+                        "command lines still parse")
     p.add_argument("--quick", action="store_true", help="T = 2048 only")
     p.add_argument("--compile-only", action="store_true", help="AOT-compile for --arch, no GPU needed")
     p.add_argument("--profile", action="store_true",
@@ -1104,7 +1127,7 @@ def main(argv=None) -> int:
     p.add_argument("--arch", type=int, default=90, help="CUDA compute capability for --compile-only")
     p.add_argument("--kernels", nargs="*", choices=["cov", "mean", "step", "cov64", "track64", "phaseb64", "prep",
                                                     "prep64", "covp", "covp64", "segadj", "segadj4", "segadj4v",
-                                                    "rev64"],
+                                                    "rev64", "chain", "chainb"],
                    help="--compile-only: these kernels only (default all)")
     p.add_argument("--scan", action="store_true", help="v2: segment-scan forward vs GDN forward (module docstring)")
     p.add_argument("--fla-autotune", choices=["pin", "warm"], default="warm",

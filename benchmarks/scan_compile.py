@@ -27,8 +27,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-NAMES = ["q", "k", "r2", "ell2", "la", "cu_seqlens", "P", "W", "LINV", "Yscr", "Uscr", "VAR", "CKP", "ck_offsets",
-         "LDLscr", "FAIL", "PG", "PB", "PBASE", "PQN", "chunk_first"]
+NAMES = ["q", "k", "r2", "ell2", "la", "cu_seqlens", "P", "W", "LINV", "Yscr", "Uscr", "VAR", "LDLscr", "FAIL",
+         "PG", "PB", "PBASE", "PQN", "chunk_first"]
 
 
 def census(ptx: str, sass: str) -> dict:
@@ -65,9 +65,9 @@ def main(argv=None) -> int:
             prec = variant.split("-")[1] if variant.startswith("phase_c") else "ieee"
             BD = tile_sizes(D, D)[0]
             consts = dict(H=16, D=D, C=args.C, BD=BD, BK=16, DIAG=diag, HAS_ALPHA=True, RETURN_VAR=False,
-                          SAVE_CK=False, PREC=prec, CK_EVERY=1, PREP=True)
+                          PREC=prec, PREP=True)
             fp64 = ("P", "Yscr", "Uscr", "LDLscr") if variant.startswith("phase_a") else ()
-            sig = {n: ("*i64" if n in ("cu_seqlens", "ck_offsets", "chunk_first") else "*i32" if n == "FAIL" else
+            sig = {n: ("*i64" if n in ("cu_seqlens", "chunk_first") else "*i32" if n == "FAIL" else
                        "*fp64" if n in fp64 else "*fp32") for n in NAMES}
             sig.update({n: "constexpr" for n in consts})
             rec = dict(kernel="bl_chunk_cov_kernel", variant=variant, D=D, C=args.C, diagonal=diag, precision=prec,

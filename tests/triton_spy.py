@@ -4,16 +4,17 @@ registered backend raise, so that a test fails if anything silently runs on PyTo
     with triton_only() as calls:
         model.generate(...)
     assert calls == {"chunk": n_layers, "step": n_layers * (new_tokens - 1)}
-    assert calls.kernels["scan"] == n_layers  # each chunk call ran the segment-scan forward
+    assert calls.kernels["chain"] == n_layers  # each chunk call ran the covariance chain's forward
 
 :func:`backend_only` wraps the ``chunk`` and ``step`` of each entry of
 :data:`bayeslayer.ops.backend.BACKEND_REGISTRY` (on the registered object, so a backend's own call of
 ``self.chunk`` is counted too: a Triton step that needs gradients counts ``{"step": 1, "chunk": 1}``).
-:func:`triton_only` adds the Triton chain's pieces: the PyTorch chunk path's covariance pass (looked up in its own
-module at call time, so it is caught however ``filter_chunk`` was called), the PyTorch twins of the segment scan
-(``ops/bayesian_layer/scan.py``) and the chunk-serial Triton forward (``_forward_triton``) raise, while the scan's
-Triton pieces are counted in ``calls.kernels``.  Exact counts catch a caller that bypasses the dispatch altogether.
-Forward only: the Triton backward recomputes blocks with the PyTorch chunk step by design.
+:func:`triton_only` adds the Triton path's pieces: the PyTorch chunk path's covariance pass (looked up in its own
+module at call time, so it is caught however ``filter_chunk`` was called) and the PyTorch twins of the segment
+scan's covariance phases (``ops/bayesian_layer/scan.py``) raise, while the chain's kernels (``"chain"``,
+``"chain_backward"``) and the scan's Triton pieces are counted in ``calls.kernels``.  The mean pass's PyTorch twin
+is allowed: float64 runs it by design (fla does not compute in float64).  Exact counts catch a caller that
+bypasses the dispatch altogether.
 """
 
 from __future__ import annotations
@@ -28,9 +29,10 @@ class TorchPathRan(AssertionError):
 
 class Calls(Counter):
     """Calls the dispatch made into the spied backend (``"chunk"``, ``"step"``: compare with a dict), and in
-    ``kernels`` the pieces of the segment-scan forward they reached: ``"scan"`` (the forward),
-    ``"phase_a"``, ``"phase_b"`` (the Triton phases; called for every forward, launching only when a
-    sequence has more than one segment), ``"mean"`` (the mean kernel)."""
+    ``kernels`` the pieces of the Triton path they reached: ``"chain"`` and ``"chain_backward"`` (the covariance
+    chain's launches), ``"scan"`` (the segment-scan forward), ``"phase_a"``, ``"phase_b"`` (its Triton phases;
+    called for every scan forward, launching only when a sequence has more than one segment), ``"mean"`` (the
+    scan's mean kernel)."""
 
     def __init__(self):
         super().__init__()
@@ -96,8 +98,8 @@ def backend_only(name: str):
 @contextlib.contextmanager
 def triton_only():
     """:func:`backend_only` for ``"triton"``, plus the segment-scan pieces (module docstring)."""
+    from bayeslayer.ops.bayesian_layer import chain_triton
     from bayeslayer.ops.bayesian_layer import chunk as torch_chunk
-    from bayeslayer.ops.bayesian_layer import chunk_triton as triton_chunk
     from bayeslayer.ops.bayesian_layer import scan as torch_scan
     from bayeslayer.ops.bayesian_layer import scan_triton as triton_scan
 
@@ -109,13 +111,12 @@ def triton_only():
             for name in ("forward_scan_triton", "phase_a_triton", "phase_b_triton", "mean_pass_triton"):
                 key = {"forward_scan_triton": "scan", "mean_pass_triton": "mean"}.get(name, name.replace("_triton", ""))
                 patches.set(triton_scan, name, _counting(calls.kernels, key, getattr(triton_scan, name)))
-            # the PyTorch twins of the scan, and the chunk-serial Triton forward the scan replaced
-            for name in ("phase_a", "phase_b", "covariance_scan", "mean_pass_reference"):
+            for name, key in (("chain_forward", "chain"), ("chain_backward", "chain_backward")):
+                patches.set(chain_triton, name, _counting(calls.kernels, key, getattr(chain_triton, name)))
+            # the PyTorch twins of the scan's covariance phases
+            for name in ("phase_a", "phase_b", "covariance_scan"):
                 patches.set(torch_scan, name,
                             _forbidden(f"the PyTorch path (ops.bayesian_layer.scan.{name})", "triton"))
-            patches.set(triton_chunk, "_forward_triton",
-                        _forbidden("ops.bayesian_layer.chunk_triton._forward_triton (the chunk-serial forward)",
-                                   "triton"))
             yield calls
         finally:
             patches.restore()
@@ -139,6 +140,7 @@ def compile_keys(arch: int = 90):
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction, create_function_from_signature
 
+    from bayeslayer.ops.bayesian_layer import chain_triton as chain
     from bayeslayer.ops.bayesian_layer import kernels_triton as kernels
     from bayeslayer.ops.bayesian_layer import scan_backward_triton as scan_backward
     from bayeslayer.ops.bayesian_layer import scan_triton as scan
@@ -147,7 +149,7 @@ def compile_keys(arch: int = 90):
     backend = make_backend(GPUTarget("cuda", arch, 32))
     keys: dict[str, set] = defaultdict(set)
     saved = []
-    for module in (kernels, ldl, scan, scan_backward):
+    for module in (chain, kernels, ldl, scan, scan_backward):
         for name, fn in vars(module).items():
             if not isinstance(fn, InterpretedFunction) or fn.fn.__module__ != module.__name__:
                 continue

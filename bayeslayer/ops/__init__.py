@@ -16,7 +16,7 @@ one per job, are in :mod:`.bayesian_layer`; what every op shares is in :mod:`.ut
 
 from .backend import Backend, BackendCall, BackendError, backend_names, bl_chunk, bl_step, register_backend
 from .bayesian_layer.chunk import filter_chunk
-from .bayesian_layer.chunk_triton import TRITON_BACKWARDS, triton_backward
+from .bayesian_layer.chunk_triton import chain_failures
 from .bayesian_layer.cp import CPContext, build_cp_context
 from .bayesian_layer.prepare import FilterInputs, FilterOutput
 from .bayesian_layer.recurrent import bl_recurrent, filter_recurrent, initial_bl_state
@@ -28,7 +28,6 @@ __all__ = [
     "Backend",
     "BackendCall",
     "BackendError",
-    "TRITON_BACKWARDS",
     "CPContext",
     "FilterInputs",
     "FilterOutput",
@@ -36,6 +35,7 @@ __all__ = [
     "backend_names",
     "bl_chunk",
     "build_cp_context",
+    "chain_failures",
     "bl_recurrent",
     "bl_step",
     "filter_chunk",
@@ -43,7 +43,6 @@ __all__ = [
     "get_write_model",
     "initial_bl_state",
     "register_backend",
-    "triton_backward",
     "set_value_checks",
     "value_checks",
 ]

@@ -153,8 +153,8 @@ def _needs_grad(*xs) -> bool:
 
 
 class TritonBackend(Backend):
-    """The Triton kernels: the segment-scan chunk forward (one segment, i.e. the chunk-serial covariance kernel, up
-    to 4096 tokens; ``n_segments`` overrides the count) with its backward, and the fused step kernel.
+    """The Triton kernels: the chunked forward and backward of :func:`bl_chunk_triton` (the covariance chain on
+    chip, or the segment scan where its rule says so; ``n_segments`` forces the scan), and the fused step kernel.
 
     ``FilterOutput.gain`` is None (the kernels do not return the per-token gain ``kᵀw``)."""
 
@@ -376,9 +376,10 @@ def bl_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r2, ell2, alpha=
     ``backend``: ``"auto"`` (Triton kernels for CUDA tensors when Triton is installed and the
     configuration is supported, else PyTorch), ``"torch"``, or ``"triton"`` (the kernels, or a
     :class:`BackendError` saying why not) — see the module docstring.
-    ``n_segments``: on the Triton path the covariance pass is an exact segment scan over the longest
-    sequence split into this many segments (None: chosen from B·H and T, one segment up to 4096
-    tokens; segments never cross a ``cu_seqlens`` boundary); the PyTorch path ignores it.
+    ``n_segments``: on the Triton path, run the covariance pass as the exact segment scan with the longest
+    sequence split into this many segments (segments never cross a ``cu_seqlens`` boundary; None: the
+    covariance chain, or the scan where :func:`bayeslayer.ops.bayesian_layer.chunk_triton.covariance_path` says
+    so); the PyTorch path ignores it.
 
     ``cp_context``: a :class:`~bayeslayer.ops.bayesian_layer.cp.CPContext`
     (:func:`~bayeslayer.ops.bayesian_layer.cp.build_cp_context`) runs this rank's slice of a context-parallel sequence

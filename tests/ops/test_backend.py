@@ -297,9 +297,9 @@ def test_a_step_that_needs_gradients_runs_the_differentiable_chunk_kernel():
 
     with triton_only() as calls:
         out = run("triton")
+        g1 = torch.autograd.grad(out, leaves)  # the chain's backward: Triton too
     assert calls == {"step": 1, "chunk": 1}  # the Triton step ran its chunk forward on one token
-    assert calls.kernels["scan"] == 1
-    g1 = torch.autograd.grad(out, leaves)  # the backward recomputes with the PyTorch chunk step: outside the spy
+    assert calls.kernels == {"chain": 1, "chain_backward": 1}
     g2 = torch.autograd.grad(run("torch"), leaves)
     for a, b in zip(g1, g2, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
@@ -348,7 +348,8 @@ def test_every_ops_module_imports_first_in_a_fresh_interpreter():
     """Each module of bayeslayer.ops imported first (bayeslayer's modules dropped before each, torch
     kept), then Triton itself must not have been imported by anything but the kernel modules."""
     kernels = ("bayeslayer.ops.bayesian_layer.kernels_triton", "bayeslayer.ops.utils.ldl_triton",  # @triton.jit: last
-               "bayeslayer.ops.bayesian_layer.scan_triton", "bayeslayer.ops.bayesian_layer.scan_backward_triton")
+               "bayeslayer.ops.bayesian_layer.scan_triton", "bayeslayer.ops.bayesian_layer.scan_backward_triton",
+               "bayeslayer.ops.bayesian_layer.chain_triton")
     mods = sorted((module_name(p) for p in (PACKAGE / "ops").rglob("*.py")), key=lambda m: (m in kernels, m))
     script = f"""
 import importlib, sys

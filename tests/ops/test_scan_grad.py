@@ -9,11 +9,10 @@ G = 2, docs/theory.md §6.6's long-memory and stress regimes with the segment tr
 the carried adjoint of B3 would be tested by nothing).
 
 Two forwards feed the same backward: the plain-PyTorch twin (:func:`scan_grad.forward_packed_reference`, fast,
-the wide grid) and the Triton forward ``bl_chunk_triton(..., backward="scan")`` (interpreted on CPU: a few tiny
+the wide grid) and the Triton forward ``bl_chunk_triton(...)`` (interpreted on CPU: a few tiny
 cases; fla's backward kernels there run interpreted except ``bwd_dhu``/``fwd_h``, whose twins stand in).
 16-bit inputs (bf16, fp16) through the Triton path: bit for bit the fp32 backward rounded once, within the
-unit roundoff + fp32's error of float64 and within 2× the block-wise backward's error
-(:func:`test_bl_chunk_triton_scan_backward_16bit`).
+unit roundoff + fp32's error of float64 (:func:`test_bl_chunk_triton_scan_backward_16bit`).
 """
 
 from __future__ import annotations
@@ -218,7 +217,7 @@ def test_mean_backward_kernels_choice():
     assert ks == mean_pass_fla.TWIN_KERNELS
 
 
-# ------------------------------------------------------------------ the Triton forward, backward="scan"
+# ------------------------------------------------------------------ the Triton segment scan (n_segments)
 
 
 @runs_triton
@@ -227,7 +226,7 @@ def test_mean_backward_kernels_choice():
                           pytest.param("longmem", False, 1, 1, marks=SLOW),
                           pytest.param("stress", True, 2, 2, marks=SLOW)])
 def test_bl_chunk_triton_scan_backward_fp64(regime, diagonal, G, n_segments):
-    """``bl_chunk_triton(backward="scan")``: the Triton forward (Phase A/B kernels, Phase C, the mean kernel) keeps
+    """``bl_chunk_triton(n_segments=…)``: the Triton forward (Phase A/B kernels, Phase C, the mean kernel) keeps
     W, L⁻¹ rows, P_s and Phase A's elements; gradients equal the PyTorch path's.  Packed ragged sequences."""
     from bayeslayer.ops.bayesian_layer.chunk_triton import bl_chunk_triton
 
@@ -243,8 +242,7 @@ def test_bl_chunk_triton_scan_backward_fp64(regime, diagonal, G, n_segments):
 
     scan_grad.scan_backward = spy
     try:
-        got = _grads(bl_chunk_triton, inputs, torch.tensor(cu, device=DEVICE), n_segments=n_segments,
-                     backward="scan")
+        got = _grads(bl_chunk_triton, inputs, torch.tensor(cu, device=DEVICE), n_segments=n_segments)
     finally:
         scan_grad.scan_backward = orig
     assert calls == [True]  # the composed backward ran once, on Phase A's elements kept by the forward
@@ -256,7 +254,7 @@ def test_bl_chunk_triton_scan_backward_fp64(regime, diagonal, G, n_segments):
 @pytest.mark.parametrize("diagonal", [False, True])
 def test_gradcheck_triton_scan_backward(diagonal):
     """``torch.autograd.gradcheck`` (fast mode: random projections, so that the interpreted forward runs a few
-    times only) of ``bl_chunk_triton(backward="scan")`` in float64 — the Triton forward and the Triton B2–B4 —
+    times only) of ``bl_chunk_triton(n_segments=…)`` in float64 — the Triton forward and the Triton B2–B4 —
     on packed ragged sequences of 2 segments, every input and the initial state (P0 = X Xᵀ + I, as above)."""
     from bayeslayer.ops.bayesian_layer.chunk_triton import bl_chunk_triton
 
@@ -270,8 +268,7 @@ def test_gradcheck_triton_scan_backward(diagonal):
     def fn(q, k, v, r2, ell2, alpha, M0, X):
         P0 = X @ X.mT + torch.eye(4, dtype=torch.float64, device=X.device)
         o, var, (M, P) = bl_chunk_triton(q, k, v, r2, ell2, alpha, initial_state=(M0, P0), output_final_state=True,
-                                         return_variance=True, chunk_size=16, cu_seqlens=cu, n_segments=2,
-                                         backward="scan")
+                                         return_variance=True, chunk_size=16, cu_seqlens=cu, n_segments=2)
         return o, var, M, P
 
     ins = tuple(x.detach().clone().requires_grad_(True) for x in (q, k, v, r2, ell2, alpha, M0, X))
@@ -292,7 +289,7 @@ def test_bl_chunk_triton_scan_backward_fp32_with_fla_kernels():
     pin = mean_pass_fla.one_autotune_config() if DEVICE == "cpu" else contextlib.nullcontext()
     with pin:  # the interpreter cannot benchmark fla's autotune configs
         got = _grads(bl_chunk_triton, {n: x.float() for n, x in inputs.items()}, torch.tensor(cu, device=DEVICE),
-                     n_segments=2, backward="scan")
+                     n_segments=2)
     for n in ref:
         b = ref[n] if n != "P0" else 0.5 * (ref[n] + ref[n].mT)
         assert got[n].dtype == torch.float32
@@ -307,7 +304,7 @@ def _weighted_grads(fn, inputs: dict, cu, weights=None, seed=0, **kw):
     """Gradients of ``Σ ⟨w, out⟩`` over (o, variance, final M, final P) w.r.t. every input, and the weights.
 
     ``weights`` (float64, one per output; None: ``randn`` rounded to each output's dtype, i.e. exactly the
-    adjoints a 16-bit run receives — o comes back 16-bit) let a float64 reference, an fp32 run and a block-wise
+    adjoints a 16-bit run receives — o comes back 16-bit) let a float64 reference, an fp32 run and a 16-bit
     run be handed the very same adjoints, so that their gradients differ only by the arithmetic of the path."""
     leaves = {n: x.detach().clone().requires_grad_(True) for n, x in inputs.items() if x is not None}
     o, var, (M, P) = fn(*(leaves[n] for n in ("q", "k", "v", "r2", "ell2", "alpha")),
@@ -334,7 +331,7 @@ def _sym_p0(grads: dict) -> dict:
     pytest.param(torch.bfloat16, "stress", True, 1e-3, marks=SLOW)],
     ids=["bf16-scalar", "bf16-diag", "fp16-scalar", "fp16-diag", "bf16-stress-diag"])
 def test_bl_chunk_triton_scan_backward_16bit(monkeypatch, dtype, regime, diagonal, arith):
-    """bf16 and fp16 inputs (q, k, v, r2, ell2, alpha, M0, P0 all 16-bit) through ``bl_chunk_triton(backward="scan")``
+    """bf16 and fp16 inputs (q, k, v, r2, ell2, alpha, M0, P0 all 16-bit) through ``bl_chunk_triton(n_segments=…)``
     against float64 autograd through ``bl_chunk(backend="torch")`` on the same values upcast, both handed the same
     output adjoints (:func:`_weighted_grads`).  Error: ``max|g − ref| / max|ref|`` per gradient (P0 by its
     symmetric part).  Packed sequences of 20 and 20 tokens, C = 16, 2 segments each, D = 16, m = 8, seed 12.
@@ -344,18 +341,14 @@ def test_bl_chunk_triton_scan_backward_16bit(monkeypatch, dtype, regime, diagona
     ``tl.dot``, which multiplies the raw uint16 bit patterns, never runs) — is fp32, so **the 16-bit gradients are
     bit for bit the fp32 backward's on the same values, rounded once to the leaf dtype** (asserted).  Hence
     ``err16 ≤ u + err32·(1 + u)`` (u = 2⁻⁸ bf16, 2⁻¹¹ fp16): asserted as ``u + arith`` with ``arith`` the fp32
-    bound, 1e-5 in the long-memory regime, 1e-3 in the stress regime; and against block-wise at the same 16-bit
-    inputs, ``err16 ≤ 2·err_blockwise``.
+    bound, 1e-5 in the long-memory regime, 1e-3 in the stress regime.
 
     Measured on CPU (interpreter; fla's kernels but ``fwd_h``/``bwd_dhu``, their twins), seeds 12, 13, 14, max
     over the 8 gradients: long-memory bf16 3.54e-3 scalar / 3.02e-3 diagonal, fp16 3.75e-4 / 3.77e-4, fp32 (same
     values) ≤ 5.4e-7; stress bf16 3.55e-3 / 3.35e-3, fp32 ≤ 2.5e-4.  That is the rounding floor itself (the
     float64 gradient rounded to the dtype: the same numbers to 3 digits, ≤ 1.3× in fp16 stress where fp32's own
-    error shows).  Block-wise: within 1.16× of the floor but for P0, whose raw (non-symmetric) gradient it rounds
-    before one takes the symmetric part: 3.9e-3 (bf16, long-memory) and up to 6.5e-2 (bf16) / 6.2e-3 (fp16) in the
-    stress regime, where the raw P0 gradient is up to 8× its symmetric part (seed 12, scalar: 1822 against 230).
-    Not here: fp16 in the stress regime, where dr2 and dell2 reach 1.4e5 and overflow fp16 to inf (block-wise
-    alike: a property of fp16 leaves, not of the path).
+    error shows).  Not here: fp16 in the stress regime, where dr2 and dell2 reach 1.4e5 and overflow fp16 to inf
+    (a property of fp16 leaves, not of the path).
     On a GPU fla's fp32 products are TF32 (``docs/kernels.md``): ``arith`` there is unmeasured."""
     from bayeslayer.ops.bayesian_layer.chunk_triton import bl_chunk_triton
 
@@ -373,66 +366,24 @@ def test_bl_chunk_triton_scan_backward_16bit(monkeypatch, dtype, regime, diagona
     monkeypatch.setattr(mean_pass_fla, "mean_pass_fla_backward", spy)
     pin = mean_pass_fla.one_autotune_config() if DEVICE == "cpu" else contextlib.nullcontext()
     with pin:  # the interpreter cannot benchmark fla's autotune configs
-        g16, W = _weighted_grads(bl_chunk_triton, low, cu_t, seed=12, n_segments=2, backward="scan")
-        g32, _ = _weighted_grads(bl_chunk_triton, {n: x.float() for n, x in low.items()}, cu_t, W, n_segments=2,
-                                 backward="scan")
-        gb, _ = _weighted_grads(bl_chunk_triton, low, cu_t, W, n_segments=2, backward="blockwise")
+        g16, W = _weighted_grads(bl_chunk_triton, low, cu_t, seed=12, n_segments=2)
+        g32, _ = _weighted_grads(bl_chunk_triton, {n: x.float() for n, x in low.items()}, cu_t, W, n_segments=2)
     ref, _ = _weighted_grads(bl_chunk, {n: x.double() for n, x in low.items()}, cu_t, W, backend="torch")
     # fla's kernels ran (but for the twins the interpreter needs) on the packed fp32 operands, in both scan runs
     twins = sorted(mean_pass_fla.NOT_INTERPRETABLE) if DEVICE == "cpu" else []
     assert seen == [(torch.float32, twins)] * 2
     u = UNIT_ROUNDOFF[dtype]
-    ref, s16, s32, sb = (_sym_p0(x) for x in (ref, g16, g32, gb))
+    ref, s16, s32 = (_sym_p0(x) for x in (ref, g16, g32))
     errs = {}
     for n in ref:
         assert g16[n].dtype == dtype and g32[n].dtype == torch.float32, n
         assert torch.equal(g16[n], g32[n].to(dtype)), f"d{n}: the 16-bit backward is not the rounded fp32 one"
         assert ref[n].abs().max() > 0, f"d{n} is identically zero; the comparison would be vacuous"
-        errs[n] = (_rel(s16[n], ref[n]), _rel(s32[n], ref[n]), _rel(sb[n], ref[n]))
-    print({n: " / ".join(f"{e:.2e}" for e in x) for n, x in errs.items()})  # 16-bit scan / fp32 scan / block-wise
-    for n, (e16, e32, eb) in errs.items():
+        errs[n] = (_rel(s16[n], ref[n]), _rel(s32[n], ref[n]))
+    print({n: " / ".join(f"{e:.2e}" for e in x) for n, x in errs.items()})  # 16-bit scan / fp32 scan
+    for n, (e16, e32) in errs.items():
         assert e32 <= arith, f"d{n}: fp32 error {e32:.2e} > {arith:.0e}"
         assert e16 <= u + arith, f"d{n}: {dtype} error {e16:.2e} > u + {arith:.0e} = {u + arith:.2e}"
-        assert e16 <= 2 * eb, f"d{n}: {dtype} error {e16:.2e} > 2 × block-wise's {eb:.2e}"
-
-
-@runs_triton
-def test_backward_switch(monkeypatch):
-    """``blockwise`` stays the default; ``with triton_backward("scan"):`` (the default inside the block, restored
-    after it) or ``backward=`` select the scan; anything else is refused naming the argument; without a gradient
-    to take the plain forward runs (same output)."""
-    from bayeslayer.ops import TRITON_BACKWARDS, triton_backward
-    from bayeslayer.ops.bayesian_layer import chunk_triton as tc
-
-    assert tc.default_triton_backward() == "blockwise" and set(TRITON_BACKWARDS) == {"blockwise", "scan"}
-    inputs = _case("longmem", False, B=1, T=20, H=1, state=False, device=DEVICE)
-    ran = []
-    monkeypatch.setattr(scan_grad, "scan_backward", lambda *a, **kw: ran.append(1) or (_ for _ in ()).throw(
-        RuntimeError("scan backward ran")))
-    q = inputs["q"].clone().requires_grad_(True)
-    args = (q, inputs["k"], inputs["v"], inputs["r2"], inputs["ell2"], inputs["alpha"])
-    o, _ = tc.bl_chunk_triton(*args, chunk_size=16)
-    o.sum().backward()  # blockwise: the scan backward never ran
-    assert ran == []
-    with pytest.raises(ValueError, match="backward must be one of"), triton_backward("fused"):
-        pass
-    with triton_backward("scan") as chosen:
-        assert chosen == "scan" and tc.default_triton_backward() == "scan"
-        o, _ = tc.bl_chunk_triton(*args, chunk_size=16)
-    assert tc.default_triton_backward() == "blockwise"  # restored on leaving the block
-    with pytest.raises(RuntimeError, match="scan backward ran"):
-        o.sum().backward()  # chosen when the forward ran, inside the block
-    o, _ = tc.bl_chunk_triton(*args, chunk_size=16, backward="scan")
-    with pytest.raises(RuntimeError, match="scan backward ran"):
-        o.sum().backward()
-    with pytest.raises(ValueError, match="backward must be"):
-        tc.bl_chunk_triton(*args, chunk_size=16, backward="fused")
-    # inference (no gradient can be asked for) runs the plain forward whichever backward is selected
-    monkeypatch.setitem(tc.TRITON_BACKWARDS, "scan",
-                        lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("scan forward")))
-    with torch.no_grad(), triton_backward("scan"):
-        o2, _ = tc.bl_chunk_triton(*args, chunk_size=16)
-    assert torch.equal(o2, o.detach())
 
 
 # ------------------------------------------------------------------ the Triton covariance backward (B2–B4 kernels)
@@ -461,7 +412,7 @@ def _spy_covariance(monkeypatch) -> dict:
                                                  pytest.param(False, False, marks=SLOW),
                                                  pytest.param(True, False, marks=SLOW)])
 def test_triton_forward_runs_triton_covariance_backward(monkeypatch, diagonal, state):
-    """``bl_chunk_triton(backward="scan")``: B2–B4 on the Triton kernels (not the twin), gradients of q, k, v, r2,
+    """``bl_chunk_triton(n_segments=…)``: B2–B4 on the Triton kernels (not the twin), gradients of q, k, v, r2,
     ell2, alpha and the initial state (M0, P0) — or, without one, of a per-head ``p0`` — equal the PyTorch path's
     to ≤ 1e-10 in float64.  Stress regime, 2 segments, packed ragged sequences, the segment transition far from 0."""
     from bayeslayer.ops.bayesian_layer.chunk_triton import bl_chunk_triton
@@ -473,7 +424,7 @@ def test_triton_forward_runs_triton_covariance_backward(monkeypatch, diagonal, s
     p0 = None if state else torch.tensor([0.5, 2.0], dtype=torch.float64, device=DEVICE)
     ref = _grads(bl_chunk, inputs, cu_t, p0=p0, backend="torch")
     calls = _spy_covariance(monkeypatch)
-    got = _grads(bl_chunk_triton, inputs, cu_t, p0=p0, n_segments=2, backward="scan")
+    got = _grads(bl_chunk_triton, inputs, cu_t, p0=p0, n_segments=2)
     assert calls == {"triton": 1, "twin": 0}
     _assert_grads_equal(ref, got)
 
@@ -507,7 +458,7 @@ def test_covariance_choice_is_explicit(monkeypatch):
                                             pytest.param(False, 2, marks=SLOW)],
                          ids=["scalar", "diagonal", "scalar-G2"])
 def test_scan_backward_launches_do_not_grow_with_chunks(monkeypatch, diagonal, G):
-    """The whole ``.backward()`` of ``bl_chunk_triton(backward="scan")`` (fp32: fla's mean-pass kernels, the
+    """The whole ``.backward()`` of ``bl_chunk_triton(n_segments=…)`` (fp32: fla's mean-pass kernels, the
     substitution, the Triton B2–B4, prepare/finish's autograd) launches the same Triton kernels for 4 chunks in 4
     segments, 8 chunks in 4 and 8 in 8 segments, scalar and diagonal decay, G = 1 and 2 groups (H' = 2 folded
     heads), and calls the mean backward, the substitution's adjoint and the Triton covariance backward once each
@@ -572,8 +523,7 @@ def test_scan_backward_launches_do_not_grow_with_chunks(monkeypatch, diagonal, G
         pin = mean_pass_fla.one_autotune_config() if DEVICE == "cpu" else contextlib.nullcontext()
         with pin:
             o, var, (M, P) = bl_chunk_triton(*leaves, initial_state=(M0, P0), output_final_state=True,
-                                             return_variance=True, chunk_size=16, n_segments=n_segments,
-                                             backward="scan")
+                                             return_variance=True, chunk_size=16, n_segments=n_segments)
             loss = o.square().sum() + var.sum() + M.sum() + P.sum()
             launches.clear()
             ops.clear()

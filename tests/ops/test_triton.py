@@ -88,7 +88,9 @@ def compare(B, T, H, D, m, *, decay="scalar", G=1, chunk_size=16, with_state=Fal
     with triton_only() as calls:
         o1, var1, (M1, P1) = bl_chunk(q, k, v, r2, ell2, alpha, backend="triton", **kw)
     assert calls == {"chunk": 1}, f"Triton entry points called {dict(calls)}"
-    assert calls.kernels == {"scan": 1, "phase_a": 1, "phase_b": 1, "mean": 1}, dict(calls.kernels)
+    # key dims up to 128 run the covariance chain, larger ones the segment scan (covariance_path)
+    expected = {"chain": 1} if D <= 128 else {"scan": 1, "phase_a": 1, "phase_b": 1, "mean": 1}
+    assert calls.kernels == expected, dict(calls.kernels)
     o2, var2, (M2, P2) = bl_chunk(q, k, v, r2, ell2, alpha, backend="torch", **kw)
     assert o1.dtype == o2.dtype == dtype and o1.shape == o2.shape
     assert var1.shape == var2.shape and M1.shape == M2.shape and P1.shape == P2.shape
@@ -204,6 +206,8 @@ def _grad_check(decay, G, with_state, cu_lens=None, T=21):
             return o, var, (M, P)
         g2 = torch.autograd.grad(loss(ref), leaves)
     for i, (a, b) in enumerate(zip(g1, g2, strict=True)):
+        if st is not None and leaves[i] is st[1]:  # a covariance's gradient: its symmetric part is the defined one
+            a, b = 0.5 * (a + a.transpose(-1, -2)), 0.5 * (b + b.transpose(-1, -2))
         assert_close(a, b, 1e-10, f"gradient of input {i}")
         assert b.abs().max() > 0, f"gradient of input {i} is identically zero; the check would be vacuous"
 
@@ -226,9 +230,8 @@ def test_gradient_of_p0_and_variance_only():
 @pytest.mark.parametrize("G", [pytest.param(1, marks=pytest.mark.slow), 2])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, pytest.param(torch.float16, marks=pytest.mark.slow)])
 def test_low_precision_gradients(dtype, G):
-    """16-bit inputs: the backward keeps q, k, v and dO in their dtype (no full fp32 copies) and
-    recomputes each block in fp32; gradients come back in the input dtype and equal the PyTorch
-    path's, which computes in fp32 and rounds once, to the 16-bit rounding."""
+    """16-bit inputs: the chain reads q, k, v in their dtype and computes in fp32; gradients come back in the input
+    dtype and equal the PyTorch path's, which computes in fp32 and rounds once, to the 16-bit rounding."""
     q, k, v, r2, ell2, alpha = make_inputs(1, 40, 2, 16, 8, G=G, dtype=dtype)
     leaves = [x.requires_grad_(True) for x in (q, k, v, r2, ell2, alpha)]
     gen = torch.Generator().manual_seed(3)
@@ -248,41 +251,6 @@ def test_low_precision_gradients(dtype, G):
 
 def test_gradients_with_cu_seqlens():
     _grad_check("scalar", 1, with_state=True, cu_lens=[7, 12])
-
-
-@pytest.mark.parametrize("cu_lens", [pytest.param(None, marks=pytest.mark.slow),
-                                     pytest.param([7, 40, 70], marks=pytest.mark.slow)], ids=["batch", "varlen"])
-def test_gradients_over_several_backward_blocks(monkeypatch, cu_lens):
-    """The backward recomputes blocks of chunks; with blocks of 2 chunks, 5 chunks span 3 blocks
-    (a partial last one), and packed sequences of 1, 3 and 5 chunks end inside, at and before
-    a block boundary."""
-    from bayeslayer.ops.bayesian_layer import chunk_triton as triton_chunk
-
-    monkeypatch.setattr(triton_chunk, "BACKWARD_BLOCK", 2)
-    _grad_check("scalar", 2, with_state=True, cu_lens=cu_lens, T=75)
-
-
-def test_checkpoints_are_kept_at_block_starts_only(monkeypatch):
-    """The forward the backward re-runs keeps (M, P) at chunks 0, E, 2E, ... and the end (E = the block)."""
-    from bayeslayer.ops.bayesian_layer import chunk_triton as triton_chunk
-
-    monkeypatch.setattr(triton_chunk, "BACKWARD_BLOCK", 2)
-    C, T = 16, 75  # 5 chunks: checkpoints before chunks 0, 2, 4 and after the last
-    q, k, v, r2, ell2, alpha = make_inputs(1, T, 2, 16, 8)
-    M0, P0 = initial_state(1, 2, 16, 8)
-    *_, CKP, CKM, n_chunks, offsets = triton_chunk._forward_triton(
-        q, k, v, r2, ell2, alpha, 1.0, M0, P0, None, C, False, save_checkpoints=True
-    )
-    assert n_chunks.tolist() == [5] and offsets.tolist() == [0, 4]
-    assert CKP.shape == (4, 2, 16, 16) and CKM.shape == (4, 2, 16, 8)
-    for row, t in enumerate([0, 32, 64, T]):
-        if t == 0:
-            M_t, P_t = M0, P0
-        else:
-            _, (M_t, P_t) = bl_chunk(q[:, :t], k[:, :t], v[:, :t], r2[:, :t], ell2[:, :t], alpha[:, :t],
-                                     initial_state=(M0, P0), output_final_state=True, chunk_size=C)
-        assert_close(CKP[row], P_t[0], 1e-10, f"P checkpoint {row} (token {t})")
-        assert_close(CKM[row], M_t[0], 1e-10, f"M checkpoint {row} (token {t})")
 
 
 def test_rotations_have_no_kernel_and_are_refused_not_run_on_torch():
@@ -425,13 +393,14 @@ def test_long_sequence_fp32_stays_finite_and_psd():
     assert_close(P1, P2, 1e-6, "final P")
 
 
-# ---- the segment-scan forward is what bl_chunk(backend="triton"), the layer and the model run ----
+# ---- the covariance chain is what bl_chunk(backend="triton"), the layer and the model run; n_segments forces
+# the segment scan ----
 
 
 @pytest.mark.parametrize(("regime", "diagonal", "n_segments"),
                          [("longmem", False, 2), pytest.param("stress", True, 3, marks=pytest.mark.slow)])
 def test_bl_chunk_triton_runs_the_segment_scan(regime, diagonal, n_segments):
-    """Forced Triton with ``n_segments``: the scan's Phase A, B (kernels) and C, the mean kernel; packed
+    """Forced Triton with ``n_segments``: the segment scan's Phase A, B (kernels) and C, the mean kernel; packed
     ragged sequences (segments never cross them), an initial state; fp64 equal to PyTorch ≤ 1e-12."""
     from .scan_inputs import regime_inputs
 
@@ -449,20 +418,27 @@ def test_bl_chunk_triton_runs_the_segment_scan(regime, diagonal, n_segments):
         bl_chunk(q, k, v, r2, ell2, alpha, backend="triton", n_segments=0, **kw)
 
 
-def test_bl_chunk_triton_raises_once_when_not_positive_definite():
-    """A negative definite P0 (value checks off) makes a chunk's S indefinite: the device-side flag raises
-    once, after the pass."""
-    q, k, v, r2, ell2, alpha = make_inputs(1, 20, 1, 8, 4)
-    bad = initial_state(1, 1, 8, 4)
-    bad = (bad[0], -bad[1])  # P0 negative definite: a raw pivot of S goes negative
-    from bayeslayer.ops import value_checks
+def test_not_positive_definite_is_flagged_on_the_device_not_raised():
+    """A negative definite P0 (value checks off) makes a chunk's S indefinite.  The chain path reads nothing on the
+    host: the (sequence, head) that failed gets NaN outputs and its device-side flag (``chain_failures``); the
+    segment scan, which reads its flags once after the pass, raises."""
+    from bayeslayer.ops import chain_failures, value_checks
 
-    with value_checks(False), pytest.raises(torch.linalg.LinAlgError, match="not positive"):
-        bl_chunk_triton(q, k, v, r2, ell2, alpha, initial_state=bad, chunk_size=16)
+    q, k, v, r2, ell2, alpha = make_inputs(1, 20, 2, 8, 4)
+    M0, P0 = initial_state(1, 2, 8, 4)
+    P0 = torch.stack([P0[:, 0], -P0[:, 1]], 1)  # head 1 negative definite: a raw pivot of its S goes negative
+    with value_checks(False):
+        o, (M, P) = bl_chunk_triton(q, k, v, r2, ell2, alpha, initial_state=(M0, P0), output_final_state=True,
+                                    chunk_size=16)
+        assert chain_failures().tolist() == [[False, True]]
+        assert torch.isfinite(o[:, :, 0]).all() and torch.isnan(o[:, :, 1]).all()
+        assert torch.isfinite(P[:, 0]).all() and torch.isnan(P[:, 1]).all()
+        with pytest.raises(torch.linalg.LinAlgError, match="not positive"):
+            bl_chunk_triton(q, k, v, r2, ell2, alpha, initial_state=(M0, P0), chunk_size=16, n_segments=1)
 
 
-def test_layer_and_model_reach_the_segment_scan():
-    """BayesianLayer(backend="triton") and BayesLayerForCausalLM prefill run the scan forward, never PyTorch."""
+def test_layer_and_model_reach_the_chain():
+    """BayesianLayer(backend="triton") and BayesLayerForCausalLM prefill run the chain forward, never PyTorch."""
     from bayeslayer.layers import BayesianLayer
     from bayeslayer.models import BayesLayerConfig, BayesLayerForCausalLM
 
@@ -473,7 +449,7 @@ def test_layer_and_model_reach_the_segment_scan():
     x = torch.randn(2, 21, 16, dtype=torch.float64)
     with torch.no_grad(), triton_only() as calls:
         out = layer(x, output_variance=True)
-    assert calls == {"chunk": 1} and calls.kernels["scan"] == 1 and calls.kernels["mean"] == 1
+    assert calls == {"chunk": 1} and calls.kernels == {"chain": 1}
     with torch.no_grad():
         exp = ref(x, output_variance=True)
     assert_close(out.o, exp.o, 1e-10, "layer output")
@@ -486,7 +462,7 @@ def test_layer_and_model_reach_the_segment_scan():
     ids = torch.randint(0, 32, (1, 7), generator=torch.Generator().manual_seed(2))
     with torch.no_grad(), triton_only() as calls:
         model(ids, use_cache=True)
-    assert calls == {"chunk": 2} and calls.kernels["scan"] == 2 and calls.kernels["mean"] == 2
+    assert calls == {"chunk": 2} and calls.kernels == {"chain": 2}
 
 
 def test_strided_inputs_as_a_layer_passes_them():

@@ -112,19 +112,6 @@ def _load_g(la, tok, valid, offs_d, i_h, H: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
-def _save_state(src, dst, offs_r, offs_c, R: tl.constexpr, NC: tl.constexpr, BR: tl.constexpr,
-                STEP: tl.constexpr):
-    """Copy rows ``[0, R)`` × columns ``offs_c`` of a row-major ``[R, NC]`` state block (a checkpoint).
-
-    ``offs_r = arange(0, STEP)``; rows go in blocks of STEP up to the padded BR."""
-    for rb in range(0, BR, STEP):
-        o_r = rb + offs_r
-        m = (o_r[:, None] < R) & (offs_c[None, :] < NC)
-        x = tl.load(src + o_r[:, None] * NC + offs_c[None, :], mask=m, other=0.0)
-        tl.store(dst + o_r[:, None] * NC + offs_c[None, :], x, mask=m)
-
-
-@triton.jit
 def prep_tile(X, pc, rows, od, C: tl.constexpr, D: tl.constexpr, DT: tl.constexpr):
     """Columns ``od`` of chunk ``pc``'s ``[C, D]`` prep tile (``[NC·H, C, D]`` buffer) -> ``[C, BK]`` in ``DT``,
     0 outside."""
@@ -216,7 +203,7 @@ def bl_chunk_prep_kernel(
 
 @triton.jit
 def bl_chunk_cov_kernel(
-    q, k, r2, ell2, la, cu_seqlens, P, W, LINV, Yscr, Uscr, VAR, CKP, ck_offsets, LDLscr, FAIL,
+    q, k, r2, ell2, la, cu_seqlens, P, W, LINV, Yscr, Uscr, VAR, LDLscr, FAIL,
     H: tl.constexpr,
     D: tl.constexpr,
     C: tl.constexpr,
@@ -225,9 +212,7 @@ def bl_chunk_cov_kernel(
     DIAG: tl.constexpr,
     HAS_ALPHA: tl.constexpr,
     RETURN_VAR: tl.constexpr,
-    SAVE_CK: tl.constexpr,
     PREC: tl.constexpr,
-    CK_EVERY: tl.constexpr = 1,
     PG=None,
     PB=None,
     PBASE=None,
@@ -241,10 +226,7 @@ def bl_chunk_cov_kernel(
     ``L⁻¹`` at token ``t``; only rows of real tokens are written); r2, ell2, VAR ``[NT, H]``; la
     ``[NT, H, D]`` (DIAG) or ``[NT, H]``; P ``[N, H, D, D]`` holds ``P_0`` on entry and
     the final covariance on exit; Yscr, Uscr ``[N, H, C, BD]`` are per-program
-    scratch (``Y`` and ``U`` of the current chunk).  With SAVE_CK, CKP
-    ``[sum_n (cdiv(chunks_n, CK_EVERY) + 1), H, D, D]`` receives ``P`` at the start of
-    every CK_EVERY-th chunk (0, CK_EVERY, ...) and at the end, sequence ``n`` from row
-    ``ck_offsets[n]`` on (the backward's checkpoints).  LDLscr ``[N, H, 2C² + C]`` is the
+    scratch (``Y`` and ``U`` of the current chunk).  LDLscr ``[N, H, 2C² + C]`` is the
     blocked LDLᵀ's scratch (``S``/``L``, ``L⁻¹``, pivots; :func:`..utils.ldl_triton.ldl_blocked`); FAIL ``[N, H]``
     int32 receives the number of pivots that were not positive (a device-side flag: 0 when all is well).
 
@@ -278,19 +260,11 @@ def bl_chunk_cov_kernel(
     Y_base = Yscr + (i_n * H + i_h) * C * BD
     U_base = Uscr + (i_n * H + i_h) * C * BD
 
-    if SAVE_CK:
-        ck0 = tl.load(ck_offsets + i_n).to(tl.int64)
     if PREP:
         pc0 = tl.load(chunk_first + i_n).to(tl.int64)
     for i_c in range(n_chunks):
         if PREP:
             pc = (pc0 + i_c) * H + i_h  # this chunk's row of the prep buffers
-        if SAVE_CK:
-            if i_c % CK_EVERY == 0:
-                for cb in range(0, BD, BK):
-                    _save_state(P_base, CKP + ((ck0 + i_c // CK_EVERY) * H + i_h) * D * D, offs_k, cb + offs_k,
-                                D, D, BD, BK)
-            tl.debug_barrier()
         tok = bos + i_c * C + rows
         valid = tok < eos
         r2c = tl.load(r2 + tok * H + i_h, mask=valid, other=1.0).to(dt)
@@ -474,16 +448,12 @@ def bl_chunk_cov_kernel(
                 tl.store(p_P, P_new, mask=m_P)
 
         tl.debug_barrier()
-    if SAVE_CK:
-        for cb in range(0, BD, BK):
-            _save_state(P_base, CKP + ((ck0 + tl.cdiv(n_chunks, CK_EVERY)) * H + i_h) * D * D, offs_k,
-                        cb + offs_k, D, D, BD, BK)
     tl.store(FAIL + i_n * H + i_h, fails)
 
 
 @triton.jit
 def bl_chunk_mean_kernel(
-    q, k, v, W, LINV, la, cu_seqlens, M, O, CKM, ck_offsets,
+    q, k, v, W, LINV, la, cu_seqlens, M, O,
     H: tl.constexpr,
     D: tl.constexpr,
     MV: tl.constexpr,
@@ -493,9 +463,7 @@ def bl_chunk_mean_kernel(
     BV: tl.constexpr,
     DIAG: tl.constexpr,
     HAS_ALPHA: tl.constexpr,
-    SAVE_CK: tl.constexpr,
     PREC: tl.constexpr,
-    CK_EVERY: tl.constexpr = 1,
 ):
     """Mean pass for value columns ``[i_v·BV, (i_v+1)·BV)`` of one (sequence, head): outputs and ``M``.
 
@@ -505,8 +473,7 @@ def bl_chunk_mean_kernel(
     strictly lower part of the unit factor of ``S = L diag(d) Lᵀ``), so no C×C elimination here.  Value blocks are
     independent, so they run as separate programs (the C×C work is repeated per
     block, as in flash-linear-attention's state pass).  v, O ``[NT, H, MV]``;
-    M ``[N, H, D, MV]`` holds ``M_0`` on entry and the final mean on exit; with
-    SAVE_CK, CKM receives ``M`` at every CK_EVERY-th chunk start and at the end (as CKP above).
+    M ``[N, H, D, MV]`` holds ``M_0`` on entry and the final mean on exit.
     """
     i_v = tl.program_id(0).to(tl.int64)
     i_n = tl.program_id(1).to(tl.int64)
@@ -523,13 +490,7 @@ def bl_chunk_mean_kernel(
     dt = M.dtype.element_ty
     M_base = M + (i_n * H + i_h) * D * MV
 
-    if SAVE_CK:
-        ck0 = tl.load(ck_offsets + i_n).to(tl.int64)
     for i_c in range(n_chunks):
-        if SAVE_CK:
-            if i_c % CK_EVERY == 0:
-                _save_state(M_base, CKM + ((ck0 + i_c // CK_EVERY) * H + i_h) * D * MV, offs_k, ov, D, MV, BD, BK)
-            tl.debug_barrier()
         tok = bos + i_c * C + rows
         valid = tok < eos
         if not DIAG:
@@ -599,9 +560,6 @@ def bl_chunk_mean_kernel(
             M_new += tl.dot(tl.trans(w_o), E, input_precision=PREC)
             tl.store(p_M, M_new, mask=m_M)
         tl.debug_barrier()
-    if SAVE_CK:
-        _save_state(M_base, CKM + ((ck0 + tl.cdiv(n_chunks, CK_EVERY)) * H + i_h) * D * MV, offs_k, ov, D, MV,
-                    BD, BK)
 
 
 @triton.jit

@@ -79,10 +79,10 @@ def fla_hopper_guard(bypass: bool) -> dict:
 
     The guard reads module globals of ``fla.ops.common.chunk_o`` at call time, so setting its
     ``TRITON_ABOVE_3_7_1`` lets the kernels run (their times are what a user gets; their values are what
-    ``benchmarks/gpu.py --scan`` checks).  It also gates BL's ``backward="scan"``, whose scalar-decay mean-pass
-    backward (:func:`mean_pass_fla_backward`) calls the same fla function.  Returns ``{"active", "bypassed",
-    "triton", "fla"}`` (``active``: the guard would refuse here; None when fla is not installed; the versions
-    None when not installed).
+    ``benchmarks/gpu.py --scan`` checks).  It also gates BL's backward (the chain's and the scan's), whose
+    scalar-decay mean-pass backward (:func:`mean_pass_fla_backward`) calls the same fla function.  Returns
+    ``{"active", "bypassed", "triton", "fla"}`` (``active``: the guard would refuse here; None when fla is not
+    installed; the versions None when not installed).
     """
     if not isinstance(bypass, bool):
         raise TypeError(f"bypass must be a bool, got {type(bypass).__name__}")
@@ -156,13 +156,37 @@ def _acc_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def chunk_last_index(cu: list[int], C: int, device) -> torch.Tensor:
-    """For every packed token, the index of the last token of its chunk ``[NT]`` (chunks restart per sequence)."""
-    idx = []
-    for a, b in zip(cu[:-1], cu[1:], strict=True):
-        t = torch.arange(a, b, device=device)
-        idx.append(torch.clamp(a + ((t - a) // C + 1) * C, max=b) - 1)
-    return torch.cat(idx) if idx else torch.zeros(0, dtype=torch.int64, device=device)
+def chunk_last_index(cu, C: int, device, n_tokens: int | None = None, n_seq: int | None = None) -> torch.Tensor:
+    """For every packed token, the index of the last token of its chunk ``[NT]`` (chunks restart per sequence).
+
+    ``cu``: the sequence offsets as a host list, a device tensor (read on the device only), or None for
+    ``n_seq`` sequences of equal length ``n_tokens / n_seq``."""
+    if isinstance(cu, (list, tuple)):
+        idx = []
+        for a, b in zip(cu[:-1], cu[1:], strict=True):
+            t = torch.arange(a, b, device=device)
+            idx.append(torch.clamp(a + ((t - a) // C + 1) * C, max=b) - 1)
+        return torch.cat(idx) if idx else torch.zeros(0, dtype=torch.int64, device=device)
+    if cu is None:
+        cu = torch.arange(n_seq + 1, device=device, dtype=torch.int64) * (n_tokens // max(n_seq, 1))
+    cu = cu.to(device=device, dtype=torch.int64)
+    t = torch.arange(n_tokens, device=device, dtype=torch.int64)
+    seq = torch.searchsorted(cu, t, right=True) - 1
+    a, b = cu[seq], cu[seq + 1]
+    return torch.minimum(a + torch.div(t - a, C, rounding_mode="floor") * C + C, b) - 1
+
+
+def fla_layout(cu, n_tokens: int, n_seq: int, device) -> tuple[torch.Tensor | None, int, int]:
+    """How packed ``[NT, H', ·]`` tensors go to fla's kernels: ``(cu_seqlens, B, T)``.
+
+    ``cu`` None: ``n_seq`` sequences of equal length, laid out ``[B = n_seq, T, H', ·]`` with no ``cu_seqlens``
+    (nothing for fla to read on the host); a device tensor: passed as it is (fla builds its chunk indices from
+    it, one host read per distinct tensor, cached by fla); a host list: made a tensor."""
+    if cu is None:
+        return None, n_seq, n_tokens // max(n_seq, 1)
+    if isinstance(cu, torch.Tensor):
+        return cu.to(device=device, dtype=torch.int64), 1, n_tokens
+    return torch.tensor(list(cu), dtype=torch.int64, device=device), 1, n_tokens
 
 
 def fwd_h_reference(k, w, u, g=None, gk=None, initial_state=None, output_final_state=False, chunk_size=64,
@@ -211,15 +235,16 @@ def fwd_h_reference(k, w, u, g=None, gk=None, initial_state=None, output_final_s
     return hs_t, v_new, final
 
 
-def mean_pass_fla(q, w, kw, vu, g, M0, cu: list[int], C: int, *, fwd_h=None):
+def mean_pass_fla(q, w, kw, vu, g, M0, cu, C: int, *, fwd_h=None):
     """The BL mean pass on fla's kernels, with :func:`bayeslayer.ops.bayesian_layer.scan.mean_pass_reference`'s
     contract.
 
     Packed ``[NT, H', ·]``: q, w (βU), kw (``L⁻¹(γ⊙K)``), vu (``L⁻¹V``), g ``[NT, H', Da]``
     (chunk-local cumulative log-decay, natural log; Da = 1 scalar, D diagonal), M0 ``[N, H', D, m]``.
     Returns ``(o [NT, H', m], M [N, H', D, m])`` in the inputs' dtype (fla accumulates in fp32).
-    ``fwd_h``: the state kernel (default fla's; :func:`fwd_h_reference` for CPU tests, where fla's
-    ``fwd_h`` does not run under the Triton interpreter).
+    ``cu``: the sequence offsets, a host list or a device tensor, or None for ``N = M0.shape[0]`` sequences of
+    equal length (:func:`fla_layout`; then nothing is read on the host).  ``fwd_h``: the state kernel (default
+    fla's; :func:`fwd_h_reference` for CPU tests, where fla's ``fwd_h`` does not run under the Triton interpreter).
     """
     require_fla()
     from fla.ops.common.chunk_o import chunk_fwd_o
@@ -234,12 +259,12 @@ def mean_pass_fla(q, w, kw, vu, g, M0, cu: list[int], C: int, *, fwd_h=None):
         raise TypeError("mean_pass_fla: fla keeps its state in float32; use the own mean pass for float64")
     if q.shape[-1] > 256:
         raise ValueError(f"fla's fwd_h supports key dims up to 256, got D={q.shape[-1]}")
-    cu_t = torch.tensor(cu, dtype=torch.int64, device=q.device)
+    cu_t, B, T = fla_layout(cu, q.shape[0], M0.shape[0], q.device)
     diag = g.shape[-1] > 1
     g2 = (g.float() * _RCP_LN2).contiguous()
 
-    def fla(x):  # packed [NT, H, ·] -> fla's varlen layout [1, NT, H, ·]
-        return x.unsqueeze(0).contiguous()
+    def fla(x):  # packed [NT, H, ·] -> fla's layout [B, T, H, ·] (B = 1 with cu_seqlens)
+        return x.reshape(B, T, *x.shape[1:]).contiguous()
 
     h0 = M0.to(torch.float32).contiguous()
     if not diag:
@@ -248,14 +273,14 @@ def mean_pass_fla(q, w, kw, vu, g, M0, cu: list[int], C: int, *, fwd_h=None):
                             chunk_size=C, cu_seqlens=cu_t)
         o = chunk_fwd_o(fla(q), fla(w), v_new, h, g=gs, scale=1.0, cu_seqlens=cu_t, chunk_size=C)
     else:
-        last = chunk_last_index(cu, C, q.device)
+        last = chunk_last_index(cu, C, q.device, q.shape[0], M0.shape[0])
         w_end = w * torch.exp(g[last] - g).to(w.dtype)  # Φ_CΦ_i⁻¹ w_i (always ≤ 1: no overflow)
         gk = fla(g2)
         h, v_new, M = fwd_h(fla(w_end), fla(kw), fla(vu), gk=gk, initial_state=h0, output_final_state=True,
                             chunk_size=C, cu_seqlens=cu_t)
         A = chunk_gla_fwd_intra_gk(fla(q), fla(w), gk, 1.0, cu_seqlens=cu_t, chunk_size=C)
         o = chunk_gla_fwd_o_gk(fla(q), v_new, gk, A, h, 1.0, cu_seqlens=cu_t, chunk_size=C)
-    return o[0].to(q.dtype), M.to(M0.dtype)
+    return o.reshape(q.shape[0], *o.shape[2:]).to(q.dtype), M.to(M0.dtype)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -559,7 +584,7 @@ _DIAG_NEEDS = ("chunk_gated_delta_rule_fwd_h", "chunk_gated_delta_rule_bwd_dhu",
                "chunk_gla_fwd_intra_gk", "chunk_kda_bwd_dAv", "chunk_gla_bwd_dqk_intra", "chunk_gla_bwd_dqkg")
 
 
-def mean_pass_fla_backward(q, w, kw, vu, g, M0, cu: list[int], C: int, do, dM=None, *, fwd_h=None, dhu=None,
+def mean_pass_fla_backward(q, w, kw, vu, g, M0, cu, C: int, do, dM=None, *, fwd_h=None, dhu=None,
                            kernels=None):
     """Adjoint of :func:`mean_pass_fla` on fla's GDN (scalar decay) or GLA/KDA + GDN (diagonal) backward kernels.
 
@@ -603,7 +628,13 @@ def mean_pass_fla_backward(q, w, kw, vu, g, M0, cu: list[int], C: int, do, dM=No
         raise ValueError(f"g must be [NT, H', 1] (scalar decay) or [NT, H', D={D}] (diagonal), got {tuple(g.shape)}")
     if isinstance(C, bool) or not isinstance(C, int) or C < 1:
         raise ValueError(f"C must be a positive int, got {C!r}")
-    if not isinstance(cu, (list, tuple)) or len(cu) != M0.shape[0] + 1 or cu[0] != 0 or cu[-1] != q.shape[0]:
+    if isinstance(cu, torch.Tensor):
+        if cu.dim() != 1 or cu.numel() != M0.shape[0] + 1:
+            raise ValueError(f"cu must be {M0.shape[0] + 1} offsets, got a tensor of shape {tuple(cu.shape)}")
+    elif cu is None:
+        if M0.shape[0] < 1 or q.shape[0] % M0.shape[0]:
+            raise ValueError(f"cu=None needs NT={q.shape[0]} tokens in N={M0.shape[0]} sequences of equal length")
+    elif not isinstance(cu, (list, tuple)) or len(cu) != M0.shape[0] + 1 or cu[0] != 0 or cu[-1] != q.shape[0]:
         raise ValueError(f"cu must be {M0.shape[0] + 1} offsets from 0 to NT={q.shape[0]}, got {cu!r}")
     if kernels is not None and not (isinstance(kernels, dict) and set(kernels) <= set(FLA_BACKWARD_KERNELS)):
         raise ValueError(f"kernels must be a dict with keys among {sorted(FLA_BACKWARD_KERNELS)}, got {kernels!r}")
@@ -627,11 +658,11 @@ def mean_pass_fla_backward(q, w, kw, vu, g, M0, cu: list[int], C: int, do, dM=No
             ks[n] = getattr(importlib.import_module(FLA_BACKWARD_KERNELS[n]), n)
 
     acc = _acc_dtype(q)
-    cu_t = torch.tensor(list(cu), dtype=torch.int64, device=q.device)
+    cu_t, B, T = fla_layout(cu, q.shape[0], M0.shape[0], q.device)
     common = dict(cu_seqlens=cu_t, chunk_size=C)
 
-    def fla(x):  # packed [NT, H, ·] -> fla's varlen layout [1, NT, H, ·]
-        return x.unsqueeze(0).contiguous()
+    def fla(x):  # packed [NT, H, ·] -> fla's layout [B, T, H, ·] (B = 1 with cu_seqlens)
+        return x.reshape(B, T, *x.shape[1:]).contiguous()
 
     h0 = M0.to(acc).contiguous()
     dht = dM.to(acc).contiguous() if dM is not None else None
@@ -648,7 +679,7 @@ def mean_pass_fla_backward(q, w, kw, vu, g, M0, cu: list[int], C: int, do, dM=No
         dla = ks["chunk_local_cumsum"](dg, reverse=True, **common)[..., None]
     else:
         gk = fla(g.to(acc) * _RCP_LN2)
-        last = chunk_last_index(list(cu), C, q.device)
+        last = chunk_last_index(cu, C, q.device, q.shape[0], M0.shape[0])
         w_end = fla(w * torch.exp(g[last] - g).to(w.dtype))
         h, v_new, _ = ks["chunk_gated_delta_rule_fwd_h"](k=w_end, w=kwf, u=fla(vu), gk=gk, initial_state=h0,
                                                          output_final_state=False, **common)
@@ -661,8 +692,11 @@ def mean_pass_fla_backward(q, w, kw, vu, g, M0, cu: list[int], C: int, do, dM=No
         dq, dw, dla = ks["chunk_gla_bwd_dqkg"](q=qf, k=wf, v=v_new, h=h, g=gk, do=dof, dh=dh, dq=dq, dk=dw, scale=1.0,
                                                **common)
         dkw = ks["chunk_bwd_dqkwg"](q=qf, k=wf, v=v_new, do=dof, h=h, dh=dh, w=kwf, dv=dvu, scale=1.0, **common)[2]
-    return (dq[0].to(q.dtype), dw[0].to(w.dtype), dkw[0].to(kw.dtype), dvu[0].to(vu.dtype), dla[0].to(g.dtype),
-            dM0.to(M0.dtype))
+    def packed(x):  # fla's [B, T, H, ·] -> packed [NT, H, ·]
+        return x.reshape(q.shape[0], *x.shape[2:])
+
+    return (packed(dq).to(q.dtype), packed(dw).to(w.dtype), packed(dkw).to(kw.dtype), packed(dvu).to(vu.dtype),
+            packed(dla).to(g.dtype), dM0.to(M0.dtype))
 
 
 def mean_pass_backward_reference(q, w, kw, vu, g, M0, cu: list[int], C: int, do, dM=None):

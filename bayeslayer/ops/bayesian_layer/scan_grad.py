@@ -36,12 +36,11 @@ Which covariance backward runs is explicit, ``ScanSpec.covariance`` (:data:`COVA
 reference): the plain-PyTorch :func:`~bayeslayer.ops.bayesian_layer.scan_backward.covariance_scan_backward`, a Python
 loop over the chunk positions of a segment (all segments and heads batched), twice (B2, B4) — counted under the
 interpreter (T = 128 and 256, C = 16, one segment, D = 16), the whole backward then dispatched 8017 / 15433 PyTorch
-ops, the covariance twin ≈ 920 per chunk position, against 2357 / 3973 for the block-wise backward.  ``"triton"`` (what
-the Triton forward, ``bl_chunk_triton(backward="scan")``, sets): ``covariance_scan_backward_triton``, the B2, B3,
-B4 kernels on the stored Phase A elements (a launch count independent of T), its failure flag checked once after it
-(:func:`~bayeslayer.ops.bayesian_layer.scan.raise_if_failed`).  The block-wise backward stays ``bl_chunk_triton``'s
-default all the same until this one has run on a GPU (``with bayeslayer.ops.triton_backward("scan"):``
-switches it).
+ops, the covariance twin ≈ 920 per chunk position.  ``"triton"`` (what the Triton forward,
+``bl_chunk_triton(path="scan")``, sets): ``covariance_scan_backward_triton``, the B2, B3, B4 kernels on the stored
+Phase A elements (a launch count independent of T), its failure flag checked once after it
+(:func:`~bayeslayer.ops.bayesian_layer.scan.raise_if_failed`).  ``bl_chunk_triton`` runs this backward wherever it
+runs the segment scan (``chunk_triton.covariance_path``); the covariance chain has its own.
 """
 
 from __future__ import annotations

@@ -464,9 +464,9 @@ def phase_a_triton(lay: sc.ScanLayout, q, k, r2, ell2, log_alpha, segs: torch.Te
         raise TypeError(f"prep must hold {cd} buffers (the inputs' compute dtype), got {prep.base.dtype}")
     ldl_scr, ldl_fail = ldl_scratch(S, Hf, C, dtype, dev)
     bl_chunk_cov_kernel[(S, Hf)](
-        q, k, r2, ell2, la_k, cu_seg, P, W, linv, scr, scr2, W, scr, cu_seg, ldl_scr, ldl_fail,
-        H=Hf, D=D, C=C, BD=BD, BK=16, DIAG=diag, HAS_ALPHA=True, RETURN_VAR=False, SAVE_CK=False,
-        PREC="ieee", CK_EVERY=1, num_warps=8 if C >= 64 else 4, **(prep.kernel_args() if prep is not None else {}),
+        q, k, r2, ell2, la_k, cu_seg, P, W, linv, scr, scr2, W, ldl_scr, ldl_fail,
+        H=Hf, D=D, C=C, BD=BD, BK=16, DIAG=diag, HAS_ALPHA=True, RETURN_VAR=False,
+        PREC="ieee", num_warps=8 if C >= 64 else 4, **(prep.kernel_args() if prep is not None else {}),
     )
     beta = (1.0 - torch.linalg.vecdot(k, W).to(dtype)) / r2.to(dtype)
     kw, _, _ = substituted_inputs(lay, linv, k, None, log_alpha)
@@ -497,8 +497,8 @@ def mean_pass_triton(call: sc.ScanCall, W: torch.Tensor, linv: torch.Tensor, wan
     cu = torch.tensor(call.cu, dtype=torch.int64, device=dev)  # host-to-device copy, no sync
     la_k = call.log_alpha.contiguous() if diag else call.log_alpha[..., 0].contiguous()
     bl_chunk_mean_kernel[(triton.cdiv(mg, BV), len(call.cu) - 1, Hf)](
-        call.q, call.k, call.v, W, linv, la_k, cu, M, o, M, cu, H=Hf, D=D, MV=mg, C=C, BD=BD, BK=BK, BV=BV,
-        DIAG=diag, HAS_ALPHA=True, SAVE_CK=False, PREC="ieee" if cd == torch.float64 else PREC, CK_EVERY=1,
+        call.q, call.k, call.v, W, linv, la_k, cu, M, o, H=Hf, D=D, MV=mg, C=C, BD=BD, BK=BK, BV=BV,
+        DIAG=diag, HAS_ALPHA=True, PREC="ieee" if cd == torch.float64 else PREC,
         num_warps=8 if C >= 64 else 4,
     )
     return o, M
@@ -567,7 +567,7 @@ def scan_packed(call: sc.ScanCall, want_var: bool, *, out_dtype: torch.dtype, me
                 prep: bool = True, cov_precision: str | None = None) -> PackedScan:
     """The launches of the segment-scan forward on :func:`bayeslayer.ops.bayesian_layer.scan.prepare_scan`'s packed
     tensors (prep, Phase A, B, C, mean pass), shared by :func:`forward_scan_triton` and the autograd forward of
-    ``backward="scan"`` (``ops/bayesian_layer/chunk_triton.py::forward_scan_packed``) so that both run exactly the same
+    the scan path (``ops/bayesian_layer/chunk_triton.py::forward_scan_packed``) so that both run exactly the same
     kernels.  Arguments as :func:`forward_scan_triton`; ``out_dtype``: the dtype of ``o`` from the mean
     kernel.  Failures are left in ``PackedScan.failed`` for the caller to raise once."""
     if not isinstance(prep, bool):
@@ -624,10 +624,9 @@ def scan_packed(call: sc.ScanCall, want_var: bool, *, out_dtype: torch.dtype, me
     ldl_scr, ldl_fail = ldl_scratch(S, Hf, C, cd, dev)
     if NT > 0:
         bl_chunk_cov_kernel[(S, Hf)](
-            call.q, call.k, call.r2, call.ell2, la_k, cu_seg, P, W, linv, Yscr, Uscr, var, Yscr, cu_seg,
-            ldl_scr, ldl_fail,
-            H=Hf, D=D, C=C, BD=BD, BK=16, DIAG=diag, HAS_ALPHA=True, RETURN_VAR=want_var, SAVE_CK=False,
-            PREC="ieee" if cd == f64 else cov_precision, CK_EVERY=1, num_warps=8 if C >= 64 else 4,
+            call.q, call.k, call.r2, call.ell2, la_k, cu_seg, P, W, linv, Yscr, Uscr, var, ldl_scr, ldl_fail,
+            H=Hf, D=D, C=C, BD=BD, BK=16, DIAG=diag, HAS_ALPHA=True, RETURN_VAR=want_var,
+            PREC="ieee" if cd == f64 else cov_precision, num_warps=8 if C >= 64 else 4,
             **(prep_c.kernel_args() if prep_c is not None else {}),
         )
     # a failed LDLᵀ pivot leaves non-finite numbers behind: folded into the same device-side flag
