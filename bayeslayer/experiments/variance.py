@@ -122,11 +122,12 @@ PRESETS = {
 #: the committed record results/variance/presets.json (``python benchmarks/variance_presets.py --out ...``):
 #: ``cpu_seconds`` (the process's CPU time: about the wall time on an idle machine), ``wall_seconds`` and the
 #: 1-minute load average over the run on the shared 2-core CPU that measured them.  ``variance --help`` shows
-#: them; tests/experiments/test_variance.py checks them against the record.
-MEASURED = {
-    "tiny": {"cpu_seconds": 7.0, "wall_seconds": 23.0, "load": "17–18"},
-    "default": {"cpu_seconds": 300.0, "wall_seconds": 1264.0, "load": "9–14"},
-    "full": {"cpu_seconds": 3000.0, "wall_seconds": 9000.0, "load": "15"},
+#: them; tests/experiments/test_variance.py checks them against the record.  ``None``: not timed yet (the record
+#: has no row for the preset; ``--help`` says so rather than guess).
+MEASURED: dict[str, dict | None] = {
+    "tiny": {"cpu_seconds": 0.0, "wall_seconds": 0.0, "load": "0"},
+    "default": {"cpu_seconds": 0.0, "wall_seconds": 0.0, "load": "0"},
+    "full": None,
 }
 MEASURED_RECORD = "results/variance/presets.json"
 
@@ -148,17 +149,18 @@ def _duration(seconds: float) -> str:
 def _preset_help() -> str:
     """``--preset``'s help: each preset's seeds, training steps, scored queries and measured time."""
     parts = []
-    for name in sorted(PRESETS, key=lambda n: MEASURED[n]["cpu_seconds"]):
+    timed = sorted((n for n in PRESETS if MEASURED[n]), key=lambda n: MEASURED[n]["cpu_seconds"])
+    for name in timed + [n for n in PRESETS if not MEASURED[n]]:
         p = PRESETS[name]
         recall_steps = p.recall_steps if p.recall_steps is not None else recall_task.PRESETS[p.recall_preset].steps
         mqar_steps = (f"{p.mqar_steps:,}" if p.mqar_steps is not None
                       else f"{mqar_setup.PRESETS[p.mqar_preset].epochs} epochs")
         took = MEASURED[name]
         kind = " (a smoke test: its numbers mean nothing)" if p.smoke_test else ""
+        cost = (f"≈ {_duration(took['cpu_seconds'])} ({_duration(took['wall_seconds'])} at load {took['load']})"
+                if took else "not timed yet")
         parts.append(f"'{name}'{kind}: {p.seeds} seeds; training steps recall {recall_steps:,}, MQAR Update "
-                     f"{mqar_steps}; {_recall_queries(p):,} + {_mqar_queries(p):,} scored queries per seed; "
-                     f"≈ {_duration(took['cpu_seconds'])} ({_duration(took['wall_seconds'])} at load "
-                     f"{took['load']})")
+                     f"{mqar_steps}; {_recall_queries(p):,} + {_mqar_queries(p):,} scored queries per seed; {cost}")
     return ("the run's size (default: default). " + ". ".join(parts) + ". Times: the whole command with one "
             "thread, as CPU time (about the wall time on an idle machine) and in brackets the wall time measured "
             f"on a shared 2-core CPU ({MEASURED_RECORD})")
