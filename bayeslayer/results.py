@@ -350,6 +350,109 @@ def variance_presets_table(root: Path) -> str:
     return "\n".join(lines)
 
 
+# --------------------------------------------------------------------------- equal compute: who leads
+
+# Each task of the equal-compute comparison (``--compute-match steps|flops|time``): the score, whether higher is
+# better, the models in table order, and per budget the records that hold each model's seeds.  At equal steps
+# the preset's own runs are used; the Bayesian Layer's run *is* the reference of the FLOP and time budgets, so its
+# row is the same run at every budget where no separate record names it.
+_RECALL_STEPS = {"bayesian": "results/recall/recall.json", "delta": "results/recall/recall.json",
+                 "gated_deltanet": "results/recall/steps_gdn/recall.json"}
+_MQAR_MODELS = ("bayesian", "gated_deltanet", "gated_deltanet_noconv")
+_LM_MODELS = ("BL", "GDN (state-matched)")
+COMPUTE_VERDICT_TASKS = (
+    {"task": "recall, n_f sweep", "score": "accuracy, mean over n_f", "higher": True, "kind": "recall",
+     "key": "accuracy_vs_n_f", "models": ("bayesian", "delta", "gated_deltanet"),
+     "records": {"steps": _RECALL_STEPS, "flops": "results/recall/flops/recall.json",
+                 "time": "results/recall/time/recall.json"}},
+    {"task": "recall, ρ sweep", "score": "accuracy, mean over ρ", "higher": True, "kind": "recall",
+     "key": "accuracy_vs_rho", "models": ("bayesian", "delta", "gated_deltanet"),
+     "records": {"steps": _RECALL_STEPS, "flops": "results/recall/flops/recall.json",
+                 "time": "results/recall/time/recall.json"}},
+    {"task": "MQAR Update (hybrid)", "score": "accuracy, mean over updates", "higher": True, "kind": "mqar",
+     "key": "accuracy", "models": _MQAR_MODELS,
+     "records": {"steps": "results/mqar/layouts/mqar_update_hybrid.json",
+                 "flops": "results/mqar/flops/mqar_update_hybrid.json",
+                 "time": "results/mqar/time/mqar_update_hybrid.json"}},
+    {"task": "LM (cpu preset), test", "score": "perplexity, all tokens", "higher": False, "kind": "lm",
+     "key": "all", "models": _LM_MODELS,
+     "records": {"steps": {"BL": "results/lm/cpu_test.json", "GDN (state-matched)": "results/lm/cpu_state_test.json"},
+                 "flops": {"BL": "results/lm/cpu_test.json",
+                           "GDN (state-matched)": "results/lm/cpu_state_flops_test.json"}}},
+    {"task": "LM (cpu preset), test", "score": "perplexity, AR-hit tokens", "higher": False, "kind": "lm",
+     "key": "ar_hit", "models": _LM_MODELS,
+     "records": {"steps": {"BL": "results/lm/cpu_test.json", "GDN (state-matched)": "results/lm/cpu_state_test.json"},
+                 "flops": {"BL": "results/lm/cpu_test.json",
+                           "GDN (state-matched)": "results/lm/cpu_state_flops_test.json"}}},
+)
+
+
+def _verdict_seeds(record: dict, spec: dict, model: str) -> tuple[str, list[float]] | None:
+    """A model's label and its per-seed scores in ``record`` (None when the record does not hold the model)."""
+    kind, key = spec["kind"], spec["key"]
+    if kind == "lm":
+        entry = record["models"].get(model)
+        return None if entry is None else (model, [s["groups"][key]["ppl"] for s in entry["seeds"]])
+    entry = record["models"].get(model)
+    if entry is None:
+        return None
+    if kind == "recall":
+        return entry["label"], [sum(s[key]) / len(s[key]) for s in entry["seeds"]]
+    (run,) = entry["runs"]  # one learning rate and width per model in these records
+    return entry["label"], [sum(t[key] for t in s["test"]) / len(s["test"]) for s in run["seeds"]]
+
+
+def _verdict_cells(root: Path, spec: dict, budget: str) -> dict[str, tuple[str, list[float]] | None]:
+    source = spec["records"].get(budget)
+    out = {}
+    for model in spec["models"]:
+        rel = source if isinstance(source, str) or source is None else source.get(model)
+        if rel is None or not (root / rel).exists():
+            out[model] = None
+            continue
+        out[model] = _verdict_seeds(_load(root, rel), spec, model)
+    return out
+
+
+def compute_verdict_table(root: Path) -> str:
+    """Per task and budget (equal steps, FLOPs, CPU time): each model's score as mean ± std over its seeds, the
+    leader and its lead over the runner-up, and the Bayesian Layer's margin over the best other model (positive:
+    BL better), whose sign says whether BL leads at that budget.  A lead smaller than the larger of the two seed
+    spreads is called a tie; a budget whose runs are not recorded yet says so instead of a number."""
+    lines = [_row(["task", "score", "budget", "models (mean ± std over seeds)", "leader", "lead (spread)",
+                   "BL − best other"]), "|---|---|---|---|---|---|---:|"]
+    for spec in COMPUTE_VERDICT_TASKS:
+        for budget in ("steps", "flops", "time"):
+            if budget not in spec["records"]:
+                continue
+            cells = _verdict_cells(root, spec, budget)
+            done = {m: c for m, c in cells.items() if c is not None}
+            parts, stats, digits = [], {}, 1 if spec["kind"] == "lm" else 3
+            for model in spec["models"]:
+                c = cells[model]
+                if c is None:
+                    parts.append(f"{model}: not run")
+                    continue
+                label, values = c
+                mean = sum(values) / len(values)
+                std = (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5 if len(values) > 1 else 0.0
+                stats[label] = (mean, std, len(values))
+                parts.append(f"{label} {_pm(mean, std, digits)} (n={len(values)})")
+            if len(done) < len(spec["models"]):
+                leader, lead, margin = "not all run", "", ""
+            else:
+                order = sorted(stats, key=lambda k: stats[k][0], reverse=spec["higher"])
+                (m1, s1, _), (m2, s2, _) = stats[order[0]], stats[order[1]]
+                gap = abs(m1 - m2)
+                leader = order[0] if gap > max(s1, s2) else f"tie: {order[0]} ≈ {order[1]}"
+                lead = f"{gap:.{digits}f} ({max(s1, s2):.{digits}f})"
+                bl = done[spec["models"][0]][0]  # the Bayesian Layer is each task's first model
+                best_other = max(stats[k][0] * (1 if spec["higher"] else -1) for k in stats if k != bl)
+                margin = _minus(f"{stats[bl][0] * (1 if spec['higher'] else -1) - best_other:+.{digits}f}")
+            lines.append(_row([spec["task"], spec["score"], budget, "; ".join(parts), leader, lead, margin]))
+    return "\n".join(lines)
+
+
 # --------------------------------------------------------------------------- helpers of the tables below
 
 def _minus(text: str) -> str:
@@ -1027,6 +1130,7 @@ TABLES: dict[str, tuple[str, Callable[[Path], str]]] = {
     "variance-auroc": ("docs/experiments.md", variance_auroc_table),
     "variance-abstention": ("docs/experiments.md", variance_abstention_table),
     "variance-presets": ("docs/experiments.md", variance_presets_table),
+    "compute-verdict": ("docs/experiments.md", compute_verdict_table),
     "collision-closed-form": ("docs/experiments.md", collision_closed_form_table),
     "collision-lowrank": ("docs/experiments.md", collision_lowrank_table),
     "collision-pairs": ("docs/experiments.md", collision_pairs_table),
