@@ -711,6 +711,12 @@ API_CASES = [
         "holds no model with decoder blocks"),
     Api("sharding", "mixed_precision(torch.int32)", lambda p: _parallel().mixed_precision(torch.int32),
         "dtype must be a floating-point torch.dtype"),
+    Api("sharding", "titan.model_spec(flavor='7B')",
+        lambda p: __import__("bayeslayer.training.titan", fromlist=["x"]).model_spec("7B"),
+        "flavor must be one of ['debugmodel']"),
+    Api("sharding", "titan.model_spec(hidden_size=0)",
+        lambda p: __import__("bayeslayer.training.titan", fromlist=["x"]).model_spec(hidden_size=0),
+        "hidden_size"),
     Api("sharding", "load_sharded(param_groups='x')",
         lambda p: __import__("bayeslayer.training.sharded_state", fromlist=["x"]).load_sharded(
             p["root"], _tiny_lm(), torch.optim.AdamW(_tiny_lm().parameters()), "x"),

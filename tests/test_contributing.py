@@ -24,11 +24,12 @@ import torch
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
-def recipe(name: str) -> str:
-    """The python block right after ``<!-- recipe: name -->`` (exactly one such marker)."""
-    text = README.read_text()
+def recipe(name: str, source: Path = README) -> str:
+    """The python block right after ``<!-- recipe: name -->`` in ``source`` (README.md or a file of docs/;
+    exactly one such marker)."""
+    text = source.read_text()
     found = re.findall(rf"<!-- recipe: {re.escape(name)} -->\s*```python\n(.*?)```", text, flags=re.S)
-    assert len(found) == 1, f"README.md must have exactly one '<!-- recipe: {name} -->' python block"
+    assert len(found) == 1, f"{source.name} must have exactly one '<!-- recipe: {name} -->' python block"
     return found[0]
 
 

@@ -10,6 +10,7 @@ Its files are written with :mod:`bayeslayer.files`, the package's one atomic, du
 * :mod:`~bayeslayer.training.parallel` — sharding with FSDP2 (:func:`~bayeslayer.training.parallel.shard_model`)
   and its mixed precision, and :mod:`~bayeslayer.training.sharded_state` the sharded checkpoints
   (``torch.distributed.checkpoint`` in safetensors) that load on any number of ranks;
+* :mod:`~bayeslayer.training.titan` — torchtitan's model spec for bayeslayer models (optional torchtitan);
 * :mod:`~bayeslayer.training.optim` — AdamW parameter groups (what weight decay may touch);
 * :mod:`~bayeslayer.training.state` — training state as JSON + safetensors (no pickle), the
   RNG states of Python, NumPy and torch, seeding and a model's weights digest;
