@@ -1009,6 +1009,9 @@ def sharding_formula_table(root: Path) -> str:
         lines.append(_row([f["model"], f"{f['hidden_size']} × {f['layers']}", f"{f['parameters'] / 1e9:.2f} B",
                            f"{f['ddp'] / 1e9:.2f}", *(f"{f['fsdp'][str(n)] / 1e9:.2f}" for n in ranks),
                            f"{f['gathered_unit_fp32'] / 1e9:.2f}"]))
+    return "\n".join(lines)
+
+
 # --------------------------------------------------------------------------- torch.compile on the CPU
 
 def compile_table(root: Path) -> str:
