@@ -95,6 +95,13 @@ def test_the_command_line_finds_the_shipped_task_without_include_path_and_prints
     monkeypatch.setenv("BAYESLAYER_CACHE", str(tmp_path / "cache"))
     monkeypatch.chdir(tmp_path)  # no .git here or above: lm-eval's `git describe` would print "fatal: ..."
     monkeypatch.setattr(sys, "argv", ["lm_eval", *_run_args(bl_dir, tmp_path / "out")])
+    # lm-eval sets its log handler up once per process, on the stderr of that moment: an earlier test's
+    # captured stream when another test ran lm-eval first in this process
+    import logging
+
+    for handler in logging.getLogger("lm_eval").handlers:
+        if type(handler) is logging.StreamHandler:  # lm-eval's own, not pytest's log capture
+            monkeypatch.setattr(handler, "stream", sys.stderr)
     capfd.readouterr()
     lm_eval_adapter.main()
     seen = "".join(capfd.readouterr())
