@@ -1,0 +1,484 @@
+"""What a call launches, compiled for sm_90, and what its SASS says (no GPU needed).
+
+Three steps, used by ``benchmarks/gpu.py --compile-only --default-path`` (the census) and by
+``benchmarks/cost_model.py`` (per-step latencies from the compiled kernels):
+
+1. :func:`record_launches` runs a call (BL's default path, fla's GDN) in Triton's interpreter with every kernel
+   launch *recorded and skipped*: for each launch the kernel, its grid and what Triton's JIT would compile for an
+   ``sm_90`` GPU (signature, constexprs, 16-byte alignment attributes, options such as ``num_warps``), computed from
+   the launch's own arguments with the JIT's own argument binder.  Nothing runs, so a call at T = 32k costs only
+   its host-side PyTorch ops.  Autotuned kernels launch with their first config (fla's, pinned).
+2. :func:`compile_launch` compiles one recorded launch for ``sm_90`` in a process without the interpreter
+   (``triton.compile``, as ``JITFunction.run`` would) and disassembles it (``cuobjdump`` shipped with Triton).
+3. :func:`parse_sass` reads ``cuobjdump -sass`` output: every instruction with its control word (stall cycles,
+   scoreboards set and waited on), and the loop tree; :func:`census_row` counts instruction families.
+
+The recording runs in a child process (``python benchmarks/kernel_sass.py --record ...``) because the interpreter
+is switched on per process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+ARCH = 90
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 1. recording launches (child process, TRITON_INTERPRET=1)
+# ---------------------------------------------------------------------------------------------------------------
+
+def _jsonable(x):
+    if isinstance(x, (bool, int, float, str)) or x is None:
+        return x
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(y) for y in x]
+    return {"repr": repr(x)}
+
+
+@contextlib.contextmanager
+def _recording(launches: list, arch: int = ARCH):
+    """Within the block every interpreted kernel launch is appended to ``launches`` (as JSON-able dicts) and
+    skipped."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction, create_function_from_signature
+
+    backend = make_backend(GPUTarget("cuda", arch, 32))
+    binders: dict = {}
+    original = InterpretedFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        if warmup:
+            return None
+        fn = self.fn
+        if fn not in binders:
+            opts = {k: v for k, v in self.kwargs.items() if k in ("do_not_specialize", "do_not_specialize_on_alignment")}
+            jit = JITFunction(fn, **opts)
+            binders[fn] = (jit, create_function_from_signature(jit.signature, jit.params, backend))
+        jit, binder = binders[fn]
+        kw = {k: v for k, v in kwargs.items()}
+        kw.setdefault("debug", False)
+        bound, specialization, options = binder(*args, **kw)
+        options, signature, constexprs, attrs = jit._pack_args(backend, kw, bound, specialization, options)
+        if callable(grid):
+            grid = grid(bound)
+        grid = [int(g) for g in (tuple(grid) + (1, 1, 1))[:3]]
+        launches.append({
+            "kernel": fn.__name__, "module": fn.__module__, "grid": grid,
+            "signature": {k: v for k, v in signature.items()},
+            "constexprs": [[list(p), _jsonable(v)] for p, v in constexprs.items()],
+            "attrs": [[list(p), _jsonable(v)] for p, v in attrs.items()],
+            "options": {k: _jsonable(v) for k, v in vars(options).items() if k in
+                        ("num_warps", "num_stages", "num_ctas", "maxnreg", "enable_fp_fusion", "launch_cooperative_grid",
+                         "default_dot_input_precision", "extern_libs")},
+            "triton": triton.__version__,
+        })
+        # skipped: what it would have written is left benign (every floating-point tensor argument 0.5: a
+        # positive-definite-enough state for the host-side code after it, whose values nobody reads)
+        for a in args:
+            if hasattr(a, "is_floating_point") and a.is_floating_point():
+                a.fill_(0.5)
+        return None
+
+    InterpretedFunction.run = run
+    try:
+        yield launches
+    finally:
+        InterpretedFunction.run = original
+
+
+def _inputs(B, T, H, D, dtype, seed=0):
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, H, D, generator=gen) / D ** 0.5
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, D, generator=gen), dim=-1)
+    v = torch.randn(B, T, H, D, generator=gen)
+    alpha = 0.9 + 0.1 * torch.rand(B, T, H, generator=gen)
+    r2 = 0.1 + torch.rand(B, T, H, generator=gen)
+    ell2 = 0.01 + 0.05 * torch.rand(B, T, H, generator=gen)
+    beta = torch.sigmoid(torch.randn(B, T, H, generator=gen))
+    return dict(q=q.to(dtype), k=k.to(dtype), v=v.to(dtype), alpha=alpha, r2=r2, ell2=ell2, beta=beta)
+
+
+def _bl_call(x, backward: bool):
+    """BL's default path as a user calls it: ``bl_chunk(..., backend="triton")`` (value checks off, as when
+    training), then ``.backward()`` of every leaf when ``backward``."""
+    import torch
+
+    from bayeslayer.ops import bl_chunk, set_value_checks
+
+    set_value_checks(False)
+    leaves = {n: x[n].detach().requires_grad_(backward) for n in ("q", "k", "v", "r2", "ell2", "alpha")}
+    with torch.set_grad_enabled(backward):
+        o = bl_chunk(*(leaves[n] for n in ("q", "k", "v", "r2", "ell2", "alpha")), backend="triton")[0]
+        if backward:
+            o.backward(torch.ones_like(o))
+
+
+def _gdn_call(x, backward: bool):
+    """fla's ``chunk_gated_delta_rule`` (g = log α, β), forward and, with ``backward``, its backward."""
+    import torch
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    g = torch.log(x["alpha"])
+    leaves = {"q": x["q"], "k": x["k"], "v": x["v"], "g": g, "beta": x["beta"].to(x["q"].dtype)}
+    leaves = {n: t.detach().requires_grad_(backward) for n, t in leaves.items()}
+    with torch.set_grad_enabled(backward):
+        o = chunk_gated_delta_rule(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"], scale=1.0)[0]
+        if backward:
+            o.backward(torch.ones_like(o))
+
+
+CALLS = {"bl": _bl_call, "gdn": _gdn_call}
+
+
+@contextlib.contextmanager
+def _sms(n: int | None):
+    """The SM count the dispatch sees on this CPU (``DEFAULT_SMS`` of every ``bayeslayer.ops`` module that has
+    one), so that a call at fewer heads makes the choices it makes at more heads on the whole GPU."""
+    if n is None:
+        yield
+        return
+    saved = []
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("bayeslayer.ops") and mod is not None and isinstance(getattr(mod, "DEFAULT_SMS", None), int):
+            saved.append((mod, mod.DEFAULT_SMS))
+            mod.DEFAULT_SMS = n
+    try:
+        yield
+    finally:
+        for mod, v in saved:
+            mod.DEFAULT_SMS = v
+
+
+def record_in_process(which: str, B: int, T: int, H: int, D: int, dtype: str = "bf16", backward: bool = False,
+                      sms: int | None = None) -> list[dict]:
+    """The launches of one call (:data:`CALLS`), in launch order, recorded in this process (which must have
+    ``TRITON_INTERPRET=1`` set before Triton was imported).  Forward launches are tagged ``phase: "fwd"``, the
+    backward's ``"bwd"``."""
+    import torch
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("record_in_process needs TRITON_INTERPRET=1 (use record_launches)")
+    if which not in CALLS:
+        raise ValueError(f"which must be one of {tuple(CALLS)}, got {which!r}")
+    import bayeslayer.ops  # noqa: F401  (so that _sms finds the dispatch's modules)
+    from bayeslayer.ops.bayesian_layer import mean_pass_fla
+
+    torch.set_num_threads(1)
+    dt = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[dtype]
+    x = _inputs(B, T, H, D, dt)
+    fwd: list = []
+    modules = ("fla.ops.gated_delta_rule", *mean_pass_fla.FLA_MODULES)
+    with _sms(sms), mean_pass_fla.one_autotune_config(modules):
+        with _recording(fwd):
+            CALLS[which](x, False)
+        allx: list = []
+        if backward:
+            with _recording(allx):
+                CALLS[which](x, True)
+    for r in fwd:
+        r["phase"] = "fwd"
+    # the forward+backward call repeats the forward's launches first (autograd's forward), then the backward's
+    bwd = allx[len(fwd):] if [r["kernel"] for r in allx[:len(fwd)]] == [r["kernel"] for r in fwd] else allx
+    for r in bwd:
+        r["phase"] = "bwd"
+    return fwd + bwd
+
+
+def record_launches(which: str, B: int, T: int, H: int, D: int, dtype: str = "bf16", backward: bool = False,
+                    sms: int | None = None, python: str | None = None) -> list[dict]:
+    """:func:`record_in_process` in a child process with ``TRITON_INTERPRET=1`` (``python``: its interpreter,
+    default this one)."""
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [python or sys.executable, str(Path(__file__).resolve()), "--record", which, str(B), str(T), str(H), str(D),
+           dtype, "1" if backward else "0", str(sms or 0)]
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if res.returncode != 0:
+        raise RuntimeError(f"recording {which} B={B} T={T} H={H} D={D} failed: {res.stderr.strip()[-2000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 2. compiling a recorded launch (no interpreter)
+# ---------------------------------------------------------------------------------------------------------------
+
+def _jit_of(module: str, name: str):
+    """The ``JITFunction`` named ``name`` in ``module`` (through autotuner / heuristics wrappers)."""
+    from triton.runtime.jit import JITFunction
+
+    obj = getattr(importlib.import_module(module), name)
+    while not isinstance(obj, JITFunction) and hasattr(obj, "fn"):
+        obj = obj.fn
+    if not isinstance(obj, JITFunction):
+        raise TypeError(f"{module}.{name} is not a Triton kernel (is TRITON_INTERPRET set in this process?)")
+    return obj
+
+
+def _value(v):
+    if isinstance(v, dict) and "repr" in v:
+        raise ValueError(f"cannot rebuild constexpr {v['repr']}")
+    return v
+
+
+def triton_bin(tool: str) -> Path:
+    import triton
+
+    path = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / tool
+    if not path.is_file():
+        raise FileNotFoundError(f"{tool} not found beside Triton ({path})")
+    return path
+
+
+def compile_launch(launch: dict, arch: int = ARCH) -> dict:
+    """Compile one recorded launch for ``sm_<arch>``: ``{"sass", "ttgir", "shared_bytes", "num_warps",
+    "resources", "triton"}`` (``sass``: ``cuobjdump -sass`` text, ``resources``: its ``-res-usage`` line)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise RuntimeError("compile_launch needs a process without TRITON_INTERPRET=1")
+    jit = _jit_of(launch["module"], launch["kernel"])
+    constexprs = {tuple(p): _value(v) for p, v in launch["constexprs"]}
+    attrs = {tuple(p): [tuple(a) for a in v] for p, v in launch["attrs"]}
+    src = ASTSource(jit, dict(launch["signature"]), constexprs, attrs)
+    opts = {k: v for k, v in launch["options"].items() if v is not None and k != "extern_libs"}
+    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "k.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        sass = subprocess.run([str(triton_bin("cuobjdump")), "-sass", str(cubin)], capture_output=True, text=True,
+                              check=True).stdout
+        usage = subprocess.run([str(triton_bin("cuobjdump")), "-res-usage", str(cubin)], capture_output=True,
+                               text=True, check=True).stdout
+    return {"sass": sass, "ttgir": compiled.asm["ttgir"], "shared_bytes": compiled.metadata.shared,
+            "num_warps": compiled.metadata.num_warps, "triton": triton.__version__,
+            "resources": next((ln.strip() for ln in usage.splitlines() if "REG" in ln), "")}
+
+
+def launch_key(launch: dict) -> str:
+    """What makes two launches the same compiled kernel."""
+    return json.dumps([launch["module"], launch["kernel"], launch["signature"], launch["constexprs"], launch["attrs"],
+                       launch["options"]], sort_keys=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 3. reading SASS
+# ---------------------------------------------------------------------------------------------------------------
+
+_INSN = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;\s*/\*\s*0x([0-9a-f]{16})\s*\*/\s*$")
+_HI = re.compile(r"^\s*/\*\s*0x([0-9a-f]{16})\s*\*/\s*$")
+_TARGET = re.compile(r"`?\(\.L_x_(\d+)\)`?|0x([0-9a-f]+)")
+
+
+@dataclass
+class Insn:
+    """One SASS instruction: address, opcode (with modifiers), operands text, guard predicate, and the control
+    word of Volta-and-later encodings (bits 105-125 of the 128-bit instruction; Jia et al. 2018, "Dissecting the
+    NVIDIA Volta GPU Architecture via Microbenchmarking", §2.1): stall cycles before the next instruction may
+    issue, the scoreboard (0-5) this instruction's result releases (write) or its sources release (read), and
+    the scoreboards it waits on before issuing."""
+
+    addr: int
+    op: str
+    operands: str
+    pred: str
+    stall: int
+    write_sb: int | None
+    read_sb: int | None
+    wait: tuple
+    target: int | None = None  # branch target address
+
+    @property
+    def base(self) -> str:
+        return self.op.split(".")[0]
+
+
+def _control(hi: int) -> tuple:
+    c = (hi >> 41) & 0x7FFFFF
+    stall, wr, rd, wait = c & 0xF, (c >> 5) & 7, (c >> 8) & 7, (c >> 11) & 0x3F
+    return stall, (None if wr == 7 else wr), (None if rd == 7 else rd), tuple(b for b in range(6) if wait >> b & 1)
+
+
+def parse_sass(text: str) -> list[Insn]:
+    """The instructions of one kernel's ``cuobjdump -sass`` text (the first function in it), with branch targets
+    resolved to addresses."""
+    if not isinstance(text, str):
+        raise TypeError("text must be cuobjdump -sass output (str)")
+    lines = text.splitlines()
+    out: list[Insn] = []
+    labels: dict[int, int] = {}
+    i = 0
+    while i < len(lines):
+        m = _INSN.match(lines[i])
+        if m and i + 1 < len(lines) and _HI.match(lines[i + 1]):
+            addr, body = int(m.group(1), 16), m.group(2)
+            hi = int(_HI.match(lines[i + 1]).group(1), 16)
+            pred = ""
+            pm = re.match(r"^(@!?U?P[T0-9]+)\s+(.*)$", body)
+            if pm:
+                pred, body = pm.group(1), pm.group(2)
+            parts = body.split(None, 1)
+            op, operands = parts[0], (parts[1] if len(parts) > 1 else "")
+            stall, wr, rd, wait = _control(hi)
+            ins = Insn(addr, op, operands, pred, stall, wr, rd, wait)
+            if ins.base in ("BRA", "BRX", "JMP", "CALL", "BSSY", "BREAK", "BRK"):
+                t = re.search(r"0x([0-9a-f]+)", operands)
+                if t:
+                    ins.target = int(t.group(1), 16)
+            out.append(ins)
+            i += 2
+            continue
+        i += 1
+    del labels
+    if not out:
+        raise ValueError("no SASS instructions found (is this cuobjdump -sass output?)")
+    return out
+
+
+@dataclass
+class Loop:
+    """A natural loop of the SASS: ``head`` .. ``tail`` (instruction indices, the tail is the back-edge branch),
+    its child loops, and its trip count (None: a runtime count, i.e. the chunk loop)."""
+
+    head: int
+    tail: int
+    children: list = field(default_factory=list)
+    trips: int | None = None
+
+    def contains(self, other: Loop) -> bool:
+        return self.head <= other.head and other.tail <= self.tail and self is not other
+
+
+def loop_tree(insns: list[Insn]) -> list[Loop]:
+    """Top-level loops (with children), from the backward branches."""
+    index = {ins.addr: i for i, ins in enumerate(insns)}
+    loops = []
+    for i, ins in enumerate(insns):
+        if ins.base == "BRA" and ins.target is not None and ins.target <= ins.addr and ins.target in index:
+            if index[ins.target] == i:  # the trap loop at the end (BRA to itself)
+                continue
+            loops.append(Loop(index[ins.target], i))
+    loops.sort(key=lambda lp: (lp.head, -lp.tail))
+    merged: list[Loop] = []
+    for lp in loops:  # two back edges to one head: one loop up to the last
+        same = next((m for m in merged if m.head == lp.head), None)
+        if same:
+            same.tail = max(same.tail, lp.tail)
+        else:
+            merged.append(lp)
+    roots: list[Loop] = []
+    for lp in sorted(merged, key=lambda x: (x.head, -x.tail)):
+        parent = None
+        stack = list(roots)
+        while stack:
+            cand = stack.pop()
+            if cand.contains(lp):
+                parent = cand
+                stack = list(cand.children)
+        (parent.children if parent else roots).append(lp)
+    return roots
+
+
+_FOR = re.compile(r"scf\.for\s+%\S+\s*=\s*%(\S+)\s+to\s+%(\S+)\s+step\s+%(\S+)")
+_CONST = re.compile(r"%(\S+)\s*=\s*arith\.constant\s+(-?\d+)\s*:\s*i(?:32|64)")
+
+
+def ttgir_loop_tree(ttgir: str) -> list:
+    """The ``scf.for`` loops of a kernel's TTGIR as nested ``[trips or None, children]`` lists (None: bounds
+    not constant, the runtime chunk loop), in program order."""
+    consts = {m.group(1): int(m.group(2)) for m in _CONST.finditer(ttgir)}
+    roots: list = []
+    stack: list = []  # (depth of braces when opened, node)
+    depth = 0
+    for line in ttgir.splitlines():
+        m = _FOR.search(line)
+        if m:
+            lo, hi, st = (consts.get(m.group(j)) for j in (1, 2, 3))
+            trips = -(-(hi - lo) // st) if None not in (lo, hi, st) and st > 0 else None
+            node = [trips, []]
+            (stack[-1][1][1] if stack else roots).append(node)
+            stack.append((depth, node))
+        depth += line.count("{") - line.count("}")
+        while stack and depth <= stack[-1][0]:
+            stack.pop()
+    return roots
+
+
+def _shape(tree) -> list:
+    return [_shape(c) for c in (tree.children if isinstance(tree, Loop) else tree[1])]
+
+
+def assign_trips(sass_roots: list[Loop], ttgir_roots: list) -> None:
+    """Trip counts of the SASS loops from the TTGIR's ``scf.for`` bounds, matched in program order; raises when
+    the two loop trees differ in shape (a loop unrolled or split by the backend)."""
+    if [_shape(r) for r in sass_roots] != [_shape(r) for r in ttgir_roots]:
+        raise ValueError(f"SASS loop tree {[_shape(r) for r in sass_roots]} differs from the TTGIR's "
+                         f"{[_shape(r) for r in ttgir_roots]}")
+
+    def walk(a: Loop, b: list):
+        a.trips = b[0]
+        for x, y in zip(a.children, b[1], strict=True):
+            walk(x, y)
+
+    for a, b in zip(sass_roots, ttgir_roots, strict=True):
+        walk(a, b)
+
+
+# SASS opcode families counted by the census: the tensor-core matrix instructions (HMMA: fp16/bf16/tf32
+# mma.sync, HGMMA: Hopper's warpgroup wgmma, DMMA: float64, IMMA: integer) against the scalar multiply-adds on
+# the CUDA cores (FFMA fp32, DFMA float64) and the plain fp32/fp64 multiplies and adds
+SASS_FAMILIES = {"tensor_core": ("HMMA", "HGMMA", "DMMA", "IMMA", "QGMMA", "IGMMA", "BGMMA"),
+                 "FFMA": ("FFMA",), "DFMA": ("DFMA",), "FMUL_FADD": ("FMUL", "FADD"), "DMUL_DADD": ("DMUL", "DADD")}
+
+
+def sass_census(sass: str, resources: str = "") -> dict:
+    """Static instruction counts of one kernel's SASS by :data:`SASS_FAMILIES`, the tensor-core opcodes one by
+    one, and registers / local-memory stack (spills, bytes) from ``cuobjdump -res-usage``'s line.  A loop body
+    counts once."""
+    if not isinstance(sass, str) or not isinstance(resources, str):
+        raise TypeError("sass and resources must be str (cuobjdump's output)")
+    ops: dict[str, int] = {}
+    for ins in parse_sass(sass):
+        ops[ins.base] = ops.get(ins.base, 0) + 1
+    out = {f"sass_{fam}": sum(ops.get(o, 0) for o in names) for fam, names in SASS_FAMILIES.items()}
+    out["sass_total"] = sum(ops.values())
+    out["sass_tensor_core_ops"] = {o: ops[o] for o in SASS_FAMILIES["tensor_core"] if ops.get(o)}
+    for key, name in (("REG", "registers"), ("STACK", "spill_bytes")):
+        m = re.search(rf"\b{key}:(\d+)", resources)
+        out[name] = int(m.group(1)) if m else None
+    return out
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--record"]:
+        which, B, T, H, D, dtype, bwd, sms = argv[1:9]
+        rows = record_in_process(which, int(B), int(T), int(H), int(D), dtype, bwd == "1", int(sms) or None)
+        print(json.dumps(rows))
+        return 0
+    print("usage: kernel_sass.py --record WHICH B T H D DTYPE BWD SMS (a child process of record_launches)",
+          file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
