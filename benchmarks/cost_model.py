@@ -1,9 +1,9 @@
 """Cost model of the Bayesian Layer's kernels against fla's Gated DeltaNet on an H200, from the compiled SASS.
 
-    python benchmarks/cost_model.py                 # the table: B·H ∈ {32, 128, 144}, D ∈ {64, 128}, T ∈ {2k, 8k, 32k}
-    python benchmarks/cost_model.py --json          # the same rows as JSON (variant, BH, D, T, fwd_ratio, fwd_bwd_ratio)
+    python benchmarks/cost_model.py                 # the table: B·H 32, 128, 144; D 64, 128; T 2k, 8k, 32k
+    python benchmarks/cost_model.py --json          # the same rows as JSON (variant, BH, D, T, ratios)
     python benchmarks/cost_model.py --check-v1      # v1's kernels (committed SASS) against v1's measured H200 rows
-    python benchmarks/cost_model.py --kernels 32 8192 64   # every launch of one shape with its predicted time
+    python benchmarks/cost_model.py --check-gdn     # fla GDN's measured H200 rows against the model
 
 Nothing here is fitted to a kernel's measured time.  Per launch:
 
@@ -41,7 +41,6 @@ import functools
 import hashlib
 import json
 import math
-import os
 import sys
 from collections import Counter
 from dataclasses import dataclass, field
@@ -89,7 +88,8 @@ SM90 = {
     "shared_per_sm": 228 * 1024,
     "max_warps_per_sm": 64,
 }
-HOST_S_PER_OP = None  # set by :func:`host_s_per_op` from fla's GDN forward at T = 8k (module docstring)
+# host seconds to queue one PyTorch op (assumed: eager dispatch of a small op; not measured here)
+HOST_S_PER_TORCH_OP = 10e-6
 
 ROW_BH = (32, 128, 144)
 ROW_D = (64, 128)
@@ -136,7 +136,8 @@ def kernel_from_sass(name: str, sass: str, ttgir: str, num_warps: int, resources
 
     ins = ks.parse_sass(sass)
     roots = ks.loop_tree(ins)
-    ks.assign_trips(roots, ks.ttgir_loop_tree(ttgir))
+    exact = ks.assign_trips(roots, ks.ttgir_loop_tree(ttgir))
+    meta = dict(meta or {}, loops_matched=exact)
     index = {x.addr: i for i, x in enumerate(ins)}
     compact = []
     for x in ins:
@@ -159,7 +160,7 @@ def kernel_from_sass(name: str, sass: str, ttgir: str, num_warps: int, resources
     regs = re.search(r"\bREG:(\d+)", resources)
     stack = re.search(r"\bSTACK:(\d+)", resources)
     return Kernel(name, compact, [tree(r) for r in roots], num_warps, int(regs.group(1)) if regs else 0,
-                  shared_bytes, int(stack.group(1)) if stack else 0, meta or {})
+                  shared_bytes, int(stack.group(1)) if stack else 0, meta)
 
 
 def _mma_flops(op: str, operands: str) -> int:
@@ -582,11 +583,196 @@ def check_v1(out=print) -> float:
     return worst
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# what a call launches at a row's shape, and its time
+# ---------------------------------------------------------------------------------------------------------------
+
+def _cache_file(kind: str, key: str) -> Path:
+    return CACHE / f"{kind}_{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
+
+
+def _code_key() -> str:
+    """What the recorded launches and compiled kernels depend on: the package's and fla's sources, Triton."""
+    import triton
+
+    h = hashlib.sha256(triton.__version__.encode())
+    for path in sorted((ROOT / "bayeslayer" / "ops").rglob("*.py")):
+        h.update(path.read_bytes())
+    try:
+        import fla
+
+        h.update(getattr(fla, "__version__", "").encode())
+    except ImportError:
+        pass
+    return h.hexdigest()[:16]
+
+
+def recorded(which: str, T: int, H: int, D: int, backward: bool, sms: int | None) -> dict:
+    """:func:`kernel_sass.record_launches` (B = 1), cached on disk per code state."""
+    key = json.dumps([_code_key(), which, T, H, D, backward, sms])
+    f = _cache_file("launches", key)
+    if f.is_file():
+        return json.loads(f.read_text())
+    rec = ks.record_launches(which, 1, T, H, D, "bf16", backward, sms)
+    f.parent.mkdir(parents=True, exist_ok=True)
+    f.write_text(json.dumps(rec))
+    return rec
+
+
+def compiled_kernel(launch: dict) -> Kernel:
+    """A recorded launch compiled for sm_90 and read (:func:`kernel_from_sass`), cached on disk."""
+    import triton
+
+    key = ks.launch_key(launch) + triton.__version__ + _code_key()
+    f = _cache_file("kernel", key)
+    if f.is_file():
+        return Kernel.from_json(json.loads(f.read_text()))
+    c = ks.compile_launch(launch)
+    k = kernel_from_sass(launch["kernel"], c["sass"], c["ttgir"], c["num_warps"], c["resources"], c["shared_bytes"],
+                         {"triton": c["triton"], "census": ks.sass_census(c["sass"], c["resources"])})
+    f.parent.mkdir(parents=True, exist_ok=True)
+    f.write_text(json.dumps(k.to_json()))
+    return k
+
+
+def _prod(g) -> int:
+    return g[0] * g[1] * g[2]
+
+
+def plan(which: str, BH: int, T: int, D: int, backward: bool, C: int = 64) -> dict:
+    """The launches of one call at (B·H, T, D), ready to time: each with its kernel, programs and chunk-loop steps.
+
+    Recorded at fewer heads with the SM count the dispatch sees scaled alike (B·H/4 heads on 33 SMs for BL's
+    forward, whose segment count depends on chains per SM; one head otherwise), programs scaled back by the head
+    ratio.  A kernel whose grid grows with T beyond one chunk's recording by a factor S splits each sequence into
+    S segments: its chunk loop runs ceil(chunks / S) times; a kernel whose grid does not grow steps over every
+    chunk."""
+    if which == "bl" and not backward and BH % 4 == 0:
+        H, sms = BH // 4, SM90["sms"] // 4
+    else:
+        H, sms = 1, max(1, round(SM90["sms"] / BH))
+    full = recorded(which, T, H, D, backward, sms if which == "bl" else None)
+    short = recorded(which, C, H, D, backward, sms if which == "bl" else None)
+    nc = math.ceil(T / C)
+    grids_short: dict = {}
+    for x in short["launches"]:
+        grids_short.setdefault((x["phase"], x["kernel"]), _prod(x["grid"]))
+    out = []
+    for x in full["launches"]:
+        if not backward and x["phase"] != "fwd":
+            continue
+        g = _prod(x["grid"])
+        S = max(1, round(g / grids_short.get((x["phase"], x["kernel"]), g)))
+        out.append({"launch": x, "programs": max(1, g * BH // H), "steps": math.ceil(nc / S),
+                    "bytes": x["arg_bytes"] * BH / H, "phase": x["phase"]})
+    ops = full["torch_ops_fwdbwd"] if backward else full["torch_ops_fwd"]
+    return {"launches": out, "torch_ops": ops}
+
+
+def launch_seconds(item: dict) -> dict:
+    k = compiled_kernel(item["launch"])
+    r = kernel_seconds(k, item["programs"], item["steps"])
+    r["memory_seconds"] = item["bytes"] / SM90["copy_bytes_s"]
+    r["device_seconds"] = max(r["seconds"], r["memory_seconds"])
+    return r
+
+
+def call_seconds(p: dict, host: tuple) -> dict:
+    """``max(Σ device, host)`` of a planned call; host = forward launches · ``host[0]`` + backward launches ·
+    ``host[1]`` + PyTorch ops · :data:`HOST_S_PER_TORCH_OP`."""
+    device = [launch_seconds(x)["device_seconds"] for x in p["launches"]]
+    n_b = sum(x["phase"] == "bwd" for x in p["launches"])
+    host = (len(p["launches"]) - n_b) * host[0] + n_b * host[1] + (p["torch_ops"] or 0) * HOST_S_PER_TORCH_OP
+    return {"seconds": max(sum(device), host), "device_s": sum(device), "host_s": host}
+
+
+def gdn_measured() -> list[dict]:
+    """fla GDN's measured rows on the H200 (2026-11-30, B = 2, H = 16, D = 64, bf16; autotuned)."""
+    rows = []
+    for r in json.loads((ROOT / GDN_MEASURED).read_text())["rows"]:
+        rows.append({"BH": r["B"] * r["H"], "T": r["T"], "D": r["D"], "fwd_s": r["gdn"]["fwd_s"],
+                     "fwdbwd_s": r["gdn"]["fwdbwd_s"]})
+    import re
+
+    log = (ROOT / "results/gpu/2026-11-30_h200_bench_t2048.log").read_text()
+    m = re.search(r"^\s*2048\s+64 \|\s+[0-9.]+\s+([0-9.]+)\s+[0-9.]+ \|\s+[0-9.]+\s+([0-9.]+)", log, re.M)
+    if m:
+        rows.append({"BH": 32, "T": 2048, "D": 64, "fwd_s": float(m.group(1)) / 1e3,
+                     "fwdbwd_s": float(m.group(2)) / 1e3})
+    return sorted(rows, key=lambda r: r["T"])
+
+
+@functools.cache
+def host_per_launch() -> tuple:
+    """Host seconds per Triton launch in a forward and in autograd's backward: the two free parameters taken from a
+    measured call, fla's GDN forward and forward+backward at B·H = 32, T = 8k, D = 64 (host-bound: the device work
+    is a small part of them): (measured − PyTorch ops' host time) / launches."""
+    row = next(r for r in gdn_measured() if r["T"] == 8192)
+    f = plan("gdn", row["BH"], row["T"], row["D"], False)
+    fb = plan("gdn", row["BH"], row["T"], row["D"], True)
+    h_f = max(0.0, (row["fwd_s"] - (f["torch_ops"] or 0) * HOST_S_PER_TORCH_OP) / len(f["launches"]))
+    n_b = sum(x["phase"] == "bwd" for x in fb["launches"])
+    rest = row["fwdbwd_s"] - (len(fb["launches"]) - n_b) * h_f - (fb["torch_ops"] or 0) * HOST_S_PER_TORCH_OP
+    return h_f, max(0.0, rest / max(n_b, 1))
+
+
+def predict(BH: int, T: int, D: int, variant: str = "default") -> dict:
+    """Predicted seconds of GDN and BL (``variant``: ``"default"``, the code as it stands), forward and
+    forward+backward, and the ratios."""
+    if variant != "default":
+        raise ValueError(f"variant must be 'default', got {variant!r}")
+    h = host_per_launch()
+    out = {"variant": variant, "BH": BH, "D": D, "T": T}
+    for which in ("gdn", "bl"):
+        out[f"{which}_fwd"] = call_seconds(plan(which, BH, T, D, False), h)
+        out[f"{which}_fwdbwd"] = call_seconds(plan(which, BH, T, D, True), h)
+    out["fwd_ratio"] = out["bl_fwd"]["seconds"] / out["gdn_fwd"]["seconds"]
+    out["fwd_bwd_ratio"] = out["bl_fwdbwd"]["seconds"] / out["gdn_fwdbwd"]["seconds"]
+    return out
+
+
+def rows(variant: str = "default") -> list[dict]:
+    out = []
+    for BH in ROW_BH:
+        for D in ROW_D:
+            for T in ROW_T:
+                p = predict(BH, T, D, variant)
+                out.append({"variant": variant, "BH": BH, "D": D, "T": T, "fwd_ratio": round(p["fwd_ratio"], 3),
+                            "fwd_bwd_ratio": round(p["fwd_bwd_ratio"], 3),
+                            **{f"{k}_ms": round(p[k]["seconds"] * 1e3, 4) for k in
+                               ("gdn_fwd", "bl_fwd", "gdn_fwdbwd", "bl_fwdbwd")}})
+    return out
+
+
+def check_gdn(out=print) -> float:
+    h = host_per_launch()
+    worst = 0.0
+    out(f"# fla GDN (2026-11-30 H200 rows, autotuned; model: first configs), ms measured / predicted; host "
+        f"{h[0] * 1e6:.0f} / {h[1] * 1e6:.0f} us per forward / backward launch (from the T=8192 row)")
+    for r in gdn_measured():
+        f = call_seconds(plan("gdn", r["BH"], r["T"], r["D"], False), h)["seconds"]
+        fb = call_seconds(plan("gdn", r["BH"], r["T"], r["D"], True), h)["seconds"]
+        e = max(abs(f - r["fwd_s"]) / r["fwd_s"], abs(fb - r["fwdbwd_s"]) / r["fwdbwd_s"])
+        worst = max(worst, e)
+        out(f"  B·H={r['BH']} T={r['T']:>6} D={r['D']}: fwd {r['fwd_s'] * 1e3:.2f} / {f * 1e3:.2f}, fwd+bwd "
+            f"{r['fwdbwd_s'] * 1e3:.2f} / {fb * 1e3:.2f}")
+    out(f"gdn max relative error {worst:.3f}")
+    return worst
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--check-v1", action="store_true")
     p.add_argument("--extract-v1", action="store_true")
+    p.add_argument("--check-gdn", action="store_true")
+    p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
+    if args.check_gdn:
+        check_gdn()
+        return 0
+    if args.json:
+        print(json.dumps(rows()))
+        return 0
     if args.extract_v1:
         print(f"wrote {extract_v1().relative_to(ROOT)}")
         return 0

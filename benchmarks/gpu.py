@@ -763,7 +763,20 @@ def _run_scan(args, save) -> list[dict]:
               f"(Triton {guard['triton']}, fla {guard['fla']})", flush=True)
     print(f"# phase check ({time.time() - t_start:.0f} s)", flush=True)
     save([{"kind": "started", "hopper_guard": guard}])  # a run killed in its check still leaves a file
-    rows: list[dict] = [{"kind": "check", **scan_check(args, device, guard)}]
+    phase = getattr(args, "phase", "all")
+    if phase == "fwdbwd":  # the backward's value checks, in the process that times the backward
+        check = {"kind": "check", "phase": phase, **fla_hopper_guard(bypass=False)}
+        t0 = time.time()
+        check.update(_check_gdn_backward(device, args.dry_run))
+        check.update(_check_bl_backward(device, args.dry_run))
+        check["bwd_check_s"] = round(time.time() - t0, 1)
+        print(f"# check: {json.dumps(check)}", flush=True)
+    else:  # forward values only: the backward's checks (and their compiles) wait for the fwdbwd phase
+        saved_no_bwd = args.no_bwd
+        args.no_bwd = args.no_bwd or phase != "all"
+        check = {"kind": "check", "phase": phase, **scan_check(args, device, guard)}
+        args.no_bwd = saved_no_bwd
+    rows: list[dict] = [check]
     rows.append({"kind": "setup", "fwdbwd": do_bwd, "bl_leaves": list(BL_LEAVES), "gdn_leaves": list(GDN_LEAVES),
                  "reps": args.reps, "bwd_reps": args.bwd_reps, "blockwise_max_T": args.blockwise_max_T,
                  "budget_s": args.budget_s, "fwd_budget_s": fwd_budget, "dtype": args.dtype,
@@ -778,6 +791,8 @@ def _run_scan(args, save) -> list[dict]:
     shapes += [("occupancy", args.occ_B, T, D) for T in args.T for D in args.D]
     shapes.sort(key=lambda r: r[1] * r[2] * r[3] ** 2)  # cheapest first: a cut-short run keeps the most rows
     for D in sorted(set(args.D), key=lambda d: min(s[1] * s[2] * d ** 2 for s in shapes if s[3] == d)):
+        if phase not in ("all", "check"):
+            break
         if time.time() - t_start > fwd_budget:
             rows.append({"kind": "skipped", "rows_left": f"row_check D={D} and later"})
             break
@@ -788,7 +803,15 @@ def _run_scan(args, save) -> list[dict]:
 
     print(f"# phase fwd ({time.time() - t_start:.0f} s)", flush=True)
     measured: list[dict] = []
-    for kind, B, T, D in shapes:
+    if phase == "check":
+        _print_scan_table(rows)
+        print(f"# value checks done in {time.time() - t_start:.0f} s", flush=True)
+        return rows
+    if phase == "fwdbwd":  # this process times forward+backward only, for the same rows
+        measured = [{"kind": kind, "B": B, "H": args.H, "T": T, "D": D, "dtype": args.dtype}
+                    for kind, B, T, D in shapes]
+        rows += measured
+    for kind, B, T, D in shapes if phase in ("all", "fwd") else []:
         if time.time() - t_start > fwd_budget:
             rows.append({"kind": "skipped", "rows_left": f"forward {kind} B={B} T={T} D={D} and later"})
             print(f"# forward budget of {fwd_budget:.0f} s spent: not starting {kind} B={B} T={T} D={D}", flush=True)
@@ -811,6 +834,7 @@ def _run_scan(args, save) -> list[dict]:
             torch.cuda.empty_cache()
         save(rows)
 
+    do_bwd = do_bwd and phase in ("all", "fwdbwd")
     if do_bwd:
         print(f"# phase fwdbwd ({time.time() - t_start:.0f} s)", flush=True)
     warmed: set[int] = set()
@@ -853,7 +877,7 @@ def _run_scan(args, save) -> list[dict]:
             torch.cuda.empty_cache()
         save(rows)
     # segment-count sweep at the longest latency row that fits the budget (forwards only)
-    for D in args.sweep_D:
+    for D in args.sweep_D if phase == "all" else []:
         T = max(args.T)
         for n_seg in args.sweep:
             if time.time() - t_start > args.budget_s:
@@ -948,6 +972,59 @@ def print_census(rows: list[dict]) -> None:
               f"{r['spill_bytes'] if r['spill_bytes'] is not None else '?':>7} | {r['sass_tensor_core']:>11} "
               f"{r['sass_FFMA']:>6} {r['sass_DFMA']:>6} {r['sass_FMUL_FADD']:>9} {r['sass_DMUL_DADD']:>9} "
               f"{r['sass_total']:>6} | {json.dumps(r['sass_tensor_core_ops'])}", flush=True)
+
+
+def _role(kernel: str, phases: set) -> str:
+    """What a default-path kernel does, from its name and when it launches."""
+    name = kernel.lower()
+    if "bwd" in phases and "fwd" not in phases:
+        return "backward"
+    for key, role in (("prep", "prep"), ("mean", "mean"), ("cov", "covariance"), ("chain", "covariance"),
+                      ("phase_b", "segment"), ("track", "segment"), ("adj", "backward"), ("rev", "backward")):
+        if key in name:
+            return role
+    return "other"
+
+
+def default_path_census(D_list, out_path: Path | None = None, T: int = 128, H: int = 2) -> list[dict]:
+    """Every kernel BL's default bf16 forward and backward launch (``bl_chunk(..., backend="triton")`` and
+    ``.backward()``; found by running the dispatch in Triton's interpreter with the launches recorded, not from a
+    list), compiled for sm_90 as the JIT would compile it: rows ``kernel``, ``role``, ``D``, ``triton``,
+    ``sass_tensor_core``, ``spill_bytes``, ``shared_bytes`` (and registers, warps, which phase launched it, the
+    opcode census).  Also a call long enough for several segments (T = 8k at one head on 33 SMs), so that kernels
+    the dispatch launches only for long sequences are found too."""
+    import kernel_sass as ks
+    import triton
+
+    rows = []
+    for D in D_list:
+        seen: dict = {}
+        for T_, H_, sms in ((T, H, None), (8192, 1, 33)):
+            rec = ks.record_launches("bl", 1, T_, H_, D, "bf16", True, sms)
+            for x in rec["launches"]:
+                key = ks.launch_key(x)
+                seen.setdefault(key, [x, set()])[1].add(x["phase"])
+        for x, phases in seen.values():
+            row = {"kernel": x["kernel"], "role": _role(x["kernel"], phases), "D": D, "triton": triton.__version__,
+                   "phases": sorted(phases), "num_warps": x["options"].get("num_warps"),
+                   "num_stages": x["options"].get("num_stages"), "module": x["module"]}
+            t0 = time.time()
+            try:
+                c = ks.compile_launch(x)
+                census = ks.sass_census(c["sass"], c["resources"])
+                row.update(sass_tensor_core=census["sass_tensor_core"], spill_bytes=census["spill_bytes"],
+                           shared_bytes=c["shared_bytes"], registers=census["registers"],
+                           sass_tensor_core_ops=census["sass_tensor_core_ops"], sass_FFMA=census["sass_FFMA"],
+                           sass_DFMA=census["sass_DFMA"], sass_total=census["sass_total"],
+                           fits_h200_shared=c["shared_bytes"] <= 227 * 1024)
+            except Exception as err:  # recorded: a kernel that does not compile is a finding
+                row["error"] = f"{type(err).__name__}: {str(err)[:300]}"
+            row["compile_s"] = round(time.time() - t0, 1)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+            if out_path is not None:
+                _save(out_path, rows)
+    return rows
 
 
 def compile_only(args, save=None) -> list[dict]:
@@ -1132,6 +1209,10 @@ def main(argv=None) -> int:
     p.add_argument("--scan", action="store_true", help="v2: segment-scan forward vs GDN forward (module docstring)")
     p.add_argument("--fla-autotune", choices=["pin", "warm"], default="warm",
                    help="--scan: pin every fla autotuner to its first config, or let fla autotune once per head dim")
+    p.add_argument("--phase", choices=["all", "check", "fwd", "fwdbwd"], default="all",
+                   help="--scan: one phase of the device check per process (benchmarks/gpu_session.sh): forward value "
+                        "checks and row checks, forward rows, or the backward's value checks then forward+backward "
+                        "rows; all: everything in one process")
     p.add_argument("--dry-run", action="store_true",
                    help="with --scan on a CPU (TRITON_INTERPRET=1): tiny shapes, the same code path")
     p.add_argument("--occ-B", type=int, default=9, help="--scan: batch of the full-occupancy rows (B·H ≥ 132)")
@@ -1143,7 +1224,12 @@ def main(argv=None) -> int:
     p.add_argument("--sweep", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32], help="--scan: segment counts")
     p.add_argument("--sweep-D", type=int, nargs="*", default=[64, 128], help="--scan: head dims of the sweep")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/gpu.json"))
+    p.add_argument("--default-path", action="store_true",
+                   help="--compile-only: every kernel the default bf16 forward and backward launch (found from the "
+                        "dispatch), D = 64 and 128 unless --D is given")
+    p.add_argument("--json", type=Path, default=None, help="--compile-only --default-path: where the rows go")
     args = p.parse_args(argv)
+    args.D_given = argv is not None and "--D" in argv or argv is None and "--D" in sys.argv[1:]
     for name in ("reps", "bwd_reps"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -1156,6 +1242,14 @@ def main(argv=None) -> int:
         args.T, args.D, args.B, args.occ_B, args.H, args.chunk_size, args.dtype = [96], [16], 1, 2, 2, 16, "fp32"
         args.warm_T, args.reps, args.warmup, args.sweep, args.sweep_D = 32, 1, 0, [1, 3], [16]
         args.bwd_reps = 1
+    if args.compile_only and args.default_path:
+        out = args.json or args.out
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        rows = default_path_census([d for d in args.D if d <= 256] if args.D_given else [64, 128], out)
+        _save(out, rows)
+        print(f"wrote {out}")
+        bad = [r for r in rows if "error" in r]
+        return 1 if bad else 0
     if args.compile_only:
         rows = compile_only(args, lambda rows: _save(args.out, rows))
     elif args.scan and (args.dry_run or torch.cuda.is_available()):

@@ -87,12 +87,14 @@ def _recording(launches: list, arch: int = ARCH):
                         ("num_warps", "num_stages", "num_ctas", "maxnreg", "enable_fp_fusion", "launch_cooperative_grid",
                          "default_dot_input_precision", "extern_libs")},
             "triton": triton.__version__,
+            "arg_bytes": sum(a.numel() * a.element_size() for a in bound.values() if hasattr(a, "element_size")),
         })
         # skipped: what it would have written is left benign (every floating-point tensor argument 0.5: a
         # positive-definite-enough state for the host-side code after it, whose values nobody reads)
-        for a in args:
-            if hasattr(a, "is_floating_point") and a.is_floating_point():
-                a.fill_(0.5)
+        with _uncounted():
+            for a in bound.values():
+                if hasattr(a, "is_floating_point") and a.is_floating_point():
+                    a.fill_(0.5)
         return None
 
     InterpretedFunction.run = run
@@ -100,6 +102,37 @@ def _recording(launches: list, arch: int = ARCH):
         yield launches
     finally:
         InterpretedFunction.run = original
+
+
+_COUNTING = [True]
+
+
+@contextlib.contextmanager
+def _uncounted():
+    _COUNTING[0] = False
+    try:
+        yield
+    finally:
+        _COUNTING[0] = True
+
+
+def _op_counter(counts: list):
+    """A dispatch mode appending the name of every PyTorch op that would launch work (not views, not metadata)
+    to ``counts``: what the host queues besides the Triton launches."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            name = str(func.overloadpacket.__name__)
+            if _COUNTING[0] and not any(t in name for t in ("view", "expand", "detach", "alias", "as_strided",
+                                                               "_unsafe", "t", "transpose", "permute", "unsqueeze",
+                                                               "squeeze", "slice", "select", "lift", "is_", "size",
+                                                               "stride", "numel", "dim", "_to_copy_noop")):
+                counts.append(name)
+            return out
+
+    return Count()
 
 
 def _inputs(B, T, H, D, dtype, seed=0):
@@ -168,7 +201,7 @@ def _sms(n: int | None):
 
 
 def record_in_process(which: str, B: int, T: int, H: int, D: int, dtype: str = "bf16", backward: bool = False,
-                      sms: int | None = None) -> list[dict]:
+                      sms: int | None = None) -> dict:
     """The launches of one call (:data:`CALLS`), in launch order, recorded in this process (which must have
     ``TRITON_INTERPRET=1`` set before Triton was imported).  Forward launches are tagged ``phase: "fwd"``, the
     backward's ``"bwd"``."""
@@ -185,13 +218,15 @@ def record_in_process(which: str, B: int, T: int, H: int, D: int, dtype: str = "
     dt = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[dtype]
     x = _inputs(B, T, H, D, dt)
     fwd: list = []
+    ops_f: list = []
+    ops_fb: list = []
     modules = ("fla.ops.gated_delta_rule", *mean_pass_fla.FLA_MODULES)
     with _sms(sms), mean_pass_fla.one_autotune_config(modules):
-        with _recording(fwd):
+        with _recording(fwd), _op_counter(ops_f):
             CALLS[which](x, False)
         allx: list = []
         if backward:
-            with _recording(allx):
+            with _recording(allx), _op_counter(ops_fb):
                 CALLS[which](x, True)
     for r in fwd:
         r["phase"] = "fwd"
@@ -199,13 +234,13 @@ def record_in_process(which: str, B: int, T: int, H: int, D: int, dtype: str = "
     bwd = allx[len(fwd):] if [r["kernel"] for r in allx[:len(fwd)]] == [r["kernel"] for r in fwd] else allx
     for r in bwd:
         r["phase"] = "bwd"
-    return fwd + bwd
+    return {"launches": fwd + bwd, "torch_ops_fwd": len(ops_f), "torch_ops_fwdbwd": len(ops_fb) if backward else None}
 
 
 def record_launches(which: str, B: int, T: int, H: int, D: int, dtype: str = "bf16", backward: bool = False,
-                    sms: int | None = None, python: str | None = None) -> list[dict]:
+                    sms: int | None = None, python: str | None = None) -> dict:
     """:func:`record_in_process` in a child process with ``TRITON_INTERPRET=1`` (``python``: its interpreter,
-    default this one)."""
+    default this one): ``{"launches": [...], "torch_ops_fwd": n, "torch_ops_fwdbwd": n or None}``."""
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [python or sys.executable, str(Path(__file__).resolve()), "--record", which, str(B), str(T), str(H), str(D),
@@ -427,12 +462,31 @@ def _shape(tree) -> list:
     return [_shape(c) for c in (tree.children if isinstance(tree, Loop) else tree[1])]
 
 
-def assign_trips(sass_roots: list[Loop], ttgir_roots: list) -> None:
-    """Trip counts of the SASS loops from the TTGIR's ``scf.for`` bounds, matched in program order; raises when
-    the two loop trees differ in shape (a loop unrolled or split by the backend)."""
+def assign_trips(sass_roots: list[Loop], ttgir_roots: list, strict: bool = False) -> bool:
+    """Trip counts of the SASS loops from the TTGIR's ``scf.for`` bounds, matched in program order.  Returns True
+    when the two loop trees have the same shape; otherwise (a loop unrolled or split by the backend; ``strict``:
+    raise) the counts are matched approximately (below) and it returns False."""
     if [_shape(r) for r in sass_roots] != [_shape(r) for r in ttgir_roots]:
-        raise ValueError(f"SASS loop tree {[_shape(r) for r in sass_roots]} differs from the TTGIR's "
-                         f"{[_shape(r) for r in ttgir_roots]}")
+        if strict:
+            raise ValueError(f"SASS loop tree {[_shape(r) for r in sass_roots]} differs from the TTGIR's "
+                             f"{[_shape(r) for r in ttgir_roots]}")
+        # the backend unrolled or split a loop: the outermost SASS loop gets the runtime bound when the TTGIR has
+        # one, the others the TTGIR's constant trip counts in program order (a missing one: 1)
+        def pre(nodes, acc):
+            for n in nodes:
+                acc.append(n)
+                pre(n.children if isinstance(n, Loop) else n[1], acc)
+            return acc
+
+        s_all, t_all = pre(sass_roots, []), pre(ttgir_roots, [])
+        runtime = any(t[0] is None for t in t_all)
+        consts = [t[0] for t in t_all if t[0] is not None]
+        for i, lp in enumerate(s_all):
+            if runtime and lp in sass_roots and i == 0:
+                lp.trips = None
+            else:
+                lp.trips = consts.pop(0) if consts else 1
+        return False
 
     def walk(a: Loop, b: list):
         a.trips = b[0]
@@ -441,6 +495,7 @@ def assign_trips(sass_roots: list[Loop], ttgir_roots: list) -> None:
 
     for a, b in zip(sass_roots, ttgir_roots, strict=True):
         walk(a, b)
+    return True
 
 
 # SASS opcode families counted by the census: the tensor-core matrix instructions (HMMA: fp16/bf16/tf32
