@@ -67,7 +67,8 @@ def _recording(launches: list, arch: int = ARCH):
             return None
         fn = self.fn
         if fn not in binders:
-            opts = {k: v for k, v in self.kwargs.items() if k in ("do_not_specialize", "do_not_specialize_on_alignment")}
+            opts = {k: v for k, v in self.kwargs.items()
+                    if k in ("do_not_specialize", "do_not_specialize_on_alignment")}
             jit = JITFunction(fn, **opts)
             binders[fn] = (jit, create_function_from_signature(jit.signature, jit.params, backend))
         jit, binder = binders[fn]
@@ -84,8 +85,8 @@ def _recording(launches: list, arch: int = ARCH):
             "constexprs": [[list(p), _jsonable(v)] for p, v in constexprs.items()],
             "attrs": [[list(p), _jsonable(v)] for p, v in attrs.items()],
             "options": {k: _jsonable(v) for k, v in vars(options).items() if k in
-                        ("num_warps", "num_stages", "num_ctas", "maxnreg", "enable_fp_fusion", "launch_cooperative_grid",
-                         "default_dot_input_precision", "extern_libs")},
+                        ("num_warps", "num_stages", "num_ctas", "maxnreg", "enable_fp_fusion",
+                         "launch_cooperative_grid", "default_dot_input_precision", "extern_libs")},
             "triton": triton.__version__,
             "arg_bytes": sum(a.numel() * a.element_size() for a in bound.values() if hasattr(a, "element_size")),
         })
