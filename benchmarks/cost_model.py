@@ -653,16 +653,50 @@ def _code_key() -> str:
     return h.hexdigest()[:16]
 
 
-def recorded(which: str, T: int, H: int, D: int, backward: bool, sms: int | None) -> dict:
-    """:func:`kernel_sass.record_launches` (B = 1), cached on disk per code state."""
-    key = json.dumps([_code_key(), which, T, H, D, backward, sms])
-    f = _cache_file("launches", key)
-    if f.is_file():
-        return json.loads(f.read_text())
-    rec = ks.record_launches(which, 1, T, H, D, "bf16", backward, sms)
-    f.parent.mkdir(parents=True, exist_ok=True)
-    f.write_text(json.dumps(rec))
-    return rec
+STEP_D = 16  # head dimension of the executed recordings that count chunk-loop steps (steps do not depend on D)
+
+
+def segments_at(which: str, BH: int, T: int, C: int = 64) -> int:
+    """Segments per sequence the dispatch splits a call at (B·H, T) into, by the package's own rule
+    (``choose_segment_chunks`` on the GPU's SM count); 1 for fla's GDN."""
+    if which != "bl":
+        return 1
+    from bayeslayer.ops.bayesian_layer.scan import choose_segment_chunks
+
+    nc = math.ceil(T / C)
+    return math.ceil(nc / choose_segment_chunks(BH, nc, T, sms=SM90["sms"]))
+
+
+def _recording_jobs(which: str, D: int, S: int, C: int = 64) -> list[dict]:
+    """The four recordings a call's plan at any T is derived from (B = 1, one head, the dispatch held at ``S``
+    segments): two executed at head dimension :data:`STEP_D` and S·1, S·2 chunks (at least 2, 4), counting every
+    launch's chunk-loop steps; two skipped at the call's D and a multiple of 16 chunks and twice that (the
+    backward recomputes blocks of 16 chunks), giving grids, bytes and PyTorch ops.  Each quantity is linear in the
+    chunk count at fixed S, so two points give it at any T."""
+    n1, m1 = max(2, S), 16 * S // math.gcd(16, S)
+    common = dict(which=which, B=1, H=1, dtype="bf16", backward=True, segments=S if which == "bl" else None)
+    return [dict(common, T=n1 * C, D=STEP_D, execute=True), dict(common, T=2 * n1 * C, D=STEP_D, execute=True),
+            dict(common, T=m1 * C, D=D, execute=False), dict(common, T=2 * m1 * C, D=D, execute=False)]
+
+
+def recorded_many(jobs: list[dict]) -> list[dict]:
+    """:func:`kernel_sass.record_many`, each job cached on disk per code state; the missing ones in one child
+    process."""
+    keys = [_cache_file("launches", json.dumps([_code_key(), j], sort_keys=True)) for j in jobs]
+    missing = [j for j, f in zip(jobs, keys) if not f.is_file()]
+    if missing:
+        done: list = []
+        try:
+            done = ks.record_many(missing)
+        except ks.RecordingError as e:
+            done = e.done
+            raise
+        finally:
+            for j, rec in zip(missing, done):
+                f = _cache_file("launches", json.dumps([_code_key(), j], sort_keys=True))
+                f.parent.mkdir(parents=True, exist_ok=True)
+                f.write_text(json.dumps(rec))
+    return [json.loads(f.read_text()) for f in keys]
 
 
 def compiled_kernel(launch: dict) -> Kernel:
@@ -685,34 +719,54 @@ def _prod(g) -> int:
     return g[0] * g[1] * g[2]
 
 
-def plan(which: str, BH: int, T: int, D: int, backward: bool, C: int = 64) -> dict:
-    """The launches of one call at (B·H, T, D), ready to time: each with its kernel, programs and chunk-loop steps.
+def _lin(y1: float, y2: float, x1: float, x2: float, x: float) -> float:
+    return y1 + (y2 - y1) * (x - x1) / (x2 - x1)
 
-    Recorded at fewer heads with the SM count the dispatch sees scaled alike (B·H/4 heads on 33 SMs for BL's
-    forward, whose segment count depends on chains per SM; one head otherwise), programs scaled back by the head
-    ratio.  A kernel whose grid grows with T beyond one chunk's recording by a factor S splits each sequence into
-    S segments: its chunk loop runs ceil(chunks / S) times; a kernel whose grid does not grow steps over every
-    chunk."""
-    if which == "bl" and not backward and BH % 4 == 0:
-        H, sms = BH // 4, SM90["sms"] // 4
-    else:
-        H, sms = 1, max(1, round(SM90["sms"] / BH))
-    full = recorded(which, T, H, D, backward, sms if which == "bl" else None)
-    short = recorded(which, C, H, D, backward, sms if which == "bl" else None)
+
+def plan(which: str, BH: int, T: int, D: int, backward: bool, C: int = 64) -> dict:
+    """The launches of one call at (B·H, T, D), ready to time: each with its kernel, programs, chunk-loop steps
+    and bytes.
+
+    Nothing runs at the row's shape: the dispatch's segment count S is computed for it (:func:`segments_at`), the
+    call is recorded at one head and a few chunks with S held (:func:`_recording_jobs`), and every launch's
+    programs, steps and bytes, and the PyTorch ops between them, are carried linearly in the chunk count from two
+    recordings to the row's T, then times B·H.  The recordings must launch the same kernels in the same order.  A
+    kernel the interpreter cannot run has no counted steps: a grid that does not grow with T steps over every
+    chunk, one that grows is chunk-parallel (one step)."""
     nc = math.ceil(T / C)
-    grids_short: dict = {}
-    for x in short["launches"]:
-        grids_short.setdefault((x["phase"], x["kernel"]), _prod(x["grid"]))
+    S = segments_at(which, BH, T, C)
+    jobs = _recording_jobs(which, D, S, C)
+    ex1, ex2, sk1, sk2 = recorded_many(jobs)
+    n1, n2, m1, m2 = (j["T"] // C for j in jobs)
+    phases = ("fwd", "bwd") if backward else ("fwd",)
+    lists = [[x for x in r["launches"] if x["phase"] in phases] for r in (ex1, ex2, sk1, sk2)]
+    names = [[(x["phase"], x["kernel"]) for x in lst] for lst in lists]
+    if any(nm != names[0] for nm in names[1:]):
+        raise RuntimeError(f"{which} B·H={BH} T={T} D={D}: the recordings launch different kernels: {names}")
     out = []
-    for x in full["launches"]:
-        if not backward and x["phase"] != "fwd":
-            continue
-        g = _prod(x["grid"])
-        S = max(1, round(g / grids_short.get((x["phase"], x["kernel"]), g)))
-        out.append({"launch": x, "programs": max(1, g * BH // H), "steps": math.ceil(nc / S),
-                    "bytes": x["arg_bytes"] * BH / H, "phase": x["phase"]})
-    ops = full["torch_ops_fwdbwd"] if backward else full["torch_ops_fwd"]
-    return {"launches": out, "torch_ops": ops}
+    for e1, e2, a, b in zip(*lists):
+        programs = max(1, round(_lin(_prod(a["grid"]), _prod(b["grid"]), m1, m2, nc))) * BH
+        if isinstance(e1.get("steps"), str) or isinstance(e2.get("steps"), str):
+            # the interpreter cannot run it (fla's fwd_h, bwd_dhu): a grid that does not grow with T steps over
+            # every chunk of its program's sequence, a grid that grows with T is chunk-parallel
+            steps = float(nc) if _prod(a["grid"]) == _prod(b["grid"]) else 1.0
+        else:
+            steps = 0.0 if e1.get("steps") is None else max(0.0, _lin(e1["steps"], e2["steps"] or 0, n1, n2, nc))
+        out.append({"launch": a, "programs": programs, "steps": math.ceil(steps),
+                    "bytes": _lin(a["arg_bytes"], b["arg_bytes"], m1, m2, nc) * BH, "phase": a["phase"]})
+    key = "torch_ops_fwdbwd" if backward else "torch_ops_fwd"
+    ops = max(0.0, _lin(sk1[key], sk2[key], m1, m2, nc))
+    return {"launches": out, "torch_ops": ops, "segments": S}
+
+
+def prefetch(shapes) -> None:
+    """Record every (which, B·H, T, D) of ``shapes`` that is not cached yet, in one child process."""
+    jobs = []
+    for which, BH, T, D in shapes:
+        for j in _recording_jobs(which, D, segments_at(which, BH, T)):
+            if j not in jobs:
+                jobs.append(j)
+    recorded_many(jobs)
 
 
 def launch_seconds(item: dict) -> dict:
@@ -778,6 +832,8 @@ def predict(BH: int, T: int, D: int, variant: str = "default") -> dict:
 
 
 def rows(variant: str = "default") -> list[dict]:
+    prefetch([(w, BH, T, D) for w in ("gdn", "bl") for BH in ROW_BH for D in ROW_D for T in ROW_T]
+             + [("gdn", r["BH"], r["T"], r["D"]) for r in gdn_measured()])
     out = []
     for BH in ROW_BH:
         for D in ROW_D:
@@ -806,13 +862,112 @@ def check_gdn(out=print) -> float:
     return worst
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# the chain kernels (one program per sequence and head, P on chip): compiled from a source file
+# ---------------------------------------------------------------------------------------------------------------
+
+def compile_file_kernel(path: Path, fn_name: str, signature: dict, constexprs: dict, num_warps: int,
+                        meta: dict | None = None) -> Kernel:
+    """Compile kernel ``fn_name`` of the Python file ``path`` (loaded as a stand-alone module) for sm_90 with this
+    process's Triton and read its SASS (:func:`kernel_from_sass`)."""
+    import importlib.util
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    name = "cm_src_" + hashlib.sha256(str(path).encode()).hexdigest()[:8]
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    fn = getattr(sys.modules[name], fn_name)
+    sig = dict(signature, **{n: "constexpr" for n in constexprs})
+    compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs),
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "k.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        sass = subprocess.run([str(ks.triton_bin("cuobjdump")), "-sass", str(cubin)], capture_output=True,
+                              text=True, check=True).stdout
+        usage = subprocess.run([str(ks.triton_bin("cuobjdump")), "-res-usage", str(cubin)], capture_output=True,
+                               text=True, check=True).stdout
+    res = next((ln.strip() for ln in usage.splitlines() if "REG" in ln), "")
+    return kernel_from_sass(fn_name, sass, compiled.asm["ttgir"], num_warps, res, compiled.metadata.shared,
+                            dict(meta or {}, triton=triton.__version__, census=ks.sass_census(sass, res)))
+
+
+def chain_kernels(path: Path, D: int, prec: str = "tf32x3", C: int = 64) -> dict:
+    """The chain's forward and backward kernels of ``path`` (``chain_triton.py``) as the chain path launches them for
+    bf16 inputs at head dimension ``D`` (scalar decay, value dim D, no variance; the forward saves its per-chunk
+    checkpoints, as it does under autograd)."""
+    BD = max(16, 1 << (D - 1).bit_length())
+    common = dict(H=16, D=D, MV=D, BD=BD, BMV=BD, C=C, DIAG=False, WANT_VAR=False, PREC=prec, INTERP=False)
+    bf, f32 = "*bf16", "*fp32"
+    fsig = dict(Q=bf, K=bf, V=bf, R2=f32, ELL2=f32, LA=f32, CU="*i64", CKO="*i64", P0=f32, W=bf, KW=bf, VU=bf,
+                GOUT=f32, VAR=f32, PT=f32, PCK=f32, FAIL="*i32")
+    bsig = dict(Q=bf, K=bf, V=bf, R2=f32, ELL2=f32, LA=f32, CU="*i64", CKO="*i64", PCK=f32, DW=bf, DKW=bf, DVU=bf,
+                DVAR=f32, DPT=f32, DQ=f32, DK=f32, DV=f32, DR2=f32, DELL2=f32, DLA=f32, DP0=f32, FAIL="*i32")
+    nw = 4 if C < 64 else 8
+    out = {"fwd": compile_file_kernel(path, "chain_forward_kernel", fsig, dict(common, SAVE_P=True), nw, {"D": D})}
+    try:
+        out["bwd"] = compile_file_kernel(path, "chain_backward_kernel", bsig, dict(common, HAS_DPT=False), nw,
+                                         {"D": D})
+    except Exception as e:  # a kernel still being written: the forward's preview stands alone
+        out["bwd_error"] = str(e).strip().splitlines()[0][:200]
+    return out
+
+
+def chain_preview(path: Path, Ds=ROW_D, out=print) -> dict:
+    """Predicted per-chunk step and forward ratio of the chain path (the chain kernel, then fla's ``fwd_h`` and
+    ``chunk_fwd_o`` as the mean pass) against GDN, from the chain kernel compiled from ``path``, and the crossover
+    against the segment scan (:func:`crossover_chains`)."""
+    res = {}
+    h = host_per_launch()
+    for D in Ds:
+        kern = chain_kernels(path, D)
+        wf = simulate_cached(kern["fwd"], max(1, math.ceil(kern["fwd"].num_warps / 4)))
+        wb = simulate_cached(kern["bwd"], max(1, math.ceil(kern["bwd"].num_warps / 4)))
+        cen = {k: v.meta["census"] for k, v in kern.items()}
+        out(f"# chain kernels D={D} ({kern['fwd'].meta['triton']}): forward step {wf.step:.0f} cycles = "
+            f"{wf.step / SM90['clock_hz'] * 1e6:.2f} us, backward step {wb.step:.0f} cycles = "
+            f"{wb.step / SM90['clock_hz'] * 1e6:.2f} us; registers {kern['fwd'].registers}/{kern['bwd'].registers}, "
+            f"spill {cen['fwd']['spill_bytes']}/{cen['bwd']['spill_bytes']} B, tensor-core ops "
+            f"{cen['fwd']['sass_tensor_core']}/{cen['bwd']['sass_tensor_core']}")
+        res[D] = {"fwd_step_us": wf.step / SM90["clock_hz"] * 1e6, "bwd_step_us": wb.step / SM90["clock_hz"] * 1e6,
+                  "rows": []}
+        for BH in ROW_BH:
+            for T in ROW_T:
+                nc = math.ceil(T / 64)
+                g = plan("gdn", BH, T, D, False)
+                gdn = call_seconds(g, h)["seconds"]
+                mean = [x for x in g["launches"] if "fwd_kernel_h" in x["launch"]["kernel"]
+                        or x["launch"]["kernel"] == "chunk_fwd_kernel_o"]
+                dev = kernel_seconds(kern["fwd"], BH, nc)["seconds"] + sum(launch_seconds(x)["device_seconds"]
+                                                                        for x in mean)
+                host = (1 + len(mean)) * h[0]
+                r = max(dev, host) / gdn
+                res[D]["rows"].append({"BH": BH, "T": T, "fwd_ratio": round(r, 3)})
+        out("  fwd ratio (chain + fla fwd_h + chunk_fwd_o vs GDN): " + ", ".join(
+            f"B·H={x['BH']} T={x['T']}: {x['fwd_ratio']:.2f}" for x in res[D]["rows"]))
+    return res
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--check-v1", action="store_true")
     p.add_argument("--extract-v1", action="store_true")
     p.add_argument("--check-gdn", action="store_true")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--chain-preview", metavar="CHAIN_TRITON_PY", type=Path,
+                   help="predict the chain kernels compiled from this chain_triton.py")
     args = p.parse_args(argv)
+    if args.chain_preview:
+        chain_preview(args.chain_preview)
+        return 0
     if args.check_gdn:
         check_gdn()
         return 0

@@ -13,7 +13,7 @@ Three steps, used by ``benchmarks/gpu.py --compile-only --default-path`` (the ce
 3. :func:`parse_sass` reads ``cuobjdump -sass`` output: every instruction with its control word (stall cycles,
    scoreboards set and waited on), and the loop tree; :func:`census_row` counts instruction families.
 
-The recording runs in a child process (``python benchmarks/kernel_sass.py --record ...``) because the interpreter
+The recording runs in a child process (``python benchmarks/kernel_sass.py --record-json JOBS``) because the interpreter
 is switched on per process.
 """
 
@@ -48,10 +48,31 @@ def _jsonable(x):
     return {"repr": repr(x)}
 
 
+def _counting_range(kernel_name: str, counts: dict):
+    """A ``range`` for a kernel module's globals while one of its kernels runs in the interpreter: a loop of the
+    kernel itself (``kernel_name``'s frame) whose bound is a runtime value (an interpreter tensor, not a
+    constexpr int) adds its calls and iterations to ``counts[line]``."""
+    import builtins
+
+    def counting_range(*a):
+        r = builtins.range(*a)
+        if any(hasattr(x, "handle") for x in a):
+            f = sys._getframe(1)
+            if f.f_code.co_name == kernel_name:
+                c = counts.setdefault(f.f_lineno, [0, 0])
+                c[0] += 1
+                c[1] += len(r)
+        return r
+
+    return counting_range
+
+
 @contextlib.contextmanager
-def _recording(launches: list, arch: int = ARCH):
+def _recording(launches: list, arch: int = ARCH, execute: bool = False):
     """Within the block every interpreted kernel launch is appended to ``launches`` (as JSON-able dicts) and
-    skipped."""
+    skipped, or with ``execute`` run, each record then carrying ``steps``: iterations per program of the kernel's
+    outermost runtime loop (the first such loop in its source; None without one), counted as it runs (a string
+    saying why when the interpreter cannot run the kernel, which is then skipped)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
@@ -76,6 +97,7 @@ def _recording(launches: list, arch: int = ARCH):
         kw.setdefault("debug", False)
         bound, specialization, options = binder(*args, **kw)
         options, signature, constexprs, attrs = jit._pack_args(backend, kw, bound, specialization, options)
+        given = grid
         if callable(grid):
             grid = grid(bound)
         grid = [int(g) for g in (tuple(grid) + (1, 1, 1))[:3]]
@@ -90,6 +112,24 @@ def _recording(launches: list, arch: int = ARCH):
             "triton": triton.__version__,
             "arg_bytes": sum(a.numel() * a.element_size() for a in bound.values() if hasattr(a, "element_size")),
         })
+        if execute:
+            counts: dict = {}
+            g = fn.__globals__
+            had, prev = "range" in g, g.get("range")
+            g["range"] = _counting_range(fn.__name__, counts)
+            try:
+                with _uncounted():
+                    original(self, *args, grid=given, warmup=warmup, **kwargs)
+                launches[-1]["steps"] = counts[min(counts)][1] / max(1, _prod(grid)) if counts else None
+            except Exception as e:  # a kernel the interpreter cannot run (fla's fwd_h): skipped as below
+                launches[-1]["steps"] = "not run: " + repr(e)[:200]
+            finally:
+                if had:
+                    g["range"] = prev
+                else:
+                    del g["range"]
+            if not isinstance(launches[-1]["steps"], str):
+                return None
         # skipped: what it would have written is left benign (every floating-point tensor argument 0.5: a
         # positive-definite-enough state for the host-side code after it, whose values nobody reads)
         with _uncounted():
@@ -106,6 +146,10 @@ def _recording(launches: list, arch: int = ARCH):
 
 
 _COUNTING = [True]
+
+
+def _prod(g) -> int:
+    return g[0] * g[1] * g[2]
 
 
 @contextlib.contextmanager
@@ -201,11 +245,34 @@ def _sms(n: int | None):
             mod.DEFAULT_SMS = v
 
 
+@contextlib.contextmanager
+def _segments(n: int | None):
+    """The segment scan splits every sequence into ``n`` segments (``bayeslayer.ops.bayesian_layer.scan``'s
+    ``choose_segment_chunks`` answers ``ceil(chunks / n)``): a call recorded at a short T then makes the choice the
+    dispatch makes at the full shape, computed there by that same function."""
+    if n is None:
+        yield
+        return
+    from bayeslayer.ops.bayesian_layer import scan
+
+    original = scan.choose_segment_chunks
+
+    def fixed(n_programs, n_chunks, T, *, sms=scan.DEFAULT_SMS):
+        return -(-max(n_chunks, 1) // n)
+
+    scan.choose_segment_chunks = fixed
+    try:
+        yield
+    finally:
+        scan.choose_segment_chunks = original
+
+
 def record_in_process(which: str, B: int, T: int, H: int, D: int, dtype: str = "bf16", backward: bool = False,
-                      sms: int | None = None) -> dict:
+                      sms: int | None = None, segments: int | None = None, execute: bool = False) -> dict:
     """The launches of one call (:data:`CALLS`), in launch order, recorded in this process (which must have
     ``TRITON_INTERPRET=1`` set before Triton was imported).  Forward launches are tagged ``phase: "fwd"``, the
-    backward's ``"bwd"``."""
+    backward's ``"bwd"``.  ``sms``: the SM count the dispatch sees; ``segments``: the segment count the scan uses
+    (:func:`_segments`); ``execute``: run the kernels and count their chunk-loop steps (:func:`_recording`)."""
     import torch
 
     if os.environ.get("TRITON_INTERPRET") != "1":
@@ -222,12 +289,12 @@ def record_in_process(which: str, B: int, T: int, H: int, D: int, dtype: str = "
     ops_f: list = []
     ops_fb: list = []
     modules = ("fla.ops.gated_delta_rule", *mean_pass_fla.FLA_MODULES)
-    with _sms(sms), mean_pass_fla.one_autotune_config(modules):
-        with _recording(fwd), _op_counter(ops_f):
+    with _sms(sms), _segments(segments), mean_pass_fla.one_autotune_config(modules):
+        with _recording(fwd, execute=execute), _op_counter(ops_f):
             CALLS[which](x, False)
         allx: list = []
         if backward:
-            with _recording(allx), _op_counter(ops_fb):
+            with _recording(allx, execute=execute), _op_counter(ops_fb):
                 CALLS[which](x, True)
     for r in fwd:
         r["phase"] = "fwd"
@@ -238,18 +305,36 @@ def record_in_process(which: str, B: int, T: int, H: int, D: int, dtype: str = "
     return {"launches": fwd + bwd, "torch_ops_fwd": len(ops_f), "torch_ops_fwdbwd": len(ops_fb) if backward else None}
 
 
+def _child_env() -> dict:
+    return dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
+                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
 def record_launches(which: str, B: int, T: int, H: int, D: int, dtype: str = "bf16", backward: bool = False,
                     sms: int | None = None, python: str | None = None) -> dict:
     """:func:`record_in_process` in a child process with ``TRITON_INTERPRET=1`` (``python``: its interpreter,
     default this one): ``{"launches": [...], "torch_ops_fwd": n, "torch_ops_fwdbwd": n or None}``."""
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
-               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [python or sys.executable, str(Path(__file__).resolve()), "--record", which, str(B), str(T), str(H), str(D),
-           dtype, "1" if backward else "0", str(sms or 0)]
-    res = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if res.returncode != 0:
-        raise RuntimeError(f"recording {which} B={B} T={T} H={H} D={D} failed: {res.stderr.strip()[-2000:]}")
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    job = dict(which=which, B=B, T=T, H=H, D=D, dtype=dtype, backward=backward, sms=sms)
+    return record_many([job], python)[0]
+
+
+def record_many(jobs: list[dict], python: str | None = None) -> list[dict]:
+    """Several :func:`record_in_process` calls (keyword dicts) in one child process (one import of Triton, fla and
+    the package for all of them), results in order."""
+    cmd = [python or sys.executable, str(Path(__file__).resolve()), "--record-json", json.dumps(jobs)]
+    res = subprocess.run(cmd, capture_output=True, text=True, env=_child_env())
+    done = [json.loads(ln) for ln in res.stdout.splitlines() if ln.startswith("{")]
+    if res.returncode != 0 or len(done) != len(jobs):
+        err = RecordingError(f"recording {jobs[len(done)]} failed: {res.stderr.strip()[-3000:]}")
+        err.done = done
+        raise err
+    return done
+
+
+class RecordingError(RuntimeError):
+    """A job of :func:`record_many` failed; ``done``: the results of the jobs before it."""
+
+    done: list
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -526,13 +611,11 @@ def sass_census(sass: str, resources: str = "") -> dict:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--record"]:
-        which, B, T, H, D, dtype, bwd, sms = argv[1:9]
-        rows = record_in_process(which, int(B), int(T), int(H), int(D), dtype, bwd == "1", int(sms) or None)
-        print(json.dumps(rows))
+    if argv[:1] == ["--record-json"] and len(argv) == 2:
+        for job in json.loads(argv[1]):
+            print(json.dumps(record_in_process(**job)), flush=True)
         return 0
-    print("usage: kernel_sass.py --record WHICH B T H D DTYPE BWD SMS (a child process of record_launches)",
-          file=sys.stderr)
+    print("usage: kernel_sass.py --record-json JOBS (a child process of record_many)", file=sys.stderr)
     return 2
 
 
