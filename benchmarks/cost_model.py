@@ -637,11 +637,14 @@ def _cache_file(kind: str, key: str) -> Path:
     return CACHE / f"{kind}_{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
 
 
+@functools.cache
 def _code_key() -> str:
-    """What the recorded launches and compiled kernels depend on: the package's and fla's sources, Triton."""
+    """What the recorded launches and compiled kernels depend on: the package's and fla's sources, Triton, NumPy
+    (Triton's interpreter runs on it)."""
+    import numpy
     import triton
 
-    h = hashlib.sha256(triton.__version__.encode())
+    h = hashlib.sha256(f"{triton.__version__} {numpy.__version__}".encode())
     for path in sorted((ROOT / "bayeslayer" / "ops").rglob("*.py")):
         h.update(path.read_bytes())
     try:
@@ -692,8 +695,7 @@ def recorded_many(jobs: list[dict]) -> list[dict]:
             done = e.done
             raise
         finally:
-            for j, rec in zip(missing, done):
-                f = _cache_file("launches", json.dumps([_code_key(), j], sort_keys=True))
+            for f, rec in zip([f for f in keys if not f.is_file()], done):
                 f.parent.mkdir(parents=True, exist_ok=True)
                 f.write_text(json.dumps(rec))
     return [json.loads(f.read_text()) for f in keys]
@@ -747,6 +749,8 @@ def plan(which: str, BH: int, T: int, D: int, backward: bool, C: int = 64) -> di
     for e1, e2, a, b in zip(*lists):
         programs = max(1, round(_lin(_prod(a["grid"]), _prod(b["grid"]), m1, m2, nc))) * BH
         if isinstance(e1.get("steps"), str) or isinstance(e2.get("steps"), str):
+            if a["module"].startswith("bayeslayer"):
+                raise RuntimeError(f"{a['kernel']} did not run in the interpreter: {e1['steps'] or e2['steps']}")
             # the interpreter cannot run it (fla's fwd_h, bwd_dhu): a grid that does not grow with T steps over
             # every chunk of its program's sequence, a grid that grows with T is chunk-parallel
             steps = float(nc) if _prod(a["grid"]) == _prod(b["grid"]) else 1.0
@@ -956,23 +960,101 @@ def chain_preview(path: Path, Ds=ROW_D, out=print) -> dict:
     return res
 
 
+def scan_figures(D: int) -> dict:
+    """(step cycles, programs per SM) of the segment scan's kernels at head dimension ``D``, as the default path
+    launches them at B·H = 32, T = 32k (8 segments): Phase A's chunk kernel from P = 0 and its tracking kernel,
+    Phase B's segment step, Phase C's replay."""
+    p = plan("bl", 32, 32768, D, False)
+    names = [x["launch"]["kernel"] for x in p["launches"]]
+    b = names.index("scan_phase_b_kernel")
+    roles = {"a": max(i for i in range(b) if names[i] == "bl_chunk_cov_kernel"),
+             "track": names.index("scan_track_kernel"), "b": b,
+             "c": b + 1 + names[b + 1:].index("bl_chunk_cov_kernel")}
+    out = {}
+    for role, i in roles.items():
+        k = compiled_kernel(p["launches"][i]["launch"])
+        occ = occupancy(k)
+        w = simulate_cached(k, max(1, math.ceil(occ * k.num_warps / 4)))
+        out[role] = [round(w.step), occ]
+    return out
+
+
+def crossover(path: Path, out=print) -> dict:
+    """The figures of ``bayeslayer.ops.bayesian_layer.crossover`` (chain kernel from ``path``, the scan's from the
+    default path) and the crossover they give per D and T."""
+    from bayeslayer.ops.bayesian_layer import crossover as xo
+
+    figures, chain = {}, {}
+    for D in ROW_D:
+        kern = chain_kernels(path, D)
+        k = kern["fwd"]
+        occ = occupancy(k)
+        w = simulate_cached(k, max(1, math.ceil(occ * k.num_warps / 4)))
+        figures[D] = {"chain": [round(w.step), occ], **scan_figures(D)}
+        chain[D] = {"registers": k.registers, "shared_bytes": k.shared_bytes,
+                    "spill_bytes": k.meta["census"]["spill_bytes"],
+                    "sass_tensor_core": k.meta["census"]["sass_tensor_core"],
+                    "step_us": w.step / SM90["clock_hz"] * 1e6, "backward": kern.get("bwd_error") or "compiled"}
+        out(f"# D={D}: step cycles (programs per SM) " + ", ".join(f"{r} {c} ({o})" for r, (c, o) in
+                                                                 figures[D].items()))
+    tab = {str(D): {str(T): xo.crossover_chains(math.ceil(T / 64), D, figures={d: {r: tuple(v) for r, v in f.items()}
+                                                                               for d, f in figures.items()})
+                    for T in (4160, *ROW_T[1:])} for D in ROW_D}
+    out("# chains below which the scan is predicted faster (of 132 SMs): " + "; ".join(
+        f"D={D}: " + ", ".join(f"T={T} {n}" for T, n in v.items()) for D, v in tab.items()))
+    return {"figures": figures, "chain_kernel": chain, "crossover_chains": tab}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--check-v1", action="store_true")
     p.add_argument("--extract-v1", action="store_true")
     p.add_argument("--check-gdn", action="store_true")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--out", type=Path, help="with --json: also write the rows as a record (with provenance) here")
     p.add_argument("--chain-preview", metavar="CHAIN_TRITON_PY", type=Path,
                    help="predict the chain kernels compiled from this chain_triton.py")
+    p.add_argument("--crossover", metavar="CHAIN_TRITON_PY", type=Path,
+                   help="the chain-or-scan figures (bayeslayer.ops.bayesian_layer.crossover) with this chain kernel")
     args = p.parse_args(argv)
     if args.chain_preview:
         chain_preview(args.chain_preview)
+        return 0
+    if args.crossover:
+        import triton
+
+        res = crossover(args.crossover)
+        if args.out:
+            from bayeslayer.experiments.common.provenance import write_record
+
+            src = args.crossover.read_bytes()
+            write_record(args.out, {
+                "what": "step cycles (programs per SM) of the chain kernel and of the segment scan's kernels for "
+                        "bayeslayer.ops.bayesian_layer.crossover, predicted from their sm_90 SASS; crossover_chains: "
+                        "per D and T, the chain count below which the scan is predicted faster",
+                "triton": triton.__version__, "chain_source_sha256": hashlib.sha256(src).hexdigest(), **res})
         return 0
     if args.check_gdn:
         check_gdn()
         return 0
     if args.json:
-        print(json.dumps(rows()))
+        import time
+
+        import triton
+
+        t0 = time.time()
+        out = rows()
+        print(json.dumps(out))
+        if args.out:
+            from bayeslayer.experiments.common.provenance import write_record
+
+            write_record(args.out, {
+                "what": "predicted BL (the default path as the dispatch launches it) against fla's GDN on an H200, "
+                        "forward and forward+backward, bf16, C = 64, from the kernels compiled for sm_90",
+                "triton": triton.__version__, "clock_hz": SM90["clock_hz"], "host_s_per_launch": host_per_launch(),
+                "host_s_per_torch_op": HOST_S_PER_TORCH_OP, "targets": {"fwd": TARGET_FWD, "fwd_bwd": TARGET_FWD_BWD},
+                "v1_max_relative_error": round(check_v1(out=lambda *_: None), 3), "rows": out},
+                wall_seconds=time.time() - t0)
         return 0
     if args.extract_v1:
         print(f"wrote {extract_v1().relative_to(ROOT)}")

@@ -66,7 +66,7 @@ def test_v1_reproduced_within_25_percent_or_said(cm, capsys):
     worst = cm.check_v1()
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last == f"v1 max relative error {worst:.3f}"
-    assert 0 < worst < 1  # the model is in the measured range; docs/kernels.md states the error per row
+    assert 0 < worst <= 0.25  # the goal; docs/kernels.md states the error per row and what is left
 
 
 def test_bad_input(cm):
