@@ -656,26 +656,15 @@ def h200_table(root: Path) -> str:
     return "\n".join(lines)
 
 
-def _grid_half(part: str) -> list[str]:
-    """One half of a cost-model row, ``GDN (measured) built r cuts r 3xbf16-r x``, as seven cells."""
-    tokens = part.split()
-    if len(tokens) > 1 and tokens[1].startswith("("):
-        tokens[0:2] = [f"{tokens[0]} {tokens[1]}"]
-    if len(tokens) != 7:
-        raise ValueError(f"results/cost_model_grid.txt: cannot read the row part {part!r}")
-    return tokens
-
-
 def cost_model_table(root: Path) -> str:
-    """The cost model's predicted ms per variant (``results/cost_model_grid.txt``; measured in brackets)."""
-    text = _load_text(root, "results/cost_model_grid.txt")
-    half = ["built", "r", "cuts", "r", "3xbf16 r", "x"]
-    lines = [_row(["B·H", "D", "T", "segments (built)", "GDN fwd", *half, "GDN f+b", *half]), "|" + "---|" * 18]
-    for line in text.split("\n"):
-        parts = line.split("|")
-        if len(parts) != 3 or not parts[0].split() or not parts[0].split()[0].isdigit():
-            continue
-        lines.append(_row([*parts[0].split(), *_grid_half(parts[1]), *_grid_half(parts[2])]))
+    """The cost model's predicted BL-vs-GDN rows (``benchmarks/cost_model.py --json --out``): ms and ratios."""
+    rec = _load(root, "results/cost_model/default_rows_sm90_triton3.6.json")
+    lines = [_row(["B·H", "D", "T", "GDN fwd ms", "BL fwd ms", "fwd ratio", "GDN fwd+bwd ms", "BL fwd+bwd ms",
+                   "fwd+bwd ratio"]), "|" + "---|" * 9]
+    for r in rec["rows"]:
+        lines.append(_row([str(r["BH"]), str(r["D"]), str(r["T"]), f"{r['gdn_fwd_ms']:.2f}", f"{r['bl_fwd_ms']:.2f}",
+                           f"{r['fwd_ratio']:.1f}", f"{r['gdn_fwdbwd_ms']:.2f}", f"{r['bl_fwdbwd_ms']:.1f}",
+                           f"{r['fwd_bwd_ratio']:.1f}"]))
     return "\n".join(lines)
 
 
@@ -1001,7 +990,7 @@ TABLES: dict[str, tuple[str, Callable[[Path], str]]] = {
     "mqar-claims": ("docs/experiments.md", mqar_claims_table),
     "scan-precision": ("docs/kernels.md", scan_precision_table),
     "h200-bl-gdn": ("docs/kernels.md", h200_table),
-    "cost-model-grid": ("docs/kernels.md", cost_model_table),
+    "cost-model-rows": ("docs/kernels.md", cost_model_table),
     "sass-census": ("docs/kernels.md", sass_census_table),
     "scan-compile": ("docs/kernels.md", scan_compile_table),
     "chain-precision": ("docs/kernels.md", chain_precision_table),
