@@ -882,6 +882,11 @@ def compile_file_kernel(path: Path, fn_name: str, signature: dict, constexprs: d
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    key = json.dumps([hashlib.sha256(Path(path).read_bytes()).hexdigest(), fn_name, signature, constexprs, num_warps,
+                      triton.__version__], sort_keys=True)
+    cached = _cache_file("filekernel", key)
+    if cached.is_file():
+        return Kernel.from_json(json.loads(cached.read_text()))
     name = "cm_src_" + hashlib.sha256(str(path).encode()).hexdigest()[:8]
     if name not in sys.modules:
         spec = importlib.util.spec_from_file_location(name, path)
@@ -900,8 +905,11 @@ def compile_file_kernel(path: Path, fn_name: str, signature: dict, constexprs: d
         usage = subprocess.run([str(ks.triton_bin("cuobjdump")), "-res-usage", str(cubin)], capture_output=True,
                                text=True, check=True).stdout
     res = next((ln.strip() for ln in usage.splitlines() if "REG" in ln), "")
-    return kernel_from_sass(fn_name, sass, compiled.asm["ttgir"], num_warps, res, compiled.metadata.shared,
-                            dict(meta or {}, triton=triton.__version__, census=ks.sass_census(sass, res)))
+    k = kernel_from_sass(fn_name, sass, compiled.asm["ttgir"], num_warps, res, compiled.metadata.shared,
+                         dict(meta or {}, triton=triton.__version__, census=ks.sass_census(sass, res)))
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    cached.write_text(json.dumps(k.to_json()))
+    return k
 
 
 def chain_kernels(path: Path, D: int, prec: str = "tf32x3", C: int = 64) -> dict:
@@ -934,15 +942,17 @@ def chain_preview(path: Path, Ds=ROW_D, out=print) -> dict:
     for D in Ds:
         kern = chain_kernels(path, D)
         wf = simulate_cached(kern["fwd"], max(1, math.ceil(kern["fwd"].num_warps / 4)))
-        wb = simulate_cached(kern["bwd"], max(1, math.ceil(kern["bwd"].num_warps / 4)))
-        cen = {k: v.meta["census"] for k, v in kern.items()}
-        out(f"# chain kernels D={D} ({kern['fwd'].meta['triton']}): forward step {wf.step:.0f} cycles = "
-            f"{wf.step / SM90['clock_hz'] * 1e6:.2f} us, backward step {wb.step:.0f} cycles = "
-            f"{wb.step / SM90['clock_hz'] * 1e6:.2f} us; registers {kern['fwd'].registers}/{kern['bwd'].registers}, "
-            f"spill {cen['fwd']['spill_bytes']}/{cen['bwd']['spill_bytes']} B, tensor-core ops "
-            f"{cen['fwd']['sass_tensor_core']}/{cen['bwd']['sass_tensor_core']}")
-        res[D] = {"fwd_step_us": wf.step / SM90["clock_hz"] * 1e6, "bwd_step_us": wb.step / SM90["clock_hz"] * 1e6,
-                  "rows": []}
+        wb = simulate_cached(kern["bwd"], max(1, math.ceil(kern["bwd"].num_warps / 4))) if "bwd" in kern else None
+        cen = {k: v.meta["census"] for k, v in kern.items() if k in ("fwd", "bwd")}
+        back = (f"backward step {wb.step:.0f} cycles = {wb.step / SM90['clock_hz'] * 1e6:.2f} us, spill "
+                f"{cen['bwd']['spill_bytes']} B, tensor-core ops {cen['bwd']['sass_tensor_core']}" if wb else
+                f"backward did not compile: {kern['bwd_error']}")
+        out(f"# chain kernels D={D} (Triton {kern['fwd'].meta['triton']}): forward step {wf.step:.0f} cycles = "
+            f"{wf.step / SM90['clock_hz'] * 1e6:.2f} us, registers {kern['fwd'].registers}, spill "
+            f"{cen['fwd']['spill_bytes']} B, shared {kern['fwd'].shared_bytes} B, tensor-core ops "
+            f"{cen['fwd']['sass_tensor_core']}; {back}")
+        res[D] = {"fwd_step_us": wf.step / SM90["clock_hz"] * 1e6,
+                  "bwd_step_us": wb.step / SM90["clock_hz"] * 1e6 if wb else None, "rows": []}
         for BH in ROW_BH:
             for T in ROW_T:
                 nc = math.ceil(T / 64)
@@ -962,8 +972,8 @@ def chain_preview(path: Path, Ds=ROW_D, out=print) -> dict:
 
 def scan_figures(D: int) -> dict:
     """(step cycles, programs per SM) of the segment scan's kernels at head dimension ``D``, as the default path
-    launches them at B·H = 32, T = 32k (8 segments): Phase A's chunk kernel from P = 0 and its tracking kernel,
-    Phase B's segment step, Phase C's replay."""
+    launches them at B·H = 32, T = 32k (8 segments; the step at the programs per SM they run at there): Phase A's
+    chunk kernel from P = 0 and its tracking kernel, Phase B's segment step, Phase C's replay."""
     p = plan("bl", 32, 32768, D, False)
     names = [x["launch"]["kernel"] for x in p["launches"]]
     b = names.index("scan_phase_b_kernel")
@@ -973,9 +983,8 @@ def scan_figures(D: int) -> dict:
     out = {}
     for role, i in roles.items():
         k = compiled_kernel(p["launches"][i]["launch"])
-        occ = occupancy(k)
-        w = simulate_cached(k, max(1, math.ceil(occ * k.num_warps / 4)))
-        out[role] = [round(w.step), occ]
+        r = kernel_seconds(k, p["launches"][i]["programs"], 1)  # the step at the occupancy it runs at there
+        out[role] = [round(r["step_cycles"]), occupancy(k)]
     return out
 
 
@@ -1011,7 +1020,8 @@ def main(argv=None) -> int:
     p.add_argument("--extract-v1", action="store_true")
     p.add_argument("--check-gdn", action="store_true")
     p.add_argument("--json", action="store_true")
-    p.add_argument("--out", type=Path, help="with --json: also write the rows as a record (with provenance) here")
+    p.add_argument("--out", type=Path, help="with --json or --crossover: also write a record (with provenance) here")
+    p.add_argument("--note", default="", help="with --crossover --out: what the chain source is (kept in the record)")
     p.add_argument("--chain-preview", metavar="CHAIN_TRITON_PY", type=Path,
                    help="predict the chain kernels compiled from this chain_triton.py")
     p.add_argument("--crossover", metavar="CHAIN_TRITON_PY", type=Path,
@@ -1032,7 +1042,8 @@ def main(argv=None) -> int:
                 "what": "step cycles (programs per SM) of the chain kernel and of the segment scan's kernels for "
                         "bayeslayer.ops.bayesian_layer.crossover, predicted from their sm_90 SASS; crossover_chains: "
                         "per D and T, the chain count below which the scan is predicted faster",
-                "triton": triton.__version__, "chain_source_sha256": hashlib.sha256(src).hexdigest(), **res})
+                "triton": triton.__version__, "chain_source_sha256": hashlib.sha256(src).hexdigest(),
+                "chain_source_note": args.note, **res})
         return 0
     if args.check_gdn:
         check_gdn()
