@@ -1003,7 +1003,10 @@ def crossover(path: Path, out=print) -> dict:
         chain[D] = {"registers": k.registers, "shared_bytes": k.shared_bytes,
                     "spill_bytes": k.meta["census"]["spill_bytes"],
                     "sass_tensor_core": k.meta["census"]["sass_tensor_core"],
-                    "step_us": w.step / SM90["clock_hz"] * 1e6, "backward": kern.get("bwd_error") or "compiled"}
+                    "step_us": w.step / SM90["clock_hz"] * 1e6, "backward": kern.get("bwd_error") or "compiled",
+                    "step_instructions_per_warp": sum(w.step_counts.values()),
+                    "step_counts": {o: w.step_counts.get(o, 0) for o in ("HMMA", "BAR", "LDL", "STL", "LDS", "STS",
+                                                                         "SHFL", "FFMA")}}
         out(f"# D={D}: step cycles (programs per SM) " + ", ".join(f"{r} {c} ({o})" for r, (c, o) in
                                                                  figures[D].items()))
     tab = {str(D): {str(T): xo.crossover_chains(math.ceil(T / 64), D, figures={d: {r: tuple(v) for r, v in f.items()}
@@ -1011,7 +1014,9 @@ def crossover(path: Path, out=print) -> dict:
                     for T in (4160, *ROW_T[1:])} for D in ROW_D}
     out("# chains below which the scan is predicted faster (of 132 SMs): " + "; ".join(
         f"D={D}: " + ", ".join(f"T={T} {n}" for T, n in v.items()) for D, v in tab.items()))
-    return {"figures": figures, "chain_kernel": chain, "crossover_chains": tab}
+    preview = chain_preview(path, out=out)
+    return {"figures": figures, "chain_kernel": chain, "crossover_chains": tab,
+            "chain_path_fwd_ratio": {str(D): preview[D]["rows"] for D in preview}}
 
 
 def main(argv=None) -> int:
