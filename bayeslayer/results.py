@@ -668,6 +668,24 @@ def cost_model_table(root: Path) -> str:
     return "\n".join(lines)
 
 
+def default_path_census_table(root: Path) -> str:
+    """Every kernel the default path launches, compiled for sm_90 on Triton 3.6 and the newest Triton
+    (``benchmarks/gpu.py --compile-only --default-path``); identical rows once."""
+    lines = [_row(["Triton", "D", "kernel", "role", "phase", "warps", "registers", "spill B", "shared KiB",
+                   "tensor core", "FFMA"]), "|" + "---|" * 11]
+    seen = set()
+    for name in ("default_path_sm90_triton3.6.json", "default_path_sm90_triton3.9.json"):
+        for r in _load(root, f"results/sass/{name}")["rows"]:
+            cells = [r["triton"], str(r["D"]), f"`{r['kernel']}`", r["role"], "+".join(r["phases"]),
+                     str(r["num_warps"]), str(r.get("registers", "—")), str(r.get("spill_bytes", "—")),
+                     "—" if r.get("shared_bytes") is None else f"{r['shared_bytes'] / 1024:.0f}",
+                     str(r.get("sass_tensor_core", r.get("error", "—"))), str(r.get("sass_FFMA", "—"))]
+            if tuple(cells) not in seen:
+                seen.add(tuple(cells))
+                lines.append(_row(cells))
+    return "\n".join(lines)
+
+
 _SASS_LABELS = (("mean", "`bl_chunk_mean_kernel` fp32"), ("track64", "`scan_track_kernel` fp64 (Phase A)"),
                 ("prep", "`bl_chunk_prep_kernel` fp32"), ("prep64", "`bl_chunk_prep_kernel` fp64"),
                 ("covp", "`bl_chunk_cov_kernel` fp32 + prep (Phase C)"),
@@ -992,6 +1010,7 @@ TABLES: dict[str, tuple[str, Callable[[Path], str]]] = {
     "h200-bl-gdn": ("docs/kernels.md", h200_table),
     "cost-model-rows": ("docs/kernels.md", cost_model_table),
     "sass-census": ("docs/kernels.md", sass_census_table),
+    "default-path-census": ("docs/kernels.md", default_path_census_table),
     "scan-compile": ("docs/kernels.md", scan_compile_table),
     "chain-precision": ("docs/kernels.md", chain_precision_table),
     "chain-compile": ("docs/kernels.md", chain_compile_table),
