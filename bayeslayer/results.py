@@ -1070,8 +1070,15 @@ def _curve(rel: str, model: str, key: str) -> Callable[[Path], str]:
 _MAMBA2_LR = tuple(f"results/mqar/mamba2_lr/{lr}/mqar_update_hybrid.json" for lr in ("lr1e-3", "lr3e-3", "lr3e-2"))
 _RECALL_PAPER_LONG = "results/recall/paper-core/long/recall.json"
 
+
+def _simulated_phases(root: Path) -> str:
+    """Each phase's seconds in the bare-machine simulation's ``line.json``: ``check 167 s, fwd 275 s, ...``."""
+    phases = _load(root, "results/simulate_bare_machine/line.json")["phases"]
+    return ", ".join(f"{p['phase']} {p['seconds']:,.0f} s" for p in phases)
+
 #: Every number of running text generated from a record: name -> (the document that quotes it, its generator).
 VALUES: dict[str, tuple[str, Callable[[Path], str]]] = {
+    "simulated-phases": ("docs/kernels.md", _simulated_phases),
     "collision-seconds": ("docs/experiments.md", _collision_seconds),
     "collision-bl-p-ab": ("README.md", _p_ab("bayesian")),
     "collision-delta-p-ab": ("README.md", _p_ab("reset")),
