@@ -19,10 +19,10 @@ def cm():
 
 # two instructions of real cuobjdump output (sm_90): an LDG that sets scoreboard 2, an R2UR that waits on it
 SASS = """
-        /*0080*/                   LDG.E.64 R6, desc[UR14][R2.64] ;                                    /* 0x0000000e02067981 */
-                                                                                                       /* 0x000ea8000c1e1b00 */
-        /*00a0*/                   R2UR UR16, R6 ;                                                     /* 0x00000000061072ca */
-                                                                                                       /* 0x004fe400000e0000 */
+   /*0080*/   LDG.E.64 R6, desc[UR14][R2.64] ;   /* 0x0000000e02067981 */
+   /* 0x000ea8000c1e1b00 */
+   /*00a0*/   R2UR UR16, R6 ;   /* 0x00000000061072ca */
+   /* 0x004fe400000e0000 */
 """
 
 
