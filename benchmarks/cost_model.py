@@ -640,13 +640,15 @@ def _cache_file(kind: str, key: str) -> Path:
 @functools.cache
 def _code_key() -> str:
     """What the recorded launches and compiled kernels depend on: the package's and fla's sources, Triton, NumPy
-    (Triton's interpreter runs on it)."""
+    (Triton's interpreter runs on it).  Not ``crossover.py``: its figures, which this script writes, only steer the
+    dispatch's choice of covariance pass, which every BL recording holds fixed (``path``)."""
     import numpy
     import triton
 
     h = hashlib.sha256(f"{triton.__version__} {numpy.__version__}".encode())
     for path in sorted((ROOT / "bayeslayer" / "ops").rglob("*.py")):
-        h.update(path.read_bytes())
+        if path.name != "crossover.py":
+            h.update(path.read_bytes())
     try:
         import fla
 
@@ -659,10 +661,20 @@ def _code_key() -> str:
 STEP_D = 16  # head dimension of the executed recordings that count chunk-loop steps (steps do not depend on D)
 
 
-def segments_at(which: str, BH: int, T: int, C: int = 64) -> int:
-    """Segments per sequence the dispatch splits a call at (B·H, T) into, by the package's own rule
-    (``choose_segment_chunks`` on the GPU's SM count); 1 for fla's GDN."""
+def path_at(which: str, BH: int, T: int, D: int) -> str | None:
+    """The covariance pass BL's dispatch runs at (B·H, T, D) on the GPU's SMs (``covariance_path``, the package's
+    own rule: ``"chain"`` or ``"scan"``); None for fla's GDN."""
     if which != "bl":
+        return None
+    from bayeslayer.ops.bayesian_layer.chunk_triton import covariance_path
+
+    return covariance_path(BH, T, D, sms=SM90["sms"])
+
+
+def segments_at(which: str, BH: int, T: int, C: int = 64, path: str | None = "scan") -> int:
+    """Segments per sequence the segment scan splits a call at (B·H, T) into, by the package's own rule
+    (``choose_segment_chunks`` on the GPU's SM count); 1 for fla's GDN and the covariance chain."""
+    if which != "bl" or path != "scan":
         return 1
     from bayeslayer.ops.bayesian_layer.scan import choose_segment_chunks
 
@@ -670,14 +682,16 @@ def segments_at(which: str, BH: int, T: int, C: int = 64) -> int:
     return math.ceil(nc / choose_segment_chunks(BH, nc, T, sms=SM90["sms"]))
 
 
-def _recording_jobs(which: str, D: int, S: int, C: int = 64) -> list[dict]:
-    """The four recordings a call's plan at any T is derived from (B = 1, one head, the dispatch held at ``S``
-    segments): two executed at head dimension :data:`STEP_D` and S·1, S·2 chunks (at least 2, 4), counting every
-    launch's chunk-loop steps; two skipped at the call's D and a multiple of 16 chunks and twice that (the
-    backward recomputes blocks of 16 chunks), giving grids, bytes and PyTorch ops.  Each quantity is linear in the
-    chunk count at fixed S, so two points give it at any T."""
+def _recording_jobs(which: str, D: int, S: int, C: int = 64, path: str | None = None) -> list[dict]:
+    """The four recordings a call's plan at any T is derived from (B = 1, one head, the dispatch held at covariance
+    pass ``path`` and ``S`` segments): two executed at head dimension :data:`STEP_D` and S·1, S·2 chunks (at least
+    2, 4), counting every launch's chunk-loop steps; two skipped at the call's D and a multiple of 16 chunks and
+    twice that (the backward recomputes blocks of 16 chunks), giving grids, bytes and PyTorch ops.  Each quantity
+    is linear in the chunk count at fixed S, so two points give it at any T."""
     n1, m1 = max(2, S), 16 * S // math.gcd(16, S)
-    common = dict(which=which, B=1, H=1, dtype="bf16", backward=True, segments=S if which == "bl" else None)
+    common = dict(which=which, B=1, H=1, dtype="bf16", backward=True, segments=S if path == "scan" else None)
+    if path is not None:
+        common["path"] = path
     return [dict(common, T=n1 * C, D=STEP_D, execute=True), dict(common, T=2 * n1 * C, D=STEP_D, execute=True),
             dict(common, T=m1 * C, D=D, execute=False), dict(common, T=2 * m1 * C, D=D, execute=False)]
 
@@ -725,19 +739,21 @@ def _lin(y1: float, y2: float, x1: float, x2: float, x: float) -> float:
     return y1 + (y2 - y1) * (x - x1) / (x2 - x1)
 
 
-def plan(which: str, BH: int, T: int, D: int, backward: bool, C: int = 64) -> dict:
+def plan(which: str, BH: int, T: int, D: int, backward: bool, C: int = 64, path: str | None = None) -> dict:
     """The launches of one call at (B·H, T, D), ready to time: each with its kernel, programs, chunk-loop steps
-    and bytes.
+    and bytes.  ``path``: BL's covariance pass (None: the dispatch's choice at this shape, :func:`path_at`).
 
-    Nothing runs at the row's shape: the dispatch's segment count S is computed for it (:func:`segments_at`), the
-    call is recorded at one head and a few chunks with S held (:func:`_recording_jobs`), and every launch's
+    Nothing runs at the row's shape: the dispatch's covariance pass and segment count S are computed for it
+    (:func:`path_at`, :func:`segments_at`), the call is recorded at one head and a few chunks with both held
+    (:func:`_recording_jobs`), and every launch's
     programs, steps and bytes, and the PyTorch ops between them, are carried linearly in the chunk count from two
     recordings to the row's T, then times B·H.  The recordings must launch the same kernels in the same order.  A
     kernel the interpreter cannot run has no counted steps: a grid that does not grow with T steps over every
     chunk, one that grows is chunk-parallel (one step)."""
     nc = math.ceil(T / C)
-    S = segments_at(which, BH, T, C)
-    jobs = _recording_jobs(which, D, S, C)
+    path = path or path_at(which, BH, T, D)
+    S = segments_at(which, BH, T, C, path)
+    jobs = _recording_jobs(which, D, S, C, path)
     ex1, ex2, sk1, sk2 = recorded_many(jobs)
     n1, n2, m1, m2 = (j["T"] // C for j in jobs)
     phases = ("fwd", "bwd") if backward else ("fwd",)
@@ -760,14 +776,15 @@ def plan(which: str, BH: int, T: int, D: int, backward: bool, C: int = 64) -> di
                     "bytes": _lin(a["arg_bytes"], b["arg_bytes"], m1, m2, nc) * BH, "phase": a["phase"]})
     key = "torch_ops_fwdbwd" if backward else "torch_ops_fwd"
     ops = max(0.0, _lin(sk1[key], sk2[key], m1, m2, nc))
-    return {"launches": out, "torch_ops": ops, "segments": S}
+    return {"launches": out, "torch_ops": ops, "segments": S, "path": path}
 
 
 def prefetch(shapes) -> None:
     """Record every (which, B·H, T, D) of ``shapes`` that is not cached yet, in one child process."""
     jobs = []
     for which, BH, T, D in shapes:
-        for j in _recording_jobs(which, D, segments_at(which, BH, T)):
+        path = path_at(which, BH, T, D)
+        for j in _recording_jobs(which, D, segments_at(which, BH, T, path=path), path=path):
             if j not in jobs:
                 jobs.append(j)
     recorded_many(jobs)
@@ -867,156 +884,63 @@ def check_gdn(out=print) -> float:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# the chain kernels (one program per sequence and head, P on chip): compiled from a source file
+# chain or segment scan: the figures of bayeslayer.ops.bayesian_layer.crossover
 # ---------------------------------------------------------------------------------------------------------------
 
-def compile_file_kernel(path: Path, fn_name: str, signature: dict, constexprs: dict, num_warps: int,
-                        meta: dict | None = None) -> Kernel:
-    """Compile kernel ``fn_name`` of the Python file ``path`` (loaded as a stand-alone module) for sm_90 with this
-    process's Triton and read its SASS (:func:`kernel_from_sass`)."""
-    import importlib.util
-    import subprocess
-    import tempfile
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    key = json.dumps([hashlib.sha256(Path(path).read_bytes()).hexdigest(), fn_name, signature, constexprs, num_warps,
-                      triton.__version__], sort_keys=True)
-    cached = _cache_file("filekernel", key)
-    if cached.is_file():
-        return Kernel.from_json(json.loads(cached.read_text()))
-    name = "cm_src_" + hashlib.sha256(str(path).encode()).hexdigest()[:8]
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, path)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    fn = getattr(sys.modules[name], fn_name)
-    sig = dict(signature, **{n: "constexpr" for n in constexprs})
-    compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs),
-                              target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
-    with tempfile.TemporaryDirectory() as tmp:
-        cubin = Path(tmp) / "k.cubin"
-        cubin.write_bytes(compiled.asm["cubin"])
-        sass = subprocess.run([str(ks.triton_bin("cuobjdump")), "-sass", str(cubin)], capture_output=True,
-                              text=True, check=True).stdout
-        usage = subprocess.run([str(ks.triton_bin("cuobjdump")), "-res-usage", str(cubin)], capture_output=True,
-                               text=True, check=True).stdout
-    res = next((ln.strip() for ln in usage.splitlines() if "REG" in ln), "")
-    k = kernel_from_sass(fn_name, sass, compiled.asm["ttgir"], num_warps, res, compiled.metadata.shared,
-                         dict(meta or {}, triton=triton.__version__, census=ks.sass_census(sass, res)))
-    cached.parent.mkdir(parents=True, exist_ok=True)
-    cached.write_text(json.dumps(k.to_json()))
-    return k
+CROSSOVER_SHAPE = (32, 32768)  # (B·H, T) the figures are taken at: the scan splits each chain into 8 segments
 
 
-def chain_kernels(path: Path, D: int, prec: str = "tf32x3", C: int = 64) -> dict:
-    """The chain's forward and backward kernels of ``path`` (``chain_triton.py``) as the chain path launches them for
-    bf16 inputs at head dimension ``D`` (scalar decay, value dim D, no variance; the forward saves its per-chunk
-    checkpoints, as it does under autograd)."""
-    BD = max(16, 1 << (D - 1).bit_length())
-    common = dict(H=16, D=D, MV=D, BD=BD, BMV=BD, C=C, DIAG=False, WANT_VAR=False, PREC=prec, INTERP=False)
-    bf, f32 = "*bf16", "*fp32"
-    fsig = dict(Q=bf, K=bf, V=bf, R2=f32, ELL2=f32, LA=f32, CU="*i64", CKO="*i64", P0=f32, W=bf, KW=bf, VU=bf,
-                GOUT=f32, VAR=f32, PT=f32, PCK=f32, FAIL="*i32")
-    bsig = dict(Q=bf, K=bf, V=bf, R2=f32, ELL2=f32, LA=f32, CU="*i64", CKO="*i64", PCK=f32, DW=bf, DKW=bf, DVU=bf,
-                DVAR=f32, DPT=f32, DQ=f32, DK=f32, DV=f32, DR2=f32, DELL2=f32, DLA=f32, DP0=f32, FAIL="*i32")
-    nw = 4 if C < 64 else 8
-    out = {"fwd": compile_file_kernel(path, "chain_forward_kernel", fsig, dict(common, SAVE_P=True), nw, {"D": D})}
-    try:
-        out["bwd"] = compile_file_kernel(path, "chain_backward_kernel", bsig, dict(common, HAS_DPT=False), nw,
-                                         {"D": D})
-    except Exception as e:  # a kernel still being written: the forward's preview stands alone
-        out["bwd_error"] = str(e).strip().splitlines()[0][:200]
-    return out
-
-
-def chain_preview(path: Path, Ds=ROW_D, out=print) -> dict:
-    """Predicted per-chunk step and forward ratio of the chain path (the chain kernel, then fla's ``fwd_h`` and
-    ``chunk_fwd_o`` as the mean pass) against GDN, from the chain kernel compiled from ``path``, and the crossover
-    against the segment scan (:func:`crossover_chains`)."""
-    res = {}
-    h = host_per_launch()
-    for D in Ds:
-        kern = chain_kernels(path, D)
-        wf = simulate_cached(kern["fwd"], max(1, math.ceil(kern["fwd"].num_warps / 4)))
-        wb = simulate_cached(kern["bwd"], max(1, math.ceil(kern["bwd"].num_warps / 4))) if "bwd" in kern else None
-        cen = {k: v.meta["census"] for k, v in kern.items() if k in ("fwd", "bwd")}
-        back = (f"backward step {wb.step:.0f} cycles = {wb.step / SM90['clock_hz'] * 1e6:.2f} us, spill "
-                f"{cen['bwd']['spill_bytes']} B, tensor-core ops {cen['bwd']['sass_tensor_core']}" if wb else
-                f"backward did not compile: {kern['bwd_error']}")
-        out(f"# chain kernels D={D} (Triton {kern['fwd'].meta['triton']}): forward step {wf.step:.0f} cycles = "
-            f"{wf.step / SM90['clock_hz'] * 1e6:.2f} us, registers {kern['fwd'].registers}, spill "
-            f"{cen['fwd']['spill_bytes']} B, shared {kern['fwd'].shared_bytes} B, tensor-core ops "
-            f"{cen['fwd']['sass_tensor_core']}; {back}")
-        res[D] = {"fwd_step_us": wf.step / SM90["clock_hz"] * 1e6,
-                  "bwd_step_us": wb.step / SM90["clock_hz"] * 1e6 if wb else None, "rows": []}
-        for BH in ROW_BH:
-            for T in ROW_T:
-                nc = math.ceil(T / 64)
-                g = plan("gdn", BH, T, D, False)
-                gdn = call_seconds(g, h)["seconds"]
-                mean = [x for x in g["launches"] if "fwd_kernel_h" in x["launch"]["kernel"]
-                        or x["launch"]["kernel"] == "chunk_fwd_kernel_o"]
-                dev = kernel_seconds(kern["fwd"], BH, nc)["seconds"] + sum(launch_seconds(x)["device_seconds"]
-                                                                        for x in mean)
-                host = (1 + len(mean)) * h[0]
-                r = max(dev, host) / gdn
-                res[D]["rows"].append({"BH": BH, "T": T, "fwd_ratio": round(r, 3)})
-        out("  fwd ratio (chain + fla fwd_h + chunk_fwd_o vs GDN): " + ", ".join(
-            f"B·H={x['BH']} T={x['T']}: {x['fwd_ratio']:.2f}" for x in res[D]["rows"]))
-    return res
-
-
-def scan_figures(D: int) -> dict:
-    """(step cycles, programs per SM) of the segment scan's kernels at head dimension ``D``, as the default path
-    launches them at B·H = 32, T = 32k (8 segments; the step at the programs per SM they run at there): Phase A's
-    chunk kernel from P = 0 and its tracking kernel, Phase B's segment step, Phase C's replay."""
-    p = plan("bl", 32, 32768, D, False)
-    names = [x["launch"]["kernel"] for x in p["launches"]]
-    b = names.index("scan_phase_b_kernel")
-    roles = {"a": max(i for i in range(b) if names[i] == "bl_chunk_cov_kernel"),
-             "track": names.index("scan_track_kernel"), "b": b,
-             "c": b + 1 + names[b + 1:].index("bl_chunk_cov_kernel")}
+def crossover_figures(D: int) -> dict:
+    """(step cycles, programs per SM) of the covariance chain's forward kernel and of the segment scan's kernels
+    at head dimension ``D``, as the dispatch launches them at :data:`CROSSOVER_SHAPE` with each path forced (the
+    step at the programs per SM they run at there): the chain's chunk step; Phase A's chunk kernel from P = 0 and
+    its tracking kernel, Phase B's segment step, Phase C's replay."""
+    BH, T = CROSSOVER_SHAPE
     out = {}
-    for role, i in roles.items():
-        k = compiled_kernel(p["launches"][i]["launch"])
-        r = kernel_seconds(k, p["launches"][i]["programs"], 1)  # the step at the occupancy it runs at there
+    chain = plan("bl", BH, T, D, False, path="chain")["launches"]
+    scan = plan("bl", BH, T, D, False, path="scan")["launches"]
+    names = [x["launch"]["kernel"] for x in scan]
+    b = names.index("scan_phase_b_kernel")
+    picks = {"chain": next(x for x in chain if x["launch"]["kernel"] == "chain_forward_kernel"),
+             "a": scan[max(i for i in range(b) if names[i] == "bl_chunk_cov_kernel")],
+             "track": scan[names.index("scan_track_kernel")], "b": scan[b],
+             "c": scan[b + 1 + names[b + 1:].index("bl_chunk_cov_kernel")]}
+    for role, x in picks.items():
+        k = compiled_kernel(x["launch"])
+        r = kernel_seconds(k, x["programs"], 1)
         out[role] = [round(r["step_cycles"]), occupancy(k)]
     return out
 
 
-def crossover(path: Path, out=print) -> dict:
-    """The figures of ``bayeslayer.ops.bayesian_layer.crossover`` (chain kernel from ``path``, the scan's from the
-    default path) and the crossover they give per D and T."""
+def crossover(out=print) -> dict:
+    """The figures of ``bayeslayer.ops.bayesian_layer.crossover`` from the kernels as the dispatch launches them,
+    the chain kernel's census, and the crossover they give per D and T."""
     from bayeslayer.ops.bayesian_layer import crossover as xo
+    from bayeslayer.ops.bayesian_layer.chunk_triton import CHAIN_CHUNK_SIZE
 
     figures, chain = {}, {}
     for D in ROW_D:
-        kern = chain_kernels(path, D)
-        k = kern["fwd"]
-        occ = occupancy(k)
-        w = simulate_cached(k, max(1, math.ceil(occ * k.num_warps / 4)))
-        figures[D] = {"chain": [round(w.step), occ], **scan_figures(D)}
+        figures[D] = crossover_figures(D)
+        x = next(x for x in plan("bl", *CROSSOVER_SHAPE, D, False, path="chain")["launches"]
+                 if x["launch"]["kernel"] == "chain_forward_kernel")
+        k = compiled_kernel(x["launch"])
+        w = simulate_cached(k, max(1, math.ceil(k.num_warps / 4)))
         chain[D] = {"registers": k.registers, "shared_bytes": k.shared_bytes,
                     "spill_bytes": k.meta["census"]["spill_bytes"],
                     "sass_tensor_core": k.meta["census"]["sass_tensor_core"],
-                    "step_us": w.step / SM90["clock_hz"] * 1e6, "backward": kern.get("bwd_error") or "compiled",
+                    "step_us": figures[D]["chain"][0] / SM90["clock_hz"] * 1e6,
                     "step_instructions_per_warp": sum(w.step_counts.values()),
                     "step_counts": {o: w.step_counts.get(o, 0) for o in ("HMMA", "BAR", "LDL", "STL", "LDS", "STS",
                                                                          "SHFL", "FFMA")}}
         out(f"# D={D}: step cycles (programs per SM) " + ", ".join(f"{r} {c} ({o})" for r, (c, o) in
                                                                  figures[D].items()))
-    tab = {str(D): {str(T): xo.crossover_chains(math.ceil(T / 64), D, figures={d: {r: tuple(v) for r, v in f.items()}
-                                                                               for d, f in figures.items()})
-                    for T in (4160, *ROW_T[1:])} for D in ROW_D}
+    chunks = {"chain": CHAIN_CHUNK_SIZE, "scan": 64}
+    figs = {d: {r: tuple(v) for r, v in f.items()} for d, f in figures.items()}
+    tab = {str(D): {str(T): xo.crossover_chains(T, D, figures=figs, chunks=chunks) for T in (4160, *ROW_T[1:])}
+           for D in ROW_D}
     out("# chains below which the scan is predicted faster (of 132 SMs): " + "; ".join(
         f"D={D}: " + ", ".join(f"T={T} {n}" for T, n in v.items()) for D, v in tab.items()))
-    preview = chain_preview(path, out=out)
-    return {"figures": figures, "chain_kernel": chain, "crossover_chains": tab,
-            "chain_path_fwd_ratio": {str(D): preview[D]["rows"] for D in preview}}
+    return {"figures": figures, "chunks": chunks, "chain_kernel": chain, "crossover_chains": tab}
 
 
 def main(argv=None) -> int:
@@ -1026,29 +950,22 @@ def main(argv=None) -> int:
     p.add_argument("--check-gdn", action="store_true")
     p.add_argument("--json", action="store_true")
     p.add_argument("--out", type=Path, help="with --json or --crossover: also write a record (with provenance) here")
-    p.add_argument("--note", default="", help="with --crossover --out: what the chain source is (kept in the record)")
-    p.add_argument("--chain-preview", metavar="CHAIN_TRITON_PY", type=Path,
-                   help="predict the chain kernels compiled from this chain_triton.py")
-    p.add_argument("--crossover", metavar="CHAIN_TRITON_PY", type=Path,
-                   help="the chain-or-scan figures (bayeslayer.ops.bayesian_layer.crossover) with this chain kernel")
+    p.add_argument("--crossover", action="store_true",
+                   help="the chain-or-scan figures (bayeslayer.ops.bayesian_layer.crossover); --out: their record")
     args = p.parse_args(argv)
-    if args.chain_preview:
-        chain_preview(args.chain_preview)
-        return 0
     if args.crossover:
         import triton
 
-        res = crossover(args.crossover)
+        res = crossover()
         if args.out:
             from bayeslayer.experiments.common.provenance import write_record
 
-            src = args.crossover.read_bytes()
             write_record(args.out, {
-                "what": "step cycles (programs per SM) of the chain kernel and of the segment scan's kernels for "
-                        "bayeslayer.ops.bayesian_layer.crossover, predicted from their sm_90 SASS; crossover_chains: "
-                        "per D and T, the chain count below which the scan is predicted faster",
-                "triton": triton.__version__, "chain_source_sha256": hashlib.sha256(src).hexdigest(),
-                "chain_source_note": args.note, **res})
+                "what": "step cycles (programs per SM) of the covariance chain's forward kernel and of the segment "
+                        "scan's kernels for bayeslayer.ops.bayesian_layer.crossover, predicted from their sm_90 "
+                        "SASS; chunks: the tokens per step of each; crossover_chains: per D and T, the largest "
+                        "chain count at which the scan is predicted faster",
+                "triton": triton.__version__, **res})
         return 0
     if args.check_gdn:
         check_gdn()

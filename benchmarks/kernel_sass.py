@@ -267,12 +267,32 @@ def _segments(n: int | None):
         scan.choose_segment_chunks = original
 
 
+@contextlib.contextmanager
+def _path(path: str | None):
+    """The dispatch runs covariance pass ``path`` (``"chain"`` or ``"scan"``) whatever ``covariance_path`` would
+    choose for the recorded shape: a call recorded at one head and a few chunks then launches what the dispatch
+    chooses at the full shape, where that same function is asked."""
+    if path is None:
+        yield
+        return
+    from bayeslayer.ops.bayesian_layer import chunk_triton
+
+    original = chunk_triton.covariance_path
+    chunk_triton.covariance_path = lambda *a, **kw: path
+    try:
+        yield
+    finally:
+        chunk_triton.covariance_path = original
+
+
 def record_in_process(which: str, B: int, T: int, H: int, D: int, dtype: str = "bf16", backward: bool = False,
-                      sms: int | None = None, segments: int | None = None, execute: bool = False) -> dict:
+                      sms: int | None = None, segments: int | None = None, execute: bool = False,
+                      path: str | None = None) -> dict:
     """The launches of one call (:data:`CALLS`), in launch order, recorded in this process (which must have
     ``TRITON_INTERPRET=1`` set before Triton was imported).  Forward launches are tagged ``phase: "fwd"``, the
     backward's ``"bwd"``.  ``sms``: the SM count the dispatch sees; ``segments``: the segment count the scan uses
-    (:func:`_segments`); ``execute``: run the kernels and count their chunk-loop steps (:func:`_recording`)."""
+    (:func:`_segments`); ``execute``: run the kernels and count their chunk-loop steps (:func:`_recording`);
+    ``path``: the covariance pass BL's dispatch runs (:func:`_path`; None: its own choice)."""
     import torch
 
     if os.environ.get("TRITON_INTERPRET") != "1":
@@ -289,7 +309,7 @@ def record_in_process(which: str, B: int, T: int, H: int, D: int, dtype: str = "
     ops_f: list = []
     ops_fb: list = []
     modules = ("fla.ops.gated_delta_rule", *mean_pass_fla.FLA_MODULES)
-    with _sms(sms), _segments(segments), mean_pass_fla.one_autotune_config(modules):
+    with _sms(sms), _segments(segments), _path(path), mean_pass_fla.one_autotune_config(modules):
         with _recording(fwd, execute=execute), _op_counter(ops_f):
             CALLS[which](x, False)
         allx: list = []
