@@ -15,18 +15,19 @@ float64, then one per head dim at the rows' own compile shapes in the rows' dtyp
 pass included), with fla's autotuning pinned to each kernel's first config (``--fla-autotune pin``) or run once per
 head dim in that check (``warm``; its autotune keys do not include T), then the forward rows in order of
 cost: latency (B = 2, H = 16) and full occupancy (``--occ-B`` × H ≥ 132) for T ∈ {2k, 8k, 32k}
-× D ∈ {64, 128, 256}, each with GDN's forward, BL's forward (``ops/bayesian_layer/scan_triton.py``; with fla's
-mean pass, ``bl_fwd_s``, and with our mean kernel — what ``bl_chunk(backend="triton")`` runs —
-``bl_own_mean_fwd_s``; that one again without the prep kernel, ``bl_own_mean_noprep_fwd_s``), the
-BL/GDN ratio, per-phase times, peak memory (none started after ``--fwd-budget-s``); then the forward+backward
-rows (below); then a segment-count
+× D ∈ {64, 128, 256}, each with GDN's forward and BL's forward on both covariance passes, with fla's mean pass:
+the covariance chain (``bl_chain_fwd_s``) and the segment scan (``ops/bayesian_layer/scan_triton.py``,
+``bl_scan_fwd_s``, with per-phase times); ``bl_path`` is the one ``covariance_path`` picks for the row (the
+default path), ``bl_fwd_s`` and ``ratio_fwd`` (BL/GDN) are its, ``ratio_fwd_chain`` and ``ratio_fwd_scan`` both's;
+peak memory (none started after ``--fwd-budget-s``); then the forward+backward rows (below); then a segment-count
 sweep.  The JSON is rewritten after every row, and no row starts after ``--budget-s``.
 
 Forward+backward of the same rows (``--no-bwd``: forwards only): time and peak memory
 (above the inputs; the peak-memory call doubles as the warm-up, then ``--bwd-reps`` timed calls, default 2) of
 BL ``bl_chunk_triton(..., path="scan")`` (``bl_scan_fwdbwd_*``: the segment scan), BL ``path="chain"``
-(``bl_chain_fwdbwd_*``: the covariance chain, the default; ``ratio_fwdbwd_chain``) and fla's
-``chunk_gated_delta_rule`` (``gdn_fwdbwd_*``), with ``ratio_fwdbwd`` and ``ratio_fwdbwd_mem`` (BL scan / GDN),
+(``bl_chain_fwdbwd_*``: the covariance chain) and fla's ``chunk_gated_delta_rule`` (``gdn_fwdbwd_*``), with
+``ratio_fwdbwd`` and ``ratio_fwdbwd_mem`` (the default path, ``bl_path``, over GDN), ``ratio_fwdbwd_chain`` and
+``ratio_fwdbwd_scan``,
 and BL's scan forward+backward again at chunk ``--alt-chunk`` (default 32; 0: not), ``ratio_fwdbwd_alt_chunk``.
 Gradients: BL's of q, k, v, r2, ell2, alpha, GDN's of q, k, v, g = log α, β — what a layer, whose projections
 produce all of them, needs; the adjoint of o is a fixed N(0, 1) draw.  A measurement is not started once the
@@ -397,6 +398,28 @@ def _bl_fwdbwd(x, chunk_size, path: str, do):
     return fn
 
 
+def _bl_fwd(x, path: str | None = None):
+    """BL's forward without autograd, ``bl_chunk_triton(..., path=)`` (None: the default path, what
+    ``covariance_path`` picks for the shape; ``"chain"`` or ``"scan"`` forces one), fla's mean pass after it."""
+    from bayeslayer.ops.bayesian_layer.chunk_triton import bl_chunk_triton
+
+    pin = _fla_first_config if x["q"].device.type == "cpu" else contextlib.nullcontext
+
+    def fwd():
+        with torch.no_grad(), pin():
+            return bl_chunk_triton(*(x[n] for n in BL_LEAVES), path=path)
+
+    return fwd
+
+
+def _bl_path(x) -> str:
+    """The covariance pass the dispatch runs for the inputs ``x`` (``chunk_triton.covariance_path``)."""
+    from bayeslayer.ops.bayesian_layer import chunk_triton
+
+    B, T, H, D = x["q"].shape
+    return chunk_triton.covariance_path(B * H, T, D, sms=chunk_triton._sms(x["q"].device))
+
+
 def _gdn_call(q, k, v, g, beta, naive: str | None = None):
     """fla's GDN on CUDA (``chunk_gated_delta_rule``); ``naive`` ("recurrent" or "chunk"): fla's PyTorch references
     (differentiable; the dry run's stand-in, and the check's reference)."""
@@ -575,6 +598,12 @@ def scan_check(args, device: str, guard: dict | None = None) -> dict:
     o, var, M, P = forward_scan_triton(q, k, v, r2, ell2, alpha, 1.0, None, None, cu, 16, True, segment_chunks=2)
     out["scan_fp64_rel_err"] = max(((a - b).abs().max() / b.abs().max()).item()
                                    for a, b in ((o, ref[0]), (var, ref[1]), (M, ref[2][0]), (P, ref[2][1])))
+    from bayeslayer.ops.bayesian_layer.chunk_triton import bl_chunk_triton
+
+    o, var, (M, P) = bl_chunk_triton(q, k, v, r2, ell2, alpha, cu_seqlens=cu, output_final_state=True,
+                                     return_variance=True, path="chain")  # the default path's covariance chain
+    out["chain_fp64_rel_err"] = max(((a - b).abs().max() / b.abs().max()).item()
+                                    for a, b in ((o, ref[0]), (var, ref[1]), (M, ref[2][0]), (P, ref[2][1])))
     if device == "cuda":
         Kf, Vf = 64, 64
         kk = torch.randn(1, T, H, Kf, device=device) * 0.1
@@ -627,7 +656,8 @@ def _check_row_values(args, device: str, dtype: torch.dtype, D: int) -> dict:
     """Values at a row's own compile shape before it is timed: head dim ``D``, chunk ``args.chunk_size``, the rows'
     dtype (bf16 on the device: BL's fp32 kernels hand w and the substituted tensors to fla's mean pass in bf16, as
     GDN runs its own), T = the shortest row's, H = ``args.H``, B = 1.  Max relative error of o against float64
-    references on the same (rounded) inputs: BL's scan forward (fla's mean pass) against ``bl_chunk`` in float64,
+    references on the same (rounded) inputs: BL's default forward (``bl_path``: the covariance pass
+    ``covariance_path`` picks for the shape; fla's mean pass) against ``bl_chunk`` in float64,
     GDN's ``chunk_gated_delta_rule`` against fla's naive recurrent reference in float32.  Their first calls are
     fla's forward autotuning and the kernels' compiles for this D, which the rows then reuse."""
     from bayeslayer.ops import bl_chunk
@@ -638,7 +668,8 @@ def _check_row_values(args, device: str, dtype: torch.dtype, D: int) -> dict:
     t0 = time.time()
     x = _make_inputs(1, T, args.H, D, dtype, device, seed=7)
     try:
-        o = _scan_fwd(x, args.chunk_size)()[0]
+        out["bl_path"] = _bl_path(x)
+        o = _bl_fwd(x)()[0]
         _sync(device)
         out["bl_first_call_s"] = round(time.time() - t0, 1)
         x64 = {n: t.double() for n, t in x.items()}
@@ -663,26 +694,26 @@ def _check_row_values(args, device: str, dtype: torch.dtype, D: int) -> dict:
 
 
 def _fwd_row(rec: dict, x: dict, args, device: str) -> None:
-    """A row's forwards (into ``rec``): GDN's, BL's with fla's mean pass (and per phase), with ours, ours without
-    the prep kernel; the ratio BL (fla mean) / GDN and peak memories."""
+    """A row's forwards (into ``rec``): GDN's, then BL's on the default path first (``bl_path``, what
+    ``covariance_path`` picks; ``bl_fwd_s``, ``ratio_fwd``), then on the other covariance pass; the scan's per
+    phase, peak memories."""
     gdn = _gdn_fwd(x)
     rec["gdn_fwd_s"] = _time_any(gdn, args.reps, args.warmup, device)
     rec["gdn_mem"] = _peak_any(gdn, device)
-    bl = _scan_fwd(x, args.chunk_size)
-    rec["bl_fwd_s"] = _time_any(bl, args.reps, args.warmup, device)
-    rec["bl_mem"] = _peak_any(bl, device)
+    rec["bl_path"] = _bl_path(x)
+    for path in sorted(("chain", "scan"), key=lambda p: p != rec["bl_path"]):
+        fn = _bl_fwd(x, "chain") if path == "chain" else _scan_fwd(x, args.chunk_size)
+        rec[f"bl_{path}_fwd_s"] = _time_any(fn, args.reps, args.warmup, device)
+        rec[f"bl_{path}_mem"] = _peak_any(fn, device)
+        rec[f"ratio_fwd_{path}"] = rec[f"bl_{path}_fwd_s"] / rec["gdn_fwd_s"]
+        if path == rec["bl_path"]:
+            rec["bl_fwd_s"], rec["bl_mem"], rec["ratio_fwd"] = (rec[f"bl_{path}_fwd_s"], rec[f"bl_{path}_mem"],
+                                                                rec[f"ratio_fwd_{path}"])
+            rec["ratio_mem"] = rec["bl_mem"] / rec["gdn_mem"] if rec["gdn_mem"] else None
+            rec["bl_tok_s"] = rec["B"] * rec["T"] / rec["bl_fwd_s"]
     phases: dict = {}
     _scan_fwd(x, args.chunk_size, timings=phases)()
-    rec["bl_phases_s"] = phases
-    # the wired default (bl_chunk(backend="triton")): the same scan with our mean kernel
-    rec["bl_own_mean_fwd_s"] = _time_any(_scan_fwd(x, args.chunk_size, mean="triton"), args.reps, args.warmup,
-                                         device)
-    # the same without the prep kernel: does taking the P-free terms out of the chunk loop pay?
-    rec["bl_own_mean_noprep_fwd_s"] = _time_any(_scan_fwd(x, args.chunk_size, mean="triton", prep=False),
-                                                args.reps, args.warmup, device)
-    rec["ratio_fwd"] = rec["bl_fwd_s"] / rec["gdn_fwd_s"]
-    rec["ratio_mem"] = rec["bl_mem"] / rec["gdn_mem"] if rec["gdn_mem"] else None
-    rec["bl_tok_s"] = rec["B"] * rec["T"] / rec["bl_fwd_s"]
+    rec["bl_scan_phases_s"] = phases
 
 
 def _fwdbwd_row(rec: dict, x: dict, args, device: str, t_start: float) -> None:
@@ -699,15 +730,18 @@ def _fwdbwd_row(rec: dict, x: dict, args, device: str, t_start: float) -> None:
             rec[f"{key}_fwdbwd_guard_hit"] = _guard_hit(err)
         if device == "cuda":
             torch.cuda.empty_cache()
-    if "bl_scan_fwdbwd_s" in rec and "gdn_fwdbwd_s" in rec:
-        rec["ratio_fwdbwd"] = rec["bl_scan_fwdbwd_s"] / rec["gdn_fwdbwd_s"]
-        rec["ratio_fwdbwd_mem"] = (rec["bl_scan_fwdbwd_mem"] / rec["gdn_fwdbwd_mem"]
-                                   if rec["gdn_fwdbwd_mem"] else None)
-        if "bl_chain_fwdbwd_s" in rec:
-            rec["ratio_fwdbwd_chain"] = rec["bl_chain_fwdbwd_s"] / rec["gdn_fwdbwd_s"]
+    path = rec.setdefault("bl_path", _bl_path(x))
+    if "gdn_fwdbwd_s" in rec:
+        for key in ("chain", "scan"):
+            if f"bl_{key}_fwdbwd_s" in rec:
+                rec[f"ratio_fwdbwd_{key}"] = rec[f"bl_{key}_fwdbwd_s"] / rec["gdn_fwdbwd_s"]
+        if f"bl_{path}_fwdbwd_s" in rec:  # the default path's
+            rec["ratio_fwdbwd"] = rec[f"ratio_fwdbwd_{path}"]
+            rec["ratio_fwdbwd_mem"] = (rec[f"bl_{path}_fwdbwd_mem"] / rec["gdn_fwdbwd_mem"]
+                                       if rec["gdn_fwdbwd_mem"] else None)
+            rec["bl_fwdbwd_tok_s"] = rec["B"] * rec["T"] / rec[f"bl_{path}_fwdbwd_s"]
         if f"bl_scan_c{args.alt_chunk}_fwdbwd_s" in rec:  # the same scan backward at the other chunk size
             rec["ratio_fwdbwd_alt_chunk"] = rec[f"bl_scan_c{args.alt_chunk}_fwdbwd_s"] / rec["gdn_fwdbwd_s"]
-    rec["bl_scan_fwdbwd_tok_s"] = rec["B"] * rec["T"] / rec["bl_scan_fwdbwd_s"] if "bl_scan_fwdbwd_s" in rec else None
 
 
 def run_scan(args, save) -> list[dict]:
@@ -822,11 +856,11 @@ def _run_scan(args, save) -> list[dict]:
         try:
             _fwd_row(rec, _make_inputs(B, T, args.H, D, dtype, device), args, device)
             measured.append(rec)
-            print(f"{head} GDN {rec['gdn_fwd_s'] * 1e3:8.2f} ms | BL "
-                  f"{rec['bl_fwd_s'] * 1e3:8.2f} ms (own mean {rec['bl_own_mean_fwd_s'] * 1e3:.2f}, without prep "
-                  f"{rec['bl_own_mean_noprep_fwd_s'] * 1e3:.2f}) | ratio {rec['ratio_fwd']:6.2f} | mem ratio "
-                  f"{rec['ratio_mem'] or float('nan'):5.2f} | phases ms "
-                  f"{json.dumps({n: round(v * 1e3, 2) for n, v in rec['bl_phases_s'].items()})}", flush=True)
+            print(f"{head} GDN {rec['gdn_fwd_s'] * 1e3:8.2f} ms | BL ({rec['bl_path']}) "
+                  f"{rec['bl_fwd_s'] * 1e3:8.2f} ms (chain {rec['bl_chain_fwd_s'] * 1e3:.2f}, scan "
+                  f"{rec['bl_scan_fwd_s'] * 1e3:.2f}) | ratio {rec['ratio_fwd']:6.2f} | mem ratio "
+                  f"{rec['ratio_mem'] or float('nan'):5.2f} | scan phases ms "
+                  f"{json.dumps({n: round(v * 1e3, 2) for n, v in rec['bl_scan_phases_s'].items()})}", flush=True)
         except Exception as err:  # one failing row (OOM, compile error) must not hide the others
             rec["error"] = f"{type(err).__name__}: {str(err)[:300]}"
             print(f"{head} forward failed: {rec['error']}", flush=True)
@@ -865,7 +899,7 @@ def _run_scan(args, save) -> list[dict]:
         _fwdbwd_row(rec, x, args, device, t_start)
         x = None  # this row's inputs go before the next row allocates its own
         print(f"{head} f+b GDN {_fwdbwd_cols(rec, 'gdn')} | BL scan "
-              f"{_fwdbwd_cols(rec, 'bl_scan')} | chain {_fwdbwd_cols(rec, 'bl_chain')} | ratio "
+              f"{_fwdbwd_cols(rec, 'bl_scan')} | chain {_fwdbwd_cols(rec, 'bl_chain')} | ratio ({rec['bl_path']}) "
               f"{rec.get('ratio_fwdbwd') or float('nan'):6.2f} | mem ratio "
               f"{rec.get('ratio_fwdbwd_mem') or float('nan'):5.2f}"
               + (f" | chunk {args.alt_chunk}: {_fwdbwd_cols(rec, f'bl_scan_c{args.alt_chunk}')}, ratio "
@@ -904,8 +938,9 @@ def _run_scan(args, save) -> list[dict]:
 def _print_scan_table(rows: list[dict]) -> None:
     """The rows of :func:`run_scan`, one line each: forward and forward+backward ms, ratios, peak GiB."""
     header = (f"{'kind':>9} {'B':>2} {'T':>6} {'D':>4} | {'GDN fwd':>8} {'BL fwd':>8} {'ratio':>6} | {'GDN f+b':>8} "
-              f"{'BL scan':>8} {'blockw.':>8} {'ratio':>6} | {'GDN GiB':>7} {'BL GiB':>7} {'ratio':>6}")
-    print("# ms (median), peak GiB above the inputs of forward+backward; ratios BL (fla mean; scan backward) / GDN")
+              f"{'BL scan':>8} {'chain':>8} {'ratio':>6} | {'GDN GiB':>7} {'BL GiB':>7} {'ratio':>6} | path")
+    print("# ms (median), peak GiB above the inputs of forward+backward; ratios BL (its default path, fla's mean "
+          "pass) / GDN")
     print(header)
     print("-" * len(header))
     nan = float("nan")
@@ -923,7 +958,8 @@ def _print_scan_table(rows: list[dict]) -> None:
               f"{ms(rec, 'bl_fwd_s'):>8.2f} {rec.get('ratio_fwd') or nan:>6.2f} | {ms(rec, 'gdn_fwdbwd_s'):>8.2f} "
               f"{ms(rec, 'bl_scan_fwdbwd_s'):>8.2f} {ms(rec, 'bl_chain_fwdbwd_s'):>8.2f} "
               f"{rec.get('ratio_fwdbwd') or nan:>6.2f} | {gib(rec, 'gdn_fwdbwd_mem'):>7.3f} "
-              f"{gib(rec, 'bl_scan_fwdbwd_mem'):>7.3f} {rec.get('ratio_fwdbwd_mem') or nan:>6.2f}", flush=True)
+              f"{gib(rec, 'bl_' + str(rec.get('bl_path')) + '_fwdbwd_mem'):>7.3f} "
+              f"{rec.get('ratio_fwdbwd_mem') or nan:>6.2f} | {rec.get('bl_path')}", flush=True)
 
 
 # SASS opcode families counted by the census (``cuobjdump -sass``): the tensor-core matrix instructions

@@ -7,17 +7,18 @@
 # First it installs .whl/ offline (pip --no-index --no-deps --find-links .whl, into $SITE) unless fla is already
 # importable, and stops with one line if `import fla.ops.gated_delta_rule` still fails.  Then the phases, in order,
 # each in its own process (a CUDA fault in one cannot poison the next) with its own time limit:
-#   check     benchmarks/gpu.py --scan --phase check: the forward value checks (small, then one per head dim at the
-#             rows' own compile shapes with the bf16 hand-off to fla's mean pass; fla's forward autotuning and the
-#             forward compiles happen here) -> scan_check.json
-#   fwd       --phase fwd: the forward BL-vs-GDN rows, cheapest first, none started after SCAN_FWD_S - 15 s
-#             -> scan_fwd.json
+#   check     benchmarks/gpu.py --scan --phase check: the forward value checks (small, the scan's and the chain's
+#             in float64, then the default path's once per head dim at the rows' own compile shapes with the bf16
+#             hand-off to fla's mean pass; fla's forward autotuning and the forward compiles happen here)
+#             -> scan_check.json
+#   fwd       --phase fwd: the forward BL-vs-GDN rows (the default path first, then the other covariance pass),
+#             cheapest first, none started after SCAN_FWD_S - 15 s -> scan_fwd.json
 #   fwdbwd    --phase fwdbwd: the backward's value checks (fla's GDN backward against its naive reference, BL's
 #             backward against the PyTorch path), then the forward+backward rows, none started after FWDBWD_S - 20 s
 #             -> scan_fwdbwd.json.  fla's Hopper guard (fla #640: Triton < 3.7.1 refuses its gated backward on
 #             Hopper) is recorded and bypassed (--gdn-bypass-hopper-guard); the check measures the bypassed kernels'
 #             values before any row times them.  SCAN_ARGS adds arguments to all three.
-#   gputests  the segment-scan and backward tests, compiled on the GPU, fla's fp32 tl.dot pinned to IEEE
+#   gputests  the covariance chain's, the segment scan's and the backward's tests, compiled on the GPU, fla's fp32 tl.dot pinned to IEEE
 #             (TRITON_F32_DEFAULT=ieee, in a Triton cache of its own: the default is not part of Triton's cache
 #             key) and, where it is active, fla's Hopper guard bypassed (BL_TEST_BYPASS_FLA_HOPPER_GUARD=1; the
 #             tests then check those kernels' values)
@@ -118,15 +119,15 @@ for phase in $PHASES; do
         --fwd-budget-s "$SCAN_FWD_S" --budget-s $((SCAN_S - 30)) --out "$OUT/scan.json" ${SCAN_ARGS:-} ;;
     gputests)
       if [ "$DRY_RUN" = 1 ]; then  # the interpreter runs the kernels in NumPy: collect all, run one
-        tests="--collect-only -q tests/ops/test_scan_fla.py tests/ops/test_scan_grad.py tests/ops/test_scan_triton.py
-               tests/ops/test_scan_backward_triton.py tests/ops/test_scan_ldl.py"
+        tests="--collect-only -q tests/ops/test_chain.py tests/ops/test_scan_fla.py tests/ops/test_scan_grad.py
+               tests/ops/test_scan_triton.py tests/ops/test_scan_backward_triton.py tests/ops/test_scan_ldl.py"
         timeout "$GPUTEST_S" "$PY" -m pytest -p no:cacheprovider $tests | tail -3 \
           && timeout "$GPUTEST_S" "$PY" -m pytest -q -p no:cacheprovider \
             "tests/ops/test_scan_fla.py::test_mean_pass_fla_equals_twin[False]"
       else
         TRITON_INTERPRET=0 TRITON_F32_DEFAULT=ieee TRITON_CACHE_DIR="$TRITON_CACHE_DIR-f32ieee" \
           BL_TEST_BYPASS_FLA_HOPPER_GUARD=1 timeout "$GPUTEST_S" "$PY" -m pytest -q -rf -p no:cacheprovider $xdist \
-          tests/ops/test_scan_fla.py tests/ops/test_scan_grad.py tests/ops/test_scan_triton.py \
+          tests/ops/test_chain.py tests/ops/test_scan_fla.py tests/ops/test_scan_grad.py tests/ops/test_scan_triton.py \
           tests/ops/test_scan_backward_triton.py tests/ops/test_scan_ldl.py
       fi ;;
     census)

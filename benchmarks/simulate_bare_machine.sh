@@ -88,8 +88,9 @@ scan = {ph: json.loads((out / f"scan_{ph}.json").read_text())["rows"] for ph in 
 check = next(r for r in scan["check"] if r["kind"] == "check")
 problems += [f"check {k}: {v}" for ph in scan for r in scan[ph] if r.get("kind") == "check"
              for k, v in r.items() if k.endswith("_error")]
-if not check["scan_fp64_rel_err"] <= 1e-10:
-    problems.append(f"scan float64 error {check['scan_fp64_rel_err']}")
+for key in ("scan_fp64_rel_err", "chain_fp64_rel_err"):
+    if not check.get(key, 1) <= 1e-10:
+        problems.append(f"check {key}: {check.get(key)}")
 row_checks = [r for r in scan["check"] if r["kind"] == "row_check"]
 problems += [f"row check D={r['D']}: {r.get('bl_error') or r.get('gdn_error')}" for r in row_checks
              if "bl_error" in r or "gdn_error" in r]
