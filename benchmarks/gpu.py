@@ -521,9 +521,10 @@ def _check_gdn_backward(device: str, dry_run: bool) -> dict:
 
 
 def _check_bl_backward(device: str, dry_run: bool) -> dict:
-    """BL's segment-scan gradients (of o and the final M, P) against the PyTorch chunk path's autograd in
-    float64, on packed ragged sequences with segment boundaries inside them: max relative error per input of
-    :data:`BL_LEAVES`, in float64 (the Triton B2–B4 kernels; fla's mean-pass kernels are twins in float64) and
+    """BL's gradients (of o and the final M, P) on both covariance passes — the covariance chain's reverse chain
+    (the default path, ``bl_chain_bwd_*``) and the segment scan's backward (``bl_scan_bwd_*``) — against the
+    PyTorch chunk path's autograd in float64, on packed ragged sequences with segment boundaries inside them: max
+    relative error per input of :data:`BL_LEAVES`, in float64 (fla's mean-pass kernels are twins in float64) and
     in fp32 (the same against the float64 reference, with fla's mean-pass backward kernels on CUDA — pinned to
     their first config — which fla's Hopper guard may refuse)."""
     from bayeslayer.ops import bl_chunk
@@ -546,23 +547,30 @@ def _check_bl_backward(device: str, dry_run: bool) -> dict:
                              backend="torch")
         return o, M, P
 
-    def scan_path(**kw):
-        o, (M, P) = bl_chunk_triton(*(kw[n] for n in BL_LEAVES), chunk_size=16, cu_seqlens=cu_t,
-                                    output_final_state=True, n_segments=n_seg)
-        return o, M, P
+    def triton_path(path):
+        extra = dict(n_segments=n_seg) if path == "scan" else dict(path="chain")
+
+        def call(**kw):
+            o, (M, P) = bl_chunk_triton(*(kw[n] for n in BL_LEAVES), chunk_size=16, cu_seqlens=cu_t,
+                                        output_final_state=True, **extra)
+            return o, M, P
+
+        return call
 
     ref = _grads_of(torch_path, {n: x[n].clone().requires_grad_(True) for n in BL_LEAVES}, seed=6)
-    for dtype, tag in ((torch.float64, "fp64"), (torch.float32, "fp32")):
-        try:
-            with _fla_first_config():
-                leaves = {n: x[n].detach().to(dtype).clone().requires_grad_(True) for n in BL_LEAVES}
-                got = _grads_of(scan_path, leaves, seed=6)
-            errs = {n: _rel(got[n], ref[n]) for n in BL_LEAVES}
-            out[f"bl_scan_bwd_{tag}_rel_err"] = errs
-            out[f"bl_scan_bwd_{tag}_max_rel_err"] = max(errs.values())
-        except Exception as err:
-            out[f"bl_scan_bwd_{tag}_guard_hit"] = _guard_hit(err)
-            out[f"bl_scan_bwd_{tag}_error"] = f"{type(err).__name__}: {str(err)[:300]}"
+    for path in ("chain", "scan"):
+        for dtype, tag in ((torch.float64, "fp64"), (torch.float32, "fp32")):
+            key = f"bl_{path}_bwd_{tag}"
+            try:
+                with _fla_first_config():
+                    leaves = {n: x[n].detach().to(dtype).clone().requires_grad_(True) for n in BL_LEAVES}
+                    got = _grads_of(triton_path(path), leaves, seed=6)
+                errs = {n: _rel(got[n], ref[n]) for n in BL_LEAVES}
+                out[f"{key}_rel_err"] = errs
+                out[f"{key}_max_rel_err"] = max(errs.values())
+            except Exception as err:
+                out[f"{key}_guard_hit"] = _guard_hit(err)
+                out[f"{key}_error"] = f"{type(err).__name__}: {str(err)[:300]}"
     return out
 
 

@@ -91,6 +91,10 @@ problems += [f"check {k}: {v}" for ph in scan for r in scan[ph] if r.get("kind")
 for key in ("scan_fp64_rel_err", "chain_fp64_rel_err"):
     if not check.get(key, 1) <= 1e-10:
         problems.append(f"check {key}: {check.get(key)}")
+bwd = next(r for r in scan["fwdbwd"] if r["kind"] == "check")
+for key in ("bl_chain_bwd_fp64_max_rel_err", "bl_scan_bwd_fp64_max_rel_err"):
+    if not bwd.get(key, 1) <= 1e-10:
+        problems.append(f"backward check {key}: {bwd.get(key)}")
 row_checks = [r for r in scan["check"] if r["kind"] == "row_check"]
 problems += [f"row check D={r['D']}: {r.get('bl_error') or r.get('gdn_error')}" for r in row_checks
              if "bl_error" in r or "gdn_error" in r]
