@@ -668,6 +668,26 @@ def cost_model_table(root: Path) -> str:
     return "\n".join(lines)
 
 
+def crossover_table(root: Path) -> str:
+    """The chain-or-scan figures (``benchmarks/cost_model.py --crossover --out``): per head dim, each covariance
+    kernel's predicted step (µs at the model's clock; tokens per step) and the chain counts below which the scan
+    is predicted faster."""
+    rec = _load(root, "results/cost_model/crossover_sm90_triton3.6.json")
+    clock = _load(root, "results/cost_model/default_rows_sm90_triton3.6.json")["clock_hz"]  # the model's SM clock
+    Ts = sorted({int(T) for by_T in rec["crossover_chains"].values() for T in by_T})
+    lines = [_row(["D", "chain step µs (C = {})".format(rec["chunks"]["chain"]),
+                   "scan steps µs (C = {}): Phase A, tracking, Phase B, Phase C".format(rec["chunks"]["scan"]),
+                   "chain registers / spill B / tensor-core ops", *[f"scan faster below, T = {T}" for T in Ts]]),
+             "|" + "---|" * (4 + len(Ts))]
+    for D, f in sorted(rec["figures"].items(), key=lambda kv: int(kv[0])):
+        k = rec["chain_kernel"][D]
+        us = {r: f"{c / clock * 1e6:.1f}" for r, (c, _) in f.items()}
+        lines.append(_row([D, us["chain"], ", ".join(us[r] for r in ("a", "track", "b", "c")),
+                           f"{k['registers']} / {k['spill_bytes']} / {k['sass_tensor_core']}",
+                           *[str(rec["crossover_chains"][D][str(T)]) for T in Ts]]))
+    return "\n".join(lines)
+
+
 def default_path_census_table(root: Path) -> str:
     """Every kernel the default path launches, compiled for sm_90 on Triton 3.6 and the newest Triton
     (``benchmarks/gpu.py --compile-only --default-path``); identical rows once."""
@@ -1011,6 +1031,7 @@ TABLES: dict[str, tuple[str, Callable[[Path], str]]] = {
     "cost-model-rows": ("docs/kernels.md", cost_model_table),
     "sass-census": ("docs/kernels.md", sass_census_table),
     "default-path-census": ("docs/kernels.md", default_path_census_table),
+    "cost-model-crossover": ("docs/kernels.md", crossover_table),
     "scan-compile": ("docs/kernels.md", scan_compile_table),
     "chain-precision": ("docs/kernels.md", chain_precision_table),
     "chain-compile": ("docs/kernels.md", chain_compile_table),
@@ -1076,9 +1097,24 @@ def _simulated_phases(root: Path) -> str:
     phases = _load(root, "results/simulate_bare_machine/line.json")["phases"]
     return ", ".join(f"{p['phase']} {p['seconds']:,.0f} s" for p in phases)
 
+def _cost_model_ranges(which: str) -> Callable[[Path], str]:
+    """The predicted BL/GDN ratios' range over the cost model's rows at B·H = 32 (``which="latency"``) or
+    B·H ≥ 128 (``"occupancy"``): ``a–b× GDN's forward and c–d× its forward+backward``."""
+    def gen(root: Path) -> str:
+        rows = [r for r in _load(root, "results/cost_model/default_rows_sm90_triton3.6.json")["rows"]
+                if (r["BH"] == 32) == (which == "latency")]
+        f = [r["fwd_ratio"] for r in rows]
+        b = [r["fwd_bwd_ratio"] for r in rows]
+        return (f"{min(f):.1f}–{max(f):.1f}× GDN's forward and {min(b):.1f}–{max(b):.1f}× its "
+                "forward+backward")
+    return gen
+
+
 #: Every number of running text generated from a record: name -> (the document that quotes it, its generator).
 VALUES: dict[str, tuple[str, Callable[[Path], str]]] = {
     "simulated-phases": ("docs/kernels.md", _simulated_phases),
+    "cost-model-latency": ("docs/kernels.md", _cost_model_ranges("latency")),
+    "cost-model-occupancy": ("docs/kernels.md", _cost_model_ranges("occupancy")),
     "collision-seconds": ("docs/experiments.md", _collision_seconds),
     "collision-bl-p-ab": ("README.md", _p_ab("bayesian")),
     "collision-delta-p-ab": ("README.md", _p_ab("reset")),
