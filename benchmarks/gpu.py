@@ -1018,11 +1018,14 @@ def print_census(rows: list[dict]) -> None:
               f"{r['sass_total']:>6} | {json.dumps(r['sass_tensor_core_ops'])}", flush=True)
 
 
-def _role(kernel: str, phases: set) -> str:
-    """What a default-path kernel does, from its name and when it launches."""
+def _role(kernel: str, phases: set, module: str = "") -> str:
+    """What a default-path kernel does, from its name, its module and when it launches (fla's forward kernels are
+    the mean pass)."""
     name = kernel.lower()
     if "bwd" in phases and "fwd" not in phases:
         return "backward"
+    if module.startswith("fla."):
+        return "mean"
     for key, role in (("prep", "prep"), ("mean", "mean"), ("cov", "covariance"), ("chain", "covariance"),
                       ("phase_b", "segment"), ("track", "segment"), ("adj", "backward"), ("rev", "backward")):
         if key in name:
@@ -1035,21 +1038,24 @@ def default_path_census(D_list, out_path: Path | None = None, T: int = 128, H: i
     ``.backward()``; found by running the dispatch in Triton's interpreter with the launches recorded, not from a
     list), compiled for sm_90 as the JIT would compile it: rows ``kernel``, ``role``, ``D``, ``triton``,
     ``sass_tensor_core``, ``spill_bytes``, ``shared_bytes`` (and registers, warps, which phase launched it, the
-    opcode census).  Also a call long enough for several segments (T = 8k at one head on 33 SMs), so that kernels
-    the dispatch launches only for long sequences are found too."""
+    opcode census).  Also a call on the segment scan, the other covariance pass ``covariance_path`` picks (for
+    key dims above 128 and, by the cost model's crossover, a few long chains), long enough for several segments
+    (T = 8k at one head on 33 SMs), so that its kernels are found whatever the crossover's figures say."""
     import kernel_sass as ks
     import triton
 
     rows = []
     for D in D_list:
         seen: dict = {}
-        for T_, H_, sms in ((T, H, None), (8192, 1, 33)):
-            rec = ks.record_launches("bl", 1, T_, H_, D, "bf16", True, sms)
+        jobs = [dict(which="bl", B=1, T=T, H=H, D=D, dtype="bf16", backward=True),
+                dict(which="bl", B=1, T=8192, H=1, D=D, dtype="bf16", backward=True, sms=33, path="scan")]
+        for rec in ks.record_many(jobs):
             for x in rec["launches"]:
                 key = ks.launch_key(x)
                 seen.setdefault(key, [x, set()])[1].add(x["phase"])
         for x, phases in seen.values():
-            row = {"kernel": x["kernel"], "role": _role(x["kernel"], phases), "D": D, "triton": triton.__version__,
+            row = {"kernel": x["kernel"], "role": _role(x["kernel"], phases, x["module"]), "D": D,
+                   "triton": triton.__version__,
                    "phases": sorted(phases), "num_warps": x["options"].get("num_warps"),
                    "num_stages": x["options"].get("num_stages"), "module": x["module"]}
             t0 = time.time()
