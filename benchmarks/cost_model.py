@@ -639,14 +639,15 @@ def _cache_file(kind: str, key: str) -> Path:
 
 @functools.cache
 def _code_key() -> str:
-    """What the recorded launches and compiled kernels depend on: the package's and fla's sources, Triton, NumPy
-    (Triton's interpreter runs on it).  Not ``crossover.py``: its figures, which this script writes, only steer the
-    dispatch's choice of covariance pass, which every BL recording holds fixed (``path``)."""
+    """What the recorded launches and compiled kernels depend on: the package's and fla's sources, the recorder
+    (``kernel_sass.py``), Triton, NumPy (Triton's interpreter runs on it).  Not ``crossover.py``: its figures,
+    which this script writes, only steer the dispatch's choice of covariance pass, which every BL recording holds
+    fixed (``path``)."""
     import numpy
     import triton
 
     h = hashlib.sha256(f"{triton.__version__} {numpy.__version__}".encode())
-    for path in sorted((ROOT / "bayeslayer" / "ops").rglob("*.py")):
+    for path in [*sorted((ROOT / "bayeslayer" / "ops").rglob("*.py")), Path(ks.__file__)]:
         if path.name != "crossover.py":
             h.update(path.read_bytes())
     try:
@@ -739,6 +740,17 @@ def _lin(y1: float, y2: float, x1: float, x2: float, x: float) -> float:
     return y1 + (y2 - y1) * (x - x1) / (x2 - x1)
 
 
+def _chunk_of(launch: dict, default: int) -> int:
+    """The chunk size a recorded launch was compiled for: its ``BT`` constexpr (fla's kernels), else ``default``."""
+    names = list(launch["signature"])
+    if "BT" in names:
+        i = names.index("BT")
+        for path, value in launch["constexprs"]:
+            if path == [i] and isinstance(value, int):
+                return value
+    return default
+
+
 def plan(which: str, BH: int, T: int, D: int, backward: bool, C: int = 64, path: str | None = None) -> dict:
     """The launches of one call at (B·H, T, D), ready to time: each with its kernel, programs, chunk-loop steps
     and bytes.  ``path``: BL's covariance pass (None: the dispatch's choice at this shape, :func:`path_at`).
@@ -768,8 +780,9 @@ def plan(which: str, BH: int, T: int, D: int, backward: bool, C: int = 64, path:
             if a["module"].startswith("bayeslayer"):
                 raise RuntimeError(f"{a['kernel']} did not run in the interpreter: {e1['steps'] or e2['steps']}")
             # the interpreter cannot run it (fla's fwd_h, bwd_dhu): a grid that does not grow with T steps over
-            # every chunk of its program's sequence, a grid that grows with T is chunk-parallel
-            steps = float(nc) if _prod(a["grid"]) == _prod(b["grid"]) else 1.0
+            # every chunk (of its own chunk size, fla's BT) of its program's sequence, one that grows with T is
+            # chunk-parallel
+            steps = float(math.ceil(T / _chunk_of(a, C))) if _prod(a["grid"]) == _prod(b["grid"]) else 1.0
         else:
             steps = 0.0 if e1.get("steps") is None else max(0.0, _lin(e1["steps"], e2["steps"] or 0, n1, n2, nc))
         out.append({"launch": a, "programs": programs, "steps": math.ceil(steps),

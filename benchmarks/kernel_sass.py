@@ -285,6 +285,45 @@ def _path(path: str | None):
         chunk_triton.covariance_path = original
 
 
+@contextlib.contextmanager
+def _fla_launches_behind_twins():
+    """fla's ``fwd_h`` and ``bwd_dhu`` do not run in Triton's interpreter, so on a CPU BL's mean pass computes
+    with their PyTorch twins (``mean_pass_fla.TWIN_KERNELS``), which launch nothing.  Within the block each twin
+    first calls fla's own function on copies of its arguments — its launch is recorded (and skipped, or fails to
+    run) as on a GPU, with fla's host work counted — and then computes the result, its PyTorch ops not counted
+    (a GPU runs fla's kernel instead)."""
+    from bayeslayer.ops.bayesian_layer import mean_pass_fla as mpf
+
+    def behind(name, twin):
+        import importlib
+
+        real = getattr(importlib.import_module(mpf.FLA_BACKWARD_KERNELS[name]), name)
+
+        def call(*args, **kwargs):
+            with _uncounted():
+                copy = [a.clone() if hasattr(a, "clone") else a for a in args]
+                kcopy = {k: v.clone() if hasattr(v, "clone") else v for k, v in kwargs.items()}
+            try:
+                real(*copy, **kcopy)
+            except Exception:  # its launch is recorded before it fails; what follows it on the host is not
+                pass
+            with _uncounted():
+                return twin(*args, **kwargs)
+
+        return call
+
+    saved_ref, saved = mpf.fwd_h_reference, dict(mpf.TWIN_KERNELS)
+    for name in mpf.NOT_INTERPRETABLE:
+        mpf.TWIN_KERNELS[name] = behind(name, saved[name])
+    mpf.fwd_h_reference = mpf.TWIN_KERNELS["chunk_gated_delta_rule_fwd_h"]
+    try:
+        yield
+    finally:
+        mpf.fwd_h_reference = saved_ref
+        mpf.TWIN_KERNELS.clear()
+        mpf.TWIN_KERNELS.update(saved)
+
+
 def record_in_process(which: str, B: int, T: int, H: int, D: int, dtype: str = "bf16", backward: bool = False,
                       sms: int | None = None, segments: int | None = None, execute: bool = False,
                       path: str | None = None) -> dict:
@@ -309,7 +348,8 @@ def record_in_process(which: str, B: int, T: int, H: int, D: int, dtype: str = "
     ops_f: list = []
     ops_fb: list = []
     modules = ("fla.ops.gated_delta_rule", *mean_pass_fla.FLA_MODULES)
-    with _sms(sms), _segments(segments), _path(path), mean_pass_fla.one_autotune_config(modules):
+    twins = _fla_launches_behind_twins() if which == "bl" else contextlib.nullcontext()
+    with _sms(sms), _segments(segments), _path(path), twins, mean_pass_fla.one_autotune_config(modules):
         with _recording(fwd, execute=execute), _op_counter(ops_f):
             CALLS[which](x, False)
         allx: list = []
