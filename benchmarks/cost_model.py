@@ -232,8 +232,9 @@ def trace(k: Kernel, chunk_iters: int = 2) -> tuple[list, list]:
     """One warp's dynamic instruction sequence (indices into ``k.insns``) through the loop tree: loops with a
     constant trip count run it, the outermost runtime loop (the chunk loop) runs ``chunk_iters`` times, runtime
     loops inside it once per iteration; forward branches fall through (both sides of an ``if`` are counted)
-    unless unconditional.  Returns ``(sequence, marks)``, ``marks``: positions where a chunk iteration begins, and
-    the position after the last one."""
+    unless unconditional (except a jump over the whole chunk loop before it ran: an empty sequence's path).
+    Returns ``(sequence, marks)``, ``marks``: positions where a chunk iteration begins, and the position after the
+    last one."""
     ins = k.insns
     tails: dict = {}
     runtime_outer = None
@@ -276,8 +277,11 @@ def trace(k: Kernel, chunk_iters: int = 2) -> tuple[list, list]:
         if base == "EXIT" and not guarded:
             break
         if base in ("BRA", "JMP") and not guarded and tgt is not None and tgt > pc:
-            pc = tgt
-            continue
+            # a jump over the whole chunk loop before it ran is the path of an empty sequence (the compiler puts
+            # it in the fall-through of the guarded branch to the loop): a sequence with chunks does not take it
+            if not (runtime_outer and not marks and pc < runtime_outer[0] and tgt > runtime_outer[1]):
+                pc = tgt
+                continue
         pc += 1
     return seq, marks
 

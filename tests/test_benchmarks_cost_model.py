@@ -62,6 +62,16 @@ def test_chunk_loop_step(cm):
     assert t["seconds"] == pytest.approx((w.once + 100 * 21) / cm.SM90["clock_hz"])
 
 
+def test_chunk_loop_behind_an_empty_sequence_jump(cm):
+    # 0: @P BRA 2 (chunks to do), 1: BRA 6 (an empty sequence skips the loop), 2-4: the chunk loop, 5-6: the end
+    ffma = ("FFMA", 0, 2, None, None, 0, None, None)
+    insns = [("BRA", 1, 1, None, None, 0, 2, None), ("BRA", 0, 1, None, None, 0, 6, None), ffma, ffma,
+             ("BRA", 1, 1, None, None, 0, 2, None), ("FADD", 0, 1, None, None, 0, None, None),
+             ("EXIT", 0, 1, None, None, 0, None, None)]
+    w = cm.simulate(_kernel(cm, insns, [[2, 4, None, []]]), 1)
+    assert w.has_chunk_loop and w.step == 5  # the walk takes the loop, as a sequence with chunks does
+
+
 def test_v1_reproduced_within_25_percent_or_said(cm, capsys):
     worst = cm.check_v1()
     last = capsys.readouterr().out.strip().splitlines()[-1]
