@@ -677,7 +677,8 @@ def crossover_table(root: Path) -> str:
     Ts = sorted({int(T) for by_T in rec["crossover_chains"].values() for T in by_T})
     lines = [_row(["D", "chain step µs (C = {})".format(rec["chunks"]["chain"]),
                    "scan steps µs (C = {}): Phase A, tracking, Phase B, Phase C".format(rec["chunks"]["scan"]),
-                   "chain registers / spill B / tensor-core ops", *[f"scan faster below, T = {T}" for T in Ts]]),
+                   "chain registers / spill B / tensor-core ops",
+                   *[f"scan faster up to (chains), T = {T}" for T in Ts]]),
              "|" + "---|" * (4 + len(Ts))]
     for D, f in sorted(rec["figures"].items(), key=lambda kv: int(kv[0])):
         k = rec["chain_kernel"][D]
