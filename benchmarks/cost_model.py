@@ -949,6 +949,14 @@ def crossover(out=print) -> dict:
                     "step_instructions_per_warp": sum(w.step_counts.values()),
                     "step_counts": {o: w.step_counts.get(o, 0) for o in ("HMMA", "BAR", "LDL", "STL", "LDS", "STS",
                                                                          "SHFL", "FFMA")}}
+        # beside it, for the docs: the reverse chain's step and fla's state pass (GDN's fwd_h) at the same shape
+        steps = {}
+        for which, kernel in (("bl", "chain_backward_kernel"), ("gdn", "chunk_gated_delta_rule_fwd_kernel_h")):
+            y = next(y for y in plan(which, *CROSSOVER_SHAPE, D, True, path="chain" if which == "bl" else None)
+                     ["launches"] if y["launch"]["kernel"].startswith(kernel))
+            steps[kernel] = kernel_seconds(compiled_kernel(y["launch"]), y["programs"], 1)["step_cycles"]
+        chain[D]["backward_step_us"] = steps["chain_backward_kernel"] / SM90["clock_hz"] * 1e6
+        chain[D]["gdn_fwd_h_step_us"] = steps["chunk_gated_delta_rule_fwd_kernel_h"] / SM90["clock_hz"] * 1e6
         out(f"# D={D}: step cycles (programs per SM) " + ", ".join(f"{r} {c} ({o})" for r, (c, o) in
                                                                  figures[D].items()))
     chunks = {"chain": CHAIN_CHUNK_SIZE, "scan": 64}
