@@ -670,20 +670,22 @@ def cost_model_table(root: Path) -> str:
 
 def crossover_table(root: Path) -> str:
     """The chain-or-scan figures (``benchmarks/cost_model.py --crossover --out``): per head dim, each covariance
-    kernel's predicted step (µs at the model's clock; tokens per step) and the chain counts below which the scan
-    is predicted faster."""
+    kernel's predicted step (µs at the model's clock; tokens per step), the reverse chain's and fla's ``fwd_h``
+    step beside them, and the largest chain counts at which the scan is predicted faster."""
     rec = _load(root, "results/cost_model/crossover_sm90_triton3.6.json")
     clock = _load(root, "results/cost_model/default_rows_sm90_triton3.6.json")["clock_hz"]  # the model's SM clock
     Ts = sorted({int(T) for by_T in rec["crossover_chains"].values() for T in by_T})
-    lines = [_row(["D", "chain step µs (C = {})".format(rec["chunks"]["chain"]),
+    lines = [_row(["D", "chain step µs (C = {})".format(rec["chunks"]["chain"]), "reverse chain step µs",
+                   "fla fwd_h step µs (C = 64)",
                    "scan steps µs (C = {}): Phase A, tracking, Phase B, Phase C".format(rec["chunks"]["scan"]),
                    "chain registers / spill B / tensor-core ops",
                    *[f"scan faster up to (chains), T = {T}" for T in Ts]]),
-             "|" + "---|" * (4 + len(Ts))]
+             "|" + "---|" * (6 + len(Ts))]
     for D, f in sorted(rec["figures"].items(), key=lambda kv: int(kv[0])):
         k = rec["chain_kernel"][D]
         us = {r: f"{c / clock * 1e6:.1f}" for r, (c, _) in f.items()}
-        lines.append(_row([D, us["chain"], ", ".join(us[r] for r in ("a", "track", "b", "c")),
+        lines.append(_row([D, us["chain"], f"{k['backward_step_us']:.1f}", f"{k['gdn_fwd_h_step_us']:.1f}",
+                           ", ".join(us[r] for r in ("a", "track", "b", "c")),
                            f"{k['registers']} / {k['spill_bytes']} / {k['sass_tensor_core']}",
                            *[str(rec["crossover_chains"][D][str(T)]) for T in Ts]]))
     return "\n".join(lines)
