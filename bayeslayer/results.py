@@ -1113,10 +1113,21 @@ def _cost_model_ranges(which: str) -> Callable[[Path], str]:
     return gen
 
 
+def _cost_model_check(key: str) -> Callable[[Path], str]:
+    """The cost model's largest relative error against measured H200 rows (``v1`` or ``gdn``), as its check prints
+    it."""
+    def gen(root: Path) -> str:
+        rec = _load(root, "results/cost_model/default_rows_sm90_triton3.6.json")
+        return f"{key} max relative error {rec[f'{key}_max_relative_error']:.3f}"
+    return gen
+
+
 #: Every number of running text generated from a record: name -> (the document that quotes it, its generator).
 VALUES: dict[str, tuple[str, Callable[[Path], str]]] = {
     "simulated-phases": ("docs/kernels.md", _simulated_phases),
     "cost-model-latency": ("docs/kernels.md", _cost_model_ranges("latency")),
+    "cost-model-v1-error": ("docs/kernels.md", _cost_model_check("v1")),
+    "cost-model-gdn-error": ("docs/kernels.md", _cost_model_check("gdn")),
     "cost-model-occupancy": ("docs/kernels.md", _cost_model_ranges("occupancy")),
     "collision-seconds": ("docs/experiments.md", _collision_seconds),
     "collision-bl-p-ab": ("README.md", _p_ab("bayesian")),

@@ -1011,7 +1011,8 @@ def main(argv=None) -> int:
                         "forward and forward+backward, bf16, C = 64, from the kernels compiled for sm_90",
                 "triton": triton.__version__, "clock_hz": SM90["clock_hz"], "host_s_per_launch": host_per_launch(),
                 "host_s_per_torch_op": HOST_S_PER_TORCH_OP, "targets": {"fwd": TARGET_FWD, "fwd_bwd": TARGET_FWD_BWD},
-                "v1_max_relative_error": round(check_v1(out=lambda *_: None), 3), "rows": out},
+                "v1_max_relative_error": round(check_v1(out=lambda *_: None), 3),
+                "gdn_max_relative_error": round(check_gdn(out=lambda *_: None), 3), "rows": out},
                 wall_seconds=time.time() - t0)
         return 0
     if args.extract_v1:
