@@ -778,26 +778,56 @@ def h200_table(root: Path) -> str:
     return "\n".join(lines)
 
 
-def _grid_half(part: str) -> list[str]:
-    """One half of a cost-model row, ``GDN (measured) built r cuts r 3xbf16-r x``, as seven cells."""
-    tokens = part.split()
-    if len(tokens) > 1 and tokens[1].startswith("("):
-        tokens[0:2] = [f"{tokens[0]} {tokens[1]}"]
-    if len(tokens) != 7:
-        raise ValueError(f"results/cost_model_grid.txt: cannot read the row part {part!r}")
-    return tokens
-
-
 def cost_model_table(root: Path) -> str:
-    """The cost model's predicted ms per variant (``results/cost_model_grid.txt``; measured in brackets)."""
-    text = _load_text(root, "results/cost_model_grid.txt")
-    half = ["built", "r", "cuts", "r", "3xbf16 r", "x"]
-    lines = [_row(["B·H", "D", "T", "segments (built)", "GDN fwd", *half, "GDN f+b", *half]), "|" + "---|" * 18]
-    for line in text.split("\n"):
-        parts = line.split("|")
-        if len(parts) != 3 or not parts[0].split() or not parts[0].split()[0].isdigit():
-            continue
-        lines.append(_row([*parts[0].split(), *_grid_half(parts[1]), *_grid_half(parts[2])]))
+    """The cost model's predicted BL-vs-GDN rows (``benchmarks/cost_model.py --json --out``): ms and ratios."""
+    rec = _load(root, "results/cost_model/default_rows_sm90_triton3.6.json")
+    lines = [_row(["B·H", "D", "T", "GDN fwd ms", "BL fwd ms", "fwd ratio", "GDN fwd+bwd ms", "BL fwd+bwd ms",
+                   "fwd+bwd ratio"]), "|" + "---|" * 9]
+    for r in rec["rows"]:
+        lines.append(_row([str(r["BH"]), str(r["D"]), str(r["T"]), f"{r['gdn_fwd_ms']:.2f}", f"{r['bl_fwd_ms']:.2f}",
+                           f"{r['fwd_ratio']:.1f}", f"{r['gdn_fwdbwd_ms']:.2f}", f"{r['bl_fwdbwd_ms']:.1f}",
+                           f"{r['fwd_bwd_ratio']:.1f}"]))
+    return "\n".join(lines)
+
+
+def crossover_table(root: Path) -> str:
+    """The chain-or-scan figures (``benchmarks/cost_model.py --crossover --out``): per head dim, each covariance
+    kernel's predicted step (µs at the model's clock; tokens per step), the reverse chain's and fla's ``fwd_h``
+    step beside them, and the largest chain counts at which the scan is predicted faster."""
+    rec = _load(root, "results/cost_model/crossover_sm90_triton3.6.json")
+    clock = _load(root, "results/cost_model/default_rows_sm90_triton3.6.json")["clock_hz"]  # the model's SM clock
+    Ts = sorted({int(T) for by_T in rec["crossover_chains"].values() for T in by_T})
+    lines = [_row(["D", "chain step µs (C = {})".format(rec["chunks"]["chain"]), "reverse chain step µs",
+                   "fla fwd_h step µs (C = 64)",
+                   "scan steps µs (C = {}): Phase A, tracking, Phase B, Phase C".format(rec["chunks"]["scan"]),
+                   "chain registers / spill B / tensor-core ops",
+                   *[f"scan faster up to (chains), T = {T}" for T in Ts]]),
+             "|" + "---|" * (6 + len(Ts))]
+    for D, f in sorted(rec["figures"].items(), key=lambda kv: int(kv[0])):
+        k = rec["chain_kernel"][D]
+        us = {r: f"{c / clock * 1e6:.1f}" for r, (c, _) in f.items()}
+        lines.append(_row([D, us["chain"], f"{k['backward_step_us']:.1f}", f"{k['gdn_fwd_h_step_us']:.1f}",
+                           ", ".join(us[r] for r in ("a", "track", "b", "c")),
+                           f"{k['registers']} / {k['spill_bytes']} / {k['sass_tensor_core']}",
+                           *[str(rec["crossover_chains"][D][str(T)]) for T in Ts]]))
+    return "\n".join(lines)
+
+
+def default_path_census_table(root: Path) -> str:
+    """Every kernel the default path launches, compiled for sm_90 on Triton 3.6 and the newest Triton
+    (``benchmarks/gpu.py --compile-only --default-path``); identical rows once."""
+    lines = [_row(["Triton", "D", "kernel", "role", "phase", "warps", "registers", "spill B", "shared KiB",
+                   "tensor core", "FFMA"]), "|" + "---|" * 11]
+    seen = set()
+    for name in ("default_path_sm90_triton3.6.json", "default_path_sm90_triton3.9.json"):
+        for r in _load(root, f"results/sass/{name}")["rows"]:
+            cells = [r["triton"], str(r["D"]), f"`{r['kernel']}`", r["role"], "+".join(r["phases"]),
+                     str(r["num_warps"]), str(r.get("registers", "—")), str(r.get("spill_bytes", "—")),
+                     "—" if r.get("shared_bytes") is None else f"{r['shared_bytes'] / 1024:.0f}",
+                     str(r.get("sass_tensor_core", r.get("error", "—"))), str(r.get("sass_FFMA", "—"))]
+            if tuple(cells) not in seen:
+                seen.add(tuple(cells))
+                lines.append(_row(cells))
     return "\n".join(lines)
 
 
@@ -1146,8 +1176,10 @@ TABLES: dict[str, tuple[str, Callable[[Path], str]]] = {
     "mqar-claims": ("docs/experiments.md", mqar_claims_table),
     "scan-precision": ("docs/kernels.md", scan_precision_table),
     "h200-bl-gdn": ("docs/kernels.md", h200_table),
-    "cost-model-grid": ("docs/kernels.md", cost_model_table),
+    "cost-model-rows": ("docs/kernels.md", cost_model_table),
     "sass-census": ("docs/kernels.md", sass_census_table),
+    "default-path-census": ("docs/kernels.md", default_path_census_table),
+    "cost-model-crossover": ("docs/kernels.md", crossover_table),
     "scan-compile": ("docs/kernels.md", scan_compile_table),
     "chain-precision": ("docs/kernels.md", chain_precision_table),
     "chain-compile": ("docs/kernels.md", chain_compile_table),
@@ -1207,8 +1239,41 @@ def _curve(rel: str, model: str, key: str) -> Callable[[Path], str]:
 _MAMBA2_LR = tuple(f"results/mqar/mamba2_lr/{lr}/mqar_update_hybrid.json" for lr in ("lr1e-3", "lr3e-3", "lr3e-2"))
 _RECALL_PAPER_LONG = "results/recall/paper-core/long/recall.json"
 
+
+def _simulated_phases(root: Path) -> str:
+    """Each phase's seconds in the bare-machine simulation's ``line.json``: ``check 167 s, fwd 275 s, ...``."""
+    phases = _load(root, "results/simulate_bare_machine/line.json")["phases"]
+    return ", ".join(f"{p['phase']} {p['seconds']:,.0f} s" for p in phases)
+
+def _cost_model_ranges(which: str) -> Callable[[Path], str]:
+    """The predicted BL/GDN ratios' range over the cost model's rows at B·H = 32 (``which="latency"``) or
+    B·H ≥ 128 (``"occupancy"``): ``a–b× GDN's forward and c–d× its forward+backward``."""
+    def gen(root: Path) -> str:
+        rows = [r for r in _load(root, "results/cost_model/default_rows_sm90_triton3.6.json")["rows"]
+                if (r["BH"] == 32) == (which == "latency")]
+        f = [r["fwd_ratio"] for r in rows]
+        b = [r["fwd_bwd_ratio"] for r in rows]
+        return (f"{min(f):.1f}–{max(f):.1f}× GDN's forward and {min(b):.1f}–{max(b):.1f}× its "
+                "forward+backward")
+    return gen
+
+
+def _cost_model_check(key: str) -> Callable[[Path], str]:
+    """The cost model's largest relative error against measured H200 rows (``v1`` or ``gdn``), as its check prints
+    it."""
+    def gen(root: Path) -> str:
+        rec = _load(root, "results/cost_model/default_rows_sm90_triton3.6.json")
+        return f"{key} max relative error {rec[f'{key}_max_relative_error']:.3f}"
+    return gen
+
+
 #: Every number of running text generated from a record: name -> (the document that quotes it, its generator).
 VALUES: dict[str, tuple[str, Callable[[Path], str]]] = {
+    "simulated-phases": ("docs/kernels.md", _simulated_phases),
+    "cost-model-latency": ("docs/kernels.md", _cost_model_ranges("latency")),
+    "cost-model-v1-error": ("docs/kernels.md", _cost_model_check("v1")),
+    "cost-model-gdn-error": ("docs/kernels.md", _cost_model_check("gdn")),
+    "cost-model-occupancy": ("docs/kernels.md", _cost_model_ranges("occupancy")),
     "collision-seconds": ("docs/experiments.md", _collision_seconds),
     "collision-bl-p-ab": ("README.md", _p_ab("bayesian")),
     "collision-delta-p-ab": ("README.md", _p_ab("reset")),

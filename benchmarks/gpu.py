@@ -15,18 +15,19 @@ float64, then one per head dim at the rows' own compile shapes in the rows' dtyp
 pass included), with fla's autotuning pinned to each kernel's first config (``--fla-autotune pin``) or run once per
 head dim in that check (``warm``; its autotune keys do not include T), then the forward rows in order of
 cost: latency (B = 2, H = 16) and full occupancy (``--occ-B`` × H ≥ 132) for T ∈ {2k, 8k, 32k}
-× D ∈ {64, 128, 256}, each with GDN's forward, BL's forward (``ops/bayesian_layer/scan_triton.py``; with fla's
-mean pass, ``bl_fwd_s``, and with our mean kernel — what ``bl_chunk(backend="triton")`` runs —
-``bl_own_mean_fwd_s``; that one again without the prep kernel, ``bl_own_mean_noprep_fwd_s``), the
-BL/GDN ratio, per-phase times, peak memory (none started after ``--fwd-budget-s``); then the forward+backward
-rows (below); then a segment-count
+× D ∈ {64, 128, 256}, each with GDN's forward and BL's forward on both covariance passes, with fla's mean pass:
+the covariance chain (``bl_chain_fwd_s``) and the segment scan (``ops/bayesian_layer/scan_triton.py``,
+``bl_scan_fwd_s``, with per-phase times); ``bl_path`` is the one ``covariance_path`` picks for the row (the
+default path), ``bl_fwd_s`` and ``ratio_fwd`` (BL/GDN) are its, ``ratio_fwd_chain`` and ``ratio_fwd_scan`` both's;
+peak memory (none started after ``--fwd-budget-s``); then the forward+backward rows (below); then a segment-count
 sweep.  The JSON is rewritten after every row, and no row starts after ``--budget-s``.
 
 Forward+backward of the same rows (``--no-bwd``: forwards only): time and peak memory
 (above the inputs; the peak-memory call doubles as the warm-up, then ``--bwd-reps`` timed calls, default 2) of
 BL ``bl_chunk_triton(..., path="scan")`` (``bl_scan_fwdbwd_*``: the segment scan), BL ``path="chain"``
-(``bl_chain_fwdbwd_*``: the covariance chain, the default; ``ratio_fwdbwd_chain``) and fla's
-``chunk_gated_delta_rule`` (``gdn_fwdbwd_*``), with ``ratio_fwdbwd`` and ``ratio_fwdbwd_mem`` (BL scan / GDN),
+(``bl_chain_fwdbwd_*``: the covariance chain) and fla's ``chunk_gated_delta_rule`` (``gdn_fwdbwd_*``), with
+``ratio_fwdbwd`` and ``ratio_fwdbwd_mem`` (the default path, ``bl_path``, over GDN), ``ratio_fwdbwd_chain`` and
+``ratio_fwdbwd_scan``,
 and BL's scan forward+backward again at chunk ``--alt-chunk`` (default 32; 0: not), ``ratio_fwdbwd_alt_chunk``.
 Gradients: BL's of q, k, v, r2, ell2, alpha, GDN's of q, k, v, g = log α, β — what a layer, whose projections
 produce all of them, needs; the adjoint of o is a fixed N(0, 1) draw.  A measurement is not started once the
@@ -397,6 +398,28 @@ def _bl_fwdbwd(x, chunk_size, path: str, do):
     return fn
 
 
+def _bl_fwd(x, path: str | None = None):
+    """BL's forward without autograd, ``bl_chunk_triton(..., path=)`` (None: the default path, what
+    ``covariance_path`` picks for the shape; ``"chain"`` or ``"scan"`` forces one), fla's mean pass after it."""
+    from bayeslayer.ops.bayesian_layer.chunk_triton import bl_chunk_triton
+
+    pin = _fla_first_config if x["q"].device.type == "cpu" else contextlib.nullcontext
+
+    def fwd():
+        with torch.no_grad(), pin():
+            return bl_chunk_triton(*(x[n] for n in BL_LEAVES), path=path)
+
+    return fwd
+
+
+def _bl_path(x) -> str:
+    """The covariance pass the dispatch runs for the inputs ``x`` (``chunk_triton.covariance_path``)."""
+    from bayeslayer.ops.bayesian_layer import chunk_triton
+
+    B, T, H, D = x["q"].shape
+    return chunk_triton.covariance_path(B * H, T, D, sms=chunk_triton._sms(x["q"].device))
+
+
 def _gdn_call(q, k, v, g, beta, naive: str | None = None):
     """fla's GDN on CUDA (``chunk_gated_delta_rule``); ``naive`` ("recurrent" or "chunk"): fla's PyTorch references
     (differentiable; the dry run's stand-in, and the check's reference)."""
@@ -498,9 +521,10 @@ def _check_gdn_backward(device: str, dry_run: bool) -> dict:
 
 
 def _check_bl_backward(device: str, dry_run: bool) -> dict:
-    """BL's segment-scan gradients (of o and the final M, P) against the PyTorch chunk path's autograd in
-    float64, on packed ragged sequences with segment boundaries inside them: max relative error per input of
-    :data:`BL_LEAVES`, in float64 (the Triton B2–B4 kernels; fla's mean-pass kernels are twins in float64) and
+    """BL's gradients (of o and the final M, P) on both covariance passes — the covariance chain's reverse chain
+    (the default path, ``bl_chain_bwd_*``) and the segment scan's backward (``bl_scan_bwd_*``) — against the
+    PyTorch chunk path's autograd in float64, on packed ragged sequences with segment boundaries inside them: max
+    relative error per input of :data:`BL_LEAVES`, in float64 (fla's mean-pass kernels are twins in float64) and
     in fp32 (the same against the float64 reference, with fla's mean-pass backward kernels on CUDA — pinned to
     their first config — which fla's Hopper guard may refuse)."""
     from bayeslayer.ops import bl_chunk
@@ -523,23 +547,30 @@ def _check_bl_backward(device: str, dry_run: bool) -> dict:
                              backend="torch")
         return o, M, P
 
-    def scan_path(**kw):
-        o, (M, P) = bl_chunk_triton(*(kw[n] for n in BL_LEAVES), chunk_size=16, cu_seqlens=cu_t,
-                                    output_final_state=True, n_segments=n_seg)
-        return o, M, P
+    def triton_path(path):
+        extra = dict(n_segments=n_seg) if path == "scan" else dict(path="chain")
+
+        def call(**kw):
+            o, (M, P) = bl_chunk_triton(*(kw[n] for n in BL_LEAVES), chunk_size=16, cu_seqlens=cu_t,
+                                        output_final_state=True, **extra)
+            return o, M, P
+
+        return call
 
     ref = _grads_of(torch_path, {n: x[n].clone().requires_grad_(True) for n in BL_LEAVES}, seed=6)
-    for dtype, tag in ((torch.float64, "fp64"), (torch.float32, "fp32")):
-        try:
-            with _fla_first_config():
-                leaves = {n: x[n].detach().to(dtype).clone().requires_grad_(True) for n in BL_LEAVES}
-                got = _grads_of(scan_path, leaves, seed=6)
-            errs = {n: _rel(got[n], ref[n]) for n in BL_LEAVES}
-            out[f"bl_scan_bwd_{tag}_rel_err"] = errs
-            out[f"bl_scan_bwd_{tag}_max_rel_err"] = max(errs.values())
-        except Exception as err:
-            out[f"bl_scan_bwd_{tag}_guard_hit"] = _guard_hit(err)
-            out[f"bl_scan_bwd_{tag}_error"] = f"{type(err).__name__}: {str(err)[:300]}"
+    for path in ("chain", "scan"):
+        for dtype, tag in ((torch.float64, "fp64"), (torch.float32, "fp32")):
+            key = f"bl_{path}_bwd_{tag}"
+            try:
+                with _fla_first_config():
+                    leaves = {n: x[n].detach().to(dtype).clone().requires_grad_(True) for n in BL_LEAVES}
+                    got = _grads_of(triton_path(path), leaves, seed=6)
+                errs = {n: _rel(got[n], ref[n]) for n in BL_LEAVES}
+                out[f"{key}_rel_err"] = errs
+                out[f"{key}_max_rel_err"] = max(errs.values())
+            except Exception as err:
+                out[f"{key}_guard_hit"] = _guard_hit(err)
+                out[f"{key}_error"] = f"{type(err).__name__}: {str(err)[:300]}"
     return out
 
 
@@ -575,6 +606,12 @@ def scan_check(args, device: str, guard: dict | None = None) -> dict:
     o, var, M, P = forward_scan_triton(q, k, v, r2, ell2, alpha, 1.0, None, None, cu, 16, True, segment_chunks=2)
     out["scan_fp64_rel_err"] = max(((a - b).abs().max() / b.abs().max()).item()
                                    for a, b in ((o, ref[0]), (var, ref[1]), (M, ref[2][0]), (P, ref[2][1])))
+    from bayeslayer.ops.bayesian_layer.chunk_triton import bl_chunk_triton
+
+    o, var, (M, P) = bl_chunk_triton(q, k, v, r2, ell2, alpha, cu_seqlens=cu, output_final_state=True,
+                                     return_variance=True, path="chain")  # the default path's covariance chain
+    out["chain_fp64_rel_err"] = max(((a - b).abs().max() / b.abs().max()).item()
+                                    for a, b in ((o, ref[0]), (var, ref[1]), (M, ref[2][0]), (P, ref[2][1])))
     if device == "cuda":
         Kf, Vf = 64, 64
         kk = torch.randn(1, T, H, Kf, device=device) * 0.1
@@ -627,7 +664,8 @@ def _check_row_values(args, device: str, dtype: torch.dtype, D: int) -> dict:
     """Values at a row's own compile shape before it is timed: head dim ``D``, chunk ``args.chunk_size``, the rows'
     dtype (bf16 on the device: BL's fp32 kernels hand w and the substituted tensors to fla's mean pass in bf16, as
     GDN runs its own), T = the shortest row's, H = ``args.H``, B = 1.  Max relative error of o against float64
-    references on the same (rounded) inputs: BL's scan forward (fla's mean pass) against ``bl_chunk`` in float64,
+    references on the same (rounded) inputs: BL's default forward (``bl_path``: the covariance pass
+    ``covariance_path`` picks for the shape; fla's mean pass) against ``bl_chunk`` in float64,
     GDN's ``chunk_gated_delta_rule`` against fla's naive recurrent reference in float32.  Their first calls are
     fla's forward autotuning and the kernels' compiles for this D, which the rows then reuse."""
     from bayeslayer.ops import bl_chunk
@@ -638,7 +676,8 @@ def _check_row_values(args, device: str, dtype: torch.dtype, D: int) -> dict:
     t0 = time.time()
     x = _make_inputs(1, T, args.H, D, dtype, device, seed=7)
     try:
-        o = _scan_fwd(x, args.chunk_size)()[0]
+        out["bl_path"] = _bl_path(x)
+        o = _bl_fwd(x)()[0]
         _sync(device)
         out["bl_first_call_s"] = round(time.time() - t0, 1)
         x64 = {n: t.double() for n, t in x.items()}
@@ -663,26 +702,26 @@ def _check_row_values(args, device: str, dtype: torch.dtype, D: int) -> dict:
 
 
 def _fwd_row(rec: dict, x: dict, args, device: str) -> None:
-    """A row's forwards (into ``rec``): GDN's, BL's with fla's mean pass (and per phase), with ours, ours without
-    the prep kernel; the ratio BL (fla mean) / GDN and peak memories."""
+    """A row's forwards (into ``rec``): GDN's, then BL's on the default path first (``bl_path``, what
+    ``covariance_path`` picks; ``bl_fwd_s``, ``ratio_fwd``), then on the other covariance pass; the scan's per
+    phase, peak memories."""
     gdn = _gdn_fwd(x)
     rec["gdn_fwd_s"] = _time_any(gdn, args.reps, args.warmup, device)
     rec["gdn_mem"] = _peak_any(gdn, device)
-    bl = _scan_fwd(x, args.chunk_size)
-    rec["bl_fwd_s"] = _time_any(bl, args.reps, args.warmup, device)
-    rec["bl_mem"] = _peak_any(bl, device)
+    rec["bl_path"] = _bl_path(x)
+    for path in sorted(("chain", "scan"), key=lambda p: p != rec["bl_path"]):
+        fn = _bl_fwd(x, "chain") if path == "chain" else _scan_fwd(x, args.chunk_size)
+        rec[f"bl_{path}_fwd_s"] = _time_any(fn, args.reps, args.warmup, device)
+        rec[f"bl_{path}_mem"] = _peak_any(fn, device)
+        rec[f"ratio_fwd_{path}"] = rec[f"bl_{path}_fwd_s"] / rec["gdn_fwd_s"]
+        if path == rec["bl_path"]:
+            rec["bl_fwd_s"], rec["bl_mem"], rec["ratio_fwd"] = (rec[f"bl_{path}_fwd_s"], rec[f"bl_{path}_mem"],
+                                                                rec[f"ratio_fwd_{path}"])
+            rec["ratio_mem"] = rec["bl_mem"] / rec["gdn_mem"] if rec["gdn_mem"] else None
+            rec["bl_tok_s"] = rec["B"] * rec["T"] / rec["bl_fwd_s"]
     phases: dict = {}
     _scan_fwd(x, args.chunk_size, timings=phases)()
-    rec["bl_phases_s"] = phases
-    # the wired default (bl_chunk(backend="triton")): the same scan with our mean kernel
-    rec["bl_own_mean_fwd_s"] = _time_any(_scan_fwd(x, args.chunk_size, mean="triton"), args.reps, args.warmup,
-                                         device)
-    # the same without the prep kernel: does taking the P-free terms out of the chunk loop pay?
-    rec["bl_own_mean_noprep_fwd_s"] = _time_any(_scan_fwd(x, args.chunk_size, mean="triton", prep=False),
-                                                args.reps, args.warmup, device)
-    rec["ratio_fwd"] = rec["bl_fwd_s"] / rec["gdn_fwd_s"]
-    rec["ratio_mem"] = rec["bl_mem"] / rec["gdn_mem"] if rec["gdn_mem"] else None
-    rec["bl_tok_s"] = rec["B"] * rec["T"] / rec["bl_fwd_s"]
+    rec["bl_scan_phases_s"] = phases
 
 
 def _fwdbwd_row(rec: dict, x: dict, args, device: str, t_start: float) -> None:
@@ -699,15 +738,18 @@ def _fwdbwd_row(rec: dict, x: dict, args, device: str, t_start: float) -> None:
             rec[f"{key}_fwdbwd_guard_hit"] = _guard_hit(err)
         if device == "cuda":
             torch.cuda.empty_cache()
-    if "bl_scan_fwdbwd_s" in rec and "gdn_fwdbwd_s" in rec:
-        rec["ratio_fwdbwd"] = rec["bl_scan_fwdbwd_s"] / rec["gdn_fwdbwd_s"]
-        rec["ratio_fwdbwd_mem"] = (rec["bl_scan_fwdbwd_mem"] / rec["gdn_fwdbwd_mem"]
-                                   if rec["gdn_fwdbwd_mem"] else None)
-        if "bl_chain_fwdbwd_s" in rec:
-            rec["ratio_fwdbwd_chain"] = rec["bl_chain_fwdbwd_s"] / rec["gdn_fwdbwd_s"]
+    path = rec.setdefault("bl_path", _bl_path(x))
+    if "gdn_fwdbwd_s" in rec:
+        for key in ("chain", "scan"):
+            if f"bl_{key}_fwdbwd_s" in rec:
+                rec[f"ratio_fwdbwd_{key}"] = rec[f"bl_{key}_fwdbwd_s"] / rec["gdn_fwdbwd_s"]
+        if f"bl_{path}_fwdbwd_s" in rec:  # the default path's
+            rec["ratio_fwdbwd"] = rec[f"ratio_fwdbwd_{path}"]
+            rec["ratio_fwdbwd_mem"] = (rec[f"bl_{path}_fwdbwd_mem"] / rec["gdn_fwdbwd_mem"]
+                                       if rec["gdn_fwdbwd_mem"] else None)
+            rec["bl_fwdbwd_tok_s"] = rec["B"] * rec["T"] / rec[f"bl_{path}_fwdbwd_s"]
         if f"bl_scan_c{args.alt_chunk}_fwdbwd_s" in rec:  # the same scan backward at the other chunk size
             rec["ratio_fwdbwd_alt_chunk"] = rec[f"bl_scan_c{args.alt_chunk}_fwdbwd_s"] / rec["gdn_fwdbwd_s"]
-    rec["bl_scan_fwdbwd_tok_s"] = rec["B"] * rec["T"] / rec["bl_scan_fwdbwd_s"] if "bl_scan_fwdbwd_s" in rec else None
 
 
 def run_scan(args, save) -> list[dict]:
@@ -763,7 +805,20 @@ def _run_scan(args, save) -> list[dict]:
               f"(Triton {guard['triton']}, fla {guard['fla']})", flush=True)
     print(f"# phase check ({time.time() - t_start:.0f} s)", flush=True)
     save([{"kind": "started", "hopper_guard": guard}])  # a run killed in its check still leaves a file
-    rows: list[dict] = [{"kind": "check", **scan_check(args, device, guard)}]
+    phase = getattr(args, "phase", "all")
+    if phase == "fwdbwd":  # the backward's value checks, in the process that times the backward
+        check = {"kind": "check", "phase": phase, **fla_hopper_guard(bypass=False)}
+        t0 = time.time()
+        check.update(_check_gdn_backward(device, args.dry_run))
+        check.update(_check_bl_backward(device, args.dry_run))
+        check["bwd_check_s"] = round(time.time() - t0, 1)
+        print(f"# check: {json.dumps(check)}", flush=True)
+    else:  # forward values only: the backward's checks (and their compiles) wait for the fwdbwd phase
+        saved_no_bwd = args.no_bwd
+        args.no_bwd = args.no_bwd or phase != "all"
+        check = {"kind": "check", "phase": phase, **scan_check(args, device, guard)}
+        args.no_bwd = saved_no_bwd
+    rows: list[dict] = [check]
     rows.append({"kind": "setup", "fwdbwd": do_bwd, "bl_leaves": list(BL_LEAVES), "gdn_leaves": list(GDN_LEAVES),
                  "reps": args.reps, "bwd_reps": args.bwd_reps, "blockwise_max_T": args.blockwise_max_T,
                  "budget_s": args.budget_s, "fwd_budget_s": fwd_budget, "dtype": args.dtype,
@@ -778,6 +833,8 @@ def _run_scan(args, save) -> list[dict]:
     shapes += [("occupancy", args.occ_B, T, D) for T in args.T for D in args.D]
     shapes.sort(key=lambda r: r[1] * r[2] * r[3] ** 2)  # cheapest first: a cut-short run keeps the most rows
     for D in sorted(set(args.D), key=lambda d: min(s[1] * s[2] * d ** 2 for s in shapes if s[3] == d)):
+        if phase not in ("all", "check"):
+            break
         if time.time() - t_start > fwd_budget:
             rows.append({"kind": "skipped", "rows_left": f"row_check D={D} and later"})
             break
@@ -788,7 +845,15 @@ def _run_scan(args, save) -> list[dict]:
 
     print(f"# phase fwd ({time.time() - t_start:.0f} s)", flush=True)
     measured: list[dict] = []
-    for kind, B, T, D in shapes:
+    if phase == "check":
+        _print_scan_table(rows)
+        print(f"# value checks done in {time.time() - t_start:.0f} s", flush=True)
+        return rows
+    if phase == "fwdbwd":  # this process times forward+backward only, for the same rows
+        measured = [{"kind": kind, "B": B, "H": args.H, "T": T, "D": D, "dtype": args.dtype}
+                    for kind, B, T, D in shapes]
+        rows += measured
+    for kind, B, T, D in shapes if phase in ("all", "fwd") else []:
         if time.time() - t_start > fwd_budget:
             rows.append({"kind": "skipped", "rows_left": f"forward {kind} B={B} T={T} D={D} and later"})
             print(f"# forward budget of {fwd_budget:.0f} s spent: not starting {kind} B={B} T={T} D={D}", flush=True)
@@ -799,11 +864,11 @@ def _run_scan(args, save) -> list[dict]:
         try:
             _fwd_row(rec, _make_inputs(B, T, args.H, D, dtype, device), args, device)
             measured.append(rec)
-            print(f"{head} GDN {rec['gdn_fwd_s'] * 1e3:8.2f} ms | BL "
-                  f"{rec['bl_fwd_s'] * 1e3:8.2f} ms (own mean {rec['bl_own_mean_fwd_s'] * 1e3:.2f}, without prep "
-                  f"{rec['bl_own_mean_noprep_fwd_s'] * 1e3:.2f}) | ratio {rec['ratio_fwd']:6.2f} | mem ratio "
-                  f"{rec['ratio_mem'] or float('nan'):5.2f} | phases ms "
-                  f"{json.dumps({n: round(v * 1e3, 2) for n, v in rec['bl_phases_s'].items()})}", flush=True)
+            print(f"{head} GDN {rec['gdn_fwd_s'] * 1e3:8.2f} ms | BL ({rec['bl_path']}) "
+                  f"{rec['bl_fwd_s'] * 1e3:8.2f} ms (chain {rec['bl_chain_fwd_s'] * 1e3:.2f}, scan "
+                  f"{rec['bl_scan_fwd_s'] * 1e3:.2f}) | ratio {rec['ratio_fwd']:6.2f} | mem ratio "
+                  f"{rec['ratio_mem'] or float('nan'):5.2f} | scan phases ms "
+                  f"{json.dumps({n: round(v * 1e3, 2) for n, v in rec['bl_scan_phases_s'].items()})}", flush=True)
         except Exception as err:  # one failing row (OOM, compile error) must not hide the others
             rec["error"] = f"{type(err).__name__}: {str(err)[:300]}"
             print(f"{head} forward failed: {rec['error']}", flush=True)
@@ -811,6 +876,7 @@ def _run_scan(args, save) -> list[dict]:
             torch.cuda.empty_cache()
         save(rows)
 
+    do_bwd = do_bwd and phase in ("all", "fwdbwd")
     if do_bwd:
         print(f"# phase fwdbwd ({time.time() - t_start:.0f} s)", flush=True)
     warmed: set[int] = set()
@@ -841,7 +907,7 @@ def _run_scan(args, save) -> list[dict]:
         _fwdbwd_row(rec, x, args, device, t_start)
         x = None  # this row's inputs go before the next row allocates its own
         print(f"{head} f+b GDN {_fwdbwd_cols(rec, 'gdn')} | BL scan "
-              f"{_fwdbwd_cols(rec, 'bl_scan')} | chain {_fwdbwd_cols(rec, 'bl_chain')} | ratio "
+              f"{_fwdbwd_cols(rec, 'bl_scan')} | chain {_fwdbwd_cols(rec, 'bl_chain')} | ratio ({rec['bl_path']}) "
               f"{rec.get('ratio_fwdbwd') or float('nan'):6.2f} | mem ratio "
               f"{rec.get('ratio_fwdbwd_mem') or float('nan'):5.2f}"
               + (f" | chunk {args.alt_chunk}: {_fwdbwd_cols(rec, f'bl_scan_c{args.alt_chunk}')}, ratio "
@@ -853,7 +919,7 @@ def _run_scan(args, save) -> list[dict]:
             torch.cuda.empty_cache()
         save(rows)
     # segment-count sweep at the longest latency row that fits the budget (forwards only)
-    for D in args.sweep_D:
+    for D in args.sweep_D if phase == "all" else []:
         T = max(args.T)
         for n_seg in args.sweep:
             if time.time() - t_start > args.budget_s:
@@ -880,8 +946,9 @@ def _run_scan(args, save) -> list[dict]:
 def _print_scan_table(rows: list[dict]) -> None:
     """The rows of :func:`run_scan`, one line each: forward and forward+backward ms, ratios, peak GiB."""
     header = (f"{'kind':>9} {'B':>2} {'T':>6} {'D':>4} | {'GDN fwd':>8} {'BL fwd':>8} {'ratio':>6} | {'GDN f+b':>8} "
-              f"{'BL scan':>8} {'blockw.':>8} {'ratio':>6} | {'GDN GiB':>7} {'BL GiB':>7} {'ratio':>6}")
-    print("# ms (median), peak GiB above the inputs of forward+backward; ratios BL (fla mean; scan backward) / GDN")
+              f"{'BL scan':>8} {'chain':>8} {'ratio':>6} | {'GDN GiB':>7} {'BL GiB':>7} {'ratio':>6} | path")
+    print("# ms (median), peak GiB above the inputs of forward+backward; ratios BL (its default path, fla's mean "
+          "pass) / GDN")
     print(header)
     print("-" * len(header))
     nan = float("nan")
@@ -899,7 +966,8 @@ def _print_scan_table(rows: list[dict]) -> None:
               f"{ms(rec, 'bl_fwd_s'):>8.2f} {rec.get('ratio_fwd') or nan:>6.2f} | {ms(rec, 'gdn_fwdbwd_s'):>8.2f} "
               f"{ms(rec, 'bl_scan_fwdbwd_s'):>8.2f} {ms(rec, 'bl_chain_fwdbwd_s'):>8.2f} "
               f"{rec.get('ratio_fwdbwd') or nan:>6.2f} | {gib(rec, 'gdn_fwdbwd_mem'):>7.3f} "
-              f"{gib(rec, 'bl_scan_fwdbwd_mem'):>7.3f} {rec.get('ratio_fwdbwd_mem') or nan:>6.2f}", flush=True)
+              f"{gib(rec, 'bl_' + str(rec.get('bl_path')) + '_fwdbwd_mem'):>7.3f} "
+              f"{rec.get('ratio_fwdbwd_mem') or nan:>6.2f} | {rec.get('bl_path')}", flush=True)
 
 
 # SASS opcode families counted by the census (``cuobjdump -sass``): the tensor-core matrix instructions
@@ -948,6 +1016,65 @@ def print_census(rows: list[dict]) -> None:
               f"{r['spill_bytes'] if r['spill_bytes'] is not None else '?':>7} | {r['sass_tensor_core']:>11} "
               f"{r['sass_FFMA']:>6} {r['sass_DFMA']:>6} {r['sass_FMUL_FADD']:>9} {r['sass_DMUL_DADD']:>9} "
               f"{r['sass_total']:>6} | {json.dumps(r['sass_tensor_core_ops'])}", flush=True)
+
+
+def _role(kernel: str, phases: set, module: str = "") -> str:
+    """What a default-path kernel does, from its name, its module and when it launches (fla's forward kernels are
+    the mean pass)."""
+    name = kernel.lower()
+    if "bwd" in phases and "fwd" not in phases:
+        return "backward"
+    if module.startswith("fla."):
+        return "mean"
+    for key, role in (("prep", "prep"), ("mean", "mean"), ("cov", "covariance"), ("chain", "covariance"),
+                      ("phase_b", "segment"), ("track", "segment"), ("adj", "backward"), ("rev", "backward")):
+        if key in name:
+            return role
+    return "other"
+
+
+def default_path_census(D_list, out_path: Path | None = None, T: int = 128, H: int = 2) -> list[dict]:
+    """Every kernel BL's default bf16 forward and backward launch (``bl_chunk(..., backend="triton")`` and
+    ``.backward()``; found by running the dispatch in Triton's interpreter with the launches recorded, not from a
+    list), compiled for sm_90 as the JIT would compile it: rows ``kernel``, ``role``, ``D``, ``triton``,
+    ``sass_tensor_core``, ``spill_bytes``, ``shared_bytes`` (and registers, warps, which phase launched it, the
+    opcode census).  Also a call on the segment scan, the other covariance pass ``covariance_path`` picks (for
+    key dims above 128 and, by the cost model's crossover, a few long chains), long enough for several segments
+    (T = 8k at one head on 33 SMs), so that its kernels are found whatever the crossover's figures say."""
+    import kernel_sass as ks
+    import triton
+
+    rows = []
+    for D in D_list:
+        seen: dict = {}
+        jobs = [dict(which="bl", B=1, T=T, H=H, D=D, dtype="bf16", backward=True),
+                dict(which="bl", B=1, T=8192, H=1, D=D, dtype="bf16", backward=True, sms=33, path="scan")]
+        for rec in ks.record_many(jobs):
+            for x in rec["launches"]:
+                key = ks.launch_key(x)
+                seen.setdefault(key, [x, set()])[1].add(x["phase"])
+        for x, phases in seen.values():
+            row = {"kernel": x["kernel"], "role": _role(x["kernel"], phases, x["module"]), "D": D,
+                   "triton": triton.__version__,
+                   "phases": sorted(phases), "num_warps": x["options"].get("num_warps"),
+                   "num_stages": x["options"].get("num_stages"), "module": x["module"]}
+            t0 = time.time()
+            try:
+                c = ks.compile_launch(x)
+                census = ks.sass_census(c["sass"], c["resources"])
+                row.update(sass_tensor_core=census["sass_tensor_core"], spill_bytes=census["spill_bytes"],
+                           shared_bytes=c["shared_bytes"], registers=census["registers"],
+                           sass_tensor_core_ops=census["sass_tensor_core_ops"], sass_FFMA=census["sass_FFMA"],
+                           sass_DFMA=census["sass_DFMA"], sass_total=census["sass_total"],
+                           fits_h200_shared=c["shared_bytes"] <= 227 * 1024)
+            except Exception as err:  # recorded: a kernel that does not compile is a finding
+                row["error"] = f"{type(err).__name__}: {str(err)[:300]}"
+            row["compile_s"] = round(time.time() - t0, 1)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+            if out_path is not None:
+                _save(out_path, rows)
+    return rows
 
 
 def compile_only(args, save=None) -> list[dict]:
@@ -1132,6 +1259,10 @@ def main(argv=None) -> int:
     p.add_argument("--scan", action="store_true", help="v2: segment-scan forward vs GDN forward (module docstring)")
     p.add_argument("--fla-autotune", choices=["pin", "warm"], default="warm",
                    help="--scan: pin every fla autotuner to its first config, or let fla autotune once per head dim")
+    p.add_argument("--phase", choices=["all", "check", "fwd", "fwdbwd"], default="all",
+                   help="--scan: one phase of the device check per process (benchmarks/gpu_session.sh): forward value "
+                        "checks and row checks, forward rows, or the backward's value checks then forward+backward "
+                        "rows; all: everything in one process")
     p.add_argument("--dry-run", action="store_true",
                    help="with --scan on a CPU (TRITON_INTERPRET=1): tiny shapes, the same code path")
     p.add_argument("--occ-B", type=int, default=9, help="--scan: batch of the full-occupancy rows (B·H ≥ 132)")
@@ -1143,7 +1274,12 @@ def main(argv=None) -> int:
     p.add_argument("--sweep", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32], help="--scan: segment counts")
     p.add_argument("--sweep-D", type=int, nargs="*", default=[64, 128], help="--scan: head dims of the sweep")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/gpu.json"))
+    p.add_argument("--default-path", action="store_true",
+                   help="--compile-only: every kernel the default bf16 forward and backward launch (found from the "
+                        "dispatch), D = 64 and 128 unless --D is given")
+    p.add_argument("--json", type=Path, default=None, help="--compile-only --default-path: where the rows go")
     args = p.parse_args(argv)
+    args.D_given = argv is not None and "--D" in argv or argv is None and "--D" in sys.argv[1:]
     for name in ("reps", "bwd_reps"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -1156,6 +1292,14 @@ def main(argv=None) -> int:
         args.T, args.D, args.B, args.occ_B, args.H, args.chunk_size, args.dtype = [96], [16], 1, 2, 2, 16, "fp32"
         args.warm_T, args.reps, args.warmup, args.sweep, args.sweep_D = 32, 1, 0, [1, 3], [16]
         args.bwd_reps = 1
+    if args.compile_only and args.default_path:
+        out = args.json or args.out
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        rows = default_path_census([d for d in args.D if d <= 256] if args.D_given else [64, 128], out)
+        _save(out, rows)
+        print(f"wrote {out}")
+        bad = [r for r in rows if "error" in r]
+        return 1 if bad else 0
     if args.compile_only:
         rows = compile_only(args, lambda rows: _save(args.out, rows))
     elif args.scan and (args.dry_run or torch.cuda.is_available()):

@@ -5,24 +5,33 @@
 #   bash benchmarks/gpu_session.sh           # there, with `.whl` carried: the line below, 8 minutes
 #
 # First it installs .whl/ offline (pip --no-index --no-deps --find-links .whl, into $SITE) unless fla is already
-# importable, and stops with one line if `import fla.ops.gated_delta_rule` still fails.  Then the phases, in order:
-#   scan      benchmarks/gpu.py --scan: value checks (small, then at the rows' own compile shapes with the bf16
-#             hand-off to fla's mean pass; fla's forward autotuning runs there, once per head dim), the forward
-#             rows, then the forward+backward rows, cheapest first; --fwd-budget-s / --budget-s stop starting rows
-#             (SCAN_FWD_S, SCAN_S - 30); SCAN_ARGS adds arguments.  fla's Hopper guard (fla #640: Triton < 3.7.1
-#             refuses its gated backward on Hopper) is recorded and bypassed (--gdn-bypass-hopper-guard); the check
-#             measures the bypassed kernels' values before any row times them.
-#   gputests  the segment-scan and backward tests, compiled on the GPU, fla's fp32 tl.dot pinned to IEEE
+# importable, and stops with one line if `import fla.ops.gated_delta_rule` still fails.  Then the phases, in order,
+# each in its own process (a CUDA fault in one cannot poison the next) with its own time limit:
+#   check     benchmarks/gpu.py --scan --phase check: the forward value checks (small, the scan's and the chain's
+#             in float64, then the default path's once per head dim at the rows' own compile shapes with the bf16
+#             hand-off to fla's mean pass; fla's forward autotuning and the forward compiles happen here)
+#             -> scan_check.json
+#   fwd       --phase fwd: the forward BL-vs-GDN rows (the default path first, then the other covariance pass),
+#             cheapest first, none started after SCAN_FWD_S - 15 s -> scan_fwd.json
+#   fwdbwd    --phase fwdbwd: the backward's value checks (fla's GDN backward against its naive reference, BL's
+#             backward against the PyTorch path), then the forward+backward rows, none started after FWDBWD_S - 20 s
+#             -> scan_fwdbwd.json.  fla's Hopper guard (fla #640: Triton < 3.7.1 refuses its gated backward on
+#             Hopper) is recorded and bypassed (--gdn-bypass-hopper-guard); the check measures the bypassed kernels'
+#             values before any row times them.  SCAN_ARGS adds arguments to all three.
+#   gputests  the covariance chain's, the segment scan's and the backward's tests, compiled on the GPU, fla's fp32 tl.dot pinned to IEEE
 #             (TRITON_F32_DEFAULT=ieee, in a Triton cache of its own: the default is not part of Triton's cache
 #             key) and, where it is active, fla's Hopper guard bypassed (BL_TEST_BYPASS_FLA_HOPPER_GUARD=1; the
 #             tests then check those kernels' values)
-#   census    benchmarks/gpu.py --compile-only: SASS instruction census, registers and spills (CENSUS_ARGS; sm_90
-#             compiles need no GPU, so the dry run compiles too)
-# Older phases, by name in PHASES: tests, bench, variants, profile, scantest, bwdtest (their commands below).
-# PHASES picks and orders them (default "scan gputests census"); each has a time limit in seconds (SCAN_S,
-# GPUTEST_S, CENSUS_S; TEST_S, BWDTEST_S, BENCH_S, VAR_S, PROF_S) and the plan is printed first.
+#   census    benchmarks/gpu.py --compile-only --default-path: every kernel the default path launches, compiled on
+#             the device's Triton: tensor-core instructions, spills, shared memory (CENSUS_ARGS; sm_90 compiles need
+#             no GPU, so the dry run compiles too)
+# Older phases, by name in PHASES: scan (check, fwd and fwdbwd in one process), tests, bench, variants, profile,
+# scantest, bwdtest (their commands below).
+# PHASES picks and orders them (default "check fwd fwdbwd gputests census"); each has a time limit in seconds
+# (CHECK_S, SCAN_FWD_S, FWDBWD_S, GPUTEST_S, CENSUS_S; SCAN_S, TEST_S, BWDTEST_S, BENCH_S, VAR_S, PROF_S) and the
+# plan is printed first.
 # Results: $OUT or /tmp/bl_gpu: line.log (everything printed), line.json (each phase's
-# exit code and seconds, rewritten after each phase), scan.json and census.json (rewritten after each row).
+# exit code and seconds, rewritten after each phase), scan_*.json and census.json (rewritten after each row).
 # fla's autotuning (71 s to over 100 s per head dim on a fresh H200) is pinned: every fla autotuner at its first
 # config, GDN's and BL's mean pass alike (FLA_AUTOTUNE=pin, the default).  FLA_AUTOTUNE=warm lets fla autotune once
 # per head dim instead, kept by TRITON_CACHE_AUTOTUNING=1 (Triton's on-disk autotune cache, with the compiled
@@ -38,16 +47,19 @@ SITE=${SITE:-/tmp/site}
 DRY_RUN=${DRY_RUN:-0}
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/line.log") 2>&1
-PHASES=${PHASES:-scan gputests census}
+PHASES=${PHASES:-check fwd fwdbwd gputests census}
+CHECK_S=${CHECK_S:-60}
+SCAN_FWD_S=${SCAN_FWD_S:-120}
+FWDBWD_S=${FWDBWD_S:-150}
 SCAN_S=${SCAN_S:-290}
-SCAN_FWD_S=${SCAN_FWD_S:-150}
-GPUTEST_S=${GPUTEST_S:-120}
-CENSUS_S=${CENSUS_S:-45}
+GPUTEST_S=${GPUTEST_S:-90}
+CENSUS_S=${CENSUS_S:-35}
 LINE_S=${LINE_S:-480}
 SETUP_S=20  # install and imports (measured below)
 t0=$(date +%s)
 limit_of() {
   case $1 in
+    check) echo "$CHECK_S" ;; fwd) echo "$SCAN_FWD_S" ;; fwdbwd) echo "$FWDBWD_S" ;;
     scan) echo "$SCAN_S" ;; gputests) echo "$GPUTEST_S" ;; census) echo "$CENSUS_S" ;; tests) echo "${TEST_S:-150}" ;;
     bench) echo "${BENCH_S:-240}" ;; variants) echo "${VAR_S:-150}" ;; profile) echo "${PROF_S:-60}" ;;
     scantest) echo "${TEST_S:-60}" ;; bwdtest) echo "${BWDTEST_S:-90}" ;; *) echo 0 ;;
@@ -96,26 +108,31 @@ for phase in $PHASES; do
   echo "== $phase $(date -u +%H:%M:%S) (limit $(limit_of "$phase") s)"
   ts=$(date +%s)
   case $phase in
+    check|fwd|fwdbwd)
+      lim=$(limit_of "$phase")
+      timeout "$lim" "$PY" benchmarks/gpu.py --scan --phase "$phase" $dry --D 64 128 --gdn-bypass-hopper-guard \
+        --fla-autotune "${FLA_AUTOTUNE:-pin}" --sweep-D --fwd-budget-s $((lim - 15)) --budget-s $((lim - 20)) \
+        --out "$OUT/scan_$phase.json" ${SCAN_ARGS:-} ;;
     scan)
       timeout "$SCAN_S" "$PY" benchmarks/gpu.py --scan $dry --D 64 128 --gdn-bypass-hopper-guard \
         --fla-autotune "${FLA_AUTOTUNE:-pin}" \
         --fwd-budget-s "$SCAN_FWD_S" --budget-s $((SCAN_S - 30)) --out "$OUT/scan.json" ${SCAN_ARGS:-} ;;
     gputests)
       if [ "$DRY_RUN" = 1 ]; then  # the interpreter runs the kernels in NumPy: collect all, run one
-        tests="--collect-only -q tests/ops/test_scan_fla.py tests/ops/test_scan_grad.py tests/ops/test_scan_triton.py
-               tests/ops/test_scan_backward_triton.py tests/ops/test_scan_ldl.py"
+        tests="--collect-only -q tests/ops/test_chain.py tests/ops/test_scan_fla.py tests/ops/test_scan_grad.py
+               tests/ops/test_scan_triton.py tests/ops/test_scan_backward_triton.py tests/ops/test_scan_ldl.py"
         timeout "$GPUTEST_S" "$PY" -m pytest -p no:cacheprovider $tests | tail -3 \
           && timeout "$GPUTEST_S" "$PY" -m pytest -q -p no:cacheprovider \
             "tests/ops/test_scan_fla.py::test_mean_pass_fla_equals_twin[False]"
       else
         TRITON_INTERPRET=0 TRITON_F32_DEFAULT=ieee TRITON_CACHE_DIR="$TRITON_CACHE_DIR-f32ieee" \
           BL_TEST_BYPASS_FLA_HOPPER_GUARD=1 timeout "$GPUTEST_S" "$PY" -m pytest -q -rf -p no:cacheprovider $xdist \
-          tests/ops/test_scan_fla.py tests/ops/test_scan_grad.py tests/ops/test_scan_triton.py \
+          tests/ops/test_chain.py tests/ops/test_scan_fla.py tests/ops/test_scan_grad.py tests/ops/test_scan_triton.py \
           tests/ops/test_scan_backward_triton.py tests/ops/test_scan_ldl.py
       fi ;;
     census)
-      TRITON_INTERPRET=0 timeout "$CENSUS_S" "$PY" benchmarks/gpu.py --compile-only --D 64 --out "$OUT/census.json" \
-        ${CENSUS_ARGS:---kernels covp covp64 segadj4} ;;
+      TRITON_INTERPRET=0 timeout "$CENSUS_S" "$PY" benchmarks/gpu.py --compile-only --default-path \
+        --json "$OUT/census.json" ${CENSUS_ARGS:---D 64} ;;
     tests)
       TRITON_INTERPRET=0 timeout "${TEST_S:-150}" "$PY" -m pytest -q -rf --maxfail=25 -p no:cacheprovider \
         -m "slow or not slow" $xdist \

@@ -67,8 +67,9 @@ echo "== 3. the line, dry run"
 cd "$SIM/repo"
 set +e
 env -i PATH="$SIM/venv/bin:/usr/bin:/bin" HOME="$SIM" PIP_NO_INDEX=1 OMP_NUM_THREADS=1 OUT="$SIM/out" \
-  SITE="$SIM/site" PYTHON="$SIM/venv/bin/python" DRY_RUN=1 SCAN_S=${SIM_SCAN_S:-1800} SCAN_FWD_S=1500 \
-  GPUTEST_S=${SIM_GPUTEST_S:-600} CENSUS_S=${SIM_CENSUS_S:-600} LINE_S=3600 CENSUS_ARGS="--kernels covp segadj4" \
+  SITE="$SIM/site" PYTHON="$SIM/venv/bin/python" DRY_RUN=1 CHECK_S=${SIM_CHECK_S:-900} SCAN_FWD_S=${SIM_FWD_S:-900} \
+  FWDBWD_S=${SIM_FWDBWD_S:-1200} GPUTEST_S=${SIM_GPUTEST_S:-600} CENSUS_S=${SIM_CENSUS_S:-900} LINE_S=4800 \
+  CENSUS_ARGS="--D 64" \
   bash benchmarks/gpu_session.sh
 rc=$?
 set -e
@@ -83,23 +84,34 @@ out, rc = Path(sys.argv[1]), int(sys.argv[2])
 problems = [] if rc == 0 else [f"gpu_session.sh exited {rc}"]
 line = json.loads((out / "line.json").read_text())
 problems += [f"phase {p['phase']} exit {p['rc']}" for p in line["phases"] if p["rc"]]
-scan = json.loads((out / "scan.json").read_text())["rows"]
-check = next(r for r in scan if r["kind"] == "check")
-problems += [f"check {k}: {v}" for k, v in check.items() if k.endswith("_error")]
-if not check["scan_fp64_rel_err"] <= 1e-10:
-    problems.append(f"scan float64 error {check['scan_fp64_rel_err']}")
-row_checks = [r for r in scan if r["kind"] == "row_check"]
+scan = {ph: json.loads((out / f"scan_{ph}.json").read_text())["rows"] for ph in ("check", "fwd", "fwdbwd")}
+check = next(r for r in scan["check"] if r["kind"] == "check")
+problems += [f"check {k}: {v}" for ph in scan for r in scan[ph] if r.get("kind") == "check"
+             for k, v in r.items() if k.endswith("_error")]
+for key in ("scan_fp64_rel_err", "chain_fp64_rel_err"):
+    if not check.get(key, 1) <= 1e-10:
+        problems.append(f"check {key}: {check.get(key)}")
+bwd = next(r for r in scan["fwdbwd"] if r["kind"] == "check")
+for key in ("bl_chain_bwd_fp64_max_rel_err", "bl_scan_bwd_fp64_max_rel_err"):
+    if not bwd.get(key, 1) <= 1e-10:
+        problems.append(f"backward check {key}: {bwd.get(key)}")
+row_checks = [r for r in scan["check"] if r["kind"] == "row_check"]
 problems += [f"row check D={r['D']}: {r.get('bl_error') or r.get('gdn_error')}" for r in row_checks
              if "bl_error" in r or "gdn_error" in r]
 problems += [f"row check D={r['D']}: BL error {r['bl_fwd_rel_err']:.1e}" for r in row_checks
              if r.get("bl_fwd_rel_err", 1) > 1e-5]
-rows = [r for r in scan if r["kind"] in ("latency", "occupancy")]
+rows = [r for r in scan["fwd"] if r["kind"] in ("latency", "occupancy")]
+rows_b = [r for r in scan["fwdbwd"] if r["kind"] in ("latency", "occupancy")]
 problems += [f"row {r['kind']} T={r['T']} D={r['D']}: {r.get('error')}" for r in rows if "ratio_fwd" not in r]
-problems += [f"row {r['kind']} T={r['T']} D={r['D']}: no forward+backward" for r in rows if "ratio_fwdbwd" not in r]
+problems += [f"row {r['kind']} T={r['T']} D={r['D']}: no forward+backward" for r in rows_b if "ratio_fwdbwd" not in r]
+if len(rows_b) != len(rows):
+    problems.append(f"{len(rows)} forward rows but {len(rows_b)} forward+backward rows")
 if not row_checks or not rows:
     problems.append("no row checks or no rows")
 census = json.loads((out / "census.json").read_text())["rows"]
 problems += [f"census {r['kernel']}: {r.get('error')}" for r in census if "sass_total" not in r]
+if not census:
+    problems.append("census: no kernel found on the default path")
 print(f"phases: {[(p['phase'], p['rc'], p['seconds']) for p in line['phases']]}")
 print(f"row checks: {[(r['D'], r.get('bl_fwd_rel_err'), r.get('gdn_fwd_rel_err')) for r in row_checks]}")
 print(f"rows: {len(rows)} with forward and forward+backward; census: {len(census)} kernels")

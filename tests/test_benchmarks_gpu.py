@@ -77,13 +77,14 @@ def test_gdn_backward_check_on_fla_references(gpu):
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") != "1", reason="needs TRITON_INTERPRET=1 (CPU)")
 def test_bl_backward_check_interpreted(gpu):
-    """The dry run's BL check: the segment scan's backward against the PyTorch chunk path, float64 and fp32
-    (a few s)."""
+    """The dry run's BL check: the covariance chain's and the segment scan's backward against the PyTorch chunk
+    path, float64 and fp32 (a few s)."""
     pytest.importorskip("fla")
     out = gpu._check_bl_backward("cpu", dry_run=True)
-    assert set(out["bl_scan_bwd_fp64_rel_err"]) == set(gpu.BL_LEAVES)
-    assert out["bl_scan_bwd_fp64_max_rel_err"] <= 1e-10
-    assert out["bl_scan_bwd_fp32_max_rel_err"] <= 1e-5
+    for path in ("chain", "scan"):
+        assert set(out[f"bl_{path}_bwd_fp64_rel_err"]) == set(gpu.BL_LEAVES)
+        assert out[f"bl_{path}_bwd_fp64_max_rel_err"] <= 1e-10
+        assert out[f"bl_{path}_bwd_fp32_max_rel_err"] <= 1e-5
 
 
 def test_bad_input(gpu):

@@ -148,18 +148,25 @@ def test_default_path_never_syncs_with_the_host(monkeypatch):
     assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in leaves)
 
 
-def test_covariance_path_rule():
+def test_covariance_path_rule(monkeypatch):
     """One function decides: the chain wherever the chains fill the SMs or the sequence is too short to split, the
-    scan above the chain's key dims, for an explicit n_segments, and for few long chains (crossover SCAN_STEP_RATIO)."""
+    scan above the chain's key dims and for an explicit n_segments; for fewer, longer chains the cost model's
+    crossover (``crossover.scan_predicted_faster``), whichever way its figures point."""
     from bayeslayer.ops.bayesian_layer import chunk_triton as ct
+    from bayeslayer.ops.bayesian_layer import crossover as xo
 
     assert ct.covariance_path(132, 32768, 64) == "chain"  # one chain per SM
     assert ct.covariance_path(32, 4096, 64) == "chain"  # T too short for the scan to split
-    assert ct.covariance_path(32, 32768, 64) == "chain"  # 4 segments per chain do not pay for the scan's slower step
-    few = 132 // (ct.SCAN_STEP_RATIO + 1)
-    assert ct.covariance_path(few, 32768, 64) == "scan" and ct.covariance_path(few + 1, 32768, 64) == "chain"
     assert ct.covariance_path(512, 2048, 256) == "scan"  # P of D = 256 does not stay on chip
     assert ct.covariance_path(512, 2048, 64, n_segments=2) == "scan"
+    for N in (1, 4, 16, 32, 64, 131):  # the record's figures decide
+        want = "scan" if xo.scan_predicted_faster(N, 32768, 64) else "chain"
+        assert ct.covariance_path(N, 32768, 64) == want
+    steps = {"a": (100, 1), "track": (50, 2), "b": (400, 2), "c": (100, 1)}
+    monkeypatch.setattr(xo, "STEP_CYCLES", {128: dict(steps, chain=(100_000, 1))})  # a slow chain step: the scan
+    assert ct.covariance_path(8, 32768, 64) == "scan" and ct.covariance_path(132, 32768, 64) == "chain"
+    monkeypatch.setattr(xo, "STEP_CYCLES", {128: dict(steps, chain=(10, 1))})  # a fast one: never the scan
+    assert ct.covariance_path(8, 32768, 64) == "chain"
     with pytest.raises(ValueError, match="n_chains"):
         ct.covariance_path(-1, 10, 64)
 

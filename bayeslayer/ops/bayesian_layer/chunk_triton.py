@@ -38,6 +38,7 @@ from ..utils.validation import (
 )
 from . import groups as grp
 from .chunk import filter_chunk
+from .crossover import scan_predicted_faster
 from .triton_support import BackendError, triton_unavailable, unsupported
 
 #: the devices each Triton path has run on, its tests included (empty: tested under Triton's interpreter and
@@ -53,11 +54,6 @@ _WARNED: set[str] = set()
 CHAIN_CHUNK_SIZE = 32
 #: the largest key dim the chain kernels hold ``P`` for (fp32, D×D, in registers); larger ones run the scan
 CHAIN_MAX_HEAD_DIM = 128
-#: the crossover of :func:`covariance_path` below one chain per SM: the segment scan splits each chain into
-#: ``S = SMs / chains`` segments but walks every chunk about this many times more slowly than the chain kernel
-#: (Phase A in float64 plus Phase C on the per-chunk kernel, against one chain step; an estimate until a cost model
-#: derived from the compiled kernels or a GPU measurement replaces it), so it pays only with more segments
-SCAN_STEP_RATIO = 19
 #: a sequence this short is one segment of the scan (``scan.ONE_SEGMENT_MAX_T``): the scan could not split it
 SCAN_MIN_T = 4096
 DEFAULT_SMS = 132
@@ -72,8 +68,9 @@ def covariance_path(n_chains: int, T: int, D: int, *, sms: int = DEFAULT_SMS, n_
     * the scan for ``D > CHAIN_MAX_HEAD_DIM`` (the chain holds ``P`` in registers) or an explicit ``n_segments``;
     * the chain wherever the chains alone fill the SMs (``n_chains ≥ sms``), and for sequences the scan would not
       split (``T ≤ SCAN_MIN_T``);
-    * below that, the scan only when it gets more than :data:`SCAN_STEP_RATIO` segments per chain
-      (``sms / n_chains > SCAN_STEP_RATIO``: about 6 chains or fewer on 132 SMs), the chain otherwise.
+    * below that, whichever the cost model predicts faster for this call
+      (:func:`.crossover.scan_predicted_faster`: the documented sums with step cycles from the kernels as
+      compiled for sm_90; docs/kernels.md, "Chain or segment scan").
     """
     for name, x in (("n_chains", n_chains), ("T", T), ("D", D), ("sms", sms)):
         if isinstance(x, bool) or not isinstance(x, int) or x < 0:
@@ -82,7 +79,7 @@ def covariance_path(n_chains: int, T: int, D: int, *, sms: int = DEFAULT_SMS, n_
         return "scan"
     if n_chains >= sms or T <= SCAN_MIN_T:
         return "chain"
-    return "scan" if sms > SCAN_STEP_RATIO * max(n_chains, 1) else "chain"
+    return "scan" if scan_predicted_faster(max(n_chains, 1), T, max(D, 1), sms=max(sms, 1)) else "chain"
 
 
 def _warn_never_run(path: str, device: torch.device) -> None:
