@@ -38,7 +38,7 @@ from ..utils.validation import (
 )
 from . import groups as grp
 from .chunk import filter_chunk
-from .triton_support import BackendError, triton_unavailable, unsupported
+from .triton_support import CHAIN_MAX_HEAD_DIM, MAX_HEAD_DIM, BackendError, triton_unavailable, unsupported
 
 #: the devices each Triton path has run on, its tests included (empty: tested under Triton's interpreter and
 #: compiled for sm_90 only).  The first CUDA call of a path with none warns once per process.
@@ -51,8 +51,6 @@ _WARNED: set[str] = set()
 #: beyond rounding): at 32 the forward and backward keep their working set on chip (compiled for sm_90, D = 64:
 #: docs/kernels.md, "Compiled for sm_90"); the C×C factorisation of 64-token chunks does not fit
 CHAIN_CHUNK_SIZE = 32
-#: the largest key dim the chain kernels hold ``P`` for (fp32, D×D, in registers); larger ones run the scan
-CHAIN_MAX_HEAD_DIM = 128
 #: the crossover of :func:`covariance_path` below one chain per SM: the segment scan splits each chain into
 #: ``S = SMs / chains`` segments but walks every chunk about this many times more slowly than the chain kernel
 #: (Phase A in float64 plus Phase C on the per-chunk kernel, against one chain step; an estimate until a cost model
@@ -198,8 +196,8 @@ def _scan_autograd(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, want_va
     from . import scan as sc
     from .scan_grad import ScanFunction, ScanSpec
 
-    if not 1 <= q.shape[-1] <= 256:
-        raise ValueError(f"the Triton path supports key dims D in 1..256, got D={q.shape[-1]}")
+    if not 1 <= q.shape[-1] <= MAX_HEAD_DIM:
+        raise ValueError(f"the Triton path supports key dims D in 1..{MAX_HEAD_DIM}, got D={q.shape[-1]}")
     call = sc.prepare_scan(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, n_segments=n_segments)
     spec = ScanSpec(cu=call.cu, C=call.C, segment_chunks=call.segment_chunks, want_var=want_var,
                     forward=forward_scan_packed, covariance="triton")
