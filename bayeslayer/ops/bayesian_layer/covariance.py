@@ -62,7 +62,7 @@ def covariance_step(dyn: ChunkDynamics, kt, NBk, base, BC, P, *, q=None, qt=None
 
     Always ``P`` (the chunk's end state, symmetrised), ``W`` (write keys ``βu``) and ``info`` (nonzero where
     the Cholesky factorisation of ``S`` failed).  With ``q``, ``qt = Φᵀq``, ``qBq = qᵀBq``: ``var``, the
-    predictive variance.  With ``factors`` (or ``v``, ``A``): also ``U``, ``beta``, ``Linv`` and
+    predictive variance.  Off the fast path: also ``U``, ``beta`` and ``Linv``; with ``factors`` or ``v``:
     ``kw = L⁻¹K̃``; with ``v``: ``vu = L⁻¹V``; with ``A``, ``J`` (a segment element, docs/theory.md §6.2):
     ``H = L⁻¹K̃A``, ``A ← Φ_C A − W̃ᵀH`` and ``J ← sym(J + Hᵀ diag(β) H)``.  With ``save``: ``saved``, what
     :func:`covariance_step_adjoint` needs.  Scalar decay without any of ``factors``, ``v``, ``A`` takes the
@@ -107,7 +107,9 @@ def covariance_step(dyn: ChunkDynamics, kt, NBk, base, BC, P, *, q=None, qt=None
             Gq = dyn.scores(q, U)  # q_tᵀ Φ_tΦ_i⁻¹ u_i
             out["var"] = 1.0 + ((qt @ P) * qt).sum(-1) + qBq - (Gq * Gq * beta[..., None, :]).sum(-1)
         W = beta[..., None] * U
-        out.update(W=W, U=U, beta=beta, Linv=Linv, kw=Linv @ kt)
+        out.update(W=W, U=U, beta=beta, Linv=Linv)
+        if factors or v is not None:
+            out["kw"] = Linv @ kt
         if v is not None:
             out["vu"] = Linv @ v
         if A is not None:
