@@ -122,6 +122,7 @@ NOT_RESULTS = {
     ("docs/kernels.md", "| feature | Triton | notes |"),
     ("docs/kernels.md", "| inputs | outputs, variance, final M and P | gradients |"),  # the tests' tolerances
     ("docs/kernels.md", "| piece | where | runs as |"),
+    ("docs/kernels.md", "| equation (docs/theory.md) | PyTorch |"),  # where each equation of the theory lives
     ("docs/kernels.md", "| # | launch | grid |"),  # bytes counted from the code
     ("docs/data.md", "| `source` | what it reads |"),
 }

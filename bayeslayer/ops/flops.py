@@ -43,7 +43,7 @@ import math
 from dataclasses import dataclass
 
 from ..checks import check_int
-from .bayesian_layer.chunk import UNIT_INVERSE_BASE
+from .bayesian_layer.dynamics import UNIT_INVERSE_BASE
 
 WRITES = ("bayes", "diagonal", "reset", "latent", "lowrank")
 DYNAMICS = ("identity", "scalar", "diagonal")
@@ -151,7 +151,7 @@ class Tally:
             self.backward += batch * (matmul_flops(n, n, n) + 2 * triangular_solve_flops(n, n))
 
     def unit_lower_inverse(self, batch: int, n: int, *, grad: bool = True) -> None:
-        """:func:`bayeslayer.ops.bayesian_layer.chunk.unit_lower_inverse`: one solve against the identity, or
+        """:func:`bayeslayer.ops.bayesian_layer.dynamics.unit_lower_inverse`: one solve against the identity, or
         blocks of 16 solved and merged by doubling (``−D B A`` per merge)."""
         base = UNIT_INVERSE_BASE
         nb = n // base if n % base == 0 else 0

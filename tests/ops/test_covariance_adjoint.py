@@ -1,14 +1,14 @@
-"""The covariance pass's adjoint, written out per chunk, equals autograd through the chunk loop.
+"""The covariance step's adjoint on its scalar fast path, swept over the chunks, equals autograd through the steps.
 
-A fused backward kernel has to carry ``P̄`` backwards through the chunks and form
-every gradient from per-chunk matrices, not from an autograd graph.  This module writes that
-adjoint in plain tensor algebra for scalar decay (library code:
-:func:`bayeslayer.ops.bayesian_layer.scan_backward.covariance_pass_adjoint_scalar`), in the same variables as the loop
-of
-:func:`bayeslayer.ops.bayesian_layer.chunk.covariance_pass` (per chunk: ``Y = K̃P``, ``S = base + YK̃ᵀ``,
-``S = L_c L_cᵀ``, ``Ū = (L_c ⊙ R)⁻¹(NBk + γ ⊙ Y)``, ``P' = sym(b_C I + γ_C² P − ŪᵀdiagẼ²Ū)``,
-``w = Ū / diag(L_c)``), and checks it against autograd in float64 — the reference a kernel
-port is tested against, and a check of the algebra in ``docs/kernels.md``.
+A fused backward kernel has to carry ``P̄`` backwards through the chunks and form every gradient from
+per-chunk matrices, not from an autograd graph.
+:func:`bayeslayer.ops.bayesian_layer.covariance.covariance_step_adjoint` writes that adjoint in plain tensor
+algebra; for scalar decay without ``L⁻¹`` (the path :func:`bayeslayer.ops.bayesian_layer.chunk.covariance_pass`
+runs) it works in the variables of the fast path (per chunk: ``Y = K̃P``, ``S = base + YK̃ᵀ = L_c L_cᵀ``,
+``Ū = (L_c ⊙ R)⁻¹(NBk + γ ⊙ Y)``, ``P' = sym(b_C I + γ_C² P − ŪᵀdiagẼ²Ū)``, ``w = Ū / diag(L_c)``, the
+variance ``1 + q̃ᵀPq̃ + qBq − Σ_i ((qŪᵀ) ⊙ R)_ti²``).  Checked against autograd in float64 — the reference a
+kernel port is tested against, and a check of the algebra in ``docs/kernels.md``.  The general path's adjoint
+(LDLᵀ factors, diagonal decay) is checked by ``ops/test_scan_backward.py::test_chunk_adjoint_equals_autograd``.
 """
 
 from __future__ import annotations
@@ -16,31 +16,30 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bayeslayer.ops.bayesian_layer.chunk import ChunkDynamics, Chunked, covariance_prework
+from bayeslayer.ops.bayesian_layer.chunk import ChunkDynamics, Chunked, covariance_pass
+from bayeslayer.ops.bayesian_layer.covariance import covariance_prework, covariance_step, covariance_step_adjoint
 from bayeslayer.ops.bayesian_layer.prepare import prepare
-from bayeslayer.ops.bayesian_layer.scan_backward import covariance_pass_adjoint_scalar
+
+FACTORS = ("ratio", "end", "gamma", "gamma_C")
 
 
-def _loop(P, kt, base, NBk, gamma, ratio, end, b_end, gC2):
-    """The scalar-decay covariance loop over chunks (inputs ``[n, B, H, ...]``); returns ``(w, P_end, saved)``."""
-    eye = torch.eye(P.shape[-1], dtype=P.dtype)
-    ws, saved = [], []
-    for i in range(len(kt)):
-        Y = kt[i] @ P
-        S = base[i] + Y @ kt[i].mT
-        Lc = torch.linalg.cholesky(S)
-        X = NBk[i] + gamma[i] * Y
-        Ub = torch.linalg.solve_triangular(Lc * ratio[i], X, upper=False)
-        Ue = Ub * end[i]
-        Pn = eye * b_end[i] + gC2[i] * P - Ue.mT @ Ue
-        saved.append((P, Y, Lc, Ub))
-        P = 0.5 * (Pn + Pn.mT)
-        ws.append(Ub / torch.diagonal(Lc, dim1=-2, dim2=-1)[..., None])
-    return torch.stack(ws), P, saved
+def _loop(x: dict, save: bool = False):
+    """The covariance step over every chunk (inputs ``[n, B, H, ...]``); returns ``(w, var, P_end, steps)``."""
+    P = x["P"]
+    ws, variances, steps = [], [], []
+    for i in range(len(x["kt"])):
+        dyn = x["dyn"].with_factors(*(x[f][i] for f in FACTORS))
+        st = covariance_step(dyn, x["kt"][i], x["NBk"][i], x["base"][i], x["BC"][i], P, q=x["q"][i], qt=x["qt"][i],
+                             qBq=x["qBq"][i], save=save)
+        steps.append((dyn, st))
+        P = st["P"]
+        ws.append(st["W"])
+        variances.append(st["var"])
+    return torch.stack(ws), torch.stack(variances), P, steps
 
 
 def _prework(T=150, C=32, seed=0):
-    """The loop's inputs for random scalar-decay data, built by the library's own prework."""
+    """The steps' inputs for random scalar-decay data, built by the library's own prework."""
     g = torch.Generator().manual_seed(seed)
     B, H, D = 1, 2, 16
     q = torch.randn(B, T, H, D, generator=g, dtype=torch.float64)
@@ -52,54 +51,64 @@ def _prework(T=150, C=32, seed=0):
     pr = prepare(q, k, v, write="bayes", r2=r2, ell2=ell2, alpha=alpha)
     ch = Chunked(pr, C, need_noise=True)
     dyn = ChunkDynamics(ch.log_alpha, None)
-    _, kt, NBk, base, b_end = covariance_prework(dyn, ch.k, ch.r2, ch.ell2)
+    assert dyn.scalar
+    b, kt, NBk, base, BC = covariance_prework(dyn, ch.k, ch.r2, ch.ell2)
     A = torch.randn(B, H, D, D, generator=g, dtype=torch.float64)
     P0 = A @ A.mT / D + 0.5 * torch.eye(D, dtype=torch.float64)
-    x = dict(P=P0, kt=kt, base=base, NBk=NBk, gamma=dyn.gamma, ratio=dyn.ratio[..., 0], end=dyn.end,
-             b_end=b_end, gC2=dyn.gamma_C * dyn.gamma_C)
-    return x, g, (dyn, ch)
+    x = dict(P=P0, kt=kt, base=base, NBk=NBk, BC=BC, q=ch.q, qt=dyn.adj(ch.q), qBq=dyn.noise_quad(ch.ell2, ch.q, b),
+             ratio=dyn.ratio, end=dyn.end, gamma=dyn.gamma, gamma_C=dyn.gamma_C)
+    return {n: t.detach() for n, t in x.items()} | {"dyn": dyn}, g, (dyn, ch)
 
 
 def test_loop_matches_covariance_pass():
-    """``_loop`` is the same computation as the library's covariance pass (else the check below proves nothing)."""
-    from bayeslayer.ops.bayesian_layer.chunk import covariance_pass
-
+    """``_loop`` takes the fast path and is the library's covariance pass (else the check below proves nothing)."""
     x, _, (dyn, ch) = _prework()
-    w, P_end, _ = _loop(**x)
-    w2, _, P2 = covariance_pass(dyn, None, ch.k, ch.r2, ch.ell2, x["P"])
-    assert torch.allclose(w, w2, atol=1e-12, rtol=0)
-    assert torch.allclose(P_end, P2, atol=1e-12, rtol=0)
+    w, var, P_end, steps = _loop(x, save=True)
+    assert all("Ub" in st["saved"] and "Linv" not in st for _, st in steps)  # the fast path: no L⁻¹
+    w2, var2, P2 = covariance_pass(dyn, ch.q, ch.k, ch.r2, ch.ell2, x["P"])
+    assert torch.equal(w, w2) and torch.equal(var, var2) and torch.equal(P_end, P2)
 
 
 def test_adjoint_equals_autograd():
     x, g, _ = _prework()
-    leaves = {name: t.detach().clone().requires_grad_(True) for name, t in x.items()}
-    w, P_end, saved = _loop(**leaves)
+    leaves = {n: t.clone().requires_grad_(True) for n, t in x.items() if n != "dyn"}
+    w, var, P_end, _ = _loop(leaves | {"dyn": x["dyn"]})
     dw = torch.randn(w.shape, generator=g, dtype=torch.float64)
+    dvar = torch.randn(var.shape, generator=g, dtype=torch.float64)
     dP = torch.randn(P_end.shape, generator=g, dtype=torch.float64)
-    auto = torch.autograd.grad((w, P_end), list(leaves.values()), (dw, dP))
+    auto = torch.autograd.grad((w, var, P_end), list(leaves.values()), (dw, dvar, dP))
     with torch.no_grad():
-        saved = [tuple(t.detach() for t in s) for s in saved]
-        dP0, mine = covariance_pass_adjoint_scalar(dw, dP, saved,
-                                                   *(x[n] for n in ("kt", "gamma", "ratio", "end", "gC2")))
-    mine["P"] = dP0
+        _, _, _, steps = _loop(x, save=True)
+        G, mine = dP, {}
+        for i in range(len(steps) - 1, -1, -1):
+            dyn, st = steps[i]
+            G, gi, dq, _ = covariance_step_adjoint(dyn, x["kt"][i], x["NBk"][i], st["saved"], G, q=x["q"][i],
+                                                   qt=x["qt"][i], dW=dw[i], dvar=dvar[i])
+            for name, t in (gi | {"q": dq}).items():
+                mine.setdefault(name, [None] * len(steps))[i] = t
+    mine = {name: torch.stack(t) for name, t in mine.items()} | {"P": G}
     for name, a in zip(leaves, auto, strict=True):
-        b = mine[name].reshape(a.shape) if mine[name].numel() == a.numel() else mine[name].expand_as(a)
+        b = mine[name].reshape(a.shape)
         if name in ("ratio", "base"):  # only the lower triangle of R, and the symmetric S, are read
             a = a.tril() if name == "ratio" else 0.5 * (a + a.mT)
             b = b.tril() if name == "ratio" else b
+        if name == "ratio":
+            a, b = a[..., 0].tril()[..., None], b[..., 0].tril()[..., None]
         err = (a - b).abs().max().item()
         assert err < 1e-10 * max(1.0, a.abs().max().item()), f"d{name}: |explicit - autograd| = {err:.2e}"
         assert a.abs().max() > 0, f"d{name} is identically zero; the comparison would be vacuous"
 
 
 def test_adjoint_bad_input():
-    x, g, _ = _prework(T=64)
-    w, P_end, saved = _loop(**x)
-    args = [x[n] for n in ("kt", "gamma", "ratio", "end", "gC2")]
+    x, _, _ = _prework(T=64)
+    _, _, _, steps = _loop(x, save=True)
+    dyn, st = steps[0]
+    args = (dyn, x["kt"][0], x["NBk"][0])
     with pytest.raises(ValueError, match="saved"):
-        covariance_pass_adjoint_scalar(w, P_end, [], *args)
-    with pytest.raises(ValueError, match="dw"):
-        covariance_pass_adjoint_scalar(w[:1], P_end, saved, *args)
+        covariance_step_adjoint(*args, [], x["P"])
+    with pytest.raises(ValueError, match="dW"):
+        covariance_step_adjoint(*args, st["saved"], x["P"], dW=st["W"][..., :1])
     with pytest.raises(ValueError, match="dP_next"):
-        covariance_pass_adjoint_scalar(w, P_end[..., :1], saved, *args)
+        covariance_step_adjoint(*args, st["saved"], x["P"][..., :1])
+    with pytest.raises(ValueError, match="fast path"):
+        covariance_step_adjoint(*args, st["saved"], x["P"], dbeta=st["W"][..., 0])

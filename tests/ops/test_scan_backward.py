@@ -19,6 +19,7 @@ from bayeslayer.ops import initial_bl_state
 from bayeslayer.ops.bayesian_layer import scan
 from bayeslayer.ops.bayesian_layer import scan_backward as sb
 from bayeslayer.ops.bayesian_layer.chunk import ChunkDynamics, covariance_pass, from_chunks, pad_time, to_chunks
+from bayeslayer.ops.bayesian_layer.covariance import covariance_step, covariance_step_adjoint
 from bayeslayer.ops.bayesian_layer.prepare import prepare
 
 from .scan_inputs import regime_inputs
@@ -174,6 +175,12 @@ def test_backward_equals_autograd_through_the_chunk_path(regime, diagonal, n_seg
     assert mine.v.abs().max() == 0  # no adjoint reaches v without one on L⁻¹V
 
 
+def _step(t: dict, P, q, v) -> dict:
+    """The covariance step on the twin's per-chunk terms, every output asked for (as B2/B4 replay it)."""
+    return covariance_step(t["dyn"], t["kt"], t["NBk"], t["base"], t["BC"], P, q=q, qt=t["qt"], qBq=t["qBq"], v=v,
+                           factors=True, save=True)
+
+
 @pytest.mark.parametrize("diagonal", [False, True])
 def test_chunk_adjoint_equals_autograd(diagonal):
     """One chunk (terms + replay) against autograd, every output adjoint at once: the kernels' unit reference."""
@@ -186,17 +193,18 @@ def test_chunk_adjoint_equals_autograd(diagonal):
     x["P"] = 0.3 * torch.eye(8, dtype=torch.float64) + X @ X.mT
     leaves = {n: t.detach().clone().requires_grad_(True) for n, t in x.items()}
     t = sb.chunk_terms(leaves["k"], leaves["r2"], leaves["ell2"], leaves["la"], q=leaves["q"])
-    sv = sb.chunk_replay(t, leaves["P"], q=leaves["q"])
-    outs = dict(P_next=sv["P_next"], W=sv["W"], beta=sv["beta"], Linv=sv["Linv"], var=sv["var"],
-                kw=sv["Linv"] @ t["kt"], vu=sv["Linv"] @ leaves["v"], g=torch.cumsum(leaves["la"], -2))
+    sv = _step(t, leaves["P"], leaves["q"], leaves["v"])
+    outs = dict(P_next=sv["P"], W=sv["W"], beta=sv["beta"], Linv=sv["Linv"], var=sv["var"],
+                kw=sv["kw"], vu=sv["vu"], g=torch.cumsum(leaves["la"], -2))
     cot = {n: torch.randn(o.shape, generator=g, dtype=torch.float64) for n, o in outs.items()}
     cot["Linv"] = cot["Linv"].tril()
     auto = torch.autograd.grad(sum((outs[n] * cot[n]).sum() for n in outs), list(leaves.values()))
     with torch.no_grad():
         t0 = sb.chunk_terms(x["k"], x["r2"], x["ell2"], x["la"], q=x["q"])
-        s0 = sb.chunk_replay(t0, x["P"], q=x["q"])
-        dP, dt, dq, dv = sb.chunk_adjoint(t0, s0, cot["P_next"], q=x["q"], v=x["v"], dW=cot["W"], dbeta=cot["beta"],
-                                          dLinv=cot["Linv"], dvar=cot["var"], dkw=cot["kw"], dvu=cot["vu"])
+        s0 = _step(t0, x["P"], x["q"], x["v"])["saved"]
+        dP, dt, dq, dv = covariance_step_adjoint(
+            t0["dyn"], t0["kt"], t0["NBk"], s0, cot["P_next"], q=x["q"], qt=t0["qt"], v=x["v"], dW=cot["W"],
+            dbeta=cot["beta"], dLinv=cot["Linv"], dvar=cot["var"], dkw=cot["kw"], dvu=cot["vu"])
         dk, dr2, dell2, dla, dq2 = sb.terms_adjoint(x["k"], x["r2"], x["ell2"], x["la"], t0, dt, q=x["q"], dg=cot["g"])
     mine = dict(q=dq + dq2, k=dk, v=dv, r2=dr2, ell2=dell2, la=dla, P=dP)
     for (name, a) in zip(leaves, auto, strict=True):
@@ -254,7 +262,7 @@ def test_b4_start_adjoints_equal_b3():
 
 def test_per_chunk_calls_do_not_grow_with_segments(monkeypatch):
     """B2/B4 run all segments together: per-chunk calls grow with chunks per segment, not with segments."""
-    counts = {"chunk_replay": 0, "chunk_adjoint": 0, "terms_adjoint": 0}
+    counts = {"covariance_step": 0, "covariance_step_adjoint": 0, "terms_adjoint": 0}
     for name in counts:
         fn = getattr(sb, name)
 
@@ -280,7 +288,8 @@ def test_per_chunk_calls_do_not_grow_with_segments(monkeypatch):
     c8, s8 = run(128, 2)  # 16 chunks: 8 segments of 2
     c4, _ = run(128, 4)  # 16 chunks: 4 segments of 4
     assert (s2, s8) == (2, 8)
-    assert c2 == c8 == {"chunk_replay": 4, "chunk_adjoint": 4, "terms_adjoint": 2}  # B2 + B4 replays, B4 inputs
+    # B2 + B4 replays, B4 inputs
+    assert c2 == c8 == {"covariance_step": 4, "covariance_step_adjoint": 4, "terms_adjoint": 2}
     assert c4 == {name: 2 * n for name, n in c2.items()}
 
 
@@ -316,9 +325,15 @@ def test_bad_input():
         sb.covariance_scan_backward(*args, call.cu, call.C, elements=(out.P,), **kw)
     with pytest.raises(ValueError, match="J"):
         sb.element_transition(out.P[:, 0], out.P[:1, 0], out.P[:, 0])
+    t = sb.chunk_terms(torch.zeros(4, 3), torch.ones(4), torch.zeros(4), torch.zeros(4, 1))
+    st = covariance_step(t["dyn"], t["kt"], t["NBk"], t["base"], t["BC"], torch.eye(3), factors=True, save=True)
     with pytest.raises(ValueError, match="dvar needs q"):
-        t = sb.chunk_terms(torch.zeros(4, 3), torch.ones(4), torch.zeros(4), torch.zeros(4, 1))
-        s = sb.chunk_replay(t, torch.eye(3, dtype=torch.float32))
-        sb.chunk_adjoint(t, s, torch.zeros(3, 3), dvar=torch.zeros(4))
+        covariance_step_adjoint(t["dyn"], t["kt"], t["NBk"], st["saved"], torch.zeros(3, 3), dvar=torch.zeros(4))
+    with pytest.raises(ValueError, match="dvu needs v"):
+        covariance_step_adjoint(t["dyn"], t["kt"], t["NBk"], st["saved"], torch.zeros(3, 3), dvu=torch.zeros(4, 2))
+    with pytest.raises(ValueError, match="saved"):
+        covariance_step_adjoint(t["dyn"], t["kt"], t["NBk"], st, torch.zeros(3, 3))
+    with pytest.raises(ValueError, match="dP_next"):
+        covariance_step_adjoint(t["dyn"], t["kt"], t["NBk"], st["saved"], torch.zeros(3, 2))
     with pytest.raises(TypeError, match="lay"):
         sb.reverse_segments(None, out.P_starts, out.P_starts)

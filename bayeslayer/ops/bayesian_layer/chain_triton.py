@@ -47,6 +47,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_support import CHAIN_MAX_HEAD_DIM
+
 # ---------------------------------------------------------------------------------------------------
 # products and small helpers
 # ---------------------------------------------------------------------------------------------------
@@ -936,7 +938,6 @@ def _interpreting() -> bool:
 FP32_PRECISION = "tf32x3"
 PRECISIONS = ("tf32x3", "bf16x3", "ieee")
 CHUNK_SIZES = (16, 32, 64)
-MAX_HEAD_DIM = 128  # P (fp32, D×D) stays on chip up to here
 
 
 class ChainLayout(NamedTuple):
@@ -1009,8 +1010,8 @@ def launch_options(D: int, MV: int, C: int) -> dict:
     for name, x in (("D", D), ("MV", MV), ("C", C)):
         if isinstance(x, bool) or not isinstance(x, int) or x < 1:
             raise ValueError(f"{name} must be a positive int, got {x!r}")
-    if D > MAX_HEAD_DIM:
-        raise ValueError(f"the chain kernels hold P on chip for key dims D = 1..{MAX_HEAD_DIM}, got D={D}")
+    if D > CHAIN_MAX_HEAD_DIM:
+        raise ValueError(f"the chain kernels hold P on chip for key dims D = 1..{CHAIN_MAX_HEAD_DIM}, got D={D}")
     return dict(BD=max(16, next_pow2(D)), BMV=max(16, next_pow2(MV)), num_warps=8 if C >= 32 else 4, num_stages=1)
 
 

@@ -47,186 +47,10 @@ from ..utils.validation import (
     state_pair_error,
     values_checked,
 )
+from .covariance import covariance_prework, covariance_step
+from .dynamics import ChunkDynamics, bmm_add, unbind_chunks, unit_lower_inverse
 from .prepare import FilterInputs, FilterOutput, prepare_inputs
 from .write_models import WriteModel, get_write_model
-
-
-def _to_c(x: torch.Tensor) -> torch.Tensor:
-    """Real ``[..., D]`` -> complex ``[..., D/2]``: channel pair (2c, 2c+1) is (re, im)."""
-    return torch.complex(x[..., 0::2].contiguous(), x[..., 1::2].contiguous())
-
-
-def _conj(z: torch.Tensor) -> torch.Tensor:
-    """The complex conjugate, computed (``z.conj()`` is a lazily negated view, which ``torch.func.vmap`` cannot
-    batch; ``conj_physical`` has no batching rule either)."""
-    return torch.complex(z.real, -z.imag)
-
-
-def _from_c(z: torch.Tensor) -> torch.Tensor:
-    return torch.stack((z.real, z.imag), dim=-1).flatten(-2)
-
-
-class ChunkDynamics:
-    """The transition factors of a block of chunks, for tensors laid out ``[..., C, ...]``.
-
-    ``log_alpha``: ``[..., C, Da]`` (Da = 1, D or D/2); ``theta``: ``[..., C, D/2]`` or None.
-    The leading dims are ``[n, B, H]`` for a block of n chunks (``dyn.unbind()`` gives each chunk's).
-    Real per-channel factors for identity/scalar/diagonal, complex per-pair
-    factors for rotations.
-    """
-
-    def __init__(self, log_alpha: torch.Tensor, theta: torch.Tensor | None):
-        self.rot = theta is not None
-        self.scalar = not self.rot and log_alpha.shape[-1] == 1
-        g = torch.cumsum(log_alpha, dim=-2)  # [B,H,C,Da]
-        C = g.shape[-2]
-        mask = torch.ones(C, C, dtype=torch.bool, device=g.device).tril()
-        diff = g[..., :, None, :] - g[..., None, :, :]  # [B,H,C(i),C(j),Da]
-        ratio = diff.masked_fill_(~mask[..., None], float("-inf")).exp_()  # in place: one C×C tensor
-        end = torch.exp(g[..., -1:, :] - g)  # Φ_C Φ_i⁻¹ magnitudes [B,H,C,Da]
-        gamma = torch.exp(g)
-        if self.rot:
-            ang = torch.cumsum(theta, dim=-2)  # [B,H,C,D/2]
-            dang = ang[..., :, None, :] - ang[..., None, :, :]
-            ratio = ratio * torch.polar(torch.ones_like(dang), dang)  # masked entries stay 0
-            end = end * torch.polar(torch.ones_like(ang), ang[..., -1:, :] - ang)
-            gamma = gamma * torch.polar(torch.ones_like(ang), ang)
-        self.ratio, self.end, self.gamma = ratio, end, gamma
-        # a copy, not a view of gamma: Inductor (torch 2.13) miscompiles the backward when both gamma and a view
-        # of it are unbound per chunk (tests/layers/test_compile.py, diagonal decay, gradients 30-90% off)
-        self.gamma_C = gamma[..., -1:, :].clone()  # [B,H,1,Dd]
-
-    def unbind(self) -> list[ChunkDynamics]:
-        """The factors of every chunk of a block, as views (one autograd node per factor, see :func:`_unbind`)."""
-        return [self._of(*f) for f in zip(*_unbind(self.ratio, self.end, self.gamma, self.gamma_C), strict=True)]
-
-    def _of(self, ratio, end, gamma, gamma_C) -> ChunkDynamics:
-        out = object.__new__(ChunkDynamics)
-        out.rot, out.scalar = self.rot, self.scalar
-        out.ratio, out.end, out.gamma, out.gamma_C = ratio, end, gamma, gamma_C
-        return out
-
-    # -- per-token transforms of vectors x: [..., C, D] -------------------------------------------
-    def _mul(self, factor: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        if self.rot:
-            return _from_c(factor * _to_c(x))
-        return factor * x
-
-    def fwd(self, x):
-        """``Φ_i x_i``."""
-        return self._mul(self.gamma, x)
-
-    def adj(self, x):
-        """``Φ_iᵀ x_i``."""
-        return self._mul(_conj(self.gamma) if self.rot else self.gamma, x)
-
-    def to_end(self, x):
-        """``Φ_C Φ_i⁻¹ x_i``."""
-        return self._mul(self.end, x)
-
-    def end_rows(self, X: torch.Tensor) -> torch.Tensor:
-        """``Φ_C X`` for ``X: [B, H, D, n]`` (acts on the key dim)."""
-        return self._mul(self.gamma_C, X.transpose(-1, -2)).transpose(-1, -2)
-
-    # -- pairwise (C×C) contractions ---------------------------------------------------------------
-    def scores(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        """``[.., i, j] = a_iᵀ Φ_iΦ_j⁻¹ b_j`` for ``i ≥ j`` (zero above the diagonal)."""
-        if self.scalar:
-            return (a @ b.transpose(-1, -2)) * self.ratio[..., 0]
-        if self.rot:
-            return torch.einsum("...ic,...ijc,...jc->...ij", _conj(_to_c(a)), self.ratio, _to_c(b)).real
-        return torch.einsum("...id,...ijd,...jd->...ij", a, self.ratio, b)
-
-    def mix(self, L: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """``out_i = Σ_j L_ij Φ_iΦ_j⁻¹ x_j`` (``L`` lower-triangular C×C, x ``[B,H,C,D]``)."""
-        if self.scalar:
-            return (L * self.ratio[..., 0]) @ x
-        if self.rot:
-            return _from_c(torch.einsum("...ij,...ijc,...jc->...ic", L.to(self.ratio.dtype), self.ratio, _to_c(x)))
-        return torch.einsum("...ij,...ijd,...jd->...id", L, self.ratio, x)
-
-    # -- process noise accrued inside the chunk: B_j = Σ_{l≤j} ℓ_l² Φ_jΦ_l⁻¹ Σ (Φ_jΦ_l⁻¹)ᵀ -----------
-    def noise_diag(self, ell2: torch.Tensor) -> torch.Tensor:
-        """Non-rotation case: B_j is diagonal; returns its diagonal ``[B,H,C,Da]``."""
-        return torch.einsum("...jld,...l->...jd", self.ratio * self.ratio, ell2)
-
-    def noise_vec(self, ell2: torch.Tensor, x: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-        """``B_j x_j`` for x ``[B,H,C,D]``."""
-        if not self.rot:
-            return b * x
-        proj = (_conj(self.ratio) * _to_c(x)[..., :, None, :]).real  # Σ keeps the real part
-        z = torch.einsum("...jlc,...jlc,...l->...jc", self.ratio, proj.to(self.ratio.dtype), ell2.to(self.ratio.dtype))
-        return _from_c(z)
-
-    def noise_quad(self, ell2: torch.Tensor, x: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-        """``x_jᵀ B_j x_j`` -> ``[B,H,C]``."""
-        if not self.rot:
-            return (b * x * x).sum(-1)
-        proj = (_conj(self.ratio) * _to_c(x)[..., :, None, :]).real
-        return torch.einsum("...jlc,...l->...j", proj * proj, ell2)
-
-    def noise_end(self, ell2: torch.Tensor, b: torch.Tensor | None, D: int) -> torch.Tensor:
-        """``B_C`` as a dense ``[B, H, D, D]`` matrix."""
-        if not self.rot:
-            return torch.diag_embed(b[..., -1, :].expand(*b.shape[:-2], D))
-        rho = self.ratio[..., -1, :, :]  # [B,H,C(l),D/2]
-        f = torch.stack((rho.real, rho.imag), dim=-1)  # [B,H,l,c,2]
-        blocks = torch.einsum("...lca,...lcb,...l->...cab", f, f, ell2)  # [B,H,D/2,2,2]
-        eye = torch.eye(D // 2, dtype=blocks.dtype, device=blocks.device)
-        full = torch.einsum("...cab,ce->...caeb", blocks, eye)
-        return full.reshape(*blocks.shape[:-3], D, D)
-
-
-#: the diagonal blocks :func:`unit_lower_inverse` inverts by a triangular solve before merging them
-UNIT_INVERSE_BASE = 16
-
-
-def unit_lower_inverse(L: torch.Tensor, base: int = UNIT_INVERSE_BASE) -> torch.Tensor:
-    """Inverse of a unit lower-triangular ``[..., C, C]`` matrix, by blocked doubling.
-
-    Diagonal blocks of size ``base`` are inverted by a batched triangular solve; then
-    pairs of inverted blocks merge, ``[[A, 0], [B, D]]⁻¹ = [[A⁻¹, 0], [−D⁻¹ B A⁻¹, D⁻¹]]``,
-    doubling the block size each round.  Almost all the work is batched matmuls, which on
-    a CPU run several times faster per flop than LAPACK's small triangular solves.
-    Falls back to one triangular solve when ``C`` is not ``base·2^k``.
-    """
-    C = L.shape[-1]
-    eye = torch.eye(C, dtype=L.dtype, device=L.device)
-    nb = C // base if C % base == 0 else 0
-    if C <= base or nb == 0 or nb & (nb - 1):
-        return torch.linalg.solve_triangular(L, eye.expand_as(L), upper=False, unitriangular=True)
-    lead = L.shape[:-2]
-
-    def diag_blocks(X: torch.Tensor, s: int) -> torch.Tensor:  # [..., C/s, s, s]
-        Xb = X.reshape(*lead, C // s, s, C // s, s)
-        return torch.diagonal(Xb, dim1=-4, dim2=-2).movedim(-1, -3)
-
-    blocks = diag_blocks(L, base)
-    inv = torch.linalg.solve_triangular(
-        blocks, torch.eye(base, dtype=L.dtype, device=L.device).expand_as(blocks), upper=False, unitriangular=True
-    )
-    s = base
-    while s < C:
-        A, D = inv[..., 0::2, :, :], inv[..., 1::2, :, :]
-        B = diag_blocks(L, 2 * s)[..., s:, :s]
-        merged = A.new_empty(*A.shape[:-2], 2 * s, 2 * s)  # [..., C/(2s), 2s, 2s], written once
-        merged[..., :s, :s] = A
-        merged[..., :s, s:] = 0.0
-        merged[..., s:, :s] = -(D @ B @ A)
-        merged[..., s:, s:] = D
-        inv = merged
-        s *= 2
-    return inv[..., 0, :, :]
-
-
-def _unbind(*xs: torch.Tensor | None) -> list:
-    """Per-chunk views ``x.unbind(0)`` of block tensors ``[n, ...]`` for the chunk loops (None stays None).
-
-    Not ``x[i]`` per chunk: under autograd each ``x[i]`` gets its own backward node that writes its
-    gradient into a zero tensor of the whole block, n such fills of an ``[n, ...]`` tensor per block
-    (quadratic in n; it was most of the backward time).  ``unbind`` has one node that stacks them.
-    """
-    return [x.unbind(0) if x is not None else None for x in xs]
 
 
 def variance_output(ctx, o: torch.Tensor, var: torch.Tensor | None) -> torch.Tensor:
@@ -305,32 +129,6 @@ class Chunked:
         return ChunkDynamics(self.log_alpha[s:e], theta)
 
 
-def _bmm_add(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
-    """``c + alpha · a @ b`` for ``[..., i, j]`` batches, as one fused ``baddbmm``."""
-    lead = c.shape[:-2]
-    out = torch.baddbmm(c.reshape(-1, *c.shape[-2:]), a.reshape(-1, *a.shape[-2:]),
-                        b.reshape(-1, *b.shape[-2:]), alpha=alpha)
-    return out.view(*lead, *out.shape[-2:])
-
-
-def covariance_prework(dyn: ChunkDynamics, k: torch.Tensor, r2: torch.Tensor, ell2: torch.Tensor):
-    """What the covariance loop needs that does not depend on ``P``, for a whole block of chunks.
-
-    Returns ``(b, K̃, B k, base, B_C)``: the in-chunk process noise ``b`` (diagonal, None with
-    rotations), ``k̃_j = Φ_jᵀ k_j``, ``B_j k_j``, the state-free part of ``S`` (symmetric
-    ``N + Nᵀ − diag N + diag r²``) and the noise at the chunk end ``B_C`` (its diagonal
-    ``[n,B,H,1,Da]`` without rotations, added to ``P``'s diagonal in the loop; dense with them).
-    """
-    b = None if dyn.rot else dyn.noise_diag(ell2)
-    kt = dyn.adj(k)  # k̃_j = Φ_jᵀ k_j
-    NBk = dyn.noise_vec(ell2, k, b)  # B_j k_j
-    Nl = dyn.scores(k, NBk)  # k_iᵀ Φ_iΦ_j⁻¹ B_j k_j, lower incl. diagonal
-    base = Nl + Nl.transpose(-1, -2)  # symmetric; its diagonal 2 N_ii becomes N_ii + r²_i below
-    base.diagonal(dim1=-2, dim2=-1).add_(r2 - torch.diagonal(Nl, dim1=-2, dim2=-1))
-    BC = b[..., -1:, :] if b is not None else dyn.noise_end(ell2, b, k.shape[-1])
-    return b, kt, NBk, base, BC
-
-
 def covariance_pass(
     dyn: ChunkDynamics,
     q: torch.Tensor | None,
@@ -344,70 +142,26 @@ def covariance_pass(
     k, q: ``[n, B, H, C, D]``; r2, ell2: ``[n, B, H, C]``; P: ``[B, H, D, D]`` at the block start.
     ``w = β u`` are the write keys ``[n, B, H, C, D]``; variance ``[n, B, H, C]`` when q is given.
     Everything that does not depend on ``P`` (process-noise terms, decays) is computed for the
-    whole block at once; the loop over chunks does only the P-dependent matmuls and the C×C
-    Cholesky.
+    whole block at once; the loop over chunks runs :func:`~bayeslayer.ops.bayesian_layer.covariance.covariance_step`
+    (the P-dependent matmuls and the C×C Cholesky).
     """
-    D = k.shape[-1]
     P0_max = torch.diagonal(P.detach(), dim1=-2, dim2=-1).amax()  # for the error message only
     b, kt, NBk, base, BC = covariance_prework(dyn, k, r2, ell2)
-    ktT = kt.transpose(-1, -2)
     if q is not None:
         qt = dyn.adj(q)
         qBq = dyn.noise_quad(ell2, q, b)
-    n = k.shape[0]
-    if dyn.scalar:
-        ratio, gamma, end = dyn.ratio[..., 0], dyn.gamma, dyn.end
-        gC2 = dyn.gamma_C * dyn.gamma_C
-        eye = torch.eye(D, dtype=P.dtype, device=P.device)
     ws, variances, infos = [], [], []
-    kt, ktT, base, NBk, BC = _unbind(kt, ktT, base, NBk, BC)
+    kt, base, NBk, BC = unbind_chunks(kt, base, NBk, BC)
     if q is not None:
-        q, qt, qBq = _unbind(q, qt, qBq)
-    if dyn.scalar:
-        ratio, gamma, end, gC2 = _unbind(ratio, gamma, end, gC2)
-    dyns = dyn.unbind()
-    for i in range(n):
-        Y = kt[i] @ P  # rows (P_0 k̃_j)ᵀ: the one D²C product
-        S = _bmm_add(base[i], Y, ktT[i])
-        # LAPACK is column-major: the upper factor of the row-major S is the cheap one, and its
-        # transpose is the lower factor L_c already laid out the way the triangular solve wants it.
-        Uc, info = torch.linalg.cholesky_ex(S, upper=True)
-        infos.append(info)
-        Lc = Uc.transpose(-1, -2)
-        dc = torch.diagonal(Uc, dim1=-2, dim2=-1)  # sqrt(d_t)
-        if dyn.scalar:
-            # Σ_j (L⁻¹)_ij (Γ_i/Γ_j) X_j with X_j = Γ_j Y_j + B_j k_j: since L⁻¹ ⊙ R = (L ⊙ R)⁻¹ for the
-            # rank-one ratio R_ij = Γ_i/Γ_j, this is one triangular solve (only safe ratios i ≥ j).  Solving
-            # with the Cholesky factor L_c = L diag(√d) itself gives Ū = diag(√d)⁻¹ U, so w = βU = Ū/√d
-            # and β_t u_t u_tᵀ = ū_t ū_tᵀ: no rescaling to a unit diagonal, and fewer small ops per chunk.
-            X = torch.addcmul(NBk[i], gamma[i], Y)
-            LR = (Uc * ratio[i].transpose(-1, -2)).transpose(-1, -2)  # L_c ⊙ R, column-major
-            Ub = torch.linalg.solve_triangular(LR, X, upper=False)
-            Ue = Ub * end[i]  # Φ_C Φ_i⁻¹ ū_i
-            P_next = _bmm_add(torch.addcmul(eye * BC[i], P, gC2[i]), Ue.transpose(-1, -2), Ue, alpha=-1.0)
-            if q is not None:
-                Gq = dyns[i].scores(q[i], Ub)
-                variances.append(1.0 + ((qt[i] @ P) * qt[i]).sum(-1) + qBq[i] - (Gq * Gq).sum(-1))
-            ws.append(Ub / dc[..., None])
-        else:
-            d = dyns[i]
-            beta = 1.0 / (dc * dc)
-            L = Lc / dc[..., None, :]  # L = L_c diag(√d)⁻¹ is unit lower
-            Linv = unit_lower_inverse(L)
-            U = d.fwd(Linv @ Y) + d.mix(Linv, NBk[i])
-            Ue = d.to_end(U)
-            P_next = d.end_rows(d.end_rows(P).transpose(-1, -2))
-            P_next = P_next + (BC[i] if dyn.rot else torch.diag_embed(BC[i][..., 0, :].expand(*P.shape[:-1])))
-            P_next = P_next - (Ue.transpose(-1, -2) * beta[..., None, :]) @ Ue
-            if q is not None:
-                Gq = d.scores(q[i], U)  # q_tᵀ Φ_tΦ_i⁻¹ u_i
-                variances.append(
-                    1.0 + ((qt[i] @ P) * qt[i]).sum(-1) + qBq[i] - (Gq * Gq * beta[..., None, :]).sum(-1)
-                )
-            ws.append(beta[..., None] * U)
-        # symmetrise every chunk: P's value and the gradients it passes back then do not depend on
-        # how the sequence is split into blocks (the Triton backward recomputes block by block)
-        P = torch.add(P_next, P_next.transpose(-1, -2)).mul_(0.5)
+        q, qt, qBq = unbind_chunks(q, qt, qBq)
+    for i, d in enumerate(dyn.unbind()):
+        st = covariance_step(d, kt[i], NBk[i], base[i], BC[i], P, q=q[i] if q is not None else None,
+                             qt=qt[i] if q is not None else None, qBq=qBq[i] if q is not None else None)
+        P = st["P"]
+        infos.append(st["info"])
+        ws.append(st["W"])
+        if q is not None:
+            variances.append(st["var"])
     failed = torch.stack(infos)
     if values_checked(failed) and bool(failed.any()):  # an eager value check: a compiled graph has none
         raise ValueError(
@@ -447,20 +201,20 @@ def mean_pass(
         Kp = Ainv @ dyn.adj(k)
     decay = None if dyn.rot else dyn.gamma_C.transpose(-1, -2)  # [n,B,H,Da,1]: Φ_C on the key dim
     dyns = dyn.unbind() if dyn.rot else None
-    w_end_, decay_ = _unbind(w_end, decay)
+    w_end_, decay_ = unbind_chunks(w_end, decay)
     if erase:
-        Vp_, Kp_ = _unbind(Vp, Kp)
+        Vp_, Kp_ = unbind_chunks(Vp, Kp)
     else:
         v_ = v.unbind(0)
     states, Es = [], []
     for i in range(q.shape[0]):
         states.append(M)
         if erase:
-            E = _bmm_add(Vp_[i], Kp_[i], M, alpha=-1.0)
+            E = bmm_add(Vp_[i], Kp_[i], M, alpha=-1.0)
             Es.append(E)
         else:
             E = v_[i]
-        M = _bmm_add(dyns[i].end_rows(M) if decay is None else M * decay_[i], w_end_[i], E)
+        M = bmm_add(dyns[i].end_rows(M) if decay is None else M * decay_[i], w_end_[i], E)
     E = torch.stack(Es) if erase else v
     o = qt @ torch.stack(states) + A @ E
     return o, M

@@ -39,7 +39,7 @@ from ..utils.validation import (
 from . import groups as grp
 from .chunk import filter_chunk
 from .crossover import scan_predicted_faster
-from .triton_support import BackendError, triton_unavailable, unsupported
+from .triton_support import CHAIN_MAX_HEAD_DIM, MAX_HEAD_DIM, BackendError, triton_unavailable, unsupported
 
 #: the devices each Triton path has run on, its tests included (empty: tested under Triton's interpreter and
 #: compiled for sm_90 only).  The first CUDA call of a path with none warns once per process.
@@ -52,8 +52,6 @@ _WARNED: set[str] = set()
 #: beyond rounding): at 32 the forward and backward keep their working set on chip (compiled for sm_90, D = 64:
 #: docs/kernels.md, "Compiled for sm_90"); the C×C factorisation of 64-token chunks does not fit
 CHAIN_CHUNK_SIZE = 32
-#: the largest key dim the chain kernels hold ``P`` for (fp32, D×D, in registers); larger ones run the scan
-CHAIN_MAX_HEAD_DIM = 128
 #: a sequence this short is one segment of the scan (``scan.ONE_SEGMENT_MAX_T``): the scan could not split it
 SCAN_MIN_T = 4096
 DEFAULT_SMS = 132
@@ -195,8 +193,8 @@ def _scan_autograd(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, want_va
     from . import scan as sc
     from .scan_grad import ScanFunction, ScanSpec
 
-    if not 1 <= q.shape[-1] <= 256:
-        raise ValueError(f"the Triton path supports key dims D in 1..256, got D={q.shape[-1]}")
+    if not 1 <= q.shape[-1] <= MAX_HEAD_DIM:
+        raise ValueError(f"the Triton path supports key dims D in 1..{MAX_HEAD_DIM}, got D={q.shape[-1]}")
     call = sc.prepare_scan(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, n_segments=n_segments)
     spec = ScanSpec(cu=call.cu, C=call.C, segment_chunks=call.segment_chunks, want_var=want_var,
                     forward=forward_scan_packed, covariance="triton")

@@ -75,6 +75,7 @@ import torch
 
 from ..utils.validation import check_chunk_size, check_tensor
 from .chunk import Chunked, cat_blocks, from_chunks, mean_pass, pad_time, run_packed, to_chunks
+from .covariance import sym
 from .prepare import FilterInputs, FilterOutput, Prepared, prepare
 from .transition import apply_transition
 
@@ -210,7 +211,7 @@ class _SmallestEigvec(torch.autograd.Function):
         safe[..., 0] = False  # i ≠ 0 only
         f = torch.where(safe, c / torch.where(safe, gap, torch.ones_like(gap)), torch.zeros_like(c))
         g = (V @ f[..., None]) @ e[..., None, :]
-        return 0.5 * (g + g.transpose(-1, -2))
+        return sym(g)
 
 
 def _drop_one(Wt: torch.Tensor, ups_bar: torch.Tensor, projection: str):
@@ -220,7 +221,7 @@ def _drop_one(Wt: torch.Tensor, ups_bar: torch.Tensor, projection: str):
         Gm = Wt.transpose(-1, -2) @ (Wt / ups_bar[..., None])
     else:
         Gm = Wt.transpose(-1, -2) @ Wt
-    Gm = 0.5 * (Gm + Gm.transpose(-1, -2))
+    Gm = sym(Gm)
     e = _SmallestEigvec.apply(Gm)[0]  # [.., n]
     x = (Wt @ e[..., None])[..., 0]
     # Householder H = I − 2 w wᵀ/(wᵀw), w = e + s ê_n, maps e to −s ê_n: its first n−1 columns span e⊥

@@ -39,6 +39,8 @@ import math
 
 import torch
 
+from .triton_support import MAX_HEAD_DIM
+
 # the fla releases whose internal call conventions this module was written against: [low, high)
 FLA_VERSIONS = ((0, 6, 0), (0, 7, 0))
 _RCP_LN2 = 1.0 / math.log(2.0)
@@ -257,8 +259,8 @@ def mean_pass_fla(q, w, kw, vu, g, M0, cu, C: int, *, fwd_h=None):
             raise ValueError(f"{name} must be a packed [NT, H', ·] tensor, got {getattr(x, 'shape', type(x).__name__)}")
     if q.dtype == torch.float64:
         raise TypeError("mean_pass_fla: fla keeps its state in float32; use the own mean pass for float64")
-    if q.shape[-1] > 256:
-        raise ValueError(f"fla's fwd_h supports key dims up to 256, got D={q.shape[-1]}")
+    if q.shape[-1] > MAX_HEAD_DIM:
+        raise ValueError(f"fla's fwd_h supports key dims up to {MAX_HEAD_DIM}, got D={q.shape[-1]}")
     cu_t, B, T = fla_layout(cu, q.shape[0], M0.shape[0], q.device)
     diag = g.shape[-1] > 1
     g2 = (g.float() * _RCP_LN2).contiguous()
@@ -650,8 +652,8 @@ def mean_pass_fla_backward(q, w, kw, vu, g, M0, cu, C: int, do, dM=None, *, fwd_
         if q.dtype == torch.float64:
             raise TypeError("mean_pass_fla_backward: fla keeps its state in float32; float64 needs every kernel "
                             "a twin (mean_pass_backward_reference)")
-        if D > 256:
-            raise ValueError(f"fla's bwd_dhu supports key dims up to 256, got D={D}")
+        if D > MAX_HEAD_DIM:
+            raise ValueError(f"fla's bwd_dhu supports key dims up to {MAX_HEAD_DIM}, got D={D}")
         import importlib
 
         for n in missing:

@@ -13,10 +13,8 @@ chunks and the chain runs in three phases (Särkkä & García-Fernández 2021, f
     Phase C  parallel over segments:  replay the segment's chunks from P_s and write what the mean pass
                                       needs: W = βU, L⁻¹, β, the predictive variance, L⁻¹(γ⊙K), L⁻¹V
 
-Per chunk (the chunk step shared by Phase A and C, ``S = K̃ P K̃ᵀ + base = L diag(d) Lᵀ``, β = 1/d)::
-
-    U = Φ (L⁻¹ K̃ P) + L⁻¹ ⊙ ρ (B K)          (rows u_i = Cov(s_i, e_i))
-    P ← Φ_C P Φ_C + B_C − Σ_i β_i (Φ_CΦ_i⁻¹ u_i)(Φ_CΦ_i⁻¹ u_i)ᵀ,   symmetrised
+Per chunk, Phase A and C run the chunk step of every PyTorch path,
+:func:`bayeslayer.ops.bayesian_layer.covariance.covariance_step` (Phase A with ``A_run``, ``J`` tracked).
 
 The scan is exact: in float64 it equals :func:`bayeslayer.ops.bl_chunk` to rounding
 (``tests/ops/test_scan.py``).  This module is the plain-PyTorch twin the Triton kernels of
@@ -40,7 +38,8 @@ import torch
 
 from ..utils.validation import check_chunk_size, check_cu_seqlens, check_qkv, check_state, split_state
 from . import groups as grp
-from .chunk import ChunkDynamics, covariance_prework, unit_lower_inverse
+from .covariance import covariance_prework, covariance_step, sym
+from .dynamics import ChunkDynamics, unit_lower_inverse
 from .prepare import prepare
 
 # Phase A and C run one program per (segment, head).  An H100/H200 has 132 SMs: with at least that many
@@ -207,16 +206,12 @@ class ScanOutput(NamedTuple):
     failed: torch.Tensor
 
 
-def _sym(X: torch.Tensor) -> torch.Tensor:
-    return 0.5 * (X + X.transpose(-1, -2))
-
-
 def chunk_prep(k, r2, ell2, log_alpha, q=None):
     """Prep (parallel over chunks): everything of a chunk that does not depend on ``P``.
 
     Inputs laid out ``[..., C, ·]`` (any leading dims): k ``[..., C, D]``, r2/ell2 ``[..., C]``,
     log_alpha ``[..., C, Da]`` (Da = 1 scalar, D diagonal).  Returns a dict with the dynamics
-    ``dyn`` (:class:`~bayeslayer.ops.bayesian_layer.chunk.ChunkDynamics`), ``kt = Φᵀk``, ``NBk = B k``, ``base``
+    ``dyn`` (:class:`~bayeslayer.ops.bayesian_layer.dynamics.ChunkDynamics`), ``kt = Φᵀk``, ``NBk = B k``, ``base``
     (``S − K̃PK̃ᵀ``), ``BC`` (``diag B_C`` ``[..., 1, Da]``), ``b`` (the in-chunk noise ``diag B_j``
     ``[..., C, Da]``), ``g`` (cumulative log-decay) and, with ``q``, ``qt = Φᵀq`` and ``qBq``.
     """
@@ -276,41 +271,6 @@ def prep_reference(k, r2, ell2, log_alpha, bos, eos, C: int, q=None) -> dict:
     return out
 
 
-def chunk_step(dyn: ChunkDynamics, kt, NBk, base, BC, P, *, k=None, v=None, q=None, qt=None, qBq=None, A=None,
-               J=None):
-    """One chunk from ``P`` (all arguments share leading dims ``[S, H']``).  Returns a dict.
-
-    Always ``P`` (next, symmetrised), ``U``, ``beta``, ``Linv`` (``[.., C, C]``), ``info`` (Cholesky
-    failures).  With ``k``, ``v``: ``kw = L⁻¹K̃`` and ``vu = L⁻¹V``; with ``q``, ``qt``, ``qBq``: the
-    variance ``1 + q̃ᵀPq̃ + qᵀBq − Σ_i β_i (q_tᵀΦ_tΦ_i⁻¹u_i)²``; with ``A``, ``J`` (Phase A):
-    ``H = L⁻¹K̃A``, ``A ← Φ_C A − W̃ᵀH``, ``J += Hᵀ diag(β) H``.
-    """
-    Y = kt @ P
-    S = base + Y @ kt.transpose(-1, -2)
-    Lc, info = torch.linalg.cholesky_ex(S)
-    dc = torch.diagonal(Lc, dim1=-2, dim2=-1)
-    beta = 1.0 / (dc * dc)
-    Linv = unit_lower_inverse(Lc / dc[..., None, :])
-    U = dyn.fwd(Linv @ Y) + dyn.mix(Linv, NBk)
-    W = beta[..., None] * U
-    Ue = dyn.to_end(U)
-    Pn = dyn.end_rows(dyn.end_rows(P).transpose(-1, -2))
-    Pn = Pn + torch.diag_embed(BC[..., 0, :].expand(*P.shape[:-1]))
-    Pn = Pn - (Ue.transpose(-1, -2) * beta[..., None, :]) @ Ue
-    out = dict(P=_sym(Pn), U=U, W=W, beta=beta, Linv=Linv, info=info)
-    if k is not None:
-        out["kw"] = Linv @ kt
-        out["vu"] = Linv @ v
-    if q is not None:
-        Gq = dyn.scores(q, U)
-        out["var"] = 1.0 + ((qt @ P) * qt).sum(-1) + qBq - (Gq * Gq * beta[..., None, :]).sum(-1)
-    if A is not None:
-        Hm = Linv @ (kt @ A)
-        out["A"] = dyn.end_rows(A) - dyn.to_end(W).transpose(-1, -2) @ Hm
-        out["J"] = _sym(J + (Hm.transpose(-1, -2) * beta[..., None, :]) @ Hm)
-    return out
-
-
 def ldl_clamped(S: torch.Tensor, floor: torch.Tensor):
     """``S = L diag(d) Lᵀ`` with every pivot clamped from below, ``d_j = max(raw_j, floor_j)``.
 
@@ -326,7 +286,7 @@ def ldl_clamped(S: torch.Tensor, floor: torch.Tensor):
         raise ValueError(f"floor must be a tensor of shape {tuple(S.shape[:-1])}, got "
                          f"{getattr(floor, 'shape', type(floor).__name__)}")
     N = S.shape[-1]
-    A = _sym(S).clone()
+    A = sym(S).clone()
     L = torch.zeros_like(A)
     d = torch.zeros_like(A[..., 0])
     failed = torch.zeros(S.shape[:-2], dtype=torch.bool, device=S.device)
@@ -351,9 +311,9 @@ def apply_element(A, Cm, J, P):
     """
     G, i1 = torch.linalg.cholesky_ex(P)
     eye = torch.eye(P.shape[-1], dtype=P.dtype, device=P.device)
-    R, i2 = torch.linalg.cholesky_ex(_sym(eye + G.transpose(-1, -2) @ J @ G))
+    R, i2 = torch.linalg.cholesky_ex(sym(eye + G.transpose(-1, -2) @ J @ G))
     Z = torch.linalg.solve_triangular(R, (A @ G).transpose(-1, -2), upper=False).transpose(-1, -2)
-    return _sym(Z @ Z.transpose(-1, -2) + Cm), (i1 != 0) | (i2 != 0)
+    return sym(Z @ Z.transpose(-1, -2) + Cm), (i1 != 0) | (i2 != 0)
 
 
 def mark_failed(failed: torch.Tensor, seqs: torch.Tensor, flags: torch.Tensor) -> None:
@@ -382,7 +342,7 @@ def phase_a(lay: ScanLayout, xs: dict, segs: torch.Tensor):
     info = torch.zeros(n, Hf, dtype=torch.bool, device=dev)
     for j in range(lay.n_s):
         pre = chunk_prep(xs["k"][j, segs], xs["r2"][j, segs], xs["ell2"][j, segs], xs["la"][j, segs])
-        st = chunk_step(pre["dyn"], pre["kt"], pre["NBk"], pre["base"], pre["BC"], P, A=A, J=J)
+        st = covariance_step(pre["dyn"], pre["kt"], pre["NBk"], pre["base"], pre["BC"], P, A=A, J=J)
         P, A, J = st["P"], st["A"], st["J"]
         info |= st["info"] != 0
     return A, P, J, info
@@ -441,8 +401,8 @@ def covariance_scan(q, k, v, r2, ell2, log_alpha, P0, cu: list[int], C: int, *, 
     info_c = torch.zeros(lay.n_segments, P0.shape[1], dtype=torch.bool, device=k.device)
     for j in range(lay.n_s):
         pre = chunk_prep(xs["k"][j], xs["r2"][j], xs["ell2"][j], xs["la"][j], q=xs["q"][j] if want_var else None)
-        st = chunk_step(pre["dyn"], pre["kt"], pre["NBk"], pre["base"], pre["BC"], P, k=xs["k"][j], v=xs["v"][j],
-                        q=xs["q"][j] if want_var else None, qt=pre.get("qt"), qBq=pre.get("qBq"))
+        st = covariance_step(pre["dyn"], pre["kt"], pre["NBk"], pre["base"], pre["BC"], P, v=xs["v"][j],
+                             q=xs["q"][j] if want_var else None, qt=pre.get("qt"), qBq=pre.get("qBq"))
         P = st["P"]
         info_c |= st["info"] != 0
         for name in ("W", "beta", "Linv", "kw", "vu"):

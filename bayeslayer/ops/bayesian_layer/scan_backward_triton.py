@@ -34,6 +34,7 @@ import triton.language as tl
 from ..utils.ldl_triton import ldl_blocked
 from ..utils.validation import check_shaped
 from . import scan as sc
+from .covariance import sym
 from .kernels_triton import decay_mix, decay_scores, load_tile, prep_tile, row_of
 from .scan_triton import (
     Prep,
@@ -382,8 +383,8 @@ def scan_segment_adjoint_kernel(
     Forward (REPLAY): from PST ``[S, H, D, D]`` (the checkpoint), each chunk's start ``P`` into PSCR
     ``[S, H, NS, BD, BD]`` (the next one computed from it, :func:`_chunk_next`); without REPLAY, PSCR already
     holds them (B4 reads what B2 wrote).  Reverse, per chunk from the last: :func:`_chunk_factor` again from the
-    stored P, then the adjoint (twin :func:`~bayeslayer.ops.bayesian_layer.scan_backward.chunk_adjoint` in LDLᵀ factors
-    — ``Lc = L diag(√d)``, ``Lc⁻¹ = diag(1/√d) L⁻¹`` — and
+    stored P, then the adjoint (twin :func:`~bayeslayer.ops.bayesian_layer.covariance.covariance_step_adjoint`
+    in LDLᵀ factors — ``Lc = L diag(√d)``, ``Lc⁻¹ = diag(1/√d) L⁻¹`` — and
     :func:`~bayeslayer.ops.bayesian_layer.scan_backward.terms_adjoint`) in passes over BK-column blocks of the key dim,
     the D×D adjoint ``P̄`` in a per-program ping-pong buffer:
 
@@ -753,7 +754,7 @@ def segment_adjoint_triton(lay: sc.ScanLayout, q, k, v, r2, ell2, log_alpha, adj
         grads = dict(q=torch.zeros_like(q), k=torch.zeros_like(k), v=torch.zeros_like(v), r2=torch.zeros_like(r2),
                      ell2=torch.zeros_like(ell2), la=torch.zeros(NT, Hf, Da, dtype=dt, device=dev))
     if NT == 0:
-        return _sym(P_end_bar), grads, fail != 0
+        return sym(P_end_bar), grads, fail != 0
     if diag:
         if prep is None:
             prep = prep_triton(lay, q, k, r2, ell2, log_alpha, dtype=dt, want_var=False)
@@ -782,10 +783,6 @@ def segment_adjoint_triton(lay: sc.ScanLayout, q, k, v, r2, ell2, log_alpha, adj
         **tiles,
     )
     return dP_start, grads, fail != 0
-
-
-def _sym(X: torch.Tensor) -> torch.Tensor:
-    return 0.5 * (X + X.transpose(-1, -2))
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ import triton.language as tl
 from ..utils.ldl_triton import ldl_blocked
 from . import scan as sc
 from .kernels_triton import bl_chunk_cov_kernel, bl_chunk_mean_kernel, bl_chunk_prep_kernel
-from .triton_support import next_pow2, tile_sizes
+from .triton_support import MAX_HEAD_DIM, next_pow2, tile_sizes
 
 SUPPORTED_CHUNK_SIZES = (16, 32, 64)
 # fp32 tl.dot products of the mean kernel stay IEEE (a Kalman gain needs fp32; see ops/bayesian_layer/chunk_triton.py)
@@ -511,7 +511,7 @@ def forward_scan_triton(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, wa
 
     Same arguments and returns as ``ops/bayesian_layer/chunk_triton.py::_forward_triton``:
     ``(o [B, T, H, m], variance [B, T, H, G] or None, M [N, H, D, m], P [N, H, D, D] or [N, H, G, D, D])``.
-    q, k ``[B, T, H, D]`` (D ≤ 256), v ``[B, T, H, m]``, r2 ``[B, T, H]`` or ``[B, T, H, G]``, ell2
+    q, k ``[B, T, H, D]`` (D ≤ ``MAX_HEAD_DIM``), v ``[B, T, H, m]``, r2 ``[B, T, H]`` or ``[B, T, H, G]``, ell2
     ``[B, T, H]``, alpha None / ``[B, T, H]`` / ``[B, T, H, D]``; ``cu`` packs sequences (B = 1).
     ``n_segments`` / ``segment_chunks``: see :func:`bayeslayer.ops.bayesian_layer.scan.prepare_scan`.  ``mean``:
     the mean pass — ``"triton"`` (default, :func:`mean_pass_triton`: our kernel, on the ``L⁻¹`` rows),
@@ -531,8 +531,8 @@ def forward_scan_triton(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, wa
     """
     if chunk_size not in SUPPORTED_CHUNK_SIZES or isinstance(chunk_size, bool):
         raise ValueError(f"the Triton path supports chunk_size in {SUPPORTED_CHUNK_SIZES}, got {chunk_size!r}")
-    if isinstance(q, torch.Tensor) and q.dim() == 4 and not 1 <= q.shape[-1] <= 256:
-        raise ValueError(f"the Triton path supports key dims D in 1..256, got D={q.shape[-1]}")
+    if isinstance(q, torch.Tensor) and q.dim() == 4 and not 1 <= q.shape[-1] <= MAX_HEAD_DIM:
+        raise ValueError(f"the Triton path supports key dims D in 1..{MAX_HEAD_DIM}, got D={q.shape[-1]}")
     if not isinstance(prep, bool):
         raise TypeError(f"prep must be a bool, got {prep!r}")
     with torch.no_grad():

@@ -25,7 +25,11 @@ import os
 import torch
 
 SUPPORTED_CHUNK_SIZES = (16, 32, 64)  # tl.dot needs tiles of >= 16 rows; 64 is the register limit
-MAX_HEAD_DIM = 256  # the key dim is padded to a power of two; sm_90 builds are measured up to 256
+#: the key dim is padded to a power of two; sm_90 builds are measured up to 256, the most flash-linear-attention's
+#: state kernels (the mean pass) take
+MAX_HEAD_DIM = 256
+#: the largest key dim the chain kernels hold ``P`` for (fp32, D×D, in registers); larger ones run the segment scan
+CHAIN_MAX_HEAD_DIM = 128
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 WRITE_MODELS = ("bayes",)  # the kernels are the exact Kalman filter (dense covariance) only
 OPS = ("chunk", "step")
