@@ -1,10 +1,13 @@
-"""One rank of docs/distributed.md's Hugging Face Trainer recipe (``<!-- recipe: trainer-fsdp -->``), run as written.
+"""One rank of docs/distributed.md's Hugging Face Trainer recipes (``<!-- recipe: trainer-fsdp -->`` and
+``<!-- recipe: trainer-fsdp-packed -->``), run as written.
 
-``python -m torch.distributed.run --standalone --nproc_per_node 2 -m tests.training.trainer_recipe_worker OUT ENGINE``
-in the folder the recipe's ``runs/`` goes to; ``ENGINE`` is ``fsdp`` (Accelerate's FSDP path, which it takes on
-the CPU only with :func:`~tests.training.accelerate_cpu.take_fsdp_path_on_cpu`) or ``accelerate-cpu``
-(Accelerate as it is on the CPU: DDP).  Each rank writes ``OUT/rank<r>.json``: what Accelerate did with the
-model, the logged losses and the bytes of parameters and AdamW state this rank holds.
+``python -m torch.distributed.run --standalone --nproc_per_node 2 -m tests.training.trainer_recipe_worker OUT ENGINE
+RECIPE...`` in the folder the recipes' ``runs/`` go to; ``ENGINE`` is ``fsdp`` (Accelerate's FSDP path, which it
+takes on the CPU only with :func:`~tests.training.accelerate_cpu.take_fsdp_path_on_cpu`) or ``accelerate-cpu``
+(Accelerate as it is on the CPU: DDP).  The recipes run one after the other in the same processes.  For each,
+every rank writes ``OUT/<recipe>-rank<r>.json``: what Accelerate did with the model, the logged losses, the bytes
+of parameters and AdamW state this rank holds, and what the model's first forward pass (the initial weights)
+received and returned: the batch the collator built, the loss, the logits.
 """
 
 from __future__ import annotations
@@ -16,24 +19,48 @@ from pathlib import Path
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "distributed.md"
 ENGINES = ("fsdp", "accelerate-cpu")
+RECIPES = ("trainer-fsdp", "trainer-fsdp-packed")
 
 
-def main(out: str, engine: str) -> None:
+def main(out: str, engine: str, *names: str) -> None:
+    if engine not in ENGINES:
+        raise SystemExit(f"engine must be one of {ENGINES}, got {engine!r}")
+    if not names or not set(names) <= set(RECIPES):
+        raise SystemExit(f"recipes must be some of {RECIPES}, got {names!r}")
+    if engine == "fsdp":
+        from .accelerate_cpu import take_fsdp_path_on_cpu
+
+        take_fsdp_path_on_cpu()
+    for name in names:
+        run(out, name)
+
+
+def run(out: str, name: str) -> None:
     import torch
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
+    from bayeslayer.models import BayesLayerForCausalLM
     from bayeslayer.training.parallel import local_bytes
     from tests.test_contributing import recipe
 
-    from .accelerate_cpu import take_fsdp_path_on_cpu
+    first = {}
 
-    if engine not in ENGINES:
-        raise SystemExit(f"engine must be one of {ENGINES}, got {engine!r}")
-    if engine == "fsdp":
-        take_fsdp_path_on_cpu()
-    namespace = {"__name__": "bayeslayer_recipe_trainer_fsdp"}
-    exec(compile(recipe("trainer-fsdp", DOC), "<docs/distributed.md recipe trainer-fsdp>", "exec"), namespace)
+    def record_first_forward(module, args, kwargs, output):
+        if isinstance(module, BayesLayerForCausalLM) and not first:
+            first.update({key: kwargs[key].tolist() for key in ("input_ids", "labels", "position_ids")
+                          if key in kwargs})
+            items = kwargs.get("num_items_in_batch")
+            first["num_items_in_batch"] = None if items is None else int(items)
+            first["loss"] = float(output.loss)
+            first["logits"] = output.logits.detach().float().tolist()
+
+    hook = torch.nn.modules.module.register_module_forward_hook(record_first_forward, with_kwargs=True)
+    namespace = {"__name__": f"bayeslayer_recipe_{name.replace('-', '_')}"}
+    try:
+        exec(compile(recipe(name, DOC), f"<docs/distributed.md recipe {name}>", "exec"), namespace)
+    finally:
+        hook.remove()
     trainer = namespace["trainer"]
     wrapped = trainer.model_wrapped
     params = list(wrapped.parameters())
@@ -51,8 +78,9 @@ def main(out: str, engine: str) -> None:
         "adam_bytes": local_bytes(moments),
         "losses": [row["loss"] for row in trainer.state.log_history if "loss" in row],
         "steps": trainer.state.global_step,
+        "first_forward": first,
     }
-    Path(out, f"rank{result['rank']}.json").write_text(json.dumps(result))
+    Path(out, f"{name}-rank{result['rank']}.json").write_text(json.dumps(result))
 
 
 if __name__ == "__main__":
