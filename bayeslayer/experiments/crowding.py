@@ -36,7 +36,8 @@ DESCRIPTION = (
     "docs/experiments.md."
 )
 
-PAPER_BUDGET = "2,500 steps, batch 256, 3 seeds"
+#: the paper's training budget for this task (steps, batch, seeds); the state budget is a size in floats
+PAPER_TRAINING_BUDGET = "2,500 steps, batch 256, 3 seeds"
 
 
 @dataclass(frozen=True)
@@ -128,7 +129,7 @@ def run(config: CrowdingConfig) -> dict:
     projection = crowding_projection(preset.address_dim, preset.source_dim, preset.projection_seed)
     return run_sweep("crowding", config, build_model=lambda kind: build_model(kind, preset),
                      sampler=sampler(preset, projection), evaluation=final_evaluation(preset, projection),
-                     curves=CURVES, plot=plot_crowding, paper_budget=PAPER_BUDGET)
+                     curves=CURVES, plot=plot_crowding, paper_budget=PAPER_TRAINING_BUDGET)
 
 
 def plot_crowding(record: dict, path: str) -> None:
@@ -170,11 +171,11 @@ def print_table(record: dict) -> None:
 
 
 def _main(args) -> int:
-    return run_command(args, name="crowding", presets=PRESETS, paper_budget=PAPER_BUDGET,
+    return run_command(args, name="crowding", presets=PRESETS, paper_budget=PAPER_TRAINING_BUDGET,
                        config_type=CrowdingConfig, run=run, plot=plot_crowding, print_table=print_table)
 
 
 def add_parser(sub) -> None:
     add_command(sub, name="crowding",
                 help="random-key crowding past capacity (docs/theory.md §8.3)", doc=DESCRIPTION, presets=PRESETS,
-                paper_budget=PAPER_BUDGET, func=_main)
+                paper_budget=PAPER_TRAINING_BUDGET, func=_main)

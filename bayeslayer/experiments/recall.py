@@ -49,7 +49,8 @@ DESCRIPTION = (
     "OUT/recall.png drawn from it (--plot-only redraws the figure). See docs/experiments.md."
 )
 
-PAPER_BUDGET = "2,500 steps, batch 256, 3 seeds"
+#: the paper's training budget for this task (steps, batch, seeds); the state budget is a size in floats
+PAPER_TRAINING_BUDGET = "2,500 steps, batch 256, 3 seeds"
 
 
 def evaluate_point(model: nn.Module, preset: RecallPreset, n_f: int, rho, point_seed: int,
@@ -133,7 +134,8 @@ def run(config: RecallConfig) -> dict:
     preset = RecallConfig.checked(config).preset
     return run_sweep("recall", config, build_model=lambda kind: build_model(kind, preset), sampler=sampler(preset),
                      evaluation=final_evaluation(preset), curves=CURVES, plot=plot_recall,
-                     paper_budget=PAPER_BUDGET, evaluate=curve_evaluation(preset) if preset.curve_points else None)
+                     paper_budget=PAPER_TRAINING_BUDGET,
+                     evaluate=curve_evaluation(preset) if preset.curve_points else None)
 
 
 def plot_recall(record: dict, path: str) -> None:
@@ -200,11 +202,11 @@ def print_table(record: dict) -> None:
 
 
 def _main(args) -> int:
-    return run_command(args, name="recall", presets=PRESETS, paper_budget=PAPER_BUDGET, config_type=RecallConfig,
-                       run=run, plot=plot_recall, print_table=print_table)
+    return run_command(args, name="recall", presets=PRESETS, paper_budget=PAPER_TRAINING_BUDGET,
+                       config_type=RecallConfig, run=run, plot=plot_recall, print_table=print_table)
 
 
 def add_parser(sub) -> None:
     add_command(sub, name="recall",
                 help="learned controlled collision recall (docs/theory.md §8.2)", doc=DESCRIPTION, presets=PRESETS,
-                paper_budget=PAPER_BUDGET, func=_main)
+                paper_budget=PAPER_TRAINING_BUDGET, func=_main)

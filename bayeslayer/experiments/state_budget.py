@@ -16,7 +16,7 @@ from ..models.state_budget import (
     BUDGET_MIXERS,
     LOWRANK_MIXER,
     MAX_WIDTH,
-    PAPER_BUDGET,
+    PAPER_STATE_BUDGET,
     match_state_budget,
 )
 from .common.options import check_int, check_out_file, positive_int_arg
@@ -39,7 +39,7 @@ class StateBudgetConfig:
     mixers only), ``min_usage``, ``target_head_dim`` and ``rank`` (``bayesian_lowrank`` only); ``json``: a
     file to write the configurations to (``None``: none).  Every field is checked here, with its name."""
 
-    budget: int = PAPER_BUDGET
+    budget: int = PAPER_STATE_BUDGET
     widths: tuple[int, ...] = (64,)
     mixers: tuple[str, ...] = BUDGET_MIXERS
     rank: int | None = None
@@ -117,7 +117,8 @@ def _main(args: argparse.Namespace) -> int:
 def add_parser(sub) -> None:
     p = sub.add_parser("state-budget", help="head configurations whose recurrent state fits a float budget",
                        description=DESCRIPTION)
-    p.add_argument("--budget", type=positive_int_arg, default=PAPER_BUDGET, help="per-layer state budget in floats")
+    p.add_argument("--budget", type=positive_int_arg, default=PAPER_STATE_BUDGET,
+                   help="per-layer state budget in floats")
     p.add_argument("--width", type=positive_int_arg, nargs="+", default=[64], help="model width(s)")
     p.add_argument("--mixers", nargs="+", default=list(BUDGET_MIXERS), choices=(*BUDGET_MIXERS, LOWRANK_MIXER),
                    metavar="MIXER",

@@ -73,7 +73,8 @@ LOWRANK_MIXER = "bayesian_lowrank"
 #: mixers shaped like Mamba-2: key dim ``d_state`` and heads of ``head_dim`` channels over ``expand·width``
 #: (every other mixer splits the width over its heads: a key projection)
 SSD_MIXERS = ("mamba2",)
-PAPER_BUDGET = 8192
+#: the paper's per-layer state budget in floats (a state size; the experiments' training budgets are steps)
+PAPER_STATE_BUDGET = 8192
 COVARIANCE_FORMS = ("bayes", "diagonal", "lowrank")  # the forms whose design carries a covariance (G counts)
 
 _FORMULAS = {
@@ -364,5 +365,15 @@ def match_state_budget(
     return configs
 
 
-__all__ = ["BUDGET_MIXERS", "LOWRANK_MIXER", "MAX_WIDTH", "PAPER_BUDGET", "SSD_MIXERS", "HeadConfig",
+__all__ = ["BUDGET_MIXERS", "LOWRANK_MIXER", "MAX_WIDTH", "PAPER_STATE_BUDGET", "SSD_MIXERS", "HeadConfig",
            "match_state_budget", "mixer_design", "solve_state_budget"]
+
+
+def __getattr__(name: str):
+    if name == "PAPER_BUDGET":  # the old name, kept for one release
+        import warnings
+
+        warnings.warn("bayeslayer.models.state_budget.PAPER_BUDGET is deprecated; use PAPER_STATE_BUDGET",
+                      DeprecationWarning, stacklevel=2)
+        return PAPER_STATE_BUDGET
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -180,7 +180,7 @@ def test_configs_default_to_the_commands_defaults():
     assert recall.RecallConfig().preset == recall.PRESETS["default"]
     assert crowding.CrowdingConfig().models == ("bayesian", "delta", "linear_attention", "gla")
     assert mqar.MQARConfig(task="update", preset=MQAR_TINY).mixers == mqar.DEFAULT_MIXERS
-    assert state_budget.StateBudgetConfig().budget == state_budget.PAPER_BUDGET
+    assert state_budget.StateBudgetConfig().budget == state_budget.PAPER_STATE_BUDGET
 
 
 def test_one_train_config_for_both_core_presets():
