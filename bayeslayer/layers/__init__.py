@@ -15,7 +15,7 @@ attention_mask, state, use_cache, output_variance) -> MixerOutput``).  The recur
 
 from __future__ import annotations
 
-from .additive import GLA, LinearAttention
+from .additive import GatedLinearAttention, LinearAttention
 from .attention import Attention
 from .base import Mixer, MixerOutput, QKVMixer, RecurrentMixer
 from .bayesian import BayesianLayer
@@ -30,12 +30,24 @@ register_mixer("gated_deltanet", GatedDeltaNet, label="GDN")
 register_mixer("gated_deltanet_noconv", GatedDeltaNetNoConv, label="GDN (no conv)")
 register_mixer("deltanet", DeltaNet, label="DeltaNet")
 register_mixer("linear_attention", LinearAttention, label="LA")
-register_mixer("gla", GLA, label="GLA")
+register_mixer("gla", GatedLinearAttention, label="GLA")
 register_mixer("mamba2", Mamba2, label="Mamba-2")
 register_mixer("attention", Attention, label="Attention")
 
 __all__ = [
-    "GLA", "MIXERS", "MIXER_LABELS", "MIXER_REGISTRY", "Attention", "BayesianLayer", "DeltaNet", "GatedDeltaNet",
-    "GatedDeltaNetNoConv", "GatedRMSNorm", "LinearAttention", "Mamba2", "Mixer", "MixerOutput", "QKVMixer",
-    "RecurrentMixer", "RegisteredMixer", "ShortConvolution", "build_mixer", "register_mixer",
+    "MIXERS", "MIXER_LABELS", "MIXER_REGISTRY", "Attention", "BayesianLayer", "DeltaNet", "GatedDeltaNet",
+    "GatedDeltaNetNoConv", "GatedLinearAttention", "GatedRMSNorm", "LinearAttention", "Mamba2", "Mixer", "MixerOutput",
+    "QKVMixer", "RecurrentMixer", "RegisteredMixer", "ShortConvolution", "build_mixer", "register_mixer",
 ]
+
+
+def __getattr__(name: str):
+    # ``GLA`` named both the design model (bayeslayer.design.GLA) and this package's layer; the layer is
+    # GatedLinearAttention now (fla's name), and the old name is kept for one release
+    if name == "GLA":
+        import warnings
+
+        warnings.warn("bayeslayer.layers.GLA is deprecated; the layer is GatedLinearAttention "
+                      "(bayeslayer.design.GLA is the design model)", DeprecationWarning, stacklevel=2)
+        return GatedLinearAttention
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,4 +1,4 @@
-"""The latent-input (additive) family as token mixers: linear attention and GLA (docs/theory.md §3).
+"""The latent-input (additive) family as token mixers: linear attention and gated linear attention (docs/theory.md §3).
 
 Both run the latent-input design ``M_t = A_t M_{t-1} + ω_t k_t v_tᵀ`` of :mod:`bayeslayer.design`
 with ``ω_t = 1`` (the write coefficient given directly as ``gain``); no recurrence is written here.
@@ -11,8 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..checks import check_int
-from ..design import GLA as GLA_DESIGN
-from ..design import LINEAR_ATTENTION
+from ..design import GLA, LINEAR_ATTENTION
 from .base import QKVMixer
 from .common import MIN_LOG_DECAY, gate_dtype
 
@@ -58,7 +57,7 @@ class LinearAttention(QKVMixer):
         return self._body_parameters()
 
 
-class GLA(QKVMixer):
+class GatedLinearAttention(QKVMixer):
     """Gated linear attention (Yang et al. 2023), shaped like ``fla.layers.GatedLinearAttention``.
 
     ::
@@ -74,7 +73,7 @@ class GLA(QKVMixer):
     (16) and without the gate one ``d·V`` less.  Recurrent state per head: ``D·m``.
     """
 
-    design = GLA_DESIGN
+    design = GLA
 
     def __init__(self, hidden_size: int, num_heads: int = 4, head_dim: int = 128, *, expand_v: float = 2.0,
                  use_short_conv: bool = False, conv_size: int = 4, conv_bias: bool = False,

@@ -332,3 +332,12 @@ def test_a_mixer_is_one_registration_and_the_views_are_read_only():
     finally:
         MIXER_REGISTRY.clear()
         MIXER_REGISTRY.update(saved)
+
+
+def test_the_gla_layer_has_its_own_name_and_the_old_one_warns():
+    import bayeslayer.layers as layers
+    from bayeslayer.design import GLA
+
+    assert MIXERS["gla"] is layers.GatedLinearAttention and MIXERS["gla"].design is GLA
+    with pytest.warns(DeprecationWarning, match="GatedLinearAttention"):
+        assert layers.GLA is layers.GatedLinearAttention
