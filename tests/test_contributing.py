@@ -72,7 +72,7 @@ def test_every_recipe_marker_has_one_block():
 # -- (a) a token mixer -----------------------------------------------------------------------------
 
 
-def test_mixer_recipe(restore_registries, monkeypatch):
+def test_mixer_recipe(restore_registries):
     from bayeslayer.layers import MIXER_LABELS, MIXERS, build_mixer
     from bayeslayer.models.state_budget import mixer_design
     from bayeslayer.training.optim import decay_split, param_groups
@@ -119,15 +119,14 @@ def test_mixer_recipe(restore_registries, monkeypatch):
         nxt = lm(tokens[:, 5:], past_key_values=pre.past_key_values, use_cache=True).logits
     torch.testing.assert_close(nxt[:, -1], full[:, -1], atol=1e-4, rtol=1e-4)
 
-    # MQAR sizes it by the state budget once the name is in BUDGET_MIXERS, and the built layer carries
-    # exactly the state the solver counted with the design's state_size (build_model checks that)
+    # MQAR sizes it by the state budget through its registered rule (budget="heads"), and the built layer
+    # carries exactly the state the solver counted with the design's state_size (build_model checks that)
     from bayeslayer.experiments.common import mqar_setup
     from bayeslayer.models import state_budget
 
     assert mixer_design("fixed_decay_deltanet") is cls.design
-    budget = (*state_budget.BUDGET_MIXERS, "fixed_decay_deltanet")
-    monkeypatch.setattr(state_budget, "BUDGET_MIXERS", budget)
-    monkeypatch.setattr(mqar_setup, "BUDGET_MIXERS", budget)
+    assert state_budget.budget_rule("fixed_decay_deltanet") == "heads"
+    assert "fixed_decay_deltanet" in mqar_setup.known_mixers()
     preset = mqar_setup.PRESETS["tiny"]
     model = mqar_setup.build_model("fixed_decay_deltanet", preset, preset.width)
     head = state_budget.solve_state_budget(preset.budget, preset.width, "fixed_decay_deltanet")

@@ -22,22 +22,35 @@ from .bayesian import BayesianLayer
 from .common import GatedRMSNorm, ShortConvolution
 from .delta import DeltaNet, GatedDeltaNet, GatedDeltaNetNoConv
 from .mamba2 import Mamba2
-from .registry import MIXER_LABELS, MIXER_REGISTRY, MIXERS, RegisteredMixer, build_mixer, register_mixer
+from .registry import (
+    BUDGET_RULES,
+    MIXER_LABELS,
+    MIXER_REGISTRY,
+    MIXERS,
+    RegisteredMixer,
+    build_mixer,
+    register_mixer,
+)
 
-# Each mixer is one registration: its name, its class and its label in tables and legends.
-register_mixer("bayesian", BayesianLayer, label="BL")
-register_mixer("gated_deltanet", GatedDeltaNet, label="GDN")
-register_mixer("gated_deltanet_noconv", GatedDeltaNetNoConv, label="GDN (no conv)")
-register_mixer("deltanet", DeltaNet, label="DeltaNet")
-register_mixer("linear_attention", LinearAttention, label="LA")
-register_mixer("gla", GatedLinearAttention, label="GLA")
-register_mixer("mamba2", Mamba2, label="Mamba-2")
+# Each mixer is one registration: its name, class, label in tables and legends, state-budget rule and
+# named variants (the same class with other fixed keywords: the conv-free layers).
+_NO_CONV = {"use_short_conv": False}
+register_mixer("bayesian", BayesianLayer, label="BL", budget="heads",
+               variants={"bayesian_noconv": ("BL (no conv)", _NO_CONV)})
+register_mixer("gated_deltanet", GatedDeltaNet, label="GDN", budget="heads",
+               variants={"gated_deltanet_noconv": ("GDN (no conv)", _NO_CONV)})
+register_mixer("deltanet", DeltaNet, label="DeltaNet", budget="heads",
+               variants={"deltanet_noconv": ("DeltaNet (no conv)", _NO_CONV)})
+register_mixer("linear_attention", LinearAttention, label="LA", budget="heads")
+register_mixer("gla", GatedLinearAttention, label="GLA", budget="heads")
+register_mixer("mamba2", Mamba2, label="Mamba-2", budget="ssd")
 register_mixer("attention", Attention, label="Attention")
 
 __all__ = [
-    "MIXERS", "MIXER_LABELS", "MIXER_REGISTRY", "Attention", "BayesianLayer", "DeltaNet", "GatedDeltaNet",
-    "GatedDeltaNetNoConv", "GatedLinearAttention", "GatedRMSNorm", "LinearAttention", "Mamba2", "Mixer", "MixerOutput",
-    "QKVMixer", "RecurrentMixer", "RegisteredMixer", "ShortConvolution", "build_mixer", "register_mixer",
+    "BUDGET_RULES", "MIXERS", "MIXER_LABELS", "MIXER_REGISTRY", "Attention", "BayesianLayer", "DeltaNet",
+    "GatedDeltaNet", "GatedDeltaNetNoConv", "GatedLinearAttention", "GatedRMSNorm", "LinearAttention", "Mamba2",
+    "Mixer", "MixerOutput", "QKVMixer", "RecurrentMixer", "RegisteredMixer", "ShortConvolution", "build_mixer",
+    "register_mixer",
 ]
 
 

@@ -82,12 +82,16 @@ class GatedDeltaNet(_DeltaRule):
 
 
 class GatedDeltaNetNoConv(GatedDeltaNet):
-    """:class:`GatedDeltaNet` without the short convolutions (SiLU on the projections instead).
-
-    Parameter count: ``d·(2K + 3V) + 2·d·H + 2H + m``.  Recurrent state per head: ``D·m``.
+    """Deprecated: the registry's ``gated_deltanet_noconv`` is :class:`GatedDeltaNet` with
+    ``use_short_conv=False`` (``build_mixer("gated_deltanet_noconv", ...)``); this subclass builds the same
+    layer and warns.
     """
 
     def __init__(self, hidden_size: int, num_heads: int = 4, head_dim: int = 128, **kwargs) -> None:
+        import warnings
+
+        warnings.warn("GatedDeltaNetNoConv is deprecated; use build_mixer('gated_deltanet_noconv', ...) or "
+                      "GatedDeltaNet(..., use_short_conv=False)", DeprecationWarning, stacklevel=2)
         if kwargs.pop("use_short_conv", False):
             raise ValueError("gated_deltanet_noconv has no short convolution; use gated_deltanet instead")
         super().__init__(hidden_size, num_heads, head_dim, use_short_conv=False, **kwargs)

@@ -67,7 +67,7 @@ def replace_layers(
     Returns ``{layer index: [names of the copied parameters]}``.  Other layers, the
     embeddings and all MLPs are untouched.
     """
-    from ..layers import MIXERS, build_mixer
+    from ..layers import MIXER_REGISTRY, MIXERS, build_mixer
 
     if not isinstance(model, BayesLayerForCausalLM):
         raise TypeError(f"model must be a BayesLayerForCausalLM, got {type(model).__name__}")
@@ -98,8 +98,7 @@ def replace_layers(
         if old_name in _GDN_MIXERS:
             inherited = {k: old_kwargs[k] for k in ("expand_v", "conv_size", "norm_eps", "use_gate")
                          if k in old_kwargs}
-            if old_name == "gated_deltanet_noconv":
-                inherited["use_short_conv"] = False
+            inherited.update(MIXER_REGISTRY[old_name].defaults)  # a variant's settings (the conv-free GDN's)
             kwargs.update(_accepted(MIXERS[mixer], inherited))
         kwargs.update(config.mixer_kwargs.get(mixer, {}))
         kwargs.update(mixer_kwargs)

@@ -63,16 +63,15 @@ from dataclasses import asdict, dataclass
 
 from ..checks import check_int
 from ..design import DesignModel, get_design, lowrank_diagonal
-from ..layers import MIXERS
+from ..layers import MIXER_REGISTRY
 
-#: the mixers the solver sizes by default: registry layers and design models, every one counted by its
-#: design model's ``state_size`` (:func:`mixer_design`); ``bayesian_lowrank`` needs its rank and is not here
+#: the mixers ``bayeslayer state-budget`` sizes by default, in its table's order: registry mixers with a
+#: state-budget rule (``register_mixer(..., budget=)``) and the design models of :data:`SIZED_DESIGNS`
 BUDGET_MIXERS = ("bayesian", "diagonal_covariance", "deltanet", "gated_deltanet", "gated_deltanet_noconv", "kda",
                  "linear_attention", "retnet", "gla", "mamba2")
+#: design models with no layer of their own that the solver sizes as a key-projection layer of that design
+SIZED_DESIGNS = ("diagonal_covariance", "kda", "retnet")
 LOWRANK_MIXER = "bayesian_lowrank"
-#: mixers shaped like Mamba-2: key dim ``d_state`` and heads of ``head_dim`` channels over ``expand·width``
-#: (every other mixer splits the width over its heads: a key projection)
-SSD_MIXERS = ("mamba2",)
 #: the paper's per-layer state budget in floats (a state size; the experiments' training budgets are steps)
 PAPER_STATE_BUDGET = 8192
 COVARIANCE_FORMS = ("bayes", "diagonal", "lowrank")  # the forms whose design carries a covariance (G counts)
@@ -93,17 +92,38 @@ def mixer_design(mixer: str, rank: int | None = None) -> DesignModel:
     of ``rank``."""
     if mixer == LOWRANK_MIXER:
         return lowrank_diagonal(rank)
-    design = getattr(MIXERS.get(mixer), "design", None)
+    entry = MIXER_REGISTRY.get(mixer)
+    design = getattr(entry.cls, "design", None) if entry is not None else None
     return design if isinstance(design, DesignModel) else get_design(mixer)
 
 
+def budget_rule(mixer) -> str | None:
+    """How the solver sizes ``mixer``: ``"heads"`` (the width split over key-projection heads), ``"ssd"``
+    (Mamba-2's shape) or ``"lowrank"`` (``bayesian_lowrank``); ``None`` for a name it does not size.  A
+    registry mixer's rule is the one it was registered with (``register_mixer(..., budget=)``)."""
+    if not isinstance(mixer, str):
+        return None
+    if mixer == LOWRANK_MIXER:
+        return "lowrank"
+    if mixer in MIXER_REGISTRY:
+        return MIXER_REGISTRY[mixer].budget
+    return "heads" if mixer in SIZED_DESIGNS else None
+
+
+def sized_mixers() -> tuple[str, ...]:
+    """Every name the solver sizes: :data:`BUDGET_MIXERS`, then any other registry mixer with a rule
+    (the conv-free variants, a mixer registered later), then ``bayesian_lowrank``."""
+    rest = tuple(n for n, entry in MIXER_REGISTRY.items() if entry.budget is not None and n not in BUDGET_MIXERS)
+    return (*BUDGET_MIXERS, *rest, LOWRANK_MIXER)
+
+
 def _known(mixer) -> bool:
-    return isinstance(mixer, str) and (mixer in BUDGET_MIXERS or mixer == LOWRANK_MIXER)
+    return budget_rule(mixer) is not None
 
 
 def _form(mixer: str) -> str:
     """How the module table writes ``mixer``'s state: its write model with a covariance, ``mean``, or ``ssd``."""
-    if mixer in SSD_MIXERS:
+    if budget_rule(mixer) == "ssd":
         return "ssd"
     design = mixer_design(mixer, 0)
     return design.write if design.has_covariance else "mean"
@@ -114,7 +134,7 @@ class HeadConfig:
     """A mixer's head configuration and the recurrent state it carries.
 
     Attributes:
-        mixer: mixer name (one of :data:`BUDGET_MIXERS` or ``bayesian_lowrank``).
+        mixer: mixer name (one of :func:`sized_mixers`).
         budget: the per-layer budget in floats.
         width: the model width it was solved for.
         num_heads: ``H``.
@@ -257,7 +277,8 @@ def solve_state_budget(
     Args:
         budget: per-layer state budget in floats (the paper: 8,192).
         width: model width (``d_model``).
-        mixer: one of :data:`BUDGET_MIXERS`, or ``bayesian_lowrank`` with ``rank``.
+        mixer: one of :func:`sized_mixers` (a registry mixer with a state-budget rule, a design of
+            :data:`SIZED_DESIGNS`), or ``bayesian_lowrank`` with ``rank``.
         num_heads: fix ``H`` (must divide ``width``; Mamba-2: ``expand·width``) instead of searching it.
         groups: ``G`` covariance blocks per head for ``bayesian``/``diagonal_covariance`` (``m % G == 0``).
         min_usage: the least fraction of the budget the state must use, in (0, 1].
@@ -276,7 +297,7 @@ def solve_state_budget(
     budget = check_int("budget", budget, minimum=1)
     width = check_int("width", width, minimum=1, maximum=MAX_WIDTH)
     if not _known(mixer):
-        raise ValueError(f"unknown mixer {mixer!r}; known: {', '.join(BUDGET_MIXERS)}, {LOWRANK_MIXER}")
+        raise ValueError(f"unknown mixer {mixer!r}; known: {', '.join(sized_mixers())}")
     if num_heads is not None:
         num_heads = check_int("num_heads", num_heads, minimum=1)
     groups = check_int("groups", groups, minimum=1)
@@ -365,11 +386,17 @@ def match_state_budget(
     return configs
 
 
-__all__ = ["BUDGET_MIXERS", "LOWRANK_MIXER", "MAX_WIDTH", "PAPER_STATE_BUDGET", "SSD_MIXERS", "HeadConfig",
-           "match_state_budget", "mixer_design", "solve_state_budget"]
+__all__ = ["BUDGET_MIXERS", "LOWRANK_MIXER", "MAX_WIDTH", "PAPER_STATE_BUDGET", "SIZED_DESIGNS", "HeadConfig",
+           "budget_rule", "match_state_budget", "mixer_design", "sized_mixers", "solve_state_budget"]
 
 
 def __getattr__(name: str):
+    if name == "SSD_MIXERS":  # the old list of Mamba-shaped mixers: the registry's budget="ssd" now
+        import warnings
+
+        warnings.warn("bayeslayer.models.state_budget.SSD_MIXERS is deprecated; use budget_rule(mixer) == 'ssd'",
+                      DeprecationWarning, stacklevel=2)
+        return tuple(n for n, entry in MIXER_REGISTRY.items() if entry.budget == "ssd")
     if name == "PAPER_BUDGET":  # the old name, kept for one release
         import warnings
 

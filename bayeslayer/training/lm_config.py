@@ -75,10 +75,10 @@ def state_matched_kwargs(mixer: str, num_heads: int, head_dim: int) -> dict:
     recurrent state of the default BL layer of that shape, as the state-budget solver sizes it
     (:func:`~bayeslayer.models.state_budget.solve_state_budget` with ``num_heads`` fixed; its usage floor
     of 90% bounds the rounding).  Mixers the solver sizes by another rule (Mamba-2's ``d_state``) are refused."""
-    from ..models.state_budget import BUDGET_MIXERS, SSD_MIXERS, solve_state_budget
+    from ..models.state_budget import BUDGET_MIXERS, budget_rule, solve_state_budget
 
-    if mixer not in BUDGET_MIXERS or mixer in SSD_MIXERS:
-        sized = [m for m in BUDGET_MIXERS if m not in SSD_MIXERS]
+    if mixer not in BUDGET_MIXERS or budget_rule(mixer) != "heads":
+        sized = [m for m in BUDGET_MIXERS if budget_rule(m) == "heads"]
         raise ValueError(f"--match state sizes the value dim of {', '.join(sized)}; mixer {mixer!r} is not one")
     head = solve_state_budget(state_budget_per_layer(num_heads, head_dim), num_heads * head_dim, mixer,
                               num_heads=num_heads)

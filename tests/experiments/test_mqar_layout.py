@@ -25,13 +25,13 @@ from bayeslayer.experiments.mqar import (
     results_stem,
     train_config,
 )
-from bayeslayer.layers import BayesianLayer, DeltaNet, GatedDeltaNet, GatedDeltaNetNoConv, Mamba2
+from bayeslayer.layers import BayesianLayer, DeltaNet, GatedDeltaNet, Mamba2
 
 TINY = PRESETS["tiny"]
 HYBRID = replace(TINY, layout="hybrid")
 
 
-@pytest.mark.parametrize("mixer, layer", [("bayesian", BayesianLayer), ("gated_deltanet_noconv", GatedDeltaNetNoConv),
+@pytest.mark.parametrize("mixer, layer", [("bayesian", BayesianLayer), ("gated_deltanet_noconv", GatedDeltaNet),
                                           ("deltanet", DeltaNet), ("mamba2", Mamba2)])
 @pytest.mark.parametrize("num_layers", [2, 4])
 def test_hybrid_builds_zoologys_blocks_in_zoologys_order(mixer, layer, num_layers):

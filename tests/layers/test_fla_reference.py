@@ -22,7 +22,7 @@ from fla.layers.mamba2 import Mamba2 as FlaMamba2  # noqa: E402
 from fla.modules.layernorm_gated import rms_norm_ref  # noqa: E402
 from fla.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule  # noqa: E402
 
-from bayeslayer.layers import BayesianLayer, GatedDeltaNet, GatedDeltaNetNoConv, Mamba2  # noqa: E402
+from bayeslayer.layers import BayesianLayer, GatedDeltaNet, Mamba2  # noqa: E402
 
 
 def fla_gdn(seed: int, **kwargs) -> FlaGatedDeltaNet:
@@ -76,8 +76,7 @@ def test_gdn_matches_fla(use_short_conv, use_gate, allow_neg_eigval, conv_bias):
         options["conv_bias"] = conv_bias
     theirs = fla_gdn(0, hidden_size=32, num_heads=2, head_dim=16, expand_v=2, use_short_conv=use_short_conv,
                      **options)
-    cls = GatedDeltaNet if use_short_conv else GatedDeltaNetNoConv
-    ours = cls(32, num_heads=2, head_dim=16, expand_v=2, **options)
+    ours = GatedDeltaNet(32, num_heads=2, head_dim=16, expand_v=2, use_short_conv=use_short_conv, **options)
     ours.load_state_dict(theirs.state_dict(), strict=True)
     theirs.load_state_dict(ours.state_dict(), strict=True)  # and back: the same names and shapes
     x = torch.randn(2, 37, 32)

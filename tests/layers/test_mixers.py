@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bayeslayer.layers import MIXER_LABELS, MIXERS, MixerOutput, build_mixer
+from bayeslayer.layers import MIXER_LABELS, MIXER_REGISTRY, MIXERS, MixerOutput, build_mixer
 from bayeslayer.ops.bayesian_layer.lowrank import lowrank_covariance
 
 HIDDEN = 16
@@ -59,8 +59,8 @@ def decode(mixer, x, prefill_lengths, mask=None):
 
 
 def test_registry_names():
-    assert set(MIXERS) == {"bayesian", "gated_deltanet", "gated_deltanet_noconv", "deltanet",
-                           "linear_attention", "gla", "mamba2", "attention"}
+    assert set(MIXERS) == {"bayesian", "bayesian_noconv", "gated_deltanet", "gated_deltanet_noconv", "deltanet",
+                           "deltanet_noconv", "linear_attention", "gla", "mamba2", "attention"}
     with pytest.raises(ValueError, match="unknown mixer 'gdn'.*known mixers"):
         build_mixer("gdn", HIDDEN)
     with pytest.raises(ValueError, match="unknown mixer"):
@@ -284,7 +284,8 @@ def test_mixer_specific_bad_configs():
         build_mixer("mamba2", HIDDEN, num_heads=3, head_dim=8, n_groups=2)
     with pytest.raises(ValueError, match="even head_dim"):
         build_mixer("attention", HIDDEN, num_heads=2, head_dim=7)
-    with pytest.raises(ValueError, match="no short convolution"):
+    with pytest.raises(ValueError, match="'gated_deltanet_noconv' fixes use_short_conv=False, got use_short_conv=True; "
+                       "use gated_deltanet instead"):
         build_mixer("gated_deltanet_noconv", HIDDEN, num_heads=2, head_dim=8, use_short_conv=True)
 
 
@@ -329,6 +330,20 @@ def test_a_mixer_is_one_registration_and_the_views_are_read_only():
             register_mixer("other", object, label="X")
         with pytest.raises(TypeError):
             MIXERS["other"] = cls  # the views cannot be written around the registration
+        with pytest.raises(ValueError, match="budget must be one of"):
+            register_mixer("other", cls, label="X", budget="floats")
+        with pytest.raises(ValueError, match="variants\\['other_v'\\] label 'R-DeltaNet' is already"):
+            register_mixer("other", cls, label="X", variants={"other_v": ("R-DeltaNet", {})})
+        assert "other" not in MIXERS  # a refused call registers nothing
+        # a variant: the same class with fixed keywords, its own label, the base's budget rule
+        register_mixer("plain", cls, label="P", budget="heads", variants={"plain_noconv": ("P (no conv)",
+                                                                                           {"use_short_conv": False})})
+        entry = MIXER_REGISTRY["plain_noconv"]
+        assert (entry.cls, entry.label, dict(entry.defaults), entry.budget, entry.base) == (
+            cls, "P (no conv)", {"use_short_conv": False}, "heads", "plain")
+        assert not build_mixer("plain_noconv", 16, num_heads=2, head_dim=8).use_short_conv
+        with pytest.raises(ValueError, match="fixes use_short_conv=False, got use_short_conv=True; use plain"):
+            build_mixer("plain_noconv", 16, num_heads=2, head_dim=8, use_short_conv=True)
     finally:
         MIXER_REGISTRY.clear()
         MIXER_REGISTRY.update(saved)
@@ -341,3 +356,22 @@ def test_the_gla_layer_has_its_own_name_and_the_old_one_warns():
     assert MIXERS["gla"] is layers.GatedLinearAttention and MIXERS["gla"].design is GLA
     with pytest.warns(DeprecationWarning, match="GatedLinearAttention"):
         assert layers.GLA is layers.GatedLinearAttention
+
+
+def test_the_conv_free_layers_are_registry_variants():
+    """One mechanism for every conv-free layer: a variant of its mixer with use_short_conv=False."""
+    for name, base, label in (("bayesian_noconv", "bayesian", "BL (no conv)"),
+                              ("gated_deltanet_noconv", "gated_deltanet", "GDN (no conv)"),
+                              ("deltanet_noconv", "deltanet", "DeltaNet (no conv)")):
+        entry = MIXER_REGISTRY[name]
+        assert (entry.base, entry.cls, entry.label, dict(entry.defaults)) == (
+            base, MIXERS[base], label, {"use_short_conv": False})
+        layer = build_mixer(name, HIDDEN, num_heads=2, head_dim=8)
+        assert type(layer) is MIXERS[base] and not layer.use_short_conv
+    assert {n: e.budget for n, e in MIXER_REGISTRY.items() if e.base is None} == {
+        "bayesian": "heads", "gated_deltanet": "heads", "deltanet": "heads", "linear_attention": "heads",
+        "gla": "heads", "mamba2": "ssd", "attention": None}
+    from bayeslayer.layers import GatedDeltaNetNoConv
+
+    with pytest.warns(DeprecationWarning, match="gated_deltanet_noconv"):
+        assert not GatedDeltaNetNoConv(HIDDEN, num_heads=2, head_dim=8).use_short_conv

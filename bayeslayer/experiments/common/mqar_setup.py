@@ -21,20 +21,16 @@ import torch
 
 from ...checks import check_int
 from ...data.mqar import MQARDataset, MQARTask
-from ...layers import MIXER_LABELS, MIXERS, QKVMixer
+from ...layers import MIXER_LABELS, MIXER_REGISTRY, MIXERS, QKVMixer
 from ...models.mqar_model import LAYOUTS, MQARModel, MQARModelConfig
-from ...models.state_budget import BUDGET_MIXERS, HeadConfig, solve_state_budget
+from ...models.state_budget import HeadConfig, budget_rule, solve_state_budget
 from .harness import TrainConfig
 from .options import check_seeds
 
 TASK_NAMES = ("base", "update", "block")
-#: MQAR mixer names that are a registry layer with other constructor settings: name → (layer, keywords).
-MIXER_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
-    "bayesian_noconv": ("bayesian", {"use_short_conv": False}),
-    "deltanet_noconv": ("deltanet", {"use_short_conv": False}),
-}
-#: labels of the variants (not registry mixers; a registry mixer's label is bayeslayer.layers.MIXER_LABELS)
-VARIANT_LABELS = {"bayesian_noconv": "BL (no conv)", "deltanet_noconv": "DeltaNet (no conv)"}
+# variants MQAR builds as their base layer with the variant's keywords (the spelling of their records'
+# model_config); the registry's gated_deltanet_noconv was a layer name of its own when those records were made
+_BUILT_AS_BASE = ("bayesian", "deltanet")
 # the low-rank-plus-diagonal BL (bayeslayer.ops.bayesian_layer.lowrank) of rank r, sized by the state-budget rule for
 # "bayesian_lowrank" and built as the registry's "bayesian" with covariance="lowrank"; not a default
 LOWRANK_PREFIX = "bayesian_lowrank"
@@ -178,15 +174,17 @@ def mixer_label(mixer: str) -> str:
     rank = lowrank_rank(mixer)
     if rank is not None:
         return f"BL low-rank r={rank}"
-    return VARIANT_LABELS.get(mixer) or MIXER_LABELS.get(mixer, mixer)
+    return MIXER_LABELS.get(mixer, mixer)
 
 
 
 def resolve_mixer(mixer: str) -> tuple[str, dict[str, Any]]:
-    """``(registry layer, extra constructor keywords)`` of an MQAR mixer name (:data:`MIXER_VARIANTS`)."""
-    if mixer in MIXER_VARIANTS:
-        layer, extra = MIXER_VARIANTS[mixer]
-        return layer, dict(extra)
+    """``(registry layer, extra constructor keywords)`` of an MQAR mixer name: the BL and DeltaNet variants
+    (``bayesian_noconv``, ``deltanet_noconv``) are built as their base layer with the variant's keywords,
+    as the MQAR records spell them; every other name (``gated_deltanet_noconv`` included) as itself."""
+    entry = MIXER_REGISTRY.get(mixer)
+    if entry is not None and entry.base is not None and entry.base in _BUILT_AS_BASE:
+        return entry.base, dict(entry.defaults)
     return mixer, {}
 
 
@@ -211,7 +209,7 @@ def model_config(mixer: str, preset: MQARPreset, width: int) -> tuple[MQARModelC
         head = solve_state_budget(preset.budget, width, LOWRANK_PREFIX, rank=rank)
     else:
         layer, extra = resolve_mixer(mixer)
-        if layer not in BUDGET_MIXERS or layer not in MIXERS:
+        if budget_rule(layer) is None or layer not in MIXERS:
             raise ValueError(f"mixer {mixer!r} has no state-budget rule or no layer; use one of {known_mixers()} "
                              f"or {LOWRANK_PREFIX}<r>")
         head = solve_state_budget(preset.budget, width, layer)
@@ -233,8 +231,9 @@ def build_model(mixer: str, preset: MQARPreset, width: int) -> MQARModel:
 
 
 def known_mixers() -> list[str]:
-    """Every name ``bayeslayer mqar --mixers`` takes: registry layers with a state rule, and the variants."""
-    return sorted((set(BUDGET_MIXERS) & set(MIXERS)) | set(MIXER_VARIANTS))
+    """Every name ``bayeslayer mqar --mixers`` takes: the registry mixers with a state-budget rule (the
+    conv-free variants included)."""
+    return sorted(n for n, entry in MIXER_REGISTRY.items() if entry.budget is not None)
 
 
 # -- data and schedule -------------------------------------------------------------------------------
@@ -287,3 +286,17 @@ def train_config(preset: MQARPreset, steps: int) -> TrainConfig:
     return TrainConfig(steps=steps, batch_size=preset.batch_size, lr=preset.lrs[0], betas=preset.betas,
                        weight_decay=preset.weight_decay, grad_clip=preset.grad_clip, warmup_steps=warmup,
                        checkpoint_every=preset.checkpoint_every)
+
+
+def __getattr__(name: str):
+    # the variant tables this module had: the mixer registry carries variants and labels now
+    if name in ("MIXER_VARIANTS", "VARIANT_LABELS"):
+        import warnings
+
+        warnings.warn(f"{name} is deprecated; the variants are entries of bayeslayer.layers.MIXER_REGISTRY "
+                      "(base, defaults, label)", DeprecationWarning, stacklevel=2)
+        variants = {n: e for n, e in MIXER_REGISTRY.items() if e.base in _BUILT_AS_BASE}
+        if name == "MIXER_VARIANTS":
+            return {n: (e.base, dict(e.defaults)) for n, e in variants.items()}
+        return {n: e.label for n, e in variants.items()}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -18,8 +18,8 @@ equations and what of Zoology's model is and is not reproduced.  Zoology runs it
 without an output gate; the ``--gate`` setting follows it in the hybrid layout
 (:mod:`bayeslayer.experiments.common.mqar_setup`).
 
-Mixers are registry layers or their conv-free variants (:data:`MIXER_VARIANTS`: BL and DeltaNet
-without their own short convolution, like the registry's ``gated_deltanet_noconv``).
+Mixers are the registry's mixers with a state-budget rule, their conv-free variants among them
+(``bayesian_noconv``, ``gated_deltanet_noconv``, ``deltanet_noconv``: :mod:`bayeslayer.layers.registry`).
 
 Each mixer comes from the registry (:func:`bayeslayer.layers.build_mixer`) with its head
 configuration from the state-budget solver (:func:`~bayeslayer.models.state_budget.solve_state_budget`):
@@ -70,7 +70,6 @@ from ..common.mqar_setup import (
     GATES,
     LOWRANK_MIXERS,
     LOWRANK_PREFIX,
-    MIXER_VARIANTS,
     PRESETS,
     TASK_NAMES,
     MQARPreset,
@@ -388,7 +387,7 @@ def add_parser(sub) -> None:
                         "'cpu-paper-data' = default with vocabulary 8,192 and random fillers; 'tiny' = smoke")
     p.add_argument("--mixers", nargs="+", default=list(DEFAULT_MIXERS), choices=known_mixers() + list(LOWRANK_MIXERS),
                    metavar="MIXER",
-                   help=f"registry names or conv-free variants {sorted(MIXER_VARIANTS)} "
+                   help=f"registry mixers with a state-budget rule ({' '.join(known_mixers())}) "
                         f"(default: {' '.join(DEFAULT_MIXERS)}); {LOWRANK_PREFIX}<r> is the "
                         "low-rank-plus-diagonal BL of rank r at the same state budget")
     p.add_argument("--layout", choices=LAYOUTS, default=None,
@@ -418,8 +417,16 @@ def add_parser(sub) -> None:
 
 
 __all__ = [
-    "DEFAULT_MIXERS", "GATES", "LAYOUTS", "MIXER_VARIANTS", "PRESETS", "TASK_NAMES", "BaseConv", "MQARConfig",
+    "DEFAULT_MIXERS", "GATES", "LAYOUTS", "PRESETS", "TASK_NAMES", "BaseConv", "MQARConfig",
     "MQARModel", "MQARModelConfig", "MQARPreset", "build_model", "epoch_sampler", "format_table", "gate_kwargs",
     "known_mixers", "mixer_kwargs", "model_config", "plot_mqar", "resolve_mixer", "results_stem",
     "config_from_args", "run", "sweep_points", "train_tasks",
 ]
+
+
+def __getattr__(name: str):
+    if name in ("MIXER_VARIANTS", "VARIANT_LABELS"):  # the old variant tables: the mixer registry now
+        from ..common import mqar_setup
+
+        return getattr(mqar_setup, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
