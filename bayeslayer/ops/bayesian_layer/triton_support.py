@@ -31,7 +31,8 @@ MAX_HEAD_DIM = 256
 #: the largest key dim the chain kernels hold ``P`` for (fp32, D×D, in registers); larger ones run the segment scan
 CHAIN_MAX_HEAD_DIM = 128
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-WRITE_MODELS = ("bayes",)  # the kernels are the exact Kalman filter (dense covariance) only
+#: the write models the kernels run (:mod:`.write_models`): the exact Kalman filter (dense covariance) only
+TRITON_WRITES = ("bayes",)
 OPS = ("chunk", "step")
 
 
@@ -85,7 +86,7 @@ def unsupported(
     """
     if op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
-    if write not in WRITE_MODELS:
+    if write not in TRITON_WRITES:
         return (f"write model {write!r} has no Triton kernel (the kernels implement the exact Kalman filter, "
                 f"write model 'bayes')")
     if rotation:
