@@ -19,11 +19,12 @@ cosine decay (:func:`bayeslayer.training.loop.lr_lambda`); global-norm gradient 
 (:class:`bayeslayer.training.CheckpointStore`: crash-safe, SHA-256 verified, no pickle):
 ``model.safetensors`` and the trainer state (optimizer, scheduler, step, loss history, RNG states) as
 JSON + safetensors, so a run after an interruption (a kill, Ctrl-C) continues exactly where the last
-checkpoint stopped.  The folder is locked while a run uses it
-(:class:`bayeslayer.training.OutputLock`).
+checkpoint stopped (:mod:`bayeslayer.experiments.common.harness_checkpoints`).  The folder is locked while a
+run uses it (:class:`bayeslayer.training.OutputLock`).
 
 Results: :func:`summarize` gives ``{"mean", "std", "values"}`` over seeds and
-:func:`write_json` writes a JSON file (a cache) atomically; results records are written by
+:func:`write_json` writes a JSON file (a cache) atomically (both from
+:mod:`bayeslayer.experiments.common.records`, and importable from here); results records are written by
 :func:`bayeslayer.experiments.common.provenance.write_record`, which adds their provenance.  :func:`train_lr_grid` runs
 :func:`train_seeds` at each learning rate of a grid and keeps the one whose
 validation metric (e.g. query accuracy on a held-out split) is highest.
@@ -45,25 +46,22 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ...files import atomic_write_json, read_json
-from ...training import CheckpointError, CheckpointStore, OutputLock
+from ...files import read_json
+from ...training import CheckpointStore, OutputLock
 from ...training.compute_match import CALIBRATION_STEPS, CALIBRATION_WARMUP, Budget
-from ...training.loop import Checkpoints, LoopState, TrainConfig, raise_if_diverged, train_loop
+from ...training.loop import LoopState, TrainConfig, raise_if_diverged, train_loop
 from ...training.loop import lr_lambda as lr_lambda  # the schedule, also imported from here
 from ...training.state import seed_everything, weights_digest
+from .harness_checkpoints import BOOKKEEPING as BOOKKEEPING  # the checkpoint folders: harness_checkpoints.py
+from .harness_checkpoints import _HarnessCheckpoints, _settings
 from .provenance import jsonable
+from .records import compute_summary as compute_summary  # the results helpers: records.py
+from .records import results_record as results_record
+from .records import summarize as summarize
+from .records import summarize_curves as summarize_curves
+from .records import write_json as write_json
 
 IGNORE_INDEX = -100
-
-# TrainConfig fields that never change what a run computes (when checkpoints are written): a checkpoint or
-# a cached seed written with another value is resumed or reused all the same
-BOOKKEEPING = frozenset({"checkpoint_every"})
-
-
-def _settings(config: dict) -> dict:
-    """A :class:`TrainConfig` as a dict (``asdict`` or read back from JSON) without its bookkeeping fields."""
-    return {k: v for k, v in config.items() if k not in BOOKKEEPING}
-
 
 @dataclass
 class TrainResult:
@@ -99,25 +97,6 @@ def query_accuracy(logits: torch.Tensor, labels: torch.Tensor) -> float:
     if n == 0:
         raise ValueError("labels have no token with a loss (all -100)")
     return float((logits.argmax(-1)[mask] == labels[mask]).float().mean())
-
-
-def _save_weights(model: nn.Module, path) -> None:
-    from safetensors.torch import save_file
-
-    # a tied weight appears under two names; safetensors stores tensors that share memory only once
-    seen: set[int] = set()
-    weights = {}
-    for name, t in model.state_dict().items():
-        t = t.detach().cpu()
-        weights[name] = t.contiguous().clone() if t.data_ptr() in seen or not t.is_contiguous() else t
-        seen.add(t.data_ptr())
-    save_file(weights, str(path), metadata={"format": "pt"})
-
-
-def _load_weights(model: nn.Module, path) -> None:
-    from safetensors.torch import load_file
-
-    model.load_state_dict(load_file(str(path), device="cpu"))
 
 
 def train(
@@ -161,49 +140,6 @@ def train(
                       stop_after, progress, desc, identity, restart_on_mismatch)
 
 
-class _HarnessCheckpoints(Checkpoints):
-    """The harness's checkpoint folders: ``model.safetensors`` (the ``state_dict``) and the trainer state,
-    which records the :class:`TrainConfig` and ``identity`` a resume must match."""
-
-    def __init__(self, store: CheckpointStore, model: nn.Module, config: TrainConfig, identity,
-                 restart_on_mismatch: bool) -> None:
-        super().__init__(store)
-        self.model, self.config, self.identity, self.restart = model, config, identity, restart_on_mismatch
-
-    def find(self):
-        self.store.recover()
-        try:
-            return self.store.load()
-        except CheckpointError as exc:
-            if not self.restart:
-                raise
-            warnings.warn(f"{exc}; starting this run from scratch", RuntimeWarning, stacklevel=5)
-            self.store.discard()
-            return None
-
-    def accept(self, checkpoint, state) -> bool:
-        config = _settings(asdict(self.config))
-        saved = _settings(state["config"]) if isinstance(state["config"], dict) else state["config"]
-        if saved == config and state.get("identity") == self.identity:
-            return True
-        which = ("config", saved, config) if saved != config else (
-            "task/model settings", state.get("identity"), self.identity)
-        message = f"checkpoint {checkpoint} was written with {which[0]} {which[1]}, not {which[2]}"
-        if not self.restart:
-            raise ValueError(f"{message}; remove {self.store.root} or use the same {which[0]}")
-        warnings.warn(f"{message}; starting this run from scratch", RuntimeWarning, stacklevel=5)
-        return False
-
-    def write_weights(self, directory) -> None:
-        _save_weights(self.model, directory / "model.safetensors")
-
-    def read_weights(self, directory) -> None:
-        _load_weights(self.model, directory / "model.safetensors")
-
-    def extra_state(self, state: LoopState) -> dict:
-        return {"config": asdict(self.config), "identity": self.identity}
-
-
 def _train(model, sample_batch, config: TrainConfig, evaluate, store: CheckpointStore | None, stop_after,
            progress: bool, desc: str, identity, restart_on_mismatch: bool) -> TrainResult:
     t0 = time.perf_counter()
@@ -229,50 +165,6 @@ def _train(model, sample_batch, config: TrainConfig, evaluate, store: Checkpoint
     return TrainResult(losses=state.losses, evals=state.evals, step=state.step,
                        seconds=time.perf_counter() - t0, finished=state.finished, step_seconds=state.step_seconds,
                        step_cpu_seconds=state.step_cpu_seconds)
-
-
-def summarize(values: Sequence[float]) -> dict[str, Any]:
-    """Mean and sample standard deviation (``ddof = 1``; 0 for one seed) of per-seed numbers."""
-    vals = [float(v) for v in values]
-    if not vals:
-        raise ValueError("summarize needs at least one value")
-    arr = np.asarray(vals)
-    std = float(arr.std(ddof=1)) if len(vals) > 1 else 0.0
-    return {"mean": float(arr.mean()), "std": std, "values": vals}
-
-
-def compute_summary(records: Sequence[dict]) -> dict:
-    """Mean ± std over seeds of a compute-matched model's steps, FLOPs and CPU and wall seconds (``"compute"`` of
-    each seed's record); a number some seed did not record (a resumed checkpoint of an older version) is left out."""
-    out = {}
-    for key in ("steps", "flops", "cpu_seconds", "wall_seconds"):
-        values = [r["compute"].get(key) for r in records]
-        if all(v is not None for v in values):
-            out[key] = summarize(values)
-    return out
-
-
-def summarize_curves(curves: Sequence[Sequence[float]]) -> dict[str, list]:
-    """Point-wise :func:`summarize` of per-seed curves of equal length: ``{"mean": [...], "std": [...]}``."""
-    if not curves or len({len(c) for c in curves}) != 1:
-        raise ValueError(f"curves must be a non-empty list of equal-length lists, got lengths "
-                         f"{[len(c) for c in curves]}")
-    cols = [summarize(col) for col in zip(*curves, strict=True)]
-    return {"mean": [c["mean"] for c in cols], "std": [c["std"] for c in cols]}
-
-
-def write_json(path: str | os.PathLike, obj: dict) -> None:
-    """Write ``obj`` as indented JSON atomically and durably (:func:`bayeslayer.files.atomic_write_json`)."""
-    atomic_write_json(path, jsonable(obj))
-
-
-def results_record(experiment: str, preset: str, config: dict, models: dict, **extra: Any) -> dict:
-    """The common results layout: ``{"experiment", "preset", "config", "models", ...extra}``.
-
-    ``models[name]`` holds ``"seeds"`` (one dict of raw metrics per seed) and
-    ``"summary"`` (mean ± std over seeds, from :func:`summarize` / :func:`summarize_curves`).
-    """
-    return {"experiment": experiment, "preset": preset, "config": config, "models": models, **extra}
 
 
 def train_seeds(name: str, build_model: Callable[[int], nn.Module],
