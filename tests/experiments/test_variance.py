@@ -86,12 +86,12 @@ def test_tiny_says_it_is_a_smoke_test_in_the_output_the_record_and_the_figure(tm
     assert cli_main(["variance", "--preset", "tiny", "--tasks", "recall", "--seeds", "1", "--out",
                      str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    note = variance._smoke_note(variance.PRESETS["tiny"])
+    note = variance.smoke_note(variance.PRESETS["tiny"])
     assert "smoke test" in note and "mean nothing" in note
     assert out.count(f"note: {note}") == 2  # before the run and under the table
     data = json.loads((tmp_path / "variance.json").read_text())
     assert data["smoke_test"] is True and data["note"] == note and data["config"]["smoke_test"] is True
-    assert variance._smoke_note(variance.PRESETS["default"]) is None
+    assert variance.smoke_note(variance.PRESETS["default"]) is None
     assert not any(p.smoke_test for name, p in variance.PRESETS.items() if name != "tiny")
 
 
@@ -114,8 +114,8 @@ def test_help_shows_each_presets_size_and_the_times_of_the_committed_record():
         assert took["load"] == (f"{low:.0f}" if f"{low:.0f}" == f"{high:.0f}" else f"{low:.0f}–{high:.0f}")
         preset = variance.PRESETS[name]
         assert row["seeds"] == preset.seeds
-        assert row["tasks"]["recall"]["queries_per_seed"] == variance._recall_queries(preset)
-        assert row["tasks"]["mqar_update"]["queries_per_seed"] == variance._mqar_queries(preset)
+        assert row["tasks"]["recall"]["queries_per_seed"] == variance.presets.recall_queries(preset)
+        assert row["tasks"]["mqar_update"]["queries_per_seed"] == variance.presets.mqar_queries(preset)
         if preset.recall_steps is not None:
             assert row["tasks"]["recall"]["train_steps"] == preset.recall_steps
     parser = build_parser()
@@ -125,5 +125,5 @@ def test_help_shows_each_presets_size_and_the_times_of_the_committed_record():
         assert f"'{name}'" in text
     assert "'tiny' (a smoke test: its numbers mean nothing)" in text
     assert all("not timed yet" in text for took in variance.MEASURED.values() if not took)
-    assert f"≈ {variance._duration(variance.MEASURED['default']['cpu_seconds'])}" in text
+    assert f"≈ {variance.presets.duration(variance.MEASURED['default']['cpu_seconds'])}" in text
     assert variance.MEASURED_RECORD in " ".join(text.split())

@@ -53,7 +53,7 @@ from ...training.loop import LoopState, TrainConfig, raise_if_diverged, train_lo
 from ...training.loop import lr_lambda as lr_lambda  # the schedule, also imported from here
 from ...training.state import seed_everything, weights_digest
 from .harness_checkpoints import BOOKKEEPING as BOOKKEEPING  # the checkpoint folders: harness_checkpoints.py
-from .harness_checkpoints import _HarnessCheckpoints, _settings
+from .harness_checkpoints import HarnessCheckpoints, harness_settings
 from .provenance import jsonable
 from .records import compute_summary as compute_summary  # the results helpers: records.py
 from .records import results_record as results_record
@@ -155,7 +155,7 @@ def _train(model, sample_batch, config: TrainConfig, evaluate, store: Checkpoint
         model.train(was_training)
         return {"step": state.step, **{k: float(v) for k, v in metrics.items()}}
 
-    checkpoints = None if store is None else _HarnessCheckpoints(store, model, config, identity, restart_on_mismatch)
+    checkpoints = None if store is None else HarnessCheckpoints(store, model, config, identity, restart_on_mismatch)
     state = train_loop(
         model, micro_batches, _harness_loss, config,
         checkpoints=checkpoints, evaluate=run_eval,
@@ -270,7 +270,7 @@ def _train_seed(name, build_model, sample_batch, config: TrainConfig, seed: int,
             try:
                 cached = read_json(cache, what="cached seed result")
                 saved = cached.get("train_config") if isinstance(cached, dict) else None
-                if (isinstance(saved, dict) and _settings(saved) == _settings(jsonable(asdict(cfg)))
+                if (isinstance(saved, dict) and harness_settings(saved) == harness_settings(jsonable(asdict(cfg)))
                         and cached.get("fingerprint") == jsonable(fingerprint)):
                     return cached["record"]
             except (ValueError, KeyError, TypeError) as exc:

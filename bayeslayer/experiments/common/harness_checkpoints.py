@@ -17,7 +17,7 @@ from ...training.loop import Checkpoints, LoopState, TrainConfig
 BOOKKEEPING = frozenset({"checkpoint_every"})
 
 
-def _settings(config: dict) -> dict:
+def harness_settings(config: dict) -> dict:
     """A :class:`TrainConfig` as a dict (``asdict`` or read back from JSON) without its bookkeeping fields."""
     return {k: v for k, v in config.items() if k not in BOOKKEEPING}
 
@@ -41,7 +41,7 @@ def _load_weights(model: nn.Module, path) -> None:
     model.load_state_dict(load_file(str(path), device="cpu"))
 
 
-class _HarnessCheckpoints(Checkpoints):
+class HarnessCheckpoints(Checkpoints):
     """The harness's checkpoint folders: ``model.safetensors`` (the ``state_dict``) and the trainer state,
     which records the :class:`TrainConfig` and ``identity`` a resume must match."""
 
@@ -62,8 +62,8 @@ class _HarnessCheckpoints(Checkpoints):
             return None
 
     def accept(self, checkpoint, state) -> bool:
-        config = _settings(asdict(self.config))
-        saved = _settings(state["config"]) if isinstance(state["config"], dict) else state["config"]
+        config = harness_settings(asdict(self.config))
+        saved = harness_settings(state["config"]) if isinstance(state["config"], dict) else state["config"]
         if saved == config and state.get("identity") == self.identity:
             return True
         which = ("config", saved, config) if saved != config else (

@@ -61,10 +61,7 @@ from ..common.recall_sweep import model_on_device, sampler_on_device
 from ..common.threads import SMALL, add_threads_option
 from .presets import MEASURED as MEASURED  # the presets, their cost and their help: variance/presets.py
 from .presets import MEASURED_RECORD as MEASURED_RECORD
-from .presets import PRESETS, VariancePreset, _preset_help, _smoke_note
-from .presets import _duration as _duration
-from .presets import _mqar_queries as _mqar_queries
-from .presets import _recall_queries as _recall_queries
+from .presets import PRESETS, VariancePreset, preset_help, smoke_note
 
 DESCRIPTION = (
     "Trains the Bayesian-Layer models of learned collision recall and of MQAR "
@@ -256,7 +253,7 @@ def _run(config: VarianceConfig, out: Path | None) -> dict:
                        "summary": summary, "wall_seconds": time.perf_counter() - t_task}
         for score in ("variance_last", "entropy"):
             summary[f"coverage_{score}"] = coverage_curve(tasks[task], score)
-    note = {"note": _smoke_note(preset)} if preset.smoke_test else {}
+    note = {"note": smoke_note(preset)} if preset.smoke_test else {}
     record = results_record(NAME, preset.name, {**asdict(preset), "tasks": list(config.tasks)}, tasks,
                             smoke_test=preset.smoke_test, **note, wall_seconds=time.perf_counter() - t0,
                             finished_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
@@ -352,7 +349,7 @@ def _main(args):
     preset = PRESETS[args.preset]
     if args.seeds is not None:
         preset = replace(preset, seeds=args.seeds)
-    note = _smoke_note(preset)
+    note = smoke_note(preset)
     if note:
         print(f"note: {note}", flush=True)
     record = run(VarianceConfig(preset=preset, tasks=tuple(args.tasks), out=args.out, progress=args.progress,
@@ -367,7 +364,7 @@ def _main(args):
 def add_parser(sub) -> None:
     p = sub.add_parser("variance", help="does the BL's predictive variance flag wrong answers? (AUROC vs entropy)",
                        description=DESCRIPTION)
-    p.add_argument("--preset", choices=sorted(PRESETS), default="default", help=_preset_help())
+    p.add_argument("--preset", choices=sorted(PRESETS), default="default", help=preset_help())
     p.add_argument("--tasks", nargs="+", choices=TASKS, default=list(TASKS))
     p.add_argument("--seeds", type=positive_int_arg, default=None, help="number of seeds (default: the preset's)")
     p.add_argument("--out", default=VarianceConfig.out, help="where the JSON and figure go")

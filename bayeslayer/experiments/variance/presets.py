@@ -27,12 +27,12 @@ class VariancePreset:
     smoke_test: bool = False  # too small to mean anything: the output and the record say so
 
 
-def _recall_queries(preset: VariancePreset) -> int:
+def recall_queries(preset: VariancePreset) -> int:
     """Recall queries scored per seed: ``len(recall_test_n_f) × recall_sequences × num_pairs``."""
     return len(preset.recall_test_n_f) * preset.recall_sequences * recall_task.PRESETS[preset.recall_preset].num_pairs
 
 
-def _mqar_queries(preset: VariancePreset) -> int:
+def mqar_queries(preset: VariancePreset) -> int:
     """MQAR Update queries scored per seed: ``len(mqar_test_updates) × mqar_examples × update_test_pairs``."""
     return (len(preset.mqar_test_updates) * preset.mqar_examples
             * mqar_setup.PRESETS[preset.mqar_preset].update_test_pairs)
@@ -67,7 +67,7 @@ MEASURED: dict[str, dict | None] = {
 MEASURED_RECORD = "results/variance/presets.json"
 
 
-def _smoke_note(preset: VariancePreset) -> str | None:
+def smoke_note(preset: VariancePreset) -> str | None:
     """The warning a smoke-test preset's output and record carry; ``None`` for the others."""
     if not preset.smoke_test:
         return None
@@ -75,13 +75,13 @@ def _smoke_note(preset: VariancePreset) -> str | None:
             "the command runs, and its accuracies and AUROCs mean nothing; use the default preset for results")
 
 
-def _duration(seconds: float) -> str:
+def duration(seconds: float) -> str:
     """``"7 s"``, ``"21 min"``, ``"2.5 h"``: a measured time as ``--help`` prints it."""
     return f"{seconds:.0f} s" if seconds < 100 else f"{seconds / 60:.0f} min" if seconds < 6000 else \
         f"{seconds / 3600:.1f} h"
 
 
-def _preset_help() -> str:
+def preset_help() -> str:
     """``--preset``'s help: each preset's seeds, training steps, scored queries and measured time."""
     parts = []
     timed = sorted((n for n in PRESETS if MEASURED[n]), key=lambda n: MEASURED[n]["cpu_seconds"])
@@ -92,10 +92,10 @@ def _preset_help() -> str:
                       else f"{mqar_setup.PRESETS[p.mqar_preset].epochs} epochs")
         took = MEASURED[name]
         kind = " (a smoke test: its numbers mean nothing)" if p.smoke_test else ""
-        cost = (f"≈ {_duration(took['cpu_seconds'])} ({_duration(took['wall_seconds'])} at load {took['load']})"
+        cost = (f"≈ {duration(took['cpu_seconds'])} ({duration(took['wall_seconds'])} at load {took['load']})"
                 if took else "not timed yet")
         parts.append(f"'{name}'{kind}: {p.seeds} seeds; training steps recall {recall_steps:,}, MQAR Update "
-                     f"{mqar_steps}; {_recall_queries(p):,} + {_mqar_queries(p):,} scored queries per seed; {cost}")
+                     f"{mqar_steps}; {recall_queries(p):,} + {mqar_queries(p):,} scored queries per seed; {cost}")
     return ("the run's size (default: default). " + ". ".join(parts) + ". Times: the whole command with one "
             "thread, as CPU time (about the wall time on an idle machine) and in brackets the wall time measured "
             f"on a shared 2-core CPU ({MEASURED_RECORD})")
