@@ -32,7 +32,6 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("training",),
     ("evaluation",),
     ("experiments",),
-    ("results",),
     ("cli",),
 )
 

@@ -207,7 +207,7 @@ def shell_problems(root: Path, block: Block, parser) -> list[str]:
                 if importlib.util.find_spec(module.rsplit(".", 1)[0] if "." in module else module) is None or \
                         importlib.util.find_spec(module) is None:
                     problems.append(f"{block.where}: no module {module}")
-            if re.fullmatch(r"(benchmarks|tests|bayeslayer|\.ci)/[\w./-]+\.(py|sh)", token) and \
+            if re.fullmatch(r"(benchmarks|tests|tools|bayeslayer|\.ci)/[\w./-]+\.(py|sh)", token) and \
                     not (root / token).is_file():
                 problems.append(f"{block.where}: no file {token}")
     return problems

@@ -16,7 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SUFFIXES = {".py", ".md", ".sh", ".txt", ".toml", ".cfg"}
 
-# Everywhere (README.md, docs/, bayeslayer/, tests/, benchmarks/): the project's maths lives in
+# Everywhere (README.md, docs/, bayeslayer/, tests/, benchmarks/, tools/): the project's maths lives in
 # docs/theory.md; the team's working notes and issue tracker do not ship.  The names of those notes are
 # spelled in pieces here, so that a plain grep of the repository for them finds nothing at all.
 _BRIEF, _NOTE = "SP" + "EC", "gpu-" + "kernels"
@@ -39,7 +39,7 @@ DIARY = {
     "dated narration (a measurement states device and versions, history goes to CHANGELOG.md)": re.compile(
         r"\b(?:[Ss]ince|[Uu]ntil|[Rr]e-?run on|[Rr]un on|[Mm]easured|[Ww]ired|on) \(?20\d\d-\d\d-\d\d"),
 }
-# README.md, docs/ and benchmarks/: a measurement states the hardware and its load ("a 2-core CPU shared
+# README.md, docs/, benchmarks/ and tools/: a measurement states the hardware and its load ("a 2-core CPU shared
 # with other jobs"), never the machines the project was built on ("the shared 2-core machine").
 MACHINES = {
     "describes the machine the project was built on": re.compile(
@@ -75,9 +75,9 @@ def violations(root: Path) -> list[str]:
                     if pat.search(text):
                         found.append(f"{f.relative_to(root)}:{i}: {why}: {line.strip()[:120]}")
 
-    scan(_files(root, ("README.md", "docs", "bayeslayer", "tests", "benchmarks")), CITATIONS)
+    scan(_files(root, ("README.md", "docs", "bayeslayer", "tests", "benchmarks", "tools")), CITATIONS)
     scan(_files(root, ("README.md", "docs")), DIARY)
-    scan(_files(root, ("README.md", "docs", "benchmarks")), MACHINES)
+    scan(_files(root, ("README.md", "docs", "benchmarks", "tools")), MACHINES)
     return found
 
 
@@ -111,7 +111,7 @@ def test_theory_sections_are_numbered_and_cited_sections_exist():
                           re.M)
     assert len(headings) == len(set(headings)) and {"1", "2", "5", "6", "7"} <= set(headings)
     cited = set()
-    for f in _files(ROOT, ("README.md", "docs", "bayeslayer", "tests", "benchmarks")):
+    for f in _files(ROOT, ("README.md", "docs", "bayeslayer", "tests", "benchmarks", "tools")):
         for m in re.finditer(r"theory\.md §(\d+(?:\.\d+)?)(?:[–-](\d+(?:\.\d+)?))?", f.read_text(encoding="utf-8")):
             cited.update(x for x in m.groups() if x)
     assert cited, "nothing cites docs/theory.md"

@@ -1,22 +1,34 @@
-"""The results tables of README.md and docs/ are what ``python -m bayeslayer.results tables`` makes from results/."""
+"""The results tables of README.md and docs/ are what ``python tools/build_tables.py tables`` makes from results/."""
 
+import importlib.util
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
 
-from bayeslayer import results
-
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _load_tool():
+    """``tools/build_tables.py`` as a module (``tools/`` is a folder of the checkout's scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location("tools_build_tables", ROOT / "tools" / "build_tables.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+build_tables = _load_tool()
+
+
 def test_every_marked_table_matches_its_records():
-    assert results.regenerate(ROOT, check=True) == []
+    assert build_tables.regenerate(ROOT, check=True) == []
 
 
 @pytest.fixture
 def copy(tmp_path):
-    for document in results.DOCUMENTS:
+    for document in build_tables.DOCUMENTS:
         if (ROOT / document).is_file():
             (tmp_path / document).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy(ROOT / document, tmp_path / document)
@@ -30,10 +42,10 @@ def test_a_changed_number_fails_and_tables_puts_it_back(copy):
     assert "| BL (ours, `cpu`, 2 seeds) | 219.48 ± 10.04 |" in text
     doc.write_text(text.replace("| BL (ours, `cpu`, 2 seeds) | 219.48 ± 10.04 |",
                                 "| BL (ours, `cpu`, 2 seeds) | 219.47 ± 10.04 |"), encoding="utf-8")
-    problems = results.regenerate(copy, check=True)
+    problems = build_tables.regenerate(copy, check=True)
     assert len(problems) == 1 and "lm-cpu" in problems[0] and "docs/experiments.md" in problems[0]
     assert doc.read_text(encoding="utf-8") != text  # --check changes nothing
-    assert results.regenerate(copy) == []
+    assert build_tables.regenerate(copy) == []
     assert doc.read_text(encoding="utf-8") == text
 
 
@@ -44,7 +56,7 @@ def test_a_changed_record_fails(copy):
     record = json.loads(path.read_text())
     record["models"]["bayesian"]["summary"]["train_seconds"]["mean"] += 100
     path.write_text(json.dumps(record))
-    problems = results.regenerate(copy, check=True)
+    problems = build_tables.regenerate(copy, check=True)
     assert len(problems) == 1 and "mqar-update-stacked" in problems[0]
 
 
@@ -56,33 +68,33 @@ def test_a_table_of_two_records_reads_both(copy):
     record = json.loads(path.read_text())
     record["models"]["bayesian_noconv"]["summary"]["accuracy"]["mean"][-1] -= 0.5
     path.write_text(json.dumps(record))
-    problems = results.regenerate(copy, check=True)
+    problems = build_tables.regenerate(copy, check=True)
     assert len(problems) == 1 and "mqar-block-hybrid4" in problems[0]
 
 
 def test_unknown_unclosed_and_unmarked_tables_are_reported(copy):
     doc = copy / "docs/experiments.md"
     text = doc.read_text(encoding="utf-8")
-    begin = "<!-- results-table {}: python -m bayeslayer.results tables -->"
+    begin = "<!-- results-table {}: python tools/build_tables.py tables -->"
     doc.write_text(text + "\n" + begin.format("no-such") + "\n| a |\n<!-- /results-table no-such -->\n"
                    + begin.format("lm-cpu") + "\n", encoding="utf-8")
-    problems = results.regenerate(copy, check=True)
+    problems = build_tables.regenerate(copy, check=True)
     assert any("'no-such' has no generator" in p for p in problems)
     assert any("no closing marker" in p for p in problems)
     doc.write_text(text.replace("<!-- results-table lm-cpu60:", "<!-- not-a-table lm-cpu60:"), encoding="utf-8")
-    assert any("'lm-cpu60'" in p and "marked in no document" in p for p in results.regenerate(copy, check=True))
+    assert any("'lm-cpu60'" in p and "marked in no document" in p for p in build_tables.regenerate(copy, check=True))
 
 
 def test_command_line(copy, capsys):
-    assert results.main(["tables", "--check", "--root", str(copy)]) == 0
-    assert results.main(["tables", "--root", str(copy / "docs")]) == 2  # no results/ there: one line, exit 2
+    assert build_tables.main(["tables", "--check", "--root", str(copy)]) == 0
+    assert build_tables.main(["tables", "--root", str(copy / "docs")]) == 2  # no results/ there: one line, exit 2
     assert "has no results/ folder" in capsys.readouterr().err
 
 
 # Tables of measured numbers that are not generated yet, by document and the start of their header.  Each
-# should move into bayeslayer.results.TABLES; a new table of numbers outside the markers fails the test below.
+# should move into bayeslayer.build_tables.TABLES; a new table of numbers outside the markers fails the test below.
 # Every document that may hold a generated table is checked.
-CHECKED = results.DOCUMENTS
+CHECKED = build_tables.DOCUMENTS
 NOT_GENERATED_YET = {
     # kernels: a CPU precision measurement without a committed record
     ("docs/kernels.md", "| | long-memory | stress |"),
@@ -168,10 +180,10 @@ def test_every_generated_table_fails_when_a_number_in_it_changes(copy):
     Every table gets its changed digit at once, and one check must name each of them (and no other)."""
     import re
 
-    for name, (document, _) in results.TABLES.items():
+    for name, (document, _) in build_tables.TABLES.items():
         doc = copy / document
         text = doc.read_text(encoding="utf-8")
-        begin = f"<!-- results-table {name}: python -m bayeslayer.results tables -->"
+        begin = f"<!-- results-table {name}: python tools/build_tables.py tables -->"
         start = text.index(begin) + len(begin)
         row_at = text.index("\n|", text.index("\n|---", start) + 1) + 1  # the first row below the separator
         row = text[row_at:text.index("\n", row_at)]
@@ -180,12 +192,12 @@ def test_every_generated_table_fails_when_a_number_in_it_changes(copy):
         at = row_at + len(row.split("|", 2)[0]) + len(row.split("|", 2)[1]) + 2 + digit.start()
         doc.write_text(text[:at] + str((int(text[at]) + 1) % 10) + text[at + 1:], encoding="utf-8")
     named = {}
-    for problem in results.regenerate(copy, check=True):
+    for problem in build_tables.regenerate(copy, check=True):
         found = re.fullmatch(r"(\S+): tables differ from their records: (.+) \(run `.+`\)", problem)
         assert found, problem
         named[found[1]] = set(found[2].split(", "))
     expected = {}
-    for name, (document, _) in results.TABLES.items():
+    for name, (document, _) in build_tables.TABLES.items():
         expected.setdefault(document, set()).add(name)
     assert named == expected
 
@@ -199,12 +211,12 @@ def test_every_listed_table_still_exists():
 
 
 def test_every_marked_number_of_the_text_fails_when_it_changes_and_tables_puts_it_back(copy):
-    """Each number of running text in :data:`results.VALUES`: a digit changed is caught, naming it, and the
+    """Each number of running text in :data:`build_tables.VALUES`: a digit changed is caught, naming it, and the
     command writes the record's number back."""
     import re
 
     originals = {}
-    for name, (document, _) in results.VALUES.items():
+    for name, (document, _) in build_tables.VALUES.items():
         doc = copy / document
         text = doc.read_text(encoding="utf-8")
         originals.setdefault(document, text)
@@ -214,15 +226,15 @@ def test_every_marked_number_of_the_text_fails_when_it_changes_and_tables_puts_i
         at = m.start(1) + digit.start()
         doc.write_text(text[:at] + str((int(text[at]) + 1) % 10) + text[at + 1:], encoding="utf-8")
     named = {}
-    for problem in results.regenerate(copy, check=True):
+    for problem in build_tables.regenerate(copy, check=True):
         found = re.fullmatch(r"(\S+): numbers in the text differ from their records: (.+) \(run `.+`\)", problem)
         assert found, problem
         named[found[1]] = set(found[2].split(", "))
     expected = {}
-    for name, (document, _) in results.VALUES.items():
+    for name, (document, _) in build_tables.VALUES.items():
         expected.setdefault(document, set()).add(name)
     assert named == expected
-    assert results.regenerate(copy) == []
+    assert build_tables.regenerate(copy) == []
     for document, text in originals.items():
         assert (copy / document).read_text(encoding="utf-8") == text
 
@@ -231,13 +243,13 @@ def test_an_unknown_or_unused_value_is_reported(copy):
     doc = copy / "docs/experiments.md"
     text = doc.read_text(encoding="utf-8")
     doc.write_text(text.replace("<!-- value collision-seconds -->", "<!-- value no-such -->"), encoding="utf-8")
-    problems = results.regenerate(copy, check=True)
+    problems = build_tables.regenerate(copy, check=True)
     assert any("value 'no-such' has no generator" in p for p in problems)
     assert any("value 'collision-seconds' of docs/experiments.md is marked in no document" in p for p in problems)
 
 
 # Measured times quoted in running text (``12.3 s``, ``441 ms``, ``4–5 min``) without a value marker, per
-# document: each should become a generated number of results.VALUES (or go); the counts may only fall.
+# document: each should become a generated number of build_tables.VALUES (or go); the counts may only fall.
 UNMARKED_TIMES = {"README.md": 5, "docs/experiments.md": 62, "docs/kernels.md": 29, "docs/data.md": 9,
                   "docs/layers.md": 0, "docs/models.md": 2, "docs/reliability.md": 34, "docs/distributed.md": 0}
 
@@ -259,7 +271,7 @@ def _unmarked_times(text: str) -> int:
 
 def test_no_new_unmarked_time_in_the_text():
     """The ratchet on quoted times: a new measured time in running text must be a generated number."""
-    found = {d: _unmarked_times((ROOT / d).read_text(encoding="utf-8")) for d in results.DOCUMENTS}
+    found = {d: _unmarked_times((ROOT / d).read_text(encoding="utf-8")) for d in build_tables.DOCUMENTS}
     assert found == UNMARKED_TIMES
 
 

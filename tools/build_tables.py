@@ -1,9 +1,9 @@
-"""Results tables of the docs, generated from the committed records: ``python -m bayeslayer.results tables``.
+"""Results tables of the docs, generated from the committed records: ``python tools/build_tables.py tables``.
 
 Every table of results in ``README.md`` and ``docs/*.md`` that comes from a record under ``results/``
 sits between two markers naming its generator::
 
-    <!-- results-table NAME: python -m bayeslayer.results tables -->
+    <!-- results-table NAME: python tools/build_tables.py tables -->
     | ... the table ... |
     <!-- /results-table NAME -->
 
@@ -16,6 +16,10 @@ A number quoted in running text is marked the same way, inline, and generated fr
 :data:`VALUES` (the same command regenerates and checks it)::
 
     took <!-- value collision-seconds -->32.8–33.4 s<!-- /value --> on an idle CPU
+
+The records under ``results/`` and the documents are not part of the installed package, so this script
+runs from a checkout (``--root``, default the current folder); it needs only the standard library and,
+for one table's labels, the installed ``bayeslayer``.
 """
 
 from __future__ import annotations
@@ -30,8 +34,8 @@ from pathlib import Path
 #: The documents that may hold generated tables, relative to the checkout's root.
 DOCUMENTS = ("README.md", "docs/experiments.md", "docs/kernels.md", "docs/data.md", "docs/layers.md",
              "docs/models.md", "docs/reliability.md", "docs/distributed.md")
-COMMAND = "python -m bayeslayer.results tables"
-_BEGIN = re.compile(r"^<!-- results-table (?P<name>[a-z0-9-]+): python -m bayeslayer\.results tables -->$")
+COMMAND = "python tools/build_tables.py tables"
+_BEGIN = re.compile(r"^<!-- results-table (?P<name>[a-z0-9-]+): python tools/build_tables\.py tables -->$")
 _END = "<!-- /results-table {name} -->"
 
 
@@ -285,7 +289,7 @@ def heldout_table(record_path: str) -> Callable[[Path], str]:
     """Held-out PPL per model and window length, with the change against the reference model."""
 
     def build(root: Path) -> str:
-        from .evaluation.lengths import length_label
+        from bayeslayer.evaluation.lengths import length_label
 
         rec = _load(root, record_path)
         source = rec["config"]["sources"][0]["label"]
@@ -1300,7 +1304,7 @@ def render_values(text: str, root: Path, *, document: str = "") -> tuple[str, li
     def one(match: re.Match) -> str:
         name = match["name"]
         if name not in VALUES:
-            problems.append(f"{document}: value {name!r} has no generator in bayeslayer.results.VALUES")
+            problems.append(f"{document}: value {name!r} has no generator in tools/build_tables.py's VALUES")
             return match[0]
         if VALUES[name][0] != document:
             problems.append(f"{document}: value {name!r} belongs to {VALUES[name][0]}")
@@ -1330,7 +1334,7 @@ def render(text: str, root: Path, *, document: str = "") -> tuple[str, list[str]
             problems.append(f"{document}: table {name!r} has no closing marker {end!r}")
             continue
         if name not in TABLES:
-            problems.append(f"{document}: table {name!r} has no generator in bayeslayer.results.TABLES")
+            problems.append(f"{document}: table {name!r} has no generator in tools/build_tables.py's TABLES")
             out.extend(lines[i:j])
         elif TABLES[name][0] != document:
             problems.append(f"{document}: table {name!r} belongs to {TABLES[name][0]}")
@@ -1398,7 +1402,7 @@ def _tables_of(text: str) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bayeslayer.results", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python tools/build_tables.py", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     t = sub.add_parser("tables", help="regenerate the marked results tables of README.md and docs/ from results/")
     t.add_argument("--check", action="store_true", help="change nothing; exit 1 when a table differs from its records")
@@ -1407,7 +1411,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         problems = regenerate(args.root, check=args.check)
     except (OSError, ValueError, KeyError) as err:
-        print(f"python -m bayeslayer.results: {err}", file=sys.stderr)
+        print(f"python tools/build_tables.py: {err}", file=sys.stderr)
         return 2
     for p in problems:
         print(p, file=sys.stderr)
