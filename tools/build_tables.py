@@ -18,8 +18,8 @@ A number quoted in running text is marked the same way, inline, and generated fr
     took <!-- value collision-seconds -->32.8–33.4 s<!-- /value --> on an idle CPU
 
 The records under ``results/`` and the documents are not part of the installed package, so this script
-runs from a checkout (``--root``, default the current folder); it needs only the standard library and,
-for one table's labels, the installed ``bayeslayer``.
+runs from a checkout (``--root``, default the current folder) with ``bayeslayer`` installed: an
+experiment that lays out its own tables (``table(record)`` beside its ``plot(record)``) is called from here.
 """
 
 from __future__ import annotations
@@ -30,6 +30,10 @@ import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
+
+from bayeslayer.experiments import variance
+from bayeslayer.experiments.common.tables import markdown_row as _row
+from bayeslayer.experiments.common.tables import mean_std as _pm
 
 #: The documents that may hold generated tables, relative to the checkout's root.
 DOCUMENTS = ("README.md", "docs/experiments.md", "docs/kernels.md", "docs/data.md", "docs/layers.md",
@@ -53,14 +57,6 @@ def _load_text(root: Path, rel: str) -> str:
         return (root / rel).read_text(encoding="utf-8")
     except FileNotFoundError:
         raise FileNotFoundError(f"the table needs the record {rel}, which is missing under {root}") from None
-
-
-def _pm(mean: float, std: float, digits: int) -> str:
-    return f"{mean:.{digits}f} ± {std:.{digits}f}"
-
-
-def _row(cells) -> str:
-    return " ".join(("| " + " | ".join(cells) + " |").split(" ")).replace("|  |", "| |").replace("|  |", "| |")
 
 
 # --------------------------------------------------------------------------- language modelling (Table 2 layout)
@@ -312,27 +308,11 @@ _VARIANCE_RECORD = "results/variance/variance.json"
 
 
 def variance_auroc_table(root: Path) -> str:
-    """Per task: accuracy and the AUROC for a wrong answer of the variance, the entropy and both (mean ± std)."""
-    rec = _load(root, _VARIANCE_RECORD)
-    keys = ("accuracy", "auroc_variance_last", "auroc_variance_mean", "auroc_entropy", "auroc_combined")
-    lines = [_row(["task", "accuracy", "AUROC variance (last layer)", "variance (mean over layers)", "entropy",
-                   "combined"]), "|---|---|---|---|---|---|"]
-    for task in rec["models"].values():
-        s = task["summary"]
-        lines.append(_row([task["label"]] + [_pm(s[k]["mean"], s[k]["std"], 3) if s[k] else "n/a" for k in keys]))
-    return "\n".join(lines)
+    return variance.table(_load(root, _VARIANCE_RECORD))
 
 
 def variance_abstention_table(root: Path) -> str:
-    """MQAR Update: accuracy of the answered queries at a few coverages, abstaining on high variance or entropy."""
-    rec = _load(root, _VARIANCE_RECORD)
-    s = rec["models"]["mqar_update"]["summary"]
-    at = (0, 2, 4, 6, 9)  # coverage 10%, 30%, 50%, 70%, 100%
-    cov = s["coverage_variance_last"]["coverage"]
-    lines = [_row(["MQAR Update, coverage"] + [f"{cov[i]:.0%}" for i in at]), "|---" * (len(at) + 1) + "|"]
-    for score, label in (("variance_last", "abstain on high variance"), ("entropy", "abstain on high entropy")):
-        lines.append(_row([label] + [f"{s[f'coverage_{score}']['mean'][i]:.3f}" for i in at]))
-    return "\n".join(lines)
+    return variance.abstention_table(_load(root, _VARIANCE_RECORD))
 
 
 _VARIANCE_PRESETS_RECORD = "results/variance/presets.json"

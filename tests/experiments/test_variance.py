@@ -127,3 +127,31 @@ def test_help_shows_each_presets_size_and_the_times_of_the_committed_record():
     assert all("not timed yet" in text for took in variance.MEASURED.values() if not took)
     assert f"≈ {variance.presets.duration(variance.MEASURED['default']['cpu_seconds'])}" in text
     assert variance.MEASURED_RECORD in " ".join(text.split())
+
+
+def _summary(mean: float, *, auroc: dict | None = None) -> dict:
+    cell = {"mean": mean, "std": 0.01, "values": [mean]}
+    coverage = {"coverage": [(k + 1) / 10 for k in range(10)], "mean": [k / 10 for k in range(10)],
+                "std": [0.0] * 10}
+    return {"accuracy": cell, "auroc_variance_last": cell, "auroc_variance_mean": cell, "auroc_entropy": auroc,
+            "auroc_combined": cell, "coverage_variance_last": coverage,
+            "coverage_entropy": {**coverage, "mean": [1 - k / 10 for k in range(10)]}}
+
+
+def test_table_lays_out_the_record_beside_its_plot():
+    """``table(record)`` and ``abstention_table(record)`` are the record's Markdown tables, the layout the docs'
+    table builder (tools/build_tables.py) writes: mean ± std to three decimals, "n/a" for a score with no AUROC,
+    and the abstention accuracies at 10/30/50/70/100% coverage."""
+    record = {"models": {"recall": {"label": "recall", "summary": _summary(0.5, auroc=None)},
+                         "mqar_update": {"label": "MQAR Update", "summary": _summary(0.25, auroc=None)}}}
+    lines = variance.table(record).split("\n")
+    assert lines[0].startswith("| task | accuracy | AUROC variance (last layer) |")
+    assert lines[1] == "|---|---|---|---|---|---|"
+    assert lines[2] == "| recall | 0.500 ± 0.010 | 0.500 ± 0.010 | 0.500 ± 0.010 | n/a | 0.500 ± 0.010 |"
+    assert len(lines) == 4 and lines[3].startswith("| MQAR Update | 0.250 ± 0.010 |")
+    assert variance.abstention_table(record).split("\n") == [
+        "| MQAR Update, coverage | 10% | 30% | 50% | 70% | 100% |", "|---|---|---|---|---|---|",
+        "| abstain on high variance | 0.000 | 0.200 | 0.400 | 0.600 | 0.900 |",
+        "| abstain on high entropy | 1.000 | 0.800 | 0.600 | 0.400 | 0.100 |"]
+    with pytest.raises(ValueError, match="record: has no MQAR Update"):
+        variance.abstention_table({"models": {"recall": record["models"]["recall"]}})
