@@ -15,8 +15,10 @@ A :class:`DesignModel` names its three parts (docs/theory.md §1):
 
 Every design runs through the same two pieces of machinery in
 :mod:`bayeslayer.ops`: the recurrent oracle and the chunked path.  No design has
-a hand-written loop of its own; a design runs its write model through the object
-:mod:`bayeslayer.design.write` keeps for it (``DesignModel.write_model``).
+a hand-written loop of its own: its write model is one object of the ops' write-model family
+(``DesignModel.write_model``: :mod:`bayeslayer.ops.bayesian_layer.write_models`, and
+:class:`~bayeslayer.ops.bayesian_layer.lowrank.LowRankWrite` built with the design's rank), which says
+what the state holds and how big it is, and which the ops' filters run.
 :meth:`DesignModel.chunk` and :meth:`DesignModel.step` take a ``backend``
 (``"auto"``/``"torch"``/``"triton"``, :mod:`bayeslayer.ops.backend`): designs with write model
 ``bayes`` run on the Triton kernels for CUDA tensors; the others have no kernel.
@@ -33,9 +35,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..ops.bayesian_layer.lowrank import check_projection, check_rank
+from ..ops.backend import dispatch_chunk, dispatch_step
+from ..ops.bayesian_layer.lowrank import LowRankWrite, check_projection, check_rank
 from ..ops.bayesian_layer.prepare import FilterInputs, FilterOutput
-from .write import DesignWrite, get_design_write
+from ..ops.bayesian_layer.recurrent import filter_recurrent
+from ..ops.bayesian_layer.write_models import WriteModel, get_write_model
 
 DYNAMICS = ("identity", "scalar", "diagonal", "rotation", "any")
 
@@ -72,17 +76,21 @@ class DesignModel:
     projection: str = "conservative"
 
     def __post_init__(self):
-        write = get_design_write(self.write)
-        write.check(self)
+        write = self.write_model  # refuses an unknown write model (and a low-rank one's bad rank or projection)
+        write.check_config(rank=self.rank, dynamics=self.dynamics)
         if self.dynamics not in DYNAMICS:
             raise ValueError(f"dynamics must be one of {DYNAMICS}, got {self.dynamics!r}")
         if self.fixed_lam is not None and (not write.takes_fixed_lam or not self.fixed_lam > 0):
             raise ValueError("fixed_lam needs write='reset' and a positive value")
 
     @property
-    def write_model(self) -> DesignWrite:
-        """The object that runs this design's write model (:mod:`bayeslayer.design.write`)."""
-        return get_design_write(self.write)
+    def write_model(self) -> WriteModel:
+        """This design's write model, the object the ops run (:mod:`bayeslayer.ops.bayesian_layer.write_models`;
+        ``lowrank``: :class:`~bayeslayer.ops.bayesian_layer.lowrank.LowRankWrite` of :attr:`rank` and
+        :attr:`projection`)."""
+        if self.write == LowRankWrite.name:
+            return LowRankWrite(self.rank, self.projection)
+        return get_write_model(self.write)
 
     @property
     def has_covariance(self) -> bool:
@@ -92,7 +100,7 @@ class DesignModel:
     def state_size(self, key_dim: int, value_dim: int, groups: int = 1) -> int:
         """Recurrent state floats per head: ``D·m`` (+ ``G·D²`` dense, ``G·D`` diagonal or ``G·D·(r+1)``
         low-rank-plus-diagonal covariance)."""
-        return self.write_model.state_size(self, key_dim, value_dim, groups)
+        return self.write_model.state_size(key_dim, value_dim, groups)
 
     # -- argument plumbing -------------------------------------------------------------------------
     @staticmethod
@@ -145,8 +153,8 @@ class DesignModel:
     ) -> FilterOutput:
         """Token-by-token oracle. Returns :class:`~bayeslayer.ops.FilterOutput` ``(o, variance, gain, state)``."""
         inputs = self._sequence_inputs(v, r2, ell2, lam, gain, alpha, theta)
-        return self.write_model.recurrent(self, q, k, v, inputs, p0=p0, initial_state=initial_state,
-                                          output_final_state=output_final_state)
+        return filter_recurrent(q, k, v, write=self.write_model, **inputs.kwargs(), p0=p0,
+                                initial_state=initial_state, output_final_state=output_final_state)
 
     def chunk(
         self, q, k, v, *, r2=None, ell2=None, lam=None, gain=None, alpha=None, theta=None, p0=1.0,
@@ -161,9 +169,10 @@ class DesignModel:
         final state then hold one sequence per row).
         """
         inputs = self._sequence_inputs(v, r2, ell2, lam, gain, alpha, theta)
-        return self.write_model.chunk(self, q, k, v, inputs, p0=p0, initial_state=initial_state,
-                                      output_final_state=output_final_state, return_variance=return_variance,
-                                      chunk_size=chunk_size, backend=backend, cu_seqlens=cu_seqlens)
+        return dispatch_chunk(q, k, v, write=self.write_model, **inputs.kwargs(), p0=p0,
+                              initial_state=initial_state, output_final_state=output_final_state,
+                              return_variance=return_variance, chunk_size=chunk_size, backend=backend,
+                              cu_seqlens=cu_seqlens)
 
     def step(self, q, k, v, *, state, r2=None, ell2=None, lam=None, gain=None, alpha=None, theta=None,
              backend="auto") -> FilterOutput:
@@ -178,13 +187,13 @@ class DesignModel:
             None if alpha is None else alpha.unsqueeze(1), None if theta is None else theta.unsqueeze(1)
         )
         inputs = self._inputs(r2, ell2, lam, gain, alpha, theta)
-        return self.write_model.step(self, q, k, v, inputs, state=state, backend=backend)
+        return dispatch_step(q, k, v, write=self.write_model, **inputs.kwargs(), state=state, backend=backend)
 
     def initial_state(self, batch_size, num_heads, key_dim, value_dim, *, p0=1.0, groups=1,
                       dtype=torch.float32, device=None):
         """Prior state: ``(0, p0·I)`` with a covariance, ``(0, [1/p0, 0])`` low-rank, ``(0, None)`` otherwise."""
-        return self.write_model.initial_state(self, batch_size, num_heads, key_dim, value_dim, p0=p0,
-                                              groups=groups, dtype=dtype, device=device)
+        return self.write_model.initial_state(batch_size, num_heads, key_dim, value_dim, p0=p0, groups=groups,
+                                              dtype=dtype, device=device)
 
 
 # -- the family (docs/theory.md §3) ------------------------------------------------------------------------

@@ -19,8 +19,8 @@ from .bayesian_layer.chunk import filter_chunk
 from .bayesian_layer.chunk_triton import chain_failures
 from .bayesian_layer.cp import CPContext, build_cp_context
 from .bayesian_layer.prepare import FilterInputs, FilterOutput
-from .bayesian_layer.recurrent import bl_recurrent, filter_recurrent, initial_bl_state
-from .bayesian_layer.write_models import WRITE_MODELS, WriteModel, get_write_model
+from .bayesian_layer.recurrent import bl_recurrent, filter_recurrent
+from .bayesian_layer.write_models import WRITE_MODELS, WriteModel, get_write_model, initial_bl_state
 from .utils.validation import set_value_checks, value_checks
 
 __all__ = [

@@ -49,6 +49,7 @@ from .bayesian_layer.prepare import FilterOutput
 from .bayesian_layer.recurrent import filter_recurrent
 from .bayesian_layer.step_triton import bl_step_triton
 from .bayesian_layer.triton_support import BackendError
+from .bayesian_layer.write_models import WriteModel, get_write_model
 
 __all__ = ["BACKEND_REGISTRY", "Backend", "BackendCall", "BackendError", "TorchBackend", "TritonBackend",
            "backend_names", "backend_unsupported", "bl_chunk", "bl_step", "check_backend", "dispatch_chunk",
@@ -57,7 +58,7 @@ __all__ = ["BACKEND_REGISTRY", "Backend", "BackendCall", "BackendError", "TorchB
 
 @dataclass(frozen=True)
 class BackendCall:
-    """What a backend is asked about: one ``op`` (``"chunk"`` or ``"step"``) of write model ``write``.
+    """What a backend is asked about: one ``op`` (``"chunk"`` or ``"step"``) of the write model named ``write``.
 
     Fields left at None are not checked: a layer asks about its configuration before it has seen a tensor
     (``device=None``), and a step has no chunk size."""
@@ -111,13 +112,15 @@ class Backend:
 
     def chunk(self, q, k, v, *, write, r2, ell2, lam, gain, alpha, theta, p0, initial_state, output_final_state,
               return_variance, chunk_size, cu_seqlens, n_segments) -> FilterOutput:
-        """The chunked filter (arguments of :func:`bayeslayer.ops.bayesian_layer.chunk.filter_chunk`, and
-        ``n_segments``, which a backend without segments ignores)."""
+        """The chunked filter (arguments of :func:`bayeslayer.ops.bayesian_layer.chunk.filter_chunk`, ``write``
+        as a :class:`~bayeslayer.ops.bayesian_layer.write_models.WriteModel`, and ``n_segments``, which a backend
+        without segments ignores)."""
         raise NotImplementedError(f"{type(self).__name__} does not implement chunk")
 
     def step(self, q, k, v, *, write, state, r2, ell2, lam, gain, alpha, theta) -> FilterOutput:
         """One decoding step (arguments of :func:`bayeslayer.ops.bayesian_layer.recurrent.filter_recurrent`
-        with ``single_step=True``; ``state`` is required); the variance whenever the write model defines one."""
+        with ``single_step=True``, ``write`` as a :class:`~bayeslayer.ops.bayesian_layer.write_models.WriteModel`;
+        ``state`` is required); the variance whenever the write model defines one."""
         raise NotImplementedError(f"{type(self).__name__} does not implement step")
 
     def __repr__(self) -> str:
@@ -314,22 +317,25 @@ def _describe(q) -> tuple[torch.device | None, int | None, torch.dtype | None]:
 
 
 def dispatch_chunk(
-    q, k, v, *, write: str, r2=None, ell2=None, lam=None, gain=None, alpha=None, theta=None, p0=1.0,
+    q, k, v, *, write: str | WriteModel, r2=None, ell2=None, lam=None, gain=None, alpha=None, theta=None, p0=1.0,
     initial_state=None, output_final_state: bool = False, return_variance: bool = False,
     chunk_size: int = 64, cu_seqlens: torch.Tensor | None = None, backend="auto", n_segments: int | None = None,
 ) -> FilterOutput:
-    """The chunked filter of write model ``write`` on the selected backend (arguments of
+    """The chunked filter of write model ``write`` (a name or a
+    :class:`~bayeslayer.ops.bayesian_layer.write_models.WriteModel`, e.g. a
+    :class:`~bayeslayer.ops.bayesian_layer.lowrank.LowRankWrite`) on the selected backend (arguments of
     :func:`bayeslayer.ops.bayesian_layer.chunk.filter_chunk`).  ``n_segments``: the Triton path's segment count
     (see :func:`bl_chunk`); the PyTorch path has no segments and ignores it.
 
     On the Triton path ``FilterOutput.gain`` is ``None`` (the kernels do not return the per-token
     gain ``kᵀw``; the PyTorch path does).
     """
+    write = get_write_model(write)
     device, D, dtype = _describe(q)
     if lam is not None or gain is not None:
         # not arguments of the Kalman filter: the PyTorch path's validation refuses them by name
-        backend = "torch" if write == "bayes" else backend
-    chosen = _select(backend, BackendCall("chunk", device=device, write=write, rotation=theta is not None,
+        backend = "torch" if write.name == "bayes" else backend
+    chosen = _select(backend, BackendCall("chunk", device=device, write=write.name, rotation=theta is not None,
                                           head_dim=D, chunk_size=chunk_size, dtype=dtype))
     return chosen.chunk(
         q, k, v, write=write, r2=r2, ell2=ell2, lam=lam, gain=gain, alpha=alpha, theta=theta, p0=p0,
@@ -339,7 +345,7 @@ def dispatch_chunk(
 
 
 def dispatch_step(
-    q, k, v, *, write: str, state, r2=None, ell2=None, lam=None, gain=None, alpha=None, theta=None,
+    q, k, v, *, write: str | WriteModel, state, r2=None, ell2=None, lam=None, gain=None, alpha=None, theta=None,
     backend="auto",
 ) -> FilterOutput:
     """One decoding step of write model ``write`` on the selected backend (shapes without the time
@@ -348,10 +354,11 @@ def dispatch_step(
     ``gain=None`` on the Triton path."""
     if state is None:
         raise ValueError("state is required for a decoding step; start from bayeslayer.ops.initial_bl_state()")
+    write = get_write_model(write)
     device, D, dtype = _describe(q)
     if lam is not None or gain is not None:
-        backend = "torch" if write == "bayes" else backend
-    chosen = _select(backend, BackendCall("step", device=device, write=write, rotation=theta is not None,
+        backend = "torch" if write.name == "bayes" else backend
+    chosen = _select(backend, BackendCall("step", device=device, write=write.name, rotation=theta is not None,
                                           head_dim=D, dtype=dtype))
     return chosen.step(q, k, v, write=write, state=state, r2=r2, ell2=ell2, lam=lam, gain=gain, alpha=alpha,
                        theta=theta)

@@ -44,8 +44,8 @@ from dataclasses import dataclass
 
 from ..checks import check_int
 from .bayesian_layer.dynamics import UNIT_INVERSE_BASE
+from .bayesian_layer.write_models import WRITE_MODELS
 
-WRITES = ("bayes", "diagonal", "reset", "latent", "lowrank")
 DYNAMICS = ("identity", "scalar", "diagonal")
 
 
@@ -169,8 +169,8 @@ class Tally:
 
 # -- the chunked filter -------------------------------------------------------------------------------
 def _check_design(write: str, dynamics: str) -> None:
-    if write not in WRITES:
-        raise ValueError(f"write must be one of {WRITES}, got {write!r}")
+    if write not in WRITE_MODELS:
+        raise ValueError(f"write must be one of {WRITE_MODELS}, got {write!r}")
     if dynamics == "rotation":
         raise ValueError("dynamics='rotation' has no FLOP count: its chunked path runs complex-valued products "
                          "that the convention does not price; use identity, scalar or diagonal")
@@ -323,6 +323,6 @@ def _cholesky_solve(t: Tally, batch: int, n: int, k: int) -> None:
 
 
 __all__ = [
-    "DYNAMICS", "WRITES", "FlopCount", "Tally", "cholesky_flops", "cholesky_solve_flops", "chunk_flops", "eigh_flops",
+    "DYNAMICS", "FlopCount", "Tally", "cholesky_flops", "cholesky_solve_flops", "chunk_flops", "eigh_flops",
     "matmul_flops", "triangular_solve_flops",
 ]

@@ -177,7 +177,8 @@ def test_fixed_prior_rejects(c):
 @pytest.mark.parametrize(
     "kwargs, pattern",
     [
-        (dict(name="x", write="kalman"), r"write must be bayes/diagonal/reset/latent/lowrank, got 'kalman'"),
+        (dict(name="x", write="kalman"),
+             r"write must be one of \('bayes', 'diagonal', 'reset', 'latent', 'lowrank'\), got 'kalman'"),
         (dict(name="x", write="reset", dynamics="complex"), r"dynamics must be one of .*got 'complex'"),
         (dict(name="x", write="bayes", fixed_lam=1.0), r"fixed_lam needs write='reset' and a positive value"),
         (dict(name="x", write="reset", fixed_lam=-1.0), r"fixed_lam needs write='reset' and a positive value"),

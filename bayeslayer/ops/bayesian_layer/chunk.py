@@ -235,9 +235,15 @@ def filter_chunk(
     ``gain`` is reported (``kᵀ w``) for every write model.
     ``cu_seqlens`` (``[N + 1]``, B = 1) runs N packed sequences, each from its own state
     (``initial_state`` and the final state then have N in place of B).
+    A write model with a filter of its own (:attr:`~bayeslayer.ops.WriteModel.own_filter`, e.g.
+    :class:`~bayeslayer.ops.bayesian_layer.lowrank.LowRankWrite`) runs that filter's chunked path.
     """
     C = check_chunk_size(chunk_size)
     write = get_write_model(write)
+    if write.own_filter:  # e.g. the low-rank covariance (lowrank.py): a filter of its own
+        return write.chunk(q, k, v, r2=r2, ell2=ell2, lam=lam, gain=gain, alpha=alpha, theta=theta, p0=p0,
+                           initial_state=initial_state, output_final_state=output_final_state,
+                           return_variance=return_variance, chunk_size=C, cu_seqlens=cu_seqlens)
     inputs = FilterInputs(r2, ell2, lam, gain, alpha, theta)
     if cu_seqlens is not None:
         return _filter_chunk_varlen(q, k, v, cu_seqlens, write, inputs, p0=p0, initial_state=initial_state,

@@ -78,6 +78,7 @@ from .chunk import Chunked, cat_blocks, from_chunks, mean_pass, pad_time, run_pa
 from .covariance import sym
 from .prepare import FilterInputs, FilterOutput, Prepared, prepare
 from .transition import apply_transition
+from .write_models import LOWRANK, WriteModel, initial_bl_state
 
 PROJECTIONS = ("conservative", "lofi")
 
@@ -110,8 +111,7 @@ def initial_lowrank_state(batch_size: int, num_heads: int, key_dim: int, value_d
 
     Returns ``M [B, H, D, m]`` and ``F [B, H, D, r + 1]`` (``[B, H, G, D, r + 1]`` when ``groups > 1``).
     """
-    from .recurrent import initial_bl_state  # validates sizes, p0 and dtype in one place
-
+    # validates sizes, p0 and dtype in one place
     M, _ = initial_bl_state(batch_size, num_heads, key_dim, 1, p0=p0, groups=1, dtype=dtype,
                             device=torch.device("meta"))
     for name, val in (("value_dim", value_dim), ("groups", groups)):
@@ -390,7 +390,80 @@ def lowrank_chunk(q, k, v, *, rank: int, r2, ell2, alpha=None, theta=None, p0=1.
     return _finish(pr, o, var, gain, M, F, output_final_state)
 
 
+# -- the write model ------------------------------------------------------------------------------------
+class LowRankWrite(WriteModel):
+    """The low-rank-plus-diagonal write model: precision ``diag(υ) + W Wᵀ`` of ``rank`` columns, projected
+    with ``projection`` after every write (module docstring); the state is ``(M, F)``.
+
+    A :class:`~bayeslayer.ops.bayesian_layer.write_models.WriteModel` like the general filter's, built with
+    its rank: ``filter_recurrent``, ``filter_chunk``, the backend dispatch and ``DesignModel`` take it as
+    ``write=`` and run its own filter (:meth:`recurrent`, :meth:`chunk`: PyTorch only, the Triton kernels
+    implement write model ``bayes``).  Noise arguments: ``r2``, ``ell2`` (and ``p0``); ``lam``/``gain`` are
+    refused, rotation dynamics too.
+
+    >>> LowRankWrite(2).state_size(16, 8, 2) == 16 * 8 + 2 * 16 * 3
+    True
+    """
+
+    name = LOWRANK
+    has_covariance = True
+    erase = True
+    own_filter = True
+
+    def __init__(self, rank: int, projection: str = "conservative") -> None:
+        self.rank = check_rank(rank)
+        self.projection = check_projection(projection)
+
+    def check_config(self, *, rank=None, dynamics: str = "any") -> None:
+        if rank is not None and check_rank(rank) != self.rank:
+            raise ValueError(f"rank={rank!r} disagrees with this write model's rank {self.rank}")
+        if dynamics == "rotation":
+            raise ValueError("the lowrank write model does not support rotation dynamics")
+
+    def state_size(self, key_dim: int, value_dim: int, groups: int = 1) -> int:
+        return key_dim * value_dim + groups * key_dim * (check_rank(self.rank, key_dim) + 1)
+
+    def initial_state(self, batch_size: int, num_heads: int, key_dim: int, value_dim: int, *, p0: float = 1.0,
+                      groups: int = 1, dtype: torch.dtype = torch.float32, device=None):
+        return initial_lowrank_state(batch_size, num_heads, key_dim, value_dim, rank=self.rank, p0=p0,
+                                     groups=groups, dtype=dtype, device=device)
+
+    def has_variance(self, lam_given: bool) -> bool:
+        return True
+
+    def _noise(self, lam, gain) -> None:
+        for name, value in (("lam", lam), ("gain", gain)):
+            if value is not None:
+                raise ValueError(f"write model 'lowrank' derives its gain from r2/ell2; do not pass {name}")
+
+    def recurrent(self, q, k, v, *, r2=None, ell2=None, lam=None, gain=None, alpha=None, theta=None, p0=1.0,
+                  initial_state=None, output_final_state: bool = False, single_step: bool = False) -> FilterOutput:
+        """:func:`lowrank_recurrent` with this rank and projection."""
+        self._noise(lam, gain)
+        return lowrank_recurrent(q, k, v, rank=self.rank, projection=self.projection, r2=r2, ell2=ell2, alpha=alpha,
+                                 theta=theta, p0=p0, initial_state=initial_state,
+                                 output_final_state=output_final_state, single_step=single_step)
+
+    def chunk(self, q, k, v, *, r2=None, ell2=None, lam=None, gain=None, alpha=None, theta=None, p0=1.0,
+              initial_state=None, output_final_state: bool = False, return_variance: bool = False,
+              chunk_size: int = 64, cu_seqlens=None) -> FilterOutput:
+        """:func:`lowrank_chunk` with this rank and projection."""
+        self._noise(lam, gain)
+        return lowrank_chunk(q, k, v, rank=self.rank, projection=self.projection, r2=r2, ell2=ell2, alpha=alpha,
+                             theta=theta, p0=p0, initial_state=initial_state, output_final_state=output_final_state,
+                             return_variance=return_variance, chunk_size=chunk_size, cu_seqlens=cu_seqlens)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, LowRankWrite) and (self.rank, self.projection) == (other.rank, other.projection)
+
+    def __hash__(self) -> int:
+        return hash((self.name, self.rank, self.projection))
+
+    def __repr__(self) -> str:
+        return f"LowRankWrite(rank={self.rank}, projection={self.projection!r})"
+
+
 __all__ = [
-    "PROJECTIONS", "check_rank", "initial_lowrank_state", "lowrank_chunk", "lowrank_covariance",
-    "lowrank_recurrent",
+    "PROJECTIONS", "LowRankWrite", "check_projection", "check_rank", "initial_lowrank_state", "lowrank_chunk",
+    "lowrank_covariance", "lowrank_recurrent",
 ]

@@ -36,9 +36,6 @@ state between steps: decode from a float64 state then.
 
 from __future__ import annotations
 
-import math
-import numbers
-
 import torch
 
 from ..utils.validation import COVARIANCE_DTYPE, Dynamics, check_state_precision
@@ -131,9 +128,15 @@ def filter_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, write
     ``write`` picks the write model (module docstring).  ``bayes``/``diagonal``
     need ``ell2`` (process noise) and use ``p0``; ``reset``/``latent`` need
     ``lam`` (the reset prior variance, or the latent write variance).
-    The state is ``(M, P)`` for ``bayes``/``diagonal`` and ``(M, None)`` otherwise.
+    The state is ``(M, P)`` for ``bayes``/``diagonal`` and ``(M, None)`` otherwise.  A write model with a
+    filter of its own (:attr:`~bayeslayer.ops.WriteModel.own_filter`, e.g.
+    :class:`~bayeslayer.ops.bayesian_layer.lowrank.LowRankWrite`) runs that filter with these arguments.
     """
     write = get_write_model(write)
+    if write.own_filter:  # e.g. the low-rank covariance (lowrank.py): a filter of its own
+        return write.recurrent(q, k, v, r2=r2, ell2=ell2, lam=lam, gain=gain, alpha=alpha, theta=theta, p0=p0,
+                               initial_state=initial_state, output_final_state=output_final_state,
+                               single_step=single_step)
     pr = prepare_inputs(q, k, v, write, FilterInputs(r2, ell2, lam, gain, alpha, theta), p0=p0,
                         initial_state=initial_state, single_step=single_step, keep_float64_state=True)
     P0 = pr.P0
@@ -180,26 +183,3 @@ def bl_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r2, ell2, al
     if return_variance:
         return out.o, out.variance, out.state
     return out.o, out.state
-
-
-def initial_bl_state(batch_size: int, num_heads: int, key_dim: int, value_dim: int, *, p0: float = 1.0, groups: int = 1,
-                     dtype: torch.dtype = torch.float32, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The prior state ``(M_0 = 0, P_0 = p0·I)`` in the layout the ops accept."""
-    for name, val in (("batch_size", batch_size), ("num_heads", num_heads), ("key_dim", key_dim),
-                      ("value_dim", value_dim), ("groups", groups)):
-        if not isinstance(val, int) or isinstance(val, bool) or val < 1:
-            raise ValueError(f"{name} must be a positive integer, got {val!r}")
-    if value_dim % groups != 0:
-        raise ValueError(f"value_dim={value_dim} is not divisible by groups={groups}")
-    # an infinite p0 would put inf on the diagonal and 0·inf = NaN off it
-    if not isinstance(p0, numbers.Real) or isinstance(p0, bool) or not math.isfinite(p0) or not p0 > 0:
-        raise ValueError(f"p0 must be a finite number > 0, got {p0!r}")
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
-    M = torch.zeros(batch_size, num_heads, key_dim, value_dim, dtype=dtype, device=device)
-    eye = torch.eye(key_dim, dtype=dtype, device=device) * float(p0)
-    if groups == 1:
-        P = eye.expand(batch_size, num_heads, key_dim, key_dim).clone()
-    else:
-        P = eye.expand(batch_size, num_heads, groups, key_dim, key_dim).clone()
-    return M, P
