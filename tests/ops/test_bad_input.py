@@ -337,6 +337,7 @@ def test_initial_bl_state_rejects(kwargs, exc, pattern):
     "kwargs, pattern",
     [
         (dict(write="kalman", r2=0.5, ell2=0.1), r"write must be one of"),
+        (dict(write="lowrank", r2=0.5, ell2=0.1), r"write='lowrank' needs its rank: pass .*LowRankWrite"),
         (dict(write="bayes", ell2=0.1), r"r2 \(observation noise variance\) is required"),
         (dict(write="bayes", r2=0.5), r"ell2 \(process noise variance\) is required"),
         (dict(write="diagonal", r2=0.5, ell2=0.1, lam=1.0), r"do not pass gain or lam"),
