@@ -4,7 +4,8 @@ Each Triton file stands next to its plain-PyTorch twin (``x.py`` / ``x_triton.py
 
     recurrent.py              the recurrent oracle: exact filtering token by token, every write model
     prepare.py                argument preparation shared by every path (validate, cast, fold groups)
-    write_models.py           how a token is written: one object per write model (bayes, diagonal, reset, latent)
+    write_models.py           how a token is written: one object per write model (bayes, diagonal, reset, latent;
+                              lowrank in lowrank.py), its state size and prior state
     groups.py, transition.py  observation-noise groups folded into heads; the transition A_t
     chunk.py                  the chunked PyTorch path (covariance pass + WY/UT mean pass)
     chunk_triton.py           bl_chunk_triton: the autograd Functions and the public Triton entry point
@@ -15,7 +16,7 @@ Each Triton file stands next to its plain-PyTorch twin (``x.py`` / ``x_triton.py
     scan_backward.py / scan_backward_triton.py   its backward (B2-B4)
     scan_grad.py              the composed backward and the autograd Function over the scan
     mean_pass_fla.py          the mean pass on flash-linear-attention's kernels, and its backward
-    lowrank.py                the low-rank-plus-diagonal precision variant
+    lowrank.py                the low-rank-plus-diagonal precision write model (LowRankWrite) and its own filter
     cp.py                     context parallelism: one long sequence split across ranks
 
 The public functions are re-exported by :mod:`bayeslayer.ops`; :mod:`bayeslayer.ops.backend` chooses
