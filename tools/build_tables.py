@@ -18,8 +18,16 @@ A number quoted in running text is marked the same way, inline, and generated fr
     took <!-- value collision-seconds -->32.8–33.4 s<!-- /value --> on an idle CPU
 
 The records under ``results/`` and the documents are not part of the installed package, so this script
-runs from a checkout (``--root``, default the current folder) with ``bayeslayer`` installed: an
-experiment that lays out its own tables (``table(record)`` beside its ``plot(record)``) is called from here.
+runs from a checkout (``--root``, default the current folder) with ``bayeslayer`` installed.
+
+A table of an experiment's own record is laid out by the experiment, beside its figure: ``recall.table(record,
+curve)``, ``mqar.table(records, head, xs, x_labels)``, ``collision.steps_table(record)``, ``lm.table(records)``,
+``variance.table(record)`` and the rest (:data:`TABLES` names each); this script only finds the committed records,
+calls the experiment's function (:func:`_on`) and splices the Markdown it returns into the documents.  The tables
+kept here are those of no one experiment's record: the benchmarks' records and logs (GPU times, SASS census, cost
+model, threads, FLOPs, compile times, sharded memory, the test suite's slowest tests, the MQAR diagnostics) and
+the equal-compute verdict, which reads the recall, MQAR and LM records side by side and whose choice of records is
+the docs' own.
 """
 
 from __future__ import annotations
@@ -31,9 +39,10 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from bayeslayer.experiments import variance
+from bayeslayer.experiments import collision, crowding, distill, heldout, lm, mqar, recall, variance
 from bayeslayer.experiments.common.tables import markdown_row as _row
 from bayeslayer.experiments.common.tables import mean_std as _pm
+from bayeslayer.experiments.common.tables import minus as _minus
 
 #: The documents that may hold generated tables, relative to the checkout's root.
 DOCUMENTS = ("README.md", "docs/experiments.md", "docs/kernels.md", "docs/data.md", "docs/layers.md",
@@ -59,279 +68,46 @@ def _load_text(root: Path, rel: str) -> str:
         raise FileNotFoundError(f"the table needs the record {rel}, which is missing under {root}") from None
 
 
-# --------------------------------------------------------------------------- language modelling (Table 2 layout)
+# --------------------------------------------------------------------------- an experiment's own records
 
-_LM_GROUPS = ("all", "ar_hit", "other", "ar_hit_1_64", "ar_hit_65_256", "ar_hit_257_1024")
-
-
-def _paths(record_path: str | tuple[str, ...]) -> tuple[str, ...]:
-    return (record_path,) if isinstance(record_path, str) else tuple(record_path)
-
-
-def lm_table(record_path: str | tuple[str, ...], ours: str, paper: tuple[str, ...]) -> Callable[[Path], str]:
-    """Our models' grouped PPL (mean ± std over seeds) with the paper's Table 2 rows below them.
-
-    Several records (evaluations of the same split written by separate commands) give one table;
-    the paper's rows come from the first."""
+def _on(render: Callable[..., str], *sources: str | tuple[str, ...], **options) -> Callable[[Path], str]:
+    """The generator of a table an experiment lays out: ``render(*records, **options)``, each source a record's
+    path (the record read from its JSON) or a tuple of paths (a list of records, one table of several runs)."""
 
     def build(root: Path) -> str:
-        recs = [_load(root, rel) for rel in _paths(record_path)]
-        rec = recs[0]
-        lines = [_row(["model", "all", "AR-hit", "other", "AR-hit 1–64", "AR-hit 65–256", "AR-hit 257–1,024"]),
-                 "|---|---|---|---|---|---|---|"]
-        for label, m in [item for r in recs for item in r["models"].items()]:
-            n = len(m["seeds"])
-            cells = [_pm(m["summary"][g]["mean"], m["summary"][g]["std"], 2) for g in _LM_GROUPS]
-            lines.append(_row([f"{label} ({ours}{n} seeds)", *cells]))
-        for label in paper:
-            p = rec["paper_table2"][label]
-            cells = [f"{p[g][0]} ± {p[g][1]}" for g in ("all", "ar_hit", "other")] + ["", "", ""]
-            lines.append(_row([f"{label} (paper, 3 seeds)", *cells]))
-        return "\n".join(lines)
+        return render(*(_load(root, s) if isinstance(s, str) else [_load(root, r) for r in s] for s in sources),
+                      **options)
 
     return build
 
 
-# --------------------------------------------------------------------------- MQAR layouts
-
-def _on_off(value, on: str, off: str) -> str:
-    return "—" if value is None else (on if value else off)
-
-
-def mqar_table(record_path: str | tuple[str, ...], head: str, xs: tuple, x_labels: tuple[str, ...], *,
-               val_label: str = "val", train_seconds: bool = True, gate: bool = True) -> Callable[[Path], str]:
-    """Query accuracy (mean ± std over seeds) at the points ``xs`` of the sweep, per mixer of the record(s).
-
-    Several records (runs of the same task and preset made by separate commands) give one table,
-    their mixers in the order of the records."""
-
-    def build(root: Path) -> str:
-        models = [m for rel in _paths(record_path) for m in _load(root, rel)["models"].values()]
-        header = [head] + (["gate"] if gate else []) + ["conv", *x_labels, val_label] + (["train s"] if train_seconds
-                                                                                         else [])
-        lines = [_row(header), "|" + "---|" * len(header)]
-        for m in models:
-            s, run = m["summary"], m["runs"][-1]
-            idx = [s["x"].index(x) for x in xs]
-            cells = [m["label"]]
-            if gate:
-                cells.append(_on_off(run["use_gate"], "on", "off"))
-            cells.append(_on_off(run["use_short_conv"], "yes", "no"))
-            cells += [_pm(s["accuracy"]["mean"][i], s["accuracy"]["std"][i], 3) for i in idx]
-            cells.append(f"{s['val_accuracy']['mean'][-1]:.3f}")
-            if train_seconds:
-                cells.append(f"{s['train_seconds']['mean']:.0f}")
-            lines.append(_row(cells))
-        return "\n".join(lines)
-
-    return build
+_UPDATES = {"xs": (0, 4, 8, 12, 16), "x_labels": ("u = 0", "4", "8", "12", "16")}
+_PAIRS = {"xs": (2, 8, 10, 12, 14, 16), "x_labels": ("2 pairs", "8", "10", "12", "14", "16")}
+_WIDTHS = {"xs": (16, 32, 64), "x_labels": ("width 16", "32", "64"), "val_label": "val (64)", "train_seconds": False}
+#: the Mamba-2 runs of MQAR Update at other learning rates and budgets, one row each
+_MAMBA2_ROWS = ("results/mqar/mamba2_lr/lr1e-3/mqar_update_hybrid.json",
+                "results/mqar/mamba2_lr/lr3e-3/mqar_update_hybrid.json", "results/mqar/layouts/mqar_update_hybrid.json",
+                "results/mqar/mamba2_lr/lr3e-2/mqar_update_hybrid.json",
+                "results/mqar/mamba2_budget/mqar_update_hybrid.json", "results/mqar/layouts/mqar_update.json",
+                "results/mqar/mamba2_budget/mqar_update.json")
+_MQAR_LAYOUTS = "results/mqar/layouts/mqar_{task}{suffix}.json"
+_RECALL, _RECALL_LONG = "results/recall/recall.json", "results/recall/long/recall.json"
+_RECALL_PAPER_LONG = "results/recall/paper-core/long/recall.json"
+_CROWDING = "results/crowding/crowding.json"
+_COLLISION, _COLLISION_LOWRANK = "results/collision/collision.json", "results/collision/collision_lowrank.json"
+_MQAR_SUFFIX = {"stacked": "", "hybrid": "_hybrid"}
 
 
-def mqar_mixer_rows(rows: tuple[tuple[str, str], ...], xs: tuple, x_labels: tuple[str, ...]
-                    ) -> Callable[[Path], str]:
-    """One mixer across records: a row per ``(record path, mixer)`` with its layout, steps, lr and accuracy."""
-
-    def build(root: Path) -> str:
-        header = ["layout", "steps", "lr", "seeds", *x_labels, "val", "train s"]
-        lines = [_row(header), "|" + "---|" * len(header)]
-        for record_path, mixer in rows:
-            rec = _load(root, record_path)
-            m = rec["models"][mixer]
-            s, run = m["summary"], m["runs"][-1]
-            idx = [s["x"].index(x) for x in xs]
-            cells = [rec["config"].get("layout", "stacked"), f"{rec['config']['train']['steps']:,}",
-                     f"{run['best_lr']:g}", str(len(run["seeds"]))]
-            one = len(run["seeds"]) == 1  # no spread to show
-            mean, std = s["accuracy"]["mean"], s["accuracy"]["std"]
-            cells += [f"{mean[i]:.3f}" if one else _pm(mean[i], std[i], 3) for i in idx]
-            cells += [f"{s['val_accuracy']['mean'][-1]:.3f}", f"{s['train_seconds']['mean']:.0f}"]
-            lines.append(_row(cells))
-        return "\n".join(lines)
-
-    return build
+def mqar_mamba2_table(root: Path) -> str:
+    return mqar.mixer_rows_table([(_load(root, rel), "mamba2") for rel in _MAMBA2_ROWS], **_UPDATES)
 
 
-# --------------------------------------------------------------------------- recall and crowding sweeps
-
-_CORE_COLUMNS = (("bayesian", "BL"), ("delta", "Delta-style"), ("linear_attention", "LA-style"), ("gla", "GLA-style"))
-
-
-def sweep_table(record_path: str, head: str, axis: str, curve: str, x_format: Callable[[dict, float], str]
-                ) -> Callable[[Path], str]:
-    """One row per point of ``config[axis]``, one column per core model: ``summary[curve]`` mean ± std."""
-
-    def build(root: Path) -> str:
-        rec = _load(root, record_path)
-        lines = [_row([head, *(label for _, label in _CORE_COLUMNS)]), "|" + "---|" * (len(_CORE_COLUMNS) + 1)]
-        for i, x in enumerate(rec["config"][axis]):
-            cells = [_pm(rec["models"][k]["summary"][curve]["mean"][i], rec["models"][k]["summary"][curve]["std"][i],
-                         3) for k, _ in _CORE_COLUMNS]
-            lines.append(_row([x_format(rec["config"], x), *cells]))
-        return "\n".join(lines)
-
-    return build
-
-
-def core_comparison_table(ours_path: str, paper_path: str) -> Callable[[Path], str]:
-    """Our cores (per-token noise maps, ``ours_path``) against the paper's (per-head scalars, ``paper_path``,
-    ``--core paper``) for BL and Delta: accuracy at ``n_f ∈ {64, 128, 256}`` (ρ = 0.80) and margin at
-    ρ ∈ {0.80, 0.90, 0.95} (``n_f = 64``), mean ± std over seeds; a model a record lacks is "not run"."""
-    rows = (("accuracy at n_f = 64", "test_n_f", 64, "accuracy_vs_n_f"),
-            ("accuracy at n_f = 128", "test_n_f", 128, "accuracy_vs_n_f"),
-            ("accuracy at n_f = 256", "test_n_f", 256, "accuracy_vs_n_f"),
-            ("margin at ρ = 0.80", "test_rho", 0.80, "margin_vs_rho"),
-            ("margin at ρ = 0.90", "test_rho", 0.90, "margin_vs_rho"),
-            ("margin at ρ = 0.95", "test_rho", 0.95, "margin_vs_rho"))
-    columns = (("BL, ours", "ours", "bayesian"), ("BL, paper core", "paper", "bayesian_paper"),
-               ("Delta, ours", "ours", "delta"), ("Delta, paper core", "paper", "delta_paper"))
-
-    def build(root: Path) -> str:
-        recs = {"ours": _load(root, ours_path), "paper": _load(root, paper_path)}
-        lines = [_row(["", *(label for label, _, _ in columns)]), "|" + "---|" * (len(columns) + 1)]
-        for label, axis, x, curve in rows:
-            cells = []
-            for _, which, kind in columns:
-                rec = recs[which]
-                model = rec["models"].get(kind)
-                if model is None:
-                    cells.append("not run")
-                    continue
-                i = [round(v, 6) for v in rec["config"][axis]].index(round(x, 6))
-                stats = model["summary"][curve]
-                cells.append(_pm(stats["mean"][i], stats["std"][i], 3))
-            lines.append(_row([label, *cells]))
-        return "\n".join(lines)
-
-    return build
-
-
-def _load_label(config: dict, load: float) -> str:
-    return f"{load:g} ({int(load * config['address_dim'])})"
-
-
-# --------------------------------------------------------------------------- deterministic collision
-
-_COLLISION_ROWS = (("bayesian", "Bayesian (BL)"), ("reset", "reset / Delta (λ = 0.05)"),
-                   ("linear_attention", "linear attention (ω = 0.5)"), ("diagonal", "diagonal covariance"))
-
-
-def _f4(value: float) -> str:
-    return f"{value:.4f}".replace("-", "−")
-
-
-def collision_steps_table(root: Path) -> str:
-    """``p^AB`` after steps 12, 52 and 112, the final margin and gain, per model."""
-    rec = _load(root, "results/collision/collision.json")
-    lines = [_row(["model", "t = 12", "t = 52", "t = 112", "margin t = 112", "gain t = 112"]),
-             "|---|---|---|---|---|---|"]
-    for key, label in _COLLISION_ROWS:
-        m = rec["models"][key]
-        lines.append(_row([label, *(_f4(m["p_ab"][t - 1]) for t in (12, 52, 112)), _f4(m["margin"][-1]),
-                           _f4(m["gain"][-1])]))
-    return "\n".join(lines)
-
-
-def collision_fixed_prior_table(root: Path) -> str:
-    """Gain and final ``p^AB`` of the fixed isotropic prior ``c``."""
-    rec = _load(root, "results/collision/collision.json")
-    cs = list(rec["fixed_prior"])
-    lines = [_row(["fixed prior c", *(f"{float(c):g}" if float(c) >= 1 else c for c in cs)]),
-             "|" + "---|" * (len(cs) + 1),
-             _row(["gain c/(r² + c)", *(_f4(rec["fixed_prior"][c]["gain"]) for c in cs)]),
-             _row(["final p^AB", *(_f4(rec["fixed_prior"][c]["final_p_ab"]) for c in cs)])]
-    return "\n".join(lines)
-
-
-def collision_overlap_table(root: Path) -> str:
-    """Final ``p^AB`` at a few key overlaps ρ, and the first ρ of the sweep where it drops below 0.5."""
-    rec = _load(root, "results/collision/collision.json")
-    rhos = rec["overlap"]["rho"]
-    shown = (0.0, 0.5, 0.8, 0.9, 0.92, 0.99)
-    idx = [min(range(len(rhos)), key=lambda i, r=r: abs(rhos[i] - r)) for r in shown]
-    lines = [_row(["final p^AB at ρ =", *(f"{r:.2f}" for r in shown), "first ρ with p^AB < 0.5"]),
-             "|" + "---|" * (len(shown) + 2)]
-    for key, label in _COLLISION_ROWS:
-        values = rec["overlap"][key]
-        first = next((rhos[i] for i, v in enumerate(values) if v < 0.5), None)
-        label = label.split(" (")[0] if key != "bayesian" else label
-        lines.append(_row([label, *(_f4(values[i]) for i in idx),
-                           f"none (≤ {rhos[-1]:.2f})" if first is None else f"{first:.2f}"]))
-    return "\n".join(lines)
-
-
-# --------------------------------------------------------------------------- retrofit by distillation
-
-_STAGES = (("phase_a", "Phase A"), ("phase_b", "Phase B"), ("gdn_ft", "GDN-FT"))
-
-
-def distill_stages_table(root: Path) -> str:
-    """Per stage: steps × tokens per step, trainable tensors / elements (MLP share), time, loss, validation PPL."""
-    rec = _load(root, "results/distill/cpu/distill.json")
-    lines = [_row(["stage", "steps × tokens", "trainable (tensors / elements; MLP)", "time",
-                   "final train loss (last 10% of steps)", "validation PPL (L = 512)"]), "|---|---|---|---|---|---|"]
-    for key, label in _STAGES:
-        st = rec["stages"][key]
-        elements = st["trainable_elements"]
-        lines.append(_row([
-            label, f"{st['steps']} × {st['tokens'] // st['steps']:,} = {st['tokens']:,}",
-            f"{st['trainable_parameters']} / {sum(elements.values()):,}; {elements.get('mlp', 0):,}",
-            f"{st['train_seconds']:.0f} s", f"{st['final_train_loss']:.4f}", f"{st['validation']['all']['ppl']:.2f}"]))
-    return "\n".join(lines)
-
-
-# --------------------------------------------------------------------------- held-out PPL (Table 7 layout)
-
-def heldout_table(record_path: str) -> Callable[[Path], str]:
-    """Held-out PPL per model and window length, with the change against the reference model."""
-
-    def build(root: Path) -> str:
-        from bayeslayer.evaluation.lengths import length_label
-
-        rec = _load(root, record_path)
-        source = rec["config"]["sources"][0]["label"]
-        lengths = [str(L) for L in rec["config"]["lengths"]]
-        lines = [_row(["model", *(length_label(int(L)) for L in lengths)]), "|" + "---|" * (len(lengths) + 1)]
-        for label, m in rec["models"].items():
-            cells = []
-            for L in lengths:
-                cell = m["cells"][source][L]
-                rel = cell.get("rel_change_pct")
-                cells.append(f"{cell['ppl']:.2f}" + ("" if rel is None else f" ({rel:+.1f}%)".replace("-", "−")))
-            lines.append(_row([label, *cells]))
-        return "\n".join(lines)
-
-    return build
-
-
-#: name -> (document, generator).  A generator reads records under the root and returns the table's lines.
-_VARIANCE_RECORD = "results/variance/variance.json"
-
-
-def variance_auroc_table(root: Path) -> str:
-    return variance.table(_load(root, _VARIANCE_RECORD))
-
-
-def variance_abstention_table(root: Path) -> str:
-    return variance.abstention_table(_load(root, _VARIANCE_RECORD))
-
-
-_VARIANCE_PRESETS_RECORD = "results/variance/presets.json"
-
-
-def variance_presets_table(root: Path) -> str:
-    """Per preset and task of ``benchmarks/variance_presets.py``'s record: the size, what the run measured (mean
-    over seeds) and the whole command's CPU and wall time (one thread) with the load beside it."""
-    rec = _load(root, _VARIANCE_PRESETS_RECORD)
-    lines = [_row(["preset", "task", "seeds", "training steps", "queries per seed", "accuracy", "AUROC variance",
-                   "AUROC entropy", "command CPU s", "command wall s (load)"]), "|---" * 10 + "|"]
-    for row in rec["rows"]:
-        for name, task in row["tasks"].items():
-            cells = [f"{task[k]['mean']:.3f}" if task[k] else "n/a"
-                     for k in ("accuracy", "auroc_variance_last", "auroc_entropy")]
-            lines.append(_row([f"`{row['preset']}`", name, str(row["seeds"]), f"{task['train_steps']:,}",
-                               f"{task['queries_per_seed']:,}", *cells, f"{row['command_cpu_seconds']:,.0f}",
-                               f"{row['command_seconds']:,.0f} ({row['load_start']:.0f}–{row['load_end']:.0f})"]))
-    return "\n".join(lines)
+def mqar_claims_table(root: Path) -> str:
+    records = {(task, layout): _load(root, _MQAR_LAYOUTS.format(task=task, suffix=suffix))
+               for task in ("update", "block") for layout, suffix in _MQAR_SUFFIX.items()}
+    budget = {layout: _load(root, f"results/mqar/mamba2_budget/mqar_update{suffix}.json")
+              for layout, suffix in _MQAR_SUFFIX.items()}
+    return mqar.claims_table(records, budget)
 
 
 # --------------------------------------------------------------------------- equal compute: who leads
@@ -434,260 +210,6 @@ def compute_verdict_table(root: Path) -> str:
                 best_other = max(stats[k][0] * (1 if spec["higher"] else -1) for k in stats if k != bl)
                 margin = _minus(f"{stats[bl][0] * (1 if spec['higher'] else -1) - best_other:+.{digits}f}")
             lines.append(_row([spec["task"], spec["score"], budget, "; ".join(parts), leader, lead, margin]))
-    return "\n".join(lines)
-
-
-# --------------------------------------------------------------------------- helpers of the tables below
-
-def _minus(text: str) -> str:
-    """A number as the docs print it: the minus sign U+2212, not a hyphen."""
-    return text.replace("-", "−")
-
-
-def _pmm(mean: float, std: float, digits: int = 3) -> str:
-    return _minus(_pm(mean, std, digits))
-
-
-# --------------------------------------------------------------------------- collision: closed forms, low rank
-
-def _diff(predicted: float, simulated: float) -> str:
-    d = abs(predicted - simulated)
-    return "diff < 1e-15" if d == 0 else f"diff {d:.0e}"
-
-
-def collision_closed_form_table(root: Path) -> str:
-    """The closed forms of the collision study against the simulation (``closed_form`` of the record)."""
-    cf = _load(root, "results/collision/collision.json")["closed_form"]
-    rows = (("gain floor `g_∞ = x_∞/(r² + x_∞)`", "g_inf", 7,
-             "BL gain at step 112, the 60th consecutive A; `r² = ℓ²` makes `g_∞ = 1/φ`"),
-            ("`Δ_B → (1 − ρ²) ℓ²`", "delta_B", 7,
-             "`k_Bᵀ P_112 k_B − k_Bᵀ P_111 k_B`, from the filter's predictive variance at query `k_B`"),
-            ("write angle `arcsin ρ` (deg)", "angle", 2,
-             "angle between `k_A` and the column space of `M_53 − M_52` (the write actually applied at the "
-             "first A after B's reinforcement)"),
-            ("Delta plateau `b_∞ = b_0 − ρ(a_0 − v_A)`, as `p^AB`", "reset_plateau", 6,
-             "reset `p^AB` at step 112; `a_0, b_0` are the reset filter's readouts after step 52"))
-    lines = [_row(["quantity", "predicted", "simulated", "measurement"]), "|---|---|---|---|"]
-    for label, key, digits, how in rows:
-        predicted = cf[key if key in ("g_inf", "reset_plateau") else f"{key}_limit"]
-        simulated = cf[f"{key}_simulated"]
-        if abs(predicted - simulated) < 1e-12:
-            sim = f"{simulated:.{digits}f} ({_diff(predicted, simulated)})"
-        else:  # a prediction the simulation does not reach: in bold
-            sim = f"**{simulated:.{digits}f}**"
-        lines.append(_row([label, f"{predicted:.{digits}f}", sim, how]))
-    return "\n".join(lines)
-
-
-_LOWRANK_RECORD = "results/collision/collision_lowrank.json"
-_LOWRANK_BASE = (("bayesian", "dense BL"), ("diagonal", "diagonal covariance"), ("reset", "Delta (λ = 0.05)"))
-
-
-def _lowrank_rows(rec: dict, *, max_rank: int) -> list[tuple[str, str]]:
-    rows = list(_LOWRANK_BASE)
-    for projection in rec["projections"]:
-        rows += [(f"{projection}/{r}", f"low-rank r = {r}, {projection}") for r in rec["ranks"]
-                 if r <= max(max_rank, 0) and (r < rec["config"]["D"] or projection == "conservative")
-                 and f"{projection}/{r}" in rec["models"]]
-    return rows
-
-
-def _range4(values: list[float]) -> str:
-    lo, hi = f"{min(values):.4f}", f"{max(values):.4f}"
-    return lo if lo == hi else f"{lo}–{hi}"
-
-
-def collision_lowrank_table(root: Path) -> str:
-    """Rank sweep of the deterministic collision: state, final ``p^AB`` (paper's and rotated keys), final gain."""
-    rec = _load(root, _LOWRANK_RECORD)
-    lines = [_row(["model", "state floats", "final p^AB, paper's keys",
-                   f"rotated keys ({len(rec['seeds'])} seeds)", f"gain t = {rec['config']['steps']}"]),
-             "|---|---|---|---|---|"]
-    for key, label in _lowrank_rows(rec, max_rank=rec["config"]["D"]):
-        m = rec["models"][key]
-        lines.append(_row([label, str(m["state_floats"]), _f4(m["final_p_ab"]), _range4(m["rotated_final_p_ab"]),
-                           _f4(m["gain"][-1])]))
-    return "\n".join(lines)
-
-
-def collision_pairs_table(root: Path) -> str:
-    """``n`` collisions at once: mean final ``p^AB`` (paper's keys / rotated keys), worst rotated pair in brackets."""
-    rec = _load(root, _LOWRANK_RECORD)
-    mp = rec["multi_pair"]
-    lines = [_row(["model", *(f"n = {n}" for n in mp["pairs"])]), "|" + "---|" * (len(mp["pairs"]) + 1)]
-    for key, label in _lowrank_rows(rec, max_rank=rec["config"]["D"] // 2):
-        m = mp["models"][key]
-        lines.append(_row([label, *(f"{m['mean_p_ab'][i]:.3f} / {m['rotated_mean_p_ab'][i]:.3f} "
-                                    f"({m['rotated_min_p_ab'][i]:.3f})" for i in range(len(mp["pairs"])))]))
-    return "\n".join(lines)
-
-
-# --------------------------------------------------------------------------- learned tasks at a matched state budget
-
-def _core_state_floats(config: dict, key: str) -> int:
-    """State floats per head of a recall/crowding core (heads of D = m = ``address_dim``)."""
-    d = config["address_dim"]
-    if key == "bayesian":
-        return 2 * d * d  # memory D·m + dense covariance D²
-    if key.startswith("bayesian_lowrank"):
-        return d * d + d * (int(key.removeprefix("bayesian_lowrank")) + 1)
-    return d * d
-
-
-def recall_lowrank_table(root: Path) -> str:
-    """Recall of the low-rank cores beside dense BL, Delta and LA: accuracy over n_f, margin over ρ, final val acc."""
-    rec = _load(root, "results/recall/recall.json")
-    r4 = _load(root, "results/recall/lowrank4/recall.json")
-    lines = [_row(["core", "state floats / head", "acc `n_f = 8`", "64", "256", "margin ρ = 0.80", "0.95",
-                   "val acc at the end"]), "|---|---|---|---|---|---|---|---|"]
-
-    def cells(record: dict, key: str, one_seed: bool) -> list[str]:
-        c, s = record["config"], record["models"][key]["summary"]
-
-        def at(curve, xs, x):
-            i = xs.index(x)
-            return (_minus(f"{s[curve]['mean'][i]:.3f}") if one_seed
-                    else _pmm(s[curve]["mean"][i], s[curve]["std"][i]))
-
-        return [str(_core_state_floats(c, key)), *(at("accuracy_vs_n_f", c["test_n_f"], x) for x in (8, 64, 256)),
-                *(at("margin_vs_rho", c["test_rho"], x) for x in (0.8, 0.95)),
-                f"{s['learning_curve']['val_accuracy']['mean'][-1]:.3f}"]
-
-    lines.append(_row(["dense BL (= r = 16)", *cells(rec, "bayesian", False)]))
-    lines.append(_row(["BL r = 4 (1 seed, [`lowrank4/recall.json`](../results/recall/lowrank4/recall.json))",
-                       *cells(r4, "bayesian_lowrank4", True)]))
-    for key, label in (("bayesian_lowrank1", "BL r = 1"), ("delta", "Delta"), ("linear_attention", "LA")):
-        lines.append(_row([label, *cells(rec, key, False)]))
-    return "\n".join(lines)
-
-
-def crowding_lowrank_table(root: Path) -> str:
-    """Crowding of the rank-1 core beside dense BL and Delta: query CE and accuracy at loads n/D = 1, 4, 16."""
-    rec = _load(root, "results/crowding/crowding.json")
-    c = rec["config"]
-    lines = [_row(["core", "state floats / head", "CE `n/D = 1`", "4", "16", "acc `n/D = 1`", "4", "16"]),
-             "|---|---|---|---|---|---|---|---|"]
-    for key, label in (("bayesian", "dense BL (= r = 16)"), ("bayesian_lowrank1", "BL r = 1"), ("delta", "Delta")):
-        s = rec["models"][key]["summary"]
-        cells = [str(_core_state_floats(c, key))]
-        for curve in ("cross_entropy_vs_load", "accuracy_vs_load"):
-            cells += [_pmm(s[curve]["mean"][c["test_load"].index(x)], s[curve]["std"][c["test_load"].index(x)])
-                      for x in (1, 4, 16)]
-        lines.append(_row([label, *cells]))
-    return "\n".join(lines)
-
-
-def mqar_lowrank_table(root: Path) -> str:
-    """MQAR Update, hybrid layout, at the layouts' state budget: the low-rank layers beside dense BL and GDN."""
-    layouts = _load(root, "results/mqar/layouts/mqar_update_hybrid.json")
-    lowrank = _load(root, "results/mqar/lowrank/mqar_update_hybrid.json")
-    lines = [_row(["mixer", "heads × key dim × value dim (+ covariance)", "u = 0", "8", "16", "val", "train s"]),
-             "|---|---|---|---|---|---|---|"]
-    rows = ((layouts, "bayesian", "dense BL"), (lowrank, "bayesian_lowrank1", "BL r = 1"),
-            (lowrank, "bayesian_lowrank4", "BL r = 4"), (layouts, "gated_deltanet", "GDN (short conv)"),
-            (layouts, "gated_deltanet_noconv", "GDN (no conv)"))
-    for rec, key, label in rows:
-        m = rec["models"][key]
-        s, h = m["summary"], m["runs"][-1]["head_config"]
-        heads = f"{h['num_heads']} × {h['key_dim']} × {h['value_dim']}"
-        if h["mixer"] == "bayesian":
-            heads += f" (+ {h['num_heads']} × {h['key_dim']}²)"
-        elif h["mixer"] == "bayesian_lowrank":
-            heads += f" (+ {h['key_dim']} · {h['rank'] + 1})"
-        acc = [_pmm(s["accuracy"]["mean"][s["x"].index(u)], s["accuracy"]["std"][s["x"].index(u)]) for u in (0, 8, 16)]
-        lines.append(_row([label, heads, *acc, f"{s['val_accuracy']['mean'][-1]:.3f}",
-                           f"{s['train_seconds']['mean']:.0f}"]))
-    return "\n".join(lines)
-
-
-# --------------------------------------------------------------------------- the paper's claims against the records
-
-def _recall_at(rec: dict, key: str, curve: str, axis: str, x, digits: int = 3, *, std: bool = True) -> str:
-    s, xs = rec["models"][key]["summary"][curve], rec["config"][axis]
-    i = xs.index(x)
-    return _pmm(s["mean"][i], s["std"][i], digits) if std else _minus(f"{s['mean'][i]:.{digits}f}")
-
-
-def recall_claims_table(root: Path) -> str:
-    """The paper's recall claims (docs/theory.md §8.2) against the default preset, with the ``long`` preset's answer."""
-    rec = _load(root, "results/recall/recall.json")
-    long = _load(root, "results/recall/long/recall.json")
-
-    def acc(r, key, n_f, **kw):
-        return _recall_at(r, key, "accuracy_vs_n_f", "test_n_f", n_f, **kw)
-
-    def margin(r, key, rho, **kw):
-        return _recall_at(r, key, "margin_vs_rho", "test_rho", rho, **kw)
-
-    bl_acc_095 = _recall_at(rec, "bayesian", "accuracy_vs_rho", "test_rho", 0.95, 2, std=False)
-    lines = [_row(["claim", "paper", "ours (default preset)", "agrees?"]), "|---|---|---|---|",
-             _row(["BL accuracy at `n_f = 256`", "≈ 1", acc(rec, "bayesian", 256), "yes"]),
-             _row(["Delta accuracy at `n_f = 256`", "≈ 0.75", acc(rec, "delta", 256),
-                   f"**no**: Delta degrades much more in our runs ({acc(rec, 'delta', 64, digits=2, std=False)} at "
-                   f"`n_f = 64`, {acc(rec, 'delta', 128, digits=2, std=False)} at 128); "
-                   f"{acc(long, 'delta', 256)} at 3× the steps"]),
-             _row(["LA, GLA at `n_f = 256`", "collapse",
-                   f"{acc(rec, 'linear_attention', 256)}, {acc(rec, 'gla', 256)} "
-                   f"(chance 1/{rec['config']['address_dim']} = {1 / rec['config']['address_dim']:g})", "yes"]),
-             _row(["BL margin at ρ = 0.95", "positive", margin(rec, "bayesian", 0.95),
-                   f"**no** at this budget (accuracy {bl_acc_095}); **yes** at 3× the steps: "
-                   f"{margin(long, 'bayesian', 0.95)} (`long`, below)"]),
-             _row(["Delta margin at ρ = 0.95", "negative", margin(rec, "delta", 0.95), "yes"])]
-    return "\n".join(lines)
-
-
-def recall_long_table(root: Path) -> str:
-    """BL and Delta at the default and the ``long`` (3× steps) preset, with the paper's claims."""
-    rec = _load(root, "results/recall/recall.json")
-    long = _load(root, "results/recall/long/recall.json")
-    lines = [_row(["", "default: BL", "long: BL", "default: Delta", "long: Delta", "paper"]),
-             "|---|---|---|---|---|---|"]
-    points = [("accuracy_vs_n_f", "test_n_f", n, f"accuracy at `n_f = {n}`") for n in (64, 128, 256)]
-    points += [("margin_vs_rho", "test_rho", rho, f"margin at ρ = {rho:.2f}") for rho in (0.8, 0.9, 0.95)]
-    paper = {"accuracy at `n_f = 256`": "BL ≈ 1, Delta ≈ 0.75", "margin at ρ = 0.95": "BL positive, Delta negative"}
-    for curve, axis, x, label in points:
-        cells = [_recall_at(r, key, curve, axis, x) for key in ("bayesian", "delta") for r in (rec, long)]
-        lines.append(_row([label, *cells, paper.get(label, "—")]))
-    return "\n".join(lines)
-
-
-_MQAR_LAYOUTS = "results/mqar/layouts/mqar_{task}{suffix}.json"
-
-
-def _mqar_point(root: Path, rel: str, mixer: str, x: int) -> str:
-    """One MQAR accuracy (mean over the record's seeds) at ``x``, three decimals."""
-    s = _load(root, rel)["models"][mixer]["summary"]
-    return f"{s['accuracy']['mean'][s['x'].index(x)]:.3f}"
-
-
-def mqar_claims_table(root: Path) -> str:
-    """The paper's MQAR claims (docs/theory.md §8.4) against both layouts; reproduced cells in bold."""
-    claims = (  # task, point, mixer, claim, paper, bold layouts, verdict
-        ("update", 16, "bayesian", "Update at 16 updates: BL", "≈ 0.88", ("hybrid",),
-         "**reproduced** in the hybrid layout; not in the stacked one within 3 epochs (its 32-dimensional key "
-         "heads slow it; its loss is still falling at the end)"),
-        ("update", 16, "gated_deltanet_noconv", "Update at 16: conv-free GDN", "≈ 0.98", ("hybrid",),
-         "**reproduced** in the hybrid layout"),
-        ("update", 16, "gated_deltanet", "Update at 16: GDN (short conv)", "≈ 0.60", (),
-         "**not reproduced**: ours solves it in both layouts"),
-        ("update", 16, "mamba2", "Update at 16: Mamba-2", "≈ 0.60", (),
-         "**not reproduced at 999 steps**: a slow start. At 2,997 steps (one seed each), hybrid gives "
-         "{budget_hybrid} and stacked {budget_stacked} (section below)"),
-        ("block", 16, "gated_deltanet_noconv", "Block at 16 pairs: conv-free GDN", "≈ 1.00", ("hybrid",),
-         "**reproduced** in the hybrid layout"),
-        ("block", 16, "bayesian", "Block at 16 pairs: BL", "≈ 0.75", (),
-         "**not reproduced**: BL does better than the paper in both layouts"))
-    lines = [_row(["claim", "paper", "stacked", "hybrid (Zoology's model)", "verdict"]), "|---|---|---|---|---|"]
-    for task, x, mixer, claim, paper, bold, verdict in claims:
-        cells = []
-        for layout, suffix in (("stacked", ""), ("hybrid", "_hybrid")):
-            s = _load(root, _MQAR_LAYOUTS.format(task=task, suffix=suffix))["models"][mixer]["summary"]
-            cell = _pmm(s["accuracy"]["mean"][s["x"].index(x)], s["accuracy"]["std"][s["x"].index(x)])
-            cells.append(f"**{cell}**" if layout in bold else cell)
-        budget = {f"budget_{layout}": _mqar_point(root, f"results/mqar/mamba2_budget/mqar_update{suffix}.json",
-                                                  "mamba2", 16)
-                  for layout, suffix in (("stacked", ""), ("hybrid", "_hybrid"))} if "{budget_" in verdict else {}
-        lines.append(_row([claim, paper, *cells, verdict.format(**budget)]))
     return "\n".join(lines)
 
 
@@ -900,22 +422,6 @@ def scan_compile_table(root: Path) -> str:
     return "\n".join(lines)
 
 
-def recall_long_curves_table(root: Path) -> str:
-    """The ``long`` preset's learning curves (mean of the seeds) at its ten monitoring points."""
-    long = _load(root, "results/recall/long/recall.json")
-    curves = long["models"]["bayesian"]["summary"]["learning_curve"]
-    steps = curves["step"]
-    lines = [_row(["step", *(f"{s:,}" for s in steps)]), "|" + "---|" * (len(steps) + 1)]
-    for key, curve, label in (("bayesian", "margin_rho_0.95", "BL margin at ρ = 0.95"),
-                              ("delta", "accuracy_n_f_256", "Delta accuracy at `n_f = 256`"),
-                              ("delta", "accuracy_n_f_64", "Delta accuracy at `n_f = 64`")):
-        lc = long["models"][key]["summary"]["learning_curve"]
-        if lc["step"] != steps:
-            raise ValueError(f"results/recall/long/recall.json: {key}'s learning curve has other steps than BL's")
-        lines.append(_row([label, *(_minus(f"{v:.2f}") for v in lc[curve]["mean"])]))
-    return "\n".join(lines)
-
-
 # --------------------------------------------------------------------------- MQAR stacked-Update diagnostics
 
 #: the diagnostic runs of ``benchmarks/mqar_diagnostics.py`` shown in the docs, in table order
@@ -1077,6 +583,8 @@ def slowest_default_table(root: Path) -> str:
     return "\n".join(lines)
 
 
+#: name -> (document, generator).  A generator reads records under the root and returns the table's lines; an
+#: experiment's own record is laid out by the experiment (:func:`_on`).
 TABLES: dict[str, tuple[str, Callable[[Path], str]]] = {
     "sharding-memory": ("docs/distributed.md", sharding_measured_table),
     "sharding-memory-formula": ("docs/distributed.md", sharding_formula_table),
@@ -1086,77 +594,64 @@ TABLES: dict[str, tuple[str, Callable[[Path], str]]] = {
     "cpu-threads": ("docs/reliability.md", threads_table),
     "flops-mixers": ("docs/layers.md", flops_mixers_table),
     "compile-cpu": ("README.md", compile_table),
-    "collision-steps": ("docs/experiments.md", collision_steps_table),
-    "collision-fixed-prior": ("docs/experiments.md", collision_fixed_prior_table),
-    "collision-overlap": ("docs/experiments.md", collision_overlap_table),
-    "lm-cpu": ("docs/experiments.md", lm_table("results/lm/cpu_test.json", "ours, `cpu`, ", ("BL", "GDN"))),
-    "lm-cpu-state": ("docs/experiments.md", lm_table(("results/lm/cpu_test.json", "results/lm/cpu_state_test.json"),
-                                                    "ours, `cpu`, ", ("BL", "GDN"))),
-    "lm-cpu60": ("docs/experiments.md", lm_table("results/lm/cpu60_test.json", "ours, ", ("BL", "GDN", "Mamba-2"))),
-    "mqar-update-stacked": ("docs/experiments.md", mqar_table(
-        "results/mqar/layouts/mqar_update.json", "stacked", (0, 4, 8, 12, 16), ("u = 0", "4", "8", "12", "16"))),
-    "mqar-update-hybrid": ("docs/experiments.md", mqar_table(
-        "results/mqar/layouts/mqar_update_hybrid.json", "hybrid", (0, 4, 8, 12, 16), ("u = 0", "4", "8", "12", "16"))),
-    "mqar-update-hybrid4": ("docs/experiments.md", mqar_table(
-        ("results/mqar/hybrid4/mqar_update_hybrid.json", "results/mqar/hybrid4_bl_noconv/mqar_update_hybrid.json"),
-        "hybrid, 4 layers", (0, 4, 8, 12, 16),
-        ("u = 0", "4", "8", "12", "16"))),
-    "mqar-block-hybrid4": ("docs/experiments.md", mqar_table(
-        ("results/mqar/hybrid4/mqar_block_hybrid.json", "results/mqar/hybrid4_bl_noconv/mqar_block_hybrid.json"),
-        "hybrid, 4 layers", (2, 8, 10, 12, 14, 16),
-        ("2 pairs", "8", "10", "12", "14", "16"))),
-    "mqar-block-stacked": ("docs/experiments.md", mqar_table(
-        "results/mqar/layouts/mqar_block.json", "stacked", (2, 8, 10, 12, 14, 16),
-        ("2 pairs", "8", "10", "12", "14", "16"))),
-    "mqar-block-hybrid": ("docs/experiments.md", mqar_table(
-        "results/mqar/layouts/mqar_block_hybrid.json", "hybrid", (2, 8, 10, 12, 14, 16),
-        ("2 pairs", "8", "10", "12", "14", "16"))),
-    "mqar-base-stacked": ("docs/experiments.md", mqar_table(
-        "results/mqar/layouts/mqar_base.json", "stacked", (16, 32, 64), ("width 16", "32", "64"),
-        val_label="val (64)", train_seconds=False)),
-    "mqar-base-hybrid": ("docs/experiments.md", mqar_table(
-        "results/mqar/layouts/mqar_base_hybrid.json", "hybrid", (16, 32, 64), ("width 16", "32", "64"),
-        val_label="val (64)", train_seconds=False)),
-    "mqar-update-gate-off": ("docs/experiments.md", mqar_table(
-        "results/mqar/layouts/mqar_update_gate-off.json", "stacked, gate off", (0, 4, 8, 12, 16),
-        ("u = 0", "4", "8", "12", "16"), train_seconds=False, gate=False)),
-    "mqar-mamba2-update": ("docs/experiments.md", mqar_mixer_rows((
-        ("results/mqar/mamba2_lr/lr1e-3/mqar_update_hybrid.json", "mamba2"),
-        ("results/mqar/mamba2_lr/lr3e-3/mqar_update_hybrid.json", "mamba2"),
-        ("results/mqar/layouts/mqar_update_hybrid.json", "mamba2"),
-        ("results/mqar/mamba2_lr/lr3e-2/mqar_update_hybrid.json", "mamba2"),
-        ("results/mqar/mamba2_budget/mqar_update_hybrid.json", "mamba2"),
-        ("results/mqar/layouts/mqar_update.json", "mamba2"),
-        ("results/mqar/mamba2_budget/mqar_update.json", "mamba2"),
-    ), (0, 4, 8, 12, 16), ("u = 0", "4", "8", "12", "16"))),
+    "collision-steps": ("docs/experiments.md", _on(collision.steps_table, _COLLISION)),
+    "collision-fixed-prior": ("docs/experiments.md", _on(collision.fixed_prior_table, _COLLISION)),
+    "collision-overlap": ("docs/experiments.md", _on(collision.overlap_table, _COLLISION)),
+    "lm-cpu": ("docs/experiments.md", _on(lm.table, "results/lm/cpu_test.json", ours="ours, `cpu`, ",
+                                          paper=("BL", "GDN"))),
+    "lm-cpu-state": ("docs/experiments.md", _on(
+        lm.table, ("results/lm/cpu_test.json", "results/lm/cpu_state_test.json"), ours="ours, `cpu`, ",
+        paper=("BL", "GDN"))),
+    "lm-cpu60": ("docs/experiments.md", _on(lm.table, "results/lm/cpu60_test.json", ours="ours, ",
+                                            paper=("BL", "GDN", "Mamba-2"))),
+    "mqar-update-stacked": ("docs/experiments.md", _on(
+        mqar.table, "results/mqar/layouts/mqar_update.json", head="stacked", **_UPDATES)),
+    "mqar-update-hybrid": ("docs/experiments.md", _on(
+        mqar.table, "results/mqar/layouts/mqar_update_hybrid.json", head="hybrid", **_UPDATES)),
+    "mqar-update-hybrid4": ("docs/experiments.md", _on(
+        mqar.table, ("results/mqar/hybrid4/mqar_update_hybrid.json",
+                     "results/mqar/hybrid4_bl_noconv/mqar_update_hybrid.json"), head="hybrid, 4 layers", **_UPDATES)),
+    "mqar-block-hybrid4": ("docs/experiments.md", _on(
+        mqar.table, ("results/mqar/hybrid4/mqar_block_hybrid.json",
+                     "results/mqar/hybrid4_bl_noconv/mqar_block_hybrid.json"), head="hybrid, 4 layers", **_PAIRS)),
+    "mqar-block-stacked": ("docs/experiments.md", _on(
+        mqar.table, "results/mqar/layouts/mqar_block.json", head="stacked", **_PAIRS)),
+    "mqar-block-hybrid": ("docs/experiments.md", _on(
+        mqar.table, "results/mqar/layouts/mqar_block_hybrid.json", head="hybrid", **_PAIRS)),
+    "mqar-base-stacked": ("docs/experiments.md", _on(
+        mqar.table, "results/mqar/layouts/mqar_base.json", head="stacked", **_WIDTHS)),
+    "mqar-base-hybrid": ("docs/experiments.md", _on(
+        mqar.table, "results/mqar/layouts/mqar_base_hybrid.json", head="hybrid", **_WIDTHS)),
+    "mqar-update-gate-off": ("docs/experiments.md", _on(
+        mqar.table, "results/mqar/layouts/mqar_update_gate-off.json", head="stacked, gate off", train_seconds=False,
+        gate=False, **_UPDATES)),
+    "mqar-mamba2-update": ("docs/experiments.md", mqar_mamba2_table),
     "mqar-stacked-diagnostics": ("docs/experiments.md", mqar_diagnostics_table),
-    "recall-accuracy-nf": ("docs/experiments.md", sweep_table(
-        "results/recall/recall.json", "n_f", "test_n_f", "accuracy_vs_n_f", lambda c, x: f"{x:g}")),
-    "recall-margin-rho": ("docs/experiments.md", sweep_table(
-        "results/recall/recall.json", "ρ", "test_rho", "margin_vs_rho", lambda c, x: f"{x:.2f}")),
-    "recall-paper-core": ("docs/experiments.md", core_comparison_table(
-        "results/recall/recall.json", "results/recall/paper-core/recall.json")),
-    "recall-paper-core-long": ("docs/experiments.md", core_comparison_table(
-        "results/recall/long/recall.json", "results/recall/paper-core/long/recall.json")),
-    "crowding-ce": ("docs/experiments.md", sweep_table(
-        "results/crowding/crowding.json", "n/D (n)", "test_load", "cross_entropy_vs_load", _load_label)),
-    "crowding-accuracy": ("docs/experiments.md", sweep_table(
-        "results/crowding/crowding.json", "n/D (n)", "test_load", "accuracy_vs_load", _load_label)),
-    "distill-stages": ("docs/experiments.md", distill_stages_table),
-    "distill-heldout": ("docs/experiments.md", heldout_table("results/distill/cpu/eval/heldout/heldout.json")),
-    "variance-auroc": ("docs/experiments.md", variance_auroc_table),
-    "variance-abstention": ("docs/experiments.md", variance_abstention_table),
-    "variance-presets": ("docs/experiments.md", variance_presets_table),
+    "recall-accuracy-nf": ("docs/experiments.md", _on(recall.table, _RECALL, curve="accuracy_vs_n_f")),
+    "recall-margin-rho": ("docs/experiments.md", _on(recall.table, _RECALL, curve="margin_vs_rho")),
+    "recall-paper-core": ("docs/experiments.md", _on(
+        recall.core_comparison_table, _RECALL, "results/recall/paper-core/recall.json")),
+    "recall-paper-core-long": ("docs/experiments.md", _on(
+        recall.core_comparison_table, _RECALL_LONG, _RECALL_PAPER_LONG)),
+    "crowding-ce": ("docs/experiments.md", _on(crowding.table, _CROWDING, curve="cross_entropy_vs_load")),
+    "crowding-accuracy": ("docs/experiments.md", _on(crowding.table, _CROWDING, curve="accuracy_vs_load")),
+    "distill-stages": ("docs/experiments.md", _on(distill.table, "results/distill/cpu/distill.json")),
+    "distill-heldout": ("docs/experiments.md", _on(heldout.table, "results/distill/cpu/eval/heldout/heldout.json")),
+    "variance-auroc": ("docs/experiments.md", _on(variance.table, "results/variance/variance.json")),
+    "variance-abstention": ("docs/experiments.md", _on(variance.abstention_table, "results/variance/variance.json")),
+    "variance-presets": ("docs/experiments.md", _on(variance.presets_table, "results/variance/presets.json")),
     "compute-verdict": ("docs/experiments.md", compute_verdict_table),
-    "collision-closed-form": ("docs/experiments.md", collision_closed_form_table),
-    "collision-lowrank": ("docs/experiments.md", collision_lowrank_table),
-    "collision-pairs": ("docs/experiments.md", collision_pairs_table),
-    "recall-lowrank": ("docs/experiments.md", recall_lowrank_table),
-    "crowding-lowrank": ("docs/experiments.md", crowding_lowrank_table),
-    "mqar-lowrank": ("docs/experiments.md", mqar_lowrank_table),
-    "recall-claims": ("docs/experiments.md", recall_claims_table),
-    "recall-long": ("docs/experiments.md", recall_long_table),
-    "recall-long-curves": ("docs/experiments.md", recall_long_curves_table),
+    "collision-closed-form": ("docs/experiments.md", _on(collision.closed_form_table, _COLLISION)),
+    "collision-lowrank": ("docs/experiments.md", _on(collision.lowrank_table, _COLLISION_LOWRANK)),
+    "collision-pairs": ("docs/experiments.md", _on(collision.pairs_table, _COLLISION_LOWRANK)),
+    "recall-lowrank": ("docs/experiments.md", _on(recall.lowrank_table, _RECALL,
+                                                  "results/recall/lowrank4/recall.json")),
+    "crowding-lowrank": ("docs/experiments.md", _on(crowding.lowrank_table, _CROWDING)),
+    "mqar-lowrank": ("docs/experiments.md", _on(mqar.lowrank_table, "results/mqar/layouts/mqar_update_hybrid.json",
+                                                "results/mqar/lowrank/mqar_update_hybrid.json")),
+    "recall-claims": ("docs/experiments.md", _on(recall.claims_table, _RECALL, _RECALL_LONG)),
+    "recall-long": ("docs/experiments.md", _on(recall.long_table, _RECALL, _RECALL_LONG)),
+    "recall-long-curves": ("docs/experiments.md", _on(recall.long_curves_table, _RECALL_LONG)),
     "mqar-claims": ("docs/experiments.md", mqar_claims_table),
     "scan-precision": ("docs/kernels.md", scan_precision_table),
     "h200-bl-gdn": ("docs/kernels.md", h200_table),
@@ -1221,7 +716,6 @@ def _curve(rel: str, model: str, key: str) -> Callable[[Path], str]:
 
 
 _MAMBA2_LR = tuple(f"results/mqar/mamba2_lr/{lr}/mqar_update_hybrid.json" for lr in ("lr1e-3", "lr3e-3", "lr3e-2"))
-_RECALL_PAPER_LONG = "results/recall/paper-core/long/recall.json"
 
 
 def _simulated_phases(root: Path) -> str:

@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 
 from ..data.collision_tasks import crowding_batch, crowding_projection
+from .common import recall_tables
 from .common.harness import masked_cross_entropy, query_accuracy
 from .common.plotting import save_figure
 from .common.recall_models import build_core_model
@@ -168,6 +169,22 @@ def print_table(record: dict) -> None:
     for key, title in (("cross_entropy_vs_load", "query cross-entropy"), ("accuracy_vs_load", "query accuracy")):
         print_summary_table(record, key, cfg["test_load"], "n/D", "d",
                             f"{title} vs n/D (mean ± std over {cfg['seeds']} seeds)")
+
+
+#: the curves :func:`table` lays out
+TABLE_CURVES = ("cross_entropy_vs_load", "accuracy_vs_load")
+
+
+def table(record: dict, curve: str = "accuracy_vs_load") -> str:
+    """``crowding.json``'s ``curve`` (:data:`TABLE_CURVES`) as the docs' Markdown table: a row per test load
+    ``n/D (n)``, a column per core model, mean ± std over seeds.  The rank-1 core's table: :func:`lowrank_table`."""
+    if curve not in TABLE_CURVES:
+        raise ValueError(f"curve must be one of {list(TABLE_CURVES)}, got {curve!r}")
+    return recall_tables.sweep_table(record, curve, head="n/D (n)", axis="test_load",
+                                     x_format=lambda config, load: f"{load:g} ({int(load * config['address_dim'])})")
+
+
+lowrank_table = recall_tables.crowding_lowrank_table  # the rank-1 core's table, beside recall's in recall_tables
 
 
 def _main(args) -> int:

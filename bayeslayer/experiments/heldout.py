@@ -24,7 +24,7 @@ from ..evaluation.heldout import PAPER_TABLE7
 from ..evaluation.lengths import PAPER_LENGTHS
 from ..evaluation.perplexity import WINDOW_MODES
 from ..training.distributed import PRECISIONS
-from .common.heldout_run import HeldoutConfig, plot, redraw, run, table7_markdown, write_report
+from .common.heldout_run import HeldoutConfig, plot, redraw, run, table, table7_markdown, write_report
 from .common.options import (
     DEVICE_HELP,
     PLOT_ONLY_HELP,
@@ -126,5 +126,5 @@ def add_parser(sub) -> None:
     p.set_defaults(func=_main)
 
 
-__all__ = ["PAPER_TABLE7", "HeldoutConfig", "add_parser", "config_from_args", "plot", "redraw", "run",
+__all__ = ["PAPER_TABLE7", "HeldoutConfig", "add_parser", "config_from_args", "plot", "redraw", "run", "table",
            "table7_markdown", "write_report"]

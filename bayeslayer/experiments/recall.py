@@ -36,6 +36,7 @@ import torch
 import torch.nn as nn
 
 from ..data.collision_tasks import collision_recall_batch
+from .common import recall_tables
 from .common.harness import masked_cross_entropy, query_accuracy
 from .common.plotting import save_figure
 from .common.recall_sweep import CoreRunConfig, add_command, print_summary_table, run_command, run_sweep
@@ -199,6 +200,28 @@ def print_table(record: dict) -> None:
             print(f"{'step':<7}" + "".join(f"{record['models'][k]['label']:>16}" for k in names))
             for i, step in enumerate(lcs[0]["step"]):
                 print(f"{step:<7d}" + "".join(f"{lc[key]['mean'][i]:>16.3f}" for lc in lcs))
+
+
+#: the curves :func:`table` lays out: curve -> (first column's header, the config's axis, the point's format)
+TABLE_CURVES = {"accuracy_vs_n_f": ("n_f", "test_n_f", "g"), "margin_vs_rho": ("ρ", "test_rho", ".2f")}
+
+
+def table(record: dict, curve: str = "accuracy_vs_n_f") -> str:
+    """``recall.json``'s ``curve`` (:data:`TABLE_CURVES`) as the docs' Markdown table: a row per test point, a
+    column per core model, mean ± std over seeds.  The record's other tables: :func:`claims_table`,
+    :func:`long_table`, :func:`long_curves_table`, :func:`lowrank_table`, :func:`core_comparison_table`."""
+    if curve not in TABLE_CURVES:
+        raise ValueError(f"curve must be one of {sorted(TABLE_CURVES)}, got {curve!r}")
+    head, axis, fmt = TABLE_CURVES[curve]
+    return recall_tables.sweep_table(record, curve, head=head, axis=axis, x_format=lambda config, x: format(x, fmt))
+
+
+# the record's other tables in the docs, laid out with crowding's in common/recall_tables.py (one record layout)
+claims_table = recall_tables.recall_claims_table
+long_table = recall_tables.recall_long_table
+long_curves_table = recall_tables.recall_long_curves_table
+lowrank_table = recall_tables.recall_lowrank_table
+core_comparison_table = recall_tables.core_comparison_table
 
 
 def _main(args) -> int:

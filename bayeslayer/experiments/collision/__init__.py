@@ -60,7 +60,8 @@ Closed forms (docs/theory.md §4) and how each is measured from the simulation
 
 The package: :mod:`~bayeslayer.experiments.collision.protocol` (the schedule, the models, the simulation and
 the closed forms), :mod:`~bayeslayer.experiments.collision.lowrank` (the low-rank precision sweeps),
-:mod:`~bayeslayer.experiments.collision.figures` (``collision.json``'s figures and table) and
+:mod:`~bayeslayer.experiments.collision.figures` (``collision.json``'s figures and table),
+:mod:`~bayeslayer.experiments.collision.tables` (the docs' tables of both records) and
 :mod:`~bayeslayer.experiments.collision.command` (``run(CollisionConfig) -> record`` and the command line);
 their public names are importable from here.
 """
@@ -130,6 +131,14 @@ from .protocol import (
     write_angle,
     write_schedule,
 )
+from .tables import (
+    closed_form_table,
+    fixed_prior_table,
+    lowrank_table,
+    overlap_table,
+    pairs_table,
+    steps_table,
+)
 
 __all__ = [
     "A",
@@ -164,16 +173,21 @@ __all__ = [
     "check_repeats",
     "check_results",
     "chunk_agreement",
+    "closed_form_table",
     "collision_inputs",
     "config_from_args",
     "delta_rule_readout",
+    "fixed_prior_table",
     "format_lowrank_table",
     "format_table",
     "identity_keys",
     "lowrank_designs",
     "lowrank_key",
+    "lowrank_table",
     "model_designs",
     "multi_pair_inputs",
+    "overlap_table",
+    "pairs_table",
     "plot_collision",
     "plot_lowrank",
     "prior_key",
@@ -185,6 +199,7 @@ __all__ = [
     "run_lowrank",
     "run_multi_pair",
     "simulate",
+    "steps_table",
     "turn_keys",
     "with_turns",
     "write_angle",

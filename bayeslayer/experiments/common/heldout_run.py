@@ -20,6 +20,7 @@ from ...training.lock import lock_output
 from .options import check_file_name, check_in_dir, check_out_dir, plot_only_json, redrawing
 from .plotting import load_json, save_figure
 from .provenance import write_record
+from .tables import markdown_row, minus, separator
 
 
 def check_record(record: dict) -> None:
@@ -121,6 +122,23 @@ def plot(record: dict, path: str | os.PathLike) -> Path:
         return save_figure(fig, path)
     finally:
         plt.close(fig)
+
+
+def table(record: dict) -> str:
+    """The docs' layout of a held-out record's first corpus: one row per model, one column per window length,
+    cells ``PPL (+x.x%)`` (the change against the reference model, with the minus sign U+2212)."""
+    check_record(record)
+    source = record["config"]["sources"][0]["label"]
+    lengths = [str(L) for L in record["config"]["lengths"]]
+    lines = [markdown_row(["model", *(length_label(int(L)) for L in lengths)]), separator(len(lengths) + 1)]
+    for label, m in record["models"].items():
+        cells = []
+        for L in lengths:
+            cell = m["cells"][source][L]
+            rel = cell.get("rel_change_pct")
+            cells.append(f"{cell['ppl']:.2f}" + ("" if rel is None else minus(f" ({rel:+.1f}%)")))
+        lines.append(markdown_row([label, *cells]))
+    return "\n".join(lines)
 
 
 def write_report(record: dict, out_dir: str | os.PathLike, name: str = "heldout") -> dict[str, Path]:
@@ -232,4 +250,4 @@ def redraw(out: str | os.PathLike, name: str = "heldout") -> dict:
             print(table7_markdown(record))
     return record
 
-__all__ = ["HeldoutConfig", "check_record", "plot", "redraw", "run", "table7_markdown", "write_report"]
+__all__ = ["HeldoutConfig", "check_record", "plot", "redraw", "run", "table", "table7_markdown", "write_report"]

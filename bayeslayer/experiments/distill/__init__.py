@@ -86,6 +86,7 @@ from ..common.options import (
 )
 from ..common.threads import TORCH_DEFAULT, add_threads_option
 from .config import PRESET_HELP, PRESETS, DistillConfig, stage_config, stage_objective
+from .tables import table
 
 DESCRIPTION = (
     "Retrofit a pretrained Gated DeltaNet language model: swap some of its layers "
@@ -394,4 +395,4 @@ def add_parser(sub) -> None:
 
 
 __all__ = ["PRESETS", "DistillConfig", "add_parser", "check_train_args", "config_from_args", "eval_models",
-           "eval_plan", "run_distill", "stage_config", "stage_objective"]
+           "eval_plan", "run_distill", "stage_config", "stage_objective", "table"]

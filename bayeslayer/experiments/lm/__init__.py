@@ -58,7 +58,7 @@ from ..common.options import (
 )
 from ..common.threads import SMALL, TORCH_DEFAULT, add_threads_option
 from .evaluation import evaluate_run, trained_with
-from .report import GROUP_LABELS, GROUPS, bar_plot, markdown_table, summarize_runs, write_report
+from .report import GROUP_LABELS, GROUPS, bar_plot, markdown_table, summarize_runs, table, write_report
 
 DESCRIPTION = (
     "Train language models from scratch (lm train) and compare finished runs by "
@@ -354,4 +354,4 @@ def add_parser(sub) -> None:
 
 
 __all__ = ["GROUPS", "GROUP_LABELS", "PRESETS", "add_parser", "bar_plot", "config_from_args", "evaluate_run",
-           "markdown_table", "summarize_runs", "trained_with", "write_report"]
+           "markdown_table", "summarize_runs", "table", "trained_with", "write_report"]

@@ -13,6 +13,7 @@ from ..common.harness import results_record, summarize
 from ..common.options import check_file_name
 from ..common.plotting import save_figure
 from ..common.provenance import write_record
+from ..common.tables import check_records, markdown_row, mean_std, separator
 
 # Table-2 columns, then the distance buckets, in the order of :meth:`ARHitAnnotation.masks`.
 GROUPS = ("all", "ar_hit", "other", "ar_hit_1_64", "ar_hit_65_256", "ar_hit_257_1024")
@@ -81,6 +82,31 @@ def markdown_table(record: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def table(records: dict | Sequence[dict], *, ours: str = "ours, ", paper: Sequence[str] = ()) -> str:
+    """The docs' layout of ``lm eval``'s record(s): each model's PPL per group (:data:`GROUPS`, mean ± std over
+    seeds, two decimals), labelled ``LABEL (<ours>N seeds)``, then the paper's Table 2 rows named in ``paper``
+    (all, AR-hit, other; the distance buckets empty).
+
+    Several records (evaluations of the same split written by separate commands) give one table, their models
+    in the order of the records; the paper's rows come from the first."""
+    records = check_records(records)
+    if not isinstance(ours, str):
+        raise TypeError(f"ours must be a string (the label's prefix), got {type(ours).__name__}")
+    missing = [label for label in paper if label not in records[0].get("paper_table2", {})]
+    if missing:
+        raise ValueError(f"paper: the record's paper_table2 has no {missing}; it has "
+                         f"{sorted(records[0].get('paper_table2', {}))}")
+    lines = [markdown_row(["model", *(GROUP_LABELS[g] for g in GROUPS)]), separator(len(GROUPS) + 1)]
+    for label, m in [item for r in records for item in r["models"].items()]:
+        cells = [mean_std(m["summary"][g]["mean"], m["summary"][g]["std"], 2) for g in GROUPS]
+        lines.append(markdown_row([f"{label} ({ours}{len(m['seeds'])} seeds)", *cells]))
+    for label in paper:
+        p = records[0]["paper_table2"][label]
+        cells = [f"{p[g][0]} ± {p[g][1]}" for g in GROUPS[:3]] + [""] * (len(GROUPS) - 3)
+        lines.append(markdown_row([f"{label} (paper, 3 seeds)", *cells]))
+    return "\n".join(lines)
+
+
 def _finite(x) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x)
 
@@ -142,4 +168,5 @@ def write_report(record: dict, out_dir: str | os.PathLike, name: str = "lm") -> 
     return paths
 
 
-__all__ = ["GROUPS", "GROUP_LABELS", "PAPER_TABLE2", "bar_plot", "markdown_table", "summarize_runs", "write_report"]
+__all__ = ["GROUPS", "GROUP_LABELS", "PAPER_TABLE2", "bar_plot", "markdown_table", "summarize_runs", "table",
+           "write_report"]

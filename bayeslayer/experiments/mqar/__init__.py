@@ -93,6 +93,7 @@ from ..common.threads import TORCH_DEFAULT, add_threads_option
 from .options import DEFAULT_MIXERS, REFERENCE, MQARConfig, config_from_args
 from .options import preset_from_args as preset_from_args
 from .report import format_table, plot_mqar, redraw, results_stem, summarize_mixer
+from .tables import claims_table, lowrank_table, mixer_rows_table, table
 
 DESCRIPTION = (
     "Zoology's multi-query associative recall in three tasks: base (key-value pairs, "
@@ -320,7 +321,8 @@ __all__ = [
     "DEFAULT_MIXERS", "GATES", "LAYOUTS", "PRESETS", "TASK_NAMES", "BaseConv", "MQARConfig",
     "MQARModel", "MQARModelConfig", "MQARPreset", "build_model", "epoch_sampler", "format_table", "gate_kwargs",
     "known_mixers", "mixer_kwargs", "model_config", "plot_mqar", "resolve_mixer", "results_stem",
-    "config_from_args", "run", "sweep_points", "train_tasks",
+    "config_from_args", "run", "sweep_points", "train_tasks", "table", "mixer_rows_table", "lowrank_table",
+    "claims_table",
 ]
 
 

@@ -58,11 +58,14 @@ from ..common.options import (
 from ..common.provenance import write_record
 from ..common.recall_models import CoreMixer
 from ..common.recall_sweep import model_on_device, sampler_on_device
-from ..common.tables import markdown_row, mean_std
 from ..common.threads import SMALL, add_threads_option
 from .presets import MEASURED as MEASURED  # the presets, their cost and their help: variance/presets.py
 from .presets import MEASURED_RECORD as MEASURED_RECORD
 from .presets import PRESETS, VariancePreset, preset_help, smoke_note
+from .tables import ABSTENTION_COVERAGES as ABSTENTION_COVERAGES  # the record's Markdown tables: variance/tables.py
+from .tables import abstention_table as abstention_table
+from .tables import presets_table as presets_table
+from .tables import table as table
 
 DESCRIPTION = (
     "Trains the Bayesian-Layer models of learned collision recall and of MQAR "
@@ -321,38 +324,6 @@ def plot(record: dict, out) -> Path:
     path = save_figure(fig, Path(out) / f"{NAME}.png")
     plt.close(fig)
     return path
-
-
-#: the abstention table's coverages, as indices into :func:`coverage_curve`'s deciles: 10%, 30%, 50%, 70%, 100%
-ABSTENTION_COVERAGES = (0, 2, 4, 6, 9)
-
-
-def table(record: dict) -> str:
-    """The record's Markdown table: per task, the accuracy and the AUROC for a wrong answer of the variance
-    (last layer; mean over layers), the entropy and both combined, mean ± std over seeds ("n/a" where a
-    score had no wrong or no right answer to separate)."""
-    keys = ("accuracy", "auroc_variance_last", "auroc_variance_mean", "auroc_entropy", "auroc_combined")
-    lines = [markdown_row(["task", "accuracy", "AUROC variance (last layer)", "variance (mean over layers)",
-                           "entropy", "combined"]), "|---|---|---|---|---|---|"]
-    for task in record["models"].values():
-        s = task["summary"]
-        lines.append(markdown_row([task["label"]] + [mean_std(s[k]["mean"], s[k]["std"], 3) if s[k] else "n/a"
-                                                     for k in keys]))
-    return "\n".join(lines)
-
-
-def abstention_table(record: dict) -> str:
-    """MQAR Update's abstention as a Markdown table: the accuracy of the answered queries at a few coverages
-    (:data:`ABSTENTION_COVERAGES`), abstaining on high variance or on high entropy, mean over seeds."""
-    if "mqar_update" not in record.get("models", {}):
-        raise ValueError("record: has no MQAR Update task (run with --tasks mqar_update)")
-    s = record["models"]["mqar_update"]["summary"]
-    at = ABSTENTION_COVERAGES
-    cov = s["coverage_variance_last"]["coverage"]
-    lines = [markdown_row(["MQAR Update, coverage"] + [f"{cov[i]:.0%}" for i in at]), "|---" * (len(at) + 1) + "|"]
-    for score, label in (("variance_last", "abstain on high variance"), ("entropy", "abstain on high entropy")):
-        lines.append(markdown_row([label] + [f"{s[f'coverage_{score}']['mean'][i]:.3f}" for i in at]))
-    return "\n".join(lines)
 
 
 def print_table(record: dict) -> None:
