@@ -661,6 +661,15 @@ API_CASES = [
     Api("JSON of the wrong shape", "niah.redraw({})", lambda p: _niah().redraw(p["shapeless"]), "no key 'models'"),
     Api("JSON of the wrong shape", "niah.redraw(models: 3)", lambda p: _niah().redraw(p["mistyped"]),
         "mistyped/niah.json does not have the shape"),
+    # an experiment's docs table (table(record) beside plot) handed something other than its record
+    Api("JSON of the wrong shape", "recall.table('recall.json')", lambda p: _experiment("recall").table("recall.json"),
+        "record must be a results record"),
+    Api("JSON of the wrong shape", "mqar.table(record, xs=(99,))",
+        lambda p: _experiment("mqar").table({"models": {"a": {"label": "a", "summary": {"x": [0]}, "runs": [{}]}}},
+                                            "stacked", xs=(99,), x_labels=("99",)), "xs: the record's sweep has no"),
+    Api("JSON of the wrong shape", "lm.table(record, paper=('RWKV',))",
+        lambda p: _experiment("lm").table({"models": {}, "paper_table2": {}}, paper=("RWKV",)),
+        "paper: the record's paper_table2 has no ['RWKV']"),
     Api("a --name that leaves --out", "lm.write_report(name='../x')",
         lambda p: _lm().write_report(_model_folders().lm_record(), Path(p["root"]) / "o", "../x"), "plain file name",
         after=_no_name_written),
@@ -777,6 +786,12 @@ def _niah():
     from bayeslayer.experiments import niah
 
     return niah
+
+
+def _experiment(name: str):
+    import importlib
+
+    return importlib.import_module(f"bayeslayer.experiments.{name}")
 
 
 def _pretrained():

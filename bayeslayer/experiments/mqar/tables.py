@@ -41,11 +41,12 @@ def table(records: dict | Sequence[dict], head: str, xs: Sequence, x_labels: Seq
     lines = [markdown_row(header), separator(len(header))]
     for m in models:
         s, run = m["summary"], m["runs"][-1]
+        idx = _indices(s, xs)
         cells = [m["label"]]
         if gate:
             cells.append(_on_off(run["use_gate"], "on", "off"))
         cells.append(_on_off(run["use_short_conv"], "yes", "no"))
-        cells += [mean_std(s["accuracy"]["mean"][i], s["accuracy"]["std"][i], 3) for i in _indices(s, xs)]
+        cells += [mean_std(s["accuracy"]["mean"][i], s["accuracy"]["std"][i], 3) for i in idx]
         cells.append(f"{s['val_accuracy']['mean'][-1]:.3f}")
         if train_seconds:
             cells.append(f"{s['train_seconds']['mean']:.0f}")
