@@ -58,3 +58,19 @@ def test_the_check_sees_a_planted_import(graph):
 def test_the_pending_list_only_names_imports_that_exist(graph):
     stale = PENDING - experiment_edges(graph)
     assert not stale, f"mended: strike {sorted(stale)} off PENDING"
+
+
+#: an experiment module holds options, the run, the record and its figures and tables; machinery that grows
+#: past this belongs in the library (training/, evaluation/, models/) or in experiments/common/
+MAX_MODULE_LINES = 400
+
+
+def test_no_experiment_module_is_longer_than_the_limit():
+    from pathlib import Path
+
+    import bayeslayer.experiments as pkg
+
+    root = Path(pkg.__file__).parent
+    long = {str(p.relative_to(root)): n for p in sorted(root.rglob("*.py"))
+            if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_MODULE_LINES}
+    assert not long, f"experiment modules over {MAX_MODULE_LINES} lines: {long}"
