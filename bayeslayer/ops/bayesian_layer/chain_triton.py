@@ -47,6 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .kernels_triton import col_of, row_of
 from .triton_support import CHAIN_MAX_HEAD_DIM
 
 # ---------------------------------------------------------------------------------------------------
@@ -160,13 +161,13 @@ def _set(t, i: tl.constexpr, x):
 @triton.jit
 def _row(x, j, r):
     """Row ``j`` of a ``[BLK, N]`` tile -> ``[N]``."""
-    return tl.sum(tl.where(r[:, None] == j, x, 0.0), axis=0)
+    return row_of(x, r, j)
 
 
 @triton.jit
 def _colv(x, j, r):
     """Column ``j`` of a ``[BLK, BLK]`` tile -> ``[BLK]``."""
-    return tl.sum(tl.where(r[None, :] == j, x, 0.0), axis=1)
+    return col_of(x, r, j)
 
 
 @triton.jit

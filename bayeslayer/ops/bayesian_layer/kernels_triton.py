@@ -51,7 +51,7 @@ def row_of(x, rows, j):
 
 
 @triton.jit
-def _col(x, cols, j):
+def col_of(x, cols, j):
     """Column ``j`` of a register tile ``x [C, C]`` -> ``[C]``."""
     return tl.sum(tl.where(cols[None, :] == j, x, 0.0), axis=1)
 
@@ -80,7 +80,7 @@ def decay_mix(L, x, g, rows, cols, C: tl.constexpr):
     for j in range(C):
         xj = row_of(x, rows, j)
         gj = row_of(g, rows, j)
-        lj = tl.where(rows >= j, _col(L, cols, j), 0.0)
+        lj = tl.where(rows >= j, col_of(L, cols, j), 0.0)
         out += lj[:, None] * tl.exp(tl.minimum(g - gj[None, :], 0.0)) * xj[None, :]
     return out
 
