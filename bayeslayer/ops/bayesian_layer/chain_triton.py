@@ -48,6 +48,7 @@ import triton
 import triton.language as tl
 
 from .kernels_triton import col_of, row_of
+from .scan_backward import ScanGrads
 from .triton_support import CHAIN_MAX_HEAD_DIM
 
 # ---------------------------------------------------------------------------------------------------
@@ -1073,29 +1074,18 @@ def chain_forward(q, k, v, r2, ell2, log_alpha, P0, layout: ChainLayout, *, want
     return ChainForward(w, kw, vu, g, var if want_var else None, P, ck if save_p else None, failed != 0)
 
 
-class ChainGrads(NamedTuple):
-    """What :func:`chain_backward` returns: the gradients of the chain's inputs (packed, the working dtype) —
-    ``q`` (the variance's part only; None without a variance adjoint), ``k``, ``v``, ``r2``, ``ell2``,
-    ``log_alpha`` (the covariance pass's and the substitution's part), ``P0`` (symmetrised) — and ``failed``."""
-
-    q: torch.Tensor | None
-    k: torch.Tensor
-    v: torch.Tensor
-    r2: torch.Tensor
-    ell2: torch.Tensor
-    log_alpha: torch.Tensor
-    P0: torch.Tensor
-    failed: torch.Tensor
-
-
 def chain_backward(q, k, v, r2, ell2, log_alpha, layout: ChainLayout, checkpoints: torch.Tensor, *, dw, dkw, dvu,
-                   dvar=None, dP=None, prec: str | None = None) -> ChainGrads:
+                   dvar=None, dP=None, prec: str | None = None) -> tuple[ScanGrads, torch.Tensor]:
     """One launch of :func:`chain_backward_kernel`: the adjoint of :func:`chain_forward` on the same inputs.
 
     ``checkpoints``: the forward's per-chunk covariances (``save_p=True``).  Adjoints of the forward's outputs:
     ``dw``, ``dkw`` ``[NT, H', D]``, ``dvu`` ``[NT, H', m]`` (any float dtype), ``dvar`` ``[NT, H']`` or None,
     ``dP`` ``[N, H', D, D]`` (the final covariance's) or None.  The adjoint of ``g`` (the mean pass's log-decay)
-    is not taken here: it is the log-decay's gradient already and adds to ``ChainGrads.log_alpha``."""
+    is not taken here: it is the log-decay's gradient already and adds to the returned ``log_alpha``.
+
+    Returns ``(ScanGrads, failed [N, H'])``, as the segment scan's backward: the gradients of the chain's inputs
+    (packed, the working dtype; ``q`` None without a variance adjoint; ``P0`` symmetrised) and the device-side
+    flags of the factorisations that met a pivot that was not positive."""
     _check_packed(q=q, k=k, v=v, log_alpha=log_alpha, dw=dw, dkw=dkw, dvu=dvu)
     NT, Hf, D = k.shape
     MV = v.shape[-1]
@@ -1127,4 +1117,4 @@ def chain_backward(q, k, v, r2, ell2, log_alpha, layout: ChainLayout, checkpoint
             KX=_exact_inputs(q, k, v, _precision(work, prec)), PREC=_precision(work, prec), INTERP=_interpreting(),
             **tiles,
         )
-    return ChainGrads(failed=failed != 0, P0=dP0, **out)
+    return ScanGrads(P0=dP0, **out), failed != 0

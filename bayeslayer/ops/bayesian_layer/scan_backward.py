@@ -156,10 +156,12 @@ GRAD_NAMES = ("w", "beta", "linv", "variance", "kw", "vu", "g")
 class ScanGrads(NamedTuple):
     """Gradients of the covariance scan's inputs (packed ``[NT, H', ...]`` like the inputs; ``P0`` ``[N, H', D, D]``).
 
-    ``q`` is zero without a variance adjoint, ``v`` zero without a ``vu`` adjoint.  ``P0`` symmetrised.
+    ``q`` is zero without a variance adjoint (None from the chain path's
+    :func:`~bayeslayer.ops.bayesian_layer.chain_triton.chain_backward`), ``v`` zero without a ``vu`` adjoint.
+    ``P0`` symmetrised.
     """
 
-    q: torch.Tensor
+    q: torch.Tensor | None
     k: torch.Tensor
     v: torch.Tensor
     r2: torch.Tensor
