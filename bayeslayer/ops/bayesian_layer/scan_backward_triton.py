@@ -43,9 +43,11 @@ from .scan_triton import (
     prep_triton,
     sblock,
     segment_offsets,
+    sym_update,
     times_g,
     times_lm_inv_t,
     woodbury_factors,
+    woodbury_launch,
     woodbury_scratch,
 )
 from .triton_support import next_pow2
@@ -125,21 +127,7 @@ def scan_reverse_kernel(
                                   input_precision=PREC)
                 tl.store(sblock(WW, ib, jb, r, BN, BLK), acc)
         tl.debug_barrier()
-        # P̄_s = sym(G_s) + Āᵀ WW: lower blocks, each written with its transpose above
-        for ib in range(NB):
-            for jb in range(ib + 1):
-                acc = 0.5 * (load_block(Gs, ib, jb, r, D, BLK, False)
-                             + tl.trans(load_block(Gs, jb, ib, r, D, BLK, False)))
-                for kb in range(NB):
-                    Aki = tl.load(sblock(TT, kb, ib, r, BN, BLK))
-                    acc += tl.dot(tl.trans(Aki), tl.load(sblock(WW, kb, jb, r, BN, BLK)), input_precision=PREC)
-                if ib == jb:
-                    acc = 0.5 * (acc + tl.trans(acc))
-                ri = ib * BLK + r
-                cj = jb * BLK + r
-                tl.debug_barrier()  # G_s is read (both triangles) before this block and its mirror are written
-                tl.store(Gs + ri[:, None] * D + cj[None, :], acc, mask=(ri[:, None] < D) & (cj[None, :] < D))
-                tl.store(Gs + cj[:, None] * D + ri[None, :], tl.trans(acc), mask=(cj[:, None] < D) & (ri[None, :] < D))
+        sym_update(Gs, Gs, TT, WW, r, D, NB, BLK, BN, PREC, False, True)  # P̄_s = sym(G_s) + Āᵀ WW, in place
         tl.debug_barrier()
     tl.store(FAIL + i_n * H + i_h, fail)
 
@@ -172,11 +160,7 @@ def reverse_segments_triton(lay: sc.ScanLayout, G: torch.Tensor, P_starts: torch
     fail = torch.zeros(N, Hf, dtype=torch.int32, device=dev)
     if n == 0:
         return Pbar, fail != 0
-    elem = torch.full((S,), -1, dtype=torch.int64, device=dev)
-    elem[lay.element_segments] = torch.arange(n, device=dev)
-    NB = max(16, next_pow2(D)) // 16
-    BN = 16 * NB
-    scr = torch.empty(N, Hf, 5 * BN * BN + 2 * BN, dtype=dt, device=dev)
+    elem, NB, scr = woodbury_launch(S, lay.element_segments, N, Hf, D, 5, dt, dev)
     scan_reverse_kernel[(N, Hf)](
         Pbar, P_starts.to(dt).contiguous(), A.to(dt).contiguous(), J.to(dt).contiguous(), elem, lay.seq_first_seg,
         lay.seq_n_seg, scr, fail, H=Hf, D=D, NB=NB, PREC="ieee", num_warps=4,

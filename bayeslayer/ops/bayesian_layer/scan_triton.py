@@ -154,6 +154,33 @@ def sblock(buf, ib, jb, r, BN: tl.constexpr, BLK: tl.constexpr):
 
 
 @triton.jit
+def sym_update(dst, S, Lm, Rm, r, D: tl.constexpr, NB: tl.constexpr, BLK: tl.constexpr, BN: tl.constexpr,
+               PREC: tl.constexpr, GRAM: tl.constexpr, IN_PLACE: tl.constexpr):
+    """``dst = sym(S) + Lm Lmᵀ`` (``GRAM``) or ``dst = sym(S) + Lmᵀ Rm``, row-major ``[D, D]`` matrices ``dst``, ``S``
+    and ``[BN, BN]`` scratch ``Lm``, ``Rm``, in 16×16 blocks: lower blocks, each written with its transpose
+    above, so that ``dst`` is exactly symmetric.  ``IN_PLACE``: ``dst`` is ``S``, and each block of ``S`` is
+    read (both triangles) before it and its mirror are written."""
+    for ib in range(NB):
+        for jb in range(ib + 1):
+            acc = 0.5 * (load_block(S, ib, jb, r, D, BLK, False) + tl.trans(load_block(S, jb, ib, r, D, BLK, False)))
+            for kb in range(NB):
+                if GRAM:
+                    Zj = tl.load(sblock(Lm, jb, kb, r, BN, BLK))
+                    acc += tl.dot(tl.load(sblock(Lm, ib, kb, r, BN, BLK)), tl.trans(Zj), input_precision=PREC)
+                else:
+                    Aki = tl.load(sblock(Lm, kb, ib, r, BN, BLK))
+                    acc += tl.dot(tl.trans(Aki), tl.load(sblock(Rm, kb, jb, r, BN, BLK)), input_precision=PREC)
+            if ib == jb:
+                acc = 0.5 * (acc + tl.trans(acc))
+            ri = ib * BLK + r
+            cj = jb * BLK + r
+            if IN_PLACE:
+                tl.debug_barrier()
+            tl.store(dst + ri[:, None] * D + cj[None, :], acc, mask=(ri[:, None] < D) & (cj[None, :] < D))
+            tl.store(dst + cj[:, None] * D + ri[None, :], tl.trans(acc), mask=(cj[:, None] < D) & (ri[None, :] < D))
+
+
+@triton.jit
 def times_g(Msrc, X, DP, TT, r, D: tl.constexpr, NB: tl.constexpr, BLK: tl.constexpr, BN: tl.constexpr,
              PREC: tl.constexpr):
     """``TT = M G`` with ``G = L_P D_P^½`` (L_P's lower blocks in scratch X, D_P in DP), M a row-major
@@ -270,23 +297,21 @@ def scan_phase_b_kernel(
         tl.debug_barrier()
         times_lm_inv_t(TT, LI, DM, X, r, NB, BLK, BN, PREC, True)  # Z = T L_M⁻ᵀ D_M^-½ (X: L_P no longer needed)
         tl.debug_barrier()
-        # P_{s+1} = Z Zᵀ + sym(C): lower blocks, each written with its transpose above
-        for ib in range(NB):
-            for jb in range(ib + 1):
-                acc = 0.5 * (load_block(Ce, ib, jb, r, D, BLK, False)
-                             + tl.trans(load_block(Ce, jb, ib, r, D, BLK, False)))
-                for kb in range(NB):
-                    Zj = tl.load(sblock(X, jb, kb, r, BN, BLK))
-                    acc += tl.dot(tl.load(sblock(X, ib, kb, r, BN, BLK)), tl.trans(Zj), input_precision=PREC)
-                if ib == jb:
-                    acc = 0.5 * (acc + tl.trans(acc))
-                ri = ib * BLK + r
-                cj = jb * BLK + r
-                tl.store(Pout + ri[:, None] * D + cj[None, :], acc, mask=(ri[:, None] < D) & (cj[None, :] < D))
-                tl.store(Pout + cj[:, None] * D + ri[None, :], tl.trans(acc),
-                         mask=(cj[:, None] < D) & (ri[None, :] < D))
+        sym_update(Pout, Ce, X, X, r, D, NB, BLK, BN, PREC, True, False)  # P_{s+1} = sym(C) + Z Zᵀ
         tl.debug_barrier()
     tl.store(FAIL + i_n * H + i_h, fail)
+
+
+def woodbury_launch(S: int, segs: torch.Tensor, N: int, Hf: int, D: int, n_mats: int, dtype: torch.dtype, device):
+    """What Phase B's and B3's kernels are launched with, for ``S`` segments of ``N`` sequences: ``elem_of_seg``
+    ``[S]`` int64 (segment ``segs[i]``'s element is row ``i``; −1: none), ``NB`` (16×16 blocks per side of ``D``)
+    and the per-program scratch ``[N, H', n_mats·BN² + 2·BN]`` that :func:`woodbury_scratch` splits
+    (``BN = 16·NB``)."""
+    elem = torch.full((S,), -1, dtype=torch.int64, device=device)
+    elem[segs] = torch.arange(segs.numel(), device=device)
+    NB = max(16, next_pow2(D)) // 16
+    BN = 16 * NB
+    return elem, NB, torch.empty(N, Hf, n_mats * BN * BN + 2 * BN, dtype=dtype, device=device)
 
 
 def phase_b_triton(lay: sc.ScanLayout, P0: torch.Tensor, elements):
@@ -305,11 +330,7 @@ def phase_b_triton(lay: sc.ScanLayout, P0: torch.Tensor, elements):
     fail = torch.zeros(N, Hf, dtype=torch.int32, device=dev)
     if segs.numel() == 0:
         return P_starts, fail != 0
-    elem = torch.full((S,), -1, dtype=torch.int64, device=dev)
-    elem[segs] = torch.arange(segs.numel(), device=dev)
-    NB = max(16, next_pow2(D)) // 16
-    BN = 16 * NB
-    scr = torch.empty(N, Hf, 4 * BN * BN + 2 * BN, dtype=dt, device=dev)
+    elem, NB, scr = woodbury_launch(S, segs, N, Hf, D, 4, dt, dev)
     scan_phase_b_kernel[(N, Hf)](
         P_starts, A.to(dt).contiguous(), Cm.to(dt).contiguous(), J.to(dt).contiguous(), elem, lay.seq_first_seg,
         lay.seq_n_seg, scr, fail, H=Hf, D=D, NB=NB, PREC="ieee", num_warps=4,
