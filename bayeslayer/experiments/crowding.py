@@ -27,7 +27,7 @@ from .common import recall_tables
 from .common.harness import masked_cross_entropy, query_accuracy
 from .common.plotting import save_figure
 from .common.recall_models import build_core_model
-from .common.recall_sweep import CorePreset, CoreRunConfig, add_command, print_summary_table, run_command, run_sweep
+from .common.recall_sweep import CorePreset, CoreRunConfig, add_command, print_summary_table, run_sweep
 
 DESCRIPTION = (
     "Random-key crowding: each sequence writes n associations of random unit addresses (16-dimensional) and 64 "
@@ -187,12 +187,8 @@ def table(record: dict, curve: str = "accuracy_vs_load") -> str:
 lowrank_table = recall_tables.crowding_lowrank_table  # the rank-1 core's table, beside recall's in recall_tables
 
 
-def _main(args) -> int:
-    return run_command(args, name="crowding", presets=PRESETS, paper_budget=PAPER_TRAINING_BUDGET,
-                       config_type=CrowdingConfig, run=run, plot=plot_crowding, print_table=print_table)
-
-
 def add_parser(sub) -> None:
     add_command(sub, name="crowding",
                 help="random-key crowding past capacity (docs/theory.md §8.3)", doc=DESCRIPTION, presets=PRESETS,
-                paper_budget=PAPER_TRAINING_BUDGET, func=_main)
+                paper_budget=PAPER_TRAINING_BUDGET, config_type=CrowdingConfig, run=run, plot=plot_crowding,
+                print_table=print_table)

@@ -39,7 +39,7 @@ from ..data.collision_tasks import collision_recall_batch
 from .common import recall_tables
 from .common.harness import masked_cross_entropy, query_accuracy
 from .common.plotting import save_figure
-from .common.recall_sweep import CoreRunConfig, add_command, print_summary_table, run_command, run_sweep
+from .common.recall_sweep import CoreRunConfig, add_command, print_summary_table, run_sweep
 from .common.recall_task import PRESETS, RecallPreset, build_model, sampler
 
 DESCRIPTION = (
@@ -224,12 +224,8 @@ lowrank_table = recall_tables.recall_lowrank_table
 core_comparison_table = recall_tables.core_comparison_table
 
 
-def _main(args) -> int:
-    return run_command(args, name="recall", presets=PRESETS, paper_budget=PAPER_TRAINING_BUDGET,
-                       config_type=RecallConfig, run=run, plot=plot_recall, print_table=print_table)
-
-
 def add_parser(sub) -> None:
     add_command(sub, name="recall",
                 help="learned controlled collision recall (docs/theory.md §8.2)", doc=DESCRIPTION, presets=PRESETS,
-                paper_budget=PAPER_TRAINING_BUDGET, func=_main)
+                paper_budget=PAPER_TRAINING_BUDGET, config_type=RecallConfig, run=run, plot=plot_recall,
+                print_table=print_table)

@@ -10,6 +10,7 @@ JSON in ``--out``, and a printed table of ``mean ± std`` rows per model.  The a
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -358,8 +359,9 @@ def run_command(args, *, name: str, presets: dict, paper_budget: str, config_typ
 
 
 def add_command(sub, *, name: str, help: str, doc: str, presets: dict, paper_budget: str,
-                func: Callable) -> None:
-    """Register ``bayeslayer <name>``: ``doc`` is its one-paragraph ``--help`` description."""
+                config_type: type[CoreRunConfig], run: Callable, plot: Callable, print_table: Callable) -> None:
+    """Register ``bayeslayer <name>``, run by :func:`run_command` with these arguments: ``doc`` is its one-paragraph
+    ``--help`` description."""
     p = sub.add_parser(name, help=help, description=doc)
     p.add_argument("--preset", choices=sorted(presets), default="default",
                    help=f"'paper' = {paper_budget}; 'default' ≈ 15 min on a 2-core CPU; 'tiny' = smoke test")
@@ -387,4 +389,5 @@ def add_command(sub, *, name: str, help: str, doc: str, presets: dict, paper_bud
                                                             "paper)"))
     p.add_argument("--plot-only", action="store_true", help=PLOT_ONLY_HELP)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(func=func)
+    p.set_defaults(func=functools.partial(run_command, name=name, presets=presets, paper_budget=paper_budget,
+                                          config_type=config_type, run=run, plot=plot, print_table=print_table))
