@@ -97,6 +97,13 @@ def _decay_noise(ell2, g, rows, C: tl.constexpr):
 
 
 @triton.jit
+def tile_at(tok, valid, od, i_h, H: tl.constexpr, D: tl.constexpr):
+    """Offsets and mask of the ``[C, BK]`` tile ``x[tok, i_h, od]`` of a ``[NT, H, D]`` tensor ``x``: rows
+    ``tok`` (real where ``valid``), columns ``od`` (real below ``D``)."""
+    return (tok[:, None] * H + i_h) * D + od[None, :], valid[:, None] & (od[None, :] < D)
+
+
+@triton.jit
 def load_tile(x, tok, valid, od, i_h, H: tl.constexpr, D: tl.constexpr):
     """``x[tok, i_h, od]`` of a ``[NT, H, D]`` tensor as a ``[C, BK]`` tile, zero outside."""
     mask = valid[:, None] & (od[None, :] < D)

@@ -35,7 +35,7 @@ from ..utils.ldl_triton import ldl_blocked
 from ..utils.validation import check_shaped
 from . import scan as sc
 from .covariance import sym
-from .kernels_triton import decay_mix, decay_scores, load_tile, prep_tile, row_of
+from .kernels_triton import decay_mix, decay_scores, load_tile, prep_tile, row_of, tile_at
 from .scan_triton import (
     Prep,
     load_block,
@@ -479,10 +479,8 @@ def scan_segment_adjoint_kernel(
             # ---- A1: P' = sym(Φ_C Pᵀ Φ_C + B_C − Ueᵀ diag(β) Ue); U, W = βU, the variance, L⁻¹'s uses ----
             for a in range(0, BD, BK):
                 od = a + offs_k
-                md = od < D
                 g_a, gam_a, end_a, b_a, gC_a, _bC = _decay_block(PG, PB, pc, rows, od, g, b, gend, bC, C, D, DIAG)
-                pk = (tok[:, None] * H + i_h) * D + od[None, :]
-                mk = valid[:, None] & md[None, :]
+                pk, mk = tile_at(tok, valid, od, i_h, H, D)
                 U_a = tl.load(_cols(US, rows, od, BD))
                 dW_a = tl.load(DW + pk, mask=mk, other=0.0).to(dt)
                 UeG = tl.zeros([C, BK], dtype=dt)
@@ -581,10 +579,8 @@ def scan_segment_adjoint_kernel(
                 dell2 = zero_c
                 for a in range(0, BD, BK):
                     od = a + offs_k
-                    md = od < D
                     g_a, gam_a, _e, b_a, _gC, _bC = _decay_block(PG, PB, pc, rows, od, g, b, gend, bC, C, D, DIAG)
-                    pk = (tok[:, None] * H + i_h) * D + od[None, :]
-                    mk = valid[:, None] & md[None, :]
+                    pk, mk = tile_at(tok, valid, od, i_h, H, D)
                     k_a = tl.load(K + pk, mask=mk, other=0.0).to(dt)
                     Y_a = tl.load(_cols(YS, rows, od, BD))
                     dU_a = tl.load(_cols(DUS, rows, od, BD))
