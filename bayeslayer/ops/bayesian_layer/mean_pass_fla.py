@@ -334,6 +334,14 @@ def _chunks(B: int, T: int, C: int, cu_seqlens):
             yield b, slice(s, min(s + C, e)), n, j[b]
 
 
+def _causal_chunks(B: int, T: int, C: int, cu_seqlens, dtype: torch.dtype, device):
+    """``(b, slice, n, low)`` for every chunk of :func:`_chunks`: ``n`` its length, ``low`` ``[n, 1, n]`` the causal
+    mask ``[t, ·, i] = 1`` for ``i ≤ t`` of its intra-chunk ``[t, H, i]`` matrices."""
+    for b, t, _, _ in _chunks(B, T, C, cu_seqlens):
+        n = t.stop - t.start
+        yield b, t, n, torch.tril(torch.ones(n, n, dtype=dtype, device=device))[:, None, :]
+
+
 def bwd_dv_local_reference(q, k, do, g=None, scale=1.0, cu_seqlens=None, chunk_size=64):
     """Plain-PyTorch twin of fla's ``chunk_bwd_dv_local`` (scalar gate ``g`` [B, T, H], log2).
 
@@ -484,10 +492,9 @@ def gla_fwd_intra_gk_reference(q, k, g, scale, cu_seqlens=None, chunk_size=64):
     B, T, H, _ = q.shape
     acc = _acc_dtype(q)
     A = torch.zeros(B, T, H, chunk_size, dtype=acc, device=q.device)
-    for b, t, _, _ in _chunks(B, T, chunk_size, cu_seqlens):
-        n = t.stop - t.start
+    for b, t, n, low in _causal_chunks(B, T, chunk_size, cu_seqlens, acc, q.device):
         a = torch.einsum("thd,ihd,htid->thi", q[b, t].to(acc), k[b, t].to(acc), _ratio(g[b, t].to(acc))) * scale
-        A[b, t, :, :n] = a * torch.tril(torch.ones(n, n, dtype=acc, device=q.device))[:, None, :]
+        A[b, t, :, :n] = a * low
     return A
 
 
@@ -499,9 +506,7 @@ def kda_bwd_dAv_reference(q, k, v, do, A=None, scale=1.0, cu_seqlens=None, chunk
     acc = _acc_dtype(do)
     dA = torch.zeros(B, T, H, chunk_size, dtype=acc, device=do.device)
     dv = torch.zeros_like(do)
-    for b, t, _, _ in _chunks(B, T, chunk_size, cu_seqlens):
-        n = t.stop - t.start
-        low = torch.tril(torch.ones(n, n, dtype=acc, device=do.device))[:, None, :]  # [t, 1, i]
+    for b, t, n, low in _causal_chunks(B, T, chunk_size, cu_seqlens, acc, do.device):
         dot, vt = do[b, t].to(acc), v[b, t].to(acc)
         dA[b, t, :, :n] = torch.einsum("thv,ihv->thi", dot, vt) * low * scale
         At = A[b, t, :, :n].to(acc) * low
@@ -520,9 +525,8 @@ def gla_bwd_dqk_intra_reference(q, k, g, dA, cu_seqlens=None, chunk_size=64):
     acc = _acc_dtype(q)
     dq = torch.zeros(B, T, H, K, dtype=acc, device=q.device)
     dk = torch.zeros_like(dq)
-    for b, t, _, _ in _chunks(B, T, chunk_size, cu_seqlens):
-        n = t.stop - t.start
-        dAt = dA[b, t, :, :n].to(acc) * torch.tril(torch.ones(n, n, dtype=acc, device=q.device))[:, None, :]
+    for b, t, n, low in _causal_chunks(B, T, chunk_size, cu_seqlens, acc, q.device):
+        dAt = dA[b, t, :, :n].to(acc) * low
         R = _ratio(g[b, t].to(acc))  # [H, t, i, K]
         dq[b, t] = torch.einsum("thi,htik,ihk->thk", dAt, R, k[b, t].to(acc))
         dk[b, t] = torch.einsum("thi,htik,thk->ihk", dAt, R, q[b, t].to(acc))
