@@ -263,6 +263,7 @@ def variants(args) -> None:
     T = args.T[0]
     print(f"# variants: T={T} B={args.B} H={args.H} fp32 inputs | forward ms, max|o-o64|/max|o64|, "
           f"max|P-P64|/max|P64|")
+    saved = tchain.FP32_PRECISION, tchunk.CHAIN_CHUNK_SIZE
     for D in args.D:
         x = _make_inputs(args.B, T, args.H, D, torch.float32, "cuda")
         x64 = {n: t.double() for n, t in x.items()}
@@ -272,7 +273,7 @@ def variants(args) -> None:
         print(f"D={D}: fp64 reference {time.time() - t0:.1f} s", flush=True)
         for C in (16, 32, 64):
             for prec in tchain.PRECISIONS:
-                tchain.FP32_PRECISION, tchunk.CHAIN_CHUNK_SIZE = prec, C
+                tchain.FP32_PRECISION, tchunk.CHAIN_CHUNK_SIZE = prec, C  # fp32 inputs
                 t0 = time.time()
 
                 def fwd(x=x, C=C):
@@ -289,7 +290,7 @@ def variants(args) -> None:
                           flush=True)
                 except Exception as err:
                     print(f"  C={C:>2} {prec:>6}: failed {type(err).__name__}: {str(err)[:150]}", flush=True)
-        tchain.FP32_PRECISION, tchunk.CHAIN_CHUNK_SIZE = "tf32x3", 32
+        tchain.FP32_PRECISION, tchunk.CHAIN_CHUNK_SIZE = saved
         del x, x64, ref, P64
         torch.cuda.empty_cache()
 
@@ -1113,6 +1114,8 @@ def compile_only(args, save=None) -> list[dict]:
     # the default path: the covariance chain's forward and backward as bf16 inputs launch them (q, k, v bf16, the
     # mean pass's operands and the state fp32, the variance on, the backward's checkpoints kept)
     configs += [(k, D, g, False) for k in ("chain", "chainb") for D in args.D for g in (False, True)]
+    # and as fp32 inputs launch them (float64 arithmetic, chain_triton.FP32_PRECISION)
+    configs += [(k, D, g, False) for k in ("chain64", "chainb64") for D in args.D for g in (False, True)]
     configs = [c for c in configs if not args.kernels or c[0] in args.kernels]
     prep_names = ["PG", "PB", "PBASE", "PQN", "chunk_first"]
     for kernel, D, diag, save_ck in configs:
@@ -1164,16 +1167,21 @@ def compile_only(args, save=None) -> list[dict]:
             names = ["PB", "PS", "A", "J", "elem_of_seg", "seq_first", "seq_nseg", "SCR", "FAIL"]
             consts = dict(H=16, D=D, NB=BD // 16, PREC="ieee")
             fp64 = ("PB", "PS", "A", "J", "SCR")
-        elif kernel in ("chain", "chainb"):
+        elif kernel in ("chain", "chainb", "chain64", "chainb64"):
             from bayeslayer.ops.bayesian_layer import chain_triton as tchain
             from bayeslayer.ops.bayesian_layer.chunk_triton import CHAIN_CHUNK_SIZE
 
             tiles = tchain.launch_options(D, D, CHAIN_CHUNK_SIZE)
             nw, stages = tiles.pop("num_warps"), tiles.pop("num_stages")
-            consts = dict(H=16, D=D, MV=D, C=CHAIN_CHUNK_SIZE, DIAG=diag, WANT_VAR=True, KX=True,
-                          PREC=tchain.FP32_PRECISION, INTERP=False, **tiles)
-            bf16 = ("Q", "K", "V")
-            if kernel == "chain":
+            # chain/chainb: as bf16 inputs launch them; chain64/chainb64: as fp32 inputs do (the default "float64":
+            # the state and the checkpoints float64, IEEE products; the mean pass's operands and the outputs fp32)
+            inputs = torch.float32 if kernel.endswith("64") else torch.bfloat16
+            _, prec = tchain.kernel_arithmetic(torch.float32, None, inputs)
+            consts = dict(H=16, D=D, MV=D, C=CHAIN_CHUNK_SIZE, DIAG=diag, WANT_VAR=True,
+                          KX=not kernel.endswith("64"), PREC=prec, INTERP=False, **tiles)
+            bf16 = () if kernel.endswith("64") else ("Q", "K", "V")
+            fp64 = ("P0", "PCK") if kernel.endswith("64") else ()
+            if kernel in ("chain", "chain64"):
                 fn = tchain.chain_forward_kernel
                 names = ["Q", "K", "V", "R2", "ELL2", "LA", "CU", "CKO", "P0", "W", "KW", "VU", "GOUT", "VAR", "PT",
                          "PCK", "FAIL"]
@@ -1254,7 +1262,7 @@ def main(argv=None) -> int:
     p.add_argument("--arch", type=int, default=90, help="CUDA compute capability for --compile-only")
     p.add_argument("--kernels", nargs="*", choices=["cov", "mean", "step", "cov64", "track64", "phaseb64", "prep",
                                                     "prep64", "covp", "covp64", "segadj", "segadj4", "segadj4v",
-                                                    "rev64", "chain", "chainb"],
+                                                    "rev64", "chain", "chainb", "chain64", "chainb64"],
                    help="--compile-only: these kernels only (default all)")
     p.add_argument("--scan", action="store_true", help="v2: segment-scan forward vs GDN forward (module docstring)")
     p.add_argument("--fla-autotune", choices=["pin", "warm"], default="warm",

@@ -364,22 +364,38 @@ def sass_census_table(root: Path) -> str:
 
 
 def chain_precision_table(root: Path) -> str:
-    """Error against float64 of the segment scan and of the covariance chain per product precision
-    (``benchmarks/chain_precision.py``): max over o, variance, M, P / max over every input's gradient."""
+    """Error against float64 of the segment scan and of the covariance chain per arithmetic
+    (``benchmarks/chain_precision.py``): max over o, variance, M, P / max over every input's gradient, the worst of
+    the record's seeds; and in how many (quantity, seed) pairs the chain's default is at or below the scan."""
     rec = _load(root, "results/gpu/chain_precision.json")
     outs, grads = ("o", "variance", "M", "P"), ("dq", "dk", "dv", "dr2", "dell2", "dalpha", "dM0", "dP0")
-    lines = [_row(["regime", "decay", "inputs", "scan (IEEE)", "chain tf32x3 (default)", "chain bf16x3",
-                   "chain IEEE"]), "|---|---|---|---|---|---|---|"]
-    cells: dict = {}
+    precs = ("float64", "tf32x3", "bf16x3", "ieee")
+    names = {"float64": "float64", "tf32x3": "tf32x3", "bf16x3": "bf16x3", "ieee": "IEEE"}
+    lines = [_row(["regime", "decay", "inputs", "scan (IEEE)", *(f"chain {names[p]}" for p in precs),
+                   "default ≤ scan"]), "|---|---|---|---|---|---|---|---|---|"]
+    worst: dict = {}
+    by_seed: dict = {}
+    defaults: dict = {}
     for r in rec["rows"]:
         key = (r["regime"], r["decay"], r["dtype"])
         col = "scan" if r["path"] == "scan" else r["prec"]
-        cells.setdefault(key, {})[col] = (f"{_e1(max(r[n] for n in outs))} / "
-                                          f"{_e1(max(r[n] for n in grads if n in r))}")
+        w = worst.setdefault(key, {}).setdefault(col, [0.0, 0.0])
+        w[0] = max(w[0], max(r[n] for n in outs))
+        w[1] = max(w[1], max(r[n] for n in grads if n in r))
+        by_seed.setdefault(key, {}).setdefault(r.get("seed"), {})[col] = r
+        if r.get("default"):
+            defaults[key] = col
     regimes = {"longmem": "long-memory", "stress": "stress"}
-    for (regime, decay, dtype), c in cells.items():
-        lines.append(_row([regimes.get(regime, regime), decay, dtype, c.get("scan", "—"), c.get("tf32x3", "—"),
-                           c.get("bf16x3", "—"), c.get("ieee", "—")]))
+    for key, c in worst.items():
+        regime, decay, dtype = key
+        cells = []
+        for p in ("scan", *precs):
+            cell = f"{_e1(c[p][0])} / {_e1(c[p][1])}" if p in c else "—"
+            cells.append(f"**{cell}**" if p == defaults.get(key) else cell)
+        pairs = [(s[defaults[key]][n], s["scan"][n]) for s in by_seed[key].values() if "scan" in s
+                 for n in (*outs, *grads) if n in s["scan"]] if key in defaults else []
+        held = f"{sum(a <= b for a, b in pairs)}/{len(pairs)}" if pairs else "—"
+        lines.append(_row([regimes.get(regime, regime), decay, dtype, *cells, held]))
     return "\n".join(lines)
 
 

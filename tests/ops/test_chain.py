@@ -120,6 +120,47 @@ def test_chain_grid_fp64(case):
     _check(**case)
 
 
+def test_fp32_inputs_run_float64_arithmetic_below_the_scans_error():
+    """fp32 inputs: the chain computes in float64 (chosen by the dtype, statically), so on the stress regime of
+    docs/theory.md §6.6 its error against float64 is far below the fp32 segment scan's and below the chain's own
+    error with fp32 arithmetic (IEEE products), in the outputs, the state and the gradients (margins of 10× and
+    more: ``benchmarks/chain_precision.py`` measures 3-300×); bf16 inputs keep tensor-core products."""
+    from bayeslayer.ops import value_checks
+    from bayeslayer.ops.bayesian_layer import chain_triton, mean_pass_fla
+    from bayeslayer.ops.bayesian_layer.chunk_triton import bl_chunk_triton
+
+    from .scan_inputs import regime_inputs
+
+    assert chain_triton.default_precision(torch.float32) == "float64"
+    assert chain_triton.default_precision(torch.bfloat16) == chain_triton.default_precision(torch.float16) == "tf32x3"
+    assert chain_triton.kernel_arithmetic(torch.float32, None, torch.float32) == (torch.float64, "ieee")
+    assert chain_triton.kernel_arithmetic(torch.float32, None, torch.bfloat16) == (torch.float32, "tf32x3")
+    xs = regime_inputs("stress", 1, 64, 1, 16, 8, seed=3)
+    p0 = torch.eye(16, dtype=torch.float64)[None, None] * 0.5
+    m0 = torch.zeros(1, 1, 16, 8, dtype=torch.float64)
+
+    def errors(path, prec=None):
+        saved = chain_triton.FP32_PRECISION
+        leaves = [x.float().to(DEVICE).requires_grad_(True) for x in (*xs, m0, p0)]
+        try:
+            chain_triton.FP32_PRECISION = prec or saved
+            with value_checks(False), mean_pass_fla.one_autotune_config():
+                o, (M, P) = bl_chunk_triton(*leaves[:6], initial_state=tuple(leaves[6:]), output_final_state=True,
+                                            path=path)
+                g = torch.autograd.grad(o.double().square().sum() + M.double().sum() + P.double().sum(), leaves[1])
+        finally:
+            chain_triton.FP32_PRECISION = saved
+        ref_leaves = [x.clone().requires_grad_(True) for x in (*xs, m0, p0)]
+        ro, (rM, rP) = bl_recurrent(*ref_leaves[:6], initial_state=tuple(ref_leaves[6:]), output_final_state=True)
+        rg = torch.autograd.grad(ro.square().sum() + rM.sum() + rP.sum(), ref_leaves[1])
+        return [((a.detach().cpu().double() - b.detach()).abs().max() / b.abs().max()).item()
+                for a, b in zip((o, M, P, g[0]), (ro, rM, rP, rg[0]), strict=True)]
+
+    chain, scan, fp32 = errors("chain"), errors("scan"), errors("chain", "ieee")
+    for name, c, s_, f in zip(("o", "M", "P", "dk"), chain, scan, fp32, strict=True):
+        assert c <= 0.1 * s_ and c <= 0.1 * f, f"{name}: chain {c:.1e}, scan {s_:.1e}, chain fp32 {f:.1e}"
+
+
 def test_default_path_never_syncs_with_the_host(monkeypatch):
     """Forward and backward of the default path (``bl_chunk(backend="triton")``: the covariance chain, fla's mean
     pass and their backwards), fp32, value checks off: no ``Tensor.item``, ``bool(tensor)``, ``Tensor.tolist``,

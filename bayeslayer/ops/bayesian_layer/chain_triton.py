@@ -935,10 +935,16 @@ def _interpreting() -> bool:
     return interpreter_enabled()
 
 
-# the product precision of the chain kernels for fp32 work (float64 work always runs "ieee"); chosen by measured
-# error (benchmarks/chain_precision.py, docs/kernels.md "Precision of the chain kernels")
-FP32_PRECISION = "tf32x3"
-PRECISIONS = ("tf32x3", "bf16x3", "ieee")
+# the chain kernels' arithmetic per input dtype, chosen by measured error (benchmarks/chain_precision.py,
+# docs/kernels.md "Precision"); float64 inputs always run float64 with IEEE products.  "float64": the kernels
+# compute in float64 (P, the C×C factorisation, every product: IEEE, on the float64 tensor cores of sm_80+) and
+# round only what they hand on (the mean pass's operands, the outputs, the gradients) to fp32 — with fp32 work
+# the chunk step's error (S's factorisation and L⁻¹'s products, ill-conditioned when a chunk's keys are nearly
+# dependent) is of the fp32 segment scan's order whatever the product precision.  "tf32x3", "bf16x3", "ieee":
+# fp32 work, every product split into TF32 or bf16 parts on tensor cores, or one IEEE fp32 product.
+FP32_PRECISION = "float64"  # fp32 inputs
+HALF_PRECISION = "tf32x3"  # bf16 and fp16 inputs: tensor-core products of fp32 work
+PRECISIONS = ("float64", "tf32x3", "bf16x3", "ieee")
 CHUNK_SIZES = (16, 32, 64)
 
 
@@ -985,13 +991,25 @@ def _check_packed(**xs):
                              f"{tuple(x.shape)} on {x.device}")
 
 
-def _precision(work: torch.dtype, prec: str | None) -> str:
-    if work == torch.float64:
+def default_precision(dtype: torch.dtype) -> str:
+    """The chain kernels' precision for inputs of ``dtype`` (:data:`PRECISIONS`): chosen statically, by the dtype
+    alone, never by reading the data (no host sync)."""
+    if dtype == torch.float64:
         return "ieee"
-    prec = FP32_PRECISION if prec is None else prec
+    return FP32_PRECISION if dtype == torch.float32 else HALF_PRECISION
+
+
+def kernel_arithmetic(work: torch.dtype, prec: str | None, inputs: torch.dtype) -> tuple[torch.dtype, str]:
+    """``(the dtype the kernels compute in, their product precision PREC)`` for the caller's working dtype
+    ``work`` (fp32 or float64), ``prec`` (None: :func:`default_precision` of the ``inputs`` dtype)."""
+    if work == torch.float64:
+        return torch.float64, "ieee"
+    prec = default_precision(inputs) if prec is None else prec
     if prec not in PRECISIONS:
         raise ValueError(f"prec must be one of {PRECISIONS}, got {prec!r}")
-    return prec
+    if prec == "float64":
+        return torch.float64, "ieee"
+    return work, prec
 
 
 def _exact_inputs(q, k, v, prec: str) -> bool:
@@ -1039,8 +1057,9 @@ def chain_forward(q, k, v, r2, ell2, log_alpha, P0, layout: ChainLayout, *, want
 
     Packed inputs (any float dtype; the kernel casts on load): q, k ``[NT, H', D]``, v ``[NT, H', m]``, r2, ell2
     ``[NT, H']``, log_alpha ``[NT, H', 1]`` (scalar decay) or ``[NT, H', D]``; ``P0`` ``[N, H', D, D]`` in the
-    working dtype (fp32, or float64 for float64 work).  ``prec``: the product precision of fp32 work (None:
-    :data:`FP32_PRECISION`; float64 always runs IEEE).  Reads nothing on the host.
+    working dtype (fp32, or float64 for float64 work), which the outputs but ``checkpoints`` are returned in.
+    ``prec``: the arithmetic of fp32 work (:data:`PRECISIONS`; None: :func:`default_precision` of q's dtype; float64
+    work always runs IEEE); with ``"float64"`` the checkpoints are float64.  Reads nothing on the host.
     """
     _check_packed(q=q, k=k, v=v, log_alpha=log_alpha)
     NT, Hf, D = k.shape
@@ -1054,43 +1073,49 @@ def chain_forward(q, k, v, r2, ell2, log_alpha, P0, layout: ChainLayout, *, want
     diag = log_alpha.shape[-1] > 1
     tiles = launch_options(D, MV, layout.C)
     dev = k.device
+    kdt, PREC = kernel_arithmetic(work, prec, q.dtype)
     w = torch.empty(NT, Hf, D, dtype=out_dtype, device=dev)
     kw = torch.empty(NT, Hf, D, dtype=out_dtype, device=dev)
     vu = torch.empty(NT, Hf, MV, dtype=out_dtype, device=dev)
     g = torch.empty(NT, Hf, D if diag else 1, dtype=work, device=dev)
     var = torch.empty(NT, Hf, dtype=work, device=dev) if want_var else g
     P = torch.empty(N, Hf, D, D, dtype=work, device=dev)
-    ck = torch.empty(layout.n_checkpoints, Hf, D, D, dtype=work, device=dev) if save_p else P
+    ck = torch.empty(layout.n_checkpoints, Hf, D, D, dtype=kdt, device=dev) if save_p else P
     failed = torch.zeros(N, Hf, dtype=torch.int32, device=dev)
     if N > 0 and Hf > 0:
         la = log_alpha.contiguous() if diag else log_alpha[..., 0].contiguous()
         chain_forward_kernel[(N, Hf)](
             q.contiguous(), k.contiguous(), v.contiguous(), r2.contiguous(), ell2.contiguous(), la, layout.cu,
-            layout.chunk_first, P0.contiguous(), w, kw, vu, g, var, P, ck, failed,
+            layout.chunk_first, P0.to(kdt).contiguous(), w, kw, vu, g, var, P, ck, failed,
             H=Hf, D=D, MV=MV, C=layout.C, DIAG=diag, WANT_VAR=want_var, SAVE_P=save_p,
-            KX=_exact_inputs(q, k, v, _precision(work, prec)), PREC=_precision(work, prec), INTERP=_interpreting(),
-            **tiles,
+            KX=_exact_inputs(q, k, v, PREC), PREC=PREC, INTERP=_interpreting(), **tiles,
         )
     return ChainForward(w, kw, vu, g, var if want_var else None, P, ck if save_p else None, failed != 0)
 
 
 def chain_backward(q, k, v, r2, ell2, log_alpha, layout: ChainLayout, checkpoints: torch.Tensor, *, dw, dkw, dvu,
-                   dvar=None, dP=None, prec: str | None = None) -> tuple[ScanGrads, torch.Tensor]:
+                   dvar=None, dP=None, prec: str | None = None,
+                   work: torch.dtype | None = None) -> tuple[ScanGrads, torch.Tensor]:
     """One launch of :func:`chain_backward_kernel`: the adjoint of :func:`chain_forward` on the same inputs.
 
     ``checkpoints``: the forward's per-chunk covariances (``save_p=True``).  Adjoints of the forward's outputs:
     ``dw``, ``dkw`` ``[NT, H', D]``, ``dvu`` ``[NT, H', m]`` (any float dtype), ``dvar`` ``[NT, H']`` or None,
-    ``dP`` ``[N, H', D, D]`` (the final covariance's) or None.  The adjoint of ``g`` (the mean pass's log-decay)
-    is not taken here: it is the log-decay's gradient already and adds to the returned ``log_alpha``.
+    ``dP`` ``[N, H', D, D]`` (the final covariance's) or None; ``prec`` and ``work`` (the working dtype, None: the
+    checkpoints') as the forward's.  The adjoint of ``g`` (the mean pass's log-decay) is not taken here: it is the
+    log-decay's gradient already and adds to the returned ``log_alpha``.
 
     Returns ``(ScanGrads, failed [N, H'])``, as the segment scan's backward: the gradients of the chain's inputs
-    (packed, the working dtype; ``q`` None without a variance adjoint; ``P0`` symmetrised) and the device-side
+    (packed, in ``work``; ``q`` None without a variance adjoint; ``P0`` symmetrised) and the device-side
     flags of the factorisations that met a pivot that was not positive."""
     _check_packed(q=q, k=k, v=v, log_alpha=log_alpha, dw=dw, dkw=dkw, dvu=dvu)
     NT, Hf, D = k.shape
     MV = v.shape[-1]
     N = layout.cu.numel() - 1
-    work = checkpoints.dtype
+    work = checkpoints.dtype if work is None else work
+    kdt, PREC = kernel_arithmetic(work, prec, q.dtype)
+    if checkpoints.dtype != kdt:
+        raise ValueError(f"checkpoints must be {kdt} for prec={prec!r}, {work} work and {q.dtype} inputs (what "
+                         f"chain_forward saves), got {checkpoints.dtype}")
     if tuple(checkpoints.shape) != (layout.n_checkpoints, Hf, D, D):
         raise ValueError(f"checkpoints must be [{layout.n_checkpoints}, {Hf}, {D}, {D}], got "
                          f"{tuple(checkpoints.shape)}")
@@ -1114,7 +1139,6 @@ def chain_backward(q, k, v, r2, ell2, log_alpha, layout: ChainLayout, checkpoint
             dvar.contiguous() if want_var else r2, dP.contiguous() if dP is not None else dP0,
             out["q"] if want_var else dP0, out["k"], out["v"], out["r2"], out["ell2"], out["log_alpha"], dP0, failed,
             H=Hf, D=D, MV=MV, C=layout.C, DIAG=diag, WANT_VAR=want_var, HAS_DPT=dP is not None,
-            KX=_exact_inputs(q, k, v, _precision(work, prec)), PREC=_precision(work, prec), INTERP=_interpreting(),
-            **tiles,
+            KX=_exact_inputs(q, k, v, PREC), PREC=PREC, INTERP=_interpreting(), **tiles,
         )
     return ScanGrads(P0=dP0, **out), failed != 0

@@ -206,8 +206,8 @@ def _scan_autograd(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, want_va
 class ChainSpec(NamedTuple):
     """The non-tensor arguments of :class:`ChainFunction`: the layout (:func:`.chain_triton.chain_layout`), whether
     the variance is returned, the dtype the mean pass reads ``W``, ``kw``, ``vu`` in (:func:`mean_operand_dtype`), the
-    mean pass's implementation (:func:`mean_pass_impl`) and the product precision of the chain kernels (None: their
-    default)."""
+    mean pass's implementation (:func:`mean_pass_impl`) and the chain kernels' arithmetic
+    (:data:`.chain_triton.PRECISIONS`; None: :func:`.chain_triton.default_precision` of q's dtype)."""
 
     layout: object
     want_var: bool
@@ -310,7 +310,7 @@ class ChainFunction(torch.autograd.Function):
         dq_m, dw, dkw, dvu, dla_m, dM0 = _mean_backward(spec, q, w, kw, vu, g, M0, cu, do, d_M)
         dvar = d_var if spec.want_var and d_var is not None and d_var.numel() > 0 else None
         gr, failed = chain_backward(q, k, v, r2, ell2, la, spec.layout, ck, dw=dw, dkw=dkw, dvu=dvu, dvar=dvar,
-                                    dP=d_P, prec=spec.prec)
+                                    dP=d_P, prec=spec.prec, work=work)
         ChainFunction.last_failed = failed
         dq = dq_m.to(work) if gr.q is None else dq_m.to(work) + gr.q
         return (None, None, dq, gr.k, gr.v, gr.r2, gr.ell2, gr.log_alpha + dla_m.to(work), dM0.to(work), gr.P0)
@@ -321,7 +321,7 @@ def chain_chunk(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, want_var, 
     :class:`ChainFunction`, unfold.  Returns ``(o [B, T, H, m], variance [B, T, H, G] or None, M, P)`` like
     :func:`_forward_triton`.  Reads nothing on the host beyond what validation reads (nothing with value checks off).
     """
-    from .chain_triton import chain_layout
+    from .chain_triton import chain_layout, default_precision
 
     B, T = q.shape[:2]
     grads = torch.is_grad_enabled() and any(
@@ -334,8 +334,10 @@ def chain_chunk(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, want_var, 
     dims, G = a["dims"], a["G"]
     la = a["la"] if a["diag"] else a["la"][..., None]
     layout = chain_layout(cu, B, T, chunk_size, q.device)
+    # the kernels' precision by the caller's dtype (grouped 16-bit inputs reach them as fp32 above)
     spec = ChainSpec(layout=layout, want_var=want_var, mean_dtype=mean_operand_dtype(dims.dtype),
-                     mean=mean_pass_impl(dims.dtype, q.device), prec=prec)
+                     mean=mean_pass_impl(dims.dtype, q.device),
+                     prec=default_precision(dims.dtype) if prec is None else prec)
     o, var, M, P = ChainFunction.apply(spec, cu, a["q"], a["k"], a["v"], a["r2"], a["ell2"], la, a["M"], a["P"])
     o = grp.unfold_values(o.reshape(B, T, a["Hf"], a["mg"]), G).to(dims.dtype)
     var_out = grp.unfold_per_token(var.reshape(B, T, a["Hf"]), G) if want_var else None
