@@ -401,12 +401,15 @@ def chain_precision_table(root: Path) -> str:
 
 def chain_compile_table(root: Path) -> str:
     """Registers, spills, shared memory and tensor-core instructions of the chain kernels compiled for sm_90 by
-    two Triton versions (``benchmarks/gpu.py --compile-only --kernels chain chainb``)."""
+    two Triton versions as bf16 inputs launch them (``benchmarks/gpu.py --compile-only --kernels chain chainb``),
+    and by the newest as fp32 inputs launch them (``--kernels chain64 chainb64``: float64 arithmetic)."""
     lines = [_row(["Triton", "kernel", "D", "decay", "registers", "spill B", "shared KiB", "tensor core"]),
              "|---|---|---|---|---|---|---|---|"]
-    names = {"chain": "forward", "chainb": "backward"}
-    for version in ("3.9", "3.6"):
-        rec = _load(root, f"results/sass/chain_compile_sm90_triton{version}.json")
+    names = {"chain": "forward", "chainb": "backward", "chain64": "forward, fp32 inputs (float64)",
+             "chainb64": "backward, fp32 inputs (float64)"}
+    for version, rel in (("3.9", "chain_compile_sm90_triton3.9"), ("3.6", "chain_compile_sm90_triton3.6"),
+                         ("3.9", "chain64_compile_sm90_triton3.9")):
+        rec = _load(root, f"results/sass/{rel}.json")
         for r in rec["rows"]:
             if "error" in r:
                 lines.append(_row([version, names[r["kernel"]], str(r["D"]), "diagonal" if r["diagonal"] else

@@ -161,6 +161,19 @@ def test_fp32_inputs_run_float64_arithmetic_below_the_scans_error():
         assert c <= 0.1 * s_ and c <= 0.1 * f, f"{name}: chain {c:.1e}, scan {s_:.1e}, chain fp32 {f:.1e}"
 
 
+def test_chain_refuses_an_unknown_precision_and_checkpoints_of_another_arithmetic():
+    from bayeslayer.ops.bayesian_layer import chain_triton
+
+    with pytest.raises(ValueError, match="prec must be one of"):
+        chain_triton.kernel_arithmetic(torch.float32, "fp8", torch.float32)
+    layout = chain_triton.chain_layout(None, 1, 4, 16, "cpu")
+    x = torch.zeros(4, 1, 16)
+    s = torch.zeros(4, 1)
+    ck = torch.zeros(layout.n_checkpoints, 1, 16, 16)  # fp32: what tf32x3, not the fp32 default "float64", saves
+    with pytest.raises(ValueError, match="checkpoints must be torch.float64"):
+        chain_triton.chain_backward(x, x, x, s, s, s[..., None], layout, ck, dw=x, dkw=x, dvu=x)
+
+
 def test_default_path_never_syncs_with_the_host(monkeypatch):
     """Forward and backward of the default path (``bl_chunk(backend="triton")``: the covariance chain, fla's mean
     pass and their backwards), fp32, value checks off: no ``Tensor.item``, ``bool(tensor)``, ``Tensor.tolist``,

@@ -1,9 +1,10 @@
 """The covariance chain on chip: one program per (sequence, head·group) for the whole sequence (docs/theory.md §5.2).
 
 :func:`chain_forward_kernel` is shaped like flash-linear-attention's ``chunk_gated_delta_rule_fwd_h``: a program
-loads its initial covariance ``P`` (``D×D``, fp32, or float64 for float64 inputs) once, keeps it in registers
-while it walks every chunk of its sequence in order, and writes only what the mean pass reads — nothing goes
-through global scratch inside the chunk loop and no barrier is needed.  Per chunk of ``C`` tokens (``g`` the
+loads its initial covariance ``P`` (``D×D``; float64 for fp32 and float64 inputs, fp32 for 16-bit ones:
+:func:`default_precision`) once, keeps it in registers while it walks every chunk of its sequence in order, and
+writes only what the mean pass reads — nothing goes through global scratch inside the chunk loop and no barrier
+is needed.  Per chunk of ``C`` tokens (``g`` the
 chunk-local cumulative log-decay, ``γ = e^g``, ``ρ_ij = e^{g_i − g_j}`` for ``i ≥ j``, ``b_j = Σ_{l≤j} ℓ_l² ρ_jl²``
 the process noise accrued in the chunk, ``K̃ = γ ⊙ K``)::
 
@@ -23,7 +24,7 @@ Every ``C×·`` quantity is held as ``C/BLK`` row blocks and every ``C×C`` one 
 (Triton tuples, indexed at compile time), so that the factorisation needs no slicing of register tiles.  Every
 product is a ``tl.dot`` in the precision ``PREC`` names (:func:`_dot`, :func:`_dotx`): ``"tf32x3"`` (three TF32
 tensor-core products of the split operands, fp32 accumulation), ``"bf16x3"`` (the same with bf16 halves), or
-``"ieee"`` (fp32 on CUDA cores; float64 always runs it, on the float64 tensor cores of sm_80+).  The splits are
+``"ieee"`` (fp32 on CUDA cores; float64 work always runs it, on the float64 tensor cores of sm_80+).  The splits are
 written out here rather than left to ``tl.dot``'s own ``input_precision`` so that Triton's interpreter, which
 ignores that argument, computes exactly the rounded operands a GPU multiplies; an operand the high part holds
 exactly (bf16 inputs) skips its low part's products.
