@@ -104,7 +104,8 @@ def measure(regime: str, decay: str, dtype: torch.dtype, args, seed: int) -> lis
             chain_triton.FP32_PRECISION, chain_triton.HALF_PRECISION = saved
         row = dict(regime=regime, decay=decay, dtype=str(dtype).replace("torch.", ""), seed=seed, path=path,
                    prec="ieee" if path == "scan" else prec,
-                   default=path == "chain" and prec == chain_triton.default_precision(dtype), **_errors(got, ref))
+                   default=path == "chain" and prec == chain_triton.default_precision(dtype, args.D),
+                   **_errors(got, ref))
         rows.append(row)
         print(f"{regime:8s} {decay:8s} {row['dtype']:8s} s{seed} {path:5s} {row['prec']:7s} | "
               + " ".join(f"{n} {row[n]:.1e}" for n in QUANTITIES) + f"  ({time.time() - t0:.0f} s)", flush=True)

@@ -1114,7 +1114,7 @@ def compile_only(args, save=None) -> list[dict]:
     # the default path: the covariance chain's forward and backward as bf16 inputs launch them (q, k, v bf16, the
     # mean pass's operands and the state fp32, the variance on, the backward's checkpoints kept)
     configs += [(k, D, g, False) for k in ("chain", "chainb") for D in args.D for g in (False, True)]
-    # and as fp32 inputs launch them (float64 arithmetic, chain_triton.FP32_PRECISION)
+    # and in float64 arithmetic, as fp32 inputs launch them up to chain_triton.FLOAT64_MAX_HEAD_DIM
     configs += [(k, D, g, False) for k in ("chain64", "chainb64") for D in args.D for g in (False, True)]
     configs = [c for c in configs if not args.kernels or c[0] in args.kernels]
     prep_names = ["PG", "PB", "PBASE", "PQN", "chunk_first"]
@@ -1173,10 +1173,13 @@ def compile_only(args, save=None) -> list[dict]:
 
             tiles = tchain.launch_options(D, D, CHAIN_CHUNK_SIZE)
             nw, stages = tiles.pop("num_warps"), tiles.pop("num_stages")
-            # chain/chainb: as bf16 inputs launch them; chain64/chainb64: as fp32 inputs do (the default "float64":
-            # the state and the checkpoints float64, IEEE products; the mean pass's operands and the outputs fp32)
-            inputs = torch.float32 if kernel.endswith("64") else torch.bfloat16
-            _, prec = tchain.kernel_arithmetic(torch.float32, None, inputs)
+            # chain/chainb: as bf16 inputs launch them; chain64/chainb64: as fp32 inputs do up to
+            # chain_triton.FLOAT64_MAX_HEAD_DIM ("float64": the state and the checkpoints float64, IEEE products; the
+            # mean pass's operands and the outputs fp32)
+            if kernel.endswith("64"):
+                _, prec = tchain.kernel_arithmetic(torch.float32, "float64", torch.float32, D)
+            else:
+                _, prec = tchain.kernel_arithmetic(torch.float32, None, torch.bfloat16, D)
             consts = dict(H=16, D=D, MV=D, C=CHAIN_CHUNK_SIZE, DIAG=diag, WANT_VAR=True,
                           KX=not kernel.endswith("64"), PREC=prec, INTERP=False, **tiles)
             bf16 = () if kernel.endswith("64") else ("Q", "K", "V")

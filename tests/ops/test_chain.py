@@ -121,7 +121,7 @@ def test_chain_grid_fp64(case):
 
 
 def test_fp32_inputs_run_float64_arithmetic_below_the_scans_error():
-    """fp32 inputs: the chain computes in float64 (chosen by the dtype, statically), so on the stress regime of
+    """fp32 inputs: the chain computes in float64 (chosen by dtype and D, statically), so on the stress regime of
     docs/theory.md §6.6 its error against float64 is far below the fp32 segment scan's and below the chain's own
     error with fp32 arithmetic (IEEE products), in the outputs, the state and the gradients (margins of 10× and
     more: ``benchmarks/chain_precision.py`` measures 3-300×); bf16 inputs keep tensor-core products."""
@@ -131,10 +131,12 @@ def test_fp32_inputs_run_float64_arithmetic_below_the_scans_error():
 
     from .scan_inputs import regime_inputs
 
-    assert chain_triton.default_precision(torch.float32) == "float64"
-    assert chain_triton.default_precision(torch.bfloat16) == chain_triton.default_precision(torch.float16) == "tf32x3"
-    assert chain_triton.kernel_arithmetic(torch.float32, None, torch.float32) == (torch.float64, "ieee")
-    assert chain_triton.kernel_arithmetic(torch.float32, None, torch.bfloat16) == (torch.float32, "tf32x3")
+    assert chain_triton.default_precision(torch.float32, 64) == "float64"
+    assert chain_triton.default_precision(torch.float32, 128) == "tf32x3"  # the float64 backward's shared memory
+    for dt in (torch.bfloat16, torch.float16):
+        assert chain_triton.default_precision(dt, 16) == chain_triton.default_precision(dt, 128) == "tf32x3"
+    assert chain_triton.kernel_arithmetic(torch.float32, None, torch.float32, 16) == (torch.float64, "ieee")
+    assert chain_triton.kernel_arithmetic(torch.float32, None, torch.bfloat16, 16) == (torch.float32, "tf32x3")
     xs = regime_inputs("stress", 1, 64, 1, 16, 8, seed=3)
     p0 = torch.eye(16, dtype=torch.float64)[None, None] * 0.5
     m0 = torch.zeros(1, 1, 16, 8, dtype=torch.float64)
@@ -165,7 +167,7 @@ def test_chain_refuses_an_unknown_precision_and_checkpoints_of_another_arithmeti
     from bayeslayer.ops.bayesian_layer import chain_triton
 
     with pytest.raises(ValueError, match="prec must be one of"):
-        chain_triton.kernel_arithmetic(torch.float32, "fp8", torch.float32)
+        chain_triton.kernel_arithmetic(torch.float32, "fp8", torch.float32, 16)
     layout = chain_triton.chain_layout(None, 1, 4, 16, "cpu")
     x = torch.zeros(4, 1, 16)
     s = torch.zeros(4, 1)

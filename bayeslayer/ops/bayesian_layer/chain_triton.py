@@ -1,10 +1,10 @@
 """The covariance chain on chip: one program per (sequence, head·group) for the whole sequence (docs/theory.md §5.2).
 
 :func:`chain_forward_kernel` is shaped like flash-linear-attention's ``chunk_gated_delta_rule_fwd_h``: a program
-loads its initial covariance ``P`` (``D×D``; float64 for fp32 and float64 inputs, fp32 for 16-bit ones:
-:func:`default_precision`) once, keeps it in registers while it walks every chunk of its sequence in order, and
-writes only what the mean pass reads — nothing goes through global scratch inside the chunk loop and no barrier
-is needed.  Per chunk of ``C`` tokens (``g`` the
+loads its initial covariance ``P`` (``D×D``; float64 for float64 inputs and fp32 ones up to D = 64, fp32
+otherwise: :func:`default_precision`) once, keeps it in registers while it walks every chunk of its sequence in
+order, and writes only what the mean pass reads — nothing goes through global scratch inside the chunk loop and no
+barrier is needed.  Per chunk of ``C`` tokens (``g`` the
 chunk-local cumulative log-decay, ``γ = e^g``, ``ρ_ij = e^{g_i − g_j}`` for ``i ≥ j``, ``b_j = Σ_{l≤j} ℓ_l² ρ_jl²``
 the process noise accrued in the chunk, ``K̃ = γ ⊙ K``)::
 
@@ -943,8 +943,11 @@ def _interpreting() -> bool:
 # the chunk step's error (S's factorisation and L⁻¹'s products, ill-conditioned when a chunk's keys are nearly
 # dependent) is of the fp32 segment scan's order whatever the product precision.  "tf32x3", "bf16x3", "ieee":
 # fp32 work, every product split into TF32 or bf16 parts on tensor cores, or one IEEE fp32 product.
-FP32_PRECISION = "float64"  # fp32 inputs
-HALF_PRECISION = "tf32x3"  # bf16 and fp16 inputs: tensor-core products of fp32 work
+# Compiled for sm_90, the float64 backward needs 256 KiB of shared memory at D = 128, more than an H100/H200 has
+# (results/sass/chain64_compile_sm90_triton3.9.json): above FLOAT64_MAX_HEAD_DIM fp32 inputs keep HALF_PRECISION.
+FP32_PRECISION = "float64"  # fp32 inputs with D ≤ FLOAT64_MAX_HEAD_DIM
+HALF_PRECISION = "tf32x3"  # bf16 and fp16 inputs (and fp32 ones with larger D): tensor-core products of fp32 work
+FLOAT64_MAX_HEAD_DIM = 64
 PRECISIONS = ("float64", "tf32x3", "bf16x3", "ieee")
 CHUNK_SIZES = (16, 32, 64)
 
@@ -992,20 +995,20 @@ def _check_packed(**xs):
                              f"{tuple(x.shape)} on {x.device}")
 
 
-def default_precision(dtype: torch.dtype) -> str:
-    """The chain kernels' precision for inputs of ``dtype`` (:data:`PRECISIONS`): chosen statically, by the dtype
-    alone, never by reading the data (no host sync)."""
+def default_precision(dtype: torch.dtype, D: int) -> str:
+    """The chain kernels' precision (:data:`PRECISIONS`) for inputs of ``dtype`` and key dim ``D``: chosen
+    statically, by dtype and shape, never by reading the data (no host sync)."""
     if dtype == torch.float64:
         return "ieee"
-    return FP32_PRECISION if dtype == torch.float32 else HALF_PRECISION
+    return FP32_PRECISION if dtype == torch.float32 and D <= FLOAT64_MAX_HEAD_DIM else HALF_PRECISION
 
 
-def kernel_arithmetic(work: torch.dtype, prec: str | None, inputs: torch.dtype) -> tuple[torch.dtype, str]:
+def kernel_arithmetic(work: torch.dtype, prec: str | None, inputs: torch.dtype, D: int) -> tuple[torch.dtype, str]:
     """``(the dtype the kernels compute in, their product precision PREC)`` for the caller's working dtype
-    ``work`` (fp32 or float64), ``prec`` (None: :func:`default_precision` of the ``inputs`` dtype)."""
+    ``work`` (fp32 or float64), ``prec`` (None: :func:`default_precision` of the ``inputs`` dtype and ``D``)."""
     if work == torch.float64:
         return torch.float64, "ieee"
-    prec = default_precision(inputs) if prec is None else prec
+    prec = default_precision(inputs, D) if prec is None else prec
     if prec not in PRECISIONS:
         raise ValueError(f"prec must be one of {PRECISIONS}, got {prec!r}")
     if prec == "float64":
@@ -1059,8 +1062,8 @@ def chain_forward(q, k, v, r2, ell2, log_alpha, P0, layout: ChainLayout, *, want
     Packed inputs (any float dtype; the kernel casts on load): q, k ``[NT, H', D]``, v ``[NT, H', m]``, r2, ell2
     ``[NT, H']``, log_alpha ``[NT, H', 1]`` (scalar decay) or ``[NT, H', D]``; ``P0`` ``[N, H', D, D]`` in the
     working dtype (fp32, or float64 for float64 work), which the outputs but ``checkpoints`` are returned in.
-    ``prec``: the arithmetic of fp32 work (:data:`PRECISIONS`; None: :func:`default_precision` of q's dtype; float64
-    work always runs IEEE); with ``"float64"`` the checkpoints are float64.  Reads nothing on the host.
+    ``prec``: the arithmetic of fp32 work (:data:`PRECISIONS`; None: :func:`default_precision` of q's dtype and D;
+    float64 work always runs IEEE); with ``"float64"`` the checkpoints are float64.  Reads nothing on the host.
     """
     _check_packed(q=q, k=k, v=v, log_alpha=log_alpha)
     NT, Hf, D = k.shape
@@ -1074,7 +1077,7 @@ def chain_forward(q, k, v, r2, ell2, log_alpha, P0, layout: ChainLayout, *, want
     diag = log_alpha.shape[-1] > 1
     tiles = launch_options(D, MV, layout.C)
     dev = k.device
-    kdt, PREC = kernel_arithmetic(work, prec, q.dtype)
+    kdt, PREC = kernel_arithmetic(work, prec, q.dtype, D)
     w = torch.empty(NT, Hf, D, dtype=out_dtype, device=dev)
     kw = torch.empty(NT, Hf, D, dtype=out_dtype, device=dev)
     vu = torch.empty(NT, Hf, MV, dtype=out_dtype, device=dev)
@@ -1113,7 +1116,7 @@ def chain_backward(q, k, v, r2, ell2, log_alpha, layout: ChainLayout, checkpoint
     MV = v.shape[-1]
     N = layout.cu.numel() - 1
     work = checkpoints.dtype if work is None else work
-    kdt, PREC = kernel_arithmetic(work, prec, q.dtype)
+    kdt, PREC = kernel_arithmetic(work, prec, q.dtype, D)
     if checkpoints.dtype != kdt:
         raise ValueError(f"checkpoints must be {kdt} for prec={prec!r}, {work} work and {q.dtype} inputs (what "
                          f"chain_forward saves), got {checkpoints.dtype}")

@@ -207,7 +207,7 @@ class ChainSpec(NamedTuple):
     """The non-tensor arguments of :class:`ChainFunction`: the layout (:func:`.chain_triton.chain_layout`), whether
     the variance is returned, the dtype the mean pass reads ``W``, ``kw``, ``vu`` in (:func:`mean_operand_dtype`), the
     mean pass's implementation (:func:`mean_pass_impl`) and the chain kernels' arithmetic
-    (:data:`.chain_triton.PRECISIONS`; None: :func:`.chain_triton.default_precision` of q's dtype)."""
+    (:data:`.chain_triton.PRECISIONS`; None: :func:`.chain_triton.default_precision` of q's dtype and D)."""
 
     layout: object
     want_var: bool
@@ -337,7 +337,7 @@ def chain_chunk(q, k, v, r2, ell2, alpha, p0, M0, P0, cu, chunk_size, want_var, 
     # the kernels' precision by the caller's dtype (grouped 16-bit inputs reach them as fp32 above)
     spec = ChainSpec(layout=layout, want_var=want_var, mean_dtype=mean_operand_dtype(dims.dtype),
                      mean=mean_pass_impl(dims.dtype, q.device),
-                     prec=default_precision(dims.dtype) if prec is None else prec)
+                     prec=default_precision(dims.dtype, dims.D) if prec is None else prec)
     o, var, M, P = ChainFunction.apply(spec, cu, a["q"], a["k"], a["v"], a["r2"], a["ell2"], la, a["M"], a["P"])
     o = grp.unfold_values(o.reshape(B, T, a["Hf"], a["mg"]), G).to(dims.dtype)
     var_out = grp.unfold_per_token(var.reshape(B, T, a["Hf"]), G) if want_var else None
