@@ -369,10 +369,10 @@ def chain_precision_table(root: Path) -> str:
     the record's seeds; and in how many (quantity, seed) pairs the chain's default is at or below the scan."""
     rec = _load(root, "results/gpu/chain_precision.json")
     outs, grads = ("o", "variance", "M", "P"), ("dq", "dk", "dv", "dr2", "dell2", "dalpha", "dM0", "dP0")
-    precs = ("float64", "tf32x3", "bf16x3", "ieee")
     names = {"float64": "float64", "tf32x3": "tf32x3", "bf16x3": "bf16x3", "ieee": "IEEE"}
+    precs = [p for p in names if any(r["path"] == "chain" and r["prec"] == p for r in rec["rows"])]
     lines = [_row(["regime", "decay", "inputs", "scan (IEEE)", *(f"chain {names[p]}" for p in precs),
-                   "default ≤ scan"]), "|---|---|---|---|---|---|---|---|---|"]
+                   "default ≤ scan"]), "|" + "---|" * (5 + len(precs))]
     worst: dict = {}
     by_seed: dict = {}
     defaults: dict = {}
@@ -405,8 +405,7 @@ def chain_compile_table(root: Path) -> str:
     and by the newest as fp32 inputs launch them (``--kernels chain64 chainb64``: float64 arithmetic)."""
     lines = [_row(["Triton", "kernel", "D", "decay", "registers", "spill B", "shared KiB", "tensor core"]),
              "|---|---|---|---|---|---|---|---|"]
-    names = {"chain": "forward", "chainb": "backward", "chain64": "forward, fp32 inputs (float64)",
-             "chainb64": "backward, fp32 inputs (float64)"}
+    names = {"chain": "forward", "chainb": "backward", "chain64": "forward, float64", "chainb64": "backward, float64"}
     for version, rel in (("3.9", "chain_compile_sm90_triton3.9"), ("3.6", "chain_compile_sm90_triton3.6"),
                          ("3.9", "chain64_compile_sm90_triton3.9")):
         rec = _load(root, f"results/sass/{rel}.json")
