@@ -119,7 +119,7 @@ def test_the_loop_keeps_step_seconds_across_a_resume(tmp_path):
     assert rest.step_seconds > first.step_seconds
 
 
-@pytest.mark.parametrize("mode", ["flops", "time"])
+@pytest.mark.parametrize("mode", ["flops", pytest.param("time", marks=pytest.mark.slow)])
 def test_crowding_command(tmp_path, mode):
     out = tmp_path / mode
     assert cli_main(["crowding", "--preset", "tiny", "--models", "bayesian", "delta", "--compute-match", mode,
@@ -164,7 +164,7 @@ def test_recall_command_refuses_time_without_the_reference(tmp_path, capsys):
 
 
 # -- MQAR ----------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("mode", ["flops", "time"])
+@pytest.mark.parametrize("mode", ["flops", pytest.param("time", marks=pytest.mark.slow)])
 def test_mqar_update_hybrid_command(tmp_path, mode):
     out = tmp_path / mode
     assert cli_main(["mqar", "update", "--preset", "tiny", "--layout", "hybrid", "--mixers", "gated_deltanet",

@@ -195,6 +195,7 @@ def test_a_two_rank_checkpoint_resumes_on_four_ranks(two_ranks, setup, tmp_path)
         np.testing.assert_allclose(r["losses"], whole, rtol=1e-5)
 
 
+@pytest.mark.slow  # two ranks of each kind stay in the default run (this file, test_context_parallel.py)
 def test_four_ranks_shard_times_context_parallel_like_one_process_float64(tmp_path):
     """4 ranks on one (dp 2 × cp 2) mesh: every window split along T over a context-parallel pair, the parameters
     sharded over all four ranks."""
