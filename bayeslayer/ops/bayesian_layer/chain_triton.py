@@ -431,20 +431,23 @@ def _rows_of(X, toks, vals, i_h, cols, H: tl.constexpr, N: tl.constexpr, NB: tl.
 def _factor(ks, P, r2s, gs, gls, bs, r, NB: tl.constexpr, DIAG: tl.constexpr, KX: tl.constexpr, PREC: tl.constexpr,
             INTERP: tl.constexpr):
     """``S = K̃PK̃ᵀ + sym(N) + diag(r²)`` factored ``L diag(d) Lᵀ`` on ``BLK × BLK`` pivots, left-looking (block row by
-    block row); ``Y = K̃P`` is formed one row block at a time and dropped.
+    block row); ``Y = K̃P`` is formed one row block at a time.
 
-    Returns ``(M, d, failed pivots)``: ``M = L⁻¹`` as a flat tuple of its lower blocks (block ``(I, J)``,
+    Returns ``(M, d, failed pivots, Y)``: ``M = L⁻¹`` as a flat tuple of its lower blocks (block ``(I, J)``,
     ``J ≤ I``, at ``I(I+1)/2 + J``; written out at every index, since Triton 3.6 does not carry a jit function's
-    constant result into a tuple index), ``d`` a tuple of pivot vectors (clamped at r²).  ``L`` itself is not
-    kept: everything downstream reads ``M``."""
+    constant result into a tuple index), ``d`` a tuple of pivot vectors (clamped at r²), the failed pivots and the
+    row blocks of ``Y`` (:func:`_my` and the backward's ``S̄K̃P`` read them).  ``L`` itself is not kept: everything
+    downstream reads ``M``."""
     eye = r[:, None] == r[None, :]
     strict = r[:, None] > r[None, :]
     Lt = ()
     Mt = ()
     ds = ()
+    ys = ()
     fail = tl.sum(tl.zeros(r.shape, dtype=tl.int32), axis=0)
     for I in tl.static_range(NB):
         y = _kt_p(ks[I], gs[I], P, DIAG, KX, PREC, INTERP)
+        ys = ys + (y,)
         for J in tl.static_range(I + 1):
             sb = _scores_b(ks[I], ks[J], bs[J], gs[I], gs[J], gls[J], I == J, DIAG, KX, KX, PREC, INTERP, r)
             if I == J:
@@ -467,7 +470,7 @@ def _factor(ks, P, r2s, gs, gls, bs, r, NB: tl.constexpr, DIAG: tl.constexpr, KX
                 acc += _dot(Lt[I * (I + 1) // 2 + m], Mt[m * (m + 1) // 2 + J], PREC, INTERP)
             Mt = Mt + (-_dot(Likk, acc, PREC, INTERP),)
         Mt = Mt + (Likk,)
-    return Mt, ds, fail
+    return Mt, ds, fail, ys
 
 
 @triton.jit
@@ -505,6 +508,17 @@ def _factor_adjoint(Mb, Mt, ds, betas, bbars, r, NB: tl.constexpr, PREC: tl.cons
                 rji += _dot(tl.trans(Mt[A * (A + 1) // 2 + J]), Ts[A * (A + 1) // 2 + I], PREC, INTERP)
             Sb = Sb + (0.5 * (rij + tl.trans(rji)),)
     return Sb
+
+
+@triton.jit
+def _my(Mt, ys, I: tl.constexpr, PREC: tl.constexpr, INTERP: tl.constexpr):
+    """Row block ``I`` of ``Z = M Y = kw P`` from the row blocks of ``Y = K̃P`` that :func:`_factor` formed: products
+    over the chunk's tokens (``BLK``) instead of over the key dim, whose ``BLK × BD`` operand every warp of a
+    ``mma.sync`` product holds in registers (at D = 128 the difference between fitting and spilling more)."""
+    z = _dot(Mt[I * (I + 1) // 2 + 0], ys[0], PREC, INTERP)
+    for J in tl.static_range(1, I + 1):
+        z += _dot(Mt[I * (I + 1) // 2 + J], ys[J], PREC, INTERP)
+    return z
 
 
 @triton.jit
@@ -556,7 +570,7 @@ def chain_forward_kernel(
             tl.store(PCK + ((ck0 + c) * H + i_h) * D * D + od[:, None] * D + od[None, :], P, mask=pmask)
         toks, vals, r2s, l2s, gs, gls, bs, g_end, b_end = _chunk_inputs(
             R2, ELL2, LA, bos + c * C, eos, i_h, r, od, H, D, NB, DIAG, dt)
-        Mt, ds, f = _factor(_rows_of(K, toks, vals, i_h, od, H, D, NB, dt), P, r2s, gs, gls, bs, r, NB, DIAG, KX,
+        Mt, ds, f, ys = _factor(_rows_of(K, toks, vals, i_h, od, H, D, NB, dt), P, r2s, gs, gls, bs, r, NB, DIAG, KX,
                             PREC, INTERP)
         fail += f
         # a failed pivot poisons the chain: from its chunk on, every output of this (sequence, head) is NaN
@@ -572,7 +586,8 @@ def chain_forward_kernel(
         us = ()
         betas = ()
         for I in tl.static_range(NB):
-            # kw = M K̃, U = γ ⊙ (kw P) + mix(M, bK), vu = M V
+            # kw = M K̃, U = γ ⊙ (kw P) + mix(M, bK), vu = M V; at D > 64 kw P is formed as M Y (:func:`_my`),
+            # which spills less there; at D ≤ 64 the product over D compiles without spilling and is kept
             kw = _m_kt(Mt[I * (I + 1) // 2 + 0], ks[0], gs[0], DIAG, KX, PREC, INTERP)
             vu = _dotx(Mt[I * (I + 1) // 2 + 0], vs[0], False, KX, PREC, INTERP)
             mx = _mix_b(Mt[I * (I + 1) // 2 + 0], ks[0], bs[0], gs[I], gs[0], gls[0], I == 0, DIAG, KX, PREC, INTERP, r)
@@ -581,7 +596,11 @@ def chain_forward_kernel(
                 kw += _m_kt(mij, ks[J], gs[J], DIAG, KX, PREC, INTERP)
                 vu += _dotx(mij, vs[J], False, KX, PREC, INTERP)
                 mx += _mix_b(mij, ks[J], bs[J], gs[I], gs[J], gls[J], I == J, DIAG, KX, PREC, INTERP, r)
-            u = (tl.exp(_rs(gs[I], DIAG)) * _dot(kw, P, PREC, INTERP) + mx) * poison
+            if BD > 64:
+                z = _my(Mt, ys, I, PREC, INTERP)
+            else:
+                z = _dot(kw, P, PREC, INTERP)
+            u = (tl.exp(_rs(gs[I], DIAG)) * z + mx) * poison
             beta = 1.0 / ds[I]
             tok = toks[I]
             valid = vals[I]
@@ -718,7 +737,7 @@ def chain_backward_kernel(
         toks, vals, r2s, l2s, gs, gls, bs, g_end, b_end = _chunk_inputs(
             R2, ELL2, LA, bos + c * C, eos, i_h, r, od, H, D, NB, DIAG, dt)
         # ---- replay the chunk: S, its factors (only M = L⁻¹ and d are kept), kw = M K̃, U ----
-        Mt, ds, f = _factor(_rows_of(K, toks, vals, i_h, od, H, D, NB, dt), P, r2s, gs, gls, bs, r, NB, DIAG, KX,
+        Mt, ds, f, ys = _factor(_rows_of(K, toks, vals, i_h, od, H, D, NB, dt), P, r2s, gs, gls, bs, r, NB, DIAG, KX,
                             PREC, INTERP)
         fail += f
         poison = tl.where(fail > 0, float("nan"), 1.0)
@@ -734,7 +753,7 @@ def chain_backward_kernel(
                 kw += _m_kt(mij, ks[J], gs[J], DIAG, KX, PREC, INTERP)
                 mx += _mix_b(mij, ks[J], bs[J], gs[I], gs[J], gls[J], I == J, DIAG, KX, PREC, INTERP, r)
             kws = kws + (kw,)
-            us = us + (tl.exp(_rs(gs[I], DIAG)) * _dot(kw, P, PREC, INTERP) + mx,)
+            us = us + (tl.exp(_rs(gs[I], DIAG)) * _my(Mt, ys, I, PREC, INTERP) + mx,)
             betas = betas + (1.0 / ds[I],)
         # ---- the adjoint of P' = sym(Φ_C P Φ_C + diag(b_C) − Ueᵀ diag(β) Ue) ----
         Gs = 0.5 * (dP + tl.trans(dP)) * poison
@@ -848,8 +867,10 @@ def chain_backward_kernel(
         Sb = _factor_adjoint(Mb, Mt, ds, betas, bbars, r, NB, PREC, INTERP)
         # ---- S = K̃ P K̃ᵀ + sym(N) + diag(r²) ----
         xs = ()
+        xys = ()
         for _I in tl.static_range(NB):
             xs = xs + (tl.zeros([BLK, BD], dtype=dt),)
+            xys = xys + (tl.zeros([BLK, BD], dtype=dt),)
         for I in tl.static_range(NB):
             for J in tl.static_range(I + 1):
                 sb = Sb[I * (I + 1) // 2 + J]
@@ -857,10 +878,13 @@ def chain_backward_kernel(
                     tl.store(DR2 + toks[I] * H + i_h, tl.sum(tl.where(eye, sb, 0.0), axis=1).to(DR2.dtype.element_ty),
                              mask=vals[I])
                     xs = _add(xs, I, _m_kt(sb, ks[I], gs[I], DIAG, KX, PREC, INTERP))
+                    xys = _add(xys, I, _dot(sb, ys[I], PREC, INTERP))
                     dn = tl.where(strict, 2.0 * sb, tl.where(eye, sb, 0.0))
                 else:
                     xs = _add(xs, I, _m_kt(sb, ks[J], gs[J], DIAG, KX, PREC, INTERP))
                     xs = _add(xs, J, _m_kt(tl.trans(sb), ks[I], gs[I], DIAG, KX, PREC, INTERP))
+                    xys = _add(xys, I, _dot(sb, ys[J], PREC, INTERP))
+                    xys = _add(xys, J, _dot(tl.trans(sb), ys[I], PREC, INTERP))
                     dn = 2.0 * sb
                 xk = _mix_b(dn, ks[J], bs[J], gs[I], gs[J], gls[J], I == J, DIAG, KX, PREC, INTERP, r)
                 xb = _mix_t(dn, ks[I], gs[I], gs[J], gls[J], I == J, DIAG, KX, PREC, INTERP, r)
@@ -871,9 +895,9 @@ def chain_backward_kernel(
                 dGs = _add(dGs, I, _chs(ks[I] * xk, DIAG))
                 dGs = _add(dGs, J, -_chs(bb * ks[J] * xb, DIAG))
         for I in tl.static_range(NB):
-            # S = K̃ P K̃ᵀ: dK̃ += 2 S̄ K̃ P, dP += K̃ᵀ S̄ K̃
+            # S = K̃ P K̃ᵀ: dK̃ += 2 S̄ K̃ P (= 2 S̄ Y: products over the chunk, not over D), dP += K̃ᵀ S̄ K̃
             gam = tl.exp(_rs(gs[I], DIAG))
-            dkt = 2.0 * _dot(xs[I], P, PREC, INTERP)
+            dkt = 2.0 * xys[I]
             dks = _add(dks, I, gam * dkt)
             dGs = _add(dGs, I, _chs(dkt * gam * ks[I], DIAG))
             dPs += _ktt_x(ks[I], gs[I], xs[I], DIAG, KX, PREC, INTERP)
