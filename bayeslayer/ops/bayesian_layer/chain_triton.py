@@ -436,7 +436,7 @@ def _factor(ks, P, r2s, gs, gls, bs, r, NB: tl.constexpr, DIAG: tl.constexpr, KX
     Returns ``(M, d, failed pivots, Y)``: ``M = L⁻¹`` as a flat tuple of its lower blocks (block ``(I, J)``,
     ``J ≤ I``, at ``I(I+1)/2 + J``; written out at every index, since Triton 3.6 does not carry a jit function's
     constant result into a tuple index), ``d`` a tuple of pivot vectors (clamped at r²), the failed pivots and the
-    row blocks of ``Y`` (:func:`_my` and the backward's ``S̄K̃P`` read them).  ``L`` itself is not kept: everything
+    row blocks of ``Y`` (:func:`_my` reads them).  ``L`` itself is not kept: everything
     downstream reads ``M``."""
     eye = r[:, None] == r[None, :]
     strict = r[:, None] > r[None, :]
@@ -514,7 +514,7 @@ def _factor_adjoint(Mb, Mt, ds, betas, bbars, r, NB: tl.constexpr, PREC: tl.cons
 def _my(Mt, ys, I: tl.constexpr, PREC: tl.constexpr, INTERP: tl.constexpr):
     """Row block ``I`` of ``Z = M Y = kw P`` from the row blocks of ``Y = K̃P`` that :func:`_factor` formed: products
     over the chunk's tokens (``BLK``) instead of over the key dim, whose ``BLK × BD`` operand every warp of a
-    ``mma.sync`` product holds in registers (at D = 128 the difference between fitting and spilling more)."""
+    ``mma.sync`` product holds in registers: at D = 128 the forward spills less this way."""
     z = _dot(Mt[I * (I + 1) // 2 + 0], ys[0], PREC, INTERP)
     for J in tl.static_range(1, I + 1):
         z += _dot(Mt[I * (I + 1) // 2 + J], ys[J], PREC, INTERP)
@@ -737,8 +737,8 @@ def chain_backward_kernel(
         toks, vals, r2s, l2s, gs, gls, bs, g_end, b_end = _chunk_inputs(
             R2, ELL2, LA, bos + c * C, eos, i_h, r, od, H, D, NB, DIAG, dt)
         # ---- replay the chunk: S, its factors (only M = L⁻¹ and d are kept), kw = M K̃, U ----
-        Mt, ds, f, ys = _factor(_rows_of(K, toks, vals, i_h, od, H, D, NB, dt), P, r2s, gs, gls, bs, r, NB, DIAG, KX,
-                            PREC, INTERP)
+        Mt, ds, f, _ys = _factor(_rows_of(K, toks, vals, i_h, od, H, D, NB, dt), P, r2s, gs, gls, bs, r, NB, DIAG,
+                                 KX, PREC, INTERP)
         fail += f
         poison = tl.where(fail > 0, float("nan"), 1.0)
         ks = _rows_of(K, toks, vals, i_h, od, H, D, NB, dt)
@@ -753,7 +753,7 @@ def chain_backward_kernel(
                 kw += _m_kt(mij, ks[J], gs[J], DIAG, KX, PREC, INTERP)
                 mx += _mix_b(mij, ks[J], bs[J], gs[I], gs[J], gls[J], I == J, DIAG, KX, PREC, INTERP, r)
             kws = kws + (kw,)
-            us = us + (tl.exp(_rs(gs[I], DIAG)) * _my(Mt, ys, I, PREC, INTERP) + mx,)
+            us = us + (tl.exp(_rs(gs[I], DIAG)) * _dot(kw, P, PREC, INTERP) + mx,)
             betas = betas + (1.0 / ds[I],)
         # ---- the adjoint of P' = sym(Φ_C P Φ_C + diag(b_C) − Ueᵀ diag(β) Ue) ----
         Gs = 0.5 * (dP + tl.trans(dP)) * poison
@@ -867,10 +867,8 @@ def chain_backward_kernel(
         Sb = _factor_adjoint(Mb, Mt, ds, betas, bbars, r, NB, PREC, INTERP)
         # ---- S = K̃ P K̃ᵀ + sym(N) + diag(r²) ----
         xs = ()
-        xys = ()
         for _I in tl.static_range(NB):
             xs = xs + (tl.zeros([BLK, BD], dtype=dt),)
-            xys = xys + (tl.zeros([BLK, BD], dtype=dt),)
         for I in tl.static_range(NB):
             for J in tl.static_range(I + 1):
                 sb = Sb[I * (I + 1) // 2 + J]
@@ -878,13 +876,10 @@ def chain_backward_kernel(
                     tl.store(DR2 + toks[I] * H + i_h, tl.sum(tl.where(eye, sb, 0.0), axis=1).to(DR2.dtype.element_ty),
                              mask=vals[I])
                     xs = _add(xs, I, _m_kt(sb, ks[I], gs[I], DIAG, KX, PREC, INTERP))
-                    xys = _add(xys, I, _dot(sb, ys[I], PREC, INTERP))
                     dn = tl.where(strict, 2.0 * sb, tl.where(eye, sb, 0.0))
                 else:
                     xs = _add(xs, I, _m_kt(sb, ks[J], gs[J], DIAG, KX, PREC, INTERP))
                     xs = _add(xs, J, _m_kt(tl.trans(sb), ks[I], gs[I], DIAG, KX, PREC, INTERP))
-                    xys = _add(xys, I, _dot(sb, ys[J], PREC, INTERP))
-                    xys = _add(xys, J, _dot(tl.trans(sb), ys[I], PREC, INTERP))
                     dn = 2.0 * sb
                 xk = _mix_b(dn, ks[J], bs[J], gs[I], gs[J], gls[J], I == J, DIAG, KX, PREC, INTERP, r)
                 xb = _mix_t(dn, ks[I], gs[I], gs[J], gls[J], I == J, DIAG, KX, PREC, INTERP, r)
@@ -895,9 +890,9 @@ def chain_backward_kernel(
                 dGs = _add(dGs, I, _chs(ks[I] * xk, DIAG))
                 dGs = _add(dGs, J, -_chs(bb * ks[J] * xb, DIAG))
         for I in tl.static_range(NB):
-            # S = K̃ P K̃ᵀ: dK̃ += 2 S̄ K̃ P (= 2 S̄ Y: products over the chunk, not over D), dP += K̃ᵀ S̄ K̃
+            # S = K̃ P K̃ᵀ: dK̃ += 2 S̄ K̃ P, dP += K̃ᵀ S̄ K̃
             gam = tl.exp(_rs(gs[I], DIAG))
-            dkt = 2.0 * xys[I]
+            dkt = 2.0 * _dot(xs[I], P, PREC, INTERP)
             dks = _add(dks, I, gam * dkt)
             dGs = _add(dGs, I, _chs(dkt * gam * ks[I], DIAG))
             dPs += _ktt_x(ks[I], gs[I], xs[I], DIAG, KX, PREC, INTERP)
