@@ -431,20 +431,23 @@ def _rows_of(X, toks, vals, i_h, cols, H: tl.constexpr, N: tl.constexpr, NB: tl.
 def _factor(ks, P, r2s, gs, gls, bs, r, NB: tl.constexpr, DIAG: tl.constexpr, KX: tl.constexpr, PREC: tl.constexpr,
             INTERP: tl.constexpr):
     """``S = K̃PK̃ᵀ + sym(N) + diag(r²)`` factored ``L diag(d) Lᵀ`` on ``BLK × BLK`` pivots, left-looking (block row by
-    block row); ``Y = K̃P`` is formed one row block at a time and dropped.
+    block row); ``Y = K̃P`` is formed one row block at a time.
 
-    Returns ``(M, d, failed pivots)``: ``M = L⁻¹`` as a flat tuple of its lower blocks (block ``(I, J)``,
+    Returns ``(M, d, failed pivots, Y)``: ``M = L⁻¹`` as a flat tuple of its lower blocks (block ``(I, J)``,
     ``J ≤ I``, at ``I(I+1)/2 + J``; written out at every index, since Triton 3.6 does not carry a jit function's
-    constant result into a tuple index), ``d`` a tuple of pivot vectors (clamped at r²).  ``L`` itself is not
-    kept: everything downstream reads ``M``."""
+    constant result into a tuple index), ``d`` a tuple of pivot vectors (clamped at r²), the failed pivots and the
+    row blocks of ``Y`` (:func:`_my` reads them).  ``L`` itself is not kept: everything
+    downstream reads ``M``."""
     eye = r[:, None] == r[None, :]
     strict = r[:, None] > r[None, :]
     Lt = ()
     Mt = ()
     ds = ()
+    ys = ()
     fail = tl.sum(tl.zeros(r.shape, dtype=tl.int32), axis=0)
     for I in tl.static_range(NB):
         y = _kt_p(ks[I], gs[I], P, DIAG, KX, PREC, INTERP)
+        ys = ys + (y,)
         for J in tl.static_range(I + 1):
             sb = _scores_b(ks[I], ks[J], bs[J], gs[I], gs[J], gls[J], I == J, DIAG, KX, KX, PREC, INTERP, r)
             if I == J:
@@ -467,7 +470,7 @@ def _factor(ks, P, r2s, gs, gls, bs, r, NB: tl.constexpr, DIAG: tl.constexpr, KX
                 acc += _dot(Lt[I * (I + 1) // 2 + m], Mt[m * (m + 1) // 2 + J], PREC, INTERP)
             Mt = Mt + (-_dot(Likk, acc, PREC, INTERP),)
         Mt = Mt + (Likk,)
-    return Mt, ds, fail
+    return Mt, ds, fail, ys
 
 
 @triton.jit
@@ -505,6 +508,17 @@ def _factor_adjoint(Mb, Mt, ds, betas, bbars, r, NB: tl.constexpr, PREC: tl.cons
                 rji += _dot(tl.trans(Mt[A * (A + 1) // 2 + J]), Ts[A * (A + 1) // 2 + I], PREC, INTERP)
             Sb = Sb + (0.5 * (rij + tl.trans(rji)),)
     return Sb
+
+
+@triton.jit
+def _my(Mt, ys, I: tl.constexpr, PREC: tl.constexpr, INTERP: tl.constexpr):
+    """Row block ``I`` of ``Z = M Y = kw P`` from the row blocks of ``Y = K̃P`` that :func:`_factor` formed: products
+    over the chunk's tokens (``BLK``) instead of over the key dim, whose ``BLK × BD`` operand every warp of a
+    ``mma.sync`` product holds in registers: at D = 128 the forward spills less this way."""
+    z = _dot(Mt[I * (I + 1) // 2 + 0], ys[0], PREC, INTERP)
+    for J in tl.static_range(1, I + 1):
+        z += _dot(Mt[I * (I + 1) // 2 + J], ys[J], PREC, INTERP)
+    return z
 
 
 @triton.jit
@@ -556,7 +570,7 @@ def chain_forward_kernel(
             tl.store(PCK + ((ck0 + c) * H + i_h) * D * D + od[:, None] * D + od[None, :], P, mask=pmask)
         toks, vals, r2s, l2s, gs, gls, bs, g_end, b_end = _chunk_inputs(
             R2, ELL2, LA, bos + c * C, eos, i_h, r, od, H, D, NB, DIAG, dt)
-        Mt, ds, f = _factor(_rows_of(K, toks, vals, i_h, od, H, D, NB, dt), P, r2s, gs, gls, bs, r, NB, DIAG, KX,
+        Mt, ds, f, ys = _factor(_rows_of(K, toks, vals, i_h, od, H, D, NB, dt), P, r2s, gs, gls, bs, r, NB, DIAG, KX,
                             PREC, INTERP)
         fail += f
         # a failed pivot poisons the chain: from its chunk on, every output of this (sequence, head) is NaN
@@ -572,7 +586,8 @@ def chain_forward_kernel(
         us = ()
         betas = ()
         for I in tl.static_range(NB):
-            # kw = M K̃, U = γ ⊙ (kw P) + mix(M, bK), vu = M V
+            # kw = M K̃, U = γ ⊙ (kw P) + mix(M, bK), vu = M V; at D > 64 kw P is formed as M Y (:func:`_my`),
+            # which spills less there; at D ≤ 64 the product over D compiles without spilling and is kept
             kw = _m_kt(Mt[I * (I + 1) // 2 + 0], ks[0], gs[0], DIAG, KX, PREC, INTERP)
             vu = _dotx(Mt[I * (I + 1) // 2 + 0], vs[0], False, KX, PREC, INTERP)
             mx = _mix_b(Mt[I * (I + 1) // 2 + 0], ks[0], bs[0], gs[I], gs[0], gls[0], I == 0, DIAG, KX, PREC, INTERP, r)
@@ -581,7 +596,11 @@ def chain_forward_kernel(
                 kw += _m_kt(mij, ks[J], gs[J], DIAG, KX, PREC, INTERP)
                 vu += _dotx(mij, vs[J], False, KX, PREC, INTERP)
                 mx += _mix_b(mij, ks[J], bs[J], gs[I], gs[J], gls[J], I == J, DIAG, KX, PREC, INTERP, r)
-            u = (tl.exp(_rs(gs[I], DIAG)) * _dot(kw, P, PREC, INTERP) + mx) * poison
+            if BD > 64:
+                z = _my(Mt, ys, I, PREC, INTERP)
+            else:
+                z = _dot(kw, P, PREC, INTERP)
+            u = (tl.exp(_rs(gs[I], DIAG)) * z + mx) * poison
             beta = 1.0 / ds[I]
             tok = toks[I]
             valid = vals[I]
@@ -718,8 +737,8 @@ def chain_backward_kernel(
         toks, vals, r2s, l2s, gs, gls, bs, g_end, b_end = _chunk_inputs(
             R2, ELL2, LA, bos + c * C, eos, i_h, r, od, H, D, NB, DIAG, dt)
         # ---- replay the chunk: S, its factors (only M = L⁻¹ and d are kept), kw = M K̃, U ----
-        Mt, ds, f = _factor(_rows_of(K, toks, vals, i_h, od, H, D, NB, dt), P, r2s, gs, gls, bs, r, NB, DIAG, KX,
-                            PREC, INTERP)
+        Mt, ds, f, _ys = _factor(_rows_of(K, toks, vals, i_h, od, H, D, NB, dt), P, r2s, gs, gls, bs, r, NB, DIAG,
+                                 KX, PREC, INTERP)
         fail += f
         poison = tl.where(fail > 0, float("nan"), 1.0)
         ks = _rows_of(K, toks, vals, i_h, od, H, D, NB, dt)

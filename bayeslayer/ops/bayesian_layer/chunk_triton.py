@@ -49,8 +49,8 @@ PATHS = tuple(RUN_ON_DEVICE)
 _WARNED: set[str] = set()
 
 #: the chunk size of the chain kernels, whatever ``chunk_size`` a call passes (the result does not depend on it
-#: beyond rounding): at 32 the forward and backward keep their working set on chip (compiled for sm_90, D = 64:
-#: docs/kernels.md, "Compiled for sm_90"); the C×C factorisation of 64-token chunks does not fit
+#: beyond rounding): 32, what the kernels were tuned for (compiled for sm_90: docs/kernels.md, "Compiled for
+#: sm_90"); the C×C factorisation of 64-token chunks does not fit the registers
 CHAIN_CHUNK_SIZE = 32
 #: a sequence this short is one segment of the scan (``scan.ONE_SEGMENT_MAX_T``): the scan could not split it
 SCAN_MIN_T = 4096
