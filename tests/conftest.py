@@ -113,3 +113,13 @@ def no_opt_einsum():
     would otherwise measure another contraction order."""
     with torch.backends.opt_einsum.flags(enabled=False):
         yield
+
+
+@pytest.fixture(scope="session")
+def two_rank_job(tmp_path_factory):
+    """The folder of the default suite's one two-rank gloo job (``tests/two_rank_job.py``), run once per test run:
+    under pytest-xdist the workers share the folder above their own temporary folders."""
+    from .two_rank_job import run_once
+
+    base = tmp_path_factory.getbasetemp()
+    return run_once(base.parent if "PYTEST_XDIST_WORKER" in os.environ else base)

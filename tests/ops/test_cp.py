@@ -1,9 +1,10 @@
 """Context parallelism (bayeslayer.ops.bayesian_layer.cp) on gloo, CPU: every rank's slice against one process on the
 whole sequence.
 
-Ranks are processes started here by ``torch.multiprocessing.spawn`` (the workers are in
-``tests/ops/cp_workers.py``); one spawn runs a whole grid of cases, since starting the processes costs
-more than the cases themselves.
+Ranks are processes started by ``torch.multiprocessing.spawn`` (the workers are in ``tests/ops/cp_workers.py``);
+one spawn runs a whole grid of cases, since starting the processes costs more than the cases themselves: the
+default suite's two ranks are the suite's one two-rank job (``tests/two_rank_job.py``), the four-rank runs
+(slow) start their own.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch.multiprocessing as mp
 
 from bayeslayer.ops.bayesian_layer.cp import comm_bytes_per_call
 
+from ..two_rank_job import records
 from . import cp_workers
 
 TOL64 = 1e-10
@@ -57,11 +59,10 @@ def check(results: list, tol: float) -> None:
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    """One 2-rank group runs every default-suite check (starting the processes is the slow part)."""
-    tmp = tmp_path_factory.mktemp("cp2")
-    cases32 = [c for c in grid(40, 2) if c["G"] == 2]
-    return spawn(tmp, 2, cp_workers.run_all, grid(40, 2), cases32, [4096, 16384])
+def two_ranks(two_rank_job):
+    """Every default-suite check on 2 ranks, run by the default suite's one two-rank job (``tests/two_rank_job.py``:
+    starting the processes is the slow part)."""
+    return records(two_rank_job, "cp_ops")
 
 
 def test_two_ranks_float64_match_one_process(two_ranks):

@@ -1,6 +1,7 @@
 """Context-parallel training: the one training loop with a context-parallel group (gloo, CPU, ranks started
 here by ``torch.multiprocessing.spawn``; workers in ``tests/training/cp_train_workers.py``) against one
-process training on whole windows."""
+process training on whole windows.  The default suite's two ranks are the suite's one two-rank job
+(``tests/two_rank_job.py``)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch.multiprocessing as mp
 
 from bayeslayer.training.distributed import init_distributed
 
+from ..two_rank_job import records
 from . import cp_train_workers
 from .agreement import check_against_one_process
 
@@ -32,8 +34,9 @@ def check(results: list, tol_losses: float, tol_weights: float) -> None:
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    return spawn(tmp_path_factory.mktemp("cp_train"), 2, cp_train_workers.default_suite)
+def two_ranks(two_rank_job):
+    """cp_train_workers.default_suite, run by the default suite's one two-rank job (tests/two_rank_job.py)."""
+    return records(two_rank_job, "cp_train")
 
 
 def test_two_ranks_train_like_one_process_float64(two_ranks):

@@ -2,9 +2,10 @@
 ``torch.multiprocessing.spawn`` (workers in ``tests/training/fsdp_train_workers.py``).
 
 The default suite runs one two-rank job (float64 training like one process, plain, with tied embeddings
-and with activation checkpointing; the sharded run folder stopped, resumed and finished) and one four-rank
-job (2 shards × 2 context-parallel ranks on one mesh); a two-rank checkpoint resumes here in one process.
-The slow ones: float32, the four-rank resume of the two-rank checkpoint, kill -9 of a rank mid-save and
+and with activation checkpointing; bf16 mixed precision; the sharded run folder stopped, resumed and finished),
+as part of the suite's one two-rank job (``tests/two_rank_job.py``); a two-rank checkpoint resumes here in one
+process. The slow ones: float32, the four-rank job (2 shards × 2 context-parallel ranks on one mesh), the
+four-rank resume of the two-rank checkpoint, kill -9 of a rank mid-save and
 ``torchrun ... lm train --preset tiny --shard fsdp``.
 """
 
@@ -26,7 +27,7 @@ import torch.multiprocessing as mp
 from bayeslayer.experiments.common.lm_run import latest_checkpoint, train_lm
 from bayeslayer.training.distributed import DistContext
 
-from ..experiments.corpus import write_word_corpus
+from ..two_rank_job import records
 from . import fsdp_train_workers as workers
 from .agreement import check_against_one_process
 
@@ -43,22 +44,20 @@ def spawn(root: Path, world: int, case: str, *args) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    """The corpus (tokenized into the cache here) and the one-process run of the run-folder cases."""
-    root = tmp_path_factory.mktemp("fsdp")
-    corpus = write_word_corpus(root / "text", {"train": 20, "validation": 4, "test": 4}, sentences=10,
-                               repeat_phrase=True)
-    cache = str(root / "cache")
-    single = train_lm(workers.lm_config(str(corpus)), root / "single", device="cpu", cache_dir=cache, progress=False)
-    return root, str(corpus), cache, single.losses
+def setup(two_rank_job):
+    """The corpus (tokenized into the cache by the two-rank job) and the one-process run of the run-folder cases."""
+    root = two_rank_job / "fsdp"
+    done = json.loads((two_rank_job / "done.json").read_text())
+    corpus, cache = done["text"], done["cache"]
+    single = train_lm(workers.lm_config(corpus), root / "single", device="cpu", cache_dir=cache, progress=False)
+    return root, corpus, cache, single.losses
 
 
 @pytest.fixture(scope="module")
-def two_ranks(setup):
-    root, corpus, cache, _ = setup
-    out = root / "two"
-    out.mkdir()
-    return out, spawn(out, 2, "two_ranks", corpus, cache, str(out))
+def two_ranks(two_rank_job):
+    """The "two_ranks" case, run by the default suite's one two-rank job (tests/two_rank_job.py)."""
+    out = two_rank_job / "fsdp"
+    return out, records(two_rank_job, "fsdp")
 
 
 def check(results: list[dict], tol_losses: float, tol_weights: float) -> None:
