@@ -122,8 +122,8 @@ def test_the_loop_keeps_step_seconds_across_a_resume(tmp_path):
 @pytest.mark.parametrize("mode", ["flops", pytest.param("time", marks=pytest.mark.slow)])
 def test_crowding_command(tmp_path, mode):
     out = tmp_path / mode
-    assert cli_main(["crowding", "--preset", "tiny", "--models", "bayesian", "delta", "--compute-match", mode,
-                     "--out", str(out), "--no-progress"]) == 0
+    assert cli_main(["crowding", "--preset", "tiny", "--steps", "10", "--models", "bayesian", "delta",
+                     "--compute-match", mode, "--out", str(out), "--no-progress"]) == 0
     record = json.loads((out / "crowding.json").read_text())
     assert record["compute_match"]["mode"] == mode
     for kind in ("bayesian", "delta"):
