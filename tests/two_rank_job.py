@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import shutil
 from pathlib import Path
 
 # the parts, in the order each rank runs them; each writes <root>/<part>/rank{r}.json
@@ -61,13 +62,9 @@ def run_once(shared: Path) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             if not done.exists():
-                root.mkdir(exist_ok=True)
+                shutil.rmtree(root, ignore_errors=True)  # what a failed start left (its error is the first report)
+                root.mkdir()
                 text, cache = corpus(root)
-                for part in PARTS:
-                    for old in (root / part).glob("rank*.json"):
-                        old.unlink()
-                for init in root.glob("init-*"):
-                    init.unlink()
                 mp.spawn(job, args=(2, str(root), text, cache), nprocs=2, join=True)
                 done.write_text(json.dumps({"text": text, "cache": cache}))
         finally:
