@@ -81,6 +81,10 @@ import torch
 
 # the checkout this script lives in, not whichever bayeslayer happens to be installed
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# and its sibling scripts (kernel_sass: the SASS census and the launch recorder)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import kernel_sass as ks  # noqa: E402
 
 from bayeslayer.ops.bayesian_layer.mean_pass_fla import fla_hopper_guard  # noqa: E402
 
@@ -971,17 +975,14 @@ def _print_scan_table(rows: list[dict]) -> None:
               f"{rec.get('ratio_fwdbwd_mem') or nan:>6.2f} | {rec.get('bl_path')}", flush=True)
 
 
-# SASS opcode families counted by the census (``cuobjdump -sass``): the tensor-core matrix instructions
-# (HMMA: fp16/bf16/tf32 mma.sync, HGMMA: Hopper's warpgroup wgmma, DMMA: float64, IMMA: integer) against the
-# scalar multiply-adds on the CUDA cores (FFMA fp32, DFMA float64) and the plain fp32/fp64 multiplies and adds
-SASS_FAMILIES = {"tensor_core": ("HMMA", "HGMMA", "DMMA", "IMMA", "QGMMA", "IGMMA", "BGMMA"),
-                 "FFMA": ("FFMA",), "DFMA": ("DFMA",), "FMUL_FADD": ("FMUL", "FADD"), "DMUL_DADD": ("DMUL", "DADD")}
 _SASS_LINE = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)")
 
 
 def sass_census(sass: str, resources: str = "") -> dict:
-    """Instruction counts of one kernel's SASS (``cuobjdump -sass`` output) by :data:`SASS_FAMILIES`, the tensor-core
-    opcodes one by one, and registers / local-memory stack (spills, bytes) from ``cuobjdump -res-usage``'s line.
+    """Instruction counts of one kernel's SASS (``cuobjdump -sass`` output) by ``kernel_sass.SASS_FAMILIES``, the
+    tensor-core opcodes one by one, and registers / local-memory stack (spills, bytes) from ``cuobjdump
+    -res-usage``'s line (``kernel_sass.opcode_census``). Unlike ``kernel_sass.sass_census`` it counts every
+    instruction line without its control word and takes empty text (a kernel that did not compile).
 
     Static counts (instructions in the binary, not executed ones): a loop body counts once."""
     if not isinstance(sass, str) or not isinstance(resources, str):
@@ -991,13 +992,7 @@ def sass_census(sass: str, resources: str = "") -> dict:
         m = _SASS_LINE.match(line)
         if m:
             ops[m.group(1)] = ops.get(m.group(1), 0) + 1
-    out = {f"sass_{fam}": sum(ops.get(o, 0) for o in names) for fam, names in SASS_FAMILIES.items()}
-    out["sass_total"] = sum(ops.values())
-    out["sass_tensor_core_ops"] = {o: ops[o] for o in SASS_FAMILIES["tensor_core"] if ops.get(o)}
-    for key, name in (("REG", "registers"), ("STACK", "spill_bytes")):
-        m = re.search(rf"\b{key}:(\d+)", resources)
-        out[name] = int(m.group(1)) if m else None
-    return out
+    return ks.opcode_census(ops, resources)
 
 
 def print_census(rows: list[dict]) -> None:
@@ -1042,7 +1037,6 @@ def default_path_census(D_list, out_path: Path | None = None, T: int = 128, H: i
     opcode census).  Also a call on the segment scan, the other covariance pass ``covariance_path`` picks (for
     key dims above 128 and, by the cost model's crossover, a few long chains), long enough for several segments
     (T = 8k at one head on 33 SMs), so that its kernels are found whatever the crossover's figures say."""
-    import kernel_sass as ks
     import triton
 
     rows = []
@@ -1305,7 +1299,6 @@ def main(argv=None) -> int:
         args.bwd_reps = 1
     if args.compile_only and args.default_path:
         out = args.json or args.out
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
         rows = default_path_census([d for d in args.D if d <= 256] if args.D_given else [64, 128], out)
         _save(out, rows)
         print(f"wrote {out}")

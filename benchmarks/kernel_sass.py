@@ -660,6 +660,13 @@ def sass_census(sass: str, resources: str = "") -> dict:
     ops: dict[str, int] = {}
     for ins in parse_sass(sass):
         ops[ins.base] = ops.get(ins.base, 0) + 1
+    return opcode_census(ops, resources)
+
+
+def opcode_census(ops: dict[str, int], resources: str = "") -> dict:
+    """The census of one kernel from its opcode counts ``{base opcode: count}``: the counts by
+    :data:`SASS_FAMILIES`, the total, the tensor-core opcodes one by one, and registers / local-memory stack
+    (spills, bytes) from ``cuobjdump -res-usage``'s line (None where the line does not say)."""
     out = {f"sass_{fam}": sum(ops.get(o, 0) for o in names) for fam, names in SASS_FAMILIES.items()}
     out["sass_total"] = sum(ops.values())
     out["sass_tensor_core_ops"] = {o: ops[o] for o in SASS_FAMILIES["tensor_core"] if ops.get(o)}
