@@ -35,7 +35,7 @@ def _commit(rev: str) -> str:
     out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--verify", f"{rev}^{{commit}}"],
                          capture_output=True, text=True)
     if out.returncode != 0:
-        raise SystemExit(f"suite_time.py: error: --base/--head {rev!r} is not a commit of this checkout")
+        raise ValueError(f"{rev!r} is not a commit of this checkout")
     return out.stdout.strip()
 
 
@@ -54,8 +54,7 @@ def run_suite(commit: str) -> dict:
             wall = time.perf_counter() - start
             after = resource.getrusage(resource.RUSAGE_CHILDREN)  # pytest and its workers, all reaped now
             user, system = after.ru_utime - before.ru_utime, after.ru_stime - before.ru_stime
-            output = proc.stdout
-            lines = [ln for ln in output.splitlines() if ln.strip()]
+            lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
             return {"commit": commit, "wall_seconds": round(wall, 1), "cpu_user_seconds": round(user, 1),
                     "cpu_system_seconds": round(system, 1), "summary": lines[-1] if lines else "",
                     "returncode": proc.returncode, "load_before": load_before,
@@ -70,7 +69,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--head", default="HEAD", help="the later commit (default: HEAD)")
     parser.add_argument("--out", type=Path, help="write the record here (JSON)")
     args = parser.parse_args(argv)
-    base, head = _commit(args.base), _commit(args.head)
+    try:
+        base, head = _commit(args.base), _commit(args.head)
+    except ValueError as err:
+        parser.error(f"--base/--head: {err}")
     start = time.perf_counter()
     rows = []
     for label, commit in (("head", head), ("base", base)):
