@@ -1,22 +1,37 @@
-"""One two-rank gloo job on the CPU for the default suite's distributed checks: sharded training
-(``tests/training/fsdp_train_workers.py``), context-parallel training (``tests/training/cp_train_workers.py``) and
-the context-parallel ops (``tests/ops/cp_workers.py``) run one after the other in the same two processes, each in
-a process group of its own, and write their records to folders of their own.
+"""One two-rank gloo job on the CPU, started by ``torchrun``, for the default suite's distributed checks: sharded
+training (``tests/training/fsdp_train_workers.py``), context-parallel training (``tests/training/cp_train_workers.py``),
+the context-parallel ops (``tests/ops/cp_workers.py``), ``bayeslayer lm train`` with DDP (the command line's own
+``main``, which joins the job through ``torchrun``'s environment) and docs/distributed.md's Hugging Face Trainer
+recipes (``tests/training/trainer_recipe_worker.py``; Accelerate too joins through the environment) run one after
+the other in the same two processes, each in a process group of its own, and write their records to folders of
+their own.
 
-Starting a rank costs more than most of its checks (importing torch, transformers and the model), so the three test
+Starting a rank costs more than most of its checks (importing torch, transformers and the model), so the five test
 files share one job: the session fixture :func:`two_rank_job` (``tests/conftest.py``) starts it once per test run,
-also under pytest-xdist, where the first worker that asks runs it and the others read its records.
+also under pytest-xdist, where the first worker that asks runs it and the others read its records.  A failed job
+names the part it failed in, with the end of its output.
+
+``python -m torch.distributed.run --standalone --nproc_per_node 2 -m tests.two_rank_job ROOT`` runs it by hand
+(``ROOT`` made by :func:`prepare`).
 """
 
 from __future__ import annotations
 
 import fcntl
 import json
+import os
 import shutil
+import subprocess
+import sys
+import traceback
 from pathlib import Path
 
-# the parts, in the order each rank runs them; each writes <root>/<part>/rank{r}.json
-PARTS = ("fsdp", "cp_train", "cp_ops")
+ROOT = Path(__file__).resolve().parents[1]
+
+# the parts, in the order each rank runs them; each writes its records under <root>/<part>/ and, when done on a
+# rank, <root>/<part>/done-rank{r}.  The Trainer recipes come last: they switch Accelerate to its FSDP path on
+# the CPU for the rest of the process (tests/training/accelerate_cpu.py).
+PARTS = ("fsdp", "cp_train", "cp_ops", "lm_ddp", "trainer")
 
 
 def corpus(root: Path) -> tuple[str, str]:
@@ -37,25 +52,81 @@ def ops_cases() -> tuple[list, list, list]:
     return cases64, [c for c in cases64 if c["G"] == 2], [4096, 16384]
 
 
-def job(rank: int, world: int, root: str, text: str, cache: str) -> None:
-    """One rank: every part in turn (a failure on any rank ends the job: ``mp.spawn`` stops the other)."""
+def prepare(root: Path) -> dict:
+    """Write what the parts read (the corpora, the ``lm train`` command line) under ``root``; the job's set-up."""
+    from .experiments.test_lm import _write_corpus, ddp_argv
+
+    text, cache = corpus(root)
+    lm = root / "lm_ddp"
+    setup = {"text": text, "cache": cache, "lm_argv": ddp_argv(lm / "run", _write_corpus(lm / "text"), lm / "cache")}
+    (root / "setup.json").write_text(json.dumps(setup))
+    return setup
+
+
+def lm_ddp(out: Path, argv: list[str]) -> None:
+    """``bayeslayer lm train`` on this rank, as ``torchrun -m bayeslayer.cli lm train ...`` runs it."""
+    from bayeslayer.cli import main
+
+    code = main(argv)
+    if code != 0:
+        raise RuntimeError(f"bayeslayer {' '.join(argv)} ended with exit code {code}")
+
+
+def trainer(out: Path) -> None:
+    """Both Trainer recipes, run as written with Accelerate on its FSDP path, in ``out`` (their ``runs/``)."""
+    from .training import trainer_recipe_worker
+
+    here = os.getcwd()
+    os.chdir(out)
+    try:
+        trainer_recipe_worker.main(str(out), "fsdp", *trainer_recipe_worker.RECIPES)
+    finally:
+        os.chdir(here)
+
+
+def job(root: str) -> None:
+    """One rank (its number from ``torchrun``'s environment): every part in turn.  A failure on any rank ends the
+    job (``torchrun`` stops the other rank)."""
     from .ops import cp_workers
     from .training import cp_train_workers, fsdp_train_workers
 
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     base = Path(root)
+    setup = json.loads((base / "setup.json").read_text())
+    text, cache = setup["text"], setup["cache"]
     for part in PARTS:
-        (base / part).mkdir(exist_ok=True)
-    out = str(base / "fsdp")
-    fsdp_train_workers.job(rank, world, str(base / "init-fsdp"), out, "two_ranks", text, cache, out)
-    cp_train_workers.default_suite(rank, world, str(base / "init-cp_train"), str(base / "cp_train"))
-    cp_workers.run_all(rank, world, str(base / "init-cp_ops"), str(base / "cp_ops"), *ops_cases())
+        out = base / part
+        out.mkdir(exist_ok=True)
+        try:
+            if part == "fsdp":
+                fsdp_train_workers.job(rank, world, str(base / "init-fsdp"), str(out), "two_ranks", text, cache,
+                                       str(out))
+            elif part == "cp_train":
+                cp_train_workers.default_suite(rank, world, str(base / "init-cp_train"), str(out))
+            elif part == "cp_ops":
+                cp_workers.run_all(rank, world, str(base / "init-cp_ops"), str(out), *ops_cases())
+            elif part == "lm_ddp":
+                lm_ddp(out, setup["lm_argv"])
+            else:
+                trainer(out)
+        except BaseException:
+            (out / f"error-rank{rank}.txt").write_text(traceback.format_exc())
+            raise
+        (out / f"done-rank{rank}").touch()
+
+
+def failure(root: Path) -> str:
+    """The first part some rank did not finish, and the traceback of each rank that failed in it."""
+    part = next((p for p in PARTS if not all((root / p / f"done-rank{r}").exists() for r in range(2))), None)
+    if part is None:
+        return "after its last part"
+    errors = sorted((root / part).glob("error-rank*.txt"))
+    return f"in part {part!r}" + "".join(f"\n{e.stem}:\n{e.read_text()}" for e in errors)
 
 
 def run_once(shared: Path) -> Path:
     """The job's folder under ``shared`` (a folder every xdist worker of this run sees): started here unless a
     worker already ran it; a worker that asks while another runs it waits for it."""
-    import torch.multiprocessing as mp
-
     root = shared / "two_rank_job"
     done = root / "done.json"
     with open(shared / "two_rank_job.lock", "w") as lock:
@@ -64,9 +135,17 @@ def run_once(shared: Path) -> Path:
             if not done.exists():
                 shutil.rmtree(root, ignore_errors=True)  # what a failed start left (its error is the first report)
                 root.mkdir()
-                text, cache = corpus(root)
-                mp.spawn(job, args=(2, str(root), text, cache), nprocs=2, join=True)
-                done.write_text(json.dumps({"text": text, "cache": cache}))
+                setup = prepare(root)
+                cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                       "-m", "tests.two_rank_job", str(root)]
+                env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+                       "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+                proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=900)
+                if proc.returncode != 0:
+                    raise RuntimeError(f"the two-rank job (torchrun exit code {proc.returncode}) failed "
+                                       f"{failure(root)}\nits output ends:\n{proc.stdout[-2000:]}\n"
+                                       f"{proc.stderr[-4000:]}")
+                done.write_text(json.dumps({"text": setup["text"], "cache": setup["cache"]}))
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
     return root
@@ -75,3 +154,7 @@ def run_once(shared: Path) -> Path:
 def records(root: Path, part: str) -> list:
     """Every rank's record of ``part``."""
     return [json.loads((root / part / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+if __name__ == "__main__":
+    job(*sys.argv[1:])

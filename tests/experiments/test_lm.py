@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import subprocess
 import sys
 from dataclasses import replace
@@ -153,21 +152,27 @@ def test_loss_decreases_on_repetitive_text(tmp_path, corpus_dir, cache_dir):
     assert np.mean(result.losses[-5:]) < np.mean(result.losses[:3]) - 0.5
 
 
-def test_torchrun_two_ranks_gloo_agree_and_match_one_process(tmp_path, corpus_dir, cache_dir):
-    """torchrun --nproc_per_node 2 (gloo, CPU): both ranks end with identical weights, and the run equals a
-    single process with the same global batch (gradient accumulation instead of a second rank)."""
+def ddp_argv(out: Path, corpus_dir: Path, cache_dir: Path) -> list[str]:
+    """The ``bayeslayer lm train`` arguments of the two-rank run below (the default suite's two-rank job,
+    ``tests/two_rank_job.py``, runs them on both ranks of its ``torchrun`` job)."""
     config = _config(corpus_dir, steps=3, batch_size=4, micro_batch_size=1, mlp_dropout=0.0, checkpoint_every=2)
-    out = tmp_path / "ddp"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "bayeslayer.cli", "lm", "train", "--preset", "tiny", "--no-progress", "--out", str(out),
-           "--cache-dir", cache_dir, "--device", "cpu"]
+    argv = ["lm", "train", "--preset", "tiny", "--no-progress", "--out", str(out), "--cache-dir", str(cache_dir),
+            "--device", "cpu"]
     for name in ("mixer", "hidden_size", "num_layers", "num_heads", "head_dim", "mlp_dropout", "source", "vocab_size",
                  "seq_len", "steps", "batch_size", "micro_batch_size", "lr", "warmup_steps", "eval_every",
                  "eval_windows", "checkpoint_every", "log_every", "seed"):
-        cmd += [f"--{name.replace('_', '-')}", str(getattr(config, name))]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        argv += [f"--{name.replace('_', '-')}", str(getattr(config, name))]
+    return argv
+
+
+def test_torchrun_two_ranks_gloo_agree_and_match_one_process(tmp_path, two_rank_job):
+    """torchrun --nproc_per_node 2 (gloo, CPU): both ranks end with identical weights, and the run equals a
+    single process with the same global batch (gradient accumulation instead of a second rank).
+
+    The two ranks are the default suite's one two-rank ``torchrun`` job (``tests/two_rank_job.py``, part
+    ``lm_ddp``): each runs ``bayeslayer.cli.main`` with :func:`ddp_argv`'s arguments."""
+    out = two_rank_job / "lm_ddp" / "run"
+    cache_dir = str(two_rank_job / "lm_ddp" / "cache")
     summary = json.loads((out / "train_summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 3
     assert len(summary["rank_weights_sha256"]) == 2 and len(set(summary["rank_weights_sha256"])) == 1

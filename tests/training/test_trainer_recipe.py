@@ -1,6 +1,7 @@
 """docs/distributed.md's Hugging Face Trainer recipes (Accelerate's FSDP plugin, FSDP2, ``BayesLayerBlock`` the wrap
 class; padded windows, and packed documents through ``DataCollatorWithFlattening``) run as written on two gloo
-processes started by ``torchrun`` (workers: ``trainer_recipe_worker.py``, both recipes in one job).
+processes started by ``torchrun`` (workers: ``trainer_recipe_worker.py``, both recipes in one job: in the default
+suite, the suite's one two-rank job, ``tests/two_rank_job.py``).
 
 Accelerate takes its FSDP path only on accelerators (``accelerate_cpu.py``), so the default-suite run switches it
 on for the CPU; the slow test runs the recipe a second time as Accelerate leaves it on the CPU (DDP) and
@@ -21,10 +22,9 @@ import torch
 
 from bayeslayer.models import BayesLayerForCausalLM
 
+from .trainer_recipe_worker import RECIPES
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-RECIPES = ("trainer-fsdp", "trainer-fsdp-packed")
 
 
 def run_recipes(folder: Path, engine: str) -> dict[str, list[dict]]:
@@ -36,13 +36,21 @@ def run_recipes(folder: Path, engine: str) -> dict[str, list[dict]]:
            "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
     proc = subprocess.run(cmd, cwd=folder, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return recipe_records(folder)
+
+
+def recipe_records(folder: Path) -> dict[str, list[dict]]:
+    """Every rank's record of each recipe, as the workers wrote them in ``folder``."""
     return {name: [json.loads((folder / f"{name}-rank{r}.json").read_text()) for r in range(2)] for name in RECIPES}
 
 
 @pytest.fixture(scope="module")
-def both(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("trainer") / "fsdp"
-    return folder, run_recipes(folder, "fsdp")
+def both(two_rank_job):
+    """Both recipes on Accelerate's FSDP path, run by the default suite's one two-rank ``torchrun`` job
+    (``tests/two_rank_job.py``, part ``trainer``: ``trainer_recipe_worker.main(folder, "fsdp", *RECIPES)``, the
+    same as :func:`run_recipes` with engine ``fsdp``)."""
+    folder = two_rank_job / "trainer"
+    return folder, recipe_records(folder)
 
 
 @pytest.fixture(scope="module")
