@@ -15,6 +15,8 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -73,6 +75,69 @@ def run_killed_at(fn: Callable[[], object], crash_at: int | None) -> tuple[int, 
         counted_ops = int(fh.read() or 0)
     _, status = os.waitpid(pid, 0)
     return os.waitstatus_to_exitcode(status), counted_ops
+
+
+class Forked:
+    """``fn(say)`` in a forked child, for tests that need a second process (one that holds a folder's lock, or is
+    killed mid-run) but not a fresh interpreter: forking costs no interpreter start and no imports.
+
+    ``say(line)`` sends a line to the parent, which reads it with :meth:`readline`; the child ends with exit code 0
+    when ``fn`` returns, 1 when it raises (its traceback on stderr), or as a signal kills it (:meth:`wait` gives
+    ``-signal``, as ``subprocess`` does).  Fork under :func:`single_thread` where the child runs torch, so that it
+    never inherits a busy OpenMP pool.
+    """
+
+    def __init__(self, fn: Callable[[Callable[[str], None]], object]):
+        read_fd, write_fd = os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:  # the child: never returns into pytest
+            code = 1
+            try:
+                os.close(read_fd)
+                to_parent = os.fdopen(write_fd, "w")
+
+                def say(line: str) -> None:
+                    to_parent.write(line + "\n")
+                    to_parent.flush()
+
+                fn(say)
+                code = 0
+            except BaseException:  # noqa: BLE001 - reported to the parent as exit code 1
+                import traceback
+
+                traceback.print_exc()
+            finally:
+                with contextlib.suppress(Exception):
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                os._exit(code)
+        os.close(write_fd)
+        self._lines = os.fdopen(read_fd)
+        self.returncode: int | None = None
+
+    def readline(self) -> str:
+        """The child's next line ('' once it has ended without one)."""
+        return self._lines.readline().strip()
+
+    def kill(self) -> None:
+        """SIGKILL the child (if it still runs)."""
+        if self.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+
+    def wait(self) -> int:
+        """Wait for the child to end; its exit code (``-signal`` when a signal ended it)."""
+        if self.returncode is None:
+            _, status = os.waitpid(self.pid, 0)
+            self.returncode = os.waitstatus_to_exitcode(status)
+            self._lines.close()
+        return self.returncode
+
+
+def hold_until_killed() -> None:
+    """Block a :class:`Forked` child until the parent kills it."""
+    while True:
+        signal.pause()
 
 
 def tiny_lm(root: Path, **overrides):

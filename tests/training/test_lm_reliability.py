@@ -9,8 +9,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -20,7 +18,7 @@ from bayeslayer.experiments.common.lm_run import latest_checkpoint, train_lm
 from bayeslayer.training import CheckpointError, FolderBusyError, TrainingInterrupted
 
 from .faults import single_thread, tiny_lm
-from .test_lock import _HOLD, _env, _wait_for
+from .test_lock import hold
 
 
 @pytest.fixture(scope="module")
@@ -121,14 +119,13 @@ def test_a_failed_start_records_no_config_so_the_corrected_command_runs(tmp_path
 def test_a_folder_in_use_is_refused_before_anything_is_written(tmp_path, setup):
     config, cache, _ = setup
     run = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-c", _HOLD, str(run)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=_env())
+    holder = hold(run)  # a second process holding the folder's lock
     try:
-        _wait_for(proc, "locked")
-        with pytest.raises(FolderBusyError, match=f"pid {proc.pid}"):
+        assert holder.readline() == "locked"
+        with pytest.raises(FolderBusyError, match=f"pid {holder.pid}"):
             train_lm(config, run, cache_dir=cache, progress=False)
         assert os.listdir(run) == [".lock"]
     finally:
-        proc.kill()
-        proc.wait()
+        holder.kill()
+        holder.wait()
     shutil.rmtree(run)
