@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import subprocess
-import sys
+import os
+import signal
 from dataclasses import replace
 from pathlib import Path
 
@@ -31,6 +31,7 @@ from bayeslayer.training.lm import build_model, load_run
 from bayeslayer.training.lm_config import LMConfig
 from bayeslayer.training.state import weights_digest
 
+from ..training.faults import Forked, single_thread
 from .corpus import write_word_corpus
 
 
@@ -63,41 +64,30 @@ def _train_losses(run_dir: Path) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in rows if r["event"] == "train"]
 
 
-_KILL_SCRIPT = """
-import json, os, signal, sys
-import torch
-from bayeslayer.training.lm_config import LMConfig
-from bayeslayer.experiments.common.lm_run import train_lm
-
-torch.set_num_threads(int(sys.argv[4]))  # the parent's, so float reductions run in the same order
-config = LMConfig.from_json(json.loads(sys.argv[1]))
-
-def kill_at_5(step, loss):
-    if step == 5:
-        os.kill(os.getpid(), signal.SIGKILL)  # no cleanup, no final checkpoint: a real kill -9
-
-train_lm(config, sys.argv[2], cache_dir=sys.argv[3], progress=False, on_step=kill_at_5)
-"""
-
-
 def test_resume_after_kill_matches_uninterrupted_run(tmp_path, corpus_dir, cache_dir):
     """SIGKILL a training process mid-run (between checkpoints), leave a half-written checkpoint
     behind, rerun: the loss trajectory, the log and the final weights equal an uninterrupted
-    run's bit for bit (same machine, fp32, dropout on so the RNG state matters)."""
+    run's bit for bit (same machine, fp32, dropout on so the RNG state matters).  The killed process is forked
+    from the test's (``tests/training/faults.py``), so it starts without importing anything again."""
     config = _config(corpus_dir)
-    full = train_lm(config, tmp_path / "full", cache_dir=cache_dir, progress=False)
-    assert full.finished and len(full.losses) == config.steps
-
     run = tmp_path / "killed"
-    argv = [json.dumps(config.to_json()), str(run), cache_dir, str(torch.get_num_threads())]
-    proc = subprocess.run([sys.executable, "-c", _KILL_SCRIPT, *argv], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == -9, proc.stderr[-2000:]
+
+    def kill_at_5(step, loss):
+        if step == 5:
+            os.kill(os.getpid(), signal.SIGKILL)  # no cleanup, no final checkpoint: a real kill -9
+
+    with single_thread():  # the killed run and the others alike, so the floats are reduced in the same order
+        full = train_lm(config, tmp_path / "full", cache_dir=cache_dir, progress=False)
+        assert full.finished and len(full.losses) == config.steps
+        killed = Forked(lambda say: train_lm(config, run, cache_dir=cache_dir, progress=False, on_step=kill_at_5))
+        assert killed.wait() == -signal.SIGKILL, "the training process was not killed (its traceback is on stderr)"
     assert latest_checkpoint(run).name == "step-00000003"  # steps 4-5 were lost with the process
     assert [s for s, _ in _train_losses(run)] == [1, 2, 3, 4, 5]
     (run / "checkpoints" / ".tmp-halfwritten").mkdir()  # a kill during a checkpoint write
     (run / "checkpoints" / ".tmp-halfwritten" / "model.safetensors").write_bytes(b"\0" * 10)
 
-    resumed = train_lm(config, run, cache_dir=cache_dir, progress=False)
+    with single_thread():
+        resumed = train_lm(config, run, cache_dir=cache_dir, progress=False)
     assert resumed.resumed_from == 3
     assert resumed.losses == full.losses  # exact: same floats
     assert _train_losses(run) == _train_losses(tmp_path / "full")  # the log has each step once
