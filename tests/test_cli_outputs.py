@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -29,28 +28,9 @@ from bayeslayer.training import OutputLock
 from .experiments.corpus import write_word_corpus
 from .model_folders import tiny_model, write_lm_run
 from .test_cli import one_line_error
+from .training.faults import Forked, hold_until_killed, single_thread
 
 ROOT = Path(__file__).resolve().parents[1]
-
-# `bayeslayer lm train` that stops, holding its run folder's lock, just after taking it: it prints "training"
-# and waits until its stdin is closed.  argv[1]: the run folder, argv[2]: the corpus, argv[3]: a cache folder.
-_LM_TRAIN = """
-import sys
-from bayeslayer.experiments.common import lm_run
-
-def pause(run_dir, _real=lm_run.remove_stale_temporaries):  # the first thing done with the lock held
-    print("training", flush=True)
-    sys.stdin.read()
-    _real(run_dir)
-
-lm_run.remove_stale_temporaries = pause
-from bayeslayer.cli import main
-run, corpus, cache = sys.argv[1:4]
-sys.argv = ["bayeslayer", "lm", "train", "--preset", "tiny", "--source", corpus, "--vocab-size", "300", "--steps",
-            "4", "--device", "cpu", "--no-progress", "--cache-dir", cache, "--out", run]
-sys.exit(main(sys.argv[1:]))
-"""
-
 
 def _files(folder: Path) -> dict[str, str]:
     """Every file under ``folder`` (relative path → SHA-256 of its bytes)."""
@@ -60,15 +40,30 @@ def _files(folder: Path) -> dict[str, str]:
 
 @pytest.fixture
 def lm_training(tmp_path):
-    """A folder ``X`` that a live ``bayeslayer lm train`` process holds: ``(X, its pid)``."""
+    """A folder ``X`` that a live ``bayeslayer lm train`` process holds: ``(X, its pid)``.  The process is forked
+    from the test's (``tests/training/faults.py``): it runs the command line's ``main`` and stops, holding the run
+    folder's lock, just after taking it."""
+    from bayeslayer.experiments.common import lm_run
+
     run = tmp_path / "X"
     corpus = write_word_corpus(tmp_path / "corpus", {"train": 4, "validation": 2, "test": 2}, sentences=4)
-    proc = subprocess.Popen([sys.executable, "-c", _LM_TRAIN, str(run), str(corpus), str(tmp_path / "cache")],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    argv = ["lm", "train", "--preset", "tiny", "--source", str(corpus), "--vocab-size", "300", "--steps", "4",
+            "--device", "cpu", "--no-progress", "--cache-dir", str(tmp_path / "cache"), "--out", str(run)]
+
+    def lm_train(say):
+        def pause(run_dir):  # the first thing done with the lock held
+            say("training")
+            hold_until_killed()
+
+        lm_run.remove_stale_temporaries = pause  # in the child only
+        sys.argv = ["bayeslayer", *argv]
+        main(argv)
+
+    with single_thread():  # the child never inherits a busy OpenMP pool
+        proc = Forked(lm_train)
     try:
-        said = proc.stdout.readline().strip()
-        assert said == "training", f"lm train said {said!r}: {proc.stderr.read() if proc.poll() is not None else ''}"
+        said = proc.readline()
+        assert said == "training", f"lm train said {said!r} (its error is on stderr)"
         yield run, proc.pid
     finally:
         proc.kill()
