@@ -2,14 +2,13 @@
 training (``tests/training/fsdp_train_workers.py``), context-parallel training (``tests/training/cp_train_workers.py``),
 the context-parallel ops (``tests/ops/cp_workers.py``), ``bayeslayer lm train`` with DDP (the command line's own
 ``main``, which joins the job through ``torchrun``'s environment) and docs/distributed.md's Hugging Face Trainer
-recipes (``tests/training/trainer_recipe_worker.py``; Accelerate too joins through the environment) run one after
-the other in the same two processes, each in a process group of its own, and write their records to folders of
-their own.
+recipes (``tests/training/trainer_recipe_worker.py``) run one after the other in the same two processes, each in a
+process group of its own, and write their records to folders of their own.
 
 Starting a rank costs more than most of its checks (importing torch, transformers and the model), so the five test
 files share one job: the session fixture :func:`two_rank_job` (``tests/conftest.py``) starts it once per test run,
 also under pytest-xdist, where the first worker that asks runs it and the others read its records.  A failed job
-names the part it failed in, with the end of its output.
+names the part it failed in, with each failing rank's traceback.
 
 ``python -m torch.distributed.run --standalone --nproc_per_node 2 -m tests.two_rank_job ROOT`` runs it by hand
 (``ROOT`` made by :func:`prepare`).
@@ -72,10 +71,17 @@ def lm_ddp(out: Path, argv: list[str]) -> None:
         raise RuntimeError(f"bayeslayer {' '.join(argv)} ended with exit code {code}")
 
 
-def trainer(out: Path) -> None:
-    """Both Trainer recipes, run as written with Accelerate on its FSDP path, in ``out`` (their ``runs/``)."""
+def trainer(rank: int, world: int, init_file: str, out: Path) -> None:
+    """Both Trainer recipes, run as written with Accelerate on its FSDP path, in ``out`` (their ``runs/``).
+
+    Accelerate joins a process group that is already initialised; this part gives it one of its own (a file
+    rendezvous), since ``lm_ddp`` already initialised and destroyed a group through ``torchrun``'s store, and a
+    second group on that store can read the first one's stale addresses."""
+    import torch.distributed as dist
+
     from .training import trainer_recipe_worker
 
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     here = os.getcwd()
     os.chdir(out)
     try:
@@ -108,7 +114,7 @@ def job(root: str) -> None:
             elif part == "lm_ddp":
                 lm_ddp(out, setup["lm_argv"])
             else:
-                trainer(out)
+                trainer(rank, world, str(base / "init-trainer"), out)
         except BaseException:
             (out / f"error-rank{rank}.txt").write_text(traceback.format_exc())
             raise
