@@ -108,8 +108,7 @@ class Forked:
                 traceback.print_exc()
             finally:
                 with contextlib.suppress(Exception):
-                    sys.stdout.flush()
-                    sys.stderr.flush()
+                    sys.stderr.flush()  # the traceback (stdout is not flushed: it may hold the parent's text)
                 os._exit(code)
         os.close(write_fd)
         self._lines = os.fdopen(read_fd)
