@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from functools import partial
 
 import pytest
 
@@ -20,7 +21,10 @@ MQAR_TINY = replace(mqar.PRESETS["tiny"], max_steps=3)
 
 
 # -- tiny runs --------------------------------------------------------------------------------------
-def test_collision_run(tmp_path):
+def test_collision_run(tmp_path, monkeypatch):
+    # the multi-pair sweep at n = 1, 2 instead of the command's 1, 2, 4, 8: its values at other n are checked by
+    # tests/experiments/test_collision_lowrank.py (n = 1, 3); here the run's plumbing is
+    monkeypatch.setattr(collision.command, "run_multi_pair", partial(collision.lowrank.run_multi_pair, pairs=(1, 2)))
     config = collision.CollisionConfig(fixed_priors=(0.05, 1.0), overlap_rhos=(0.5, 0.92), lowrank_ranks=(0, 2),
                                        rotation_seeds=(0,), b_repeats=(40,), out=str(tmp_path))
     record = collision.run(config)
@@ -36,7 +40,7 @@ def test_collision_run(tmp_path):
     assert max(record["chunk_agreement"].values()) < 1e-10
     assert record["extra"]["angle_vs_reinforcement"]["b_repeats"] == [40]
     assert record["extra"]["rotated_keys"]["seeds"] == [0]
-    assert record["lowrank"]["ranks"] == [0, 2] and "multi_pair" in record["lowrank"]
+    assert record["lowrank"]["ranks"] == [0, 2] and record["lowrank"]["multi_pair"]["pairs"] == [1, 2]
     for name, expected in (("collision.json", res), ("collision_lowrank.json", record["lowrank"])):
         saved = json.loads((tmp_path / name).read_text())  # the record, plus how and where it was made
         assert set(saved.pop("provenance")) >= {"git_commit", "command", "versions", "device"}
