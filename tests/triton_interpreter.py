@@ -41,8 +41,17 @@ def skip_repeated_patching(environ) -> bool:
 
     launches: list[set[int]] = []  # per running launch: the language modules patched during it
 
-    def langs_of(fn) -> set[int]:
-        return {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)}
+    # id of a function's globals -> (the globals, kept so that the id stays theirs; the language modules among them)
+    seen: dict[int, tuple[dict, frozenset[int]]] = {}
+
+    def langs_of(fn) -> frozenset[int]:
+        # a module's globals name its imports at import: walked once per module, not on every call (walking them
+        # on every call was about a tenth of the interpreter's time in the scan tests)
+        scope = fn.__globals__
+        if id(scope) not in seen:
+            langs = frozenset(id(v) for v in scope.values() if inspect.ismodule(v) and v in (tl, tl.core))
+            seen[id(scope)] = scope, langs
+        return seen[id(scope)][1]
 
     class _LaunchScope:
         """The launch's own scope; restoring it also ends the launch's record."""
@@ -67,7 +76,7 @@ def skip_repeated_patching(environ) -> bool:
         caller = inspect.currentframe().f_back.f_code
         if caller is launch_code:
             scope = patch(fn)
-            launches.append(langs_of(fn))
+            launches.append(set(langs_of(fn)))
             return _LaunchScope(scope)
         if caller is device_call_code and launches:
             # a device-function call inside a launch: Triton patches the modules it sees and never restores
