@@ -19,6 +19,10 @@ from bayeslayer.training import compute_match
 from bayeslayer.training.compute_match import Budget, steps_for_budget, stretch
 from bayeslayer.training.loop import TrainConfig
 
+# the tiny preset with smaller batches and evaluations: matching compute depends on neither, nor on the run's length
+SMALL = replace(RECALL["tiny"], steps=10, batch_size=4, eval_sequences=4, test_n_f=(1, 8), test_rho=(0.95,),
+                curve_sequences=2)
+
 
 # -- the arithmetic ------------------------------------------------------------------------------------------
 def test_steps_for_budget_is_nearest_and_within_half_a_step():
@@ -49,7 +53,7 @@ def _seeds(record, kind):
 
 
 def test_recall_flops_match_within_one_step(tmp_path):
-    preset = replace(RECALL["tiny"], seeds=2, steps=10)  # the matching does not depend on the length
+    preset = replace(SMALL, seeds=2)
     record = run(RecallConfig(preset=preset, models=("delta", "bayesian"), out=str(tmp_path), progress=False,
                               compute_match="flops"))
     assert record["compute_match"]["mode"] == "flops" and record["compute_match"]["reference"] == "bayesian"
@@ -76,7 +80,7 @@ def test_recall_flops_match_within_one_step(tmp_path):
 
 
 def test_recall_time_match_and_a_resumed_plan(tmp_path, monkeypatch):
-    preset = replace(RECALL["tiny"], steps=10)
+    preset = SMALL
     config = RecallConfig(preset=preset, models=("delta", "bayesian"), out=str(tmp_path), progress=False,
                           compute_match="time")
     record = run(config)
@@ -122,8 +126,8 @@ def test_the_loop_keeps_step_seconds_across_a_resume(tmp_path):
 @pytest.mark.parametrize("mode", ["flops", pytest.param("time", marks=pytest.mark.slow)])
 def test_crowding_command(tmp_path, mode):
     out = tmp_path / mode
-    assert cli_main(["crowding", "--preset", "tiny", "--steps", "10", "--models", "bayesian", "delta",
-                     "--compute-match", mode, "--out", str(out), "--no-progress"]) == 0
+    assert cli_main(["crowding", "--preset", "tiny", "--steps", "10", "--batch-size", "4", "--models", "bayesian",
+                     "delta", "--compute-match", mode, "--out", str(out), "--no-progress"]) == 0
     record = json.loads((out / "crowding.json").read_text())
     assert record["compute_match"]["mode"] == mode
     for kind in ("bayesian", "delta"):
@@ -140,8 +144,8 @@ def test_recall_command_with_gdn(tmp_path, mode):
     """The GDN core in a compute-matched recall comparison: it takes BL's budget like the Delta core
     (test_recall_flops_match_within_one_step, test_recall_time_match_and_a_resumed_plan)."""
     out = tmp_path / mode
-    assert cli_main(["recall", "--preset", "tiny", "--steps", "10", "--models", "bayesian", "gated_deltanet",
-                     "--compute-match", mode, "--out", str(out), "--no-progress"]) == 0
+    assert cli_main(["recall", "--preset", "tiny", "--steps", "10", "--batch-size", "4", "--models", "bayesian",
+                     "gated_deltanet", "--compute-match", mode, "--out", str(out), "--no-progress"]) == 0
     record = json.loads((out / "recall.json").read_text())
     assert record["compute_match"]["mode"] == mode and record["models"]["gated_deltanet"]["label"] == "GDN-style"
     ref = _seeds(record, "bayesian")[0]
