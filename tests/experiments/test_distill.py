@@ -78,8 +78,8 @@ def teacher(tmp_path_factory) -> tuple[Path, Path, str]:
     corpus = _corpus(root / "corpus")
     cache = str(root / "cache")
     config = LMConfig(preset="test", mixer="gated_deltanet", hidden_size=64, num_layers=2, num_heads=2, head_dim=16,
-                      mlp_dropout=0.0, source=str(corpus), vocab_size=512, seq_len=128, steps=40, batch_size=8,
-                      micro_batch_size=8, lr=3e-3, warmup_steps=4, eval_every=0, eval_windows=2, checkpoint_every=0,
+                      mlp_dropout=0.0, source=str(corpus), vocab_size=512, seq_len=128, steps=20, batch_size=8,
+                      micro_batch_size=8, lr=3e-3, warmup_steps=2, eval_every=0, eval_windows=2, checkpoint_every=0,
                       log_every=1, seed=0)
     result = train_lm(config, root / "teacher", device="cpu", cache_dir=cache, progress=False)
     assert result.finished
