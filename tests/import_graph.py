@@ -15,6 +15,7 @@ tests/ops/test_backend.py (the ops layering).
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "bayeslayer"
@@ -65,11 +66,17 @@ def parents(name: str) -> list[str]:
 def imported_modules(path: Path, root: Path = PACKAGE, parent_edges: bool = True) -> set[str]:
     """The package's modules ``path`` imports anywhere in its source (functions and classes included),
     and (``parent_edges``) the packages above each of them whose ``__init__`` that import runs."""
+    return set(_imported_modules(path, path.read_text(encoding="utf-8"), root, parent_edges))
+
+
+@functools.cache
+def _imported_modules(path: Path, text: str, root: Path, parent_edges: bool) -> frozenset[str]:
+    # keyed by the source text as well as the path: a file is parsed once per test run unless it changes
     name = module_name(path, root)
     top = root.name
     is_pkg = path.name == "__init__.py"
     found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+    for node in ast.walk(ast.parse(text, filename=str(path))):
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -88,7 +95,7 @@ def imported_modules(path: Path, root: Path = PACKAGE, parent_edges: bool = True
         own = set(parents(name)) | ({name} if is_pkg else set())  # already imported when ``name`` runs
         found.update(p for t in list(found) for p in parents(t) if p not in own and p.startswith(top))
     found.discard(name)
-    return found
+    return frozenset(found)
 
 
 def import_graph(subpackages: tuple[str, ...] | None = None, root: Path = PACKAGE,
