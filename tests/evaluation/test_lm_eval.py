@@ -16,14 +16,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from lm_eval import simple_evaluate
-from lm_eval.tasks import TaskManager
 
 from bayeslayer.data.niah import NiahGenerator
 from bayeslayer.data.text import find_eos_id
 from bayeslayer.evaluation import hf_tokenizer, niah, niah_records, write_niah_task, write_perplexity_task
 from bayeslayer.evaluation.heldout import evaluate_heldout
-from bayeslayer.evaluation.lm_eval_adapter import BayesLayerLM
 from bayeslayer.models import BayesLayerForCausalLM
 
 from .conftest import ESSAYS, OFFLINE, WORDS
@@ -52,6 +49,12 @@ def window_documents(tokenizer, n_docs: int, length: int, seed: int = 0) -> tupl
 
 
 def _lm_eval(model, tokenizer, task_dir, task, **hflm):
+    # lm-eval is imported by the tests that run it, not when the suite collects this file
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    from bayeslayer.evaluation.lm_eval_adapter import BayesLayerLM
+
     lm = BayesLayerLM(pretrained=model, tokenizer=hf_tokenizer(tokenizer), batch_size=1, **hflm)
     manager = TaskManager(include_path=str(task_dir), include_defaults=False)  # our tasks only: no index of lm-eval's
     out = simple_evaluate(model=lm, tasks=[task], task_manager=manager,
@@ -187,6 +190,7 @@ def test_the_command_line_runs_saved_directories(tmp_path, monkeypatch, tokenize
     In-process, with lm-eval's task index limited to our task directory (indexing its ~15,000 built-in
     tasks takes most of a minute here; the fresh-interpreter run below is marked slow)."""
     import lm_eval.tasks
+    from lm_eval.tasks import TaskManager
 
     from bayeslayer.evaluation import lm_eval_adapter
 

@@ -10,16 +10,19 @@ import json
 import logging
 
 import pytest
-from lm_eval import simple_evaluate
-from lm_eval.tasks import TaskManager
 
 from bayeslayer.evaluation import PERPLEXITY_TASK, default_task_dir, hf_tokenizer, write_perplexity_task
-from bayeslayer.evaluation.lm_eval_adapter import BayesLayerLM
 from bayeslayer.evaluation.tasks import write_tokenizer_config
 from bayeslayer.models import BayesLayerForCausalLM
 
 
 def test_the_perplexity_task_yaml_gives_no_warning(tmp_path, tokenizer, bl_dir, caplog):
+    # lm-eval is imported by the tests that run it, not when the suite collects this file
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    from bayeslayer.evaluation.lm_eval_adapter import BayesLayerLM
+
     task = write_perplexity_task(tmp_path / "tasks", ["a short document.", "another short one."], name="clean_ppl")
     model = BayesLayerLM(pretrained=BayesLayerForCausalLM.from_pretrained(bl_dir),
                          tokenizer=hf_tokenizer(bl_dir / "tokenizer.json"), batch_size=1, max_length=64)
@@ -84,6 +87,7 @@ def test_the_command_line_finds_the_shipped_task_without_include_path_and_prints
     import sys
 
     import lm_eval.tasks
+    from lm_eval.tasks import TaskManager
 
     from bayeslayer.evaluation import lm_eval_adapter
 
