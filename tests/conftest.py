@@ -77,14 +77,14 @@ def pytest_report_header(config):
             f"{FLA_HOPPER_GUARD if FLA_HOPPER_GUARD is not None else 'left alone'}; Triton interpreter: "
             f"{'device-function calls skip re-patching' if TRITON_INTERPRETER_FAST_CALLS else 'as shipped'}"]
 
-# The garbage collector's full passes walk every object that lives on: after torch, transformers and fla are
-# imported that is over half a million objects, and a full pass every few thousand allocations cost about a
-# fifth of collecting the suite and a tenth of running it.  What is alive once a test file has been imported or
-# run (modules, their functions and constants) stays alive, so it is moved out of the collector's reach
-# (``gc.freeze``); garbage made by tests is still collected as before, and a full pass after each file
-# frees what that file left in reference cycles before the rest is frozen.  The youngest generation is collected
-# every 20,000 allocations instead of 700: most objects (the Triton interpreter's, autograd's) die by reference
-# count long before that, and the collector stops re-scanning the survivors of every test that many times.
+# The garbage collector's full passes walk every object that lives on: after torch, transformers and fla are imported
+# that is over half a million objects, and a full pass about every 70,000 allocations (Python's default thresholds)
+# cost about a fifth of collecting the suite and a tenth of running it.  What is alive once a test file has been
+# imported or run (modules, their functions and constants) stays alive, so it is moved out of the collector's reach
+# (``gc.freeze``); garbage made by tests is still collected as before, and a full pass after each file frees what that
+# file left in reference cycles before the rest is frozen.  The youngest generation is collected every 20,000
+# allocations instead of 700: most objects (the Triton interpreter's, autograd's) die by reference count long before
+# that, and the collector stops re-scanning the survivors of every test that many times.
 gc.freeze()
 gc.set_threshold(20_000, 10, 10)
 
