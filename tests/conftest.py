@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import gc
 import os
 
@@ -87,6 +88,7 @@ def pytest_report_header(config):
 # that, and the collector stops re-scanning the survivors of every test that many times.
 gc.freeze()
 gc.set_threshold(20_000, 10, 10)
+atexit.register(gc.unfreeze)  # at exit, objects are freed as usual (extension modules report those left over)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -107,10 +109,6 @@ def pytest_runtest_protocol(item, nextitem):
     if nextitem is None or nextitem.module is not item.module:  # the file's module fixtures are torn down
         gc.collect()
         gc.freeze()
-
-
-def pytest_unconfigure(config):
-    gc.unfreeze()  # objects freed at exit as usual (extension modules count those they see leak)
 
 
 try:
