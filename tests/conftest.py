@@ -106,7 +106,7 @@ def pytest_collection_finish(session):
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     yield
-    if nextitem is None or nextitem.module is not item.module:  # the file's module fixtures are torn down
+    if nextitem is None or nextitem.path != item.path:  # the last test of a file: its module fixtures are torn down
         gc.collect()
         gc.freeze()
 
