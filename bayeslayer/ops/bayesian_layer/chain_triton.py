@@ -474,6 +474,44 @@ def _factor(ks, P, r2s, gs, gls, bs, r, NB: tl.constexpr, DIAG: tl.constexpr, KX
 
 
 @triton.jit
+def _factors_at(FCK, row, i_h, r, H: tl.constexpr, C: tl.constexpr):
+    """Where a chunk's factors lie in FCK ``[·, H, C, C + 1]``: ``M = L⁻¹`` in the first ``C`` columns, ``d`` in the
+    last."""
+    return FCK + (row * H + i_h) * (C * (C + 1))
+
+
+@triton.jit
+def _save_factors(F, Mt, ds, poison, r, NB: tl.constexpr, C: tl.constexpr):
+    """Store the lower blocks of ``M`` and the pivots ``d`` (NaN from a failed pivot on: ``poison``) at ``F``."""
+    BLK: tl.constexpr = r.shape[0]
+    for I in tl.static_range(NB):
+        ri = r + I * BLK
+        for J in tl.static_range(I + 1):
+            rj = r + J * BLK
+            tl.store(F + ri[:, None] * (C + 1) + rj[None, :], Mt[I * (I + 1) // 2 + J])
+        tl.store(F + ri * (C + 1) + C, ds[I] * poison)
+
+
+@triton.jit
+def _load_factors(F, r, NB: tl.constexpr, C: tl.constexpr, dt):
+    """What :func:`_save_factors` stored: ``(M`` lower blocks as :func:`_factor` returns them, ``d``, the pivots
+    the forward found failed ``)``."""
+    BLK: tl.constexpr = r.shape[0]
+    Mt = ()
+    ds = ()
+    fail = tl.sum(tl.zeros(r.shape, dtype=tl.int32), axis=0)
+    for I in tl.static_range(NB):
+        ri = r + I * BLK
+        for J in tl.static_range(I + 1):
+            rj = r + J * BLK
+            Mt = Mt + (tl.load(F + ri[:, None] * (C + 1) + rj[None, :]).to(dt),)
+        d = tl.load(F + ri * (C + 1) + C).to(dt)
+        fail += tl.sum((d != d).to(tl.int32), axis=0)
+        ds = ds + (d,)
+    return Mt, ds, fail
+
+
+@triton.jit
 def _factor_adjoint(Mb, Mt, ds, betas, bbars, r, NB: tl.constexpr, PREC: tl.constexpr, INTERP: tl.constexpr):
     """The adjoint of ``S = L diag(d) Lᵀ`` given those of ``M = L⁻¹`` (``M̄``, lower blocks) and of ``β = 1/d``
     (``β̄``): ``S̄ = sym(Mᵀ Ψ M)`` with ``Ψ = stril(−M̄ Mᵀ) diag(d)⁻¹ + diag(−β² β̄)`` (lower blocks of ``S̄``)."""
@@ -524,7 +562,7 @@ def _my(Mt, ys, I: tl.constexpr, PREC: tl.constexpr, INTERP: tl.constexpr):
 @triton.jit
 def chain_forward_kernel(
     Q, K, V, R2, ELL2, LA, CU, CKO, P0,
-    W, KW, VU, GOUT, VAR, PT, PCK, FAIL,
+    W, KW, VU, GOUT, VAR, PT, PCK, FCK, FAIL,
     H: tl.constexpr,
     D: tl.constexpr,
     MV: tl.constexpr,
@@ -546,7 +584,8 @@ def chain_forward_kernel(
     per-chunk checkpoint row of each sequence; P0 ``[N, H, D, D]`` (the working dtype: fp32 or float64).  Writes
     W, KW ``[NT, H, D]``, VU ``[NT, H, MV]`` (their dtype), GOUT ``[NT, H, 1 or D]`` (chunk-local cumulative
     log-decay), VAR ``[NT, H]`` (``WANT_VAR``), PT ``[N, H, D, D]`` (the final covariance), PCK ``[·, H, D, D]``
-    the covariance at the start of every chunk (``SAVE_P``: the backward's checkpoints), FAIL ``[N, H]`` int32
+    the covariance at the start of every chunk and FCK ``[·, H, C, C + 1]`` the chunk's factors ``M = L⁻¹`` and ``d``
+    (``SAVE_P``: the backward's checkpoints; ``d`` NaN from a failed pivot on), FAIL ``[N, H]`` int32
     (pivots that were not positive; from the first one on, the program's outputs are NaN).
     """
     BLK: tl.constexpr = 32 if C > 32 else C
@@ -575,6 +614,8 @@ def chain_forward_kernel(
         fail += f
         # a failed pivot poisons the chain: from its chunk on, every output of this (sequence, head) is NaN
         poison = tl.where(fail > 0, float("nan"), 1.0)
+        if SAVE_P:
+            _save_factors(_factors_at(FCK, ck0 + c, i_h, r, H, C), Mt, ds, poison, r, NB, C)
         # the end update's P-free part; the rank-C downdate is added row block by row block
         if DIAG:
             gC = tl.exp(g_end)
@@ -672,7 +713,7 @@ def _noise_adj(db, gI, gJ, glJ, SAME: tl.constexpr, DIAG: tl.constexpr, PREC: tl
 
 @triton.jit
 def chain_backward_kernel(
-    Q, K, V, R2, ELL2, LA, CU, CKO, PCK,
+    Q, K, V, R2, ELL2, LA, CU, CKO, PCK, FCK,
     DW, DKW, DVU, DVAR, DPT,
     DQ, DK, DV, DR2, DELL2, DLA, DP0, FAIL,
     H: tl.constexpr,
@@ -690,8 +731,9 @@ def chain_backward_kernel(
 ):
     """The reverse chain of one (sequence, head): the adjoint of :func:`chain_forward_kernel`, ``dP`` on chip.
 
-    Walks the sequence's chunks last to first.  Each chunk is replayed from its checkpoint (PCK, the covariance
-    the forward held at the chunk's start) and differentiated in registers: the adjoints of the chunk's outputs
+    Walks the sequence's chunks last to first.  Each chunk is replayed from its checkpoints (PCK, the covariance
+    the forward held at the chunk's start, and FCK, the factors ``M = L⁻¹`` and ``d`` of its ``S``, so that the
+    factorisation is not repeated) and differentiated in registers: the adjoints of the chunk's outputs
     (DW, DKW ``[NT, H, D]``, DVU ``[NT, H, MV]``, DVAR ``[NT, H]`` with ``WANT_VAR``: what the mean pass's backward
     and the caller hand back) and of its end covariance (carried, ``DPT`` ``[N, H, D, D]`` at the sequence end when
     ``HAS_DPT``) give the adjoint of its start covariance and the gradients of its tokens' inputs, written once:
@@ -736,9 +778,8 @@ def chain_backward_kernel(
         P = P.to(dt)
         toks, vals, r2s, l2s, gs, gls, bs, g_end, b_end = _chunk_inputs(
             R2, ELL2, LA, bos + c * C, eos, i_h, r, od, H, D, NB, DIAG, dt)
-        # ---- replay the chunk: S, its factors (only M = L⁻¹ and d are kept), kw = M K̃, U ----
-        Mt, ds, f, _ys = _factor(_rows_of(K, toks, vals, i_h, od, H, D, NB, dt), P, r2s, gs, gls, bs, r, NB, DIAG,
-                                 KX, PREC, INTERP)
+        # ---- the chunk's factors as the forward stored them (M = L⁻¹, d); replay kw = M K̃, U ----
+        Mt, ds, f = _load_factors(_factors_at(FCK, ck0 + c, i_h, r, H, C), r, NB, C, dt)
         fail += f
         poison = tl.where(fail > 0, float("nan"), 1.0)
         ks = _rows_of(K, toks, vals, i_h, od, H, D, NB, dt)
@@ -1062,7 +1103,9 @@ class ChainForward(NamedTuple):
     """What :func:`chain_forward` returns (packed, ``NT`` tokens, ``H'`` heads): the mean pass's inputs ``w``
     (``βU``), ``kw`` (``L⁻¹K̃``), ``vu`` (``L⁻¹V``) in ``out_dtype``, ``g`` (chunk-local cumulative log-decay, the
     working dtype), the variance (None unless asked), the final covariance ``P`` ``[N, H', D, D]``, the per-chunk
-    checkpoints (None unless ``save_p``) and the device-side ``failed`` flag ``[N, H']`` (not read here)."""
+    checkpoints (None unless ``save_p``): the covariance at each chunk's start and the factors of its ``S``
+    (``M = L⁻¹`` and ``d``, ``[·, H', C, C + 1]``, what the backward would otherwise factor again), and the
+    device-side ``failed`` flag ``[N, H']`` (not read here)."""
 
     w: torch.Tensor
     kw: torch.Tensor
@@ -1071,6 +1114,7 @@ class ChainForward(NamedTuple):
     var: torch.Tensor | None
     P: torch.Tensor
     checkpoints: torch.Tensor | None
+    factors: torch.Tensor | None
     failed: torch.Tensor
 
 
@@ -1104,24 +1148,27 @@ def chain_forward(q, k, v, r2, ell2, log_alpha, P0, layout: ChainLayout, *, want
     var = torch.empty(NT, Hf, dtype=work, device=dev) if want_var else g
     P = torch.empty(N, Hf, D, D, dtype=work, device=dev)
     ck = torch.empty(layout.n_checkpoints, Hf, D, D, dtype=kdt, device=dev) if save_p else P
+    fck = torch.empty(layout.n_checkpoints, Hf, layout.C, layout.C + 1, dtype=kdt, device=dev) if save_p else P
     failed = torch.zeros(N, Hf, dtype=torch.int32, device=dev)
     if N > 0 and Hf > 0:
         la = log_alpha.contiguous() if diag else log_alpha[..., 0].contiguous()
         chain_forward_kernel[(N, Hf)](
             q.contiguous(), k.contiguous(), v.contiguous(), r2.contiguous(), ell2.contiguous(), la, layout.cu,
-            layout.chunk_first, P0.to(kdt).contiguous(), w, kw, vu, g, var, P, ck, failed,
+            layout.chunk_first, P0.to(kdt).contiguous(), w, kw, vu, g, var, P, ck, fck, failed,
             H=Hf, D=D, MV=MV, C=layout.C, DIAG=diag, WANT_VAR=want_var, SAVE_P=save_p,
             KX=_exact_inputs(q, k, v, PREC), PREC=PREC, INTERP=_interpreting(), **tiles,
         )
-    return ChainForward(w, kw, vu, g, var if want_var else None, P, ck if save_p else None, failed != 0)
+    return ChainForward(w, kw, vu, g, var if want_var else None, P, ck if save_p else None,
+                        fck if save_p else None, failed != 0)
 
 
-def chain_backward(q, k, v, r2, ell2, log_alpha, layout: ChainLayout, checkpoints: torch.Tensor, *, dw, dkw, dvu,
-                   dvar=None, dP=None, prec: str | None = None,
+def chain_backward(q, k, v, r2, ell2, log_alpha, layout: ChainLayout, checkpoints: torch.Tensor,
+                   factors: torch.Tensor | None = None, *, dw, dkw, dvu, dvar=None, dP=None, prec: str | None = None,
                    work: torch.dtype | None = None) -> tuple[ScanGrads, torch.Tensor]:
     """One launch of :func:`chain_backward_kernel`: the adjoint of :func:`chain_forward` on the same inputs.
 
-    ``checkpoints``: the forward's per-chunk covariances (``save_p=True``).  Adjoints of the forward's outputs:
+    ``checkpoints``, ``factors``: the forward's per-chunk covariances and factors (``save_p=True``:
+    :attr:`ChainForward.checkpoints`, :attr:`ChainForward.factors`).  Adjoints of the forward's outputs:
     ``dw``, ``dkw`` ``[NT, H', D]``, ``dvu`` ``[NT, H', m]`` (any float dtype), ``dvar`` ``[NT, H']`` or None,
     ``dP`` ``[N, H', D, D]`` (the final covariance's) or None; ``prec`` and ``work`` (the working dtype, None: the
     checkpoints') as the forward's.  The adjoint of ``g`` (the mean pass's log-decay) is not taken here: it is the
@@ -1142,6 +1189,12 @@ def chain_backward(q, k, v, r2, ell2, log_alpha, layout: ChainLayout, checkpoint
     if tuple(checkpoints.shape) != (layout.n_checkpoints, Hf, D, D):
         raise ValueError(f"checkpoints must be [{layout.n_checkpoints}, {Hf}, {D}, {D}], got "
                          f"{tuple(checkpoints.shape)}")
+    C = layout.C
+    if not isinstance(factors, torch.Tensor) or factors.dtype != kdt or tuple(factors.shape) != (
+            layout.n_checkpoints, Hf, C, C + 1):
+        raise ValueError(f"factors must be a {kdt} [{layout.n_checkpoints}, {Hf}, {C}, {C + 1}] tensor (what "
+                         f"chain_forward saves), got {getattr(factors, 'dtype', None)} "
+                         f"{tuple(getattr(factors, 'shape', ()))}")
     diag = log_alpha.shape[-1] > 1
     tiles = launch_options(D, MV, layout.C)
     dev = k.device
@@ -1158,7 +1211,7 @@ def chain_backward(q, k, v, r2, ell2, log_alpha, layout: ChainLayout, checkpoint
         la = log_alpha.contiguous() if diag else log_alpha[..., 0].contiguous()
         chain_backward_kernel[(N, Hf)](
             q.contiguous(), k.contiguous(), v.contiguous(), r2.contiguous(), ell2.contiguous(), la, layout.cu,
-            layout.chunk_first, checkpoints, dw.contiguous(), dkw.contiguous(), dvu.contiguous(),
+            layout.chunk_first, checkpoints, factors.contiguous(), dw.contiguous(), dkw.contiguous(), dvu.contiguous(),
             dvar.contiguous() if want_var else r2, dP.contiguous() if dP is not None else dP0,
             out["q"] if want_var else dP0, out["k"], out["v"], out["r2"], out["ell2"], out["log_alpha"], dP0, failed,
             H=Hf, D=D, MV=MV, C=layout.C, DIAG=diag, WANT_VAR=want_var, HAS_DPT=dP is not None,

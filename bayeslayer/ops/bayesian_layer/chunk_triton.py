@@ -291,7 +291,7 @@ class ChainFunction(torch.autograd.Function):
         fw = chain_forward(q, k, v, r2, ell2, log_alpha, P0, spec.layout, want_var=spec.want_var, save_p=save,
                            out_dtype=spec.mean_dtype, prec=spec.prec)
         o, M = _mean_forward(spec, q, fw.w, fw.kw, fw.vu, fw.g, M0, cu)
-        ctx.save_for_backward(q, k, v, r2, ell2, log_alpha, M0, fw.w, fw.kw, fw.vu, fw.g, fw.checkpoints)
+        ctx.save_for_backward(q, k, v, r2, ell2, log_alpha, M0, fw.w, fw.kw, fw.vu, fw.g, fw.checkpoints, fw.factors)
         ctx.spec, ctx.cu = spec, cu
         ChainFunction.last_failed = fw.failed
         var = fw.var if fw.var is not None else o.new_empty(0)
@@ -304,12 +304,12 @@ class ChainFunction(torch.autograd.Function):
         from .chain_triton import chain_backward
 
         spec, cu = ctx.spec, ctx.cu
-        q, k, v, r2, ell2, la, M0, w, kw, vu, g, ck = ctx.saved_tensors
+        q, k, v, r2, ell2, la, M0, w, kw, vu, g, ck, fck = ctx.saved_tensors
         work = M0.dtype
         do = d_o if d_o is not None else torch.zeros(v.shape, dtype=work, device=v.device)
         dq_m, dw, dkw, dvu, dla_m, dM0 = _mean_backward(spec, q, w, kw, vu, g, M0, cu, do, d_M)
         dvar = d_var if spec.want_var and d_var is not None and d_var.numel() > 0 else None
-        gr, failed = chain_backward(q, k, v, r2, ell2, la, spec.layout, ck, dw=dw, dkw=dkw, dvu=dvu, dvar=dvar,
+        gr, failed = chain_backward(q, k, v, r2, ell2, la, spec.layout, ck, fck, dw=dw, dkw=dkw, dvu=dvu, dvar=dvar,
                                     dP=d_P, prec=spec.prec, work=work)
         ChainFunction.last_failed = failed
         dq = dq_m.to(work) if gr.q is None else dq_m.to(work) + gr.q
