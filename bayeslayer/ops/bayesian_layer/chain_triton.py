@@ -614,8 +614,6 @@ def chain_forward_kernel(
         fail += f
         # a failed pivot poisons the chain: from its chunk on, every output of this (sequence, head) is NaN
         poison = tl.where(fail > 0, float("nan"), 1.0)
-        if SAVE_P:
-            _save_factors(_factors_at(FCK, ck0 + c, i_h, r, H, C), Mt, ds, poison, r, NB, C)
         # the end update's P-free part; the rank-C downdate is added row block by row block
         if DIAG:
             gC = tl.exp(g_end)
@@ -673,6 +671,8 @@ def chain_forward_kernel(
                     gq = _scores(q, us[J], gs[I], gs[J], gls[J], I == J, DIAG, KX, False, PREC, INTERP, r)
                     v -= tl.sum(gq * gq * betas[J][None, :], axis=1)
                 tl.store(VAR + tok * H + i_h, v.to(VAR.dtype.element_ty), mask=valid)
+        if SAVE_P:
+            _save_factors(_factors_at(FCK, ck0 + c, i_h, r, H, C), Mt, ds, poison, r, NB, C)
         P = 0.5 * (Pn + tl.trans(Pn)) * poison
     tl.store(PT + (i_n * H + i_h) * D * D + od[:, None] * D + od[None, :], P, mask=pmask)
     tl.store(FAIL + i_n * H + i_h, fail)
