@@ -1177,16 +1177,16 @@ def compile_only(args, save=None) -> list[dict]:
             consts = dict(H=16, D=D, MV=D, C=CHAIN_CHUNK_SIZE, DIAG=diag, WANT_VAR=True,
                           KX=not kernel.endswith("64"), PREC=prec, INTERP=False, **tiles)
             bf16 = () if kernel.endswith("64") else ("Q", "K", "V")
-            fp64 = ("P0", "PCK") if kernel.endswith("64") else ()
+            fp64 = ("P0", "PCK", "FCK") if kernel.endswith("64") else ()
             if kernel in ("chain", "chain64"):
                 fn = tchain.chain_forward_kernel
                 names = ["Q", "K", "V", "R2", "ELL2", "LA", "CU", "CKO", "P0", "W", "KW", "VU", "GOUT", "VAR", "PT",
-                         "PCK", "FAIL"]
+                         "PCK", "FCK", "FAIL"]
                 consts["SAVE_P"] = True
             else:
                 fn = tchain.chain_backward_kernel
-                names = ["Q", "K", "V", "R2", "ELL2", "LA", "CU", "CKO", "PCK", "DW", "DKW", "DVU", "DVAR", "DPT",
-                         "DQ", "DK", "DV", "DR2", "DELL2", "DLA", "DP0", "FAIL"]
+                names = ["Q", "K", "V", "R2", "ELL2", "LA", "CU", "CKO", "PCK", "FCK", "DW", "DKW", "DVU", "DVAR",
+                         "DPT", "DQ", "DK", "DV", "DR2", "DELL2", "DLA", "DP0", "FAIL"]
                 consts["HAS_DPT"] = True
         elif kernel == "mean":
             fn = bl_chunk_mean_kernel
