@@ -174,6 +174,12 @@ def test_chain_refuses_an_unknown_precision_and_checkpoints_of_another_arithmeti
     ck = torch.zeros(layout.n_checkpoints, 1, 16, 16)  # fp32: what tf32x3, not the fp32 default "float64", saves
     with pytest.raises(ValueError, match="checkpoints must be torch.float64"):
         chain_triton.chain_backward(x, x, x, s, s, s[..., None], layout, ck, dw=x, dkw=x, dvu=x)
+    # the factors the forward kept beside the checkpoints: required, in the checkpoints' dtype and layout
+    ck = ck.double()
+    for factors in (None, torch.zeros(layout.n_checkpoints, 1, 16, 17),
+                    torch.zeros(layout.n_checkpoints, 1, 16, 16, dtype=torch.float64)):
+        with pytest.raises(ValueError, match="factors must be a torch.float64"):
+            chain_triton.chain_backward(x, x, x, s, s, s[..., None], layout, ck, factors, dw=x, dkw=x, dvu=x)
 
 
 def test_default_path_never_syncs_with_the_host(monkeypatch):
