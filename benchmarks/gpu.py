@@ -1185,9 +1185,10 @@ def compile_only(args, save=None) -> list[dict]:
                 consts["SAVE_P"] = True
             else:
                 fn = tchain.chain_backward_kernel
-                names = ["Q", "K", "V", "R2", "ELL2", "LA", "CU", "CKO", "PCK", "FCK", "DW", "DKW", "DVU", "DVAR",
-                         "DPT", "DQ", "DK", "DV", "DR2", "DELL2", "DLA", "DP0", "FAIL"]
-                consts["HAS_DPT"] = True
+                names = ["Q", "K", "V", "R2", "ELL2", "LA", "CU", "CKO", "PCK", "FCK", "W", "KW", "DW", "DKW", "DVU",
+                         "DVAR", "DPT", "DQ", "DK", "DV", "DR2", "DELL2", "DLA", "DP0", "FAIL"]
+                # the forward's W and kw (fp32) are read where the kernels compute in fp32, formed again in float64
+                consts.update(HAS_DPT=True, READ_WKW=not kernel.endswith("64"))
         elif kernel == "mean":
             fn = bl_chunk_mean_kernel
             names = ["q", "k", "v", "W", "LINV", "la", "cu_seqlens", "M", "O"]

@@ -713,7 +713,7 @@ def _noise_adj(db, gI, gJ, glJ, SAME: tl.constexpr, DIAG: tl.constexpr, PREC: tl
 
 @triton.jit
 def chain_backward_kernel(
-    Q, K, V, R2, ELL2, LA, CU, CKO, PCK, FCK,
+    Q, K, V, R2, ELL2, LA, CU, CKO, PCK, FCK, W, KW,
     DW, DKW, DVU, DVAR, DPT,
     DQ, DK, DV, DR2, DELL2, DLA, DP0, FAIL,
     H: tl.constexpr,
@@ -725,6 +725,7 @@ def chain_backward_kernel(
     DIAG: tl.constexpr,
     WANT_VAR: tl.constexpr,
     HAS_DPT: tl.constexpr,
+    READ_WKW: tl.constexpr,
     KX: tl.constexpr,
     PREC: tl.constexpr,
     INTERP: tl.constexpr,
@@ -733,7 +734,9 @@ def chain_backward_kernel(
 
     Walks the sequence's chunks last to first.  Each chunk is replayed from its checkpoints (PCK, the covariance
     the forward held at the chunk's start, and FCK, the factors ``M = L⁻¹`` and ``d`` of its ``S``, so that the
-    factorisation is not repeated) and differentiated in registers: the adjoints of the chunk's outputs
+    factorisation is not repeated; with ``READ_WKW`` also W and KW, the forward's ``W = βU`` and ``kw`` in the
+    working dtype, so that ``U = W / β`` and ``kw`` are read instead of formed) and differentiated in registers: the
+    adjoints of the chunk's outputs
     (DW, DKW ``[NT, H, D]``, DVU ``[NT, H, MV]``, DVAR ``[NT, H]`` with ``WANT_VAR``: what the mean pass's backward
     and the caller hand back) and of its end covariance (carried, ``DPT`` ``[N, H, D, D]`` at the sequence end when
     ``HAS_DPT``) give the adjoint of its start covariance and the gradients of its tokens' inputs, written once:
@@ -782,20 +785,27 @@ def chain_backward_kernel(
         Mt, ds, f = _load_factors(_factors_at(FCK, ck0 + c, i_h, r, H, C), r, NB, C, dt)
         fail += f
         poison = tl.where(fail > 0, float("nan"), 1.0)
-        ks = _rows_of(K, toks, vals, i_h, od, H, D, NB, dt)
         kws = ()
         us = ()
         betas = ()
-        for I in tl.static_range(NB):
-            kw = _m_kt(Mt[I * (I + 1) // 2 + 0], ks[0], gs[0], DIAG, KX, PREC, INTERP)
-            mx = _mix_b(Mt[I * (I + 1) // 2 + 0], ks[0], bs[0], gs[I], gs[0], gls[0], I == 0, DIAG, KX, PREC, INTERP, r)
-            for J in tl.static_range(1, I + 1):
-                mij = Mt[I * (I + 1) // 2 + J]
-                kw += _m_kt(mij, ks[J], gs[J], DIAG, KX, PREC, INTERP)
-                mx += _mix_b(mij, ks[J], bs[J], gs[I], gs[J], gls[J], I == J, DIAG, KX, PREC, INTERP, r)
-            kws = kws + (kw,)
-            us = us + (tl.exp(_rs(gs[I], DIAG)) * _dot(kw, P, PREC, INTERP) + mx,)
-            betas = betas + (1.0 / ds[I],)
+        if READ_WKW:
+            # U = W / β as the forward wrote it (W = βU, one rounding of the working dtype); kw is read where used
+            for I in tl.static_range(NB):
+                us = us + (_load_rows(W, toks[I], vals[I], i_h, od, H, D, 0.0, dt) * ds[I][:, None],)
+                betas = betas + (1.0 / ds[I],)
+        else:
+            ks = _rows_of(K, toks, vals, i_h, od, H, D, NB, dt)
+            for I in tl.static_range(NB):
+                kw = _m_kt(Mt[I * (I + 1) // 2 + 0], ks[0], gs[0], DIAG, KX, PREC, INTERP)
+                mx = _mix_b(Mt[I * (I + 1) // 2 + 0], ks[0], bs[0], gs[I], gs[0], gls[0], I == 0, DIAG, KX, PREC,
+                            INTERP, r)
+                for J in tl.static_range(1, I + 1):
+                    mij = Mt[I * (I + 1) // 2 + J]
+                    kw += _m_kt(mij, ks[J], gs[J], DIAG, KX, PREC, INTERP)
+                    mx += _mix_b(mij, ks[J], bs[J], gs[I], gs[J], gls[J], I == J, DIAG, KX, PREC, INTERP, r)
+                kws = kws + (kw,)
+                us = us + (tl.exp(_rs(gs[I], DIAG)) * _dot(kw, P, PREC, INTERP) + mx,)
+                betas = betas + (1.0 / ds[I],)
         # ---- the adjoint of P' = sym(Φ_C P Φ_C + diag(b_C) − Ueᵀ diag(β) Ue) ----
         Gs = 0.5 * (dP + tl.trans(dP)) * poison
         if DIAG:
@@ -866,7 +876,11 @@ def chain_backward_kernel(
             pk = (toks[I][:, None] * H + i_h) * D + od[None, :]
             mk = vals[I][:, None] & (od[None, :] < D)
             dz = tl.exp(_rs(gs[I], DIAG)) * dUs[I]
-            dPs += _dot(tl.trans(kws[I]), dz, PREC, INTERP)
+            if READ_WKW:
+                kw = _load_rows(KW, toks[I], vals[I], i_h, od, H, D, 0.0, dt)
+            else:
+                kw = kws[I]
+            dPs += _dot(tl.trans(kw), dz, PREC, INTERP)
             dkws = dkws + (tl.load(DKW + pk, mask=mk, other=0.0).to(dt) + _dot(dz, P, PREC, INTERP),)
             dGs = _add(dGs, I, _chs(dUs[I] * us[I], DIAG))
         # ---- kw = M K̃, vu = M V, mix(M, bK): M̄, dK̃, dV, d(bK) ----
@@ -1164,11 +1178,13 @@ def chain_forward(q, k, v, r2, ell2, log_alpha, P0, layout: ChainLayout, *, want
 
 def chain_backward(q, k, v, r2, ell2, log_alpha, layout: ChainLayout, checkpoints: torch.Tensor,
                    factors: torch.Tensor | None = None, *, dw, dkw, dvu, dvar=None, dP=None, prec: str | None = None,
-                   work: torch.dtype | None = None) -> tuple[ScanGrads, torch.Tensor]:
+                   work: torch.dtype | None = None, w=None, kw=None) -> tuple[ScanGrads, torch.Tensor]:
     """One launch of :func:`chain_backward_kernel`: the adjoint of :func:`chain_forward` on the same inputs.
 
     ``checkpoints``, ``factors``: the forward's per-chunk covariances and factors (``save_p=True``:
-    :attr:`ChainForward.checkpoints`, :attr:`ChainForward.factors`).  Adjoints of the forward's outputs:
+    :attr:`ChainForward.checkpoints`, :attr:`ChainForward.factors`); ``w``, ``kw``: the forward's ``w`` and ``kw``
+    (optional), read instead of formed again where they are in the kernels' working dtype (they are rounded to
+    ``out_dtype``, so float64 arithmetic on fp32 inputs forms them again).  Adjoints of the forward's outputs:
     ``dw``, ``dkw`` ``[NT, H', D]``, ``dvu`` ``[NT, H', m]`` (any float dtype), ``dvar`` ``[NT, H']`` or None,
     ``dP`` ``[N, H', D, D]`` (the final covariance's) or None; ``prec`` and ``work`` (the working dtype, None: the
     checkpoints') as the forward's.  The adjoint of ``g`` (the mean pass's log-decay) is not taken here: it is the
@@ -1207,14 +1223,20 @@ def chain_backward(q, k, v, r2, ell2, log_alpha, layout: ChainLayout, checkpoint
     failed = torch.zeros(N, Hf, dtype=torch.int32, device=dev)
     if dP is not None and tuple(dP.shape) != (N, Hf, D, D):
         raise ValueError(f"dP must be [N={N}, H'={Hf}, D={D}, D], got {tuple(dP.shape)}")
+    for name, x in (("w", w), ("kw", kw)):
+        if x is not None and (not isinstance(x, torch.Tensor) or tuple(x.shape) != (NT, Hf, D)):
+            raise ValueError(f"{name} must be the forward's [NT={NT}, H'={Hf}, D={D}] {name}, got "
+                             f"{tuple(getattr(x, 'shape', ())) or type(x).__name__}")
+    read_wkw = w is not None and kw is not None and w.dtype == kdt and kw.dtype == kdt
     if N > 0 and Hf > 0:
         la = log_alpha.contiguous() if diag else log_alpha[..., 0].contiguous()
         chain_backward_kernel[(N, Hf)](
             q.contiguous(), k.contiguous(), v.contiguous(), r2.contiguous(), ell2.contiguous(), la, layout.cu,
-            layout.chunk_first, checkpoints, factors.contiguous(), dw.contiguous(), dkw.contiguous(), dvu.contiguous(),
+            layout.chunk_first, checkpoints, factors.contiguous(), w.contiguous() if read_wkw else dw,
+            kw.contiguous() if read_wkw else dkw, dw.contiguous(), dkw.contiguous(), dvu.contiguous(),
             dvar.contiguous() if want_var else r2, dP.contiguous() if dP is not None else dP0,
             out["q"] if want_var else dP0, out["k"], out["v"], out["r2"], out["ell2"], out["log_alpha"], dP0, failed,
-            H=Hf, D=D, MV=MV, C=layout.C, DIAG=diag, WANT_VAR=want_var, HAS_DPT=dP is not None,
+            H=Hf, D=D, MV=MV, C=layout.C, DIAG=diag, WANT_VAR=want_var, HAS_DPT=dP is not None, READ_WKW=read_wkw,
             KX=_exact_inputs(q, k, v, PREC), PREC=PREC, INTERP=_interpreting(), **tiles,
         )
     return ScanGrads(P0=dP0, **out), failed != 0

@@ -310,7 +310,7 @@ class ChainFunction(torch.autograd.Function):
         dq_m, dw, dkw, dvu, dla_m, dM0 = _mean_backward(spec, q, w, kw, vu, g, M0, cu, do, d_M)
         dvar = d_var if spec.want_var and d_var is not None and d_var.numel() > 0 else None
         gr, failed = chain_backward(q, k, v, r2, ell2, la, spec.layout, ck, fck, dw=dw, dkw=dkw, dvu=dvu, dvar=dvar,
-                                    dP=d_P, prec=spec.prec, work=work)
+                                    dP=d_P, prec=spec.prec, work=work, w=w, kw=kw)
         ChainFunction.last_failed = failed
         dq = dq_m.to(work) if gr.q is None else dq_m.to(work) + gr.q
         return (None, None, dq, gr.k, gr.v, gr.r2, gr.ell2, gr.log_alpha + dla_m.to(work), dM0.to(work), gr.P0)
