@@ -18,7 +18,9 @@ the process noise accrued in the chunk, ``K̃ = γ ⊙ K``)::
 (and, when asked, the predictive variance ``1 + q̃ᵀPq̃ + qᵀB q − Σ_{i≤t} β_i (q_tᵀΦ_tΦ_i⁻¹u_i)²``).  ``W``, ``kw``,
 ``vu`` and ``g`` are exactly what the mean pass on flash-linear-attention's gated-delta-rule kernels reads
 (:mod:`.mean_pass_fla`, docs/theory.md §6.4), written in the dtype it is handed them in.
-:func:`chain_backward_kernel` is its adjoint, walking the chunks in reverse with the adjoint of ``P`` on chip.
+:func:`chain_backward_kernel` is its adjoint, walking the chunks in reverse with the adjoint of ``P`` on chip; it
+reads what the forward kept of each chunk (``P`` at its start, the factors ``M`` and ``d``, and ``W``, ``kw`` where
+they are in the working dtype) instead of forming it again.
 
 Every ``C×·`` quantity is held as ``C/BLK`` row blocks and every ``C×C`` one as its lower ``BLK×BLK`` blocks
 (Triton tuples, indexed at compile time), so that the factorisation needs no slicing of register tiles.  Every
