@@ -180,6 +180,11 @@ def test_chain_refuses_an_unknown_precision_and_checkpoints_of_another_arithmeti
                     torch.zeros(layout.n_checkpoints, 1, 16, 16, dtype=torch.float64)):
         with pytest.raises(ValueError, match="factors must be a torch.float64"):
             chain_triton.chain_backward(x, x, x, s, s, s[..., None], layout, ck, factors, dw=x, dkw=x, dvu=x)
+    # the forward's w and kw, when handed on, have its [NT, H', D]
+    factors = torch.zeros(layout.n_checkpoints, 1, 16, 17, dtype=torch.float64)
+    with pytest.raises(ValueError, match="kw must be the forward's"):
+        chain_triton.chain_backward(x, x, x, s, s, s[..., None], layout, ck, factors, dw=x, dkw=x, dvu=x, w=x,
+                                    kw=x[:, :, :8])
 
 
 def test_default_path_never_syncs_with_the_host(monkeypatch):
