@@ -1185,8 +1185,9 @@ def chain_backward(q, k, v, r2, ell2, log_alpha, layout: ChainLayout, checkpoint
 
     ``checkpoints``, ``factors``: the forward's per-chunk covariances and factors (``save_p=True``:
     :attr:`ChainForward.checkpoints`, :attr:`ChainForward.factors`); ``w``, ``kw``: the forward's ``w`` and ``kw``
-    (optional), read instead of formed again where they are in the kernels' working dtype (they are rounded to
-    ``out_dtype``, so float64 arithmetic on fp32 inputs forms them again).  Adjoints of the forward's outputs:
+    (optional), read instead of formed again where they are in the kernels' working dtype and the inputs are not
+    fp32 (``U = W/β`` adds one rounding of ``W``, which fp32 inputs' gradients show).  Adjoints of the forward's
+    outputs:
     ``dw``, ``dkw`` ``[NT, H', D]``, ``dvu`` ``[NT, H', m]`` (any float dtype), ``dvar`` ``[NT, H']`` or None,
     ``dP`` ``[N, H', D, D]`` (the final covariance's) or None; ``prec`` and ``work`` (the working dtype, None: the
     checkpoints') as the forward's.  The adjoint of ``g`` (the mean pass's log-decay) is not taken here: it is the
@@ -1229,7 +1230,11 @@ def chain_backward(q, k, v, r2, ell2, log_alpha, layout: ChainLayout, checkpoint
         if x is not None and (not isinstance(x, torch.Tensor) or tuple(x.shape) != (NT, Hf, D)):
             raise ValueError(f"{name} must be the forward's [NT={NT}, H'={Hf}, D={D}] {name}, got "
                              f"{tuple(getattr(x, 'shape', ())) or type(x).__name__}")
-    read_wkw = w is not None and kw is not None and w.dtype == kdt and kw.dtype == kdt
+    # read where they hold the forward's values to the working precision, but not for fp32 inputs: there the one
+    # rounding of W in U = W/β shows in the gradients' error (docs/kernels.md "Precision"); below 16-bit inputs'
+    # rounding and float64's, it does not
+    read_wkw = (w is not None and kw is not None and w.dtype == kdt and kw.dtype == kdt
+                and q.dtype != torch.float32)
     if N > 0 and Hf > 0:
         la = log_alpha.contiguous() if diag else log_alpha[..., 0].contiguous()
         chain_backward_kernel[(N, Hf)](
