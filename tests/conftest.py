@@ -7,13 +7,6 @@ import gc
 import os
 
 import pytest
-import torch
-
-# Triton reads TRITON_INTERPRET once, when it is first imported, and flash-linear-attention (the
-# test oracle) imports it early; so the whole session must agree before any test module loads.
-# Without a GPU the Triton kernels can only run in the interpreter.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pin_fp32_dot_precision(environ, cuda: bool) -> str | None:
@@ -33,9 +26,6 @@ def pin_fp32_dot_precision(environ, cuda: bool) -> str | None:
     return value
 
 
-FP32_DOT_PRECISION = pin_fp32_dot_precision(os.environ, torch.cuda.is_available())
-
-
 def one_thread_per_worker(environ) -> None:
     """Under pytest-xdist, give each worker one intra-op thread (and its child processes one OpenMP thread);
     outside a worker, leave the thread count alone.
@@ -44,18 +34,10 @@ def one_thread_per_worker(environ) -> None:
     run four busy threads that wait on each other; tests compare results, never thread counts, and the
     bit-identical checks compare runs made under the same setting."""
     if "PYTEST_XDIST_WORKER" in environ:
+        import torch
+
         environ.setdefault("OMP_NUM_THREADS", "1")
         torch.set_num_threads(1)
-
-
-one_thread_per_worker(os.environ)
-
-if os.environ.get("TRITON_INTERPRET") == "1":
-    from .triton_interpreter import skip_repeated_patching
-
-    TRITON_INTERPRETER_FAST_CALLS = skip_repeated_patching(os.environ)
-else:
-    TRITON_INTERPRETER_FAST_CALLS = False
 
 
 def bypass_fla_hopper_guard(environ) -> dict | None:
@@ -70,13 +52,48 @@ def bypass_fla_hopper_guard(environ) -> dict | None:
     return fla_hopper_guard(bypass=True)
 
 
-FLA_HOPPER_GUARD = bypass_fla_hopper_guard(os.environ)
+# what :func:`session_setup` chose, once it has run: the keys ``fp32_dot``, ``fla_guard``, ``fast_calls``
+SETUP: dict = {}
+
+
+def session_setup() -> dict:
+    """Set up the process that runs tests (once; the choices it made are returned and kept in :data:`SETUP`).
+
+    Triton reads TRITON_INTERPRET once, when it is first imported, and flash-linear-attention (the test oracle)
+    imports it early; so the whole session must agree before any test module loads.  Without a GPU the Triton
+    kernels can only run in the interpreter."""
+    if not SETUP:
+        import torch
+
+        cuda = torch.cuda.is_available()
+        if not cuda:
+            os.environ.setdefault("TRITON_INTERPRET", "1")
+        fp32_dot = pin_fp32_dot_precision(os.environ, cuda)
+        one_thread_per_worker(os.environ)
+        fast_calls = False
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            from .triton_interpreter import skip_repeated_patching
+
+            fast_calls = skip_repeated_patching(os.environ)
+        SETUP.update(fp32_dot=fp32_dot, fla_guard=bypass_fla_hopper_guard(os.environ), fast_calls=fast_calls)
+        gc.freeze()  # torch and Triton live on (see below)
+    return SETUP
+
+
+@pytest.hookimpl(trylast=True)  # after pytest-xdist's, which registers its "dsession" when this process distributes
+def pytest_configure(config):
+    """Every process that runs or collects tests is set up before it imports a test module.  pytest-xdist's
+    controller only hands test files to its workers (each sets itself up): it skips the set-up, and with it
+    importing torch and Triton (about 1.5 s of CPU)."""
+    if config.pluginmanager.getplugin("dsession") is None:
+        session_setup()
 
 
 def pytest_report_header(config):
-    return [f"fp32 tl.dot default: {FP32_DOT_PRECISION or 'Triton default (not pinned)'}; fla Hopper guard: "
-            f"{FLA_HOPPER_GUARD if FLA_HOPPER_GUARD is not None else 'left alone'}; Triton interpreter: "
-            f"{'device-function calls skip re-patching' if TRITON_INTERPRETER_FAST_CALLS else 'as shipped'}"]
+    setup = session_setup()
+    return [f"fp32 tl.dot default: {setup['fp32_dot'] or 'Triton default (not pinned)'}; fla Hopper guard: "
+            f"{setup['fla_guard'] if setup['fla_guard'] is not None else 'left alone'}; Triton interpreter: "
+            f"{'device-function calls skip re-patching' if setup['fast_calls'] else 'as shipped'}"]
 
 # The garbage collector's full passes walk every object that lives on: after torch, transformers and fla are imported
 # that is over half a million objects, and a full pass about every 70,000 allocations (Python's default thresholds)
@@ -133,6 +150,8 @@ if settings is not None:
 @pytest.fixture(autouse=True)
 def _seed_and_restore_value_checks():
     """Every test starts from the same RNG state with value checks on, whatever a previous test did."""
+    import torch
+
     from bayeslayer.ops import set_value_checks
 
     torch.manual_seed(0)
@@ -146,6 +165,8 @@ def no_opt_einsum():
     """Three-operand einsums contracted left to right, as PyTorch does without the optional ``opt_einsum``
     package: the FLOP counts (``bayeslayer.ops.flops``) follow that order, and a machine that has the package
     would otherwise measure another contraction order."""
+    import torch
+
     with torch.backends.opt_einsum.flags(enabled=False):
         yield
 
