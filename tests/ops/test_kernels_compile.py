@@ -53,7 +53,9 @@ def test_every_kernel_variant_compiles_for_sm90(tmp_path, kernels):
         # the backward through the scan: B2, B4, B4 with the variance (both decays), B3 (float64)
         (k, d, False) for k in ("segadj", "segadj4", "segadj4v") for d in (False, True)} | {("rev64", False, False)} | {
         # the covariance chain, the default path: its forward and its backward (both decays)
-        (k, d, False) for k in ("chain", "chainb") for d in (False, True)}
+        (k, d, False) for k in ("chain", "chainb") for d in (False, True)} | {
+        # and its float64 arithmetic, as fp32 inputs launch it up to chain_triton.FLOAT64_MAX_HEAD_DIM
+        (k, d, False) for k in ("chain64", "chainb64") for d in (False, True)}
     assert kinds == (expected if kernels is None else {x for x in expected if x[0] in kernels})
     for r in rows:
         what = f"{r['kernel']} (diagonal={r['diagonal']}, checkpoints={r['checkpoints']})"
