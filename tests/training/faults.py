@@ -41,17 +41,12 @@ def run_killed_at(fn: Callable[[], object], crash_at: int | None) -> tuple[int, 
     """Run ``fn()`` in a forked child killed before its ``crash_at``-th disk operation (never when
     ``None``); returns ``(exit code, operations counted)`` — exit code :data:`KILLED` when killed, 0
     when ``fn`` finished first, 1 when it raised."""
-    read_fd, write_fd = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: never returns into pytest
-        code = 1
+
+    def child(say: Callable[[str], None]) -> None:
+        count = [0]
         try:
-            os.close(read_fd)
-            count = [0]
-            originals = {}
             for module, name in _OPS:
                 original = getattr(module, name)
-                originals[(module, name)] = original
 
                 def counted(*args, _original=original, **kwargs):
                     if crash_at is not None and count[0] == crash_at:
@@ -61,20 +56,12 @@ def run_killed_at(fn: Callable[[], object], crash_at: int | None) -> tuple[int, 
 
                 setattr(module, name, counted)
             fn()
-            code = 0
-        except BaseException:  # noqa: BLE001 - reported to the parent as exit code 1
-            import traceback
-
-            traceback.print_exc()
         finally:
-            with contextlib.suppress(Exception):
-                os.write(write_fd, str(count[0]).encode())
-            os._exit(code)
-    os.close(write_fd)
-    with os.fdopen(read_fd) as fh:
-        counted_ops = int(fh.read() or 0)
-    _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status), counted_ops
+            say(str(count[0]))
+
+    proc = Forked(child)
+    counted_ops = int(proc.readline() or 0)  # '' when killed: the count is sent only by a child that ends itself
+    return proc.wait(), counted_ops
 
 
 class Forked:
