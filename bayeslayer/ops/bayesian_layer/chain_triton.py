@@ -476,7 +476,7 @@ def _factor(ks, P, r2s, gs, gls, bs, r, NB: tl.constexpr, DIAG: tl.constexpr, KX
 
 
 @triton.jit
-def _factors_at(FCK, row, i_h, r, H: tl.constexpr, C: tl.constexpr):
+def _factors_at(FCK, row, i_h, H: tl.constexpr, C: tl.constexpr):
     """Where a chunk's factors lie in FCK ``[·, H, C, C + 1]``: ``M = L⁻¹`` in the first ``C`` columns, ``d`` in the
     last."""
     return FCK + (row * H + i_h) * (C * (C + 1))
@@ -674,7 +674,7 @@ def chain_forward_kernel(
                     v -= tl.sum(gq * gq * betas[J][None, :], axis=1)
                 tl.store(VAR + tok * H + i_h, v.to(VAR.dtype.element_ty), mask=valid)
         if SAVE_P:
-            _save_factors(_factors_at(FCK, ck0 + c, i_h, r, H, C), Mt, ds, poison, r, NB, C)
+            _save_factors(_factors_at(FCK, ck0 + c, i_h, H, C), Mt, ds, poison, r, NB, C)
         P = 0.5 * (Pn + tl.trans(Pn)) * poison
     tl.store(PT + (i_n * H + i_h) * D * D + od[:, None] * D + od[None, :], P, mask=pmask)
     tl.store(FAIL + i_n * H + i_h, fail)
@@ -784,7 +784,7 @@ def chain_backward_kernel(
         toks, vals, r2s, l2s, gs, gls, bs, g_end, b_end = _chunk_inputs(
             R2, ELL2, LA, bos + c * C, eos, i_h, r, od, H, D, NB, DIAG, dt)
         # ---- the chunk's factors as the forward stored them (M = L⁻¹, d); replay kw = M K̃, U ----
-        Mt, ds, f = _load_factors(_factors_at(FCK, ck0 + c, i_h, r, H, C), r, NB, C, dt)
+        Mt, ds, f = _load_factors(_factors_at(FCK, ck0 + c, i_h, H, C), r, NB, C, dt)
         fail += f
         poison = tl.where(fail > 0, float("nan"), 1.0)
         kws = ()
