@@ -41,14 +41,16 @@ def _forward_backward(T: int, n_segments: int, diagonal: bool):
 
 @pytest.mark.parametrize("diagonal", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["scalar", "diagonal"])
 def test_segment_count_and_length_add_no_compile(diagonal):
-    """Segments of 2 chunks (T = 64, 2 segments: every kernel of the forward and the backward runs), then of 1
-    (T = 48, 3 segments) and 3 (T = 96, 2 segments): every kernel launched keeps the keys of the first call.
+    """Segments of 1 chunk (T = 32, 2 segments: every kernel of the forward and the backward runs), then of 2
+    (T = 80: 5 chunks in 3 segments, the last ragged): every kernel launched keeps the keys of the first call.
+    The second call differs from the first in every quantity a compile key could read: the chunks per segment
+    (1, which Triton specialises for an int argument, then 2), the segment count (2, 3), the chunk count and
+    length (2 and 5 chunks: no power of two in common) and T.
     (While B2/B4 took the chunks per segment as a ``tl.constexpr``, each segment length was a new compile.)"""
     with compile_keys() as keys:
-        _forward_backward(64, 2, diagonal)
+        _forward_backward(32, 2, diagonal)
         first = {name: set(k) for name, k in keys.items()}
-        _forward_backward(48, 3, diagonal)
-        _forward_backward(96, 2, diagonal)
+        _forward_backward(80, 3, diagonal)
     for name in ("bl_chunk_cov_kernel", "bl_chunk_prep_kernel", "scan_track_kernel", "scan_phase_b_kernel",
                  "bl_chunk_mean_kernel", "scan_segment_adjoint_kernel", "scan_reverse_kernel"):
         assert name in first, f"{name} was not launched: the test no longer covers it"
@@ -71,14 +73,13 @@ def _chain_forward_backward(T: int, cu: list[int] | None):
 
 
 def test_chain_lengths_and_packing_add_no_compile():
-    """The chain kernels compile once per (D, m, variant): two sequences of 40 tokens, then of 70, then three packed
-    ones (an empty one among them) reuse the first call's keys."""
+    """The chain kernels compile once per (D, m, variant): two sequences of 40 tokens, then three packed ones of other
+    lengths (20, 0 and 37 tokens: an empty one among them, T = 57) reuse the first call's keys."""
     from bayeslayer.ops.bayesian_layer.chunk_triton import RUN_ON_DEVICE  # noqa: F401 (the chain is the default)
 
     with compile_keys() as keys:
         _chain_forward_backward(40, None)
         first = {name: set(k) for name, k in keys.items()}
-        _chain_forward_backward(70, None)
         _chain_forward_backward(57, [0, 20, 20, 57])
     for name in ("chain_forward_kernel", "chain_backward_kernel"):
         assert name in first, f"{name} was not launched: the test no longer covers it"
