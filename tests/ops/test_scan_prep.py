@@ -122,32 +122,42 @@ def test_phase_a_reads_the_prep_buffers(diagonal):
         phase_a_triton(*args, prep=prep_triton(*args[:-1], dtype=torch.float32, want_var=False))
 
 
-@pytest.mark.parametrize(("diagonal", "regime"), [(False, "stress"),
-                                                  pytest.param(True, "longmem", marks=pytest.mark.slow)])
-def test_forward_scan_with_prep_equals_bl_chunk_fp64(diagonal, regime):
+# Sequences of 1, 2 and 3 chunks in segments of 1 (the default case), or of 2, 4 and 5 chunks in segments of 2; the
+# default case is also the default one of Phase B's kernel against the PyTorch scan (tests/ops/test_scan_triton.py).
+@pytest.mark.parametrize(("diagonal", "regime", "cu", "segment_chunks", "seed"), [
+    (False, "stress", [0, 10, 30, 70], 1, 7),
+    pytest.param(True, "longmem", [0, 20, 70, 150], 2, 11, marks=pytest.mark.slow)],
+    ids=["False-stress", "True-longmem"])  # the ids these cases had before they took cu and segment_chunks
+def test_forward_scan_with_prep_equals_bl_chunk_fp64(diagonal, regime, cu, segment_chunks, seed):
     """The whole scan forward with the prep kernel (Phase A and C read its buffers; float64: one prep
-    shared by both) == ``bl_chunk`` and == the scan without the prep kernel, float64 ≤ 1e-12; packed
-    sequences of 1, 2 and 3 segments, ragged tails, the variance, an initial state."""
+    shared by both) and Phase B's kernel == ``bl_chunk``, == the PyTorch scan (ops/bayesian_layer/scan.py) and ==
+    the scan without the prep kernel, float64 ≤ 1e-12; packed sequences of 1, 2 and 3 segments, ragged tails, the
+    variance, an initial state.  A bad ``prep`` or ``phase_b`` is refused by name."""
     from bayeslayer.ops.bayesian_layer.scan_triton import forward_scan_triton
 
     H, D, m, C = 1, 8, 4, 16
-    cu = torch.tensor([0, 20, 70, 150], device=DEVICE)  # 2, 4, 5 chunks -> 1, 2, 3 segments of 2 chunks
-    q, k, v, r2, ell2, alpha = regime_inputs(regime, 1, 150, H, D, m, diagonal=diagonal, seed=11, device=DEVICE)
+    T = cu[-1]
+    cu = torch.tensor(cu, device=DEVICE)
+    q, k, v, r2, ell2, alpha = regime_inputs(regime, 1, T, H, D, m, diagonal=diagonal, seed=seed, device=DEVICE)
     M0, P0 = initial_bl_state(3, H, D, m, p0=0.5, dtype=torch.float64, device=DEVICE)
     M0 = M0 + 0.1
     ref = bl_chunk(q, k, v, r2, ell2, alpha, chunk_size=C, cu_seqlens=cu, initial_state=(M0, P0),
                    output_final_state=True, return_variance=True)
     args = (q, k, v, r2, ell2, alpha, 1.0, M0, P0, cu, C, True)
     t = {}
-    out = forward_scan_triton(*args, segment_chunks=2, timings=t)
+    out = forward_scan_triton(*args, segment_chunks=segment_chunks, timings=t)
     assert set(t) == {"prep", "phase_a", "phase_b", "phase_c", "substitute", "mean"}
     o, var, M, P = out
     assert max(_rel(o, ref[0]), _rel(var, ref[1]), _rel(M, ref[2][0]), _rel(P, ref[2][1])) <= 1e-12
-    without = forward_scan_triton(*args, segment_chunks=2, prep=False)
+    for a, b in zip(out, scan.forward_scan(*args, segment_chunks=segment_chunks), strict=True):
+        assert _rel(a, b) <= 1e-12
+    without = forward_scan_triton(*args, segment_chunks=segment_chunks, prep=False)
     for a, b in zip(out, without, strict=True):
         assert _rel(a, b) <= 1e-12
     with pytest.raises(TypeError, match="prep"):
-        forward_scan_triton(*args, segment_chunks=2, prep="yes")
+        forward_scan_triton(*args, segment_chunks=segment_chunks, prep="yes")
+    with pytest.raises(ValueError, match="phase_b"):
+        forward_scan_triton(*args, segment_chunks=segment_chunks, phase_b="cuda")
 
 
 @pytest.mark.parametrize("diagonal", [pytest.param(False, marks=pytest.mark.slow),
