@@ -164,20 +164,22 @@ def test_segment_adjoint_triton_equals_twin_fp64(D, inputs, diagonal, H):
 @pytest.mark.parametrize("diagonal", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_segment_adjoint_triton_fp32(diagonal):
     """float32 inputs and adjoints (B4 in float32, long-memory regime) against the float64 twin: every gradient
-    within 5e-6 relative (max error over the largest entry; measured 1.3e-7 – 5.4e-7 scalar, 1.3e-7 – 4.6e-7
-    diagonal)."""
+    within 5e-6 relative (max error over the largest entry; measured 1.6e-7 – 6.2e-7 scalar, 1.2e-7 – 4.9e-7
+    diagonal).  Packed sequences of 30 and 75 tokens (2 and 5 chunks of 16, ragged tails), segments of 2 chunks
+    → 1 + 3 segments."""
     from bayeslayer.ops.bayesian_layer.scan_backward_triton import segment_adjoint_triton
 
-    lay, x64, adj64, P64, end64 = _adjoint_case("longmem", 16, [0, 40, 150], 3, seed=5, diagonal=diagonal)
-    lay, x, adj, P_starts, end_bar = _adjoint_case("longmem", 16, [0, 40, 150], 3, seed=5, dtype=torch.float32,
+    lay, x64, adj64, P64, end64 = _adjoint_case("longmem", 16, [0, 30, 105], 2, seed=5, diagonal=diagonal)
+    lay, x, adj, P_starts, end_bar = _adjoint_case("longmem", 16, [0, 30, 105], 2, seed=5, dtype=torch.float32,
                                                    diagonal=diagonal)
+    assert lay.seq_n_seg.tolist() == [1, 3]
     ref_dP, ref = _twin_segment_adjoint(lay, x64, adj64, P64, end64, True)
     dP, gr, failed = segment_adjoint_triton(lay, x["q"], x["k"], x["v"], x["r2"], x["ell2"], x["log_alpha"], adj,
                                             P_starts, end_bar, inputs=True)
     assert not failed.any()
     assert gr["k"].dtype == torch.float32
     errs = {"P": _rel(dP.double(), ref_dP)} | {n: _rel(gr[n].double(), ref[n]) for n in ref}
-    assert max(errs.values()) <= 5e-6, errs  # measured 5.4e-7 (r2)
+    assert max(errs.values()) <= 5e-6, errs  # measured 6.2e-7 (k)
 
 
 def _full_case(T, cu, n_s, seed, D=16, diagonal=False):
