@@ -2,7 +2,7 @@
 
 Outputs, per-token variance, final state ``(M, P)`` and the gradients of every input
 (q, k, v, r2, ell2, alpha, theta, and the initial state M, P — or p0 when there is none) over
-sequence lengths that are not multiples of the chunk (1, 63, 100, 257), every dynamics kind,
+sequence lengths that are not multiples of the chunk (1, 63, 100, 129), every dynamics kind,
 G = 1 and G > 1 observation-noise groups, with and without an initial state, chunk sizes
 16/32/64.  The default run takes a pairwise-covering subset of that grid; the rest of the full
 cross product is marked ``slow``.
@@ -20,7 +20,7 @@ from bayeslayer.ops import bl_chunk, bl_recurrent
 from .inputs import DYNAMICS, bl_inputs, case_id, fixed_weights, pairwise
 
 FACTORS = dict(
-    T=(1, 63, 100, 257),
+    T=(1, 63, 100, 129),  # 129 = 2·64 + 1: a one-token last chunk after 2, 4 or 8 whole ones
     dynamics=DYNAMICS,
     G=(1, 2),
     initial_state=(False, True),
