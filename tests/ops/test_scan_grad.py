@@ -283,8 +283,8 @@ def test_bl_chunk_triton_scan_backward_fp32_with_fla_kernels():
     case under the interpreter: ≤ 5.0e-7, dell2)."""
     from bayeslayer.ops.bayesian_layer.chunk_triton import bl_chunk_triton
 
-    cu = [0, 20, 40]
-    inputs = _case("longmem", False, B=1, T=40, H=1, D=16, m=8, cu=cu, seed=12, device=DEVICE)
+    cu = [0, 20, 33]  # 2 + 1 chunks of 16, both ragged; n_segments=2: a segment boundary in the first
+    inputs = _case("longmem", False, B=1, T=33, H=1, D=16, m=8, cu=cu, seed=12, device=DEVICE)
     ref = _torch_ref(inputs, cu)
     pin = mean_pass_fla.one_autotune_config() if DEVICE == "cpu" else contextlib.nullcontext()
     with pin:  # the interpreter cannot benchmark fla's autotune configs
