@@ -135,18 +135,24 @@ def _twin_segment_adjoint(lay, x, adj, P_starts, end_bar, inputs):
     return dP, ({name: lay.scatter(t, NT) for name, t in gr.items()} if inputs else None)
 
 
-@pytest.mark.parametrize(("D", "inputs", "diagonal", "H"), [pytest.param(16, True, False, 2, marks=pytest.mark.slow),
-                                                           pytest.param(24, True, False, 1, marks=pytest.mark.slow),
-                                                           (16, False, False, 1),
-                                                           pytest.param(16, True, True, 1, marks=pytest.mark.slow),
-                                                           pytest.param(24, True, True, 2, marks=pytest.mark.slow)])
-def test_segment_adjoint_triton_equals_twin_fp64(D, inputs, diagonal, H):
+LONG, SHORT = ([0, 40, 150], 3), ([0, 30, 105], 2)  # (cu, chunks per segment): 1 + 3 segments either way
+
+
+@pytest.mark.parametrize(("D", "inputs", "diagonal", "H", "case"), [
+    pytest.param(16, True, False, 2, LONG, marks=pytest.mark.slow),
+    pytest.param(24, True, False, 1, LONG, marks=pytest.mark.slow),
+    (16, False, False, 1, SHORT),
+    pytest.param(16, True, True, 1, LONG, marks=pytest.mark.slow),
+    pytest.param(24, True, True, 2, LONG, marks=pytest.mark.slow)],
+    ids=["16-True-False-2", "24-True-False-1", "16-False-False-1", "16-True-True-1", "24-True-True-2"])
+def test_segment_adjoint_triton_equals_twin_fp64(D, inputs, diagonal, H, case):
     """B2 (start adjoints only) and B4 (and every input gradient), scalar and diagonal decay, float64 ≤ 1e-12:
-    packed sequences of 40 and 110 tokens (3 and 7 chunks of 16, ragged tails), segments of 3 chunks → 1 + 3
-    segments; D = 24 pads the key dim to 32; H' = 1 and 2."""
+    packed sequences of 40 and 110 tokens (3 and 7 chunks of 16, ragged tails) in segments of 3 chunks, or (B2,
+    the default case) of 30 and 75 tokens (2 and 5 chunks) in segments of 2: 1 + 3 segments; D = 24 pads the key
+    dim to 32; H' = 1 and 2."""
     from bayeslayer.ops.bayesian_layer.scan_backward_triton import segment_adjoint_triton
 
-    lay, x, adj, P_starts, end_bar = _adjoint_case("stress", D, [0, 40, 150], 3, seed=D, diagonal=diagonal, H=H)
+    lay, x, adj, P_starts, end_bar = _adjoint_case("stress", D, *case, seed=D, diagonal=diagonal, H=H)
     assert lay.seq_n_seg.tolist() == [1, 3]
     ref_dP, ref = _twin_segment_adjoint(lay, x, adj, P_starts, end_bar, inputs)
     dP, gr, failed = segment_adjoint_triton(lay, x["q"], x["k"], x["v"], x["r2"], x["ell2"], x["log_alpha"], adj,
@@ -169,8 +175,8 @@ def test_segment_adjoint_triton_fp32(diagonal):
     → 1 + 3 segments."""
     from bayeslayer.ops.bayesian_layer.scan_backward_triton import segment_adjoint_triton
 
-    lay, x64, adj64, P64, end64 = _adjoint_case("longmem", 16, [0, 30, 105], 2, seed=5, diagonal=diagonal)
-    lay, x, adj, P_starts, end_bar = _adjoint_case("longmem", 16, [0, 30, 105], 2, seed=5, dtype=torch.float32,
+    lay, x64, adj64, P64, end64 = _adjoint_case("longmem", 16, *SHORT, seed=5, diagonal=diagonal)
+    lay, x, adj, P_starts, end_bar = _adjoint_case("longmem", 16, *SHORT, seed=5, dtype=torch.float32,
                                                    diagonal=diagonal)
     assert lay.seq_n_seg.tolist() == [1, 3]
     ref_dP, ref = _twin_segment_adjoint(lay, x64, adj64, P64, end64, True)
