@@ -277,9 +277,9 @@ def test_step_matches_bl_step():
     """``bl_step(backend="triton")`` runs the fused step kernel (once per step, never PyTorch) and
     equals ``backend="torch"``."""
     B, H, D, m, G = 2, 2, 20, 12, 2
-    q, k, v, r2, ell2, alpha = make_inputs(B, 6, H, D, m, decay="diagonal", G=G)
+    q, k, v, r2, ell2, alpha = make_inputs(B, 3, H, D, m, decay="diagonal", G=G)
     s1 = s2 = initial_state(B, H, D, m, G)
-    for t in range(6):
+    for t in range(3):  # each step from the state the previous one returned
         with triton_only() as calls:
             o1, var1, s1 = bl_step(q[:, t], k[:, t], v[:, t], r2[:, t], ell2[:, t], alpha[:, t], state=s1,
                                    return_variance=True, backend="triton")
