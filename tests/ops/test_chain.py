@@ -137,7 +137,7 @@ def test_fp32_inputs_run_float64_arithmetic_below_the_scans_error():
         assert chain_triton.default_precision(dt, 16) == chain_triton.default_precision(dt, 128) == "tf32x3"
     assert chain_triton.kernel_arithmetic(torch.float32, None, torch.float32, 16) == (torch.float64, "ieee")
     assert chain_triton.kernel_arithmetic(torch.float32, None, torch.bfloat16, 16) == (torch.float32, "tf32x3")
-    xs = regime_inputs("stress", 1, 64, 1, 16, 8, seed=3)
+    xs = regime_inputs("stress", 1, 48, 1, 16, 8, seed=3)  # measured margins 21-83x (T = 64: 18-110x)
     p0 = torch.eye(16, dtype=torch.float64)[None, None] * 0.5
     m0 = torch.zeros(1, 1, 16, 8, dtype=torch.float64)
 
