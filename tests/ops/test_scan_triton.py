@@ -137,7 +137,7 @@ def test_phase_b_triton_equals_twin(regime, D, diagonal):
 def test_phase_b_triton_flags_not_positive_definite():
     from bayeslayer.ops.bayesian_layer.scan_triton import phase_b_triton
 
-    lay, P0, el = _elements("longmem", 8, False, [0, 70, 90], seed=1)
+    lay, P0, el = _elements("longmem", 8, False, [0, 40, 60], seed=1)  # 2 segments, then 1
     P0[1, 0] = -torch.eye(8, dtype=P0.dtype)  # sequence 1 has one segment: never factored
     P0[0, 1] = -torch.eye(8, dtype=P0.dtype)
     _, failed = phase_b_triton(lay, P0, el)
