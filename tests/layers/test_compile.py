@@ -1,9 +1,10 @@
 """Every mixer under ``torch.compile(fullgraph=True)`` and ``torch.func.vmap``.
 
-The default run traces every registered mixer but the Bayesian Layer with ``torch._dynamo.explain`` (no graph
-break, one graph), compiles the Bayesian Layer's forward and backward with ``fullgraph=True`` and the ``aot_eager``
-backend (Dynamo's full graph plus AOTAutograd's backward graph, no code generation; any graph break fails it) and
-vmaps every configuration.  The ``slow`` run compiles
+The default run traces every registered mixer but the Bayesian Layer and Gated DeltaNet with
+``torch._dynamo.explain`` (no graph break, one graph) and vmaps every configuration; those two are compiled,
+forward and backward, the Bayesian Layer with its variances, by tests/models/test_compile.py's default test
+(a two-layer model of them under ``fullgraph=True`` and the ``aot_eager`` backend: Dynamo's full graph plus
+AOTAutograd's backward graph, no code generation; any graph break fails it).  The ``slow`` run compiles
 every configuration with the default backend (Inductor), forward and backward, against eager mode.  Compile
 times are recorded by ``benchmarks/compile.py``, not here.
 """
@@ -17,6 +18,7 @@ import torch._dynamo
 from bayeslayer.errors import NonFiniteError
 from bayeslayer.ops import value_checks
 
+from ..models.test_compile import SMALL as COMPILED_BY_THE_MODEL_TEST
 from .test_mixers import CONFIGS, HIDDEN, make
 
 REGISTERED = sorted(case for case, (name, _) in CONFIGS.items() if case == name)
@@ -48,10 +50,10 @@ def explain(fn, *args):
     return torch._dynamo.explain(fn)(*args)
 
 
-# the Bayesian Layer's trace is slow: test_compiled_bayesian_layer_equals_eager compiles the same forward (same
-# mixer, inputs and value checks) with fullgraph=True, which fails at any graph break
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c == "bayesian" else c for c in REGISTERED]
-                         + [pytest.param(c, marks=pytest.mark.slow) for c in VARIANTS])
+# slow for the two mixers tests/models/test_compile.py::test_compiled_model_equals_eager compiles by default (the
+# same forwards, the Bayesian Layer's with its variances) with fullgraph=True, which fails at any graph break
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in COMPILED_BY_THE_MODEL_TEST else c
+                                  for c in REGISTERED] + [pytest.param(c, marks=pytest.mark.slow) for c in VARIANTS])
 def test_no_graph_break(case):
     mixer = build(case)
     report = explain(forward(mixer, case), torch.randn(2, 10, HIDDEN))
@@ -76,10 +78,6 @@ def compiled_equals_eager(mixer, case: str, backend: str, tol: float = 1e-5):
         assert relative(out, ref) <= tol
     for g, g_ref in zip(grads, ref_grads, strict=True):
         assert relative(g, g_ref) <= tol
-
-
-def test_compiled_bayesian_layer_equals_eager():
-    compiled_equals_eager(build("bayesian"), "bayesian", "aot_eager")
 
 
 @pytest.mark.slow

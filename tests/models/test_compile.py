@@ -1,8 +1,10 @@
 """The language model under ``torch.compile(fullgraph=True)`` and ``torch.func.vmap``: the training forward
-(loss and logits) and its backward.  The default run compiles a two-layer model (Bayesian Layer, Gated
-DeltaNet) with ``aot_eager`` (``fullgraph=True`` fails at any graph break); the ``slow`` run traces a model with
-one layer of every mixer with ``torch._dynamo.explain`` and compiles it with Inductor (a cold compile of it
-takes minutes)."""
+(loss, logits and the Bayesian Layers' predictive variances) and its backward.  The default run compiles a
+two-layer model (Bayesian Layer, Gated DeltaNet) with ``aot_eager`` (``fullgraph=True`` fails at any graph break):
+Dynamo's full graph plus AOTAutograd's backward graph, which is also the default suite's compile of the Bayesian
+Layer with its variances (tests/layers/test_compile.py compiles none); the ``slow`` run traces a model with one
+layer of every mixer with ``torch._dynamo.explain`` and compiles it with Inductor (a cold compile of it takes
+minutes)."""
 
 from __future__ import annotations
 
@@ -15,8 +17,8 @@ from .test_packed import VOCAB, hybrid, relative
 
 def training_step(model):
     def run(ids):
-        out = model(input_ids=ids, labels=ids)
-        return out.loss, out.logits
+        out = model(input_ids=ids, labels=ids, output_variances=True)
+        return out.loss, out.logits, *(v for v in out.variances if v is not None)
 
     return run
 
@@ -40,13 +42,18 @@ def test_compiled_model_equals_eager(names, backend):
     ids = torch.randint(0, VOCAB, (2, 10))
     params = list(model.parameters())
     step = training_step(model)
-    loss, logits = step(ids)
-    grads = torch.autograd.grad(loss, params)
     torch._dynamo.reset()
-    c_loss, c_logits = torch.compile(step, fullgraph=True, backend=backend)(ids)
-    c_grads = torch.autograd.grad(c_loss, params)
-    assert relative(c_loss, loss) <= 1e-5 and relative(c_logits, logits) <= 1e-5
-    for g, ref in zip(c_grads, grads, strict=True):
+    for run in (step, torch.compile(step, fullgraph=True, backend=backend)):
+        outs = run(ids)
+        # the variances enter the objective too, so that their backward is in the compiled graph
+        objective = outs[0] + sum((v * torch.linspace(-1, 1, v.numel()).view_as(v)).sum() for v in outs[2:])
+        grads = torch.autograd.grad(objective, params)
+        if run is step:
+            ref_outs, ref_grads = outs, grads
+    assert len(outs) > 2  # loss, logits and the Bayesian Layer's variances
+    for out, ref in zip(outs, ref_outs, strict=True):
+        assert relative(out, ref) <= 1e-5
+    for g, ref in zip(grads, ref_grads, strict=True):
         assert relative(g, ref) <= 1e-5
 
 
