@@ -354,6 +354,17 @@ def stdlib_docstrings(path: str | os.PathLike) -> str:
     return "\n\n".join(docs) + ("\n" if docs else "")
 
 
+def _stdlib_py_files(root: Path) -> Iterator[Path]:
+    """The ``.py`` files under ``root`` outside folders named in :data:`_STDLIB_SKIP` (at any depth), which are
+    not entered at all: a ``site-packages`` inside the library folder can hold ten times its files."""
+    for folder, subfolders, names in os.walk(root, followlinks=True):
+        subfolders[:] = [d for d in subfolders if d not in _STDLIB_SKIP]
+        for name in names:
+            path = Path(folder, name)
+            if name.endswith(".py") and path.is_file():
+                yield path
+
+
 def python_docstrings_files(
     root: str | os.PathLike | None = None,
     *,
@@ -373,8 +384,7 @@ def python_docstrings_files(
     if not root.is_dir():
         raise CorpusNotFoundError(f"standard library folder {root} does not exist")
     fractions = _check_fractions(split_fractions)
-    files = sorted(p for p in root.rglob("*.py")
-                   if p.is_file() and not (_STDLIB_SKIP & set(p.relative_to(root).parts[:-1])))
+    files = sorted(_stdlib_py_files(root))
     if not files:
         raise CorpusNotFoundError(f"no .py files under {root}")
     splits: dict[str, list[DocumentSource]] = {s: [] for s in SPLITS}
