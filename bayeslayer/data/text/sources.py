@@ -357,7 +357,7 @@ def stdlib_docstrings(path: str | os.PathLike) -> str:
 def _stdlib_py_files(root: Path) -> Iterator[Path]:
     """The ``.py`` files under ``root`` outside folders named in :data:`_STDLIB_SKIP` (at any depth), which are
     not entered at all: a ``site-packages`` inside the library folder can hold ten times its files."""
-    for folder, subfolders, names in os.walk(root, followlinks=True):
+    for folder, subfolders, names in os.walk(root):  # as Path.rglob: into no linked folder
         subfolders[:] = [d for d in subfolders if d not in _STDLIB_SKIP]
         for name in names:
             path = Path(folder, name)
