@@ -144,6 +144,15 @@ def test_git_dirty_reads_the_index_like_git_status(tmp_path):
     assert prov.git_dirty(repo) is False
     (repo / "b.txt").unlink()
     assert prov.git_dirty(repo) is True
+    (repo / "b.txt").mkdir()  # a folder where the tracked file was
+    assert prov.git_dirty(repo) is True
+    (repo / "b.txt").rmdir()
+    (repo / "c.txt").write_text("two\n")
+    (repo / "b.txt").symlink_to("c.txt")  # a link where the file was, to the same bytes
+    assert prov.git_dirty(repo) is True
+    (repo / "b.txt").unlink()
+    (repo / "b.txt").write_text("two\n")
+    assert prov.git_dirty(repo) is False
 
 
 def test_every_committed_record_carries_provenance():

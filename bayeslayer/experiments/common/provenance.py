@@ -27,6 +27,7 @@ The commit and the dirty flag are read from the files of the ``.git`` directory 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -222,18 +223,18 @@ def git_dirty(root: str | os.PathLike | None = None) -> bool | None:
         for path, mode, size, mtime_s, mtime_ns, sha, flags in entries:
             if flags & 0x3000 or flags & (0x4000 << 16) or mode >> 12 == 0o16:  # merge stages, skip-worktree, gitlinks
                 continue
-            file = root / path
+            file = os.path.join(root, path)
+            st = os.lstat(file) if os.path.lexists(file) else None  # 2 system calls a file, not pathlib's 3 + 1
             if mode >> 12 == 0o12:  # a symbolic link: the blob is its target
-                if not file.is_symlink():
+                if st is None or st.st_mode >> 12 != 0o12:
                     return True
                 data = os.readlink(file).encode("utf-8", "surrogateescape")
             else:
-                if file.is_symlink() or not file.is_file():
+                if st is None or st.st_mode >> 12 != 0o10:  # gone, or a link, a folder ... where a file was
                     return True
-                st = file.stat()
                 if st.st_size == size and int(st.st_mtime) == mtime_s and st.st_mtime_ns % 10**9 == mtime_ns:
                     continue
-                data = file.read_bytes()
+                data = Path(file).read_bytes()
             if hashlib.sha1(b"blob %d\0" % len(data) + data, usedforsecurity=False).digest() != sha:
                 return True
         if cached_root is None:
@@ -244,10 +245,11 @@ def git_dirty(root: str | os.PathLike | None = None) -> bool | None:
         return None
 
 
+@functools.cache
 def package_versions() -> dict[str, str | None]:
     """``{"python": ..., "bayeslayer": ..., "torch": ..., "triton": ..., "fla": ..., "transformers": ...}``.
 
-    Read from the installed distributions' metadata (nothing is imported); None for one not installed.
+    Read once per process (one dict, shared) from the installed distributions' metadata; None if not installed.
     """
     versions: dict[str, str | None] = {"python": platform.python_version()}
     for key, dist in PACKAGES.items():
@@ -355,7 +357,7 @@ def provenance(*, device: Any = "cpu", seeds: Sequence[int] | None = None, wall_
         "git_commit": commit,
         "git_dirty": dirty,
         "command": _command(sys.argv if command is None else command),
-        "versions": package_versions(),
+        "versions": dict(package_versions()),
         "device": device,
         "cpu_model": cpu_model(),
         "gpu": _gpu_name(device),
