@@ -46,6 +46,18 @@ def test_the_corpus_is_deterministic_and_leaves_tests_out(tmp_path):
     assert doc.read() == "Module number 7 explains things.\n"
 
 
+def test_folders_left_out_at_any_depth_and_only_python_files(tmp_path):
+    for name in ("pkg/a.py", "pkg/sub/b.py", "pkg/tests/c.py", "pkg/sub/idle_test/d.py", "pkg/__pycache__/e.py",
+                 "z.py", "notes.txt", "pkg/f.pyc"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text('"""Doc."""\n')
+    (tmp_path / "folder.py").mkdir()  # a folder named like a module is no document
+    files = python_docstrings_files(tmp_path)
+    assert sorted(n for s in SPLITS for n in (d.name for d in files.splits[s])) == ["pkg/a.py", "pkg/sub/b.py",
+                                                                                    "z.py"]
+    assert [f[0] for f in files.fingerprint["files"]] == ["pkg/a.py", "pkg/sub/b.py", "z.py"]  # sorted as paths
+
+
 def test_the_default_library_is_there_and_named():
     assert PYTHON_DOCSTRINGS in NAMED_SOURCES and "python-docs" in NAMED_SOURCES and "wikitext-103" in NAMED_SOURCES
     assert (stdlib_root() / "os.py").is_file()
