@@ -1,16 +1,20 @@
-"""One two-rank gloo job on the CPU, started by ``torchrun``, for the default suite's distributed checks: sharded
-training (``tests/training/fsdp_train_workers.py``), context-parallel training (``tests/training/cp_train_workers.py``),
-the context-parallel ops (``tests/ops/cp_workers.py``), ``bayeslayer lm train`` with DDP (the command line's own
+"""One two-rank gloo job on the CPU for the default suite's distributed checks: sharded training
+(``tests/training/fsdp_train_workers.py``), context-parallel training (``tests/training/cp_train_workers.py``), the
+context-parallel ops (``tests/ops/cp_workers.py``), ``bayeslayer lm train`` with DDP (the command line's own
 ``main``, which joins the job through ``torchrun``'s environment) and docs/distributed.md's Hugging Face Trainer
 recipes (``tests/training/trainer_recipe_worker.py``) run one after the other in the same two processes, each in a
 process group of its own, and write their records to folders of their own.
 
-Starting a rank costs more than most of its checks (importing torch, transformers and the model), so the five test
-files share one job: the session fixture :func:`two_rank_job` (``tests/conftest.py``) starts it once per test run,
+Starting a rank costs more than most of its checks (an interpreter importing torch, transformers and the model),
+so the five test files share one job, and its two ranks are forked from the test process (:func:`start`), each
+with the environment ``torchrun --standalone --nproc_per_node 2`` gives its workers (rank 0 holding the store, as
+``TORCHELASTIC_USE_AGENT_STORE=False`` says): they inherit what the test process has imported instead of importing
+it twice more.  The session fixture :func:`two_rank_job` (``tests/conftest.py``) starts the job once per test run,
 also under pytest-xdist, where the first worker that asks runs it and the others read its records.  A failed job
-names the part it failed in, with each failing rank's traceback.
+names the part it failed in, with each failing rank's traceback.  ``torchrun`` itself starts the workers of the
+slow tests (``tests/training/test_sharded_training.py``, ``test_trainer_recipe.py``, ``test_titan.py``).
 
-``python -m torch.distributed.run --standalone --nproc_per_node 2 -m tests.two_rank_job ROOT`` runs it by hand
+``python -m torch.distributed.run --standalone --nproc_per_node 2 -m tests.two_rank_job ROOT`` runs the job by hand
 (``ROOT`` made by :func:`prepare`).
 """
 
@@ -20,8 +24,9 @@ import fcntl
 import json
 import os
 import shutil
-import subprocess
+import socket
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -92,7 +97,7 @@ def trainer(rank: int, world: int, init_file: str, out: Path) -> None:
 
 def job(root: str) -> None:
     """One rank (its number from ``torchrun``'s environment): every part in turn.  A failure on any rank ends the
-    job (``torchrun`` stops the other rank)."""
+    job (the other rank is stopped)."""
     from .ops import cp_workers
     from .training import cp_train_workers, fsdp_train_workers
 
@@ -130,6 +135,59 @@ def failure(root: Path) -> str:
     return f"in part {part!r}" + "".join(f"\n{e.stem}:\n{e.read_text()}" for e in errors)
 
 
+#: what ``torchrun --standalone --nproc_per_node 2`` sets for its workers besides the rank and the store's port
+#: (``TORCHELASTIC_USE_AGENT_STORE``: False, since rank 0 holds the store here, where no agent does)
+TORCHRUN_ENV = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1",
+                "ROLE_NAME": "default", "ROLE_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
+                "TORCHELASTIC_USE_AGENT_STORE": "False", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(root: Path, timeout: float = 900.0) -> list[int]:
+    """Fork the job's two ranks from this process and wait for both: their exit codes.  A rank that fails ends
+    the job: the other is killed (as ``torchrun`` stops the workers when one fails), and so are both after
+    ``timeout`` seconds."""
+    import torch  # noqa: F401  (imported before forking: the ranks inherit it)
+    import transformers.modeling_utils  # noqa: F401
+
+    from .training.faults import Forked, single_thread
+
+    port = str(_free_port())
+
+    def rank(r: int):
+        def child(say) -> None:  # noqa: ARG001  (Forked's line to the parent: not used)
+            os.environ.update(TORCHRUN_ENV, RANK=str(r), LOCAL_RANK=str(r), ROLE_RANK=str(r), MASTER_PORT=port,
+                              TORCHELASTIC_RUN_ID=f"two-rank-job-{port}")
+            os.chdir(ROOT)
+            job(str(root))
+        return child
+
+    with single_thread():
+        ranks = [Forked(rank(r)) for r in range(2)]
+    deadline = time.monotonic() + timeout
+    while any(f.returncode is None for f in ranks):
+        for f in ranks:
+            if f.returncode is None:
+                pid, status = os.waitpid(f.pid, os.WNOHANG)
+                if pid == f.pid:
+                    f.returncode = os.waitstatus_to_exitcode(status)
+        if any(f.returncode not in (None, 0) for f in ranks) or time.monotonic() > deadline:
+            for f in ranks:
+                f.kill()
+                f.wait()
+            break
+        time.sleep(0.05)
+    for f in ranks:
+        f.wait()  # closes its pipe
+    return [f.returncode for f in ranks]
+
+
 def run_once(shared: Path) -> Path:
     """The job's folder under ``shared`` (a folder every xdist worker of this run sees): started here unless a
     worker already ran it; a worker that asks while another runs it waits for it."""
@@ -142,15 +200,9 @@ def run_once(shared: Path) -> Path:
                 shutil.rmtree(root, ignore_errors=True)  # what a failed start left (its error is the first report)
                 root.mkdir()
                 setup = prepare(root)
-                cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                       "-m", "tests.two_rank_job", str(root)]
-                env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-                       "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
-                proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=900)
-                if proc.returncode != 0:
-                    raise RuntimeError(f"the two-rank job (torchrun exit code {proc.returncode}) failed "
-                                       f"{failure(root)}\nits output ends:\n{proc.stdout[-2000:]}\n"
-                                       f"{proc.stderr[-4000:]}")
+                codes = start(root)
+                if codes != [0, 0]:
+                    raise RuntimeError(f"the two-rank job (the ranks' exit codes {codes}) failed {failure(root)}")
                 done.write_text(json.dumps({"text": setup["text"], "cache": setup["cache"]}))
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)

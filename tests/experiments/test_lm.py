@@ -144,7 +144,7 @@ def test_loss_decreases_on_repetitive_text(tmp_path, corpus_dir, cache_dir):
 
 def ddp_argv(out: Path, corpus_dir: Path, cache_dir: Path) -> list[str]:
     """The ``bayeslayer lm train`` arguments of the two-rank run below (the default suite's two-rank job,
-    ``tests/two_rank_job.py``, runs them on both ranks of its ``torchrun`` job)."""
+    ``tests/two_rank_job.py``, runs them on both of its ranks, each with the environment ``torchrun`` gives)."""
     config = _config(corpus_dir, steps=3, batch_size=4, micro_batch_size=1, mlp_dropout=0.0, checkpoint_every=2)
     argv = ["lm", "train", "--preset", "tiny", "--no-progress", "--out", str(out), "--cache-dir", str(cache_dir),
             "--device", "cpu"]
@@ -159,8 +159,8 @@ def test_torchrun_two_ranks_gloo_agree_and_match_one_process(tmp_path, two_rank_
     """torchrun --nproc_per_node 2 (gloo, CPU): both ranks end with identical weights, and the run equals a
     single process with the same global batch (gradient accumulation instead of a second rank).
 
-    The two ranks are the default suite's one two-rank ``torchrun`` job (``tests/two_rank_job.py``, part
-    ``lm_ddp``): each runs ``bayeslayer.cli.main`` with :func:`ddp_argv`'s arguments."""
+    The two ranks are the default suite's one two-rank job (``tests/two_rank_job.py``, part ``lm_ddp``): each runs
+    ``bayeslayer.cli.main`` with :func:`ddp_argv`'s arguments in ``torchrun``'s environment."""
     out = two_rank_job / "lm_ddp" / "run"
     cache_dir = str(two_rank_job / "lm_ddp" / "cache")
     summary = json.loads((out / "train_summary.json").read_text())

@@ -116,7 +116,7 @@ class Forked:
         if self.returncode is None:
             _, status = os.waitpid(self.pid, 0)
             self.returncode = os.waitstatus_to_exitcode(status)
-            self._lines.close()
+        self._lines.close()
         return self.returncode
 
 

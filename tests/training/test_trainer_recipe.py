@@ -1,7 +1,7 @@
 """docs/distributed.md's Hugging Face Trainer recipes (Accelerate's FSDP plugin, FSDP2, ``BayesLayerBlock`` the wrap
 class; padded windows, and packed documents through ``DataCollatorWithFlattening``) run as written on two gloo
-processes started by ``torchrun`` (workers: ``trainer_recipe_worker.py``, both recipes in one job: in the default
-suite, the suite's one two-rank job, ``tests/two_rank_job.py``).
+processes (workers: ``trainer_recipe_worker.py``, both recipes in one job; started by ``torchrun`` in the slow test,
+in the default suite the suite's one two-rank job, ``tests/two_rank_job.py``, with ``torchrun``'s environment).
 
 Accelerate takes its FSDP path only on accelerators (``accelerate_cpu.py``), so the default-suite run switches it
 on for the CPU; the slow test runs the recipe a second time as Accelerate leaves it on the CPU (DDP) and
@@ -46,7 +46,7 @@ def recipe_records(folder: Path) -> dict[str, list[dict]]:
 
 @pytest.fixture(scope="module")
 def both(two_rank_job):
-    """Both recipes on Accelerate's FSDP path, run by the default suite's one two-rank ``torchrun`` job
+    """Both recipes on Accelerate's FSDP path, run by the default suite's one two-rank job
     (``tests/two_rank_job.py``, part ``trainer``: ``trainer_recipe_worker.main(folder, "fsdp", *RECIPES)``, the
     same as :func:`run_recipes` with engine ``fsdp``)."""
     folder = two_rank_job / "trainer"
