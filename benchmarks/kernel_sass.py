@@ -439,6 +439,10 @@ def compile_launch(launch: dict, arch: int = ARCH) -> dict:
         raise RuntimeError("compile_launch needs a process without TRITON_INTERPRET=1")
     jit = _jit_of(launch["module"], launch["kernel"])
     constexprs = {tuple(p): _value(v) for p, v in launch["constexprs"]}
+    # recorded under the interpreter, a kernel's ``INTERP`` flag is True; on a GPU the dispatch passes False
+    # (``_interpreting()``), and that is the kernel compiled here
+    if "INTERP" in jit.arg_names and (jit.arg_names.index("INTERP"),) in constexprs:
+        constexprs[(jit.arg_names.index("INTERP"),)] = False
     attrs = {tuple(p): [tuple(a) for a in v] for p, v in launch["attrs"]}
     src = ASTSource(jit, dict(launch["signature"]), constexprs, attrs)
     opts = {k: v for k, v in launch["options"].items() if v is not None and k != "extern_libs"}
