@@ -11,7 +11,8 @@ the process noise accrued in the chunk, ``K̃ = γ ⊙ K``)::
     Y  = K̃ P                                       S = Y K̃ᵀ + sym(N) + diag(r²),  N_ij = k_iᵀ ρ_ij b_j k_j (i ≥ j)
     S  = L diag(d) Lᵀ                              left-looking, blocked on BLK×BLK pivots (BLK = min(C, 32)):
                                                    each diagonal block eliminated in registers (pivots clamped
-                                                   at r²), panels and Schur updates by tl.dot; M = L⁻¹ by rows
+                                                   at r²; two per step at D ≤ 64, :func:`_ldl_block`), panels
+                                                   and Schur updates by tl.dot; M = L⁻¹ by rows
     kw = M K̃,  U = γ ⊙ (kw P) + (M ⊙ ρ)(b ⊙ K),  vu = M V,  W = β ⊙ U (β = 1/d)           → HBM, once
     P ← sym(Φ_C P Φ_C + diag(b_C) − Ueᵀ diag(β) Ue),  Ue_i = Φ_CΦ_i⁻¹ u_i
 
@@ -191,27 +192,122 @@ def _lin(a1, x1, a2, x2):
 
 
 @triton.jit
-def _ldl_block(A, floor, r):
+def _add2(a0, a1, b0, b1):
+    return a0 + b0, a1 + b1
+
+
+@triton.jit
+def _add4(a0, a1, a2, a3, b0, b1, b2, b3):
+    return a0 + b0, a1 + b1, a2 + b2, a3 + b3
+
+
+@triton.jit
+def _add5(a0, a1, a2, a3, a4, b0, b1, b2, b3, b4):
+    return a0 + b0, a1 + b1, a2 + b2, a3 + b3, a4 + b4
+
+
+@triton.jit
+def _sum2(a0, a1, axis: tl.constexpr, INTERP: tl.constexpr):
+    """``tl.sum`` of two tensors along ``axis``: one reduction compiled (one exchange between warps for both),
+    separate sums in the interpreter (where a reduction by a combine function is slow).  Every sum here picks one
+    element out of zeros, so both are exact and equal."""
+    if INTERP:
+        out = tl.sum(a0, axis=axis), tl.sum(a1, axis=axis)
+    else:
+        out = tl.reduce((a0, a1), axis, _add2)
+    return out
+
+
+@triton.jit
+def _sum4(a0, a1, a2, a3, axis: tl.constexpr, INTERP: tl.constexpr):
+    """:func:`_sum2` of four tensors."""
+    if INTERP:
+        out = tl.sum(a0, axis=axis), tl.sum(a1, axis=axis), tl.sum(a2, axis=axis), tl.sum(a3, axis=axis)
+    else:
+        out = tl.reduce((a0, a1, a2, a3), axis, _add4)
+    return out
+
+
+@triton.jit
+def _sum5(a0, a1, a2, a3, a4, INTERP: tl.constexpr):
+    """:func:`_sum2` of five vectors, to scalars."""
+    if INTERP:
+        out = tl.sum(a0, axis=0), tl.sum(a1, axis=0), tl.sum(a2, axis=0), tl.sum(a3, axis=0), tl.sum(a4, axis=0)
+    else:
+        out = tl.reduce((a0, a1, a2, a3, a4), 0, _add5)
+    return out
+
+
+@triton.jit
+def _at(x, i, r):
+    """``x`` masked to its element ``i`` (summed, it is that element)."""
+    return tl.where(r == i, x, 0.0)
+
+
+@triton.jit
+def _ldl_block(A, floor, r, PAIRS: tl.constexpr, INTERP: tl.constexpr):
     """``A = L diag(d) Lᵀ`` of a diagonal block in registers (only its lower triangle is read), pivots clamped
-    from below at ``floor``.  Returns ``(L unit lower, L⁻¹, d, failed pivots)``; a raw pivot ≤ 0 or NaN fails."""
+    from below at ``floor``.  Returns ``(L unit lower, L⁻¹, d, failed pivots)``; a raw pivot ≤ 0 or NaN fails.
+
+    One pivot per step reads a column of the trailing block, a reduction across warps (a tile's columns are spread
+    over them) and a change of its layout for the row side of the update: about six barriers per pivot.  ``PAIRS``:
+    two pivots per step.  The block is first made exactly symmetric from its lower triangle (the products that
+    formed it leave the upper one a rounding apart) and every update keeps it so, computed the same way for an
+    element and its mirror image: ``A −= (x ⊗ x) / d``.  Its rows are then its columns, and a step reads the two
+    columns in one reduction across warps and the same two as rows, with two rows of ``L⁻¹``, within each warp;
+    it eliminates the 2×2 pivot block on scalars (one reciprocal per pivot) and updates the trailing block and
+    ``L⁻¹`` by rank-2 products.  (Reading the rows of the block as formed, without the mirroring, pairs a column
+    with a row a rounding apart: with bf16 inputs in the stress regime that made the errors several times the
+    one-pivot step's, ``benchmarks/chain_precision.py``.)  Above D = 64 the kernel runs at the register limit and,
+    compiled with Triton 3.6, the pair's extra live vectors spill more than they save: one pivot per step there."""
     dt = A.dtype
     eye = r[:, None] == r[None, :]
     Lk = tl.where(eye, 1.0, 0.0).to(dt)
     Li = tl.where(eye, 1.0, 0.0).to(dt)
     d = tl.zeros(r.shape, dtype=dt)
     fail = tl.sum(tl.zeros(r.shape, dtype=tl.int32), axis=0)
-    for j in range(A.shape[0]):
-        colj = tl.sum(tl.where(r[None, :] == j, A, 0.0), axis=1)
-        raw = tl.sum(tl.where(r == j, colj, 0.0), axis=0)
-        fj = tl.sum(tl.where(r == j, floor, 0.0), axis=0)
-        fail += ((raw <= 0.0) | (raw != raw)).to(tl.int32)
-        djj = tl.maximum(raw, fj)
-        lj = tl.where(r > j, colj / djj, 0.0)
-        # the trailing block stays symmetric, so row j of it is column j
-        A = A - lj[:, None] * colj[None, :]
-        Li = Li - lj[:, None] * tl.sum(tl.where(r[:, None] == j, Li, 0.0), axis=0)[None, :]
-        Lk = Lk + tl.where(r[None, :] == j, lj[:, None], 0.0)
-        d = tl.where(r == j, djj, d)
+    if PAIRS:
+        A = tl.where(r[:, None] >= r[None, :], A, tl.trans(A))
+        for jb in range(0, A.shape[0], 2):
+            # columns jb, jb+1 (indexed by row), the same as rows (indexed by column), two rows of L⁻¹
+            v0, v1 = _sum2(tl.where(r[None, :] == jb, A, 0.0), tl.where(r[None, :] == jb + 1, A, 0.0), 1, INTERP)
+            h0, h1, q0, q1 = _sum4(tl.where(r[:, None] == jb, A, 0.0), tl.where(r[:, None] == jb + 1, A, 0.0),
+                                   tl.where(r[:, None] == jb, Li, 0.0), tl.where(r[:, None] == jb + 1, Li, 0.0), 0,
+                                   INTERP)
+            s00, s10, s11, f0, f1 = _sum5(_at(v0, jb, r), _at(v0, jb + 1, r), _at(v1, jb + 1, r), _at(floor, jb, r),
+                                          _at(floor, jb + 1, r), INTERP)
+            fail += ((s00 <= 0.0) | (s00 != s00)).to(tl.int32)
+            d0 = tl.maximum(s00, f0)
+            i0 = 1.0 / d0
+            l0 = v0 * i0
+            c10 = s10 * i0
+            raw = s11 - c10 * s10
+            fail += ((raw <= 0.0) | (raw != raw)).to(tl.int32)
+            d1 = tl.maximum(raw, f1)
+            i1 = 1.0 / d1
+            # column jb+1 after pivot jb, and the same as a row
+            w1 = v1 - l0 * s10
+            g1 = h1 - (h0 * i0) * s10
+            l1 = w1 * i1
+            A = A - (v0[:, None] * h0[None, :]) * i0 - (w1[:, None] * g1[None, :]) * i1
+            l0 = tl.where(r > jb, l0, 0.0)
+            l1 = tl.where(r > jb + 1, l1, 0.0)
+            Li = Li - l0[:, None] * q0[None, :] - l1[:, None] * (q1 - c10 * q0)[None, :]
+            Lk = Lk + tl.where(r[None, :] == jb, l0[:, None], 0.0) + tl.where(r[None, :] == jb + 1, l1[:, None], 0.0)
+            d = tl.where(r == jb, d0, tl.where(r == jb + 1, d1, d))
+    else:
+        for j in range(A.shape[0]):
+            colj = tl.sum(tl.where(r[None, :] == j, A, 0.0), axis=1)
+            raw = tl.sum(tl.where(r == j, colj, 0.0), axis=0)
+            fj = tl.sum(tl.where(r == j, floor, 0.0), axis=0)
+            fail += ((raw <= 0.0) | (raw != raw)).to(tl.int32)
+            djj = tl.maximum(raw, fj)
+            lj = tl.where(r > j, colj / djj, 0.0)
+            # the trailing block stays symmetric, so row j of it is column j
+            A = A - lj[:, None] * colj[None, :]
+            Li = Li - lj[:, None] * tl.sum(tl.where(r[:, None] == j, Li, 0.0), axis=0)[None, :]
+            Lk = Lk + tl.where(r[None, :] == j, lj[:, None], 0.0)
+            d = tl.where(r == j, djj, d)
     return Lk, Li, d, fail
 
 
@@ -461,7 +557,7 @@ def _factor(ks, P, r2s, gs, gls, bs, r, NB: tl.constexpr, DIAG: tl.constexpr, KX
             if J < I:
                 Lt = Lt + (_dot(sb, tl.trans(Mt[J * (J + 1) // 2 + J]), PREC, INTERP) / ds[J][None, :],)
             else:
-                Lkk, Likk, dk, f = _ldl_block(sb, r2s[I], r)
+                Lkk, Likk, dk, f = _ldl_block(sb, r2s[I], r, P.shape[0] <= 64, INTERP)
                 fail += f
                 Lt = Lt + (Lkk,)
                 ds = ds + (dk,)
