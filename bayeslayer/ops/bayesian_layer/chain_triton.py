@@ -538,6 +538,7 @@ def _factor(ks, P, r2s, gs, gls, bs, r, NB: tl.constexpr, DIAG: tl.constexpr, KX
     downstream reads ``M``."""
     eye = r[:, None] == r[None, :]
     strict = r[:, None] > r[None, :]
+    PAIRS: tl.constexpr = P.shape[0] <= 64  # the diagonal blocks' LDLᵀ two pivots per step (_ldl_block)
     Lt = ()
     Mt = ()
     ds = ()
@@ -550,14 +551,17 @@ def _factor(ks, P, r2s, gs, gls, bs, r, NB: tl.constexpr, DIAG: tl.constexpr, KX
             sb = _scores_b(ks[I], ks[J], bs[J], gs[I], gs[J], gls[J], I == J, DIAG, KX, KX, PREC, INTERP, r)
             if I == J:
                 ns = tl.where(strict, sb, 0.0)
-                sb = ns + tl.trans(ns) + tl.where(eye, sb + r2s[I][:, None], 0.0)
+                if PAIRS:  # its lower triangle: _ldl_block mirrors the block once it is formed
+                    sb = ns + tl.where(eye, sb + r2s[I][:, None], 0.0)
+                else:
+                    sb = ns + tl.trans(ns) + tl.where(eye, sb + r2s[I][:, None], 0.0)
             sb += _x_ktt(y, ks[J], gs[J], DIAG, KX, PREC, INTERP)
             for m in tl.static_range(J):
                 sb -= _dot(Lt[I * (I + 1) // 2 + m] * ds[m][None, :], tl.trans(Lt[J * (J + 1) // 2 + m]), PREC, INTERP)
             if J < I:
                 Lt = Lt + (_dot(sb, tl.trans(Mt[J * (J + 1) // 2 + J]), PREC, INTERP) / ds[J][None, :],)
             else:
-                Lkk, Likk, dk, f = _ldl_block(sb, r2s[I], r, P.shape[0] <= 64, INTERP)
+                Lkk, Likk, dk, f = _ldl_block(sb, r2s[I], r, PAIRS, INTERP)
                 fail += f
                 Lt = Lt + (Lkk,)
                 ds = ds + (dk,)
