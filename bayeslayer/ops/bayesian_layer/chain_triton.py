@@ -251,15 +251,16 @@ def _ldl_block(A, floor, r, PAIRS: tl.constexpr, INTERP: tl.constexpr):
 
     One pivot per step reads a column of the trailing block, a reduction across warps (a tile's columns are spread
     over them) and a change of its layout for the row side of the update: about six barriers per pivot.  ``PAIRS``:
-    two pivots per step.  The block is first made exactly symmetric from its lower triangle (the products that
-    formed it leave the upper one a rounding apart) and every update keeps it so, computed the same way for an
-    element and its mirror image: ``A −= (x ⊗ x) / d``.  Its rows are then its columns, and a step reads the two
-    columns in one reduction across warps and the same two as rows, with two rows of ``L⁻¹``, within each warp;
-    it eliminates the 2×2 pivot block on scalars (one reciprocal per pivot) and updates the trailing block and
-    ``L⁻¹`` by rank-2 products.  (Reading the rows of the block as formed, without the mirroring, pairs a column
-    with a row a rounding apart: with bf16 inputs in the stress regime that made the errors several times the
-    one-pivot step's, ``benchmarks/chain_precision.py``.)  Above D = 64 the kernel runs at the register limit and,
-    compiled with Triton 3.6, the pair's extra live vectors spill more than they save: one pivot per step there."""
+    two pivots per step.  The block is first mirrored from its lower triangle (the products that form it leave the
+    upper one a rounding apart; :func:`_factor` then forms only the lower one), which makes it exactly symmetric,
+    and every update keeps it so, computed the same way for an element and its mirror image: ``A −= (x ⊗ x) / d``.
+    Its rows are then its columns, and a step reads the two columns in one reduction across warps and the same two
+    as rows, with two rows of ``L⁻¹``, within each warp; it eliminates the 2×2 pivot block on scalars (one
+    reciprocal per pivot) and updates the trailing block and ``L⁻¹`` by rank-2 products.  (Reading the rows of the
+    block as formed, without the mirroring, pairs a column with a row a rounding apart: with bf16 inputs in the
+    stress regime its errors were larger than the one-pivot step's on most draws, on some several times,
+    ``benchmarks/chain_precision.py``.)  Above D = 64 the kernel runs at the register limit and, compiled with
+    Triton 3.6, the pair's extra live vectors spill more than they save: one pivot per step there."""
     dt = A.dtype
     eye = r[:, None] == r[None, :]
     Lk = tl.where(eye, 1.0, 0.0).to(dt)
