@@ -24,6 +24,10 @@ Nothing here is fitted to a kernel's measured time.  Per launch:
 3. **Launch time** = ``waves · (once + steps · step) / clock`` (``steps``: the chunk loop's trip count at the row's
    shape), at least the launch's bytes at the measured copy bandwidth; a call takes ``max(Σ device, host)``, host =
    :data:`HOST_S_PER_OP` · (launches + PyTorch ops), since the host queues work ahead of the device.
+4. **Peak memory** above the inputs: the most bytes the call holds allocated at once, measured while the skipped
+   recordings run (every buffer the host code allocates, kernels or not, is allocated as on a GPU; fla's own
+   ``fwd_h``/``bwd_dhu`` stand where the CPU would run their twins), carried linearly in the chunk count to the
+   row's T, times B·H.  Not counted: the CUDA caching allocator's rounding of each block to 512 bytes.
 
 Free parameters, all in :data:`SM90` with their source: the latencies per instruction class and the unit rates
 come from published figures; the one number taken from a measurement of a whole call is the host seconds per
@@ -95,6 +99,7 @@ ROW_BH = (32, 128, 144)
 ROW_D = (64, 128)
 ROW_T = (2048, 8192, 32768)
 TARGET_FWD, TARGET_FWD_BWD = 2.2, 2.5
+TARGET_MEMORY = 1.5  # peak memory above the inputs, BL over GDN
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -793,7 +798,9 @@ def plan(which: str, BH: int, T: int, D: int, backward: bool, C: int = 64, path:
                     "bytes": _lin(a["arg_bytes"], b["arg_bytes"], m1, m2, nc) * BH, "phase": a["phase"]})
     key = "torch_ops_fwdbwd" if backward else "torch_ops_fwd"
     ops = max(0.0, _lin(sk1[key], sk2[key], m1, m2, nc))
-    return {"launches": out, "torch_ops": ops, "segments": S, "path": path}
+    mem = "peak_bytes_fwdbwd" if backward else "peak_bytes_fwd"
+    peak = _lin(sk1[mem], sk2[mem], m1, m2, nc) * BH
+    return {"launches": out, "torch_ops": ops, "segments": S, "path": path, "peak_bytes": peak}
 
 
 def prefetch(shapes) -> None:
@@ -866,6 +873,11 @@ def predict(BH: int, T: int, D: int, variant: str = "default") -> dict:
         out[f"{which}_fwdbwd"] = call_seconds(plan(which, BH, T, D, True), h)
     out["fwd_ratio"] = out["bl_fwd"]["seconds"] / out["gdn_fwd"]["seconds"]
     out["fwd_bwd_ratio"] = out["bl_fwdbwd"]["seconds"] / out["gdn_fwdbwd"]["seconds"]
+    for which in ("gdn", "bl"):
+        for phase in ("fwd", "fwdbwd"):
+            out[f"{which}_{phase}_peak_bytes"] = plan(which, BH, T, D, phase == "fwdbwd")["peak_bytes"]
+    out["fwd_memory_ratio"] = out["bl_fwd_peak_bytes"] / out["gdn_fwd_peak_bytes"]
+    out["fwd_bwd_memory_ratio"] = out["bl_fwdbwd_peak_bytes"] / out["gdn_fwdbwd_peak_bytes"]
     return out
 
 
@@ -880,6 +892,10 @@ def rows(variant: str = "default") -> list[dict]:
                 out.append({"variant": variant, "BH": BH, "D": D, "T": T, "fwd_ratio": round(p["fwd_ratio"], 3),
                             "fwd_bwd_ratio": round(p["fwd_bwd_ratio"], 3),
                             **{f"{k}_ms": round(p[k]["seconds"] * 1e3, 4) for k in
+                               ("gdn_fwd", "bl_fwd", "gdn_fwdbwd", "bl_fwdbwd")},
+                            "fwd_memory_ratio": round(p["fwd_memory_ratio"], 3),
+                            "fwd_bwd_memory_ratio": round(p["fwd_bwd_memory_ratio"], 3),
+                            **{f"{k}_peak_gib": round(p[f"{k}_peak_bytes"] / 2 ** 30, 4) for k in
                                ("gdn_fwd", "bl_fwd", "gdn_fwdbwd", "bl_fwdbwd")}})
     return out
 
@@ -1008,9 +1024,11 @@ def main(argv=None) -> int:
 
             write_record(args.out, {
                 "what": "predicted BL (the default path as the dispatch launches it) against fla's GDN on an H200, "
-                        "forward and forward+backward, bf16, C = 64, from the kernels compiled for sm_90",
+                        "forward and forward+backward, bf16, C = 64, from the kernels compiled for sm_90; peak "
+                        "memory above the inputs from what the calls' host code allocates (every launch skipped)",
                 "triton": triton.__version__, "clock_hz": SM90["clock_hz"], "host_s_per_launch": host_per_launch(),
-                "host_s_per_torch_op": HOST_S_PER_TORCH_OP, "targets": {"fwd": TARGET_FWD, "fwd_bwd": TARGET_FWD_BWD},
+                "host_s_per_torch_op": HOST_S_PER_TORCH_OP, "targets": {"fwd": TARGET_FWD, "fwd_bwd": TARGET_FWD_BWD,
+                                                                      "memory": TARGET_MEMORY},
                 "v1_max_relative_error": round(check_v1(out=lambda *_: None), 3),
                 "gdn_max_relative_error": round(check_gdn(out=lambda *_: None), 3), "rows": out},
                 wall_seconds=time.time() - t0)

@@ -180,6 +180,28 @@ def _op_counter(counts: list):
     return Count()
 
 
+@contextlib.contextmanager
+def _peak_bytes(out: dict, key: str, measure: bool = True):
+    """``out[key]``: the most bytes the block held allocated at once above what was allocated before it (the
+    CPU allocator's allocations and frees as PyTorch's profiler records them, in time order) — with every launch
+    skipped, what the call's host code allocates, as on a GPU (whose caching allocator rounds each block up to
+    512 bytes).  ``measure`` False: nothing measured."""
+    if not measure:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        yield
+    events = sorted(((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                     if e.name() == "[memory]"), key=lambda e: e[0])  # stable: ties keep the recorded order
+    held = peak = 0
+    for _, n in events:
+        held += n
+        peak = max(peak, held)
+    out[key] = peak
+
+
 def _inputs(B, T, H, D, dtype, seed=0):
     import torch
 
@@ -286,18 +308,22 @@ def _path(path: str | None):
 
 
 @contextlib.contextmanager
-def _fla_launches_behind_twins():
+def _fla_launches_behind_twins(execute: bool = True):
     """fla's ``fwd_h`` and ``bwd_dhu`` do not run in Triton's interpreter, so on a CPU BL's mean pass computes
     with their PyTorch twins (``mean_pass_fla.TWIN_KERNELS``), which launch nothing.  Within the block each twin
     first calls fla's own function on copies of its arguments — its launch is recorded (and skipped, or fails to
     run) as on a GPU, with fla's host work counted — and then computes the result, its PyTorch ops not counted
-    (a GPU runs fla's kernel instead)."""
+    (a GPU runs fla's kernel instead).  Without ``execute`` (every launch skipped) fla's own function runs on the
+    arguments themselves and its outputs are the result, as on a GPU: then the call allocates what it allocates
+    there."""
     from bayeslayer.ops.bayesian_layer import mean_pass_fla as mpf
 
     def behind(name, twin):
         import importlib
 
         real = getattr(importlib.import_module(mpf.FLA_BACKWARD_KERNELS[name]), name)
+        if not execute:
+            return real
 
         def call(*args, **kwargs):
             with _uncounted():
@@ -348,13 +374,14 @@ def record_in_process(which: str, B: int, T: int, H: int, D: int, dtype: str = "
     ops_f: list = []
     ops_fb: list = []
     modules = ("fla.ops.gated_delta_rule", *mean_pass_fla.FLA_MODULES)
-    twins = _fla_launches_behind_twins() if which == "bl" else contextlib.nullcontext()
+    twins = _fla_launches_behind_twins(execute) if which == "bl" else contextlib.nullcontext()
+    peak: dict = {}
     with _sms(sms), _segments(segments), _path(path), twins, mean_pass_fla.one_autotune_config(modules):
-        with _recording(fwd, execute=execute), _op_counter(ops_f):
+        with _recording(fwd, execute=execute), _op_counter(ops_f), _peak_bytes(peak, "fwd", not execute):
             CALLS[which](x, False)
         allx: list = []
         if backward:
-            with _recording(allx, execute=execute), _op_counter(ops_fb):
+            with _recording(allx, execute=execute), _op_counter(ops_fb), _peak_bytes(peak, "fwdbwd", not execute):
                 CALLS[which](x, True)
     for r in fwd:
         r["phase"] = "fwd"
@@ -362,7 +389,8 @@ def record_in_process(which: str, B: int, T: int, H: int, D: int, dtype: str = "
     bwd = allx[len(fwd):] if [r["kernel"] for r in allx[:len(fwd)]] == [r["kernel"] for r in fwd] else allx
     for r in bwd:
         r["phase"] = "bwd"
-    return {"launches": fwd + bwd, "torch_ops_fwd": len(ops_f), "torch_ops_fwdbwd": len(ops_fb) if backward else None}
+    return {"launches": fwd + bwd, "torch_ops_fwd": len(ops_f), "torch_ops_fwdbwd": len(ops_fb) if backward else None,
+            "peak_bytes_fwd": peak.get("fwd"), "peak_bytes_fwdbwd": peak.get("fwdbwd")}
 
 
 def _child_env() -> dict:
@@ -680,9 +708,63 @@ def opcode_census(ops: dict[str, int], resources: str = "") -> dict:
     return out
 
 
+#: what fla's hardware queries answer on an H200 (sm_90): the device properties Triton's driver reports
+H200_PROPERTIES = {"max_shared_mem": 232448, "multiprocessor_count": 132, "max_num_regs": 65536, "warpSize": 32}
+
+
+def import_fla_as_on_h200() -> None:
+    """Import flash-linear-attention with its device queries answering as an H200 does.
+
+    fla chooses at import, from the device (``fla.utils.hardware``), its warp lists, tile sizes, autotune configs
+    and the TF32 dot precision of GDN's kernels, and at call time tile sizes from the shared memory
+    (``check_shared_mem``) and grids from the SM count; on a CPU it takes its no-GPU branches (IEEE dots, 32-wide
+    tiles, one SM).  Within this function Triton's driver reports an sm_90 target with
+    :data:`H200_PROPERTIES` and ``torch.cuda`` an "NVIDIA H200" of capability (9, 0) while ``fla`` is imported;
+    afterwards both answer as before, except the two call-time queries fla keeps (shared memory per device, SM
+    count), which keep the H200's answers.  The recorded launches then carry what fla launches on an H200."""
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    if "fla" in sys.modules:
+        raise RuntimeError("fla is already imported: import_fla_as_on_h200 must run before anything imports it")
+
+    class _Utils:
+        @staticmethod
+        def get_device_properties(index):
+            return dict(H200_PROPERTIES)
+
+    class _Driver:
+        utils = _Utils()
+
+        @staticmethod
+        def get_current_target():
+            return GPUTarget("cuda", 90, 32)
+
+    cuda = torch.cuda
+    saved = {n: getattr(cuda, n) for n in ("get_device_name", "get_device_capability", "device_count")}
+    cuda.get_device_name = lambda *a, **k: "NVIDIA H200"
+    cuda.get_device_capability = lambda *a, **k: (9, 0)
+    cuda.device_count = lambda *a, **k: 1
+    config = triton.runtime.driver
+    saved_active = config._active  # None on a CPU: reset_active would look for a driver and fail
+    config.set_active(_Driver())
+    try:
+        import fla  # noqa: F401
+        import fla.utils.hardware as hw
+
+        hw.get_multiprocessor_count(0)  # cached with the H200's answer
+    finally:
+        config._active = saved_active
+        for n, f in saved.items():
+            setattr(cuda, n, f)
+    hw.get_all_max_shared_mem = lambda: [H200_PROPERTIES["max_shared_mem"]]
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--record-json"] and len(argv) == 2:
+        import_fla_as_on_h200()
         for job in json.loads(argv[1]):
             print(json.dumps(record_in_process(**job)), flush=True)
         return 0

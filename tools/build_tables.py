@@ -288,11 +288,14 @@ def cost_model_table(root: Path) -> str:
     """The cost model's predicted BL-vs-GDN rows (``benchmarks/cost_model.py --json --out``): ms and ratios."""
     rec = _load(root, "results/cost_model/default_rows_sm90_triton3.6.json")
     lines = [_row(["B·H", "D", "T", "GDN fwd ms", "BL fwd ms", "fwd ratio", "GDN fwd+bwd ms", "BL fwd+bwd ms",
-                   "fwd+bwd ratio"]), "|" + "---|" * 9]
+                   "fwd+bwd ratio", "GDN fwd+bwd peak GiB", "BL fwd+bwd peak GiB", "peak memory ratio fwd / fwd+bwd"]),
+             "|" + "---|" * 12]
     for r in rec["rows"]:
         lines.append(_row([str(r["BH"]), str(r["D"]), str(r["T"]), f"{r['gdn_fwd_ms']:.2f}", f"{r['bl_fwd_ms']:.2f}",
                            f"{r['fwd_ratio']:.1f}", f"{r['gdn_fwdbwd_ms']:.2f}", f"{r['bl_fwdbwd_ms']:.1f}",
-                           f"{r['fwd_bwd_ratio']:.1f}"]))
+                           f"{r['fwd_bwd_ratio']:.1f}", f"{r['gdn_fwdbwd_peak_gib']:.2f}",
+                           f"{r['bl_fwdbwd_peak_gib']:.2f}",
+                           f"{r['fwd_memory_ratio']:.2f} / {r['fwd_bwd_memory_ratio']:.2f}"]))
     return "\n".join(lines)
 
 
@@ -754,6 +757,15 @@ def _cost_model_ranges(which: str) -> Callable[[Path], str]:
     return gen
 
 
+def _cost_model_memory(root: Path) -> str:
+    """The predicted peak-memory ratios' range over the cost model's rows: ``a–b× GDN's in the forward and c–d× in
+    the forward+backward``."""
+    rows = _load(root, "results/cost_model/default_rows_sm90_triton3.6.json")["rows"]
+    f = [r["fwd_memory_ratio"] for r in rows]
+    b = [r["fwd_bwd_memory_ratio"] for r in rows]
+    return f"{min(f):.2f}–{max(f):.2f}× GDN's in the forward and {min(b):.2f}–{max(b):.2f}× in the forward+backward"
+
+
 def _cost_model_check(key: str) -> Callable[[Path], str]:
     """The cost model's largest relative error against measured H200 rows (``v1`` or ``gdn``), as its check prints
     it."""
@@ -770,6 +782,7 @@ VALUES: dict[str, tuple[str, Callable[[Path], str]]] = {
     "cost-model-v1-error": ("docs/kernels.md", _cost_model_check("v1")),
     "cost-model-gdn-error": ("docs/kernels.md", _cost_model_check("gdn")),
     "cost-model-occupancy": ("docs/kernels.md", _cost_model_ranges("occupancy")),
+    "cost-model-memory": ("docs/kernels.md", _cost_model_memory),
     "collision-seconds": ("docs/experiments.md", _collision_seconds),
     "collision-bl-p-ab": ("README.md", _p_ab("bayesian")),
     "collision-delta-p-ab": ("README.md", _p_ab("reset")),
