@@ -721,7 +721,8 @@ def import_fla_as_on_h200() -> None:
     tiles, one SM).  Within this function Triton's driver reports an sm_90 target with
     :data:`H200_PROPERTIES` and ``torch.cuda`` an "NVIDIA H200" of capability (9, 0) while ``fla`` is imported;
     afterwards both answer as before, except the two call-time queries fla keeps (shared memory per device, SM
-    count), which keep the H200's answers.  The recorded launches then carry what fla launches on an H200."""
+    count), which keep the H200's answers, and fla's Hopper guard is bypassed as the device line bypasses it.
+    The recorded launches then carry what fla launches on an H200."""
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
@@ -759,6 +760,11 @@ def import_fla_as_on_h200() -> None:
         for n, f in saved.items():
             setattr(cuda, n, f)
     hw.get_all_max_shared_mem = lambda: [H200_PROPERTIES["max_shared_mem"]]
+    # fla then refuses its gated backward on Hopper with Triton < 3.7.1 (its issue #640): bypassed, as the device
+    # line runs it (benchmarks/gpu_session.sh, docs/kernels.md "fla's Hopper guard")
+    from bayeslayer.ops.bayesian_layer.mean_pass_fla import fla_hopper_guard
+
+    fla_hopper_guard(bypass=True)
 
 
 def main(argv=None) -> int:
