@@ -1300,8 +1300,12 @@ def main(argv=None) -> int:
         args.bwd_reps = 1
     if args.compile_only and args.default_path:
         out = args.json or args.out
-        rows = default_path_census([d for d in args.D if d <= 256] if args.D_given else [64, 128], out)
+        # rows so far go to a file beside the record until the last one: the record is written once, so that its
+        # provenance sees the checkout as it was (not the record half-written)
+        partial = out.with_name(out.stem + ".partial.json")
+        rows = default_path_census([d for d in args.D if d <= 256] if args.D_given else [64, 128], partial)
         _save(out, rows)
+        partial.unlink(missing_ok=True)
         print(f"wrote {out}")
         bad = [r for r in rows if "error" in r]
         return 1 if bad else 0
