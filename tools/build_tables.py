@@ -757,6 +757,12 @@ def _cost_model_ranges(which: str) -> Callable[[Path], str]:
     return gen
 
 
+def _suite_wall(root: Path) -> str:
+    """The default suite's wall seconds at the head commit of ``benchmarks/suite_time.py``'s record: ``114 s``."""
+    rows = _load(root, "results/tests/suite_time.json")["rows"]
+    return f"{next(r for r in rows if r['label'] == 'head')['wall_seconds']:.0f} s"
+
+
 def _cost_model_memory(root: Path) -> str:
     """The predicted peak-memory ratios' range over the cost model's rows: ``a–b× GDN's in the forward and c–d× in
     the forward+backward``."""
@@ -783,6 +789,7 @@ VALUES: dict[str, tuple[str, Callable[[Path], str]]] = {
     "cost-model-gdn-error": ("docs/kernels.md", _cost_model_check("gdn")),
     "cost-model-occupancy": ("docs/kernels.md", _cost_model_ranges("occupancy")),
     "cost-model-memory": ("docs/kernels.md", _cost_model_memory),
+    "suite-wall": ("README.md", _suite_wall),
     "collision-seconds": ("docs/experiments.md", _collision_seconds),
     "collision-bl-p-ab": ("README.md", _p_ab("bayesian")),
     "collision-delta-p-ab": ("README.md", _p_ab("reset")),
