@@ -869,13 +869,12 @@ def predict(BH: int, T: int, D: int, variant: str = "default") -> dict:
     h = host_per_launch()
     out = {"variant": variant, "BH": BH, "D": D, "T": T}
     for which in ("gdn", "bl"):
-        out[f"{which}_fwd"] = call_seconds(plan(which, BH, T, D, False), h)
-        out[f"{which}_fwdbwd"] = call_seconds(plan(which, BH, T, D, True), h)
+        for phase in ("fwd", "fwdbwd"):
+            p = plan(which, BH, T, D, phase == "fwdbwd")
+            out[f"{which}_{phase}"] = call_seconds(p, h)
+            out[f"{which}_{phase}_peak_bytes"] = p["peak_bytes"]
     out["fwd_ratio"] = out["bl_fwd"]["seconds"] / out["gdn_fwd"]["seconds"]
     out["fwd_bwd_ratio"] = out["bl_fwdbwd"]["seconds"] / out["gdn_fwdbwd"]["seconds"]
-    for which in ("gdn", "bl"):
-        for phase in ("fwd", "fwdbwd"):
-            out[f"{which}_{phase}_peak_bytes"] = plan(which, BH, T, D, phase == "fwdbwd")["peak_bytes"]
     out["fwd_memory_ratio"] = out["bl_fwd_peak_bytes"] / out["gdn_fwd_peak_bytes"]
     out["fwd_bwd_memory_ratio"] = out["bl_fwdbwd_peak_bytes"] / out["gdn_fwdbwd_peak_bytes"]
     return out
