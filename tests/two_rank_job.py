@@ -171,21 +171,13 @@ def start(root: Path, timeout: float = 900.0) -> list[int]:
     with single_thread():
         ranks = [Forked(rank(r)) for r in range(2)]
     deadline = time.monotonic() + timeout
-    while any(f.returncode is None for f in ranks):
-        for f in ranks:
-            if f.returncode is None:
-                pid, status = os.waitpid(f.pid, os.WNOHANG)
-                if pid == f.pid:
-                    f.returncode = os.waitstatus_to_exitcode(status)
-        if any(f.returncode not in (None, 0) for f in ranks) or time.monotonic() > deadline:
+    while None in (codes := [f.poll() for f in ranks]):
+        if any(c not in (None, 0) for c in codes) or time.monotonic() > deadline:
             for f in ranks:
                 f.kill()
-                f.wait()
             break
         time.sleep(0.05)
-    for f in ranks:
-        f.wait()  # closes its pipe
-    return [f.returncode for f in ranks]
+    return [f.wait() for f in ranks]
 
 
 def run_once(shared: Path) -> Path:

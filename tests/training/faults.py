@@ -111,6 +111,14 @@ class Forked:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, signal.SIGKILL)
 
+    def poll(self) -> int | None:
+        """The child's exit code if it has ended (as :meth:`wait` gives it), else None; does not block."""
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid == self.pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
     def wait(self) -> int:
         """Wait for the child to end; its exit code (``-signal`` when a signal ended it)."""
         if self.returncode is None:
