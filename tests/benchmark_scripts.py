@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -27,3 +28,12 @@ def load_benchmark(name: str) -> ModuleType:
         sys.modules.pop(spec.name, None)
         raise
     return module
+
+
+def loaded_benchmark(name: str) -> Iterator[ModuleType]:
+    """:func:`load_benchmark` for a fixture (``yield from loaded_benchmark(name)``): the module, then forgotten."""
+    module = load_benchmark(name)
+    try:
+        yield module
+    finally:
+        sys.modules.pop(module.__name__, None)

@@ -3,18 +3,14 @@ simulation on hand-made kernels, and v1's committed SASS against v1's measured H
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 
-from .benchmark_scripts import load_benchmark
+from .benchmark_scripts import loaded_benchmark
 
 
 @pytest.fixture(scope="module")
 def cm():
-    module = load_benchmark("cost_model")
-    yield module
-    sys.modules.pop(module.__name__, None)
+    yield from loaded_benchmark("cost_model")
 
 
 # two instructions of real cuobjdump output (sm_90): an LDG that sets scoreboard 2, an R2UR that waits on it

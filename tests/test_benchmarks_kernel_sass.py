@@ -11,14 +11,12 @@ import sys
 import pytest
 import torch
 
-from .benchmark_scripts import BENCHMARKS, load_benchmark
+from .benchmark_scripts import BENCHMARKS, loaded_benchmark
 
 
 @pytest.fixture(scope="module")
 def ks():
-    module = load_benchmark("kernel_sass")
-    yield module
-    sys.modules.pop(module.__name__, None)
+    yield from loaded_benchmark("kernel_sass")
 
 
 def test_peak_bytes_is_the_most_held_at_once_above_the_start(ks):

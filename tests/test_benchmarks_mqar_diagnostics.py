@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 
-from .benchmark_scripts import load_benchmark
+from .benchmark_scripts import loaded_benchmark
 
 
 @pytest.fixture(scope="module")
 def diag():
-    module = load_benchmark("mqar_diagnostics")
-    yield module
-    sys.modules.pop(module.__name__, None)
+    yield from loaded_benchmark("mqar_diagnostics")
 
 
 def test_group_of_names_every_parameter(diag):
